@@ -1,0 +1,1 @@
+"""kvgate ext_proc: the Endpoint Picker Protocol service and its routing core."""

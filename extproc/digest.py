@@ -1,0 +1,67 @@
+"""The block digest chain (DESIGN.md contract 1): the one place it is computed.
+
+``d_0 = BLAKE3(seed || tokens[0:B])`` and ``d_i = BLAKE3(d_{i-1} || tokens[iB:(i+1)B])`` over full
+blocks only. Tokens are packed as 4-byte little-endian unsigned integers. The seed binds the chain to a
+model, a LoRA adapter and a cache salt, so the same tokens under another model never share a digest, and
+because every digest folds in its predecessor, an identical chunk at another position never matches.
+Digests are truncated to 16 bytes (128 bits): collisions stay negligible and index entries stay small.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+from blake3 import blake3
+
+Digest = NewType("Digest", bytes)
+DIGEST_BYTES = 16
+TOKEN_BYTES = 4
+
+if array("I").itemsize != TOKEN_BYTES:  # pragma: no cover - every platform we support has 32-bit "I"
+    raise ImportError("array('I') is not 32-bit on this platform")
+
+
+def chain_seed(model: str, lora: str | None = None, salt: str | None = None) -> Digest:
+    """The chain seed for a model, optional LoRA adapter and optional cache salt."""
+    material = (
+        b"kvgate-v1\x00" + model.encode() + b"\x00" + (lora or "").encode() + b"\x00" + (salt or "").encode()
+    )
+    return Digest(blake3(material).digest(DIGEST_BYTES))
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as fixed-width little-endian uint32 bytes."""
+    packed = array("I", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_digests(
+    seed: Digest, tokens: Sequence[int], block_size: int, *, start: int = 0, parent: Digest | None = None
+) -> list[Digest]:
+    """Digests of the full blocks of ``tokens``.
+
+    ``start``/``parent`` resume a chain: blocks before ``start`` (a multiple of ``block_size``) are taken
+    as already hashed, ``parent`` being the digest of the last of them.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if start % block_size:
+        raise ValueError("start must be a multiple of block_size")
+    n_full = len(tokens) // block_size
+    first = start // block_size
+    if first >= n_full:
+        return []
+    raw = pack_tokens(tokens[first * block_size : n_full * block_size])
+    step = block_size * TOKEN_BYTES
+    prev: bytes = parent if (parent is not None and first > 0) else seed
+    out: list[Digest] = []
+    append = out.append
+    for off in range(0, len(raw), step):
+        prev = blake3(prev + raw[off : off + step]).digest(DIGEST_BYTES)
+        append(Digest(prev))
+    return out

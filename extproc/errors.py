@@ -1,0 +1,87 @@
+"""The error hierarchy of the ext_proc package.
+
+Every failure a client can cause or observe is a :class:`GatewayError`. Exactly one boundary
+(:mod:`extproc.processor`) turns it into an Envoy ImmediateResponse carrying an OpenAI-style JSON
+error body; nothing else formats errors for clients.
+
+    GatewayError                 status, OpenAI ``type`` and ``code``
+    ├── BadRequest               400 invalid_request_error (bad JSON, wrong types, non-UTF-8, ...)
+    ├── Unauthorized             401 authentication_error
+    ├── Forbidden                403 permission_error
+    ├── NotFound                 404 not_found_error (unknown model or path)
+    ├── PayloadTooLarge          413 invalid_request_error
+    ├── TooManyRequests          429 rate_limit_error (shed by flow control)
+    └── Unavailable              503 service_unavailable (no ready endpoint)
+    ConfigError                  invalid configuration (never reaches a client)
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import orjson
+
+
+class GatewayError(Exception):
+    """A request-level failure with an HTTP status and an OpenAI error type."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> bytes:
+        """The OpenAI-style JSON error body: ``{"error": {message, type, param, code}}``."""
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.error_type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+
+class BadRequest(GatewayError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class TooManyRequests(GatewayError):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class Unavailable(GatewayError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class ConfigError(Exception):
+    """A configuration value is missing, of the wrong type, out of range or unknown."""

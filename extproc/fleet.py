@@ -1,0 +1,135 @@
+"""The fleet: which engine endpoints exist, what they serve, and their latest load signals.
+
+Plain data and bookkeeping, no IO and no clock reads: scrapers, config loaders and (later) the etcd
+watcher write into a :class:`Fleet`; the scheduler reads :class:`EndpointState` snapshots from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NewType
+
+EndpointId = NewType("EndpointId", str)
+
+ENGINE_KINDS = ("vllm", "sglang", "trtllm", "llama_cpp", "openai_compat", "sim")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A static description of one engine replica.
+
+    ``address`` is the ``ip:port`` Envoy proxies to; ``metrics_url`` the Prometheus endpoint to scrape
+    (``None``: no scraping, the endpoint is trusted healthy and scored on in-flight counts only).
+    """
+
+    id: EndpointId
+    address: str
+    models: frozenset[str]
+    engine: str = "vllm"
+    metrics_url: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """One scrape of an engine's load signals.
+
+    ``waiting``/``running``: requests queued / being decoded. ``kv_usage``: fraction 0..1 of KV cache in
+    use, ``None`` where the engine does not export it. ``at``: monotonic seconds of the scrape.
+    """
+
+    waiting: float
+    running: float
+    kv_usage: float | None
+    at: float
+
+
+@dataclass(slots=True)
+class EndpointState:
+    """Live state of an endpoint as the scheduler sees it.
+
+    ``healthy`` is False after failed scrapes; ``draining`` stops new requests; ``in_flight`` counts
+    requests this gateway routed there that have not finished; ``metrics`` is ``None`` until the first
+    scrape or when the last one is older than the staleness bound (see :meth:`Fleet.expire_metrics`).
+    """
+
+    endpoint: Endpoint
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0
+    metrics: EngineMetrics | None = None
+    consecutive_failures: int = field(default=0, repr=False)
+
+    @property
+    def id(self) -> EndpointId:
+        return self.endpoint.id
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+
+class Fleet:
+    """The set of known endpoints keyed by id, plus address -> id for the response path."""
+
+    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+        self._states: dict[EndpointId, EndpointState] = {}
+        self._by_address: dict[str, EndpointId] = {}
+        for ep in endpoints:
+            self.upsert(ep)
+
+    def upsert(self, endpoint: Endpoint) -> EndpointState:
+        """Add an endpoint or replace its static description, keeping its live state."""
+        state = self._states.get(endpoint.id)
+        if state is None:
+            state = EndpointState(endpoint)
+            self._states[endpoint.id] = state
+        else:
+            self._by_address.pop(state.endpoint.address, None)
+            state.endpoint = endpoint
+        self._by_address[endpoint.address] = endpoint.id
+        return state
+
+    def remove(self, endpoint_id: EndpointId) -> None:
+        state = self._states.pop(endpoint_id, None)
+        if state is not None:
+            self._by_address.pop(state.endpoint.address, None)
+
+    def get(self, endpoint_id: EndpointId) -> EndpointState | None:
+        return self._states.get(endpoint_id)
+
+    def by_address(self, address: str) -> EndpointState | None:
+        endpoint_id = self._by_address.get(address)
+        return None if endpoint_id is None else self._states.get(endpoint_id)
+
+    def __iter__(self) -> Iterator[EndpointState]:
+        return iter(self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def models(self) -> list[str]:
+        """Every model name served by at least one endpoint, sorted."""
+        return sorted({m for s in self._states.values() for m in s.endpoint.models})
+
+    def record_scrape(self, endpoint_id: EndpointId, metrics: EngineMetrics) -> None:
+        state = self._states.get(endpoint_id)
+        if state is not None:
+            state.metrics = metrics
+            state.healthy = True
+            state.consecutive_failures = 0
+
+    def record_scrape_failure(self, endpoint_id: EndpointId, unhealthy_after: int) -> None:
+        """Count a failed scrape; after ``unhealthy_after`` in a row the endpoint is unhealthy."""
+        state = self._states.get(endpoint_id)
+        if state is not None:
+            state.consecutive_failures += 1
+            if state.consecutive_failures >= unhealthy_after:
+                state.healthy = False
+
+    def expire_metrics(self, now: float, stale_after: float) -> None:
+        """Forget metrics older than ``stale_after`` seconds so scorers treat them as missing."""
+        for state in self._states.values():
+            if state.metrics is not None and now - state.metrics.at > stale_after:
+                state.metrics = None

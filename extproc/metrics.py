@@ -1,0 +1,56 @@
+"""The ext_proc's own Prometheus metrics (served on ``extproc.metrics_listen``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.fleet import Fleet
+
+DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
+
+
+class GatewayMetrics:
+    """Counters for outcomes, a histogram of decision time, and fleet gauges refreshed on scrape."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests handled by the picker, by outcome (routed or HTTP status).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "kvgate_decision_seconds",
+            "Parse + tokenize + digest + lookup + schedule time per request.",
+            buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefix_hit_ratio = Histogram(
+            "kvgate_prefix_hit_ratio",
+            "Fraction of the prompt's full blocks the picked endpoint held.",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "kvgate_served_by_fallback",
+            "Requests Envoy sent to an endpoint other than the pick.",
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kvgate_endpoint_in_flight",
+            "Requests in flight per endpoint.",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "kvgate_endpoint_healthy",
+            "1 if the endpoint is eligible (healthy, not draining).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+
+    def refresh_fleet(self, fleet: Fleet) -> None:
+        for state in fleet:
+            self.in_flight.labels(state.id).set(state.in_flight)
+            self.healthy.labels(state.id).set(1 if state.healthy and not state.draining else 0)

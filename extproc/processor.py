@@ -1,0 +1,286 @@
+"""The ext_proc stream state machine (Endpoint Picker Protocol v1), sans IO.
+
+One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handle` takes each
+``ProcessingRequest`` and returns the ``ProcessingResponse`` messages to send, in order; the gRPC shell
+(:mod:`extproc.server`) only pumps messages. Protocol (REFERENCE.md section 3):
+
+* request headers: held until the body's end (FULL_DUPLEX_STREAMED); a body-less request is answered
+  at once (``GET /v1/models`` from the fleet; anything else is an error);
+* request body chunks: buffered up to ``max_body_bytes`` (then 413); at end of stream the request is
+  parsed once and scheduled, then the headers reply (destination header, ``envoy.lb`` metadata, corrected
+  content-length, route cache cleared) and the body streamed back in chunks of at most 62,000 bytes;
+* response headers: the served endpoint is read back and the internal upstream header removed;
+* stream end: :meth:`close` releases the request's in-flight slot.
+
+Every failure becomes an ImmediateResponse with an OpenAI-style JSON error (this is the one boundary
+that formats :class:`~extproc.errors.GatewayError`); an unexpected exception is a 500 with a generic
+message and a logged traceback, never a pass-through.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, auto
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge
+from extproc.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
+from extproc.router import Decision, Router
+
+log = logging.getLogger(__name__)
+
+DESTINATION = "x-gateway-destination-endpoint"
+#: The first address alone: plain Envoy's ORIGINAL_DST cluster takes exactly one ``ip:port``.
+PRIMARY = "x-kvgate-destination-primary"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET_NS = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NS = "envoy.lb"
+#: Set by the bundled Envoy route from %UPSTREAM_HOST%; removed before the client sees the response.
+UPSTREAM_HEADER = "x-kvgate-upstream-host"
+CONFORMANCE_HEADER = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
+MODEL_REWRITE = "x-gateway-model-name-rewrite"
+MAX_CHUNK = 62_000
+#: Dynamic metadata sent with every immediate response, so the bundled Envoy config passes its
+#: OpenAI JSON body through instead of re-wrapping it as one of Envoy's own errors.
+REJECTED_NS = "kvgate"
+REJECTED_KEY = "rejected"
+
+
+class Phase(Enum):
+    HEADERS = auto()
+    BODY = auto()
+    ROUTED = auto()
+    DONE = auto()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorConfig:
+    max_body_bytes: int
+    conformance: bool = False
+
+
+class StreamProcessor:
+    """Drives one ext_proc stream; not thread-safe, one per stream."""
+
+    def __init__(self, router: Router, config: ProcessorConfig, clock: Callable[[], float]) -> None:
+        self._router = router
+        self._config = config
+        self._clock = clock
+        self._phase = Phase.HEADERS
+        self._headers: dict[str, str] = {}
+        self._subset: frozenset[str] | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.decision: Decision | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._headers.get("x-request-id", "-")
+
+    def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The responses for one message from Envoy, in order."""
+        try:
+            return self._dispatch(msg)
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
+
+    def close(self) -> None:
+        """The stream ended: release the request's in-flight slot, whatever happened."""
+        if self.decision is not None:
+            self._router.finish(self.decision)
+        self._phase = Phase.DONE
+
+    def _dispatch(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        which = msg.WhichOneof("request")
+        if which == "request_headers":
+            return self._on_request_headers(msg)
+        if which == "request_body":
+            return self._on_request_body(msg.request_body.body, msg.request_body.end_of_stream)
+        if which == "request_trailers":
+            out = self._on_request_body(b"", True) if self._phase is Phase.BODY else []
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if which == "response_headers":
+            return self._on_response_headers(msg)
+        if which == "response_body":
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        if which == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        raise BadRequest("Unexpected ext_proc message.")
+
+    def _on_request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self._phase is not Phase.HEADERS:
+            raise _Internal("Request headers received twice.")
+        for h in msg.request_headers.headers.headers:
+            self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        self._subset = _subset_hint(msg)
+        if not msg.request_headers.end_of_stream:
+            self._phase = Phase.BODY
+            return []
+        self._phase = Phase.DONE
+        method, path = self._headers.get(":method", "GET"), self._headers.get(":path", "/")
+        if path.split("?", 1)[0] == MODELS_PATH and method in ("GET", "HEAD"):
+            return [_immediate(200, self._router.models_body(), "kvgate_models")]
+        if route_kind(path) is not None:
+            raise BadRequest("The request body is empty; expected a JSON object.")
+        raise unknown_path(path)
+
+    def _on_request_body(self, chunk: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        if self._phase is not Phase.BODY:
+            if self._phase is Phase.DONE:  # already answered (e.g. 413): drain silently
+                return []
+            raise _Internal("Request body outside the body phase.")
+        self._size += len(chunk)
+        if self._size > self._config.max_body_bytes:
+            self._phase = Phase.DONE
+            self._chunks.clear()
+            raise PayloadTooLarge(
+                f"The request body exceeds the gateway's limit of {self._config.max_body_bytes} bytes."
+            )
+        if chunk:
+            self._chunks.append(chunk)
+        if not end_of_stream:
+            return []
+        self._phase = Phase.DONE
+        return self._route(b"".join(self._chunks))
+
+    def _route(self, body: bytes) -> list[pb.ProcessingResponse]:
+        self._chunks.clear()
+        path = self._headers.get(":path", "/")
+        kind = route_kind(path)
+        if kind is None:
+            if path.split("?", 1)[0] == MODELS_PATH:
+                raise NotFound("Use GET for /v1/models.")
+            raise unknown_path(path)
+        request = parse_body(kind, body)
+        rewrite = self._headers.get(MODEL_REWRITE)
+        if rewrite:
+            request = parse_body(kind, body := rewrite_model(request, rewrite))
+        pinned = None
+        if self._config.conformance and CONFORMANCE_HEADER in self._headers:
+            pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
+        self.decision = self._router.decide(
+            request, request_id=self.request_id, now=self._clock(), subset=self._subset, pinned=pinned
+        )
+        self._phase = Phase.ROUTED
+        destination = self.decision.destination
+        primary = self.decision.endpoints[0].address
+        set_headers = [
+            _header(DESTINATION, destination),
+            _header("content-length", str(len(body))),
+        ]
+        metadata = Struct()
+        metadata.update({LB_NS: {DESTINATION: destination, PRIMARY: primary}})
+        out = [
+            pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True
+                    )
+                ),
+                dynamic_metadata=metadata,
+            )
+        ]
+        if not body:
+            out.append(_body_chunk(b"", True))
+        for off in range(0, len(body), MAX_CHUNK):
+            out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
+        return out
+
+    def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        served = _served_from_metadata(msg)
+        upstream = None
+        for h in msg.response_headers.headers.headers:
+            if h.key.lower() == UPSTREAM_HEADER:
+                upstream = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        served = served or upstream
+        set_headers = []
+        if self.decision is not None and served:
+            self._router.served(self.decision, served, self._clock())
+            if self._config.conformance:
+                set_headers.append(_header(CONFORMANCE_SERVED, served))
+        mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=[UPSTREAM_HEADER])
+        return [
+            pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+            )
+        ]
+
+    def _reject(self, exc: GatewayError) -> pb.ProcessingResponse:
+        self._phase = Phase.DONE
+        if exc.status >= 500:
+            log.warning("request %s: %d %s", self.request_id, exc.status, exc.code or exc.error_type)
+        else:
+            log.info("request %s: rejected %d %s", self.request_id, exc.status, exc.code or exc.error_type)
+        return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}")
+
+
+class _Internal(GatewayError):
+    status = 500
+    error_type = "server_error"
+
+
+def _header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, raw_value=value.encode()),
+        append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(
+                    streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end_of_stream)
+                )
+            )
+        )
+    )
+
+
+def _immediate(status: int, body: bytes, details: str) -> pb.ProcessingResponse:
+    headers = pb.HeaderMutation(set_headers=[_header("content-type", "application/json")])
+    marker = Struct()
+    marker.update({REJECTED_NS: {REJECTED_KEY: True}})
+    return pb.ProcessingResponse(
+        dynamic_metadata=marker,
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=headers,
+            body=body,
+            details=details,
+        ),
+    )
+
+
+def _subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
+    ns = msg.metadata_context.filter_metadata
+    if SUBSET_NS not in ns:
+        return None
+    value = ns[SUBSET_NS].fields.get(SUBSET_KEY)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values if v.string_value)
+    if value.HasField("string_value"):
+        return frozenset(p.strip() for p in value.string_value.split(",") if p.strip())
+    return frozenset()
+
+
+def _served_from_metadata(msg: pb.ProcessingRequest) -> str | None:
+    ns = msg.metadata_context.filter_metadata
+    if LB_NS not in ns:
+        return None
+    value = ns[LB_NS].fields.get(SERVED)
+    return value.string_value or None if value is not None else None

@@ -1,0 +1,209 @@
+"""The routing core: one request in, an ordered list of endpoints out.
+
+parse (done by :mod:`extproc.request`) -> render + tokenize -> chained digests -> index lookup ->
+filters -> scorers -> picker. Pure bookkeeping on top of the fleet and the index: no IO, no clock
+reads (``now`` is passed in), so the same object serves the gRPC shell, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import orjson
+
+from extproc.digest import Digest, block_digests, chain_seed
+from extproc.errors import NotFound, Unavailable
+from extproc.fleet import EndpointState, Fleet
+from extproc.index import PrefixIndex
+from extproc.models import ModelAssets, ModelRegistry
+from extproc.request import Kind, ParsedRequest
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.profile import Profile
+
+log = logging.getLogger(__name__)
+
+#: For models served by the fleet but with no tokenizer configured, digests are taken over the
+#: request's UTF-8 bytes, one "token" per byte, in blocks of ``block_size * BYTES_PER_TOKEN`` bytes.
+#: Approximate (no chat template), but prefix affinity still works for engines kvgate knows nothing of.
+BYTES_PER_TOKEN = 4
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision and its bookkeeping until the request finishes.
+
+    ``endpoints``: the pick then the fallbacks. ``matched_blocks``: leading blocks the pick was known
+    to hold. ``served``: where Envoy really sent it (read back on the response path).
+    """
+
+    request_id: str
+    model: str
+    endpoints: list[EndpointState]
+    digests: Sequence[Digest]
+    prompt_tokens: int
+    matched_blocks: int
+    served: EndpointState | None = None
+    finished: bool = field(default=False)
+
+    @property
+    def destination(self) -> str:
+        """The EPP destination value: ``ip:port`` of the pick, then fallbacks, comma-separated."""
+        return ",".join(s.address for s in self.endpoints)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """The prompt as the engine will see it.
+
+    ``ids``: token ids (or, when not ``exact``, bytes standing in for them); ``block_size``: units per
+    index block; ``count``: the prompt length in tokens (estimated when not ``exact``).
+    """
+
+    ids: Sequence[int]
+    block_size: int
+    exact: bool
+    count: int
+
+
+class Router:
+    """Decides where requests go and keeps in-flight counts and the speculative index up to date."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        models: ModelRegistry,
+        index: PrefixIndex,
+        profile: Profile,
+        *,
+        block_size: int,
+        max_blocks: int = 256,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.models = models
+        self.index = index
+        self.profile = profile
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._rng = rng or random.Random()
+
+    def tokens(self, request: ParsedRequest) -> Tokens:
+        """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers)."""
+        assets = self.models.find(request.model)
+        if assets is None:
+            return self._byte_tokens(request)
+        ids = _token_ids(assets, request)
+        return Tokens(ids, assets.block_size, True, len(ids))
+
+    def decide(
+        self,
+        request: ParsedRequest,
+        *,
+        request_id: str,
+        now: float,
+        subset: frozenset[str] | None = None,
+        pinned: Sequence[str] | None = None,
+    ) -> Decision:
+        """Pick endpoints for ``request``.
+
+        ``subset``: EPP subset hint (``ip:port`` addresses allowed). ``pinned``: conformance-test
+        selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet.
+        Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready.
+        """
+        candidates = [s for s in self.fleet if request.model in s.endpoint.models]
+        if not candidates:
+            raise NotFound(
+                f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
+            )
+        if pinned is not None:
+            candidates = [s for s in candidates if _pinned(s.address, pinned)]
+        tokens = self.tokens(request)
+        # Only the leading max_blocks blocks can ever match, so only they are hashed and recorded.
+        hashed = tokens.ids[: self.max_blocks * tokens.block_size]
+        digests = block_digests(chain_seed(request.model, salt=request.cache_salt), hashed, tokens.block_size)
+        state = CycleState(prefix_blocks=self.index.match(digests, now), cached_blocks=self.index.occupancy())
+        sched = SchedulingRequest(
+            request_id=request_id,
+            model=request.model,
+            digests=digests,
+            prompt_tokens=tokens.count,
+            now=now,
+            subset=subset,
+        )
+        result = self.profile.schedule(sched, state, candidates, self._rng)
+        if not result.endpoints:
+            raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
+        primary = result.endpoints[0]
+        primary.in_flight += 1
+        self.index.record(primary.id, digests, now)
+        return Decision(
+            request_id=request_id,
+            model=request.model,
+            endpoints=list(result.endpoints),
+            digests=digests,
+            prompt_tokens=tokens.count,
+            matched_blocks=state.prefix_blocks.get(primary.id, 0),
+            served=primary,
+        )
+
+    def served(self, decision: Decision, address: str, now: float) -> None:
+        """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
+        current = decision.served
+        if current is not None and current.address == address:
+            return
+        state = self.fleet.by_address(address)
+        if state is None:
+            log.warning("request %s served by unknown address %s", decision.request_id, address)
+            return
+        if current is not None and not decision.finished:
+            current.in_flight = max(0, current.in_flight - 1)
+        state.in_flight += 1
+        decision.served = state
+        self.index.record(state.id, decision.digests, now)
+
+    def finish(self, decision: Decision) -> None:
+        """The request's stream ended (completed, failed or cancelled): release its in-flight slot."""
+        if decision.finished:
+            return
+        decision.finished = True
+        if decision.served is not None:
+            decision.served.in_flight = max(0, decision.served.in_flight - 1)
+
+    def models_body(self) -> bytes:
+        """The OpenAI ``/v1/models`` list of every model the fleet serves."""
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in self.fleet.models()]
+        return orjson.dumps({"object": "list", "data": data})
+
+    def _byte_tokens(self, request: ParsedRequest) -> Tokens:
+        if request.kind is Kind.CHAT:
+            raw = orjson.dumps([request.messages, request.tools])
+        elif isinstance(request.prompt, str):
+            raw = request.prompt.encode()
+        else:
+            ids = list(request.prompt or ())
+            return Tokens(ids, self.block_size, True, len(ids))
+        block = self.block_size * BYTES_PER_TOKEN
+        return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
+
+
+def _token_ids(assets: ModelAssets, request: ParsedRequest) -> Sequence[int]:
+    if request.kind is Kind.CHAT:
+        text = assets.template.render(
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            extra=request.template_kwargs,
+        )
+        return assets.tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(request.prompt, str):
+        return assets.tokenizer.encode(request.prompt, add_special_tokens=True)
+    return list(request.prompt or ())
+
+
+def _pinned(address: str, pinned: Sequence[str]) -> bool:
+    host = address.rpartition(":")[0]
+    return any(p in (address, host) for p in pinned)

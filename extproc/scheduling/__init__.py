@@ -1,0 +1,1 @@
+"""Scheduling plugins: filters, scorers and a picker, composed by a weighted profile."""

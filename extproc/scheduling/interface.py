@@ -1,0 +1,83 @@
+"""The scheduling plugin interfaces: the only place they are declared.
+
+A scheduling cycle takes one request and the candidate endpoints and runs, in order:
+
+1. data producers, done once by the caller: the prefix index lookup fills :class:`CycleState`;
+2. filters, each narrowing the candidate list (a filter never empties it on its own: see each filter);
+3. scorers, each returning a score in [0, 1] per candidate (missing data scores 0, scorers never raise);
+4. the profile multiplies scores by their weights and sums them;
+5. the picker turns the totals into an ordered list: the pick first, then fallbacks.
+
+Plugins are pure: no IO, no clock reads (``now`` lives in the request), no mutation of endpoint state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.digest import Digest
+from extproc.fleet import EndpointId, EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingRequest:
+    """What the scheduler knows of a request.
+
+    ``digests``: the chained block digests of the prompt (full blocks only). ``prompt_tokens``: the prompt
+    length in tokens. ``subset``: the ``ip:port`` addresses the gateway allows (EPP subset hint), or
+    ``None`` for no restriction. ``now``: monotonic seconds.
+    """
+
+    request_id: str
+    model: str
+    digests: Sequence[Digest]
+    prompt_tokens: int
+    now: float
+    subset: frozenset[str] | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
+
+
+@dataclass(slots=True)
+class CycleState:
+    """Data computed once per cycle and read by plugins.
+
+    ``prefix_blocks``: leading blocks of the request each endpoint holds (absent: 0).
+    ``cached_blocks``: blocks each endpoint is known to hold in total (cache occupancy, absent: 0).
+    """
+
+    prefix_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
+    cached_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
+
+
+class Filter(Protocol):
+    """Narrows the candidates; returns a (possibly equal) sub-list, never raises."""
+
+    name: str
+
+    def filter(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[EndpointState]: ...
+
+
+class Scorer(Protocol):
+    """Scores each candidate in [0, 1] (higher is better); missing data scores 0."""
+
+    name: str
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]: ...
+
+
+class Picker(Protocol):
+    """Orders scored candidates: the pick first, then up to ``max_fallbacks`` fallbacks."""
+
+    name: str
+
+    def pick(
+        self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random
+    ) -> list[EndpointState]: ...

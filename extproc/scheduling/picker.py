@@ -1,0 +1,67 @@
+"""The picker: turns weighted total scores into the ordered endpoint list (pick, then fallbacks)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.fleet import EndpointId, EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class MaxScoreParams:
+    """``max_fallbacks``: endpoints returned after the pick (Envoy retries walk them in order).
+    ``epsilon``: scores within this of a tie group's best count as tied."""
+
+    max_fallbacks: int = 2
+    epsilon: float = 1e-9
+
+    def __post_init__(self) -> None:
+        if self.max_fallbacks < 0:
+            raise ValueError(f"max_fallbacks must be >= 0, got {self.max_fallbacks!r}")
+        if not 0 <= self.epsilon < math.inf:
+            raise ValueError(f"epsilon must be finite and >= 0, got {self.epsilon!r}")
+
+
+def _key(pair: tuple[EndpointState, float]) -> float:
+    score = pair[1]
+    return score if score == score else -math.inf  # NaN sorts last
+
+
+class MaxScorePicker:
+    """Highest total score first; ties broken uniformly at random with the caller's ``rng``.
+
+    Candidates are sorted by score, descending; consecutive candidates within ``epsilon`` of the best of
+    their group form a tie group, shuffled as a whole. Returns up to ``1 + max_fallbacks`` distinct
+    endpoints; fallbacks are the next best, so a retry lands where the scores say it should.
+    """
+
+    __slots__ = ("name", "params")
+
+    def __init__(self, name: str = "max-score", params: MaxScoreParams | None = None) -> None:
+        self.name = name
+        self.params = params or MaxScoreParams()
+
+    def pick(self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random) -> list[EndpointState]:
+        limit = 1 + self.params.max_fallbacks
+        epsilon = self.params.epsilon
+        order = sorted(scored, key=_key, reverse=True)
+        out: list[EndpointState] = []
+        seen: set[EndpointId] = set()
+        i, n = 0, len(order)
+        while i < n and len(out) < limit:
+            best = _key(order[i])
+            j = i + 1
+            while j < n and best - _key(order[j]) <= epsilon:
+                j += 1
+            group = order[i:j]
+            if len(group) > 1:
+                rng.shuffle(group)
+            for endpoint, _score in group:
+                if endpoint.id not in seen and len(out) < limit:
+                    seen.add(endpoint.id)
+                    out.append(endpoint)
+            i = j
+        return out

@@ -1,0 +1,132 @@
+"""A scheduling profile: filters, weighted scorers and one picker, run in that order for one request.
+
+The profile owns what plugins must not do themselves: it applies weights, clamps every score to [0, 1]
+(missing or NaN: 0), stops early when a filter leaves nothing, and times each plugin. A typical cycle::
+
+    state = CycleState(prefix_blocks=index.match(req.digests, req.now), cached_blocks=index.occupancy())
+    result = profile.schedule(req, state, list(fleet), rng)
+    if not result.endpoints: ...  # 503: result.rejected_by names the filter that removed the last one
+    index.record(result.endpoints[0].id, req.digests, req.now)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.errors import ConfigError
+from extproc.fleet import EndpointId, EndpointState
+from extproc.index import PrefixIndex
+from extproc.scheduling.interface import CycleState, Filter, Picker, SchedulingRequest, Scorer
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    """The outcome of one scheduling cycle.
+
+    ``endpoints``: the pick first, then fallbacks; empty when no candidate survived the filters.
+    ``rejected_by``: the filter that removed the last candidate (``None`` if there were none to start
+    with, or if something was picked). ``scores``: weighted total per candidate that passed the filters.
+    ``scorer_scores``: each scorer's clamped, unweighted scores. ``timings_ns``: nanoseconds per plugin.
+    """
+
+    endpoints: tuple[EndpointState, ...]
+    scores: Mapping[EndpointId, float] = field(default_factory=dict)
+    scorer_scores: Mapping[str, Mapping[EndpointId, float]] = field(default_factory=dict)
+    timings_ns: Mapping[str, int] = field(default_factory=dict)
+    rejected_by: str | None = None
+
+    @property
+    def pick(self) -> EndpointState | None:
+        """The chosen endpoint, or ``None`` (the caller answers 503)."""
+        return self.endpoints[0] if self.endpoints else None
+
+
+def cycle_state(index: PrefixIndex, request: SchedulingRequest) -> CycleState:
+    """The per-cycle data the plugins read, computed once from the prefix index."""
+    return CycleState(
+        prefix_blocks=index.match(request.digests, request.now), cached_blocks=index.occupancy()
+    )
+
+
+def _clamp(value: float) -> float:
+    if value >= 1.0:
+        return 1.0
+    if value >= 0.0:
+        return value
+    return 0.0  # negative or NaN
+
+
+class Profile:
+    """One named composition of plugins.
+
+    ``scorers`` pairs each scorer with its weight (finite, >= 0; a weight of 0 skips the scorer). Plugin
+    names must be distinct: they key the timings and per-scorer scores. ``max_fallbacks`` caps the
+    fallbacks kept after the pick (``None``: whatever the picker returns). ``clock`` returns nanoseconds
+    and is used only to time plugins.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+        *,
+        max_fallbacks: int | None = None,
+        clock: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        names = [f.name for f in filters] + [s.name for s, _ in scorers] + [picker.name]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"profile {name!r}: plugin names used twice: {', '.join(duplicates)}")
+        for scorer, weight in scorers:
+            if not 0 <= weight < math.inf:
+                raise ConfigError(f"profile {name!r}: weight of {scorer.name!r} must be finite and >= 0")
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple((s, float(w)) for s, w in scorers if w > 0)
+        if max_fallbacks is not None and max_fallbacks < 0:
+            raise ConfigError(f"profile {name!r}: max_fallbacks must be >= 0")
+        self.picker = picker
+        self._limit = None if max_fallbacks is None else 1 + max_fallbacks
+        self._clock = clock
+
+    def schedule(
+        self,
+        request: SchedulingRequest,
+        state: CycleState,
+        candidates: Sequence[EndpointState],
+        rng: random.Random,
+    ) -> ScheduleResult:
+        """Filter, score and pick among ``candidates`` for ``request``; never raises for lack of endpoints."""
+        if not candidates:
+            return ScheduleResult(())
+        clock = self._clock
+        timings: dict[str, int] = {}
+        current: Sequence[EndpointState] = candidates
+        for plugin in self.filters:
+            started = clock()
+            current = plugin.filter(request, state, current)
+            timings[plugin.name] = clock() - started
+            if not current:
+                return ScheduleResult((), timings_ns=timings, rejected_by=plugin.name)
+
+        totals: dict[EndpointId, float] = dict.fromkeys((c.id for c in current), 0.0)
+        per_scorer: dict[str, Mapping[EndpointId, float]] = {}
+        for scorer, weight in self.scorers:
+            started = clock()
+            raw = scorer.score(request, state, current)
+            timings[scorer.name] = clock() - started
+            clamped = {endpoint: _clamp(raw.get(endpoint, 0.0)) for endpoint in totals}
+            per_scorer[scorer.name] = clamped
+            for endpoint, value in clamped.items():
+                totals[endpoint] += weight * value
+
+        started = clock()
+        ordered = self.picker.pick([(c, totals[c.id]) for c in current], rng)
+        timings[self.picker.name] = clock() - started
+        return ScheduleResult(tuple(ordered[: self._limit]), totals, per_scorer, timings)

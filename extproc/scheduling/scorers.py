@@ -1,0 +1,148 @@
+"""Scorers: each rates every candidate in [0, 1], higher is better (formulas in README.md).
+
+Scorers never raise and never see weights: missing or non-finite data scores 0, and the profile applies
+each scorer's weight and clamps whatever comes back to [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from extproc.fleet import EndpointId, EndpointState
+from extproc.index import DEFAULT_MAX_MATCH_BLOCKS
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+
+
+def lower_is_better(values: Mapping[EndpointId, float]) -> dict[EndpointId, float]:
+    """Min-max normalise so the lowest value scores 1 and the highest 0: ``(max - v) / (max - min)``.
+
+    When every value is equal each scores 1. Endpoints absent from ``values`` are left out (score 0).
+    """
+    if not values:
+        return {}
+    lo = min(values.values())
+    hi = max(values.values())
+    span = hi - lo
+    if span <= 0:
+        return dict.fromkeys(values, 1.0)
+    return {endpoint: (hi - v) / span for endpoint, v in values.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixParams:
+    """``max_blocks``: the most leading blocks the index matches (its ``max_match_blocks``), so a prompt
+    longer than that still scores 1 on a full match."""
+
+    max_blocks: int = DEFAULT_MAX_MATCH_BLOCKS
+
+    def __post_init__(self) -> None:
+        if self.max_blocks <= 0:
+            raise ValueError(f"max_blocks must be > 0, got {self.max_blocks!r}")
+
+
+class PrefixScorer:
+    """Share of the request's blocks already cached as a leading prefix on the endpoint.
+
+    ``matched / min(total, max_blocks)`` where ``matched`` is ``state.prefix_blocks[endpoint]`` and
+    ``total`` is the number of full blocks of the prompt; 0 when the prompt has no full block.
+    """
+
+    __slots__ = ("name", "params")
+
+    def __init__(self, name: str = "prefix", params: PrefixParams | None = None) -> None:
+        self.name = name
+        self.params = params or PrefixParams()
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        total = min(len(request.digests), self.params.max_blocks)
+        if total <= 0:
+            return {}
+        matched = state.prefix_blocks
+        return {c.id: min(max(matched.get(c.id, 0), 0), total) / total for c in candidates}
+
+
+class QueueScorer:
+    """Fewer queued requests is better: ``(max - waiting) / (max - min)`` over candidates with metrics.
+
+    All equal: 1. No metrics (or a non-finite value): 0.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "queue") -> None:
+        self.name = name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        waiting: dict[EndpointId, float] = {}
+        for c in candidates:
+            metrics = c.metrics
+            if metrics is not None and math.isfinite(metrics.waiting):
+                waiting[c.id] = metrics.waiting
+        return lower_is_better(waiting)
+
+
+class KVUtilizationScorer:
+    """Free KV cache is better: ``1 - kv_usage``, clamped to [0, 1]; no metrics or no ``kv_usage``: 0."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "kv-utilization") -> None:
+        self.name = name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        out: dict[EndpointId, float] = {}
+        for c in candidates:
+            metrics = c.metrics
+            if metrics is not None and metrics.kv_usage is not None and math.isfinite(metrics.kv_usage):
+                out[c.id] = min(1.0, max(0.0, 1.0 - metrics.kv_usage))
+        return out
+
+
+class InFlightScorer:
+    """Fewer requests in flight from this gateway is better: ``(max - n) / (max - min)``; all equal: 1.
+
+    ``n`` is :attr:`EndpointState.in_flight`, counted by the gateway itself, so it works for engines
+    that export no metrics and reacts within one request instead of one scrape interval.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "in-flight") -> None:
+        self.name = name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        return lower_is_better({c.id: float(c.in_flight) for c in candidates})
+
+
+class CacheSpreadScorer:
+    """Emptier caches are better: ``1 - cached / max_cached`` over candidates; all zero: 1.
+
+    ``cached`` is ``state.cached_blocks[endpoint]`` (absent: 0). A cold prefix has no prefix score
+    anywhere, so without this it would land wherever load ties happen to break, and a burst of new prefixes
+    can pile onto one replica; this steers new prefixes to the replicas holding the least.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "cache-spread") -> None:
+        self.name = name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        blocks = state.cached_blocks
+        cached = {c.id: max(0, blocks.get(c.id, 0)) for c in candidates}
+        most = max(cached.values(), default=0)
+        if most <= 0:
+            return dict.fromkeys(cached, 1.0)
+        return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}

@@ -1,0 +1,142 @@
+"""Engine metrics: which Prometheus names each engine exports, a fast parser, and the scrape loop.
+
+The parser reads only the few series routing needs (REFERENCE.md section 4) and sums them over label
+sets (an engine serving several models reports one series per model). It is a line scan, not a full
+exposition-format parser: the scrape loop runs every ``interval_s`` per endpoint inside the ext_proc
+process, whose CPU is the gateway's ceiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from extproc.fleet import EndpointState, EngineMetrics, Fleet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Series names of one engine kind; ``kv_usage`` is ``None`` where the engine has no such gauge."""
+
+    waiting: str
+    running: str
+    kv_usage: str | None
+
+
+VLLM = MetricNames("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+ENGINE_METRICS: dict[str, MetricNames] = {
+    "vllm": VLLM,
+    "sim": VLLM,
+    "openai_compat": VLLM,
+    "sglang": MetricNames("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
+    "trtllm": MetricNames(
+        "trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization"
+    ),
+    "llama_cpp": MetricNames("llamacpp:requests_deferred", "llamacpp:requests_processing", None),
+}
+
+
+def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
+    """Sum each wanted series over its label sets; missing waiting/running read as 0, kv as ``None``."""
+    wanted = {names.waiting: 0, names.running: 1}
+    if names.kv_usage is not None:
+        wanted[names.kv_usage] = 2
+    sums = [0.0, 0.0, 0.0]
+    seen = [False, False, False]
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        end = brace if brace >= 0 else line.find(" ")
+        slot = wanted.get(line[:end])
+        if slot is None:
+            continue
+        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[end:]
+        try:
+            value = float(rest.split()[0])  # `name{labels} value [timestamp]`
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            sums[slot] += value
+            seen[slot] = True
+    kv = sums[2] if seen[2] else None
+    if kv is not None and kv > 1.0:  # some engines export a percentage
+        kv = kv / 100.0
+    return EngineMetrics(waiting=sums[0], running=sums[1], kv_usage=kv, at=at)
+
+
+class Scraper:
+    """Scrapes every endpoint with a ``metrics_url`` each ``interval_s`` and writes into the fleet.
+
+    Started with :meth:`start`, stopped with :meth:`aclose`. ``on_round`` is called after each full
+    round (used for readiness).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        stale_after_s: float,
+        unhealthy_after: int,
+        clock: Callable[[], float],
+        on_round: Callable[[], None] | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._interval = interval_s
+        self._stale_after = stale_after_s
+        self._unhealthy_after = unhealthy_after
+        self._clock = clock
+        self._on_round = on_round
+        self._client = httpx.AsyncClient(
+            timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=256)
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvgate-scraper")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+
+    async def scrape_once(self) -> None:
+        states = [s for s in self._fleet if s.endpoint.metrics_url]
+        await asyncio.gather(*(self._scrape(s) for s in states))
+        self._fleet.expire_metrics(self._clock(), self._stale_after)
+        if self._on_round is not None:
+            self._on_round()
+
+    async def _run(self) -> None:
+        while True:
+            started = self._clock()
+            await self.scrape_once()
+            await asyncio.sleep(max(0.0, self._interval - (self._clock() - started)))
+
+    async def _scrape(self, state: EndpointState) -> None:
+        url = state.endpoint.metrics_url
+        assert url is not None
+        names = ENGINE_METRICS.get(state.endpoint.engine, VLLM)
+        try:
+            resp = await self._client.get(url)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            self._fleet.record_scrape_failure(state.id, self._unhealthy_after)
+            if state.consecutive_failures == self._unhealthy_after:
+                log.warning("endpoint %s unhealthy: metrics scrape failed (%s)", state.id, type(exc).__name__)
+            return
+        if not state.healthy:
+            log.info("endpoint %s healthy again", state.id)
+        self._fleet.record_scrape(state.id, parse_metrics(resp.text, names, self._clock()))

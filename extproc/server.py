@@ -1,0 +1,240 @@
+"""The ext_proc gRPC shell: serves :class:`~extproc.processor.StreamProcessor` over grpc.aio.
+
+``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
+``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
+scraper feeding the fleet. First SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a
+grace period), the second forces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from extproc.config import GatewayConfig, load_config
+from extproc.errors import ConfigError
+from extproc.fleet import Fleet
+from extproc.index import ApproximateIndex
+from extproc.metrics import GatewayMetrics
+from extproc.models import ModelRegistry
+from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.router import Router
+from extproc.scheduling.registry import build_profile
+from extproc.scrape import Scraper
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """One StreamProcessor per Envoy stream; times decisions for the metrics."""
+
+    def __init__(self, router: Router, config: ProcessorConfig, metrics: GatewayMetrics) -> None:
+        self._router = router
+        self._config = config
+        self._metrics = metrics
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        proc = StreamProcessor(self._router, self._config, time.monotonic)
+        try:
+            async for msg in request_iterator:
+                started = time.perf_counter()
+                decided_before = proc.decision is not None
+                responses = proc.handle(msg)
+                if proc.decision is not None and not decided_before:
+                    self._metrics.decision_seconds.observe(time.perf_counter() - started)
+                    self._metrics.requests.labels("routed").inc()
+                    blocks = len(proc.decision.digests)
+                    if blocks:
+                        self._metrics.prefix_hit_ratio.observe(proc.decision.matched_blocks / blocks)
+                for resp in responses:
+                    if resp.HasField("immediate_response"):
+                        self._metrics.requests.labels(str(resp.immediate_response.status.code)).inc()
+                    yield resp
+        finally:
+            if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
+                self._metrics.fallbacks.inc()
+            proc.close()
+
+
+class Gateway:
+    """Wires config -> fleet, models, index, profile, router; owns the servers and the scraper."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.fleet = Fleet(config.endpoints)
+        self.models = ModelRegistry.from_config(config.models, block_size=config.index.block_size)
+        self.index = ApproximateIndex(
+            capacity_blocks_per_endpoint=config.index.capacity_blocks,
+            ttl_s=config.index.ttl_s,
+            max_match_blocks=config.index.max_match_blocks,
+        )
+        self.router = Router(
+            self.fleet,
+            self.models,
+            self.index,
+            build_profile(config.scheduling, max_fallbacks=config.extproc.max_fallbacks),
+            block_size=config.index.block_size,
+            max_blocks=config.index.max_match_blocks,
+            rng=random.Random(),
+        )
+        self.metrics = GatewayMetrics()
+        self.health = _HealthServicer()
+        self._servers: list[grpc.aio.Server] = []
+        self._scraper: Scraper | None = None
+        self.ports: dict[str, int] = {}
+
+    async def start(self) -> None:
+        cfg = self.config
+        proc_cfg = ProcessorConfig(
+            max_body_bytes=cfg.extproc.max_body_bytes, conformance=cfg.extproc.conformance
+        )
+        # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
+        # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
+        message_limit = cfg.extproc.max_body_bytes + GRPC_MESSAGE_SLACK
+        options = [
+            ("grpc.max_receive_message_length", message_limit),
+            ("grpc.max_send_message_length", message_limit),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(self.router, proc_cfg, self.metrics), server
+        )
+        self.ports["extproc"] = server.add_insecure_port(cfg.extproc.listen)
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
+        self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
+        self._servers = [server, health_server]
+        for s in self._servers:
+            await s.start()
+        for name in ("", "liveness", EXT_PROC_SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.extproc.metrics_listen:
+            host, _, port = cfg.extproc.metrics_listen.rpartition(":")
+            http_server, _thread = start_http_server(int(port), addr=host, registry=self.metrics.registry)
+            self.ports["metrics"] = http_server.server_port
+        self._scraper = Scraper(
+            self.fleet,
+            interval_s=cfg.scrape.interval_s,
+            timeout_s=cfg.scrape.timeout_s,
+            stale_after_s=cfg.scrape.stale_after_s,
+            unhealthy_after=cfg.scrape.unhealthy_after,
+            clock=time.monotonic,
+            on_round=self._on_scrape_round,
+        )
+        await self._scraper.scrape_once()
+        self._scraper.start()
+        log.info(
+            "ext_proc listening on %s (health %s), %d endpoints, %d models with tokenizers",
+            self.ports["extproc"],
+            self.ports["health"],
+            len(self.fleet),
+            len(self.models),
+        )
+
+    def _on_scrape_round(self) -> None:
+        self.metrics.refresh_fleet(self.fleet)
+        ready = any(s.healthy and not s.draining for s in self.fleet)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set("readiness", status)
+
+    async def aclose(self, grace_s: float = 5.0) -> None:
+        """Drain: report NOT_SERVING, stop accepting streams, give in-flight ones ``grace_s`` seconds."""
+        for name in HEALTH_SERVICES:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._scraper is not None:
+            await self._scraper.aclose()
+        await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+
+
+class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """gRPC health with per-service status (liveness, readiness, the ext_proc service)."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+
+    def set(self, service: str, status: int) -> None:
+        self._status[service] = status
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+async def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
+    gateway = Gateway(config)
+    await gateway.start()
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(gateway.ports))
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting now")
+            sys.exit(1)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    log.info("draining")
+    await gateway.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvgate extproc", description="Run the kvgate ext_proc endpoint picker."
+    )
+    parser.add_argument("--config", type=Path, required=True, help="gateway config (.toml or .json)")
+    parser.add_argument("--ready-file", type=Path, help="write the bound ports here (JSON) once serving")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"kvgate extproc: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(serve(config, args.ready_file))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

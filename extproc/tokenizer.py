@@ -1,0 +1,330 @@
+"""Prompt tokenization identical to the engine's, with a per-segment cache for multi-turn prompts.
+
+``tokenizers`` (and so transformers and vLLM) first cuts the text at added tokens (``<|im_start|>``,
+``<|im_end|>`` ...; leftmost-longest match), maps those straight to their ids, and normalizes,
+pre-tokenizes and runs the model on each piece in between independently. :class:`SegmentTokenizer`
+does the same cut itself with one compiled regex and caches the ids of every ordinary piece by its
+text, so a follow-up turn of a chat (same history, one more message) only tokenizes its new pieces.
+
+The cut is only exact when no added token strips neighbouring whitespace or needs word boundaries
+(``lstrip``, ``rstrip``, ``single_word``), no added token is matched on normalized text while a
+normalizer is set, no pre-tokenizer depends on a piece's position in the whole text (Metaspace with
+``prepend_scheme: first``), the model is deterministic (no BPE dropout), no truncation or padding is
+configured, and the post-processor only adds fixed tokens around the sequence. Any other tokenizer is
+served by :meth:`SegmentTokenizer.encode_whole` (the reference path), with the reason logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_POSITION_FREE_PRE_TOKENIZERS = frozenset(
+    {
+        "ByteLevel",
+        "Digits",
+        "Split",
+        "Whitespace",
+        "WhitespaceSplit",
+        "Punctuation",
+        "BertPreTokenizer",
+        "CharDelimiterSplit",
+        "UnicodeScripts",
+        "Metaspace",
+        "FixedLength",
+    }
+)
+"""Pre-tokenizers whose output for a piece does not depend on where the piece sits in the text
+(Metaspace only without ``prepend_scheme: first``, checked separately)."""
+
+
+@dataclass(frozen=True)
+class CacheLimits:
+    """Bounds of the segment cache: least recently used segments are evicted past either bound.
+
+    ``max_tokens`` counts the token ids held (about 8 bytes each plus the key text); a segment longer
+    than ``max_tokens`` is tokenized but not cached.
+    """
+
+    max_entries: int = 100_000
+    max_tokens: int = 4_000_000
+
+
+@dataclass(frozen=True)
+class SegmentStats:
+    """Counters since load: segment lookups served from the cache (``hits``) or tokenized (``misses``),
+    and the tokens those produced; ``whole`` counts encode() calls served by the reference path."""
+
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    whole: int = 0
+    entries: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to cut text: added-token regexes (raw text first, then normalized-matched tokens inside the
+    remaining pieces) with their ids, and the ids the post-processor puts around a single sequence."""
+
+    raw: re.Pattern[str] | None
+    normalized: re.Pattern[str] | None
+    ids: dict[str, int]
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+
+class SegmentTokenizer:
+    """A ``tokenizers.Tokenizer`` with an exact, cached segment-wise fast path. Thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer, limits: CacheLimits | None = None, *, name: str = "") -> None:
+        self._tokenizer = tokenizer
+        self.limits = limits or CacheLimits()
+        self.name = name
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cached_tokens = 0
+        self._stats = SegmentStats()
+        self._lock = threading.Lock()
+        spec = json.loads(tokenizer.to_str())
+        skip_special = bool(getattr(tokenizer, "encode_special_tokens", False))
+        plan_or_reason = _plan(spec, encode_special_tokens=skip_special)
+        self._plan = plan_or_reason if isinstance(plan_or_reason, _Plan) else None
+        self.fallback_reason = None if isinstance(plan_or_reason, _Plan) else plan_or_reason
+        if self.fallback_reason is not None:
+            logger.warning(
+                "tokenizer %s: segment tokenization disabled (%s); every prompt is tokenized whole",
+                name or "?",
+                self.fallback_reason,
+            )
+
+    @classmethod
+    def from_file(cls, path: Path, limits: CacheLimits | None = None, *, name: str = "") -> SegmentTokenizer:
+        """Load ``tokenizer.json`` (or a model directory containing it)."""
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        return cls(Tokenizer.from_file(str(path)), limits, name=name)
+
+    @property
+    def exact(self) -> bool:
+        """Whether :meth:`encode` uses the segment fast path (else it is :meth:`encode_whole`)."""
+        return self._plan is not None
+
+    @property
+    def backend(self) -> Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer`` (read-only use)."""
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def stats(self) -> SegmentStats:
+        """A snapshot of the cache counters."""
+        with self._lock:
+            return replace(self._stats, entries=len(self._cache), cached_tokens=self._cached_tokens)
+
+    def encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` tokenized in one piece: exactly what the engine computes."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def split(self, text: str) -> list[str | int]:
+        """``text`` cut at added tokens: ordinary pieces as strings, added tokens as their ids.
+
+        Raises RuntimeError when the tokenizer has no exact segment path (see :attr:`fallback_reason`).
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"segment splitting is not exact for this tokenizer: {self.fallback_reason}")
+        pieces = _cut(text, plan.raw, plan.ids)
+        if plan.normalized is None:
+            return pieces
+        out: list[str | int] = []
+        for piece in pieces:
+            out.extend(_cut(piece, plan.normalized, plan.ids) if isinstance(piece, str) else (piece,))
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``, equal to :meth:`encode_whole`, reusing cached pieces."""
+        plan = self._plan
+        if plan is None:
+            with self._lock:
+                self._stats = replace(self._stats, whole=self._stats.whole + 1)
+            return self.encode_whole(text, add_special_tokens)
+        pieces = self.split(text)
+        found: dict[str, tuple[int, ...]] = {}
+        hits = hit_tokens = 0
+        with self._lock:
+            for piece in pieces:
+                if isinstance(piece, str) and piece not in found:
+                    ids = self._cache.get(piece)
+                    if ids is not None:
+                        self._cache.move_to_end(piece)
+                        found[piece] = ids
+        missing = [p for p in dict.fromkeys(p for p in pieces if isinstance(p, str)) if p not in found]
+        if missing:
+            found.update(self._tokenize(missing))
+        out = list(plan.prefix) if add_special_tokens else []
+        for piece in pieces:
+            if isinstance(piece, int):
+                out.append(piece)
+            else:
+                ids = found[piece]
+                out.extend(ids)
+                hits += 1
+                hit_tokens += len(ids)
+        if add_special_tokens:
+            out.extend(plan.suffix)
+        miss_tokens = sum(len(found[p]) for p in missing)
+        with self._lock:
+            s = self._stats
+            self._stats = replace(
+                s,
+                hits=s.hits + hits - len(missing),
+                misses=s.misses + len(missing),
+                hit_tokens=s.hit_tokens + hit_tokens - miss_tokens,
+                miss_tokens=s.miss_tokens + miss_tokens,
+            )
+        return out
+
+    def _tokenize(self, pieces: list[str]) -> dict[str, tuple[int, ...]]:
+        """Tokenize cache misses in one batch call and insert them into the cache."""
+        if len(pieces) == 1:
+            encodings = [self._tokenizer.encode(pieces[0], add_special_tokens=False)]
+        else:
+            encodings = self._tokenizer.encode_batch(pieces, add_special_tokens=False)
+        result = {p: tuple(e.ids) for p, e in zip(pieces, encodings, strict=True)}
+        limits = self.limits
+        with self._lock:
+            for piece, ids in result.items():
+                if len(ids) > limits.max_tokens or piece in self._cache:
+                    continue
+                self._cache[piece] = ids
+                self._cached_tokens += len(ids)
+            while len(self._cache) > limits.max_entries or self._cached_tokens > limits.max_tokens:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_tokens -= len(evicted)
+        return result
+
+    def token_count(self, text: str, add_special_tokens: bool) -> int:
+        """Number of tokens :meth:`encode` returns for ``text``."""
+        return len(self.encode(text, add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text for token ids (for logs of lengths and tests; never log prompt text)."""
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def clear_cache(self) -> None:
+        """Drop every cached segment (counters are kept)."""
+        with self._lock:
+            self._cache.clear()
+            self._cached_tokens = 0
+
+
+def _cut(text: str, pattern: re.Pattern[str] | None, ids: dict[str, int]) -> list[str | int]:
+    if pattern is None:
+        return [text] if text else []
+    out: list[str | int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            out.append(text[start : match.start()])
+        out.append(ids[match.group()])
+        start = match.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out
+
+
+def _alternation(tokens: Iterable[str]) -> re.Pattern[str] | None:
+    """One regex matching any of ``tokens``, longest first so the leftmost match is also the longest."""
+    ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+
+def _plan(spec: dict[str, Any], *, encode_special_tokens: bool) -> _Plan | str:
+    """The cutting plan for a serialized tokenizer, or the reason the cut would not be exact."""
+    if spec.get("truncation") is not None or spec.get("padding") is not None:
+        return "truncation or padding is configured"
+    has_normalizer = spec.get("normalizer") is not None
+    raw: list[str] = []
+    normalized: list[str] = []
+    ids: dict[str, int] = {}
+    for token in spec.get("added_tokens", []):
+        content = token["content"]
+        if not content or (encode_special_tokens and token.get("special")):
+            continue  # never extracted: plain text for the model
+        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+            return f"added token {content!r} has lstrip/rstrip/single_word"
+        if token.get("normalized") and has_normalizer:
+            return f"added token {content!r} is matched after normalization"
+        (normalized if token.get("normalized") else raw).append(content)
+        ids[content] = int(token["id"])
+    if reason := _pre_tokenizer_reason(spec.get("pre_tokenizer")):
+        return reason
+    model = spec.get("model") or {}
+    if model.get("dropout"):
+        return "BPE dropout makes tokenization random"
+    edges = _post_processor_edges(spec.get("post_processor"))
+    if isinstance(edges, str):
+        return edges
+    return _Plan(_alternation(raw), _alternation(normalized), ids, edges[0], edges[1])
+
+
+def _pre_tokenizer_reason(pre: dict[str, Any] | None) -> str | None:
+    if pre is None:
+        return None
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return next((r for p in pre.get("pretokenizers", []) if (r := _pre_tokenizer_reason(p))), None)
+    if kind not in _POSITION_FREE_PRE_TOKENIZERS:
+        return f"pre-tokenizer {kind} is not known to be position-independent"
+    if kind == "Metaspace" and str(pre.get("prepend_scheme", "always")).lower() == "first":
+        return "Metaspace prepend_scheme=first depends on the piece's position"
+    return None
+
+
+def _post_processor_edges(post: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """(ids before, ids after) a single sequence added by the post-processor with add_special_tokens."""
+    if post is None:
+        return (), ()
+    kind = post.get("type")
+    if kind == "ByteLevel":
+        return (), ()
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return (int(post["cls"][1]),), (int(post["sep"][1]),)
+    if kind == "Sequence":
+        prefix: tuple[int, ...] = ()
+        suffix: tuple[int, ...] = ()
+        for inner in post.get("processors", []):
+            edges = _post_processor_edges(inner)
+            if isinstance(edges, str):
+                return edges
+            prefix, suffix = edges[0] + prefix, suffix + edges[1]
+        return prefix, suffix
+    if kind == "TemplateProcessing":
+        before: list[int] = []
+        after: list[int] = []
+        seen_sequence = False
+        for item in post["single"]:
+            if "Sequence" in item:
+                seen_sequence = True
+            else:
+                special = post["special_tokens"][item["SpecialToken"]["id"]]
+                (after if seen_sequence else before).extend(special["ids"])
+        return tuple(before), tuple(after)
+    return f"post-processor {kind} is not supported"

@@ -1,0 +1,107 @@
+"""Child processes of the launcher: started with logs to files, awaited on readiness, ended by PID.
+
+Readiness is always an observable condition (a ready-file written by the child once it listens, or an
+HTTP probe), never a sleep. Children are stopped with SIGTERM to their own PID, then SIGKILL after a
+grace period; nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or did not become ready in time; the message ends with its log tail."""
+
+
+class Child:
+    """One supervised child process with stdout+stderr in ``log_path``."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+        log.debug("started %s pid %d", name, self.proc.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_until(self, probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
+        """Poll ``probe`` (every 20 ms) until it returns a value; fail fast if the child exits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = probe()
+            if value is not None:
+                return value
+            if not self.alive():
+                raise ChildFailed(
+                    f"{self.name} exited ({self.proc.returncode}) before {what}:\n{self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{self.name} not {what} after {timeout_s:.0f}s:\n{self.tail()}")
+            time.sleep(0.02)
+
+    def wait_for_json_file(self, path: Path, timeout_s: float) -> Any:
+        def probe() -> Any:
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+
+        return self.wait_until(probe, timeout_s, f"ready ({path.name})")
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM this child's PID, then SIGKILL after ``grace_s``; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing pid %d", self.name, grace_s, self.pid)
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes] | None:
+    """GET ``url``: (status, body), or ``None`` when nothing answers yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return None

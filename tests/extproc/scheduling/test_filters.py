@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import pytest
+
+from extproc.fleet import Endpoint, EndpointId, EndpointState, EngineMetrics
+from extproc.scheduling.filters import (
+    HealthyFilter,
+    LoadThresholdFilter,
+    LoadThresholdParams,
+    ModelFilter,
+    SubsetFilter,
+)
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+
+
+def endpoint(
+    i: int,
+    *,
+    models: tuple[str, ...] = ("m",),
+    healthy: bool = True,
+    draining: bool = False,
+    waiting: float | None = None,
+    kv: float | None = None,
+    in_flight: int = 0,
+) -> EndpointState:
+    metrics = None if waiting is None else EngineMetrics(waiting=waiting, running=0.0, kv_usage=kv, at=0.0)
+    ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models))
+    return EndpointState(ep, healthy=healthy, draining=draining, in_flight=in_flight, metrics=metrics)
+
+
+def request(model: str = "m", subset: frozenset[str] | None = None) -> SchedulingRequest:
+    return SchedulingRequest(request_id="r", model=model, digests=(), prompt_tokens=0, now=0.0, subset=subset)
+
+
+def ids(states: list[EndpointState]) -> list[str]:
+    return [s.id for s in states]
+
+
+@pytest.mark.parametrize(
+    ("model", "served", "expected"),
+    [
+        ("m", [("m",), ("m", "x"), ("x",)], ["e0", "e1"]),
+        ("x", [("m",), ("m", "x"), ("x",)], ["e1", "e2"]),
+        ("y", [("m",), ("x",)], []),
+        ("m", [], []),
+    ],
+)
+def test_model_filter(model: str, served: list[tuple[str, ...]], expected: list[str]) -> None:
+    candidates = [endpoint(i, models=m) for i, m in enumerate(served)]
+    assert ids(ModelFilter().filter(request(model), CycleState(), candidates)) == expected
+
+
+@pytest.mark.parametrize(
+    ("healthy", "draining", "kept"),
+    [(True, False, True), (False, False, False), (True, True, False), (False, True, False)],
+)
+def test_healthy_filter(healthy: bool, draining: bool, kept: bool) -> None:
+    candidates = [endpoint(0, healthy=healthy, draining=draining), endpoint(1)]
+    assert ids(HealthyFilter().filter(request(), CycleState(), candidates)) == (
+        ["e0", "e1"] if kept else ["e1"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("subset", "expected"),
+    [
+        (None, ["e0", "e1", "e2"]),
+        (frozenset({"10.0.0.1:8000"}), ["e1"]),
+        (frozenset({"10.0.0.2:8000", "10.0.0.0:8000", "10.9.9.9:1"}), ["e0", "e2"]),
+        (frozenset({"10.0.0.1:9999"}), []),  # same host, other port: not a match
+        (frozenset(), []),  # empty hint: nothing eligible (the caller answers 503)
+    ],
+)
+def test_subset_filter(subset: frozenset[str] | None, expected: list[str]) -> None:
+    candidates = [endpoint(i) for i in range(3)]
+    assert ids(SubsetFilter().filter(request(subset=subset), CycleState(), candidates)) == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "loads", "expected"),
+    [
+        # loads: (waiting, kv_usage, in_flight) per endpoint; waiting None = no metrics
+        (LoadThresholdParams(), [(0, 0.1, 0), (8, 0.95, 0), (9, 0.1, 0)], ["e0", "e1"]),
+        (LoadThresholdParams(), [(0, 0.96, 0), (1, 0.5, 0)], ["e1"]),
+        (LoadThresholdParams(), [(20, 0.1, 0), (None, None, 0)], ["e1"]),  # no metrics: never overloaded
+        (LoadThresholdParams(), [(3, None, 0), (30, None, 0)], ["e0"]),  # no kv_usage: only waiting counts
+        (LoadThresholdParams(), [(20, 0.1, 0), (30, 0.99, 0)], ["e0", "e1"]),  # all overloaded: keep all
+        (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (None, None, 4)], ["e1"]),
+        (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (0, 0.1, 9)], ["e0", "e1"]),
+        (LoadThresholdParams(max_waiting=0, max_kv_usage=2.0), [(1, 1.5, 0), (0, 1.5, 0)], ["e1"]),
+        (LoadThresholdParams(), [], []),
+    ],
+)
+def test_load_threshold_filter(
+    params: LoadThresholdParams, loads: list[tuple[float | None, float | None, int]], expected: list[str]
+) -> None:
+    candidates = [endpoint(i, waiting=w, kv=kv, in_flight=f) for i, (w, kv, f) in enumerate(loads)]
+    result = LoadThresholdFilter(params=params).filter(request(), CycleState(), candidates)
+    assert ids(result) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_waiting": -1.0}, {"max_waiting": float("nan")}, {"max_kv_usage": -0.1}, {"max_in_flight": -1}],
+)
+def test_load_threshold_params_are_checked(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        LoadThresholdParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_filters_carry_their_configured_names() -> None:
+    assert ModelFilter("only-m").name == "only-m"
+    assert LoadThresholdFilter().name == "load-threshold"

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.config import load_config, parse_config
+from extproc.errors import ConfigError
+
+ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
+
+
+def test_defaults_and_endpoint() -> None:
+    config = parse_config({"endpoints": [ENDPOINT], "models": [{"name": "m", "gguf": "smollm2"}]})
+    assert config.extproc.listen == "127.0.0.1:9002" and config.index.block_size == 16
+    (endpoint,) = config.endpoints
+    assert endpoint.labels == (("zone", "z1"),) and endpoint.models == frozenset({"m"})
+    assert config.scheduling.profiles[0].name == "default"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"bogus": 1}, "unknown key(s) bogus"),
+        ({"extproc": {"listen": "nohost"}}, "extproc.listen"),
+        ({"extproc": {"max_body_bytes": "big"}}, "extproc.max_body_bytes: expected int"),
+        ({"extproc": {"conformance": 1}}, "expected bool"),
+        ({"scrape": {"interval_s": -1}}, "scrape.interval_s"),
+        ({"index": {"block_size": 0}}, "index.block_size"),
+        ({"index": {"block_size": True}}, "got bool"),
+        ({"endpoints": [{**ENDPOINT, "engine": "tgi"}]}, "endpoints[0].engine"),
+        ({"endpoints": [{**ENDPOINT, "models": []}]}, "endpoints[0].models"),
+        ({"endpoints": [ENDPOINT, ENDPOINT]}, "duplicate id"),
+        ({"endpoints": [{**ENDPOINT, "labels": {"zone": 3}}]}, "labels.zone"),
+        ({"models": [{"name": "m"}]}, "exactly one of model_dir or gguf"),
+        ({"models": [{"name": "m", "gguf": "x", "extra": 1}]}, "unknown key(s) extra"),
+        ({"scheduling": {"plugins": [{"type": "nope"}], "profiles": []}}, "nope"),
+    ],
+)
+def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert message in str(err.value)
+
+
+def test_load_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "g.toml"
+    toml.write_text('[extproc]\nlisten = "127.0.0.1:1234"\n[[endpoints]]\naddress = "10.0.0.1:80"\nmodels = ["m"]\n')
+    assert load_config(toml).endpoints[0].id == "10.0.0.1:80"
+    js = tmp_path / "g.json"
+    js.write_text(json.dumps({"endpoints": [ENDPOINT]}))
+    assert load_config(js).endpoints[0].id == "a"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[extproc\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")

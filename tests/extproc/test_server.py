@@ -1,0 +1,284 @@
+"""The ext_proc stream over real gRPC (grpc.aio, xds-protos messages), driven as Envoy drives it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.config import parse_config
+from extproc.fleet import EndpointId
+from extproc.server import Gateway
+
+MODEL = "SmolLM2-135M-Instruct"
+ADDRESSES = [f"127.0.0.{i + 1}:8000" for i in range(4)]
+
+
+@pytest.fixture
+async def gateway(model_dir: str) -> AsyncIterator[Gateway]:
+    config = parse_config(
+        {
+            "extproc": {
+                "listen": "127.0.0.1:0",
+                "health_listen": "127.0.0.1:0",
+                "metrics_listen": "",
+                "max_body_bytes": 8 * 1024 * 1024,
+                "conformance": True,
+            },
+            "models": [{"name": MODEL, "model_dir": model_dir}],
+            "endpoints": [{"id": f"e{i}", "address": a, "models": [MODEL]} for i, a in enumerate(ADDRESSES)]
+            + [{"id": "other", "address": "127.0.0.9:8000", "models": ["other-model"]}],
+        }
+    )
+    gw = Gateway(config)
+    await gw.start()
+    yield gw
+    await gw.aclose(grace_s=0)
+
+
+def headers_msg(
+    path: str,
+    method: str = "POST",
+    end: bool = False,
+    extra: dict[str, str] | None = None,
+    metadata: Metadata | None = None,
+) -> pb.ProcessingRequest:
+    hs = {
+        ":path": path,
+        ":method": method,
+        "x-request-id": "r1",
+        "content-type": "application/json",
+        **(extra or {}),
+    }
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()]),
+            end_of_stream=end,
+        ),
+        metadata_context=metadata,
+    )
+
+
+def body_msgs(body: bytes, chunk: int = 65536) -> list[pb.ProcessingRequest]:
+    parts = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    return [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=i == len(parts) - 1))
+        for i, p in enumerate(parts)
+    ]
+
+
+def chat_body(content: str, model: str = MODEL, **extra: Any) -> bytes:
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}], **extra})
+
+
+async def run(gw: Gateway, msgs: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.ports['extproc']}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        return [r async for r in stub.Process(iter(list(msgs)))]
+
+
+def decision(resps: list[pb.ProcessingResponse]) -> tuple[str, str, dict[str, str]]:
+    first = resps[0]
+    assert first.WhichOneof("response") == "request_headers", first
+    set_headers = {
+        h.header.key: h.header.raw_value.decode()
+        for h in first.request_headers.response.header_mutation.set_headers
+    }
+    lb = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert first.request_headers.response.clear_route_cache
+    assert lb["x-gateway-destination-endpoint"].string_value == set_headers["x-gateway-destination-endpoint"]
+    return (
+        set_headers["x-gateway-destination-endpoint"],
+        lb["x-kvgate-destination-primary"].string_value,
+        set_headers,
+    )
+
+
+def streamed_body(resps: list[pb.ProcessingResponse]) -> bytes:
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in resps[1:]]
+    assert all(len(c.body) <= 62_000 for c in chunks)
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    return b"".join(c.body for c in chunks)
+
+
+def error_of(resps: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any]]:
+    assert len(resps) == 1 and resps[0].HasField("immediate_response"), resps
+    imm = resps[0].immediate_response
+    ctype = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}["content-type"]
+    assert ctype == b"application/json"
+    return imm.status.code, orjson.loads(imm.body)
+
+
+async def test_routes_and_streams_body_back(gateway: Gateway) -> None:
+    body = chat_body("hello " * 50)
+    resps = await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body, chunk=100)])
+    destination, primary, hs = decision(resps)
+    picks = destination.split(",")
+    assert len(picks) == 3 and len(set(picks)) == 3 and set(picks) <= set(ADDRESSES)
+    assert primary == picks[0]
+    assert hs["content-length"] == str(len(body))
+    assert streamed_body(resps) == body
+
+
+async def test_multi_megabyte_body(gateway: Gateway) -> None:
+    body = chat_body("x" * (3 * 1024 * 1024))
+    resps = await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)])
+    decision(resps)
+    assert streamed_body(resps) == body
+    assert len(resps) == 1 + -(-len(body) // 62_000)
+
+
+async def test_oversize_body_is_413(gateway: Gateway) -> None:
+    body = chat_body("x" * (9 * 1024 * 1024))
+    status, err = error_of(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
+    assert status == 413 and err["error"]["type"] == "invalid_request_error"
+
+
+async def test_shared_prefix_sticks_distinct_prefixes_spread(gateway: Gateway) -> None:
+    system = "You are a meticulous assistant. " * 40
+    firsts = set()
+    for i in range(4):
+        body = orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": f"{i} {system}"},
+                    {"role": "user", "content": "q"},
+                ],
+            }
+        )
+        firsts.add(decision(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))[1])
+    assert len(firsts) == 4  # cold prefixes spread over all replicas
+    picks = set()
+    for q in ("a", "b", "c"):
+        body = orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "system", "content": f"2 {system}"}, {"role": "user", "content": q}],
+            }
+        )
+        picks.add(decision(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))[1])
+    assert len(picks) == 1
+
+
+async def test_subset_hint(gateway: Gateway) -> None:
+    def subset(values: list[str]) -> Metadata:
+        s = Struct()
+        s.update({"x-gateway-destination-endpoint-subset": values})
+        return Metadata(filter_metadata={"envoy.lb.subset_hint": s})
+
+    msgs = [headers_msg("/v1/chat/completions", metadata=subset([ADDRESSES[2]])), *body_msgs(chat_body("hi"))]
+    assert decision(await run(gateway, msgs))[0] == ADDRESSES[2]
+    msgs = [headers_msg("/v1/chat/completions", metadata=subset(["10.9.9.9:1"])), *body_msgs(chat_body("hi"))]
+    status, err = error_of(await run(gateway, msgs))
+    assert status == 503 and err["error"]["type"] == "service_unavailable"
+
+
+async def test_conformance_selection_header(gateway: Gateway) -> None:
+    msgs = [
+        headers_msg("/v1/completions", extra={"test-epp-endpoint-selection": "127.0.0.3, 127.0.0.4:8000"}),
+        *body_msgs(orjson.dumps({"model": MODEL, "prompt": "hello"})),
+    ]
+    destination, _, _ = decision(await run(gateway, msgs))
+    assert set(destination.split(",")) == {ADDRESSES[2], ADDRESSES[3]}
+
+
+async def test_bodyless_requests(gateway: Gateway) -> None:
+    resps = await run(gateway, [headers_msg("/v1/models", method="GET", end=True)])
+    imm = resps[0].immediate_response
+    assert imm.status.code == 200
+    assert {m["id"] for m in orjson.loads(imm.body)["data"]} == {MODEL, "other-model"}
+    status, err = error_of(await run(gateway, [headers_msg("/admin", method="GET", end=True)]))
+    assert status == 404 and err["error"]["type"] == "not_found_error"
+    status, _ = error_of(await run(gateway, [headers_msg("/v1/chat/completions", end=True)]))
+    assert status == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (b'{"model": "\xff\xfe"}', 400),
+        (chat_body("hi", model="nope"), 404),
+        (orjson.dumps({"model": MODEL, "messages": "hi"}), 400),
+    ],
+)
+async def test_bad_bodies(gateway: Gateway, body: bytes, status: int) -> None:
+    got, err = error_of(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
+    assert got == status and "message" in err["error"] and "Traceback" not in err["error"]["message"]
+
+
+async def test_model_without_tokenizer_still_routes(gateway: Gateway) -> None:
+    resps = await run(
+        gateway, [headers_msg("/v1/chat/completions"), *body_msgs(chat_body("hi", model="other-model"))]
+    )
+    assert decision(resps)[0] == "127.0.0.9:8000"
+
+
+async def test_served_endpoint_read_back_and_in_flight(gateway: Gateway) -> None:
+    fleet = gateway.fleet
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(headers_msg("/v1/chat/completions"))
+        for m in body_msgs(chat_body("served read back")):
+            await call.write(m)
+        first = await call.read()
+        destination = first.request_headers.response.header_mutation.set_headers[0].header.raw_value.decode()
+        while True:
+            r = await call.read()
+            if r.request_body.response.body_mutation.streamed_response.end_of_stream:
+                break
+        pick, fallback = destination.split(",")[:2]
+        assert fleet.by_address(pick).in_flight == 1  # type: ignore[union-attr]
+        # Envoy reports the request went to the fallback, via the route's upstream-host header.
+        await call.write(
+            pb.ProcessingRequest(
+                response_headers=pb.HttpHeaders(
+                    headers=HeaderMap(
+                        headers=[
+                            HeaderValue(key=":status", raw_value=b"200"),
+                            HeaderValue(key="x-kvgate-upstream-host", raw_value=fallback.encode()),
+                        ]
+                    )
+                )
+            )
+        )
+        resp = await call.read()
+        mutation = resp.response_headers.response.header_mutation
+        assert "x-kvgate-upstream-host" in mutation.remove_headers
+        assert {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers} == {
+            "x-conformance-test-served-endpoint": fallback
+        }
+        assert fleet.by_address(pick).in_flight == 0  # type: ignore[union-attr]
+        assert fleet.by_address(fallback).in_flight == 1  # type: ignore[union-attr]
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    served = fleet.by_address(fallback)
+    assert served is not None
+    for _ in range(100):  # the server's finally-block runs after the stream closes
+        if served.in_flight == 0:
+            break
+        await __import__("asyncio").sleep(0.01)
+    assert served.in_flight == 0
+    # the fallback now holds the prefix in the index
+    assert gateway.index.occupancy().get(EndpointId(served.id), 0) > 0
+
+
+async def test_health_services(gateway: Gateway) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['health']}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
