@@ -165,7 +165,7 @@ class StreamProcessor:
         request = parse_body(kind, body)
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
-            request = parse_body(kind, body := rewrite_model(request, rewrite))
+            request, body = rewrite_model(request, rewrite)
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]

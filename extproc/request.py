@@ -8,7 +8,7 @@ through untouched for the engine to validate.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -149,9 +149,10 @@ def _opt(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], defa
     return value
 
 
-def rewrite_model(request: ParsedRequest, model: str) -> bytes:
-    """The body re-encoded with ``model`` replaced (EPP ``x-gateway-model-name-rewrite``)."""
-    return orjson.dumps({**request.body, "model": model})
+def rewrite_model(request: ParsedRequest, model: str) -> tuple[ParsedRequest, bytes]:
+    """The request for ``model`` instead (EPP ``x-gateway-model-name-rewrite``) and its re-encoded body."""
+    body = {**request.body, "model": model}
+    return replace(request, model=model, body=body), orjson.dumps(body)
 
 
 def unknown_path(path: str) -> NotFound:

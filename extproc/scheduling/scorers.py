@@ -15,19 +15,32 @@ from extproc.index import DEFAULT_MAX_MATCH_BLOCKS
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 
 
-def lower_is_better(values: Mapping[EndpointId, float]) -> dict[EndpointId, float]:
-    """Min-max normalise so the lowest value scores 1 and the highest 0: ``(max - v) / (max - min)``.
+def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> dict[EndpointId, float]:
+    """``1 - v / max(saturation, max_v)``: 1 for an idle endpoint, falling linearly with load.
 
-    When every value is equal each scores 1. Endpoints absent from ``values`` are left out (score 0).
+    ``saturation`` fixes the scale while the fleet is lightly loaded, so one extra queued request costs
+    ``1/saturation`` of the score instead of the whole of it (plain min-max normalisation would turn a
+    one-request difference into a full swing and drag a hot prefix off its owner). Once some endpoint is
+    past ``saturation``, the scale grows with it and relative load still ranks the candidates.
+    Endpoints absent from ``values`` are left out (score 0).
     """
     if not values:
         return {}
-    lo = min(values.values())
-    hi = max(values.values())
-    span = hi - lo
-    if span <= 0:
+    scale = max(saturation, max(values.values()))
+    if scale <= 0:
         return dict.fromkeys(values, 1.0)
-    return {endpoint: (hi - v) / span for endpoint, v in values.items()}
+    return {endpoint: 1.0 - max(0.0, v) / scale for endpoint, v in values.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadParams:
+    """``saturation``: the load (requests) at which an endpoint scores 0 while no endpoint exceeds it."""
+
+    saturation: float = 8.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.saturation) and self.saturation > 0):
+            raise ValueError(f"saturation must be a finite number > 0, got {self.saturation!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +79,15 @@ class PrefixScorer:
 
 
 class QueueScorer:
-    """Fewer queued requests is better: ``(max - waiting) / (max - min)`` over candidates with metrics.
-
-    All equal: 1. No metrics (or a non-finite value): 0.
+    """Fewer queued requests is better: ``1 - waiting / max(saturation, max waiting)`` (see
+    :func:`lower_is_better`) over candidates with metrics. No metrics (or a non-finite value): 0.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "params")
 
-    def __init__(self, name: str = "queue") -> None:
+    def __init__(self, name: str = "queue", params: LoadParams | None = None) -> None:
         self.name = name
+        self.params = params or LoadParams()
 
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
@@ -84,7 +97,7 @@ class QueueScorer:
             metrics = c.metrics
             if metrics is not None and math.isfinite(metrics.waiting):
                 waiting[c.id] = metrics.waiting
-        return lower_is_better(waiting)
+        return lower_is_better(waiting, self.params.saturation)
 
 
 class KVUtilizationScorer:
@@ -107,21 +120,22 @@ class KVUtilizationScorer:
 
 
 class InFlightScorer:
-    """Fewer requests in flight from this gateway is better: ``(max - n) / (max - min)``; all equal: 1.
+    """Fewer requests in flight from this gateway is better: ``1 - n / max(saturation, max n)``.
 
     ``n`` is :attr:`EndpointState.in_flight`, counted by the gateway itself, so it works for engines
     that export no metrics and reacts within one request instead of one scrape interval.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "params")
 
-    def __init__(self, name: str = "in-flight") -> None:
+    def __init__(self, name: str = "in-flight", params: LoadParams | None = None) -> None:
         self.name = name
+        self.params = params or LoadParams()
 
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        return lower_is_better({c.id: float(c.in_flight) for c in candidates})
+        return lower_is_better({c.id: float(c.in_flight) for c in candidates}, self.params.saturation)
 
 
 class CacheSpreadScorer:

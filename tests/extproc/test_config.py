@@ -46,7 +46,9 @@ def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
 
 def test_load_toml_and_json(tmp_path: Path) -> None:
     toml = tmp_path / "g.toml"
-    toml.write_text('[extproc]\nlisten = "127.0.0.1:1234"\n[[endpoints]]\naddress = "10.0.0.1:80"\nmodels = ["m"]\n')
+    toml.write_text(
+        '[extproc]\nlisten = "127.0.0.1:1234"\n[[endpoints]]\naddress = "10.0.0.1:80"\nmodels = ["m"]\n'
+    )
     assert load_config(toml).endpoints[0].id == "10.0.0.1:80"
     js = tmp_path / "g.json"
     js.write_text(json.dumps({"endpoints": [ENDPOINT]}))

@@ -282,3 +282,15 @@ async def test_health_services(gateway: Gateway) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_model_name_rewrite(gateway: Gateway) -> None:
+    msgs = [
+        headers_msg("/v1/chat/completions", extra={"x-gateway-model-name-rewrite": "other-model"}),
+        *body_msgs(chat_body("rewrite me")),
+    ]
+    resps = await run(gateway, msgs)
+    destination, _, hs = decision(resps)
+    body = streamed_body(resps)
+    assert destination == "127.0.0.9:8000"
+    assert orjson.loads(body)["model"] == "other-model" and hs["content-length"] == str(len(body))

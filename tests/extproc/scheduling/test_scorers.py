@@ -57,13 +57,15 @@ def test_prefix_scorer(blocks: int, matched: dict[str, int], max_blocks: int, ex
 @pytest.mark.parametrize(
     ("waiting", "expected"),
     [
-        ([0, 5, 10], [1.0, 0.5, 0.0]),
-        ([3, 3, 3], [1.0, 1.0, 1.0]),  # all equal: all best
-        ([2, None, 6], {"e0": 1.0, "e2": 0.0}),  # no metrics: 0 (absent) and ignored for min/max
-        ([None, 4, None], {"e1": 1.0}),
+        ([0, 5, 10], [1.0, 0.5, 0.0]),  # past saturation (8): scaled by the busiest
+        ([0, 2, 4], [1.0, 0.75, 0.5]),  # under saturation: scaled by saturation
+        ([3, 3, 3], [0.625, 0.625, 0.625]),
+        ([0, 1], [1.0, 0.875]),  # one extra queued request costs 1/8, not the whole score
+        ([2, None, 16], {"e0": 0.875, "e2": 0.0}),  # no metrics: 0 (absent) and ignored for the max
+        ([None, 4, None], {"e1": 0.5}),
         ([None, None], {}),
-        ([1, math.nan, 3], {"e0": 1.0, "e2": 0.0}),  # a non-finite scrape counts as missing
-        ([1, math.inf, 3], {"e0": 1.0, "e2": 0.0}),
+        ([1, math.nan, 3], {"e0": 0.875, "e2": 0.625}),  # a non-finite scrape counts as missing
+        ([1, math.inf, 3], {"e0": 0.875, "e2": 0.625}),
         ([], {}),
     ],
 )
@@ -90,7 +92,13 @@ def test_kv_utilization_scorer(kv: list[float | None], expected: dict[str, float
 
 @pytest.mark.parametrize(
     ("in_flight", "expected"),
-    [([0, 2, 4], [1.0, 0.5, 0.0]), ([7, 7], [1.0, 1.0]), ([5], [1.0]), ([0, 0, 10, 0], [1.0, 1.0, 0.0, 1.0])],
+    [
+        ([0, 2, 4], [1.0, 0.75, 0.5]),
+        ([8, 8], [0.0, 0.0]),
+        ([0], [1.0]),
+        ([0, 0, 10, 0], [1.0, 1.0, 0.0, 1.0]),
+        ([16, 4], [0.0, 0.75]),
+    ],
 )
 def test_in_flight_scorer(in_flight: list[int], expected: list[float]) -> None:
     candidates = [endpoint(i, in_flight=n) for i, n in enumerate(in_flight)]

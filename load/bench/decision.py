@@ -1,0 +1,403 @@
+"""Decision latency of the routing core, in-process (no gRPC, no Envoy).
+
+One timed iteration is what the ext_proc does once a request body is complete: ``parse_body`` on the raw
+bytes, then :meth:`Router.decide` (render the chat template, tokenize with the segment cache, chained
+digests, index lookup, filters + scorers + picker, speculative record). The router is wired by
+:class:`extproc.server.Gateway` from a :class:`GatewayConfig`, exactly as ``kvgate extproc`` does.
+
+Cells: chats of about 1k / 4k / 16k tokens (real SmolLM2 tokenizer and template) x fleets of 4 / 16 / 64
+endpoints x two turns:
+
+* ``first``: a conversation never seen, every message unique, so no tokenizer segment is cached and no
+  block of it is in the index;
+* ``follow_up``: an earlier conversation (already routed once: its segments cached, its blocks recorded)
+  plus a new assistant reply and a new user message, unique per iteration.
+
+Each fleet has engine metrics set on every endpoint and an index pre-filled with other prefixes. After each
+decision ``Router.finish`` releases the in-flight slot so load state does not drift. One cell is also run
+stage by stage (parse, render, tokenize, digest, lookup, schedule, record) for a breakdown.
+
+    python -m load.bench.decision --out results/decision.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from extproc.config import parse_config
+from extproc.digest import Digest, block_digests, chain_seed
+from extproc.fleet import EngineMetrics
+from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+from extproc.request import Kind, ParsedRequest, parse_body
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.server import Gateway
+from load.bench import machine, summary, write_json
+
+MODEL = "SmolLM2-135M-Instruct"
+SIZES = (1024, 4096, 16384)
+FLEETS = (4, 16, 64)
+TURNS = ("first", "follow_up")
+BASES_PER_CELL = 8
+"""Distinct earlier conversations a follow-up cell rotates through."""
+FOLLOW_UP_WORDS = 325
+"""Mean words :meth:`ChatFactory.follow_up` adds; a follow-up cell's earlier turns are that much shorter."""
+
+OTHER_CHAINS_PER_ENDPOINT = 40
+OTHER_CHAIN_BLOCKS = 64
+SHARED_CHAINS = 64
+"""Index pre-fill: per endpoint 40 chains of 64 random blocks, plus 64 chains held by 2-8 endpoints."""
+
+GOAL_FOLLOW_UP_P99_US = 500.0
+GOAL_SCHEDULE_US = 100.0
+
+_WORDS = """
+the a of to and in is that for it as with was on be by this are from at or an have not which but
+they you we can more one all their has there been if would will what when so no out up about into
+than them only other its some time could these two may then do first any my now such like our over
+man me even most made after also did many before must through back years where much your way well down
+should because each just those people how too little state good very make world still own see men work
+long get here between both life being under never day same another know while last might us great old
+year off come since against go came right used take three model cache token request latency replica
+gateway engine prefix block index scheduler decode prefill batch memory kernel tensor attention layer
+weights router envoy cluster endpoint metric queue budget config deploy rollout fleet region shard
+""".split()
+_CODE = (
+    "def handler(request, context):",
+    "    body = json.loads(request.body)",
+    "    for i, item in enumerate(body['items']):",
+    "        total += item.price * item.quantity",
+    "    return Response(status=200, content=total)",
+    "SELECT id, name, created_at FROM users WHERE active = 1 ORDER BY created_at DESC LIMIT 50;",
+    "kubectl rollout status deployment/vllm-llama-8b -n inference --timeout=300s",
+    "export CUDA_VISIBLE_DEVICES=0,1,2,3",
+)
+
+
+class ChatFactory:
+    """Multi-turn chats of random English-like text (words, numbers, code), unique per call."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._serial = 0
+
+    def _sentence(self) -> str:
+        rng = self._rng
+        words = rng.choices(_WORDS, k=rng.randint(6, 18))
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(2, 99_999)))
+        return " ".join(words).capitalize() + rng.choice((".", ".", ".", "?", "!", ":"))
+
+    def text(self, n_words: int) -> str:
+        """About ``n_words`` words of prose, sometimes with a code block; starts with a unique tag."""
+        self._serial += 1
+        rng = self._rng
+        parts = [f"[{self._serial}-{rng.getrandbits(40):x}]"]
+        count = 0
+        while count < n_words:
+            if rng.random() < 0.06:
+                lines = rng.choices(_CODE, k=rng.randint(2, 6))
+                parts.append("\n```\n" + "\n".join(lines) + "\n```\n")
+                count += 8 * len(lines)
+            else:
+                sentence = self._sentence()
+                parts.append(sentence)
+                count += sentence.count(" ") + 1
+        return " ".join(parts)
+
+    def conversation(self, target_words: int) -> list[dict[str, str]]:
+        """System prompt, then user/assistant turns, ending with a user turn, of ~``target_words`` words."""
+        rng = self._rng
+        system = rng.randint(40, 120)
+        messages = [{"role": "system", "content": self.text(system)}]
+        words = system
+        while True:
+            user = rng.randint(20, 150)
+            messages.append({"role": "user", "content": self.text(user)})
+            words += user
+            if words >= target_words:
+                return messages
+            reply = rng.randint(80, 400)
+            messages.append({"role": "assistant", "content": self.text(reply)})
+            words += reply
+
+    def follow_up(self) -> list[dict[str, str]]:
+        """The next turn of any conversation: the engine's reply, then a new user message."""
+        rng = self._rng
+        return [
+            {"role": "assistant", "content": self.text(rng.randint(80, 400))},
+            {"role": "user", "content": self.text(rng.randint(20, 150))},
+        ]
+
+
+def body(messages: Sequence[Mapping[str, str]]) -> bytes:
+    """An OpenAI chat request as a client sends it."""
+    return orjson.dumps(
+        {"model": MODEL, "messages": messages, "max_tokens": 256, "temperature": 0.7, "stream": True}
+    )
+
+
+def build_gateway(n_endpoints: int, model_dir: Path, rng: random.Random, now: float) -> Gateway:
+    """The gateway's router over ``n_endpoints`` endpoints with metrics and a pre-filled index."""
+    config = parse_config(
+        {
+            "extproc": {"metrics_listen": ""},
+            "models": [{"name": MODEL, "model_dir": str(model_dir)}],
+            "endpoints": [
+                {
+                    "id": f"e{i}",
+                    "address": f"10.0.{i // 200}.{i % 200 + 1}:8000",
+                    "models": [MODEL],
+                    "engine": "vllm",
+                }
+                for i in range(n_endpoints)
+            ],
+        }
+    )
+    gateway = Gateway(config)
+    ids = [s.id for s in gateway.fleet]
+    for endpoint_id in ids:
+        metrics = EngineMetrics(
+            waiting=float(rng.randint(0, 6)),
+            running=float(rng.randint(0, 32)),
+            kv_usage=rng.uniform(0.1, 0.9),
+            at=now,
+        )
+        gateway.fleet.record_scrape(endpoint_id, metrics)
+    index = gateway.index
+
+    def chain() -> list[Digest]:
+        return [Digest(rng.randbytes(16)) for _ in range(OTHER_CHAIN_BLOCKS)]
+
+    for endpoint_id in ids:
+        for _ in range(OTHER_CHAINS_PER_ENDPOINT):
+            index.record(endpoint_id, chain(), now)
+    for _ in range(SHARED_CHAINS):
+        digests = chain()
+        for endpoint_id in rng.sample(ids, min(len(ids), rng.randint(2, 8))):
+            index.record(endpoint_id, digests, now)
+    return gateway
+
+
+def words_per_token(gateway: Gateway, factory: ChatFactory) -> float:
+    """Calibrate the text generator: words per prompt token on a sample conversation."""
+    sample = factory.conversation(3000)
+    n_words = sum(m["content"].count(" ") + 1 for m in sample)
+    tokens = gateway.router.tokens(parse_body(Kind.CHAT, body(sample))).count
+    return n_words / tokens
+
+
+def _decide(gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float]) -> tuple[int, int]:
+    """One timed decision (parse + decide); returns (nanoseconds, prompt tokens)."""
+    router = gateway.router
+    started = time.perf_counter_ns()
+    decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
+    elapsed = time.perf_counter_ns() - started
+    router.finish(decision)
+    return elapsed, decision.prompt_tokens
+
+
+def run_cell(
+    gateway: Gateway,
+    factory: ChatFactory,
+    target_words: int,
+    turn: str,
+    iterations: int,
+    warmup: int,
+    clock: Callable[[], float],
+) -> dict[str, Any]:
+    """Time ``warmup + iterations`` decisions of one cell; statistics over the last ``iterations``."""
+    if turn == "first":
+        bodies = [body(factory.conversation(target_words)) for _ in range(warmup + iterations)]
+    else:
+        bases = [factory.conversation(target_words - FOLLOW_UP_WORDS) for _ in range(BASES_PER_CELL)]
+        for i, base in enumerate(bases):  # the previous turn of each conversation: routed once
+            _decide(gateway, body(base), -i - 1, clock)
+        bodies = [body(bases[i % len(bases)] + factory.follow_up()) for i in range(warmup + iterations)]
+    gc.collect()
+    samples_us: list[float] = []
+    tokens: list[float] = []
+    for i, raw in enumerate(bodies):
+        elapsed, n_tokens = _decide(gateway, raw, i, clock)
+        if i >= warmup:
+            samples_us.append(elapsed / 1e3)
+            tokens.append(n_tokens)
+    return {
+        "turn": turn,
+        "prompt_tokens": summary(tokens, 0),
+        "body_bytes_p50": sorted(len(b) for b in bodies)[len(bodies) // 2],
+        "latency_us": summary(samples_us),
+    }
+
+
+STAGES = ("parse", "render", "tokenize", "digest", "lookup", "schedule", "record")
+
+
+def run_breakdown(
+    gateway: Gateway,
+    factory: ChatFactory,
+    target_words: int,
+    iterations: int,
+    warmup: int,
+    clock: Callable[[], float],
+) -> dict[str, Any]:
+    """A follow-up cell run stage by stage with the router's own parts, timed separately.
+
+    Same work and side effects as :meth:`Router.decide` (in-flight +1, speculative record), split at
+    the stage boundaries; ``schedule`` is :meth:`Profile.schedule` (filters + scorers + picker) alone,
+    and ``plugins_ns`` its own per-plugin timings.
+    """
+    router = gateway.router
+    assets = gateway.models.find(MODEL)
+    if assets is None:
+        raise RuntimeError(f"model {MODEL} is not loaded")
+    bases = [factory.conversation(target_words - FOLLOW_UP_WORDS) for _ in range(BASES_PER_CELL)]
+    for i, base in enumerate(bases):
+        _decide(gateway, body(base), -i - 1, clock)
+    bodies = [body(bases[i % len(bases)] + factory.follow_up()) for i in range(warmup + iterations)]
+    stages: dict[str, list[float]] = {name: [] for name in (*STAGES, "total")}
+    plugins: dict[str, list[float]] = {}
+    candidates_all = list(gateway.fleet)
+    gc.collect()
+    for i, raw in enumerate(bodies):
+        marks = [time.perf_counter_ns()]
+        request: ParsedRequest = parse_body(Kind.CHAT, raw)
+        marks.append(time.perf_counter_ns())
+        text = assets.template.render(
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            extra=request.template_kwargs,
+        )
+        marks.append(time.perf_counter_ns())
+        ids = assets.tokenizer.encode(text, add_special_tokens=False)
+        marks.append(time.perf_counter_ns())
+        digests = block_digests(
+            chain_seed(request.model, salt=request.cache_salt),
+            ids[: router.max_blocks * assets.block_size],
+            assets.block_size,
+        )
+        marks.append(time.perf_counter_ns())
+        now = clock()
+        state = CycleState(prefix_blocks=router.index.match(digests, now), cached_blocks=router.index.occupancy())
+        marks.append(time.perf_counter_ns())
+        candidates = [s for s in candidates_all if request.model in s.endpoint.models]
+        sched = SchedulingRequest(
+            request_id=f"b{i}", model=request.model, digests=digests, prompt_tokens=len(ids), now=now
+        )
+        result = router.profile.schedule(sched, state, candidates, random.Random(i))
+        marks.append(time.perf_counter_ns())
+        primary = result.endpoints[0]
+        primary.in_flight += 1
+        router.index.record(primary.id, digests, now)
+        marks.append(time.perf_counter_ns())
+        primary.in_flight -= 1
+        if i < warmup:
+            continue
+        for name, start, end in zip(STAGES, marks[:-1], marks[1:], strict=True):
+            stages[name].append((end - start) / 1e3)
+        stages["total"].append((marks[-1] - marks[0]) / 1e3)
+        for plugin, ns in result.timings_ns.items():
+            plugins.setdefault(plugin, []).append(ns / 1e3)
+    return {
+        "stages_us": {name: summary(values) for name, values in stages.items()},
+        "plugins_us": {name: summary(values, 2) for name, values in plugins.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load.bench.decision", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (seconds, figures meaningless)")
+    parser.add_argument("--iterations", type=int, default=1000, help="timed follow-up decisions per cell")
+    parser.add_argument("--first-iterations", type=int, default=300, help="timed first-turn decisions per cell")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed decisions before each cell")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    sizes: Sequence[int] = SIZES
+    fleets: Sequence[int] = FLEETS
+    breakdown_cell = (4096, 64)
+    if args.quick:
+        sizes, fleets, breakdown_cell = (1024,), (4,), (1024, 4)
+        args.iterations, args.first_iterations, args.warmup = 20, 10, 3
+    info = machine()
+    clock = time.monotonic
+    rng = random.Random(args.seed)
+    factory = ChatFactory(args.seed)
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    started = time.monotonic()
+    cells: list[dict[str, Any]] = []
+    breakdown: dict[str, Any] = {}
+    ratio = 0.0
+    for n_endpoints in fleets:
+        gateway = build_gateway(n_endpoints, model_dir, rng, clock())
+        if not ratio:
+            ratio = words_per_token(gateway, factory)
+        for size in sizes:
+            for turn in TURNS:
+                iterations = args.iterations if turn == "follow_up" else args.first_iterations
+                cell = run_cell(gateway, factory, round(size * ratio), turn, iterations, args.warmup, clock)
+                cells.append({"target_tokens": size, "endpoints": n_endpoints, **cell})
+                lat = cell["latency_us"]
+                print(
+                    f"{size:>6} tok {n_endpoints:>3} ep {turn:<9} tokens~{cell['prompt_tokens']['p50']:>6.0f} "
+                    f"p50 {lat['p50']:>9.1f} p90 {lat['p90']:>9.1f} p99 {lat['p99']:>9.1f} us",
+                    file=sys.stderr,
+                )
+            if (size, n_endpoints) == breakdown_cell:
+                breakdown = {
+                    "target_tokens": size,
+                    "endpoints": n_endpoints,
+                    "turn": "follow_up",
+                    **run_breakdown(
+                        gateway, factory, round(size * ratio), args.iterations, args.warmup, clock
+                    ),
+                }
+    goal_cell = next(
+        (c for c in cells if (c["target_tokens"], c["endpoints"], c["turn"]) == (4096, 64, "follow_up")), None
+    )
+    goals: dict[str, Any] = {}
+    if goal_cell is not None:
+        p99 = goal_cell["latency_us"]["p99"]
+        goals["follow_up_4k_64ep_p99_us"] = {"value": p99, "goal": GOAL_FOLLOW_UP_P99_US, "met": p99 < GOAL_FOLLOW_UP_P99_US}
+    if breakdown:
+        p99 = breakdown["stages_us"]["schedule"]["p99"]
+        goals["schedule_p99_us"] = {"value": p99, "goal": GOAL_SCHEDULE_US, "met": p99 < GOAL_SCHEDULE_US}
+    result = {
+        "benchmark": "decision",
+        "command": " ".join(["python -m load.bench.decision", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": info,
+        "parameters": {
+            "quick": args.quick,
+            "iterations_follow_up": args.iterations,
+            "iterations_first": args.first_iterations,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "model": MODEL,
+            "words_per_token": round(ratio, 3),
+            "index_prefill": {
+                "chains_per_endpoint": OTHER_CHAINS_PER_ENDPOINT,
+                "chain_blocks": OTHER_CHAIN_BLOCKS,
+                "shared_chains": SHARED_CHAINS,
+            },
+        },
+        "unit": "microseconds",
+        "cells": cells,
+        "breakdown": breakdown,
+        "goals": goals,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
