@@ -21,7 +21,18 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgate.cli", "up", "--port", "0", "--replicas", "2", "--workdir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvgate.cli",
+            "up",
+            "--port",
+            "0",
+            "--replicas",
+            "2",
+            "--workdir",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -36,7 +47,9 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert banner, "kvgate up exited before it was up"
         base = banner.split()[3]
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
         assert reply.choices[0].message.content
         children = [int(p) for p in _child_pids(proc.pid)]
         assert len(children) == 3  # simulator, ext_proc, Envoy

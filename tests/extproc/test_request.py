@@ -80,7 +80,6 @@ def test_completion_rejections(prompt: object) -> None:
 
 def test_rewrite_model_keeps_other_fields() -> None:
     req = parse_body(Kind.CHAT, chat(temperature=0.5))
-    assert orjson.loads(rewrite_model(req, "other")) == {
-        **orjson.loads(chat(temperature=0.5)),
-        "model": "other",
-    }
+    rewritten, body = rewrite_model(req, "other")
+    assert orjson.loads(body) == {**orjson.loads(chat(temperature=0.5)), "model": "other"}
+    assert rewritten.model == "other" and rewritten.messages == req.messages
