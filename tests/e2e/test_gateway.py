@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import httpx
@@ -195,3 +196,24 @@ def test_extproc_down_fails_closed(tmp_path_factory: pytest.TempPathFactory, spy
         assert resp.json()["error"]["type"] == "service_unavailable"
         assert prompt_tokens_total(closed) == 0
     assert spy.hits == []
+
+
+def test_in_flight_released_when_streams_end(stack: Stack) -> None:
+    """Envoy closes each ext_proc stream when its HTTP stream ends; every in-flight slot is released."""
+    for i in range(6):
+        chat(stack, f"in-flight test {i}", "Hello?")
+    metrics_url = f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics"
+    deadline = time.monotonic() + 10
+    while True:
+        got = http_get(metrics_url)
+        assert got is not None and got[0] == 200
+        in_flight = [
+            float(line.split()[-1])
+            for line in got[1].decode().splitlines()
+            if line.startswith("kvgate_endpoint_in_flight{")
+        ]
+        if in_flight and not any(in_flight):
+            break
+        assert time.monotonic() < deadline, in_flight
+        time.sleep(0.05)
+    assert "kvgate_requests_total{outcome=\"routed\"}" in got[1].decode()
