@@ -21,6 +21,22 @@ Example (TOML)::
     models = ["SmolLM2-135M-Instruct"]
     engine = "sim"
     metrics_url = "http://127.0.0.1:8001/metrics"
+
+    [auth]                             # optional: absent means open (no credentials needed)
+    api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
+    default_max_tokens = 1024          # output tokens reserved when a request sets no max_tokens
+    settle = "usage"                   # or "reservation" (never read response bodies)
+    [auth.jwt]                         # OIDC tokens, verified by Envoy's jwt_authn
+    issuer = "https://idp.example.com"
+    audiences = ["kvgate"]
+    jwks_uri = "https://idp.example.com/jwks"   # or jwks_file = "/etc/kvgate/jwks.json"
+
+    [[tenants]]                        # schema: extproc/tenants.py (same as etcd tenants/<id>)
+    id = "acme"
+    models = ["SmolLM2-*"]
+    match = { groups = ["acme"] }
+    rate = { requests_per_s = 5, burst = 10 }
+    tokens = { per_minute = 20000 }
 """
 
 from __future__ import annotations
@@ -33,9 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from extproc.auth import AuthConfig
 from extproc.errors import ConfigError
 from extproc.fleet import ENGINE_KINDS, Endpoint, EndpointId
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
+from extproc.tenants import Tenant
 
 T = TypeVar("T")
 
@@ -129,16 +147,29 @@ class ExtprocConfig:
     #: Honour the conformance-suite header ``test-epp-endpoint-selection``. Off in production: it lets a
     #: client narrow the choice (never widen it beyond the fleet).
     conformance: bool = False
+    #: TLS on the ext_proc gRPC port (all three PEM paths or none): the server certificate chain, its
+    #: key, and the CA bundle a caller's client certificate must chain to (client certs are required).
+    #: Re-read when the files change. The health and metrics ports stay plaintext (bind them to loopback).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ScrapeConfig:
-    """Metrics scraping: period and per-scrape timeout (s), staleness bound (s), failures to unhealthy."""
+    """Metrics scraping: period and per-scrape timeout (s), staleness bound (s), failures to unhealthy.
+
+    For ``https`` metrics URLs: ``tls_ca`` verifies engines (default: the system's CAs); ``tls_cert`` +
+    ``tls_key`` (both or neither) are the client certificate presented to engines that require one.
+    """
 
     interval_s: float = 0.05
     timeout_s: float = 0.5
     stale_after_s: float = 2.0
     unhealthy_after: int = 3
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +204,9 @@ class GatewayConfig:
     models: tuple[ModelConfig, ...] = ()
     endpoints: tuple[Endpoint, ...] = ()
     scheduling: SchedulingConfig = DEFAULT_SCHEDULING
+    #: ``None``: no authentication (the gateway is open, as without an ``[auth]`` section).
+    auth: AuthConfig | None = None
+    tenants: tuple[Tenant, ...] = ()
 
 
 _EX, _SC, _IX = ExtprocConfig(), ScrapeConfig(), IndexConfig()
@@ -189,16 +223,26 @@ def parse_config(raw: object) -> GatewayConfig:
         max_body_bytes=ex.integer("max_body_bytes", _EX.max_body_bytes, minimum=1024),
         max_fallbacks=ex.integer("max_fallbacks", _EX.max_fallbacks, minimum=0),
         conformance=ex.flag("conformance", False),
+        tls_cert=ex.string("tls_cert"),
+        tls_key=ex.string("tls_key"),
+        tls_client_ca=ex.string("tls_client_ca"),
     )
     ex.done()
+    _all_or_none(
+        "extproc", tls_cert=extproc.tls_cert, tls_key=extproc.tls_key, tls_client_ca=extproc.tls_client_ca
+    )
     sc = top.table("scrape")
     scrape = ScrapeConfig(
         interval_s=sc.number("interval_s", _SC.interval_s, minimum=0.001),
         timeout_s=sc.number("timeout_s", _SC.timeout_s, minimum=0.001),
         stale_after_s=sc.number("stale_after_s", _SC.stale_after_s, minimum=0.001),
         unhealthy_after=sc.integer("unhealthy_after", _SC.unhealthy_after, minimum=1),
+        tls_ca=sc.string("tls_ca"),
+        tls_cert=sc.string("tls_cert"),
+        tls_key=sc.string("tls_key"),
     )
     sc.done()
+    _all_or_none("scrape", tls_cert=scrape.tls_cert, tls_key=scrape.tls_key)
     ix = top.table("index")
     index = IndexConfig(
         block_size=ix.integer("block_size", _IX.block_size, minimum=1),
@@ -218,8 +262,22 @@ def parse_config(raw: object) -> GatewayConfig:
             raise ConfigError(f"endpoints: duplicate {key}")
     sched_raw = top.raw("scheduling")
     scheduling = DEFAULT_SCHEDULING if sched_raw is None else parse_scheduling(sched_raw)
+    # auth_config builds on Section (defined here), hence the import at use.
+    from extproc.auth_config import parse_auth, parse_tenants
+
+    auth = parse_auth(top.raw("auth"))
+    tenants = parse_tenants(top.array("tenants", []), auth)
     top.done()
-    return GatewayConfig(extproc, scrape, index, models, endpoints, scheduling)
+    return GatewayConfig(extproc, scrape, index, models, endpoints, scheduling, auth, tenants)
+
+
+def _all_or_none(where: str, **paths: str | None) -> None:
+    """TLS file settings that only work together: all set (non-empty) or all absent."""
+    given = [k for k, v in paths.items() if v]
+    if given and len(given) != len(paths):
+        raise ConfigError(f"{where}: set all of {', '.join(paths)} or none (got only {', '.join(given)})")
+    if any(v == "" for v in paths.values()):
+        raise ConfigError(f"{where}: TLS file paths must not be empty")
 
 
 def _optional_hostport(value: str | None) -> str | None:

@@ -10,7 +10,7 @@ error body; nothing else formats errors for clients.
     ├── Forbidden                403 permission_error
     ├── NotFound                 404 not_found_error (unknown model or path)
     ├── PayloadTooLarge          413 invalid_request_error
-    ├── TooManyRequests          429 rate_limit_error (shed by flow control)
+    ├── TooManyRequests          429 rate_limit_error (flow control, token budget; Retry-After)
     └── Unavailable              503 service_unavailable (no ready endpoint)
     ConfigError                  invalid configuration (never reaches a client)
 """
@@ -74,8 +74,21 @@ class PayloadTooLarge(GatewayError):
 
 
 class TooManyRequests(GatewayError):
+    """``retry_after_s``: whole seconds until a retry can succeed (sent as ``Retry-After``)."""
+
     status = 429
     error_type = "rate_limit_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, param=param)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(GatewayError):

@@ -12,6 +12,14 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
+With a :class:`~extproc.auth.Gate` (an ``[auth]`` section), the caller is identified at the request
+headers (Envoy-verified JWT claims from dynamic metadata, or an API key; 401/403 before any body is
+buffered), and after parsing the request is admitted against its tenant's model scope and token budget
+(403/429). The headers reply then also sets the tenant header (Envoy's per-tenant rate limit keys on it)
+and removes the credential so engines never see it. The token reservation is settled at the end: from
+the engine's ``usage`` in the response body when Envoy sends it (``settle = "usage"``), otherwise at the
+reserved amount; a response that is not 2xx refunds it.
+
 Every failure becomes an ImmediateResponse with an OpenAI-style JSON error (this is the one boundary
 that formats :class:`~extproc.errors.GatewayError`); an unexpected exception is a 500 with a generic
 message and a logged traceback, never a pass-through.
@@ -27,11 +35,14 @@ from enum import Enum, auto
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge
+from extproc.auth import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER, Gate, Principal, Ticket
+from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests
 from extproc.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
 from extproc.router import Decision, Router
+from extproc.usage import UsageReader
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +81,20 @@ class ProcessorConfig:
 class StreamProcessor:
     """Drives one ext_proc stream; not thread-safe, one per stream."""
 
-    def __init__(self, router: Router, config: ProcessorConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        router: Router,
+        config: ProcessorConfig,
+        clock: Callable[[], float],
+        gate: Gate | None = None,
+    ) -> None:
         self._router = router
         self._config = config
         self._clock = clock
+        self._gate = gate
+        self.principal: Principal | None = None
+        self.ticket: Ticket | None = None
+        self._usage: UsageReader | None = None
         self._phase = Phase.HEADERS
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
@@ -96,9 +117,10 @@ class StreamProcessor:
             return [self._reject(_Internal("The gateway failed to process the request."))]
 
     def close(self) -> None:
-        """The stream ended: release the request's in-flight slot, whatever happened."""
+        """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
         if self.decision is not None:
             self._router.finish(self.decision)
+        self._settle()
         self._phase = Phase.DONE
 
     def _dispatch(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -113,6 +135,10 @@ class StreamProcessor:
         if which == "response_headers":
             return self._on_response_headers(msg)
         if which == "response_body":
+            if self._usage is not None:
+                self._usage.feed(msg.response_body.body, msg.response_body.end_of_stream)
+                if self._usage.ended:
+                    self._settle()
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if which == "response_trailers":
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -124,13 +150,17 @@ class StreamProcessor:
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
+        if self._gate is not None:
+            claims, failure = _jwt_metadata(msg)
+            self.principal = self._gate.identify(self._headers.get("authorization"), claims, failure)
         if not msg.request_headers.end_of_stream:
             self._phase = Phase.BODY
             return []
         self._phase = Phase.DONE
         method, path = self._headers.get(":method", "GET"), self._headers.get(":path", "/")
         if path.split("?", 1)[0] == MODELS_PATH and method in ("GET", "HEAD"):
-            return [_immediate(200, self._router.models_body(), "kvgate_models")]
+            allowed = self.principal.tenant.allows if self.principal is not None else None
+            return [_immediate(200, self._router.models_body(allowed), "kvgate_models")]
         if route_kind(path) is not None:
             raise BadRequest("The request body is empty; expected a JSON object.")
         raise unknown_path(path)
@@ -169,9 +199,21 @@ class StreamProcessor:
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
-        self.decision = self._router.decide(
-            request, request_id=self.request_id, now=self._clock(), subset=self._subset, pinned=pinned
-        )
+        tokens = self._router.tokens(request)
+        if self._gate is not None and self.principal is not None:
+            self.ticket = self._gate.admit(self.principal, request, tokens.count, self._clock())
+        try:
+            self.decision = self._router.decide(
+                request,
+                request_id=self.request_id,
+                now=self._clock(),
+                subset=self._subset,
+                pinned=pinned,
+                tokens=tokens,
+            )
+        except GatewayError:
+            self._refund()
+            raise
         self._phase = Phase.ROUTED
         destination = self.decision.destination
         primary = self.decision.endpoints[0].address
@@ -179,13 +221,20 @@ class StreamProcessor:
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
         ]
+        remove_headers: list[str] = []
+        if self.principal is not None:
+            set_headers.append(_header(TENANT_HEADER, self.principal.tenant.id))
+            remove_headers.append("authorization")  # the gateway consumed it; engines never see it
         metadata = Struct()
         metadata.update({LB_NS: {DESTINATION: destination, PRIMARY: primary}})
         out = [
             pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
                     response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True
+                        header_mutation=pb.HeaderMutation(
+                            set_headers=set_headers, remove_headers=remove_headers
+                        ),
+                        clear_route_cache=True,
                     )
                 ),
                 dynamic_metadata=metadata,
@@ -199,11 +248,13 @@ class StreamProcessor:
 
     def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = _served_from_metadata(msg)
-        upstream = None
+        response: dict[str, str] = {}
         for h in msg.response_headers.headers.headers:
-            if h.key.lower() == UPSTREAM_HEADER:
-                upstream = h.raw_value.decode("latin-1") if h.raw_value else h.value
+            response[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        upstream = response.get(UPSTREAM_HEADER)
         served = served or upstream
+        if self.ticket is not None and self._gate is not None:
+            self._track_usage(response, self._gate, self.ticket)
         set_headers = []
         if self.decision is not None and served:
             self._router.served(self.decision, served, self._clock())
@@ -216,13 +267,45 @@ class StreamProcessor:
             )
         ]
 
+    def _track_usage(self, response: dict[str, str], gate: Gate, ticket: Ticket) -> None:
+        """At the response headers: refund a failed request, or start reading the body's usage."""
+        if not response.get(":status", "").startswith("2"):
+            self._refund()
+        elif gate.wants_usage(ticket) and response.get("content-encoding", "identity") == "identity":
+            sse = response.get("content-type", "").startswith("text/event-stream")
+            self._usage = UsageReader(sse=sse)
+
+    def _refund(self) -> None:
+        if self.ticket is not None and self._gate is not None:
+            self._gate.cancel(self.ticket, self._clock())
+
+    def _settle(self) -> None:
+        ticket, gate = self.ticket, self._gate
+        if ticket is None or gate is None or ticket.settled:
+            return
+        usage = self._usage.result() if self._usage is not None else None
+        charged = gate.settle(ticket, usage, self._clock())
+        log.debug(
+            "request %s: tenant %s charged %d tokens (%d reserved, usage %s)",
+            self.request_id,
+            ticket.tenant.id,
+            charged,
+            ticket.reserved,
+            "exact" if usage is not None and usage.exact else "estimated" if usage else "unknown",
+        )
+
     def _reject(self, exc: GatewayError) -> pb.ProcessingResponse:
         self._phase = Phase.DONE
+        tenant = f" tenant {self.principal.tenant.id}" if self.principal is not None else ""
         if exc.status >= 500:
             log.warning("request %s: %d %s", self.request_id, exc.status, exc.code or exc.error_type)
         else:
-            log.info("request %s: rejected %d %s", self.request_id, exc.status, exc.code or exc.error_type)
-        return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}")
+            reason = exc.code or exc.error_type
+            log.info("request %s:%s rejected %d %s", self.request_id, tenant, exc.status, reason)
+        extra = []
+        if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
+            extra.append(_header("retry-after", str(exc.retry_after_s)))
+        return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 
 
 class _Internal(GatewayError):
@@ -249,8 +332,10 @@ def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
     )
 
 
-def _immediate(status: int, body: bytes, details: str) -> pb.ProcessingResponse:
-    headers = pb.HeaderMutation(set_headers=[_header("content-type", "application/json")])
+def _immediate(
+    status: int, body: bytes, details: str, extra: list[HeaderValueOption] | None = None
+) -> pb.ProcessingResponse:
+    headers = pb.HeaderMutation(set_headers=[_header("content-type", "application/json"), *(extra or [])])
     marker = Struct()
     marker.update({REJECTED_NS: {REJECTED_KEY: True}})
     return pb.ProcessingResponse(
@@ -276,6 +361,26 @@ def _subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
     if value.HasField("string_value"):
         return frozenset(p.strip() for p in value.string_value.split(",") if p.strip())
     return frozenset()
+
+
+def _jwt_metadata(msg: pb.ProcessingRequest) -> tuple[dict[str, object] | None, str | None]:
+    """(verified JWT claims, failure reason) from Envoy's jwt_authn dynamic metadata.
+
+    Only Envoy writes dynamic metadata, and jwt_authn writes the payload only after verifying the
+    token's signature, issuer, audience and lifetime: these claims are never client-controlled.
+    """
+    ns = msg.metadata_context.filter_metadata
+    if JWT_NS not in ns:
+        return None, None
+    fields = ns[JWT_NS].fields
+    payload = fields.get(JWT_PAYLOAD)
+    if payload is not None and payload.HasField("struct_value"):
+        return json_format.MessageToDict(payload.struct_value), None
+    status = fields.get(JWT_STATUS)
+    if status is not None and status.HasField("struct_value"):
+        message = status.struct_value.fields.get("message")
+        return None, message.string_value if message is not None else None
+    return None, None
 
 
 def _served_from_metadata(msg: pb.ProcessingRequest) -> str | None:

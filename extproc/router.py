@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -107,11 +107,13 @@ class Router:
         now: float,
         subset: frozenset[str] | None = None,
         pinned: Sequence[str] | None = None,
+        tokens: Tokens | None = None,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
         ``subset``: EPP subset hint (``ip:port`` addresses allowed). ``pinned``: conformance-test
-        selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet.
+        selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet. ``tokens``: the prompt
+        if already tokenized by the caller (:meth:`tokens`; admission counts it before routing).
         Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready.
         """
         candidates = [s for s in self.fleet if request.model in s.endpoint.models]
@@ -121,7 +123,8 @@ class Router:
             )
         if pinned is not None:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
-        tokens = self.tokens(request)
+        if tokens is None:
+            tokens = self.tokens(request)
         # Only the leading max_blocks blocks can ever match, so only they are hashed and recorded.
         hashed = tokens.ids[: self.max_blocks * tokens.block_size]
         digests = block_digests(chain_seed(request.model, salt=request.cache_salt), hashed, tokens.block_size)
@@ -173,9 +176,10 @@ class Router:
         if decision.served is not None:
             decision.served.in_flight = max(0, decision.served.in_flight - 1)
 
-    def models_body(self) -> bytes:
-        """The OpenAI ``/v1/models`` list of every model the fleet serves."""
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in self.fleet.models()]
+    def models_body(self, allowed: Callable[[str], bool] | None = None) -> bytes:
+        """The OpenAI ``/v1/models`` list of every model the fleet serves (that ``allowed`` accepts)."""
+        models = [m for m in self.fleet.models() if allowed is None or allowed(m)]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in models]
         return orjson.dumps({"object": "list", "data": data})
 
     def _byte_tokens(self, request: ParsedRequest) -> Tokens:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,7 +78,8 @@ class Scraper:
     """Scrapes every endpoint with a ``metrics_url`` each ``interval_s`` and writes into the fleet.
 
     Started with :meth:`start`, stopped with :meth:`aclose`. ``on_round`` is called after each full
-    round (used for readiness).
+    round (used for readiness). ``tls``: how ``https`` metrics URLs are verified and which client
+    certificate is presented (default: system CAs, no client certificate).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Scraper:
         unhealthy_after: int,
         clock: Callable[[], float],
         on_round: Callable[[], None] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._fleet = fleet
         self._interval = interval_s
@@ -98,7 +101,9 @@ class Scraper:
         self._clock = clock
         self._on_round = on_round
         self._client = httpx.AsyncClient(
-            timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=256)
+            timeout=timeout_s,
+            limits=httpx.Limits(max_keepalive_connections=256),
+            verify=tls if tls is not None else True,
         )
         self._task: asyncio.Task[None] | None = None
 

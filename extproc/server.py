@@ -2,8 +2,9 @@
 
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
 ``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
-scraper feeding the fleet. First SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a
-grace period), the second forces.
+scraper feeding the fleet. With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates
+re-read when their files change, :mod:`extproc.tls`); health and metrics stay plaintext. First
+SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a grace period), the second forces.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import random
 import signal
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from extproc.auth import Gate, build_gate
 from extproc.config import GatewayConfig, load_config
 from extproc.errors import ConfigError
 from extproc.fleet import Fleet
@@ -35,6 +38,7 @@ from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.router import Router
 from extproc.scheduling.registry import build_profile
 from extproc.scrape import Scraper
+from extproc.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +50,18 @@ GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """One StreamProcessor per Envoy stream; times decisions for the metrics."""
 
-    def __init__(self, router: Router, config: ProcessorConfig, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, router: Router, config: ProcessorConfig, metrics: GatewayMetrics, gate: Gate | None = None
+    ) -> None:
         self._router = router
         self._config = config
         self._metrics = metrics
+        self._gate = gate
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        proc = StreamProcessor(self._router, self._config, time.monotonic)
+        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate)
         try:
             async for msg in request_iterator:
                 started = time.perf_counter()
@@ -98,13 +105,23 @@ class Gateway:
             rng=random.Random(),
         )
         self.metrics = GatewayMetrics()
+        #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
+        self.gate = build_gate(config.auth, config.tenants)
         self.health = _HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
         self.ports: dict[str, int] = {}
+        #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
+        self.server_certs: ReloadingServerCerts | None = None
 
     async def start(self) -> None:
         cfg = self.config
+        ex = cfg.extproc  # TLS files are read first: a bad one fails the start before anything listens
+        if ex.tls_cert and ex.tls_key and ex.tls_client_ca:
+            self.server_certs = ReloadingServerCerts(
+                ServerTlsFiles(Path(ex.tls_cert), Path(ex.tls_key), Path(ex.tls_client_ca))
+            )
+        scrape_tls = _scrape_tls(cfg)
         proc_cfg = ProcessorConfig(
             max_body_bytes=cfg.extproc.max_body_bytes, conformance=cfg.extproc.conformance
         )
@@ -117,9 +134,14 @@ class Gateway:
         ]
         server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.router, proc_cfg, self.metrics), server
+            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate), server
         )
-        self.ports["extproc"] = server.add_insecure_port(cfg.extproc.listen)
+        if self.server_certs is not None:
+            self.ports["extproc"] = server.add_secure_port(
+                cfg.extproc.listen, self.server_certs.credentials()
+            )
+        else:
+            self.ports["extproc"] = server.add_insecure_port(cfg.extproc.listen)
         health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
         self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
@@ -140,6 +162,7 @@ class Gateway:
             unhealthy_after=cfg.scrape.unhealthy_after,
             clock=time.monotonic,
             on_round=self._on_scrape_round,
+            tls=scrape_tls,
         )
         await self._scraper.scrape_once()
         self._scraper.start()
@@ -166,6 +189,19 @@ class Gateway:
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+
+
+def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
+    sc = cfg.scrape
+    if not (sc.tls_ca or sc.tls_cert):
+        return None
+    return client_context(
+        ClientTlsFiles(
+            ca=Path(sc.tls_ca) if sc.tls_ca else None,
+            cert=Path(sc.tls_cert) if sc.tls_cert else None,
+            key=Path(sc.tls_key) if sc.tls_key else None,
+        )
+    )
 
 
 class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -232,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         return uvloop.run(serve(config, args.ready_file))
+    except ConfigError as exc:  # unusable TLS files, found when the servers start
+        print(f"kvgate extproc: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -11,8 +11,12 @@ commands:
   up              run Envoy + the ext_proc + simulated (or given) engines locally
   extproc         run the ext_proc endpoint picker (--config FILE)
   sim             run simulated vLLM replicas
-  envoy-config    print the Envoy bootstrap (YAML) for given ports
+  envoy-config    print the Envoy bootstrap (YAML) for given ports (--secure: the TLS profile)
+  certs           dev CA and service certificates: `kvgate certs init|issue --dir D ...`
   model           model assets: `kvgate model export GGUF OUTDIR`
+  oidc-dev        run a development OIDC issuer (--port P --clients FILE)
+  apikey          API keys: `kvgate apikey create --tenant T | revoke ID | list`
+  bench           routing benchmark: `kvgate bench routing [--smoke|--full] --out DIR`
 """
 
 
@@ -20,14 +24,41 @@ def _envoy_config(argv: list[str]) -> int:
     import argparse
 
     from kvgate.envoyconf import EnvoyParams, render_yaml
+    from kvgate.envoytls import EnvoyTls, write_sds
 
-    defaults = EnvoyParams()
+    defaults, tls_defaults = EnvoyParams(), EnvoyTls()
     parser = argparse.ArgumentParser(prog="kvgate envoy-config")
     parser.add_argument("--listen-port", type=int, default=defaults.listen_port)
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
     parser.add_argument("--extproc-host", default=defaults.extproc_host)
     parser.add_argument("--extproc-port", type=int, default=defaults.extproc_port)
+    parser.add_argument("--secure", action="store_true", help="the TLS profile (SDS files in --certs-dir)")
+    parser.add_argument("--certs-dir", default=tls_defaults.certs_dir, help="with --secure: PEM + SDS files")
+    parser.add_argument("--client-certs", action="store_true", help="with --secure: require client certs")
+    parser.add_argument(
+        "--write-sds", action="store_true", help="with --secure: also write the SDS files into --certs-dir"
+    )
+    parser.add_argument(
+        "--gateway-config", help="render its [auth] and [[tenants]]: JWT verification, per-tenant rate limits"
+    )
     args = parser.parse_args(argv)
+    auth = None
+    if args.gateway_config:
+        from pathlib import Path
+
+        from extproc.config import load_config
+        from extproc.errors import ConfigError
+        from kvgate.envoy_auth import EdgeAuth
+
+        try:
+            auth = EdgeAuth.from_config(load_config(Path(args.gateway_config)))
+        except ConfigError as exc:
+            print(f"kvgate envoy-config: {exc}", file=sys.stderr)
+            return 2
+    tls = EnvoyTls(certs_dir=args.certs_dir, client_certs=args.client_certs) if args.secure else None
+    if tls is not None and args.write_sds:
+        for path in write_sds(tls):
+            print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(
         render_yaml(
             EnvoyParams(
@@ -35,6 +66,8 @@ def _envoy_config(argv: list[str]) -> int:
                 admin_port=args.admin_port,
                 extproc_host=args.extproc_host,
                 extproc_port=args.extproc_port,
+                tls=tls,
+                auth=auth,
             )
         )
     )
@@ -57,6 +90,10 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "sim": _lazy("load.sim.server"),
     "model": lambda argv: _lazy("extproc.gguf")(argv[1:] if argv[:1] == ["export"] else argv),
     "envoy-config": _envoy_config,
+    "oidc-dev": _lazy("kvgate.oidc_dev"),
+    "apikey": _lazy("kvgate.apikey"),
+    "certs": _lazy("certs.cli"),
+    "bench": _lazy("load.bench.routing"),
 }
 
 

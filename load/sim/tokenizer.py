@@ -19,6 +19,7 @@ import random
 import re
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 from extproc.digest import pack_tokens
 
 OUTPUT_VOCAB_SIZE = 2048
+_MEMO_MIN_CHARS = 1024
+_MEMO_ENTRIES = 256
 _WORD = re.compile(r" [A-Za-z]{2,}")
 _BARE_WORD = re.compile(r"[A-Za-z]+")
 
@@ -39,10 +42,28 @@ class SimTokenizer:
         self.vocab_size: int = len(hf)
         self._pieces = _output_vocab(hf)
         self._pool = sorted(self._pieces)
+        self._memo: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
+        self._memo_lock = threading.Lock()
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``."""
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of ``text``. Long texts are memoised (LRU, shared by the replicas of a process): a
+        router that asks every replica to tokenize each request (vLLM's router does) would otherwise
+        cost the one simulator process N tokenizations per request, CPU that N real engines would not
+        take from each other."""
+        if len(text) < _MEMO_MIN_CHARS:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        key = (text, add_special_tokens)
+        with self._memo_lock:
+            ids = self._memo.get(key)
+            if ids is not None:
+                self._memo.move_to_end(key)
+                return list(ids)
+        ids = tuple(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        with self._memo_lock:
+            self._memo[key] = ids
+            if len(self._memo) > _MEMO_ENTRIES:
+                self._memo.popitem(last=False)
+        return list(ids)
 
     def render_chat(
         self,

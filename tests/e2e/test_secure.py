@@ -1,0 +1,195 @@
+"""End to end, secure profile: real Envoy, real TLS. HTTPS at the edge (client certificates required
+here), mTLS from Envoy to the ext_proc and to the simulated engines, certificate rotation without
+restarts, and ``kvgate up --secure`` as a user runs it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from cryptography import x509
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
+from kvgate.up import Stack, StackOptions
+from tests.e2e.conftest import FAST_SIM
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    options = StackOptions(
+        replicas=2,
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path_factory.mktemp("secure"),
+        secure=True,
+        client_certs=True,
+    )
+    with Stack(options) as running:
+        yield running
+
+
+def context(ca: Path, client: LeafFiles | None = None, max_tls12: bool = False) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        ctx.load_cert_chain(client.cert, client.key)
+    if max_tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def ca_of(stack: Stack) -> Path:
+    return stack.certs["envoy-edge"].ca
+
+
+def listener(stack: Stack) -> tuple[str, int]:
+    host, port = stack.url.removeprefix("https://").rsplit(":", 1)
+    return host, int(port)
+
+
+def served_serial(stack: Stack) -> int:
+    """Serial of the certificate the OpenAI listener presents on a fresh TLS connection."""
+    ctx = context(ca_of(stack), stack.certs["client-dev"])
+    with (
+        socket.create_connection(listener(stack), timeout=5) as sock,
+        ctx.wrap_socket(sock, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def complete(stack: Stack, ctx: ssl.SSLContext) -> str:
+    """A completion through the OpenAI SDK; returns the replica that served it."""
+    with httpx.Client(verify=ctx, timeout=30) as http:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, http_client=http)
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
+        )
+        assert raw.parse().choices[0].message.content
+        return raw.headers["x-kvgate-replica"]
+
+
+def test_openai_sdk_over_mtls(secure: Stack) -> None:
+    assert secure.url.startswith("https://")
+    assert complete(secure, context(ca_of(secure), secure.certs["client-dev"])) in {"sim-0", "sim-1"}
+
+
+def test_extproc_scrapes_engines_over_mtls(secure: Stack) -> None:
+    """Readiness needs a healthy engine, i.e. an https metrics scrape with the ext_proc's client cert."""
+    with grpc.insecure_channel(f"127.0.0.1:{secure.extproc_ports['health']}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), timeout=5
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("max_tls12", [False, True], ids=["tls1.3", "tls1.2"])
+def test_client_without_certificate_refused(secure: Stack, max_tls12: bool) -> None:
+    ctx = context(ca_of(secure), None, max_tls12)
+    with pytest.raises(httpx.TransportError) as err, httpx.Client(verify=ctx, timeout=10) as http:
+        http.get(f"{secure.url}/v1/models")
+    if max_tls12:  # TLS 1.2 fails in the handshake itself; TLS 1.3 on the first read (alert 116)
+        assert isinstance(err.value, httpx.ConnectError)
+
+
+def test_client_cert_from_another_ca_refused(secure: Stack, tmp_path: Path) -> None:
+    other = dev_bundle(tmp_path, ["client-dev"], dt.datetime.now(dt.UTC))["client-dev"]
+    with (
+        pytest.raises(httpx.TransportError),
+        httpx.Client(verify=context(ca_of(secure), other), timeout=10) as http,
+    ):
+        http.get(f"{secure.url}/v1/models")
+
+
+def test_client_cert_without_client_identity_refused(secure: Stack) -> None:
+    """The ext_proc's certificate chains to the CA and may act as a client, but is no ``client-*``."""
+    with (
+        pytest.raises(httpx.TransportError),
+        httpx.Client(verify=context(ca_of(secure), secure.certs["extproc"]), timeout=10) as http,
+    ):
+        http.get(f"{secure.url}/v1/models")
+
+
+def test_engines_and_extproc_refuse_callers_without_client_cert(secure: Stack) -> None:
+    engine = secure.engines[0]["address"]
+    with pytest.raises(httpx.TransportError), httpx.Client(verify=context(ca_of(secure)), timeout=10) as http:
+        http.get(f"https://{engine}/metrics")
+    with httpx.Client(verify=context(ca_of(secure), secure.certs["client-dev"]), timeout=10) as http:
+        assert http.get(f"https://{engine}/metrics").status_code == 200  # any client cert of the CA
+    creds = grpc.ssl_channel_credentials(root_certificates=ca_of(secure).read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{secure.extproc_ports['extproc']}", creds) as channel:
+        stream = pb_grpc.ExternalProcessorStub(channel).Process(iter([pb.ProcessingRequest()]), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_envoy_serves_rotated_certificate_without_restart(secure: Stack) -> None:
+    assert secure.envoy is not None
+    pid, before = secure.envoy.pid, served_serial(secure)
+    rotated = issue(ca_of(secure).parent, "envoy-edge", LOCAL_SANS, dt.datetime.now(dt.UTC))
+    want = x509.load_pem_x509_certificate(rotated.cert.read_bytes()).serial_number
+    assert want != before
+    deadline = time.monotonic() + 10
+    while served_serial(secure) != want:
+        assert time.monotonic() < deadline, "Envoy did not pick up the rotated certificate within 10 s"
+        time.sleep(0.05)
+    assert secure.envoy.pid == pid and secure.envoy.alive()
+    complete(secure, context(ca_of(secure), secure.certs["client-dev"]))  # upstream mTLS still fine
+
+
+def test_kvgate_up_secure_cli(tmp_path: Path) -> None:
+    """`kvgate up --secure`: prints the https URL and the CA path; an SDK trusting that CA completes."""
+    argv = ["up", "--secure", "--port", "0", "--replicas", "1", "--workdir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:  # readiness: the banner is printed once Envoy listens
+            lines.append(line)
+            if line.startswith("  CA certificate for clients: "):
+                break
+        banner = next((line for line in lines if line.startswith("kvgate is up: ")), "")
+        assert banner, "".join(lines)
+        base, ca = banner.split()[3], lines[-1].split(": ", 1)[1].strip()
+        assert base.startswith("https://") and Path(ca) == tmp_path / "certs" / "ca.pem"
+        with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=30) as http:
+            client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, http_client=http)
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+        assert reply.choices[0].message.content
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:  # a failed assertion: stop it as a user would, so it stops its children
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

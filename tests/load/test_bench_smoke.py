@@ -1,0 +1,58 @@
+"""Smoke runs of the benchmarks' ``--quick`` modes: they run and write the documented JSON shape.
+
+Benchmarks are not tests: nothing here asserts a figure, only that the results file is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from load.bench import decision, overhead
+
+STATS = {"n", "p50", "p90", "p99", "max", "mean"}
+
+
+def test_decision_quick(tmp_path: Path) -> None:
+    out = tmp_path / "decision.json"
+    assert decision.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"benchmark", "command", "machine", "parameters", "cells", "breakdowns", "goals"} <= result.keys()
+    assert result["machine"]["nproc"] >= 1
+    assert {(c["turn"], c["endpoints"]) for c in result["cells"]} == {("first", 4), ("follow_up", 4)}
+    for cell in result["cells"]:
+        assert cell["latency_us"].keys() >= STATS
+        assert cell["latency_us"]["n"] > 0
+        assert cell["prompt_tokens"]["p50"] > 0
+    assert result["cells"][0]["baseline_encode_whole_us"]["n"] > 0
+    (breakdown,) = result["breakdowns"]
+    assert set(decision.STAGES) | {"total"} == breakdown["stages_us"].keys()
+    assert {"prefix", "max-score"} <= breakdown["plugins_us"].keys()
+    assert "schedule_4ep_p99_us" in result["goals"]
+
+
+@pytest.mark.e2e
+def test_overhead_quick(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"benchmark", "command", "machine", "parameters", "cells", "cpu_at_saturation", "goals"} <= (
+        result.keys()
+    )
+    assert set(result["cells"]) == {"non_stream/c1", "non_stream/c4", "stream/c1", "stream/c4"}
+    for cell in result["cells"].values():
+        assert set(cell["targets"]) == {"direct", "envoy_rr", "gateway"}
+        for target in cell["targets"].values():
+            assert target["latency_us"].keys() >= STATS
+            assert target["errors"] == 0
+        assert {"p50_us", "p99_us", "p50_ratio", "p99_ratio"} <= cell["added"]["gateway_vs_direct"].keys()
+    assert "extproc_net_ms_per_req" in result["cpu_at_saturation"]["gateway"]
+    assert {"extproc", "envoy", "sim", "envoy_rr"} == result["idle_cpu_ms_per_s"].keys()
+    assert {"added_p50_us_c1", "added_p99_us_c1"} == result["goals"].keys()
+
+
+def test_load_client_refuses_other_hosts() -> None:
+    with pytest.raises(SystemExit):
+        overhead.client_main(["--url", "http://example.com/v1", "--concurrency", "1", "--requests", "1"])
