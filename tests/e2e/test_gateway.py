@@ -216,4 +216,4 @@ def test_in_flight_released_when_streams_end(stack: Stack) -> None:
             break
         assert time.monotonic() < deadline, in_flight
         time.sleep(0.05)
-    assert "kvgate_requests_total{outcome=\"routed\"}" in got[1].decode()
+    assert 'kvgate_requests_total{outcome="routed"}' in got[1].decode()

@@ -66,7 +66,7 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 
 def test_fronts_existing_engines(stack: Stack, tmp_path: Path) -> None:
-    """`kvgate up --endpoint URL` routes to engines it did not start (here: the session stack's simulators)."""
+    """`kvgate up --endpoint URL` routes to engines it did not start (here: the session stack sims)."""
     urls = tuple(f"http://{e['address']}" for e in stack.engines[:2])
     with Stack(StackOptions(port=0, endpoints=urls, workdir=tmp_path, sim_args=FAST_SIM)) as front:
         assert front.engines[0]["engine"] == "vllm"
