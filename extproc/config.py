@@ -163,7 +163,7 @@ class ScrapeConfig:
     ``tls_key`` (both or neither) are the client certificate presented to engines that require one.
     """
 
-    interval_s: float = 0.05
+    interval_s: float = 0.1
     timeout_s: float = 0.5
     stale_after_s: float = 2.0
     unhealthy_after: int = 3

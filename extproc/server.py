@@ -77,6 +77,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if resp.HasField("immediate_response"):
                         self._metrics.requests.labels(str(resp.immediate_response.status.code)).inc()
                     yield resp
+                proc.after_send()
         finally:
             if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
                 self._metrics.fallbacks.inc()
@@ -104,7 +105,7 @@ class Gateway:
             max_blocks=config.index.max_match_blocks,
             rng=random.Random(),
         )
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
         self.health = _HealthServicer()
@@ -175,7 +176,6 @@ class Gateway:
         )
 
     def _on_scrape_round(self) -> None:
-        self.metrics.refresh_fleet(self.fleet)
         ready = any(s.healthy and not s.draining for s in self.fleet)
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -258,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     try:
         config = load_config(args.config)
     except ConfigError as exc:

@@ -64,6 +64,10 @@ class EnvoyParams:
     tls: EnvoyTls | None = None
     #: JWT verification, per-tenant rate limits and the ext_proc's auth options (kvgate/envoy_auth.py).
     auth: envoy_auth.EdgeAuth | None = None
+    #: Send response headers to the ext_proc (served-endpoint read-back). Off by default: the ORIGINAL_DST
+    #: cluster always serves the pick, so the read-back would only cost a round trip before every
+    #: response's first byte. Tenants (``auth``) turn it on: refunds and usage settlement need it.
+    served_readback: bool = False
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -128,6 +132,18 @@ def _json_error(kind: str, message: str) -> dict[str, Any]:
 
 def render(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap as a plain dict (dump it as YAML or JSON)."""
+    response_headers = params.served_readback or params.auth is not None
+    route: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": "kvgate_engines", "timeout": "0s"},
+    }
+    if response_headers:
+        route["response_headers_to_add"] = [
+            {
+                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -140,7 +156,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND",
+                "response_header_mode": "SEND" if response_headers else "SKIP",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
             },
@@ -172,18 +188,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 {
                     "name": "openai",
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {"cluster": "kvgate_engines", "timeout": "0s"},
-                            "response_headers_to_add": [
-                                {
-                                    "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
-                                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                                }
-                            ],
-                        }
-                    ],
+                    "routes": [route],
                 }
             ],
         },

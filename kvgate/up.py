@@ -59,7 +59,8 @@ class StackOptions:
     ``endpoints`` (selects its metric names).
 
     ``sim_args`` are extra ``kvgate sim`` flags (timing, cache size); ``extproc`` extra keys of the
-    gateway config's ``[extproc]`` table; ``scheduling`` replaces the default scheduling section.
+    gateway config's ``[extproc]`` table, ``scrape`` of its ``[scrape]`` table; ``scheduling`` replaces the
+    default scheduling section.
 
     ``secure``: the TLS profile (simulated engines only); ``client_certs``: the OpenAI listener also
     requires a client certificate (implies ``secure``).
@@ -76,6 +77,7 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()
     extproc: dict[str, Any] = field(default_factory=dict)
     scheduling: dict[str, Any] | None = None
+    scrape: dict[str, Any] = field(default_factory=dict)
     workdir: Path | None = None
     envoy_concurrency: int = 1
     with_extproc: bool = True
@@ -186,11 +188,13 @@ class Stack:
         }
         if opts.scheduling is not None:
             config["scheduling"] = opts.scheduling
+        if opts.scrape:
+            config["scrape"] = {**config.get("scrape", {}), **opts.scrape}
         if self.secure:
             extproc_files = self.certs["extproc"]
             tls = {"tls_cert": str(extproc_files.cert), "tls_key": str(extproc_files.key)}
             config["extproc"] = {**config["extproc"], **tls, "tls_client_ca": str(extproc_files.ca)}
-            config["scrape"] = {**tls, "tls_ca": str(extproc_files.ca)}
+            config["scrape"] = {**config.get("scrape", {}), **tls, "tls_ca": str(extproc_files.ca)}
         if opts.auth is not None:
             self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn)
             config["auth"], config["tenants"] = self.auth.auth_section, list(self.auth.tenants)

@@ -30,7 +30,8 @@ class ScheduleResult:
     ``endpoints``: the pick first, then fallbacks; empty when no candidate survived the filters.
     ``rejected_by``: the filter that removed the last candidate (``None`` if there were none to start
     with, or if something was picked). ``scores``: weighted total per candidate that passed the filters.
-    ``scorer_scores``: each scorer's clamped, unweighted scores. ``timings_ns``: nanoseconds per plugin.
+    ``scorer_scores``: each scorer's clamped, unweighted scores (only when the profile explains).
+    ``timings_ns``: nanoseconds per plugin.
     """
 
     endpoints: tuple[EndpointState, ...]
@@ -66,7 +67,8 @@ class Profile:
     ``scorers`` pairs each scorer with its weight (finite, >= 0; a weight of 0 skips the scorer). Plugin
     names must be distinct: they key the timings and per-scorer scores. ``max_fallbacks`` caps the
     fallbacks kept after the pick (``None``: whatever the picker returns). ``clock`` returns nanoseconds
-    and is used only to time plugins.
+    and is used only to time plugins. ``explain`` also keeps each scorer's clamped scores in the result
+    (for debugging; off on the request path).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Profile:
         *,
         max_fallbacks: int | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
+        explain: bool = False,
     ) -> None:
         names = [f.name for f in filters] + [s.name for s, _ in scorers] + [picker.name]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -94,6 +97,7 @@ class Profile:
         self.picker = picker
         self._limit = None if max_fallbacks is None else 1 + max_fallbacks
         self._clock = clock
+        self.explain = explain
 
     def schedule(
         self,
@@ -115,18 +119,23 @@ class Profile:
             if not current:
                 return ScheduleResult((), timings_ns=timings, rejected_by=plugin.name)
 
-        totals: dict[EndpointId, float] = dict.fromkeys((c.id for c in current), 0.0)
+        ids = [c.id for c in current]
+        totals = [0.0] * len(ids)
         per_scorer: dict[str, Mapping[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
             started = clock()
             raw = scorer.score(request, state, current)
             timings[scorer.name] = clock() - started
-            clamped = {endpoint: _clamp(raw.get(endpoint, 0.0)) for endpoint in totals}
-            per_scorer[scorer.name] = clamped
-            for endpoint, value in clamped.items():
-                totals[endpoint] += weight * value
+            get = raw.get
+            for i, endpoint in enumerate(ids):
+                value = get(endpoint, 0.0)
+                if value > 0.0:  # clamp to [0, 1]: negatives and NaN count as 0
+                    totals[i] += weight * (value if value < 1.0 else 1.0)
+            if self.explain:
+                per_scorer[scorer.name] = {endpoint: _clamp(get(endpoint, 0.0)) for endpoint in ids}
 
         started = clock()
-        ordered = self.picker.pick([(c, totals[c.id]) for c in current], rng)
+        ordered = self.picker.pick(list(zip(current, totals, strict=True)), rng)
         timings[self.picker.name] = clock() - started
-        return ScheduleResult(tuple(ordered[: self._limit]), totals, per_scorer, timings)
+        scores = dict(zip(ids, totals, strict=True))
+        return ScheduleResult(tuple(ordered[: self._limit]), scores, per_scorer, timings)

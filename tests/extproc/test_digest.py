@@ -5,7 +5,7 @@ from blake3 import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.digest import DIGEST_BYTES, block_digests, chain_seed, pack_tokens
+from extproc.digest import DIGEST_BYTES, ChainCache, block_digests, chain_seed, pack_tokens
 
 SEED = chain_seed("m")
 
@@ -63,3 +63,19 @@ def test_prefix_property() -> None:
 def test_rejects_bad_block_size() -> None:
     with pytest.raises(ValueError):
         block_digests(SEED, [1, 2], 0)
+
+
+@given(st.lists(st.lists(st.integers(0, 50), max_size=80), min_size=1, max_size=6), st.integers(1, 8))
+def test_chain_cache_equals_block_digests(prompts: list[list[int]], block: int) -> None:
+    cache = ChainCache(max_entries=8)  # tiny: generations rotate during the test
+    for prompt in prompts + prompts:
+        assert cache.digests(SEED, prompt, block) == block_digests(SEED, prompt, block)
+
+
+def test_chain_cache_hits_on_follow_up() -> None:
+    cache = ChainCache()
+    history = list(range(320))
+    cache.digests(SEED, history, 16)
+    assert (cache.hits, cache.misses) == (0, 20)
+    cache.digests(SEED, [*history, *range(1000, 1032)], 16)
+    assert (cache.hits, cache.misses) == (20, 22)

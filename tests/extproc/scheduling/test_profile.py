@@ -179,7 +179,7 @@ def run(profile: Profile, fleet: Fleet | None = None, **kw: Any) -> ScheduleResu
 def test_scores_are_clamped_weighted_and_summed() -> None:
     raw = FixedScorer("raw", {"e0": 7.0, "e1": -3.0, "e2": math.nan})
     half = FixedScorer("half", {"e0": 0.5, "e1": 0.5})  # e2 missing: 0
-    profile = Profile("p", [], [(raw, 2.0), (half, 4.0)], MaxScorePicker())
+    profile = Profile("p", [], [(raw, 2.0), (half, 4.0)], MaxScorePicker(), explain=True)
     result = run(profile)
     assert result.scorer_scores["raw"] == {"e0": 1.0, "e1": 0.0, "e2": 0.0}
     assert result.scores == {"e0": 4.0, "e1": 2.0, "e2": 0.0}
