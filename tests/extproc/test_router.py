@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import orjson
+
+from extproc.fleet import Endpoint, EndpointId, Fleet
+from extproc.index import ApproximateIndex
+from extproc.models import ModelAssets, ModelRegistry
+from extproc.request import Kind, parse_body
+from extproc.router import Router
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+
+MODEL = "m"
+
+
+def router(model_dir: str, max_blocks: int = 2) -> Router:
+    assets = ModelAssets.load(MODEL, Path(model_dir), block_size=16)
+    fleet = Fleet([Endpoint(EndpointId(f"e{i}"), f"127.0.0.{i}:1", frozenset({MODEL})) for i in range(3)])
+    return Router(
+        fleet,
+        ModelRegistry([assets]),
+        ApproximateIndex(),
+        build_profile(DEFAULT_SCHEDULING),
+        block_size=16,
+        max_blocks=max_blocks,
+        rng=random.Random(0),
+    )
+
+
+def test_long_prompts_are_tokenized_only_as_far_as_digests_reach(model_dir: str) -> None:
+    r = router(model_dir)
+    # Pieces are cut at special tokens, so a long chat has many; a single long piece is tokenized whole.
+    messages = [
+        {"role": "user", "content": " ".join(f"turn {t} word{i}." for i in range(20))} for t in range(30)
+    ]
+    request = parse_body(Kind.CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
+    windowed, full = r.tokens(request), r.tokens(request, exact_count=True)
+    assert len(windowed.ids) >= 32 and list(windowed.ids) == list(full.ids[: len(windowed.ids)])
+    assert len(windowed.ids) < len(full.ids)
+    assert abs(windowed.count - full.count) <= 0.2 * full.count  # the rest is estimated
+    assert full.count == len(full.ids)
+    assert r.digests(request, windowed) == r.digests(request, full)  # only 2 blocks are hashed either way
+
+
+def test_commit_records_after_decide(model_dir: str) -> None:
+    r = router(model_dir, max_blocks=256)
+    request = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": "hello " * 100}))
+    decision = r.decide(request, request_id="x", now=0.0)
+    assert r.index.occupancy() == {}  # nothing recorded until the reply is out
+    r.commit(decision, 0.0)
+    r.commit(decision, 0.0)
+    pick = decision.endpoints[0]
+    assert r.index.occupancy() == {pick.id: len(decision.digests)}
+    assert pick.in_flight == 1
+    r.finish(decision)
+    r.finish(decision)
+    assert pick.in_flight == 0
