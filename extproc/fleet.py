@@ -50,16 +50,29 @@ class EndpointState:
     """Live state of an endpoint as the scheduler sees it.
 
     ``healthy`` is False after failed scrapes; ``draining`` stops new requests; ``in_flight`` counts
-    requests this gateway routed there that have not finished; ``metrics`` is ``None`` until the first
-    scrape or when the last one is older than the staleness bound (see :meth:`Fleet.expire_metrics`).
+    this gateway's open ext_proc streams for the endpoint (Envoy closes a stream as soon as it has nothing
+    more to send it, which for the bundled config is right after routing: so this is not the engine's
+    load); ``routed_since_scrape`` counts requests routed there since the last successful scrape;
+    ``metrics`` is ``None`` until the first scrape or when the last one is older than the staleness bound
+    (see :meth:`Fleet.expire_metrics`).
     """
 
     endpoint: Endpoint
     healthy: bool = True
     draining: bool = False
     in_flight: int = 0
+    routed_since_scrape: int = 0
     metrics: EngineMetrics | None = None
     consecutive_failures: int = field(default=0, repr=False)
+
+    @property
+    def load(self) -> float:
+        """Requests at the engine now, best estimate: its ``running + waiting`` at the last scrape plus
+        what this gateway routed there since; without metrics, this gateway's open streams."""
+        metrics = self.metrics
+        if metrics is None:
+            return float(max(self.in_flight, self.routed_since_scrape))
+        return metrics.running + metrics.waiting + self.routed_since_scrape
 
     @property
     def id(self) -> EndpointId:
@@ -119,6 +132,7 @@ class Fleet:
             state.metrics = metrics
             state.healthy = True
             state.consecutive_failures = 0
+            state.routed_since_scrape = 0  # the engine's running/waiting now include them
 
     def record_scrape_failure(self, endpoint_id: EndpointId, unhealthy_after: int) -> None:
         """Count a failed scrape; after ``unhealthy_after`` in a row the endpoint is unhealthy."""

@@ -49,14 +49,20 @@ class GatewayMetrics:
 
 
 class _FleetCollector(Collector):
-    """``kvgate_endpoint_in_flight`` and ``kvgate_endpoint_healthy``, one sample per endpoint."""
+    """Per endpoint: ``kvgate_endpoint_in_flight`` (open ext_proc streams), ``kvgate_endpoint_load`` (the
+    scheduler's estimate of requests at the engine) and ``kvgate_endpoint_healthy``."""
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
     def collect(self) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily(
-            "kvgate_endpoint_in_flight", "Requests in flight per endpoint.", labels=["endpoint"]
+            "kvgate_endpoint_in_flight", "Open ext_proc streams per endpoint.", labels=["endpoint"]
+        )
+        load = GaugeMetricFamily(
+            "kvgate_endpoint_load",
+            "Requests at the engine as the scheduler sees them: running + waiting + routed since scrape.",
+            labels=["endpoint"],
         )
         healthy = GaugeMetricFamily(
             "kvgate_endpoint_healthy",
@@ -65,6 +71,8 @@ class _FleetCollector(Collector):
         )
         for state in list(self._fleet):  # a snapshot: this runs on the metrics server's thread
             in_flight.add_metric([state.id], state.in_flight)
+            load.add_metric([state.id], state.load)
             healthy.add_metric([state.id], 1 if state.healthy and not state.draining else 0)
         yield in_flight
+        yield load
         yield healthy

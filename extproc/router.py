@@ -156,6 +156,7 @@ class Router:
             raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
         primary = result.endpoints[0]
         primary.in_flight += 1
+        primary.routed_since_scrape += 1
         return Decision(
             request_id=request_id,
             model=request.model,
@@ -187,7 +188,9 @@ class Router:
             return
         if current is not None and not decision.finished:
             current.in_flight = max(0, current.in_flight - 1)
+            current.routed_since_scrape = max(0, current.routed_since_scrape - 1)
         state.in_flight += 1
+        state.routed_since_scrape += 1
         decision.served = state
         decision.recorded = True
         self.index.record(state.id, decision.digests, now)

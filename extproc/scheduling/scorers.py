@@ -24,6 +24,7 @@ def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> di
     past ``saturation``, the scale grows with it and relative load still ranks the candidates.
     Endpoints absent from ``values`` are left out (score 0).
     """
+    values = {endpoint: v for endpoint, v in values.items() if math.isfinite(v)}  # non-finite: missing
     if not values:
         return {}
     scale = max(saturation, max(values.values()))
@@ -120,10 +121,11 @@ class KVUtilizationScorer:
 
 
 class InFlightScorer:
-    """Fewer requests in flight from this gateway is better: ``1 - n / max(saturation, max n)``.
+    """Fewer requests at the engine is better: ``1 - n / max(saturation, max n)``.
 
-    ``n`` is :attr:`EndpointState.in_flight`, counted by the gateway itself, so it works for engines
-    that export no metrics and reacts within one request instead of one scrape interval.
+    ``n`` is :attr:`EndpointState.load`: the engine's ``running + waiting`` at the last scrape plus the
+    requests this gateway routed there since, so it reacts within one request instead of one scrape
+    interval, and works (on open streams) for engines that export no metrics.
     """
 
     __slots__ = ("name", "params")
@@ -135,7 +137,7 @@ class InFlightScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        return lower_is_better({c.id: float(c.in_flight) for c in candidates}, self.params.saturation)
+        return lower_is_better({c.id: c.load for c in candidates}, self.params.saturation)
 
 
 class CacheSpreadScorer:

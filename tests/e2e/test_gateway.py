@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -198,22 +199,35 @@ def test_extproc_down_fails_closed(tmp_path_factory: pytest.TempPathFactory, spy
     assert spy.hits == []
 
 
-def test_in_flight_released_when_streams_end(stack: Stack) -> None:
-    """Envoy closes each ext_proc stream when its HTTP stream ends; every in-flight slot is released."""
-    for i in range(6):
-        chat(stack, f"in-flight test {i}", "Hello?")
-    metrics_url = f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics"
-    deadline = time.monotonic() + 10
-    while True:
-        got = http_get(metrics_url)
-        assert got is not None and got[0] == 200
-        in_flight = [
-            float(line.split()[-1])
-            for line in got[1].decode().splitlines()
-            if line.startswith("kvgate_endpoint_in_flight{")
-        ]
-        if in_flight and not any(in_flight):
-            break
-        assert time.monotonic() < deadline, in_flight
+def endpoint_gauge(stack: Stack, name: str) -> dict[str, float]:
+    got = http_get(f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics")
+    assert got is not None and got[0] == 200
+    values = {}
+    for line in got[1].decode().splitlines():
+        if line.startswith(name + "{"):
+            values[line.split('endpoint="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+    return values
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
         time.sleep(0.05)
-    assert 'kvgate_requests_total{outcome="routed"}' in got[1].decode()
+
+
+def test_scheduler_sees_load_while_streams_run(stack: Stack) -> None:
+    """Envoy closes the ext_proc stream right after routing, so the scheduler's load comes from the engines'
+    running + waiting plus what it routed since the last scrape: it must be non-zero while a long streamed
+    response runs, on the replica serving it, and go back to zero when it ends."""
+    stream = client(stack).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "load test"}], max_tokens=400, stream=True
+    )
+    it = iter(stream)
+    next(it)  # the response has started
+    replica = stream.response.headers["x-kvgate-replica"]
+    wait_for(lambda: endpoint_gauge(stack, "kvgate_endpoint_load").get(replica, 0) >= 1, "load seen")
+    for _ in it:
+        pass
+    wait_for(lambda: not any(endpoint_gauge(stack, "kvgate_endpoint_load").values()), "load back to 0")
+    wait_for(lambda: not any(endpoint_gauge(stack, "kvgate_endpoint_in_flight").values()), "streams closed")

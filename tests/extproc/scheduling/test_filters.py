@@ -25,7 +25,10 @@ def endpoint(
 ) -> EndpointState:
     metrics = None if waiting is None else EngineMetrics(waiting=waiting, running=0.0, kv_usage=kv, at=0.0)
     ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models))
-    return EndpointState(ep, healthy=healthy, draining=draining, in_flight=in_flight, metrics=metrics)
+    # ``in_flight`` here is what the gateway routed since the last scrape: load = waiting + it
+    return EndpointState(
+        ep, healthy=healthy, draining=draining, in_flight=in_flight, routed_since_scrape=in_flight, metrics=metrics
+    )
 
 
 def request(model: str = "m", subset: frozenset[str] | None = None) -> SchedulingRequest:
@@ -81,10 +84,19 @@ def test_subset_filter(subset: frozenset[str] | None, expected: list[str]) -> No
     [
         # loads: (waiting, kv_usage, in_flight) per endpoint; waiting None = no metrics
         (LoadThresholdParams(), [(0, 0.1, 0), (8, 0.95, 0), (9, 0.1, 0)], ["e0", "e1"]),
-        (LoadThresholdParams(), [(0, 0.96, 0), (1, 0.5, 0)], ["e1"]),
+        (LoadThresholdParams(), [(0, 0.99, 0), (1, 0.5, 0)], ["e0", "e1"]),  # KV use not checked by default
+        (LoadThresholdParams(max_kv_usage=0.95), [(0, 0.96, 0), (1, 0.5, 0)], ["e1"]),
+        # relative in-flight: mean 2.5, limit 1.5 x 2.5 + 2 = 5.75
+        (LoadThresholdParams(), [(0, None, 6), (0, None, 4), (0, None, 0), (0, None, 0)], ["e1", "e2", "e3"]),
+        (LoadThresholdParams(max_in_flight_ratio=None), [(0, None, 6), (0, None, 0)], ["e0", "e1"]),
+        (LoadThresholdParams(in_flight_slack=0), [(0, None, 2), (0, None, 0)], ["e1"]),
         (LoadThresholdParams(), [(20, 0.1, 0), (None, None, 0)], ["e1"]),  # no metrics: never overloaded
         (LoadThresholdParams(), [(3, None, 0), (30, None, 0)], ["e0"]),  # no kv_usage: only waiting counts
-        (LoadThresholdParams(), [(20, 0.1, 0), (30, 0.99, 0)], ["e0", "e1"]),  # all overloaded: keep all
+        (
+            LoadThresholdParams(max_kv_usage=0.95),
+            [(20, 0.1, 0), (3, 0.99, 0)],
+            ["e0", "e1"],
+        ),  # all over: keep all
         (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (None, None, 4)], ["e1"]),
         (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (0, 0.1, 9)], ["e0", "e1"]),
         (LoadThresholdParams(max_waiting=0, max_kv_usage=2.0), [(1, 1.5, 0), (0, 1.5, 0)], ["e1"]),

@@ -283,7 +283,7 @@ def test_parse_names_params_and_profiles() -> None:
     assert (strict.params.max_waiting, strict.params.max_in_flight, strict.params.max_kv_usage) == (
         2.0,
         3,
-        0.95,
+        None,
     )
     assert isinstance(a.picker, MaxScorePicker) and a.picker.params.max_fallbacks == 0
     with pytest.raises(ConfigError, match="'c'"):

@@ -23,7 +23,8 @@ def endpoint(
 ) -> EndpointState:
     metrics = None if waiting is None else EngineMetrics(waiting=waiting, running=0.0, kv_usage=kv, at=0.0)
     ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset({"m"}))
-    return EndpointState(ep, in_flight=in_flight, metrics=metrics)
+    # ``in_flight`` here is what the gateway routed since the last scrape: load = waiting + it
+    return EndpointState(ep, in_flight=in_flight, routed_since_scrape=in_flight, metrics=metrics)
 
 
 def request(blocks: int) -> SchedulingRequest:
