@@ -27,7 +27,12 @@ def endpoint(
     ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models))
     # ``in_flight`` here is what the gateway routed since the last scrape: load = waiting + it
     return EndpointState(
-        ep, healthy=healthy, draining=draining, in_flight=in_flight, routed_since_scrape=in_flight, metrics=metrics
+        ep,
+        healthy=healthy,
+        draining=draining,
+        in_flight=in_flight,
+        routed_since_scrape=in_flight,
+        metrics=metrics,
     )
 
 
