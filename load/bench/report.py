@@ -1,0 +1,192 @@
+"""Routing benchmark results: per-run metrics, the issue's goals, a markdown table and one plot per metric.
+
+Metric meanings (``summarize``): latencies in seconds, client side, over successful requests; ``ttft``
+time to first streamed token; ``itl`` gaps between streamed chunks; ``e2e`` send to last token;
+``output_tok_s`` completion tokens of successful requests / run wall time (first send to last token);
+``hit_ratio`` the fleet's prefix-cache hits, sum(cached_tokens) / sum(prompt_tokens) from the engines'
+``usage``; ``replica_requests`` requests served per replica (``x-kvgate-replica``), and
+``max_over_mean`` the busiest replica's count over the mean across all replicas (1.0 = perfectly even).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from load.bench import percentile
+from load.client import RunResult
+
+PLOTTED = (
+    ("ttft_p90_s", "TTFT p90 (s)"),
+    ("ttft_p50_s", "TTFT p50 (s)"),
+    ("itl_p90_s", "ITL p90 (s)"),
+    ("e2e_p90_s", "end-to-end latency p90 (s)"),
+    ("output_tok_s", "output tokens/s"),
+    ("hit_ratio", "prefix-cache hit ratio"),
+    ("max_over_mean", "busiest replica / mean (requests)"),
+)
+
+
+def _pcts(samples: Sequence[float], name: str) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {f"{name}_p{p}_s": round(percentile(ordered, p), 4) for p in (50, 90, 99)}
+
+
+def summarize(result: RunResult, replica_ids: Sequence[str], warmup_s: float = 0.0) -> dict[str, Any]:
+    """The metrics of one run (see the module docstring) over the requests sent after ``warmup_s``;
+    the wall time is then from ``warmup_s`` to the last of those requests' last token."""
+    records = [r for r in result.records if r.sent_s >= warmup_s]
+    failed_in_warmup = sum(1 for r in result.records if r.sent_s < warmup_s and not r.ok)
+    if warmup_s > 0:
+        ends = [r.sent_s + (r.e2e_s or 0.0) for r in records]
+        result = RunResult(
+            records, max(ends, default=warmup_s) - warmup_s, result.sessions_started, result.sessions_aborted
+        )
+    ok = [r for r in records if r.ok]
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    per_replica = {rid: 0 for rid in replica_ids}
+    for r in ok:
+        if r.replica is not None:
+            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    mean = sum(per_replica.values()) / len(per_replica) if per_replica else 0.0
+    prompt = sum(r.prompt_tokens for r in ok)
+    out_tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "warmup_s": warmup_s,
+        "requests": len(records),
+        "ok": len(ok),
+        "success": round(len(ok) / len(records), 4) if records else 0.0,
+        "statuses": statuses,
+        "sessions": result.sessions_started,
+        "sessions_aborted": result.sessions_aborted,
+        "failed_in_warmup": failed_in_warmup,
+        "wall_s": round(result.wall_s, 2),
+        "request_rate": round(len(records) / result.wall_s, 2) if result.wall_s else 0.0,
+        **_pcts([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
+        **_pcts([g for r in ok for g in r.chunk_gaps_s], "itl"),
+        **_pcts([r.e2e_s for r in ok if r.e2e_s is not None], "e2e"),
+        "output_tok_s": round(out_tokens / result.wall_s, 1) if result.wall_s else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "hit_ratio": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
+        "replica_requests": per_replica,
+        "max_over_mean": round(max(per_replica.values()) / mean, 3) if mean else 0.0,
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b and not math.isnan(a) and not math.isnan(b) else float("nan")
+
+
+def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, quoted from this run's results at each workload's highest load."""
+    out: dict[str, Any] = {}
+
+    def top(workload: str) -> dict[str, Mapping[str, Any]]:
+        mine = [r for r in runs if r["workload"] == workload and r.get("metrics")]
+        if not mine:
+            return {}
+        load = max(r["load"] for r in mine)
+        return {r["target"]: r["metrics"] for r in mine if r["load"] == load}
+
+    sp = top("shared-prefix")
+    kv = sp.get("kvgate")
+    peers = {t: m for t, m in sp.items() if t in ("sglang-router", "vllm-router")}
+    if kv is not None and peers:
+        best_ttft = min(peers.items(), key=lambda kv_: kv_[1]["ttft_p90_s"])
+        best_tput = max(peers.items(), key=lambda kv_: kv_[1]["output_tok_s"])
+        ratio = _ratio(kv["ttft_p90_s"], best_ttft[1]["ttft_p90_s"])
+        out["shared_prefix_ttft_p90_vs_best_peer"] = {
+            "value": ratio,
+            "best_peer": best_ttft[0],
+            "goal": "<= 0.5",
+            "met": ratio <= 0.5,
+        }
+        ratio = _ratio(kv["output_tok_s"], best_tput[1]["output_tok_s"])
+        out["shared_prefix_output_tok_s_vs_best_peer"] = {
+            "value": ratio,
+            "best_peer": best_tput[0],
+            "goal": ">= 1.2",
+            "met": ratio >= 1.2,
+        }
+    if kv is not None and "round-robin" in sp:
+        ratio = _ratio(sp["round-robin"]["ttft_p90_s"], kv["ttft_p90_s"])
+        out["shared_prefix_round_robin_ttft_p90_over_kvgate"] = {
+            "value": ratio,
+            "goal": ">= 10",
+            "met": ratio >= 10,
+        }
+    ag = top("agentic")
+    if "kvgate" in ag and "oracle" in ag:
+        ratio = _ratio(ag["kvgate"]["hit_ratio"], ag["oracle"]["hit_ratio"])
+        out["agentic_hit_ratio_vs_oracle"] = {"value": ratio, "goal": ">= 0.9", "met": ratio >= 0.9}
+    if "kvgate" in ag:
+        value = ag["kvgate"]["max_over_mean"]
+        out["agentic_busiest_replica_over_mean"] = {"value": value, "goal": "<= 1.5", "met": value <= 1.5}
+    measured = [r for r in runs if r.get("metrics")]
+    failed = [
+        f"{r['workload']}@{r['load']}/{r['target']}"
+        for r in measured
+        if r["metrics"]["success"] < 1.0
+        or r["metrics"]["sessions_aborted"]
+        or r["metrics"].get("failed_in_warmup", 0)
+    ]
+    out["success_100pct_every_run"] = {"value": not failed, "failed_runs": failed, "met": not failed}
+    return out
+
+
+def markdown_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """One row per (workload, load, target); skipped targets say why."""
+    head = (
+        "| workload | load | target | TTFT p50 / p90 / p99 (s) | ITL p90 (s) | e2e p90 (s) | out tok/s "
+        "| hit ratio | busiest/mean | success |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in runs:
+        m = r.get("metrics")
+        where = f"| {r['workload']} | {r['load_label']} | {r['target']} |"
+        if m is None:
+            rows.append(f"{where} skipped: {r.get('skipped', '?')} |||||||")
+            continue
+        ttft = f"{m['ttft_p50_s']:.3f} / {m['ttft_p90_s']:.3f} / {m['ttft_p99_s']:.3f}"
+        rows.append(
+            f"{where} {ttft} | {m['itl_p90_s']:.3f} | {m['e2e_p90_s']:.2f} | {m['output_tok_s']:.0f} "
+            f"| {m['hit_ratio']:.3f} | {m['max_over_mean']:.2f} | {m['ok']}/{m['requests']} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(runs: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per (workload, metric): load on x, the metric on y, one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload and r.get("metrics")]
+        targets = list(dict.fromkeys(r["target"] for r in mine))
+        unit = next((r["load_unit"] for r in mine), "load")
+        for key, label in PLOTTED:
+            fig, ax = plt.subplots(figsize=(6.4, 4.2))
+            for target in targets:
+                points = sorted((r["load"], r["metrics"][key]) for r in mine if r["target"] == target)
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=target)
+            ax.set_xlabel(unit)
+            ax.set_ylabel(label)
+            ax.set_title(f"{workload}: {label}")
+            if key.endswith("_s") and key != "output_tok_s":
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = out_dir / f"{workload}-{key}.png"
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            written.append(path)
+    return written

@@ -1,0 +1,358 @@
+"""Routing quality: kvgate against round robin, least-loaded, the peer routers and an oracle, one run.
+
+    kvgate bench routing --out results/routing            # default: ~8 min on 2 cores
+    kvgate bench routing --full --out results/routing-full
+    kvgate bench routing --smoke --out /tmp/smoke          # seconds; what CI runs
+
+For each workload it starts a simulated fleet (``load.sim``, one process, ``replicas`` replicas) sized
+for that workload, then for each load level and each target: resets every replica's prefix cache,
+starts the target fresh, sends the same sessions (same seed, so byte-identical requests at the same
+times) with :mod:`load.client`, stops the target. Results: ``routing.json`` (every run's metrics and
+the goals), ``routing.md`` (the table), and one PNG per workload and metric.
+
+Fleet capacity (see ``load/sim/README.md`` for the timing model): each replica runs the H100/8B step
+model slowed ``time_scale`` times (default 5, so 2 CPU cores can drive 8 replicas and a router), with
+``kv_blocks`` 16-token blocks chosen so the fleet's KV is ``kv_fraction`` of the workload's working
+set at its highest load (shared-prefix: 0.7, the memory-pressure case; agentic and multi-turn: a
+multiple, as those goals are about balance and affinity, not eviction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+from kvgate.procs import ChildFailed
+from kvgate.up import DEFAULT_MODEL
+from load.bench import machine, revision, write_json
+from load.bench import report as rep
+from load.bench import targets as tg
+from load.client import LoadOptions, run_load
+from load.workloads import (
+    Agentic,
+    MultiTurn,
+    SharedPrefix,
+    Trace,
+    Workload,
+    read_trace,
+    smollm2_text,
+    synthesize,
+)
+from load.workloads.session import Session, closed_arrivals, poisson_arrivals
+
+log = logging.getLogger(__name__)
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One workload at several loads. ``loads``: session arrival rates (per second) in the open loop,
+    concurrent sessions in the closed loop. ``duration_s``: arrivals span (open) or how long workers
+    start sessions (closed). ``kv_fraction``: fleet KV blocks / working set at the highest load.
+    ``warmup_s``: requests sent before this are run but not measured (each target starts cold, and a
+    short run's percentiles would otherwise be those of its first requests)."""
+
+    workload: Workload
+    loads: tuple[float, ...]
+    duration_s: float
+    kv_fraction: float
+    mode: Literal["open", "closed"] = "open"
+    warmup_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """A whole benchmark: fleet shape, timing, targets, scenarios; ``drain_s`` bounds each run's tail;
+    ``kvgate_scheduling`` replaces kvgate's default scheduling section (for tuning experiments)."""
+
+    scenarios: tuple[Scenario, ...]
+    targets: tuple[str, ...] = tg.TARGETS
+    replicas: int = 8
+    time_scale: float = 5.0
+    max_num_seqs: int = 64
+    seed: int = 1
+    drain_s: float = 90.0
+    kvgate_scheduling: dict[str, Any] | None = None
+
+
+def default_config() -> BenchConfig:
+    return BenchConfig(
+        (
+            Scenario(SharedPrefix(), (12.0, 24.0), 15.0, 0.7, warmup_s=5.0),
+            Scenario(Agentic(output=32), (2.0,), 20.0, 3.0, warmup_s=5.0),
+        )
+    )
+
+
+def full_config() -> BenchConfig:
+    return BenchConfig(
+        (
+            Scenario(SharedPrefix(), (4.0, 8.0, 12.0, 16.0, 20.0, 24.0), 60.0, 0.7, warmup_s=15.0),
+            Scenario(Agentic(output=32), (1.0, 2.0, 3.0), 60.0, 3.0, warmup_s=15.0),
+            Scenario(MultiTurn(), (2.0, 4.0), 60.0, 3.0, warmup_s=15.0),
+        ),
+        drain_s=180.0,
+    )
+
+
+def smoke_config() -> BenchConfig:
+    return BenchConfig(
+        (
+            Scenario(SharedPrefix(groups=4, prefix=128, users=2, question=32, output=8), (8.0,), 2.0, 0.7),
+            Scenario(
+                Agentic(system=96, tools=96, task=16, steps=2, output=8, tool_result=16, tool_s=0.05),
+                (4.0,),
+                1.0,
+                3.0,
+            ),
+        ),
+        targets=("kvgate", "round-robin", "oracle"),
+        replicas=2,
+        time_scale=0.05,
+        drain_s=30.0,
+    )
+
+
+def make_sessions(sc: Scenario, load: float, seed: int) -> list[Session]:
+    """The sessions of one (scenario, load): identical for every target."""
+    if isinstance(sc.workload, Trace):
+        arrivals: list[float] = []  # the trace has its own timestamps
+    elif sc.mode == "closed":
+        arrivals = closed_arrivals(int(load * sc.duration_s * 50) + 1)
+    else:
+        arrivals = poisson_arrivals(load, sc.duration_s, random.Random(f"{seed}-arrivals-{load}"))
+    return sc.workload.sessions(smollm2_text(), arrivals, seed)
+
+
+def fleet_spec(sc: Scenario, config: BenchConfig) -> tg.FleetSpec:
+    """Replica KV sized to ``kv_fraction`` of the working set at the highest load (documented above)."""
+    top = max(sc.loads)
+    sessions = len(make_sessions(sc, top, config.seed)) if not isinstance(sc.workload, Trace) else 0
+    ws_blocks = math.ceil(sc.workload.working_set_tokens(sessions) / BLOCK)
+    max_len = 512 * math.ceil(sc.workload.largest_request_tokens() / 512)
+    kv = max(math.ceil(sc.kv_fraction * ws_blocks / config.replicas), math.ceil(max_len / BLOCK))
+    sim_args = ("--time-scale", str(config.time_scale), "--max-num-seqs", str(config.max_num_seqs))
+    return tg.FleetSpec(config.replicas, kv, max_len, sim_args)
+
+
+def run_one(
+    sc: Scenario,
+    load: float,
+    target: str,
+    fleet: tg.Fleet,
+    config: BenchConfig,
+    workdir: Path,
+    progress: bool,
+) -> dict[str, Any]:
+    """Reset the fleet, start ``target``, send the sessions, stop it; a result row."""
+    name = sc.workload.name
+    unit = "concurrent sessions" if sc.mode == "closed" else "sessions/s"
+    if isinstance(sc.workload, SharedPrefix) and sc.mode == "open":
+        unit = "requests/s"  # one request per session
+    row: dict[str, Any] = {
+        "workload": name,
+        "load": load,
+        "load_label": f"{load:g} {unit}",
+        "load_unit": unit,
+        "target": target,
+    }
+    fleet.reset()
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    started = time.monotonic()
+    try:
+        running = tg.start(
+            target,
+            fleet,
+            DEFAULT_MODEL,
+            model_dir,
+            workdir / f"{name}-{load:g}-{target}",
+            config.kvgate_scheduling,
+        )
+    except (tg.TargetUnavailable, ChildFailed) as exc:
+        row["skipped"] = str(exc).splitlines()[0][:300]
+        log.warning("%s %s: skipped: %s", name, target, row["skipped"])
+        return row
+    try:
+        options = LoadOptions(
+            DEFAULT_MODEL,
+            mode=sc.mode,
+            concurrency=max(1, int(load)),
+            duration_s=sc.duration_s,
+            drain_s=config.drain_s,
+            progress=progress,
+            label=f"{name} {load:g} {target}",
+        )
+        result = asyncio.run(run_load(make_sessions(sc, load, config.seed), running.route, options))
+    finally:
+        running.stop()
+    row["metrics"] = rep.summarize(result, fleet.ids, sc.warmup_s)
+    row["run_s"] = round(time.monotonic() - started, 1)
+    m = row["metrics"]
+    print(
+        f"{name:<13} {load:>5g} {target:<14} ttft p90 {m['ttft_p90_s']:7.3f}s  "
+        f"out {m['output_tok_s']:7.1f} tok/s  "
+        f"hit {m['hit_ratio']:.3f}  busiest/mean {m['max_over_mean']:.2f}  ok {m['ok']}/{m['requests']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str = "") -> dict[str, Any]:
+    """Every scenario x load x target; writes the JSON, table and plots to ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = out_dir / "work"
+    info = machine()
+    rev = revision()
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    fleets = {}
+    for sc in config.scenarios:
+        spec = fleet_spec(sc, config)
+        fleets[sc.workload.name] = asdict(spec)
+        fleet = tg.Fleet(
+            spec, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir / sc.workload.name
+        )
+        try:
+            for load in sc.loads:
+                for target in config.targets:
+                    rows.append(run_one(sc, load, target, fleet, config, workdir, progress))
+        finally:
+            fleet.stop()
+    result = {
+        "benchmark": "routing",
+        "command": command,
+        "machine": info,
+        "revision": rev,
+        "config": {
+            "replicas": config.replicas,
+            "time_scale": config.time_scale,
+            "max_num_seqs": config.max_num_seqs,
+            "seed": config.seed,
+            "targets": list(config.targets),
+            "kvgate_scheduling": config.kvgate_scheduling or "default",
+            "scenarios": [
+                {
+                    "workload": sc.workload.name,
+                    "params": _params(sc.workload),
+                    "loads": list(sc.loads),
+                    "mode": sc.mode,
+                    "duration_s": sc.duration_s,
+                    "kv_fraction": sc.kv_fraction,
+                    "warmup_s": sc.warmup_s,
+                }
+                for sc in config.scenarios
+            ],
+            "fleets": fleets,
+        },
+        "runs": rows,
+        "goals": rep.goals(rows),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    write_json(out_dir / "routing.json", result)
+    (out_dir / "routing.md").write_text(rep.markdown_table(rows))
+    rep.plot(rows, out_dir)
+    return result
+
+
+def _params(workload: Workload) -> dict[str, Any]:
+    if isinstance(workload, Trace):
+        return {
+            "records": len(workload.records),
+            "block_tokens": workload.block_tokens,
+            "speedup": workload.speedup,
+        }
+    fields: dict[str, Any] = asdict(workload)  # type: ignore[call-overload]
+    return fields
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["routing"]:
+        args_in = args_in[1:]
+    p = argparse.ArgumentParser(prog="kvgate bench routing", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("results/routing"), help="results directory")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="more loads, 60 s runs, multi-turn and a synthetic trace too (~2 h)",
+    )
+    size.add_argument(
+        "--smoke", action="store_true", help="tiny: 2 replicas, kvgate/round-robin/oracle (seconds)"
+    )
+    p.add_argument("--targets", help=f"comma-separated subset of {','.join(tg.TARGETS)}")
+    p.add_argument("--workloads", help="comma-separated subset of the configuration's workloads")
+    p.add_argument("--loads", help="comma-separated load levels replacing each workload's own")
+    p.add_argument(
+        "--duration", type=float, help="seconds of arrivals per run, replacing each workload's own"
+    )
+    p.add_argument("--warmup", type=float, help="seconds of each run not measured, replacing each workload's")
+    p.add_argument("--trace", type=Path, help="also replay this Mooncake-shaped JSONL trace")
+    p.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument(
+        "--trace-block-tokens", type=int, default=128, help="tokens per trace hash id (512 in the trace)"
+    )
+    p.add_argument("--replicas", type=int, help="fleet size (default 8)")
+    p.add_argument("--time-scale", type=float, help="simulator step-time multiplier (default 5)")
+    p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--kvgate-scheduling", type=Path, help="JSON file: kvgate scheduling section (plugins + profiles)"
+    )
+    args = p.parse_args(args_in)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = full_config() if args.full else smoke_config() if args.smoke else default_config()
+    if args.targets:
+        chosen = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+        unknown = [t for t in chosen if t not in tg.TARGETS]
+        if unknown:
+            p.error(f"unknown targets {unknown}; known: {', '.join(tg.TARGETS)}")
+        config = replace(config, targets=chosen)
+    if args.workloads:
+        wanted = {w.strip() for w in args.workloads.split(",")}
+        config = replace(config, scenarios=tuple(s for s in config.scenarios if s.workload.name in wanted))
+    if args.loads:
+        loads = tuple(float(x) for x in args.loads.split(","))
+        config = replace(config, scenarios=tuple(replace(s, loads=loads) for s in config.scenarios))
+    if args.duration is not None:
+        config = replace(
+            config, scenarios=tuple(replace(s, duration_s=args.duration) for s in config.scenarios)
+        )
+    if args.warmup is not None:
+        config = replace(config, scenarios=tuple(replace(s, warmup_s=args.warmup) for s in config.scenarios))
+    trace_path = args.trace
+    if trace_path is None and args.full:
+        trace_path = synthesize(
+            args.out / "synthetic-trace.jsonl", requests=300, rate_per_s=4.0, seed=config.seed
+        )
+    if trace_path is not None:
+        records = tuple(read_trace(trace_path))
+        trace = Trace(records, block_tokens=args.trace_block_tokens, speedup=args.trace_speedup)
+        config = replace(config, scenarios=(*config.scenarios, Scenario(trace, (1.0,), 1e9, 0.7)))
+    if args.kvgate_scheduling is not None:
+        config = replace(config, kvgate_scheduling=json.loads(args.kvgate_scheduling.read_text()))
+    for key in ("replicas", "time_scale", "seed"):
+        if getattr(args, key) is not None:
+            config = replace(config, **{key: getattr(args, key)})
+    command = " ".join(["kvgate bench routing", *args_in])
+    result = run(config, args.out, progress=not args.no_progress, command=command)
+    sys.stdout.write(rep.markdown_table(result["runs"]))
+    for name, goal in result["goals"].items():
+        print(f"goal {name}: {goal}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

