@@ -297,7 +297,6 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "load-threshold"},
                     {"ref": "prefix", "weight": 3.0},
                     {"ref": "queue", "weight": 2.0},
-                    {"ref": "kv-utilization", "weight": 2.0},
                     {"ref": "in-flight", "weight": 1.0},
                     {"ref": "cache-spread", "weight": 1.0},
                     {"ref": "max-score"},

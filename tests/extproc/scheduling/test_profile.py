@@ -247,7 +247,6 @@ def test_default_config() -> None:
     assert [(s.name, w) for s, w in profile.scorers] == [
         ("prefix", 3.0),
         ("queue", 2.0),
-        ("kv-utilization", 2.0),
         ("in-flight", 1.0),
         ("cache-spread", 1.0),
     ]
