@@ -165,7 +165,12 @@ def load_tokenizer(model_dir: Path, chat_template: str | None = None) -> SimToke
     with _LOCK:
         loaded = _LOADED.get(key)
         if loaded is None:
-            from transformers import AutoTokenizer
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as exc:  # the simulator is an optional extra of the kvgate distribution
+                raise FileNotFoundError(
+                    "the simulator needs transformers: pip install 'kvgate[sim]' (./dev installs it)"
+                ) from exc
 
             template = read_chat_template(chat_template) if chat_template is not None else None
             hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
