@@ -126,13 +126,18 @@ class Fleet:
         """Every model name served by at least one endpoint, sorted."""
         return sorted({m for s in self._states.values() for m in s.endpoint.models})
 
-    def record_scrape(self, endpoint_id: EndpointId, metrics: EngineMetrics) -> None:
+    def record_scrape(
+        self, endpoint_id: EndpointId, metrics: EngineMetrics, routed_before: int | None = None
+    ) -> None:
+        """Store a scrape. ``routed_before``: ``routed_since_scrape`` when the scrape was sent; only those
+        requests are now in the engine's running/waiting (``None``: all of them are)."""
         state = self._states.get(endpoint_id)
         if state is not None:
             state.metrics = metrics
             state.healthy = True
             state.consecutive_failures = 0
-            state.routed_since_scrape = 0  # the engine's running/waiting now include them
+            counted = state.routed_since_scrape if routed_before is None else routed_before
+            state.routed_since_scrape = max(0, state.routed_since_scrape - counted)
 
     def record_scrape_failure(self, endpoint_id: EndpointId, unhealthy_after: int) -> None:
         """Count a failed scrape; after ``unhealthy_after`` in a row the endpoint is unhealthy."""

@@ -140,6 +140,7 @@ class Scraper:
         assert url is not None
         names = ENGINE_METRICS.get(state.endpoint.engine, VLLM)
         assert self._session is not None
+        routed_before = state.routed_since_scrape  # what the engine's answer will already include
         try:
             async with self._session.get(url, raise_for_status=True) as resp:
                 text = await resp.text()
@@ -150,4 +151,4 @@ class Scraper:
             return
         if not state.healthy:
             log.info("endpoint %s healthy again", state.id)
-        self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()))
+        self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()), routed_before)
