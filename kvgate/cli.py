@@ -74,6 +74,13 @@ def _envoy_config(argv: list[str]) -> int:
     return 0
 
 
+def _model(argv: list[str]) -> int:
+    if argv[:1] != ["export"]:
+        print("usage: kvgate model export GGUF OUTDIR [--force]", file=sys.stderr)
+        return 2
+    return _lazy("extproc.gguf")(argv[1:])
+
+
 def _lazy(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         import importlib
@@ -88,7 +95,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "up": _lazy("kvgate.up"),
     "extproc": _lazy("extproc.server"),
     "sim": _lazy("load.sim.server"),
-    "model": lambda argv: _lazy("extproc.gguf")(argv[1:] if argv[:1] == ["export"] else argv),
+    "model": _model,
     "envoy-config": _envoy_config,
     "oidc-dev": _lazy("kvgate.oidc_dev"),
     "apikey": _lazy("kvgate.apikey"),

@@ -311,9 +311,12 @@ def run_breakdown(
             extra=request.template_kwargs,
         )
         marks.append(time.perf_counter_ns())
-        ids = assets.tokenizer.encode(text, add_special_tokens=False)
+        # As Router.tokens does without token budgets: only as far as the digest window reaches.
+        ids, count = assets.tokenizer.encode_prefix(
+            text, add_special_tokens=False, limit=router.max_blocks * assets.block_size
+        )
         marks.append(time.perf_counter_ns())
-        digests = router.digests(request, Tokens(ids, assets.block_size, True, len(ids)))
+        digests = router.digests(request, Tokens(ids, assets.block_size, True, count))
         marks.append(time.perf_counter_ns())
         now = clock()
         state = CycleState(
@@ -322,7 +325,7 @@ def run_breakdown(
         marks.append(time.perf_counter_ns())
         candidates = [s for s in candidates_all if request.model in s.endpoint.models]
         sched = SchedulingRequest(
-            request_id=f"b{i}", model=request.model, digests=digests, prompt_tokens=len(ids), now=now
+            request_id=f"b{i}", model=request.model, digests=digests, prompt_tokens=count, now=now
         )
         result = router.profile.schedule(sched, state, candidates, random.Random(i))
         marks.append(time.perf_counter_ns())
