@@ -13,6 +13,7 @@ from typing import NewType
 EndpointId = NewType("EndpointId", str)
 
 ENGINE_KINDS = ("vllm", "sglang", "trtllm", "llama_cpp", "openai_compat", "sim")
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +21,12 @@ class Endpoint:
     """A static description of one engine replica.
 
     ``address`` is the ``ip:port`` Envoy proxies to; ``metrics_url`` the Prometheus endpoint to scrape
-    (``None``: no scraping, the endpoint is trusted healthy and scored on in-flight counts only).
+    (``None``: no scraping: the endpoint is trusted healthy and scored on what this gateway routed there,
+    or on the load its agent streams). Registered by a node agent (etcd ``endpoints/<id>``), it also
+    has: ``node``, the agent's node id; ``feed``, the ``host:port`` of the agent's index event stream
+    (:mod:`extproc.events`); ``kv_events``, whether that stream carries this endpoint's KV events (else
+    the gateway keeps learning it from its own decisions); ``role`` (``both``, ``prefill`` or
+    ``decode``), ``block_size`` (the engine's KV block, tokens) and ``capacity_blocks`` (its KV blocks).
     """
 
     id: EndpointId
@@ -29,6 +35,12 @@ class Endpoint:
     engine: str = "vllm"
     metrics_url: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    role: str = "both"
+    node: str | None = None
+    feed: str | None = None
+    kv_events: bool = False
+    block_size: int | None = None
+    capacity_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

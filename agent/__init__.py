@@ -1,0 +1,1 @@
+"""kvgate node agent: engine supervision, etcd registration, KV events -> index events, telemetry."""
