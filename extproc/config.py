@@ -47,13 +47,16 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc.auth import AuthConfig
 from extproc.errors import ConfigError
 from extproc.fleet import ENGINE_KINDS, Endpoint, EndpointId
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 from extproc.tenants import Tenant
+
+if TYPE_CHECKING:
+    from extproc.etcd import EtcdSettings
 
 T = TypeVar("T")
 
@@ -172,14 +175,35 @@ class ScrapeConfig:
     tls_key: str | None = None
 
 
+INDEX_MODES = ("precise", "approximate")
+
+
 @dataclass(frozen=True, slots=True)
 class IndexConfig:
-    """Prefix index: tokens per block, blocks kept per endpoint, entry lifetime (s), blocks matched."""
+    """Prefix index: tokens per block, blocks kept per endpoint, entry lifetime (s), blocks matched.
+
+    ``mode``: ``precise`` uses engine KV events (streamed by node agents) for endpoints that have them and
+    learns the others from routing decisions; ``approximate`` ignores events and learns every endpoint from
+    decisions. ``speculative_ttl_s``: in precise mode, how long a decision counts for an event-fed endpoint
+    before the engine's own events confirm it.
+    """
 
     block_size: int = 16
     capacity_blocks: int = 200_000
     ttl_s: float = 600.0
     max_match_blocks: int = 256
+    mode: str = "precise"
+    speculative_ttl_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class FeedsConfig:
+    """Index-event feeds from node agents: optional mTLS (all three PEM paths or none): the CA that
+    agents' certificates chain to, and this gateway's client certificate and key."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +231,20 @@ class GatewayConfig:
     #: ``None``: no authentication (the gateway is open, as without an ``[auth]`` section).
     auth: AuthConfig | None = None
     tenants: tuple[Tenant, ...] = ()
+    #: The shared control plane (``None``: no etcd; fleet and policy come from this file alone).
+    etcd: EtcdSettings | None = None
+    #: A local policy file (same schema as etcd ``policy/``; :mod:`extproc.policy`), read at start.
+    policy_file: str | None = None
+    feeds: FeedsConfig = field(default_factory=FeedsConfig)
 
 
 _EX, _SC, _IX = ExtprocConfig(), ScrapeConfig(), IndexConfig()
+
+
+def _choice(value: str, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def parse_config(raw: object) -> GatewayConfig:
@@ -249,8 +284,16 @@ def parse_config(raw: object) -> GatewayConfig:
         capacity_blocks=ix.integer("capacity_blocks", _IX.capacity_blocks, minimum=1),
         ttl_s=ix.number("ttl_s", _IX.ttl_s, minimum=0.001),
         max_match_blocks=ix.integer("max_match_blocks", _IX.max_match_blocks, minimum=1),
+        mode=_choice(ix.string("mode", _IX.mode), INDEX_MODES, "index.mode"),
+        speculative_ttl_s=ix.number("speculative_ttl_s", _IX.speculative_ttl_s, minimum=0.001),
     )
     ix.done()
+    fd = top.table("feeds")
+    feeds = FeedsConfig(
+        tls_ca=fd.string("tls_ca"), tls_cert=fd.string("tls_cert"), tls_key=fd.string("tls_key")
+    )
+    fd.done()
+    _all_or_none("feeds", tls_ca=feeds.tls_ca, tls_cert=feeds.tls_cert, tls_key=feeds.tls_key)
     models = tuple(_model(m, f"models[{i}]") for i, m in enumerate(top.array("models", [])))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -267,8 +310,19 @@ def parse_config(raw: object) -> GatewayConfig:
 
     auth = parse_auth(top.raw("auth"))
     tenants = parse_tenants(top.array("tenants", []), auth)
+    etcd_raw = top.raw("etcd")
+    etcd = None
+    if etcd_raw is not None:
+        from extproc.etcd import parse_etcd_settings
+
+        etcd = parse_etcd_settings(etcd_raw, "etcd")
+    pol = top.table("policy")
+    policy_file = pol.string("file")
+    pol.done()
     top.done()
-    return GatewayConfig(extproc, scrape, index, models, endpoints, scheduling, auth, tenants)
+    return GatewayConfig(
+        extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds
+    )
 
 
 def _all_or_none(where: str, **paths: str | None) -> None:

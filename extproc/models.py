@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -130,6 +130,12 @@ class ModelRegistry(Mapping[str, ModelAssets]):
                 raise ConfigError(f"model {source.name}: set model_dir or gguf")
             assets.append(ModelAssets.load(source.name, model_dir, source.chat_template, block_size))
         return cls(assets)
+
+    def with_block_size(self, block_size: int) -> ModelRegistry:
+        """The same models hashed in blocks of ``block_size`` tokens (tokenizers and templates shared)."""
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        return ModelRegistry({n: replace(a, block_size=block_size) for n, a in self._models.items()})
 
     def find(self, name: str) -> ModelAssets | None:
         """The assets served as ``name``, or None."""

@@ -57,6 +57,19 @@ class Decision:
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """A per-model route (etcd ``models/<name>``): only endpoints carrying all of ``labels`` serve the model,
+    scheduled by ``profile``."""
+
+    labels: tuple[tuple[str, str], ...]
+    profile: Profile
+
+    def admits(self, state: EndpointState) -> bool:
+        held = state.endpoint.labels
+        return all(label in held for label in self.labels)
+
+
+@dataclass(frozen=True, slots=True)
 class Tokens:
     """The prompt as the engine will see it.
 
@@ -93,6 +106,9 @@ class Router:
         self.max_blocks = max_blocks
         self._rng = rng or random.Random()
         self._chains = ChainCache()
+        #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
+        #: endpoint serving them. Replaced as a whole when the policy changes.
+        self.routes: dict[str, Route] = {}
 
     def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
@@ -137,6 +153,11 @@ class Router:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
             )
+        route = self.routes.get(request.model)
+        profile = self.profile
+        if route is not None:
+            candidates = [s for s in candidates if route.admits(s)]
+            profile = route.profile
         if pinned is not None:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
         if tokens is None:
@@ -151,7 +172,7 @@ class Router:
             now=now,
             subset=subset,
         )
-        result = self.profile.schedule(sched, state, candidates, self._rng)
+        result = profile.schedule(sched, state, candidates, self._rng)
         if not result.endpoints:
             raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
         primary = result.endpoints[0]

@@ -28,12 +28,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from extproc.auth import Gate, build_gate
+from extproc.cluster import Cluster
 from extproc.config import GatewayConfig, load_config
 from extproc.errors import ConfigError
 from extproc.fleet import Fleet
 from extproc.index import ApproximateIndex
 from extproc.metrics import GatewayMetrics
 from extproc.models import ModelRegistry
+from extproc.precise import HybridIndex, PreciseIndex
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.router import Router
 from extproc.scheduling.registry import build_profile
@@ -91,11 +93,18 @@ class Gateway:
         self.config = config
         self.fleet = Fleet(config.endpoints)
         self.models = ModelRegistry.from_config(config.models, block_size=config.index.block_size)
-        self.index = ApproximateIndex(
+        approximate = ApproximateIndex(
             capacity_blocks_per_endpoint=config.index.capacity_blocks,
             ttl_s=config.index.ttl_s,
             max_match_blocks=config.index.max_match_blocks,
         )
+        self.index: ApproximateIndex | HybridIndex = approximate
+        if config.index.mode == "precise":
+            precise = PreciseIndex(
+                speculative_ttl_s=config.index.speculative_ttl_s,
+                max_match_blocks=config.index.max_match_blocks,
+            )
+            self.index = HybridIndex(precise, approximate)
         self.router = Router(
             self.fleet,
             self.models,
@@ -105,6 +114,8 @@ class Gateway:
             max_blocks=config.index.max_match_blocks,
             rng=random.Random(),
         )
+        #: etcd control plane, agents' feeds and policy (:mod:`extproc.cluster`).
+        self.cluster = Cluster(config, self.fleet, self.index, self.router, self.models)
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
@@ -155,6 +166,7 @@ class Gateway:
             host, _, port = cfg.extproc.metrics_listen.rpartition(":")
             http_server, _thread = start_http_server(int(port), addr=host, registry=self.metrics.registry)
             self.ports["metrics"] = http_server.server_port
+        await self.cluster.start()
         self._scraper = Scraper(
             self.fleet,
             interval_s=cfg.scrape.interval_s,
@@ -189,6 +201,7 @@ class Gateway:
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        await self.cluster.aclose()
 
 
 def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:

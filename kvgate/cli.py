@@ -17,6 +17,9 @@ commands:
   oidc-dev        run a development OIDC issuer (--port P --clients FILE)
   apikey          API keys: `kvgate apikey create --tenant T | revoke ID | list`
   bench           routing benchmark: `kvgate bench routing [--smoke|--full] --out DIR`
+  agent           run a node agent supervising engines (--config node.toml)
+  policy          scheduling policy in etcd (or a file): `kvgate policy get|set|unset|list|watch`
+  drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo]`
 """
 
 
@@ -81,6 +84,12 @@ def _model(argv: list[str]) -> int:
     return _lazy("extproc.gguf")(argv[1:])
 
 
+def _drain(argv: list[str]) -> int:
+    from kvgate.policy_cli import drain_main
+
+    return drain_main(argv)
+
+
 def _lazy(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         import importlib
@@ -101,6 +110,9 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "apikey": _lazy("kvgate.apikey"),
     "certs": _lazy("certs.cli"),
     "bench": _lazy("load.bench.routing"),
+    "agent": _lazy("agent.main"),
+    "policy": _lazy("kvgate.policy_cli"),
+    "drain": _drain,
 }
 
 

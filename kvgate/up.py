@@ -36,6 +36,7 @@ from kvgate.devauth import DevAuth, StackAuth, start_dev_auth
 from kvgate.envoy_auth import EdgeAuth
 from kvgate.envoyconf import EnvoyParams, render_yaml
 from kvgate.envoytls import EnvoyTls, write_sds
+from kvgate.etcdserver import EtcdServer
 from kvgate.procs import Child, ChildFailed, start_envoy
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,17 @@ class StackOptions:
     client_certs: bool = False
     #: ``--auth``: a dev OIDC issuer + API keys + tenants in front (:mod:`kvgate.devauth`).
     auth: StackAuth | None = None
+    #: ``--agents N``: a local etcd and N node agents, each supervising one engine of kind
+    #: ``agent_engine`` (``sim`` or ``llama_cpp``) with ``agent_args`` appended to its argv; the gateway
+    #: learns the fleet from etcd and load and KV events from the agents' feeds (``replicas`` is unused).
+    agents: int = 0
+    agent_engine: str = "sim"
+    agent_args: tuple[str, ...] = ()
+    #: Extra keys of each agent engine's ``[[engines]]`` table (e.g. ``{"parallel": 2}``).
+    agent_engine_options: dict[str, Any] = field(default_factory=dict)
+    lease_ttl_s: int = 5
+    #: Extra keys of the gateway config's ``[index]`` table.
+    index: dict[str, Any] = field(default_factory=dict)
 
 
 class Stack:
@@ -102,6 +114,10 @@ class Stack:
         self.certs: dict[str, LeafFiles] = {}
         self.tls: EnvoyTls | None = None
         self.auth: DevAuth | None = None
+        #: ``agents`` mode: the local etcd, and each agent's process and node config path.
+        self.etcd: EtcdServer | None = None
+        self.agents: list[Child] = []
+        self.agent_configs: list[Path] = []
 
     def start(self) -> Stack:
         try:
@@ -123,7 +139,11 @@ class Stack:
             self._mint_certs()
         smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
         model_dir: str | None = opts.model_dir or smollm2_dir
-        if opts.endpoints:
+        if opts.agents:
+            if opts.endpoints or self.secure:
+                raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
+            self._start_agents(smollm2_dir)
+        elif opts.endpoints:
             self.engines = [_endpoint_from_url(u, i, opts.engine) for i, u in enumerate(opts.endpoints)]
             if opts.model_dir is None and opts.model != DEFAULT_MODEL:
                 log.info(
@@ -181,8 +201,12 @@ class Stack:
                     **({"chat_template": opts.chat_template} if opts.chat_template else {}),
                 }
             ],
-            "endpoints": [{**e, "models": [opts.model]} for e in self.engines],
+            "endpoints": [] if opts.agents else [{**e, "models": [opts.model]} for e in self.engines],
         }
+        if self.etcd is not None:
+            config["etcd"] = {"endpoints": [self.etcd.address]}
+        if opts.index:
+            config["index"] = dict(opts.index)
         if opts.scheduling is not None:
             config["scheduling"] = opts.scheduling
         if opts.scrape:
@@ -229,6 +253,44 @@ class Stack:
         self.children.append(self.envoy)
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
 
+    def _start_agents(self, model_dir: str) -> None:
+        """A local etcd, then one node agent per engine; waits until every agent's engine is ready."""
+        opts = self.options
+        self.etcd = EtcdServer(self.workdir / "etcd")
+        self.etcd.start()
+        ready_files = []
+        for i in range(opts.agents):
+            node = f"node-{i}"
+            engine: dict[str, Any] = {
+                "id": f"{opts.agent_engine}-{i}",
+                "kind": opts.agent_engine,
+                "model": opts.model,
+                "model_path": model_dir if opts.agent_engine == "sim" else "smollm2",
+                "args": list(opts.agent_args),
+                **opts.agent_engine_options,
+            }
+            node_config = {
+                "agent": {
+                    "id": node,
+                    "lease_ttl_s": opts.lease_ttl_s,
+                    "drain_timeout_s": 10,
+                    "state_dir": str(self.workdir / node),
+                },
+                "etcd": {"endpoints": [self.etcd.address]},
+                "engines": [engine],
+            }
+            path = self.workdir / f"{node}.json"
+            path.write_text(json.dumps(node_config, indent=2))
+            self.agent_configs.append(path)
+            ready = self.workdir / f"{node}.ready.json"
+            argv = [sys.executable, "-m", "agent.main", "--config", str(path), "--ready-file", str(ready)]
+            self.agents.append(self._spawn(node, argv))
+            ready_files.append(ready)
+        for child, ready in zip(self.agents, ready_files, strict=True):
+            status = child.wait_for_json_file(ready, 600)
+            for e in status["engines"]:
+                self.engines.append({"id": e["id"], "address": e["address"], "engine": e["kind"]})
+
     def _mint_certs(self) -> None:
         """CA + service certificates into ``workdir/certs`` and the SDS files Envoy reads them through."""
         certs_dir = self.workdir / "certs"
@@ -243,10 +305,13 @@ class Stack:
         return child
 
     def stop(self) -> None:
-        """Stop children in reverse start order (Envoy first, engines last)."""
+        """Stop children in reverse start order (Envoy first, engines last), then the local etcd."""
         for child in reversed(self.children):
             child.stop()
         self.children.clear()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -312,6 +377,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the HTTPS listener requires a client certificate from the dev CA (implies --secure)",
     )
     parser.add_argument(
+        "--agents",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a local etcd and N node agents, each running one engine (see --agent-engine)",
+    )
+    parser.add_argument(
+        "--agent-engine",
+        default="sim",
+        choices=["sim", "llama_cpp"],
+        help="with --agents: the engine each agent runs (llama_cpp: llama-server with SmolLM2 on the CPU)",
+    )
+    parser.add_argument(
         "--auth",
         action="store_true",
         help="require credentials: a dev OIDC issuer (JWTs) and an API key for tenant 'dev'",
@@ -332,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             secure=args.secure,
             client_certs=args.client_certs,
             auth=StackAuth() if args.auth else None,
+            agents=args.agents,
+            agent_engine=args.agent_engine,
         )
     )
     stop = threading.Event()

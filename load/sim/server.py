@@ -35,6 +35,7 @@ from load.sim.cache import CacheListener
 from load.sim.compat import compat_routes
 from load.sim.driver import EngineDriver
 from load.sim.engine import Engine, EngineConfig, TokenEvent
+from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import replica_registry
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
@@ -49,17 +50,20 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # aiohttp's default of 1 MiB is below long-co
 class SimConfig:
     """What each replica serves: ``model`` is the served name, ``model_dir`` a Hugging Face style
     directory (tokenizer.json, tokenizer_config.json), ``chat_template`` a template file or template
-    text overriding the tokenizer's."""
+    text overriding the tokenizer's, ``kv_events`` vLLM's ``--kv-events-config`` (replica ``i`` is
+    data-parallel rank ``i``)."""
 
     model: str
     model_dir: Path
     chat_template: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     timing: TimingModel = field(default_factory=TimingModel)
+    kv_events: KvEventsConfig | None = None
 
 
 class SimReplica:
-    """One simulated vLLM replica: engine, driver, metrics and HTTP app."""
+    """One simulated vLLM replica: engine, driver, metrics, HTTP app and, when enabled, the KV event
+    publisher of data-parallel rank ``rank``."""
 
     def __init__(
         self,
@@ -67,10 +71,16 @@ class SimReplica:
         config: SimConfig,
         tokenizer: SimTokenizer,
         listener: CacheListener | None = None,
+        rank: int = 0,
     ) -> None:
         self.id = replica_id
         self.config = config
         self.tokenizer = tokenizer
+        kv = config.kv_events
+        self.kv_events = (
+            KvEventPublisher(kv, rank, config.engine.block_size) if kv is not None and kv.enabled else None
+        )
+        listener = sink(self.kv_events, listener)
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener)
         self.registry, observe_ttft = replica_registry(self.engine, config.model)
         self.driver = EngineDriver(self.engine, observe_ttft)
@@ -80,6 +90,8 @@ class SimReplica:
 
     async def start(self, sock: socket.socket, ssl_context: ssl.SSLContext | None = None) -> None:
         """Serve on a bound socket (HTTPS with ``ssl_context``) and start the engine."""
+        if self.kv_events is not None:
+            await self.kv_events.start()
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._tag)
         app.add_routes(
@@ -95,6 +107,8 @@ class SimReplica:
                 *compat_routes(self),
             ]
         )
+        if self.kv_events is not None:
+            app.router.add_post("/_sim/drop_next_kv_batches", self._drop_next_kv_batches)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         host, port = sock.getsockname()[:2]
@@ -112,6 +126,8 @@ class SimReplica:
             await self._runner.cleanup()
             self._runner = None
         await self.driver.aclose()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -274,6 +290,18 @@ class SimReplica:
             raise api.SimError(409, "the prefix cache is in use by running requests")
         return web.Response(status=200)
 
+    async def _drop_next_kv_batches(self, request: web.Request) -> web.Response:
+        """Test hook: the next ``n`` KV event batches skip the PUB socket (replay still has them)."""
+        assert self.kv_events is not None
+        try:
+            n = int(request.query.get("n", "1"))
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise api.bad("'n' must be a non-negative integer", "n")
+        self.kv_events.drop_next(n)
+        return _json({"dropping": n})
+
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -337,8 +365,17 @@ class SimFleet:
         return [r.address for r in self.replicas]
 
     def describe(self) -> list[dict[str, str]]:
-        """``[{"id", "address", "model"}]``: what ``--ready-file`` holds."""
-        return [{"id": r.id, "address": r.address, "model": self.config.model} for r in self.replicas]
+        """``[{"id", "address", "model"}]``, plus ``kv_events`` and ``kv_events_replay`` (the bound
+        ``tcp://host:port``; replay ``""`` without a replay endpoint) when KV events are enabled: what
+        ``--ready-file`` holds."""
+        records = []
+        for r in self.replicas:
+            record = {"id": r.id, "address": r.address, "model": self.config.model}
+            if r.kv_events is not None:
+                record["kv_events"] = r.kv_events.address
+                record["kv_events_replay"] = r.kv_events.replay_address
+            records.append(record)
+        return records
 
     async def start(self) -> None:
         """Load the tokenizer (once per process) and start every replica."""
@@ -347,7 +384,7 @@ class SimFleet:
             for i in range(self._n):
                 replica_id = f"{self._prefix}-{i}"
                 listener = self._listener_factory(replica_id) if self._listener_factory else None
-                replica = SimReplica(replica_id, self.config, tokenizer, listener)
+                replica = SimReplica(replica_id, self.config, tokenizer, listener, rank=i)
                 self.replicas.append(replica)
                 sock = bind(self._host, self._port + i if self._port else 0)
                 await replica.start(sock, self._ssl_context)
@@ -431,6 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tls-client-ca", type=Path, help="require client certificates that chain to this PEM CA bundle"
     )
+    p.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help="as vLLM: publish KV cache events, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+        "(replica i uses port+i)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -453,7 +497,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_s_per_token=1 / args.prefill_tokens_per_s,
         time_scale=args.time_scale,
     )
-    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing)
+    kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
+    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing, kv_events)
 
 
 async def serve(config: SimConfig, args: argparse.Namespace) -> None:

@@ -1,0 +1,482 @@
+"""``kvgate agent --config node.toml``: one node agent, composing the agent's parts.
+
+For each ``[[engines]]`` entry: an :class:`~agent.supervisor.EngineSupervisor` runs (or, for
+``openai_compat``, probes) the engine; once it is ready the agent registers it in etcd
+(``endpoints/<id>`` under the agent's lease, :class:`extproc.etcd.LeasedKeys`), subscribes to its KV
+events (:class:`~agent.kvevents.KvEventSubscriber`) and translates them into index events
+(:class:`~agent.translate.Translator`), and scrapes its load (:class:`~agent.telemetry.TelemetryLoop`).
+Index events and loads go out on one gRPC stream (:class:`~agent.feed.FeedServer`) that every gateway
+replica subscribes to; a subscriber that needs a full resync gets the translators' snapshots.
+
+An engine that crashes loses its cache: its endpoint is reported ``Cleared`` and unhealthy until it is
+ready again. First SIGTERM/SIGINT drains: every endpoint is reported draining (gateways stop routing to
+it at once), in-flight requests get ``drain_timeout_s`` to finish, the endpoints are deregistered, then
+the engines stop. A second signal stops at once. Without ``[etcd]`` the agent runs standalone (the feed
+and admin API still serve; a gateway can list the endpoints statically).
+
+Admin HTTP (``admin_listen``, plaintext, bind it to loopback or a management network): ``GET /healthz``
+(the agent runs), ``GET /readyz`` (200 when every engine is ready), ``GET /status`` (engines, states,
+addresses, feed position), ``POST /drain`` (the same drain as SIGTERM, then exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from agent.config import EngineConfig, NodeConfig, load_node_config
+from agent.errors import AgentError
+from agent.feed import FeedLog, FeedServer
+from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
+from agent.supervisor import EngineState, EngineSupervisor
+from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
+from agent.translate import Translator
+from extproc.errors import ConfigError
+from extproc.events import IndexEvent, Load
+from extproc.tls import ServerTlsFiles
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INDEX_BLOCK_SIZE = 16
+TELEMETRY_INTERVAL_S = 0.1
+#: Below the gateway's default ``scrape.stale_after_s`` (2 s), so an idle engine's load never expires.
+TELEMETRY_HEARTBEAT_S = 0.5
+
+
+@dataclasses.dataclass(slots=True)
+class _Engine:
+    """One supervised engine and what the agent runs for it once it is ready."""
+
+    config: EngineConfig
+    supervisor: EngineSupervisor
+    translator: Translator | None = None
+    subscriber: KvEventSubscriber | None = None
+    pump: asyncio.Task[None] | None = None
+    registered: bool = False
+    draining: bool = False
+    scraper: EngineScraper | None = None
+
+
+class Agent:
+    """The node agent: supervisors, event translation, feed, telemetry, registration."""
+
+    def __init__(self, config: NodeConfig, *, index_block_size: int | None = None) -> None:
+        self.config = config
+        self.node = config.agent.id
+        self._index_block_size = index_block_size
+        self.feed_log = FeedLog(self.node)
+        tls = config.agent.tls
+        self.feed = FeedServer(
+            self.feed_log,
+            self._snapshot,
+            listen=config.agent.listen,
+            tls=None if tls is None else ServerTlsFiles(Path(tls.cert), Path(tls.key), Path(tls.client_ca)),
+        )
+        self.telemetry = TelemetryLoop(
+            TELEMETRY_INTERVAL_S, self.feed.publish, heartbeat_s=TELEMETRY_HEARTBEAT_S, gpus=GpuTelemetry()
+        )
+        self.engines: dict[str, _Engine] = {}
+        self.feed_address = ""
+        self.admin_port = 0
+        self._etcd_client: object | None = None
+        self._leased: object | None = None
+        self._prefix = ""
+        self._admin: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stop_requested = asyncio.Event()
+        self._registered = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the feed and admin API, connect to etcd, start every engine (not waiting for them)."""
+        await asyncio.to_thread(Path(self.config.agent.state_dir).mkdir, parents=True, exist_ok=True)
+        await self.feed.start()
+        self.feed_address = _join(self.config.agent.advertise, self.feed.port)
+        await self._start_admin()
+        if self.config.etcd_raw is not None:
+            await self._start_etcd()
+        if self._index_block_size is None:
+            self._index_block_size = DEFAULT_INDEX_BLOCK_SIZE
+        self.telemetry.start()
+        for engine in self.config.engines:
+            sup = EngineSupervisor(engine, self.config.agent, on_change=self._on_change)
+            self.engines[engine.id] = _Engine(engine, sup)
+        for eng in self.engines.values():
+            await eng.supervisor.start()
+        log.info(
+            "agent %s: feed on %s, admin on %d, %d engines", self.node, self.feed_address, self.admin_port,
+            len(self.engines),
+        )  # fmt: skip
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every engine is ready and registered (:class:`~agent.errors.EngineNotReady`)."""
+        await asyncio.gather(*(e.supervisor.wait_ready(timeout_s) for e in self.engines.values()))
+
+        async def registered() -> None:
+            while not all(e.registered for e in self.engines.values()):
+                self._registered.clear()
+                await self._registered.wait()
+
+        await asyncio.wait_for(registered(), timeout_s)
+
+    async def drain(self) -> None:
+        """Drain every engine (module docstring), then stop the agent's own services."""
+        await asyncio.gather(*(self._drain_engine(e) for e in self.engines.values()))
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop everything now (engines get SIGTERM, then SIGKILL after their grace period)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for eng in self.engines.values():
+            await self._stop_feed(eng)
+        await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
+        await self.telemetry.aclose()
+        if self._leased is not None:
+            from extproc.etcd import LeasedKeys
+
+            assert isinstance(self._leased, LeasedKeys)
+            await self._leased.aclose(revoke=True)
+        if self._etcd_client is not None:
+            import etcd3aio
+
+            assert isinstance(self._etcd_client, etcd3aio.Etcd3Client)
+            await self._etcd_client.close()
+        await self.feed.aclose()
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+    # -- etcd ------------------------------------------------------------------------------------------
+
+    async def _start_etcd(self) -> None:
+        # Imported here: a standalone agent never loads an etcd client library.
+        from extproc.etcd import LeasedKeys, connect, parse_etcd_settings, policy_key
+        from extproc.policy import decode_value
+
+        settings = parse_etcd_settings(self.config.etcd_raw, "etcd")
+        self._prefix = settings.prefix
+        client = await connect(settings)
+        self._etcd_client = client
+        if self._index_block_size is None:
+            key = policy_key(settings.prefix, "index/block_size")
+            self._index_block_size = await self._read_block_size(client, key, decode_value)
+        leased = LeasedKeys(client, self.config.agent.lease_ttl_s, timeout_s=settings.timeout_s)
+        self._leased = leased
+        if not await leased.start({}):
+            log.warning("agent %s: etcd not reachable yet; registration retries in the background", self.node)
+
+    @staticmethod
+    async def _read_block_size(client: object, key: str, decode: object) -> int:
+        """The gateways' index block size (etcd ``policy/index/block_size``; default 16). Read once: a
+        change needs an agent restart (documented in the policy module)."""
+        import etcd3aio
+
+        assert isinstance(client, etcd3aio.Etcd3Client) and client.kv is not None
+        try:
+            resp = await client.kv.get(key, timeout=2.0)
+        except Exception as exc:  # etcd down at start: the default, and say so
+            log.warning("cannot read %s (%s): using block size %d", key, exc, DEFAULT_INDEX_BLOCK_SIZE)
+            return DEFAULT_INDEX_BLOCK_SIZE
+        if not resp.kvs:
+            return DEFAULT_INDEX_BLOCK_SIZE
+        try:
+            assert callable(decode)
+            value = decode("index/block_size", resp.kvs[0].value)
+        except ConfigError as exc:
+            log.warning("ignoring %s: %s", key, exc)
+            return DEFAULT_INDEX_BLOCK_SIZE
+        return int(value) if isinstance(value, int) and value > 0 else DEFAULT_INDEX_BLOCK_SIZE
+
+    async def _register(self, eng: _Engine) -> None:
+        launch = eng.supervisor.launch
+        assert launch is not None
+        if self._leased is not None:
+            from agent.engines import endpoint_for
+            from extproc.etcd import LeasedKeys, encode_endpoint, endpoint_key
+
+            assert isinstance(self._leased, LeasedKeys)
+            # Load travels on the feed: gateways need not scrape the engine (metrics_url None).
+            endpoint = dataclasses.replace(
+                endpoint_for(eng.config, launch, node=self.node, feed=self.feed_address), metrics_url=None
+            )
+            await self._leased.update(endpoint_key(self._prefix, eng.config.id), encode_endpoint(endpoint))
+        eng.registered = True
+        self._registered.set()
+
+    async def _deregister(self, eng: _Engine) -> None:
+        eng.registered = False
+        if self._leased is not None:
+            from extproc.etcd import LeasedKeys, endpoint_key
+
+            assert isinstance(self._leased, LeasedKeys)
+            await self._leased.delete(endpoint_key(self._prefix, eng.config.id))
+
+    # -- engines ---------------------------------------------------------------------------------------
+
+    def _on_change(self, sup: EngineSupervisor, old: EngineState, new: EngineState) -> None:
+        eng = self.engines.get(sup.engine.id)
+        if eng is None:
+            return
+        log.info("engine %s: %s -> %s", sup.engine.id, old.value, new.value)
+        if new is EngineState.READY and old is not EngineState.UNHEALTHY:
+            self._spawn(self._engine_ready(eng), f"ready-{sup.engine.id}")
+        elif new in (EngineState.RESTARTING, EngineState.STOPPED) and old is not EngineState.DRAINING:
+            # The process is gone and its KV cache with it.
+            if eng.translator is not None:
+                self.feed.publish(eng.translator.reset())
+            self.feed.publish([Load(sup.engine.id, 0.0, 0.0, None, healthy=False)])
+            self._spawn(self._stop_feed(eng), f"stop-feed-{sup.engine.id}")
+
+    async def _engine_ready(self, eng: _Engine) -> None:
+        launch = eng.supervisor.launch
+        assert launch is not None
+        cfg = eng.config
+        if launch.speaks_kv_events and launch.kv_events_endpoint is not None:
+            await self._stop_feed(eng)
+            assert self._index_block_size is not None
+            translator = eng.translator or Translator(cfg.id, cfg.model, self._index_block_size)
+            subscriber = KvEventSubscriber(
+                SubscriberConfig(
+                    launch.kv_events_endpoint,
+                    launch.kv_replay_endpoint,
+                    topic=launch.kv_events_topic,
+                    catch_up=True,
+                )
+            )
+            await subscriber.start()
+            eng.translator, eng.subscriber = translator, subscriber
+            eng.pump = asyncio.create_task(self._pump(eng, subscriber, translator), name=f"kv-{cfg.id}")
+        if launch.metrics_url is not None and cfg.id not in self._watched():
+            scraper = EngineScraper(cfg.kind, launch.metrics_url)
+            eng.scraper = scraper
+            self.telemetry.watch(cfg.id, scraper, status=lambda: self._status(eng))
+        await self._register(eng)
+
+    def _watched(self) -> set[str]:
+        return {e.config.id for e in self.engines.values() if e.scraper is not None}
+
+    def _status(self, eng: _Engine) -> EngineStatus:
+        state = eng.supervisor.state
+        return EngineStatus(healthy=state in (EngineState.READY, EngineState.DRAINING), draining=eng.draining)
+
+    async def _pump(self, eng: _Engine, subscriber: KvEventSubscriber, translator: Translator) -> None:
+        """Engine KV batches -> index events on the feed, in order."""
+        async for item in subscriber:
+            if isinstance(item, KvBatch):
+                events: list[IndexEvent] = translator.apply(item.events)
+                if events:
+                    self.feed.publish(events)
+            elif isinstance(item, EventsLost):
+                log.warning("engine %s: KV events lost (%s): entries cleared", eng.config.id, item.reason)
+                self.feed.publish(translator.reset())
+
+    async def _stop_feed(self, eng: _Engine) -> None:
+        pump, eng.pump = eng.pump, None
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        sub, eng.subscriber = eng.subscriber, None
+        if sub is not None:
+            await sub.aclose()
+
+    async def _drain_engine(self, eng: _Engine) -> None:
+        """Stop new requests (draining on the feed at once), let in-flight ones finish, deregister, stop."""
+        eng.draining = True
+        self.feed.publish([Load(eng.config.id, 0.0, 0.0, None, healthy=True, draining=True)])
+        scraper = eng.scraper
+
+        async def in_flight() -> int:
+            if scraper is None:
+                return 0
+            sample = await scraper.scrape()
+            if sample is None:
+                raise AgentError(scraper.last_error or "metrics unavailable")
+            return int(sample.running + sample.waiting)
+
+        timeout = self.config.agent.drain_timeout_s
+        left = await _wait_idle(in_flight, timeout)
+        await self._deregister(eng)
+
+        async def nothing() -> int:
+            return 0
+
+        await eng.supervisor.drain(nothing, 0.0)
+        log.info("engine %s drained (%s in flight at stop)", eng.config.id, left)
+
+    def _snapshot(self) -> list[IndexEvent]:
+        held: list[IndexEvent] = []
+        for eng in self.engines.values():
+            if eng.translator is not None:
+                held.extend(eng.translator.snapshot())
+        return held
+
+    def _spawn(self, coro: object, name: str) -> None:
+        assert asyncio.iscoroutine(coro)
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+    # -- admin API -------------------------------------------------------------------------------------
+
+    async def _start_admin(self) -> None:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/status", self._status_page),
+                web.post("/drain", self._drain_request),
+            ]
+        )
+        self._admin = web.AppRunner(app, access_log=None)
+        await self._admin.setup()
+        host, _, port = self.config.agent.admin_listen.rpartition(":")
+        site = web.TCPSite(self._admin, host.strip("[]"), int(port))
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.admin_port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready = all(e.supervisor.state is EngineState.READY and e.registered for e in self.engines.values())
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def _status_page(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def _drain_request(self, request: web.Request) -> web.Response:
+        self.stop_requested.set()
+        return web.json_response({"draining": True}, status=202)
+
+    def status(self) -> dict[str, object]:
+        """What ``GET /status`` and ``--ready-file`` report."""
+        return {
+            "node": self.node,
+            "feed": self.feed_address,
+            "admin_port": self.admin_port,
+            "feed_seq": self.feed_log.seq,
+            "engines": [
+                {
+                    "id": e.config.id,
+                    "kind": e.config.kind,
+                    "state": e.supervisor.state.value,
+                    "address": None if e.supervisor.launch is None else e.supervisor.launch.address,
+                    "pid": e.supervisor.pid,
+                    "registered": e.registered,
+                    "restarts": e.supervisor.restarts,
+                    "kv_events": e.translator is not None,
+                }
+                for e in self.engines.values()
+            ],
+        }
+
+
+async def _wait_idle(in_flight: object, timeout_s: float, poll_s: float = 0.1) -> int:
+    """Poll ``in_flight()`` until it is 0 or ``timeout_s`` passed; the last count (-1: unknown)."""
+    assert callable(in_flight)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    left = -1
+    while True:
+        try:
+            left = await in_flight()
+        except AgentError as exc:
+            log.warning("in-flight count unavailable while draining: %s", exc)
+            left = -1
+        if left == 0 or loop.time() >= deadline:
+            return left
+        await asyncio.sleep(poll_s)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("agent task %s failed", task.get_name(), exc_info=task.exception())
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: float) -> int:
+    agent = Agent(config)
+    stop = agent.stop_requested
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: stopping now")
+            raise SystemExit(1)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await agent.start()
+        if ready_file is not None:
+            waiting = asyncio.ensure_future(agent.wait_ready(ready_timeout_s))
+            stopped = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting in done:
+                waiting.result()
+                tmp = ready_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(agent.status()))
+                tmp.replace(ready_file)
+            else:
+                waiting.cancel()
+            stopped.cancel()
+        await stop.wait()
+        log.info("agent %s: draining", agent.node)
+        await agent.drain()
+    except BaseException:
+        await agent.aclose()
+        raise
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate agent", description="Run a kvgate node agent.")
+    parser.add_argument("--config", type=Path, required=True, help="node config (TOML)")
+    parser.add_argument(
+        "--ready-file", type=Path, help="write the agent's status (JSON) here once every engine is ready"
+    )
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for --ready-file")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_node_config(args.config)
+    except (AgentError, ConfigError) as exc:
+        print(f"kvgate agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(run(config, args.ready_file, args.ready_timeout))
+    except (AgentError, ConfigError) as exc:
+        print(f"kvgate agent: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

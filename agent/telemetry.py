@@ -1,0 +1,377 @@
+"""The agent's view of its engines' load and its GPUs, sent to the gateways as ``Load`` events.
+
+- :class:`EngineScraper` reads one engine's Prometheus metrics with :func:`extproc.scrape.parse_metrics`
+  (the names of REFERENCE.md section 4) into requests waiting and running and KV use 0..1. llama.cpp's
+  server (build 11434, checked) exports no KV-use gauge (older builds had
+  ``llamacpp:kv_cache_usage_ratio``, read when present); then ``GET /slots`` stands in: busy slots / all
+  slots (``is_processing``). That is a proxy, not a measurement:
+  each slot reserves ``n_ctx / slots`` tokens of the KV cache, so busy slots say how much of the cache is
+  claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
+  prompts.
+- :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its
+  name, power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory
+  used/total (bytes) and utilisation (0..1). ``nvmlInit`` runs once, on first read; without the package,
+  the driver or a GPU, or on an NVML error there, it logs one line ``no GPU telemetry: <reason>`` and
+  returns ``[]`` from then on, never raising. A field a GPU does not support reads as ``None``. Device
+  indices are NVML's (PCI order), not ``CUDA_VISIBLE_DEVICES``'s. The tests exercise the NVML path with a
+  fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
+- :class:`LoadChanges` (sans-IO) decides what to send: a ``Load`` whose routing signals (waiting,
+  running, KV use, healthy, draining) changed, or any ``Load`` whose endpoint has sent nothing for
+  ``heartbeat_s`` (GPU telemetry alone does not trigger a send: it rides along).
+- :class:`TelemetryLoop` polls every watched engine (and the GPUs) each ``interval_s`` and hands the
+  ``Load`` events to send to a callback (the feed's ``publish``). ``heartbeat_s`` must stay below the
+  gateway's ``scrape.stale_after_s``, or an idle engine's load expires there between heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from extproc.events import Gpu, Load
+from extproc.scrape import ENGINE_METRICS, VLLM, MetricNames, parse_metrics
+
+log = logging.getLogger(__name__)
+
+LLAMA_CPP_KV_METRIC = "llamacpp:kv_cache_usage_ratio"
+"""KV-use gauge of older llama.cpp servers (0..1); newer ones have none and ``/slots`` is used."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown)."""
+
+    waiting: float
+    running: float
+    kv_usage: float | None
+
+
+class EngineScraper:
+    """Reads one engine's load from its Prometheus ``metrics_url``.
+
+    ``engine``: its kind (:data:`extproc.fleet.ENGINE_KINDS`), which picks the metric names.
+    ``slots_url``: llama.cpp's ``/slots`` (default: ``metrics_url`` with the path ``/slots``), read only
+    for llama.cpp and only when the metrics carry no KV use. ``tls``: verification and client certificate
+    for ``https`` URLs. ``session``: a shared aiohttp session (default: one of its own, closed by
+    :meth:`aclose`).
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        metrics_url: str,
+        *,
+        slots_url: str | None = None,
+        timeout_s: float = 2.0,
+        tls: ssl.SSLContext | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics_url = metrics_url
+        names = ENGINE_METRICS.get(engine, VLLM)
+        self._llama = engine == "llama_cpp"
+        if self._llama:
+            names = MetricNames(names.waiting, names.running, LLAMA_CPP_KV_METRIC)
+            if slots_url is None:
+                parts = urlsplit(metrics_url)
+                slots_url = urlunsplit((parts.scheme, parts.netloc, "/slots", "", ""))
+        self._names = names
+        self.slots_url = slots_url
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._tls: ssl.SSLContext | bool = tls if tls is not None else True
+        self._session = session
+        self._own_session = session is None
+        self._slots_ok = True
+        #: Why the last scrape failed ("" after a success).
+        self.last_error = ""
+
+    async def scrape(self) -> EngineSample | None:
+        """The engine's load now; ``None`` when the metrics cannot be read (see :attr:`last_error`)."""
+        try:
+            text = await self._get(self.metrics_url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return None
+        self.last_error = ""
+        m = parse_metrics(text, self._names, 0.0)
+        kv = m.kv_usage
+        if kv is None and self._llama and self.slots_url is not None:
+            kv = await self._slots_usage(self.slots_url)
+        return EngineSample(m.waiting, m.running, kv)
+
+    async def aclose(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _get(self, url: str) -> str:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ssl=self._tls)
+            )
+        async with self._session.get(url, raise_for_status=True) as resp:
+            return await resp.text()
+
+    async def _slots_usage(self, url: str) -> float | None:
+        """Busy slots / all slots from llama.cpp's ``/slots`` (``is_processing``; ``state`` != 0 in
+        older builds); ``None`` if unavailable (e.g. ``--no-slots``)."""
+        try:
+            assert self._session is not None
+            async with self._session.get(url, raise_for_status=True) as resp:
+                slots: Any = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if self._slots_ok:
+                log.info("llama.cpp %s unavailable (%s): KV use unknown", url, type(exc).__name__)
+                self._slots_ok = False
+            return None
+        if not isinstance(slots, list) or not slots:
+            return None
+        busy = sum(
+            1
+            for s in slots
+            if isinstance(s, dict) and (s.get("is_processing") is True or s.get("state", 0) not in (0, None))
+        )
+        self._slots_ok = True
+        return busy / len(slots)
+
+
+class GpuTelemetry:
+    """NVML readings of this node's GPUs (see the module docstring); never raises."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._devices: list[tuple[int, Any, str]] = []
+        #: True once NVML turned out unusable: :meth:`read` returns ``[]`` from then on.
+        self.disabled = False
+
+    def read(self) -> list[Gpu]:
+        """Every GPU's telemetry now (blocking NVML calls: run it in a thread from async code)."""
+        if self.disabled or (self._nvml is None and not self._start()):
+            return []
+        return [self._read(index, handle, name) for index, handle, name in self._devices]
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._nvml = None
+        self.disabled = True
+
+    def _start(self) -> bool:
+        try:
+            import pynvml
+        except ImportError as exc:
+            return self._disable(f"nvidia-ml-py is not importable ({exc})")
+        try:
+            pynvml.nvmlInit()
+        except (pynvml.NVMLError, OSError) as exc:
+            return self._disable(str(exc) or type(exc).__name__)
+        try:
+            devices = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                name = pynvml.nvmlDeviceGetName(handle)
+                devices.append((index, handle, name.decode() if isinstance(name, bytes) else str(name)))
+        except (pynvml.NVMLError, OSError) as exc:
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
+            return self._disable(str(exc) or type(exc).__name__)
+        if not devices:
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
+            return self._disable("no GPU found")
+        self._nvml, self._devices = pynvml, devices
+        log.info("GPU telemetry: %s", ", ".join(f"{i}: {n}" for i, _, n in devices))
+        return True
+
+    def _disable(self, reason: str) -> bool:
+        log.info("no GPU telemetry: %s", reason)
+        self.disabled = True
+        return False
+
+    def _read(self, index: int, handle: Any, name: str) -> Gpu:
+        nv = self._nvml
+        power = _field(nv.nvmlDeviceGetPowerUsage, handle)
+        limit = _field(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+        temp = _field(nv.nvmlDeviceGetTemperatureV, handle, nv.NVML_TEMPERATURE_GPU)
+        if temp is None:  # drivers before nvmlDeviceGetTemperatureV
+            temp = _field(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+        memory = _field(nv.nvmlDeviceGetMemoryInfo, handle)
+        util = _field(nv.nvmlDeviceGetUtilizationRates, handle)
+        sm = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
+        mem = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
+        return Gpu(
+            index=index,
+            name=name,
+            power_w=None if power is None else power / 1000.0,
+            power_limit_w=None if limit is None else limit / 1000.0,
+            sm_clock_mhz=None if sm is None else float(sm),
+            mem_clock_mhz=None if mem is None else float(mem),
+            temperature_c=None if temp is None else float(temp),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            utilization=None if util is None else util.gpu / 100.0,
+        )
+
+
+def _field(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``None`` when NVML cannot answer (not supported, GPU lost, ...)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # NVMLError and its many subclasses; a telemetry field is never fatal
+        log.debug("NVML %s failed: %s", getattr(fn, "__name__", fn), exc)
+        return None
+
+
+class LoadChanges:
+    """Which ``Load`` events to send (see the module docstring). ``now``: monotonic seconds."""
+
+    def __init__(self, heartbeat_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self._sent: dict[str, tuple[tuple[float, float, float | None, bool, bool], float]] = {}
+
+    def offer(self, load: Load, now: float) -> bool:
+        """Whether to send ``load`` now (if so, it is remembered as sent)."""
+        key = (load.waiting, load.running, load.kv_usage, load.healthy, load.draining)
+        last = self._sent.get(load.endpoint)
+        if last is not None and last[0] == key and now - last[1] < self.heartbeat_s:
+            return False
+        self._sent[load.endpoint] = (key, now)
+        return True
+
+    def forget(self, endpoint: str) -> None:
+        self._sent.pop(endpoint, None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What the supervisor says of an engine: ready to serve, and whether it is draining."""
+
+    healthy: bool
+    draining: bool = False
+
+
+@dataclass(slots=True)
+class _Watched:
+    scraper: EngineScraper
+    status: Callable[[], EngineStatus] | None
+    gpus: frozenset[int] | None
+    failures: int = 0
+
+
+class TelemetryLoop:
+    """Polls engines and GPUs every ``interval_s`` seconds and emits ``Load`` events (module docstring).
+
+    ``emit`` receives the loads to send of one round (one feed batch). An engine is reported unhealthy
+    (zero load, ``healthy=False``) after ``unhealthy_after`` failed scrapes in a row, or at once when its
+    ``status`` callback says so. ``clock``: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        interval_s: float,
+        emit: Callable[[list[Load]], object],
+        *,
+        heartbeat_s: float = 1.0,
+        gpus: GpuTelemetry | None = None,
+        unhealthy_after: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s <= 0 or heartbeat_s <= 0 or unhealthy_after < 1:
+            raise ValueError("interval_s and heartbeat_s must be > 0, unhealthy_after >= 1")
+        self.interval_s = interval_s
+        self._emit = emit
+        self._changes = LoadChanges(heartbeat_s)
+        self._gpus = gpus
+        self._unhealthy_after = unhealthy_after
+        self._clock = clock
+        self._watched: dict[str, _Watched] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(
+        self,
+        endpoint: str,
+        scraper: EngineScraper,
+        *,
+        status: Callable[[], EngineStatus] | None = None,
+        gpus: Collection[int] | None = None,
+    ) -> None:
+        """Report ``endpoint`` from ``scraper`` (now owned by the loop); ``status``: the supervisor's
+        word on the engine (default: healthy, not draining); ``gpus``: NVML indices of its GPUs (default:
+        all of the node's)."""
+        self._watched[endpoint] = _Watched(scraper, status, None if gpus is None else frozenset(gpus))
+
+    async def unwatch(self, endpoint: str) -> None:
+        watched = self._watched.pop(endpoint, None)
+        self._changes.forget(endpoint)
+        if watched is not None:
+            await watched.scraper.aclose()
+
+    async def tick(self) -> list[Load]:
+        """One round: read everything, emit what changed (or is due), and return it."""
+        gpu = self._gpus
+        readings = await asyncio.to_thread(gpu.read) if gpu is not None and not gpu.disabled else []
+        watched = list(self._watched.items())
+        samples = await asyncio.gather(*(w.scraper.scrape() for _, w in watched))
+        now = self._clock()
+        out: list[Load] = []
+        for (endpoint, w), sample in zip(watched, samples, strict=True):
+            status = w.status() if w.status is not None else EngineStatus(True)
+            mine = [g for g in readings if w.gpus is None or g.index in w.gpus]
+            if sample is None:
+                w.failures += 1
+                if w.failures == self._unhealthy_after:
+                    reason = w.scraper.last_error
+                    log.warning("engine %s unhealthy: metrics unreadable (%s)", endpoint, reason)
+                if w.failures < self._unhealthy_after and status.healthy:
+                    continue
+                load = Load(endpoint, 0.0, 0.0, None, healthy=False, draining=status.draining, gpus=mine)
+            else:
+                if w.failures >= self._unhealthy_after:
+                    log.info("engine %s metrics readable again", endpoint)
+                w.failures = 0
+                load = Load(
+                    endpoint,
+                    sample.waiting,
+                    sample.running,
+                    sample.kv_usage,
+                    healthy=status.healthy,
+                    draining=status.draining,
+                    gpus=mine,
+                )
+            if self._changes.offer(load, now):
+                out.append(load)
+        if out:
+            self._emit(out)
+        return out
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvgate-telemetry")
+
+    async def aclose(self) -> None:
+        """Stop polling and close every watched engine's scraper."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for endpoint in list(self._watched):
+            await self.unwatch(endpoint)
+
+    async def _run(self) -> None:
+        while True:
+            started = self._clock()
+            try:
+                await self.tick()
+            except Exception:  # a bad round must not end telemetry for good
+                log.exception("telemetry round failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (self._clock() - started)))

@@ -1,0 +1,346 @@
+"""``kvgate policy get|set|unset|list|watch`` and ``kvgate drain ID [--undo]``.
+
+The operator's handle on the control plane: the policy paths of :mod:`extproc.policy` in etcd (or in a
+local policy file with ``--file``), and the drain flag of an endpoint. ``set`` validates the value
+against the schema and the values already in force before anything is written: a bad value exits 2
+with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that
+is not JSON is taken as a string. ``get`` and ``list`` print effective values: the override, else the
+embedded default (the built-in scheduling, or that of ``--config gateway.toml``)::
+
+    kvgate policy set weights/prefix 3.0 --etcd 10.0.0.5:2379
+    kvgate policy list --file policy.toml
+    kvgate drain vllm-0
+
+Exit status: 0 done, 1 etcd unreachable or a file unreadable, 2 bad usage or a refused value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import etcd3aio
+
+from extproc.errors import ConfigError
+from extproc.etcd import (
+    ETCD_ERRORS,
+    EtcdSettings,
+    connect,
+    describe_error,
+    drain_key,
+    endpoint_key,
+    parse_etcd_settings,
+    policy_key,
+    policy_path,
+    split_key,
+)
+from extproc.policy import (
+    KNOWN_PATHS,
+    PolicyStore,
+    classify,
+    encode_value,
+    load_policy_file,
+    write_policy_file,
+)
+
+_DELETE = 1  # mvccpb.Event.EventType.DELETE
+
+
+class _Failed(Exception):
+    """A failure already worded for the operator, with its exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _source_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--etcd",
+        action="append",
+        metavar="HOST:PORT",
+        help="etcd client endpoint, repeatable (default: $KVGATE_ETCD, comma-separated, or 127.0.0.1:2379)",
+    )
+    parser.add_argument("--prefix", default="/kvgate/", help="key prefix (default: /kvgate/)")
+    parser.add_argument("--tls-ca", help="CA bundle (PEM) that etcd's certificate chains to")
+    parser.add_argument("--tls-cert", help="client certificate (PEM), with --tls-key")
+    parser.add_argument("--tls-key", help="client key (PEM), with --tls-cert")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds per etcd call (default: 2)")
+
+
+def _settings(args: argparse.Namespace) -> EtcdSettings:
+    endpoints = args.etcd or [e for e in os.environ.get("KVGATE_ETCD", "").split(",") if e] or None
+    raw: dict[str, object] = {"prefix": args.prefix, "timeout_s": args.timeout}
+    if endpoints:
+        raw["endpoints"] = endpoints
+    for key in ("tls_ca", "tls_cert", "tls_key"):
+        if getattr(args, key):
+            raw[key] = getattr(args, key)
+    try:
+        return parse_etcd_settings(raw, "etcd options")
+    except ConfigError as exc:
+        raise _Failed(str(exc), 2) from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate policy",
+        description="The scheduling policy in etcd (or in a policy file with --file).",
+        epilog=f"paths: {KNOWN_PATHS}. Values are JSON; a word that is not JSON is a string.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = {
+        "get": "print the effective value of PATH",
+        "set": "validate VALUE and write it at PATH",
+        "unset": "remove the override at PATH (back to the default)",
+        "list": "print every effective PATH=VALUE",
+        "watch": "print each policy change as it happens",
+    }
+    for name, text in commands.items():
+        cmd = sub.add_parser(name, help=text, description=text)
+        if name in ("get", "set", "unset"):
+            cmd.add_argument("path", help="e.g. weights/prefix, plugins/load-threshold/max_waiting")
+        if name == "set":
+            cmd.add_argument("value", help="JSON value (a bare word is a string)")
+        if name == "watch":
+            cmd.add_argument("--once", action="store_true", help="exit after the first change")
+        else:
+            cmd.add_argument("--file", type=Path, help="work on this policy file (.toml or .json), not etcd")
+        cmd.add_argument("--config", type=Path, help="gateway config whose scheduling gives the defaults")
+        _source_options(cmd)
+    return parser
+
+
+def _store(args: argparse.Namespace) -> PolicyStore:
+    if args.config is None:
+        return PolicyStore()
+    from extproc.config import load_config
+
+    try:
+        return PolicyStore.from_config(load_config(args.config))
+    except ConfigError as exc:
+        raise _Failed(str(exc), 2) from exc
+
+
+def _value(text: str) -> bytes:
+    """The canonical JSON bytes of a command-line value (not JSON: a string)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    return encode_value(value)
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _check_path(store: PolicyStore, path: str) -> None:
+    try:
+        classify(path, store.base.scheduling)
+    except ConfigError as exc:
+        raise _Failed(str(exc), 2) from exc
+
+
+def _print_effective(args: argparse.Namespace, store: PolicyStore) -> None:
+    for reason in sorted(store.rejected.values()):
+        print(f"warning: stored value refused ({reason}); the effective value is shown", file=sys.stderr)
+    if args.command == "get":
+        print(_show(store.get(args.path)))
+    else:
+        for path, value in store.effective().items():
+            print(f"{path}={_show(value)}")
+
+
+# -- file mode ------------------------------------------------------------------------------------------
+
+
+def _file_command(args: argparse.Namespace, store: PolicyStore) -> int:
+    path: Path = args.file
+    items: dict[str, bytes] = {}
+    if path.exists() or args.command in ("get", "list"):
+        try:
+            items = load_policy_file(path)
+            store.load(items)
+        except ConfigError as exc:
+            raise _Failed(str(exc), 2 if path.exists() else 1) from exc
+    if args.command in ("get", "list"):
+        _print_effective(args, store)
+        return 0
+    if args.command == "set":
+        raw = _value(args.value)
+        try:
+            store.validate(args.path, raw)
+        except ConfigError as exc:
+            raise _Failed(str(exc), 2) from exc
+        items[args.path] = raw
+        print(f"{args.path}={raw.decode()}")
+    else:
+        items.pop(args.path, None)
+        print(f"{args.path} unset")
+    try:
+        write_policy_file(path, items)
+    except (ConfigError, OSError) as exc:
+        raise _Failed(f"cannot write {path}: {exc}", 2 if isinstance(exc, ConfigError) else 1) from exc
+    return 0
+
+
+# -- etcd mode ------------------------------------------------------------------------------------------
+
+
+def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
+    assert client.kv is not None
+    return client.kv
+
+
+async def _load(client: etcd3aio.Etcd3Client, settings: EtcdSettings, store: PolicyStore) -> int:
+    """Apply every policy key in etcd to ``store``; the revision read."""
+    prefix = settings.prefix
+    response = await _kv(client).get(prefix, etcd3aio.prefix_range_end(prefix), timeout=settings.timeout_s)
+    for kv in response.kvs:
+        path = _path_of(settings, kv.key)
+        if path is not None:
+            store.put(path, bytes(kv.value))
+    return int(response.header.revision)
+
+
+def _path_of(settings: EtcdSettings, key: bytes) -> str | None:
+    parsed = split_key(settings.prefix, key)
+    return None if parsed is None else policy_path(*parsed)
+
+
+async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store: PolicyStore) -> int:
+    client = await connect(settings)
+    try:
+        revision = await _load(client, settings, store)
+        if args.command in ("get", "list"):
+            _print_effective(args, store)
+        elif args.command == "set":
+            raw = _value(args.value)
+            try:
+                store.validate(args.path, raw)
+            except ConfigError as exc:
+                raise _Failed(str(exc), 2) from exc
+            await _kv(client).put(policy_key(settings.prefix, args.path), raw, timeout=settings.timeout_s)
+            print(f"{args.path}={raw.decode()}")
+        elif args.command == "unset":
+            await _kv(client).delete(policy_key(settings.prefix, args.path), timeout=settings.timeout_s)
+            print(f"{args.path} unset")
+        else:
+            await _watch(client, settings, store, revision, once=args.once)
+        return 0
+    finally:
+        await client.close()
+
+
+async def _watch(
+    client: etcd3aio.Etcd3Client, settings: EtcdSettings, store: PolicyStore, revision: int, *, once: bool
+) -> None:
+    assert client.watch is not None
+    prefix = settings.prefix
+    print(f"watching {prefix} from revision {revision + 1}", file=sys.stderr, flush=True)
+    async for response in client.watch.watch(prefix, etcd3aio.prefix_range_end(prefix), revision + 1):
+        if response.canceled:
+            raise _Failed(f"watch cancelled by etcd (compacted at {response.compact_revision})", 1)
+        for event in response.events:
+            path = _path_of(settings, event.kv.key)
+            if path is None:
+                continue
+            if event.type == _DELETE:
+                store.delete(path)
+                line = f"{path} unset"
+            else:
+                raw = bytes(event.kv.value)
+                store.put(path, raw)
+                refused = store.rejected.get(path)
+                line = f"{path}={raw.decode('utf-8', 'replace')}"
+                if refused:
+                    line += f" (refused: {refused})"
+            print(line, flush=True)
+            if once:
+                return
+
+
+def main(argv: list[str]) -> int:
+    """``kvgate policy ...``"""
+    args = _parser().parse_args(argv)
+    try:
+        store = _store(args)
+        if args.command in ("get", "set", "unset"):
+            _check_path(store, args.path)
+        if getattr(args, "file", None) is not None:
+            return _file_command(args, store)
+        settings = _settings(args)
+        try:
+            return asyncio.run(_etcd_command(args, settings, store))
+        except ETCD_ERRORS as exc:
+            raise _Failed(f"etcd at {', '.join(settings.endpoints)}: {describe_error(exc)}", 1) from exc
+    except _Failed as exc:
+        print(f"kvgate policy: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- drain ----------------------------------------------------------------------------------------------
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+async def _drain(args: argparse.Namespace, settings: EtcdSettings) -> int:
+    client = await connect(settings)
+    try:
+        kv = _kv(client)
+        key = drain_key(settings.prefix, args.id)
+        if args.undo:
+            deleted = (await kv.delete(key, timeout=settings.timeout_s)).deleted
+            print(f"endpoint {args.id} " + ("no longer draining" if deleted else "was not draining"))
+            return 0
+        value = json.dumps({"at": round(time.time(), 3), "by": args.by or _who()}).encode()
+        await kv.put(key, value, timeout=settings.timeout_s)
+        ep_key = endpoint_key(settings.prefix, args.id)
+        registered = await kv.get(ep_key, count_only=True, timeout=settings.timeout_s)
+        print(f"endpoint {args.id} draining: no new requests will be routed to it")
+        if not registered.count:
+            print(f"note: no {args.id!r} registered in etcd (a static or future endpoint?)", file=sys.stderr)
+        return 0
+    finally:
+        await client.close()
+
+
+def drain_main(argv: list[str]) -> int:
+    """``kvgate drain ID [--undo]``: stop (or resume) routing new requests to an endpoint."""
+    parser = argparse.ArgumentParser(
+        prog="kvgate drain", description="Stop routing new requests to an endpoint (in-flight ones finish)."
+    )
+    parser.add_argument("id", help="endpoint id")
+    parser.add_argument("--undo", action="store_true", help="route to it again")
+    parser.add_argument("--by", help="who drains it, recorded in the value (default: user@host)")
+    _source_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings(args)
+        try:
+            return asyncio.run(_drain(args, settings))
+        except ETCD_ERRORS as exc:
+            raise _Failed(f"etcd at {', '.join(settings.endpoints)}: {describe_error(exc)}", 1) from exc
+    except _Failed as exc:
+        print(f"kvgate drain: {exc}", file=sys.stderr)
+        return exc.status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,394 @@
+"""vLLM KV events on the agent side: decoder tables, sequence checking, and the subscriber against a
+fake engine (test-owned ZMQ sockets) and against a real simulated replica, translated end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from agent.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventsLost,
+    KvBatch,
+    KvEventDecodeError,
+    KvEventSubscriber,
+    SeqChecker,
+    SeqVerdict,
+    SubscriberConfig,
+    decode_message,
+    decode_payload,
+)
+from agent.translate import Translator
+from extproc.digest import block_digests, chain_seed
+from extproc.events import Stored
+from load.sim.engine import EngineConfig
+from load.sim.kvevents import KvEventsConfig
+from load.sim.server import SimConfig, SimFleet, SimReplica
+from load.sim.timing import TimingModel
+from tests.load.test_sim_server import MODEL
+from tests.load.test_sim_server import model_dir as model_dir  # the tiny tokenizer fixture
+
+pack = msgspec.msgpack.encode
+TOKENS = list(range(32))
+STORED_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [1, 2**64 - 1],
+    "parent_block_hash": None,
+    "token_ids": TOKENS,
+    "block_size": 16,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "group_idx": 0,
+}
+STORED = BlockStored([1, 2**64 - 1], None, TOKENS, 16, None, "GPU", None, None, 0)
+
+
+@pytest.mark.parametrize(
+    ("payload", "events", "rank"),
+    [
+        # vLLM 0.33: array batch, map events (defaults omitted), rank stamped.
+        ([1.5, [STORED_MAP], 0], [STORED], 0),
+        (
+            [1.5, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}], 2],
+            [BlockRemoved([7], "CPU")],
+            2,
+        ),
+        ([1.5, [{"type": "AllBlocksCleared"}], None], [AllBlocksCleared()], None),
+        # Map batch (vLLM main), fields vLLM may add later ignored.
+        (
+            {"ts": 1.5, "events": [{**STORED_MAP, "kv_cache_spec_kind": "full", "locality": "x"}]},
+            [STORED],
+            None,
+        ),
+        # Older releases: positional events with the tag first, batch without a rank.
+        (
+            [1.5, [["BlockStored", [1, 2**64 - 1], None, TOKENS, 16, None], ["BlockRemoved", [1]]]],
+            [BlockStored([1, 2**64 - 1], None, TOKENS, 16), BlockRemoved([1])],
+            None,
+        ),
+        (
+            [1.5, [["BlockStored", [3], 9, TOKENS[:16], 16, 4, "CPU", "adapter"], ["AllBlocksCleared"]], 1],
+            [BlockStored([3], 9, TOKENS[:16], 16, 4, "CPU", "adapter"), AllBlocksCleared()],
+            1,
+        ),
+        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw digests as bytes.
+        (
+            [1.5, [{**STORED_MAP, "block_hashes": [b"\x01" * 32], "parent_block_hash": b"\x02" * 32}], 0],
+            [BlockStored([b"\x01" * 32], b"\x02" * 32, TOKENS, 16, None, "GPU", None, None, 0)],
+            0,
+        ),
+        ([1.5, [], 0], [], 0),
+    ],
+)
+def test_decode_payload(payload: Any, events: list[Any], rank: int | None) -> None:
+    batch = decode_payload(pack(payload), 7)
+    assert batch == KvBatch(7, 1.5, events, rank)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # not msgpack
+        pack([1.5, [{"type": "BlockMoved", "block_hashes": [1]}], 0]),
+        pack([1.5, [{**STORED_MAP, "token_ids": ["a"]}], 0]),
+        pack([1.5, [["BlockRemoved", "x"]], 0]),
+        pack({"events": []}),
+        pack("batch"),
+    ],
+)
+def test_decode_payload_rejects(payload: bytes) -> None:
+    with pytest.raises(KvEventDecodeError, match="not a vLLM KV event batch"):
+        decode_payload(payload)
+
+
+def test_decode_message() -> None:
+    payload = pack([1.5, [{"type": "AllBlocksCleared"}], 0])
+    assert decode_message([b"kv", (2**40).to_bytes(8, "big"), payload]).seq == 2**40
+    assert decode_message([(3).to_bytes(8, "big"), payload]).seq == 3
+    for frames in ([payload], [b"", b"\x00", payload], [b"", b"", b"", payload]):
+        with pytest.raises(KvEventDecodeError, match="frames"):
+            decode_message(frames)
+
+
+@pytest.mark.parametrize(
+    ("start", "steps"),
+    [
+        (None, [("live", 5, SeqVerdict.APPLY, 6), ("live", 6, SeqVerdict.APPLY, 7)]),
+        (0, [("live", 0, SeqVerdict.APPLY, 1), ("live", 3, SeqVerdict.GAP, 1)]),
+        (
+            4,
+            [
+                ("live", 7, SeqVerdict.GAP, 4),
+                ("replay", 4, SeqVerdict.APPLY, 5),
+                ("replay", 5, SeqVerdict.APPLY, 6),
+                ("replay", 6, SeqVerdict.APPLY, 7),
+                ("replay", 7, SeqVerdict.APPLY, 8),
+                ("replay", 7, SeqVerdict.DUPLICATE, 8),  # the live one that revealed the gap
+                ("live", 6, SeqVerdict.DUPLICATE, 8),  # queued on SUB during the replay
+                ("live", 8, SeqVerdict.APPLY, 9),
+                ("live", 0, SeqVerdict.RESTART, 1),  # caught up: going back is a new engine
+            ],
+        ),
+        (2, [("replay", 5, SeqVerdict.GAP, 2), ("live", 1, SeqVerdict.DUPLICATE, 2)]),
+        (9, [("live", 3, SeqVerdict.RESTART, 4), ("live", 4, SeqVerdict.APPLY, 5)]),
+    ],
+)
+def test_seq_checker(start: int | None, steps: list[tuple[str, int, SeqVerdict, int]]) -> None:
+    checker = SeqChecker(start)
+    for kind, seq, verdict, next_seq in steps:
+        got = checker.check(seq) if kind == "live" else checker.check_replayed(seq)
+        assert (got, checker.next_seq) == (verdict, next_seq), (kind, seq)
+
+
+class Collector:
+    """Runs a subscriber in a task and queues what it yields."""
+
+    def __init__(self, subscriber: KvEventSubscriber) -> None:
+        self.subscriber = subscriber
+        self.items: asyncio.Queue[KvBatch | EventsLost] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for item in self.subscriber:
+            self.items.put_nowait(item)
+
+    async def next(self) -> KvBatch | EventsLost:
+        return await asyncio.wait_for(self.items.get(), 5)
+
+    async def until(self, pred: Callable[[KvBatch | EventsLost], bool]) -> list[KvBatch | EventsLost]:
+        out = [await self.next()]
+        while not pred(out[-1]):
+            out.append(await self.next())
+        return out
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.subscriber.aclose()
+
+
+CLEARED = pack([1.5, [{"type": "AllBlocksCleared"}], 0])
+
+
+class FakeEngine:
+    """A PUB socket (and a ROUTER that never answers) standing in for an engine."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:0")
+        self.seq = 0
+
+    def endpoints(self) -> tuple[str, str]:
+        """The PUB and ROUTER addresses."""
+        return self.pub.getsockopt_string(zmq.LAST_ENDPOINT), self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(self, seq: int, payload: bytes = CLEARED) -> None:
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    async def joined(self, collector: Collector) -> int:
+        """Publish numbered batches until the subscriber has one; the next seq to publish."""
+        deadline = time.monotonic() + 10
+        while collector.items.empty():
+            assert time.monotonic() < deadline
+            self.send(self.seq)
+            self.seq += 1
+            await asyncio.sleep(0.02)  # pacing the handshake batches; the loop condition is the check
+        await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == self.seq - 1)
+        return self.seq
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine()
+    yield engine
+    engine.close()
+
+
+async def subscribe(config: SubscriberConfig) -> Collector:
+    subscriber = KvEventSubscriber(config)
+    await subscriber.start()
+    return Collector(subscriber)
+
+
+async def test_gap_without_replay_restart_and_undecodable_are_reported(fake: FakeEngine) -> None:
+    pub, _ = fake.endpoints()
+    collector = await subscribe(SubscriberConfig(pub))
+    try:
+        n = await fake.joined(collector)
+        fake.send(n + 2)  # n, n + 1 never sent
+        assert await collector.next() == EventsLost(n, n + 2, "gap")
+        assert (await collector.next()).seq == n + 2  # type: ignore[union-attr]
+        fake.send(n + 3, b"\xc1")
+        assert await collector.next() == EventsLost(n + 3, n + 4, "undecodable")
+        fake.send(0)  # the engine restarted
+        assert await collector.next() == EventsLost(None, 0, "restart")
+        batch = await collector.next()
+        assert isinstance(batch, KvBatch) and batch.seq == 0 and batch.events == [AllBlocksCleared()]
+        stats = collector.subscriber.stats
+        assert (stats.lost_reports, stats.undecodable, stats.replay_requests) == (3, 1, 0)
+    finally:
+        await collector.close()
+
+
+async def test_replay_that_does_not_answer_reports_the_gap(fake: FakeEngine) -> None:
+    pub, replay = fake.endpoints()
+    collector = await subscribe(SubscriberConfig(pub, replay, replay_timeout_s=0.2))
+    try:
+        n = await fake.joined(collector)
+        fake.send(n + 1)
+        assert await collector.next() == EventsLost(n, n + 1, "gap")
+        assert (await collector.next()).seq == n + 1  # type: ignore[union-attr]
+        assert collector.subscriber.stats.replay_timeouts == 1
+    finally:
+        await collector.close()
+
+
+def test_subscriber_config() -> None:
+    with pytest.raises(ValueError, match="replay_endpoint"):
+        SubscriberConfig("tcp://127.0.0.1:1", catch_up=True)
+    with pytest.raises(ValueError, match="replay_timeout_s"):
+        SubscriberConfig("tcp://127.0.0.1:1", replay_timeout_s=0)
+
+
+def sim_config(model_dir: Path, **events: Any) -> SimConfig:
+    kv = KvEventsConfig(True, "zmq", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", **events)
+    engine = EngineConfig(max_model_len=512)
+    return SimConfig(MODEL, model_dir, timing=TimingModel(time_scale=0), engine=engine, kv_events=kv)
+
+
+class Replica:
+    """A simulated replica's HTTP side, as the tests drive it."""
+
+    def __init__(self, replica: SimReplica, http: aiohttp.ClientSession) -> None:
+        assert replica.kv_events is not None
+        self.replica, self.publisher, self.http = replica, replica.kv_events, http
+        self.base = f"http://{replica.address}"
+
+    def config(self) -> SubscriberConfig:
+        return SubscriberConfig(self.publisher.address, self.publisher.replay_address, catch_up=True)
+
+    async def post(self, path: str, body: Any = None) -> None:
+        async with self.http.post(self.base + path, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+
+    async def complete(self, prompt: list[int], max_tokens: int) -> None:
+        await self.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+
+    async def joined(self, collector: Collector) -> list[KvBatch | EventsLost]:
+        """Reset the cache until the subscriber receives a live batch (the SUB socket has joined), then
+        read up to the last batch published."""
+        deadline = time.monotonic() + 10
+        while collector.subscriber.stats.received == 0:
+            assert time.monotonic() < deadline
+            await self.post("/reset_prefix_cache")
+            await asyncio.sleep(0.02)  # pacing; the loop condition is the check
+        return await self.caught_up(collector)
+
+    async def caught_up(self, collector: Collector) -> list[KvBatch | EventsLost]:
+        last = self.publisher.next_seq - 1
+        return await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == last)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_subscriber_replays_gaps_and_translation_matches_the_sim(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    async with SimFleet(sim_config(model_dir), 1) as fleet:
+        sim = Replica(fleet.replicas[0], http)
+        await sim.complete(list(range(3, 40)), 2)  # published before anyone subscribes
+        collector = await subscribe(sim.config())
+        try:
+            items = await sim.joined(collector)
+            assert [i.seq for i in items if isinstance(i, KvBatch)] == list(range(sim.publisher.next_seq))
+            assert not [i for i in items if isinstance(i, EventsLost)]  # catch-up replayed from seq 0
+            same = Translator("sim-0", MODEL, 16)
+            coarse = Translator("sim-0", MODEL, 32)  # index blocks of two engine blocks
+            a, b = list(range(3, 103)), list(range(300, 200, -1))
+            await sim.post("/_sim/drop_next_kv_batches?n=2")
+            await sim.complete(a, 20)
+            await sim.complete(b, 20)
+            items = await sim.caught_up(collector)
+            assert not [i for i in items if isinstance(i, EventsLost)]
+            seqs = [i.seq for i in items if isinstance(i, KvBatch)]
+            assert seqs == list(range(seqs[0], seqs[-1] + 1))
+            assert collector.subscriber.stats.replay_requests == 2  # the catch-up and the gap
+            stored: dict[int, list[bytes]] = {16: [], 32: []}
+            for item in items:
+                assert isinstance(item, KvBatch)
+                for translator in (same, coarse):
+                    for event in translator.apply(item.events):
+                        assert isinstance(event, Stored) and event.tier == "gpu"
+                        stored[translator.block_size] += event.digests
+            cache, seed = fleet.replicas[0].engine.cache, chain_seed(MODEL)
+            for prompt in (a, b):
+                want = block_digests(seed, prompt, 16)
+                assert cache.match(want) == len(want)  # the sim holds the prompt's blocks
+                assert set(want) <= set(stored[16])
+                assert set(block_digests(seed, prompt, 32)) <= set(stored[32])
+            # What the translator believes the engine holds is exactly what the sim's cache holds.
+            held = {d for event in same.snapshot() if isinstance(event, Stored) for d in event.digests}
+            assert len(held) == cache.num_cached and all(cache.match([d]) for d in held)
+        finally:
+            await collector.close()
+
+
+async def test_gap_beyond_the_replay_buffer_is_reported(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    async with SimFleet(sim_config(model_dir, buffer_steps=1), 1) as fleet:
+        sim = Replica(fleet.replicas[0], http)
+        collector = await subscribe(sim.config())
+        try:
+            await sim.joined(collector)
+            first = sim.publisher.next_seq
+            await sim.post("/_sim/drop_next_kv_batches?n=3")
+            for _ in range(4):
+                await sim.post("/reset_prefix_cache")
+            items = await sim.caught_up(collector)
+            assert items == [
+                EventsLost(first, first + 3, "gap"),
+                KvBatch(first + 3, items[-1].ts, [AllBlocksCleared()], 0),  # type: ignore[union-attr]
+            ]
+        finally:
+            await collector.close()
+
+
+async def test_aclose_ends_an_iteration_waiting_for_a_batch(fake: FakeEngine) -> None:
+    pub, _ = fake.endpoints()
+    subscriber = KvEventSubscriber(SubscriberConfig(pub))
+    await subscriber.start()
+    items = [item async for item in _close_soon(subscriber)]
+    assert items == []
+    assert [item async for item in subscriber] == []  # closed: stays ended
+
+
+async def _close_soon(subscriber: KvEventSubscriber) -> AsyncIterator[KvBatch | EventsLost]:
+    closer = asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(subscriber.aclose()))
+    try:
+        async for item in subscriber:
+            yield item
+    finally:
+        closer.cancel()

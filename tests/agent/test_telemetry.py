@@ -1,0 +1,367 @@
+"""Agent telemetry: engine load read from a real simulator replica's /metrics and from llama.cpp-shaped
+/metrics + /slots, NVML through a fake ``pynvml`` module (two GPUs; absent; failing), and the loop that
+turns them into Load events only when they change (plus heartbeats)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+import time
+import types
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop
+from extproc.events import Gpu, Load
+from load.sim.engine import EngineConfig
+from load.sim.server import SimConfig, SimFleet
+
+MODEL = "tiny-chat"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def eventually(cond: Callable[[], Any], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny byte-level BPE tokenizer with ChatML special tokens, saved the Hugging Face way."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+async def sim(model_dir: Path) -> AsyncIterator[SimFleet]:
+    config = SimConfig(MODEL, model_dir, engine=EngineConfig(max_model_len=1024, num_blocks=256))
+    fleet = SimFleet(config, 1)
+    await fleet.start()
+    yield fleet
+    await fleet.aclose(drain_s=0)
+
+
+async def test_scrape_a_real_simulator(sim: SimFleet) -> None:
+    scraper = EngineScraper("sim", f"http://{sim.addresses[0]}/metrics")
+    try:
+        idle = await scraper.scrape()
+        assert idle is not None and (idle.waiting, idle.running, idle.kv_usage) == (0, 0, 0)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "the quick brown fox " * 20, "max_tokens": 500}
+            request = asyncio.create_task(http.post(f"http://{sim.addresses[0]}/v1/completions", json=body))
+            try:
+
+                async def busy() -> bool:
+                    s = await scraper.scrape()
+                    return s is not None and s.running == 1 and (s.kv_usage or 0) > 0
+
+                await eventually(busy)
+            finally:
+                request.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await request
+    finally:
+        await scraper.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_unreachable_engine_reads_as_none() -> None:
+    scraper = EngineScraper("vllm", f"http://127.0.0.1:{free_port()}/metrics", timeout_s=1.0)
+    try:
+        assert await scraper.scrape() is None
+        assert "ClientConnectorError" in scraper.last_error
+    finally:
+        await scraper.aclose()
+
+
+# What llama-server (build 11434, --metrics, -np 4) answers, trimmed: no KV-use gauge, slots with
+# is_processing.
+LLAMA_METRICS = """# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 3
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+llamacpp:n_busy_slots_per_decode 3
+"""
+
+
+def llama_slots(busy: int, total: int) -> list[dict[str, Any]]:
+    return [{"id": i, "n_ctx": 512, "speculative": False, "is_processing": i < busy} for i in range(total)]
+
+
+@pytest.fixture
+async def llama() -> AsyncIterator[dict[str, Any]]:
+    """A stand-in llama-server serving /metrics and /slots with the shapes above (mutable)."""
+    state: dict[str, Any] = {"metrics": LLAMA_METRICS, "slots": llama_slots(3, 4), "slot_hits": 0}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=state["metrics"])
+
+    async def slots(request: web.Request) -> web.Response:
+        state["slot_hits"] += 1
+        if state["slots"] is None:
+            return web.Response(status=501, text='{"error": "This server does not support slots"}')
+        return web.json_response(state["slots"])
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/slots", slots)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    state["url"] = f"http://127.0.0.1:{port}/metrics"
+    yield state
+    await runner.cleanup()
+
+
+async def test_llama_cpp_uses_slots_as_kv_usage(llama: dict[str, Any]) -> None:
+    scraper = EngineScraper("llama_cpp", llama["url"])
+    try:
+        assert scraper.slots_url == llama["url"].replace("/metrics", "/slots")
+        sample = await scraper.scrape()
+        assert sample is not None and (sample.waiting, sample.running, sample.kv_usage) == (2, 3, 0.75)
+        llama["slots"] = [{"id": 0, "state": 1}, {"id": 1, "state": 0}]  # older builds
+        sample = await scraper.scrape()
+        assert sample is not None and sample.kv_usage == 0.5
+        llama["slots"] = None  # --no-slots
+        sample = await scraper.scrape()
+        assert sample is not None and sample.running == 3 and sample.kv_usage is None
+        hits = llama["slot_hits"]
+        llama["metrics"] = LLAMA_METRICS + "llamacpp:kv_cache_usage_ratio 0.25\n"  # older builds' gauge
+        sample = await scraper.scrape()
+        assert sample is not None and sample.kv_usage == 0.25 and llama["slot_hits"] == hits
+    finally:
+        await scraper.aclose()
+
+
+# --- NVML -------------------------------------------------------------------------------------------
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(gpus: list[dict[str, Any]], *, init_error: str | None = None) -> types.ModuleType:
+    """A stand-in for nvidia-ml-py's ``pynvml`` with the functions GpuTelemetry calls. Each GPU is a dict
+    of raw NVML answers (mW, MHz, C, bytes, percent); a missing key raises NVMLError (not supported)."""
+    nv = types.ModuleType("pynvml")
+    nv.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
+    nv.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
+    nv.NVML_CLOCK_SM, nv.NVML_CLOCK_MEM = 1, 2  # type: ignore[attr-defined]
+    calls = {"init": 0, "shutdown": 0}
+    nv.calls = calls  # type: ignore[attr-defined]
+
+    def get(handle: int, key: str) -> Any:
+        if key not in gpus[handle]:
+            raise FakeNVMLError("Not Supported")
+        return gpus[handle][key]
+
+    def init() -> None:
+        calls["init"] += 1
+        if init_error is not None:
+            raise FakeNVMLError(init_error)
+
+    def shutdown() -> None:
+        calls["shutdown"] += 1
+
+    def memory_info(handle: int) -> Any:
+        return types.SimpleNamespace(used=get(handle, "used"), total=get(handle, "total"))
+
+    functions: dict[str, Callable[..., Any]] = {
+        "nvmlInit": init,
+        "nvmlShutdown": shutdown,
+        "nvmlDeviceGetCount": lambda: len(gpus),
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetName": lambda h: get(h, "name"),
+        "nvmlDeviceGetPowerUsage": lambda h: get(h, "power_mw"),
+        "nvmlDeviceGetEnforcedPowerLimit": lambda h: get(h, "limit_mw"),
+        "nvmlDeviceGetTemperatureV": lambda h, sensor: get(h, "temp_c"),
+        "nvmlDeviceGetTemperature": lambda h, sensor: get(h, "temp_c"),
+        "nvmlDeviceGetMemoryInfo": memory_info,
+        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=get(h, "util_pct"), memory=0),
+        "nvmlDeviceGetClockInfo": lambda h, clock: get(h, "sm_mhz" if clock == 1 else "mem_mhz"),
+    }
+    for name, fn in functions.items():
+        setattr(nv, name, fn)
+    return nv
+
+
+H100 = {
+    "name": "NVIDIA H100 80GB HBM3",
+    "power_mw": 312_500,
+    "limit_mw": 700_000,
+    "temp_c": 54,
+    "used": 60 * 2**30,
+    "total": 80 * 2**30,
+    "util_pct": 87,
+    "sm_mhz": 1980,
+    "mem_mhz": 2619,
+}
+
+
+def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw")} | {"name": b"Tesla T4"}
+    nv = fake_pynvml([H100, second])
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    gpus = GpuTelemetry()
+    first = gpus.read()
+    assert first == [
+        Gpu(
+            index=0,
+            name="NVIDIA H100 80GB HBM3",
+            power_w=312.5,
+            power_limit_w=700.0,
+            sm_clock_mhz=1980.0,
+            mem_clock_mhz=2619.0,
+            temperature_c=54.0,
+            memory_used_bytes=60 * 2**30,
+            memory_total_bytes=80 * 2**30,
+            utilization=0.87,
+        ),
+        Gpu(
+            index=1,
+            name="Tesla T4",  # bytes from old bindings are decoded
+            power_w=None,  # not supported by this board: None, not an error
+            power_limit_w=None,
+            sm_clock_mhz=1980.0,
+            mem_clock_mhz=2619.0,
+            temperature_c=54.0,
+            memory_used_bytes=60 * 2**30,
+            memory_total_bytes=80 * 2**30,
+            utilization=0.87,
+        ),
+    ]
+    H100_hot = dict(H100, temp_c=80)
+    nv.nvmlDeviceGetTemperatureV = lambda h, sensor: H100_hot["temp_c"]  # type: ignore[attr-defined]
+    assert [g.temperature_c for g in gpus.read()] == [80.0, 80.0]
+    assert nv.calls["init"] == 1  # type: ignore[attr-defined]  # nvmlInit once
+    gpus.close()
+    assert nv.calls["shutdown"] == 1 and gpus.read() == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (None, "nvidia-ml-py is not importable"),  # the package is missing
+        (fake_pynvml([], init_error="Driver Not Loaded"), "Driver Not Loaded"),
+        (fake_pynvml([]), "no GPU found"),
+    ],
+)
+def test_nvml_unavailable_is_logged_once_and_reads_empty(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, module: Any, reason: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    gpus = GpuTelemetry()
+    with caplog.at_level(logging.INFO, logger="agent.telemetry"):
+        assert gpus.read() == [] and gpus.read() == [] and gpus.disabled
+    lines = [r.getMessage() for r in caplog.records if "GPU telemetry" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("no GPU telemetry: ") and reason in lines[0]
+    if module is not None:
+        assert module.calls["init"] == 1
+
+
+# --- change detection and the loop --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("second", "at", "sent"),
+    [
+        (Load("e1", 1, 2, 0.5), 0.5, False),  # same, heartbeat not due
+        (Load("e1", 1, 2, 0.5), 1.0, True),  # heartbeat due
+        (Load("e1", 1, 3, 0.5), 0.1, True),  # running changed
+        (Load("e1", 1, 2, 0.6), 0.1, True),
+        (Load("e1", 1, 2, 0.5, healthy=False), 0.1, True),
+        (Load("e1", 1, 2, 0.5, draining=True), 0.1, True),
+        (Load("e1", 1, 2, 0.5, gpus=[Gpu(0, "x", power_w=300.0)]), 0.1, False),  # telemetry rides along
+        (Load("e2", 1, 2, 0.5), 0.1, True),  # another endpoint
+    ],
+)
+def test_load_changes(second: Load, at: float, sent: bool) -> None:
+    changes = LoadChanges(heartbeat_s=1.0)
+    assert changes.offer(Load("e1", 1, 2, 0.5), 0.0)
+    assert changes.offer(second, at) is sent
+
+
+async def test_loop_emits_changes_heartbeats_and_unhealthy(
+    llama: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([H100, H100]))
+    now = [0.0]
+    emitted: list[list[Load]] = []
+    status = EngineStatus(healthy=True)
+    loop = TelemetryLoop(
+        0.1, emitted.append, heartbeat_s=5.0, gpus=GpuTelemetry(), unhealthy_after=3, clock=lambda: now[0]
+    )
+    loop.watch("llama-0", EngineScraper("llama_cpp", llama["url"]), status=lambda: status, gpus=[1])
+    dead = EngineScraper("vllm", f"http://127.0.0.1:{free_port()}/metrics")
+    loop.watch("vllm-0", dead)
+    try:
+        first = await loop.tick()
+        assert [(ld.endpoint, ld.waiting, ld.running, ld.kv_usage) for ld in first] == [
+            ("llama-0", 2, 3, 0.75)
+        ]
+        assert [g.index for g in first[0].gpus] == [1] and emitted == [first]
+        assert await loop.tick() == []  # nothing changed; vllm-0 failed twice (< unhealthy_after)
+        now[0] = 1.0
+        second = await loop.tick()  # vllm-0 failed three times: reported unhealthy
+        assert [(ld.endpoint, ld.waiting, ld.running, ld.kv_usage, ld.healthy) for ld in second] == [
+            ("vllm-0", 0, 0, None, False)
+        ]
+        assert [g.index for g in second[0].gpus] == [0, 1]  # no gpus= given: all of the node's
+        llama["slots"] = llama_slots(1, 4)
+        status = EngineStatus(healthy=True, draining=True)
+        third = await loop.tick()
+        assert [(ld.endpoint, ld.kv_usage, ld.draining) for ld in third] == [("llama-0", 0.25, True)]
+        now[0] = 6.5
+        assert {ld.endpoint for ld in await loop.tick()} == {"llama-0", "vllm-0"}  # heartbeats
+    finally:
+        await loop.aclose()
+
+
+async def test_loop_runs_until_closed(sim: SimFleet) -> None:
+    emitted: list[list[Load]] = []
+    loop = TelemetryLoop(0.02, emitted.append, heartbeat_s=0.05)
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    loop.start()
+    try:
+
+        async def heartbeats() -> bool:
+            return len(emitted) >= 2
+
+        await eventually(heartbeats)
+        assert all(batch == [Load("sim-0", 0, 0, 0.0)] for batch in emitted)
+    finally:
+        await loop.aclose()
