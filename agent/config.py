@@ -76,6 +76,14 @@ module). Example (every key; the engines show each family of the matrix below)::
     parallel = 8
 
     [[engines]]
+    kind = "vllm"                     # remote (has an address): run by someone else, e.g. a vLLM pod;
+    model = "Qwen/Qwen3-0.6B"         # the agent probes GET /health, scrapes /metrics, follows KV events
+    address = "10.0.0.7:8000"
+    kv_events_endpoint = "tcp://10.0.0.7:5557"   # what the engine's --kv-events-config publishes on
+    kv_replay_endpoint = "tcp://10.0.0.7:5558"   # optional: gaps are replayed from it
+    kv_events_topic = ""              # the engine's topic
+
+    [[engines]]
     kind = "openai_compat"            # remote, not started: readiness = GET /v1/models answers 200
     model = "gpt-x"
     address = "api.example:443"       # instead of host/port
@@ -146,6 +154,8 @@ _OFFLOAD_KEYS: Mapping[str, tuple[str, ...]] = {
 #: Keys that make no sense for a remote (``openai_compat``) endpoint.
 _LOCAL_ONLY = ("model_path", "host", "port", "command", "args", "env", "parallel", "context", "restart")
 _ID = re.compile(r"[A-Za-z0-9._-]+")
+#: Keys of a remote engine whose KV events the agent subscribes to (the engine publishes them itself).
+_ATTACH_KEYS = ("kv_events_endpoint", "kv_replay_endpoint", "kv_events_topic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +217,10 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 0
     address: str | None = None
+    #: Remote engines that publish KV events: their ZMQ PUB and replay ROUTER addresses, and topic.
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
     role: str = "both"
     kv_offload: str = "none"
     block_size: int = 16
@@ -227,8 +241,8 @@ class EngineConfig:
 
     @property
     def started(self) -> bool:
-        """Whether the agent runs this engine as a child process (everything but ``openai_compat``)."""
-        return self.kind != "openai_compat"
+        """Whether the agent runs this engine as a child process (not when it has an ``address``)."""
+        return self.address is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,18 +357,24 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
     role = _choice(s.string("role", agent.role), ROLES, f"{where}.role")
     kv_offload = _choice(s.string("kv_offload", "none"), KV_OFFLOADS, f"{where}.kv_offload")
     check_combination(kind, role, kv_offload, where, inherited="role" not in present)
-    remote = kind == "openai_compat"
+    # Remote: openai_compat always; any other kind when given an address (an engine someone else runs,
+    # e.g. a vLLM pod: the agent only probes, scrapes and subscribes to it).
+    remote = kind == "openai_compat" or "address" in present
     misplaced = sorted(present & set(_LOCAL_ONLY)) if remote else []
     if misplaced:
         key = misplaced[0]
-        hint = "mutually exclusive with address" if key in ("host", "port") else "not used by openai_compat"
-        raise AgentConfigError(f"{where}.{key}: {hint} (openai_compat is remote, not started)")
-    for key in ("address", "tls", "api_key_env"):
+        hint = "mutually exclusive with address" if key in ("host", "port") else "not used by remote engines"
+        raise AgentConfigError(f"{where}.{key}: {hint} (an engine with an address is remote, not started)")
+    for key in ("tls", "api_key_env", *_ATTACH_KEYS):
         if key in present and not remote:
-            raise AgentConfigError(f"{where}.{key}: only for openai_compat (remote, not started)")
+            raise AgentConfigError(f"{where}.{key}: only for remote engines (set address)")
     if "threads" in present and kind != "llama_cpp":
         raise AgentConfigError(f"{where}.threads: only for llama_cpp")
-    kv_events = s.flag("kv_events", kind in KV_EVENT_KINDS)
+    attach = {key: s.string(key) for key in _ATTACH_KEYS}
+    subscribable = not remote or bool(attach["kv_events_endpoint"])
+    kv_events = s.flag("kv_events", kind in KV_EVENT_KINDS and subscribable)
+    if kv_events and remote and not attach["kv_events_endpoint"]:
+        raise AgentConfigError(f"{where}.kv_events_endpoint: required for KV events of a remote engine")
     if kv_events and kind not in KV_EVENT_KINDS:
         raise AgentConfigError(
             f"{where}.kv_events: {kind} does not publish KV events over ZMQ; "
@@ -364,15 +384,18 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
         id=_ident(s.string("id", f"{agent.id}-{index}"), f"{where}.id"),
         kind=kind,
         model=_nonempty(s.string("model", _REQUIRED), f"{where}.model"),
-        model_path=_model_path(s.string("model_path"), kind, where),
+        model_path=_model_path(s.string("model_path"), kind, where, remote),
         host=_nonempty(s.string("host", "127.0.0.1"), f"{where}.host"),
         port=_port(s.integer("port", 0, minimum=0), f"{where}.port"),
         address=None if not remote else _hostport(s.string("address", _REQUIRED), f"{where}.address"),
+        kv_events_endpoint=_zmq(attach["kv_events_endpoint"], f"{where}.kv_events_endpoint"),
+        kv_replay_endpoint=_zmq(attach["kv_replay_endpoint"], f"{where}.kv_replay_endpoint"),
+        kv_events_topic=attach["kv_events_topic"] or "",
         role=role,
         kv_offload=kv_offload,
         block_size=s.integer("block_size", 16, minimum=1),
         kv_events=kv_events,
-        metrics=s.flag("metrics", not remote),
+        metrics=s.flag("metrics", kind != "openai_compat"),
         parallel=s.integer("parallel", None, minimum=1),
         context=s.integer("context", None, minimum=1),
         threads=s.integer("threads", None, minimum=1),
@@ -390,9 +413,17 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
     return engine
 
 
-def _model_path(value: str | None, kind: str, where: str) -> str | None:
-    if kind == "openai_compat":
+def _zmq(value: str | None, where: str) -> str | None:
+    if value is None:
         return None
+    if not value.startswith(("tcp://", "ipc://")):
+        raise AgentConfigError(f"{where}: expected tcp://host:port or ipc://PATH, got {value!r}")
+    return value
+
+
+def _model_path(value: str | None, kind: str, where: str, remote: bool = False) -> str | None:
+    if kind == "openai_compat" or remote:
+        return value
     if not value:
         raise AgentConfigError(f"{where}.model_path: required for {kind}")
     if value == SMOLLM2 and kind not in ("llama_cpp", "sim"):

@@ -154,7 +154,20 @@ def render(
         assert engine.address is not None
         scheme = "https" if engine.tls else "http"
         metrics = "/metrics" if engine.metrics else None
-        return EngineLaunch((), (), f"{scheme}://{engine.address}", engine.address, "/v1/models", metrics)
+        health = "/v1/models" if engine.kind == "openai_compat" else "/health"
+        events = engine.kv_events and engine.kv_events_endpoint is not None
+        return EngineLaunch(
+            (),
+            (),
+            f"{scheme}://{engine.address}",
+            engine.address,
+            health,
+            metrics,
+            speaks_kv_events=events,
+            kv_events_endpoint=engine.kv_events_endpoint if events else None,
+            kv_replay_endpoint=engine.kv_replay_endpoint if events else None,
+            kv_events_topic=engine.kv_events_topic,
+        )
     if not 0 < port <= 65535:
         raise ValueError(f"engine {engine.id}: a concrete port is needed, got {port}")
     events = needs_kv_events_ports(engine)

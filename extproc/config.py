@@ -22,6 +22,19 @@ Example (TOML)::
     engine = "sim"
     metrics_url = "http://127.0.0.1:8001/metrics"
 
+    [index]
+    mode = "precise"                   # engine KV events where agents stream them; or "approximate"
+    speculative_ttl_s = 10.0           # a decision counts this long for an event-fed endpoint
+
+    [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/
+    endpoints = ["127.0.0.1:2379"]     # schema: extproc/etcd.py; tls_ca, tls_cert, tls_key, prefix
+    [policy]
+    file = "policy.toml"               # optional local policy overrides (schema: extproc/policy.py)
+    [feeds]                            # optional mTLS to agents' event feeds (all three or none)
+    tls_ca = "ca.pem"
+    tls_cert = "extproc.pem"
+    tls_key = "extproc.key"
+
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
     default_max_tokens = 1024          # output tokens reserved when a request sets no max_tokens

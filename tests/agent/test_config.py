@@ -21,6 +21,7 @@ from agent.config import (
     load_node_config,
     parse_node_config,
 )
+from agent.engines import render
 from agent.errors import AgentConfigError
 from extproc.fleet import ENGINE_KINDS, ROLES
 
@@ -49,9 +50,10 @@ def test_docstring_example_parses() -> None:
     example = textwrap.dedent(doc[doc.index("    [agent]") : doc.index("KV offload x role matrix")])
     cfg = parse_node_config(tomllib.loads(example))
     assert cfg.agent.tls is not None and cfg.agent.tls.client_ca == "/etc/kvgate/ca.pem"
-    assert [e.kind for e in cfg.engines] == ["llama_cpp", "vllm", "sglang", "sim", "openai_compat"]
-    assert [e.id for e in cfg.engines] == ["llama-0", "node-a-1", "node-a-2", "node-a-3", "node-a-4"]
-    llama, vllm, sglang, _, remote = cfg.engines
+    assert [e.kind for e in cfg.engines] == ["llama_cpp", "vllm", "sglang", "sim", "vllm", "openai_compat"]
+    assert [e.id for e in cfg.engines] == ["llama-0", *(f"node-a-{i}" for i in range(1, 6))]
+    llama, vllm, sglang, _, attached, remote = cfg.engines
+    assert not attached.started and attached.kv_events and attached.kv_events_endpoint == "tcp://10.0.0.7:5557"
     assert (llama.threads, llama.args, llama.env, llama.labels) == (
         2, ("--no-warmup",), (("LLAMA_ARG_FOO", "1"),), (("zone", "a"),),
     )  # fmt: skip
@@ -207,12 +209,15 @@ BAD: list[tuple[dict[str, Any], str]] = [
     (node(engine_raw("openai_compat", port=80)), "engines[0].port: mutually exclusive with address"),
     (node({"kind": "openai_compat", "model": "m"}), "engines[0].address: required"),
     (node(engine_raw("openai_compat", address="nope")), "engines[0].address: expected host:port"),
-    (node(engine_raw("openai_compat", model_path="x")), "engines[0].model_path: not used by openai_compat"),
-    (node(engine_raw("openai_compat", command=["x"])), "engines[0].command: not used by openai_compat"),
-    (node(engine_raw("openai_compat", restart={})), "engines[0].restart: not used by openai_compat"),
-    (node(engine_raw("vllm", address="h:1")), "engines[0].address: only for openai_compat"),
-    (node(engine_raw("llama_cpp", tls=True)), "engines[0].tls: only for openai_compat"),
-    (node(engine_raw("sim", api_key_env="K")), "engines[0].api_key_env: only for openai_compat"),
+    (node(engine_raw("openai_compat", model_path="x")), "engines[0].model_path: not used by remote engines"),
+    (node(engine_raw("openai_compat", command=["x"])), "engines[0].command: not used by remote engines"),
+    (node(engine_raw("openai_compat", restart={})), "engines[0].restart: not used by remote engines"),
+    (
+        node(engine_raw("sim", kv_events_endpoint="tcp://h:1")),
+        "engines[0].kv_events_endpoint: only for remote engines",
+    ),
+    (node(engine_raw("llama_cpp", tls=True)), "engines[0].tls: only for remote engines"),
+    (node(engine_raw("sim", api_key_env="K")), "engines[0].api_key_env: only for remote engines"),
     (node(engine_raw("vllm", threads=2)), "engines[0].threads: only for llama_cpp"),
     (node(engine_raw("llama_cpp", threads=0)), "engines[0].threads: must be >= 1, got 0"),
     (
@@ -333,3 +338,33 @@ def test_every_matrix_cell(kind: str, role: str, offload: str) -> None:
         offered = [o for o in KV_OFFLOADS if any(o in allowed for allowed in roles.values())]
         allowed = roles[role] if offload in offered else offered
         assert message.endswith(f"; allowed: {', '.join(allowed)}")
+
+
+def test_remote_engine_with_kv_events_attaches() -> None:
+    cfg = node_config(
+        {
+            "kind": "sim",
+            "model": "m",
+            "address": "127.0.0.1:9000",
+            "kv_events_endpoint": "tcp://127.0.0.1:9100",
+            "kv_replay_endpoint": "tcp://127.0.0.1:9101",
+            "kv_events_topic": "t",
+        }
+    )
+    (engine,) = cfg.engines
+    assert not engine.started and engine.kv_events and engine.metrics
+    launch = render(engine, cfg.agent, port=0, kv_events_port=None, kv_replay_port=None)
+    assert launch.argv == () and launch.health_path == "/health" and launch.speaks_kv_events
+    assert (launch.kv_events_endpoint, launch.kv_replay_endpoint, launch.kv_events_topic) == (
+        "tcp://127.0.0.1:9100", "tcp://127.0.0.1:9101", "t",
+    )  # fmt: skip
+    remote_no_events = node_config({"kind": "vllm", "model": "m", "address": "h:1"}).engines[0]
+    assert not remote_no_events.kv_events
+    with pytest.raises(AgentConfigError, match="kv_events_endpoint: required"):
+        node_config({"kind": "vllm", "model": "m", "address": "h:1", "kv_events": True})
+    with pytest.raises(AgentConfigError, match="expected tcp://host:port"):
+        node_config({"kind": "vllm", "model": "m", "address": "h:1", "kv_events_endpoint": "h:1"})
+
+
+def node_config(engine: dict[str, object]) -> NodeConfig:
+    return parse_node_config({"agent": {"id": "node-a"}, "engines": [engine]})
