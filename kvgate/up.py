@@ -92,6 +92,9 @@ class StackOptions:
     #: Extra keys of each agent engine's ``[[engines]]`` table (e.g. ``{"parallel": 2}``).
     agent_engine_options: dict[str, Any] = field(default_factory=dict)
     lease_ttl_s: int = 5
+    #: ``[[engines]]`` tables of engines that already run (each with an ``address``, and their KV event
+    #: endpoints): a local etcd and one agent attached to them (no engine started; ``agents`` unused).
+    attach: tuple[dict[str, Any], ...] = ()
     #: Extra keys of the gateway config's ``[index]`` table.
     index: dict[str, Any] = field(default_factory=dict)
 
@@ -139,7 +142,7 @@ class Stack:
             self._mint_certs()
         smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
         model_dir: str | None = opts.model_dir or smollm2_dir
-        if opts.agents:
+        if opts.agents or opts.attach:
             if opts.endpoints or self.secure:
                 raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
             self._start_agents(smollm2_dir)
@@ -201,7 +204,7 @@ class Stack:
                     **({"chat_template": opts.chat_template} if opts.chat_template else {}),
                 }
             ],
-            "endpoints": [] if opts.agents else [{**e, "models": [opts.model]} for e in self.engines],
+            "endpoints": [] if self.etcd else [{**e, "models": [opts.model]} for e in self.engines],
         }
         if self.etcd is not None:
             config["etcd"] = {"endpoints": [self.etcd.address]}
@@ -258,17 +261,25 @@ class Stack:
         opts = self.options
         self.etcd = EtcdServer(self.workdir / "etcd")
         self.etcd.start()
+        nodes: list[list[dict[str, Any]]] = []
+        if opts.attach:
+            nodes.append([dict(e) for e in opts.attach])
+        for i in range(0 if opts.attach else opts.agents):
+            nodes.append(
+                [
+                    {
+                        "id": f"{opts.agent_engine}-{i}",
+                        "kind": opts.agent_engine,
+                        "model": opts.model,
+                        "model_path": model_dir if opts.agent_engine == "sim" else "smollm2",
+                        "args": list(opts.agent_args),
+                        **opts.agent_engine_options,
+                    }
+                ]
+            )
         ready_files = []
-        for i in range(opts.agents):
+        for i, engines in enumerate(nodes):
             node = f"node-{i}"
-            engine: dict[str, Any] = {
-                "id": f"{opts.agent_engine}-{i}",
-                "kind": opts.agent_engine,
-                "model": opts.model,
-                "model_path": model_dir if opts.agent_engine == "sim" else "smollm2",
-                "args": list(opts.agent_args),
-                **opts.agent_engine_options,
-            }
             node_config = {
                 "agent": {
                     "id": node,
@@ -277,7 +288,7 @@ class Stack:
                     "state_dir": str(self.workdir / node),
                 },
                 "etcd": {"endpoints": [self.etcd.address]},
-                "engines": [engine],
+                "engines": engines,
             }
             path = self.workdir / f"{node}.json"
             path.write_text(json.dumps(node_config, indent=2))

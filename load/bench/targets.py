@@ -1,9 +1,10 @@
 """The simulated fleet and the routers the benchmark compares, each started fresh for every run.
 
 * ``kvgate``: Envoy + the ext_proc exactly as ``kvgate up --endpoint ...`` starts them
-  (:class:`kvgate.up.Stack` fronting the fleet), approximate prefix index (the only mode today).
-* ``kvgate-precise``: the hook for the KV-event (precise) index a later issue adds; reported as skipped
-  until :data:`PRECISE_EXTPROC` is filled in with the ext_proc keys that select it.
+  (:class:`kvgate.up.Stack` fronting the fleet), approximate prefix index (learned from its decisions).
+* ``kvgate-precise``: the same gateway with a local etcd and a node agent attached to the replicas
+  (``StackOptions.attach``): the agent subscribes to each replica's KV events and streams them, with the
+  replicas' load, to the ext_proc, whose precise index then knows what each replica really holds.
 * ``round-robin`` / ``least-loaded``: plain Envoy, same listener settings, a STATIC cluster over the
   same replicas with ``ROUND_ROBIN`` / ``LEAST_REQUEST`` (power of two choices on active requests).
 * ``sglang-router`` / ``vllm-router``: the peers, ``--policy cache_aware`` (:mod:`load.bench.peers`).
@@ -41,10 +42,13 @@ TARGETS = (
     "oracle",
 )
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-PRECISE_EXTPROC: dict[str, Any] | None = None
-"""ext_proc config keys that select the precise (KV-event) index; ``None`` until it exists. The issue
-adding it fills this in (and, if the simulator must publish KV events for it, the flag in
-:class:`FleetSpec` ``sim_args``); ``kvgate-precise`` then runs like ``kvgate``."""
+KV_EVENTS_TOPIC = "kv"
+#: Every replica publishes vLLM-format KV events (ephemeral ZMQ ports), whichever target runs, so all
+#: targets see the same fleet; only ``kvgate-precise`` subscribes (through a node agent).
+KV_EVENTS_CONFIG = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", '
+    f'"replay_endpoint": "tcp://127.0.0.1:0", "topic": "{KV_EVENTS_TOPIC}"}}'
+)
 
 
 class TargetUnavailable(RuntimeError):
@@ -89,6 +93,8 @@ class Fleet:
             str(ready),
             "--log-level",
             "WARNING",
+            "--kv-events-config",
+            KV_EVENTS_CONFIG,
             *spec.sim_args,
         ]
         self.child = Child("sim", argv, workdir / "sim.log")
@@ -99,6 +105,8 @@ class Fleet:
             raise
         self.ids = [r["id"] for r in described]
         self.addresses = [r["address"] for r in described]
+        #: Each replica's KV event PUB and replay addresses (``tcp://host:port``).
+        self.kv_events = [(r["kv_events"], r["kv_events_replay"]) for r in described]
 
     def reset(self, timeout_s: float = 30.0) -> None:
         """Drop every replica's cached prefixes (waits while requests still hold blocks)."""
@@ -185,23 +193,41 @@ def start(
     workdir.mkdir(parents=True, exist_ok=True)
     urls = [f"http://{a}" for a in fleet.addresses]
     if name in ("kvgate", "kvgate-precise"):
-        extproc: dict[str, Any] = {}
-        if name == "kvgate-precise":
-            if PRECISE_EXTPROC is None:
-                raise TargetUnavailable(
-                    "the precise (KV-event) index is not implemented yet; a later issue adds it"
+        if name == "kvgate":  # routes learned from its own decisions, engines scraped by the gateway
+            options = StackOptions(
+                port=0,
+                model=model,
+                endpoints=tuple(urls),
+                engine="vllm",
+                model_dir=str(model_dir),
+                index={"mode": "approximate"},
+                scheduling=scheduling,
+                workdir=workdir,
+            )
+        else:  # a node agent attached to the replicas streams their KV events and load; fleet in etcd
+            attach = tuple(
+                {
+                    "id": replica_id,
+                    "kind": "sim",
+                    "model": model,
+                    "address": address,
+                    "kv_events_endpoint": pub,
+                    "kv_replay_endpoint": replay,
+                    "kv_events_topic": KV_EVENTS_TOPIC,
+                }
+                for replica_id, address, (pub, replay) in zip(
+                    fleet.ids, fleet.addresses, fleet.kv_events, strict=True
                 )
-            extproc = dict(PRECISE_EXTPROC)
-        options = StackOptions(
-            port=0,
-            model=model,
-            endpoints=tuple(urls),
-            engine="vllm",
-            model_dir=str(model_dir),
-            extproc=extproc,
-            scheduling=scheduling,
-            workdir=workdir,
-        )
+            )
+            options = StackOptions(
+                port=0,
+                model=model,
+                model_dir=str(model_dir),
+                attach=attach,
+                index={"mode": "precise"},
+                scheduling=scheduling,
+                workdir=workdir,
+            )
         stack = Stack(options)
         stack.start()
         return Running(FixedRoute(stack.url), stack=stack)

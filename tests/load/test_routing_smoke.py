@@ -26,18 +26,17 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     result = routing.run(config, tmp_path, progress=False)
     runs = result["runs"]
     measured = [r for r in runs if "metrics" in r]
-    assert {r["target"] for r in measured} == {"kvgate", "round-robin", "oracle"}
+    assert {r["target"] for r in measured} == {"kvgate", "kvgate-precise", "round-robin", "oracle"}
     assert {r["workload"] for r in measured} == {"shared-prefix", "agentic"}
     for r in measured:
         m = r["metrics"]
         assert m["success"] == 1.0, (r["target"], m["statuses"])
         assert m["ttft_p50_s"] > 0 and m["output_tok_s"] > 0 and m["prompt_tokens"] > 0
         assert sum(m["replica_requests"].values()) == m["ok"]
-    skipped = [r for r in runs if r["target"] == "kvgate-precise"]
-    assert skipped and all("not implemented" in r["skipped"] for r in skipped)
+    assert not [r for r in runs if "skipped" in r]
     assert result["goals"]["success_100pct_every_run"]["met"]
     assert json.loads((tmp_path / "routing.json").read_text())["benchmark"] == "routing"
-    assert "kvgate-precise | skipped:" in (tmp_path / "routing.md").read_text()
+    assert "kvgate-precise |" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "shared-prefix-ttft_p90_s.png").stat().st_size > 0
 
 
