@@ -48,8 +48,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INDEX_BLOCK_SIZE = 16
 TELEMETRY_INTERVAL_S = 0.1
-#: Below the gateway's default ``scrape.stale_after_s`` (2 s), so an idle engine's load never expires.
-TELEMETRY_HEARTBEAT_S = 0.5
+#: Every reading is sent (heartbeat = interval), as often as the gateway scraped engines itself: the
+#: gateway's load estimate adds the requests it routed since the last reading, so a reading that is skipped
+#: because the engine's numbers did not change (short requests that came and went between two samples)
+#: would let that count grow and overstate the load (measured: a hot prefix pushed off its owner).
+TELEMETRY_HEARTBEAT_S = TELEMETRY_INTERVAL_S
 
 
 @dataclasses.dataclass(slots=True)
@@ -381,6 +384,10 @@ class Agent:
                     "registered": e.registered,
                     "restarts": e.supervisor.restarts,
                     "kv_events": e.translator is not None,
+                    "kv_subscriber": None
+                    if e.subscriber is None
+                    else dataclasses.asdict(e.subscriber.stats),
+                    "kv_translator": None if e.translator is None else dataclasses.asdict(e.translator.stats),
                 }
                 for e in self.engines.values()
             ],

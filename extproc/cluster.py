@@ -146,3 +146,5 @@ class Cluster:
         if isinstance(self.index, HybridIndex):
             self.index.precise.speculative_ttl_s = policy.speculative_ttl_s
         self.policy_changes += 1
+        weights = ", ".join(f"{r.ref}={r.weight}" for r in policy.scheduling.profiles[0].plugins if r.weight)
+        log.info("policy %d in force: %s; %d model routes", self.policy_changes, weights, len(routes))
