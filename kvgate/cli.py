@@ -20,6 +20,7 @@ commands:
   agent           run a node agent supervising engines (--config node.toml)
   policy          scheduling policy in etcd (or a file): `kvgate policy get|set|unset|list|watch`
   drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo]`
+  kvcached        run the node's tiered KV block store (--config kvcached.toml)
 """
 
 
@@ -113,6 +114,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "agent": _lazy("agent.main"),
     "policy": _lazy("kvgate.policy_cli"),
     "drain": _drain,
+    "kvcached": _lazy("kvcached.main"),
 }
 
 
