@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from extproc.auth import AuthConfig
 from extproc.errors import ConfigError
-from extproc.fleet import ENGINE_KINDS, Endpoint, EndpointId
+from extproc.fleet import ENGINE_KINDS, ROLES, Endpoint, EndpointId
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 from extproc.tenants import Tenant
 
@@ -311,7 +311,7 @@ def parse_config(raw: object) -> GatewayConfig:
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ConfigError("models: duplicate model name")
-    endpoints = tuple(_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(top.array("endpoints", [])))
+    endpoints = tuple(parse_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(top.array("endpoints", [])))
     for key in ("id", "address"):
         values = [getattr(e, key) for e in endpoints]
         if len(set(values)) != len(values):
@@ -365,18 +365,22 @@ def _model(raw: object, where: str) -> ModelConfig:
     return model
 
 
-def _endpoint(raw: object, where: str) -> Endpoint:
+def parse_endpoint(raw: object, where: str) -> Endpoint:
+    """One endpoint (a static ``[[endpoints]]`` table or an etcd ``endpoints/<id>`` value): every
+    :class:`~extproc.fleet.Endpoint` field; ``id`` defaults to the address, a JSON ``null`` means absent."""
+    if isinstance(raw, Mapping):
+        raw = {k: v for k, v in raw.items() if v is not None}
     s = Section(raw, where)
     address = _hostport(s.string("address", _REQUIRED), f"{where}.address")
     models = s.array("models", _REQUIRED)
     if not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"{where}.models: expected a non-empty list of model names")
-    engine = s.string("engine", "vllm")
-    if engine not in ENGINE_KINDS:
-        raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINE_KINDS)}, got {engine!r}")
+    engine = _choice(s.string("engine", "vllm"), ENGINE_KINDS, f"{where}.engine")
+    role = _choice(s.string("role", "both"), ROLES, f"{where}.role")
     labels = s.table("labels")
     label_items = tuple(sorted((k, labels.string(k, _REQUIRED)) for k in labels.names()))
     labels.done()
+    feed = s.string("feed")
     endpoint = Endpoint(
         id=EndpointId(s.string("id", address)),
         address=address,
@@ -384,6 +388,12 @@ def _endpoint(raw: object, where: str) -> Endpoint:
         engine=engine,
         metrics_url=s.string("metrics_url"),
         labels=label_items,
+        role=role,
+        node=s.string("node"),
+        feed=None if feed is None else _hostport(feed, f"{where}.feed"),
+        kv_events=s.flag("kv_events", False),
+        block_size=s.integer("block_size", None, minimum=1),
+        capacity_blocks=s.integer("capacity_blocks", None, minimum=1),
     )
     s.done()
     return endpoint

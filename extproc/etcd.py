@@ -33,7 +33,7 @@ import grpc
 import grpc.aio
 
 from extproc.errors import ConfigError
-from extproc.fleet import ENGINE_KINDS, ROLES, Endpoint, EndpointId
+from extproc.fleet import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -205,45 +205,18 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
 
 def decode_endpoint(key_id: str, value: bytes) -> Endpoint:
     """Validate an ``endpoints/<key_id>`` value; :class:`ConfigError` names the field and the reason."""
-    from extproc.config import _REQUIRED, Section, _hostport
+    from extproc.config import parse_endpoint
 
     where = f"{ENDPOINTS}/{key_id}"
     try:
         raw = json.loads(value)
     except ValueError as exc:
         raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
-    s = Section(raw, where)
-    endpoint_id = s.string("id", _REQUIRED)
-    if endpoint_id != key_id:
-        raise ConfigError(f"{where}.id: {endpoint_id!r} does not match the key")
-    models = s.array("models", _REQUIRED)
-    if not models or not all(isinstance(m, str) and m for m in models):
-        raise ConfigError(f"{where}.models: expected a non-empty list of model names")
-    engine = s.string("engine", "vllm")
-    if engine not in ENGINE_KINDS:
-        raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINE_KINDS)}, got {engine!r}")
-    role = s.string("role", "both")
-    if role not in ROLES:
-        raise ConfigError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
-    labels = s.table("labels")
-    label_items = tuple(sorted((k, labels.string(k, _REQUIRED)) for k in labels.names()))
-    labels.done()
-    feed = None if s.raw("feed") is None else _hostport(s.string("feed"), f"{where}.feed")
-    endpoint = Endpoint(
-        id=EndpointId(endpoint_id),
-        address=_hostport(s.string("address", _REQUIRED), f"{where}.address"),
-        models=frozenset(models),
-        engine=engine,
-        metrics_url=None if s.raw("metrics_url") is None else s.string("metrics_url"),
-        labels=label_items,
-        role=role,
-        node=None if s.raw("node") is None else s.string("node"),
-        feed=feed,
-        kv_events=s.flag("kv_events", False),
-        block_size=None if s.raw("block_size") is None else s.integer("block_size", minimum=1),
-        capacity_blocks=None if s.raw("capacity_blocks") is None else s.integer("capacity_blocks", minimum=1),
-    )
-    s.done()
+    if isinstance(raw, dict) and "id" not in raw:  # not defaulted to the address, as in a config file
+        raise ConfigError(f"{where}.id: required")
+    endpoint = parse_endpoint(raw, where)
+    if endpoint.id != key_id:
+        raise ConfigError(f"{where}.id: {endpoint.id!r} does not match the key")
     return endpoint
 
 
