@@ -355,7 +355,11 @@ async def test_control_plane_resyncs_when_its_watch_is_compacted(etcd_outage_ser
         await _until(lambda: fleet.get(EndpointId("c")) is not None, 10.0)
         assert store.policy.weight("queue") == 4.0
         counters = plane.counters
-        assert (counters["compactions"], counters["syncs"], counters["outages"]) == (1, 2, 0)
+        # Usually the resumed watch is told its revision was compacted; if its reconnect attempt lands
+        # while the proxy is still paused, the same blip is handled as an outage instead. Either way:
+        # exactly one full resync, which picked up both changes (asserted above).
+        assert counters["syncs"] == 2
+        assert (counters["compactions"], counters["outages"]) in ((1, 0), (0, 1))
     finally:
         await plane.aclose()
         await proxy.pause()
