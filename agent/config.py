@@ -14,6 +14,7 @@ module). Example (every key; the engines show each family of the matrix below)::
     lease_ttl_s = 5                   # etcd lease TTL (whole seconds >= 2)
     drain_timeout_s = 30              # max wait (s) for in-flight requests when draining
     state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files
+    kvcached = "unix:/run/kvgate/kvcached.sock"   # optional: llama.cpp slot save/restore via kvcached
 
     [agent.tls]                       # optional, all three or none: mTLS on the feed
     cert = "/etc/kvgate/agent.pem"
@@ -180,6 +181,9 @@ class AgentSection:
     drain_timeout_s: float = 30.0
     state_dir: str = "/var/lib/kvgate-agent"
     tls: TLSFiles | None = None
+    #: The node's kvcached local API (``unix:/path`` or ``host:port``) for llama.cpp slot save/restore
+    #: (``POST /slots/save|restore`` on the admin API); ``None``: those routes are off.
+    kvcached: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +336,7 @@ def _agent(raw: object) -> AgentSection:
         drain_timeout_s=s.number("drain_timeout_s", d.drain_timeout_s, minimum=0.0),
         state_dir=_nonempty(s.string("state_dir", d.state_dir), "agent.state_dir"),
         tls=_tls(s.raw("tls")),
+        kvcached=s.string("kvcached"),
     )
     s.done()
     return agent

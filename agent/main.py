@@ -16,7 +16,9 @@ and admin API still serve; a gateway can list the endpoints statically).
 
 Admin HTTP (``admin_listen``, plaintext, bind it to loopback or a management network): ``GET /healthz``
 (the agent runs), ``GET /readyz`` (200 when every engine is ready), ``GET /status`` (engines, states,
-addresses, feed position), ``POST /drain`` (the same drain as SIGTERM, then exit).
+addresses, feed position), ``POST /drain`` (the same drain as SIGTERM, then exit); with ``[agent] kvcached``,
+``POST /slots/save`` and ``POST /slots/restore`` (llama.cpp slot state through the node's kvcached,
+:mod:`agent.slots`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from agent.config import EngineConfig, NodeConfig, load_node_config
 from agent.errors import AgentError
 from agent.feed import FeedLog, FeedServer
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
+from agent.slots import slot_routes
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
 from extproc.errors import ConfigError
 from extproc.events import IndexEvent, Load
 from extproc.tls import ServerTlsFiles
+from kvcached.service import KvcachedClient
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,8 @@ class Agent:
         self._leased: object | None = None
         self._prefix = ""
         self._admin: web.AppRunner | None = None
+        #: The node's kvcached (``[agent] kvcached``): llama.cpp slot save/restore routes use it.
+        self._kvcached: KvcachedClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stop_requested = asyncio.Event()
         self._registered = asyncio.Event()
@@ -159,6 +165,8 @@ class Agent:
         await self.feed.aclose()
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._kvcached is not None:
+            await self._kvcached.aclose()
 
     # -- etcd ------------------------------------------------------------------------------------------
 
@@ -344,6 +352,9 @@ class Agent:
                 web.post("/drain", self._drain_request),
             ]
         )
+        if self.config.agent.kvcached:
+            self._kvcached = KvcachedClient(self.config.agent.kvcached)
+            app.add_routes(slot_routes(self, self._kvcached))
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         host, _, port = self.config.agent.admin_listen.rpartition(":")

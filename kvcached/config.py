@@ -1,0 +1,243 @@
+"""kvcached configuration (``kvgate kvcached --config kvcached.toml``): frozen dataclasses parsed at the edge.
+
+Unknown keys and ill-typed values are :class:`~kvcached.errors.KvcachedConfigError` naming the key; nothing
+past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd_raw`` (parsed by
+:func:`extproc.etcd.parse_etcd_settings`). Sizes are bytes, times seconds, addresses ``host:port``
+(port 0 = ephemeral). Example (every key)::
+
+    [kvcached]
+    node = "node-a"                      # node id (default: the hostname); etcd key kvcached/<node>
+    advertise = "127.0.0.1"              # host peers and gateways reach this node at (default: each
+                                         # listen address's own host)
+    listen_unix = "/run/kvgate/kvcached.sock"   # local gRPC API, plaintext, on a unix socket (optional)
+    listen_tcp = "127.0.0.1:0"           # local gRPC API on TCP, mTLS only: needs [kvcached.tls] (optional)
+    feed_listen = "127.0.0.1:0"          # index-event feed gRPC (mTLS when [kvcached.tls] is set)
+    metrics_listen = "127.0.0.1:0"       # Prometheus text (optional; absent = no metrics server)
+    ram_bytes = 1073741824               # RAM tier budget
+    ssd_path = "/var/lib/kvgate/kvcached"   # RocksDB directory of the SSD tier (absent = RAM only)
+    ssd_bytes = 68719476736              # SSD tier budget
+    max_block_bytes = 67108864           # largest block accepted (default 64 MiB)
+    endpoints = ["llama-0", "llama-1"]   # engine endpoint ids on this node: the feed reports the tiers
+                                         # as held by each of them
+    lease_ttl_s = 5                      # etcd lease TTL of kvcached/<node> (whole seconds >= 2)
+
+    [kvcached.tls]                       # optional, all three or none: mTLS on TCP gRPC, feed and QUIC
+    cert = "/etc/kvgate/kvcached.pem"
+    key = "/etc/kvgate/kvcached.key"
+    ca = "/etc/kvgate/ca.pem"            # clients and peers must chain to it (and so must servers we dial)
+
+    [quic]                               # optional: peer fetch over QUIC; needs [kvcached.tls]
+    listen = "127.0.0.1:0"               # UDP host:port of the PeerServer
+    max_concurrent_streams = 64          # streams served at once per connection
+    egress_bytes_per_s = 1250000000      # egress cap of the PeerServer (absent = unlimited)
+    timeout_s = 2.0                      # a peer fetch that takes longer is a miss
+    max_in_flight = 8                    # concurrent block streams per fetch
+
+    [[peers]]                            # static peers (besides those found in etcd)
+    node = "node-b"
+    address = "10.0.0.8:4433"            # its QUIC host:port
+
+    [etcd]                               # optional: registration + peer discovery (extproc/etcd.py)
+    endpoints = ["127.0.0.1:2379"]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from extproc.config import _REQUIRED, Section
+from extproc.errors import ConfigError
+from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
+from kvcached.errors import KvcachedConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM paths: this daemon's certificate chain and key, and the CA every other side must chain to."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+@dataclass(frozen=True, slots=True)
+class QuicSettings:
+    """The QUIC peer server and client: UDP listen address, streams served at once per connection,
+    egress cap (bytes/s, ``None`` = unlimited), fetch deadline (s), block streams in flight per fetch."""
+
+    listen: str = "127.0.0.1:0"
+    max_concurrent_streams: int = 64
+    egress_bytes_per_s: float | None = None
+    timeout_s: float = 2.0
+    max_in_flight: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class StaticPeer:
+    """A peer named in the config: its node id and QUIC ``host:port``."""
+
+    node: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvcachedConfig:
+    """A whole kvcached config (see the module docstring for each key's meaning and units).
+    ``etcd_raw``: the ``[etcd]`` table as read (read-only), ``None`` when the daemon runs without etcd."""
+
+    node: str
+    ram_bytes: int
+    advertise: str | None = None
+    listen_unix: str | None = None
+    listen_tcp: str | None = None
+    feed_listen: str = "127.0.0.1:0"
+    metrics_listen: str | None = None
+    ssd_path: Path | None = None
+    ssd_bytes: int = 0
+    max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT
+    endpoints: tuple[str, ...] = ()
+    lease_ttl_s: int = 5
+    tls: TlsFiles | None = None
+    quic: QuicSettings | None = None
+    peers: tuple[StaticPeer, ...] = ()
+    etcd_raw: Mapping[str, Any] | None = None
+
+
+def parse_kvcached_config(raw: object) -> KvcachedConfig:
+    """Validate a whole config document (already decoded from TOML or JSON)."""
+    try:
+        return _parse(raw)
+    except KvcachedConfigError:
+        raise
+    except ConfigError as exc:  # from the shared Section helper
+        raise KvcachedConfigError(str(exc)) from exc
+
+
+def load_kvcached_config(path: Path | str) -> KvcachedConfig:
+    """Read and validate a ``.toml`` (or ``.json``) config file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise KvcachedConfigError(f"cannot read kvcached config {path}: {exc.strerror}") from exc
+    is_json = path.suffix == ".json"
+    try:
+        raw = json.loads(text) if is_json else tomllib.loads(text.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise KvcachedConfigError(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from exc
+    return parse_kvcached_config(raw)
+
+
+def _parse(raw: object) -> KvcachedConfig:
+    top = Section(raw, "config")
+    k = Section(top.raw("kvcached") or {}, "kvcached")
+    etcd_raw = top.raw("etcd")
+    if etcd_raw is not None and not isinstance(etcd_raw, Mapping):
+        raise KvcachedConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
+    quic_raw = top.raw("quic")
+    peers_raw = top.array("peers", [])
+    top.done()
+
+    node = k.string("node", socket.gethostname())
+    if not node or "/" in node:
+        raise KvcachedConfigError(f"kvcached.node: expected a non-empty name without '/', got {node!r}")
+    ram_bytes = k.integer("ram_bytes", _REQUIRED, minimum=1)
+    ssd_path = k.string("ssd_path")
+    ssd_bytes = k.integer("ssd_bytes", 0, minimum=0)
+    endpoints = k.array("endpoints", [])
+    if not all(isinstance(e, str) and e for e in endpoints):
+        raise KvcachedConfigError("kvcached.endpoints: expected a list of non-empty endpoint ids")
+    if len(set(endpoints)) != len(endpoints):
+        raise KvcachedConfigError("kvcached.endpoints: duplicate endpoint id")
+    tls = _tls(k.raw("tls"))
+    cfg = KvcachedConfig(
+        node=node,
+        ram_bytes=ram_bytes,
+        advertise=_nonempty(k.string("advertise"), "kvcached.advertise"),
+        listen_unix=_nonempty(k.string("listen_unix"), "kvcached.listen_unix"),
+        listen_tcp=_hostport(k.string("listen_tcp"), "kvcached.listen_tcp"),
+        feed_listen=_hostport(k.string("feed_listen", "127.0.0.1:0"), "kvcached.feed_listen") or "",
+        metrics_listen=_hostport(k.string("metrics_listen"), "kvcached.metrics_listen"),
+        ssd_path=None if ssd_path is None else Path(_nonempty(ssd_path, "kvcached.ssd_path") or ""),
+        ssd_bytes=ssd_bytes,
+        max_block_bytes=k.integer("max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1),
+        endpoints=tuple(endpoints),
+        lease_ttl_s=k.integer("lease_ttl_s", 5, minimum=2),
+        tls=tls,
+        quic=None if quic_raw is None else _quic(quic_raw),
+        peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
+        etcd_raw=None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw))),
+    )
+    k.done()
+    if cfg.ssd_path is not None and cfg.ssd_bytes < 1:
+        raise KvcachedConfigError("kvcached.ssd_bytes: must be >= 1 when ssd_path is set")
+    if cfg.listen_tcp is not None and cfg.tls is None:
+        raise KvcachedConfigError("kvcached.listen_tcp: the TCP API is mTLS only: set [kvcached.tls]")
+    if cfg.quic is not None and cfg.tls is None:
+        raise KvcachedConfigError("quic: peer fetch is mTLS only: set [kvcached.tls]")
+    if cfg.listen_unix is None and cfg.listen_tcp is None:
+        raise KvcachedConfigError("kvcached: set listen_unix, listen_tcp or both")
+    nodes = [p.node for p in cfg.peers]
+    if len(set(nodes)) != len(nodes):
+        raise KvcachedConfigError("peers: duplicate node")
+    return cfg
+
+
+def _tls(raw: object) -> TlsFiles | None:
+    if raw is None:
+        return None
+    s = Section(raw, "kvcached.tls")
+    paths = {key: s.string(key) for key in ("cert", "key", "ca")}
+    s.done()
+    given = [key for key, v in paths.items() if v]
+    if len(given) != len(paths):
+        raise KvcachedConfigError(f"kvcached.tls: set all of cert, key, ca (got only {', '.join(given)})")
+    return TlsFiles(Path(paths["cert"]), Path(paths["key"]), Path(paths["ca"]))
+
+
+def _quic(raw: object) -> QuicSettings:
+    s = Section(raw, "quic")
+    d = QuicSettings()
+    egress = s.number("egress_bytes_per_s", None, minimum=1.0)
+    quic = QuicSettings(
+        listen=_hostport(s.string("listen", d.listen), "quic.listen") or "",
+        max_concurrent_streams=s.integer("max_concurrent_streams", d.max_concurrent_streams, minimum=1),
+        egress_bytes_per_s=egress,
+        timeout_s=s.number("timeout_s", d.timeout_s, minimum=0.001),
+        max_in_flight=s.integer("max_in_flight", d.max_in_flight, minimum=1),
+    )
+    s.done()
+    return quic
+
+
+def _peer(raw: object, where: str) -> StaticPeer:
+    s = Section(raw, where)
+    peer = StaticPeer(
+        node=_nonempty(s.string("node", _REQUIRED), f"{where}.node") or "",
+        address=_hostport(s.string("address", _REQUIRED), f"{where}.address") or "",
+    )
+    s.done()
+    return peer
+
+
+def _hostport(value: str | None, where: str) -> str | None:
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise KvcachedConfigError(f"{where}: expected host:port, got {value!r}")
+    return value
+
+
+def _nonempty(value: str | None, where: str) -> str | None:
+    if value == "":
+        raise KvcachedConfigError(f"{where}: must not be empty")
+    return value

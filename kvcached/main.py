@@ -1,0 +1,291 @@
+"""``kvgate kvcached --config kvcached.toml``: the node's tiered KV block store daemon, composed.
+
+Parts: the :class:`~kvcached.tiers.TieredStore` (RAM + RocksDB tiers); the local gRPC API
+(:mod:`kvcached.service`, unix socket and/or mTLS TCP); the QUIC :class:`~kvcached.peers.PeerServer`
+that lets peers fetch our blocks, and a :class:`~kvcached.peers.PeerClient` that fetches theirs on a
+local miss; the index feed (:class:`agent.feed.FeedServer`, source ``kvcached-<node>``): every change the
+store reports becomes ``Stored``/``Removed(endpoint, digests, tier="ram"|"ssd")`` for each endpoint in
+``endpoints``, and a subscriber that needs a resync gets a snapshot of what the tiers hold; with
+``[etcd]``, the leased key ``kvcached/<node>`` (:mod:`kvcached.discovery`) and a watch of ``kvcached/``
+that, with the static ``[[peers]]``, says whom to ask; Prometheus text on ``metrics_listen``
+(``GET /metrics``, served on the event loop so scrapes never touch the store from another thread).
+
+``--ready-file F``: once everything listens (and the first etcd registration was tried), the daemon's
+addresses are written to ``F`` as JSON (:meth:`Daemon.status`). First SIGTERM/SIGINT stops cleanly
+(lease revoked, so peers forget us at once; the store is closed); a second stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from agent.feed import FeedLog, FeedServer
+from extproc.errors import ConfigError
+from extproc.events import IndexEvent, Removed, Stored
+from extproc.tls import ServerTlsFiles
+from kvcached.config import KvcachedConfig, load_kvcached_config
+from kvcached.discovery import PeerInfo, PeerTable, PeerWatcher, encode_peer, peer_key
+from kvcached.errors import KvcachedError
+from kvcached.metrics import KvcachedMetrics
+from kvcached.peers import PeerClient, PeerServer
+from kvcached.service import ApiServer, KvcachedService
+from kvcached.tiers import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class FeedPublisher:
+    """The store's listener: each change becomes one feed batch naming every endpoint of the node."""
+
+    def __init__(self, endpoints: tuple[str, ...]) -> None:
+        self.endpoints = endpoints
+        self.feed: FeedServer | None = None
+
+    def on_stored(self, tier: str, digests: list[bytes]) -> None:
+        if self.feed is not None and digests and self.endpoints:
+            self.feed.publish([Stored(e, list(digests), tier) for e in self.endpoints])
+
+    def on_removed(self, tier: str, digests: list[bytes]) -> None:
+        if self.feed is not None and digests and self.endpoints:
+            self.feed.publish([Removed(e, list(digests), tier) for e in self.endpoints])
+
+
+class Daemon:
+    """One kvcached daemon (see the module docstring); :meth:`start` then :meth:`aclose`."""
+
+    def __init__(self, config: KvcachedConfig) -> None:
+        self.config = config
+        self.metrics = KvcachedMetrics()
+        self._publisher = FeedPublisher(config.endpoints)
+        self.store: TieredStore | None = None
+        self.feed: FeedServer | None = None
+        self.api: ApiServer | None = None
+        self.peer_server: PeerServer | None = None
+        self.peer_client: PeerClient | None = None
+        self.table = PeerTable("", config.node, config.peers)
+        self.quic_port = 0
+        self.metrics_port = 0
+        self.registered = False
+        self._etcd: Any = None
+        self._leased: Any = None
+        self._watcher: PeerWatcher | None = None
+        self._web: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        tls = None if cfg.tls is None else ServerTlsFiles(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+        self.feed = FeedServer(
+            FeedLog(f"kvcached-{cfg.node}"), self._snapshot, listen=cfg.feed_listen, tls=tls
+        )
+        self._publisher.feed = self.feed
+        self.store = TieredStore(
+            cfg.ram_bytes,
+            cfg.ssd_path,
+            cfg.ssd_bytes,
+            max_block_bytes=cfg.max_block_bytes,
+            listener=self._publisher,
+        )
+        await self.feed.start()
+        if cfg.tls is not None:
+            q = cfg.quic
+            self.peer_client = PeerClient(
+                cert=cfg.tls.cert,
+                key=cfg.tls.key,
+                ca=cfg.tls.ca,
+                timeout_s=2.0 if q is None else q.timeout_s,
+                max_in_flight=8 if q is None else q.max_in_flight,
+            )
+            if q is not None:
+                host, _, port = q.listen.rpartition(":")
+                self.peer_server = PeerServer(
+                    self.store,
+                    host=host,
+                    port=int(port),
+                    cert=cfg.tls.cert,
+                    key=cfg.tls.key,
+                    ca=cfg.tls.ca,
+                    max_concurrent_streams=q.max_concurrent_streams,
+                    egress_bytes_per_s=q.egress_bytes_per_s,
+                )
+                self.quic_port = await self.peer_server.start()
+        service = KvcachedService(
+            self.store,
+            metrics=self.metrics,
+            peer_client=self.peer_client,
+            peers=self.table.quic_addresses,
+            peer_timeout_s=(2.0 if cfg.quic is None else cfg.quic.timeout_s) + 1.0,
+        )
+        self.api = ApiServer(
+            service,
+            listen_unix=cfg.listen_unix,
+            listen_tcp=cfg.listen_tcp,
+            tls=cfg.tls,
+            max_block_bytes=cfg.max_block_bytes,
+        )
+        await self.api.start()
+        if cfg.metrics_listen is not None:
+            await self._start_metrics(cfg.metrics_listen)
+        if cfg.etcd_raw is not None:
+            await self._start_etcd()
+        log.info("kvcached %s ready: %s", cfg.node, json.dumps(self.status()))
+
+    async def aclose(self) -> None:
+        """Deregister, stop serving, close the store (each step runs even if an earlier one failed)."""
+        steps: list[Any] = [
+            self._leased.aclose() if self._leased is not None else None,
+            self._watcher.aclose() if self._watcher is not None else None,
+            self.api.aclose() if self.api is not None else None,
+            self.peer_server.aclose() if self.peer_server is not None else None,
+            self.peer_client.aclose() if self.peer_client is not None else None,
+            self.feed.aclose() if self.feed is not None else None,
+            self._web.cleanup() if self._web is not None else None,
+            self._etcd.close() if self._etcd is not None else None,
+        ]
+        for step in steps:
+            if step is None:
+                continue
+            try:
+                await step
+            except Exception:
+                log.exception("kvcached shutdown step failed")
+        self._publisher.feed = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _addr(self, listen: str | None, port: int) -> str | None:
+        if listen is None or not port:
+            return None
+        host = self.config.advertise or listen.rpartition(":")[0]
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+    def info(self) -> PeerInfo:
+        """What ``kvcached/<node>`` says about this daemon."""
+        cfg = self.config
+        quic = None if cfg.quic is None else self._addr(cfg.quic.listen, self.quic_port)
+        feed_port = 0 if self.feed is None else self.feed.port
+        grpc_port = 0 if self.api is None else self.api.tcp_port
+        return PeerInfo(
+            cfg.node, self._addr(cfg.listen_tcp, grpc_port), quic, self._addr(cfg.feed_listen, feed_port)
+        )
+
+    def status(self) -> dict[str, object]:
+        """What ``--ready-file`` holds: node, addresses (``host:port``), unix socket, metrics port."""
+        info = self.info()
+        return {
+            "node": info.node,
+            "grpc": info.grpc,
+            "unix": self.config.listen_unix,
+            "quic": info.quic,
+            "feed": info.feed,
+            "metrics_port": self.metrics_port or None,
+            "registered": self.registered,
+            "feed_source": None if self.feed is None else self.feed.log.source,
+        }
+
+    def _snapshot(self) -> list[IndexEvent]:
+        if self.store is None:
+            return []
+        held = self.store.held()
+        return [Stored(e, list(held[tier]), tier) for e in self.config.endpoints for tier in sorted(held)]
+
+    async def _start_metrics(self, listen: str) -> None:
+        async def metrics(request: web.Request) -> web.Response:
+            body = generate_latest(self.metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.add_routes([web.get("/metrics", metrics)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, _, port = listen.rpartition(":")
+        site = web.TCPSite(runner, host, int(port))
+        await site.start()
+        self._web = runner
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.metrics_port = int(sockets[0].getsockname()[1]) if sockets else int(port)
+
+    async def _start_etcd(self) -> None:
+        # Imported here: a daemon without [etcd] never loads an etcd client library.
+        from extproc.etcd import LeasedKeys, connect, parse_etcd_settings
+
+        assert self.config.etcd_raw is not None
+        settings = parse_etcd_settings(self.config.etcd_raw, "etcd")
+        self.table.prefix = settings.prefix
+        self._etcd = await connect(settings)
+        self._leased = LeasedKeys(self._etcd, self.config.lease_ttl_s, timeout_s=settings.timeout_s)
+        key = peer_key(settings.prefix, self.config.node)
+        self.registered = await self._leased.start({key: encode_peer(self.info())})
+        if not self.registered:
+            log.warning("kvcached %s: etcd not reachable yet; registration retries", self.config.node)
+        self._watcher = PeerWatcher(self._etcd, settings, self.table)
+        self._watcher.start()
+
+
+async def run(config: KvcachedConfig, ready_file: Path | None) -> int:
+    daemon = Daemon(config)
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: stopping now")
+            raise SystemExit(1)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await daemon.start()
+        if ready_file is not None:
+            tmp = ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(daemon.status()))
+            tmp.replace(ready_file)
+        await stop.wait()
+        log.info("kvcached %s: stopping", config.node)
+    finally:
+        await daemon.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate kvcached", description="Run the node's KV block store.")
+    parser.add_argument("--config", type=Path, required=True, help="kvcached config (TOML)")
+    parser.add_argument(
+        "--ready-file", type=Path, help="write the daemon's addresses (JSON) here once it serves"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_kvcached_config(args.config)
+    except (KvcachedError, ConfigError) as exc:
+        print(f"kvgate kvcached: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(run(config, args.ready_file))
+    except (KvcachedError, ConfigError) as exc:
+        print(f"kvgate kvcached: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,631 @@
+"""Peer fetch over QUIC (aioquic): a node asks a peer for blocks it lacks, with mTLS both ways.
+
+Protocol (:mod:`kvcached.wire`): one fetch request is one bidirectional stream naming up to
+:data:`~kvcached.wire.MAX_REQUEST_DIGESTS` digests; the server streams back one length-prefixed frame per
+block it holds and ends the stream. A framed multi-block stream rather than a stream per block: one round
+trip and one request per chain instead of one per block, blocks leave in chain order so the client can use
+a leading run as soon as it lands, and the server's per-connection concurrency bound (streams) counts
+requests, not blocks. Longer digest lists are split into several streams on the same connection.
+
+Connections are kept per peer address and reused (the handshake costs a round trip and a few ms of CPU);
+a connection that failed or timed out is dropped and the next fetch dials again.
+
+mTLS: the client verifies the server certificate against the CA and the address's host (aioquic's own
+check). aioquic has no setting that makes a *server* require a client certificate (its
+``_request_client_certificate`` is marked "for test purposes only" and, when set, still neither rejects an
+empty certificate nor verifies the chain), so :func:`_require_client_cert` hooks each server connection's
+TLS context: it requests a certificate, rejects an empty one with ``certificate_required``, and after
+aioquic has checked the CertificateVerify signature (proof of the key) verifies the chain against the CA
+and the ``clientAuth`` usage, failing the handshake with ``bad_certificate``. Only then is the connection
+marked authenticated; stream data on a connection that is not is never served (belt and braces). The hook
+uses aioquic internals (``QuicConnection._initialize``, ``tls.Context._server_handle_certificate*``),
+pinned by the tests that reject a client without a valid certificate.
+
+Bounds: per connection at most ``max_concurrent_streams`` requests are served at once (the QUIC
+``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
+``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
+connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. Timeouts:
+dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
+else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
+
+Threading: everything runs on one asyncio loop; the store is called from it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from aioquic import tls
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import Limit, QuicConnection
+from aioquic.quic.packet import QuicErrorCode, QuicFrameType
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest, decode_record, encode_record
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError, PeerUnavailable
+from kvcached.wire import (
+    ALPN,
+    FRAME_HEADER_BYTES,
+    MAX_REQUEST_DIGESTS,
+    RECORD_OVERHEAD_MAX,
+    FrameReader,
+    TokenBucket,
+    decode_request,
+    encode_request,
+    frame_header,
+    max_request_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 256 * 1024
+"""Largest piece handed to QUIC at once (the unit of egress pacing and back-pressure)."""
+HIGH_WATER_BYTES = 4 * 1024 * 1024
+"""Unacknowledged bytes a server stream may queue before its sender waits for acknowledgements."""
+STREAM_WINDOW_BYTES = 16 * 1024 * 1024
+"""Client receive window per stream (QUIC flow control; aioquic's 1 MiB default caps throughput)."""
+CONNECTION_WINDOW_BYTES = 64 * 1024 * 1024
+"""Client receive window per connection."""
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+"""UDP socket send/receive buffers asked for (the kernel caps them at net.core.[rw]mem_max): the 208 KiB
+default drops bursts on loopback, which halves the congestion window."""
+DATAGRAM_BYTES_DEFAULT = 1200
+"""QUIC datagram payload size: QUIC's minimum, safe on any path (aioquic has no path MTU discovery)."""
+DATAGRAM_BYTES_MAX = 9000
+"""Largest ``max_datagram_size`` accepted: jumbo frames or loopback. Fewer, larger packets cut aioquic's
+per-packet Python cost about 5x; much larger datagrams were seen to break aioquic 1.x's frame parsing."""
+ERR_BAD_REQUEST = 0x1
+"""Application error code of a stream reset for a malformed request."""
+
+
+class BlockSource(Protocol):
+    """What the server reads blocks from (:class:`kvcached.tiers.TieredStore` satisfies it)."""
+
+    def get(self, digest: bytes) -> bytes | None: ...
+
+
+def _configuration(
+    *, is_client: bool, cert: Path, key: Path, ca: Path, max_datagram_size: int = DATAGRAM_BYTES_DEFAULT
+) -> QuicConfiguration:
+    if not DATAGRAM_BYTES_DEFAULT <= max_datagram_size <= DATAGRAM_BYTES_MAX:
+        raise KvcachedConfigError(
+            f"max_datagram_size must be in [{DATAGRAM_BYTES_DEFAULT}, {DATAGRAM_BYTES_MAX}],"
+            f" got {max_datagram_size}"
+        )
+    config = QuicConfiguration(
+        is_client=is_client,
+        max_datagram_size=max_datagram_size,
+        alpn_protocols=[ALPN],
+        verify_mode=ssl.CERT_REQUIRED,
+        max_data=CONNECTION_WINDOW_BYTES,
+        max_stream_data=STREAM_WINDOW_BYTES,
+    )
+    try:
+        config.load_cert_chain(cert, key)
+        config.load_verify_locations(cadata=ca.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise KvcachedConfigError(f"cannot load peer TLS files ({cert}, {key}, {ca}): {exc}") from exc
+    return config
+
+
+class _CertificateRequired(tls.Alert):
+    description = tls.AlertDescription.certificate_required
+
+
+def _require_client_cert(
+    quic: QuicConnection, ca_data: bytes, on_verified: Callable[[], None], on_rejected: Callable[[str], None]
+) -> None:
+    """Make the server connection ``quic`` demand and verify a client certificate (module docstring)."""
+    initialize = quic._initialize
+
+    def hooked_initialize(peer_cid: bytes) -> None:
+        initialize(peer_cid)
+        ctx = quic.tls
+        ctx._request_client_certificate = True
+        handle_certificate = ctx._server_handle_certificate
+        handle_verify = ctx._server_handle_certificate_verify
+
+        def on_certificate(buf: Any) -> None:
+            handle_certificate(buf)
+            if ctx._peer_certificate is None:
+                on_rejected("no client certificate")
+                raise _CertificateRequired("a client certificate is required")
+
+        def on_verify(buf: Any) -> None:
+            handle_verify(buf)  # checks the CertificateVerify signature
+            cert = ctx._peer_certificate
+            assert cert is not None
+            try:
+                tls.verify_certificate(certificate=cert, chain=ctx._peer_certificate_chain, cadata=ca_data)
+                try:
+                    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+                except x509.ExtensionNotFound:
+                    usage = None
+                if usage is not None and ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
+                    raise tls.AlertBadCertificate("certificate not valid for client authentication")
+            except tls.Alert as exc:
+                on_rejected(f"client certificate: {exc}")
+                raise
+            on_verified()
+
+        ctx._server_handle_certificate = on_certificate  # type: ignore[method-assign, assignment]
+        ctx._server_handle_certificate_verify = on_verify  # type: ignore[method-assign, assignment]
+
+    quic._initialize = hooked_initialize  # type: ignore[method-assign]
+
+
+def _grow_buffers(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError as exc:  # best effort: the default still works, only slower
+            log.debug("cannot grow UDP socket buffer: %s", exc)
+
+
+def _unacked(quic: QuicConnection, stream_id: int) -> int:
+    """Bytes queued on a stream and not yet acknowledged (aioquic has no public drain signal)."""
+    stream = quic._streams.get(stream_id)
+    return len(stream.sender._buffer) if stream is not None else 0
+
+
+class _ServerProtocol(QuicConnectionProtocol):
+    """One peer connection on the server: buffers each request stream, then serves it in a task."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, server: PeerServer) -> None:
+        super().__init__(quic, stream_handler)
+        self._server = server
+        self._authenticated = False
+        self._requests: dict[int, bytearray] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._wakeups: list[asyncio.Future[None]] = []
+        self._slots = asyncio.Semaphore(server.max_concurrent_streams)
+        self._terminated = False
+        bound = server.max_concurrent_streams
+        quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
+        _require_client_cert(quic, server.ca_data, self._mark_authenticated, self._count_rejected)
+
+    def _mark_authenticated(self) -> None:
+        self._authenticated = True
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._wakeups:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._wakeups.clear()
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.HandshakeCompleted):
+            if not self._authenticated:
+                self._reject("client certificate not verified")
+        elif isinstance(event, events.StreamDataReceived):
+            self._on_data(event)
+        elif isinstance(event, events.StreamReset | events.StopSendingReceived):
+            task = self._tasks.pop(event.stream_id, None)
+            if task is not None:
+                task.cancel()
+            self._requests.pop(event.stream_id, None)
+        elif isinstance(event, events.ConnectionTerminated):
+            self._terminated = True
+            self.abort_tasks()
+            self._wake()
+            self._server.connection_closed(self)
+
+    def _count_rejected(self, reason: str) -> None:
+        self._server.rejected += 1
+        log.warning("peer handshake rejected: %s", reason)
+
+    def _reject(self, reason: str) -> None:
+        self._count_rejected(reason)
+        self.close(error_code=QuicErrorCode.CONNECTION_REFUSED, reason_phrase=reason)
+
+    def _on_data(self, event: events.StreamDataReceived) -> None:
+        sid = event.stream_id
+        if not self._authenticated:
+            self._reject("stream data before client authentication")
+            return
+        if sid % 4 != 0 or sid in self._tasks:  # not a client-initiated bidirectional request stream
+            return
+        buf = self._requests.setdefault(sid, bytearray())
+        buf += event.data
+        if len(buf) > max_request_bytes():
+            self._server.bad_requests += 1
+            del self._requests[sid]
+            self._quic.reset_stream(sid, ERR_BAD_REQUEST)
+            self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+            self.transmit()
+            return
+        if event.end_stream:
+            raw = bytes(self._requests.pop(sid))
+            task = asyncio.get_running_loop().create_task(self._serve(sid, raw))
+            self._tasks[sid] = task
+            task.add_done_callback(partial(self._forget, sid))
+
+    def _forget(self, sid: int, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(sid, None)
+
+    async def _serve(self, sid: int, raw: bytes) -> None:
+        try:
+            digests = decode_request(raw)
+        except BadRequest as exc:
+            self._server.bad_requests += 1
+            log.info("bad peer request on stream %d: %s", sid, exc)
+            self._quic.reset_stream(sid, ERR_BAD_REQUEST)
+            self.transmit()
+            return
+        async with self._slots:
+            self._server.requests += 1
+            try:
+                await self._respond(sid, digests)
+            except (ConnectionError, RuntimeError) as exc:  # connection gone, or stream reset by the peer
+                log.debug("peer response on stream %d abandoned: %s", sid, exc)
+
+    async def _respond(self, sid: int, digests: list[bytes]) -> None:
+        """Send a frame per held block of ``digests`` in order, then end the stream."""
+        head = CHUNK_BYTES - FRAME_HEADER_BYTES
+        for digest in digests:
+            try:
+                data = self._server.store.get(digest)
+            except KvcachedError as exc:
+                log.warning("store read failed for a peer request: %s", exc)
+                continue
+            if data is None:
+                continue
+            record = self._server.encode(digest, data)
+            await self._send(sid, frame_header(digest, len(record)) + record[:head])
+            for at in range(head, len(record), CHUNK_BYTES):
+                await self._send(sid, record[at : at + CHUNK_BYTES])
+            self._server.served_blocks += 1
+        self._quic.send_stream_data(sid, b"", end_stream=True)
+        self.transmit()
+
+    async def _send(self, sid: int, chunk: bytes) -> None:
+        """Queue ``chunk`` on stream ``sid`` once the egress bucket and the stream's back-pressure allow."""
+        if not chunk:
+            return
+        delay = self._server.reserve(len(chunk))
+        if delay > 0:
+            await asyncio.sleep(delay)  # egress pacing
+        while _unacked(self._quic, sid) > HIGH_WATER_BYTES:
+            if self._terminated:
+                raise ConnectionError("peer connection closed")
+            waiter = asyncio.get_running_loop().create_future()
+            self._wakeups.append(waiter)
+            await waiter
+        if self._terminated:
+            raise ConnectionError("peer connection closed")
+        self._quic.send_stream_data(sid, chunk)
+        self._server.served_bytes += len(chunk)
+        self.transmit()
+
+    def abort_tasks(self) -> list[asyncio.Task[None]]:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+
+class PeerServer:
+    """Serves this node's blocks to peers over QUIC with mTLS (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: BlockSource,
+        *,
+        host: str,
+        port: int,
+        cert: Path,
+        key: Path,
+        ca: Path,
+        max_concurrent_streams: int = 64,
+        egress_bytes_per_s: float | None = None,
+        max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
+    ) -> None:
+        if max_concurrent_streams < 1:
+            raise KvcachedConfigError("max_concurrent_streams must be at least 1")
+        if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
+            raise KvcachedConfigError("egress_bytes_per_s must be positive")
+        self.store = store
+        self.max_concurrent_streams = max_concurrent_streams
+        self._host, self._port = host, port
+        self._config = _configuration(
+            is_client=False, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
+        )
+        try:
+            self.ca_data = ca.read_bytes()
+        except OSError as exc:
+            raise KvcachedConfigError(f"cannot read CA {ca}: {exc.strerror}") from exc
+        # Bursts of up to 50 ms of the rate (at least one chunk), so pacing stays smooth.
+        self._bucket = (
+            TokenBucket(egress_bytes_per_s, max(egress_bytes_per_s * 0.05, CHUNK_BYTES))
+            if egress_bytes_per_s is not None
+            else None
+        )
+        self._server: QuicServer | None = None
+        self._protocols: set[_ServerProtocol] = set()
+        self.requests = self.served_blocks = self.served_bytes = self.rejected = self.bad_requests = 0
+        self.encode: Callable[[bytes, bytes], bytes] = encode_record
+        """How a block becomes a record (a seam for tests that inject corruption)."""
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound UDP port (useful with ``port=0``)."""
+        self._server = await serve(
+            self._host, self._port, configuration=self._config, create_protocol=self._protocol
+        )
+        transport = self._server._transport
+        assert transport is not None
+        _grow_buffers(transport)
+        sockname: tuple[Any, ...] = transport.get_extra_info("sockname")
+        log.info("peer server listening on udp %s:%d", self._host, sockname[1])
+        return int(sockname[1])
+
+    def _protocol(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerProtocol:
+        protocol = _ServerProtocol(quic, stream_handler, server=self)
+        self._protocols.add(protocol)
+        return protocol
+
+    def connection_closed(self, protocol: _ServerProtocol) -> None:
+        self._protocols.discard(protocol)
+
+    def reserve(self, nbytes: int) -> float:
+        """Seconds to wait before ``nbytes`` may leave (0 without an egress limit)."""
+        if self._bucket is None:
+            return 0.0
+        return self._bucket.reserve(nbytes, asyncio.get_running_loop().time())
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests."""
+        return {
+            "requests": self.requests,
+            "served_blocks": self.served_blocks,
+            "served_bytes": self.served_bytes,
+            "rejected": self.rejected,
+            "bad_requests": self.bad_requests,
+            "connections": len(self._protocols),
+        }
+
+    async def aclose(self) -> None:
+        """Stop serving: cancel in-flight responses, close every connection and the socket."""
+        tasks = [t for p in self._protocols for t in p.abort_tasks()]
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._protocols.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """One request stream on the client: frames received so far and when bytes last arrived."""
+
+    reader: FrameReader
+    done: asyncio.Future[None]
+    progress_at: float
+    frames: list[tuple[bytes, bytes]] = field(default_factory=list)
+    torn: bool = False
+
+
+class _ClientProtocol(QuicConnectionProtocol):
+    """The client side of one peer connection: routes stream data to the fetch waiting on it."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None) -> None:
+        super().__init__(quic, stream_handler)
+        self.fetches: dict[int, _Fetch] = {}
+        self.closed_reason: str | None = None
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            fetch = self.fetches.get(event.stream_id)
+            if fetch is None or fetch.done.done():
+                return
+            fetch.progress_at = self._loop.time()
+            try:
+                fetch.frames.extend(fetch.reader.feed(event.data))
+            except CorruptBlock as exc:
+                self._abandon(event.stream_id, fetch, str(exc))
+                return
+            if event.end_stream:
+                fetch.torn = fetch.reader.pending() > 0
+                fetch.done.set_result(None)
+        elif isinstance(event, events.StreamReset):
+            fetch = self.fetches.get(event.stream_id)
+            if fetch is not None and not fetch.done.done():
+                fetch.torn = True
+                fetch.done.set_result(None)  # keep what arrived whole; the rest is a miss
+        elif isinstance(event, events.ConnectionTerminated):
+            self.closed_reason = event.reason_phrase or f"error {event.error_code:#x}"
+            for fetch in self.fetches.values():
+                if not fetch.done.done():
+                    fetch.done.set_exception(PeerUnavailable(f"connection closed: {self.closed_reason}"))
+
+    def _abandon(self, sid: int, fetch: _Fetch, why: str) -> None:
+        log.warning("peer sent a malformed frame on stream %d (%s): abandoning the stream", sid, why)
+        fetch.torn = True
+        fetch.done.set_result(None)
+        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+        self.transmit()
+
+    @property
+    def is_closed(self) -> bool:
+        return self.closed_reason is not None or self._closed.is_set()
+
+
+@dataclass(slots=True)
+class _Link:
+    protocol: _ClientProtocol
+    transport: asyncio.DatagramTransport
+
+    def close(self) -> None:
+        self.protocol.close()  # queues and sends CONNECTION_CLOSE at once
+        self.transport.close()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> ``(host, port)``; :class:`KvcachedConfigError` if malformed."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise KvcachedConfigError(f"bad peer address {address!r}: expected host:port")
+    return host, int(port)
+
+
+class PeerClient:
+    """Fetches blocks from peers over QUIC with mTLS; one kept connection per peer address."""
+
+    def __init__(
+        self,
+        *,
+        cert: Path,
+        key: Path,
+        ca: Path,
+        timeout_s: float = 2.0,
+        max_in_flight: int = 8,
+        max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
+    ) -> None:
+        if timeout_s <= 0 or max_in_flight < 1:
+            raise KvcachedConfigError("timeout_s must be positive and max_in_flight at least 1")
+        self._new_config = partial(
+            _configuration, is_client=True, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
+        )
+        self._new_config()  # fail early on bad files or settings
+        self.timeout_s = timeout_s
+        self.max_record_bytes = MAX_BLOCK_BYTES_DEFAULT + RECORD_OVERHEAD_MAX
+        self._in_flight = asyncio.Semaphore(max_in_flight)
+        self._links: dict[str, _Link] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
+        self.fetched_blocks = self.fetched_bytes = self.corrupt = self.unavailable = 0
+
+    async def fetch(self, address: str, digests: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Blocks of ``digests`` that the peer at ``address`` holds, each verified: digest -> payload.
+
+        Blocks the peer lacks, and blocks whose record fails verification (dropped, counted in
+        ``corrupt``), are absent. :class:`PeerUnavailable` if the peer cannot be reached within
+        ``timeout_s`` or a response stalls for ``timeout_s``; :class:`BadRequest` for a malformed digest.
+        """
+        wanted = list(dict.fromkeys(check_digest(d) for d in digests))
+        host, port = split_address(address)
+        out: dict[bytes, bytes] = {}
+        for at in range(0, len(wanted), MAX_REQUEST_DIGESTS):
+            chunk = wanted[at : at + MAX_REQUEST_DIGESTS]
+            async with self._in_flight:
+                link = await self._link(address, host, port)
+                frames = await self._request(address, link, chunk)
+            requested = set(chunk)
+            for digest, record in frames:
+                if digest not in requested or digest in out:
+                    log.warning("peer %s sent a block that was not asked for: dropped", address)
+                    continue
+                try:
+                    out[digest] = decode_record(digest, record)
+                except CorruptBlock as exc:
+                    self.corrupt += 1
+                    log.warning("peer %s sent a corrupt block: dropped (%s)", address, exc)
+                    continue
+                self.fetched_blocks += 1
+                self.fetched_bytes += len(out[digest])
+        return out
+
+    async def _link(self, address: str, host: str, port: int) -> _Link:
+        lock = self._dialing.setdefault(address, asyncio.Lock())
+        async with lock:
+            link = self._links.get(address)
+            if link is not None and not link.protocol.is_closed:
+                return link
+            if link is not None:
+                link.close()
+                del self._links[address]
+            link = await self._dial(address, host, port)
+            self._links[address] = link
+            return link
+
+    async def _dial(self, address: str, host: str, port: int) -> _Link:
+        loop = asyncio.get_running_loop()
+        config = self._new_config()
+        config.server_name = host
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+                family, addr = infos[0][0], infos[0][4]
+                local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
+                transport, protocol = await loop.create_datagram_endpoint(
+                    partial(_ClientProtocol, QuicConnection(configuration=config)), local_addr=local
+                )
+        except (OSError, TimeoutError) as exc:
+            self.unavailable += 1
+            raise PeerUnavailable(f"peer {address}: cannot resolve or bind: {exc}") from exc
+        _grow_buffers(transport)
+        link = _Link(protocol, transport)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                protocol.connect(addr)
+                await protocol.wait_connected()
+        except (ConnectionError, TimeoutError) as exc:
+            link.close()
+            self.unavailable += 1
+            why = protocol.closed_reason or f"no handshake within {self.timeout_s}s"
+            raise PeerUnavailable(f"peer {address} unavailable: {why}") from exc
+        return link
+
+    async def _request(self, address: str, link: _Link, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+        protocol, quic, loop = link.protocol, link.protocol._quic, asyncio.get_running_loop()
+        sid = quic.get_next_available_stream_id()
+        fetch = _Fetch(FrameReader(self.max_record_bytes), loop.create_future(), loop.time())
+        protocol.fetches[sid] = fetch
+        try:
+            quic.send_stream_data(sid, encode_request(digests), end_stream=True)
+            protocol.transmit()
+            while not fetch.done.done():
+                remaining = fetch.progress_at + self.timeout_s - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    await asyncio.wait_for(asyncio.shield(fetch.done), remaining)
+                except TimeoutError:
+                    continue  # re-check: bytes may have arrived meanwhile
+            fetch.done.result()
+        except (TimeoutError, PeerUnavailable) as exc:
+            self.unavailable += 1
+            if self._links.get(address) is link:
+                del self._links[address]
+            link.close()
+            if isinstance(exc, PeerUnavailable):
+                raise PeerUnavailable(f"peer {address}: {exc}") from exc
+            raise PeerUnavailable(f"peer {address}: no progress within {self.timeout_s}s") from exc
+        finally:
+            del protocol.fetches[sid]
+        if fetch.torn:
+            log.warning("peer %s ended a response mid-frame: the torn block is a miss", address)
+        return fetch.frames
+
+    def stats(self) -> dict[str, int]:
+        """Counters: blocks and payload bytes fetched (verified), corrupt blocks dropped, failed fetches."""
+        return {
+            "fetched_blocks": self.fetched_blocks,
+            "fetched_bytes": self.fetched_bytes,
+            "corrupt": self.corrupt,
+            "unavailable": self.unavailable,
+        }
+
+    async def aclose(self) -> None:
+        """Close every kept connection."""
+        for link in self._links.values():
+            link.close()
+        self._links.clear()

@@ -1,0 +1,398 @@
+"""The local API of kvcached: gRPC methods under ``/kvgate.kvcached.v1.Kvcached/``, server and client.
+
+Methods (unary, msgpack messages via msgspec, like :mod:`extproc.events`; no generated stubs):
+
+=========  ============================================  ==========================================
+method     request                                       reply
+=========  ============================================  ==========================================
+Put        :class:`PutRequest` digest, data, checksum?   :class:`PutReply` tier now holding it
+Get        :class:`GetRequest` digest, peers             :class:`GetReply` data?, source
+Contains   :class:`ContainsRequest` digest chain         :class:`ContainsReply` held per digest,
+                                                         longest held prefix and its tiers
+Delete     :class:`DeleteRequest` digest                 :class:`DeleteReply` deleted
+Stats      :class:`StatsRequest`                         :class:`StatsReply` store + peer counters
+=========  ============================================  ==========================================
+
+Bad input (a digest that is not 16 bytes, a block over ``max_block_bytes``, a checksum that does not
+match the bytes, an undecodable message) is answered ``INVALID_ARGUMENT`` with the reason; nothing is
+stored. A message over the gRPC limit (``max_block_bytes`` + 1 MiB) is refused by gRPC itself with
+``RESOURCE_EXHAUSTED``.
+
+Get on a local miss, when peers are known and the request allows it, asks every peer at once over QUIC
+(:class:`~kvcached.peers.PeerClient`; only verified blocks come back), takes the first answer, stores
+it in the RAM tier and answers with it; concurrent Gets of one missing digest share one fetch. A peer
+that is down costs at most the QUIC timeout and counts as a miss.
+
+The store is called directly on the event loop, never from threads: :class:`~kvcached.tiers.TieredStore`
+is single-threaded, its listener publishes to the feed (which must run on the loop), and a RAM hit
+(tens of microseconds) would pay more for a thread hop than for the lookup. A large SSD read or write
+blocks the loop for its duration (about a millisecond per MiB).
+
+Served on a unix socket (plaintext: the socket's file mode is the access control) and/or TCP (mTLS only,
+client certificate required, files re-read on rotation via :class:`extproc.tls.ReloadingServerCerts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import msgspec
+
+from extproc.tls import ReloadingServerCerts, ServerTlsFiles
+from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest
+from kvcached.config import TlsFiles
+from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
+from kvcached.metrics import KvcachedMetrics
+from kvcached.peers import PeerClient
+from kvcached.tiers import TieredStore
+
+log = logging.getLogger(__name__)
+
+SERVICE = "kvgate.kvcached.v1.Kvcached"
+PUT, GET, CONTAINS, DELETE, STATS = (f"/{SERVICE}/{m}" for m in ("Put", "Get", "Contains", "Delete", "Stats"))
+MESSAGE_SLACK = 1024 * 1024
+"""Bytes allowed on top of ``max_block_bytes`` in one gRPC message (digest, checksum, framing)."""
+
+
+class PutRequest(msgspec.Struct, frozen=True):
+    digest: bytes
+    data: bytes
+    checksum: bytes | None = None
+
+
+class PutReply(msgspec.Struct, frozen=True):
+    tier: str | None = None
+
+
+class GetRequest(msgspec.Struct, frozen=True):
+    """``peers``: on a local miss, may the daemon fetch the block from its peers."""
+
+    digest: bytes
+    peers: bool = True
+
+
+class GetReply(msgspec.Struct, frozen=True):
+    """``data`` ``None``: a miss. ``source``: ``ram``, ``ssd`` or ``peer``."""
+
+    data: bytes | None = None
+    source: str | None = None
+
+
+class ContainsRequest(msgspec.Struct, frozen=True):
+    digests: list[bytes]
+
+
+class ContainsReply(msgspec.Struct, frozen=True):
+    """``held``: per digest; ``prefix``: leading digests held; ``tiers``: the tier of each of those."""
+
+    held: list[bool]
+    prefix: int
+    tiers: list[str]
+
+
+class DeleteRequest(msgspec.Struct, frozen=True):
+    digest: bytes
+
+
+class DeleteReply(msgspec.Struct, frozen=True):
+    deleted: bool
+
+
+class StatsRequest(msgspec.Struct, frozen=True):
+    pass
+
+
+class StatsReply(msgspec.Struct, frozen=True):
+    stats: dict[str, float]
+
+
+Req = TypeVar("Req", bound=msgspec.Struct)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class KvcachedService:
+    """The API's behaviour over a store; ``peers()`` gives the QUIC addresses to ask on a local miss
+    (``None`` or no ``peer_client``: never ask). ``peer_timeout_s``: a fetch that has not finished by
+    then is abandoned (the client's own timeout should fire first)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        metrics: KvcachedMetrics | None = None,
+        peer_client: PeerClient | None = None,
+        peers: Callable[[], Sequence[str]] | None = None,
+        peer_timeout_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics if metrics is not None else KvcachedMetrics()
+        self.metrics.watch_store(store.stats)
+        self._peer_client = peer_client
+        self._peers = peers
+        self._peer_timeout_s = peer_timeout_s
+        self._inflight: dict[bytes, asyncio.Task[bytes | None]] = {}
+        #: Peer fetches: hits, misses (no peer had it), unavailable (peer down or timed out), bytes.
+        self.peer_counters = {"hits": 0, "misses": 0, "unavailable": 0, "bytes": 0}
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic gRPC handler serving every method (raw bytes in and out)."""
+        table: dict[str, Callable[[bytes, Any], Awaitable[bytes]]] = {
+            "Put": self._wrap("Put", PutRequest, self.put),
+            "Get": self._wrap("Get", GetRequest, self.get),
+            "Contains": self._wrap("Contains", ContainsRequest, self.contains),
+            "Delete": self._wrap("Delete", DeleteRequest, self.delete),
+            "Stats": self._wrap("Stats", StatsRequest, self.stats),
+        }
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in table.items()}
+        )
+
+    def _wrap(
+        self, method: str, kind: type[Req], fn: Callable[[Req], Awaitable[msgspec.Struct]]
+    ) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        decoder = msgspec.msgpack.Decoder(kind)
+        seconds = self.metrics.request_seconds.labels(method)
+
+        async def serve(raw: bytes, context: Any) -> bytes:
+            started = time.perf_counter()
+            code, message, reply = grpc.StatusCode.OK, "", b""
+            try:
+                reply = _encoder.encode(await fn(decoder.decode(raw)))
+            except (msgspec.DecodeError, BadRequest) as exc:
+                code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}"
+            except KvcachedError as exc:
+                code, message = grpc.StatusCode.INTERNAL, f"{method}: {exc}"
+                log.warning("%s failed: %s", method, exc)
+            finally:
+                seconds.observe(time.perf_counter() - started)
+            self.metrics.requests.labels(method, code.name).inc()
+            if code is not grpc.StatusCode.OK:
+                await context.abort(code, message)
+            return reply
+
+        return serve
+
+    # -- methods (also callable in process) -------------------------------------------------------------
+
+    async def put(self, request: PutRequest) -> PutReply:
+        self.store.put(request.digest, request.data, request.checksum)
+        return PutReply(self.store.tier_of(request.digest))
+
+    async def get(self, request: GetRequest) -> GetReply:
+        started = time.perf_counter()
+        digest = check_digest(request.digest)
+        tier = self.store.tier_of(digest)
+        data = self.store.get(digest)
+        source = tier if data is not None else None
+        if data is None and request.peers:
+            data = await self._from_peers(digest)
+            source = "peer" if data is not None else None
+        self.metrics.get_seconds.labels(source or "miss").observe(time.perf_counter() - started)
+        return GetReply(data, source)
+
+    async def contains(self, request: ContainsRequest) -> ContainsReply:
+        for digest in request.digests:
+            check_digest(digest)
+        prefix, tiers = self.store.longest_prefix(request.digests)
+        return ContainsReply(self.store.contains(request.digests), prefix, list(tiers))
+
+    async def delete(self, request: DeleteRequest) -> DeleteReply:
+        return DeleteReply(self.store.delete(check_digest(request.digest)))
+
+    async def stats(self, request: StatsRequest) -> StatsReply:
+        stats = {k: float(v) for k, v in self.store.stats().items()}
+        stats.update({f"peer_{k}": float(v) for k, v in self.peer_counters.items()})
+        return StatsReply(stats)
+
+    # -- peers -----------------------------------------------------------------------------------------
+
+    async def _from_peers(self, digest: bytes) -> bytes | None:
+        if self._peer_client is None or self._peers is None:
+            return None
+        task = self._inflight.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch_any(digest))
+            self._inflight[digest] = task
+            task.add_done_callback(lambda _: self._inflight.pop(digest, None))
+        return await asyncio.shield(task)
+
+    async def _fetch_any(self, digest: bytes) -> bytes | None:
+        """Ask every peer at once; the first block wins and is stored in RAM."""
+        addresses = list(self._peers() if self._peers is not None else ())
+        if not addresses:
+            return None
+        tasks = [asyncio.ensure_future(self._fetch_one(address, digest)) for address in addresses]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                data = await next_done
+                if data is not None:
+                    self.peer_counters["hits"] += 1
+                    self.peer_counters["bytes"] += len(data)
+                    self.metrics.peer_fetch_bytes.inc(len(data))
+                    with contextlib.suppress(KvcachedError):  # e.g. over our own size limit
+                        self.store.put(digest, data)
+                    return data
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.peer_counters["misses"] += 1
+        return None
+
+    async def _fetch_one(self, address: str, digest: bytes) -> bytes | None:
+        assert self._peer_client is not None
+        started = time.perf_counter()
+        outcome = "miss"
+        try:
+            async with asyncio.timeout(self._peer_timeout_s):
+                blocks = await self._peer_client.fetch(address, [digest])
+        except (PeerUnavailable, TimeoutError) as exc:
+            self.peer_counters["unavailable"] += 1
+            log.info("peer %s unavailable: %s", address, exc or "timed out")
+            outcome, blocks = "unavailable", {}
+        data = blocks.get(digest)
+        if data is not None:
+            outcome = "hit"
+        self.metrics.peer_fetch_seconds.labels(outcome).observe(time.perf_counter() - started)
+        return data
+
+
+class ApiServer:
+    """The gRPC server of a :class:`KvcachedService`: a unix socket (plaintext) and/or TCP (mTLS).
+    :attr:`tcp_port` is the bound TCP port after :meth:`start` (0: no TCP listener)."""
+
+    def __init__(
+        self,
+        service: KvcachedService,
+        *,
+        listen_unix: str | None = None,
+        listen_tcp: str | None = None,
+        tls: TlsFiles | None = None,
+        max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT,
+    ) -> None:
+        if listen_tcp is not None and tls is None:
+            raise ValueError("the TCP API is mTLS only: tls files are required")
+        self._service = service
+        self._unix = listen_unix
+        self._tcp = listen_tcp
+        self._certs = None if tls is None else ReloadingServerCerts(ServerTlsFiles(tls.cert, tls.key, tls.ca))
+        limit = max_block_bytes + MESSAGE_SLACK
+        self._options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit))
+        self._server: Any = None
+        self.tcp_port = 0
+
+    async def start(self) -> None:
+        server = grpc.aio.server(handlers=[self._service.handler()], options=self._options)
+        if self._unix is not None:
+            _remove_stale_socket(Path(self._unix))
+            server.add_insecure_port(f"unix:{self._unix}")
+        if self._tcp is not None and self._certs is not None:
+            self.tcp_port = server.add_secure_port(self._tcp, self._certs.credentials())
+        await server.start()
+        self._server = server
+        log.info(
+            "kvcached API on %s", ", ".join(filter(None, [self._unix, self._tcp and f"tcp:{self.tcp_port}"]))
+        )
+
+    async def aclose(self, grace_s: float = 0.0) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace_s)
+        if self._unix is not None:
+            with contextlib.suppress(OSError):
+                _remove_stale_socket(Path(self._unix))
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Remove a socket file left by a previous run (never a regular file: that is a config mistake)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise KvcachedError(f"{path} exists and is not a socket")
+    path.unlink()
+
+
+class KvcachedClient:
+    """An asyncio client of the local API. ``target``: ``unix:/path/to.sock`` or ``host:port`` (TCP,
+    which needs ``ca``, ``cert`` and ``key``: the daemon requires a client certificate).
+    ``server_name`` overrides the name checked against the daemon's certificate. ``timeout_s``: the
+    deadline of each call (``None``: none). Errors: :class:`BadRequest` for ``INVALID_ARGUMENT`` (the
+    message is the daemon's reason), :class:`KvcachedError` for any other failure."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        server_name: str | None = None,
+        timeout_s: float | None = 10.0,
+        max_message_bytes: int = MAX_BLOCK_BYTES_DEFAULT + MESSAGE_SLACK,
+    ) -> None:
+        options: list[tuple[str, str | int]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca.read_bytes(),
+                private_key=None if key is None else key.read_bytes(),
+                certificate_chain=None if cert is None else cert.read_bytes(),
+            )
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._timeout_s = timeout_s
+
+    async def _call(self, method: str, request: msgspec.Struct, reply: type[Req]) -> Req:
+        call = self._channel.unary_unary(method)
+        try:
+            raw = await call(_encoder.encode(request), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details() or "invalid argument") from exc
+            raise KvcachedError(f"{method}: {exc.code().name}: {exc.details()}") from exc
+        return msgspec.msgpack.decode(raw, type=reply)
+
+    async def put(self, digest: bytes, data: bytes, checksum: bytes | None = None) -> str | None:
+        """Store a block; returns the tier now holding it."""
+        return (await self._call(PUT, PutRequest(digest, data, checksum), PutReply)).tier
+
+    async def get(self, digest: bytes, *, peers: bool = True) -> bytes | None:
+        """The block's bytes, or ``None`` on a miss (``peers``: let the daemon ask its peers)."""
+        return (await self.lookup(digest, peers=peers)).data
+
+    async def lookup(self, digest: bytes, *, peers: bool = True) -> GetReply:
+        """Like :meth:`get`, also saying where the block came from."""
+        return await self._call(GET, GetRequest(digest, peers), GetReply)
+
+    async def contains(self, digests: Sequence[bytes]) -> list[bool]:
+        return (await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)).held
+
+    async def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, list[str]]:
+        """How many leading digests of the chain are held, and the tier of each of them."""
+        reply = await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)
+        return reply.prefix, reply.tiers
+
+    async def delete(self, digest: bytes) -> bool:
+        return (await self._call(DELETE, DeleteRequest(digest), DeleteReply)).deleted
+
+    async def stats(self) -> dict[str, float]:
+        return (await self._call(STATS, StatsRequest(), StatsReply)).stats
+
+    async def aclose(self) -> None:
+        await self._channel.close()

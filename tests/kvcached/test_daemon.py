@@ -1,0 +1,291 @@
+"""Two real kvcached daemons (``python -m kvcached.main``) on loopback with mTLS and a real etcd.
+
+The daemons are started once for the module; the tests run in file order and the last one kills
+daemon A (peer down -> timely miss, then its registration expires with its lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import etcd3aio
+import grpc
+import pytest
+
+from certs.store import LeafFiles, dev_bundle
+from extproc.errors import ConfigError
+from extproc.etcd import EtcdSettings, connect
+from extproc.events import SUBSCRIBE_METHOD, Batch, Removed, Stored, Subscribe, decode_batch, encode
+from kvcached.block import checksum
+from kvcached.config import StaticPeer
+from kvcached.discovery import PeerInfo, PeerTable, decode_peer, encode_peer, peer_key
+from kvcached.errors import BadRequest, KvcachedError
+from kvcached.service import KvcachedClient
+from kvgate.etcdserver import EtcdServer
+from kvgate.procs import Child, http_get
+
+pytest_plugins = ("tests.etcd_fixtures",)
+
+RAM_BYTES = 4096  # four 1 KiB blocks: the fifth put demotes the oldest to the SSD
+
+
+def digest(i: int) -> bytes:
+    return blake3.blake3(b"daemon" + i.to_bytes(8, "little")).digest(16)
+
+
+@dataclass
+class Node:
+    name: str
+    child: Child
+    status: dict[str, Any]
+    sock: Path
+    leaf: LeafFiles
+
+
+@dataclass
+class Pair:
+    a: Node
+    b: Node
+    client_leaf: LeafFiles
+    settings: EtcdSettings
+
+
+def _config(tmp: Path, name: str, leaf: LeafFiles, etcd: EtcdServer, prefix: str) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(
+        f"""
+[kvcached]
+node = "{name}"
+listen_unix = "{tmp / f"{name}.sock"}"
+listen_tcp = "127.0.0.1:0"
+feed_listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+ram_bytes = {RAM_BYTES}
+ssd_path = "{tmp / f"{name}-ssd"}"
+ssd_bytes = 1048576
+endpoints = ["engine-{name}"]
+lease_ttl_s = 2
+[kvcached.tls]
+cert = "{leaf.cert}"
+key = "{leaf.key}"
+ca = "{leaf.ca}"
+[quic]
+listen = "127.0.0.1:0"
+timeout_s = 1.0
+[etcd]
+endpoints = ["{etcd.address}"]
+prefix = "{prefix}"
+"""
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("kvd")
+    leaves = dev_bundle(tmp / "certs", ["kvcached-a", "kvcached-b", "client-test"], dt.datetime.now(dt.UTC))
+    prefix = f"/kvgate-test/{uuid.uuid4().hex[:12]}/"
+    children: list[Child] = []
+    try:
+        started = []
+        for name in ("a", "b"):
+            config = _config(tmp, name, leaves[f"kvcached-{name}"], etcd_server, prefix)
+            ready = tmp / f"{name}.ready.json"
+            argv = [
+                sys.executable,
+                "-m",
+                "kvcached.main",
+                "--config",
+                str(config),
+                "--ready-file",
+                str(ready),
+            ]
+            child = Child(f"kvcached-{name}", argv, tmp / f"{name}.log")
+            children.append(child)
+            started.append((name, child, ready))
+        nodes = [
+            Node(
+                name,
+                child,
+                child.wait_for_json_file(ready, 60),
+                tmp / f"{name}.sock",
+                leaves[f"kvcached-{name}"],
+            )
+            for name, child, ready in started
+        ]
+        settings = EtcdSettings(endpoints=(etcd_server.address,), prefix=prefix)
+        yield Pair(nodes[0], nodes[1], leaves["client-test"], settings)
+    finally:
+        for child in children:
+            child.stop()
+
+
+@pytest.fixture
+async def etcd(pair: Pair) -> AsyncIterator[etcd3aio.Etcd3Client]:
+    client = await connect(pair.settings)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def clients(pair: Pair) -> AsyncIterator[tuple[KvcachedClient, KvcachedClient]]:
+    a = KvcachedClient(f"unix:{pair.a.sock}", timeout_s=10.0)
+    b = KvcachedClient(f"unix:{pair.b.sock}", timeout_s=10.0)
+    yield a, b
+    await a.aclose()
+    await b.aclose()
+
+
+async def _wait(probe: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        await asyncio.sleep(0.05)  # poll interval of the condition, not a stand-in for it
+
+
+def test_peer_table_merges_static_and_etcd_and_keeps_last_good() -> None:
+    table = PeerTable("/p/", "a", [StaticPeer("s", "10.0.0.9:4433"), StaticPeer("a", "127.0.0.1:1")])
+    good = encode_peer(PeerInfo("b", None, "127.0.0.1:5000", "127.0.0.1:5001"))
+    table.snapshot(
+        [("/p/kvcached/b", good), ("/p/kvcached/a", encode_peer(PeerInfo("a", None, "x:1", None)))], 3
+    )
+    assert table.quic_addresses() == ["127.0.0.1:5000", "10.0.0.9:4433"]  # self excluded, sorted by node
+    table.apply([("/p/kvcached/b", b'{"node": "b", "quic": "nope"}'), ("/p/endpoints/e", b"{}")], 4)
+    assert table.rejected == 1 and table.peers["b"].quic == "127.0.0.1:5000"  # last good value kept
+    table.apply([("/p/kvcached/b", None)], 5)
+    assert table.quic_addresses() == ["10.0.0.9:4433"] and table.revision == 5
+    with pytest.raises(ConfigError, match="does not match the key"):
+        decode_peer("c", good)
+
+
+async def test_registration_appears_in_etcd(pair: Pair, etcd: etcd3aio.Etcd3Client) -> None:
+    assert etcd.kv is not None
+    for node in (pair.a, pair.b):
+        resp = await etcd.kv.get(peer_key(pair.settings.prefix, node.name))
+        assert resp.kvs, f"kvcached/{node.name} not registered"
+        info = decode_peer(node.name, bytes(resp.kvs[0].value))
+        assert (info.grpc, info.quic, info.feed) == (
+            node.status["grpc"],
+            node.status["quic"],
+            node.status["feed"],
+        )
+        assert node.status["registered"] is True and info.quic is not None
+
+
+async def test_feed_reports_stored_ram_and_demotion(pair: Pair, clients: tuple[KvcachedClient, ...]) -> None:
+    a, _ = clients
+    leaf = pair.client_leaf
+    creds = grpc.ssl_channel_credentials(leaf.ca.read_bytes(), leaf.key.read_bytes(), leaf.cert.read_bytes())
+    seen: list[Batch] = []
+    async with grpc.aio.secure_channel(pair.a.status["feed"], creds) as channel:
+        call = channel.unary_stream(
+            SUBSCRIBE_METHOD, request_serializer=encode, response_deserializer=decode_batch
+        )
+        stream = call(Subscribe("test"))
+        first = await asyncio.wait_for(stream.read(), 10)
+        assert isinstance(first, Batch) and first.snapshot and first.source == "kvcached-a"
+        for i in range(5):
+            await a.put(digest(i), bytes([i]) * 1024)
+
+        def events() -> list[Any]:
+            return [e for b in seen for e in b.events]
+
+        async with asyncio.timeout(10):
+            while not (
+                any(isinstance(e, Removed) and digest(0) in e.digests for e in events())
+                and any(
+                    isinstance(e, Stored) and e.tier == "ram" and digest(4) in e.digests for e in events()
+                )
+            ):
+                batch = await stream.read()
+                assert isinstance(batch, Batch)
+                seen.append(batch)
+        stream.cancel()
+    stored_ram = [e for e in events() if isinstance(e, Stored) and e.tier == "ram"]
+    assert {d for e in stored_ram for d in e.digests} == {digest(i) for i in range(5)}
+    assert all(e.endpoint == "engine-a" for e in events())
+    removed = next(e for e in events() if isinstance(e, Removed) and digest(0) in e.digests)
+    assert removed.tier == "ram"
+    assert any(isinstance(e, Stored) and e.tier == "ssd" and digest(0) in e.digests for e in events())
+
+
+async def test_bad_input_over_tcp_mtls_and_no_client_cert_refused(
+    pair: Pair, clients: tuple[KvcachedClient, ...]
+) -> None:
+    leaf = pair.client_leaf
+    target = pair.a.status["grpc"]
+    tcp = KvcachedClient(target, ca=leaf.ca, cert=leaf.cert, key=leaf.key, timeout_s=5.0)
+    anonymous = KvcachedClient(target, ca=leaf.ca, timeout_s=3.0)
+    try:
+        with pytest.raises(BadRequest, match="checksum"):
+            await tcp.put(digest(50), b"payload", checksum(b"other"))
+        with pytest.raises(BadRequest, match="16"):
+            await tcp.put(b"\x01" * 8, b"payload")
+        assert await tcp.contains([digest(50)]) == [False]
+        assert await clients[0].contains([digest(50)]) == [False]
+        with pytest.raises(KvcachedError, match="UNAVAILABLE"):
+            await anonymous.stats()
+    finally:
+        await tcp.aclose()
+        await anonymous.aclose()
+
+
+async def test_block_put_on_a_is_fetched_by_b_over_quic(
+    pair: Pair, clients: tuple[KvcachedClient, ...]
+) -> None:
+    a, b = clients
+    data = os.urandom(2048)  # fits the RAM tier
+    await a.put(digest(100), data)
+    assert await b.get(digest(100), peers=False) is None
+
+    async def fetched() -> Any:
+        reply = await b.lookup(digest(100))
+        return reply if reply.data is not None else None
+
+    reply = await _wait(fetched, 15, "fetched from the peer")  # B finds A through etcd
+    assert reply.data == data and reply.source == "peer"
+    assert (await b.lookup(digest(100))).source == "ram"  # kept locally
+    stats = await b.stats()
+    assert stats["peer_hits"] >= 1 and stats["peer_bytes"] >= len(data)
+    got = http_get(f"http://127.0.0.1:{pair.b.status['metrics_port']}/metrics")
+    assert got is not None and got[0] == 200
+    assert b"kvcached_peer_fetch_bytes_total" in got[1] and b'kvcached_tier_blocks{tier="ram"}' in got[1]
+
+
+async def test_peer_down_is_a_timely_miss(
+    pair: Pair, clients: tuple[KvcachedClient, ...], etcd: etcd3aio.Etcd3Client
+) -> None:
+    a, b = clients
+    await a.put(digest(200), b"only on a")
+    os.kill(pair.a.child.pid, signal.SIGKILL)  # no clean deregistration: the key lives until its lease ends
+    pair.a.child.proc.wait(10)
+    started = time.monotonic()
+    assert await b.get(digest(200)) is None
+    assert time.monotonic() - started < 3.0  # QUIC timeout 1 s, never a hang
+    assert etcd.kv is not None
+
+    async def gone() -> bool:
+        assert etcd.kv is not None
+        return not (await etcd.kv.get(peer_key(pair.settings.prefix, "a"))).kvs
+
+    await _wait(gone, 10, "deregistered by lease expiry")
+    started = time.monotonic()
+    assert await b.get(digest(201)) is None
+    assert time.monotonic() - started < 1.0  # no peer left to ask
+    assert json.loads(json.dumps(await b.stats()))["peer_unavailable"] >= 1

@@ -1,0 +1,392 @@
+"""QUIC peer fetch on loopback with mTLS: round trips, rejections, timeouts, corruption, pacing.
+
+Servers bind ``127.0.0.1:0``; certificates are minted per test into ``tmp_path`` with the certs/ tooling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aioquic.quic.configuration import QuicConfiguration
+
+from certs.store import LeafFiles, dev_bundle
+from kvcached import peers
+from kvcached.block import decode_record, encode_record
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, PeerUnavailable
+from kvcached.peers import PeerClient, PeerServer, split_address
+from kvcached.tiers import TieredStore
+from kvcached.wire import (
+    FrameReader,
+    TokenBucket,
+    decode_request,
+    encode_request,
+    frame_header,
+    max_request_bytes,
+)
+
+NOW = dt.datetime.now(dt.UTC)
+
+
+class DictStore:
+    """The one store method the server uses, over a dict."""
+
+    def __init__(self, blocks: dict[bytes, bytes] | None = None) -> None:
+        self.blocks = dict(blocks or {})
+
+    def get(self, digest: bytes) -> bytes | None:
+        return self.blocks.get(digest)
+
+
+def digest(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@dataclass
+class Pki:
+    a: LeafFiles
+    b: LeafFiles
+    rogue: LeafFiles  # same name, another CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    good = dev_bundle(tmp_path_factory.mktemp("pki"), ["kvcached-a", "kvcached-b"], NOW)
+    other = dev_bundle(tmp_path_factory.mktemp("rogue"), ["kvcached-a"], NOW)
+    return Pki(good["kvcached-a"], good["kvcached-b"], other["kvcached-a"])
+
+
+def server_for(store: object, leaf: LeafFiles, **kw: object) -> PeerServer:
+    return PeerServer(
+        store,  # type: ignore[arg-type]
+        host="127.0.0.1",
+        port=0,
+        cert=leaf.cert,
+        key=leaf.key,
+        ca=leaf.ca,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def client_for(leaf: LeafFiles, *, ca: Path | None = None, **kw: float) -> PeerClient:
+    return PeerClient(cert=leaf.cert, key=leaf.key, ca=ca or leaf.ca, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def served(pki: Pki) -> AsyncIterator[tuple[PeerServer, DictStore, str]]:
+    store = DictStore({digest(i): os.urandom(1000 + i) for i in range(200)})
+    server = server_for(store, pki.a)
+    port = await server.start()
+    yield server, store, f"127.0.0.1:{port}"
+    await server.aclose()
+
+
+
+# -- sans-IO framing -----------------------------------------------------------------------------------
+
+
+def test_request_round_trip_and_bad_requests() -> None:
+    ds = [digest(i) for i in range(5)]
+    raw = encode_request(ds)
+    assert decode_request(raw) == ds
+    assert decode_request(encode_request([])) == []
+    for bad in (b"", b"XXXX" + raw[4:], raw[:-1], raw + b"\0"):
+        with pytest.raises(BadRequest):
+            decode_request(bad)
+    with pytest.raises(BadRequest):
+        encode_request([b"short"])
+    assert len(encode_request([digest(0)] * 4096)) == max_request_bytes()
+    with pytest.raises(BadRequest):
+        encode_request([digest(0)] * 4097)
+
+
+def test_frame_reader_reassembles_any_split() -> None:
+    records = [(digest(i), encode_record(digest(i), os.urandom(i * 37))) for i in range(6)]
+    stream = b"".join(frame_header(d, len(r)) + r for d, r in records)
+    for step in (1, 7, 100, len(stream)):
+        reader = FrameReader(max_record_bytes=10_000)
+        got = [f for at in range(0, len(stream), step) for f in reader.feed(stream[at : at + step])]
+        assert got == records
+        assert reader.pending() == 0
+    reader = FrameReader(max_record_bytes=10_000)
+    reader.feed(stream[:-3])
+    assert reader.pending() > 0  # a torn last frame
+    with pytest.raises(CorruptBlock):
+        FrameReader(max_record_bytes=10).feed(frame_header(digest(1), 11))
+
+
+def test_token_bucket_paces_to_rate() -> None:
+    bucket = TokenBucket(rate=1000.0, burst=500.0)
+    assert bucket.reserve(500, now=0.0) == 0.0
+    assert bucket.reserve(1000, now=0.0) == pytest.approx(1.0)
+    assert bucket.reserve(500, now=1.0) == pytest.approx(0.5)  # debt repaid at 1.0, then 500 more
+    assert bucket.reserve(100, now=10.0) == 0.0  # refilled, capped at burst
+    with pytest.raises(ValueError):
+        TokenBucket(rate=0.0, burst=1.0)
+
+
+def test_bad_settings_are_config_errors(pki: Pki, tmp_path: Path) -> None:
+    bad: list[dict[str, float]] = [
+        {"max_datagram_size": 1000},
+        {"max_datagram_size": 9001},
+        {"timeout_s": 0},
+        {"max_in_flight": 0},
+    ]
+    for kw in bad:
+        with pytest.raises(KvcachedConfigError):
+            client_for(pki.b, **kw)
+    with pytest.raises(KvcachedConfigError):
+        client_for(pki.b, ca=tmp_path / "missing.pem")
+    for skw in ({"max_concurrent_streams": 0}, {"egress_bytes_per_s": 0.0}, {"max_datagram_size": 100}):
+        with pytest.raises(KvcachedConfigError):
+            server_for(DictStore(), pki.a, **skw)
+
+
+def test_split_address() -> None:
+    assert split_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert split_address("[::1]:443") == ("::1", 443)
+    for bad in ("nohost", ":1", "h:0", "h:x", "h:70000"):
+        with pytest.raises(KvcachedConfigError):
+            split_address(bad)
+
+
+# -- over QUIC -----------------------------------------------------------------------------------------
+
+
+async def test_fetch_many_blocks_in_one_request_over_one_connection(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    server, store, address = served
+    client = client_for(pki.b)
+    try:
+        wanted = [digest(i) for i in range(0, 250)]  # 200 held, 50 not
+        got = await client.fetch(address, wanted)
+        assert got == {d: store.blocks[d] for d in wanted if d in store.blocks}
+        again = await client.fetch(address, [digest(7), digest(7), digest(999)])
+        assert again == {digest(7): store.blocks[digest(7)]}
+        assert await client.fetch(address, []) == {}
+        assert server.stats()["connections"] == 1  # the connection was reused
+        assert server.stats()["served_blocks"] == 201
+        assert client.stats()["fetched_blocks"] == 201
+        with pytest.raises(BadRequest):
+            await client.fetch(address, [b"not a digest"])
+    finally:
+        await client.aclose()
+
+
+async def test_long_digest_lists_split_across_streams(
+    pki: Pki, served: tuple[PeerServer, DictStore, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, _, address = served
+    monkeypatch.setattr(peers, "MAX_REQUEST_DIGESTS", 16)
+    client = client_for(pki.b)
+    try:
+        got = await client.fetch(address, [digest(i) for i in range(100)])
+        assert set(got) == {digest(i) for i in range(100)}
+        assert server.stats()["requests"] == 7
+    finally:
+        await client.aclose()
+
+
+async def test_two_daemons_fetch_from_each_other(pki: Pki) -> None:
+    store_a = TieredStore(ram_bytes=1 << 20, ssd_path=None, ssd_bytes=0)
+    store_b = TieredStore(ram_bytes=1 << 20, ssd_path=None, ssd_bytes=0)
+    store_a.put(digest(1), b"held by a")
+    store_b.put(digest(2), b"held by b")
+    server_a, server_b = server_for(store_a, pki.a), server_for(store_b, pki.b)
+    port_a, port_b = await server_a.start(), await server_b.start()
+    client_a, client_b = client_for(pki.a), client_for(pki.b)
+    try:
+        both = [digest(1), digest(2)]
+        assert await client_a.fetch(f"127.0.0.1:{port_b}", both) == {digest(2): b"held by b"}
+        assert await client_b.fetch(f"localhost:{port_a}", both) == {digest(1): b"held by a"}
+    finally:
+        await asyncio.gather(client_a.aclose(), client_b.aclose(), server_a.aclose(), server_b.aclose())
+        store_a.close()
+        store_b.close()
+
+
+async def test_client_with_cert_from_another_ca_is_rejected(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    server, _, address = served
+    client = client_for(pki.rogue, ca=pki.a.ca)  # trusts the server, but its own cert is foreign
+    try:
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(address, [digest(1)])
+        assert server.stats()["rejected"] == 1
+        assert server.stats()["served_blocks"] == 0
+    finally:
+        await client.aclose()
+
+
+async def test_client_without_cert_is_rejected(
+    pki: Pki, served: tuple[PeerServer, DictStore, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, _, address = served
+    make = peers._configuration
+
+    def no_cert(**kw: Path | bool) -> QuicConfiguration:
+        config = make(**kw)  # type: ignore[arg-type]
+        if config.is_client:
+            config.certificate = None
+            config.private_key = None
+        return config
+
+    monkeypatch.setattr(peers, "_configuration", no_cert)
+    client = client_for(pki.b)
+    try:
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(address, [digest(1)])
+        assert server.stats()["rejected"] == 1
+        assert server.stats()["served_blocks"] == 0
+    finally:
+        await client.aclose()
+
+
+async def test_server_with_cert_from_another_ca_is_refused(pki: Pki) -> None:
+    server = server_for(DictStore({digest(1): b"x"}), pki.rogue)
+    port = await server.start()
+    client = client_for(pki.b)
+    try:
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(f"127.0.0.1:{port}", [digest(1)])
+        assert server.stats()["served_blocks"] == 0
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing-bound", "bound-but-silent"])
+async def test_peer_down_is_a_timely_miss(pki: Pki, listening: bool) -> None:
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    if not listening:
+        silent.close()
+    client = client_for(pki.b, timeout_s=0.4)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(f"127.0.0.1:{port}", [digest(1)])
+        assert time.monotonic() - started < 0.4 + 0.5
+        assert client.stats()["unavailable"] == 1
+    finally:
+        await client.aclose()
+        silent.close()
+
+
+async def test_server_gone_after_connecting_is_a_timely_miss(pki: Pki) -> None:
+    server = server_for(DictStore({digest(1): b"x"}), pki.a)
+    port = await server.start()
+    client = client_for(pki.b, timeout_s=0.4)
+    try:
+        assert await client.fetch(f"127.0.0.1:{port}", [digest(1)]) == {digest(1): b"x"}
+        server._server._transport.pause_reading()  # type: ignore[union-attr]  # hung: reads nothing more
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(f"127.0.0.1:{port}", [digest(1)])
+        assert time.monotonic() - started < 0.4 + 0.5
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_corrupted_frame_is_dropped_not_returned(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    server, store, address = served
+
+    def flip_one(d: bytes, data: bytes) -> bytes:
+        record = bytearray(encode_record(d, data))
+        if d == digest(3):
+            record[-1] ^= 0x01
+        return bytes(record)
+
+    server.encode = flip_one
+    client = client_for(pki.b)
+    try:
+        got = await client.fetch(address, [digest(i) for i in range(6)])
+        assert set(got) == {digest(i) for i in (0, 1, 2, 4, 5)}
+        assert all(got[d] == store.blocks[d] for d in got)
+        assert client.stats()["corrupt"] == 1
+    finally:
+        await client.aclose()
+
+
+async def test_egress_limit_is_respected_roughly(pki: Pki) -> None:
+    block = 256 * 1024
+    store = DictStore({digest(i): os.urandom(block) for i in range(8)})
+    rate = 4 * 1024 * 1024.0
+    server = server_for(store, pki.a, egress_bytes_per_s=rate)
+    port = await server.start()
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        got = await client.fetch(f"127.0.0.1:{port}", list(store.blocks))
+        elapsed = time.monotonic() - started
+        assert len(got) == 8
+        floor = (8 * block - peers.CHUNK_BYTES) / rate  # all but one burst, at the rate
+        assert floor * 0.9 <= elapsed < floor * 4 + 1.0
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_bounded_streams_still_serve_concurrent_fetches(pki: Pki) -> None:
+    store = DictStore({digest(i): os.urandom(5000) for i in range(40)})
+    server = server_for(store, pki.a, max_concurrent_streams=2)
+    port = await server.start()
+    client = client_for(pki.b, max_in_flight=8)
+    try:
+        results = await asyncio.gather(
+            *(client.fetch(f"127.0.0.1:{port}", [digest(i), digest(i + 20)]) for i in range(20))
+        )
+        assert all(len(r) == 2 for r in results)
+        assert sum(len(r) for r in results) == 40
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+@pytest.mark.parametrize("datagram", [1200, 9000])
+async def test_large_block_round_trip(pki: Pki, datagram: int) -> None:
+    data = os.urandom(5 * 1024 * 1024 + 3)
+    server = server_for(DictStore({digest(9): data}), pki.a, max_datagram_size=datagram)
+    port = await server.start()
+    client = client_for(pki.b, timeout_s=5.0, max_datagram_size=datagram)
+    try:
+        got = await client.fetch(f"127.0.0.1:{port}", [digest(9)])
+        assert got[digest(9)] == data
+        assert decode_record(digest(9), encode_record(digest(9), data)) == data
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_server_closing_mid_response_is_a_prompt_miss(pki: Pki) -> None:
+    store = DictStore({digest(i): os.urandom(256 * 1024) for i in range(16)})
+    server = server_for(store, pki.a, egress_bytes_per_s=1024 * 1024.0)  # 4 s for everything
+    port = await server.start()
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        fetch = asyncio.ensure_future(client.fetch(f"127.0.0.1:{port}", list(store.blocks)))
+        for _ in range(500):  # poll (5 s at most) until the response has started
+            if server.stats()["served_bytes"] > 0:
+                break
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await server.aclose()
+        with pytest.raises(PeerUnavailable):
+            await fetch
+        assert time.monotonic() - started < 1.0
+    finally:
+        await client.aclose()
+        await server.aclose()
