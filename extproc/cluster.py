@@ -9,7 +9,9 @@
 - the fleet: static ``[[endpoints]]`` plus the agents' leased ``endpoints/<id>`` entries and ``drain/<id>``
   flags (:class:`extproc.control.ControlPlane`);
 - the agents' feeds (:class:`extproc.feeds.FeedManager`): each endpoint registered with a ``feed``
-  address gets its load (and, in ``precise`` index mode, its KV events) from that stream.
+  address gets its load (and, in ``precise`` index mode, its KV events) from that stream; in precise mode
+  the feeds of the nodes' kvcached daemons (etcd ``kvcached/<node>``) too, which the router's ``kv-tier``
+  scorer reads through :meth:`extproc.precise.HybridIndex.node_leads`.
 
 When etcd is unreachable the gateway keeps routing on the last fleet and policy it had; the control plane
 reconnects and resynchronises by itself.
@@ -26,7 +28,7 @@ from pathlib import Path
 from extproc.config import GatewayConfig
 from extproc.control import ControlPlane
 from extproc.errors import ConfigError
-from extproc.events import IndexEvent
+from extproc.events import IndexEvent, node_store_endpoint
 from extproc.feeds import FeedManager, channel_credentials
 from extproc.fleet import EndpointId, Fleet
 from extproc.index import PrefixIndex
@@ -69,6 +71,7 @@ class Cluster:
         self._models = models
         self._static = frozenset(e.id for e in config.endpoints)
         self._known: set[EndpointId] = {s.id for s in fleet}
+        self._stores: set[str] = set()  # nodes whose kvcached feeds are followed
         self.store = PolicyStore.from_config(config)
         if config.policy_file:
             # A bad file fails the start (ConfigError): nothing half-applied, the operator sees why.
@@ -116,10 +119,19 @@ class Cluster:
         for gone in self._known - current:
             self.index.drop_endpoint(gone)
         self._known = current
+        stores = dict(self.control.core.kvcached_feeds) if self.control is not None else {}
         if isinstance(self.index, HybridIndex):
             for state in self.fleet:
                 self.index.set_precise(state.id, state.endpoint.kv_events)
-        self.feeds.sync()
+            # Each node's kvcached reports under a pseudo endpoint (extproc.events.node_store_endpoint).
+            for node in self._stores - stores.keys():
+                self.index.drop_endpoint(EndpointId(node_store_endpoint(node)))
+            for node in stores:
+                self.index.set_precise(EndpointId(node_store_endpoint(node)), True)
+            self.router.node_stores = frozenset(stores)
+        self._stores = set(stores)
+        feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
+        self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
 
     def apply_policy(self, policy: Policy) -> None:
         """Put a validated policy in force: profile, per-model routes, block size, speculative TTL."""

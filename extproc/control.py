@@ -33,9 +33,11 @@ from extproc.etcd import (
     DRAIN,
     ENDPOINTS,
     ETCD_ERRORS,
+    KVCACHED,
     EtcdSettings,
     connect,
     decode_endpoint,
+    decode_peer,
     describe_error,
     policy_path,
     split_key,
@@ -82,6 +84,8 @@ class ControlCore:
         self._seen: dict[str, bytes] = {}  # key -> last value applied (or refused)
         self._ours: set[EndpointId] = set()
         self._draining: set[EndpointId] = set()
+        #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
+        self.kvcached_feeds: dict[str, str | None] = {}
         self.counters = dict.fromkeys(("syncs", "changes", "rejected", "refused", "ignored"), 0)
 
     @property
@@ -124,6 +128,8 @@ class ControlCore:
                 return self._endpoint(EndpointId(name), value), False
             if family == DRAIN:
                 return self._drain(EndpointId(name), value is not None), False
+            if family == KVCACHED:
+                return self._kvcached(name, value), False
             path = policy_path(family, name)
             if path is not None:
                 return False, self._policy(path, value)
@@ -164,6 +170,19 @@ class ControlCore:
         if endpoint_id not in self._ours:
             log.info("endpoint %s (%s) joined the fleet", endpoint_id, endpoint.address)
         self._ours.add(endpoint_id)
+        return True
+
+    def _kvcached(self, node: str, value: bytes | None) -> bool:
+        """A node's kvcached came, changed or went: its feed joins or leaves the set gateways follow."""
+        if value is None:
+            return self.kvcached_feeds.pop(node, None) is not None
+        try:
+            info = decode_peer(node, value)
+        except ConfigError as exc:
+            log.warning("etcd kvcached/%s ignored: %s", node, exc)
+            self.counters["rejected"] += 1
+            return False
+        self.kvcached_feeds[node] = info.feed
         return True
 
     def _drain(self, endpoint_id: EndpointId, draining: bool) -> bool:

@@ -220,6 +220,60 @@ def decode_endpoint(key_id: str, value: bytes) -> Endpoint:
     return endpoint
 
 
+# -- kvcached/<node> (written by kvcached daemons, read by peers and gateways) ------------------------------
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """One kvcached daemon as registered: node id, local gRPC API (TCP, mTLS; ``None``: unix only),
+    QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``."""
+
+    node: str
+    grpc: str | None
+    quic: str | None
+    feed: str | None
+
+
+def peer_key(prefix: str, node: str) -> str:
+    """``<prefix>kvcached/<node>``."""
+    return family_key(prefix, KVCACHED, node)
+
+
+def encode_peer(info: PeerInfo) -> bytes:
+    """The JSON value of ``kvcached/<node>`` (sorted keys, compact)."""
+    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_peer(node: str, value: bytes) -> PeerInfo:
+    """Validate a ``kvcached/<node>`` value; :class:`ConfigError` names the field and the reason."""
+    where = f"{KVCACHED}/{node}"
+    try:
+        doc = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    if doc.get("node") != node:
+        raise ConfigError(f"{where}.node: {doc.get('node')!r} does not match the key")
+    fields: dict[str, str | None] = {}
+    for name in ("grpc", "quic", "feed"):
+        v = doc.get(name)
+        if v is not None and not _is_hostport(v):
+            raise ConfigError(f"{where}.{name}: expected host:port or null, got {v!r}")
+        fields[name] = v
+    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"])
+
+
+def _is_hostport(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
+
+
 # -- leased keys --------------------------------------------------------------------------------------
 
 

@@ -40,6 +40,16 @@ TIERS = ("gpu", "cpu", "disk", "ram", "ssd")
 ENGINE_TIERS = frozenset({"gpu", "cpu", "disk"})
 """Tiers an engine reads without a fetch: a block held there counts as cached on that endpoint."""
 
+NODE_STORE_PREFIX = "kvcached:"
+"""kvcached reports its ``ram``/``ssd`` tiers under one pseudo endpoint per node, ``kvcached:<node>``: the
+blocks any engine on that node (``Endpoint.node``) can load locally, and peers can fetch over QUIC."""
+
+
+def node_store_endpoint(node: str) -> str:
+    """The pseudo endpoint id under which node ``node``'s kvcached reports its tiers."""
+    return NODE_STORE_PREFIX + node
+
+
 SUBSCRIBE_METHOD = "/kvgate.events.v1.IndexEvents/Subscribe"
 """gRPC method (server streaming): request :class:`Subscribe`, responses :class:`Batch`."""
 

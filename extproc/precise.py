@@ -259,6 +259,38 @@ class PreciseIndex:
         places.extend((tier, self._node[tier].get(digest, 0)) for tier in _NODE)
         return places
 
+    def node_leads(self, endpoints: Iterable[EndpointId], digests: Sequence[Digest]) -> dict[EndpointId, int]:
+        """Leading blocks of ``digests`` each of ``endpoints`` holds in a node tier (kvcached ``ram`` or
+        ``ssd``); endpoints holding none are absent. One dict lookup per tier and block while any of them
+        still holds the chain."""
+        bits: dict[EndpointId, int] = {}
+        for endpoint in endpoints:
+            slot = self._slots.get(endpoint)
+            if slot is not None:
+                bits[endpoint] = self._bits[slot]
+        if not bits:
+            return {}
+        ram, ssd = self._node["ram"], self._node["ssd"]
+        alive = 0
+        for bit in bits.values():
+            alive |= bit
+        ends: dict[EndpointId, int] = {}
+        n = min(len(digests), self._max_match)
+        for i in range(n):
+            digest = digests[i]
+            held = (ram.get(digest, 0) | ssd.get(digest, 0)) & alive
+            if held != alive:
+                for endpoint, bit in bits.items():
+                    if alive & bit and not held & bit and i:
+                        ends[endpoint] = i
+                alive = held
+                if not alive:
+                    break
+        for endpoint, bit in bits.items():
+            if alive & bit:
+                ends[endpoint] = n
+        return ends
+
     def holders(self, digest: Digest, now: float) -> list[EndpointId]:
         """Endpoints holding ``digest`` in an engine tier or live speculatively (inspection, tests)."""
         result: dict[EndpointId, int] = {}
@@ -551,6 +583,10 @@ class HybridIndex:
             for endpoint, blocks in self.approximate.match(digests, now).items():
                 result[endpoint] = {"gpu": blocks}
         return result
+
+    def node_leads(self, endpoints: Iterable[EndpointId], digests: Sequence[Digest]) -> dict[EndpointId, int]:
+        """:meth:`PreciseIndex.node_leads` (node-store pseudo endpoints live in the precise index)."""
+        return self.precise.node_leads(endpoints, digests)
 
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         if endpoint in self._precise_ids:

@@ -17,7 +17,8 @@ import orjson
 
 from extproc.digest import ChainCache, Digest, chain_seed
 from extproc.errors import NotFound, Unavailable
-from extproc.fleet import EndpointState, Fleet
+from extproc.events import NODE_STORE_PREFIX, node_store_endpoint
+from extproc.fleet import EndpointId, EndpointState, Fleet
 from extproc.index import PrefixIndex
 from extproc.models import ModelAssets, ModelRegistry
 from extproc.request import Kind, ParsedRequest
@@ -109,6 +110,9 @@ class Router:
         #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
         #: endpoint serving them. Replaced as a whole when the policy changes.
         self.routes: dict[str, Route] = {}
+        #: Nodes whose kvcached reports its tiers to the index (set by :mod:`extproc.cluster`); empty: the
+        #: warm-tier lookup is skipped.
+        self.node_stores: frozenset[str] = frozenset()
 
     def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
@@ -164,6 +168,8 @@ class Router:
             tokens = self.tokens(request)
         digests = self.digests(request, tokens)
         state = CycleState(prefix_blocks=self.index.match(digests, now), cached_blocks=self.index.occupancy())
+        if self.node_stores:
+            self._warm(state, candidates, digests)
         sched = SchedulingRequest(
             request_id=request_id,
             model=request.model,
@@ -187,6 +193,24 @@ class Router:
             matched_blocks=state.prefix_blocks.get(primary.id, 0),
             served=primary,
         )
+
+    def _warm(
+        self, state: CycleState, candidates: Sequence[EndpointState], digests: Sequence[Digest]
+    ) -> None:
+        """Fill ``state.warm_blocks`` (each candidate's lead in its own node's kvcached) and
+        ``state.peer_warm_blocks`` (the longest lead in any node's kvcached)."""
+        node_leads = getattr(self.index, "node_leads", None)
+        if node_leads is None:
+            return
+        stores = [EndpointId(node_store_endpoint(node)) for node in self.node_stores]
+        leads: dict[str, int] = node_leads(stores, digests)
+        if not leads:
+            return
+        by_node = {key[len(NODE_STORE_PREFIX) :]: n for key, n in leads.items()}
+        state.peer_warm_blocks = max(by_node.values())
+        state.warm_blocks = {
+            s.id: by_node[s.endpoint.node] for s in candidates if s.endpoint.node in by_node
+        }
 
     def commit(self, decision: Decision, now: float) -> None:
         """Record the decision in the index as speculative entries for the pick.

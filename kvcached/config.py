@@ -17,8 +17,6 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     ssd_path = "/var/lib/kvgate/kvcached"   # RocksDB directory of the SSD tier (absent = RAM only)
     ssd_bytes = 68719476736              # SSD tier budget
     max_block_bytes = 67108864           # largest block accepted (default 64 MiB)
-    endpoints = ["llama-0", "llama-1"]   # engine endpoint ids on this node: the feed reports the tiers
-                                         # as held by each of them
     lease_ttl_s = 5                      # etcd lease TTL of kvcached/<node> (whole seconds >= 2)
 
     [kvcached.tls]                       # optional, all three or none: mTLS on TCP gRPC, feed and QUIC
@@ -103,7 +101,6 @@ class KvcachedConfig:
     ssd_path: Path | None = None
     ssd_bytes: int = 0
     max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT
-    endpoints: tuple[str, ...] = ()
     lease_ttl_s: int = 5
     tls: TlsFiles | None = None
     quic: QuicSettings | None = None
@@ -152,11 +149,6 @@ def _parse(raw: object) -> KvcachedConfig:
     ram_bytes = k.integer("ram_bytes", _REQUIRED, minimum=1)
     ssd_path = k.string("ssd_path")
     ssd_bytes = k.integer("ssd_bytes", 0, minimum=0)
-    endpoints = k.array("endpoints", [])
-    if not all(isinstance(e, str) and e for e in endpoints):
-        raise KvcachedConfigError("kvcached.endpoints: expected a list of non-empty endpoint ids")
-    if len(set(endpoints)) != len(endpoints):
-        raise KvcachedConfigError("kvcached.endpoints: duplicate endpoint id")
     tls = _tls(k.raw("tls"))
     cfg = KvcachedConfig(
         node=node,
@@ -169,7 +161,6 @@ def _parse(raw: object) -> KvcachedConfig:
         ssd_path=None if ssd_path is None else Path(_nonempty(ssd_path, "kvcached.ssd_path") or ""),
         ssd_bytes=ssd_bytes,
         max_block_bytes=k.integer("max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1),
-        endpoints=tuple(endpoints),
         lease_ttl_s=k.integer("lease_ttl_s", 5, minimum=2),
         tls=tls,
         quic=None if quic_raw is None else _quic(quic_raw),

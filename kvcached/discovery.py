@@ -15,72 +15,27 @@ etcd outage or a cancelled (compacted) watch it resyncs with capped backoff, kee
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import etcd3aio
 
 from extproc.errors import ConfigError
-from extproc.etcd import ETCD_ERRORS, KVCACHED, EtcdSettings, describe_error, family_key, split_key
+from extproc.etcd import (
+    ETCD_ERRORS,
+    KVCACHED,
+    EtcdSettings,
+    PeerInfo,
+    decode_peer,
+    describe_error,
+    peer_key,
+    split_key,
+)
 from kvcached.config import StaticPeer
 
 log = logging.getLogger(__name__)
 
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """One kvcached daemon as registered: node id, local gRPC API (TCP, mTLS; ``None``: unix only),
-    QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``."""
-
-    node: str
-    grpc: str | None
-    quic: str | None
-    feed: str | None
-
-
-def peer_key(prefix: str, node: str) -> str:
-    """``<prefix>kvcached/<node>``."""
-    return family_key(prefix, KVCACHED, node)
-
-
-def encode_peer(info: PeerInfo) -> bytes:
-    """The JSON value of ``kvcached/<node>`` (sorted keys, compact)."""
-    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
-def decode_peer(node: str, value: bytes) -> PeerInfo:
-    """Validate a ``kvcached/<node>`` value; :class:`ConfigError` names the field and the reason."""
-    where = f"{KVCACHED}/{node}"
-    try:
-        doc = json.loads(value)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
-    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
-    if doc.get("node") != node:
-        raise ConfigError(f"{where}.node: {doc.get('node')!r} does not match the key")
-    fields: dict[str, str | None] = {}
-    for name in ("grpc", "quic", "feed"):
-        v = doc.get(name)
-        if v is not None and not _is_hostport(v):
-            raise ConfigError(f"{where}.{name}: expected host:port or null, got {v!r}")
-        fields[name] = v
-    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"])
-
-
-def _is_hostport(value: object) -> bool:
-    if not isinstance(value, str):
-        return False
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
 
 
 class PeerTable:

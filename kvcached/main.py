@@ -4,8 +4,9 @@ Parts: the :class:`~kvcached.tiers.TieredStore` (RAM + RocksDB tiers); the local
 (:mod:`kvcached.service`, unix socket and/or mTLS TCP); the QUIC :class:`~kvcached.peers.PeerServer`
 that lets peers fetch our blocks, and a :class:`~kvcached.peers.PeerClient` that fetches theirs on a
 local miss; the index feed (:class:`agent.feed.FeedServer`, source ``kvcached-<node>``): every change the
-store reports becomes ``Stored``/``Removed(endpoint, digests, tier="ram"|"ssd")`` for each endpoint in
-``endpoints``, and a subscriber that needs a resync gets a snapshot of what the tiers hold; with
+store reports becomes ``Stored``/``Removed(endpoint, digests, tier="ram"|"ssd")`` for the node's pseudo
+endpoint ``kvcached:<node>`` (:func:`extproc.events.node_store_endpoint`), and a subscriber that needs a
+resync gets a snapshot of what the tiers hold; with
 ``[etcd]``, the leased key ``kvcached/<node>`` (:mod:`kvcached.discovery`) and a watch of ``kvcached/``
 that, with the static ``[[peers]]``, says whom to ask; Prometheus text on ``metrics_listen``
 (``GET /metrics``, served on the event loop so scrapes never touch the store from another thread).
@@ -31,10 +32,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.feed import FeedLog, FeedServer
 from extproc.errors import ConfigError
-from extproc.events import IndexEvent, Removed, Stored
+from extproc.etcd import PeerInfo, encode_peer, peer_key
+from extproc.events import IndexEvent, Removed, Stored, node_store_endpoint
 from extproc.tls import ServerTlsFiles
 from kvcached.config import KvcachedConfig, load_kvcached_config
-from kvcached.discovery import PeerInfo, PeerTable, PeerWatcher, encode_peer, peer_key
+from kvcached.discovery import PeerTable, PeerWatcher
 from kvcached.errors import KvcachedError
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import PeerClient, PeerServer
@@ -48,7 +50,7 @@ class FeedPublisher:
     """The store's listener: each change becomes one feed batch naming every endpoint of the node."""
 
     def __init__(self, endpoints: tuple[str, ...]) -> None:
-        self.endpoints = endpoints
+        self.endpoints = endpoints  # the node's pseudo endpoint (one)
         self.feed: FeedServer | None = None
 
     def on_stored(self, tier: str, digests: list[bytes]) -> None:
@@ -66,7 +68,7 @@ class Daemon:
     def __init__(self, config: KvcachedConfig) -> None:
         self.config = config
         self.metrics = KvcachedMetrics()
-        self._publisher = FeedPublisher(config.endpoints)
+        self._publisher = FeedPublisher((node_store_endpoint(config.node),))
         self.store: TieredStore | None = None
         self.feed: FeedServer | None = None
         self.api: ApiServer | None = None
@@ -197,7 +199,8 @@ class Daemon:
         if self.store is None:
             return []
         held = self.store.held()
-        return [Stored(e, list(held[tier]), tier) for e in self.config.endpoints for tier in sorted(held)]
+        endpoint = node_store_endpoint(self.config.node)
+        return [Stored(endpoint, list(held[tier]), tier) for tier in sorted(held)]
 
     async def _start_metrics(self, listen: str) -> None:
         async def metrics(request: web.Request) -> web.Response:

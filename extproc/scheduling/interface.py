@@ -47,10 +47,14 @@ class CycleState:
 
     ``prefix_blocks``: leading blocks of the request each endpoint holds (absent: 0).
     ``cached_blocks``: blocks each endpoint is known to hold in total (cache occupancy, absent: 0).
+    ``warm_blocks``: leading blocks the endpoint's node's kvcached holds (a local fetch; absent: 0).
+    ``peer_warm_blocks``: the longest lead any node's kvcached holds (a peer fetch; 0: none).
     """
 
     prefix_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
     cached_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
+    warm_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
+    peer_warm_blocks: int = 0
 
 
 class Filter(Protocol):

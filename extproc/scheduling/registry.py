@@ -44,6 +44,8 @@ from extproc.scheduling.scorers import (
     PrefixParams,
     PrefixScorer,
     QueueScorer,
+    TierParams,
+    TierScorer,
 )
 
 PluginKind = Literal["filter", "scorer", "picker"]
@@ -70,6 +72,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "kv-utilization": PluginType("scorer", KVUtilizationScorer),
         "in-flight": PluginType("scorer", InFlightScorer, LoadParams),
         "cache-spread": PluginType("scorer", CacheSpreadScorer),
+        "kv-tier": PluginType("scorer", TierScorer, TierParams),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }
 )
@@ -299,6 +302,7 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "queue", "weight": 2.0},
                     {"ref": "in-flight", "weight": 1.0},
                     {"ref": "cache-spread", "weight": 1.0},
+                    {"ref": "kv-tier", "weight": 3.0},
                     {"ref": "max-score"},
                 ],
             }

@@ -162,3 +162,47 @@ class CacheSpreadScorer:
         if most <= 0:
             return dict.fromkeys(cached, 1.0)
         return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class TierParams:
+    """Worth of a block that must be fetched, relative to one on the endpoint's GPU (1): ``local`` from
+    the endpoint's own node's kvcached (RAM or SSD), ``peer`` from another node's over QUIC."""
+
+    local: float = 0.5
+    peer: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.peer <= self.local <= 1:
+            raise ValueError("need 0 <= peer <= local <= 1")
+
+
+class TierScorer:
+    """Blocks a prefix cache outside the GPU saves: below GPU-resident, above nothing.
+
+    With ``n`` = the request's blocks, ``g`` = ``state.prefix_blocks`` (on the endpoint), ``w`` =
+    ``state.warm_blocks`` (its node's kvcached) and ``p`` = ``state.peer_warm_blocks`` (any node's kvcached):
+    ``(local * max(0, w - g) + peer * max(0, p - max(g, w))) / n``, in ``[0, local]``. No kvcached: 0.
+    """
+
+    __slots__ = ("name", "params")
+
+    def __init__(self, name: str = "kv-tier", params: TierParams | None = None) -> None:
+        self.name = name
+        self.params = params or TierParams()
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        n = len(request.digests)
+        peer_blocks = state.peer_warm_blocks
+        if n == 0 or (peer_blocks <= 0 and not state.warm_blocks):
+            return dict.fromkeys((c.id for c in candidates), 0.0)
+        local, peer = self.params.local, self.params.peer
+        scores: dict[EndpointId, float] = {}
+        for c in candidates:
+            gpu = state.prefix_blocks.get(c.id, 0)
+            warm = state.warm_blocks.get(c.id, 0)
+            extra = local * max(0, warm - gpu) + peer * max(0, peer_blocks - max(gpu, warm))
+            scores[c.id] = min(1.0, extra / n)
+        return scores

@@ -112,13 +112,23 @@ def test_other_keys_are_ignored() -> None:
     core, fleet, store = _core()
     changes = [
         Change(f"{P}tenants/acme", b"{}"),
-        Change(f"{P}kvcached/node1", b"{}"),
         Change(f"{P}policy/models/m", b"{}"),  # would shadow models/m
         Change(f"{P}stray", b"x"),
         Change("/elsewhere/endpoints/x", b"x"),
     ]
     assert core.apply(changes, 9) == Applied()
-    assert core.counters["ignored"] == 5 and len(fleet) == 1 and store.policy == store.base
+    assert core.counters["ignored"] == 4 and len(fleet) == 1 and store.policy == store.base
+
+
+def test_kvcached_daemons_are_followed() -> None:
+    core, _fleet, _store = _core()
+    value = b'{"node": "n1", "grpc": null, "quic": "10.0.0.1:7300", "feed": "10.0.0.1:7301"}'
+    assert core.apply([Change(f"{P}kvcached/n1", value)], 10).fleet_changed
+    assert core.kvcached_feeds == {"n1": "10.0.0.1:7301"}
+    assert not core.apply([Change(f"{P}kvcached/n2", b"{}")], 11).fleet_changed  # invalid: refused
+    assert core.counters["rejected"] == 1 and "n2" not in core.kvcached_feeds
+    assert core.apply([Change(f"{P}kvcached/n1", None)], 12).fleet_changed
+    assert core.kvcached_feeds == {}
 
 
 def test_snapshot_applies_the_difference() -> None:

@@ -414,3 +414,22 @@ def test_many_endpoints_random_against_reference() -> None:
         ref.apply(event)
     for later in (now, now + 5, now + 11):
         assert index.match(chain, later) == ref.match(chain, later)
+
+
+def test_node_leads_count_kvcached_tiers_only() -> None:
+    index = PreciseIndex()
+    chain = [Digest(bytes([i]) * 16) for i in range(10)]
+    a, b, c = (EndpointId(f"kvcached:{n}") for n in "abc")
+    index.apply(
+        [
+            Stored(a, chain[:6], "ram"),
+            Stored(a, chain[6:8], "ssd"),  # the lead runs across both node tiers
+            Stored(b, chain[1:5], "ssd"),  # no block 0: no lead
+            Stored(EndpointId("engine"), chain, "gpu"),  # engine tiers are not node tiers
+        ],
+        0.0,
+    )
+    assert index.node_leads([a, b, c, EndpointId("engine")], chain) == {a: 8}
+    assert index.match(chain, 0.0) == {EndpointId("engine"): 10}  # node tiers never count in match
+    index.apply([Removed(a, [chain[3]], "ram")], 0.0)
+    assert index.node_leads([a], chain) == {a: 3}

@@ -22,15 +22,21 @@ from typing import Any
 import blake3
 import etcd3aio
 import grpc
+import orjson
 import pytest
 
 from certs.store import LeafFiles, dev_bundle
+from extproc.config import parse_config
 from extproc.errors import ConfigError
-from extproc.etcd import EtcdSettings, connect
+from extproc.etcd import EtcdSettings, PeerInfo, connect, decode_peer, encode_peer, peer_key
 from extproc.events import SUBSCRIBE_METHOD, Batch, Removed, Stored, Subscribe, decode_batch, encode
+from extproc.fleet import EndpointId
+from extproc.precise import HybridIndex
+from extproc.request import Kind, parse_body
+from extproc.server import Gateway
 from kvcached.block import checksum
 from kvcached.config import StaticPeer
-from kvcached.discovery import PeerInfo, PeerTable, decode_peer, encode_peer, peer_key
+from kvcached.discovery import PeerTable
 from kvcached.errors import BadRequest, KvcachedError
 from kvcached.service import KvcachedClient
 from kvgate.etcdserver import EtcdServer
@@ -75,7 +81,6 @@ metrics_listen = "127.0.0.1:0"
 ram_bytes = {RAM_BYTES}
 ssd_path = "{tmp / f"{name}-ssd"}"
 ssd_bytes = 1048576
-endpoints = ["engine-{name}"]
 lease_ttl_s = 2
 [kvcached.tls]
 cert = "{leaf.cert}"
@@ -219,7 +224,7 @@ async def test_feed_reports_stored_ram_and_demotion(pair: Pair, clients: tuple[K
         stream.cancel()
     stored_ram = [e for e in events() if isinstance(e, Stored) and e.tier == "ram"]
     assert {d for e in stored_ram for d in e.digests} == {digest(i) for i in range(5)}
-    assert all(e.endpoint == "engine-a" for e in events())
+    assert all(e.endpoint == "kvcached:a" for e in events())
     removed = next(e for e in events() if isinstance(e, Removed) and digest(0) in e.digests)
     assert removed.tier == "ram"
     assert any(isinstance(e, Stored) and e.tier == "ssd" and digest(0) in e.digests for e in events())
@@ -244,6 +249,56 @@ async def test_bad_input_over_tcp_mtls_and_no_client_cert_refused(
     finally:
         await tcp.aclose()
         await anonymous.aclose()
+
+
+async def test_gateway_prefers_the_node_whose_kvcached_holds_the_prefix(
+    pair: Pair, clients: tuple[KvcachedClient, KvcachedClient]
+) -> None:
+    """A gateway following etcd subscribes to both daemons' feeds (mTLS); blocks of a prompt put into
+    b's kvcached make the endpoint on node b the pick (a local fetch beats a peer fetch), with no GPU
+    prefix anywhere."""
+    leaf = pair.client_leaf
+    config = parse_config(
+        {
+            "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
+            "models": [{"name": "smol", "gguf": "smollm2"}],
+            "endpoints": [
+                {"id": f"e-{n}", "address": f"127.0.0.{i + 1}:9", "models": ["smol"], "node": n}
+                for i, n in enumerate(("a", "b"))
+            ],
+            "etcd": {"endpoints": list(pair.settings.endpoints), "prefix": pair.settings.prefix},
+            "feeds": {"tls_ca": str(leaf.ca), "tls_cert": str(leaf.cert), "tls_key": str(leaf.key)},
+        }
+    )
+    gateway = Gateway(config)
+    await gateway.start()
+    try:
+        body = {"model": "smol", "messages": [{"role": "user", "content": "warm tiers " * 60}]}
+        request = parse_body(Kind.CHAT, orjson.dumps(body))
+        chain = gateway.router.digests(request, gateway.router.tokens(request))
+        assert len(chain) >= 4
+        for d in chain:
+            await clients[1].put(d, b"kv" * 64)
+
+        async def picked() -> str | None:
+            decision = gateway.router.decide(request, request_id="t", now=time.monotonic())
+            gateway.router.finish(decision)
+            return decision.endpoints[0].id if decision.endpoints[0].id == "e-b" else None
+
+        index = gateway.index
+        assert isinstance(index, HybridIndex)
+        stores = [EndpointId("kvcached:b"), EndpointId("kvcached:a")]
+
+        async def indexed() -> bool:
+            return index.node_leads(stores, chain) == {"kvcached:b": len(chain)}
+
+        await _wait(indexed, 5.0, "the whole chain indexed as held by b's kvcached")
+        await _wait(picked, 5.0, "e-b picked for the prefix b's kvcached holds")
+        assert gateway.router.node_stores == frozenset({"a", "b"})
+        picks = [gateway.router.decide(request, request_id="u", now=time.monotonic()) for _ in range(5)]
+        assert {d.endpoints[0].id for d in picks} == {"e-b"}
+    finally:
+        await gateway.aclose(grace_s=0.1)
 
 
 async def test_block_put_on_a_is_fetched_by_b_over_quic(

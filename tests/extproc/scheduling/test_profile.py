@@ -249,6 +249,7 @@ def test_default_config() -> None:
         ("queue", 2.0),
         ("in-flight", 1.0),
         ("cache-spread", 1.0),
+        ("kv-tier", 3.0),
     ]
     assert profile.picker.name == "max-score"
     assert {spec.type for spec in DEFAULT_SCHEDULING.plugins} == set(PLUGIN_TYPES)

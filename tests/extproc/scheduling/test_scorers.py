@@ -15,6 +15,8 @@ from extproc.scheduling.scorers import (
     PrefixParams,
     PrefixScorer,
     QueueScorer,
+    TierParams,
+    TierScorer,
 )
 
 
@@ -158,3 +160,30 @@ def test_scores_stay_in_unit_interval_and_never_raise(scorer: Scorer) -> None:
 def test_prefix_params_are_checked() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         PrefixParams(max_blocks=0)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "warm", "peer", "expected"),
+    [
+        ([0, 0, 0], [0, 0, 0], 0, [0.0, 0.0, 0.0]),  # no kvcached anywhere: 0 for everyone
+        ([0, 0, 0], [8, 0, 0], 8, [0.5, 0.25, 0.25]),  # local fetch beats a peer fetch beats nothing
+        ([8, 0, 0], [8, 0, 0], 8, [0.0, 0.25, 0.25]),  # already on the GPU: the tier adds nothing
+        ([4, 0, 0], [8, 0, 0], 8, [0.25, 0.25, 0.25]),  # the GPU has half, kvcached the rest
+        ([0, 2, 0], [0, 0, 6], 6, [0.1875, 0.125, 0.375]),  # peer blocks beyond what each already has
+    ],
+)
+def test_tier_scorer_table(gpu: list[int], warm: list[int], peer: int, expected: list[float]) -> None:
+    candidates = [endpoint(i) for i in range(3)]
+    state = CycleState(
+        prefix_blocks={EndpointId(f"e{i}"): n for i, n in enumerate(gpu) if n},
+        warm_blocks={EndpointId(f"e{i}"): n for i, n in enumerate(warm) if n},
+        peer_warm_blocks=peer,
+    )
+    scores = TierScorer().score(request(8), state, candidates)
+    assert scores == pytest.approx(ep_map(expected))
+    assert all(0.0 <= s <= 1.0 for s in scores.values())
+
+
+def test_tier_params_are_ordered() -> None:
+    with pytest.raises(ValueError, match="peer <= local"):
+        TierParams(local=0.2, peer=0.5)
