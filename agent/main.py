@@ -27,9 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, Telemetry
 from agent.translate import Translator
 from extproc.errors import ConfigError
 from extproc.events import IndexEvent, Load
+from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.tls import ServerTlsFiles
 from kvcached.service import KvcachedClient
 
@@ -434,19 +433,7 @@ def _join(host: str, port: int) -> str:
 async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: float) -> int:
     agent = Agent(config)
     stop = agent.stop_requested
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            log.warning("second signal: stopping now")
-            raise SystemExit(1)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop_on_signals(stop)
     try:
         await agent.start()
         if ready_file is not None:
@@ -455,9 +442,7 @@ async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: floa
             done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
                 waiting.result()
-                tmp = ready_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(agent.status()))
-                tmp.replace(ready_file)
+                write_ready_file(ready_file, agent.status())
             else:
                 waiting.cancel()
             stopped.cancel()

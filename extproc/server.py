@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
-import signal
 import ssl
 import sys
 import time
@@ -33,6 +31,7 @@ from extproc.config import GatewayConfig, load_config
 from extproc.errors import ConfigError
 from extproc.fleet import Fleet
 from extproc.index import ApproximateIndex
+from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.metrics import GatewayMetrics
 from extproc.models import ModelRegistry
 from extproc.precise import HybridIndex, PreciseIndex
@@ -239,23 +238,9 @@ async def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
     gateway = Gateway(config)
     await gateway.start()
     if ready_file is not None:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(gateway.ports))
-        tmp.replace(ready_file)
+        write_ready_file(ready_file, gateway.ports)
     stop = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            log.warning("second signal: exiting now")
-            sys.exit(1)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop_on_signals(stop)
     await stop.wait()
     log.info("draining")
     await gateway.aclose()

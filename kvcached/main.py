@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from agent.feed import FeedLog, FeedServer
 from extproc.errors import ConfigError
 from extproc.etcd import PeerInfo, encode_peer, peer_key
 from extproc.events import IndexEvent, Removed, Stored, node_store_endpoint
+from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.tls import ServerTlsFiles
 from kvcached.config import KvcachedConfig, load_kvcached_config
 from kvcached.discovery import PeerTable, PeerWatcher
@@ -239,25 +239,11 @@ class Daemon:
 async def run(config: KvcachedConfig, ready_file: Path | None) -> int:
     daemon = Daemon(config)
     stop = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            log.warning("second signal: stopping now")
-            raise SystemExit(1)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop_on_signals(stop)
     try:
         await daemon.start()
         if ready_file is not None:
-            tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(daemon.status()))
-            tmp.replace(ready_file)
+            write_ready_file(ready_file, daemon.status())
         await stop.wait()
         log.info("kvcached %s: stopping", config.node)
     finally:
