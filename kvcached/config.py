@@ -30,6 +30,9 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     egress_bytes_per_s = 1250000000      # egress cap of the PeerServer (absent = unlimited)
     timeout_s = 2.0                      # a peer fetch that takes longer is a miss
     max_in_flight = 8                    # concurrent block streams per fetch
+    max_datagram_size = 1200             # UDP payload bytes, 1200..65000; must fit the path MTU - 28:
+                                         # 8972 with 9000-byte jumbo frames, 65000 on loopback (fewer,
+                                         # larger packets: aioquic's cost is per packet; BENCHMARKS.md)
 
     [[peers]]                            # static peers (besides those found in etcd)
     node = "node-b"
@@ -55,6 +58,7 @@ from extproc.config import _REQUIRED, Section
 from extproc.errors import ConfigError
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.errors import KvcachedConfigError
+from kvcached.peers import DATAGRAM_BYTES_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +73,15 @@ class TlsFiles:
 @dataclass(frozen=True, slots=True)
 class QuicSettings:
     """The QUIC peer server and client: UDP listen address, streams served at once per connection,
-    egress cap (bytes/s, ``None`` = unlimited), fetch deadline (s), block streams in flight per fetch."""
+    egress cap (bytes/s, ``None`` = unlimited), fetch deadline (s), block streams in flight per fetch,
+    UDP payload bytes per datagram (both directions; must fit the path MTU)."""
 
     listen: str = "127.0.0.1:0"
     max_concurrent_streams: int = 64
     egress_bytes_per_s: float | None = None
     timeout_s: float = 2.0
     max_in_flight: int = 8
+    max_datagram_size: int = 1200
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +210,13 @@ def _quic(raw: object) -> QuicSettings:
         egress_bytes_per_s=egress,
         timeout_s=s.number("timeout_s", d.timeout_s, minimum=0.001),
         max_in_flight=s.integer("max_in_flight", d.max_in_flight, minimum=1),
+        max_datagram_size=s.integer("max_datagram_size", d.max_datagram_size, minimum=1200),
     )
     s.done()
+    if quic.max_datagram_size > DATAGRAM_BYTES_MAX:
+        raise KvcachedConfigError(
+            f"quic.max_datagram_size must be at most {DATAGRAM_BYTES_MAX}, got {quic.max_datagram_size}"
+        )
     return quic
 
 

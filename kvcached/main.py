@@ -39,7 +39,7 @@ from kvcached.config import KvcachedConfig, load_kvcached_config
 from kvcached.discovery import PeerTable, PeerWatcher
 from kvcached.errors import KvcachedError
 from kvcached.metrics import KvcachedMetrics
-from kvcached.peers import PeerClient, PeerServer
+from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 
@@ -106,6 +106,7 @@ class Daemon:
                 ca=cfg.tls.ca,
                 timeout_s=2.0 if q is None else q.timeout_s,
                 max_in_flight=8 if q is None else q.max_in_flight,
+                max_datagram_size=DATAGRAM_BYTES_DEFAULT if q is None else q.max_datagram_size,
             )
             if q is not None:
                 host, _, port = q.listen.rpartition(":")
@@ -118,6 +119,7 @@ class Daemon:
                     ca=cfg.tls.ca,
                     max_concurrent_streams=q.max_concurrent_streams,
                     egress_bytes_per_s=q.egress_bytes_per_s,
+                    max_datagram_size=q.max_datagram_size,
                 )
                 self.quic_port = await self.peer_server.start()
         service = KvcachedService(

@@ -54,6 +54,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest, decode_record, encode_record
+from kvcached.datagrams import HANDSHAKE_DATAGRAM_MAX, grow_datagrams
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError, PeerUnavailable
 from kvcached.wire import (
     ALPN,
@@ -83,9 +84,9 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 default drops bursts on loopback, which halves the congestion window."""
 DATAGRAM_BYTES_DEFAULT = 1200
 """QUIC datagram payload size: QUIC's minimum, safe on any path (aioquic has no path MTU discovery)."""
-DATAGRAM_BYTES_MAX = 9000
-"""Largest ``max_datagram_size`` accepted: jumbo frames or loopback. Fewer, larger packets cut aioquic's
-per-packet Python cost about 5x; much larger datagrams were seen to break aioquic 1.x's frame parsing."""
+DATAGRAM_BYTES_MAX = 65_000
+"""Largest ``max_datagram_size`` accepted: loopback (MTU 65,536) or jumbo frames; it must fit the path MTU
+minus 28 bytes (:mod:`kvcached.datagrams`). Fewer, larger packets cut aioquic's per-packet Python cost."""
 ERR_BAD_REQUEST = 0x1
 """Application error code of a stream reset for a malformed request."""
 
@@ -106,7 +107,7 @@ def _configuration(
         )
     config = QuicConfiguration(
         is_client=is_client,
-        max_datagram_size=max_datagram_size,
+        max_datagram_size=min(max_datagram_size, HANDSHAKE_DATAGRAM_MAX),
         alpn_protocols=[ALPN],
         verify_mode=ssl.CERT_REQUIRED,
         max_data=CONNECTION_WINDOW_BYTES,
@@ -216,6 +217,8 @@ class _ServerProtocol(QuicConnectionProtocol):
         if isinstance(event, events.HandshakeCompleted):
             if not self._authenticated:
                 self._reject("client certificate not verified")
+            else:
+                grow_datagrams(self._quic, self._server.max_datagram_size)
         elif isinstance(event, events.StreamDataReceived):
             self._on_data(event)
         elif isinstance(event, events.StreamReset | events.StopSendingReceived):
@@ -349,6 +352,7 @@ class PeerServer:
         self._config = _configuration(
             is_client=False, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
         )
+        self.max_datagram_size = max_datagram_size
         try:
             self.ca_data = ca.read_bytes()
         except OSError as exc:
@@ -506,6 +510,7 @@ class PeerClient:
             _configuration, is_client=True, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
         )
         self._new_config()  # fail early on bad files or settings
+        self.max_datagram_size = max_datagram_size
         self.timeout_s = timeout_s
         self.max_record_bytes = MAX_BLOCK_BYTES_DEFAULT + RECORD_OVERHEAD_MAX
         self._in_flight = asyncio.Semaphore(max_in_flight)
@@ -577,6 +582,7 @@ class PeerClient:
             async with asyncio.timeout(self.timeout_s):
                 protocol.connect(addr)
                 await protocol.wait_connected()
+            grow_datagrams(protocol._quic, self.max_datagram_size)
         except (ConnectionError, TimeoutError) as exc:
             link.close()
             self.unavailable += 1

@@ -7,8 +7,11 @@ and frame format (:mod:`kvcached.wire`; a zero-length frame ends a TCP response)
 :class:`~kvcached.peers.PeerClient` and with a TCP client that verifies every record the same way
 (:func:`~kvcached.block.decode_record`), both over one kept connection on loopback. Measured:
 
-QUIC runs twice: ``quic`` with QUIC's minimum 1,200-byte datagrams (the daemon's default, safe on any path)
-and ``quic_9000`` with 9,000-byte datagrams (jumbo frames or loopback: ``max_datagram_size``).
+QUIC runs three times (``[quic] max_datagram_size``): ``quic`` with QUIC's minimum 1,200-byte datagrams (the
+daemon's default, safe on any path), ``quic_9000`` with 9,000-byte ones (about what 9,000-byte jumbo frames
+allow) and ``quic_64k`` with 65,000-byte ones (loopback's MTU is 65,536: the most a same-host transfer can
+use; several STREAM frames per packet, :mod:`kvcached.datagrams`). Both processes run uvloop, as the daemon
+does.
 
 * ``single_1mib``: one 1 MiB block per fetch, ``--calls`` fetches per transport, rounds interleaved;
   latency p50/p99 in ms (request sent to verified payload in hand).
@@ -39,6 +42,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import uvloop
+
 from certs.store import dev_bundle
 from kvcached.block import decode_record, encode_record
 from kvcached.peers import DATAGRAM_BYTES_DEFAULT, DATAGRAM_BYTES_MAX, PeerClient, PeerServer
@@ -49,7 +54,7 @@ from load.bench import machine, revision, summary, write_json
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
 GOAL_QUIC_1MIB_P99_MS = 6.0
-DATAGRAMS = {"quic": DATAGRAM_BYTES_DEFAULT, "quic_9000": DATAGRAM_BYTES_MAX}
+DATAGRAMS = {"quic": DATAGRAM_BYTES_DEFAULT, "quic_9000": 9000, "quic_64k": DATAGRAM_BYTES_MAX}
 """QUIC variants measured: name -> datagram payload bytes."""
 _U32 = struct.Struct(">I")
 
@@ -219,7 +224,7 @@ def _drive(args: argparse.Namespace, certs: Path, child: subprocess.Popen[str]) 
         line = child.stdout.readline()  # blocks until the child is ready (or has died: empty line)
         if not line:
             raise RuntimeError(f"serving child exited with {child.wait()}")
-        return asyncio.run(measure(args, certs, json.loads(line)))
+        return uvloop.run(measure(args, certs, json.loads(line)))
     finally:
         if child.stdin is not None:
             child.stdin.close()
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
-        asyncio.run(serve(args.serve, args.seed, args.bulk_blocks))
+        uvloop.run(serve(args.serve, args.seed, args.bulk_blocks))
         return 0
     if args.out is None:
         parser.error("--out is required")
@@ -254,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     started = time.monotonic()
     figures = run(args)
-    quic_p99 = figures["single_1mib_ms"]["quic"]["p99"]
     result: dict[str, Any] = {
         "benchmark": "kvcached_peers",
         "command": " ".join(
@@ -272,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         **figures,
         "goals": {
-            "quic_1mib_p99_ms": {
-                "value": quic_p99,
+            f"{name}_1mib_p99_ms": {
+                "value": figures["single_1mib_ms"][name]["p99"],
                 "goal": GOAL_QUIC_1MIB_P99_MS,
-                "met": quic_p99 < GOAL_QUIC_1MIB_P99_MS,
+                "met": figures["single_1mib_ms"][name]["p99"] < GOAL_QUIC_1MIB_P99_MS,
             }
+            for name in DATAGRAMS
         },
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -291,8 +296,8 @@ def table(result: dict[str, Any]) -> str:
     rows = ["| transport | 1 MiB p50 ms | 1 MiB p99 ms | bulk GB/s |", "|---|---|---|---|"]
     for name in single:
         rows.append(f"| {name} | {single[name]['p50']} | {single[name]['p99']} | {bulk[name]['median']} |")
-    goal = result["goals"]["quic_1mib_p99_ms"]
-    rows.append(f"\ngoal quic 1 MiB p99 < {goal['goal']} ms: {'met' if goal['met'] else 'MISSED'}")
+    for name, goal in result["goals"].items():
+        rows.append(f"goal {name} < {goal['goal']} ms: {'met' if goal['met'] else 'MISSED'}")
     return "\n".join(rows)
 
 

@@ -51,7 +51,7 @@ def test_every_flipped_byte_is_detected() -> None:
     [
         (b"", "shorter"),
         (encode_record(DIGEST, b"x" * 100)[:-1], "header says"),
-        (encode_record(DIGEST, b"x" * 100)[:HEADER_BYTES - 1], "shorter"),
+        (encode_record(DIGEST, b"x" * 100)[: HEADER_BYTES - 1], "shorter"),
         (encode_record(DIGEST, b"x" * 100) + b"\x00", "header says"),
         (encode_record(OTHER, b"x" * 100), "another digest"),
         (b"XXXX" + encode_record(DIGEST, b"x")[4:], "magic"),

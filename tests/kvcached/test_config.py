@@ -40,7 +40,7 @@ def test_docstring_example_parses() -> None:
     assert cfg.tls == TlsFiles(
         Path("/etc/kvgate/kvcached.pem"), Path("/etc/kvgate/kvcached.key"), Path("/etc/kvgate/ca.pem")
     )
-    assert cfg.quic == QuicSettings("127.0.0.1:0", 64, 1.25e9, 2.0, 8)
+    assert cfg.quic == QuicSettings("127.0.0.1:0", 64, 1.25e9, 2.0, 8, 1200)
     assert cfg.peers == (StaticPeer("node-b", "10.0.0.8:4433"),)
     assert cfg.etcd_raw is not None and list(cfg.etcd_raw["endpoints"]) == ["127.0.0.1:2379"]
     with pytest.raises(TypeError):
@@ -74,6 +74,20 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
         (
             {"kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS}, "quic": {"timeout_s": 0}},
             "quic.timeout_s",
+        ),
+        (
+            {
+                "kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS},
+                "quic": {"max_datagram_size": 1199},
+            },
+            "quic.max_datagram_size",
+        ),
+        (
+            {
+                "kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS},
+                "quic": {"max_datagram_size": 65001},
+            },
+            "quic.max_datagram_size must be at most 65000",
         ),
         (
             {"kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS}, "quic": {"port": 1}},

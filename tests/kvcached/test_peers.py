@@ -88,7 +88,6 @@ async def served(pki: Pki) -> AsyncIterator[tuple[PeerServer, DictStore, str]]:
     await server.aclose()
 
 
-
 # -- sans-IO framing -----------------------------------------------------------------------------------
 
 
@@ -135,7 +134,7 @@ def test_token_bucket_paces_to_rate() -> None:
 def test_bad_settings_are_config_errors(pki: Pki, tmp_path: Path) -> None:
     bad: list[dict[str, float]] = [
         {"max_datagram_size": 1000},
-        {"max_datagram_size": 9001},
+        {"max_datagram_size": 65001},
         {"timeout_s": 0},
         {"max_in_flight": 0},
     ]
@@ -356,16 +355,47 @@ async def test_bounded_streams_still_serve_concurrent_fetches(pki: Pki) -> None:
         await server.aclose()
 
 
-@pytest.mark.parametrize("datagram", [1200, 9000])
-async def test_large_block_round_trip(pki: Pki, datagram: int) -> None:
+@pytest.mark.parametrize(
+    ("server_datagram", "client_datagram"),
+    [
+        (1200, 1200),
+        (9000, 9000),
+        (16_000, 16_000),
+        (16_384, 16_384),
+        (65_000, 65_000),
+        (65_000, 1200),
+        (1200, 65_000),
+    ],
+)
+async def test_large_block_round_trip(pki: Pki, server_datagram: int, client_datagram: int) -> None:
+    """Every datagram size the settings accept, on both sides independently: above 16,000 bytes the
+    handshake runs at 16,000 and a packet carries several STREAM frames (kvcached.datagrams)."""
     data = os.urandom(5 * 1024 * 1024 + 3)
-    server = server_for(DictStore({digest(9): data}), pki.a, max_datagram_size=datagram)
+    server = server_for(DictStore({digest(9): data}), pki.a, max_datagram_size=server_datagram)
     port = await server.start()
-    client = client_for(pki.b, timeout_s=5.0, max_datagram_size=datagram)
+    client = client_for(pki.b, timeout_s=5.0, max_datagram_size=client_datagram)
     try:
         got = await client.fetch(f"127.0.0.1:{port}", [digest(9)])
         assert got[digest(9)] == data
         assert decode_record(digest(9), encode_record(digest(9), data)) == data
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_many_streams_share_large_datagrams(pki: Pki) -> None:
+    """Concurrent fetches over one connection with 65,000-byte datagrams: frames of several streams in a
+    packet, every block whole."""
+    blocks = {digest(i): os.urandom(300_000 + i) for i in range(24)}
+    server = server_for(DictStore(blocks), pki.a, max_datagram_size=65_000)
+    port = await server.start()
+    client = client_for(pki.b, timeout_s=5.0, max_datagram_size=65_000)
+    try:
+        results = await asyncio.gather(
+            *(client.fetch(f"127.0.0.1:{port}", [digest(i), digest(i + 12)]) for i in range(12))
+        )
+        got = {d: v for r in results for d, v in r.items()}
+        assert got == blocks
     finally:
         await client.aclose()
         await server.aclose()

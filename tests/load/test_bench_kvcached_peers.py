@@ -17,9 +17,9 @@ def test_kvcached_peers_quick(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert {"benchmark", "command", "machine", "revision", "parameters", "goals"} <= result.keys()
     assert result["parameters"]["quick"] is True
-    for transport in ("quic", "tcp"):
+    for transport in ("quic", "quic_9000", "quic_64k", "tcp"):
         single = result["single_1mib_ms"][transport]
         assert single["n"] == result["parameters"]["calls"]
         assert 0 < single["p50"] <= single["p99"]
         assert result["bulk_gb_per_s"][transport]["median"] > 0
-    assert set(result["goals"]) == {"quic_1mib_p99_ms"}
+    assert set(result["goals"]) == {"quic_1mib_p99_ms", "quic_9000_1mib_p99_ms", "quic_64k_1mib_p99_ms"}
