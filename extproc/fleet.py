@@ -6,6 +6,7 @@ watcher write into a :class:`Fleet`; the scheduler reads :class:`EndpointState` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NewType
@@ -27,6 +28,8 @@ class Endpoint:
     (:mod:`extproc.events`); ``kv_events``, whether that stream carries this endpoint's KV events (else
     the gateway keeps learning it from its own decisions); ``role`` (``both``, ``prefill`` or
     ``decode``), ``block_size`` (the engine's KV block, tokens) and ``capacity_blocks`` (its KV blocks).
+    ``slot_restore``: the agent's ``http(s)`` URL that restores a prefix from the node's kvcached into the
+    engine before a request is sent there (llama.cpp; :mod:`extproc.restore`), ``None`` when not offered.
     """
 
     id: EndpointId
@@ -41,6 +44,7 @@ class Endpoint:
     kv_events: bool = False
     block_size: int | None = None
     capacity_blocks: int | None = None
+    slot_restore: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,10 @@ class EngineMetrics:
     running: float
     kv_usage: float | None
     at: float
+
+
+ROUTED_HALF_LIFE_S = 30.0
+"""Half-life of :meth:`EndpointState.recent_routed` (the ``balance`` filter's window)."""
 
 
 @dataclass(slots=True)
@@ -75,6 +83,8 @@ class EndpointState:
     in_flight: int = 0
     routed_since_scrape: int = 0
     metrics: EngineMetrics | None = None
+    routed_decayed: float = field(default=0.0, repr=False)
+    routed_at: float = field(default=0.0, repr=False)
     consecutive_failures: int = field(default=0, repr=False)
 
     @property
@@ -85,6 +95,18 @@ class EndpointState:
         if metrics is None:
             return float(max(self.in_flight, self.routed_since_scrape))
         return metrics.running + metrics.waiting + self.routed_since_scrape
+
+    def recent_routed(self, now: float) -> float:
+        """Requests this gateway routed here lately: each counts ``2 ** (-age / ROUTED_HALF_LIFE_S)``, so
+        the figure is about the requests of the last ``1.44 x`` half-life (the endpoint's recent share)."""
+        if self.routed_decayed <= 0.0:
+            return 0.0
+        return self.routed_decayed * math.pow(2.0, -max(0.0, now - self.routed_at) / ROUTED_HALF_LIFE_S)
+
+    def count_routed(self, now: float, delta: float = 1.0) -> None:
+        """Add ``delta`` requests (``-1``: one moved elsewhere) to :meth:`recent_routed` at ``now``."""
+        self.routed_decayed = max(0.0, self.recent_routed(now) + delta)
+        self.routed_at = max(now, self.routed_at)
 
     @property
     def id(self) -> EndpointId:

@@ -38,7 +38,9 @@ class Decision:
     """A routing decision and its bookkeeping until the request finishes.
 
     ``endpoints``: the pick then the fallbacks. ``matched_blocks``: leading blocks the pick was known
-    to hold. ``served``: where Envoy really sent it (read back on the response path).
+    to hold. ``kv_lead_blocks``: the longest run of leading blocks some node's kvcached holds (0 when
+    none, or no kvcached is followed). ``served``: where Envoy really sent it (read back on the response
+    path).
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class Decision:
     digests: Sequence[Digest]
     prompt_tokens: int
     matched_blocks: int
+    kv_lead_blocks: int = 0
     served: EndpointState | None = None
     finished: bool = field(default=False)
     recorded: bool = field(default=False)
@@ -168,6 +171,8 @@ class Router:
             tokens = self.tokens(request)
         digests = self.digests(request, tokens)
         state = CycleState(prefix_blocks=self.index.match(digests, now), cached_blocks=self.index.occupancy())
+        is_precise = getattr(self.index, "is_precise", None)
+        state.exact = is_precise is not None and all(is_precise(c.id) for c in candidates)
         if self.node_stores:
             self._warm(state, candidates, digests)
         sched = SchedulingRequest(
@@ -184,6 +189,7 @@ class Router:
         primary = result.endpoints[0]
         primary.in_flight += 1
         primary.routed_since_scrape += 1
+        primary.count_routed(now)
         return Decision(
             request_id=request_id,
             model=request.model,
@@ -191,6 +197,7 @@ class Router:
             digests=digests,
             prompt_tokens=tokens.count,
             matched_blocks=state.prefix_blocks.get(primary.id, 0),
+            kv_lead_blocks=max(state.peer_warm_blocks, state.warm_blocks.get(primary.id, 0)),
             served=primary,
         )
 
@@ -234,8 +241,11 @@ class Router:
         if current is not None and not decision.finished:
             current.in_flight = max(0, current.in_flight - 1)
             current.routed_since_scrape = max(0, current.routed_since_scrape - 1)
+        if current is not None:
+            current.count_routed(now, -1.0)
         state.in_flight += 1
         state.routed_since_scrape += 1
+        state.count_routed(now)
         decision.served = state
         decision.recorded = True
         self.index.record(state.id, decision.digests, now)

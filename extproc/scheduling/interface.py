@@ -49,12 +49,15 @@ class CycleState:
     ``cached_blocks``: blocks each endpoint is known to hold in total (cache occupancy, absent: 0).
     ``warm_blocks``: leading blocks the endpoint's node's kvcached holds (a local fetch; absent: 0).
     ``peer_warm_blocks``: the longest lead any node's kvcached holds (a peer fetch; 0: none).
+    ``exact``: every candidate's ``prefix_blocks`` comes from its engine's KV events (precise index), so a
+    lead it lost to eviction is gone from the figures; ``False`` when any is the approximate index's guess.
     """
 
     prefix_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
     cached_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
     warm_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
     peer_warm_blocks: int = 0
+    exact: bool = False
 
 
 class Filter(Protocol):

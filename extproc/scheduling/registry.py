@@ -27,6 +27,8 @@ from typing import Any, Literal, cast
 
 from extproc.errors import ConfigError
 from extproc.scheduling.filters import (
+    BalanceFilter,
+    BalanceParams,
     HealthyFilter,
     LoadThresholdFilter,
     LoadThresholdParams,
@@ -67,6 +69,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "healthy": PluginType("filter", HealthyFilter),
         "subset": PluginType("filter", SubsetFilter),
         "load-threshold": PluginType("filter", LoadThresholdFilter, LoadThresholdParams),
+        "balance": PluginType("filter", BalanceFilter, BalanceParams),
         "prefix": PluginType("scorer", PrefixScorer, PrefixParams),
         "queue": PluginType("scorer", QueueScorer, LoadParams),
         "kv-utilization": PluginType("scorer", KVUtilizationScorer),
@@ -298,6 +301,7 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "healthy"},
                     {"ref": "subset"},
                     {"ref": "load-threshold"},
+                    {"ref": "balance"},
                     {"ref": "prefix", "weight": 3.0},
                     {"ref": "queue", "weight": 2.0},
                     {"ref": "in-flight", "weight": 1.0},

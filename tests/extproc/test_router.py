@@ -57,3 +57,37 @@ def test_commit_records_after_decide(model_dir: str) -> None:
     r.finish(decision)
     r.finish(decision)
     assert pick.in_flight == 0
+
+
+def test_decisions_count_recent_routing_and_exactness(model_dir: str) -> None:
+    """decide counts the pick in its recent share (the balance filter's input), a fallback served by Envoy
+    moves it; the cycle is exact only when every candidate's leads come from KV events."""
+    from extproc.precise import HybridIndex
+    from extproc.scheduling.interface import CycleState
+
+    r = router(model_dir, max_blocks=256)
+    request = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": "hello " * 100}))
+    decision = r.decide(request, request_id="x", now=10.0)
+    pick = decision.endpoints[0]
+    assert pick.recent_routed(10.0) == 1.0
+    other = next(s for s in r.fleet if s.id != pick.id)
+    r.served(decision, other.address, 10.0)
+    assert pick.recent_routed(10.0) == 0.0 and other.recent_routed(10.0) == 1.0
+
+    seen: list[bool] = []
+    profile = r.profile
+    original = profile.schedule
+
+    def spy(req: object, state: CycleState, *args: object) -> object:
+        seen.append(state.exact)
+        return original(req, state, *args)  # type: ignore[arg-type]
+
+    profile.schedule = spy  # type: ignore[method-assign,assignment]
+    r.decide(request, request_id="y", now=11.0)  # approximate index: never exact
+    hybrid = HybridIndex()
+    r.index = hybrid
+    r.decide(request, request_id="z", now=12.0)  # hybrid, no endpoint event-fed
+    for state in r.fleet:
+        hybrid.set_precise(state.id, True)
+    r.decide(request, request_id="w", now=13.0)
+    assert seen == [False, False, True]

@@ -4,6 +4,8 @@ import pytest
 
 from extproc.fleet import Endpoint, EndpointId, EndpointState, EngineMetrics
 from extproc.scheduling.filters import (
+    BalanceFilter,
+    BalanceParams,
     HealthyFilter,
     LoadThresholdFilter,
     LoadThresholdParams,
@@ -128,3 +130,81 @@ def test_load_threshold_params_are_checked(kwargs: dict[str, float]) -> None:
 def test_filters_carry_their_configured_names() -> None:
     assert ModelFilter("only-m").name == "only-m"
     assert LoadThresholdFilter().name == "load-threshold"
+
+
+# --- balance -------------------------------------------------------------------------------------------
+
+
+def routed(i: int, count: float, now: float = 0.0) -> EndpointState:
+    state = endpoint(i)
+    if count:
+        state.count_routed(now, count)
+    return state
+
+
+def exact(prefix: dict[str, int] | None = None) -> CycleState:
+    return CycleState(prefix_blocks={EndpointId(k): v for k, v in (prefix or {}).items()}, exact=True)
+
+
+def test_recent_routed_decays_with_half_life() -> None:
+    from extproc.fleet import ROUTED_HALF_LIFE_S
+
+    state = routed(0, 8.0, now=100.0)
+    assert state.recent_routed(100.0) == pytest.approx(8.0)
+    assert state.recent_routed(100.0 + ROUTED_HALF_LIFE_S) == pytest.approx(4.0)
+    assert state.recent_routed(50.0) == pytest.approx(8.0)  # a clock going backwards never inflates it
+    state.count_routed(100.0 + ROUTED_HALF_LIFE_S, -1.0)
+    assert state.recent_routed(100.0 + ROUTED_HALF_LIFE_S) == pytest.approx(3.0)
+    state.count_routed(100.0 + ROUTED_HALF_LIFE_S, -10.0)
+    assert state.recent_routed(100.0 + ROUTED_HALF_LIFE_S) == 0.0
+
+
+def test_balance_drops_over_share_holders_of_a_prefix_others_hold_too() -> None:
+    """A shared prefix (equal leads) no longer pins traffic to the replicas that hold it: the busy ones are
+    dropped, an idle replica (cold, lead 0) and an under-share holder stay."""
+    busy, idle, under = routed(0, 30.0), routed(1, 0.0), routed(2, 1.0)
+    state = exact({"e0": 129, "e2": 129})
+    kept = BalanceFilter().filter(request(), state, [busy, idle, under])
+    assert ids(kept) == ["e1", "e2"]
+
+
+def test_balance_keeps_an_over_share_replica_for_what_only_it_holds() -> None:
+    """A session's follow-up: its own history is on the busy replica only (lead 8+ blocks longer)."""
+    busy, idle = routed(0, 30.0), routed(1, 0.0)
+    kept = BalanceFilter().filter(request(), exact({"e0": 140, "e1": 129}), [busy, idle])
+    assert ids(kept) == ["e0", "e1"]
+    kept = BalanceFilter().filter(request(), exact({"e0": 136, "e1": 129}), [busy, idle])
+    assert ids(kept) == ["e1"]  # 7 blocks more is below min_lead_blocks (8)
+
+
+def test_balance_limit_is_measured_from_the_least_loaded() -> None:
+    """Against the mean, ratio x mean would let N / ratio replicas take all the traffic; from the least it
+    cannot: here 6 equally busy replicas and 2 idle ones -> the busy ones go (no lead of their own)."""
+    states = [routed(i, 10.0) for i in range(6)] + [routed(6, 0.0), routed(7, 0.0)]
+    kept = BalanceFilter().filter(request(), exact(), states)
+    assert ids(kept) == ["e6", "e7"]
+    # within max(slack, (ratio - 1) x mean) of the least: all kept
+    states = [routed(0, 12.0), routed(1, 10.0), routed(2, 10.5)]
+    assert len(BalanceFilter().filter(request(), exact(), states)) == 3
+
+
+def test_balance_needs_exact_leads_and_never_empties() -> None:
+    busy, idle = routed(0, 30.0), routed(1, 0.0)
+    inexact = CycleState(prefix_blocks={EndpointId("e0"): 129})
+    assert ids(BalanceFilter().filter(request(), inexact, [busy, idle])) == ["e0", "e1"]
+    assert ids(BalanceFilter().filter(request(), exact(), [busy])) == ["e0"]
+    assert BalanceFilter().filter(request(), exact(), []) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_share_ratio": 0.9},
+        {"max_share_ratio": float("inf")},
+        {"share_slack": -1.0},
+        {"min_lead_blocks": 0},
+    ],
+)
+def test_balance_params_are_checked(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        BalanceParams(**kwargs)  # type: ignore[arg-type]
