@@ -50,13 +50,14 @@ def revision() -> dict[str, Any]:
         try:
             return subprocess.run(
                 ["git", *args], cwd=root, capture_output=True, text=True, check=False
-            ).stdout.strip()
+            ).stdout
         except OSError:
             return ""
 
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    # porcelain lines are "XY path": strip only the line's end (a leading space is part of "XY")
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if len(line) > 3]
     diff = hashlib.sha256(git("diff", "HEAD").encode()).hexdigest()[:16]
-    return {"commit": git("rev-parse", "HEAD"), "changed": changed, "diff_sha256": diff}
+    return {"commit": git("rev-parse", "HEAD").strip(), "changed": changed, "diff_sha256": diff}
 
 
 @dataclass(frozen=True, slots=True)
