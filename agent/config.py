@@ -9,12 +9,15 @@ module). Example (every key; the engines show each family of the matrix below)::
     id = "node-a"                     # node id (default: the hostname)
     advertise = "127.0.0.1"           # host the gateway reaches this node's engines and feed at
     listen = "127.0.0.1:0"            # index-event feed gRPC (host:port, 0 = ephemeral)
-    admin_listen = "127.0.0.1:0"      # admin HTTP: /healthz /readyz /metrics, POST /drain
+    admin_listen = "127.0.0.1:0"      # admin HTTP: /healthz /readyz /metrics, POST /drain; with kvcached
+                                      # gateways POST /slots/restore-chain to <advertise>:<this port>
     role = "both"                     # default role of engines: both | prefill | decode
     lease_ttl_s = 5                   # etcd lease TTL (whole seconds >= 2)
     drain_timeout_s = 30              # max wait (s) for in-flight requests when draining
     state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files
     kvcached = "unix:/run/kvgate/kvcached.sock"   # optional: llama.cpp slot save/restore via kvcached
+    slot_save_min_tokens = 1024       # with kvcached: save a llama.cpp slot that finished a request of at
+                                      # least this many tokens (prompt + output) into kvcached; 0 = off
 
     [agent.tls]                       # optional, all three or none: mTLS on the feed
     cert = "/etc/kvgate/agent.pem"
@@ -182,8 +185,11 @@ class AgentSection:
     state_dir: str = "/var/lib/kvgate-agent"
     tls: TLSFiles | None = None
     #: The node's kvcached local API (``unix:/path`` or ``host:port``) for llama.cpp slot save/restore
-    #: (``POST /slots/save|restore`` on the admin API); ``None``: those routes are off.
+    #: (``POST /slots/save|restore|restore-chain`` on the admin API); ``None``: those routes are off.
     kvcached: str | None = None
+    #: With ``kvcached``: a llama.cpp slot that finished a request and caches at least this many tokens is
+    #: saved into kvcached automatically (:mod:`agent.autosave`); 0 turns automatic saves off.
+    slot_save_min_tokens: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,9 +343,27 @@ def _agent(raw: object) -> AgentSection:
         state_dir=_nonempty(s.string("state_dir", d.state_dir), "agent.state_dir"),
         tls=_tls(s.raw("tls")),
         kvcached=s.string("kvcached"),
+        slot_save_min_tokens=_slot_save_min_tokens(s),
     )
     s.done()
+    if "slot_save_min_tokens" in s.names() and agent.slot_save_min_tokens and not agent.kvcached:
+        raise AgentConfigError(
+            "agent.slot_save_min_tokens: automatic slot saves go into kvcached; set agent.kvcached "
+            "(or set slot_save_min_tokens = 0)"
+        )
     return agent
+
+
+def _slot_save_min_tokens(s: Section) -> int:
+    value = s.raw("slot_save_min_tokens")
+    if value is None:
+        return AgentSection(id="").slot_save_min_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AgentConfigError(
+            "agent.slot_save_min_tokens: expected a whole number of tokens >= 0 (0 = no automatic saves), "
+            f"got {value!r}"
+        )
+    return value
 
 
 def _tls(raw: object) -> TLSFiles | None:

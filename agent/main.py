@@ -16,9 +16,15 @@ and admin API still serve; a gateway can list the endpoints statically).
 
 Admin HTTP (``admin_listen``, plaintext, bind it to loopback or a management network): ``GET /healthz``
 (the agent runs), ``GET /readyz`` (200 when every engine is ready), ``GET /status`` (engines, states,
-addresses, feed position), ``POST /drain`` (the same drain as SIGTERM, then exit); with ``[agent] kvcached``,
-``POST /slots/save`` and ``POST /slots/restore`` (llama.cpp slot state through the node's kvcached,
-:mod:`agent.slots`).
+addresses, feed position, slot save/restore counters), ``POST /drain`` (the same drain as SIGTERM, then
+exit); with ``[agent] kvcached``, ``POST /slots/save``, ``/slots/restore`` and ``/slots/restore-chain``
+(llama.cpp slot state through the node's kvcached, :mod:`agent.slot_api`).
+
+llama.cpp engines of an agent with ``[agent] kvcached``: their slots are saved into kvcached when they
+finish a request of at least ``slot_save_min_tokens`` tokens (:mod:`agent.autosave`, watching ``/slots``
+through the telemetry poll), and their endpoint record names the agent's ``/slots/restore-chain`` URL
+(``slot_restore``: ``http://<advertise>:<admin port>/slots/restore-chain``) so that gateways restore a
+prefix kvcached holds before they route a request there (:mod:`extproc.restore`).
 """
 
 from __future__ import annotations
@@ -27,17 +33,19 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
+from agent.autosave import SlotAutoSaver
 from agent.config import EngineConfig, NodeConfig, load_node_config
 from agent.errors import AgentError
 from agent.feed import FeedLog, FeedServer
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
-from agent.slots import slot_routes
+from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
@@ -70,6 +78,8 @@ class _Engine:
     registered: bool = False
     draining: bool = False
     scraper: EngineScraper | None = None
+    #: Automatic slot saves (llama.cpp with ``[agent] kvcached``).
+    autosave: SlotAutoSaver | None = None
 
 
 class Agent:
@@ -99,6 +109,8 @@ class Agent:
         self._admin: web.AppRunner | None = None
         #: The node's kvcached (``[agent] kvcached``): llama.cpp slot save/restore routes use it.
         self._kvcached: KvcachedClient | None = None
+        #: The slot routes and per-engine slot caches (with ``[agent] kvcached``).
+        self.slots: SlotAdmin | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stop_requested = asyncio.Event()
         self._registered = asyncio.Event()
@@ -115,6 +127,8 @@ class Agent:
             await self._start_etcd()
         if self._index_block_size is None:
             self._index_block_size = DEFAULT_INDEX_BLOCK_SIZE
+        if self.slots is not None:  # slot chains use the gateways' block size, as KV events do
+            self.slots.block_size = self._index_block_size
         self.telemetry.start()
         for engine in self.config.engines:
             sup = EngineSupervisor(engine, self.config.agent, on_change=self._on_change)
@@ -149,6 +163,10 @@ class Agent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for eng in self.engines.values():
             await self._stop_feed(eng)
+            if eng.autosave is not None:
+                await eng.autosave.aclose()
+        if self.slots is not None:
+            await self.slots.aclose()
         await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
         await self.telemetry.aclose()
         if self._leased is not None:
@@ -218,11 +236,19 @@ class Agent:
             assert isinstance(self._leased, LeasedKeys)
             # Load travels on the feed: gateways need not scrape the engine (metrics_url None).
             endpoint = dataclasses.replace(
-                endpoint_for(eng.config, launch, node=self.node, feed=self.feed_address), metrics_url=None
+                endpoint_for(eng.config, launch, node=self.node, feed=self.feed_address),
+                metrics_url=None,
+                slot_restore=self.slot_restore_url(eng.config),
             )
             await self._leased.update(endpoint_key(self._prefix, eng.config.id), encode_endpoint(endpoint))
         eng.registered = True
         self._registered.set()
+
+    def slot_restore_url(self, engine: EngineConfig) -> str | None:
+        """Where gateways ask this agent to restore a prefix into ``engine`` (``None``: not offered)."""
+        if self.slots is None or engine.kind != "llama_cpp" or not engine.started:
+            return None
+        return f"http://{_join(self.config.agent.advertise, self.admin_port)}{RESTORE_CHAIN_PATH}"
 
     async def _deregister(self, eng: _Engine) -> None:
         eng.registered = False
@@ -245,6 +271,8 @@ class Agent:
             # The process is gone and its KV cache with it.
             if eng.translator is not None:
                 self.feed.publish(eng.translator.reset())
+            if eng.autosave is not None:
+                eng.autosave.reset()
             self.feed.publish([Load(sup.engine.id, 0.0, 0.0, None, healthy=False)])
             self._spawn(self._stop_feed(eng), f"stop-feed-{sup.engine.id}")
 
@@ -271,7 +299,22 @@ class Agent:
             scraper = EngineScraper(cfg.kind, launch.metrics_url)
             eng.scraper = scraper
             self.telemetry.watch(cfg.id, scraper, status=lambda: self._status(eng))
+        self._start_autosave(eng)
         await self._register(eng)
+
+    def _start_autosave(self, eng: _Engine) -> None:
+        """Automatic slot saves for a llama.cpp engine (once per engine: they survive its restarts)."""
+        cfg, min_tokens = eng.config, self.config.agent.slot_save_min_tokens
+        if self.slots is None or eng.autosave is not None or cfg.kind != "llama_cpp" or not cfg.started:
+            return
+        if min_tokens <= 0:
+            return
+        saver = SlotAutoSaver(cfg.id, cfg.model, functools.partial(self.slots.cache, cfg.id), min_tokens)
+        if eng.scraper is not None:
+            eng.scraper.on_slots = saver.observe  # the telemetry poll reads /slots anyway
+        else:
+            saver.poll()
+        eng.autosave = saver
 
     def _watched(self) -> set[str]:
         return {e.config.id for e in self.engines.values() if e.scraper is not None}
@@ -353,7 +396,8 @@ class Agent:
         )
         if self.config.agent.kvcached:
             self._kvcached = KvcachedClient(self.config.agent.kvcached)
-            app.add_routes(slot_routes(self, self._kvcached))
+            self.slots = SlotAdmin(self, self._kvcached)
+            app.add_routes(self.slots.routes())
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         host, _, port = self.config.agent.admin_listen.rpartition(":")
@@ -394,10 +438,12 @@ class Agent:
                     "registered": e.registered,
                     "restarts": e.supervisor.restarts,
                     "kv_events": e.translator is not None,
-                    "kv_subscriber": None
-                    if e.subscriber is None
-                    else dataclasses.asdict(e.subscriber.stats),
+                    "kv_subscriber": None if e.subscriber is None else dataclasses.asdict(e.subscriber.stats),
                     "kv_translator": None if e.translator is None else dataclasses.asdict(e.translator.stats),
+                    "slot_autosave": None if e.autosave is None else e.autosave.as_dict(),
+                    "slot_restores": None
+                    if self.slots is None or e.config.kind != "llama_cpp"
+                    else dataclasses.asdict(self.slots.stats.get(e.config.id) or RestoreStats()),
                 }
                 for e in self.engines.values()
             ],

@@ -5,40 +5,41 @@ A llama-server started by the agent has ``--slot-save-path <state_dir>/slots/<en
 directory and ``action=restore`` loads such a file into a slot. :class:`SlotCache` moves these files
 through kvcached so that a replica that never saw a prompt can start from another replica's prefill:
 
-- **Key**: the kvgate digest of the prompt's last full block,
-  ``extproc.digest.block_digests(chain_seed(model), tokens, block_size)[-1]`` (block size 16, the index's).
-  The digest chains over every earlier block, so it names the whole prefix ``tokens[:k * block_size]``;
-  the tokens past the last full block (at most ``block_size - 1``) are recomputed by the engine.
-- **Value**: a 16-byte header then the slot file as llama-server wrote it. Header (little-endian):
-  magic ``b"KVSL"``, version (u8), pad (u8), block size (u16), prefix tokens the key covers (u32), tokens
-  the slot file holds (u32, llama-server's ``n_saved``: the prompt plus what was generated after it).
-  One value, not a second key for the count: a put is atomic in kvcached, so the count can never be
-  seen without its file (or the other way round). kvcached checksums the whole value on every read.
-- **Guard on save**: a slot is reused by the next request, so the file saved may no longer hold this
-  prompt. Before storing, the prompt's key prefix must appear in the file as little-endian 32-bit token
-  ids near its start (where llama.cpp's state file keeps the token list); otherwise nothing is stored.
-- **Restore**: the chain's digests are asked for in one ``contains`` call; the longest held one is
-  fetched (a shorter one if it vanished in between), written into this engine's slot directory under a
-  unique name, restored, and the file removed again (the engine has it in memory then). Files written by
-  save are removed once read. A restore replaces whatever the slot held.
+- **Key**: kvgate digests, ``extproc.digest.block_digests(chain_seed(model), tokens, block_size)`` (block
+  size 16, the index's). A digest chains over every earlier block, so it names the whole prefix
+  ``tokens[:k * block_size]``; the tokens past the last full block are recomputed by the engine.
+- **Blob**: the slot file under the digest of its last full block. Value: a 16-byte header then the slot
+  file as llama-server wrote it. Header (little-endian): magic ``b"KVSL"``, version (u8), pad (u8), block
+  size (u16), prefix tokens the key covers (u32), tokens the slot file holds (u32, llama-server's
+  ``n_saved``: the prompt plus what was generated after it). One value, so a put is atomic in kvcached;
+  kvcached checksums the whole value on every read.
+- **Markers** (:mod:`agent.slotfile`): :meth:`SlotCache.save_slot`, the automatic save
+  (:mod:`agent.autosave`), also puts a 32-byte marker naming the blob under every earlier digest of the
+  chain, blob first, markers after (a marker is never seen without its blob having been stored). Then
+  kvcached's index feed announces the whole chain, and a lookup ending anywhere in it finds the file.
+- **Tokens from the file**: :meth:`SlotCache.save_slot` reads the token ids from the saved file itself
+  (:func:`agent.slotfile.state_tokens`), so what is keyed is exactly what the file holds, whatever request
+  the slot served; a file whose list cannot be read stores nothing. :meth:`SlotCache.save` (the manual
+  route with chat messages) checks that the file starts with the prompt's tokens, else stores nothing.
+- **Restore**: :meth:`SlotCache.restore_chain` takes a request's chain (as the gateway computed it, up to
+  a lead some node's kvcached holds): one ``contains`` over it; the chain's last digest is asked for first
+  when this node lacks it (kvcached's ``Get`` then fetches it from a peer over QUIC), then the longest
+  held digests; a marker leads to its blob (also fetched from a peer if need be); a marker whose blob is
+  gone is a miss. The blob's token list must hash to the requested digest (else it is skipped), it is
+  written into the slot directory under a unique name, restored into an **idle** slot (or a given one),
+  and the file removed again. A restore replaces whatever the slot held.
 
-The tokens must be the ones the server caches: :meth:`SlotCache.prompt_tokens` renders the chat
-messages with the server's own ``/apply-template`` and ``/tokenize`` (special tokens parsed).
-
-Admin API (:func:`slot_routes`, mounted on the agent's admin app): ``POST /slots/save`` and
-``POST /slots/restore`` with ``{"engine": id, "slot": n, "messages": [...]}``. The agent flow: after a
-long prompt finished on replica A, save A's slot; before that prefix is sent to replica B, restore it
-on B. Not thread-safe; one event loop.
+Not thread-safe; one event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import struct
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -46,12 +47,11 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from agent.config import EngineConfig
 from agent.errors import AgentError, EngineError
-from agent.supervisor import EngineState, EngineSupervisor
-from extproc.digest import Digest, block_digests, chain_seed, pack_tokens
+from agent.slotfile import ChainMarker, decode_marker, encode_marker, state_tokens
+from extproc.digest import Digest, block_digests, chain_seed
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ SLOT_MAGIC = b"KVSL"
 SLOT_VERSION = 1
 _HEADER = struct.Struct("<4sBxHII")
 SLOT_HEADER_BYTES = _HEADER.size
-#: How far into a slot file the prompt's token ids may start (llama.cpp writes a few u32 fields first).
-_TOKENS_WITHIN = 256
+#: Values looked at, at most, by one restore walking down a chain (markers of a vanished blob, ...).
+MAX_LOOKUPS = 8
 
 
 class SlotStore(Protocol):
@@ -110,10 +110,39 @@ def slot_key(
     return (chain[-1], len(chain) * block_size) if chain else None
 
 
-def holds_tokens(slot_file: bytes, tokens: Sequence[int]) -> bool:
-    """Whether ``slot_file`` lists ``tokens`` (as little-endian u32) within its first bytes."""
-    packed = pack_tokens(tokens)
-    return slot_file.find(packed, 0, _TOKENS_WITHIN + len(packed)) >= 0
+@dataclass(frozen=True, slots=True)
+class SaveOutcome:
+    """What one :meth:`SlotCache.save_slot` did. ``outcome``: ``stored`` (blob and markers put), ``held``
+    (the chain's last digest was in kvcached already: nothing put), ``short`` (fewer tokens than asked
+    for), ``unreadable`` (no token list in the file: nothing put). ``tokens``: in the file; ``blocks``:
+    full blocks of its chain; ``markers``: markers put; ``file_bytes``: the slot file's size."""
+
+    outcome: str
+    tokens: int = 0
+    blocks: int = 0
+    markers: int = 0
+    file_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreOutcome:
+    """What one restore did. ``outcome``: ``restored``, ``miss`` (no usable value for the chain) or
+    ``busy`` (no idle slot when it came to it: nothing loaded). ``slot``: where it went; ``tokens``: what
+    the slot holds now (the file's whole list); ``matched_tokens``: the prefix of the request's chain that
+    it covers (a multiple of the block size)."""
+
+    outcome: str
+    slot: int | None = None
+    tokens: int = 0
+    matched_tokens: int = 0
+
+
+#: Runs ``make`` once per key at a time (a single-flight group); the default runs it every time.
+Flight = Callable[[bytes, Callable[[], Awaitable[RestoreOutcome]]], Awaitable[RestoreOutcome]]
+
+
+async def _every_time(key: bytes, make: Callable[[], Awaitable[RestoreOutcome]]) -> RestoreOutcome:
+    return await make()
 
 
 class SlotCache:
@@ -171,73 +200,206 @@ class SlotCache:
             raise EngineError(self.engine_id, "/tokenize answered without token ids")
         return tokens
 
-    async def save(self, slot: int, token_ids: Sequence[int], model: str) -> bytes | None:
-        """Save ``slot`` (which just served a prompt of ``token_ids`` for ``model``) into kvcached; the
-        key, or ``None`` when nothing was stored (prompt under one block, or the slot holds another
-        prompt now). :class:`~agent.errors.EngineError` when the engine fails, :class:`AgentError` when
-        kvcached does."""
-        key = slot_key(model, token_ids, self.block_size)
-        if key is None:
+    async def slots(self) -> list[dict[str, Any]]:
+        """The engine's ``GET /slots`` (one object per slot: ``id``, ``is_processing``, ...)."""
+        answer = await self._call("GET", "/slots", None)
+        if not isinstance(answer, list) or not all(isinstance(s, dict) for s in answer):
+            raise EngineError(self.engine_id, "/slots: not a list of slots")
+        return answer
+
+    async def idle_slot(self) -> int | None:
+        """An idle slot to restore into (the one caching the fewest tokens), ``None`` when all are busy."""
+        idle = [
+            s for s in await self.slots() if s.get("is_processing") is False and isinstance(s.get("id"), int)
+        ]
+        if not idle:
             return None
-        digest, prefix = key
+        fewest = min(idle, key=lambda s: (_int(s.get("n_prompt_tokens")), s["id"]))
+        return int(fewest["id"])
+
+    async def _save_file(self, slot: int) -> tuple[bytes, dict[str, Any]]:
+        """Save ``slot`` to a fresh file, read it and remove it: (file bytes, the engine's answer)."""
         name = _filename("save")
         answer = await self._call("POST", f"/slots/{slot}?action=save", {"filename": name})
         path = self.slot_dir / name
         try:
-            slot_file = await asyncio.to_thread(path.read_bytes)
+            return await asyncio.to_thread(path.read_bytes), answer
         except OSError as exc:
             raise EngineError(self.engine_id, f"slot {slot} saved but its file is unreadable: {exc}") from exc
         finally:
             await asyncio.to_thread(path.unlink, True)
-        if not holds_tokens(slot_file, token_ids[:prefix]):
+
+    async def _load(self, slot: int, slot_file: bytes) -> int:
+        """Restore ``slot_file`` into ``slot``; the tokens the engine says it restored."""
+        name = _filename("restore")
+        path = self.slot_dir / name
+        await asyncio.to_thread(_write_new, path, slot_file)
+        try:
+            answer = await self._call("POST", f"/slots/{slot}?action=restore", {"filename": name})
+        finally:
+            await asyncio.to_thread(path.unlink, True)
+        return _int(answer.get("n_restored"))
+
+    # -- saving ----------------------------------------------------------------------------------------
+
+    async def save(self, slot: int, token_ids: Sequence[int], model: str) -> bytes | None:
+        """Save ``slot`` (which just served a prompt of ``token_ids`` for ``model``) into kvcached under the
+        prompt's key; the key, or ``None`` when nothing was stored (prompt under one block, or the slot
+        file does not start with the prompt). :class:`~agent.errors.EngineError` when the engine fails,
+        :class:`AgentError` when kvcached does."""
+        key = slot_key(model, token_ids, self.block_size)
+        if key is None:
+            return None
+        digest, prefix = key
+        slot_file, answer = await self._save_file(slot)
+        held = state_tokens(slot_file)
+        if held is None or held[:prefix] != list(token_ids[:prefix]):
             log.warning("engine %s slot %d: holds another prompt now; not stored", self.engine_id, slot)
             return None
         saved = answer.get("n_saved")
         record = SlotRecord(prefix, saved if isinstance(saved, int) else prefix, self.block_size, slot_file)
-        try:
-            await self.store.put(bytes(digest), encode_slot_record(record))
-        except Exception as exc:  # the store's own errors (kvcached down, oversize): one family here
-            raise AgentError(f"kvcached put failed: {exc}") from exc
+        await self._put(bytes(digest), encode_slot_record(record))
         log.info("engine %s slot %d: saved %d prefix tokens (%d bytes)", self.engine_id, slot, prefix,
                  len(slot_file))  # fmt: skip
         return bytes(digest)
+
+    async def save_slot(self, slot: int, model: str, *, min_tokens: int = 0) -> SaveOutcome:
+        """Save ``slot`` into kvcached keyed by the tokens its file holds: the blob under the chain's last
+        digest, then a marker under every earlier digest kvcached lacks (module docstring). Nothing is put
+        when the file has fewer than ``min_tokens`` tokens or no full block, when its token list cannot be
+        read or disagrees with the engine's ``n_saved``, or when kvcached holds the chain's last digest
+        already. Errors as :meth:`save`."""
+        slot_file, answer = await self._save_file(slot)
+        tokens = state_tokens(slot_file)
+        saved = answer.get("n_saved")
+        if tokens is None or (isinstance(saved, int) and saved != len(tokens)):
+            return SaveOutcome("unreadable", file_bytes=len(slot_file))
+        chain = block_digests(chain_seed(model), tokens, self.block_size)
+        if not chain or len(tokens) < min_tokens:
+            return SaveOutcome("short", len(tokens), len(chain), file_bytes=len(slot_file))
+        keys = [bytes(d) for d in chain]
+        held = await self._contains(keys)
+        if held[-1]:
+            return SaveOutcome("held", len(tokens), len(chain), file_bytes=len(slot_file))
+        prefix = len(chain) * self.block_size
+        await self._put(
+            keys[-1], encode_slot_record(SlotRecord(prefix, len(tokens), self.block_size, slot_file))
+        )
+        markers = 0
+        for i, key in enumerate(keys[:-1]):
+            if not held[i]:
+                marker = ChainMarker((i + 1) * self.block_size, keys[-1], prefix, self.block_size)
+                await self._put(key, encode_marker(marker))
+                markers += 1
+        return SaveOutcome("stored", len(tokens), len(chain), markers, len(slot_file))
+
+    # -- restoring -------------------------------------------------------------------------------------
 
     async def restore(self, slot: int, token_ids: Sequence[int], model: str) -> int:
         """Restore the longest saved prefix of ``token_ids`` into ``slot``; the prompt tokens the slot
         then holds (a multiple of the block size), 0 when kvcached has no prefix of them."""
         chain = block_digests(chain_seed(model), token_ids, self.block_size)
+        outcome = await self.restore_chain(chain, model, slot=slot)
+        return outcome.matched_tokens
+
+    async def restore_chain(
+        self, chain: Sequence[Digest], model: str, *, slot: int | None = None, once: Flight = _every_time
+    ) -> RestoreOutcome:
+        """Restore the longest prefix of ``chain`` kvcached can give (module docstring) into ``slot``, or
+        into an idle slot when ``slot`` is ``None``. ``once(blob, load)`` runs the fetch-and-load of one
+        blob (a single-flight group shares it between concurrent callers). Errors as :meth:`save`."""
         if not chain:
-            return 0
-        try:
-            held = await self.store.contains([bytes(d) for d in chain])
-        except Exception as exc:
-            raise AgentError(f"kvcached contains failed: {exc}") from exc
-        for index in reversed([i for i, h in enumerate(held) if h]):
-            try:
-                raw = await self.store.get(bytes(chain[index]))
-            except Exception as exc:
-                raise AgentError(f"kvcached get failed: {exc}") from exc
-            record = None if raw is None else decode_slot_record(raw)
-            prefix = (index + 1) * self.block_size
-            if record is None or record.prefix_tokens != prefix or record.block_size != self.block_size:
-                if raw is not None:
-                    log.warning("engine %s: value at block %d is no slot record", self.engine_id, index)
+            return RestoreOutcome("miss")
+        keys = [bytes(d) for d in chain]
+        held = await self._contains(keys)
+        order = [i for i in reversed(range(len(keys))) if held[i]]
+        if not held[-1]:
+            order.insert(0, len(keys) - 1)  # the gateway saw it on some node: let kvcached ask its peers
+        failed: set[bytes] = set()
+        for index in order[:MAX_LOOKUPS]:
+            raw = await self._get(keys[index])
+            if raw is None:
                 continue
-            await self._load(slot, record.slot_file)
-            log.info("engine %s slot %d: restored %d prefix tokens", self.engine_id, slot, prefix)
-            return prefix
-        return 0
+            record = decode_slot_record(raw)
+            marker = None if record is not None else decode_marker(raw)
+            prefix = (index + 1) * self.block_size
+            if record is not None and record.prefix_tokens == prefix and record.block_size == self.block_size:
+                blob = keys[index]
+            elif (
+                marker is not None and marker.prefix_tokens == prefix and marker.block_size == self.block_size
+            ):
+                blob = marker.blob
+            else:
+                log.warning("engine %s: value at block %d is neither a slot record nor a marker",
+                            self.engine_id, index)  # fmt: skip
+                continue
+            if blob in failed:
+                continue
 
-    async def _load(self, slot: int, slot_file: bytes) -> None:
-        name = _filename("restore")
-        path = self.slot_dir / name
-        await asyncio.to_thread(_write_new, path, slot_file)
+            async def load(
+                blob: bytes = blob, record: SlotRecord | None = record, index: int = index
+            ) -> RestoreOutcome:
+                return await self._fetch_and_load(blob, record, chain, index, model, slot)
+
+            outcome = await once(blob, load)
+            if outcome.outcome == "restored":  # a shared flight may have served a shorter request
+                return dataclasses.replace(outcome, matched_tokens=(index + 1) * self.block_size)
+            if outcome.outcome != "miss":
+                return outcome
+            failed.add(blob)
+        return RestoreOutcome("miss")
+
+    async def _fetch_and_load(
+        self,
+        blob: bytes,
+        record: SlotRecord | None,
+        chain: Sequence[Digest],
+        index: int,
+        model: str,
+        slot: int | None,
+    ) -> RestoreOutcome:
+        if record is None:
+            raw = await self._get(blob)
+            record = None if raw is None else decode_slot_record(raw)
+            if record is None or record.block_size != self.block_size:
+                return RestoreOutcome("miss")  # the marker's blob is gone (or is not one)
+        tokens = state_tokens(record.slot_file)
+        matched = (index + 1) * self.block_size
+        if tokens is None or len(tokens) < matched:
+            log.warning("engine %s: slot record without a readable token list; skipped", self.engine_id)
+            return RestoreOutcome("miss")
+        if block_digests(chain_seed(model), tokens[:matched], self.block_size)[-1] != chain[index]:
+            log.warning("engine %s: slot record does not hold the requested prefix; skipped", self.engine_id)
+            return RestoreOutcome("miss")
+        target = slot if slot is not None else await self.idle_slot()
+        if target is None:
+            return RestoreOutcome("busy")
+        restored = await self._load(target, record.slot_file)
+        log.info("engine %s slot %d: restored %d tokens (%d of the request's prefix)", self.engine_id, target,
+                 restored or len(tokens), matched)  # fmt: skip
+        return RestoreOutcome("restored", target, restored or len(tokens), matched)
+
+    # -- kvcached --------------------------------------------------------------------------------------
+
+    async def _contains(self, keys: Sequence[bytes]) -> list[bool]:
         try:
-            await self._call("POST", f"/slots/{slot}?action=restore", {"filename": name})
-        finally:
-            await asyncio.to_thread(path.unlink, True)
+            return await self.store.contains(keys)
+        except Exception as exc:  # the store's own errors (kvcached down, bad input): one family here
+            raise AgentError(f"kvcached contains failed: {exc}") from exc
 
-    async def _call(self, method: str, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def _get(self, key: bytes) -> bytes | None:
+        try:
+            return await self.store.get(key)
+        except Exception as exc:
+            raise AgentError(f"kvcached get failed: {exc}") from exc
+
+    async def _put(self, key: bytes, value: bytes) -> None:
+        try:
+            await self.store.put(key, value)
+        except Exception as exc:
+            raise AgentError(f"kvcached put failed: {exc}") from exc
+
+    async def _call(self, method: str, path: str, body: Mapping[str, Any] | None) -> Any:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
             self._owned = True
@@ -253,9 +415,18 @@ class SlotCache:
             answer = msgspec.json.decode(text)
         except msgspec.DecodeError as exc:
             raise EngineError(self.engine_id, f"{where}: not JSON") from exc
-        if not isinstance(answer, dict):
+        if body is not None and not isinstance(answer, dict):
             raise EngineError(self.engine_id, f"{where}: not a JSON object")
         return answer
+
+
+def slot_dir(engine: EngineConfig, state_dir: str) -> Path:
+    """Where the agent points a llama-server's ``--slot-save-path`` (``agent.engines`` renders it)."""
+    return Path(state_dir, "slots", engine.id)
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _filename(action: str) -> str:
@@ -266,90 +437,3 @@ def _filename(action: str) -> str:
 def _write_new(path: Path, data: bytes) -> None:
     with open(path, "xb") as f:
         f.write(data)
-
-
-# -- admin API -------------------------------------------------------------------------------------------
-
-
-class _EngineHandle(Protocol):
-    @property
-    def config(self) -> EngineConfig: ...
-
-    @property
-    def supervisor(self) -> EngineSupervisor: ...
-
-
-class SlotHost(Protocol):
-    """What :func:`slot_routes` needs of the agent: its engines by id."""
-
-    @property
-    def engines(self) -> Mapping[str, _EngineHandle]: ...
-
-
-class SlotRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """The body of ``POST /slots/save`` and ``/slots/restore``."""
-
-    engine: str
-    slot: int
-    messages: list[dict[str, Any]]
-
-
-def slot_dir(engine: EngineConfig, state_dir: str) -> Path:
-    """Where the agent points a llama-server's ``--slot-save-path`` (``agent.engines`` renders it)."""
-    return Path(state_dir, "slots", engine.id)
-
-
-def slot_routes(agent: SlotHost, store: SlotStore) -> list[web.RouteDef]:
-    """The admin routes ``POST /slots/save`` and ``POST /slots/restore`` over ``agent``'s engines.
-
-    Answers: 200 with ``{engine, slot, prompt_tokens, tokens, ms, ...}``; 400 for a bad body or an engine
-    that is not a llama-server the agent runs; 404 for an unknown engine; 503 when the engine is not
-    ready; 502 when the engine or kvcached failed.
-    """
-
-    async def handle(request: web.Request, action: str) -> web.Response:
-        try:
-            body = msgspec.json.decode(await request.read(), type=SlotRequest)
-        except msgspec.ValidationError as exc:
-            return _error(400, f"bad request: {exc}")
-        except msgspec.DecodeError:
-            return _error(400, "bad request: body is not JSON")
-        if body.slot < 0:
-            return _error(400, "bad request: slot must be >= 0")
-        eng = agent.engines.get(body.engine)
-        if eng is None:
-            return _error(404, f"no engine {body.engine!r}")
-        cfg, launch = eng.config, eng.supervisor.launch
-        if cfg.kind != "llama_cpp" or not cfg.started:
-            return _error(400, f"engine {cfg.id}: slot save/restore needs a llama_cpp engine the agent runs")
-        if launch is None or eng.supervisor.state is not EngineState.READY:
-            return _error(503, f"engine {cfg.id} is not ready")
-        directory = slot_dir(cfg, eng.supervisor.agent.state_dir)
-        began = time.perf_counter()
-        try:
-            async with SlotCache(store, launch.base_url, directory, engine_id=cfg.id) as cache:
-                tokens = await cache.prompt_tokens(body.messages)
-                out: dict[str, Any] = {"engine": cfg.id, "slot": body.slot, "prompt_tokens": len(tokens)}
-                if action == "save":
-                    key = await cache.save(body.slot, tokens, cfg.model)
-                    covered = len(tokens) // SLOT_BLOCK_SIZE * SLOT_BLOCK_SIZE if key is not None else 0
-                    out |= {"saved": key is not None, "key": key.hex() if key else None, "tokens": covered}
-                else:
-                    out["tokens"] = await cache.restore(body.slot, tokens, cfg.model)
-        except AgentError as exc:
-            log.warning("slot %s on %s failed: %s", action, cfg.id, exc)
-            return _error(502, str(exc))
-        out["ms"] = round((time.perf_counter() - began) * 1000, 3)
-        return web.json_response(out)
-
-    async def save(request: web.Request) -> web.Response:
-        return await handle(request, "save")
-
-    async def restore(request: web.Request) -> web.Response:
-        return await handle(request, "restore")
-
-    return [web.post("/slots/save", save), web.post("/slots/restore", restore)]
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"code": status, "message": message}}, status=status)

@@ -7,7 +7,8 @@
   slots (``is_processing``). That is a proxy, not a measurement:
   each slot reserves ``n_ctx / slots`` tokens of the KV cache, so busy slots say how much of the cache is
   claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
-  prompts.
+  prompts. A llama.cpp scraper with ``on_slots`` set reads ``/slots`` on every scrape and hands each
+  reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way).
 - :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its
   name, power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory
   used/total (bytes) and utilisation (0..1). ``nvmlInit`` runs once, on first read; without the package,
@@ -93,6 +94,9 @@ class EngineScraper:
         self._slots_ok = True
         #: Why the last scrape failed ("" after a success).
         self.last_error = ""
+        #: llama.cpp only: called with every ``/slots`` reading (the list as the engine sent it); set, it
+        #: makes every scrape read ``/slots`` (:mod:`agent.autosave` watches slots through it).
+        self.on_slots: Callable[[list[dict[str, Any]]], object] | None = None
 
     async def scrape(self) -> EngineSample | None:
         """The engine's load now; ``None`` when the metrics cannot be read (see :attr:`last_error`)."""
@@ -104,8 +108,9 @@ class EngineScraper:
         self.last_error = ""
         m = parse_metrics(text, self._names, 0.0)
         kv = m.kv_usage
-        if kv is None and self._llama and self.slots_url is not None:
-            kv = await self._slots_usage(self.slots_url)
+        if (kv is None or self.on_slots is not None) and self._llama and self.slots_url is not None:
+            from_slots = await self._slots_usage(self.slots_url)
+            kv = from_slots if kv is None else kv
         return EngineSample(m.waiting, m.running, kv)
 
     async def aclose(self) -> None:
@@ -135,6 +140,11 @@ class EngineScraper:
             return None
         if not isinstance(slots, list) or not slots:
             return None
+        if self.on_slots is not None:
+            try:
+                self.on_slots([s for s in slots if isinstance(s, dict)])
+            except Exception:  # a slot watcher's bug must not stop telemetry
+                log.exception("slot watcher failed on %s", url)
         busy = sum(
             1
             for s in slots

@@ -35,6 +35,12 @@ Example (TOML)::
     tls_cert = "extproc.pem"
     tls_key = "extproc.key"
 
+    [slot_restore]                     # llama.cpp prefixes restored from kvcached before routing
+    enabled = true                     # (endpoints whose agent offers it: Endpoint.slot_restore)
+    min_blocks = 32                    # restore when kvcached's lead beats the pick's own by this many blocks
+    timeout_s = 2.0                    # wait this long for the agent, then route anyway; keep it below
+                                       # Envoy's ext_proc message_timeout (5 s in the bundled config)
+
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
     default_max_tokens = 1024          # output tokens reserved when a request sets no max_tokens
@@ -61,6 +67,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from extproc.auth import AuthConfig
 from extproc.errors import ConfigError
@@ -220,6 +227,18 @@ class FeedsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotRestoreConfig:
+    """Gateway-triggered llama.cpp slot restores (:mod:`extproc.restore`): ``enabled``; ``min_blocks``, how
+    many more leading blocks some node's kvcached must hold than the picked endpoint holds itself; and
+    ``timeout_s``, how long a request waits for the agent's restore before it is routed anyway (seconds;
+    below Envoy's ext_proc ``message_timeout``, or Envoy gives up on the ext_proc first)."""
+
+    enabled: bool = True
+    min_blocks: int = 32
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A served model: where its tokenizer and chat template come from.
 
@@ -249,9 +268,12 @@ class GatewayConfig:
     #: A local policy file (same schema as etcd ``policy/``; :mod:`extproc.policy`), read at start.
     policy_file: str | None = None
     feeds: FeedsConfig = field(default_factory=FeedsConfig)
+    slot_restore: SlotRestoreConfig = field(default_factory=SlotRestoreConfig)
 
 
-_EX, _SC, _IX = ExtprocConfig(), ScrapeConfig(), IndexConfig()
+_EX, _SC, _IX, _SR = ExtprocConfig(), ScrapeConfig(), IndexConfig(), SlotRestoreConfig()
+#: Longest ``slot_restore.timeout_s`` accepted (s): a request never waits longer for a restore.
+MAX_RESTORE_TIMEOUT_S = 60.0
 
 
 def _choice(value: str, allowed: tuple[str, ...], where: str) -> str:
@@ -307,6 +329,17 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     fd.done()
     _all_or_none("feeds", tls_ca=feeds.tls_ca, tls_cert=feeds.tls_cert, tls_key=feeds.tls_key)
+    sr = top.table("slot_restore")
+    slot_restore = SlotRestoreConfig(
+        enabled=sr.flag("enabled", _SR.enabled),
+        min_blocks=sr.integer("min_blocks", _SR.min_blocks, minimum=1),
+        timeout_s=sr.number("timeout_s", _SR.timeout_s, minimum=0.001),
+    )
+    sr.done()
+    if slot_restore.timeout_s > MAX_RESTORE_TIMEOUT_S:
+        raise ConfigError(
+            f"slot_restore.timeout_s: must be <= {MAX_RESTORE_TIMEOUT_S}, got {slot_restore.timeout_s}"
+        )
     models = tuple(_model(m, f"models[{i}]") for i, m in enumerate(top.array("models", [])))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -334,8 +367,9 @@ def parse_config(raw: object) -> GatewayConfig:
     pol.done()
     top.done()
     return GatewayConfig(
-        extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds
-    )
+        extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
+        slot_restore,
+    )  # fmt: skip
 
 
 def _all_or_none(where: str, **paths: str | None) -> None:
@@ -394,9 +428,25 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
         kv_events=s.flag("kv_events", False),
         block_size=s.integer("block_size", None, minimum=1),
         capacity_blocks=s.integer("capacity_blocks", None, minimum=1),
+        slot_restore=_http_url(s.string("slot_restore"), f"{where}.slot_restore"),
     )
     s.done()
     return endpoint
+
+
+def _http_url(value: str | None, where: str) -> str | None:
+    """``value`` if it is an ``http``/``https`` URL with a host (``None`` passes through)."""
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ConfigError(f"{where}: expected an http:// or https:// URL with a host, got {value!r}")
+    return value
 
 
 def load_config(path: Path) -> GatewayConfig:

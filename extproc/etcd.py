@@ -185,8 +185,8 @@ def policy_path(family: str, name: str) -> str | None:
 
 
 def encode_endpoint(endpoint: Endpoint) -> bytes:
-    """The JSON value of ``endpoints/<id>`` (sorted keys, compact)."""
-    doc = {
+    """The JSON value of ``endpoints/<id>`` (sorted keys, compact; ``slot_restore`` only when set)."""
+    doc: dict[str, object] = {
         "id": endpoint.id,
         "address": endpoint.address,
         "models": sorted(endpoint.models),
@@ -200,6 +200,8 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
         "capacity_blocks": endpoint.capacity_blocks,
         "labels": dict(endpoint.labels),
     }
+    if endpoint.slot_restore is not None:  # absent otherwise: records stay readable by older gateways
+        doc["slot_restore"] = endpoint.slot_restore
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -221,6 +223,7 @@ def decode_endpoint(key_id: str, value: bytes) -> Endpoint:
 
 
 # -- kvcached/<node> (written by kvcached daemons, read by peers and gateways) ------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class PeerInfo:
@@ -441,4 +444,3 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-

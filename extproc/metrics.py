@@ -14,7 +14,8 @@ DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5
 
 
 class GatewayMetrics:
-    """Counters for outcomes, a histogram of decision time, and per-endpoint gauges.
+    """Counters for outcomes and slot restores, histograms of decision and restore time, and per-endpoint
+    gauges.
 
     The endpoint gauges are read from the fleet when Prometheus scrapes (a collector), so the request
     path and the engine-metrics loop never spend time on them.
@@ -43,6 +44,19 @@ class GatewayMetrics:
         self.fallbacks = Counter(
             "kvgate_served_by_fallback",
             "Requests Envoy sent to an endpoint other than the pick.",
+            registry=self.registry,
+        )
+        self.slot_restores = Counter(
+            "kvgate_slot_restores",
+            "llama.cpp slot restores asked of agents before routing, by outcome "
+            "(restored, miss, busy, failed, timeout).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.slot_restore_seconds = Histogram(
+            "kvgate_slot_restore_seconds",
+            "Time a request waited for a slot restore before it was routed.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
             registry=self.registry,
         )
         registry.register(_FleetCollector(fleet))

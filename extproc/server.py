@@ -36,6 +36,7 @@ from extproc.metrics import GatewayMetrics
 from extproc.models import ModelRegistry
 from extproc.precise import HybridIndex, PreciseIndex
 from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.restore import SlotRestorer
 from extproc.router import Router
 from extproc.scheduling.registry import build_profile
 from extproc.scrape import Scraper
@@ -49,15 +50,23 @@ GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """One StreamProcessor per Envoy stream; times decisions for the metrics."""
+    """One StreamProcessor per Envoy stream; times decisions for the metrics. With a ``restorer``, a
+    routed request waits for the slot restore its decision calls for (:mod:`extproc.restore`) before
+    Envoy gets the answer."""
 
     def __init__(
-        self, router: Router, config: ProcessorConfig, metrics: GatewayMetrics, gate: Gate | None = None
+        self,
+        router: Router,
+        config: ProcessorConfig,
+        metrics: GatewayMetrics,
+        gate: Gate | None = None,
+        restorer: SlotRestorer | None = None,
     ) -> None:
         self._router = router
         self._config = config
         self._metrics = metrics
         self._gate = gate
+        self._restorer = restorer
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -74,6 +83,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     blocks = len(proc.decision.digests)
                     if blocks:
                         self._metrics.prefix_hit_ratio.observe(proc.decision.matched_blocks / blocks)
+                    if self._restorer is not None:
+                        await self._restorer.before_routing(proc.decision)
                 for resp in responses:
                     if resp.HasField("immediate_response"):
                         self._metrics.requests.labels(str(resp.immediate_response.status.code)).inc()
@@ -118,6 +129,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
+        #: llama.cpp slot restores before routing (endpoints whose agent offers them).
+        self.restorer = SlotRestorer(config.slot_restore, self.metrics)
         self.health = _HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
@@ -145,7 +158,7 @@ class Gateway:
         ]
         server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate), server
+            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer), server
         )
         if self.server_certs is not None:
             self.ports["extproc"] = server.add_secure_port(
@@ -201,6 +214,7 @@ class Gateway:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
         await self.cluster.aclose()
+        await self.restorer.aclose()
 
 
 def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:

@@ -97,6 +97,15 @@ class StackOptions:
     attach: tuple[dict[str, Any], ...] = ()
     #: Extra keys of the gateway config's ``[index]`` table.
     index: dict[str, Any] = field(default_factory=dict)
+    #: ``agents`` mode: one kvcached daemon per node (``node-<i>``, registered in the local etcd), each
+    #: agent's ``[agent] kvcached`` pointing at it. Daemons fetch from each other over QUIC; QUIC, the
+    #: agents' and daemons' feeds and the gateway's subscriptions use mTLS from a dev CA in
+    #: ``WORKDIR/certs``. llama.cpp slots are then saved into kvcached and restored before routing.
+    kvcached: bool = False
+    #: Extra keys of each agent's ``[agent]`` table (e.g. ``{"slot_save_min_tokens": 512}``).
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    #: Extra keys of the gateway config's ``[slot_restore]`` table.
+    slot_restore: dict[str, Any] = field(default_factory=dict)
 
 
 class Stack:
@@ -121,6 +130,10 @@ class Stack:
         self.etcd: EtcdServer | None = None
         self.agents: list[Child] = []
         self.agent_configs: list[Path] = []
+        #: ``agents`` mode: each agent's ready-file status (``GET /status`` at ready: admin port, engines).
+        self.agent_status: list[dict[str, Any]] = []
+        #: ``kvcached`` mode: each daemon's ready-file status (node, unix socket, grpc, quic, feed, ...).
+        self.kvcached: list[dict[str, Any]] = []
 
     def start(self) -> Stack:
         try:
@@ -142,6 +155,8 @@ class Stack:
             self._mint_certs()
         smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
         model_dir: str | None = opts.model_dir or smollm2_dir
+        if opts.kvcached and not (opts.agents or opts.attach):
+            raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
         if opts.agents or opts.attach:
             if opts.endpoints or self.secure:
                 raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
@@ -208,6 +223,15 @@ class Stack:
         }
         if self.etcd is not None:
             config["etcd"] = {"endpoints": [self.etcd.address]}
+        if self.kvcached:
+            feeds = self.certs["extproc"]
+            config["feeds"] = {
+                "tls_ca": str(feeds.ca),
+                "tls_cert": str(feeds.cert),
+                "tls_key": str(feeds.key),
+            }
+        if opts.slot_restore:
+            config["slot_restore"] = dict(opts.slot_restore)
         if opts.index:
             config["index"] = dict(opts.index)
         if opts.scheduling is not None:
@@ -277,16 +301,24 @@ class Stack:
                     }
                 ]
             )
+        names = [f"node-{i}" for i in range(len(nodes))]
+        if opts.kvcached:
+            self._start_kvcached(names)
         ready_files = []
         for i, engines in enumerate(nodes):
-            node = f"node-{i}"
+            node = names[i]
+            agent: dict[str, Any] = {
+                "id": node,
+                "lease_ttl_s": opts.lease_ttl_s,
+                "drain_timeout_s": 10,
+                "state_dir": str(self.workdir / node),
+            }
+            if opts.kvcached:
+                leaf = self.certs[f"agent-{node}"]
+                agent["kvcached"] = f"unix:{self.kvcached[i]['unix']}"
+                agent["tls"] = {"cert": str(leaf.cert), "key": str(leaf.key), "client_ca": str(leaf.ca)}
             node_config = {
-                "agent": {
-                    "id": node,
-                    "lease_ttl_s": opts.lease_ttl_s,
-                    "drain_timeout_s": 10,
-                    "state_dir": str(self.workdir / node),
-                },
+                "agent": {**agent, **opts.agent_options},
                 "etcd": {"endpoints": [self.etcd.address]},
                 "engines": engines,
             }
@@ -299,8 +331,38 @@ class Stack:
             ready_files.append(ready)
         for child, ready in zip(self.agents, ready_files, strict=True):
             status = child.wait_for_json_file(ready, 600)
+            self.agent_status.append(status)
             for e in status["engines"]:
                 self.engines.append({"id": e["id"], "address": e["address"], "engine": e["kind"]})
+
+    def _start_kvcached(self, nodes: list[str]) -> None:
+        """Certificates (agents, daemons, the gateway's feed client), then one kvcached daemon per node."""
+        assert self.etcd is not None
+        services = [f"{role}-{node}" for node in nodes for role in ("agent", "kvcached")]
+        self.certs = dev_bundle(self.workdir / "certs", [*services, "extproc"], dt.datetime.now(dt.UTC))
+        started = []
+        for node in nodes:
+            leaf = self.certs[f"kvcached-{node}"]
+            config = {
+                "kvcached": {
+                    "node": node,
+                    "listen_unix": str(self.workdir / f"kvcached-{node}.sock"),
+                    "feed_listen": "127.0.0.1:0",
+                    "ram_bytes": 512 << 20,
+                    "lease_ttl_s": self.options.lease_ttl_s,
+                    "tls": {"cert": str(leaf.cert), "key": str(leaf.key), "ca": str(leaf.ca)},
+                },
+                # Loopback: 65,000-byte datagrams (aioquic's cost is per packet); a slot file of a long
+                # prompt is tens of MB, so a peer fetch gets more than the 2 s default.
+                "quic": {"listen": "127.0.0.1:0", "max_datagram_size": 65000, "timeout_s": 20.0},
+                "etcd": {"endpoints": [self.etcd.address]},
+            }
+            path = self.workdir / f"kvcached-{node}.json"
+            path.write_text(json.dumps(config, indent=2))
+            ready = self.workdir / f"kvcached-{node}.ready.json"
+            argv = [sys.executable, "-m", "kvcached.main", "--config", str(path), "--ready-file", str(ready)]
+            started.append((self._spawn(f"kvcached-{node}", argv), ready))
+        self.kvcached = [child.wait_for_json_file(ready, 60) for child, ready in started]
 
     def _mint_certs(self) -> None:
         """CA + service certificates into ``workdir/certs`` and the SDS files Envoy reads them through."""
@@ -401,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         help="with --agents: the engine each agent runs (llama_cpp: llama-server with SmolLM2 on the CPU)",
     )
     parser.add_argument(
+        "--kvcached",
+        action="store_true",
+        help="with --agents: a kvcached daemon per node (llama.cpp slots saved, restored before routing)",
+    )
+    parser.add_argument(
         "--auth",
         action="store_true",
         help="require credentials: a dev OIDC issuer (JWTs) and an API key for tenant 'dev'",
@@ -423,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             auth=StackAuth() if args.auth else None,
             agents=args.agents,
             agent_engine=args.agent_engine,
+            kvcached=args.kvcached,
         )
     )
     stop = threading.Event()

@@ -19,6 +19,10 @@ that restores before routing would see. kvcached: the daemon at ``--kvcached`` (
 ``kvcached.service.KvcachedClient`` target, e.g. ``unix:/run/kvcached.sock``) when given, else
 kvcached's own API (TieredStore, service, gRPC on a unix socket) served in this process for the run.
 Benchmarks are not tests: this measures, writes JSON and prints a table; it asserts nothing.
+
+``--gateway``: the automatic flow instead, through the whole stack (:mod:`load.bench.slots_auto`: A's
+agent saves the slot by itself, the gateway asks B's agent to restore it before routing; TTFT on B cold
+against restored).
 """
 
 from __future__ import annotations
@@ -250,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, help="approximate prompt length (default 1000)")
     parser.add_argument("--kvcached", help="a kvcached daemon's gRPC target (default: in-process stand-in)")
     parser.add_argument("--workdir", type=Path, help="engine state and logs (default: a temp dir)")
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="the automatic flow through Envoy + ext_proc + agents + kvcached (load.bench.slots_auto)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = Options(repeats=2, prompt_tokens=150, context=512) if args.quick else Options()
@@ -259,6 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         context = max(opts.context, 1 << (args.prompt_tokens * 2 - 1).bit_length())
         opts = Options(opts.repeats, args.prompt_tokens, context)
     command = " ".join(["python -m load.bench.slots", *(argv if argv is not None else sys.argv[1:])])
+    if args.gateway:
+        from load.bench import slots_auto
+
+        repeats = args.repeats or (2 if args.quick else 5)
+        tokens = args.prompt_tokens or (600 if args.quick else 1200)
+        result = slots_auto.run(
+            repeats=repeats,
+            prompt_tokens=tokens,
+            context=max(2048, 2 * tokens),
+            command=command,
+            workdir=args.workdir,
+        )
+        write_json(args.out, result)
+        print(slots_auto.table(result))
+        print(f"wrote {args.out}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvgate-slots-") as tmp:
         workdir = args.workdir or Path(tmp)
         result = asyncio.run(measure(opts, workdir, command, args.kvcached))

@@ -64,6 +64,16 @@ def test_docstring_example_parses() -> None:
         "api.example:443", True, "REMOTE_API_KEY", False,
     )  # fmt: skip
     assert cfg.etcd_raw == {"endpoints": ["127.0.0.1:2379"]}
+    assert cfg.agent.kvcached == "unix:/run/kvgate/kvcached.sock" and cfg.agent.slot_save_min_tokens == 1024
+
+
+def test_slot_save_min_tokens() -> None:
+    with_kvcached = {"kvcached": "unix:/run/kvcached.sock"}
+    assert parse_node_config(node(OK, agent=with_kvcached)).agent.slot_save_min_tokens == 1024
+    off = parse_node_config(node(OK, agent={**with_kvcached, "slot_save_min_tokens": 0}))
+    assert off.agent.slot_save_min_tokens == 0
+    assert parse_node_config(node(OK, agent={"slot_save_min_tokens": 0})).agent.kvcached is None
+    assert parse_node_config(node(OK)).agent.slot_save_min_tokens == 1024  # unused without kvcached
 
 
 def test_minimal_config_defaults() -> None:
@@ -158,6 +168,22 @@ BAD: list[tuple[dict[str, Any], str]] = [
     (node(OK, agent={"tls": {"cert": "c"}}), "agent.tls: set all of cert, key, client_ca or none (got cert)"),
     (node(OK, agent={"tls": {"ca": "c"}}), "agent.tls: unknown key(s) ca"),
     (node(OK, etcd=3), "etcd: expected a table, got int"),
+    (
+        node(OK, agent={"kvcached": "unix:/k.sock", "slot_save_min_tokens": -1}),
+        "agent.slot_save_min_tokens: expected a whole number of tokens >= 0 (0 = no automatic saves), got -1",
+    ),
+    (
+        node(OK, agent={"kvcached": "unix:/k.sock", "slot_save_min_tokens": 1.5}),
+        "agent.slot_save_min_tokens: expected a whole number of tokens >= 0",
+    ),
+    (
+        node(OK, agent={"kvcached": "unix:/k.sock", "slot_save_min_tokens": True}),
+        "agent.slot_save_min_tokens: expected a whole number of tokens >= 0",
+    ),
+    (
+        node(OK, agent={"slot_save_min_tokens": 512}),
+        "agent.slot_save_min_tokens: automatic slot saves go into kvcached; set agent.kvcached",
+    ),
     ({"agent": {"id": "n"}, "engines": [1]}, "engines[0]: expected a table, got int"),
     (node({"model": "m"}), "engines[0].kind: required"),
     (

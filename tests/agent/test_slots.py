@@ -14,19 +14,18 @@ import pytest
 from aiohttp import web
 
 from agent.config import AgentSection, EngineConfig
+from agent.slot_api import SlotAdmin
 from agent.slots import (
     SLOT_HEADER_BYTES,
     SlotCache,
     SlotRecord,
     decode_slot_record,
     encode_slot_record,
-    holds_tokens,
     slot_dir,
     slot_key,
-    slot_routes,
 )
 from agent.supervisor import EngineSupervisor
-from extproc.digest import block_digests, chain_seed, pack_tokens
+from extproc.digest import block_digests, chain_seed
 from kvcached.service import ApiServer, KvcachedClient, KvcachedService
 from kvcached.tiers import TieredStore
 
@@ -74,13 +73,6 @@ def test_slot_key_is_the_last_full_block_digest() -> None:
     digest, covered = slot_key("m", tokens) or (b"", 0)
     assert covered == 32 and digest == block_digests(chain_seed("m"), tokens, 16)[-1]
     assert slot_key("other", tokens) != slot_key("m", tokens)
-
-
-def test_holds_tokens_looks_near_the_start() -> None:
-    tokens = [1, 9690, 198, 2683]
-    assert holds_tokens(b"qsgg" + bytes(20) + pack_tokens(tokens) + bytes(1000), tokens)
-    assert not holds_tokens(b"qsgg" + bytes(20) + pack_tokens([1, 9690, 198, 7]), tokens)
-    assert not holds_tokens(bytes(1000) + pack_tokens(tokens), tokens)
 
 
 # -- two real llama-servers ------------------------------------------------------------------------------
@@ -194,18 +186,19 @@ async def test_admin_routes(replicas: dict[str, Replica]) -> None:
 
     store = MemoryStore()
     app = web.Application()
-    app.add_routes(slot_routes(Host(), store))
+    admin = SlotAdmin(Host(), store)
+    app.add_routes(admin.routes())
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    admin = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
 
             async def post(path: str, body: object) -> tuple[int, dict[str, Any]]:
-                async with session.post(admin + path, json=body) as resp:
+                async with session.post(url + path, json=body) as resp:
                     return resp.status, await resp.json()
 
             assert (await post("/slots/save", {"engine": "nope", "slot": 0, "messages": MESSAGES}))[0] == 404
@@ -221,12 +214,22 @@ async def test_admin_routes(replicas: dict[str, Replica]) -> None:
             assert status == 200 and got["tokens"] == saved["tokens"] > 0
             answer = await complete(session, b.url, MESSAGES)
             assert answer["timings"]["cache_n"] >= got["tokens"]
-            # A record the engine cannot load: a clear 502 naming the engine, and the file is gone.
+            # A value that is no slot file is skipped (never handed to the engine): nothing restored.
             (key,) = store.values
+            good = decode_slot_record(store.values[key])
+            assert good is not None
             store.values[key] = encode_slot_record(SlotRecord(saved["tokens"], 0, 16, b"not a slot file"))
+            status, got = await post("/slots/restore", {"engine": "llama-b", "slot": 0, "messages": MESSAGES})
+            assert status == 200 and got["tokens"] == 0
+            # The right token list but a broken KV state: the engine refuses it, a clear 502 naming the
+            # engine, and the file is gone.
+            n = int.from_bytes(good.slot_file[8:12], "little")
+            broken = good.slot_file[: 12 + 4 * n] + b"not a KV state"
+            store.values[key] = encode_slot_record(dataclasses.replace(good, slot_file=broken))
             status, err = await post("/slots/restore", {"engine": "llama-b", "slot": 0, "messages": MESSAGES})
             assert status == 502 and "llama-b" in err["error"]["message"] and list(b.slots.iterdir()) == []
             status, err = await post("/slots/save", {"engine": "sim-0", "slot": 0, "messages": MESSAGES})
             assert status == 400 and "llama_cpp" in err["error"]["message"]
     finally:
         await runner.cleanup()
+        await admin.aclose()

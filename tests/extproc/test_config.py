@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import json
+import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from extproc.config import load_config, parse_config
+from extproc import config as config_module
+from extproc.config import SlotRestoreConfig, load_config, parse_config
 from extproc.errors import ConfigError
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
@@ -36,12 +39,36 @@ def test_defaults_and_endpoint() -> None:
         ({"models": [{"name": "m"}]}, "exactly one of model_dir or gguf"),
         ({"models": [{"name": "m", "gguf": "x", "extra": 1}]}, "unknown key(s) extra"),
         ({"scheduling": {"plugins": [{"type": "nope"}], "profiles": []}}, "nope"),
+        ({"slot_restore": {"min_blocks": 0}}, "slot_restore.min_blocks: must be >= 1"),
+        ({"slot_restore": {"timeout_s": 0}}, "slot_restore.timeout_s: must be a finite number >= 0.001"),
+        ({"slot_restore": {"timeout_s": 61}}, "slot_restore.timeout_s: must be <= 60.0"),
+        ({"slot_restore": {"enabled": "yes"}}, "slot_restore.enabled: expected bool"),
+        ({"slot_restore": {"min_block": 3}}, "slot_restore: unknown key(s) min_block"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "ftp://h/x"}]}, "slot_restore: expected an http"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "http://:80/x"}]}, "endpoints[0].slot_restore"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "http://h:0/x"}]}, "endpoints[0].slot_restore"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "http://h:port/x"}]}, "endpoints[0].slot_restore"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": 7}]}, "endpoints[0].slot_restore: expected str"),
     ],
 )
 def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     assert message in str(err.value)
+
+
+def test_slot_restore_section() -> None:
+    config = parse_config({})
+    assert config.slot_restore == SlotRestoreConfig(enabled=True, min_blocks=32, timeout_s=2.0)
+    config = parse_config({"slot_restore": {"enabled": False, "min_blocks": 64, "timeout_s": 0.5}})
+    assert config.slot_restore == SlotRestoreConfig(False, 64, 0.5)
+    url = "http://10.0.0.7:7400/slots/restore-chain"
+    (endpoint,) = parse_config({"endpoints": [{**ENDPOINT, "slot_restore": url}]}).endpoints
+    assert endpoint.slot_restore == url
+    doc = config_module.__doc__ or ""
+    start = doc.index("    [slot_restore]")
+    example = tomllib.loads(textwrap.dedent(doc[start : doc.index("\n\n", start)]))
+    assert parse_config(example).slot_restore == SlotRestoreConfig()  # the documented defaults
 
 
 def test_load_toml_and_json(tmp_path: Path) -> None:

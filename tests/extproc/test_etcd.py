@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -139,6 +140,18 @@ def test_codec_round_trip(endpoint: Endpoint) -> None:
         "id", "address", "models", "engine", "role", "node", "feed", "kv_events", "metrics_url",
         "block_size", "capacity_blocks", "labels",
     }  # fmt: skip
+
+
+def test_codec_slot_restore_round_trip() -> None:
+    url = "http://10.0.0.7:7400/slots/restore-chain"
+    endpoint = dataclasses.replace(FULL, engine="llama_cpp", slot_restore=url)
+    value = encode_endpoint(endpoint)
+    assert json.loads(value)["slot_restore"] == url
+    assert decode_endpoint(endpoint.id, value) == endpoint
+    assert "slot_restore" not in json.loads(encode_endpoint(FULL))  # absent when not offered
+    assert decode_endpoint(FULL.id, _with(slot_restore=None)).slot_restore is None
+    with pytest.raises(ConfigError, match="slot_restore: expected an http"):
+        decode_endpoint(FULL.id, _with(slot_restore="unix:/run/agent.sock"))
 
 
 def test_decode_accepts_defaults() -> None:

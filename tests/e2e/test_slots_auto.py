@@ -1,0 +1,163 @@
+"""End to end: a llama.cpp prefix saved into kvcached on its own, restored on another replica by the gateway.
+
+Real parts: a local etcd; two node agents, each supervising one ``llama-server`` (SmolLM2-135M, one
+thread, one slot) and each with its own kvcached daemon (node-0, node-1; QUIC peer fetch between them,
+mTLS); Envoy + the ext_proc, which follows both daemons' index feeds. Requests are steered with the
+conformance header (``[extproc] conformance``). A ~1,200-token chat goes to replica A (node-0); A's agent
+sees the slot finish and saves it into node-0's kvcached (slot file + chain markers), with no admin call.
+The same conversation with a new question then goes to replica B: the gateway sees node-0's kvcached
+lead beat B's own by more than ``slot_restore.min_blocks``, asks B's agent to restore (which fetches the
+file from node-0 over QUIC) and only then lets Envoy send the request, which B serves from cache. The
+control: a prompt whose lead stays under ``min_blocks`` is saved too, but never restored, so B prefills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from extproc.digest import Digest, block_digests, chain_seed
+from kvcached.service import KvcachedClient
+from kvgate.up import Stack, StackOptions
+
+pytestmark = pytest.mark.e2e
+T = TypeVar("T")
+MODEL = "SmolLM2-135M-Instruct"
+PIN = "test-epp-endpoint-selection"
+#: The gateway restores when kvcached leads by this many blocks (the default is 32: 512 tokens).
+MIN_BLOCKS = 40
+_SENTENCE = (
+    "The river rises in the hills, passes old towns with stone bridges, turns the wheels of mills, "
+    "feeds canals and fields, and reaches the sea through a wide delta full of birds. "
+)
+#: ~1,200 tokens with the chat template: about 7 s of prefill on one CPU thread.
+LONG = [{"role": "system", "content": "You are a careful geography tutor. " + _SENTENCE * 32}]
+#: ~430 tokens: saved (over slot_save_min_tokens) but its 26 blocks stay under MIN_BLOCKS.
+SHORT = [{"role": "system", "content": "You are a patient history tutor. " + _SENTENCE * 11}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    options = StackOptions(
+        port=0,
+        agents=2,
+        agent_engine="llama_cpp",
+        agent_engine_options={"parallel": 1, "context": 2048, "threads": 1},
+        kvcached=True,
+        agent_options={"slot_save_min_tokens": 256},
+        extproc={"conformance": True},
+        # Below Envoy's 5 s ext_proc message timeout; generous for a busy 2-core machine.
+        slot_restore={"min_blocks": MIN_BLOCKS, "timeout_s": 4.5},
+        workdir=tmp_path_factory.mktemp("slots-auto"),
+    )
+    with Stack(options) as running:
+        yield running
+
+
+def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s")
+        time.sleep(0.1)  # poll interval of the condition, not a stand-in for it
+
+
+def chat(stack: Stack, engine: dict[str, str], messages: list[dict[str, str]]) -> dict[str, Any]:
+    """A chat completion through Envoy, pinned to ``engine``."""
+    resp = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
+        headers={PIN: engine["address"]},
+        timeout=180,
+    )
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+def chain_of(engine: dict[str, str], messages: list[dict[str, str]]) -> tuple[int, list[Digest]]:
+    """(prompt tokens, their digest chain) as the engine itself renders and tokenizes ``messages``."""
+    base = f"http://{engine['address']}"
+    prompt = httpx.post(f"{base}/apply-template", json={"messages": messages}, timeout=30).json()["prompt"]
+    body = {"content": prompt, "parse_special": True}
+    tokens = httpx.post(f"{base}/tokenize", json=body, timeout=30).json()["tokens"]
+    return len(tokens), block_digests(chain_seed(MODEL), tokens, 16)
+
+
+def kvcached_holds(stack: Stack, node: int, chain: list[Digest]) -> bool:
+    async def ask() -> bool:
+        client = KvcachedClient(f"unix:{stack.kvcached[node]['unix']}", timeout_s=10.0)
+        try:
+            return all(await client.contains([bytes(d) for d in chain]))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())
+
+
+def restores(stack: Stack) -> dict[str, float]:
+    """``kvgate_slot_restores_total`` of the ext_proc by outcome."""
+    text = httpx.get(f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvgate_slot_restores_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def agent_status(stack: Stack, node: int) -> dict[str, Any]:
+    port = stack.agent_status[node]["admin_port"]
+    status: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/status", timeout=10).json()
+    return status
+
+
+def follow_up(messages: list[dict[str, str]], answer: dict[str, Any], question: str) -> list[dict[str, str]]:
+    said = answer["choices"][0]["message"]["content"]
+    return [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": question}]
+
+
+def test_long_prefix_saved_on_a_is_restored_on_b(stack: Stack) -> None:
+    a, b = stack.engines
+    first = [*LONG, {"role": "user", "content": "Which towns does the river pass?"}]
+    prompt_tokens, chain = chain_of(a, first)
+    assert prompt_tokens >= 1100 and len(chain) >= MIN_BLOCKS + 32
+    before = restores(stack)
+    on_a = chat(stack, a, first)
+    assert on_a["usage"]["prompt_tokens"] == prompt_tokens
+    assert on_a["timings"]["cache_n"] < 64  # a cold prefill on A
+
+    wait_until(lambda: kvcached_holds(stack, 0, chain), 120, "the chain in node-0's kvcached")
+    saved = agent_status(stack, 0)["engines"][0]["slot_autosave"]
+    assert saved["stored"] >= 1 and saved["markers"] >= len(chain) - 1 and saved["errors"] == 0
+    assert not kvcached_holds(stack, 1, chain[:1])  # node-1 has nothing of it: B needs a peer fetch
+
+    on_b = chat(stack, b, follow_up(first, on_a, "And which birds live in the delta?"))
+    assert on_b["timings"]["cache_n"] >= prompt_tokens - 32, on_b["timings"]
+    assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 32
+    after = restores(stack)
+    assert after.get("restored", 0) == before.get("restored", 0) + 1, after
+    restored = agent_status(stack, 1)["engines"][0]["slot_restores"]
+    assert restored["restored"] == 1 and restored["failed"] == 0
+
+
+def test_lead_under_min_blocks_is_not_restored(stack: Stack) -> None:
+    a, b = stack.engines
+    first = [*SHORT, {"role": "user", "content": "Which towns does the river pass?"}]
+    prompt_tokens, chain = chain_of(a, first)
+    assert 256 <= prompt_tokens < MIN_BLOCKS * 16
+    before = restores(stack)
+    on_a = chat(stack, a, first)
+    wait_until(lambda: kvcached_holds(stack, 0, chain), 120, "the short chain in node-0's kvcached")
+
+    on_b = chat(stack, b, follow_up(first, on_a, "And which birds live in the delta?"))
+    assert on_b["timings"]["cache_n"] < 64, on_b["timings"]  # B prefilled it: no restore was asked
+    assert restores(stack) == before
