@@ -100,13 +100,23 @@ def messages_for(prompt_tokens: int) -> list[dict[str, Any]]:
     ]
 
 
-async def ttft(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> tuple[float, int]:
-    """(TTFT in ms, the engine's ``timings.cache_n``) of one streamed chat completion."""
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
+async def ttft(
+    session: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, Any]],
+    *,
+    model: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[float, int]:
+    """(TTFT in ms, the engine's ``timings.cache_n``) of one streamed chat completion (``model`` and
+    ``headers``: for a request through the gateway)."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
+    if model is not None:
+        body["model"] = model
     began = time.perf_counter()
     first: float | None = None
     cache_n = -1
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
             line = raw.strip()

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
 from extproc.digest import Digest, block_digests, chain_seed
 from kvcached.service import KvcachedClient
 from kvgate.up import Stack, StackOptions
-from load.bench import CpuSample, machine, revision, summary
+from load.bench import CpuSample, machine, revision, slots, summary
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +91,7 @@ async def ttft(
     session: aiohttp.ClientSession, url: str, address: str, messages: list[dict[str, str]]
 ) -> tuple[float, int]:
     """(TTFT in ms, ``timings.cache_n``) of one streamed chat through Envoy, pinned to ``address``."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
-    began = time.perf_counter()
-    first: float | None = None
-    cache_n = -1
-    async with session.post(f"{url}/v1/chat/completions", json=body, headers={PIN: address}) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            choices = chunk.get("choices") or [{}]
-            if first is None and (choices[0].get("delta") or {}).get("content"):
-                first = time.perf_counter()
-            if "timings" in chunk:
-                cache_n = int(chunk["timings"].get("cache_n", -1))
-    return ((first if first is not None else time.perf_counter()) - began) * 1000, cache_n
+    return await slots.ttft(session, url, list(messages), model=MODEL, headers={PIN: address})
 
 
 async def chain_of(

@@ -25,6 +25,7 @@ from agent.slots import SlotCache, decode_slot_record, slot_dir
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper
 from extproc.digest import Digest, block_digests, chain_seed
+from tests.agent.test_slots import complete
 
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [
@@ -96,16 +97,6 @@ async def engine(tmp_path: Path) -> AsyncIterator[Engine]:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
-
-
-async def complete(
-    session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]
-) -> dict[str, Any]:
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        answer: dict[str, Any] = await resp.json()
-        return answer
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: object = None) -> tuple[int, Any]:
