@@ -39,7 +39,7 @@ HEADER_BYTES = _HEADER.size
 """Bytes a record adds to its payload (45)."""
 
 
-def checksum(data: bytes) -> bytes:
+def checksum(data: bytes | bytearray | memoryview) -> bytes:
     """The 16-byte BLAKE3 checksum of a payload (what clients send with a put, what records carry)."""
     return blake3(data).digest(CHECKSUM_BYTES)
 
@@ -68,20 +68,28 @@ def encode_record(digest: bytes, data: bytes, *, data_checksum: bytes | None = N
     return _HEADER.pack(MAGIC, VERSION, digest, len(data), summed) + data
 
 
-def decode_record(digest: bytes, raw: bytes) -> bytes:
+def decode_record(digest: bytes, raw: bytes | bytearray | memoryview) -> bytes:
     """The payload of record ``raw`` stored under ``digest``; :class:`CorruptBlock` on any mismatch."""
-    if len(raw) < HEADER_BYTES:
-        raise CorruptBlock(f"record of {len(raw)} bytes is shorter than its {HEADER_BYTES}-byte header")
-    magic, version, stored_digest, length, summed = _HEADER.unpack_from(raw)
+    view = memoryview(raw)
+    return verify_record(digest, view[:HEADER_BYTES], view[HEADER_BYTES:])
+
+
+def verify_record(digest: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    """:func:`decode_record` of a record given as its header and payload (as a reader that splits a
+    stream at the header hands it over): the payload as bytes, copied only if it is a view."""
+    if len(header) < HEADER_BYTES:
+        raise CorruptBlock(
+            f"record of {len(header) + len(payload)} bytes is shorter than its {HEADER_BYTES}-byte header"
+        )
+    magic, version, stored_digest, length, summed = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
     if version != VERSION:
         raise CorruptBlock(f"unknown record version {version}")
     if stored_digest != digest:
         raise CorruptBlock("record holds another digest")
-    if length != len(raw) - HEADER_BYTES:
-        raise CorruptBlock(f"payload is {len(raw) - HEADER_BYTES} bytes, header says {length}")
-    payload = raw[HEADER_BYTES:]
+    if length != len(payload):
+        raise CorruptBlock(f"payload is {len(payload)} bytes, header says {length}")
     if checksum(payload) != summed:
         raise CorruptBlock("payload checksum mismatch")
-    return payload
+    return payload if isinstance(payload, bytes) else bytes(payload)

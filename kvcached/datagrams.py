@@ -11,9 +11,10 @@ aioquic runs its packet loop in Python, so a 1 MiB block costs in proportion to 
 
 :func:`grow_datagrams` is called once the handshake is complete (1-RTT packets carry no length field): it
 raises the connection's datagram size, its congestion control's and pacer's, and installs
-:func:`_write_stream_frames`, which fills a packet with as many STREAM frames of at most
-:data:`STREAM_FRAME_DATA_MAX` bytes as fit. The peer needs no change: several STREAM frames of one stream
-in a packet are ordinary QUIC (RFC 9000 section 12.4), and aioquic receives datagrams of any size.
+:func:`_write_stream_frames`, which writes a STREAM frame's length as a 4-byte varint, so one frame fills
+a 64 KB packet (one receive event per packet instead of four), and adds further frames while room is left.
+The peer needs no change: any varint length, and several STREAM frames in a packet, are ordinary QUIC
+(RFC 9000 sections 16 and 12.4), and aioquic receives datagrams of any size.
 
 A datagram must fit the path: loopback's MTU is 65,536 bytes; on a network, ``max_datagram_size`` above
 the path MTU minus 28 makes the kernel refuse the send (EMSGSIZE, don't-fragment), so keep the default
@@ -35,8 +36,9 @@ from aioquic.quic.stream import QuicStream
 
 HANDSHAKE_DATAGRAM_MAX = 16_000
 """Largest datagram used before the handshake completes (see the module docstring)."""
-STREAM_FRAME_DATA_MAX = 16_000
-"""Largest data length of one STREAM frame (aioquic encodes it in a 2-byte varint: < 16,384)."""
+_LENGTH_BYTES = 4
+_LENGTH_VARINT_4 = 0x8000_0000
+"""A STREAM frame's data length is written as a 4-byte varint (aioquic writes 2 bytes: < 16,384)."""
 _SMALLEST_USEFUL_FRAME = 512
 """A further STREAM frame in a packet is written only if this much data fits (else the next packet)."""
 
@@ -51,23 +53,23 @@ def grow_datagrams(quic: QuicConnection, size: int) -> None:
     cc._max_datagram_size = size
     cc.congestion_window = max(cc.congestion_window, K_INITIAL_WINDOW * size)
     recovery._pacer._max_datagram_size = size
-    if size > STREAM_FRAME_DATA_MAX:
+    if size > HANDSHAKE_DATAGRAM_MAX:
         quic._write_stream_frame = _write_stream_frames  # type: ignore[method-assign]
 
 
 def _write_stream_frames(
     builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream, max_offset: int
 ) -> int:
-    """Write as many STREAM frames of ``stream`` into the packet as fit; return the new bytes sent
-    (the flow-control credit used), as aioquic's own single-frame writer does."""
+    """Write ``stream``'s pending data into the packet as STREAM frames with 4-byte lengths; return the
+    new bytes sent (the flow-control credit used), as aioquic's own single-frame writer does."""
     sender, stream_id = stream.sender, stream.stream_id
     assert stream_id is not None  # only streams with an id are ever queued for sending
     before = sender.highest_offset
     first = True
     while True:
         offset = sender.next_offset
-        overhead = 3 + size_uint_var(stream_id) + (size_uint_var(offset) if offset else 0)
-        room = min(builder.remaining_flight_space - overhead, STREAM_FRAME_DATA_MAX)
+        overhead = 1 + _LENGTH_BYTES + size_uint_var(stream_id) + (size_uint_var(offset) if offset else 0)
+        room = builder.remaining_flight_space - overhead
         if not first and room < _SMALLEST_USEFUL_FRAME:
             break
         frame = sender.get_frame(room, max_offset)
@@ -88,7 +90,7 @@ def _write_stream_frames(
         buf.push_uint_var(stream_id)
         if frame.offset:
             buf.push_uint_var(frame.offset)
-        buf.push_uint16(len(frame.data) | 0x4000)
+        buf.push_uint32(len(frame.data) | _LENGTH_VARINT_4)
         buf.push_bytes(frame.data)
         first = False
         if frame.fin or len(frame.data) < room:

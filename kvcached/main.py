@@ -38,6 +38,7 @@ from extproc.tls import ServerTlsFiles
 from kvcached.config import KvcachedConfig, load_kvcached_config
 from kvcached.discovery import PeerTable, PeerWatcher
 from kvcached.errors import KvcachedError
+from kvcached.memory import tune_malloc
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer
 from kvcached.service import ApiServer, KvcachedService
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KvcachedError, ConfigError) as exc:
         print(f"kvgate kvcached: {exc}", file=sys.stderr)
         return 2
+    tune_malloc()
     try:
         import uvloop
 

@@ -53,7 +53,7 @@ from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest, decode_record, encode_record
+from kvcached.block import HEADER_BYTES, MAX_BLOCK_BYTES_DEFAULT, check_digest, encode_record, verify_record
 from kvcached.datagrams import HANDSHAKE_DATAGRAM_MAX, grow_datagrams
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError, PeerUnavailable
 from kvcached.wire import (
@@ -61,6 +61,7 @@ from kvcached.wire import (
     FRAME_HEADER_BYTES,
     MAX_REQUEST_DIGESTS,
     RECORD_OVERHEAD_MAX,
+    Frame,
     FrameReader,
     TokenBucket,
     decode_request,
@@ -423,7 +424,7 @@ class _Fetch:
     reader: FrameReader
     done: asyncio.Future[None]
     progress_at: float
-    frames: list[tuple[bytes, bytes]] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)
     torn: bool = False
 
 
@@ -534,12 +535,12 @@ class PeerClient:
                 link = await self._link(address, host, port)
                 frames = await self._request(address, link, chunk)
             requested = set(chunk)
-            for digest, record in frames:
+            for digest, head, body in frames:
                 if digest not in requested or digest in out:
                     log.warning("peer %s sent a block that was not asked for: dropped", address)
                     continue
                 try:
-                    out[digest] = decode_record(digest, record)
+                    out[digest] = verify_record(digest, head, body)
                 except CorruptBlock as exc:
                     self.corrupt += 1
                     log.warning("peer %s sent a corrupt block: dropped (%s)", address, exc)
@@ -590,10 +591,11 @@ class PeerClient:
             raise PeerUnavailable(f"peer {address} unavailable: {why}") from exc
         return link
 
-    async def _request(self, address: str, link: _Link, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
+    async def _request(self, address: str, link: _Link, digests: list[bytes]) -> list[Frame]:
         protocol, quic, loop = link.protocol, link.protocol._quic, asyncio.get_running_loop()
         sid = quic.get_next_available_stream_id()
-        fetch = _Fetch(FrameReader(self.max_record_bytes), loop.create_future(), loop.time())
+        reader = FrameReader(self.max_record_bytes, head_bytes=HEADER_BYTES)
+        fetch = _Fetch(reader, loop.create_future(), loop.time())
         protocol.fetches[sid] = fetch
         try:
             quic.send_stream_data(sid, encode_request(digests), end_stream=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from extproc.digest import DIGEST_BYTES
 from kvcached.block import check_digest
@@ -73,6 +74,15 @@ def frame_header(digest: bytes, record_len: int) -> bytes:
     return _U32.pack(DIGEST_BYTES + record_len) + check_digest(digest)
 
 
+class Frame(NamedTuple):
+    """One response frame: the block's digest and its record, split after the record's first
+    ``head_bytes`` (:class:`FrameReader`)."""
+
+    digest: bytes
+    head: bytes
+    body: bytes
+
+
 @dataclass(slots=True)
 class FrameReader:
     """Reassembles response frames from stream chunks.
@@ -80,35 +90,60 @@ class FrameReader:
     ``max_record_bytes`` bounds one record (the largest block plus :data:`RECORD_OVERHEAD_MAX`), so a
     hostile or broken peer cannot make the reader buffer more than that per stream: a larger announced
     length raises :class:`CorruptBlock` and the stream is abandoned.
+
+    A frame's chunks are kept as views of the data fed and joined once, when the frame is whole: its
+    first ``head_bytes`` into :attr:`Frame.head`, the rest into :attr:`Frame.body`. A client that splits
+    at the record's header gets the payload as the body, with one copy from the stream's chunks and none
+    after (fresh megabyte buffers cost page faults as well as copies, on the fetch's critical path).
     """
 
     max_record_bytes: int
-    _buf: bytearray = field(default_factory=bytearray)
+    head_bytes: int = 0
+    _prefix: bytearray = field(default_factory=bytearray)
+    _parts: list[memoryview] = field(default_factory=list)
     _need: int | None = None
+    _have: int = 0
 
-    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
-        """Add ``data``; return the frames it completed as ``(digest, record)`` pairs, in stream order."""
-        self._buf += data
-        out: list[tuple[bytes, bytes]] = []
-        while True:
+    def feed(self, data: bytes) -> list[Frame]:
+        """Add ``data``; return the frames it completed, in stream order."""
+        out: list[Frame] = []
+        view = memoryview(data)
+        while view:
             if self._need is None:
-                if len(self._buf) < _U32.size:
-                    return out
-                (length,) = _U32.unpack_from(self._buf)
+                take = _U32.size - len(self._prefix)
+                self._prefix += view[:take]
+                view = view[take:]
+                if len(self._prefix) < _U32.size:
+                    break
+                (length,) = _U32.unpack(self._prefix)
+                self._prefix.clear()
                 if length < DIGEST_BYTES or length - DIGEST_BYTES > self.max_record_bytes:
                     raise CorruptBlock(f"frame length {length} out of bounds")
-                self._need = length
-                del self._buf[: _U32.size]
-            if len(self._buf) < self._need:
-                return out
-            frame = bytes(self._buf[: self._need])
-            del self._buf[: self._need]
-            self._need = None
-            out.append((frame[:DIGEST_BYTES], frame[DIGEST_BYTES:]))
+                self._need, self._have = length, 0
+            take = min(self._need - self._have, len(view))
+            self._parts.append(view[:take])
+            self._have += take
+            view = view[take:]
+            if self._have == self._need:
+                out.append(self._frame())
+        return out
+
+    def _frame(self) -> Frame:
+        parts, self._parts, self._need = self._parts, [], None
+        lead = bytearray()
+        split = DIGEST_BYTES + self.head_bytes
+        while parts and len(lead) < split:
+            take = split - len(lead)
+            lead += parts[0][:take]
+            if take < len(parts[0]):
+                parts[0] = parts[0][take:]
+            else:
+                del parts[0]
+        return Frame(bytes(lead[:DIGEST_BYTES]), bytes(lead[DIGEST_BYTES:]), b"".join(parts))
 
     def pending(self) -> int:
         """Bytes held of a frame not yet complete (non-zero at the end of the stream: a torn frame)."""
-        return len(self._buf) + (_U32.size if self._need is not None else 0)
+        return len(self._prefix) + (_U32.size + self._have if self._need is not None else 0)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,9 @@ does.
   (10^9 bytes/s), the median repeat.
 
 The TCP baseline does no encryption; QUIC encrypts every packet (AES-GCM) and runs its congestion control
-and loss recovery in Python (aioquic, 1,200-byte datagrams), so the gap is the cost of aioquic and TLS.
+and loss recovery in Python (aioquic), so the gap is the cost of aioquic and TLS. Both processes tune glibc
+malloc as the daemon does (:func:`kvcached.memory.tune_malloc`); ``--default-malloc`` leaves it alone, to
+show what that setting is worth.
 
     python -m load.bench.kvcached_peers --out results/kvcached_peers.json [--quick]
 """
@@ -46,6 +48,7 @@ import uvloop
 
 from certs.store import dev_bundle
 from kvcached.block import decode_record, encode_record
+from kvcached.memory import tune_malloc
 from kvcached.peers import DATAGRAM_BYTES_DEFAULT, DATAGRAM_BYTES_MAX, PeerClient, PeerServer
 from kvcached.tiers import TieredStore
 from kvcached.wire import FRAME_HEADER_BYTES, decode_request, encode_request, frame_header
@@ -145,7 +148,7 @@ class TcpClient:
                 return out
             frame = await reader.readexactly(length)
             d = frame[: FRAME_HEADER_BYTES - 4]
-            out[d] = decode_record(d, frame[FRAME_HEADER_BYTES - 4 :])
+            out[d] = decode_record(d, memoryview(frame)[FRAME_HEADER_BYTES - 4 :])
 
     async def aclose(self) -> None:
         if self._conn is not None:
@@ -207,6 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         certs = Path(tmp)
         dev_bundle(certs, ["kvcached-server", "kvcached-client"], dt.datetime.now(dt.UTC))
         serve_argv = ["--serve", str(certs), "--seed", str(args.seed), "--bulk-blocks", str(args.bulk_blocks)]
+        if args.default_malloc:
+            serve_argv.append("--default-malloc")
         with subprocess.Popen(
             [sys.executable, "-m", "load.bench.kvcached_peers", *serve_argv],
             cwd=ROOT,
@@ -247,8 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk-blocks", type=int, default=128, help="1 MiB blocks per bulk fetch")
     parser.add_argument("--repeats", type=int, default=5, help="bulk fetches per transport")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc malloc at its defaults in both processes (the daemon tunes it: kvcached/memory.py)",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.default_malloc:
+        pass
+    elif not tune_malloc():  # both processes, as the daemon does (kvcached/memory.py)
+        print("note: malloc could not be tuned (not glibc)", file=sys.stderr)
     if args.serve is not None:
         uvloop.run(serve(args.serve, args.seed, args.bulk_blocks))
         return 0
@@ -273,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             "block_bytes": MIB,
             "repeats": args.repeats,
             "seed": args.seed,
+            "malloc": "glibc defaults" if args.default_malloc else "tuned (kvcached.memory.tune_malloc)",
         },
         **figures,
         "goals": {

@@ -19,7 +19,7 @@ from aioquic.quic.configuration import QuicConfiguration
 
 from certs.store import LeafFiles, dev_bundle
 from kvcached import peers
-from kvcached.block import decode_record, encode_record
+from kvcached.block import HEADER_BYTES, decode_record, encode_record, verify_record
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, PeerUnavailable
 from kvcached.peers import PeerClient, PeerServer, split_address
 from kvcached.tiers import TieredStore
@@ -112,8 +112,16 @@ def test_frame_reader_reassembles_any_split() -> None:
     for step in (1, 7, 100, len(stream)):
         reader = FrameReader(max_record_bytes=10_000)
         got = [f for at in range(0, len(stream), step) for f in reader.feed(stream[at : at + step])]
-        assert got == records
+        assert [(f.digest, f.head + f.body) for f in got] == records
+        assert all(f.head == b"" for f in got)
         assert reader.pending() == 0
+        # split at the record header, as the client reads: the body is the payload, verified as is
+        reader = FrameReader(max_record_bytes=10_000, head_bytes=HEADER_BYTES)
+        got = [f for at in range(0, len(stream), step) for f in reader.feed(stream[at : at + step])]
+        assert [len(f.head) for f in got] == [HEADER_BYTES] * len(records)
+        assert [verify_record(f.digest, f.head, f.body) for f in got] == [
+            decode_record(d, r) for d, r in records
+        ]
     reader = FrameReader(max_record_bytes=10_000)
     reader.feed(stream[:-3])
     assert reader.pending() > 0  # a torn last frame
