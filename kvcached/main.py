@@ -108,6 +108,7 @@ class Daemon:
                 timeout_s=2.0 if q is None else q.timeout_s,
                 max_in_flight=8 if q is None else q.max_in_flight,
                 max_datagram_size=DATAGRAM_BYTES_DEFAULT if q is None else q.max_datagram_size,
+                max_block_bytes=cfg.max_block_bytes,
             )
             if q is not None:
                 host, _, port = q.listen.rpartition(":")

@@ -504,16 +504,20 @@ class PeerClient:
         timeout_s: float = 2.0,
         max_in_flight: int = 8,
         max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
+        max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT,
     ) -> None:
-        if timeout_s <= 0 or max_in_flight < 1:
-            raise KvcachedConfigError("timeout_s must be positive and max_in_flight at least 1")
+        if timeout_s <= 0 or max_in_flight < 1 or max_block_bytes < 1:
+            raise KvcachedConfigError(
+                "timeout_s must be positive, max_in_flight and max_block_bytes at least 1"
+            )
         self._new_config = partial(
             _configuration, is_client=True, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
         )
         self._new_config()  # fail early on bad files or settings
         self.max_datagram_size = max_datagram_size
         self.timeout_s = timeout_s
-        self.max_record_bytes = MAX_BLOCK_BYTES_DEFAULT + RECORD_OVERHEAD_MAX
+        self.max_record_bytes = max_block_bytes + RECORD_OVERHEAD_MAX
+        """Largest record a peer may send (this daemon's ``max_block_bytes``): a larger frame is refused."""
         self._in_flight = asyncio.Semaphore(max_in_flight)
         self._links: dict[str, _Link] = {}
         self._dialing: dict[str, asyncio.Lock] = {}

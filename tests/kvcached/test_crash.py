@@ -48,7 +48,8 @@ def payload_of(i: int) -> bytes:
 
 
 def run_and_kill(path: Path, start: int, kill_after: int) -> int:
-    """Start the writer, SIGKILL it (by PID) once it acknowledged ``kill_after`` puts; the last acked i."""
+    """Start the writer, SIGKILL it (by PID) once it acknowledged ``kill_after`` puts; the last i it
+    acknowledged before dying (it runs ahead of our reads, so lines still in the pipe count too)."""
     args = [sys.executable, "-c", WRITER, str(path), str(RAM_BYTES), str(SSD_BYTES), str(start)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, cwd=ROOT, env=env, text=True)
@@ -65,6 +66,9 @@ def run_and_kill(path: Path, start: int, kill_after: int) -> int:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         if proc.stdout is not None:
+            # the writer may have acknowledged more puts before the signal landed: they are in the pipe
+            for line in proc.stdout.read().split():
+                last = max(last, int(line))
             proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     return last

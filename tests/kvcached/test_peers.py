@@ -328,6 +328,20 @@ async def test_corrupted_frame_is_dropped_not_returned(
         await client.aclose()
 
 
+async def test_block_over_the_clients_max_block_bytes_is_a_miss(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    _, store, address = served  # blocks digest(i) hold 1000 + i bytes
+    small = client_for(pki.b, max_block_bytes=1003)
+    try:
+        assert await small.fetch(address, [digest(2)]) == {digest(2): store.blocks[digest(2)]}
+        # a frame announcing more than the limit abandons the stream: what came before it is kept
+        got = await small.fetch(address, [digest(1), digest(9), digest(0)])
+        assert got == {digest(1): store.blocks[digest(1)]}
+    finally:
+        await small.aclose()
+
+
 async def test_egress_limit_is_respected_roughly(pki: Pki) -> None:
     block = 256 * 1024
     store = DictStore({digest(i): os.urandom(block) for i in range(8)})
