@@ -328,18 +328,23 @@ async def test_corrupted_frame_is_dropped_not_returned(
         await client.aclose()
 
 
-async def test_block_over_the_clients_max_block_bytes_is_a_miss(
-    pki: Pki, served: tuple[PeerServer, DictStore, str]
-) -> None:
-    _, store, address = served  # blocks digest(i) hold 1000 + i bytes
-    small = client_for(pki.b, max_block_bytes=1003)
+async def test_block_over_the_clients_max_block_bytes_is_a_miss(pki: Pki) -> None:
+    sizes = {digest(0): 4000, digest(1): 4000, digest(2): 16_000}
+    store = DictStore({d: os.urandom(n) for d, n in sizes.items()})
+    server = server_for(store, pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    # the record bound is max_block_bytes + RECORD_OVERHEAD_MAX (1,024): 16,000 bytes is well over it
+    small, default = client_for(pki.b, max_block_bytes=8000), client_for(pki.b)
     try:
-        assert await small.fetch(address, [digest(2)]) == {digest(2): store.blocks[digest(2)]}
+        assert await small.fetch(address, [digest(0)]) == {digest(0): store.blocks[digest(0)]}
         # a frame announcing more than the limit abandons the stream: what came before it is kept
-        got = await small.fetch(address, [digest(1), digest(9), digest(0)])
+        got = await small.fetch(address, [digest(1), digest(2), digest(0)])
         assert got == {digest(1): store.blocks[digest(1)]}
+        assert len(await default.fetch(address, [digest(2)])) == 1  # the default limit takes it
     finally:
         await small.aclose()
+        await default.aclose()
+        await server.aclose()
 
 
 async def test_egress_limit_is_respected_roughly(pki: Pki) -> None:
