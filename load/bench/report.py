@@ -146,6 +146,47 @@ def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def merge_repeats(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, load, target) from rows that ran ``repeat`` 0..N-1 times: each numeric
+    metric is the median over the repeats that were measured (``metrics_runs`` keeps each one's value),
+    and ``replica_requests`` is the first repeat's (a count per replica, not a sample). A target skipped
+    in every repeat stays skipped; success counts are summed, so one failed request shows."""
+    groups: dict[tuple[str, float, str], list[Mapping[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["workload"], r["load"], r["target"]), []).append(r)
+    out: list[dict[str, Any]] = []
+    for rows in groups.values():
+        merged = {k: v for k, v in rows[0].items() if k not in ("metrics", "repeat", "run_s", "skipped")}
+        measured = [r["metrics"] for r in rows if r.get("metrics")]
+        merged["repeats"] = len(rows)
+        if not measured:
+            merged["skipped"] = rows[0].get("skipped", "not measured")
+            out.append(merged)
+            continue
+        metrics: dict[str, Any] = {}
+        runs_of: dict[str, list[float]] = {}
+        for key, first in measured[0].items():
+            if key in ("ok", "requests", "sessions_aborted", "failed_in_warmup"):
+                metrics[key] = sum(m.get(key, 0) for m in measured)
+            elif key == "statuses":
+                metrics[key] = {}
+                for m in measured:
+                    for status, n in m[key].items():
+                        metrics[key][status] = metrics[key].get(status, 0) + n
+            elif isinstance(first, int | float) and not isinstance(first, bool):
+                values = [float(m[key]) for m in measured if key in m]
+                metrics[key] = round(percentile(sorted(values), 50), 4)
+                runs_of[key] = values
+            else:
+                metrics[key] = first
+        if "ok" in metrics and metrics.get("requests"):
+            metrics["success"] = metrics["ok"] / metrics["requests"]
+        merged["metrics"] = metrics
+        merged["metrics_runs"] = runs_of
+        out.append(merged)
+    return out
+
+
 def markdown_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """One row per (workload, load, target); skipped targets say why."""
     head = (

@@ -3,6 +3,8 @@
     kvgate bench routing --out results/routing            # default: ~8 min on 2 cores
     kvgate bench routing --full --out results/routing-full
     kvgate bench routing --smoke --out /tmp/smoke          # seconds; what CI runs
+    kvgate bench routing --repeats 3 --workloads shared-prefix --loads 24 --out results/routing-r3
+                                                           # medians of 3 rounds (noisy machines)
 
 For each workload it starts a simulated fleet (``load.sim``, one process, ``replicas`` replicas) sized
 for that workload, then for each load level and each target: resets every replica's prefix cache,
@@ -84,6 +86,7 @@ class BenchConfig:
     seed: int = 1
     drain_s: float = 90.0
     kvgate_scheduling: dict[str, Any] | None = None
+    repeats: int = 1
 
 
 def default_config() -> BenchConfig:
@@ -154,8 +157,11 @@ def run_one(
     config: BenchConfig,
     workdir: Path,
     progress: bool,
+    repeat: int = 0,
 ) -> dict[str, Any]:
-    """Reset the fleet, start ``target``, send the sessions, stop it; a result row."""
+    """Reset the fleet, start ``target``, send the sessions, stop it; a result row. Each ``repeat``
+    gets a fresh work directory (a target's ready files and data from an earlier run must not be
+    mistaken for this one's)."""
     name = sc.workload.name
     unit = "concurrent sessions" if sc.mode == "closed" else "sessions/s"
     if isinstance(sc.workload, SharedPrefix) and sc.mode == "open":
@@ -176,7 +182,7 @@ def run_one(
             fleet,
             DEFAULT_MODEL,
             model_dir,
-            workdir / f"{name}-{load:g}-{target}",
+            workdir / f"{name}-{load:g}-{target}" / f"run-{repeat}",
             config.kvgate_scheduling,
         )
     except (tg.TargetUnavailable, ChildFailed) as exc:
@@ -226,10 +232,13 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
         )
         try:
             for load in sc.loads:
-                for target in config.targets:
-                    rows.append(run_one(sc, load, target, fleet, config, workdir, progress))
+                for repeat in range(config.repeats):  # rounds: every target once, then again
+                    for target in config.targets:
+                        row = run_one(sc, load, target, fleet, config, workdir, progress, repeat)
+                        rows.append({**row, "repeat": repeat} if config.repeats > 1 else row)
         finally:
             fleet.stop()
+    merged = rep.merge_repeats(rows) if config.repeats > 1 else rows
     result = {
         "benchmark": "routing",
         "command": command,
@@ -256,13 +265,27 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
             ],
             "fleets": fleets,
         },
+        "repeats": config.repeats,
         "runs": rows,
-        "goals": rep.goals(rows),
+        **({"merged": merged} if config.repeats > 1 else {}),
+        "goals": rep.goals(merged),
+        **(
+            {
+                "goals_by_round": [
+                    rep.goals([r for r in rows if r["repeat"] == i]) for i in range(config.repeats)
+                ]
+            }
+            if config.repeats > 1
+            else {}
+        ),
         "wall_s": round(time.monotonic() - started, 1),
     }
     write_json(out_dir / "routing.json", result)
-    (out_dir / "routing.md").write_text(rep.markdown_table(rows))
-    rep.plot(rows, out_dir)
+    table = rep.markdown_table(merged)
+    if config.repeats > 1:
+        table = f"Each cell: the median of {config.repeats} runs (rounds of every target in turn).\n\n{table}"
+    (out_dir / "routing.md").write_text(table)
+    rep.plot(merged, out_dir)
     return result
 
 
@@ -298,6 +321,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--duration", type=float, help="seconds of arrivals per run, replacing each workload's own"
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every (load, target) this many times, in rounds; tables, plots and goals use the medians"
+        " (goals_by_round in the JSON: each round's own ratios)",
+    )
     p.add_argument("--warmup", type=float, help="seconds of each run not measured, replacing each workload's")
     p.add_argument("--trace", type=Path, help="also replay this Mooncake-shaped JSONL trace")
     p.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
@@ -326,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.loads:
         loads = tuple(float(x) for x in args.loads.split(","))
         config = replace(config, scenarios=tuple(replace(s, loads=loads) for s in config.scenarios))
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    config = replace(config, repeats=args.repeats)
     if args.duration is not None:
         config = replace(
             config, scenarios=tuple(replace(s, duration_s=args.duration) for s in config.scenarios)

@@ -22,7 +22,7 @@ from load.workloads.session import Session, Turn, closed_arrivals
 @pytest.mark.e2e
 def test_smoke_run_writes_results(tmp_path: Path) -> None:
     config = routing.smoke_config()
-    config = replace(config, targets=(*config.targets, "kvgate-precise"))
+    config = replace(config, targets=(*config.targets, "kvgate-precise"), repeats=2)
     result = routing.run(config, tmp_path, progress=False)
     runs = result["runs"]
     measured = [r for r in runs if "metrics" in r]
@@ -35,7 +35,10 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
         assert sum(m["replica_requests"].values()) == m["ok"]
     assert not [r for r in runs if "skipped" in r]
     assert result["goals"]["success_100pct_every_run"]["met"]
+    assert sorted({r["repeat"] for r in runs}) == [0, 1] and len(result["goals_by_round"]) == 2
+    assert len(result["merged"]) * 2 == len(runs)
     assert json.loads((tmp_path / "routing.json").read_text())["benchmark"] == "routing"
+    assert (tmp_path / "routing.md").read_text().startswith("Each cell: the median of 2 runs")
     assert "kvgate-precise |" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "shared-prefix-ttft_p90_s.png").stat().st_size > 0
 
@@ -97,3 +100,56 @@ async def test_client_closed_loop_resends_history_and_hits_the_cache() -> None:
         assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
         # later turns resend the history, whose blocks (the answers included) are cached
         assert turns[2].cached_tokens >= turns[1].prompt_tokens - 16
+
+
+def test_repeats_merge_into_medians_and_goals_by_round() -> None:
+    from load.bench import report
+
+    def row(target: str, repeat: int, ttft: float, tput: float, ok: int = 10) -> dict[str, object]:
+        metrics = {
+            "requests": 10,
+            "ok": ok,
+            "success": ok / 10,
+            "statuses": {"200": ok},
+            "sessions_aborted": 0,
+            "failed_in_warmup": 0,
+            "ttft_p90_s": ttft,
+            "output_tok_s": tput,
+            "hit_ratio": 0.5,
+            "replica_requests": {"r0": ok},
+            "max_over_mean": 1.0,
+        }
+        return {
+            "workload": "shared-prefix",
+            "load": 24.0,
+            "target": target,
+            "repeat": repeat,
+            "metrics": metrics,
+        }
+
+    rows = [
+        row("kvgate", 0, 1.0, 600),
+        row("vllm-router", 0, 3.0, 500),
+        row("kvgate", 1, 5.0, 400, ok=9),  # one noisy round, one failed request
+        row("vllm-router", 1, 2.0, 550),
+        row("kvgate", 2, 1.2, 620),
+        row("vllm-router", 2, 2.5, 540),
+        {
+            "workload": "shared-prefix",
+            "load": 24.0,
+            "target": "sglang-router",
+            "repeat": 0,
+            "skipped": "no venv",
+        },
+    ]
+    merged = {r["target"]: r for r in report.merge_repeats(rows)}
+    kv = merged["kvgate"]["metrics"]
+    assert kv["ttft_p90_s"] == 1.2 and kv["output_tok_s"] == 600  # medians, not means
+    assert merged["kvgate"]["metrics_runs"]["ttft_p90_s"] == [1.0, 5.0, 1.2]
+    assert (kv["ok"], kv["requests"], kv["statuses"]) == (29, 30, {"200": 29})
+    assert kv["success"] < 1.0  # a failure in any round shows
+    assert merged["kvgate"]["repeats"] == 3 and "repeat" not in merged["kvgate"]
+    assert "skipped" in merged["sglang-router"] and "metrics" not in merged["sglang-router"]
+    goals = report.goals(list(merged.values()))
+    assert goals["shared_prefix_ttft_p90_vs_best_peer"]["value"] == round(1.2 / 2.5, 3)
+    assert not goals["success_100pct_every_run"]["met"]
