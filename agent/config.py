@@ -9,7 +9,7 @@ module). Example (every key; the engines show each family of the matrix below)::
     id = "node-a"                     # node id (default: the hostname)
     advertise = "127.0.0.1"           # host the gateway reaches this node's engines and feed at
     listen = "127.0.0.1:0"            # index-event feed gRPC (host:port, 0 = ephemeral)
-    admin_listen = "127.0.0.1:0"      # admin HTTP: /healthz /readyz /metrics, POST /drain; with kvcached
+    admin_listen = "127.0.0.1:0"      # admin HTTP: /healthz /readyz /status, POST /drain; with kvcached
                                       # gateways POST /slots/restore-chain to <advertise>:<this port>
     role = "both"                     # default role of engines: both | prefill | decode
     lease_ttl_s = 5                   # etcd lease TTL (whole seconds >= 2)
@@ -19,10 +19,10 @@ module). Example (every key; the engines show each family of the matrix below)::
     slot_save_min_tokens = 1024       # with kvcached: save a llama.cpp slot that finished a request of at
                                       # least this many tokens (prompt + output) into kvcached; 0 = off
 
-    [agent.tls]                       # optional, all three or none: mTLS on the feed
-    cert = "/etc/kvgate/agent.pem"
-    key = "/etc/kvgate/agent-key.pem"
-    client_ca = "/etc/kvgate/ca.pem"  # gateways' client certificates must chain to it
+    [agent.tls]                       # optional, all three or none: mTLS on the feed, and HTTPS on the
+    cert = "/etc/kvgate/agent.pem"    # admin API (https:// slot_restore URL) where every POST needs a
+    key = "/etc/kvgate/agent-key.pem" # client certificate (401 without; GETs stay open to probes)
+    client_ca = "/etc/kvgate/ca.pem"  # gateways' (and operators') client certificates must chain to it
 
     [etcd]                            # optional: absent = standalone (no registration)
     endpoints = ["127.0.0.1:2379"]    # kept raw as NodeConfig.etcd_raw
@@ -164,7 +164,8 @@ _ATTACH_KEYS = ("kv_events_endpoint", "kv_replay_endpoint", "kv_events_topic")
 
 @dataclass(frozen=True, slots=True)
 class TLSFiles:
-    """PEM paths for mTLS on the feed: server chain, its key, and the CA clients must chain to."""
+    """PEM paths for mTLS on the feed and the admin API (:mod:`agent.admin`): server chain, its key, and
+    the CA clients must chain to."""
 
     cert: str
     key: str

@@ -14,17 +14,20 @@ it at once), in-flight requests get ``drain_timeout_s`` to finish, the endpoints
 the engines stop. A second signal stops at once. Without ``[etcd]`` the agent runs standalone (the feed
 and admin API still serve; a gateway can list the endpoints statically).
 
-Admin HTTP (``admin_listen``, plaintext, bind it to loopback or a management network): ``GET /healthz``
-(the agent runs), ``GET /readyz`` (200 when every engine is ready), ``GET /status`` (engines, states,
-addresses, feed position, slot save/restore counters), ``POST /drain`` (the same drain as SIGTERM, then
-exit); with ``[agent] kvcached``, ``POST /slots/save``, ``/slots/restore`` and ``/slots/restore-chain``
-(llama.cpp slot state through the node's kvcached, :mod:`agent.slot_api`).
+Admin HTTP (``admin_listen``): ``GET /healthz`` (the agent runs), ``GET /readyz`` (200 when every engine
+is ready), ``GET /status`` (engines, states, addresses, feed position, slot save/restore counters),
+``POST /drain`` (the same drain as SIGTERM, then exit); with ``[agent] kvcached``, ``POST /slots/save``,
+``/slots/restore`` and ``/slots/restore-chain`` (llama.cpp slot state through the node's kvcached,
+:mod:`agent.slot_api`). Plaintext without ``[agent.tls]`` (bind it to loopback or a management network);
+with it, HTTPS with the feed's certificate, and every ``POST`` needs a client certificate that chains to
+``client_ca`` (401 without; the ``GET`` routes stay open to probes, :mod:`agent.admin`).
 
 llama.cpp engines of an agent with ``[agent] kvcached``: their slots are saved into kvcached when they
 finish a request of at least ``slot_save_min_tokens`` tokens (:mod:`agent.autosave`, watching ``/slots``
 through the telemetry poll), and their endpoint record names the agent's ``/slots/restore-chain`` URL
-(``slot_restore``: ``http://<advertise>:<admin port>/slots/restore-chain``) so that gateways restore a
-prefix kvcached holds before they route a request there (:mod:`extproc.restore`).
+(``slot_restore``: ``http://<advertise>:<admin port>/slots/restore-chain``, ``https://`` with
+``[agent.tls]``) so that gateways restore a prefix kvcached holds before they route a request there
+(:mod:`extproc.restore`, over mTLS with the gateway's ``[feeds]`` client certificate).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from agent.admin import client_cert_required, server_context
 from agent.autosave import SlotAutoSaver
 from agent.config import EngineConfig, NodeConfig, load_node_config
 from agent.errors import AgentError
@@ -248,7 +252,8 @@ class Agent:
         """Where gateways ask this agent to restore a prefix into ``engine`` (``None``: not offered)."""
         if self.slots is None or engine.kind != "llama_cpp" or not engine.started:
             return None
-        return f"http://{_join(self.config.agent.advertise, self.admin_port)}{RESTORE_CHAIN_PATH}"
+        scheme = "http" if self.config.agent.tls is None else "https"
+        return f"{scheme}://{_join(self.config.agent.advertise, self.admin_port)}{RESTORE_CHAIN_PATH}"
 
     async def _deregister(self, eng: _Engine) -> None:
         eng.registered = False
@@ -385,7 +390,10 @@ class Agent:
     # -- admin API -------------------------------------------------------------------------------------
 
     async def _start_admin(self) -> None:
-        app = web.Application()
+        """Serve the admin API: plaintext, or HTTPS where state changes need a client certificate."""
+        tls = self.config.agent.tls
+        ssl_context = None if tls is None else server_context(tls)
+        app = web.Application(middlewares=[] if tls is None else [client_cert_required])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -401,7 +409,7 @@ class Agent:
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()
         host, _, port = self.config.agent.admin_listen.rpartition(":")
-        site = web.TCPSite(self._admin, host.strip("[]"), int(port))
+        site = web.TCPSite(self._admin, host.strip("[]"), int(port), ssl_context=ssl_context)
         await site.start()
         server = site._server
         assert server is not None

@@ -12,7 +12,9 @@
   manual flow; the prompt's tokens come from the engine's own ``/apply-template`` and ``/tokenize``.
   Answers 200 with ``{engine, slot, prompt_tokens, tokens, ms, ...}``, errors as above.
 
-Errors are OpenAI-style JSON ``{"error": {"code", "message"}}``; no prompt or token is ever logged.
+Errors are OpenAI-style JSON ``{"error": {"code", "message"}}`` (:func:`agent.admin.error_response`); with
+``[agent.tls]`` every route here needs a client certificate (401 without, :mod:`agent.admin`). No prompt
+or token is ever logged.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from agent.admin import error_response
 from agent.config import EngineConfig
 from agent.errors import AgentError
 from agent.slots import SLOT_BLOCK_SIZE, RestoreOutcome, SlotCache, SlotStore, slot_dir
@@ -142,10 +145,10 @@ class SlotAdmin:
         try:
             body = msgspec.json.decode(await request.read(), type=ChainRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(400, f"bad request: {_reason(exc)}")
+            return error_response(400, f"bad request: {_reason(exc)}")
         chain = _parse_chain(body.digests)
         if isinstance(chain, str):
-            return _error(400, f"bad request: {chain}")
+            return error_response(400, f"bad request: {chain}")
         found = self._engine(body.engine)
         if isinstance(found, web.Response):
             return found
@@ -155,16 +158,16 @@ class SlotAdmin:
         try:
             if await cache.idle_slot() is None:
                 stats.busy += 1
-                return _error(409, f"engine {cfg.id}: no idle slot")
+                return error_response(409, f"engine {cfg.id}: no idle slot")
             once = functools.partial(self._once, cfg.id)
             outcome = await cache.restore_chain(chain, cfg.model, once=once)
         except AgentError as exc:
             stats.failed += 1
             log.warning("slot restore on %s failed: %s", cfg.id, exc)
-            return _error(502, str(exc))
+            return error_response(502, str(exc))
         if outcome.outcome == "busy":
             stats.busy += 1
-            return _error(409, f"engine {cfg.id}: no idle slot")
+            return error_response(409, f"engine {cfg.id}: no idle slot")
         if outcome.outcome == "restored":
             stats.restored += 1
         else:
@@ -191,9 +194,9 @@ class SlotAdmin:
         try:
             body = msgspec.json.decode(await request.read(), type=SlotRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(400, f"bad request: {_reason(exc)}")
+            return error_response(400, f"bad request: {_reason(exc)}")
         if body.slot < 0:
-            return _error(400, "bad request: slot must be >= 0")
+            return error_response(400, "bad request: slot must be >= 0")
         found = self._engine(body.engine)
         if isinstance(found, web.Response):
             return found
@@ -210,7 +213,7 @@ class SlotAdmin:
                 out["tokens"] = await cache.restore(body.slot, tokens, cfg.model)
         except AgentError as exc:
             log.warning("slot %s on %s failed: %s", action, cfg.id, exc)
-            return _error(502, str(exc))
+            return error_response(502, str(exc))
         out["ms"] = round((time.perf_counter() - began) * 1000, 3)
         return web.json_response(out)
 
@@ -218,13 +221,15 @@ class SlotAdmin:
         """The engine's config and slot cache, or the error answer (404, 400, 503)."""
         eng = self._host.engines.get(engine_id)
         if eng is None:
-            return _error(404, f"no engine {engine_id!r}")
+            return error_response(404, f"no engine {engine_id!r}")
         cfg = eng.config
         if cfg.kind != "llama_cpp" or not cfg.started:
-            return _error(400, f"engine {cfg.id}: slot save/restore needs a llama_cpp engine the agent runs")
+            return error_response(
+                400, f"engine {cfg.id}: slot save/restore needs a llama_cpp engine the agent runs"
+            )
         cache = self.cache(cfg.id)
         if cache is None or eng.supervisor.state is not EngineState.READY:
-            return _error(503, f"engine {cfg.id} is not ready")
+            return error_response(503, f"engine {cfg.id} is not ready")
         return cfg, cache
 
     async def _once(
@@ -267,7 +272,3 @@ def _parse_chain(values: list[str]) -> list[Digest] | str:
 
 def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, msgspec.ValidationError) else "body is not JSON"
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"code": status, "message": message}}, status=status)

@@ -30,7 +30,8 @@ Example (TOML)::
     endpoints = ["127.0.0.1:2379"]     # schema: extproc/etcd.py; tls_ca, tls_cert, tls_key, prefix
     [policy]
     file = "policy.toml"               # optional local policy overrides (schema: extproc/policy.py)
-    [feeds]                            # optional mTLS to agents' event feeds (all three or none)
+    [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
+                                       # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
     tls_cert = "extproc.pem"
     tls_key = "extproc.key"
@@ -219,7 +220,8 @@ class IndexConfig:
 @dataclass(frozen=True, slots=True)
 class FeedsConfig:
     """Index-event feeds from node agents: optional mTLS (all three PEM paths or none): the CA that
-    agents' certificates chain to, and this gateway's client certificate and key."""
+    agents' certificates chain to, and this gateway's client certificate and key. The same files serve
+    slot restores to agents that advertise an ``https`` ``slot_restore`` URL (:mod:`extproc.restore`)."""
 
     tls_ca: str | None = None
     tls_cert: str | None = None

@@ -18,17 +18,23 @@ restore when it pays off:
 - Counted in the ext_proc's metrics: ``kvgate_slot_restores_total{outcome}`` (``restored``, ``miss``,
   ``busy``, ``failed``, ``timeout``) and ``kvgate_slot_restore_seconds``.
 
-The agent's admin API is plaintext HTTP (bind it to a management network); requests carry digests only,
-never tokens.
+The hop follows the agent: ``http://`` where the agent runs without ``[agent.tls]`` (plaintext: bind its
+admin API to a management network); ``https://`` in the secure profile, where the agent requires a
+client certificate for every ``POST`` (:mod:`agent.admin`) and the restorer presents the ext_proc's
+``[feeds]`` client certificate and verifies the agent's against ``[feeds] tls_ca`` (``tls``, built by
+:mod:`extproc.server`). A gateway without ``[feeds]`` TLS does not try an ``https`` URL: the restore
+counts as ``failed`` (the request is routed as usual). Requests carry digests only, never tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -77,7 +83,9 @@ def plan(decision: Decision, config: SlotRestoreConfig) -> RestorePlan | None:
 class SlotRestorer:
     """Asks agents for the restores :func:`plan` finds, within ``config.timeout_s`` (module docstring).
 
-    ``clock``: seconds, for the duration histogram. Call :meth:`aclose` to close its HTTP session.
+    ``tls``: the client context for ``https`` agent URLs (verifies the agent, presents the gateway's
+    certificate); ``None``: ``https`` URLs are not tried. ``clock``: seconds, for the duration histogram.
+    Call :meth:`aclose` to close its HTTP session.
     """
 
     def __init__(
@@ -85,12 +93,15 @@ class SlotRestorer:
         config: SlotRestoreConfig,
         metrics: GatewayMetrics | None = None,
         *,
+        tls: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         self._metrics = metrics
+        self._tls = tls
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
+        self._warned_no_tls = False
 
     async def before_routing(self, decision: Decision) -> str | None:
         """Restore into ``decision``'s pick if it pays off; the outcome (``None``: nothing asked)."""
@@ -110,8 +121,14 @@ class SlotRestorer:
 
     async def restore(self, wanted: RestorePlan) -> str:
         """POST ``wanted`` to its agent; one of :data:`OUTCOMES`. Never raises for the agent's failures."""
+        if self._tls is None and urlsplit(wanted.url).scheme == "https":
+            if not self._warned_no_tls:  # once: every such restore is counted as failed anyway
+                self._warned_no_tls = True
+                log.warning("agents offer https slot restores but [feeds] has no TLS client certificate")
+            return "failed"
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=True if self._tls is None else self._tls)
+            self._session = aiohttp.ClientSession(connector=connector)
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 async with self._session.post(

@@ -3,7 +3,8 @@
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
 ``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
 scraper feeding the fleet. With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates
-re-read when their files change, :mod:`extproc.tls`); health and metrics stay plaintext. First
+re-read when their files change, :mod:`extproc.tls`); health and metrics stay plaintext. ``[feeds]``
+TLS files also serve the slot restorer's ``https`` requests to agents (:mod:`extproc.restore`). First
 SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a grace period), the second forces.
 """
 
@@ -129,8 +130,9 @@ class Gateway:
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
-        #: llama.cpp slot restores before routing (endpoints whose agent offers them).
-        self.restorer = SlotRestorer(config.slot_restore, self.metrics)
+        #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
+        #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
+        self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
         self.health = _HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
@@ -228,6 +230,15 @@ def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
             key=Path(sc.tls_key) if sc.tls_key else None,
         )
     )
+
+
+def _feeds_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
+    """The client context towards agents (``[feeds]`` TLS files; ``None`` without them)."""
+    fd = cfg.feeds
+    if not (fd.tls_ca and fd.tls_cert and fd.tls_key):
+        return None
+    files = ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
+    return client_context(files, where="feeds")
 
 
 class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]

@@ -1,5 +1,6 @@
 """TLS material of the ext_proc process: gRPC server credentials that follow file rotation, and the
-client context the metrics scraper uses towards engines that require client certificates.
+client contexts the metrics scraper uses towards engines that require client certificates and the slot
+restorer towards agents' admin APIs (:mod:`extproc.restore`).
 
 :class:`ReloadingServerCerts` is the certificate fetcher of ``grpc.dynamic_ssl_server_credentials``:
 gRPC calls it before every new TLS handshake; it compares the files' (inode, size, mtime) with what it
@@ -121,12 +122,13 @@ class ClientTlsFiles:
     key: Path | None = None
 
 
-def client_context(files: ClientTlsFiles) -> ssl.SSLContext:
-    """An ``ssl.SSLContext`` verifying servers (hostname included) and presenting the client cert."""
+def client_context(files: ClientTlsFiles, *, where: str = "scrape") -> ssl.SSLContext:
+    """An ``ssl.SSLContext`` verifying servers (hostname included) and presenting the client cert;
+    :class:`ConfigError` (naming the config section ``where``) if the files are unusable."""
     try:
         ctx = ssl.create_default_context(cafile=None if files.ca is None else str(files.ca))
         if files.cert is not None and files.key is not None:
             ctx.load_cert_chain(str(files.cert), str(files.key))
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"scrape TLS: cannot load certificates: {exc}") from exc
+        raise ConfigError(f"{where} TLS: cannot load certificates: {exc}") from exc
     return ctx

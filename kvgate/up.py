@@ -99,8 +99,9 @@ class StackOptions:
     index: dict[str, Any] = field(default_factory=dict)
     #: ``agents`` mode: one kvcached daemon per node (``node-<i>``, registered in the local etcd), each
     #: agent's ``[agent] kvcached`` pointing at it. Daemons fetch from each other over QUIC; QUIC, the
-    #: agents' and daemons' feeds and the gateway's subscriptions use mTLS from a dev CA in
-    #: ``WORKDIR/certs``. llama.cpp slots are then saved into kvcached and restored before routing.
+    #: agents' and daemons' feeds, the gateway's subscriptions and its slot restores (the agents' admin
+    #: APIs serve HTTPS) use mTLS from a dev CA in ``WORKDIR/certs``. llama.cpp slots are then saved into
+    #: kvcached and restored before routing.
     kvcached: bool = False
     #: Extra keys of each agent's ``[agent]`` table (e.g. ``{"slot_save_min_tokens": 512}``).
     agent_options: dict[str, Any] = field(default_factory=dict)

@@ -9,11 +9,14 @@ The same conversation with a new question then goes to replica B: the gateway se
 lead beat B's own by more than ``slot_restore.min_blocks``, asks B's agent to restore (which fetches the
 file from node-0 over QUIC) and only then lets Envoy send the request, which B serves from cache. The
 control: a prompt whose lead stays under ``min_blocks`` is saved too, but never restored, so B prefills it.
+The agents have ``[agent.tls]`` (dev CA): their admin APIs are HTTPS, and the gateway's restore goes over
+mTLS with its ``[feeds]`` client certificate; a POST without one is refused (401).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -114,9 +117,16 @@ def restores(stack: Stack) -> dict[str, float]:
     return out
 
 
-def agent_status(stack: Stack, node: int) -> dict[str, Any]:
+def agent_admin(stack: Stack, node: int) -> tuple[str, ssl.SSLContext]:
+    """The base URL of node ``node``'s agent admin API (HTTPS) and a client context that verifies it
+    (no client certificate: enough for the GET routes)."""
     port = stack.agent_status[node]["admin_port"]
-    status: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/status", timeout=10).json()
+    return f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(stack.certs["extproc"].ca))
+
+
+def agent_status(stack: Stack, node: int) -> dict[str, Any]:
+    base, tls = agent_admin(stack, node)
+    status: dict[str, Any] = httpx.get(f"{base}/status", verify=tls, timeout=10).json()
     return status
 
 
@@ -161,3 +171,11 @@ def test_lead_under_min_blocks_is_not_restored(stack: Stack) -> None:
     on_b = chat(stack, b, follow_up(first, on_a, "And which birds live in the delta?"))
     assert on_b["timings"]["cache_n"] < 64, on_b["timings"]  # B prefilled it: no restore was asked
     assert restores(stack) == before
+
+
+def test_agent_admin_needs_a_client_certificate_for_changes(stack: Stack) -> None:
+    base, tls = agent_admin(stack, 1)
+    assert httpx.get(f"{base}/healthz", verify=tls, timeout=10).status_code == 200
+    body = {"engine": stack.engines[1]["id"], "digests": ["00" * 16]}
+    resp = httpx.post(f"{base}/slots/restore-chain", json=body, verify=tls, timeout=10)
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == 401

@@ -49,6 +49,8 @@ def test_defaults_and_endpoint() -> None:
         ({"endpoints": [{**ENDPOINT, "slot_restore": "http://h:0/x"}]}, "endpoints[0].slot_restore"),
         ({"endpoints": [{**ENDPOINT, "slot_restore": "http://h:port/x"}]}, "endpoints[0].slot_restore"),
         ({"endpoints": [{**ENDPOINT, "slot_restore": 7}]}, "endpoints[0].slot_restore: expected str"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "wss://h/x"}]}, "slot_restore: expected an http"),
+        ({"endpoints": [{**ENDPOINT, "slot_restore": "https:///x"}]}, "endpoints[0].slot_restore"),
     ],
 )
 def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
@@ -62,9 +64,12 @@ def test_slot_restore_section() -> None:
     assert config.slot_restore == SlotRestoreConfig(enabled=True, min_blocks=32, timeout_s=2.0)
     config = parse_config({"slot_restore": {"enabled": False, "min_blocks": 64, "timeout_s": 0.5}})
     assert config.slot_restore == SlotRestoreConfig(False, 64, 0.5)
-    url = "http://10.0.0.7:7400/slots/restore-chain"
-    (endpoint,) = parse_config({"endpoints": [{**ENDPOINT, "slot_restore": url}]}).endpoints
-    assert endpoint.slot_restore == url
+    for url in (
+        "http://10.0.0.7:7400/slots/restore-chain",
+        "https://node-a.internal:7400/slots/restore-chain",
+    ):
+        (endpoint,) = parse_config({"endpoints": [{**ENDPOINT, "slot_restore": url}]}).endpoints
+        assert endpoint.slot_restore == url  # https: agents with [agent.tls] (mTLS with [feeds])
     doc = config_module.__doc__ or ""
     start = doc.index("    [slot_restore]")
     example = tomllib.loads(textwrap.dedent(doc[start : doc.index("\n\n", start)]))

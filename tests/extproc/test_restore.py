@@ -1,19 +1,26 @@
 """extproc.restore: when a decision calls for a llama.cpp slot restore (plan, a table), and the restorer
-against a stand-in agent on 127.0.0.1:0 (each outcome, the deadline, the metrics)."""
+against a stand-in agent on 127.0.0.1:0 (each outcome, the deadline, the metrics), over plaintext and over
+mTLS (the agent's HTTPS admin listener, :mod:`agent.admin`, with dev-CA certificates)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import orjson
 import pytest
 from aiohttp import web
 
+from agent.admin import client_cert_required, server_context
+from agent.config import TLSFiles
+from certs.store import dev_bundle
 from extproc.config import SlotRestoreConfig
 from extproc.digest import Digest
+from extproc.errors import ConfigError
 from extproc.events import Stored, node_store_endpoint
 from extproc.fleet import Endpoint, EndpointId, EndpointState, Fleet
 from extproc.index import ApproximateIndex
@@ -24,6 +31,7 @@ from extproc.request import Kind, parse_body
 from extproc.restore import SlotRestorer, plan
 from extproc.router import Decision, Router
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from extproc.tls import ClientTlsFiles, client_context
 
 URL = "http://127.0.0.1:1/slots/restore-chain"
 CHAIN = [Digest(bytes([i]) * 16) for i in range(100)]
@@ -75,17 +83,24 @@ class Agent:
         return web.Response(status=self.status, body=self.body, content_type="application/json")
 
 
-@pytest.fixture
-async def agent() -> AsyncIterator[tuple[Agent, str]]:
-    stand_in = Agent()
-    app = web.Application()
+async def serve(stand_in: Agent, tls: TLSFiles | None = None) -> tuple[web.AppRunner, str]:
+    """``stand_in`` on 127.0.0.1:0: plaintext, or HTTPS requiring a client certificate as the agent does."""
+    app = web.Application(middlewares=[] if tls is None else [client_cert_required])
     app.add_routes([web.post("/slots/restore-chain", stand_in.handle)])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=None if tls is None else server_context(tls))
     await site.start()
+    scheme = "http" if tls is None else "https"
+    return runner, f"{scheme}://127.0.0.1:{runner.addresses[0][1]}/slots/restore-chain"
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[tuple[Agent, str]]:
+    stand_in = Agent()
+    runner, url = await serve(stand_in)
     try:
-        yield stand_in, f"http://127.0.0.1:{runner.addresses[0][1]}/slots/restore-chain"
+        yield stand_in, url
     finally:
         await runner.cleanup()
 
@@ -155,3 +170,77 @@ def test_router_decision_carries_the_kvcached_lead() -> None:
     assert wanted is not None and wanted.url == restore_url and list(wanted.digests) == chain[:40]
     elsewhere = router.decide(request, request_id="s", now=1.0, pinned=["127.0.0.1:8001"])
     assert plan(elsewhere, SlotRestoreConfig()) is None  # a's agent offers no restore
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, ClientTlsFiles | TLSFiles]:
+    """The agent's server files, the gateway's ``[feeds]`` files, and the CA alone (no client cert)."""
+    bundle = dev_bundle(tmp_path / "pki", ["agent-node-1", "extproc"], dt.datetime.now(dt.UTC))
+    agent, gateway = bundle["agent-node-1"], bundle["extproc"]
+    return {
+        "agent": TLSFiles(str(agent.cert), str(agent.key), str(agent.ca)),
+        "feeds": ClientTlsFiles(ca=gateway.ca, cert=gateway.cert, key=gateway.key),
+        "ca_only": ClientTlsFiles(ca=gateway.ca),
+    }
+
+
+async def test_https_agent_with_the_gateways_client_certificate(
+    pki: dict[str, ClientTlsFiles | TLSFiles], agent: tuple[Agent, str]
+) -> None:
+    """mTLS: the ``[feeds]`` client certificate gets the restore; the same restorer still reaches a
+    plaintext agent; no client certificate is a 401 (``failed``); no TLS at all never dials an https URL."""
+    agent_files, feeds, ca_only = pki["agent"], pki["feeds"], pki["ca_only"]
+    assert isinstance(agent_files, TLSFiles)
+    assert isinstance(feeds, ClientTlsFiles) and isinstance(ca_only, ClientTlsFiles)
+    stand_in = Agent()
+    runner, url = await serve(stand_in, agent_files)
+    plain_agent, plain_url = agent
+    assert url.startswith("https://")
+    config = SlotRestoreConfig(timeout_s=5.0)
+    mtls = SlotRestorer(config, tls=client_context(feeds, where="feeds"))
+    anonymous = SlotRestorer(config, tls=client_context(ca_only, where="feeds"))
+    metrics = GatewayMetrics(Fleet())
+    no_tls = SlotRestorer(config, metrics)
+    try:
+        assert await mtls.before_routing(decision(matched=0, lead=64, url=url)) == "restored"
+        assert stand_in.seen == [{"engine": "b", "digests": [d.hex() for d in CHAIN[:64]]}]
+        assert await mtls.before_routing(decision(matched=0, lead=64, url=plain_url)) == "restored"
+        assert len(plain_agent.seen) == 1
+        assert await anonymous.before_routing(decision(matched=0, lead=64, url=url)) == "failed"  # 401
+        assert await no_tls.before_routing(decision(matched=0, lead=64, url=url)) == "failed"
+        assert len(stand_in.seen) == 1  # neither got past the agent's certificate check
+    finally:
+        for restorer in (mtls, anonymous, no_tls):
+            await restorer.aclose()
+        await runner.cleanup()
+    counted = {
+        s.labels["outcome"]: s.value
+        for m in metrics.registry.collect()
+        if m.name == "kvgate_slot_restores"
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    assert counted == {"failed": 1.0}
+
+
+async def test_server_certificate_from_another_ca_is_refused(
+    pki: dict[str, ClientTlsFiles | TLSFiles], tmp_path: Path
+) -> None:
+    """The restorer verifies the agent: a server certificate from another CA fails the handshake."""
+    feeds = pki["feeds"]
+    assert isinstance(feeds, ClientTlsFiles)
+    rogue = dev_bundle(tmp_path / "rogue", ["agent-node-1"], dt.datetime.now(dt.UTC))["agent-node-1"]
+    stand_in = Agent()
+    runner, url = await serve(stand_in, TLSFiles(str(rogue.cert), str(rogue.key), str(feeds.ca)))
+    restorer = SlotRestorer(SlotRestoreConfig(timeout_s=5.0), tls=client_context(feeds, where="feeds"))
+    try:
+        assert await restorer.before_routing(decision(matched=0, lead=64, url=url)) == "failed"
+        assert stand_in.seen == []
+    finally:
+        await restorer.aclose()
+        await runner.cleanup()
+
+
+def test_unusable_feeds_files_name_the_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="feeds TLS: cannot load certificates"):
+        client_context(ClientTlsFiles(ca=tmp_path / "missing.pem"), where="feeds")

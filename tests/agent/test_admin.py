@@ -1,0 +1,175 @@
+"""agent.admin: the admin API of a real :class:`agent.main.Agent` (no engines, no etcd, ``[agent]
+kvcached`` set so the slot routes exist) on 127.0.0.1:0. With ``[agent.tls]`` (dev-CA certificates):
+HTTPS, reads open without a client certificate, every POST 401 without one, a certificate from another CA
+refused, a valid one let through to the route; the advertised ``slot_restore`` URL is ``https``. Without
+it: plaintext and open, as before."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from agent.admin import server_context
+from agent.config import AgentSection, EngineConfig, NodeConfig, TLSFiles, parse_node_config
+from agent.errors import AgentConfigError
+from agent.main import Agent
+from agent.slot_api import RESTORE_CHAIN_PATH
+from certs.store import LeafFiles, dev_bundle
+
+#: Every state-changing route of an agent with ``[agent] kvcached``.
+POSTS = ("/drain", "/slots/save", "/slots/restore", RESTORE_CHAIN_PATH)
+DIGEST = "ab" * 16
+
+
+@dataclass(frozen=True)
+class Pki:
+    agent: LeafFiles
+    gateway: LeafFiles  # the ext_proc's [feeds] client certificate
+    rogue: LeafFiles  # same name, another CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    now = dt.datetime.now(dt.UTC)
+    good = dev_bundle(tmp_path_factory.mktemp("pki"), ["agent-node-a", "extproc"], now)
+    rogue = dev_bundle(tmp_path_factory.mktemp("rogue"), ["extproc"], now)
+    return Pki(good["agent-node-a"], good["extproc"], rogue["extproc"])
+
+
+def llama_engine() -> EngineConfig:
+    raw = {
+        "agent": {"id": "node-a"},
+        "engines": [{"kind": "llama_cpp", "model": "m", "model_path": "smollm2"}],
+    }
+    return parse_node_config(raw).engines[0]
+
+
+async def running(tmp_path: Path, tls: TLSFiles | None) -> Agent:
+    section = AgentSection(
+        id="node-a", state_dir=str(tmp_path / "state"), kvcached=f"unix:{tmp_path / 'kvcached.sock'}", tls=tls
+    )
+    agent = Agent(NodeConfig(section, ()), index_block_size=16)
+    try:
+        await agent.start()
+    except BaseException:
+        await agent.aclose()
+        raise
+    return agent
+
+
+@pytest.fixture
+async def tls_agent(tmp_path: Path, pki: Pki) -> AsyncIterator[Agent]:
+    files = TLSFiles(str(pki.agent.cert), str(pki.agent.key), str(pki.agent.ca))
+    agent = await running(tmp_path, files)
+    try:
+        yield agent
+    finally:
+        await agent.aclose()
+
+
+def client(pki: Pki, cert: LeafFiles | None) -> ssl.SSLContext:
+    """A client that verifies the agent, presenting ``cert`` (``None``: no client certificate)."""
+    ctx = ssl.create_default_context(cafile=str(pki.agent.ca))
+    if cert is not None:
+        ctx.load_cert_chain(str(cert.cert), str(cert.key))
+    return ctx
+
+
+async def call(
+    method: str, url: str, tls: ssl.SSLContext | None = None, body: object = None
+) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        kwargs: dict[str, Any] = {} if tls is None else {"ssl": tls}
+        async with session.request(method, url, json=body, **kwargs) as resp:
+            return resp.status, await resp.json()
+
+
+async def test_reads_are_open_and_every_post_needs_a_client_certificate(tls_agent: Agent, pki: Pki) -> None:
+    base = f"https://127.0.0.1:{tls_agent.admin_port}"
+    anonymous = client(pki, None)
+    assert await call("GET", f"{base}/healthz", anonymous) == (200, {"status": "ok"})
+    assert await call("GET", f"{base}/readyz", anonymous) == (200, {"ready": True})  # no engines
+    status, page = await call("GET", f"{base}/status", anonymous)
+    assert status == 200 and page["node"] == "node-a"
+    for path in POSTS:
+        status, answer = await call(
+            "POST", base + path, anonymous, {"engine": "llama-0", "digests": [DIGEST]}
+        )
+        assert status == 401, path
+        assert answer["error"]["code"] == 401 and "client certificate" in answer["error"]["message"]
+    assert not tls_agent.stop_requested.is_set()
+
+
+async def test_client_certificate_from_another_ca_is_refused(tls_agent: Agent, pki: Pki) -> None:
+    base = f"https://127.0.0.1:{tls_agent.admin_port}"
+    for path in ("/drain", RESTORE_CHAIN_PATH):
+        try:
+            status, _ = await call(
+                "POST", base + path, client(pki, pki.rogue), {"engine": "x", "digests": []}
+            )
+        except aiohttp.ClientError:
+            continue  # refused in the TLS handshake (the certificate does not chain to client_ca)
+        assert status == 401, path
+    assert not tls_agent.stop_requested.is_set()
+
+
+async def test_a_valid_client_certificate_reaches_the_routes(tls_agent: Agent, pki: Pki) -> None:
+    base = f"https://127.0.0.1:{tls_agent.admin_port}"
+    gateway = client(pki, pki.gateway)
+    status, answer = await call(
+        "POST", base + RESTORE_CHAIN_PATH, gateway, {"engine": "llama-0", "digests": []}
+    )
+    assert status == 400 and "digests" in answer["error"]["message"]
+    status, answer = await call(
+        "POST", base + RESTORE_CHAIN_PATH, gateway, {"engine": "x", "digests": [DIGEST]}
+    )
+    assert status == 404 and answer["error"]["message"] == "no engine 'x'"
+    status, answer = await call("POST", base + "/slots/save", gateway, {"engine": "x"})
+    assert status == 400 and answer["error"]["code"] == 400
+    assert await call("GET", f"{base}/healthz", gateway) == (200, {"status": "ok"})
+    assert await call("POST", f"{base}/drain", gateway) == (202, {"draining": True})
+    assert tls_agent.stop_requested.is_set()
+
+
+async def test_plaintext_client_is_not_served(tls_agent: Agent) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        await call("GET", f"http://127.0.0.1:{tls_agent.admin_port}/healthz")
+
+
+async def test_advertised_restore_url_follows_tls(tls_agent: Agent, tmp_path: Path) -> None:
+    engine = llama_engine()
+    assert (
+        tls_agent.slot_restore_url(engine) == f"https://127.0.0.1:{tls_agent.admin_port}{RESTORE_CHAIN_PATH}"
+    )
+    plain = await running(tmp_path / "plain", None)
+    try:
+        assert plain.slot_restore_url(engine) == f"http://127.0.0.1:{plain.admin_port}{RESTORE_CHAIN_PATH}"
+    finally:
+        await plain.aclose()
+
+
+async def test_without_tls_the_admin_api_is_plaintext_and_open(tmp_path: Path) -> None:
+    agent = await running(tmp_path, None)
+    base = f"http://127.0.0.1:{agent.admin_port}"
+    try:
+        assert await call("GET", f"{base}/healthz") == (200, {"status": "ok"})
+        status, answer = await call(
+            "POST", base + RESTORE_CHAIN_PATH, None, {"engine": "x", "digests": [DIGEST]}
+        )
+        assert status == 404 and answer["error"]["code"] == 404
+        assert await call("POST", f"{base}/drain") == (202, {"draining": True})
+        assert agent.stop_requested.is_set()
+    finally:
+        await agent.aclose()
+
+
+def test_unusable_certificate_files_are_a_config_error(tmp_path: Path, pki: Pki) -> None:
+    with pytest.raises(AgentConfigError, match=r"agent\.tls: cannot load"):
+        server_context(TLSFiles(str(pki.agent.cert), str(tmp_path / "missing.key"), str(pki.agent.ca)))
