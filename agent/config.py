@@ -18,6 +18,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     kvcached = "unix:/run/kvgate/kvcached.sock"   # optional: llama.cpp slot save/restore via kvcached
     slot_save_min_tokens = 1024       # with kvcached: save a llama.cpp slot that finished a request of at
                                       # least this many tokens (prompt + output) into kvcached; 0 = off
+    kvcached_max_block_bytes = 67108864   # with kvcached: largest slot file sent or fetched (bytes);
+                                      # match kvcached's own max_block_bytes (default 64 MiB both)
 
     [agent.tls]                       # optional, all three or none: mTLS on the feed, and HTTPS on the
     cert = "/etc/kvgate/agent.pem"    # admin API (https:// slot_restore URL) where every POST needs a
@@ -123,6 +125,7 @@ from agent.errors import AgentConfigError
 from extproc.config import _REQUIRED, Section
 from extproc.errors import ConfigError
 from extproc.fleet import ENGINE_KINDS, ROLES
+from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 
 KV_OFFLOADS = ("none", "nixl", "lmcache", "hicache", "kvbm")
 #: Kinds that publish KV events over ZMQ in vLLM's format (trtllm only offers an HTTP poll endpoint).
@@ -191,6 +194,9 @@ class AgentSection:
     #: With ``kvcached``: a llama.cpp slot that finished a request and caches at least this many tokens is
     #: saved into kvcached automatically (:mod:`agent.autosave`); 0 turns automatic saves off.
     slot_save_min_tokens: int = 1024
+    #: With ``kvcached``: the largest block (slot file) the agent sends to or takes from kvcached, its gRPC
+    #: message bound; keep it equal to kvcached's ``max_block_bytes``.
+    kvcached_max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +351,9 @@ def _agent(raw: object) -> AgentSection:
         tls=_tls(s.raw("tls")),
         kvcached=s.string("kvcached"),
         slot_save_min_tokens=_slot_save_min_tokens(s),
+        kvcached_max_block_bytes=s.integer(
+            "kvcached_max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1024 * 1024
+        ),
     )
     s.done()
     if "slot_save_min_tokens" in s.names() and agent.slot_save_min_tokens and not agent.kvcached:

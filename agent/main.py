@@ -57,7 +57,7 @@ from extproc.errors import ConfigError
 from extproc.events import IndexEvent, Load
 from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.tls import ServerTlsFiles
-from kvcached.service import KvcachedClient
+from kvcached.service import MESSAGE_SLACK, KvcachedClient
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,10 @@ class Agent:
             ]
         )
         if self.config.agent.kvcached:
-            self._kvcached = KvcachedClient(self.config.agent.kvcached)
+            self._kvcached = KvcachedClient(
+                self.config.agent.kvcached,
+                max_message_bytes=self.config.agent.kvcached_max_block_bytes + MESSAGE_SLACK,
+            )
             self.slots = SlotAdmin(self, self._kvcached)
             app.add_routes(self.slots.routes())
         self._admin = web.AppRunner(app, access_log=None)

@@ -76,6 +76,16 @@ def test_slot_save_min_tokens() -> None:
     assert parse_node_config(node(OK)).agent.slot_save_min_tokens == 1024  # unused without kvcached
 
 
+def test_kvcached_max_block_bytes() -> None:
+    with_kvcached = {"kvcached": "unix:/run/kvcached.sock"}
+    assert parse_node_config(node(OK, agent=with_kvcached)).agent.kvcached_max_block_bytes == 64 << 20
+    big = parse_node_config(node(OK, agent={**with_kvcached, "kvcached_max_block_bytes": 256 << 20}))
+    assert big.agent.kvcached_max_block_bytes == 256 << 20
+    for bad in (0, 1000, "64MiB"):
+        with pytest.raises(AgentConfigError, match="kvcached_max_block_bytes"):
+            parse_node_config(node(OK, agent={**with_kvcached, "kvcached_max_block_bytes": bad}))
+
+
 def test_minimal_config_defaults() -> None:
     cfg = parse_toml(
         """
