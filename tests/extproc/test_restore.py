@@ -105,6 +105,17 @@ async def agent() -> AsyncIterator[tuple[Agent, str]]:
         await runner.cleanup()
 
 
+def restore_counts(metrics: GatewayMetrics) -> dict[str, float]:
+    """``kvgate_slot_restores_total`` by outcome."""
+    return {
+        s.labels["outcome"]: s.value
+        for m in metrics.registry.collect()
+        if m.name == "kvgate_slot_restores"
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+
+
 async def test_outcomes_deadline_and_metrics(agent: tuple[Agent, str]) -> None:
     stand_in, url = agent
     metrics = GatewayMetrics(Fleet())
@@ -131,13 +142,7 @@ async def test_outcomes_deadline_and_metrics(agent: tuple[Agent, str]) -> None:
         assert await restorer.before_routing(wanted) == "failed"  # nobody listens there
     finally:
         await restorer.aclose()
-    counted = {
-        s.labels["outcome"]: s.value
-        for m in metrics.registry.collect()
-        if m.name == "kvgate_slot_restores"
-        for s in m.samples
-        if s.name.endswith("_total")
-    }
+    counted = restore_counts(metrics)
     assert counted == {"restored": 1.0, "miss": 1.0, "busy": 1.0, "failed": 3.0, "timeout": 1.0}
     (histogram,) = [m for m in metrics.registry.collect() if m.name == "kvgate_slot_restore_seconds"]
     assert [s.value for s in histogram.samples if s.name.endswith("_count")] == [7.0]
@@ -213,13 +218,7 @@ async def test_https_agent_with_the_gateways_client_certificate(
         for restorer in (mtls, anonymous, no_tls):
             await restorer.aclose()
         await runner.cleanup()
-    counted = {
-        s.labels["outcome"]: s.value
-        for m in metrics.registry.collect()
-        if m.name == "kvgate_slot_restores"
-        for s in m.samples
-        if s.name.endswith("_total")
-    }
+    counted = restore_counts(metrics)
     assert counted == {"failed": 1.0}
 
 
