@@ -111,10 +111,8 @@ KV offload x role matrix (rendering and sources: :mod:`agent.engines`)::
 from __future__ import annotations
 
 import copy
-import json
 import re
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +120,7 @@ from types import MappingProxyType
 from typing import Any
 
 from agent.errors import AgentConfigError
-from extproc.config import _REQUIRED, Section
+from extproc.config import _REQUIRED, Section, read_tree
 from extproc.errors import ConfigError
 from extproc.fleet import ENGINE_KINDS, ROLES
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
@@ -305,16 +303,10 @@ def parse_node_config(raw: object) -> NodeConfig:
 
 def load_node_config(path: Path | str) -> NodeConfig:
     """Read and validate a ``.toml`` (or ``.json``) node config file."""
-    path = Path(path)
     try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise AgentConfigError(f"cannot read node config {path}: {exc.strerror}") from exc
-    is_json = path.suffix == ".json"
-    try:
-        raw = json.loads(text) if is_json else tomllib.loads(text.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AgentConfigError(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from exc
+        raw = read_tree(path, "node config")
+    except ConfigError as exc:
+        raise AgentConfigError(str(exc)) from exc
     return parse_node_config(raw)
 
 

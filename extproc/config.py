@@ -451,14 +451,22 @@ def _http_url(value: str | None, where: str) -> str | None:
     return value
 
 
-def load_config(path: Path) -> GatewayConfig:
-    """Read and validate a ``.toml`` or ``.json`` config file."""
+def read_tree(path: Path | str, what: str) -> object:
+    """The parsed contents of a ``.json`` file, or of any other as TOML; :class:`ConfigError` naming
+    ``what`` (e.g. "config") if it cannot be read, and the format if it does not parse. The config and
+    policy loaders of every process read their files through this."""
+    path = Path(path)
     try:
         text = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    is_json = path.suffix == ".json"
     try:
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text.decode())
+        return json.loads(text) if is_json else tomllib.loads(text.decode())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from exc
-    return parse_config(raw)
+        raise ConfigError(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from exc
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Read and validate a ``.toml`` or ``.json`` config file."""
+    return parse_config(read_tree(path, "config"))

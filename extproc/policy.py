@@ -38,13 +38,13 @@ import math
 import os
 import re
 import tempfile
-import tomllib
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from extproc.config import read_tree
 from extproc.errors import ConfigError
 from extproc.fleet import Endpoint
 from extproc.scheduling.registry import (
@@ -419,14 +419,7 @@ def policy_tree(values: Mapping[str, object]) -> dict[str, object]:
 
 def load_policy_file(path: Path) -> dict[str, bytes]:
     """The policy paths of a ``.toml`` or ``.json`` file, each value JSON-encoded (as stored in etcd)."""
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read policy file {path}: {exc.strerror}") from exc
-    try:
-        tree = json.loads(text) if path.suffix == ".json" else tomllib.loads(text.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from exc
+    tree = read_tree(path, "policy file")
     return {p: encode_value(v) for p, v in flatten_policy(tree, str(path)).items()}
 
 
@@ -471,8 +464,11 @@ def _toml(tree: Mapping[str, object], parts: list[str]) -> str:
     """TOML for a tree: scalars as ``key = value`` under the table's header, sub-tables after them (a
     table holding only sub-tables gets no header of its own)."""
     tables = [(k, v) for k, v in tree.items() if isinstance(v, Mapping)]
-    lines = [f"{_toml_key(k)} = {_toml_scalar(v, '/'.join([*parts, k]))}" for k, v in tree.items()
-             if not isinstance(v, Mapping)]
+    lines = [
+        f"{_toml_key(k)} = {_toml_scalar(v, '/'.join([*parts, k]))}"
+        for k, v in tree.items()
+        if not isinstance(v, Mapping)
+    ]
     if parts and (lines or not tables):
         lines.insert(0, f"[{'.'.join(_toml_key(p) for p in parts)}]")
     text = "\n".join(lines) + "\n" if lines else ""

@@ -45,16 +45,14 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
 from __future__ import annotations
 
 import copy
-import json
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from extproc.config import _REQUIRED, Section
+from extproc.config import _REQUIRED, Section, read_tree
 from extproc.errors import ConfigError
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.errors import KvcachedConfigError
@@ -126,16 +124,10 @@ def parse_kvcached_config(raw: object) -> KvcachedConfig:
 
 def load_kvcached_config(path: Path | str) -> KvcachedConfig:
     """Read and validate a ``.toml`` (or ``.json``) config file."""
-    path = Path(path)
     try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise KvcachedConfigError(f"cannot read kvcached config {path}: {exc.strerror}") from exc
-    is_json = path.suffix == ".json"
-    try:
-        raw = json.loads(text) if is_json else tomllib.loads(text.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise KvcachedConfigError(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from exc
+        raw = read_tree(path, "kvcached config")
+    except ConfigError as exc:
+        raise KvcachedConfigError(str(exc)) from exc
     return parse_kvcached_config(raw)
 
 
