@@ -442,10 +442,9 @@ class _ClientProtocol(QuicConnectionProtocol):
             if fetch is None or fetch.done.done():
                 return
             fetch.progress_at = self._loop.time()
-            try:
-                fetch.frames.extend(fetch.reader.feed(event.data))
-            except CorruptBlock as exc:
-                self._abandon(event.stream_id, fetch, str(exc))
+            fetch.frames.extend(fetch.reader.feed(event.data))  # whole frames before a bad one count
+            if fetch.reader.broken is not None:
+                self._abandon(event.stream_id, fetch, fetch.reader.broken)
                 return
             if event.end_stream:
                 fetch.torn = fetch.reader.pending() > 0

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from extproc.digest import DIGEST_BYTES
 from kvcached.block import check_digest
-from kvcached.errors import BadRequest, CorruptBlock
+from kvcached.errors import BadRequest
 
 ALPN = "kvgate-kv/1"
 """The QUIC application protocol both sides offer; a peer offering anything else is refused."""
@@ -88,8 +88,9 @@ class FrameReader:
     """Reassembles response frames from stream chunks.
 
     ``max_record_bytes`` bounds one record (the largest block plus :data:`RECORD_OVERHEAD_MAX`), so a
-    hostile or broken peer cannot make the reader buffer more than that per stream: a larger announced
-    length raises :class:`CorruptBlock` and the stream is abandoned.
+    hostile or broken peer cannot make the reader buffer more than that per stream: at a larger announced
+    length the reader stops, sets :attr:`broken` (why) and ignores anything fed after; the frames completed
+    before it, even in the same chunk, are still returned, and the caller abandons the stream.
 
     A frame's chunks are kept as views of the data fed and joined once, when the frame is whole: its
     first ``head_bytes`` into :attr:`Frame.head`, the rest into :attr:`Frame.body`. A client that splits
@@ -103,12 +104,13 @@ class FrameReader:
     _parts: list[memoryview] = field(default_factory=list)
     _need: int | None = None
     _have: int = 0
+    broken: str | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Add ``data``; return the frames it completed, in stream order."""
+        """Add ``data``; return the frames it completed, in stream order (none once :attr:`broken`)."""
         out: list[Frame] = []
         view = memoryview(data)
-        while view:
+        while view and self.broken is None:
             if self._need is None:
                 take = _U32.size - len(self._prefix)
                 self._prefix += view[:take]
@@ -118,7 +120,8 @@ class FrameReader:
                 (length,) = _U32.unpack(self._prefix)
                 self._prefix.clear()
                 if length < DIGEST_BYTES or length - DIGEST_BYTES > self.max_record_bytes:
-                    raise CorruptBlock(f"frame length {length} out of bounds")
+                    self.broken = f"frame length {length} out of bounds"
+                    break
                 self._need, self._have = length, 0
             take = min(self._need - self._have, len(view))
             self._parts.append(view[:take])

@@ -20,7 +20,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from certs.store import LeafFiles, dev_bundle
 from kvcached import peers
 from kvcached.block import HEADER_BYTES, decode_record, encode_record, verify_record
-from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, PeerUnavailable
+from kvcached.errors import BadRequest, KvcachedConfigError, PeerUnavailable
 from kvcached.peers import PeerClient, PeerServer, split_address
 from kvcached.tiers import TieredStore
 from kvcached.wire import (
@@ -125,8 +125,13 @@ def test_frame_reader_reassembles_any_split() -> None:
     reader = FrameReader(max_record_bytes=10_000)
     reader.feed(stream[:-3])
     assert reader.pending() > 0  # a torn last frame
-    with pytest.raises(CorruptBlock):
-        FrameReader(max_record_bytes=10).feed(frame_header(digest(1), 11))
+    # an announced length over the bound stops the reader; a whole frame before it in the same chunk is kept
+    first = encode_record(digest(1), b"x" * 5)
+    reader = FrameReader(max_record_bytes=len(first))
+    got = reader.feed(frame_header(digest(1), len(first)) + first + frame_header(digest(2), len(first) + 1))
+    assert [(f.digest, f.body) for f in got] == [(digest(1), first)]
+    assert reader.broken is not None and "out of bounds" in reader.broken
+    assert reader.feed(frame_header(digest(1), len(first)) + first) == []  # nothing after it
 
 
 def test_token_bucket_paces_to_rate() -> None:
