@@ -7,6 +7,7 @@ the scorers choose the least bad one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,12 @@ class LoadThresholdParams:
     ``in_flight_slack``: the relative limit ``in_flight > ratio x mean in-flight of the candidates + slack``
     (``None``: off); it is what stops a prefix every request shares (an agent's system prompt and tools)
     from piling all traffic onto the replicas that happen to hold it, and lets it spread to more.
+    ``max_waiting_ratio`` and ``waiting_slack``: ``waiting > max_waiting`` counts only when it is also
+    ``> ratio x mean waiting of the candidates + slack`` (``None``: the absolute limit alone). When the
+    whole fleet queues, a replica a few requests over ``max_waiting`` has no better place to send its
+    prefix: moving it would only recompute the prefix elsewhere and evict what that replica held.
+    Measured (BENCHMARKS.md, shared-prefix, 128 concurrent sessions): with the absolute limit alone the
+    filter flapped between replicas near it: hit ratio 0.28, 275 output tokens/s; with the ratio 0.53, 393.
     ``max_kv_usage``: KV cache fraction in use, 0..1; ``None`` (the default): not checked, because vLLM's
     ``kv_cache_usage_perc`` counts blocks pinned by running requests, so a busy prefix owner routinely
     reads above 0.95 without being overloaded. Measured (BENCHMARKS.md, shared-prefix at 16 req/s): with
@@ -84,6 +91,8 @@ class LoadThresholdParams:
     max_in_flight: int | None = None
     max_in_flight_ratio: float | None = 1.5
     in_flight_slack: float = 2.0
+    max_waiting_ratio: float | None = 1.5
+    waiting_slack: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.max_waiting >= 0:
@@ -96,16 +105,21 @@ class LoadThresholdParams:
             raise ValueError(f"max_in_flight_ratio must be finite and >= 1, got {self.max_in_flight_ratio!r}")
         if not 0 <= self.in_flight_slack < float("inf"):
             raise ValueError(f"in_flight_slack must be finite and >= 0, got {self.in_flight_slack!r}")
+        if self.max_waiting_ratio is not None and not 1.0 <= self.max_waiting_ratio < float("inf"):
+            raise ValueError(f"max_waiting_ratio must be finite and >= 1, got {self.max_waiting_ratio!r}")
+        if not 0 <= self.waiting_slack < float("inf"):
+            raise ValueError(f"waiting_slack must be finite and >= 0, got {self.waiting_slack!r}")
 
 
 class LoadThresholdFilter:
     """Drops overloaded endpoints, unless that would drop every candidate.
 
-    An endpoint is overloaded when ``waiting > max_waiting``, or ``kv_usage > max_kv_usage`` (when set), or
-    ``in_flight > max_in_flight`` (when set), or ``in_flight > max_in_flight_ratio x mean + in_flight_slack``
-    with the mean over the candidates. Missing metrics never make an endpoint overloaded. Keeping the full
-    list when all are overloaded is deliberate: with a hot prefix, this filter is what moves traffic off an
-    overloaded owner onto a replica with room, and never turns a busy fleet into a 503.
+    An endpoint is overloaded when ``waiting > max_waiting`` and (with ``max_waiting_ratio``)
+    ``waiting > max_waiting_ratio x mean waiting + waiting_slack``, or ``kv_usage > max_kv_usage`` (when
+    set), or ``in_flight > max_in_flight`` (when set), or ``in_flight > max_in_flight_ratio x mean +
+    in_flight_slack``; each mean over the candidates. Missing metrics never make an endpoint overloaded.
+    Keeping the full list when all are overloaded is deliberate: with a hot prefix, this filter is what
+    moves traffic off an overloaded owner onto a replica with room, and never turns a busy fleet into a 503.
     """
 
     __slots__ = ("name", "params")
@@ -114,8 +128,10 @@ class LoadThresholdFilter:
         self.name = name
         self.params = params or LoadThresholdParams()
 
-    def overloaded(self, candidate: EndpointState, mean_in_flight: float = 0.0) -> bool:
-        """Whether ``candidate`` is over one of the limits (``mean_in_flight``: over the candidates)."""
+    def overloaded(
+        self, candidate: EndpointState, mean_in_flight: float = 0.0, mean_waiting: float = 0.0
+    ) -> bool:
+        """Whether ``candidate`` is over one of the limits (the means: over the candidates)."""
         p = self.params
         if p.max_in_flight is not None and candidate.load > p.max_in_flight:
             return True
@@ -127,7 +143,10 @@ class LoadThresholdFilter:
         metrics = candidate.metrics
         if metrics is None:
             return False
-        if metrics.waiting > p.max_waiting:
+        if metrics.waiting > p.max_waiting and (
+            p.max_waiting_ratio is None
+            or metrics.waiting > p.max_waiting_ratio * mean_waiting + p.waiting_slack
+        ):
             return True
         return (
             p.max_kv_usage is not None and metrics.kv_usage is not None and metrics.kv_usage > p.max_kv_usage
@@ -137,7 +156,13 @@ class LoadThresholdFilter:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
         mean = sum(c.load for c in candidates) / len(candidates) if candidates else 0.0
-        kept = [c for c in candidates if not self.overloaded(c, mean)]
+        waiting = [
+            c.metrics.waiting
+            for c in candidates
+            if c.metrics is not None and math.isfinite(c.metrics.waiting)
+        ]
+        mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
+        kept = [c for c in candidates if not self.overloaded(c, mean, mean_waiting)]
         return kept if kept else list(candidates)
 
 
@@ -149,9 +174,16 @@ class BalanceParams:
     replica sits idle: against the mean, ``ratio x`` would let ``N / ratio`` replicas take everything.
     ``min_lead_blocks``: an endpoint over its share is still kept for a request whose cached lead on it
     is at least this many blocks longer than on any other candidate (what only it holds: a session's own
-    history, a prefix no other replica has)."""
+    history, a prefix no other replica has).
 
-    max_share_ratio: float = 1.3
+    Why 2.0 and not tighter: a replica that serves cache hits finishes sooner, so in a closed loop (and
+    any saturated fleet) it takes more requests without being busier. At 1.3 the filter read that as over
+    its share and moved prefixes off their owners onto replicas that had to recompute them and evict
+    others (shared-prefix, 128 concurrent sessions: hit ratio 0.53 and 393 output tokens/s at 1.3, 0.64
+    and 507 at 2.0); the agentic spread it exists for stays (busiest/mean 1.07 at 1.3, 1.17 at 2.0;
+    BENCHMARKS.md)."""
+
+    max_share_ratio: float = 2.0
     share_slack: float = 2.0
     min_lead_blocks: int = 8
 

@@ -90,7 +90,20 @@ def test_subset_filter(subset: frozenset[str] | None, expected: list[str]) -> No
     ("params", "loads", "expected"),
     [
         # loads: (waiting, kv_usage, in_flight) per endpoint; waiting None = no metrics
-        (LoadThresholdParams(), [(0, 0.1, 0), (8, 0.95, 0), (9, 0.1, 0)], ["e0", "e1"]),
+        (LoadThresholdParams(max_waiting_ratio=None), [(0, 0.1, 0), (8, 0.95, 0), (9, 0.1, 0)], ["e0", "e1"]),
+        # relative waiting: a queue over max_waiting counts only above 1.5 x mean waiting + 2
+        (
+            LoadThresholdParams(),
+            [(12, None, 0), (0, None, 0), (0, None, 0), (0, None, 0)],
+            ["e1", "e2", "e3"],
+        ),
+        (
+            LoadThresholdParams(),
+            [(12, None, 0), (9, None, 0), (10, None, 0), (11, None, 0)],
+            ["e0", "e1", "e2", "e3"],
+        ),
+        (LoadThresholdParams(max_waiting_ratio=1.0, waiting_slack=0), [(10, None, 0), (9, None, 0)], ["e1"]),
+        (LoadThresholdParams(), [(0, None, 0), (8, None, 0), (9, None, 0)], ["e0", "e1", "e2"]),
         (LoadThresholdParams(), [(0, 0.99, 0), (1, 0.5, 0)], ["e0", "e1"]),  # KV use not checked by default
         (LoadThresholdParams(max_kv_usage=0.95), [(0, 0.96, 0), (1, 0.5, 0)], ["e1"]),
         # relative in-flight: mean 2.5, limit 1.5 x 2.5 + 2 = 5.75
@@ -106,7 +119,11 @@ def test_subset_filter(subset: frozenset[str] | None, expected: list[str]) -> No
         ),  # all over: keep all
         (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (None, None, 4)], ["e1"]),
         (LoadThresholdParams(max_in_flight=4), [(0, 0.1, 5), (0, 0.1, 9)], ["e0", "e1"]),
-        (LoadThresholdParams(max_waiting=0, max_kv_usage=2.0), [(1, 1.5, 0), (0, 1.5, 0)], ["e1"]),
+        (
+            LoadThresholdParams(max_waiting=0, max_kv_usage=2.0, max_waiting_ratio=None),
+            [(1, 1.5, 0), (0, 1.5, 0)],
+            ["e1"],
+        ),
         (LoadThresholdParams(), [], []),
     ],
 )
@@ -120,7 +137,15 @@ def test_load_threshold_filter(
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_waiting": -1.0}, {"max_waiting": float("nan")}, {"max_kv_usage": -0.1}, {"max_in_flight": -1}],
+    [
+        {"max_waiting": -1.0},
+        {"max_waiting": float("nan")},
+        {"max_kv_usage": -0.1},
+        {"max_in_flight": -1},
+        {"max_waiting_ratio": 0.5},
+        {"max_waiting_ratio": float("inf")},
+        {"waiting_slack": -1.0},
+    ],
 )
 def test_load_threshold_params_are_checked(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -186,6 +211,12 @@ def test_balance_limit_is_measured_from_the_least_loaded() -> None:
     # within max(slack, (ratio - 1) x mean) of the least: all kept
     states = [routed(0, 12.0), routed(1, 10.0), routed(2, 10.5)]
     assert len(BalanceFilter().filter(request(), exact(), states)) == 3
+    # a replica taking 75 % more than the least (it serves hits, so it finishes sooner) is within the
+    # default share (2.0: limit 8 + 10); a ratio of 1.3 would drop it (limit 8 + 3)
+    states = [routed(0, 14.0), routed(1, 8.0), routed(2, 8.0)]
+    assert len(BalanceFilter().filter(request(), exact(), states)) == 3
+    tight = BalanceFilter(params=BalanceParams(max_share_ratio=1.3))
+    assert ids(tight.filter(request(), exact(), states)) == ["e1", "e2"]
 
 
 def test_balance_needs_exact_leads_and_never_empties() -> None:
