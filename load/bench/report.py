@@ -83,7 +83,14 @@ def _ratio(a: float, b: float) -> float:
 
 
 def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The issue's goals, quoted from this run's results at each workload's highest load."""
+    """The issue's goals, quoted from this run's results at each workload's highest load.
+
+    Output throughput is compared in the closed loop (``shared-prefix-closed``) when the run has it: a
+    saturated fleet's output/s is its capacity under each router. In the open loop every router that keeps
+    up delivers the arrival rate, so the ratio there only reflects the last requests' tail; it is kept as
+    ``shared_prefix_open_loop_output_tok_s_vs_best_peer`` (no goal), and is the goal's source only for a
+    run without the closed loop.
+    """
     out: dict[str, Any] = {}
 
     def top(workload: str) -> dict[str, Mapping[str, Any]]:
@@ -94,8 +101,13 @@ def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return {r["target"]: r["metrics"] for r in mine if r["load"] == load}
 
     sp = top("shared-prefix")
+    closed = top("shared-prefix-closed")
     ag = top("agentic")
     peers = {t: m for t, m in sp.items() if t in ("sglang-router", "vllm-router")}
+    closed_peers = {t: m for t, m in closed.items() if t in ("sglang-router", "vllm-router")}
+    closed_load = max(
+        (r["load"] for r in runs if r["workload"] == "shared-prefix-closed" and r.get("metrics")), default=0
+    )
     # Goals for each kvgate mode: the approximate index (keys as named) and the precise one ("_precise").
     for target, suffix in (("kvgate", ""), ("kvgate-precise", "_precise")):
         kv = sp.get(target)
@@ -110,9 +122,26 @@ def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "met": ratio <= 0.5,
             }
             ratio = _ratio(kv["output_tok_s"], best_tput[1]["output_tok_s"])
+            if closed_peers and target in closed:
+                out["shared_prefix_open_loop_output_tok_s_vs_best_peer" + suffix] = {
+                    "value": ratio,
+                    "best_peer": best_tput[0],
+                }
+            else:
+                out["shared_prefix_output_tok_s_vs_best_peer" + suffix] = {
+                    "value": ratio,
+                    "best_peer": best_tput[0],
+                    "measured": "open loop",
+                    "goal": ">= 1.2",
+                    "met": ratio >= 1.2,
+                }
+        if target in closed and closed_peers:
+            best = max(closed_peers.items(), key=lambda kv_: kv_[1]["output_tok_s"])
+            ratio = _ratio(closed[target]["output_tok_s"], best[1]["output_tok_s"])
             out["shared_prefix_output_tok_s_vs_best_peer" + suffix] = {
                 "value": ratio,
-                "best_peer": best_tput[0],
+                "best_peer": best[0],
+                "measured": f"closed loop, {closed_load:g} concurrent sessions",
                 "goal": ">= 1.2",
                 "met": ratio >= 1.2,
             }

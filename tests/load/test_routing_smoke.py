@@ -27,7 +27,7 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     runs = result["runs"]
     measured = [r for r in runs if "metrics" in r]
     assert {r["target"] for r in measured} == {"kvgate", "kvgate-precise", "round-robin", "oracle"}
-    assert {r["workload"] for r in measured} == {"shared-prefix", "agentic"}
+    assert {r["workload"] for r in measured} == {"shared-prefix", "shared-prefix-closed", "agentic"}
     for r in measured:
         m = r["metrics"]
         assert m["success"] == 1.0, (r["target"], m["statuses"])
@@ -102,31 +102,35 @@ async def test_client_closed_loop_resends_history_and_hits_the_cache() -> None:
         assert turns[2].cached_tokens >= turns[1].prompt_tokens - 16
 
 
+def _row(
+    target: str,
+    repeat: int,
+    ttft: float,
+    tput: float,
+    ok: int = 10,
+    workload: str = "shared-prefix",
+    load: float = 24.0,
+) -> dict[str, object]:
+    metrics = {
+        "requests": 10,
+        "ok": ok,
+        "success": ok / 10,
+        "statuses": {"200": ok},
+        "sessions_aborted": 0,
+        "failed_in_warmup": 0,
+        "ttft_p90_s": ttft,
+        "output_tok_s": tput,
+        "hit_ratio": 0.5,
+        "replica_requests": {"r0": ok},
+        "max_over_mean": 1.0,
+    }
+    return {"workload": workload, "load": load, "target": target, "repeat": repeat, "metrics": metrics}
+
+
 def test_repeats_merge_into_medians_and_goals_by_round() -> None:
     from load.bench import report
 
-    def row(target: str, repeat: int, ttft: float, tput: float, ok: int = 10) -> dict[str, object]:
-        metrics = {
-            "requests": 10,
-            "ok": ok,
-            "success": ok / 10,
-            "statuses": {"200": ok},
-            "sessions_aborted": 0,
-            "failed_in_warmup": 0,
-            "ttft_p90_s": ttft,
-            "output_tok_s": tput,
-            "hit_ratio": 0.5,
-            "replica_requests": {"r0": ok},
-            "max_over_mean": 1.0,
-        }
-        return {
-            "workload": "shared-prefix",
-            "load": 24.0,
-            "target": target,
-            "repeat": repeat,
-            "metrics": metrics,
-        }
-
+    row = _row
     rows = [
         row("kvgate", 0, 1.0, 600),
         row("vllm-router", 0, 3.0, 500),
@@ -153,3 +157,29 @@ def test_repeats_merge_into_medians_and_goals_by_round() -> None:
     goals = report.goals(list(merged.values()))
     assert goals["shared_prefix_ttft_p90_vs_best_peer"]["value"] == round(1.2 / 2.5, 3)
     assert not goals["success_100pct_every_run"]["met"]
+
+
+def test_output_goal_is_measured_in_the_closed_loop_when_the_run_has_one() -> None:
+    """Open loop: every router that keeps up delivers the arrival rate, so the goal uses the saturated
+    closed loop's output/s (at its highest concurrency); the open-loop ratio stays, without a goal."""
+    from load.bench import report
+
+    open_loop = [_row("kvgate", 0, 1.0, 650), _row("sglang-router", 0, 3.0, 580)]
+    closed = [
+        _row(t, 0, 1.0, tput, workload="shared-prefix-closed", load=load)
+        for t, tput, load in (
+            ("kvgate", 700, 64.0),
+            ("sglang-router", 400, 64.0),
+            ("kvgate", 300, 32.0),
+            ("sglang-router", 600, 32.0),
+        )
+    ]
+    goals = report.goals(open_loop + closed)
+    tput = goals["shared_prefix_output_tok_s_vs_best_peer"]
+    assert tput["value"] == 1.75 and tput["met"] and tput["measured"] == "closed loop, 64 concurrent sessions"
+    assert goals["shared_prefix_open_loop_output_tok_s_vs_best_peer"]["value"] == round(650 / 580, 3)
+    assert "met" not in goals["shared_prefix_open_loop_output_tok_s_vs_best_peer"]
+    assert goals["shared_prefix_ttft_p90_vs_best_peer"]["value"] == round(1.0 / 3.0, 3)  # open loop
+    # without a closed loop the open-loop ratio is the goal's source
+    only_open = report.goals(open_loop)["shared_prefix_output_tok_s_vs_best_peer"]
+    assert only_open["measured"] == "open loop" and not only_open["met"]
