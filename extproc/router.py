@@ -17,7 +17,7 @@ import orjson
 
 from extproc.digest import ChainCache, Digest, chain_seed
 from extproc.errors import NotFound, Unavailable
-from extproc.events import NODE_STORE_PREFIX, node_store_endpoint
+from extproc.events import node_store_endpoint
 from extproc.fleet import EndpointId, EndpointState, Fleet
 from extproc.index import PrefixIndex
 from extproc.models import ModelAssets, ModelRegistry
@@ -113,9 +113,19 @@ class Router:
         #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
         #: endpoint serving them. Replaced as a whole when the policy changes.
         self.routes: dict[str, Route] = {}
-        #: Nodes whose kvcached reports its tiers to the index (set by :mod:`extproc.cluster`); empty: the
-        #: warm-tier lookup is skipped.
-        self.node_stores: frozenset[str] = frozenset()
+        self._node_stores: frozenset[str] = frozenset()
+        self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
+
+    @property
+    def node_stores(self) -> frozenset[str]:
+        """Nodes whose kvcached reports its tiers to the index (set by :mod:`extproc.cluster`); empty: the
+        warm-tier lookup is skipped."""
+        return self._node_stores
+
+    @node_stores.setter
+    def node_stores(self, nodes: frozenset[str]) -> None:
+        self._node_stores = nodes
+        self._store_nodes = {EndpointId(node_store_endpoint(node)): node for node in nodes}
 
     def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
@@ -209,11 +219,10 @@ class Router:
         node_leads = getattr(self.index, "node_leads", None)
         if node_leads is None:
             return
-        stores = [EndpointId(node_store_endpoint(node)) for node in self.node_stores]
-        leads: dict[str, int] = node_leads(stores, digests)
+        leads: dict[EndpointId, int] = node_leads(self._store_nodes, digests)
         if not leads:
             return
-        by_node = {key[len(NODE_STORE_PREFIX) :]: n for key, n in leads.items()}
+        by_node = {self._store_nodes[key]: n for key, n in leads.items()}
         state.peer_warm_blocks = max(by_node.values())
         state.warm_blocks = {
             s.id: by_node[s.endpoint.node] for s in candidates if s.endpoint.node in by_node
