@@ -5,7 +5,11 @@ time to first streamed token; ``itl`` gaps between streamed chunks; ``e2e`` send
 ``output_tok_s`` completion tokens of successful requests / run wall time (first send to last token);
 ``hit_ratio`` the fleet's prefix-cache hits, sum(cached_tokens) / sum(prompt_tokens) from the engines'
 ``usage``; ``replica_requests`` requests served per replica (``x-kvgate-replica``), and
-``max_over_mean`` the busiest replica's count over the mean across all replicas (1.0 = perfectly even).
+``max_over_mean`` the busiest replica's count over the mean across all replicas (1.0 = perfectly even);
+``key_moves`` the share of requests that went to another replica than the last earlier request with the
+same oracle key (shared-prefix group, agent session; warm-up requests count as earlier ones): 0 = every
+key stays on one replica (what prefix affinity aims at), higher = keys split or moved, each move
+recomputing the prefix and duplicating it in a second cache.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from load.bench import percentile
-from load.client import RunResult
+from load.client import RequestRecord, RunResult
 
 PLOTTED = (
     ("ttft_p90_s", "TTFT p90 (s)"),
@@ -26,6 +30,7 @@ PLOTTED = (
     ("output_tok_s", "output tokens/s"),
     ("hit_ratio", "prefix-cache hit ratio"),
     ("max_over_mean", "busiest replica / mean (requests)"),
+    ("key_moves", "requests sent off their key's last replica (share)"),
 )
 
 
@@ -37,6 +42,7 @@ def _pcts(samples: Sequence[float], name: str) -> dict[str, float]:
 def summarize(result: RunResult, replica_ids: Sequence[str], warmup_s: float = 0.0) -> dict[str, Any]:
     """The metrics of one run (see the module docstring) over the requests sent after ``warmup_s``;
     the wall time is then from ``warmup_s`` to the last of those requests' last token."""
+    moves, followers = _key_moves(result.records, warmup_s)
     records = [r for r in result.records if r.sent_s >= warmup_s]
     failed_in_warmup = sum(1 for r in result.records if r.sent_s < warmup_s and not r.ok)
     if warmup_s > 0:
@@ -75,7 +81,26 @@ def summarize(result: RunResult, replica_ids: Sequence[str], warmup_s: float = 0
         "hit_ratio": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else 0.0,
         "replica_requests": per_replica,
         "max_over_mean": round(max(per_replica.values()) / mean, 3) if mean else 0.0,
+        "key_moves": round(moves / followers, 4) if followers else 0.0,
     }
+
+
+def _key_moves(records: Sequence[RequestRecord], warmup_s: float) -> tuple[int, int]:
+    """``(moves, followers)``: of the successful requests sent at or after ``warmup_s`` that have an
+    earlier successful request with the same key (``followers``), how many went to another replica than
+    the latest such one."""
+    last: dict[str, str] = {}
+    moves = followers = 0
+    for r in sorted(records, key=lambda r: r.sent_s):
+        replica = r.replica
+        if not r.ok or replica is None:
+            continue
+        before = last.get(r.key)
+        if before is not None and r.sent_s >= warmup_s:
+            followers += 1
+            moves += before != replica
+        last[r.key] = replica
+    return moves, followers
 
 
 def _ratio(a: float, b: float) -> float:
@@ -220,19 +245,20 @@ def markdown_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """One row per (workload, load, target); skipped targets say why."""
     head = (
         "| workload | load | target | TTFT p50 / p90 / p99 (s) | ITL p90 (s) | e2e p90 (s) | out tok/s "
-        "| hit ratio | busiest/mean | success |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| hit ratio | busiest/mean | key moves | success |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in runs:
         m = r.get("metrics")
         where = f"| {r['workload']} | {r['load_label']} | {r['target']} |"
         if m is None:
-            rows.append(f"{where} skipped: {r.get('skipped', '?')} |||||||")
+            rows.append(f"{where} skipped: {r.get('skipped', '?')} ||||||||")
             continue
         ttft = f"{m['ttft_p50_s']:.3f} / {m['ttft_p90_s']:.3f} / {m['ttft_p99_s']:.3f}"
         rows.append(
             f"{where} {ttft} | {m['itl_p90_s']:.3f} | {m['e2e_p90_s']:.2f} | {m['output_tok_s']:.0f} "
-            f"| {m['hit_ratio']:.3f} | {m['max_over_mean']:.2f} | {m['ok']}/{m['requests']} |"
+            f"| {m['hit_ratio']:.3f} | {m['max_over_mean']:.2f} | {m['key_moves']:.3f} "
+            f"| {m['ok']}/{m['requests']} |"
         )
     return head + "\n".join(rows) + "\n"
 

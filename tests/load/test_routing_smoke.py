@@ -10,9 +10,10 @@ import aiohttp
 import pytest
 
 from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+from load.bench import report as rep
 from load.bench import routing
 from load.bench.targets import OracleRoute
-from load.client import FixedRoute, LoadOptions, run_load
+from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.sim.server import SimConfig, SimFleet
 from load.sim.timing import TimingModel
 from load.workloads import MultiTurn, smollm2_text
@@ -183,3 +184,22 @@ def test_output_goal_is_measured_in_the_closed_loop_when_the_run_has_one() -> No
     # without a closed loop the open-loop ratio is the goal's source
     only_open = report.goals(open_loop)["shared_prefix_output_tok_s_vs_best_peer"]
     assert only_open["measured"] == "open loop" and not only_open["met"]
+
+
+def test_key_moves_counts_requests_sent_away_from_their_keys_last_replica() -> None:
+    def rec(key: str, sent: float, replica: str | None, status: str = "ok") -> RequestRecord:
+        return RequestRecord(key, 0, key, sent, status=status, ttft_s=0.1, e2e_s=0.2, replica=replica)
+
+    records = [
+        rec("g1", 0.0, "r0"),  # warm-up: an earlier request, not counted itself
+        rec("g1", 2.0, "r0"),  # stays
+        rec("g1", 3.0, "r1"),  # moves
+        rec("g1", 4.0, "r1"),  # stays where it moved
+        rec("g1", 4.5, "r0", status="503"),  # failed: neither counted nor the key's last replica
+        rec("g1", 5.0, "r1"),  # stays
+        rec("g2", 2.5, "r1"),  # a key's first request: nothing to compare with
+        rec("g2", 3.5, "r0"),  # moves
+    ]
+    m = rep.summarize(RunResult(records, 6.0, 2, 0), ["r0", "r1"], warmup_s=1.0)
+    assert m["key_moves"] == round(2 / 5, 4)
+    assert rep.summarize(RunResult(records[:1], 1.0, 1, 0), ["r0"])["key_moves"] == 0.0
