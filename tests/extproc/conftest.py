@@ -45,7 +45,11 @@ def tools_template_path() -> Path:
 @pytest.fixture(scope="session")
 def hf_tokenizer(smollm2_dir: Path) -> Any:
     """``transformers.AutoTokenizer`` for the exported directory: the independent reference (as vLLM)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers",
+        reason="the reference tokenizer comes from transformers (extra `sim`, part of `test`); `./dev test`"
+        " and so CI install it, so this runs there; skipped only where kvgate was installed without it",
+    )
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 

@@ -10,8 +10,7 @@ import aiohttp
 import pytest
 
 from extproc.gguf import ensure_model_dir, smollm2_gguf_path
-from load.bench import report as rep
-from load.bench import routing
+from load.bench import report, routing
 from load.bench.targets import OracleRoute
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.sim.server import SimConfig, SimFleet
@@ -129,8 +128,6 @@ def _row(
 
 
 def test_repeats_merge_into_medians_and_goals_by_round() -> None:
-    from load.bench import report
-
     row = _row
     rows = [
         row("kvgate", 0, 1.0, 600),
@@ -163,8 +160,6 @@ def test_repeats_merge_into_medians_and_goals_by_round() -> None:
 def test_output_goal_is_measured_in_the_closed_loop_when_the_run_has_one() -> None:
     """Open loop: every router that keeps up delivers the arrival rate, so the goal uses the saturated
     closed loop's output/s (at its highest concurrency); the open-loop ratio stays, without a goal."""
-    from load.bench import report
-
     open_loop = [_row("kvgate", 0, 1.0, 650), _row("sglang-router", 0, 3.0, 580)]
     closed = [
         _row(t, 0, 1.0, tput, workload="shared-prefix-closed", load=load)
@@ -200,6 +195,6 @@ def test_key_moves_counts_requests_sent_away_from_their_keys_last_replica() -> N
         rec("g2", 2.5, "r1"),  # a key's first request: nothing to compare with
         rec("g2", 3.5, "r0"),  # moves
     ]
-    m = rep.summarize(RunResult(records, 6.0, 2, 0), ["r0", "r1"], warmup_s=1.0)
+    m = report.summarize(RunResult(records, 6.0, 2, 0), ["r0", "r1"], warmup_s=1.0)
     assert m["key_moves"] == round(2 / 5, 4)
-    assert rep.summarize(RunResult(records[:1], 1.0, 1, 0), ["r0"])["key_moves"] == 0.0
+    assert report.summarize(RunResult(records[:1], 1.0, 1, 0), ["r0"])["key_moves"] == 0.0
