@@ -25,6 +25,7 @@ Example (TOML)::
     [index]
     mode = "precise"                   # engine KV events where agents stream them; or "approximate"
     speculative_ttl_s = 10.0           # a decision counts this long for an event-fed endpoint
+    working_set_s = 20.0               # cache-spread: blocks routed to an endpoint this long ago count
 
     [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/
     endpoints = ["127.0.0.1:2379"]     # schema: extproc/etcd.py; tls_ca, tls_cert, tls_key, prefix
@@ -206,7 +207,9 @@ class IndexConfig:
     ``mode``: ``precise`` uses engine KV events (streamed by node agents) for endpoints that have them and
     learns the others from routing decisions; ``approximate`` ignores events and learns every endpoint from
     decisions. ``speculative_ttl_s``: in precise mode, how long a decision counts for an event-fed endpoint
-    before the engine's own events confirm it.
+    before the engine's own events confirm it. ``working_set_s``: the window of the router's working set,
+    the distinct blocks routed to each endpoint within it, which the ``cache-spread`` scorer spreads
+    (:class:`~extproc.index.WorkingSet`); ``0``: it spreads the index's occupancy instead.
     """
 
     block_size: int = 16
@@ -215,6 +218,7 @@ class IndexConfig:
     max_match_blocks: int = 256
     mode: str = "precise"
     speculative_ttl_s: float = 10.0
+    working_set_s: float = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +327,7 @@ def parse_config(raw: object) -> GatewayConfig:
         max_match_blocks=ix.integer("max_match_blocks", _IX.max_match_blocks, minimum=1),
         mode=_choice(ix.string("mode", _IX.mode), INDEX_MODES, "index.mode"),
         speculative_ttl_s=ix.number("speculative_ttl_s", _IX.speculative_ttl_s, minimum=0.001),
+        working_set_s=ix.number("working_set_s", _IX.working_set_s, minimum=0.0),
     )
     ix.done()
     fd = top.table("feeds")

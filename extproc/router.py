@@ -19,7 +19,7 @@ from extproc.digest import ChainCache, Digest, chain_seed
 from extproc.errors import NotFound, Unavailable
 from extproc.events import node_store_endpoint
 from extproc.fleet import EndpointId, EndpointState, Fleet
-from extproc.index import PrefixIndex
+from extproc.index import PrefixIndex, WorkingSet
 from extproc.models import ModelAssets, ModelRegistry
 from extproc.request import Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
@@ -101,6 +101,7 @@ class Router:
         block_size: int,
         max_blocks: int = 256,
         rng: random.Random | None = None,
+        working_set: WorkingSet | None = None,
     ) -> None:
         self.fleet = fleet
         self.models = models
@@ -109,6 +110,9 @@ class Router:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self._rng = rng or random.Random()
+        #: What ``cache-spread`` reads (``CycleState.cached_blocks``): the blocks routed to each endpoint
+        #: lately; ``None``: the index's occupancy instead.
+        self.working_set = working_set
         self._chains = ChainCache()
         #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
         #: endpoint serving them. Replaced as a whole when the policy changes.
@@ -180,7 +184,11 @@ class Router:
         if tokens is None:
             tokens = self.tokens(request)
         digests = self.digests(request, tokens)
-        state = CycleState(prefix_blocks=self.index.match(digests, now), cached_blocks=self.index.occupancy())
+        working_set = self.working_set
+        state = CycleState(
+            prefix_blocks=self.index.match(digests, now),
+            cached_blocks=self.index.occupancy() if working_set is None else working_set.sizes(now),
+        )
         is_precise = getattr(self.index, "is_precise", None)
         state.exact = is_precise is not None and all(is_precise(c.id) for c in candidates)
         if self.node_stores:
@@ -229,14 +237,14 @@ class Router:
         }
 
     def commit(self, decision: Decision, now: float) -> None:
-        """Record the decision in the index as speculative entries for the pick.
+        """Record the decision in the index as speculative entries for the pick (and in the working set).
 
         Separate from :meth:`decide` so the gRPC shell can send Envoy its answer first and do this
         bookkeeping (about as costly as hashing the prompt) off the request's critical path.
         """
         if not decision.recorded and decision.served is not None:
             decision.recorded = True
-            self.index.record(decision.served.id, decision.digests, now)
+            self._record(decision.served.id, decision.digests, now)
 
     def served(self, decision: Decision, address: str, now: float) -> None:
         """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
@@ -257,7 +265,12 @@ class Router:
         state.count_routed(now)
         decision.served = state
         decision.recorded = True
-        self.index.record(state.id, decision.digests, now)
+        self._record(state.id, decision.digests, now)
+
+    def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        self.index.record(endpoint, digests, now)
+        if self.working_set is not None:
+            self.working_set.record(endpoint, digests, now)
 
     def finish(self, decision: Decision) -> None:
         """The request's stream ended (completed, failed or cancelled): release its in-flight slot."""

@@ -31,7 +31,7 @@ from extproc.cluster import Cluster
 from extproc.config import GatewayConfig, load_config
 from extproc.errors import ConfigError
 from extproc.fleet import Fleet
-from extproc.index import ApproximateIndex
+from extproc.index import ApproximateIndex, WorkingSet
 from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.metrics import GatewayMetrics
 from extproc.models import ModelRegistry
@@ -124,6 +124,11 @@ class Gateway:
             block_size=config.index.block_size,
             max_blocks=config.index.max_match_blocks,
             rng=random.Random(),
+            working_set=(
+                WorkingSet(config.index.working_set_s, config.index.max_match_blocks)
+                if config.index.working_set_s > 0
+                else None
+            ),
         )
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, self.models)

@@ -17,6 +17,8 @@ ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {
 def test_defaults_and_endpoint() -> None:
     config = parse_config({"endpoints": [ENDPOINT], "models": [{"name": "m", "gguf": "smollm2"}]})
     assert config.extproc.listen == "127.0.0.1:9002" and config.index.block_size == 16
+    assert config.index.working_set_s == 20.0
+    assert parse_config({"index": {"working_set_s": 0}}).index.working_set_s == 0.0  # off: occupancy
     (endpoint,) = config.endpoints
     assert endpoint.labels == (("zone", "z1"),) and endpoint.models == frozenset({"m"})
     assert config.scheduling.profiles[0].name == "default"
@@ -32,6 +34,7 @@ def test_defaults_and_endpoint() -> None:
         ({"scrape": {"interval_s": -1}}, "scrape.interval_s"),
         ({"index": {"block_size": 0}}, "index.block_size"),
         ({"index": {"block_size": True}}, "got bool"),
+        ({"index": {"working_set_s": -1}}, "index.working_set_s: must be a finite number >= 0"),
         ({"endpoints": [{**ENDPOINT, "engine": "tgi"}]}, "endpoints[0].engine"),
         ({"endpoints": [{**ENDPOINT, "models": []}]}, "endpoints[0].models"),
         ({"endpoints": [ENDPOINT, ENDPOINT]}, "duplicate id"),

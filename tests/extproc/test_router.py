@@ -5,27 +5,39 @@ from pathlib import Path
 
 import orjson
 
+from extproc.digest import Digest
 from extproc.fleet import Endpoint, EndpointId, Fleet
-from extproc.index import ApproximateIndex
+from extproc.index import ApproximateIndex, WorkingSet
 from extproc.models import ModelAssets, ModelRegistry
 from extproc.request import Kind, parse_body
 from extproc.router import Router
-from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 
 MODEL = "m"
 
 
-def router(model_dir: str, max_blocks: int = 2) -> Router:
+def router(
+    model_dir: str, max_blocks: int = 2, *, working_set: WorkingSet | None = None, spread_only: bool = False
+) -> Router:
     assets = ModelAssets.load(MODEL, Path(model_dir), block_size=16)
     fleet = Fleet([Endpoint(EndpointId(f"e{i}"), f"127.0.0.{i}:1", frozenset({MODEL})) for i in range(3)])
+    scheduling = DEFAULT_SCHEDULING
+    if spread_only:
+        scheduling = parse_scheduling(
+            {
+                "plugins": [{"type": "cache-spread"}, {"type": "max-score"}],
+                "profiles": [{"name": "default", "plugins": [{"ref": "cache-spread"}, {"ref": "max-score"}]}],
+            }
+        )
     return Router(
         fleet,
         ModelRegistry([assets]),
         ApproximateIndex(),
-        build_profile(DEFAULT_SCHEDULING),
+        build_profile(scheduling),
         block_size=16,
         max_blocks=max_blocks,
         rng=random.Random(0),
+        working_set=working_set,
     )
 
 
@@ -91,3 +103,34 @@ def test_decisions_count_recent_routing_and_exactness(model_dir: str) -> None:
         hybrid.set_precise(state.id, True)
     r.decide(request, request_id="w", now=13.0)
     assert seen == [False, False, True]
+
+
+def test_cache_spread_reads_the_working_set_not_the_index(model_dir: str) -> None:
+    """With a working set, ``cache-spread`` ranks endpoints by the blocks routed to them within its window,
+    whatever the index's occupancy says; the router records each decision in both."""
+    r = router(model_dir, max_blocks=256, working_set=WorkingSet(window_s=10.0), spread_only=True)
+    assert r.working_set is not None
+    e0, e1, e2 = (EndpointId(f"e{i}") for i in range(3))
+
+    def digests(prompt: str) -> list[Digest]:
+        parsed = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": prompt}))
+        return r.digests(parsed, r.tokens(parsed))
+
+    old, recent = digests("old " * 300), digests("recent " * 50)
+    for endpoint in (e1, e2):  # routed long ago: in the index (TTL 300 s), out of the 10 s window
+        r.index.record(endpoint, old, 0.0)
+        r.working_set.record(endpoint, old, 0.0)
+    r.working_set.record(e0, recent, 15.0)  # routed lately (and absent from the index)
+    assert r.index.occupancy() == {e1: len(old), e2: len(old)}
+    request = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": "new " * 100}))
+    decision = r.decide(request, request_id="x", now=20.0)
+    pick = decision.endpoints[0].id
+    assert pick in (e1, e2)  # e0 holds the least, but it is the one asked to hold something now
+    r.commit(decision, 20.0)
+    assert r.working_set.sizes(20.0) == {e0: len(recent), pick: len(decision.digests)}
+    assert r.index.occupancy()[pick] == len(old) + len(decision.digests)
+
+    plain = router(model_dir, max_blocks=256, spread_only=True)  # no working set: the index occupancy
+    for endpoint in (e1, e2):
+        plain.index.record(endpoint, old, 0.0)
+    assert plain.decide(request, request_id="x", now=20.0).endpoints[0].id == e0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -269,8 +270,10 @@ async def test_served_endpoint_read_back_and_in_flight(gateway: Gateway) -> None
             break
         await __import__("asyncio").sleep(0.01)
     assert served.in_flight == 0
-    # the fallback now holds the prefix in the index
+    # the fallback now holds the prefix in the index, and in the working set cache-spread reads
     assert gateway.index.occupancy().get(EndpointId(served.id), 0) > 0
+    assert gateway.router.working_set is not None  # on by default (index.working_set_s = 20)
+    assert gateway.router.working_set.sizes(time.monotonic()).get(EndpointId(served.id), 0) > 0
 
 
 async def test_health_services(gateway: Gateway) -> None:
