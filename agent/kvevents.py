@@ -310,6 +310,14 @@ class KvEventSubscriber:
                 raise
         return self._ready.popleft()
 
+    def take_ready(self) -> list[KvBatch | EventsLost]:
+        """The items already received and not yet iterated, oldest first; never waits. A replay (the
+        catch-up at start, or a gap's) delivers its batches at once, so a caller can act on the run as a
+        whole (:func:`agent.main.feed_batches`)."""
+        items = list(self._ready)
+        self._ready.clear()
+        return items
+
     async def _pump(self) -> None:
         if self._initial_replay:
             self._initial_replay = False

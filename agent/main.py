@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -54,7 +55,7 @@ from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
 from extproc.errors import ConfigError
-from extproc.events import IndexEvent, Load
+from extproc.events import Cleared, IndexEvent, Load
 from extproc.lifecycle import stop_on_signals, write_ready_file
 from extproc.tls import ServerTlsFiles
 from kvcached.service import MESSAGE_SLACK, KvcachedClient
@@ -68,6 +69,39 @@ TELEMETRY_INTERVAL_S = 0.1
 #: because the engine's numbers did not change (short requests that came and went between two samples)
 #: would let that count grow and overstate the load (measured: a hot prefix pushed off its owner).
 TELEMETRY_HEARTBEAT_S = TELEMETRY_INTERVAL_S
+
+
+COALESCE_BATCHES = 64
+"""Engine batches received together from which :func:`feed_batches` sends the net state instead."""
+
+
+def feed_batches(
+    translator: Translator, items: Sequence[KvBatch | EventsLost], coalesce_at: int = COALESCE_BATCHES
+) -> list[list[IndexEvent]]:
+    """The feed batches for ``items`` (one engine's, in order), translated by ``translator``.
+
+    Fewer than ``coalesce_at``: one feed batch per engine batch with events (``EventsLost``: the
+    translator's reset, a ``Cleared``). From ``coalesce_at`` on (a replay: the catch-up from seq 0 when
+    the agent starts, up to the engine's whole buffer, 10,000 batches by default, or a long gap's): the
+    translator takes them all and one feed batch carries the result, ``Cleared`` for the engine and then
+    its snapshot, the same holdings in one message. Published one by one, the catch-up of 8 busy
+    simulated engines put ~13,000 batches on the feed within 2 s of the agent's start: the gateway fell
+    1,024 batches behind, was cut off and resynced, up to three times, while already routing
+    (BENCHMARKS.md, routing quality, seventh session).
+    """
+    out: list[list[IndexEvent]] = []
+    if len(items) < coalesce_at:
+        for item in items:
+            events = translator.apply(item.events) if isinstance(item, KvBatch) else translator.reset()
+            if events:
+                out.append(events)
+        return out
+    for item in items:
+        if isinstance(item, KvBatch):
+            translator.apply(item.events)
+        else:
+            translator.reset()
+    return [[Cleared(translator.endpoint, None), *translator.snapshot()]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -329,15 +363,15 @@ class Agent:
         return EngineStatus(healthy=state in (EngineState.READY, EngineState.DRAINING), draining=eng.draining)
 
     async def _pump(self, eng: _Engine, subscriber: KvEventSubscriber, translator: Translator) -> None:
-        """Engine KV batches -> index events on the feed, in order."""
+        """Engine KV batches -> index events on the feed, in order (a replayed run folded: see
+        :func:`feed_batches`)."""
         async for item in subscriber:
-            if isinstance(item, KvBatch):
-                events: list[IndexEvent] = translator.apply(item.events)
-                if events:
-                    self.feed.publish(events)
-            elif isinstance(item, EventsLost):
-                log.warning("engine %s: KV events lost (%s): entries cleared", eng.config.id, item.reason)
-                self.feed.publish(translator.reset())
+            items = [item, *subscriber.take_ready()]
+            for lost in items:
+                if isinstance(lost, EventsLost):
+                    log.warning("engine %s: KV events lost (%s): entries cleared", eng.config.id, lost.reason)
+            for events in feed_batches(translator, items):
+                self.feed.publish(events)
 
     async def _stop_feed(self, eng: _Engine) -> None:
         pump, eng.pump = eng.pump, None

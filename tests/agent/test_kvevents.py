@@ -29,9 +29,12 @@ from agent.kvevents import (
     decode_message,
     decode_payload,
 )
+from agent.main import feed_batches
 from agent.translate import Translator
 from extproc.digest import block_digests, chain_seed
-from extproc.events import Stored
+from extproc.events import Cleared, IndexEvent, Stored
+from extproc.fleet import EndpointId
+from extproc.precise import PreciseIndex
 from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventsConfig
 from load.sim.server import SimConfig, SimFleet, SimReplica
@@ -355,6 +358,61 @@ async def test_subscriber_replays_gaps_and_translation_matches_the_sim(
             assert len(held) == cache.num_cached and all(cache.match([d]) for d in held)
         finally:
             await collector.close()
+
+
+async def test_a_catch_up_arrives_at_once_and_folds_into_the_engines_state(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """The catch-up replay is received whole (``take_ready`` hands over the rest of it after the first
+    batch), and :func:`feed_batches` sends it as one ``Cleared`` + snapshot batch that leaves a gateway's
+    index where the batch-by-batch translation does: with what the engine holds."""
+    async with SimFleet(sim_config(model_dir), 1) as fleet:
+        sim = Replica(fleet.replicas[0], http)
+        gone, kept = list(range(3, 103)), [list(range(110 + 60 * k, 174 + 60 * k)) for k in range(3)]
+        await sim.complete(gone, 4)
+        await sim.post("/reset_prefix_cache")  # in the history, not in the engine's state
+        for prompt in kept:
+            await sim.complete(prompt, 4)
+        published = sim.publisher.next_seq  # all before anyone subscribes
+        subscriber = KvEventSubscriber(sim.config())
+        await subscriber.start()
+        try:
+            first = await asyncio.wait_for(anext(subscriber), 10)
+            items = [first, *subscriber.take_ready()]
+            assert [i.seq for i in items if isinstance(i, KvBatch)] == list(range(published))
+            assert subscriber.take_ready() == []
+        finally:
+            await subscriber.aclose()
+    folded = feed_batches(Translator("sim-0", MODEL, 16), items, coalesce_at=4)
+    stepwise = feed_batches(Translator("sim-0", MODEL, 16), items, coalesce_at=len(items) + 1)
+    assert len(folded) == 1 and folded[0][0] == Cleared("sim-0", None) and len(stepwise) > 4
+    cache, seed, endpoint = fleet.replicas[0].engine.cache, chain_seed(MODEL), EndpointId("sim-0")
+    for batches in (folded, stepwise):
+        index = PreciseIndex()
+        for events in batches:
+            index.apply(events, 0.0)
+        assert index.occupancy() == {endpoint: cache.num_cached}
+        assert index.match(block_digests(seed, gone, 16), 0.0) == {}
+        for prompt in kept:
+            want = block_digests(seed, prompt, 16)
+            assert index.match(want, 0.0) == {endpoint: cache.match(want)} == {endpoint: len(want)}
+
+
+def test_feed_batches_below_the_threshold_keeps_each_batch_and_maps_losses_to_clears() -> None:
+    translator = Translator("e", MODEL, 16)
+    tokens = list(range(1000, 1032))
+    stored = BlockStored([1, 2], None, tokens, 16, None, "GPU", None, None, 0)
+    items: list[KvBatch | EventsLost] = [
+        KvBatch(0, 0.0, [stored]),
+        KvBatch(1, 0.0, []),  # nothing to say: no feed batch
+        EventsLost(2, 3, "gap"),
+    ]
+    out: list[list[IndexEvent]] = feed_batches(translator, items)
+    assert out == [
+        [Stored("e", block_digests(chain_seed(MODEL), tokens, 16), "gpu", None)],
+        [Cleared("e", None)],
+    ]
+    assert translator.num_blocks == 0
 
 
 async def test_gap_beyond_the_replay_buffer_is_reported(model_dir: Path, http: aiohttp.ClientSession) -> None:
