@@ -99,10 +99,6 @@ class WorkingSet:
         self._routed: dict[EndpointId, OrderedDict[Digest, float]] = {}
         self._popped_at = -math.inf
 
-    @property
-    def window_s(self) -> float:
-        return self._window
-
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Note that ``endpoint`` was sent the chain ``digests`` at ``now`` (its first ``max_blocks``)."""
         routed = self._routed.get(endpoint)
@@ -136,10 +132,6 @@ class WorkingSet:
         for endpoint in empty:
             del self._routed[endpoint]
         self._popped_at = max(self._popped_at, now)
-
-    def drop_endpoint(self, endpoint: EndpointId) -> None:
-        """Forget ``endpoint`` (removed from the fleet)."""
-        self._routed.pop(endpoint, None)
 
 
 class ApproximateIndex:

@@ -227,14 +227,11 @@ def test_working_set_counts_distinct_blocks_routed_within_the_window() -> None:
     assert ws.sizes(14.5 + WorkingSet.STALE_S + 0.01) == {A: 3}
 
 
-def test_working_set_caps_blocks_and_drops_endpoints() -> None:
+def test_working_set_counts_only_the_blocks_the_index_would_match() -> None:
     ws = WorkingSet(window_s=1.0, max_blocks=2)
     ws.record(A, chain(blocks(0, 100, 200)), 0.0)
     ws.record(B_EP, chain(blocks(0)), 0.0)
     assert ws.sizes(0.5) == {A: 2, B_EP: 1}
-    ws.drop_endpoint(A)
-    ws.drop_endpoint(C)  # unknown: nothing to do
-    assert ws.sizes(0.5) == {B_EP: 1}
 
 
 @pytest.mark.parametrize("window", [0.0, -1.0, math.inf, math.nan, True])
