@@ -89,19 +89,10 @@ def feed_batches(
     1,024 batches behind, was cut off and resynced, up to three times, while already routing
     (BENCHMARKS.md, routing quality, seventh session).
     """
-    out: list[list[IndexEvent]] = []
-    if len(items) < coalesce_at:
-        for item in items:
-            events = translator.apply(item.events) if isinstance(item, KvBatch) else translator.reset()
-            if events:
-                out.append(events)
-        return out
-    for item in items:
-        if isinstance(item, KvBatch):
-            translator.apply(item.events)
-        else:
-            translator.reset()
-    return [[Cleared(translator.endpoint, None), *translator.snapshot()]]
+    batches = [translator.apply(i.events) if isinstance(i, KvBatch) else translator.reset() for i in items]
+    if len(items) >= coalesce_at:
+        return [[Cleared(translator.endpoint, None), *translator.snapshot()]]
+    return [events for events in batches if events]
 
 
 @dataclasses.dataclass(slots=True)
