@@ -1,8 +1,8 @@
 """The agent's admin listener in the secure profile: HTTPS, and a client certificate for every change.
 
 Without ``[agent.tls]`` the admin API is plaintext HTTP, open to whoever reaches ``admin_listen``. With
-it, the listener serves HTTPS with the agent's certificate and key (the feed's, :mod:`agent.feed`) and
-asks every client for a certificate that chains to ``client_ca`` (:func:`server_context`). The
+it, the listener serves HTTPS with the agent's certificate and key (the feed's, :mod:`runtime.feed.server`)
+and asks every client for a certificate that chains to ``client_ca`` (:func:`server_context`). The
 certificate is optional in the handshake (``CERT_OPTIONAL``), so that health probes and monitoring
 without one still read ``GET /healthz``, ``/readyz`` and ``/status``; a certificate that does not
 verify fails the handshake. Every request that may change state (any method but ``GET``, ``HEAD`` and
@@ -10,7 +10,7 @@ verify fails the handshake. Every request that may change state (any method but 
 route added later) must come over a connection whose client presented a verified certificate, or it is
 answered 401 with an OpenAI-style JSON error (:func:`client_cert_required`).
 
-Gateways present their ``[feeds]`` client certificate (:mod:`extproc.restore`); an operator's
+Gateways present their ``[feeds]`` client certificate (:mod:`extproc.control.restore`); an operator's
 ``POST /drain`` needs one from the same CA, e.g. ``curl --cacert ca.pem --cert client-ops.pem --key
 client-ops.key -X POST https://<advertise>:<admin port>/drain``. The files are read when the listener
 starts: rotating them needs an agent restart (the feed follows rotation).

@@ -120,9 +120,9 @@ from types import MappingProxyType
 from typing import Any
 
 from agent.errors import AgentConfigError
-from extproc.config import _REQUIRED, Section, read_tree
-from extproc.errors import ConfigError
-from extproc.fleet import ENGINE_KINDS, ROLES
+from contracts.config import REQUIRED, Section, read_tree
+from contracts.errors import ConfigError
+from engines.kinds import ENGINE_KINDS, ROLES
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 
 KV_OFFLOADS = ("none", "nixl", "lmcache", "hicache", "kvbm")
@@ -317,7 +317,7 @@ def _parse(raw: object) -> NodeConfig:
     etcd_raw = top.raw("etcd")
     if etcd_raw is not None and not isinstance(etcd_raw, Mapping):
         raise AgentConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
-    tables = top.array("engines", _REQUIRED)
+    tables = top.array("engines", REQUIRED)
     top.done()
     if not tables:
         raise AgentConfigError("engines: at least one [[engines]] table is required")
@@ -384,7 +384,7 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
     where = f"engines[{index}]"
     s = Section(raw, where)
     present = set(s.names())
-    kind = _choice(s.string("kind", _REQUIRED), ENGINE_KINDS, f"{where}.kind")
+    kind = _choice(s.string("kind", REQUIRED), ENGINE_KINDS, f"{where}.kind")
     role = _choice(s.string("role", agent.role), ROLES, f"{where}.role")
     kv_offload = _choice(s.string("kv_offload", "none"), KV_OFFLOADS, f"{where}.kv_offload")
     check_combination(kind, role, kv_offload, where, inherited="role" not in present)
@@ -414,11 +414,11 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
     engine = EngineConfig(
         id=_ident(s.string("id", f"{agent.id}-{index}"), f"{where}.id"),
         kind=kind,
-        model=_nonempty(s.string("model", _REQUIRED), f"{where}.model"),
+        model=_nonempty(s.string("model", REQUIRED), f"{where}.model"),
         model_path=_model_path(s.string("model_path"), kind, where, remote),
         host=_nonempty(s.string("host", "127.0.0.1"), f"{where}.host"),
         port=_port(s.integer("port", 0, minimum=0), f"{where}.port"),
-        address=None if not remote else _hostport(s.string("address", _REQUIRED), f"{where}.address"),
+        address=None if not remote else _hostport(s.string("address", REQUIRED), f"{where}.address"),
         kv_events_endpoint=_zmq(attach["kv_events_endpoint"], f"{where}.kv_events_endpoint"),
         kv_replay_endpoint=_zmq(attach["kv_replay_endpoint"], f"{where}.kv_replay_endpoint"),
         kv_events_topic=attach["kv_events_topic"] or "",
@@ -554,7 +554,7 @@ def _strings(values: list[Any], where: str) -> tuple[str, ...]:
 
 
 def _pairs(s: Section) -> tuple[tuple[str, str], ...]:
-    pairs = tuple(sorted((k, s.string(k, _REQUIRED)) for k in s.names()))
+    pairs = tuple(sorted((k, s.string(k, REQUIRED)) for k in s.names()))
     s.done()
     return pairs
 

@@ -53,7 +53,7 @@ from typing import Any
 
 from agent.config import KV_EVENT_KINDS, SMOLLM2, AgentSection, EngineConfig, check_combination
 from agent.errors import EngineError
-from extproc.fleet import Endpoint, EndpointId
+from engines.endpoint import Endpoint, EndpointId
 
 #: ZMQ topic every engine publishes its KV events under.
 KV_EVENTS_TOPIC = "kv-events"
@@ -66,7 +66,7 @@ _GIB = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class ModelExport:
-    """A tokenizer directory to export from a GGUF before start (:func:`extproc.gguf.ensure_model_dir`)."""
+    """A tokenizer directory to export from a GGUF before start (:func:`engines.gguf.ensure_model_dir`)."""
 
     gguf: Path
     cache_root: Path
@@ -390,7 +390,7 @@ def _gguf(e: EngineConfig) -> str:
     assert e.model_path is not None
     if e.model_path != SMOLLM2:
         return e.model_path
-    from extproc.gguf import smollm2_gguf_path
+    from engines.gguf import smollm2_gguf_path
 
     try:
         return str(smollm2_gguf_path())

@@ -1,7 +1,7 @@
 """The error hierarchy of the node agent package.
 
 Everything the agent raises on purpose is an :class:`AgentError`; lower-level errors (``OSError`` from a
-spawn, ``extproc.errors.ConfigError`` from the shared TOML helper) are translated with ``raise ... from``
+spawn, ``contracts.errors.ConfigError`` from the shared TOML helper) are translated with ``raise ... from``
 at the boundary that sees them, so callers catch one family.
 
     AgentError                  any agent failure

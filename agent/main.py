@@ -2,10 +2,10 @@
 
 For each ``[[engines]]`` entry: an :class:`~agent.supervisor.EngineSupervisor` runs (or, for
 ``openai_compat``, probes) the engine; once it is ready the agent registers it in etcd
-(``endpoints/<id>`` under the agent's lease, :class:`extproc.etcd.LeasedKeys`), subscribes to its KV
+(``endpoints/<id>`` under the agent's lease, :class:`runtime.etcd.LeasedKeys`), subscribes to its KV
 events (:class:`~agent.kvevents.KvEventSubscriber`) and translates them into index events
 (:class:`~agent.translate.Translator`), and scrapes its load (:class:`~agent.telemetry.TelemetryLoop`).
-Index events and loads go out on one gRPC stream (:class:`~agent.feed.FeedServer`) that every gateway
+Index events and loads go out on one gRPC stream (:class:`~runtime.feed.server.FeedServer`) that every gateway
 replica subscribes to; a subscriber that needs a full resync gets the translators' snapshots.
 
 An engine that crashes loses its cache: its endpoint is reported ``Cleared`` and unhealthy until it is
@@ -27,7 +27,7 @@ finish a request of at least ``slot_save_min_tokens`` tokens (:mod:`agent.autosa
 through the telemetry poll), and their endpoint record names the agent's ``/slots/restore-chain`` URL
 (``slot_restore``: ``http://<advertise>:<admin port>/slots/restore-chain``, ``https://`` with
 ``[agent.tls]``) so that gateways restore a prefix kvcached holds before they route a request there
-(:mod:`extproc.restore`, over mTLS with the gateway's ``[feeds]`` client certificate).
+(:mod:`extproc.control.restore`, over mTLS with the gateway's ``[feeds]`` client certificate).
 """
 
 from __future__ import annotations
@@ -47,18 +47,22 @@ from aiohttp import web
 from agent.admin import client_cert_required, server_context
 from agent.autosave import SlotAutoSaver
 from agent.config import EngineConfig, NodeConfig, load_node_config
+from agent.engines import endpoint_for
 from agent.errors import AgentError
-from agent.feed import FeedLog, FeedServer
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
 from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
-from extproc.errors import ConfigError
-from extproc.events import Cleared, IndexEvent, Load
-from extproc.lifecycle import stop_on_signals, write_ready_file
-from extproc.tls import ServerTlsFiles
+from contracts.errors import ConfigError
+from contracts.etcd import decode_value, endpoint_key, parse_etcd_settings, policy_key
+from contracts.events import Cleared, IndexEvent, Load
+from engines.endpoint import encode_endpoint
 from kvcached.service import MESSAGE_SLACK, KvcachedClient
+from runtime.feed.log import FeedLog
+from runtime.feed.server import FeedServer
+from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.tls import ServerTlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +203,7 @@ class Agent:
         await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
         await self.telemetry.aclose()
         if self._leased is not None:
-            from extproc.etcd import LeasedKeys
+            from runtime.etcd import LeasedKeys
 
             assert isinstance(self._leased, LeasedKeys)
             await self._leased.aclose(revoke=True)
@@ -218,8 +222,7 @@ class Agent:
 
     async def _start_etcd(self) -> None:
         # Imported here: a standalone agent never loads an etcd client library.
-        from extproc.etcd import LeasedKeys, connect, parse_etcd_settings, policy_key
-        from extproc.policy import decode_value
+        from runtime.etcd import LeasedKeys, connect
 
         settings = parse_etcd_settings(self.config.etcd_raw, "etcd")
         self._prefix = settings.prefix
@@ -259,8 +262,7 @@ class Agent:
         launch = eng.supervisor.launch
         assert launch is not None
         if self._leased is not None:
-            from agent.engines import endpoint_for
-            from extproc.etcd import LeasedKeys, encode_endpoint, endpoint_key
+            from runtime.etcd import LeasedKeys
 
             assert isinstance(self._leased, LeasedKeys)
             # Load travels on the feed: gateways need not scrape the engine (metrics_url None).
@@ -283,7 +285,7 @@ class Agent:
     async def _deregister(self, eng: _Engine) -> None:
         eng.registered = False
         if self._leased is not None:
-            from extproc.etcd import LeasedKeys, endpoint_key
+            from runtime.etcd import LeasedKeys
 
             assert isinstance(self._leased, LeasedKeys)
             await self._leased.delete(endpoint_key(self._prefix, eng.config.id))

@@ -1,10 +1,10 @@
 """The agent's llama.cpp slot routes (admin API, with ``[agent] kvcached``): :class:`SlotAdmin`.
 
 - ``POST /slots/restore-chain`` ``{"engine": id, "digests": [hex, ...]}``: what a gateway sends before it
-  routes a request to ``engine`` (:mod:`extproc.restore`): the request's digest chain (32 hex digits each,
-  the gateway's own chain, up to the lead some node's kvcached holds). The longest prefix kvcached can give
-  is restored into an idle slot (:meth:`agent.slots.SlotCache.restore_chain`). Concurrent requests for the
-  same blob on the same engine share one fetch and restore (single flight). Answers 200 with
+  routes a request to ``engine`` (:mod:`extproc.control.restore`): the request's digest chain (32 hex digits
+  each, the gateway's own chain, up to the lead some node's kvcached holds). The longest prefix kvcached can
+  give is restored into an idle slot (:meth:`agent.slots.SlotCache.restore_chain`). Concurrent requests for
+  the same blob on the same engine share one fetch and restore (single flight). Answers 200 with
   ``{engine, outcome: "restored"|"miss", restored, slot, tokens, matched_tokens, ms}``; 409 when no slot
   is idle (nothing is restored); 400 for a bad body or an engine that is not a llama-server the agent runs;
   404 for an unknown engine; 503 when it is not ready; 502 when the engine or kvcached failed.
@@ -36,7 +36,7 @@ from agent.config import EngineConfig
 from agent.errors import AgentError
 from agent.slots import SLOT_BLOCK_SIZE, RestoreOutcome, SlotCache, SlotStore, slot_dir
 from agent.supervisor import EngineState, EngineSupervisor
-from extproc.digest import DIGEST_BYTES, Digest
+from contracts.digest import DIGEST_BYTES, Digest
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-from extproc.digest import DIGEST_BYTES
+from contracts.digest import DIGEST_BYTES
 
 STATE_MAGIC = 0x67677371
 """``LLAMA_STATE_SEQ_MAGIC`` ('ggsq') as the u32 the file starts with."""

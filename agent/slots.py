@@ -5,7 +5,7 @@ A llama-server started by the agent has ``--slot-save-path <state_dir>/slots/<en
 directory and ``action=restore`` loads such a file into a slot. :class:`SlotCache` moves these files
 through kvcached so that a replica that never saw a prompt can start from another replica's prefill:
 
-- **Key**: kvgate digests, ``extproc.digest.block_digests(chain_seed(model), tokens, block_size)`` (block
+- **Key**: kvgate digests, ``contracts.digest.block_digests(chain_seed(model), tokens, block_size)`` (block
   size 16, the index's). A digest chains over every earlier block, so it names the whole prefix
   ``tokens[:k * block_size]``; the tokens past the last full block are recomputed by the engine.
 - **Blob**: the slot file under the digest of its last full block. Value: a 16-byte header then the slot
@@ -51,7 +51,7 @@ import msgspec
 from agent.config import EngineConfig
 from agent.errors import AgentError, EngineError
 from agent.slotfile import ChainMarker, decode_marker, encode_marker, state_tokens
-from extproc.digest import Digest, block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
 
 log = logging.getLogger(__name__)
 

@@ -332,7 +332,7 @@ class EngineSupervisor:
         try:
             await asyncio.to_thread(_makedirs, (*launch.makedirs, str(self.log_path.parent)))
             if launch.export is not None:
-                from extproc.gguf import ensure_model_dir
+                from engines.gguf import ensure_model_dir
 
                 export = launch.export
                 await asyncio.to_thread(ensure_model_dir, export.gguf, export.cache_root)

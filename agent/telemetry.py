@@ -1,6 +1,6 @@
 """The agent's view of its engines' load and its GPUs, sent to the gateways as ``Load`` events.
 
-- :class:`EngineScraper` reads one engine's Prometheus metrics with :func:`extproc.scrape.parse_metrics`
+- :class:`EngineScraper` reads one engine's Prometheus metrics with :func:`engines.metrics.parse_metrics`
   (the names of REFERENCE.md section 4) into requests waiting and running and KV use 0..1. llama.cpp's
   server (build 11434, checked) exports no KV-use gauge (older builds had
   ``llamacpp:kv_cache_usage_ratio``, read when present); then ``GET /slots`` stands in: busy slots / all
@@ -38,8 +38,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from extproc.events import Gpu, Load
-from extproc.scrape import ENGINE_METRICS, VLLM, MetricNames, parse_metrics
+from contracts.events import Gpu, Load
+from engines.metrics import ENGINE_METRICS, VLLM, MetricNames, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EngineSample:
 class EngineScraper:
     """Reads one engine's load from its Prometheus ``metrics_url``.
 
-    ``engine``: its kind (:data:`extproc.fleet.ENGINE_KINDS`), which picks the metric names.
+    ``engine``: its kind (:data:`engines.kinds.ENGINE_KINDS`), which picks the metric names.
     ``slots_url``: llama.cpp's ``/slots`` (default: ``metrics_url`` with the path ``/slots``), read only
     for llama.cpp and only when the metrics carry no KV use. ``tls``: verification and client certificate
     for ``https`` URLs. ``session``: a shared aiohttp session (default: one of its own, closed by

@@ -1,7 +1,7 @@
 """vLLM KV events -> kvgate index events for one engine endpoint (DESIGN.md contract 2). Sans IO.
 
 An engine names its blocks by its own hashes (``block_hashes``), which kvgate cannot recompute. The
-:class:`Translator` rebuilds kvgate's chained digests (:func:`extproc.digest.block_digests`, seed
+:class:`Translator` rebuilds kvgate's chained digests (:func:`contracts.digest.block_digests`, seed
 ``chain_seed(model, lora=lora_name)``) from the ``token_ids`` each ``BlockStored`` carries, continuing
 the chain from the parent block's state, and keeps a map engine hash -> that state so a later child
 can continue the chain and a ``BlockRemoved`` can name the digests that left.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from agent.errors import AgentConfigError
 from agent.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, KvEvent
-from extproc.digest import Digest, block_digests, chain_seed
-from extproc.events import Cleared, IndexEvent, Removed, Stored
+from contracts.digest import Digest, block_digests, chain_seed
+from contracts.events import Cleared, IndexEvent, Removed, Stored
 
 MEDIUM_TIERS = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 """vLLM ``medium`` -> kvgate tier; a missing medium is GPU."""

@@ -12,7 +12,8 @@ error body; nothing else formats errors for clients.
     ├── PayloadTooLarge          413 invalid_request_error
     ├── TooManyRequests          429 rate_limit_error (flow control, token budget; Retry-After)
     └── Unavailable              503 service_unavailable (no ready endpoint)
-    ConfigError                  invalid configuration (never reaches a client)
+
+Configuration errors are :class:`contracts.errors.ConfigError` (they never reach a client).
 """
 
 from __future__ import annotations
@@ -94,7 +95,3 @@ class TooManyRequests(GatewayError):
 class Unavailable(GatewayError):
     status = 503
     error_type = "service_unavailable"
-
-
-class ConfigError(Exception):
-    """A configuration value is missing, of the wrong type, out of range or unknown."""

@@ -9,57 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NewType
 
-EndpointId = NewType("EndpointId", str)
-
-ENGINE_KINDS = ("vllm", "sglang", "trtllm", "llama_cpp", "openai_compat", "sim")
-ROLES = ("both", "prefill", "decode")
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A static description of one engine replica.
-
-    ``address`` is the ``ip:port`` Envoy proxies to; ``metrics_url`` the Prometheus endpoint to scrape
-    (``None``: no scraping: the endpoint is trusted healthy and scored on what this gateway routed there,
-    or on the load its agent streams). Registered by a node agent (etcd ``endpoints/<id>``), it also
-    has: ``node``, the agent's node id; ``feed``, the ``host:port`` of the agent's index event stream
-    (:mod:`extproc.events`); ``kv_events``, whether that stream carries this endpoint's KV events (else
-    the gateway keeps learning it from its own decisions); ``role`` (``both``, ``prefill`` or
-    ``decode``), ``block_size`` (the engine's KV block, tokens) and ``capacity_blocks`` (its KV blocks).
-    ``slot_restore``: the agent's ``http(s)`` URL that restores a prefix from the node's kvcached into the
-    engine before a request is sent there (llama.cpp; :mod:`extproc.restore`), ``None`` when not offered.
-    """
-
-    id: EndpointId
-    address: str
-    models: frozenset[str]
-    engine: str = "vllm"
-    metrics_url: str | None = None
-    labels: tuple[tuple[str, str], ...] = ()
-    role: str = "both"
-    node: str | None = None
-    feed: str | None = None
-    kv_events: bool = False
-    block_size: int | None = None
-    capacity_blocks: int | None = None
-    slot_restore: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMetrics:
-    """One scrape of an engine's load signals.
-
-    ``waiting``/``running``: requests queued / being decoded. ``kv_usage``: fraction 0..1 of KV cache in
-    use, ``None`` where the engine does not export it. ``at``: monotonic seconds of the scrape.
-    """
-
-    waiting: float
-    running: float
-    kv_usage: float | None
-    at: float
-
+from engines.endpoint import Endpoint, EndpointId
+from engines.metrics import EngineMetrics
 
 ROUTED_HALF_LIFE_S = 30.0
 """Half-life of :meth:`EndpointState.recent_routed` (the ``balance`` filter's window)."""

@@ -12,7 +12,7 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
-With a :class:`~extproc.auth.Gate` (an ``[auth]`` section), the caller is identified at the request
+With a :class:`~extproc.admission.gate.Gate` (an ``[auth]`` section), the caller is identified at the request
 headers (Envoy-verified JWT claims from dynamic metadata, or an API key; 401/403 before any body is
 buffered), and after parsing the request is admitted against its tenant's model scope and token budget
 (403/429). The headers reply then also sets the tenant header (Envoy's per-tenant rate limit keys on it)
@@ -38,11 +38,11 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.auth import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER, Gate, Principal, Ticket
+from extproc.admission.gate import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER, Gate, Principal, Ticket
+from extproc.admission.usage import UsageReader
 from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests
-from extproc.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
-from extproc.router import Decision, Router
-from extproc.usage import UsageReader
+from extproc.routing.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
+from extproc.routing.router import Decision, Router
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
 ``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
 scraper feeding the fleet. With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates
-re-read when their files change, :mod:`extproc.tls`); health and metrics stay plaintext. ``[feeds]``
-TLS files also serve the slot restorer's ``https`` requests to agents (:mod:`extproc.restore`). First
+re-read when their files change, :mod:`runtime.tls`); health and metrics stay plaintext. ``[feeds]``
+TLS files also serve the slot restorer's ``https`` requests to agents (:mod:`extproc.control.restore`). First
 SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a grace period), the second forces.
 """
 
@@ -26,22 +26,24 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc.auth import Gate, build_gate
-from extproc.cluster import Cluster
+from contracts.errors import ConfigError
+from extproc.admission.gate import Gate, build_gate
 from extproc.config import GatewayConfig, load_config
-from extproc.errors import ConfigError
+from extproc.control.cluster import Cluster
+from extproc.control.restore import SlotRestorer
+from extproc.control.scrape import Scraper
 from extproc.fleet import Fleet
-from extproc.index import ApproximateIndex, WorkingSet
-from extproc.lifecycle import stop_on_signals, write_ready_file
+from extproc.index.approximate import ApproximateIndex
+from extproc.index.hybrid import HybridIndex
+from extproc.index.precise import PreciseIndex
+from extproc.index.working_set import WorkingSet
 from extproc.metrics import GatewayMetrics
-from extproc.models import ModelRegistry
-from extproc.precise import HybridIndex, PreciseIndex
+from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
-from extproc.restore import SlotRestorer
-from extproc.router import Router
+from extproc.routing.router import Router
 from extproc.scheduling.registry import build_profile
-from extproc.scrape import Scraper
-from extproc.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
+from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """One StreamProcessor per Envoy stream; times decisions for the metrics. With a ``restorer``, a
-    routed request waits for the slot restore its decision calls for (:mod:`extproc.restore`) before
+    routed request waits for the slot restore its decision calls for (:mod:`extproc.control.restore`) before
     Envoy gets the answer."""
 
     def __init__(
@@ -130,7 +132,7 @@ class Gateway:
                 else None
             ),
         )
-        #: etcd control plane, agents' feeds and policy (:mod:`extproc.cluster`).
+        #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, self.models)
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).

@@ -1,7 +1,7 @@
 """The on-disk record of one KV block: the format written to the SSD tier and verified on every read.
 
 A block is an opaque byte string (an engine's KV tensors for one digest of the chain, or a saved slot)
-keyed by its 16-byte chain digest (:mod:`extproc.digest`). Blocks are immutable: a digest names one
+keyed by its 16-byte chain digest (:mod:`contracts.digest`). Blocks are immutable: a digest names one
 content for as long as it is held. A record is a fixed 45-byte header followed by the payload::
 
     offset  size  field
@@ -25,7 +25,7 @@ import struct
 
 from blake3 import blake3
 
-from extproc.digest import DIGEST_BYTES
+from contracts.digest import DIGEST_BYTES
 from kvcached.errors import BadRequest, CorruptBlock
 
 MAX_BLOCK_BYTES_DEFAULT = 64 * 1024 * 1024

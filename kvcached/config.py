@@ -2,7 +2,7 @@
 
 Unknown keys and ill-typed values are :class:`~kvcached.errors.KvcachedConfigError` naming the key; nothing
 past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd_raw`` (parsed by
-:func:`extproc.etcd.parse_etcd_settings`). Sizes are bytes, times seconds, addresses ``host:port``
+:func:`contracts.etcd.parse_etcd_settings`). Sizes are bytes, times seconds, addresses ``host:port``
 (port 0 = ephemeral). Example (every key)::
 
     [kvcached]
@@ -38,7 +38,7 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     node = "node-b"
     address = "10.0.0.8:4433"            # its QUIC host:port
 
-    [etcd]                               # optional: registration + peer discovery (extproc/etcd.py)
+    [etcd]                               # optional: registration + peer discovery (runtime/etcd.py)
     endpoints = ["127.0.0.1:2379"]
 """
 
@@ -52,8 +52,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from extproc.config import _REQUIRED, Section, read_tree
-from extproc.errors import ConfigError
+from contracts.config import REQUIRED, Section, read_tree
+from contracts.errors import ConfigError
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX
@@ -144,7 +144,7 @@ def _parse(raw: object) -> KvcachedConfig:
     node = k.string("node", socket.gethostname())
     if not node or "/" in node:
         raise KvcachedConfigError(f"kvcached.node: expected a non-empty name without '/', got {node!r}")
-    ram_bytes = k.integer("ram_bytes", _REQUIRED, minimum=1)
+    ram_bytes = k.integer("ram_bytes", REQUIRED, minimum=1)
     ssd_path = k.string("ssd_path")
     ssd_bytes = k.integer("ssd_bytes", 0, minimum=0)
     tls = _tls(k.raw("tls"))
@@ -215,8 +215,8 @@ def _quic(raw: object) -> QuicSettings:
 def _peer(raw: object, where: str) -> StaticPeer:
     s = Section(raw, where)
     peer = StaticPeer(
-        node=_nonempty(s.string("node", _REQUIRED), f"{where}.node") or "",
-        address=_hostport(s.string("address", _REQUIRED), f"{where}.address") or "",
+        node=_nonempty(s.string("node", REQUIRED), f"{where}.node") or "",
+        address=_hostport(s.string("address", REQUIRED), f"{where}.address") or "",
     )
     s.done()
     return peer

@@ -1,6 +1,6 @@
 """Where the node's kvcached daemons are: registration of ``kvcached/<node>`` in etcd and the peer table.
 
-Key (extproc/etcd.py schema, family ``kvcached``): ``<prefix>kvcached/<node>``, under the daemon's lease,
+Key (runtime/etcd.py schema, family ``kvcached``): ``<prefix>kvcached/<node>``, under the daemon's lease,
 value JSON ``{"node": ..., "grpc": "host:port" | null, "quic": "host:port" | null, "feed": "host:port"}``
 (:func:`encode_peer` / :func:`decode_peer`). The key vanishes ``lease_ttl_s`` after the daemon dies, or at
 once when it stops cleanly.
@@ -20,18 +20,10 @@ from collections.abc import Iterable, Mapping
 
 import etcd3aio
 
-from extproc.errors import ConfigError
-from extproc.etcd import (
-    ETCD_ERRORS,
-    KVCACHED,
-    EtcdSettings,
-    PeerInfo,
-    decode_peer,
-    describe_error,
-    peer_key,
-    split_key,
-)
+from contracts.errors import ConfigError
+from contracts.etcd import KVCACHED, EtcdSettings, PeerInfo, decode_peer, peer_key, split_key
 from kvcached.config import StaticPeer
+from runtime.etcd import ETCD_ERRORS, describe_error
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 Parts: the :class:`~kvcached.tiers.TieredStore` (RAM + RocksDB tiers); the local gRPC API
 (:mod:`kvcached.service`, unix socket and/or mTLS TCP); the QUIC :class:`~kvcached.peers.PeerServer`
 that lets peers fetch our blocks, and a :class:`~kvcached.peers.PeerClient` that fetches theirs on a
-local miss; the index feed (:class:`agent.feed.FeedServer`, source ``kvcached-<node>``): every change the
-store reports becomes ``Stored``/``Removed(endpoint, digests, tier="ram"|"ssd")`` for the node's pseudo
-endpoint ``kvcached:<node>`` (:func:`extproc.events.node_store_endpoint`), and a subscriber that needs a
+local miss; the index feed (:class:`runtime.feed.server.FeedServer`, source ``kvcached-<node>``): every change
+the store reports becomes ``Stored``/``Removed(endpoint, digests, tier="ram"|"ssd")`` for the node's pseudo
+endpoint ``kvcached:<node>`` (:func:`contracts.events.node_store_endpoint`), and a subscriber that needs a
 resync gets a snapshot of what the tiers hold; with
 ``[etcd]``, the leased key ``kvcached/<node>`` (:mod:`kvcached.discovery`) and a watch of ``kvcached/``
 that, with the static ``[[peers]]``, says whom to ask; Prometheus text on ``metrics_listen``
@@ -29,12 +29,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from agent.feed import FeedLog, FeedServer
-from extproc.errors import ConfigError
-from extproc.etcd import PeerInfo, encode_peer, peer_key
-from extproc.events import IndexEvent, Removed, Stored, node_store_endpoint
-from extproc.lifecycle import stop_on_signals, write_ready_file
-from extproc.tls import ServerTlsFiles
+from contracts.errors import ConfigError
+from contracts.etcd import PeerInfo, encode_peer, parse_etcd_settings, peer_key
+from contracts.events import IndexEvent, Removed, Stored, node_store_endpoint
 from kvcached.config import KvcachedConfig, load_kvcached_config
 from kvcached.discovery import PeerTable, PeerWatcher
 from kvcached.errors import KvcachedError
@@ -43,6 +40,10 @@ from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
+from runtime.feed.log import FeedLog
+from runtime.feed.server import FeedServer
+from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.tls import ServerTlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class Daemon:
 
     async def _start_etcd(self) -> None:
         # Imported here: a daemon without [etcd] never loads an etcd client library.
-        from extproc.etcd import LeasedKeys, connect, parse_etcd_settings
+        from runtime.etcd import LeasedKeys, connect
 
         assert self.config.etcd_raw is not None
         settings = parse_etcd_settings(self.config.etcd_raw, "etcd")

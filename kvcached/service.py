@@ -1,6 +1,6 @@
 """The local API of kvcached: gRPC methods under ``/kvgate.kvcached.v1.Kvcached/``, server and client.
 
-Methods (unary, msgpack messages via msgspec, like :mod:`extproc.events`; no generated stubs):
+Methods (unary, msgpack messages via msgspec, like :mod:`contracts.events`; no generated stubs):
 
 =========  ============================================  ==========================================
 method     request                                       reply
@@ -29,7 +29,7 @@ is single-threaded, its listener publishes to the feed (which must run on the lo
 blocks the loop for its duration (about a millisecond per MiB).
 
 Served on a unix socket (plaintext: the socket's file mode is the access control) and/or TCP (mTLS only,
-client certificate required, files re-read on rotation via :class:`extproc.tls.ReloadingServerCerts`).
+client certificate required, files re-read on rotation via :class:`runtime.tls.ReloadingServerCerts`).
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ from typing import Any, TypeVar
 import grpc
 import msgspec
 
-from extproc.tls import ReloadingServerCerts, ServerTlsFiles
 from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import PeerClient
 from kvcached.tiers import TieredStore
+from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from extproc.digest import DIGEST_BYTES
+from contracts.digest import DIGEST_BYTES
 from kvcached.block import decode_record, encode_record, record_bytes
 from kvcached.errors import CorruptBlock
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 TIER_RAM = "ram"
 TIER_SSD = "ssd"
-"""Tier names, as in ``extproc.events.TIERS``."""
+"""Tier names, as in ``contracts.events.TIERS``."""
 
 COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions", "corrupt")
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from extproc.digest import DIGEST_BYTES
+from contracts.digest import DIGEST_BYTES
 from kvcached.block import check_digest
 from kvcached.errors import BadRequest
 

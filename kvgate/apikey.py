@@ -1,4 +1,4 @@
-"""``kvgate apikey``: create, revoke and list API keys in a key file (:mod:`extproc.apikeys`).
+"""``kvgate apikey``: create, revoke and list API keys in a key file (:mod:`extproc.admission.keys`).
 
     kvgate apikey create --tenant acme [--name ci] [--file api_keys.json] [--config gateway.toml]
     kvgate apikey revoke key_3f2a9c01d4e5 [--file api_keys.json]
@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from extproc.apikeys import ApiKey, KeyFileError, hash_key, new_key, new_key_id, read_keys, write_keys
+from contracts.errors import ConfigError
+from extproc.admission.keys import ApiKey, KeyFileError, hash_key, new_key, new_key_id, read_keys, write_keys
+from extproc.admission.tenants import TENANT_ID
 from extproc.config import load_config
-from extproc.errors import ConfigError
-from extproc.tenants import TENANT_ID
 
 DEFAULT_FILE = os.environ.get("KVGATE_API_KEYS", "api_keys.json")
 

@@ -27,8 +27,8 @@ commands:
 def _envoy_config(argv: list[str]) -> int:
     import argparse
 
-    from kvgate.envoyconf import EnvoyParams, render_yaml
-    from kvgate.envoytls import EnvoyTls, write_sds
+    from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
+    from kvgate.envoy.tls import EnvoyTls, write_sds
 
     defaults, tls_defaults = EnvoyParams(), EnvoyTls()
     parser = argparse.ArgumentParser(prog="kvgate envoy-config")
@@ -50,9 +50,9 @@ def _envoy_config(argv: list[str]) -> int:
     if args.gateway_config:
         from pathlib import Path
 
+        from contracts.errors import ConfigError
         from extproc.config import load_config
-        from extproc.errors import ConfigError
-        from kvgate.envoy_auth import EdgeAuth
+        from kvgate.envoy.auth import EdgeAuth
 
         try:
             auth = EdgeAuth.from_config(load_config(Path(args.gateway_config)))
@@ -82,7 +82,7 @@ def _model(argv: list[str]) -> int:
     if argv[:1] != ["export"]:
         print("usage: kvgate model export GGUF OUTDIR [--force]", file=sys.stderr)
         return 2
-    return _lazy("extproc.gguf")(argv[1:])
+    return _lazy("engines.gguf")(argv[1:])
 
 
 def _drain(argv: list[str]) -> int:
@@ -102,12 +102,12 @@ def _lazy(module: str) -> Callable[[list[str]], int]:
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "up": _lazy("kvgate.up"),
+    "up": _lazy("kvgate.dev.up"),
     "extproc": _lazy("extproc.server"),
     "sim": _lazy("load.sim.server"),
     "model": _model,
     "envoy-config": _envoy_config,
-    "oidc-dev": _lazy("kvgate.oidc_dev"),
+    "oidc-dev": _lazy("kvgate.dev.oidc"),
     "apikey": _lazy("kvgate.apikey"),
     "certs": _lazy("certs.cli"),
     "bench": _lazy("load.bench.routing"),

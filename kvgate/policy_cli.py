@@ -1,6 +1,6 @@
 """``kvgate policy get|set|unset|list|watch`` and ``kvgate drain ID [--undo]``.
 
-The operator's handle on the control plane: the policy paths of :mod:`extproc.policy` in etcd (or in a
+The operator's handle on the control plane: the policy paths of :mod:`extproc.control.policy` in etcd (or in a
 local policy file with ``--file``), and the drain flag of an endpoint. ``set`` validates the value
 against the schema and the values already in force before anything is written: a bad value exits 2
 with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that
@@ -28,27 +28,25 @@ from pathlib import Path
 
 import etcd3aio
 
-from extproc.errors import ConfigError
-from extproc.etcd import (
-    ETCD_ERRORS,
+from contracts.errors import ConfigError
+from contracts.etcd import (
     EtcdSettings,
-    connect,
-    describe_error,
     drain_key,
+    encode_value,
     endpoint_key,
     parse_etcd_settings,
     policy_key,
     policy_path,
     split_key,
 )
-from extproc.policy import (
+from extproc.control.policy import (
     KNOWN_PATHS,
     PolicyStore,
     classify,
-    encode_value,
     load_policy_file,
     write_policy_file,
 )
+from runtime.etcd import ETCD_ERRORS, connect, describe_error
 
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
 

@@ -1,4 +1,4 @@
-"""pytest fixtures around a real etcd (:mod:`kvgate.etcdserver`).
+"""pytest fixtures around a real etcd (:mod:`kvgate.dev.etcd`).
 
 One etcd serves the whole session; every test gets its own key prefix, so tests never see each other's
 keys. Tests that stop and restart etcd take :func:`etcd_outage_server`, a server of their own. A test
@@ -16,8 +16,9 @@ from pathlib import Path
 import etcd3aio
 import pytest
 
-from extproc.etcd import EtcdSettings, connect
-from kvgate.etcdserver import EtcdServer
+from contracts.etcd import EtcdSettings
+from kvgate.dev.etcd import EtcdServer
+from runtime.etcd import connect
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.digest import Digest
-from extproc.fleet import EndpointId, EndpointState
+from contracts.digest import Digest
+from engines.endpoint import EndpointId
+from extproc.fleet import EndpointState
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from extproc.fleet import EndpointId, EndpointState
+from engines.endpoint import EndpointId
+from extproc.fleet import EndpointState
 
 
 @dataclass(frozen=True, slots=True)

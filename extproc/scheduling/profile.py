@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from extproc.errors import ConfigError
-from extproc.fleet import EndpointId, EndpointState
-from extproc.index import PrefixIndex
+from contracts.errors import ConfigError
+from engines.endpoint import EndpointId
+from extproc.fleet import EndpointState
+from extproc.index.interface import PrefixIndex
 from extproc.scheduling.interface import CycleState, Filter, Picker, SchedulingRequest, Scorer
 
 

@@ -12,7 +12,7 @@ Config shape (plain dicts from YAML/JSON/etcd, parsed here at the edge; unknown 
           - {ref: max-score}                   # exactly one picker per profile
 
 Each plugin's params are a frozen dataclass; they are checked key by key against its fields (unknown key,
-wrong type, out of range: :class:`~extproc.errors.ConfigError` naming the plugin and the key).
+wrong type, out of range: :class:`~contracts.errors.ConfigError` naming the plugin and the key).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from extproc.errors import ConfigError
+from contracts.errors import ConfigError
 from extproc.scheduling.filters import (
     BalanceFilter,
     BalanceParams,

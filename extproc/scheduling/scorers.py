@@ -10,8 +10,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.fleet import EndpointId, EndpointState
-from extproc.index import DEFAULT_MAX_MATCH_BLOCKS
+from engines.endpoint import EndpointId
+from extproc.fleet import EndpointState
+from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 
 

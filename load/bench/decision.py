@@ -34,13 +34,13 @@ from typing import Any
 
 import orjson
 
+from contracts.digest import Digest
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from engines.metrics import EngineMetrics
 from extproc.config import parse_config
-from extproc.digest import Digest
-from extproc.fleet import EngineMetrics
-from extproc.gguf import ensure_model_dir, smollm2_gguf_path
-from extproc.models import ModelAssets
-from extproc.request import Kind, ParsedRequest, parse_body
-from extproc.router import Tokens
+from extproc.models.registry import ModelAssets
+from extproc.routing.request import Kind, ParsedRequest, parse_body
+from extproc.routing.router import Tokens
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.server import Gateway
 from load.bench import CpuSample, machine, quietest, revision, summary, write_json

@@ -44,11 +44,12 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from extproc.digest import Digest
-from extproc.events import IndexEvent, Removed, Stored
-from extproc.fleet import EndpointId
-from extproc.index import ApproximateIndex
-from extproc.precise import HybridIndex, PreciseIndex
+from contracts.digest import Digest
+from contracts.events import IndexEvent, Removed, Stored
+from engines.endpoint import EndpointId
+from extproc.index.approximate import ApproximateIndex
+from extproc.index.hybrid import HybridIndex
+from extproc.index.precise import PreciseIndex
 from load.bench import CpuSample, machine, percentile, quietest, revision, write_json
 
 FLEETS = (8, 64)

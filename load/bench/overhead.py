@@ -1,6 +1,6 @@
 """Gateway overhead: requests through Envoy + ext_proc against the same requests sent straight to an engine.
 
-One run starts the stack users get (:class:`kvgate.up.Stack`: simulated replicas, the ext_proc, Envoy)
+One run starts the stack users get (:class:`kvgate.dev.up.Stack`: simulated replicas, the ext_proc, Envoy)
 with the simulator's step time scaled to 0 so engines answer at once, plus, as a second baseline, a plain
 Envoy with the same listener and a round-robin cluster over the same replicas (no ext_proc). It then
 alternates rounds over the targets (order rotated each round):
@@ -36,9 +36,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvgate.envoyconf import render_baseline
-from kvgate.procs import Child, http_get, start_envoy
-from kvgate.up import DEFAULT_MODEL, Stack, StackOptions
+from kvgate.dev.procs import Child, http_get, start_envoy
+from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
+from kvgate.envoy.bootstrap import render_baseline
 from load.bench import CpuSample, machine, quietest, revision, summary, write_json
 
 PATH = "/v1/chat/completions"

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.procs import Child, ChildFailed, http_get
+from kvgate.dev.procs import Child, ChildFailed, http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / ".bench" / "venvs"

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from extproc.gguf import ensure_model_dir, smollm2_gguf_path
-from kvgate.procs import ChildFailed
-from kvgate.up import DEFAULT_MODEL
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from kvgate.dev.procs import ChildFailed
+from kvgate.dev.up import DEFAULT_MODEL
 from load.bench import machine, revision, write_json
 from load.bench import report as rep
 from load.bench import targets as tg

@@ -2,7 +2,7 @@
 
 ``python -m load.bench.slots --gateway --out results/slots_gateway.json [--quick] [--repeats N]
 [--prompt-tokens N]`` starts what ``kvgate up --agents 2 --agent-engine llama_cpp --kvcached`` starts
-(:class:`kvgate.up.Stack`: etcd, two node agents each supervising one llama-server, SmolLM2-135M Q4, one
+(:class:`kvgate.dev.up.Stack`: etcd, two node agents each supervising one llama-server, SmolLM2-135M Q4, one
 thread, one slot, each node with its own kvcached daemon, QUIC peer fetch between them; Envoy + the
 ext_proc with ``[slot_restore]`` at its defaults, ``min_blocks`` 32, and a 4.5 s deadline) and steers
 requests with the conformance header. Each repeat uses two fresh chats of the same shape and length, ``R``
@@ -38,9 +38,9 @@ from typing import Any
 
 import aiohttp
 
-from extproc.digest import Digest, block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
 from kvcached.service import KvcachedClient
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.up import Stack, StackOptions
 from load.bench import CpuSample, machine, revision, slots, summary
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ replica (the gateways never route it) and, polling every ~1 ms in the event loop
   the prompt's full blocks on that endpoint: the whole event path (engine PUB -> agent SUB, translation
   -> agent feed -> gateway feed client -> index) plus the poll's resolution;
 - ``send_to_index_ms``: request sent -> the same index condition (what a follow-up request would see);
-- ``feed_hop_ms``: the precise gateway's :class:`~extproc.feeds.FeedStats` ``staleness_s`` samples of the
-  run (agent publish -> gateway apply, every batch: index events and loads);
+- ``feed_hop_ms``: the precise gateway's :class:`~runtime.feed.client.FeedStats` ``staleness_s`` samples of
+  the run (agent publish -> gateway apply, every batch: index events and loads);
 - ``send_to_load_ms``: request sent -> the precise gateway's fleet shows the endpoint ``running >= 1``:
   the load path, a scrape every ``scrape_interval_s`` (the agent's telemetry and the gateway's own
   scraper both poll the engine's ``/metrics`` every 0.1 s), so its staleness is bounded by the interval
@@ -47,13 +47,13 @@ import zmq
 import zmq.asyncio
 
 from agent.kvevents import BlockStored, KvEventDecodeError, decode_message
+from contracts.digest import Digest
+from engines.endpoint import EndpointId
 from extproc.config import parse_config
-from extproc.digest import Digest
-from extproc.fleet import EndpointId
-from extproc.request import Kind, parse_body
+from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway
-from kvgate.etcdserver import EtcdServer
-from kvgate.procs import Child
+from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.procs import Child
 from load.bench import CpuSample, machine, revision, summary, write_json
 from load.bench.overhead import cpu_seconds
 

@@ -1,7 +1,7 @@
 """The simulated fleet and the routers the benchmark compares, each started fresh for every run.
 
 * ``kvgate``: Envoy + the ext_proc exactly as ``kvgate up --endpoint ...`` starts them
-  (:class:`kvgate.up.Stack` fronting the fleet), approximate prefix index (learned from its decisions).
+  (:class:`kvgate.dev.up.Stack` fronting the fleet), approximate prefix index (learned from its decisions).
 * ``kvgate-precise``: the same gateway with a local etcd and a node agent attached to the replicas
   (``StackOptions.attach``): the agent subscribes to each replica's KV events and streams them, with the
   replicas' load, to the ext_proc, whose precise index then knows what each replica really holds.
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.envoyconf import render_baseline
-from kvgate.procs import Child, start_envoy
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.procs import Child, start_envoy
+from kvgate.dev.up import Stack, StackOptions
+from kvgate.envoy.bootstrap import render_baseline
 from load.bench import peers
 from load.client import FixedRoute, Route
 from load.workloads.session import Session

@@ -10,7 +10,7 @@ unregistered blocks go straight back to the free list. A fresh block comes from 
 then by evicting the least recently used cached block. Blocks of a request are released tail first,
 so a chain's later blocks are evicted before its prefix, as in vLLM.
 
-Digests are opaque here: the engine computes them (``extproc.digest.block_digests``) and an identical
+Digests are opaque here: the engine computes them (``contracts.digest.block_digests``) and an identical
 chunk at another position has another digest because each folds in its predecessor.
 
 An optional :class:`CacheListener` hears about blocks stored, evicted and cleared; it is the seam for
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.digest import Digest
+from contracts.digest import Digest
 
 
 class CacheListener(Protocol):

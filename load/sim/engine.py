@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from extproc.digest import Digest, block_digests
+from contracts.digest import Digest, block_digests
 from load.sim.cache import CacheListener, PrefixCache
 from load.sim.timing import TimingModel
 

@@ -44,7 +44,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from extproc.digest import Digest
+from contracts.digest import Digest
 from load.sim.cache import CacheListener
 
 log = logging.getLogger(__name__)

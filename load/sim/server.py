@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 
-from extproc.digest import chain_seed
+from contracts.digest import chain_seed
 from load.sim import protocol as api
 from load.sim.cache import CacheListener
 from load.sim.compat import compat_routes

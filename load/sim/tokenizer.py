@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from extproc.digest import pack_tokens
+from contracts.digest import pack_tokens
 
 OUTPUT_VOCAB_SIZE = 2048
 _MEMO_MIN_CHARS = 1024

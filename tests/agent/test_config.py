@@ -23,7 +23,7 @@ from agent.config import (
 )
 from agent.engines import render
 from agent.errors import AgentConfigError
-from extproc.fleet import ENGINE_KINDS, ROLES
+from engines.kinds import ENGINE_KINDS, ROLES
 
 
 def engine_raw(kind: str, **keys: Any) -> dict[str, Any]:

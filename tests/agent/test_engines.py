@@ -20,8 +20,8 @@ from agent.engines import (
     render,
 )
 from agent.errors import AgentConfigError
-from extproc.fleet import ENGINE_KINDS, ROLES
-from extproc.gguf import smollm2_gguf_path
+from engines.gguf import smollm2_gguf_path
+from engines.kinds import ENGINE_KINDS, ROLES
 
 AGENT = AgentSection(id="node-a", advertise="10.0.0.5", state_dir="/srv/agent")
 PORT, EVENTS, REPLAY, SIDE = 8100, 5557, 5558, 5600

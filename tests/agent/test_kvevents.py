@@ -31,10 +31,10 @@ from agent.kvevents import (
 )
 from agent.main import feed_batches
 from agent.translate import Translator
-from extproc.digest import block_digests, chain_seed
-from extproc.events import Cleared, IndexEvent, Stored
-from extproc.fleet import EndpointId
-from extproc.precise import PreciseIndex
+from contracts.digest import block_digests, chain_seed
+from contracts.events import Cleared, IndexEvent, Stored
+from engines.endpoint import EndpointId
+from extproc.index.precise import PreciseIndex
 from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventsConfig
 from load.sim.server import SimConfig, SimFleet, SimReplica

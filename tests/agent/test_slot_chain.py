@@ -24,7 +24,7 @@ from agent.slotfile import decode_marker, state_tokens
 from agent.slots import SlotCache, decode_slot_record, slot_dir
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper
-from extproc.digest import Digest, block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
 from tests.agent.test_slots import complete
 
 MODEL = "SmolLM2-135M-Instruct"

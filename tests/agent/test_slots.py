@@ -25,7 +25,7 @@ from agent.slots import (
     slot_key,
 )
 from agent.supervisor import EngineSupervisor
-from extproc.digest import block_digests, chain_seed
+from contracts.digest import block_digests, chain_seed
 from kvcached.service import ApiServer, KvcachedClient, KvcachedService
 from kvcached.tiers import TieredStore
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop
-from extproc.events import Gpu, Load
+from contracts.events import Gpu, Load
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
 

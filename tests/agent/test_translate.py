@@ -7,8 +7,8 @@ import pytest
 from agent.errors import AgentConfigError
 from agent.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
 from agent.translate import Translator
-from extproc.digest import block_digests, chain_seed
-from extproc.events import Cleared, Removed, Stored
+from contracts.digest import block_digests, chain_seed
+from contracts.events import Cleared, Removed, Stored
 
 EP = "10.0.0.1:8000"
 MODEL = "smol"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.up import Stack, StackOptions
 
 # Simulated replicas run 20x faster than the documented H100 timing model: the tests check routing
 # and wire behaviour, not latency.

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from extproc.gguf import ensure_model_dir, smollm2_gguf_path
-from kvgate.procs import Child, http_get
-from kvgate.up import Stack, StackOptions
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from kvgate.dev.procs import Child, http_get
+from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +48,7 @@ def start_agent(
     drain_timeout_s: float = 10.0,
 ) -> tuple[Child, Path]:
     """Start ``python -m agent.main`` for node ``node-<index>`` supervising simulated engine
-    ``sim-<index>`` (extra sim flags ``args``), written like :class:`kvgate.up.Stack` writes its nodes.
+    ``sim-<index>`` (extra sim flags ``args``), written like :class:`kvgate.dev.up.Stack` writes its nodes.
     Returns the child and its ready-file path (not waited for)."""
     node = f"node-{index}"
     config = {

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from extproc.apikeys import hash_key, read_keys
+from extproc.admission.keys import hash_key, read_keys
 from kvgate import apikey
-from kvgate.devauth import StackAuth
-from kvgate.tokens import SigningKey, bad_signature, mint, tampered, unsigned
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.auth import StackAuth
+from kvgate.dev.tokens import SigningKey, bad_signature, mint, tampered, unsigned
+from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 
 pytestmark = pytest.mark.e2e

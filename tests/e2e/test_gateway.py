@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from kvgate.procs import http_get
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.procs import http_get
+from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM, Spy
 
 pytestmark = pytest.mark.e2e

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from kvgate.procs import http_get
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.procs import http_get
+from kvgate.dev.up import Stack, StackOptions
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

@@ -20,13 +20,13 @@ import httpx
 import orjson
 import pytest
 
+from contracts.digest import Digest
+from engines.endpoint import EndpointId
 from extproc.config import parse_config
-from extproc.digest import Digest
-from extproc.fleet import EndpointId
-from extproc.request import Kind, ParsedRequest, parse_body
+from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.server import Gateway
-from kvgate.etcdserver import EtcdServer
-from kvgate.procs import Child
+from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.procs import Child
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_agents import MODEL, start_agent
 

@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 
 pytestmark = pytest.mark.e2e

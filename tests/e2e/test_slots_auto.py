@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from extproc.digest import Digest, block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
 from kvcached.service import KvcachedClient
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.up import Stack, StackOptions
 
 pytestmark = pytest.mark.e2e
 T = TypeVar("T")

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from kvgate.up import Stack, StackOptions
+from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.apikeys import ApiKey, hash_key, new_key, write_keys
+from extproc.admission.keys import ApiKey, hash_key, new_key, write_keys
 from extproc.config import parse_config
 from extproc.server import Gateway
 from tests.extproc.test_server import (

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from contracts.errors import ConfigError
 from extproc import config as config_module
 from extproc.config import SlotRestoreConfig, load_config, parse_config
-from extproc.errors import ConfigError
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from extproc.fleet import Endpoint, EndpointId, EngineMetrics, Fleet
+from engines.endpoint import Endpoint, EndpointId
+from engines.metrics import EngineMetrics
+from extproc.fleet import Fleet
 
 EP = Endpoint(EndpointId("a"), "127.0.0.1:1", frozenset({"m"}))
 

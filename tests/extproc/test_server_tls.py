@@ -19,8 +19,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue, write_atomic
+from contracts.errors import ConfigError
 from extproc.config import parse_config
-from extproc.errors import ConfigError
 from extproc.server import Gateway
 
 NOW = dt.datetime.now(dt.UTC)

@@ -26,21 +26,22 @@ import orjson
 import pytest
 
 from certs.store import LeafFiles, dev_bundle
+from contracts.errors import ConfigError
+from contracts.etcd import EtcdSettings, PeerInfo, decode_peer, encode_peer, peer_key
+from contracts.events import SUBSCRIBE_METHOD, Batch, Removed, Stored, Subscribe, decode_batch, encode
+from engines.endpoint import EndpointId
 from extproc.config import parse_config
-from extproc.errors import ConfigError
-from extproc.etcd import EtcdSettings, PeerInfo, connect, decode_peer, encode_peer, peer_key
-from extproc.events import SUBSCRIBE_METHOD, Batch, Removed, Stored, Subscribe, decode_batch, encode
-from extproc.fleet import EndpointId
-from extproc.precise import HybridIndex
-from extproc.request import Kind, parse_body
+from extproc.index.hybrid import HybridIndex
+from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway
 from kvcached.block import checksum
 from kvcached.config import StaticPeer
 from kvcached.discovery import PeerTable
 from kvcached.errors import BadRequest, KvcachedError
 from kvcached.service import KvcachedClient
-from kvgate.etcdserver import EtcdServer
-from kvgate.procs import Child, http_get
+from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.procs import Child, http_get
+from runtime.etcd import connect
 
 pytest_plugins = ("tests.etcd_fixtures",)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.gguf import ensure_model_dir, smollm2_gguf_path
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from load.bench import report, routing
 from load.bench.targets import OracleRoute
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from extproc.digest import Digest, block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
 from load.sim.cache import PrefixCache
 
 B = 4

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from extproc.digest import chain_seed
+from contracts.digest import chain_seed
 from load.sim.engine import Engine, EngineConfig, TokenEvent
 from load.sim.timing import TimingModel
 

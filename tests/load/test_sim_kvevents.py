@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from extproc.digest import block_digests, chain_seed
+from contracts.digest import block_digests, chain_seed
 from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventBuffer, KvEventsConfig, endpoint_for_rank
 from load.sim.server import SimConfig, SimFleet, SimReplica, build_parser, config_from_args, main

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.fleet import Endpoint, EndpointId, EndpointState, EngineMetrics
+from engines.endpoint import Endpoint, EndpointId
+from engines.metrics import EngineMetrics
+from extproc.fleet import EndpointState
 from extproc.scheduling.filters import (
     BalanceFilter,
     BalanceParams,

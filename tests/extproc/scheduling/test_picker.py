@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from extproc.fleet import Endpoint, EndpointId, EndpointState
+from engines.endpoint import Endpoint, EndpointId
+from extproc.fleet import EndpointState
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
 
 

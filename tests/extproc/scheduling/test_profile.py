@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
-from extproc.digest import block_digests, chain_seed
-from extproc.errors import ConfigError
-from extproc.fleet import Endpoint, EndpointId, EndpointState, EngineMetrics, Fleet
-from extproc.index import ApproximateIndex
+from contracts.digest import block_digests, chain_seed
+from contracts.errors import ConfigError
+from engines.endpoint import Endpoint, EndpointId
+from engines.metrics import EngineMetrics
+from extproc.fleet import EndpointState, Fleet
+from extproc.index.approximate import ApproximateIndex
 from extproc.scheduling.filters import LoadThresholdFilter, ModelFilter
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.picker import MaxScorePicker

@@ -5,8 +5,10 @@ import random
 
 import pytest
 
-from extproc.digest import Digest
-from extproc.fleet import Endpoint, EndpointId, EndpointState, EngineMetrics
+from contracts.digest import Digest
+from engines.endpoint import Endpoint, EndpointId
+from engines.metrics import EngineMetrics
+from extproc.fleet import EndpointState
 from extproc.scheduling.interface import CycleState, SchedulingRequest, Scorer
 from extproc.scheduling.scorers import (
     CacheSpreadScorer,

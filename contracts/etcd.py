@@ -1,0 +1,204 @@
+"""The etcd contract (DESIGN.md contract 3): how to reach etcd, the key schema and the codec of peer values.
+
+Pure: no etcd client is imported here (:mod:`runtime.etcd` is the client side: connection, leased
+keys). Key schema, under a configurable prefix (default ``/kvgate/``):
+
+=====================  ============================================================  ==================
+key                    value                                                         written by
+=====================  ============================================================  ==================
+``endpoints/<id>``     JSON endpoint (:func:`engines.endpoint.encode_endpoint`),      node agents
+                       under a lease
+``drain/<id>``         any value (by convention ``{"at": unix_s, "by": who}``);      ``kvgate drain``
+                       present = the endpoint takes no new requests
+``policy/<path>``      one JSON value per key (:mod:`extproc.control.policy`), e.g.  ``kvgate policy``
+                       ``policy/weights/prefix`` = ``3.0``
+``models/<name>``      JSON route ``{"labels": {..}, "profile": ".."}``              ``kvgate policy``
+``tenants/<id>``       reserved: tenant scopes and limits                            (later)
+                       (:mod:`extproc.admission.tenants`)
+``kvcached/<node>``    a node's tier store (:class:`PeerInfo`), under a lease        kvcached daemons
+=====================  ============================================================  ==================
+
+Only :mod:`etcd3aio` (grpc.aio) talks to etcd in kvgate: one etcd client library per process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from contracts.config import Section, all_or_none, hostport
+from contracts.errors import ConfigError
+
+ENDPOINTS, DRAIN, POLICY, MODELS, TENANTS, KVCACHED = (
+    "endpoints",
+    "drain",
+    "policy",
+    "models",
+    "tenants",
+    "kvcached",
+)
+"""Key families: the first path segment after the prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSettings:
+    """How to reach etcd: client ``host:port`` endpoints, the key prefix (ends with ``/``), optional TLS
+    (``tls_ca`` PEM path verifies the servers; ``tls_cert`` + ``tls_key`` are the client certificate,
+    both or neither, and need ``tls_ca``; ``tls_server_name`` overrides the name checked against the
+    server certificate, needed with several TLS endpoints), and ``timeout_s``, the deadline of one call."""
+
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    prefix: str = "/kvgate/"
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    timeout_s: float = 2.0
+
+
+_DEFAULT = EtcdSettings()
+
+
+def parse_etcd_settings(raw: object, where: str) -> EtcdSettings:
+    """Validate an ``[etcd]`` table (unknown keys, bad addresses, half-set TLS: :class:`ConfigError`)."""
+    s = Section(raw, where)
+    endpoints = s.array("endpoints", list(_DEFAULT.endpoints))
+    if not endpoints or not all(isinstance(e, str) for e in endpoints):
+        raise ConfigError(f"{where}.endpoints: expected a non-empty list of host:port strings")
+    prefix = s.string("prefix", _DEFAULT.prefix)
+    if not prefix.endswith("/"):
+        raise ConfigError(f"{where}.prefix: must end with '/', got {prefix!r}")
+    settings = EtcdSettings(
+        endpoints=tuple(hostport(e, f"{where}.endpoints") for e in endpoints),
+        prefix=prefix,
+        tls_ca=s.string("tls_ca"),
+        tls_cert=s.string("tls_cert"),
+        tls_key=s.string("tls_key"),
+        tls_server_name=s.string("tls_server_name"),
+        timeout_s=s.number("timeout_s", _DEFAULT.timeout_s, minimum=0.001),
+    )
+    s.done()
+    all_or_none(where, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+    if settings.tls_cert and not settings.tls_ca:
+        raise ConfigError(f"{where}: a client certificate (tls_cert, tls_key) needs tls_ca")
+    if settings.tls_ca == "":
+        raise ConfigError(f"{where}.tls_ca: must not be empty")
+    return settings
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+
+
+def family_key(prefix: str, family: str, name: str) -> str:
+    """``<prefix><family>/<name>``; ``name`` must be non-empty."""
+    if not name:
+        raise ConfigError(f"{family}: empty name")
+    return f"{prefix}{family}/{name}"
+
+
+def endpoint_key(prefix: str, endpoint_id: str) -> str:
+    return family_key(prefix, ENDPOINTS, endpoint_id)
+
+
+def drain_key(prefix: str, endpoint_id: str) -> str:
+    return family_key(prefix, DRAIN, endpoint_id)
+
+
+def policy_key(prefix: str, path: str) -> str:
+    """The key of a policy path (:mod:`extproc.control.policy`): ``models/<name>`` lives in its own family,
+    every other path under ``policy/``."""
+    if path.startswith(MODELS + "/"):
+        return family_key(prefix, MODELS, path[len(MODELS) + 1 :])
+    return family_key(prefix, POLICY, path)
+
+
+def split_key(prefix: str, key: str | bytes) -> tuple[str, str] | None:
+    """``(family, name)`` of a key under ``prefix``, or ``None`` if it is not ``<prefix><family>/<name>``."""
+    text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+    if not text.startswith(prefix):
+        return None
+    family, sep, name = text[len(prefix) :].partition("/")
+    if not sep or not family or not name:
+        return None
+    return family, name
+
+
+def policy_path(family: str, name: str) -> str | None:
+    """The policy path of a ``policy/`` or ``models/`` key (``None`` for other families, and for
+    ``policy/models/...``, which would shadow the ``models/`` family)."""
+    if family == MODELS:
+        return f"{MODELS}/{name}"
+    if family == POLICY and not name.startswith(MODELS + "/"):
+        return name
+    return None
+
+
+# -- policy/<path> and models/<name> values --------------------------------------------------------
+
+
+def decode_value(path: str, raw: bytes) -> object:
+    """The JSON value of the policy key for ``path`` (``policy/<path>`` or ``models/<name>``)."""
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"policy {path}: not valid JSON: {exc}") from exc
+
+
+def encode_value(value: object) -> bytes:
+    """A policy value as stored: compact JSON with sorted keys (so equal values are equal bytes)."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+# -- kvcached/<node> (written by kvcached daemons, read by peers and gateways) ---------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """One kvcached daemon as registered: node id, local gRPC API (TCP, mTLS; ``None``: unix only),
+    QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``."""
+
+    node: str
+    grpc: str | None
+    quic: str | None
+    feed: str | None
+
+
+def peer_key(prefix: str, node: str) -> str:
+    """``<prefix>kvcached/<node>``."""
+    return family_key(prefix, KVCACHED, node)
+
+
+def encode_peer(info: PeerInfo) -> bytes:
+    """The JSON value of ``kvcached/<node>`` (sorted keys, compact)."""
+    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_peer(node: str, value: bytes) -> PeerInfo:
+    """Validate a ``kvcached/<node>`` value; :class:`ConfigError` names the field and the reason."""
+    where = f"{KVCACHED}/{node}"
+    try:
+        doc = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    if doc.get("node") != node:
+        raise ConfigError(f"{where}.node: {doc.get('node')!r} does not match the key")
+    fields: dict[str, str | None] = {}
+    for name in ("grpc", "quic", "feed"):
+        v = doc.get(name)
+        if v is not None and not _is_hostport(v):
+            raise ConfigError(f"{where}.{name}: expected host:port or null, got {v!r}")
+        fields[name] = v
+    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"])
+
+
+def _is_hostport(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)

@@ -1,0 +1,216 @@
+"""Index events (DESIGN.md contract 2): their shape, wire encoding and sequence checking, in one place.
+
+A *source* (a node agent translating its engines' KV events, or a kvcached daemon reporting its tiers)
+tells every ext_proc replica what each endpoint holds:
+
+- :class:`Stored`: ``endpoint`` now holds ``digests`` (chained block digests, :mod:`contracts.digest`) in
+  ``tier``; ``parent`` is the digest of the block before the first (``None``: the chain starts at block 0);
+- :class:`Removed`: ``endpoint`` no longer holds ``digests`` in ``tier``;
+- :class:`Cleared`: ``endpoint`` holds nothing (in ``tier``, or in any tier when ``tier`` is ``None``);
+- :class:`Load`: the endpoint's load signals and GPU telemetry, sent on the same stream so ext_proc need
+  not scrape engines that have an agent.
+
+Events travel in :class:`Batch` es numbered per source: ``seq`` starts at 1 and grows by one per batch;
+``epoch`` is chosen at random when the source starts, so a restarted source (whose ``seq`` restarts) is
+told apart from a gap. A receiver checks each batch with a :class:`SequenceTracker`; on a gap it
+resubscribes from the last ``seq`` it applied, and the source replays what it still buffers or sends a
+``snapshot`` batch (a :class:`Cleared` per endpoint followed by everything held) that replaces all the
+receiver knew of that source.
+
+Tiers: ``gpu`` is the engine's device memory; ``cpu`` and ``disk`` are the engine's own offload tiers
+(vLLM ``medium`` CPU and STORAGE), usable by that engine without a fetch; ``ram`` and ``ssd`` are the
+node's kvcached tiers (usable after a local fetch).
+
+Wire: msgpack via msgspec (array-like structs, tagged unions), carried as the messages of a gRPC
+server-streaming method (:data:`SUBSCRIBE_METHOD`) with these functions as its (de)serialisers; a
+generated protobuf module would need protoc pinned to the runtime, and msgpack decodes a batch of
+digests into ``bytes`` objects with no per-field copying.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+from contracts.digest import DIGEST_BYTES
+
+TIERS = ("gpu", "cpu", "disk", "ram", "ssd")
+"""Every tier name, fastest first."""
+
+ENGINE_TIERS = frozenset({"gpu", "cpu", "disk"})
+"""Tiers an engine reads without a fetch: a block held there counts as cached on that endpoint."""
+
+NODE_STORE_PREFIX = "kvcached:"
+"""kvcached reports its ``ram``/``ssd`` tiers under one pseudo endpoint per node, ``kvcached:<node>``: the
+blocks any engine on that node (``Endpoint.node``) can load locally, and peers can fetch over QUIC."""
+
+
+def node_store_endpoint(node: str) -> str:
+    """The pseudo endpoint id under which node ``node``'s kvcached reports its tiers."""
+    return NODE_STORE_PREFIX + node
+
+
+SUBSCRIBE_METHOD = "/kvgate.events.v1.IndexEvents/Subscribe"
+"""gRPC method (server streaming): request :class:`Subscribe`, responses :class:`Batch`."""
+EPOCH_HEADER = "kvgate-feed-epoch"
+"""Initial-metadata key a source sends once a subscription is attached: its ``epoch``."""
+
+
+class EventError(ValueError):
+    """A batch or request that does not decode or breaks the contract (unknown tier, bad digest)."""
+
+
+class Stored(msgspec.Struct, tag="stored", array_like=True, frozen=True):
+    endpoint: str
+    digests: list[bytes]
+    tier: str = "gpu"
+    parent: bytes | None = None
+
+
+class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True):
+    endpoint: str
+    digests: list[bytes]
+    tier: str = "gpu"
+
+
+class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
+    endpoint: str
+    tier: str | None = None
+
+
+class Gpu(msgspec.Struct, array_like=True, frozen=True):
+    """One GPU's telemetry (NVML). Units: watts, MHz, degrees Celsius, bytes, fraction 0..1."""
+
+    index: int
+    name: str
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    temperature_c: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization: float | None = None
+
+
+class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
+    """Load of one endpoint as its agent last saw it: requests waiting and running, KV use 0..1 (``None``:
+    the engine does not say), whether the engine is healthy, whether it is draining, GPU telemetry."""
+
+    endpoint: str
+    waiting: float
+    running: float
+    kv_usage: float | None = None
+    healthy: bool = True
+    draining: bool = False
+    gpus: list[Gpu] = msgspec.field(default_factory=list)
+
+
+IndexEvent = Stored | Removed | Cleared
+Event = Stored | Removed | Cleared | Load
+
+
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    """Events from one source, in order. ``ts``: the source's wall clock (seconds since the epoch) when it
+    sent the batch, for staleness measurements only. ``snapshot``: the batch replaces everything the
+    receiver holds from this source (its endpoints' index entries)."""
+
+    source: str
+    epoch: int
+    seq: int
+    events: list[Event]
+    snapshot: bool = False
+    ts: float = 0.0
+
+
+class Subscribe(msgspec.Struct, frozen=True):
+    """A receiver's request: who it is (for logs), and where it stands: the source ``epoch`` and the last
+    ``seq`` it applied (``epoch`` ``None`` or another epoch: start with a snapshot)."""
+
+    subscriber: str
+    epoch: int | None = None
+    after_seq: int = 0
+
+
+_batch_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(Batch)
+_subscribe_decoder = msgspec.msgpack.Decoder(Subscribe)
+
+
+def encode(message: Batch | Subscribe) -> bytes:
+    """Wire bytes of a batch or a subscribe request."""
+    return _batch_encoder.encode(message)
+
+
+def decode_batch(data: bytes) -> Batch:
+    """A batch from wire bytes, checked against the contract; :class:`EventError` if malformed."""
+    try:
+        batch = _batch_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EventError(f"undecodable index event batch: {exc}") from exc
+    check_batch(batch)
+    return batch
+
+
+def decode_subscribe(data: bytes) -> Subscribe:
+    try:
+        return _subscribe_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EventError(f"undecodable subscribe request: {exc}") from exc
+
+
+def check_batch(batch: Batch) -> None:
+    """Contract checks msgspec's types cannot express: known tiers, digest width, positive seq."""
+    if batch.seq < 1:
+        raise EventError(f"batch seq must be >= 1, got {batch.seq}")
+    for event in batch.events:
+        tier = getattr(event, "tier", "gpu")
+        if tier is not None and tier not in TIERS:
+            raise EventError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+        if isinstance(event, Stored | Removed):
+            for digest in event.digests:
+                if len(digest) != DIGEST_BYTES:
+                    raise EventError(f"digest of {len(digest)} bytes, expected {DIGEST_BYTES}")
+            if isinstance(event, Stored) and event.parent is not None and len(event.parent) != DIGEST_BYTES:
+                raise EventError(f"parent digest of {len(event.parent)} bytes, expected {DIGEST_BYTES}")
+
+
+class Verdict(enum.Enum):
+    """What a receiver does with a batch (:meth:`SequenceTracker.check`)."""
+
+    APPLY = "apply"
+    """The next batch in order: apply it."""
+    RESET = "reset"
+    """A snapshot, or the first batch of a new epoch that is a snapshot: drop the source's state, apply."""
+    DUPLICATE = "duplicate"
+    """Already applied (a replay overlapping what was received): skip it."""
+    GAP = "gap"
+    """Batches are missing (or a new epoch started without a snapshot): skip it and resubscribe."""
+
+
+@dataclass(slots=True)
+class SequenceTracker:
+    """Per-source position of a receiver: the epoch and the last applied ``seq``. Pure bookkeeping."""
+
+    epoch: int | None = None
+    last_seq: int = 0
+
+    def check(self, batch: Batch) -> Verdict:
+        """Classify ``batch`` and, for APPLY and RESET, advance the position to it."""
+        if batch.snapshot:
+            self.epoch, self.last_seq = batch.epoch, batch.seq
+            return Verdict.RESET
+        if batch.epoch != self.epoch:
+            return Verdict.GAP
+        if batch.seq <= self.last_seq:
+            return Verdict.DUPLICATE
+        if batch.seq != self.last_seq + 1:
+            return Verdict.GAP
+        self.last_seq = batch.seq
+        return Verdict.APPLY
+
+    def request(self, subscriber: str) -> Subscribe:
+        """The subscribe request that resumes from this position."""
+        return Subscribe(subscriber=subscriber, epoch=self.epoch, after_seq=self.last_seq)

@@ -1,0 +1,139 @@
+"""The endpoint record: one engine replica as agents register it and gateways route to it.
+
+:class:`Endpoint` is what a gateway's ``[[endpoints]]`` table and an agent's etcd ``endpoints/<id>`` value
+(:func:`encode_endpoint` / :func:`decode_endpoint`, key schema in :mod:`contracts.etcd`) both describe;
+:func:`parse_endpoint` validates either, against the engine kinds and roles of :mod:`engines.kinds`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NewType
+from urllib.parse import urlsplit
+
+from contracts.config import REQUIRED, Section, choice, hostport
+from contracts.errors import ConfigError
+from contracts.etcd import ENDPOINTS
+from engines.kinds import ENGINE_KINDS, ROLES
+
+EndpointId = NewType("EndpointId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A static description of one engine replica.
+
+    ``address`` is the ``ip:port`` Envoy proxies to; ``metrics_url`` the Prometheus endpoint to scrape
+    (``None``: no scraping: the endpoint is trusted healthy and scored on what this gateway routed there,
+    or on the load its agent streams). Registered by a node agent (etcd ``endpoints/<id>``), it also
+    has: ``node``, the agent's node id; ``feed``, the ``host:port`` of the agent's index event stream
+    (:mod:`contracts.events`); ``kv_events``, whether that stream carries this endpoint's KV events (else
+    the gateway keeps learning it from its own decisions); ``role`` (``both``, ``prefill`` or
+    ``decode``), ``block_size`` (the engine's KV block, tokens) and ``capacity_blocks`` (its KV blocks).
+    ``slot_restore``: the agent's ``http(s)`` URL that restores a prefix from the node's kvcached into the
+    engine before a request is sent there (llama.cpp; :mod:`extproc.control.restore`), ``None`` when not
+    offered.
+    """
+
+    id: EndpointId
+    address: str
+    models: frozenset[str]
+    engine: str = "vllm"
+    metrics_url: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    role: str = "both"
+    node: str | None = None
+    feed: str | None = None
+    kv_events: bool = False
+    block_size: int | None = None
+    capacity_blocks: int | None = None
+    slot_restore: str | None = None
+
+
+def parse_endpoint(raw: object, where: str) -> Endpoint:
+    """One endpoint (a static ``[[endpoints]]`` table or an etcd ``endpoints/<id>`` value): every
+    :class:`Endpoint` field; ``id`` defaults to the address, a JSON ``null`` means absent."""
+    if isinstance(raw, Mapping):
+        raw = {k: v for k, v in raw.items() if v is not None}
+    s = Section(raw, where)
+    address = hostport(s.string("address", REQUIRED), f"{where}.address")
+    models = s.array("models", REQUIRED)
+    if not models or not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f"{where}.models: expected a non-empty list of model names")
+    engine = choice(s.string("engine", "vllm"), ENGINE_KINDS, f"{where}.engine")
+    role = choice(s.string("role", "both"), ROLES, f"{where}.role")
+    labels = s.table("labels")
+    label_items = tuple(sorted((k, labels.string(k, REQUIRED)) for k in labels.names()))
+    labels.done()
+    feed = s.string("feed")
+    endpoint = Endpoint(
+        id=EndpointId(s.string("id", address)),
+        address=address,
+        models=frozenset(models),
+        engine=engine,
+        metrics_url=s.string("metrics_url"),
+        labels=label_items,
+        role=role,
+        node=s.string("node"),
+        feed=None if feed is None else hostport(feed, f"{where}.feed"),
+        kv_events=s.flag("kv_events", False),
+        block_size=s.integer("block_size", None, minimum=1),
+        capacity_blocks=s.integer("capacity_blocks", None, minimum=1),
+        slot_restore=_http_url(s.string("slot_restore"), f"{where}.slot_restore"),
+    )
+    s.done()
+    return endpoint
+
+
+def _http_url(value: str | None, where: str) -> str | None:
+    """``value`` if it is an ``http``/``https`` URL with a host (``None`` passes through)."""
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ConfigError(f"{where}: expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def encode_endpoint(endpoint: Endpoint) -> bytes:
+    """The JSON value of ``endpoints/<id>`` (sorted keys, compact; ``slot_restore`` only when set)."""
+    doc: dict[str, object] = {
+        "id": endpoint.id,
+        "address": endpoint.address,
+        "models": sorted(endpoint.models),
+        "engine": endpoint.engine,
+        "role": endpoint.role,
+        "node": endpoint.node,
+        "feed": endpoint.feed,
+        "kv_events": endpoint.kv_events,
+        "metrics_url": endpoint.metrics_url,
+        "block_size": endpoint.block_size,
+        "capacity_blocks": endpoint.capacity_blocks,
+        "labels": dict(endpoint.labels),
+    }
+    if endpoint.slot_restore is not None:  # absent otherwise: records stay readable by older gateways
+        doc["slot_restore"] = endpoint.slot_restore
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_endpoint(key_id: str, value: bytes) -> Endpoint:
+    """Validate an ``endpoints/<key_id>`` value; :class:`ConfigError` names the field and the reason."""
+    where = f"{ENDPOINTS}/{key_id}"
+    try:
+        raw = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
+    if isinstance(raw, dict) and "id" not in raw:  # not defaulted to the address, as in a config file
+        raise ConfigError(f"{where}.id: required")
+    endpoint = parse_endpoint(raw, where)
+    if endpoint.id != key_id:
+        raise ConfigError(f"{where}.id: {endpoint.id!r} does not match the key")
+    return endpoint
+

@@ -1,0 +1,77 @@
+"""What engines export for routing: the Prometheus series each kind names its load with, and a fast parser.
+
+The parser reads only the few series routing needs (REFERENCE.md section 4) and sums them over label
+sets (an engine serving several models reports one series per model). It is a line scan, not a full
+exposition-format parser: the gateway's scrape loop and the agent's telemetry run it every 100 ms per
+engine, and the gateway's CPU is its ceiling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """One scrape of an engine's load signals.
+
+    ``waiting``/``running``: requests queued / being decoded. ``kv_usage``: fraction 0..1 of KV cache in
+    use, ``None`` where the engine does not export it. ``at``: monotonic seconds of the scrape.
+    """
+
+    waiting: float
+    running: float
+    kv_usage: float | None
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Series names of one engine kind; ``kv_usage`` is ``None`` where the engine has no such gauge."""
+
+    waiting: str
+    running: str
+    kv_usage: str | None
+
+
+VLLM = MetricNames("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+ENGINE_METRICS: dict[str, MetricNames] = {
+    "vllm": VLLM,
+    "sim": VLLM,
+    "openai_compat": VLLM,
+    "sglang": MetricNames("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
+    "trtllm": MetricNames(
+        "trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization"
+    ),
+    "llama_cpp": MetricNames("llamacpp:requests_deferred", "llamacpp:requests_processing", None),
+}
+
+
+def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
+    """Sum each wanted series over its label sets; missing waiting/running read as 0, kv as ``None``."""
+    wanted = {names.waiting: 0, names.running: 1}
+    if names.kv_usage is not None:
+        wanted[names.kv_usage] = 2
+    sums = [0.0, 0.0, 0.0]
+    seen = [False, False, False]
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        end = brace if brace >= 0 else line.find(" ")
+        slot = wanted.get(line[:end])
+        if slot is None:
+            continue
+        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[end:]
+        try:
+            value = float(rest.split()[0])  # `name{labels} value [timestamp]`
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            sums[slot] += value
+            seen[slot] = True
+    kv = sums[2] if seen[2] else None
+    if kv is not None and kv > 1.0:  # some engines export a percentage
+        kv = kv / 100.0
+    return EngineMetrics(waiting=sums[0], running=sums[1], kv_usage=kv, at=at)

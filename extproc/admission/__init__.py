@@ -1,0 +1,2 @@
+"""Admission: who is calling (OIDC claims, API keys), which tenant that is, what it may use (models,
+token budgets), and what it used."""

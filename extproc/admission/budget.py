@@ -1,0 +1,104 @@
+"""Token budgets per tenant: a token bucket each, reserved at admission and settled afterwards.
+
+At admission the ext_proc knows the prompt's exact token count (it tokenized the prompt to route it)
+but not the output's: it reserves ``prompt + max_tokens`` (or a configured default when the request
+sets no limit) and settles to the real ``prompt + completion`` once the engine's ``usage`` is known,
+refunding the difference (or charging it: the level may go below zero, a debt later requests wait
+out). A request that never produced output (refused, engine error) is refunded in full.
+
+Pure: no clock reads, ``now`` (seconds, monotonic) is a parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from extproc.admission.tenants import Tenant, TokenLimit
+
+
+class TokenBucket:
+    """``capacity`` tokens, refilled continuously at ``rate`` tokens per second.
+
+    :meth:`take` admits only when the whole amount is available; :meth:`adjust` settles afterwards
+    and may leave the level negative (debt), never above ``capacity``.
+    """
+
+    def __init__(self, rate: float, capacity: float, now: float) -> None:
+        if rate <= 0 or capacity <= 0:
+            raise ValueError("rate and capacity must be > 0")
+        self.rate = rate
+        self.capacity = capacity
+        self.level = capacity
+        self._t = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:
+            self.level = min(self.capacity, self.level + (now - self._t) * self.rate)
+            self._t = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take ``amount`` tokens: 0.0 when admitted, else the seconds until it would be."""
+        self._refill(now)
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        return (amount - self.level) / self.rate
+
+    def adjust(self, delta: float, now: float) -> None:
+        """Give back (``delta`` > 0) or charge (``delta`` < 0) tokens after the fact."""
+        self._refill(now)
+        self.level = min(self.capacity, self.level + delta)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a reservation was refused: ``retry_after_s`` (whole seconds, >= 1), or ``None`` when the
+    request alone exceeds the bucket and can never be admitted."""
+
+    needed: int
+    capacity: int
+    retry_after_s: int | None
+
+
+class TokenBudgets:
+    """One bucket per tenant with a token limit; a changed limit starts a fresh (full) bucket."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[TokenLimit, TokenBucket]] = {}
+
+    def _bucket(self, tenant: Tenant, now: float) -> TokenBucket | None:
+        limit = tenant.tokens
+        if limit is None:
+            return None
+        held = self._buckets.get(tenant.id)
+        if held is None or held[0] != limit:
+            held = (limit, TokenBucket(limit.per_s, limit.burst, now))
+            self._buckets[tenant.id] = held
+        return held[1]
+
+    def reserve(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
+        """Reserve ``tokens`` from the tenant's bucket; ``None`` when admitted (or unlimited)."""
+        bucket = self._bucket(tenant, now)
+        if bucket is None:
+            return None
+        if tokens > bucket.capacity:
+            return Refusal(tokens, int(bucket.capacity), None)
+        wait = bucket.take(tokens, now)
+        if wait == 0.0:
+            return None
+        return Refusal(tokens, int(bucket.capacity), max(1, math.ceil(wait)))
+
+    def settle(self, tenant: Tenant, reserved: int, actual: int, now: float) -> None:
+        """The request really used ``actual`` tokens of the ``reserved``: refund or charge the rest."""
+        bucket = self._bucket(tenant, now)
+        if bucket is not None:
+            bucket.adjust(reserved - actual, now)
+
+    def level(self, tenant: Tenant, now: float) -> float | None:
+        """Tokens available to the tenant now (negative: in debt); ``None`` when unlimited."""
+        bucket = self._bucket(tenant, now)
+        if bucket is None:
+            return None
+        bucket.adjust(0, now)
+        return bucket.level

@@ -1,0 +1,174 @@
+"""The gateway's side of the agents' and kvcached daemons' index-event feeds: one subscription per feed
+address, applied to the index and the fleet.
+
+:class:`FeedManager` runs a :class:`~runtime.feed.client.FeedClient` per feed address (``Endpoint.feed``, and
+each node's kvcached) and applies what they receive: index events to an :class:`EventIndex` (the precise
+index), ``Load`` events to the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import grpc
+
+from contracts import events as ev
+from contracts.events import Batch, IndexEvent, Load
+from engines.endpoint import EndpointId
+from engines.metrics import EngineMetrics
+from extproc.fleet import Fleet
+from runtime.feed.client import FeedClient, FeedStats
+
+log = logging.getLogger(__name__)
+
+
+class EventIndex(Protocol):
+    """The part of the precise index the feeds write to (``extproc.index.precise``)."""
+
+    def apply(self, events: list[IndexEvent], now: float) -> object: ...
+    def clear_endpoint(self, endpoint: EndpointId) -> object: ...
+
+
+class _Feed:
+    """The manager's handler for one address, remembering which endpoints the feed spoke of."""
+
+    def __init__(self, manager: FeedManager, address: str) -> None:
+        self.manager = manager
+        self.address = address
+        self.endpoints: set[EndpointId] = set()
+
+    def on_batch(self, batch: Batch) -> None:
+        self.manager._apply(self, batch)
+
+    def on_reset(self, source: str, endpoints: frozenset[EndpointId]) -> None:
+        for endpoint in self.endpoints | endpoints:
+            self.manager.index.clear_endpoint(endpoint)
+        self.endpoints = set(endpoints)
+        log.info("feed %s (%s): snapshot of %d endpoints", self.address, source, len(endpoints))
+
+    def on_lost(self, address: str) -> None:
+        self.manager._set_lost(self, lost=True)
+
+    def on_restored(self, address: str) -> None:
+        self.manager._set_lost(self, lost=False)
+
+
+class FeedManager:
+    """One :class:`FeedClient` per feed address, applying what they receive.
+
+    Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
+    feed spoke of); each ``Load`` updates the fleet: its metrics (``at`` = ``clock()``, monotonic
+    seconds), ``healthy``, and ``draining`` (set from the agent; cleared only if the agent had set it,
+    so a drain ordered elsewhere stays); GPU telemetry is kept in :attr:`gpus`. A lost feed marks its
+    endpoints unhealthy; a restored one gives them back the health their last ``Load`` reported.
+    Must be used on one event loop (clients are started by :meth:`set_addresses`).
+    """
+
+    def __init__(
+        self,
+        index: EventIndex,
+        fleet: Fleet,
+        *,
+        subscriber: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        stats: FeedStats | None = None,
+    ) -> None:
+        self.index, self.fleet = index, fleet
+        self.stats = stats if stats is not None else FeedStats()
+        #: Latest GPU telemetry per endpoint (from its ``Load``).
+        self.gpus: dict[EndpointId, list[ev.Gpu]] = {}
+        #: Latest ``Load`` per endpoint.
+        self.loads: dict[EndpointId, Load] = {}
+        self._subscriber, self._credentials, self._server_name = subscriber, credentials, server_name
+        self._clock, self._wall = clock, wall
+        #: The running clients by address (read only).
+        self.clients: dict[str, FeedClient] = {}
+        self._feeds: dict[str, _Feed] = {}
+        self._draining: set[EndpointId] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def sync(self) -> None:
+        """Follow the fleet: :meth:`set_addresses` with every ``Endpoint.feed`` it names."""
+        self.set_addresses({s.endpoint.feed for s in self.fleet if s.endpoint.feed})
+
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Start clients for new addresses and stop those of addresses gone; the index entries of a
+        stopped feed's endpoints are cleared (nothing keeps them current any more)."""
+        wanted = set(addresses)
+        for address in sorted(self.clients.keys() - wanted):
+            client = self.clients.pop(address)
+            feed = self._feeds.pop(address)
+            for endpoint in feed.endpoints:
+                self.index.clear_endpoint(endpoint)
+            task = asyncio.create_task(client.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.info("feed %s: unsubscribed", address)
+        for address in sorted(wanted - self.clients.keys()):
+            feed = _Feed(self, address)
+            client = FeedClient(
+                address,
+                feed,
+                subscriber=self._subscriber,
+                stats=self.stats,
+                credentials=self._credentials,
+                server_name=self._server_name,
+                wall=self._wall,
+            )
+            self._feeds[address] = feed
+            self.clients[address] = client
+            client.start()
+
+    async def aclose(self) -> None:
+        clients = list(self.clients.values())
+        self.clients.clear()
+        self._feeds.clear()
+        await asyncio.gather(*(c.aclose() for c in clients), *self._closing)
+
+    def _apply(self, feed: _Feed, batch: Batch) -> None:
+        now = self._clock()
+        index_events: list[IndexEvent] = []
+        for event in batch.events:
+            endpoint = EndpointId(event.endpoint)
+            feed.endpoints.add(endpoint)
+            if isinstance(event, Load):
+                self._apply_load(endpoint, event, now)
+            else:
+                index_events.append(event)
+        if index_events:
+            self.index.apply(index_events, now)
+
+    def _apply_load(self, endpoint: EndpointId, load: Load, now: float) -> None:
+        self.loads[endpoint] = load
+        self.gpus[endpoint] = list(load.gpus)
+        state = self.fleet.get(endpoint)
+        if state is None:
+            return
+        if load.healthy:  # an unhealthy engine's numbers mean nothing
+            self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
+        elif state.healthy:
+            log.warning("endpoint %s unhealthy: reported by its agent", endpoint)
+        state.healthy = load.healthy
+        if load.draining:
+            state.draining = True
+            self._draining.add(endpoint)
+        elif endpoint in self._draining:
+            state.draining = False
+            self._draining.discard(endpoint)
+
+    def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
+        endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}
+        for endpoint in endpoints:
+            state = self.fleet.get(endpoint)
+            if state is None:
+                continue
+            last = self.loads.get(endpoint)
+            state.healthy = not lost and (last is None or last.healthy)
+        log.info("feed %s %s: %d endpoints", feed.address, "lost" if lost else "restored", len(endpoints))

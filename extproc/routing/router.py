@@ -1,0 +1,327 @@
+"""The routing core: one request in, an ordered list of endpoints out.
+
+parse (done by :mod:`extproc.routing.request`) -> render + tokenize -> chained digests -> index lookup ->
+filters -> scorers -> picker. Pure bookkeeping on top of the fleet and the index: no IO, no clock
+reads (``now`` is passed in), so the same object serves the gRPC shell, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import orjson
+
+from contracts.digest import ChainCache, Digest, chain_seed
+from contracts.events import node_store_endpoint
+from engines.endpoint import EndpointId
+from extproc.errors import NotFound, Unavailable
+from extproc.fleet import EndpointState, Fleet
+from extproc.index.interface import PrefixIndex
+from extproc.index.working_set import WorkingSet
+from extproc.models.registry import ModelAssets, ModelRegistry
+from extproc.routing.request import Kind, ParsedRequest
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.profile import Profile
+
+log = logging.getLogger(__name__)
+
+#: For models served by the fleet but with no tokenizer configured, digests are taken over the
+#: request's UTF-8 bytes, one "token" per byte, in blocks of ``block_size * BYTES_PER_TOKEN`` bytes.
+#: Approximate (no chat template), but prefix affinity still works for engines kvgate knows nothing of.
+BYTES_PER_TOKEN = 4
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routing decision and its bookkeeping until the request finishes.
+
+    ``endpoints``: the pick then the fallbacks. ``matched_blocks``: leading blocks the pick was known
+    to hold. ``kv_lead_blocks``: the longest run of leading blocks some node's kvcached holds (0 when
+    none, or no kvcached is followed). ``served``: where Envoy really sent it (read back on the response
+    path).
+    """
+
+    request_id: str
+    model: str
+    endpoints: list[EndpointState]
+    digests: Sequence[Digest]
+    prompt_tokens: int
+    matched_blocks: int
+    kv_lead_blocks: int = 0
+    served: EndpointState | None = None
+    finished: bool = field(default=False)
+    recorded: bool = field(default=False)
+
+    @property
+    def destination(self) -> str:
+        """The EPP destination value: ``ip:port`` of the pick, then fallbacks, comma-separated."""
+        return ",".join(s.address for s in self.endpoints)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A per-model route (etcd ``models/<name>``): only endpoints carrying all of ``labels`` serve the model,
+    scheduled by ``profile``."""
+
+    labels: tuple[tuple[str, str], ...]
+    profile: Profile
+
+    def admits(self, state: EndpointState) -> bool:
+        held = state.endpoint.labels
+        return all(label in held for label in self.labels)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """The prompt as the engine will see it.
+
+    ``ids``: token ids (or, when not ``exact``, bytes standing in for them), possibly only the leading
+    ones the digests use; ``block_size``: units per index block; ``count``: the prompt length in tokens
+    (estimated when not ``exact`` or when ``ids`` stop early).
+    """
+
+    ids: Sequence[int]
+    block_size: int
+    exact: bool
+    count: int
+
+
+class Router:
+    """Decides where requests go and keeps in-flight counts and the speculative index up to date."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        models: ModelRegistry,
+        index: PrefixIndex,
+        profile: Profile,
+        *,
+        block_size: int,
+        max_blocks: int = 256,
+        rng: random.Random | None = None,
+        working_set: WorkingSet | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.models = models
+        self.index = index
+        self.profile = profile
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._rng = rng or random.Random()
+        #: What ``cache-spread`` reads (``CycleState.cached_blocks``): the blocks routed to each endpoint
+        #: lately; ``None``: the index's occupancy instead.
+        self.working_set = working_set
+        self._chains = ChainCache()
+        #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
+        #: endpoint serving them. Replaced as a whole when the policy changes.
+        self.routes: dict[str, Route] = {}
+        self._node_stores: frozenset[str] = frozenset()
+        self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
+
+    @property
+    def node_stores(self) -> frozenset[str]:
+        """Nodes whose kvcached reports its tiers to the index (set by :mod:`extproc.control.cluster`); empty:
+        the warm-tier lookup is skipped."""
+        return self._node_stores
+
+    @node_stores.setter
+    def node_stores(self, nodes: frozenset[str]) -> None:
+        self._node_stores = nodes
+        self._store_nodes = {EndpointId(node_store_endpoint(node)): node for node in nodes}
+
+    def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
+        """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
+
+        Only the tokens the digests can use (``max_blocks`` blocks) are guaranteed; the rest of a long
+        prompt is tokenized only with ``exact_count`` (token budgets need the real length), otherwise its
+        length is estimated.
+        """
+        assets = self.models.find(request.model)
+        if assets is None:
+            return self._byte_tokens(request)
+        limit = None if exact_count else self.max_blocks * assets.block_size
+        ids, count = _token_ids(assets, request, limit)
+        return Tokens(ids, assets.block_size, True, count)
+
+    def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
+        """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
+        can ever match (memoised: a follow-up turn re-hashes only its new blocks)."""
+        hashed = tokens.ids[: self.max_blocks * tokens.block_size]
+        seed = chain_seed(request.model, salt=request.cache_salt)
+        return self._chains.digests(seed, hashed, tokens.block_size)
+
+    def decide(
+        self,
+        request: ParsedRequest,
+        *,
+        request_id: str,
+        now: float,
+        subset: frozenset[str] | None = None,
+        pinned: Sequence[str] | None = None,
+        tokens: Tokens | None = None,
+    ) -> Decision:
+        """Pick endpoints for ``request``.
+
+        ``subset``: EPP subset hint (``ip:port`` addresses allowed). ``pinned``: conformance-test
+        selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet. ``tokens``: the prompt
+        if already tokenized by the caller (:meth:`tokens`; admission counts it before routing).
+        Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready.
+        """
+        candidates = [s for s in self.fleet if request.model in s.endpoint.models]
+        if not candidates:
+            raise NotFound(
+                f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
+            )
+        route = self.routes.get(request.model)
+        profile = self.profile
+        if route is not None:
+            candidates = [s for s in candidates if route.admits(s)]
+            profile = route.profile
+        if pinned is not None:
+            candidates = [s for s in candidates if _pinned(s.address, pinned)]
+        if tokens is None:
+            tokens = self.tokens(request)
+        digests = self.digests(request, tokens)
+        working_set = self.working_set
+        state = CycleState(
+            prefix_blocks=self.index.match(digests, now),
+            cached_blocks=self.index.occupancy() if working_set is None else working_set.sizes(now),
+        )
+        is_precise = getattr(self.index, "is_precise", None)
+        state.exact = is_precise is not None and all(is_precise(c.id) for c in candidates)
+        if self.node_stores:
+            self._warm(state, candidates, digests)
+        sched = SchedulingRequest(
+            request_id=request_id,
+            model=request.model,
+            digests=digests,
+            prompt_tokens=tokens.count,
+            now=now,
+            subset=subset,
+        )
+        result = profile.schedule(sched, state, candidates, self._rng)
+        if not result.endpoints:
+            raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
+        primary = result.endpoints[0]
+        primary.in_flight += 1
+        primary.routed_since_scrape += 1
+        primary.count_routed(now)
+        return Decision(
+            request_id=request_id,
+            model=request.model,
+            endpoints=list(result.endpoints),
+            digests=digests,
+            prompt_tokens=tokens.count,
+            matched_blocks=state.prefix_blocks.get(primary.id, 0),
+            kv_lead_blocks=max(state.peer_warm_blocks, state.warm_blocks.get(primary.id, 0)),
+            served=primary,
+        )
+
+    def _warm(
+        self, state: CycleState, candidates: Sequence[EndpointState], digests: Sequence[Digest]
+    ) -> None:
+        """Fill ``state.warm_blocks`` (each candidate's lead in its own node's kvcached) and
+        ``state.peer_warm_blocks`` (the longest lead in any node's kvcached)."""
+        node_leads = getattr(self.index, "node_leads", None)
+        if node_leads is None:
+            return
+        leads: dict[EndpointId, int] = node_leads(self._store_nodes, digests)
+        if not leads:
+            return
+        by_node = {self._store_nodes[key]: n for key, n in leads.items()}
+        state.peer_warm_blocks = max(by_node.values())
+        state.warm_blocks = {
+            s.id: by_node[s.endpoint.node] for s in candidates if s.endpoint.node in by_node
+        }
+
+    def commit(self, decision: Decision, now: float) -> None:
+        """Record the decision in the index as speculative entries for the pick (and in the working set).
+
+        Separate from :meth:`decide` so the gRPC shell can send Envoy its answer first and do this
+        bookkeeping (about as costly as hashing the prompt) off the request's critical path.
+        """
+        if not decision.recorded and decision.served is not None:
+            decision.recorded = True
+            self._record(decision.served.id, decision.digests, now)
+
+    def served(self, decision: Decision, address: str, now: float) -> None:
+        """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
+        current = decision.served
+        if current is not None and current.address == address:
+            return
+        state = self.fleet.by_address(address)
+        if state is None:
+            log.warning("request %s served by unknown address %s", decision.request_id, address)
+            return
+        if current is not None and not decision.finished:
+            current.in_flight = max(0, current.in_flight - 1)
+            current.routed_since_scrape = max(0, current.routed_since_scrape - 1)
+        if current is not None:
+            current.count_routed(now, -1.0)
+        state.in_flight += 1
+        state.routed_since_scrape += 1
+        state.count_routed(now)
+        decision.served = state
+        decision.recorded = True
+        self._record(state.id, decision.digests, now)
+
+    def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        self.index.record(endpoint, digests, now)
+        if self.working_set is not None:
+            self.working_set.record(endpoint, digests, now)
+
+    def finish(self, decision: Decision) -> None:
+        """The request's stream ended (completed, failed or cancelled): release its in-flight slot."""
+        if decision.finished:
+            return
+        decision.finished = True
+        if decision.served is not None:
+            decision.served.in_flight = max(0, decision.served.in_flight - 1)
+
+    def models_body(self, allowed: Callable[[str], bool] | None = None) -> bytes:
+        """The OpenAI ``/v1/models`` list of every model the fleet serves (that ``allowed`` accepts)."""
+        models = [m for m in self.fleet.models() if allowed is None or allowed(m)]
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in models]
+        return orjson.dumps({"object": "list", "data": data})
+
+    def _byte_tokens(self, request: ParsedRequest) -> Tokens:
+        if request.kind is Kind.CHAT:
+            raw = orjson.dumps([request.messages, request.tools])
+        elif isinstance(request.prompt, str):
+            raw = request.prompt.encode()
+        else:
+            ids = list(request.prompt or ())
+            return Tokens(ids, self.block_size, True, len(ids))
+        block = self.block_size * BYTES_PER_TOKEN
+        return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
+
+
+def _token_ids(assets: ModelAssets, request: ParsedRequest, limit: int | None) -> tuple[Sequence[int], int]:
+    """(token ids, prompt length in tokens): all ids, or with ``limit`` at least the first ``limit``
+    (the rest of the prompt is then not tokenized and its length is estimated)."""
+    if request.kind is Kind.CHAT:
+        text = assets.template.render(
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            extra=request.template_kwargs,
+        )
+        special = False
+    elif isinstance(request.prompt, str):
+        text, special = request.prompt, True
+    else:
+        ids = list(request.prompt or ())
+        return ids, len(ids)
+    if limit is None:
+        ids = assets.tokenizer.encode(text, add_special_tokens=special)
+        return ids, len(ids)
+    return assets.tokenizer.encode_prefix(text, add_special_tokens=special, limit=limit)
+
+
+def _pinned(address: str, pinned: Sequence[str]) -> bool:
+    host = address.rpartition(":")[0]
+    return any(p in (address, host) for p in pinned)

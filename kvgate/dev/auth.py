@@ -1,0 +1,124 @@
+"""``kvgate up --auth``: the development identity setup in front of the local stack.
+
+It starts the dev OIDC issuer (:mod:`kvgate.dev.oidc`) as a child on a free port, writes its clients
+file and an API key file into the work directory, and returns the gateway config's ``[auth]`` and
+``[[tenants]]`` sections pointing at them (Envoy then fetches the issuer's JWKS remotely). By default
+one tenant ``dev`` (every model, 50 req/s, 200k tokens/min), one client ``dev`` whose tokens carry
+``tenant = "dev"``, and one API key for it; the end-to-end tests pass their own tenants and clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.admission.keys import ApiKey, hash_key, new_key, new_key_id, write_keys
+from kvgate.dev.procs import Child
+
+DEV_TENANT: dict[str, Any] = {
+    "id": "dev",
+    "models": ["*"],
+    "match": {"claims": {"tenant": "dev"}},
+    "rate": {"requests_per_s": 50, "burst": 100},
+    "tokens": {"per_minute": 200_000},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StackAuth:
+    """What ``kvgate up --auth`` sets up. ``tenants``: ``[[tenants]]`` tables; ``clients``: the dev
+    issuer's clients (empty: one generated client ``dev`` of tenant ``dev``); ``settings``: extra
+    ``[auth]`` keys (``settle``, ``default_max_tokens``); ``dev_key``: also create one API key for the
+    first tenant."""
+
+    tenants: tuple[dict[str, Any], ...] = (DEV_TENANT,)
+    clients: tuple[dict[str, Any], ...] = ()
+    audience: str = "kvgate"
+    settings: dict[str, Any] = field(default_factory=dict)
+    dev_key: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DevAuth:
+    """The running setup: the issuer's URL and signing key file, the client credentials, the API key
+    file and the dev key (shown once by ``kvgate up``), and the config sections to add."""
+
+    issuer: str
+    key_file: Path
+    clients: tuple[dict[str, Any], ...]
+    api_keys_file: Path
+    dev_key: str | None
+    auth_section: dict[str, Any]
+    tenants: tuple[dict[str, Any], ...]
+
+    def banner(self) -> list[str]:
+        """What ``kvgate up --auth`` prints (once, to its terminal; never logged)."""
+        client = self.clients[0]
+        cid, secret = client["client_id"], client["client_secret"]
+        lines = [
+            f"  OIDC issuer: {self.issuer}  client: {cid}  secret: {secret}",
+            f"  a token: curl -s -u {cid}:{secret} -d grant_type=client_credentials {self.issuer}/token",
+        ]
+        if self.dev_key is not None:
+            lines.append(f"  API key of tenant {self.tenants[0]['id']} (shown once): {self.dev_key}")
+        lines.append(f"  more keys: kvgate apikey create --file {self.api_keys_file} --tenant TENANT")
+        return lines
+
+
+def start_dev_auth(options: StackAuth, workdir: Path, spawn: Callable[[str, list[str]], Child]) -> DevAuth:
+    """Start the dev issuer and write the client and key files; returns what the config needs."""
+    clients = options.clients or (
+        {"client_id": "dev", "client_secret": secrets.token_urlsafe(24), "claims": {"tenant": "dev"}},
+    )
+    clients_file = workdir / "oidc_clients.json"
+    _write_private(clients_file, json.dumps({"clients": list(clients)}, indent=2))
+    ready = workdir / "oidc.ready.json"
+    issuer_child = spawn(
+        "oidc",
+        [
+            sys.executable,
+            "-m",
+            "kvgate.dev.oidc",
+            "--port",
+            "0",
+            "--clients",
+            str(clients_file),
+            "--audience",
+            options.audience,
+            "--key-file",
+            str(workdir / "oidc_key.pem"),
+            "--ready-file",
+            str(ready),
+        ],
+    )
+    issuer = str(issuer_child.wait_for_json_file(ready, 60)["issuer"])
+    keys_file = workdir / "api_keys.json"
+    dev_key = None
+    records: list[ApiKey] = []
+    if options.dev_key and options.tenants:
+        dev_key = new_key()
+        records.append(
+            ApiKey(new_key_id(), str(options.tenants[0]["id"]), hash_key(dev_key), int(time.time()), "dev")
+        )
+    write_keys(keys_file, records)
+    section = {
+        "jwt": {"issuer": issuer, "audiences": [options.audience], "jwks_uri": f"{issuer}/jwks"},
+        "api_keys_file": str(keys_file),
+        **options.settings,
+    }
+    return DevAuth(
+        issuer, workdir / "oidc_key.pem", tuple(clients), keys_file, dev_key, section, options.tenants
+    )
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

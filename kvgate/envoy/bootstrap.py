@@ -1,0 +1,302 @@
+"""The Envoy bootstrap for the OpenAI listener, rendered from code (the one source of truth).
+
+``envoy/gateway.yaml`` in the repository is this module's output for the default ports
+(``kvgate envoy-config``), checked by a test to stay identical. What it sets up:
+
+* an OpenAI listener whose client-sent routing headers are stripped before any filter runs;
+* the ext_proc filter in Endpoint Picker Protocol mode (FULL_DUPLEX_STREAMED request body, trailers
+  sent, response headers sent for the served-endpoint read-back), failing CLOSED with 503;
+* an ORIGINAL_DST upstream cluster that takes its host from ``envoy.lb`` dynamic metadata written
+  only by the ext_proc, never from a header; streaming-safe timeouts; a raised buffer limit;
+* local replies (Envoy's own errors: ext_proc down, upstream unreachable) as OpenAI-style JSON.
+
+With ``tls`` set (``kvgate up --secure``; ``envoy/gateway-secure.yaml`` for the default paths) the same
+bootstrap gets the transport security of :mod:`kvgate.envoy.tls` and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from extproc.admission.gate import TENANT_HEADER
+from extproc.processor import (
+    DESTINATION,
+    LB_NS,
+    PRIMARY,
+    REJECTED_KEY,
+    REJECTED_NS,
+    SUBSET_NS,
+    UPSTREAM_HEADER,
+)
+from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy.tls import EnvoyTls, secure_profile
+
+#: Headers a client may never set: routing decisions come from the ext_proc alone.
+STRIPPED_REQUEST_HEADERS = (DESTINATION, PRIMARY, "x-envoy-original-dst-host", UPSTREAM_HEADER, TENANT_HEADER)
+
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_EARLY = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyParams:
+    """Addresses (``host``/ports) and limits of the rendered bootstrap.
+
+    ``buffer_limit_bytes``: per-connection buffer (must exceed the largest request body streamed
+    through ext_proc chunking, i.e. 62 KB, and bounds memory per connection). ``message_timeout_s``:
+    how long Envoy waits for each ext_proc reply (Envoy's 200 ms default is too tight under load).
+    """
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    admin_port: int = 9901
+    extproc_host: str = "127.0.0.1"
+    extproc_port: int = 9002
+    buffer_limit_bytes: int = 4 * 1024 * 1024
+    message_timeout_s: float = 5.0
+    upstream_connect_timeout_s: float = 2.0
+    tls: EnvoyTls | None = None
+    #: JWT verification, per-tenant rate limits and the ext_proc's auth options (kvgate/envoy/auth.py).
+    auth: envoy_auth.EdgeAuth | None = None
+    #: Send response headers to the ext_proc (served-endpoint read-back). Off by default: the ORIGINAL_DST
+    #: cluster always serves the pick, so the read-back would only cost a round trip before every
+    #: response's first byte. Tenants (``auth``) turn it on: refunds and usage settlement need it.
+    served_readback: bool = False
+
+
+def _addr(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _local_reply() -> dict[str, Any]:
+    """Envoy's own errors (ext_proc down, engine unreachable, timeouts) as OpenAI-style JSON.
+
+    The ext_proc's immediate responses already carry an OpenAI JSON body; it marks them with dynamic
+    metadata ``kvgate.rejected`` so the first mapper passes their body through unchanged. Every other
+    local reply gets a JSON body: a ``type`` per status where one fits, ``gateway_error`` otherwise.
+    """
+
+    def status(code: int, kind: str, message: str) -> dict[str, Any]:
+        return {
+            "filter": {
+                "status_code_filter": {
+                    "comparison": {
+                        "op": "EQ",
+                        "value": {"default_value": code, "runtime_key": f"kvgate.local_reply.{code}"},
+                    }
+                }
+            },
+            "body_format_override": _json_error(kind, message),
+        }
+
+    return {
+        "mappers": [
+            {
+                # match_if_key_not_found defaults to TRUE in Envoy: it must be false here.
+                "filter": {
+                    "metadata_filter": {
+                        "match_if_key_not_found": False,
+                        "matcher": {
+                            "filter": REJECTED_NS,
+                            "path": [{"key": REJECTED_KEY}],
+                            "value": {"bool_match": True},
+                        },
+                    }
+                },
+                "body_format_override": {
+                    "text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                    "content_type": "application/json",
+                },
+            },
+            status(503, "service_unavailable", "The gateway cannot serve this request now; retry later."),
+            status(504, "timeout", "The upstream engine timed out."),
+            status(429, "rate_limit_error", "Rate limit exceeded."),
+            status(413, "invalid_request_error", "The request body is too large."),
+        ],
+        "body_format": _json_error("gateway_error", "%LOCAL_REPLY_BODY%"),
+    }
+
+
+def _json_error(kind: str, message: str) -> dict[str, Any]:
+    return {
+        "json_format": {"error": {"message": message, "type": kind, "param": None, "code": None}},
+        "content_type": "application/json",
+    }
+
+
+def render(params: EnvoyParams) -> dict[str, Any]:
+    """The bootstrap as a plain dict (dump it as YAML or JSON)."""
+    response_headers = params.served_readback or params.auth is not None
+    route: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": "kvgate_engines", "timeout": "0s"},
+    }
+    if response_headers:
+        route["response_headers_to_add"] = [
+            {
+                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": "kvgate_extproc"}},
+            "failure_mode_allow": False,
+            "status_on_error": {"code": "ServiceUnavailable"},
+            "message_timeout": f"{params.message_timeout_s}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND" if response_headers else "SKIP",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NS, LB_NS]},
+                "receiving_namespaces": {"untyped": [LB_NS, REJECTED_NS]},
+            },
+        },
+    }
+    hcm = {
+        "@type": _HCM,
+        "stat_prefix": "openai",
+        "codec_type": "AUTO",
+        "request_timeout": "0s",
+        "stream_idle_timeout": "300s",
+        "early_header_mutation_extensions": [
+            {
+                "name": "kvgate.strip_routing_headers",
+                "typed_config": {
+                    "@type": _EARLY,
+                    "mutations": [{"remove": h} for h in STRIPPED_REQUEST_HEADERS],
+                },
+            }
+        ],
+        "local_reply_config": _local_reply(),
+        "route_config": {
+            "name": "openai",
+            "virtual_hosts": [
+                {
+                    "name": "openai",
+                    "domains": ["*"],
+                    "routes": [route],
+                }
+            ],
+        },
+        "http_filters": envoy_auth.http_filters(
+            params.auth, ext_proc, {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
+        ),
+    }
+    config: dict[str, Any] = {
+        "admin": {"address": _addr("127.0.0.1", params.admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "openai",
+                    "address": _addr(params.listen_host, params.listen_port),
+                    "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "kvgate_extproc",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": _HTTP_OPTS,
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": "kvgate_extproc",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {"endpoint": {"address": _addr(params.extproc_host, params.extproc_port)}}
+                                ]
+                            }
+                        ],
+                    },
+                },
+                {
+                    "name": "kvgate_engines",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": f"{params.upstream_connect_timeout_s}s",
+                    "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
+                    "original_dst_lb_config": {"metadata_key": {"key": LB_NS, "path": [{"key": PRIMARY}]}},
+                    "circuit_breakers": {
+                        "thresholds": [
+                            {
+                                "max_connections": 100000,
+                                "max_pending_requests": 100000,
+                                "max_requests": 100000,
+                            }
+                        ]
+                    },
+                },
+                *envoy_auth.clusters(params.auth),
+            ],
+        },
+    }
+    if params.tls is None:
+        return config
+    return secure_profile(config, params.tls)
+
+
+def render_yaml(params: EnvoyParams) -> str:
+    command = "kvgate envoy-config" + (" --secure" if params.tls is not None else "")
+    header = f"# Generated by `{command}` (kvgate/envoy/bootstrap.py). Do not edit by hand.\n"
+    body: str = yaml.safe_dump(render(params), sort_keys=False, width=100)
+    return header + body
+
+
+def render_baseline(addresses: Sequence[str], lb_policy: str = "ROUND_ROBIN") -> str:
+    """A benchmark baseline: this bootstrap (same listener, timeouts, limits, free ports) without the
+    ext_proc filter, its upstream a STATIC cluster over ``addresses`` balanced by ``lb_policy``
+    (``ROUND_ROBIN``, ``LEAST_REQUEST``)."""
+    config = render(EnvoyParams(listen_port=0, admin_port=0, extproc_port=1))
+    static = config["static_resources"]
+    hcm = static["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    engines = next(c for c in static["clusters"] if c["name"] == "kvgate_engines")
+    lb_endpoints = [{"endpoint": {"address": _addr(*_split(a))}} for a in addresses]
+    static["clusters"] = [
+        {
+            "name": "kvgate_engines",
+            "type": "STATIC",
+            "lb_policy": lb_policy,
+            "connect_timeout": engines["connect_timeout"],
+            "per_connection_buffer_limit_bytes": engines["per_connection_buffer_limit_bytes"],
+            "circuit_breakers": engines["circuit_breakers"],
+            "load_assignment": {
+                "cluster_name": "kvgate_engines",
+                "endpoints": [{"lb_endpoints": lb_endpoints}],
+            },
+        }
+    ]
+    body: str = yaml.safe_dump(config, sort_keys=False, width=100)
+    return body
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)

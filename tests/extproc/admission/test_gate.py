@@ -1,0 +1,166 @@
+"""The Gate (pure): identifying callers from verified claims or API keys, admission, settlement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.admission.gate import AuthConfig, Gate, JwtConfig, Settle, max_output_tokens
+from extproc.admission.keys import ApiKey, KeyStore, hash_key, new_key
+from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
+from extproc.admission.usage import Usage
+from extproc.errors import Forbidden, GatewayError, TooManyRequests, Unauthorized
+from extproc.routing.request import Kind, ParsedRequest
+
+KEY, REVOKED, ORPHAN = new_key(), new_key(), new_key()
+ACME = Tenant(
+    "acme",
+    ("small-*",),
+    TenantMatch(claims=(("tenant", frozenset({"acme"})),)),
+    tokens=TokenLimit(per_minute=600, burst=100),
+)
+FREE = Tenant("free", ("*",), TenantMatch(groups=frozenset({"free"})))
+KEYS = KeyStore(
+    [
+        ApiKey("k1", "acme", hash_key(KEY), 1),
+        ApiKey("k2", "acme", hash_key(REVOKED), 1, revoked=2),
+        ApiKey("k3", "gone", hash_key(ORPHAN), 1),
+    ]
+)
+CONFIG = AuthConfig(
+    jwt=JwtConfig("https://idp", ("kvgate",), jwks_uri="https://idp/jwks"),
+    default_max_tokens=50,
+    settle=Settle.USAGE,
+)
+
+
+def gate(config: AuthConfig = CONFIG) -> Gate:
+    return Gate(config, Tenants([ACME, FREE]), KEYS)
+
+
+@pytest.mark.parametrize(
+    ("authorization", "claims", "failure", "expected"),
+    [
+        (None, {"tenant": "acme", "sub": "svc-1"}, None, ("acme", "jwt", "svc-1")),
+        (None, {"groups": ["free"]}, None, ("free", "jwt", "-")),
+        (f"Bearer {KEY}", None, None, ("acme", "api_key", "k1")),
+        (f"bearer   {KEY}  ", None, None, ("acme", "api_key", "k1")),
+        # verified claims win; the header is not even looked at
+        ("Bearer garbage", {"tenant": "acme", "sub": "s"}, None, ("acme", "jwt", "s")),
+        (None, {"tenant": "nobody"}, None, (403, "no_tenant")),
+        (None, None, None, (401, "missing_credentials")),
+        ("Basic dXNlcjpwYXNz", None, None, (401, "missing_credentials")),
+        ("Bearer ", None, None, (401, "missing_credentials")),
+        (f"Bearer {REVOKED}", None, None, (401, "invalid_api_key")),
+        (f"Bearer {KEY}x", None, None, (401, "invalid_api_key")),
+        (f"Bearer {ORPHAN}", None, None, (403, "no_tenant")),
+        ("Bearer eyJhbGciOi.x.y", None, "Jwt is expired", (401, "invalid_token")),
+        ("Bearer eyJhbGciOi.x.y", None, None, (401, "invalid_token")),
+    ],
+)
+def test_identify(
+    authorization: str | None, claims: dict[str, Any] | None, failure: str | None, expected: tuple[Any, ...]
+) -> None:
+    if isinstance(expected[0], str):
+        principal = gate().identify(authorization, claims, failure)
+        assert (principal.tenant.id, principal.via, principal.who) == expected
+        return
+    with pytest.raises((Unauthorized, Forbidden)) as err:
+        gate().identify(authorization, claims, failure)
+    assert (err.value.status, err.value.code) == expected
+    assert KEY not in err.value.message and "garbage" not in err.value.message
+
+
+def test_failure_reason_is_reported() -> None:
+    with pytest.raises(Unauthorized, match="Jwt is expired"):
+        gate().identify("Bearer a.b.c", None, "Jwt is expired")
+
+
+def test_api_keys_without_a_key_file_are_refused() -> None:
+    with pytest.raises(Unauthorized):
+        Gate(CONFIG, Tenants([ACME]), None).identify(f"Bearer {KEY}", None, None)
+
+
+def request(model: str = "small-1", **body: Any) -> ParsedRequest:
+    return ParsedRequest(Kind.CHAT, model, {"model": model, **body}, False, messages=[{"role": "user"}])
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({}, None),
+        ({"max_tokens": 8}, 8),
+        ({"max_completion_tokens": 9, "max_tokens": 8}, 9),
+        ({"max_tokens": 8, "n": 3}, 24),
+        ({"max_tokens": True}, None),
+    ],
+)
+def test_max_output_tokens(body: dict[str, Any], expected: int | None) -> None:
+    assert max_output_tokens(request(**body)) == expected
+
+
+@pytest.mark.parametrize(
+    ("admissions", "outcomes"),
+    [
+        # (model, prompt tokens, body, now) -> reserved tokens, or (status, code, retry-after)
+        ([("small-1", 10, {"max_tokens": 20}, 0.0)], [30]),
+        ([("small-1", 10, {}, 0.0)], [60]),  # default_max_tokens 50 reserved
+        ([("big-1", 1, {}, 0.0)], [(403, "model_not_allowed", None)]),
+        ([("small-1", 200, {"max_tokens": 1}, 0.0)], [(429, "request_too_large", None)]),
+        (
+            [("small-1", 50, {"max_tokens": 40}, 0.0), ("small-1", 10, {"max_tokens": 10}, 0.0)],
+            [90, (429, "tokens_exceeded", 1)],
+        ),
+        (
+            [("small-1", 50, {"max_tokens": 50}, 0.0), ("small-1", 50, {"max_tokens": 50}, 3.0)],
+            [100, (429, "tokens_exceeded", 7)],  # 30 refilled in 3 s, 70 missing at 10/s
+        ),
+        ([("small-1", 50, {"max_tokens": 50}, 0.0), ("small-1", 50, {"max_tokens": 50}, 10.0)], [100, 100]),
+    ],
+)
+def test_admission(admissions: list[tuple[str, int, dict[str, Any], float]], outcomes: list[Any]) -> None:
+    g = gate()
+    principal = g.identify(f"Bearer {KEY}", None, None)
+    got: list[Any] = []
+    for model, prompt, body, now in admissions:
+        try:
+            got.append(g.admit(principal, request(model, **body), prompt, now).reserved)
+        except GatewayError as exc:
+            retry = exc.retry_after_s if isinstance(exc, TooManyRequests) else None
+            got.append((exc.status, exc.code, retry))
+    assert got == outcomes
+
+
+@pytest.mark.parametrize(
+    ("body", "usage", "charged"),
+    [
+        ({"max_tokens": 40}, Usage(10, 5, True), 15),  # exact usage: refund the unused output
+        ({"max_tokens": 40}, Usage(None, 5, True), 15),  # engine gave no prompt count: ours
+        ({"max_tokens": 40}, Usage(12, 5, True), 17),  # the engine's prompt count wins
+        ({"max_tokens": 40}, None, 50),  # unknown: the reservation stands
+        ({"max_tokens": 4}, Usage(None, 9, False), 14),  # an estimate never exceeds a bounded request
+        ({}, Usage(10, 80, True), 90),  # unbounded and over the default: charged in full (debt)
+    ],
+)
+def test_settlement(body: dict[str, Any], usage: Usage | None, charged: int) -> None:
+    g = gate()
+    principal = g.identify(f"Bearer {KEY}", None, None)
+    ticket = g.admit(principal, request(**body), 10, 0.0)
+    assert g.wants_usage(ticket)
+    assert g.settle(ticket, usage, 0.0) == charged
+    assert g.budgets.level(ACME, 0.0) == pytest.approx(100 - charged)
+    assert g.settle(ticket, Usage(0, 0, True), 0.0) == charged  # settles once
+
+
+def test_cancel_refunds_everything_and_reservation_mode() -> None:
+    g = gate()
+    principal = g.identify(f"Bearer {KEY}", None, None)
+    ticket = g.admit(principal, request(max_tokens=40), 10, 0.0)
+    g.cancel(ticket, 0.0)
+    assert g.budgets.level(ACME, 0.0) == pytest.approx(100)
+    reserving = gate(AuthConfig(api_keys_file="k", settle=Settle.RESERVATION))
+    ticket = reserving.admit(principal, request(max_tokens=40), 10, 0.0)
+    assert not reserving.wants_usage(ticket)
+    free = reserving.identify(None, {"groups": ["free"]}, None)
+    assert not gate().wants_usage(gate().admit(free, request("any"), 1, 0.0))  # no budget, nothing to read

@@ -1,0 +1,208 @@
+"""kvgate policy get|set|unset|list|watch and kvgate drain, against a real etcd and on a policy file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contracts.etcd import EtcdSettings
+from kvgate.dev.etcd import EtcdServer
+from kvgate.policy_cli import drain_main, main
+from runtime.etcd import connect
+
+pytest_plugins = ("tests.etcd_fixtures",)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _read(settings: EtcdSettings, key: str) -> bytes | None:
+    async def read() -> bytes | None:
+        client = await connect(settings)
+        try:
+            assert client.kv is not None
+            response = await client.kv.get(key, timeout=2.0)
+            return bytes(response.kvs[0].value) if response.kvs else None
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def etcd_args(etcd_server: EtcdServer, etcd_prefix: str) -> list[str]:
+    return ["--etcd", etcd_server.address, "--prefix", etcd_prefix]
+
+
+def test_set_get_list_unset(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = etcd_settings.prefix
+    assert main(["set", "weights/prefix", "5", *etcd_args]) == 0
+    assert capsys.readouterr().out == "weights/prefix=5\n"
+    assert _read(etcd_settings, f"{p}policy/weights/prefix") == b"5"
+
+    assert main(["get", "weights/prefix", *etcd_args]) == 0
+    assert capsys.readouterr().out == "5.0\n"
+    assert main(["set", "models/org/m", '{"labels": {"pool": "a"}}', *etcd_args]) == 0
+    assert _read(etcd_settings, f"{p}models/org/m") == b'{"labels":{"pool":"a"}}'
+    capsys.readouterr()
+
+    assert main(["list", *etcd_args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "weights/prefix=5.0" in lines and "index/block_size=16" in lines
+    assert 'models/org/m={"labels":{"pool":"a"},"profile":null}' in lines
+    assert "plugins/load-threshold/max_waiting=8.0" in lines
+
+    assert main(["unset", "weights/prefix", *etcd_args]) == 0
+    assert main(["get", "weights/prefix", *etcd_args]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "3.0"  # the embedded default again
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["set", "weights/prefix", "-1"], "must be finite and >= 0"),
+        (["set", "weights/prefix", "heavy"], "expected a number, got str"),
+        (["set", "plugins/load-threshold/max_wait", "3"], "has no param 'max_wait'"),
+        (["set", "models/m", '{"profile": "nope"}'], "no profile named 'nope'"),
+        (["get", "weights/nope"], "no scorer named 'nope'"),
+    ],
+)
+def test_bad_values_exit_2_and_write_nothing(
+    argv: list[str],
+    reason: str,
+    etcd_args: list[str],
+    etcd_settings: EtcdSettings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*argv, *etcd_args]) == 2
+    captured = capsys.readouterr()
+    assert reason in captured.err and captured.out == ""
+    key = f"{etcd_settings.prefix}{'models' if argv[1].startswith('models/') else 'policy'}/"
+    key += argv[1].removeprefix("models/")
+    assert _read(etcd_settings, key) is None
+
+
+def test_get_shows_the_default_over_a_refused_etcd_value(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def write() -> None:
+        client = await connect(etcd_settings)
+        assert client.kv is not None
+        await client.kv.put(f"{etcd_settings.prefix}policy/weights/queue", b'"lots"')
+        await client.close()
+
+    asyncio.run(write())
+    assert main(["get", "weights/queue", *etcd_args]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "2.0\n" and "refused" in captured.err
+
+
+def test_etcd_from_environment(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("KVGATE_ETCD", etcd_server.address)
+    assert main(["get", "index/block_size", "--prefix", etcd_prefix]) == 0
+    assert capsys.readouterr().out == "16\n"
+
+
+def test_unreachable_etcd_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--etcd", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    assert "etcd at 127.0.0.1:1: " in capsys.readouterr().err
+
+
+def test_drain_and_undo(
+    etcd_server: EtcdServer, etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--etcd", etcd_server.address, "--prefix", etcd_settings.prefix]
+    key = f"{etcd_settings.prefix}drain/vllm-0"
+    assert drain_main(["vllm-0", "--by", "ops", *args]) == 0
+    captured = capsys.readouterr()
+    assert "vllm-0 draining" in captured.out and "no 'vllm-0' registered" in captured.err
+    value = _read(etcd_settings, key)
+    assert value is not None and json.loads(value)["by"] == "ops"
+    assert drain_main(["vllm-0", "--undo", *args]) == 0
+    assert "no longer draining" in capsys.readouterr().out
+    assert _read(etcd_settings, key) is None
+    assert drain_main(["vllm-0", "--undo", *args]) == 0
+    assert "was not draining" in capsys.readouterr().out
+
+
+def test_watch_once_prints_the_first_change(etcd_args: list[str]) -> None:
+    argv = [sys.executable, "-m", "kvgate.cli", "policy", "watch", "--once", *etcd_args]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        banner = proc.stderr.readline()
+        assert banner.startswith("watching "), banner
+        assert main(["set", "plugins/load-threshold/max_waiting", "16", *etcd_args]) == 0
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert out == "plugins/load-threshold/max_waiting=16\n"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+
+
+# -- --file mode ----------------------------------------------------------------------------------------
+
+
+def test_file_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policy.toml"
+    file = ["--file", str(path)]
+    assert main(["get", "weights/prefix", *file]) == 1  # no file yet
+    assert "cannot read" in capsys.readouterr().err
+
+    assert main(["set", "weights/prefix", "4.5", *file]) == 0
+    assert main(["set", "models/org/m", '{"labels": {"pool": "a"}}', *file]) == 0
+    text = path.read_text()
+    assert "[weights]\nprefix = 4.5\n" in text
+    before = path.read_bytes()
+    capsys.readouterr()
+
+    assert main(["set", "weights/prefix", "-4", *file]) == 2
+    assert "must be finite and >= 0" in capsys.readouterr().err
+    assert path.read_bytes() == before  # nothing written
+
+    assert main(["get", "weights/prefix", *file]) == 0
+    assert capsys.readouterr().out == "4.5\n"
+    assert main(["list", *file]) == 0
+    assert 'models/org/m={"labels":{"pool":"a"},"profile":null}' in capsys.readouterr().out.splitlines()
+    assert main(["unset", "weights/prefix", *file]) == 0
+    assert main(["get", "weights/prefix", *file]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "3.0"
+
+
+def test_file_mode_defaults_from_a_gateway_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text("[index]\nblock_size = 32\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"weights": {"queue": 1.5}}))
+    assert main(["list", "--file", str(policy), "--config", str(config)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "index/block_size=32" in lines and "weights/queue=1.5" in lines
+
+
+def test_file_mode_refuses_an_invalid_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text("[weights]\nprefix = -1\n")
+    assert main(["set", "weights/queue", "1", "--file", str(path)]) == 2
+    assert "weights/prefix" in capsys.readouterr().err
+    assert path.read_text() == "[weights]\nprefix = -1\n"
+
+
+def test_watch_needs_etcd() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["watch", "--file", "policy.toml"])
+    assert info.value.code == 2
