@@ -122,8 +122,8 @@ from typing import Any
 from agent.errors import AgentConfigError
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
+from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from engines.kinds import ENGINE_KINDS, ROLES
-from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
 
 KV_OFFLOADS = ("none", "nixl", "lmcache", "hicache", "kvbm")
 #: Kinds that publish KV events over ZMQ in vLLM's format (trtllm only offers an HTTP poll endpoint).

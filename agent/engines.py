@@ -53,7 +53,8 @@ from typing import Any
 
 from agent.config import KV_EVENT_KINDS, SMOLLM2, AgentSection, EngineConfig, check_combination
 from agent.errors import EngineError
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 
 #: ZMQ topic every engine publishes its KV events under.
 KV_EVENTS_TOPIC = "kv-events"

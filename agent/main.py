@@ -57,10 +57,11 @@ from agent.translate import Translator
 from contracts.errors import ConfigError
 from contracts.etcd import decode_value, endpoint_key, parse_etcd_settings, policy_key
 from contracts.events import Cleared, IndexEvent, Load
+from contracts.kvcached import MESSAGE_SLACK
 from engines.endpoint import encode_endpoint
-from kvcached.service import MESSAGE_SLACK, KvcachedClient
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
+from runtime.kvcached import KvcachedClient
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ServerTlsFiles
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NewType
 
 import msgspec
 
@@ -41,6 +42,10 @@ TIERS = ("gpu", "cpu", "disk", "ram", "ssd")
 
 ENGINE_TIERS = frozenset({"gpu", "cpu", "disk"})
 """Tiers an engine reads without a fetch: a block held there counts as cached on that endpoint."""
+
+EndpointId = NewType("EndpointId", str)
+"""The id of an endpoint: an engine replica (etcd ``endpoints/<id>``), or a node's kvcached pseudo endpoint
+(:func:`node_store_endpoint`). Events carry it as a plain string."""
 
 NODE_STORE_PREFIX = "kvcached:"
 """kvcached reports its ``ram``/``ssd`` tiers under one pseudo endpoint per node, ``kvcached:<node>``: the

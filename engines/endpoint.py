@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NewType
 from urllib.parse import urlsplit
 
 from contracts.config import REQUIRED, Section, choice, hostport
 from contracts.errors import ConfigError
 from contracts.etcd import ENDPOINTS
+from contracts.events import EndpointId
 from engines.kinds import ENGINE_KINDS, ROLES
-
-EndpointId = NewType("EndpointId", str)
 
 
 @dataclass(frozen=True, slots=True)

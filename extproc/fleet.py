@@ -10,7 +10,8 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 
 ROUTED_HALF_LIFE_S = 30.0

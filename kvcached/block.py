@@ -28,9 +28,6 @@ from blake3 import blake3
 from contracts.digest import DIGEST_BYTES
 from kvcached.errors import BadRequest, CorruptBlock
 
-MAX_BLOCK_BYTES_DEFAULT = 64 * 1024 * 1024
-"""Largest payload accepted by default (64 MiB): a llama.cpp slot of a long prompt fits."""
-
 CHECKSUM_BYTES = 16
 MAGIC = b"KVB\x00"
 VERSION = 1

@@ -54,7 +54,7 @@ from typing import Any
 
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
-from kvcached.block import MAX_BLOCK_BYTES_DEFAULT
+from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX
 

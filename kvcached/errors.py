@@ -2,6 +2,7 @@
 
 Everything kvcached raises on purpose is a :class:`KvcachedError`; lower-level errors (RocksDB, QUIC,
 TOML) are translated with ``raise ... from`` at the boundary that sees them, so callers catch one family.
+The first two are the API's own (:mod:`contracts.kvcached`): its client raises them too.
 
     KvcachedError             any kvcached failure
     ├── BadRequest            a client's input is invalid (digest not 16 bytes, block over the size
@@ -16,13 +17,9 @@ TOML) are translated with ``raise ... from`` at the boundary that sees them, so 
 
 from __future__ import annotations
 
+from contracts.kvcached import BadRequest, KvcachedError
 
-class KvcachedError(Exception):
-    """Base class of every error kvcached raises on purpose."""
-
-
-class BadRequest(KvcachedError):
-    """A client's request is invalid; the message says which part. Nothing was stored."""
+__all__ = ["BadRequest", "CorruptBlock", "KvcachedConfigError", "KvcachedError", "PeerUnavailable"]
 
 
 class CorruptBlock(KvcachedError):

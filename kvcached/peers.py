@@ -53,7 +53,8 @@ from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from kvcached.block import HEADER_BYTES, MAX_BLOCK_BYTES_DEFAULT, check_digest, encode_record, verify_record
+from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
+from kvcached.block import HEADER_BYTES, check_digest, encode_record, verify_record
 from kvcached.datagrams import HANDSHAKE_DATAGRAM_MAX, grow_datagrams
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError, PeerUnavailable
 from kvcached.wire import (

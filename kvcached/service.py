@@ -1,17 +1,4 @@
-"""The local API of kvcached: gRPC methods under ``/kvgate.kvcached.v1.Kvcached/``, server and client.
-
-Methods (unary, msgpack messages via msgspec, like :mod:`contracts.events`; no generated stubs):
-
-=========  ============================================  ==========================================
-method     request                                       reply
-=========  ============================================  ==========================================
-Put        :class:`PutRequest` digest, data, checksum?   :class:`PutReply` tier now holding it
-Get        :class:`GetRequest` digest, peers             :class:`GetReply` data?, source
-Contains   :class:`ContainsRequest` digest chain         :class:`ContainsReply` held per digest,
-                                                         longest held prefix and its tiers
-Delete     :class:`DeleteRequest` digest                 :class:`DeleteReply` deleted
-Stats      :class:`StatsRequest`                         :class:`StatsReply` store + peer counters
-=========  ============================================  ==========================================
+"""The local API of kvcached, served: the methods and messages of :mod:`contracts.kvcached` over a store.
 
 Bad input (a digest that is not 16 bytes, a block over ``max_block_bytes``, a checksum that does not
 match the bytes, an undecodable message) is answered ``INVALID_ARGUMENT`` with the reason; nothing is
@@ -47,7 +34,22 @@ from typing import Any, TypeVar
 import grpc
 import msgspec
 
-from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest
+from contracts.kvcached import (
+    MAX_BLOCK_BYTES_DEFAULT,
+    MESSAGE_SLACK,
+    SERVICE,
+    ContainsReply,
+    ContainsRequest,
+    DeleteReply,
+    DeleteRequest,
+    GetReply,
+    GetRequest,
+    PutReply,
+    PutRequest,
+    StatsReply,
+    StatsRequest,
+)
+from kvcached.block import check_digest
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.metrics import KvcachedMetrics
@@ -56,64 +58,6 @@ from kvcached.tiers import TieredStore
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 
 log = logging.getLogger(__name__)
-
-SERVICE = "kvgate.kvcached.v1.Kvcached"
-PUT, GET, CONTAINS, DELETE, STATS = (f"/{SERVICE}/{m}" for m in ("Put", "Get", "Contains", "Delete", "Stats"))
-MESSAGE_SLACK = 1024 * 1024
-"""Bytes allowed on top of ``max_block_bytes`` in one gRPC message (digest, checksum, framing)."""
-
-
-class PutRequest(msgspec.Struct, frozen=True):
-    digest: bytes
-    data: bytes
-    checksum: bytes | None = None
-
-
-class PutReply(msgspec.Struct, frozen=True):
-    tier: str | None = None
-
-
-class GetRequest(msgspec.Struct, frozen=True):
-    """``peers``: on a local miss, may the daemon fetch the block from its peers."""
-
-    digest: bytes
-    peers: bool = True
-
-
-class GetReply(msgspec.Struct, frozen=True):
-    """``data`` ``None``: a miss. ``source``: ``ram``, ``ssd`` or ``peer``."""
-
-    data: bytes | None = None
-    source: str | None = None
-
-
-class ContainsRequest(msgspec.Struct, frozen=True):
-    digests: list[bytes]
-
-
-class ContainsReply(msgspec.Struct, frozen=True):
-    """``held``: per digest; ``prefix``: leading digests held; ``tiers``: the tier of each of those."""
-
-    held: list[bool]
-    prefix: int
-    tiers: list[str]
-
-
-class DeleteRequest(msgspec.Struct, frozen=True):
-    digest: bytes
-
-
-class DeleteReply(msgspec.Struct, frozen=True):
-    deleted: bool
-
-
-class StatsRequest(msgspec.Struct, frozen=True):
-    pass
-
-
-class StatsReply(msgspec.Struct, frozen=True):
-    stats: dict[str, float]
-
 
 Req = TypeVar("Req", bound=msgspec.Struct)
 _encoder = msgspec.msgpack.Encoder()
@@ -321,78 +265,3 @@ def _remove_stale_socket(path: Path) -> None:
     if not stat.S_ISSOCK(mode):
         raise KvcachedError(f"{path} exists and is not a socket")
     path.unlink()
-
-
-class KvcachedClient:
-    """An asyncio client of the local API. ``target``: ``unix:/path/to.sock`` or ``host:port`` (TCP,
-    which needs ``ca``, ``cert`` and ``key``: the daemon requires a client certificate).
-    ``server_name`` overrides the name checked against the daemon's certificate. ``timeout_s``: the
-    deadline of each call (``None``: none). Errors: :class:`BadRequest` for ``INVALID_ARGUMENT`` (the
-    message is the daemon's reason), :class:`KvcachedError` for any other failure."""
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        ca: Path | None = None,
-        cert: Path | None = None,
-        key: Path | None = None,
-        server_name: str | None = None,
-        timeout_s: float | None = 10.0,
-        max_message_bytes: int = MAX_BLOCK_BYTES_DEFAULT + MESSAGE_SLACK,
-    ) -> None:
-        options: list[tuple[str, str | int]] = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        if server_name:
-            options.append(("grpc.ssl_target_name_override", server_name))
-        if ca is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=ca.read_bytes(),
-                private_key=None if key is None else key.read_bytes(),
-                certificate_chain=None if cert is None else cert.read_bytes(),
-            )
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        self._timeout_s = timeout_s
-
-    async def _call(self, method: str, request: msgspec.Struct, reply: type[Req]) -> Req:
-        call = self._channel.unary_unary(method)
-        try:
-            raw = await call(_encoder.encode(request), timeout=self._timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                raise BadRequest(exc.details() or "invalid argument") from exc
-            raise KvcachedError(f"{method}: {exc.code().name}: {exc.details()}") from exc
-        return msgspec.msgpack.decode(raw, type=reply)
-
-    async def put(self, digest: bytes, data: bytes, checksum: bytes | None = None) -> str | None:
-        """Store a block; returns the tier now holding it."""
-        return (await self._call(PUT, PutRequest(digest, data, checksum), PutReply)).tier
-
-    async def get(self, digest: bytes, *, peers: bool = True) -> bytes | None:
-        """The block's bytes, or ``None`` on a miss (``peers``: let the daemon ask its peers)."""
-        return (await self.lookup(digest, peers=peers)).data
-
-    async def lookup(self, digest: bytes, *, peers: bool = True) -> GetReply:
-        """Like :meth:`get`, also saying where the block came from."""
-        return await self._call(GET, GetRequest(digest, peers), GetReply)
-
-    async def contains(self, digests: Sequence[bytes]) -> list[bool]:
-        return (await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)).held
-
-    async def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, list[str]]:
-        """How many leading digests of the chain are held, and the tier of each of them."""
-        reply = await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)
-        return reply.prefix, reply.tiers
-
-    async def delete(self, digest: bytes) -> bool:
-        return (await self._call(DELETE, DeleteRequest(digest), DeleteReply)).deleted
-
-    async def stats(self) -> dict[str, float]:
-        return (await self._call(STATS, StatsRequest(), StatsReply)).stats
-
-    async def aclose(self) -> None:
-        await self._channel.close()

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from kvcached.block import MAX_BLOCK_BYTES_DEFAULT, check_digest, checksum
+from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
+from kvcached.block import check_digest, checksum
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError
 from kvcached.ram import RamTier
 from kvcached.ssd import SsdTier

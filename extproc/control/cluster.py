@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.errors import ConfigError
-from contracts.events import IndexEvent, node_store_endpoint
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId, IndexEvent, node_store_endpoint
 from extproc.config import GatewayConfig
 from extproc.control.feeds import FeedManager
 from extproc.control.plane import ControlPlane

@@ -17,8 +17,7 @@ from typing import Protocol
 import grpc
 
 from contracts import events as ev
-from contracts.events import Batch, IndexEvent, Load
-from engines.endpoint import EndpointId
+from contracts.events import Batch, EndpointId, IndexEvent, Load
 from engines.metrics import EngineMetrics
 from extproc.fleet import Fleet
 from runtime.feed.client import FeedClient, FeedStats

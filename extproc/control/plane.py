@@ -30,7 +30,8 @@ import etcd3aio
 
 from contracts.errors import ConfigError
 from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, EtcdSettings, decode_peer, policy_path, split_key
-from engines.endpoint import EndpointId, decode_endpoint
+from contracts.events import EndpointId
+from engines.endpoint import decode_endpoint
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from runtime.etcd import ETCD_ERRORS, connect, describe_error

@@ -40,7 +40,7 @@ import aiohttp
 import orjson
 
 from contracts.digest import Digest
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.config import SlotRestoreConfig
 from extproc.metrics import GatewayMetrics
 from extproc.routing.router import Decision

@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS, require_positive_int
 
 DEFAULT_CAPACITY_BLOCKS = 31_250

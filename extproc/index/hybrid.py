@@ -6,8 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from contracts.events import IndexEvent
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId, IndexEvent
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.precise import PreciseIndex
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 
 DEFAULT_MAX_MATCH_BLOCKS = 256
 """At most this many leading blocks are matched or recorded (256 blocks of 16 tokens: 4,096 tokens)."""

@@ -41,8 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from contracts.events import ENGINE_TIERS, TIERS, EventError, IndexEvent, Removed, Stored
-from engines.endpoint import EndpointId
+from contracts.events import ENGINE_TIERS, TIERS, EndpointId, EventError, IndexEvent, Removed, Stored
 from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS
 
 DEFAULT_SPECULATIVE_TTL_S = 10.0

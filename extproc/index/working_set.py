@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS, require_positive_int
 
 

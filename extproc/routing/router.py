@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from contracts.digest import ChainCache, Digest, chain_seed
-from contracts.events import node_store_endpoint
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId, node_store_endpoint
 from extproc.errors import NotFound, Unavailable
 from extproc.fleet import EndpointState, Fleet
 from extproc.index.interface import PrefixIndex

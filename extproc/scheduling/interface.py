@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from contracts.digest import Digest
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 
 

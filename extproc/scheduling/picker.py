@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from contracts.errors import ConfigError
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 from extproc.index.interface import PrefixIndex
 from extproc.scheduling.interface import CycleState, Filter, Picker, SchedulingRequest, Scorer

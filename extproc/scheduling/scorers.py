@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS
 from extproc.scheduling.interface import CycleState, SchedulingRequest

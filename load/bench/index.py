@@ -45,8 +45,7 @@ from statistics import median
 from typing import Any
 
 from contracts.digest import Digest
-from contracts.events import IndexEvent, Removed, Stored
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId, IndexEvent, Removed, Stored
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.precise import PreciseIndex

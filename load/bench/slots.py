@@ -45,9 +45,10 @@ import aiohttp
 from agent.config import AgentSection, EngineConfig
 from agent.slots import SlotCache, SlotStore, slot_dir
 from agent.supervisor import EngineSupervisor
-from kvcached.service import ApiServer, KvcachedClient, KvcachedService
+from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 from load.bench import machine, revision, summary, write_json
+from runtime.kvcached import KvcachedClient
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from typing import Any
 import aiohttp
 
 from contracts.digest import Digest, block_digests, chain_seed
-from kvcached.service import KvcachedClient
 from kvgate.dev.up import Stack, StackOptions
 from load.bench import CpuSample, machine, revision, slots, summary
+from runtime.kvcached import KvcachedClient
 
 log = logging.getLogger(__name__)
 

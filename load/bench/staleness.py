@@ -48,7 +48,7 @@ import zmq.asyncio
 
 from agent.kvevents import BlockStored, KvEventDecodeError, decode_message
 from contracts.digest import Digest
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway

@@ -24,8 +24,7 @@ from typing import Any, Literal, Protocol
 import grpc
 
 from contracts import events as ev
-from contracts.events import EPOCH_HEADER, Batch, SequenceTracker, Verdict
-from engines.endpoint import EndpointId
+from contracts.events import EPOCH_HEADER, Batch, EndpointId, SequenceTracker, Verdict
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from agent.kvevents import (
 from agent.main import feed_batches
 from agent.translate import Translator
 from contracts.digest import block_digests, chain_seed
-from contracts.events import Cleared, IndexEvent, Stored
-from engines.endpoint import EndpointId
+from contracts.events import Cleared, EndpointId, IndexEvent, Stored
 from extproc.index.precise import PreciseIndex
 from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventsConfig

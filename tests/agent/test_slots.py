@@ -26,8 +26,9 @@ from agent.slots import (
 )
 from agent.supervisor import EngineSupervisor
 from contracts.digest import block_digests, chain_seed
-from kvcached.service import ApiServer, KvcachedClient, KvcachedService
+from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
+from runtime.kvcached import KvcachedClient
 
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [

@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from contracts.digest import Digest
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.server import Gateway

@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
-from kvcached.service import KvcachedClient
 from kvgate.dev.up import Stack, StackOptions
+from runtime.kvcached import KvcachedClient
 
 pytestmark = pytest.mark.e2e
 T = TypeVar("T")

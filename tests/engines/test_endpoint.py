@@ -8,7 +8,8 @@ import json
 import pytest
 
 from contracts.errors import ConfigError
-from engines.endpoint import Endpoint, EndpointId, decode_endpoint, encode_endpoint
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint, decode_endpoint, encode_endpoint
 
 FULL = Endpoint(
     id=EndpointId("node1-gpu0"),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import Fleet
 

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.server import Gateway
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import (
     HEADER_BYTES,
-    MAX_BLOCK_BYTES_DEFAULT,
     check_digest,
     checksum,
     decode_record,

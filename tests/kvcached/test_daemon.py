@@ -28,8 +28,16 @@ import pytest
 from certs.store import LeafFiles, dev_bundle
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, PeerInfo, decode_peer, encode_peer, peer_key
-from contracts.events import SUBSCRIBE_METHOD, Batch, Removed, Stored, Subscribe, decode_batch, encode
-from engines.endpoint import EndpointId
+from contracts.events import (
+    SUBSCRIBE_METHOD,
+    Batch,
+    EndpointId,
+    Removed,
+    Stored,
+    Subscribe,
+    decode_batch,
+    encode,
+)
 from extproc.config import parse_config
 from extproc.index.hybrid import HybridIndex
 from extproc.routing.request import Kind, parse_body
@@ -38,10 +46,10 @@ from kvcached.block import checksum
 from kvcached.config import StaticPeer
 from kvcached.discovery import PeerTable
 from kvcached.errors import BadRequest, KvcachedError
-from kvcached.service import KvcachedClient
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child, http_get
 from runtime.etcd import connect
+from runtime.kvcached import KvcachedClient
 
 pytest_plugins = ("tests.etcd_fixtures",)
 

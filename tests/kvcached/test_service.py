@@ -15,11 +15,13 @@ import pytest
 from prometheus_client import generate_latest
 
 from certs.store import LeafFiles, dev_bundle
+from contracts.kvcached import GET, PUT
 from kvcached.block import checksum
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
-from kvcached.service import GET, PUT, ApiServer, KvcachedClient, KvcachedService
+from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
+from runtime.kvcached import KvcachedClient
 
 MAX_BLOCK = 64 * 1024
 
@@ -166,7 +168,7 @@ async def test_local_miss_is_fetched_from_a_peer_and_kept_in_ram(tmp_path: Path)
     store = TieredStore(1 << 20, None, 0)
     peers = FakePeers({"down:1": None, "empty:1": {}, "full:1": {digest(3): b"three"}}, delay_s=0.01)
     service = KvcachedService(store, peer_client=peers, peers=lambda: sorted(peers.held))  # type: ignore[arg-type]
-    from kvcached.service import GetRequest
+    from contracts.kvcached import GetRequest
 
     replies = await asyncio.gather(*(service.get(GetRequest(digest(3))) for _ in range(4)))
     assert {(r.data, r.source) for r in replies} == {(b"three", "peer")}
@@ -188,7 +190,7 @@ async def test_a_hanging_peer_is_a_timely_miss() -> None:
     store = TieredStore(1 << 20, None, 0)
     peers = FakePeers({"slow:1": {digest(1): b"x"}}, delay_s=30.0)
     service = KvcachedService(store, peer_client=peers, peers=lambda: ["slow:1"], peer_timeout_s=0.2)  # type: ignore[arg-type]
-    from kvcached.service import GetRequest
+    from contracts.kvcached import GetRequest
 
     loop = asyncio.get_running_loop()
     started = loop.time()

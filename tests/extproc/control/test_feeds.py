@@ -11,13 +11,14 @@ import pytest
 
 from contracts.events import (
     Cleared,
+    EndpointId,
     Gpu,
     IndexEvent,
     Load,
     Removed,
     Stored,
 )
-from engines.endpoint import Endpoint, EndpointId
+from engines.endpoint import Endpoint
 from extproc.control.feeds import FeedManager
 from extproc.fleet import Fleet
 from runtime.feed.log import FeedLog

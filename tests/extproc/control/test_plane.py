@@ -12,7 +12,8 @@ from collections.abc import Callable
 import etcd3aio
 
 from contracts.etcd import EtcdSettings
-from engines.endpoint import Endpoint, EndpointId, encode_endpoint
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint, encode_endpoint
 from extproc.control.plane import Applied, Change, ControlCore, ControlPlane
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet

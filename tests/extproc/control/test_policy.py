@@ -12,7 +12,8 @@ import pytest
 
 from contracts.errors import ConfigError
 from contracts.etcd import encode_value, policy_key, policy_path, split_key
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from extproc.control.policy import (
     ModelRoute,
     Policy,

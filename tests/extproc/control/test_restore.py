@@ -20,8 +20,8 @@ from agent.config import TLSFiles
 from certs.store import dev_bundle
 from contracts.digest import Digest
 from contracts.errors import ConfigError
-from contracts.events import Stored, node_store_endpoint
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId, Stored, node_store_endpoint
+from engines.endpoint import Endpoint
 from extproc.config import SlotRestoreConfig
 from extproc.control.restore import SlotRestorer, plan
 from extproc.fleet import EndpointState, Fleet

@@ -7,7 +7,7 @@ import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
 from contracts.errors import ConfigError
-from engines.endpoint import EndpointId
+from contracts.events import EndpointId
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.interface import PrefixIndex
 

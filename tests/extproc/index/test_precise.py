@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from contracts.digest import Digest, block_digests, chain_seed
 from contracts.errors import ConfigError
-from contracts.events import ENGINE_TIERS, TIERS, Cleared, EventError, IndexEvent, Removed, Stored
-from engines.endpoint import EndpointId
+from contracts.events import ENGINE_TIERS, TIERS, Cleared, EndpointId, EventError, IndexEvent, Removed, Stored
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.interface import PrefixIndex

@@ -6,7 +6,8 @@ from pathlib import Path
 import orjson
 
 from contracts.digest import Digest
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.working_set import WorkingSet

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState
 from extproc.scheduling.filters import (

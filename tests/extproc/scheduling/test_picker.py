@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from extproc.fleet import EndpointState
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
 

@@ -10,7 +10,8 @@ import pytest
 
 from contracts.digest import block_digests, chain_seed
 from contracts.errors import ConfigError
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState, Fleet
 from extproc.index.approximate import ApproximateIndex

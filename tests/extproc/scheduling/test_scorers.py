@@ -6,7 +6,8 @@ import random
 import pytest
 
 from contracts.digest import Digest
-from engines.endpoint import Endpoint, EndpointId
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState
 from extproc.scheduling.interface import CycleState, SchedulingRequest, Scorer

@@ -14,13 +14,13 @@ from contracts.events import (
     EPOCH_HEADER,
     SUBSCRIBE_METHOD,
     Batch,
+    EndpointId,
     SequenceTracker,
     Stored,
     Subscribe,
     decode_subscribe,
     encode,
 )
-from engines.endpoint import EndpointId
 from runtime.feed.client import Backoff, FeedClient, FeedStats
 from runtime.feed.log import FeedLog
 from tests.runtime.feed.test_server import D1, D2, D3, eventually

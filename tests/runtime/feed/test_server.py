@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from certs.store import dev_bundle
-from contracts.events import Batch, Cleared, IndexEvent, Load, SequenceTracker, Stored
-from engines.endpoint import EndpointId
+from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load, SequenceTracker, Stored
 from runtime.feed.client import FeedClient
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer

@@ -1,0 +1,110 @@
+"""The client of a node's kvcached daemon (its local API, :mod:`contracts.kvcached`), for agents and tools."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import msgspec
+
+from contracts.kvcached import (
+    CONTAINS,
+    DELETE,
+    GET,
+    MAX_BLOCK_BYTES_DEFAULT,
+    MESSAGE_SLACK,
+    PUT,
+    STATS,
+    BadRequest,
+    ContainsReply,
+    ContainsRequest,
+    DeleteReply,
+    DeleteRequest,
+    GetReply,
+    GetRequest,
+    KvcachedError,
+    PutReply,
+    PutRequest,
+    StatsReply,
+    StatsRequest,
+)
+
+Req = TypeVar("Req", bound=msgspec.Struct)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class KvcachedClient:
+    """An asyncio client of the local API. ``target``: ``unix:/path/to.sock`` or ``host:port`` (TCP,
+    which needs ``ca``, ``cert`` and ``key``: the daemon requires a client certificate).
+    ``server_name`` overrides the name checked against the daemon's certificate. ``timeout_s``: the
+    deadline of each call (``None``: none). Errors: :class:`BadRequest` for ``INVALID_ARGUMENT`` (the
+    message is the daemon's reason), :class:`KvcachedError` for any other failure."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        ca: Path | None = None,
+        cert: Path | None = None,
+        key: Path | None = None,
+        server_name: str | None = None,
+        timeout_s: float | None = 10.0,
+        max_message_bytes: int = MAX_BLOCK_BYTES_DEFAULT + MESSAGE_SLACK,
+    ) -> None:
+        options: list[tuple[str, str | int]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca.read_bytes(),
+                private_key=None if key is None else key.read_bytes(),
+                certificate_chain=None if cert is None else cert.read_bytes(),
+            )
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._timeout_s = timeout_s
+
+    async def _call(self, method: str, request: msgspec.Struct, reply: type[Req]) -> Req:
+        call = self._channel.unary_unary(method)
+        try:
+            raw = await call(_encoder.encode(request), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details() or "invalid argument") from exc
+            raise KvcachedError(f"{method}: {exc.code().name}: {exc.details()}") from exc
+        return msgspec.msgpack.decode(raw, type=reply)
+
+    async def put(self, digest: bytes, data: bytes, checksum: bytes | None = None) -> str | None:
+        """Store a block; returns the tier now holding it."""
+        return (await self._call(PUT, PutRequest(digest, data, checksum), PutReply)).tier
+
+    async def get(self, digest: bytes, *, peers: bool = True) -> bytes | None:
+        """The block's bytes, or ``None`` on a miss (``peers``: let the daemon ask its peers)."""
+        return (await self.lookup(digest, peers=peers)).data
+
+    async def lookup(self, digest: bytes, *, peers: bool = True) -> GetReply:
+        """Like :meth:`get`, also saying where the block came from."""
+        return await self._call(GET, GetRequest(digest, peers), GetReply)
+
+    async def contains(self, digests: Sequence[bytes]) -> list[bool]:
+        return (await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)).held
+
+    async def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, list[str]]:
+        """How many leading digests of the chain are held, and the tier of each of them."""
+        reply = await self._call(CONTAINS, ContainsRequest(list(digests)), ContainsReply)
+        return reply.prefix, reply.tiers
+
+    async def delete(self, digest: bytes) -> bool:
+        return (await self._call(DELETE, DeleteRequest(digest), DeleteReply)).deleted
+
+    async def stats(self) -> dict[str, float]:
+        return (await self._call(STATS, StatsRequest(), StatsReply)).stats
+
+    async def aclose(self) -> None:
+        await self._channel.close()
