@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import tempfile
@@ -42,12 +41,14 @@ from typing import Any
 
 import aiohttp
 
-from agent.config import AgentSection, EngineConfig
+from agent.config import AgentSection
 from agent.slots import SlotCache, SlotStore, slot_dir
 from agent.supervisor import EngineSupervisor
+from engines.config import EngineConfig
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
-from load.bench import machine, revision, summary, write_json
+from load.bench import machine, revision, slots_auto, summary, write_json
+from load.bench.first_token import ttft
 from runtime.kvcached import KvcachedClient
 
 log = logging.getLogger(__name__)
@@ -99,38 +100,6 @@ def messages_for(prompt_tokens: int) -> list[dict[str, Any]]:
         {"role": "system", "content": "You are a careful geography tutor. " + filler},
         {"role": "user", "content": "Summarise the passage in one short sentence."},
     ]
-
-
-async def ttft(
-    session: aiohttp.ClientSession,
-    url: str,
-    messages: list[dict[str, Any]],
-    *,
-    model: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[float, int]:
-    """(TTFT in ms, the engine's ``timings.cache_n``) of one streamed chat completion (``model`` and
-    ``headers``: for a request through the gateway)."""
-    body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
-    if model is not None:
-        body["model"] = model
-    began = time.perf_counter()
-    first: float | None = None
-    cache_n = -1
-    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or [{}]
-            if first is None and (choices[0].get("delta") or {}).get("content"):
-                first = time.perf_counter()
-            if "timings" in chunk:
-                cache_n = int(chunk["timings"].get("cache_n", -1))
-    end = first if first is not None else time.perf_counter()
-    return (end - began) * 1000, cache_n
 
 
 async def erase(session: aiohttp.ClientSession, url: str) -> None:
@@ -280,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         opts = Options(opts.repeats, args.prompt_tokens, context)
     command = " ".join(["python -m load.bench.slots", *(argv if argv is not None else sys.argv[1:])])
     if args.gateway:
-        from load.bench import slots_auto
-
         repeats = args.repeats or (2 if args.quick else 5)
         tokens = args.prompt_tokens or (600 if args.quick else 1200)
         result = slots_auto.run(

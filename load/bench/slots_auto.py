@@ -40,7 +40,7 @@ import aiohttp
 
 from contracts.digest import Digest, block_digests, chain_seed
 from kvgate.dev.up import Stack, StackOptions
-from load.bench import CpuSample, machine, revision, slots, summary
+from load.bench import CpuSample, first_token, machine, revision, summary
 from runtime.kvcached import KvcachedClient
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ async def ttft(
     session: aiohttp.ClientSession, url: str, address: str, messages: list[dict[str, str]]
 ) -> tuple[float, int]:
     """(TTFT in ms, ``timings.cache_n``) of one streamed chat through Envoy, pinned to ``address``."""
-    return await slots.ttft(session, url, list(messages), model=MODEL, headers={PIN: address})
+    return await first_token.ttft(session, url, list(messages), model=MODEL, headers={PIN: address})
 
 
 async def chain_of(

@@ -17,21 +17,54 @@ shapes SGLang and vLLM give them; nothing here changes how the simulated engine 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from load.sim import protocol as api
-
-if TYPE_CHECKING:
-    from load.sim.server import SimReplica
+from load.sim.engine import EngineConfig
 
 #: What ``GET /version`` reports: the vLLM release whose API the simulator follows.
 VLLM_API_VERSION = "0.11.0"
 
 
-def compat_routes(replica: SimReplica) -> list[web.RouteDef]:
+class ServedModel(Protocol):
+    """What a replica serves: the served model name, its Hugging Face style directory, the engine's shape."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def model_dir(self) -> Path: ...
+
+    @property
+    def engine(self) -> EngineConfig: ...
+
+
+class Replica(Protocol):
+    """What the routes read from a replica (:class:`load.sim.server.SimReplica` is one): what it serves,
+    and its own request reading, so a render answers the token ids serving the same body would use."""
+
+    @property
+    def config(self) -> ServedModel: ...
+
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON body, checked (a :class:`~load.sim.protocol.SimError` when invalid or for
+        another model)."""
+        ...
+
+    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a chat body (rendered with the chat template)."""
+        ...
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a completion body."""
+        ...
+
+
+def compat_routes(replica: Replica) -> list[web.RouteDef]:
     """The extra routes of one replica."""
 
     def model_fields() -> dict[str, Any]:
@@ -39,7 +72,7 @@ def compat_routes(replica: SimReplica) -> list[web.RouteDef]:
         return {"model_path": root, "tokenizer_path": root, "served_model_name": replica.config.model}
 
     async def server_info(request: web.Request) -> web.Response:
-        engine = replica.engine.config
+        engine = replica.config.engine
         info = {
             **model_fields(),
             "model_id": replica.config.model,
@@ -73,12 +106,12 @@ def compat_routes(replica: SimReplica) -> list[web.RouteDef]:
         return _json({"version": VLLM_API_VERSION})
 
     async def render_chat(request: web.Request) -> web.Response:
-        body = await replica._body(request)
-        return _json(_rendered(replica.config.model, replica._chat_ids(body), body))
+        body = await replica.read_body(request)
+        return _json(_rendered(replica.config.model, replica.chat_ids(body), body))
 
     async def render_completion(request: web.Request) -> web.Response:
-        body = await replica._body(request)
-        return _json(_rendered(replica.config.model, replica._prompt_ids(body), body))
+        body = await replica.read_body(request)
+        return _json(_rendered(replica.config.model, replica.prompt_ids(body), body))
 
     return [
         web.get("/server_info", server_info),

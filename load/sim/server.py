@@ -145,12 +145,14 @@ class SimReplica:
     async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[REPLICA_HEADER] = self.id
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON body, parsed and its ``model`` checked against the served name."""
         body = api.parse_body(await request.read())
         api.check_model(body, self.config.model)
         return body
 
-    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a chat body, rendered with the chat template as vLLM does."""
         chat = api.parse_chat(body)
         try:
             return self.tokenizer.chat_ids(
@@ -164,7 +166,8 @@ class SimReplica:
         except ValueError as exc:
             raise api.bad(str(exc), "messages") from exc
 
-    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt token ids of a completion body: its text tokenized, or its ids as given."""
         prompt = api.parse_text_prompt(body)
         if isinstance(prompt.prompt, str):
             return self.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
@@ -173,12 +176,12 @@ class SimReplica:
         return prompt.prompt
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        return await self._generate(request, body, self._chat_ids(body), chat=True)
+        body = await self.read_body(request)
+        return await self._generate(request, body, self.chat_ids(body), chat=True)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        return await self._generate(request, body, self._prompt_ids(body), chat=False)
+        body = await self.read_body(request)
+        return await self._generate(request, body, self.prompt_ids(body), chat=False)
 
     async def _generate(
         self, request: web.Request, body: dict[str, Any], prompt: list[int], *, chat: bool
@@ -264,8 +267,8 @@ class SimReplica:
         return web.Response(status=200)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        ids = self._chat_ids(body) if "messages" in body else self._prompt_ids(body)
+        body = await self.read_body(request)
+        ids = self.chat_ids(body) if "messages" in body else self.prompt_ids(body)
         strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") is True else None
         return _json(
             {
@@ -277,7 +280,7 @@ class SimReplica:
         )
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await self.read_body(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens
