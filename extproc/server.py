@@ -30,6 +30,7 @@ from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
 from extproc.config import GatewayConfig, load_config
 from extproc.control.cluster import Cluster
+from extproc.control.policy import PolicyStore, routing_policy
 from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.fleet import Fleet
@@ -41,7 +42,6 @@ from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router
-from extproc.scheduling.registry import build_profile
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
@@ -105,25 +105,25 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.fleet = Fleet(config.endpoints)
-        self.models = ModelRegistry.from_config(config.models, block_size=config.index.block_size)
+        self.models = ModelRegistry.from_config(config.models)
+        max_fallbacks = config.extproc.max_fallbacks
         approximate = ApproximateIndex(
             capacity_blocks_per_endpoint=config.index.capacity_blocks,
             ttl_s=config.index.ttl_s,
             max_match_blocks=config.index.max_match_blocks,
         )
-        self.index: ApproximateIndex | HybridIndex = approximate
-        if config.index.mode == "precise":
-            precise = PreciseIndex(
-                speculative_ttl_s=config.index.speculative_ttl_s,
-                max_match_blocks=config.index.max_match_blocks,
-            )
-            self.index = HybridIndex(precise, approximate)
+        precise = PreciseIndex(
+            speculative_ttl_s=config.index.speculative_ttl_s,
+            max_match_blocks=config.index.max_match_blocks,
+        )
+        #: Precise where agents stream KV events (``index.mode = "precise"``); in approximate mode every
+        #: endpoint stays in the approximate part and events are ignored.
+        self.index = HybridIndex(precise, approximate, events=config.index.mode == "precise")
         self.router = Router(
             self.fleet,
             self.models,
             self.index,
-            build_profile(config.scheduling, max_fallbacks=config.extproc.max_fallbacks),
-            block_size=config.index.block_size,
+            routing_policy(PolicyStore.from_config(config).policy, max_fallbacks=max_fallbacks),
             max_blocks=config.index.max_match_blocks,
             rng=random.Random(),
             working_set=(
@@ -133,7 +133,7 @@ class Gateway:
             ),
         )
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
-        self.cluster = Cluster(config, self.fleet, self.index, self.router, self.models)
+        self.cluster = Cluster(config, self.fleet, self.index, self.router)
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)

@@ -11,7 +11,8 @@
 - the agents' feeds (:class:`extproc.control.feeds.FeedManager`): each endpoint registered with a ``feed``
   address gets its load (and, in ``precise`` index mode, its KV events) from that stream; in precise mode
   the feeds of the nodes' kvcached daemons (etcd ``kvcached/<node>``) too, which the router's ``kv-tier``
-  scorer reads through :meth:`extproc.index.hybrid.HybridIndex.node_leads`.
+  scorer reads through :meth:`extproc.index.hybrid.HybridIndex.node_leads`. The index decides what an
+  event may change (:class:`~extproc.index.hybrid.HybridIndex` ignores every event in approximate mode).
 
 When etcd is unreachable the gateway keeps routing on the last fleet and policy it had; the control plane
 reconnects and resynchronises by itself.
@@ -22,37 +23,23 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 
 from contracts.errors import ConfigError
-from contracts.events import EndpointId, IndexEvent, node_store_endpoint
+from contracts.events import EndpointId, node_store_endpoint
 from extproc.config import GatewayConfig
 from extproc.control.feeds import FeedManager
 from extproc.control.plane import ControlPlane
-from extproc.control.policy import Policy, PolicyStore, load_policy_file
+from extproc.control.policy import Policy, PolicyStore, load_policy_file, routing_policy
 from extproc.fleet import Fleet
 from extproc.index.hybrid import HybridIndex
-from extproc.index.interface import PrefixIndex
-from extproc.models.registry import ModelRegistry
-from extproc.routing.router import Route, Router
-from extproc.scheduling.registry import build_profile
+from extproc.routing.router import Router
 from runtime.tls import ClientTlsFiles, channel_credentials
 
 log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT_S = 2.0
 """How long start waits for the first etcd read before serving on the static fleet alone."""
-
-
-class _NoIndexEvents:
-    """The feed target in ``approximate`` mode: index events are ignored (loads still apply)."""
-
-    def apply(self, events: Sequence[IndexEvent], now: float) -> None:
-        return None
-
-    def clear_endpoint(self, endpoint: EndpointId) -> None:
-        return None
 
 
 class Cluster:
@@ -62,13 +49,11 @@ class Cluster:
         self,
         config: GatewayConfig,
         fleet: Fleet,
-        index: PrefixIndex,
+        index: HybridIndex,
         router: Router,
-        models: ModelRegistry,
     ) -> None:
         self.config = config
         self.fleet, self.index, self.router = fleet, index, router
-        self._models = models
         self._static = frozenset(e.id for e in config.endpoints)
         self._known: set[EndpointId] = {s.id for s in fleet}
         self._stores: set[str] = set()  # nodes whose kvcached feeds are followed
@@ -78,7 +63,6 @@ class Cluster:
             self.store.load(load_policy_file(Path(config.policy_file)))
         self.policy_changes = 0
         self.apply_policy(self.store.policy)
-        target = index if isinstance(index, HybridIndex) else _NoIndexEvents()
         fd = config.feeds
         credentials = None
         if fd.tls_ca and fd.tls_cert and fd.tls_key:
@@ -86,7 +70,7 @@ class Cluster:
                 ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
             )
         self.feeds = FeedManager(
-            target, fleet, subscriber=f"extproc@{socket.gethostname()}:{os.getpid()}", credentials=credentials
+            index, fleet, subscriber=f"extproc@{socket.gethostname()}:{os.getpid()}", credentials=credentials
         )
         self.control: ControlPlane | None = None
         if config.etcd is not None:
@@ -120,43 +104,31 @@ class Cluster:
             self.index.drop_endpoint(gone)
         self._known = current
         stores = dict(self.control.core.kvcached_feeds) if self.control is not None else {}
-        if isinstance(self.index, HybridIndex):
-            for state in self.fleet:
-                self.index.set_precise(state.id, state.endpoint.kv_events)
-            # Each node's kvcached reports under a pseudo endpoint (contracts.events.node_store_endpoint).
-            for node in self._stores - stores.keys():
-                self.index.drop_endpoint(EndpointId(node_store_endpoint(node)))
-            for node in stores:
-                self.index.set_precise(EndpointId(node_store_endpoint(node)), True)
-            self.router.node_stores = frozenset(stores)
+        for state in self.fleet:
+            self.index.set_precise(state.id, state.endpoint.kv_events)
+        # Each node's kvcached reports under a pseudo endpoint (contracts.events.node_store_endpoint).
+        for node in self._stores - stores.keys():
+            self.index.drop_endpoint(EndpointId(node_store_endpoint(node)))
+        for node in stores:
+            self.index.set_precise(EndpointId(node_store_endpoint(node)), True)
+        self.router.node_stores = frozenset(stores)
         self._stores = set(stores)
         feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
         self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
 
     def apply_policy(self, policy: Policy) -> None:
-        """Put a validated policy in force: profile, per-model routes, block size, speculative TTL."""
-        router = self.router
-        max_fallbacks = self.config.extproc.max_fallbacks
+        """Put a validated policy in force: the router's profile, per-model routes and block size (one
+        :class:`~extproc.routing.router.RoutingPolicy`), and the index's speculative TTL."""
         try:
-            profile = build_profile(policy.scheduling, max_fallbacks=max_fallbacks)
-            routes = {
-                model: Route(
-                    tuple(sorted(route.labels)),
-                    build_profile(policy.scheduling, route.profile, max_fallbacks=max_fallbacks),
-                )
-                for model, route in policy.routes.items()
-            }
+            routing = routing_policy(policy, max_fallbacks=self.config.extproc.max_fallbacks)
         except ConfigError as exc:  # the store validated it; a failure here is a bug, keep the old one
             log.error("policy not applied, the previous one stays: %s", exc)
             return
-        router.profile = profile
-        router.routes = routes
-        if policy.block_size != router.block_size:
-            router.block_size = policy.block_size
-            router.models = self._models = self._models.with_block_size(policy.block_size)
-            log.info("index block size now %d tokens: prefixes are relearned", policy.block_size)
-        if isinstance(self.index, HybridIndex):
-            self.index.precise.speculative_ttl_s = policy.speculative_ttl_s
+        before = self.router.policy.block_size
+        self.router.apply(routing)
+        if routing.block_size != before:
+            log.info("index block size now %d tokens: prefixes are relearned", routing.block_size)
+        self.index.speculative_ttl_s = policy.speculative_ttl_s
         self.policy_changes += 1
         weights = ", ".join(f"{r.ref}={r.weight}" for r in policy.scheduling.profiles[0].plugins if r.weight)
-        log.info("policy %d in force: %s; %d model routes", self.policy_changes, weights, len(routes))
+        log.info("policy %d in force: %s; %d model routes", self.policy_changes, weights, len(routing.routes))

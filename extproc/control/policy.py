@@ -48,12 +48,14 @@ from contracts.config import read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import decode_value, encode_value
 from engines.endpoint import Endpoint
+from extproc.routing.router import Route, RoutingPolicy
 from extproc.scheduling.registry import (
     DEFAULT_SCHEDULING,
     PLUGIN_TYPES,
     PluginRef,
     ProfileSpec,
     SchedulingConfig,
+    build_profile,
     parse_params,
 )
 
@@ -464,3 +466,18 @@ def _toml(tree: Mapping[str, object], parts: list[str]) -> str:
     for key, value in tables:
         text += ("\n" if text else "") + _toml(value, [*parts, key])
     return text
+
+
+def routing_policy(policy: Policy, *, max_fallbacks: int | None) -> RoutingPolicy:
+    """What the router decides by under ``policy``: its first profile, a :class:`Route` per model route
+    (labels + that route's profile), and the block size. ``max_fallbacks``: the gateway-wide cap on
+    fallbacks after the pick. :class:`ConfigError` only for a policy :class:`PolicyStore` would refuse."""
+    scheduling = policy.scheduling
+    routes = {
+        model: Route(
+            tuple(sorted(route.labels)), build_profile(scheduling, route.profile, max_fallbacks=max_fallbacks)
+        )
+        for model, route in policy.routes.items()
+    }
+    profile = build_profile(scheduling, max_fallbacks=max_fallbacks)
+    return RoutingPolicy(profile, types.MappingProxyType(routes), policy.block_size)

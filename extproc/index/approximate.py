@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
 from contracts.digest import Digest
@@ -240,6 +240,14 @@ class ApproximateIndex:
                 del where[digest]
         elif holders == endpoint:
             del where[digest]
+
+    def is_precise(self, endpoint: EndpointId) -> bool:
+        """Never: every entry here is learned from routing decisions."""
+        return False
+
+    def node_leads(self, endpoints: Iterable[EndpointId], digests: Sequence[Digest]) -> dict[EndpointId, int]:
+        """Nothing: node tiers are reported by kvcached's events, which only a precise index keeps."""
+        return {}
 
     def occupancy(self) -> dict[EndpointId, int]:
         """Blocks recorded per endpoint; may include entries expired since the last sweep."""

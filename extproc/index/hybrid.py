@@ -1,4 +1,9 @@
-"""The gateway's index: precise where an endpoint's engine streams KV events, approximate elsewhere."""
+"""The gateway's index: precise where an endpoint's engine streams KV events, approximate elsewhere.
+
+The ext_proc runs one :class:`HybridIndex` in either ``index.mode``: ``precise`` follows the events of
+endpoints registered with ``kv_events`` (and of the nodes' kvcached daemons); ``approximate``
+(``events=False``) keeps every endpoint in the approximate index and ignores all events.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +24,18 @@ class HybridIndex:
     the endpoint's index; :meth:`apply` and :meth:`clear_endpoint` act on the precise one only: events
     for endpoints not marked precise are ignored (counted in ``ignored_events``), so the caller marks an
     endpoint precise before subscribing to its events (the snapshot that starts a feed then fills it).
+    ``events=False`` (``index.mode = "approximate"``): no endpoint is ever made precise, so every
+    endpoint is learned from routing decisions and every event is ignored.
     """
 
-    __slots__ = ("_precise_ids", "approximate", "ignored_events", "precise")
+    __slots__ = ("_precise_ids", "approximate", "events", "ignored_events", "precise")
 
     def __init__(
-        self, precise: PreciseIndex | None = None, approximate: ApproximateIndex | None = None
+        self,
+        precise: PreciseIndex | None = None,
+        approximate: ApproximateIndex | None = None,
+        *,
+        events: bool = True,
     ) -> None:
         self.precise = precise if precise is not None else PreciseIndex()
         self.approximate = approximate if approximate is not None else ApproximateIndex()
@@ -35,13 +46,18 @@ class HybridIndex:
             )
         self._precise_ids: set[EndpointId] = set()
         self.ignored_events = 0
+        #: Whether engine KV events are followed at all (``False``: :meth:`set_precise` keeps everything
+        #: approximate).
+        self.events = events
 
     @property
     def max_match_blocks(self) -> int:
         return self.precise.max_match_blocks
 
     def set_precise(self, endpoint: EndpointId, precise: bool) -> None:
-        """Make ``endpoint`` precise (fed by events) or approximate; a move forgets its old entries."""
+        """Make ``endpoint`` precise (fed by events) or approximate; a move forgets its old entries.
+        Without ``events`` every endpoint stays approximate."""
+        precise = precise and self.events
         if precise == (endpoint in self._precise_ids):
             return
         if precise:
@@ -52,7 +68,17 @@ class HybridIndex:
             self._precise_ids.discard(endpoint)
 
     def is_precise(self, endpoint: EndpointId) -> bool:
+        """Whether ``endpoint`` lives in the precise index (:meth:`set_precise`)."""
         return endpoint in self._precise_ids
+
+    @property
+    def speculative_ttl_s(self) -> float:
+        """Seconds a routing decision counts for an event-fed endpoint (the precise index's)."""
+        return self.precise.speculative_ttl_s
+
+    @speculative_ttl_s.setter
+    def speculative_ttl_s(self, value: float) -> None:
+        self.precise.speculative_ttl_s = value
 
     def match(self, digests: Sequence[Digest], now: float) -> dict[EndpointId, int]:
         """Both indexes' matches (each endpoint appears in at most one)."""

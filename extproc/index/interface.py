@@ -12,7 +12,7 @@ All times are monotonic seconds passed in by the caller (``now``); nothing here 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from contracts.digest import Digest
@@ -49,4 +49,15 @@ class PrefixIndex(Protocol):
 
     def drop_endpoint(self, endpoint: EndpointId) -> None:
         """Forget everything held by ``endpoint`` (removed, restarted or its cache cleared)."""
+        ...
+
+    def is_precise(self, endpoint: EndpointId) -> bool:
+        """Whether what ``endpoint`` holds comes from its engine's KV events (so a lead it lost to eviction
+        is gone from :meth:`match`), rather than from routing decisions alone."""
+        ...
+
+    def node_leads(self, endpoints: Iterable[EndpointId], digests: Sequence[Digest]) -> dict[EndpointId, int]:
+        """Leading blocks of ``digests`` each of ``endpoints`` (nodes' kvcached pseudo endpoints, see
+        :func:`contracts.events.node_store_endpoint`) holds in a node tier (``ram``, ``ssd``); endpoints
+        holding none are absent."""
         ...

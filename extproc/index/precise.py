@@ -258,6 +258,11 @@ class PreciseIndex:
         places.extend((tier, self._node[tier].get(digest, 0)) for tier in _NODE)
         return places
 
+    def is_precise(self, endpoint: EndpointId) -> bool:
+        """Always: what this index holds comes from KV events (and speculative entries they confirm or
+        expire)."""
+        return True
+
     def node_leads(self, endpoints: Iterable[EndpointId], digests: Sequence[Digest]) -> dict[EndpointId, int]:
         """Leading blocks of ``digests`` each of ``endpoints`` holds in a node tier (kvcached ``ram`` or
         ``ssd``); endpoints holding none are absent. One dict lookup per tier and block while any of them

@@ -1,4 +1,4 @@
-"""The served models: for each name a chat template, a tokenizer and the KV block size used to hash prompts.
+"""The served models: for each name a chat template and a tokenizer.
 
 Loading happens once at start-up (or config reload) from Hugging-Face-style model directories, e.g. the
 ones :func:`engines.gguf.ensure_model_dir` exports from GGUF files. Lookup by the request's ``model``
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -45,15 +45,12 @@ class ModelSource(Protocol):
 
 @dataclass(frozen=True)
 class ModelAssets:
-    """What the gateway needs to turn a request for model ``name`` into engine token ids.
-
-    ``block_size`` is the number of tokens per hashed KV block (the engine's or the index's block size).
-    """
+    """What the gateway needs to turn a request for model ``name`` into engine token ids (hashed in blocks
+    of the routing policy's ``block_size``, :class:`extproc.routing.router.RoutingPolicy`)."""
 
     name: str
     template: ChatTemplate
     tokenizer: SegmentTokenizer
-    block_size: int
 
     @classmethod
     def load(
@@ -61,7 +58,6 @@ class ModelAssets:
         name: str,
         model_dir: Path,
         chat_template_override: str | Path | None = None,
-        block_size: int = 16,
         cache_limits: CacheLimits | None = None,
     ) -> ModelAssets:
         """Load ``tokenizer.json`` and the chat template from ``model_dir``.
@@ -71,8 +67,6 @@ class ModelAssets:
         """
         if not name:
             raise ConfigError("model name must not be empty")
-        if block_size < 1:
-            raise ConfigError(f"model {name}: block_size must be >= 1, got {block_size}")
         if not (model_dir / "tokenizer.json").is_file():
             raise ConfigError(f"model {name}: {model_dir} has no tokenizer.json")
         try:
@@ -91,7 +85,7 @@ class ModelAssets:
             "on" if tokenizer.exact else "off",
             template.content_format,
         )
-        return cls(name=name, template=template, tokenizer=tokenizer, block_size=block_size)
+        return cls(name=name, template=template, tokenizer=tokenizer)
 
 
 class ModelRegistry(Mapping[str, ModelAssets]):
@@ -113,7 +107,7 @@ class ModelRegistry(Mapping[str, ModelAssets]):
 
     @classmethod
     def from_config(
-        cls, sources: Iterable[ModelSource], block_size: int = 16, cache_root: Path | None = None
+        cls, sources: Iterable[ModelSource], cache_root: Path | None = None
     ) -> ModelRegistry:
         """Load every configured model; GGUF files are exported once into ``cache_root`` (see
         :func:`engines.gguf.ensure_model_dir`). Raises ConfigError for any unusable model."""
@@ -129,14 +123,8 @@ class ModelRegistry(Mapping[str, ModelAssets]):
                     raise ConfigError(f"model {source.name}: cannot export {source.gguf}: {exc}") from exc
             else:
                 raise ConfigError(f"model {source.name}: set model_dir or gguf")
-            assets.append(ModelAssets.load(source.name, model_dir, source.chat_template, block_size))
+            assets.append(ModelAssets.load(source.name, model_dir, source.chat_template))
         return cls(assets)
-
-    def with_block_size(self, block_size: int) -> ModelRegistry:
-        """The same models hashed in blocks of ``block_size`` tokens (tokenizers and templates shared)."""
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        return ModelRegistry({n: replace(a, block_size=block_size) for n, a in self._models.items()})
 
     def find(self, name: str) -> ModelAssets | None:
         """The assets served as ``name``, or None."""

@@ -3,6 +3,10 @@
 parse (done by :mod:`extproc.routing.request`) -> render + tokenize -> chained digests -> index lookup ->
 filters -> scorers -> picker. Pure bookkeeping on top of the fleet and the index: no IO, no clock
 reads (``now`` is passed in), so the same object serves the gRPC shell, tests and benchmarks.
+
+What it decides by (the scheduling profile, per-model routes and the index block size) is one frozen
+:class:`RoutingPolicy`, swapped as a whole by :meth:`Router.apply` when the policy in force changes
+(:mod:`extproc.control.cluster` builds it); a request reads it once, so it never sees half a change.
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from __future__ import annotations
 import logging
 import random
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import orjson
 
 from contracts.digest import ChainCache, Digest, chain_seed
+from contracts.errors import ConfigError
 from contracts.events import EndpointId, node_store_endpoint
 from extproc.errors import NotFound, Unavailable
 from extproc.fleet import EndpointState, Fleet
@@ -75,6 +81,25 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """What the router decides by, applied as one value (:meth:`Router.apply`).
+
+    ``profile``: the scheduling profile of models without a route; ``routes``: per-model routes (model
+    name -> :class:`Route`); ``block_size``: tokens per index block, the gateway's one block size
+    (prompts are hashed in blocks of it; the policy path ``index/block_size``, default
+    ``[index] block_size``; a change means prefixes are learned again).
+    """
+
+    profile: Profile
+    routes: Mapping[str, Route] = field(default_factory=lambda: MappingProxyType({}))
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
 class Tokens:
     """The prompt as the engine will see it.
 
@@ -97,9 +122,8 @@ class Router:
         fleet: Fleet,
         models: ModelRegistry,
         index: PrefixIndex,
-        profile: Profile,
+        policy: RoutingPolicy,
         *,
-        block_size: int,
         max_blocks: int = 256,
         rng: random.Random | None = None,
         working_set: WorkingSet | None = None,
@@ -107,19 +131,25 @@ class Router:
         self.fleet = fleet
         self.models = models
         self.index = index
-        self.profile = profile
-        self.block_size = block_size
+        self._policy = policy
         self.max_blocks = max_blocks
         self._rng = rng or random.Random()
         #: What ``cache-spread`` reads (``CycleState.cached_blocks``): the blocks routed to each endpoint
         #: lately; ``None``: the index's occupancy instead.
         self.working_set = working_set
         self._chains = ChainCache()
-        #: Per-model routes (model name -> :class:`Route`); models without one use ``profile`` and every
-        #: endpoint serving them. Replaced as a whole when the policy changes.
-        self.routes: dict[str, Route] = {}
         self._node_stores: frozenset[str] = frozenset()
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        """The policy in force (replace it with :meth:`apply`)."""
+        return self._policy
+
+    def apply(self, policy: RoutingPolicy) -> None:
+        """Put ``policy`` in force for every request decided from now on (one swap: a request in
+        progress keeps the policy it started with)."""
+        self._policy = policy
 
     @property
     def node_stores(self) -> frozenset[str]:
@@ -139,12 +169,13 @@ class Router:
         prompt is tokenized only with ``exact_count`` (token budgets need the real length), otherwise its
         length is estimated.
         """
+        block_size = self._policy.block_size
         assets = self.models.find(request.model)
         if assets is None:
-            return self._byte_tokens(request)
-        limit = None if exact_count else self.max_blocks * assets.block_size
+            return self._byte_tokens(request, block_size)
+        limit = None if exact_count else self.max_blocks * block_size
         ids, count = _token_ids(assets, request, limit)
-        return Tokens(ids, assets.block_size, True, count)
+        return Tokens(ids, block_size, True, count)
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
@@ -175,8 +206,9 @@ class Router:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
             )
-        route = self.routes.get(request.model)
-        profile = self.profile
+        policy = self._policy
+        route = policy.routes.get(request.model)
+        profile = policy.profile
         if route is not None:
             candidates = [s for s in candidates if route.admits(s)]
             profile = route.profile
@@ -190,8 +222,8 @@ class Router:
             prefix_blocks=self.index.match(digests, now),
             cached_blocks=self.index.occupancy() if working_set is None else working_set.sizes(now),
         )
-        is_precise = getattr(self.index, "is_precise", None)
-        state.exact = is_precise is not None and all(is_precise(c.id) for c in candidates)
+        is_precise = self.index.is_precise
+        state.exact = all(is_precise(c.id) for c in candidates)
         if self.node_stores:
             self._warm(state, candidates, digests)
         sched = SchedulingRequest(
@@ -225,10 +257,7 @@ class Router:
     ) -> None:
         """Fill ``state.warm_blocks`` (each candidate's lead in its own node's kvcached) and
         ``state.peer_warm_blocks`` (the longest lead in any node's kvcached)."""
-        node_leads = getattr(self.index, "node_leads", None)
-        if node_leads is None:
-            return
-        leads: dict[EndpointId, int] = node_leads(self._store_nodes, digests)
+        leads = self.index.node_leads(self._store_nodes, digests)
         if not leads:
             return
         by_node = {self._store_nodes[key]: n for key, n in leads.items()}
@@ -287,15 +316,15 @@ class Router:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in models]
         return orjson.dumps({"object": "list", "data": data})
 
-    def _byte_tokens(self, request: ParsedRequest) -> Tokens:
+    def _byte_tokens(self, request: ParsedRequest, block_size: int) -> Tokens:
         if request.kind is Kind.CHAT:
             raw = orjson.dumps([request.messages, request.tools])
         elif isinstance(request.prompt, str):
             raw = request.prompt.encode()
         else:
             ids = list(request.prompt or ())
-            return Tokens(ids, self.block_size, True, len(ids))
-        block = self.block_size * BYTES_PER_TOKEN
+            return Tokens(ids, block_size, True, len(ids))
+        block = block_size * BYTES_PER_TOKEN
         return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
 
 

@@ -298,6 +298,7 @@ def run_breakdown(
     stages: dict[str, list[float]] = {name: [] for name in (*STAGES, "total")}
     plugins: dict[str, list[float]] = {}
     candidates_all = list(gateway.fleet)
+    profile, block_size = router.policy.profile, router.policy.block_size
     gc.collect()
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
@@ -313,10 +314,10 @@ def run_breakdown(
         marks.append(time.perf_counter_ns())
         # As Router.tokens does without token budgets: only as far as the digest window reaches.
         ids, count = assets.tokenizer.encode_prefix(
-            text, add_special_tokens=False, limit=router.max_blocks * assets.block_size
+            text, add_special_tokens=False, limit=router.max_blocks * block_size
         )
         marks.append(time.perf_counter_ns())
-        digests = router.digests(request, Tokens(ids, assets.block_size, True, count))
+        digests = router.digests(request, Tokens(ids, block_size, True, count))
         marks.append(time.perf_counter_ns())
         now = clock()
         state = CycleState(
@@ -327,7 +328,7 @@ def run_breakdown(
         sched = SchedulingRequest(
             request_id=f"b{i}", model=request.model, digests=digests, prompt_tokens=count, now=now
         )
-        result = router.profile.schedule(sched, state, candidates, random.Random(i))
+        result = profile.schedule(sched, state, candidates, random.Random(i))
         marks.append(time.perf_counter_ns())
         primary = result.endpoints[0]
         primary.in_flight += 1

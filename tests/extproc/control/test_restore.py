@@ -31,7 +31,7 @@ from extproc.index.precise import PreciseIndex
 from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.routing.request import Kind, parse_body
-from extproc.routing.router import Decision, Router
+from extproc.routing.router import Decision, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from runtime.tls import ClientTlsFiles, client_context
 
@@ -163,7 +163,8 @@ def test_router_decision_carries_the_kvcached_lead() -> None:
         ]
     )  # fmt: skip
     index = HybridIndex(PreciseIndex(), ApproximateIndex())
-    router = Router(fleet, ModelRegistry([]), index, build_profile(DEFAULT_SCHEDULING), block_size=16)
+    policy = RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16)
+    router = Router(fleet, ModelRegistry([]), index, policy)
     router.node_stores = frozenset({"node-0", "node-1"})
     request = parse_body(Kind.COMPLETION, orjson.dumps({"model": "m", "prompt": list(range(50 * 16))}))
     chain = router.digests(request, router.tokens(request))

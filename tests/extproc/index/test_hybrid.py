@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contracts.events import Removed, Stored
+from contracts.events import EndpointId, Removed, Stored
 from extproc.index.hybrid import HybridIndex
 from extproc.index.precise import SPECULATIVE
 from tests.extproc.index.test_precise import CHAIN, OTHER, A, B, C
@@ -49,3 +49,17 @@ def test_hybrid_moves_drop_old_entries() -> None:
     hybrid.drop_endpoint(C)
     assert not hybrid.is_precise(B)
     assert hybrid.match(CHAIN, 0.0) == {} == hybrid.occupancy()
+
+
+def test_without_events_every_endpoint_stays_approximate() -> None:
+    """``index.mode = "approximate"``: nothing becomes precise, every event is ignored, no node tier leads."""
+    hybrid = HybridIndex(events=False)
+    store = EndpointId("kvcached:n1")
+    hybrid.set_precise(A, True)
+    hybrid.set_precise(store, True)
+    assert not hybrid.is_precise(A) and not hybrid.is_precise(store)
+    hybrid.apply([Stored(A, CHAIN), Stored(store, CHAIN, tier="ram")], 0.0)
+    assert hybrid.ignored_events == 2 and hybrid.match(CHAIN, 0.0) == {}
+    assert hybrid.node_leads([store], CHAIN) == {}
+    hybrid.record(A, CHAIN[:3], 0.0)
+    assert hybrid.match(CHAIN, 0.0) == {A: 3} == hybrid.approximate.match(CHAIN, 0.0)

@@ -31,12 +31,11 @@ def test_model_registry_loads_dirs_and_ggufs(
             Source("smol-tools", model_dir=str(smollm2_dir), chat_template=str(tools_template_path)),
             Source("tiny", gguf=str(tiny)),
         ],
-        block_size=32,
         cache_root=tmp_path / "cache",
     )
     assert sorted(registry) == ["smol", "smol-tools", "tiny"]
     smol = registry.get_model("smol")
-    assert isinstance(smol, ModelAssets) and smol.block_size == 32 and smol.tokenizer.exact
+    assert isinstance(smol, ModelAssets) and smol.tokenizer.exact
     assert registry.find("nope") is None
     assert "<functions>" in registry["smol-tools"].template.render([{"role": "user", "content": "hi"}], [{}])
     assert registry.get_model("tiny").template.render([{"role": "user", "content": "hello"}]) == "hello"

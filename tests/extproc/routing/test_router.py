@@ -4,8 +4,10 @@ import random
 from pathlib import Path
 
 import orjson
+import pytest
 
 from contracts.digest import Digest
+from contracts.errors import ConfigError
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
@@ -13,7 +15,7 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.routing.request import Kind, parse_body
-from extproc.routing.router import Router
+from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 
 MODEL = "m"
@@ -22,7 +24,7 @@ MODEL = "m"
 def router(
     model_dir: str, max_blocks: int = 2, *, working_set: WorkingSet | None = None, spread_only: bool = False
 ) -> Router:
-    assets = ModelAssets.load(MODEL, Path(model_dir), block_size=16)
+    assets = ModelAssets.load(MODEL, Path(model_dir))
     fleet = Fleet([Endpoint(EndpointId(f"e{i}"), f"127.0.0.{i}:1", frozenset({MODEL})) for i in range(3)])
     scheduling = DEFAULT_SCHEDULING
     if spread_only:
@@ -36,8 +38,7 @@ def router(
         fleet,
         ModelRegistry([assets]),
         ApproximateIndex(),
-        build_profile(scheduling),
-        block_size=16,
+        RoutingPolicy(build_profile(scheduling), block_size=16),
         max_blocks=max_blocks,
         rng=random.Random(0),
         working_set=working_set,
@@ -90,7 +91,7 @@ def test_decisions_count_recent_routing_and_exactness(model_dir: str) -> None:
     assert pick.recent_routed(10.0) == 0.0 and other.recent_routed(10.0) == 1.0
 
     seen: list[bool] = []
-    profile = r.profile
+    profile = r.policy.profile
     original = profile.schedule
 
     def spy(req: object, state: CycleState, *args: object) -> object:
@@ -137,3 +138,21 @@ def test_cache_spread_reads_the_working_set_not_the_index(model_dir: str) -> Non
     for endpoint in (e1, e2):
         plain.index.record(endpoint, old, 0.0)
     assert plain.decide(request, request_id="x", now=20.0).endpoints[0].id == e0
+
+
+def test_the_block_size_lives_in_the_routing_policy(model_dir: str) -> None:
+    """Prompts are hashed in blocks of the policy's block size (no other copy: the models' assets carry
+    none); :meth:`Router.apply` swaps profile, routes and block size as one value."""
+    r = router(model_dir, max_blocks=256)
+    request = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": "hello " * 100}))
+    tokens16 = r.tokens(request)
+    assert tokens16.block_size == 16 and len(r.digests(request, tokens16)) == tokens16.count // 16
+    profile = r.policy.profile
+    r.apply(RoutingPolicy(profile, block_size=32))
+    tokens32 = r.tokens(request)
+    assert tokens32.block_size == 32 and len(r.digests(request, tokens32)) == tokens32.count // 32
+    assert r.policy.profile is profile and r.policy.routes == {}
+    unknown = parse_body(Kind.COMPLETION, orjson.dumps({"model": "other", "prompt": "x" * 1000}))
+    assert r.tokens(unknown).block_size == 32 * 4  # bytes standing in for tokens, 4 per token
+    with pytest.raises(ConfigError, match="block_size"):
+        RoutingPolicy(profile, block_size=0)
