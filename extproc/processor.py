@@ -136,7 +136,11 @@ class StreamProcessor:
         if which == "request_body":
             return self._on_request_body(msg.request_body.body, msg.request_body.end_of_stream)
         if which == "request_trailers":
+            if self._phase is Phase.HEADERS:
+                raise _Internal("Request trailers before the request headers.")
             out = self._on_request_body(b"", True) if self._phase is Phase.BODY else []
+            if out and out[0].HasField("immediate_response"):
+                return out  # answered (GET /v1/models): nothing follows an immediate response
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if which == "response_headers":
             return self._on_response_headers(msg)
@@ -163,10 +167,9 @@ class StreamProcessor:
             self._phase = Phase.BODY
             return []
         self._phase = Phase.DONE
-        method, path = self._headers.get(":method", "GET"), self._headers.get(":path", "/")
-        if path.split("?", 1)[0] == MODELS_PATH and method in ("GET", "HEAD"):
-            allowed = self.principal.tenant.allows if self.principal is not None else None
-            return [_immediate(200, self._router.models_body(allowed), "kvgate_models")]
+        path = self._headers.get(":path", "/")
+        if path.split("?", 1)[0] == MODELS_PATH:
+            return self._models()
         if route_kind(path) is not None:
             raise BadRequest("The request body is empty; expected a JSON object.")
         raise unknown_path(path)
@@ -196,7 +199,7 @@ class StreamProcessor:
         kind = route_kind(path)
         if kind is None:
             if path.split("?", 1)[0] == MODELS_PATH:
-                raise NotFound("Use GET for /v1/models.")
+                return self._models()
             raise unknown_path(path)
         request = parse_body(kind, body)
         rewrite = self._headers.get(MODEL_REWRITE)
@@ -217,7 +220,7 @@ class StreamProcessor:
                 pinned=pinned,
                 tokens=tokens,
             )
-        except GatewayError:
+        except Exception:  # a 503/404 or a gateway fault: nothing was used, refund the reservation
             self._refund()
             raise
         self._phase = Phase.ROUTED
@@ -251,6 +254,14 @@ class StreamProcessor:
         for off in range(0, len(body), MAX_CHUNK):
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
+
+    def _models(self) -> list[pb.ProcessingResponse]:
+        """``/v1/models``, whether or not the request came with a body: the list (of the models the caller's
+        tenant may use) for GET and HEAD, else 404."""
+        if self._headers.get(":method", "GET") not in ("GET", "HEAD"):
+            raise NotFound("Use GET for /v1/models.")
+        allowed = self.principal.tenant.allows if self.principal is not None else None
+        return [_immediate(200, self._router.models_body(allowed), "kvgate_models")]
 
     def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = _served_from_metadata(msg)

@@ -1,0 +1,976 @@
+"""The ext_proc stream state machine in memory: ProcessingRequests in, ProcessingResponses out.
+
+A real :class:`Router` over a real :class:`Fleet` (SmolLM2's tokenizer, the default scheduling profile, a
+seeded rng) and a real :class:`Gate` with in-memory keys; the clock is fixed, so token buckets never
+refill. No gRPC: :class:`StreamProcessor` is driven message by message as Envoy drives it
+(``tests/extproc/test_server.py`` does the same over real gRPC).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption, Metadata
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import json_format
+from google.protobuf.struct_pb2 import Struct
+
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from extproc.admission.gate import (
+    JWT_NS,
+    TENANT_HEADER,
+    AuthConfig,
+    Gate,
+    JwtConfig,
+    Settle,
+    Ticket,
+)
+from extproc.admission.keys import ApiKey, KeyStore, hash_key, new_key
+from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
+from extproc.fleet import Fleet
+from extproc.index.approximate import ApproximateIndex
+from extproc.models.registry import ModelAssets, ModelRegistry
+from extproc.processor import (
+    CONFORMANCE_HEADER,
+    CONFORMANCE_SERVED,
+    DESTINATION,
+    LB_NS,
+    MAX_CHUNK,
+    MODEL_REWRITE,
+    PRIMARY,
+    SERVED,
+    SUBSET_KEY,
+    SUBSET_NS,
+    UPSTREAM_HEADER,
+    ProcessorConfig,
+    StreamProcessor,
+)
+from extproc.routing.router import Decision, Router, RoutingPolicy
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+
+MODEL = "smol"
+OTHER = "other"
+ADDRESSES = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+OTHER_ADDRESS = "10.0.0.9:8000"
+UNKNOWN_ADDRESS = "10.9.9.9:8000"
+NOW = 1000.0
+CHAT = "/v1/chat/completions"
+LIMIT = 1 << 20
+
+KEY, ORPHAN, STRANGER = new_key(), new_key(), new_key()
+ACME = Tenant(
+    "acme",
+    ("smol*",),
+    TenantMatch(claims=(("tenant", frozenset({"acme"})),)),
+    tokens=TokenLimit(per_minute=600, burst=1000),
+)
+WIDE = Tenant("wide", ("*",), TenantMatch(groups=frozenset({"wide"})))
+KEYS = KeyStore([ApiKey("k1", "acme", hash_key(KEY), 1), ApiKey("k2", "gone", hash_key(ORPHAN), 1)])
+ACME_KEY = {"authorization": f"Bearer {KEY}"}
+
+
+def clock() -> float:
+    return NOW
+
+
+# --- the cores -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def assets(model_dir: str) -> ModelAssets:
+    return ModelAssets.load(MODEL, Path(model_dir))
+
+
+def make_router(assets: ModelAssets, cls: type[Router] = Router) -> Router:
+    endpoints = [Endpoint(EndpointId(f"e{i}"), a, frozenset({MODEL})) for i, a in enumerate(ADDRESSES)]
+    endpoints.append(Endpoint(EndpointId("o"), OTHER_ADDRESS, frozenset({OTHER})))
+    return cls(
+        Fleet(endpoints),
+        ModelRegistry([assets]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+
+
+@pytest.fixture
+def router(assets: ModelAssets) -> Router:
+    return make_router(assets)
+
+
+def make_gate(settle: Settle = Settle.USAGE) -> Gate:
+    idp = JwtConfig("https://idp", ("kvgate",), jwks_uri="https://idp/jwks")
+    return Gate(AuthConfig(jwt=idp, default_max_tokens=100, settle=settle), Tenants([ACME, WIDE]), KEYS)
+
+
+def processor(
+    router: Router, gate: Gate | None = None, *, conformance: bool = False, limit: int = LIMIT
+) -> StreamProcessor:
+    return StreamProcessor(
+        router, ProcessorConfig(max_body_bytes=limit, conformance=conformance), clock, gate
+    )
+
+
+# --- Envoy's messages ------------------------------------------------------------------------------------
+
+
+def struct(fields: dict[str, Any]) -> Struct:
+    s = Struct()
+    s.update(fields)
+    return s
+
+
+def metadata(**namespaces: dict[str, Any]) -> Metadata:
+    """Dynamic metadata; namespace names with dots are passed as ``**{"envoy.lb": {...}}``."""
+    return Metadata(filter_metadata={ns: struct(fields) for ns, fields in namespaces.items()})
+
+
+def header_map(headers: dict[str, str], value_form: bool = False) -> HeaderMap:
+    if value_form:  # Envoy sends ``value`` instead of ``raw_value`` when so configured
+        return HeaderMap(headers=[HeaderValue(key=k, value=v) for k, v in headers.items()])
+    return HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
+
+
+def headers(
+    path: str = CHAT,
+    method: str = "POST",
+    *,
+    end: bool = False,
+    extra: dict[str, str] | None = None,
+    meta: Metadata | None = None,
+) -> pb.ProcessingRequest:
+    hs = {":path": path, ":method": method, "x-request-id": "r1", **(extra or {})}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=header_map(hs), end_of_stream=end), metadata_context=meta
+    )
+
+
+def body(chunk: bytes, end: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=end))
+
+
+def trailers() -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+
+
+def response_headers(
+    status: str = "200",
+    extra: dict[str, str] | None = None,
+    meta: Metadata | None = None,
+    value_form: bool = False,
+) -> pb.ProcessingRequest:
+    hs = {":status": status, **(extra or {})}
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=header_map(hs, value_form)), metadata_context=meta
+    )
+
+
+def response_body(chunk: bytes, end: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end))
+
+
+def chat(content: str = "hello", model: str = MODEL, **extra: Any) -> bytes:
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}], **extra})
+
+
+def sized(n: int) -> bytes:
+    """A valid completion request of exactly ``n`` bytes."""
+    empty = orjson.dumps({"model": MODEL, "prompt": ""})
+    out = orjson.dumps({"model": MODEL, "prompt": "x" * (n - len(empty))})
+    assert len(out) == n
+    return out
+
+
+def route(proc: StreamProcessor, payload: bytes, **kw: Any) -> list[pb.ProcessingResponse]:
+    """Headers then the whole body in one chunk: the responses to the body."""
+    assert proc.handle(headers(**kw)) == []
+    return proc.handle(body(payload))
+
+
+# --- reading the answers ---------------------------------------------------------------------------------
+
+
+def set_headers(mutation: pb.HeaderMutation) -> dict[str, str]:
+    assert all(h.append_action == HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD for h in mutation.set_headers)
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def immediate(out: list[pb.ProcessingResponse]) -> tuple[int, Any, dict[str, str], str]:
+    """(status, decoded JSON body, headers, details) of the one ImmediateResponse in ``out``."""
+    assert len(out) == 1 and out[0].WhichOneof("response") == "immediate_response", out
+    assert json_format.MessageToDict(out[0].dynamic_metadata) == {"kvgate": {"rejected": True}}
+    imm = out[0].immediate_response
+    hs = set_headers(imm.headers)
+    assert hs["content-type"] == "application/json"
+    return imm.status.code, orjson.loads(imm.body), hs, imm.details
+
+
+def error(out: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, OpenAI ``error`` object, headers) of a rejection."""
+    status, doc, hs, details = immediate(out)
+    err = doc["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert details == f"kvgate_{err['type']}"
+    return status, err, hs
+
+
+def models_listed(out: list[pb.ProcessingResponse]) -> list[str]:
+    status, doc, _, details = immediate(out)
+    assert (status, details, doc["object"]) == (200, "kvgate_models", "list")
+    return [m["id"] for m in doc["data"]]
+
+
+@dataclass
+class Reply:
+    """The routing decision: the headers reply, then the body streamed back."""
+
+    set_headers: dict[str, str]
+    remove_headers: list[str]
+    lb: dict[str, str]
+    chunks: list[tuple[bytes, bool]]
+
+    @property
+    def destination(self) -> list[str]:
+        return self.set_headers[DESTINATION].split(",")
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(c for c, _ in self.chunks)
+
+
+def reply(out: Sequence[pb.ProcessingResponse]) -> Reply:
+    first, *rest = out
+    assert first.WhichOneof("response") == "request_headers", out
+    common = first.request_headers.response
+    assert common.clear_route_cache
+    lb = json_format.MessageToDict(first.dynamic_metadata)
+    assert set(lb) == {LB_NS}
+    chunks = []
+    for r in rest:
+        assert r.WhichOneof("response") == "request_body", r
+        streamed = r.request_body.response.body_mutation.streamed_response
+        chunks.append((streamed.body, streamed.end_of_stream))
+    return Reply(
+        set_headers(common.header_mutation), list(common.header_mutation.remove_headers), lb[LB_NS], chunks
+    )
+
+
+def trailers_only(out: list[pb.ProcessingResponse]) -> None:
+    assert out == [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+
+
+def in_flight(router: Router) -> dict[str, int]:
+    return {s.address: s.in_flight for s in router.fleet if s.in_flight}
+
+
+# --- request headers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("GET", "/v1/models", [OTHER, MODEL]),
+        ("HEAD", "/v1/models?limit=1", [OTHER, MODEL]),
+        ("POST", "/v1/models", (404, "Use GET for /v1/models.")),
+        ("POST", CHAT, (400, "The request body is empty; expected a JSON object.")),
+        ("GET", "/v1/completions?x=1", (400, "The request body is empty; expected a JSON object.")),
+        ("DELETE", "/v1/nope?x=1", (404, "Unknown path /v1/nope; kvgate routes")),
+        (None, None, (404, "Unknown path /; kvgate routes")),  # no pseudo-headers: GET /
+    ],
+)
+@pytest.mark.parametrize("value_form", [False, True])
+def test_headers_only_requests_are_answered_at_once(
+    router: Router, method: str | None, path: str | None, expected: Any, value_form: bool
+) -> None:
+    hs = {"x-request-id": "r1"} | ({":method": method, ":path": path} if method and path else {})
+    proc = processor(router)
+    end = pb.HttpHeaders(headers=header_map(hs, value_form), end_of_stream=True)
+    out = proc.handle(pb.ProcessingRequest(request_headers=end))
+    if isinstance(expected, list):
+        assert models_listed(out) == expected
+    else:
+        status, err, _ = error(out)
+        assert (status, err["message"][: len(expected[1])]) == expected
+    assert proc.decision is None and in_flight(router) == {}
+    assert proc.handle(body(b"{}")) == []  # answered: a late body is drained
+
+
+@pytest.mark.parametrize(
+    ("extra", "meta", "expected"),
+    [
+        (ACME_KEY, None, [MODEL]),  # acme may use smol* only
+        ({}, metadata(**{JWT_NS: {"jwt_payload": {"sub": "u", "groups": ["wide"]}}}), [OTHER, MODEL]),
+        ({}, None, 401),
+    ],
+)
+def test_models_are_listed_within_the_principals_scope(
+    router: Router, extra: dict[str, str], meta: Metadata | None, expected: Any
+) -> None:
+    out = processor(router, make_gate()).handle(
+        headers("/v1/models", "GET", end=True, extra=extra, meta=meta)
+    )
+    if expected == 401:
+        assert error(out)[0] == 401
+    else:
+        assert models_listed(out) == expected
+
+
+@pytest.mark.parametrize(
+    ("method", "finish", "expected"),
+    [
+        # Envoy sends end_of_stream on a later message when the client's stream ends in an empty
+        # DATA frame (HTTP/2) or a zero-length chunk: still a GET, still the list
+        ("GET", [body(b"", end=True)], [OTHER, MODEL]),
+        ("HEAD", [body(b"", end=False), trailers()], [OTHER, MODEL]),
+        ("GET", [body(b"ignored", end=True)], [OTHER, MODEL]),
+        ("POST", [body(chat(), end=True)], 404),
+    ],
+)
+def test_models_with_a_body_phase(
+    router: Router, method: str, finish: list[pb.ProcessingRequest], expected: Any
+) -> None:
+    proc = processor(router)
+    assert proc.handle(headers("/v1/models", method)) == []
+    outs = [proc.handle(m) for m in finish]
+    assert all(o == [] for o in outs[:-1])
+    if expected == 404:
+        status, err, _ = error(outs[-1])
+        assert (status, err["message"]) == (404, "Use GET for /v1/models.")
+    else:
+        assert models_listed(outs[-1]) == expected  # the ImmediateResponse alone: no TrailersResponse
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        [headers()],  # in the body phase
+        [headers(), body(chat())],  # after the decision
+        [headers("/v1/models", "GET", end=True)],  # after an immediate answer
+    ],
+)
+def test_request_headers_twice_is_an_internal_error(
+    router: Router, before: list[pb.ProcessingRequest]
+) -> None:
+    proc = processor(router)
+    for msg in before:
+        proc.handle(msg)
+    status, err, _ = error(proc.handle(headers()))
+    assert (status, err["type"], err["message"]) == (500, "server_error", "Request headers received twice.")
+
+
+# --- request body ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "late", "message"),
+    [
+        ([], body(b"{}"), "Request body outside the body phase."),
+        ([headers(), body(chat())], body(b"{}"), "Request body outside the body phase."),
+        ([], trailers(), "Request trailers before the request headers."),
+    ],
+    ids=["body-first", "body-after-decision", "trailers-first"],
+)
+def test_messages_outside_their_phase_are_internal_errors(
+    router: Router, before: list[pb.ProcessingRequest], late: pb.ProcessingRequest, message: str
+) -> None:
+    proc = processor(router)
+    for msg in before:
+        proc.handle(msg)
+    status, err, _ = error(proc.handle(late))
+    assert (status, err["type"], err["message"]) == (500, "server_error", message)
+
+
+@pytest.mark.parametrize(
+    ("gate", "answered"),
+    [
+        (False, [headers(), body(sized(LIMIT + 1), end=False)]),  # 413
+        (True, [headers()]),  # 401 at the headers, before any body
+        (False, [headers(), headers()]),  # 500
+        (False, [headers(), pb.ProcessingRequest()]),  # 400
+        (False, [headers("/nope", "GET", end=True)]),  # 404
+    ],
+    ids=["413", "401", "500", "400", "404"],
+)
+def test_after_an_answer_the_rest_of_the_request_is_drained(
+    router: Router, gate: bool, answered: list[pb.ProcessingRequest]
+) -> None:
+    proc = processor(router, make_gate() if gate else None)
+    outs = [proc.handle(m) for m in answered]
+    immediate(outs[-1])
+    assert proc.handle(body(b"more", end=False)) == []
+    assert proc.handle(body(b"", end=True)) == []
+    trailers_only(proc.handle(trailers()))
+    assert proc.decision is None and in_flight(router) == {}
+
+
+@pytest.mark.parametrize(
+    ("chunks", "rejected_at"),
+    [
+        ([1000], None),  # exactly the limit
+        ([600, 400], None),
+        ([0, 1000], None),  # an empty chunk counts nothing
+        ([1001], 0),
+        ([600, 401], 1),
+        ([999, 0, 2], 2),
+    ],
+)
+def test_body_limit(router: Router, chunks: list[int], rejected_at: int | None) -> None:
+    payload = sized(sum(chunks))
+    proc = processor(router, limit=1000)
+    assert proc.handle(headers("/v1/completions")) == []
+    outs, off = [], 0
+    for i, n in enumerate(chunks):
+        outs.append(proc.handle(body(payload[off : off + n], end=i == len(chunks) - 1)))
+        off += n
+    if rejected_at is None:
+        assert all(o == [] for o in outs[:-1])
+        assert reply(outs[-1]).body == payload
+        return
+    assert all(o == [] for o in outs[:rejected_at])
+    status, err, _ = error(outs[rejected_at])
+    assert (status, err["type"]) == (413, "invalid_request_error")
+    assert err["message"] == "The request body exceeds the gateway's limit of 1000 bytes."
+    assert all(o == [] for o in outs[rejected_at + 1 :])
+    assert proc.decision is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ([body(chat())], "reply"),  # end of stream on the last body chunk
+        ([body(chat()[:5], end=False), body(chat()[5:], end=False), trailers()], "reply+trailers"),
+        ([body(b"", end=False), body(chat(), end=False), trailers()], "reply+trailers"),
+        ([trailers()], 400),  # trailers with no body at all: the empty body is refused, nothing else
+        ([body(chat()), trailers()], "trailers"),  # trailers after the body: only the TrailersResponse
+    ],
+    ids=["last-chunk", "trailers", "empty-chunk-then-trailers", "trailers-no-body", "trailers-after-body"],
+)
+def test_end_of_stream(router: Router, messages: list[pb.ProcessingRequest], expected: Any) -> None:
+    proc = processor(router)
+    assert proc.handle(headers()) == []
+    outs = [proc.handle(m) for m in messages]
+    last = outs[-1]
+    if expected == 400:
+        status, err, _ = error(last)
+        assert (status, err["message"]) == (400, "The request body is empty; expected a JSON object.")
+        return
+    if expected == "trailers":
+        assert reply(outs[0]).body == chat()
+        trailers_only(last)
+        return
+    assert all(o == [] for o in outs[:-1])
+    if expected == "reply+trailers":
+        assert last[-1] == pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        last = last[:-1]
+    assert reply(last).body == chat()
+    assert proc.decision is not None
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "expected"),
+    [
+        ("/v1/chat/completions?api-version=1", chat(), "routed"),
+        ("/v1/completions", orjson.dumps({"model": MODEL, "prompt": "hi"}), "routed"),
+        ("/v1/nope", chat(), (404, None, "Unknown path /v1/nope; kvgate routes")),
+        (CHAT, b"", (400, None, "The request body is empty; expected a JSON object.")),
+        (CHAT, b"{not json", (400, None, "The request body is not valid JSON.")),
+        (CHAT, b"[]", (400, None, "The request body must be a JSON object.")),
+        (CHAT, chat(model="ghost"), (404, "model_not_found", "The model `ghost` does not exist.")),
+    ],
+)
+def test_request_body_outcomes(router: Router, path: str, payload: bytes, expected: Any) -> None:
+    proc = processor(router)
+    out = route(proc, payload, path=path)
+    if expected == "routed":
+        assert reply(out).body == payload
+        return
+    status, err, _ = error(out)
+    assert (status, err["code"]) == expected[:2]
+    assert err["message"].startswith(expected[2])
+    assert proc.decision is None and in_flight(router) == {}
+
+
+# --- the decision ----------------------------------------------------------------------------------------
+
+
+def test_decision_reply_shape(router: Router) -> None:
+    proc = processor(router)
+    payload = chat("hello " * 40)
+    r = reply(route(proc, payload))
+    decision = proc.decision
+    assert decision is not None
+    assert r.destination == [s.address for s in decision.endpoints]  # the pick, then the fallbacks
+    assert len(r.destination) == 3 and set(r.destination) == set(ADDRESSES)
+    assert r.set_headers == {DESTINATION: decision.destination, "content-length": str(len(payload))}
+    assert r.remove_headers == []
+    assert r.lb == {DESTINATION: decision.destination, PRIMARY: r.destination[0]}
+    assert r.chunks == [(payload, True)]
+    assert in_flight(router) == {r.destination[0]: 1}
+
+
+@pytest.mark.parametrize(
+    ("size", "chunks"),
+    [
+        (100, [100]),
+        (MAX_CHUNK - 1, [MAX_CHUNK - 1]),
+        (MAX_CHUNK, [MAX_CHUNK]),
+        (MAX_CHUNK + 1, [MAX_CHUNK, 1]),
+        (2 * MAX_CHUNK, [MAX_CHUNK, MAX_CHUNK]),
+        (2 * MAX_CHUNK + 7, [MAX_CHUNK, MAX_CHUNK, 7]),
+    ],
+)
+def test_body_is_streamed_back_in_chunks(router: Router, size: int, chunks: list[int]) -> None:
+    payload = sized(size)
+    r = reply(route(processor(router), payload, path="/v1/completions"))
+    assert [len(c) for c, _ in r.chunks] == chunks
+    assert [end for _, end in r.chunks] == [False] * (len(chunks) - 1) + [True]
+    assert r.body == payload and r.set_headers["content-length"] == str(size)
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "model", "destination"),
+    [
+        (OTHER, OTHER, [OTHER_ADDRESS]),  # a model with no tokenizer: routed on its bytes
+        ("", MODEL, list(ADDRESSES)),  # an empty header is no rewrite
+    ],
+)
+def test_model_rewrite_header(router: Router, rewrite: str, model: str, destination: list[str]) -> None:
+    payload = chat(temperature=0.5)
+    r = reply(route(processor(router), payload, extra={MODEL_REWRITE: rewrite}))
+    sent = orjson.loads(r.body)
+    assert sent == {**orjson.loads(payload), "model": model}
+    assert r.set_headers["content-length"] == str(len(r.body))
+    assert sorted(r.destination) == sorted(destination)
+
+
+@pytest.mark.parametrize(
+    ("conformance", "selection", "expected"),
+    [
+        (True, "10.0.0.2", ["10.0.0.2:8000"]),  # an ip pins every port on it
+        (True, " 10.0.0.3:8000 , ,", ["10.0.0.3:8000"]),
+        (True, "10.0.0.1:8000,10.0.0.3", ["10.0.0.1:8000", "10.0.0.3:8000"]),
+        (True, "10.0.0.1:9999", 503),  # nothing eligible
+        (True, ",", 503),  # an empty selection pins to nothing at all
+        (False, "10.0.0.2", list(ADDRESSES)),  # the header is honoured only in conformance mode
+    ],
+)
+def test_conformance_selection(router: Router, conformance: bool, selection: str, expected: Any) -> None:
+    out = route(processor(router, conformance=conformance), chat(), extra={CONFORMANCE_HEADER: selection})
+    if expected == 503:
+        status, err, _ = error(out)
+        assert (status, err["type"], err["code"]) == (503, "service_unavailable", "no_endpoint")
+        return
+    assert sorted(reply(out).destination) == expected
+
+
+@pytest.mark.parametrize(
+    ("hint", "expected"),
+    [
+        ({SUBSET_NS: {SUBSET_KEY: ["10.0.0.2:8000", ""]}}, ["10.0.0.2:8000"]),  # list form
+        ({SUBSET_NS: {SUBSET_KEY: "10.0.0.1:8000, 10.0.0.3:8000,"}}, ["10.0.0.1:8000", "10.0.0.3:8000"]),
+        ({SUBSET_NS: {SUBSET_KEY: [OTHER_ADDRESS, "10.0.0.2:8000"]}}, ["10.0.0.2:8000"]),
+        ({SUBSET_NS: {SUBSET_KEY: []}}, 503),  # an empty subset: no endpoint, never "all"
+        ({SUBSET_NS: {SUBSET_KEY: ""}}, 503),
+        ({SUBSET_NS: {SUBSET_KEY: 7}}, 503),  # neither list nor string: empty
+        ({SUBSET_NS: {SUBSET_KEY: [UNKNOWN_ADDRESS]}}, 503),
+        ({SUBSET_NS: {"other-key": ["10.0.0.2:8000"]}}, list(ADDRESSES)),  # no hint
+        ({"some.filter": {SUBSET_KEY: ["10.0.0.2:8000"]}}, list(ADDRESSES)),
+        ({}, list(ADDRESSES)),
+    ],
+)
+def test_subset_hint(router: Router, hint: dict[str, dict[str, Any]], expected: Any) -> None:
+    out = route(processor(router), chat(), meta=metadata(**hint) if hint else None)
+    if expected == 503:
+        status, err, _ = error(out)
+        assert (status, err["code"], err["message"]) == (
+            503,
+            "no_endpoint",
+            f"No ready endpoint for model `{MODEL}`.",
+        )
+        assert in_flight(router) == {}
+        return
+    assert sorted(reply(out).destination) == expected
+
+
+# --- the response path -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("conformance", [False, True])
+@pytest.mark.parametrize(
+    ("lb", "upstream", "value_form", "served"),
+    [
+        ("fallback", None, False, "fallback"),  # from envoy.lb metadata
+        (None, "fallback", False, "fallback"),  # from the bundled route's header
+        (None, "fallback", True, "fallback"),
+        ("", "fallback", False, "fallback"),  # an empty metadata value falls back to the header
+        ("absent", "fallback", False, "fallback"),  # envoy.lb without the served key: likewise
+        ("pick", "fallback", False, "pick"),  # metadata wins
+        ("pick", None, False, "pick"),
+        (None, None, False, None),  # nothing reported: the pick stands
+        (UNKNOWN_ADDRESS, None, False, UNKNOWN_ADDRESS),  # not in the fleet: the pick stands
+    ],
+)
+def test_response_headers_read_the_served_endpoint(
+    router: Router,
+    conformance: bool,
+    lb: str | None,
+    upstream: str | None,
+    value_form: bool,
+    served: str | None,
+) -> None:
+    proc = processor(router, conformance=conformance)
+    r = reply(route(proc, chat()))
+    pick, fallback = r.destination[0], r.destination[1]
+    names = {"pick": pick, "fallback": fallback}
+    meta = None if lb is None else metadata(**{LB_NS: {SERVED: names.get(lb, lb)}})
+    if lb == "absent":
+        meta = metadata(**{LB_NS: {DESTINATION: r.set_headers[DESTINATION]}})
+    extra = {"content-type": "application/json"}
+    if upstream is not None:
+        extra[UPSTREAM_HEADER] = names[upstream]
+    (out,) = proc.handle(response_headers(extra=extra, meta=meta, value_form=value_form))
+    assert out.WhichOneof("response") == "response_headers"
+    mutation = out.response_headers.response.header_mutation
+    assert list(mutation.remove_headers) == [UPSTREAM_HEADER]  # the client never sees it
+    reported = names.get(served, served) if served else None
+    echo = {CONFORMANCE_SERVED: reported} if conformance and reported else {}
+    assert set_headers(mutation) == echo
+    decision = proc.decision
+    assert decision is not None and decision.served is not None
+    moved = served == "fallback"
+    assert decision.served.address == (fallback if moved else pick)
+    assert in_flight(router) == {(fallback if moved else pick): 1}  # bookkeeping moved to the fallback
+    assert decision.recorded == moved  # served() records where it really went
+    proc.close()
+    assert in_flight(router) == {}
+
+
+def test_response_headers_without_a_decision(router: Router) -> None:
+    proc = processor(router, conformance=True)
+    models_listed(proc.handle(headers("/v1/models", "GET", end=True)))
+    meta = metadata(**{LB_NS: {SERVED: ADDRESSES[0]}})
+    (out,) = proc.handle(response_headers(extra={UPSTREAM_HEADER: ADDRESSES[0]}, meta=meta))
+    mutation = out.response_headers.response.header_mutation
+    assert (set_headers(mutation), list(mutation.remove_headers)) == ({}, [UPSTREAM_HEADER])
+    assert in_flight(router) == {}
+
+
+@pytest.mark.parametrize(
+    ("msg", "expected"),
+    [
+        (response_body(b'{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}', True), "response_body"),
+        (response_body(b"data: x\n\n", False), "response_body"),
+        (pb.ProcessingRequest(response_trailers=pb.HttpTrailers()), "response_trailers"),
+    ],
+)
+def test_response_body_and_trailers_pass_unchanged(
+    router: Router, msg: pb.ProcessingRequest, expected: str
+) -> None:
+    proc = processor(router)
+    route(proc, chat())
+    (out,) = proc.handle(msg)
+    assert out.WhichOneof("response") == expected
+    assert out == pb.ProcessingResponse(**{expected: getattr(out, expected)})
+    assert not out.HasField("dynamic_metadata")
+    assert getattr(out, expected).ByteSize() == 0  # no mutation at all
+
+
+# --- failures --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("before", [[], [headers()]])
+def test_unset_message_is_a_bad_request(router: Router, before: list[pb.ProcessingRequest]) -> None:
+    proc = processor(router)
+    for msg in before:
+        proc.handle(msg)
+    status, err, _ = error(proc.handle(pb.ProcessingRequest()))
+    assert (status, err["type"], err["message"]) == (
+        400,
+        "invalid_request_error",
+        "Unexpected ext_proc message.",
+    )
+
+
+class BrokenRouter(Router):
+    """Stands in only to make scheduling fail unexpectedly."""
+
+    def decide(self, *args: Any, **kwargs: Any) -> Decision:
+        raise RuntimeError("scorer blew up on 10.0.0.1:8000 with secret-state")
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_unexpected_exception_is_a_generic_500(
+    assets: ModelAssets, caplog: pytest.LogCaptureFixture, gate: bool
+) -> None:
+    g = make_gate() if gate else None
+    proc = processor(make_router(assets, BrokenRouter), g)
+    with caplog.at_level(logging.ERROR, logger="extproc.processor"):
+        out = route(proc, chat(max_tokens=10), extra=ACME_KEY)
+    status, err, _ = error(out)
+    assert status == 500
+    assert err == {
+        "message": "The gateway failed to process the request.",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    assert b"secret" not in out[0].immediate_response.body
+    assert b"blew" not in out[0].immediate_response.details.encode()
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.getMessage() == "request r1: internal error in ext_proc" and record.exc_info
+    proc.close()
+    if g is not None:  # a gateway fault costs the tenant nothing
+        assert proc.ticket is not None and proc.ticket.charged == 0
+        assert g.budgets.level(ACME, NOW) == 1000
+
+
+# --- lifecycle -------------------------------------------------------------------------------------------
+
+
+def test_after_send_commits_the_decision_once(router: Router) -> None:
+    proc = processor(router)
+    proc.after_send()  # nothing decided yet: nothing to do
+    assert proc.handle(headers()) == []
+    proc.after_send()
+    r = reply(proc.handle(body(chat("hello " * 40))))
+    decision = proc.decision
+    assert decision is not None and not decision.recorded
+    assert router.index.occupancy() == {}  # the reply goes out before the bookkeeping
+    proc.after_send()
+    pick = decision.endpoints[0]
+    assert decision.recorded and pick.address == r.destination[0]
+    assert router.index.occupancy() == {pick.id: len(decision.digests)}
+    proc.after_send()
+    assert router.index.occupancy() == {pick.id: len(decision.digests)}
+    assert in_flight(router) == {pick.address: 1}  # committing is not finishing
+
+
+def test_close_releases_in_flight_exactly_once(router: Router) -> None:
+    pinned = {CONFORMANCE_HEADER: ADDRESSES[1]}
+    first, second = processor(router, conformance=True), processor(router, conformance=True)
+    reply(route(first, chat(), extra=pinned))
+    reply(route(second, chat("other"), extra=pinned))
+    assert in_flight(router) == {ADDRESSES[1]: 2}
+    first.close()  # without after_send: close commits too
+    assert first.decision is not None and first.decision.recorded and first.decision.finished
+    first.close()
+    assert in_flight(router) == {ADDRESSES[1]: 1}  # the second request's slot is untouched
+    second.close()
+    assert in_flight(router) == {}
+    idle = processor(router)
+    idle.close()  # no decision: nothing to release
+    assert idle.handle(body(b"{}")) == []
+
+
+# --- with a gate -----------------------------------------------------------------------------------------
+
+
+TOKEN = "Bearer eyJ.x.y"  # what jwt_authn failed to verify
+BAD_TOKEN = ("invalid_token", "The bearer token was rejected: ")
+
+
+def jwt(claims: Any = None, status: Any = None) -> Metadata:
+    fields: dict[str, Any] = {}
+    if claims is not None:
+        fields["jwt_payload"] = claims
+    if status is not None:
+        fields["jwt_status"] = status
+    return metadata(**{JWT_NS: fields})
+
+
+@pytest.mark.parametrize(
+    ("authorization", "meta", "expected"),
+    [
+        (f"Bearer {KEY}", None, "acme"),
+        (None, jwt({"sub": "svc", "tenant": "acme"}), "acme"),
+        ("Bearer garbage", jwt({"sub": "u", "groups": ["wide"]}), "wide"),  # verified claims win
+        (None, None, (401, "missing_credentials", "Missing credentials")),
+        (None, jwt(), (401, "missing_credentials", "Missing credentials")),  # namespace, nothing in it
+        (None, jwt("not-a-struct"), (401, "missing_credentials", "Missing credentials")),
+        ("Basic dXNlcjpwYXNz", None, (401, "missing_credentials", "Missing credentials")),
+        (f"Bearer {STRANGER}", None, (401, "invalid_api_key", "Incorrect API key provided.")),
+        (TOKEN, jwt(status={"code": 16, "message": "Jwt is expired"}), (401, *BAD_TOKEN, "Jwt is expired.")),
+        (TOKEN, jwt(status={"code": 16}), (401, *BAD_TOKEN, "not a valid token.")),  # no reason given
+        (TOKEN, jwt(status="failed"), (401, *BAD_TOKEN, "not a valid token.")),  # not a struct
+        (None, jwt({"tenant": "nobody"}), (403, "no_tenant", "No tenant is configured for this identity.")),
+        (f"Bearer {ORPHAN}", None, (403, "no_tenant", "The API key's tenant is not configured.")),
+    ],
+)
+def test_identification_at_the_request_headers(
+    router: Router, authorization: str | None, meta: Metadata | None, expected: Any
+) -> None:
+    extra = {"authorization": authorization} if authorization else {}
+    proc = processor(router, make_gate())
+    out = proc.handle(headers(extra=extra, meta=meta))
+    if isinstance(expected, tuple):
+        status, err, _ = error(out)  # before any body is buffered
+        assert (status, err["code"]) == expected[:2] and err["message"].startswith("".join(expected[2:]))
+        assert KEY not in err["message"] and "garbage" not in err["message"]
+        assert proc.handle(body(chat())) == [] and proc.decision is None
+        return
+    assert out == []
+    assert proc.principal is not None and proc.principal.tenant.id == expected
+    r = reply(proc.handle(body(chat())))
+    assert r.set_headers[TENANT_HEADER] == expected
+    assert r.remove_headers == ["authorization"]  # engines never see the credential
+    assert proc.ticket is not None and proc.ticket.tenant.id == expected
+
+
+def test_token_budget_429_carries_retry_after(router: Router) -> None:
+    gate = make_gate()
+    first = processor(router, gate)
+    reply(route(first, chat(max_tokens=900), extra=ACME_KEY))
+    assert first.ticket is not None
+    left = 1000 - first.ticket.reserved
+    second = processor(router, gate)
+    status, err, hs = error(route(second, chat(max_tokens=100), extra=ACME_KEY))
+    assert (status, err["type"], err["code"]) == (429, "rate_limit_error", "tokens_exceeded")
+    needed = first.ticket.prompt + 100
+    assert hs == {"content-type": "application/json", "retry-after": str(-(-(needed - left) // 10))}
+    assert f"retry after {hs['retry-after']}s" in err["message"]
+    assert second.ticket is None and sum(in_flight(router).values()) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "payload", "meta", "expected"),
+    [
+        # refused at admission: nothing reserved
+        (ACME_KEY, chat(max_tokens=5000), None, (429, "request_too_large", False)),
+        (ACME_KEY, chat(model=OTHER), None, (403, "model_not_allowed", False)),
+        # the scope applies to the model after the rewrite
+        ({**ACME_KEY, MODEL_REWRITE: OTHER}, chat(), None, (403, "model_not_allowed", False)),
+        # admitted, then refused by routing: the reservation is refunded
+        (ACME_KEY, chat(model="smol-ghost"), None, (404, "model_not_found", True)),
+        (ACME_KEY, chat(), metadata(**{SUBSET_NS: {SUBSET_KEY: []}}), (503, "no_endpoint", True)),
+    ],
+)
+def test_admission_refusals_cost_nothing(
+    router: Router, extra: dict[str, str], payload: bytes, meta: Metadata | None, expected: Any
+) -> None:
+    gate = make_gate()
+    proc = processor(router, gate)
+    status, err, hs = error(route(proc, payload, extra=extra, meta=meta))
+    assert (status, err["code"]) == expected[:2]
+    assert "retry-after" not in hs
+    admitted = expected[2]
+    assert (proc.ticket is not None) == admitted
+    proc.close()
+    if proc.ticket is not None:
+        assert proc.ticket.settled and proc.ticket.charged == 0
+    assert gate.budgets.level(ACME, NOW) == 1000
+    assert in_flight(router) == {}
+
+
+@pytest.mark.parametrize("status", ["500", "503", "429", "404", ""])
+def test_a_failed_response_refunds_the_reservation(router: Router, status: str) -> None:
+    gate = make_gate()
+    proc = processor(router, gate)
+    reply(route(proc, chat(max_tokens=50), extra=ACME_KEY))
+    assert proc.ticket is not None
+    assert gate.budgets.level(ACME, NOW) == 1000 - proc.ticket.reserved
+    proc.handle(response_headers(status, {"content-type": "application/json"}))
+    assert proc.ticket.settled and proc.ticket.charged == 0
+    proc.handle(response_body(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 5}}', True))
+    proc.close()
+    assert proc.ticket.charged == 0 and gate.budgets.level(ACME, NOW) == 1000
+
+
+@pytest.mark.parametrize(
+    ("settle", "response", "chunks", "charged", "at_body_end"),
+    [
+        (
+            Settle.USAGE,
+            {"content-type": "application/json"},
+            [b'{"id": "x", "usage": {"prompt_tokens": 7,', b' "completion_tokens": 3}}'],
+            lambda t: 10,
+            True,
+        ),
+        (
+            Settle.USAGE,
+            {"content-type": "text/event-stream; charset=utf-8"},
+            [
+                b'data: {"choices": []}\n\n',
+                b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}\n\n',
+                b"data: [DONE]\n\n",
+            ],
+            lambda t: 11,
+            True,
+        ),
+        (  # no usage event: one output token per event, estimated
+            Settle.USAGE,
+            {"content-type": "text/event-stream"},
+            [b'data: {"a": 1}\n\ndata: {"a": 2}\n\n', b"data: [DONE]\n\n"],
+            lambda t: t.prompt + 2,
+            True,
+        ),
+        (  # JSON without usage: the reservation stands
+            Settle.USAGE,
+            {"content-type": "application/json"},
+            [b'{"id": "x"}'],
+            lambda t: t.reserved,
+            True,
+        ),
+        (  # compressed: not read, the reservation is charged at the stream's end
+            Settle.USAGE,
+            {"content-type": "application/json", "content-encoding": "gzip"},
+            [b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'],
+            lambda t: t.reserved,
+            False,
+        ),
+        (
+            Settle.RESERVATION,
+            {"content-type": "application/json"},
+            [b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'],
+            lambda t: t.reserved,
+            False,
+        ),
+    ],
+    ids=["json", "sse-usage", "sse-estimate", "json-no-usage", "gzip", "reservation-mode"],
+)
+def test_usage_is_settled_once(
+    router: Router,
+    settle: Settle,
+    response: dict[str, str],
+    chunks: list[bytes],
+    charged: Callable[[Ticket], int],
+    at_body_end: bool,
+) -> None:
+    gate = make_gate(settle)
+    proc = processor(router, gate)
+    reply(route(proc, chat(max_tokens=50), extra=ACME_KEY))
+    proc.after_send()
+    ticket = proc.ticket
+    assert ticket is not None and ticket.reserved == ticket.prompt + 50
+    assert proc.handle(response_headers("200", response))[0].WhichOneof("response") == "response_headers"
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        assert proc.handle(response_body(chunk, last)) == [
+            pb.ProcessingResponse(response_body=pb.BodyResponse())
+        ]
+        assert ticket.settled == (last and at_body_end)
+    expected = charged(ticket)
+    proc.handle(response_body(b'{"usage": {"prompt_tokens": 900, "completion_tokens": 900}}', True))  # late
+    proc.close()
+    proc.close()
+    assert ticket.settled and ticket.charged == expected
+    assert gate.budgets.level(ACME, NOW) == 1000 - expected
+
+
+def test_tenant_without_a_budget_is_never_read(router: Router) -> None:
+    gate = make_gate()
+    proc = processor(router, gate)
+    reply(route(proc, chat(), meta=jwt({"sub": "u", "groups": ["wide"]})))
+    proc.handle(response_headers("200", {"content-type": "application/json"}))
+    proc.handle(response_body(b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}', True))
+    ticket = proc.ticket
+    assert ticket is not None and not ticket.settled  # nothing to read: settled at the end
+    proc.close()
+    assert ticket.settled and ticket.charged == ticket.reserved and gate.budgets.level(WIDE, NOW) is None
