@@ -89,6 +89,15 @@ def parse_etcd_settings(raw: object, where: str) -> EtcdSettings:
 # -- keys ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One key's new value as a watch reports it; ``value`` ``None``: the key was deleted (or expired with
+    its lease)."""
+
+    key: str
+    value: bytes | None
+
+
 def family_key(prefix: str, family: str, name: str) -> str:
     """``<prefix><family>/<name>``; ``name`` must be non-empty."""
     if not name:

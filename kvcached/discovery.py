@@ -1,6 +1,6 @@
 """Where the node's kvcached daemons are: registration of ``kvcached/<node>`` in etcd and the peer table.
 
-Key (runtime/etcd.py schema, family ``kvcached``): ``<prefix>kvcached/<node>``, under the daemon's lease,
+Key (contracts/etcd.py schema, family ``kvcached``): ``<prefix>kvcached/<node>``, under the daemon's lease,
 value JSON ``{"node": ..., "grpc": "host:port" | null, "quic": "host:port" | null, "feed": "host:port"}``
 (:func:`encode_peer` / :func:`decode_peer`). The key vanishes ``lease_ttl_s`` after the daemon dies, or at
 once when it stops cleanly.
@@ -8,26 +8,22 @@ once when it stops cleanly.
 :class:`PeerTable` is the sans-IO core: static ``[[peers]]`` plus what etcd says, minus this node;
 :meth:`PeerTable.quic_addresses` is what a Get on a local miss asks. A bad etcd value is rejected with a
 logged reason and the last good value for that node stays in force (DESIGN.md contract 3).
-:class:`PeerWatcher` is the asyncio shell: one range read, then a watch from the next revision; on an
-etcd outage or a cancelled (compacted) watch it resyncs with capped backoff, keeping the table meanwhile.
+The table has no loop of its own: :mod:`kvcached.main` runs it under :class:`runtime.watch.PrefixWatcher`
+over :attr:`PeerTable.watch_prefix` (the loop the gateway's control plane uses too): one range read, then
+a watch from the next revision with a liveness probe beside it; on an etcd outage, or a cancelled
+(compacted) watch, it resyncs with capped backoff and never spins, keeping the table meanwhile.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 
-import etcd3aio
-
 from contracts.errors import ConfigError
-from contracts.etcd import KVCACHED, EtcdSettings, PeerInfo, decode_peer, peer_key, split_key
+from contracts.etcd import KVCACHED, Change, PeerInfo, decode_peer, peer_key, split_key
 from kvcached.config import StaticPeer
-from runtime.etcd import ETCD_ERRORS, describe_error
 
 log = logging.getLogger(__name__)
-
-_DELETE = 1  # mvccpb.Event.EventType.DELETE
 
 
 class PeerTable:
@@ -41,6 +37,11 @@ class PeerTable:
         self._etcd: dict[str, PeerInfo] = {}
         self.revision = 0
         self.rejected = 0
+
+    @property
+    def watch_prefix(self) -> str:
+        """The keys this table follows: ``<prefix>kvcached/``."""
+        return f"{self.prefix}{KVCACHED}/"
 
     @property
     def peers(self) -> Mapping[str, PeerInfo]:
@@ -62,17 +63,17 @@ class PeerTable:
                 self._put(node, value, old.get(node))
         self.revision = revision
 
-    def apply(self, changes: Iterable[tuple[str, bytes | None]], revision: int) -> None:
-        """Apply watch changes in order: ``(key, value)``, value ``None`` for a delete."""
-        for key, value in changes:
-            node = self._node(key)
+    def apply(self, changes: Iterable[Change], revision: int) -> None:
+        """Apply watch changes in order (value ``None``: a delete)."""
+        for change in changes:
+            node = self._node(change.key)
             if node is None:
                 continue
-            if value is None:
+            if change.value is None:
                 if self._etcd.pop(node, None) is not None:
                     log.info("kvcached peer %s left", node)
             else:
-                self._put(node, value, self._etcd.get(node))
+                self._put(node, change.value, self._etcd.get(node))
         self.revision = revision
 
     def _node(self, key: str) -> str | None:
@@ -93,85 +94,3 @@ class PeerTable:
         if self._etcd.get(node) != info and node != self.self_node:
             log.info("kvcached peer %s at quic %s", node, info.quic)
         self._etcd[node] = info
-
-
-class PeerWatcher:
-    """Keeps a :class:`PeerTable` in step with ``<prefix>kvcached/`` (see the module docstring). The
-    client belongs to the caller."""
-
-    def __init__(
-        self,
-        client: etcd3aio.Etcd3Client,
-        settings: EtcdSettings,
-        table: PeerTable,
-        *,
-        max_backoff_s: float = 2.0,
-    ) -> None:
-        self._client = client
-        self._settings = settings
-        self.table = table
-        self._max_backoff_s = max_backoff_s
-        self._task: asyncio.Task[None] | None = None
-        self.synced = asyncio.Event()
-        self.outages = 0
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="kvcached-peer-watch")
-
-    async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    @property
-    def _prefix(self) -> str:
-        return f"{self._settings.prefix}{KVCACHED}/"
-
-    async def _run(self) -> None:
-        backoff = initial = 0.1
-        while True:
-            try:
-                await self._resync()
-                backoff = initial
-                await self._watch()
-            except ETCD_ERRORS as exc:
-                self.outages += 1
-                log.warning(
-                    "etcd unreachable for peer discovery (%s): keeping known peers", describe_error(exc)
-                )
-            except Exception:
-                log.exception("kvcached peer discovery failed; retrying")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._max_backoff_s)
-
-    async def _resync(self) -> None:
-        assert self._client.kv is not None
-        response = await self._client.kv.get(
-            self._prefix, etcd3aio.prefix_range_end(self._prefix), timeout=self._settings.timeout_s
-        )
-        kvs = [(kv.key.decode("utf-8", "replace"), bytes(kv.value)) for kv in response.kvs]
-        self.table.snapshot(kvs, int(response.header.revision))
-        self.synced.set()
-
-    async def _watch(self) -> None:
-        """Follow changes until the watch is cancelled (returns: resync) or etcd fails (raises)."""
-        assert self._client.watch is not None
-        stream = self._client.watch.watch(
-            self._prefix, etcd3aio.prefix_range_end(self._prefix), start_revision=self.table.revision + 1
-        )
-        async for response in stream:
-            if response.canceled or response.compact_revision:
-                log.warning(
-                    "etcd peer watch cancelled (compacted at %d): resyncing", response.compact_revision
-                )
-                return
-            changes = [
-                (
-                    event.kv.key.decode("utf-8", "replace"),
-                    None if event.type == _DELETE else bytes(event.kv.value),
-                )
-                for event in response.events
-            ]
-            if changes:
-                self.table.apply(changes, int(response.header.revision))

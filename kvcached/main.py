@@ -24,7 +24,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,7 +33,7 @@ from contracts.errors import ConfigError
 from contracts.etcd import PeerInfo, encode_peer, parse_etcd_settings, peer_key
 from contracts.events import IndexEvent, Removed, Stored, node_store_endpoint
 from kvcached.config import KvcachedConfig, load_kvcached_config
-from kvcached.discovery import PeerTable, PeerWatcher
+from kvcached.discovery import PeerTable
 from kvcached.errors import KvcachedError
 from kvcached.memory import tune_malloc
 from kvcached.metrics import KvcachedMetrics
@@ -44,6 +44,9 @@ from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ServerTlsFiles
+
+if TYPE_CHECKING:
+    from runtime.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,8 @@ class Daemon:
         self.registered = False
         self._etcd: Any = None
         self._leased: Any = None
-        self._watcher: PeerWatcher | None = None
+        #: Follows ``kvcached/`` in etcd into :attr:`table` (``None`` without ``[etcd]``).
+        self.watcher: PrefixWatcher[None] | None = None
         self._web: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -150,7 +154,7 @@ class Daemon:
         """Deregister, stop serving, close the store (each step runs even if an earlier one failed)."""
         steps: list[Any] = [
             self._leased.aclose() if self._leased is not None else None,
-            self._watcher.aclose() if self._watcher is not None else None,
+            self.watcher.aclose() if self.watcher is not None else None,
             self.api.aclose() if self.api is not None else None,
             self.peer_server.aclose() if self.peer_server is not None else None,
             self.peer_client.aclose() if self.peer_client is not None else None,
@@ -227,6 +231,7 @@ class Daemon:
     async def _start_etcd(self) -> None:
         # Imported here: a daemon without [etcd] never loads an etcd client library.
         from runtime.etcd import LeasedKeys, connect
+        from runtime.watch import PrefixWatcher
 
         assert self.config.etcd_raw is not None
         settings = parse_etcd_settings(self.config.etcd_raw, "etcd")
@@ -237,8 +242,15 @@ class Daemon:
         self.registered = await self._leased.start({key: encode_peer(self.info())})
         if not self.registered:
             log.warning("kvcached %s: etcd not reachable yet; registration retries", self.config.node)
-        self._watcher = PeerWatcher(self._etcd, settings, self.table)
-        self._watcher.start()
+        self.watcher = PrefixWatcher(
+            self._etcd,
+            self.table.watch_prefix,
+            self.table,
+            timeout_s=settings.timeout_s,
+            max_backoff_s=2.0,
+            name="kvcached-peer-watch",
+        )
+        self.watcher.start()
 
 
 async def run(config: KvcachedConfig, ready_file: Path | None) -> int:

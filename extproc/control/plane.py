@@ -12,41 +12,42 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   for an endpoint that registers later).
 * ``policy/<path>``, ``models/<name>``: handed to the policy store (which keeps the last good value).
 
-A snapshot is diffed against what was applied, so a resync after an outage applies exactly what changed
-while the watcher was away. :class:`ControlPlane` is the asyncio shell: one range read, then a watch
-from the next revision, a liveness probe beside it; on an outage it keeps the last known fleet and
-policy, reconnects with backoff and resyncs (also when the watch is compacted).
+Changes are :class:`contracts.etcd.Change`. A snapshot is diffed against what was applied, so a resync
+after an outage applies exactly what changed while the watcher was away. :class:`ControlPlane` is the
+shell: it owns an etcd client and runs the core under :class:`runtime.watch.PrefixWatcher`, the loop
+shared with kvcached's peer discovery (one range read, then a watch from the next revision, a liveness
+probe beside it; on an outage the last known fleet and policy stay while it reconnects with capped
+backoff and resyncs, also when the watch is compacted, without spinning on a watch etcd keeps
+cancelling), and turns what each batch changed into the ``on_policy`` / ``on_fleet_change`` callbacks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import etcd3aio
 
 from contracts.errors import ConfigError
-from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, EtcdSettings, decode_peer, policy_path, split_key
+from contracts.etcd import (
+    DRAIN,
+    ENDPOINTS,
+    KVCACHED,
+    Change,
+    EtcdSettings,
+    decode_peer,
+    policy_path,
+    split_key,
+)
 from contracts.events import EndpointId
 from engines.endpoint import decode_endpoint
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
-from runtime.etcd import ETCD_ERRORS, connect, describe_error
+from runtime.etcd import connect
+from runtime.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
-
-_DELETE = 1  # mvccpb.Event.EventType.DELETE
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One key's new value; ``None``: the key was deleted (or expired with its lease)."""
-
-    key: str
-    value: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +201,8 @@ class ControlCore:
 
 
 class ControlPlane:
-    """Keeps a Fleet and a PolicyStore in step with etcd (asyncio shell around :class:`ControlCore`).
+    """Keeps a Fleet and a PolicyStore in step with etcd: :class:`ControlCore` driven by a
+    :class:`runtime.watch.PrefixWatcher` over the whole prefix, on an etcd client of its own.
 
     ``on_policy(policy)`` runs after a change to the policy in force, ``on_fleet_change()`` after the
     fleet changed; both run on the event loop and must not block. ``probe_interval_s``: how often
@@ -227,11 +229,12 @@ class ControlPlane:
         self._probe_interval_s = probe_interval_s
         self._max_backoff_s = max_backoff_s
         self._client: etcd3aio.Etcd3Client | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
-        self.connected = False
-        self._outages = 0
-        self._compactions = 0
+        self._watcher: PrefixWatcher[Applied] | None = None  # made in start(), kept for its counters
+
+    @property
+    def connected(self) -> bool:
+        """etcd answered the last call (``False`` before :meth:`start` and after :meth:`aclose`)."""
+        return self._watcher is not None and self._watcher.connected
 
     @property
     def revision(self) -> int:
@@ -241,137 +244,46 @@ class ControlPlane:
     @property
     def counters(self) -> Mapping[str, int]:
         """For metrics: syncs, changes, rejected, refused, ignored, outages, compactions, connected."""
+        watcher = self._watcher.counters if self._watcher is not None else {}
         return {
             **self.core.counters,
-            "outages": self._outages,
-            "compactions": self._compactions,
+            "outages": watcher.get("outages", 0),
+            "compactions": watcher.get("compactions", 0),
             "connected": int(self.connected),
         }
 
     async def start(self) -> None:
         """Open the client and start following etcd in the background (an etcd that is down is retried:
         the gateway runs on its static fleet and embedded policy meanwhile)."""
-        if self._task is not None:
+        if self._client is not None:
             raise RuntimeError("ControlPlane already started")
         self._client = await connect(self.settings)
-        self._task = asyncio.create_task(self._run(), name="etcd-control-plane")
+        self._watcher = PrefixWatcher(
+            self._client,
+            self.settings.prefix,
+            self.core,
+            timeout_s=self.settings.timeout_s,
+            probe_interval_s=self._probe_interval_s,
+            max_backoff_s=self._max_backoff_s,
+            on_applied=self._notify,
+            name="etcd-control-plane",
+        )
+        self._watcher.start()
 
     async def wait_synced(self, timeout_s: float) -> bool:
-        """Wait until the first full read has been applied; ``False`` after ``timeout_s`` seconds."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._synced.wait()
-        except TimeoutError:
-            return False
-        return True
+        """Wait until the first full read has been applied; ``False`` after ``timeout_s`` seconds (at
+        once when not started)."""
+        return self._watcher is not None and await self._watcher.wait_synced(timeout_s)
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if self._watcher is not None:
+            await self._watcher.aclose()
         client, self._client = self._client, None
         if client is not None:
             await client.close()
-        self.connected = False
-
-    def _kv(self) -> etcd3aio.kv.KVService:
-        if self._client is None or self._client.kv is None:
-            raise RuntimeError("ControlPlane is not started")
-        return self._client.kv
-
-    async def _run(self) -> None:
-        backoff = initial = 0.1
-        quick = 0  # watches cancelled right after they started, in a row
-        while True:
-            try:
-                await self._resync()
-                backoff = initial
-                started = time.monotonic()
-                await self._follow()
-                # Cancelled by etcd (compaction): resync now, but never spin on a watch etcd keeps refusing.
-                quick = quick + 1 if time.monotonic() - started < 1.0 else 0
-                if quick > 1:
-                    await asyncio.sleep(min(initial * 2**quick, self._max_backoff_s))
-            except ETCD_ERRORS as exc:
-                if self.connected:
-                    self._outages += 1
-                    reason = describe_error(exc)
-                    log.warning("etcd unreachable (%s): keeping the last known fleet and policy", reason)
-                self.connected = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff_s)
-            except Exception:
-                log.exception("etcd control plane failed; retrying")
-                self.connected = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff_s)
-
-    async def _resync(self) -> None:
-        prefix = self.settings.prefix
-        response = await self._kv().get(
-            prefix, etcd3aio.prefix_range_end(prefix), timeout=self.settings.timeout_s
-        )
-        kvs = [(kv.key.decode("utf-8", "replace"), bytes(kv.value)) for kv in response.kvs]
-        applied = self.core.snapshot(kvs, int(response.header.revision))
-        if not self.connected:
-            log.info("etcd in sync at revision %d (%d keys)", self.core.revision, len(kvs))
-        self.connected = True
-        self._synced.set()
-        self._notify(applied)
-
-    async def _follow(self) -> None:
-        """Watch until a resync is needed (returns) or etcd is unreachable (raises)."""
-        tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._probe())]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for task in done:
-            task.result()
-
-    async def _watch(self) -> None:
-        if self._client is None or self._client.watch is None:
-            raise RuntimeError("ControlPlane is not started")
-        prefix = self.settings.prefix
-        stream = self._client.watch.watch(
-            prefix, etcd3aio.prefix_range_end(prefix), start_revision=self.core.revision + 1
-        )
-        async for response in stream:
-            if response.canceled or response.compact_revision:
-                self._compactions += int(response.compact_revision > 0)
-                log.warning(
-                    "etcd watch cancelled (compacted at %d, %s): resyncing",
-                    response.compact_revision,
-                    response.cancel_reason or "no reason given",
-                )
-                return
-            if not response.events:
-                continue
-            changes = [
-                Change(
-                    event.kv.key.decode("utf-8", "replace"),
-                    None if event.type == _DELETE else bytes(event.kv.value),
-                )
-                for event in response.events
-            ]
-            self._notify(self.core.apply(changes, int(response.header.revision)))
-
-    async def _probe(self) -> None:
-        """Raise as soon as etcd stops answering (the watch stream itself retries silently)."""
-        while True:
-            await asyncio.sleep(self._probe_interval_s)
-            await self._kv().get(
-                self.settings.prefix, count_only=True, timeout=self.settings.timeout_s, max_attempts=1
-            )
 
     def _notify(self, applied: Applied) -> None:
-        try:
-            if applied.fleet_changed and self._on_fleet_change is not None:
-                self._on_fleet_change()
-            if applied.policy is not None and self._on_policy is not None:
-                self._on_policy(applied.policy)
-        except Exception:  # a callback bug must not stop the watcher
-            log.exception("control plane callback failed")
+        if applied.fleet_changed and self._on_fleet_change is not None:
+            self._on_fleet_change()
+        if applied.policy is not None and self._on_policy is not None:
+            self._on_policy(applied.policy)

@@ -27,7 +27,7 @@ import pytest
 
 from certs.store import LeafFiles, dev_bundle
 from contracts.errors import ConfigError
-from contracts.etcd import EtcdSettings, PeerInfo, decode_peer, encode_peer, peer_key
+from contracts.etcd import Change, EtcdSettings, PeerInfo, decode_peer, encode_peer, peer_key
 from contracts.events import (
     SUBSCRIBE_METHOD,
     Batch,
@@ -43,9 +43,10 @@ from extproc.index.hybrid import HybridIndex
 from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway
 from kvcached.block import checksum
-from kvcached.config import StaticPeer
+from kvcached.config import KvcachedConfig, StaticPeer
 from kvcached.discovery import PeerTable
 from kvcached.errors import BadRequest, KvcachedError
+from kvcached.main import Daemon
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child, http_get
 from runtime.etcd import connect
@@ -180,12 +181,67 @@ def test_peer_table_merges_static_and_etcd_and_keeps_last_good() -> None:
         [("/p/kvcached/b", good), ("/p/kvcached/a", encode_peer(PeerInfo("a", None, "x:1", None)))], 3
     )
     assert table.quic_addresses() == ["127.0.0.1:5000", "10.0.0.9:4433"]  # self excluded, sorted by node
-    table.apply([("/p/kvcached/b", b'{"node": "b", "quic": "nope"}'), ("/p/endpoints/e", b"{}")], 4)
+    table.apply(
+        [Change("/p/kvcached/b", b'{"node": "b", "quic": "nope"}'), Change("/p/endpoints/e", b"{}")], 4
+    )
     assert table.rejected == 1 and table.peers["b"].quic == "127.0.0.1:5000"  # last good value kept
-    table.apply([("/p/kvcached/b", None)], 5)
+    table.apply([Change("/p/kvcached/b", None)], 5)
     assert table.quic_addresses() == ["10.0.0.9:4433"] and table.revision == 5
     with pytest.raises(ConfigError, match="does not match the key"):
         decode_peer("c", good)
+
+
+async def test_peer_discovery_notices_an_etcd_outage(
+    tmp_path: Path, etcd_outage_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """The peer watch (runtime.watch.PrefixWatcher) probes etcd beside its watch: an etcd that stops is
+    noticed (the watch stream alone retries silently) and the known peers stay; an etcd that comes back
+    rebuilt (wiped) is resynced from, and followed again."""
+    server = etcd_outage_server
+    settings = EtcdSettings(endpoints=(server.address,), prefix=etcd_prefix, timeout_s=1.0)
+    client = await connect(settings)
+    assert client.kv is not None
+    await client.kv.put(peer_key(etcd_prefix, "b"), encode_peer(PeerInfo("b", None, "127.0.0.1:5000", None)))
+    await client.close()
+    etcd_raw = {"endpoints": [server.address], "prefix": etcd_prefix, "timeout_s": 0.5}
+    daemon = Daemon(KvcachedConfig("a", RAM_BYTES, listen_unix=str(tmp_path / "a.sock"), etcd_raw=etcd_raw))
+    await daemon.start()
+    try:
+        watcher = daemon.watcher
+        assert watcher is not None and await watcher.wait_synced(10.0)
+        assert daemon.table.quic_addresses() == ["127.0.0.1:5000"]
+
+        async def disconnected() -> bool:
+            return watcher is not None and not watcher.connected
+
+        server.stop()
+        await _wait(disconnected, 10, "disconnected")
+        assert watcher.counters["outages"] == 1
+        assert daemon.table.quic_addresses() == ["127.0.0.1:5000"]  # the known peers stay
+
+        server.wipe()  # etcd comes back as a new cluster: kvcached/b is gone
+        server.start()
+
+        async def resynced() -> bool:
+            return watcher is not None and watcher.connected and not daemon.table.peers
+
+        await _wait(resynced, 10, "resynced with the rebuilt etcd")
+        assert watcher.counters["syncs"] >= 2
+        client = await connect(settings)
+        try:
+            assert client.kv is not None
+            c = PeerInfo("c", None, "127.0.0.1:5002", None)
+            await client.kv.put(peer_key(etcd_prefix, "c"), encode_peer(c))
+        finally:
+            await client.close()
+
+        async def followed() -> bool:
+            return daemon.table.quic_addresses() == ["127.0.0.1:5002"]
+
+        await _wait(followed, 10, "following the rebuilt etcd")
+        assert watcher.counters["outages"] == 1
+    finally:
+        await daemon.aclose()
 
 
 async def test_registration_appears_in_etcd(pair: Pair, etcd: etcd3aio.Etcd3Client) -> None:

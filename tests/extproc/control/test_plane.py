@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import etcd3aio
 
-from contracts.etcd import EtcdSettings
+from contracts.etcd import Change, EtcdSettings
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint, encode_endpoint
-from extproc.control.plane import Applied, Change, ControlCore, ControlPlane
+from extproc.control.plane import Applied, ControlCore, ControlPlane
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from kvgate.dev.etcd import EtcdServer
