@@ -1,4 +1,5 @@
-"""The SSD tier: block records in RocksDB (rocksdict), bounded in bytes, verified on every read.
+"""The SSD tier: block records in RocksDB (rocksdict), bounded in bytes, verified on every read; a
+:class:`~kvcached.tier.Tier` (the store's slowest, in the node's RAM -> SSD chain).
 
 Two key spaces in one database, always written together in one atomic ``WriteBatch``:
 
@@ -33,6 +34,11 @@ RocksDB options, and why:
 * Level compaction with dynamic level bytes (space amplification ~1.1); memtable
   64 MiB (a 64 MiB block fits), WAL total bounded at 256 MiB.
 
+Opening translates RocksDB's errors (lock held by another process, IO error) into
+:class:`~kvcached.errors.KvcachedError`. Evicted records are not read back unless ``put`` is asked for
+their payloads (``with_data``: a tier below wants them); the last tier of a chain never is, so its
+evictions cost only the deletes.
+
 Single-threaded use (the store is driven by one event loop).
 """
 
@@ -58,7 +64,8 @@ from rocksdict import (
 
 from contracts.digest import DIGEST_BYTES
 from kvcached.block import decode_record, encode_record, record_bytes
-from kvcached.errors import CorruptBlock
+from kvcached.errors import CorruptBlock, KvcachedError
+from kvcached.tier import TIER_SSD, Evicted
 
 log = logging.getLogger(__name__)
 
@@ -113,20 +120,28 @@ def _charge(key: bytes) -> int:
 
 
 class SsdTier:
-    """Block records in a RocksDB at ``path``, at most ``capacity_bytes`` charged (records and keys)."""
+    """Block records in a RocksDB at ``path``, at most ``capacity_bytes`` charged (records and keys).
 
-    def __init__(self, path: Path, capacity_bytes: int, *, sync: bool = False) -> None:
+    ``sync``: fsync every write (see the module docstring). ``name``: the tier's name in counters and
+    events. :class:`KvcachedError` when the database cannot be opened; :attr:`evicted_on_open` lists what
+    opening trimmed to the budget."""
+
+    def __init__(self, path: Path, capacity_bytes: int, *, sync: bool = False, name: str = TIER_SSD) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
+        self.name = name
         self.capacity_bytes = capacity_bytes
         self.bytes = 0
-        path.mkdir(parents=True, exist_ok=True)
-        self._db: Rdict | None = Rdict(str(path), db_options())
         self._write = WriteOptions()
         self._write.sync = sync
         self._index: OrderedDict[bytes, bytes] = OrderedDict()  # digest -> index key, LRU first
         self._seq = 0
-        self.evicted_on_open = self._rebuild()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._db: Rdict | None = Rdict(str(path), db_options())
+            self.evicted_on_open: list[bytes] = self._rebuild()
+        except Exception as exc:  # rocksdict raises bare Exception (lock held, IO error, ...)
+            raise KvcachedError(f"cannot open the SSD tier at {path}: {exc}") from exc
 
     def _rebuild(self) -> list[bytes]:
         """Index every index entry, drop entries that do not parse and older entries of a digest, then
@@ -180,6 +195,8 @@ class SsdTier:
         return record_bytes(payload_bytes) + KEY_BYTES <= self.capacity_bytes
 
     def touch(self, digest: bytes) -> None:
+        """Make ``digest`` (if held) the most recently used (in memory: a restart falls back to write
+        order)."""
         if digest in self._index:
             self._index.move_to_end(digest)
 
@@ -201,10 +218,14 @@ class SsdTier:
         self._index.move_to_end(digest)
         return data
 
-    def put(self, digest: bytes, data: bytes, *, data_checksum: bytes | None = None) -> list[bytes]:
-        """Write the block's record and index entry (one atomic batch); return the digests evicted to
-        make room, least recently used first. The caller checks :meth:`fits` first; a held digest is
-        only refreshed."""
+    def put(
+        self, digest: bytes, data: bytes, *, data_checksum: bytes | None = None, with_data: bool = False
+    ) -> list[Evicted]:
+        """Write the block's record and index entry, and delete the records evicted to make room (one
+        atomic batch); return the evicted blocks, least recently used first, with their verified payloads
+        when ``with_data`` (read before they are deleted; ``None`` for one that fails verification) and
+        without otherwise. ``data_checksum``: the payload's checksum when the caller verified it. The
+        caller checks :meth:`fits` first; a held digest is only refreshed."""
         if digest in self._index:
             self._index.move_to_end(digest)
             return []
@@ -213,6 +234,7 @@ class SsdTier:
         if charge > self.capacity_bytes:
             raise ValueError(f"record of {len(record)} bytes exceeds the SSD budget of {self.capacity_bytes}")
         victims = self._victims_for(charge)
+        evicted = [Evicted(v, self._read_intact(v) if with_data else None) for v in victims]
         batch = self._evict_batch(victims)
         key = index_key(self._seq, digest, len(record))
         self._seq += 1
@@ -221,7 +243,19 @@ class SsdTier:
         self._live().write(batch, self._write)
         self._index[digest] = key
         self.bytes += charge
-        return victims
+        return evicted
+
+    def _read_intact(self, digest: bytes) -> bytes | None:
+        """The verified payload of a held block about to be evicted (recency unchanged); ``None`` when
+        its record is missing or fails verification (it is being deleted anyway)."""
+        raw = self._live().get(record_key(digest))
+        if not isinstance(raw, bytes):
+            return None
+        try:
+            return decode_record(digest, raw)
+        except CorruptBlock as exc:
+            log.warning("%s tier: evicted corrupt block %s undemoted: %s", self.name, digest.hex(), exc)
+            return None
 
     def delete(self, digest: bytes) -> bool:
         """Remove the block's record and index entry; whether it was held."""

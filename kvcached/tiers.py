@@ -1,20 +1,30 @@
-"""The tiered block store: a RAM tier in front of an SSD tier, keyed by chain digest.
+"""The tiered block store: an ordered chain of :class:`~kvcached.tier.Tier` s, fastest first, keyed by
+chain digest. The node's chain is RAM (:mod:`kvcached.ram`) in front of an optional SSD
+(:mod:`kvcached.ssd`); :meth:`TieredStore.of` builds any other chain (two RAM tiers of different budgets
+in front of the SSD, ...). Every policy between tiers lives here; a tier only keeps its own blocks.
 
-``put`` stores into RAM (a block larger than the RAM budget goes straight to the SSD). RAM evictions are
-*demoted*: written to the SSD unless it already holds them. An SSD hit is verified, served and *promoted*
-(copied into RAM; the SSD copy stays, so evicting that block from RAM again costs no write). Tiers are
-therefore inclusive for promoted blocks: :meth:`TieredStore.held` may list a digest under both, which is
-the truth the index feed should publish. With no SSD path, RAM evictions are dropped.
+Movement, for tiers ``0..n-1``:
+
+* ``put`` stores into the fastest tier that fits the block (a block larger than the RAM budget goes
+  straight to the SSD); none fits: :class:`BadRequest`.
+* Evictions from tier ``i`` are *demoted*: each is written into the next slower tier that fits it,
+  unless that tier already holds it (with two tiers: into the SSD unless it holds the block). At the last
+  tier, or with no tier below that fits, they are dropped.
+* A get tries the tiers in order. A hit in tier ``i`` is verified (by the tier), served and *promoted*:
+  copied into the fastest tier that fits it; the copy in tier ``i`` stays, so evicting that block again
+  costs no write. Tiers are therefore inclusive for promoted blocks: :meth:`TieredStore.held` may list a
+  digest under several tiers, which is the truth the index feed should publish. A hit also refreshes the
+  block in every slower tier.
 
 Blocks are immutable: a put of a digest already held keeps the first content (the digest names
-tokens, not bytes) and only refreshes it. RAM holds bytes that were checked when they were put (RAM is
-never torn); every SSD read is verified (:mod:`kvcached.block`), and a record that fails is deleted,
-counted under ``ssd_corrupt``, logged and answered as a miss, never served.
+tokens, not bytes) and only refreshes it in every tier. RAM holds bytes that were checked when they were
+put (RAM is never torn); every SSD read is verified (:mod:`kvcached.block`), and a record that fails is
+deleted, counted under ``<tier>_corrupt``, logged and answered as a miss in that tier, never served.
 
-Listener: :class:`StoreListener` hears every change of what a tier holds, after the store changed,
-digests batched per tier and per operation (``on_removed("ram", [...])`` then ``on_stored("ssd",
-[...])`` for a demotion, ...). The daemon turns them into index events (``Stored``/``Removed`` with
-tier ``ram``/``ssd``).
+Listener: :class:`~kvcached.tier.StoreListener` hears every change of what a tier holds, after the store
+changed, digests batched per tier and per operation (``on_removed("ram", [...])`` then
+``on_stored("ssd", [...])`` for a demotion, ...). The daemon turns them into index events
+(``Stored``/``Removed`` with tier ``ram``/``ssd``).
 
 Thread-safety: none. The store is driven from one thread (the daemon's event loop, or a worker thread
 it hands whole calls to, one at a time); RocksDB calls are short enough to run inline.
@@ -25,42 +35,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import check_digest, checksum
-from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError
 from kvcached.ram import RamTier
 from kvcached.ssd import SsdTier
+from kvcached.tier import TIER_SSD, Evicted, StoreListener, Tier
 
 log = logging.getLogger(__name__)
 
-TIER_RAM = "ram"
-TIER_SSD = "ssd"
-"""Tier names, as in ``contracts.events.TIERS``."""
-
 COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions", "corrupt")
-
-
-class StoreListener(Protocol):
-    """Hears what the tiers start and stop holding (after the fact, batched per tier)."""
-
-    def on_stored(self, tier: str, digests: list[bytes]) -> None: ...
-
-    def on_removed(self, tier: str, digests: list[bytes]) -> None: ...
+"""The counters kept per tier, see :meth:`TieredStore.stats`."""
 
 
 class TieredStore:
     """RAM (``ram_bytes`` of payload) over an optional SSD tier at ``ssd_path`` (``ssd_bytes`` of records).
 
     Opening the SSD tier rebuilds its index from RocksDB; :class:`KvcachedError` when it cannot be
-    opened (another process holds it, IO error).
+    opened (another process holds it, IO error). Without an SSD path, :meth:`held` and :meth:`stats`
+    still list an empty ``ssd`` tier, so a feed snapshot and the metrics keep their shape.
 
     ``max_block_bytes``: the largest payload a put accepts. Counters per tier, see :meth:`stats`:
     ``hits``/``misses`` (a get that reached the tier), ``evictions`` (blocks that left the tier for its
-    budget), ``demotions`` (RAM evictions written to the SSD; counted under both tiers), ``promotions``
-    (SSD hits copied into RAM; both tiers), ``corrupt`` (SSD records that failed verification).
+    budget), ``demotions`` (evictions written to a slower tier; counted under both tiers), ``promotions``
+    (hits copied into a faster tier; both tiers), ``corrupt`` (records that failed verification).
     """
+
+    _tiers: list[Tier]
+    _absent: tuple[str, ...]
+    _listener: StoreListener | None
+    _counts: dict[str, dict[str, int]]
+    max_block_bytes: int
 
     def __init__(
         self,
@@ -73,20 +79,49 @@ class TieredStore:
     ) -> None:
         if ram_bytes < 0 or ssd_bytes < 0:
             raise KvcachedConfigError("ram_bytes and ssd_bytes must be >= 0")
-        if max_block_bytes <= 0:
-            raise KvcachedConfigError("max_block_bytes must be positive")
+        _check_max_block_bytes(max_block_bytes)  # before the SSD is opened (and locked)
+        chain: list[Tier] = [RamTier(ram_bytes)]
+        if ssd_path is not None:
+            chain.append(SsdTier(ssd_path, ssd_bytes))
+        self._setup(chain, max_block_bytes, listener, absent=() if ssd_path is not None else (TIER_SSD,))
+
+    @classmethod
+    def of(
+        cls,
+        tiers: Sequence[Tier],
+        *,
+        max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT,
+        listener: StoreListener | None = None,
+    ) -> TieredStore:
+        """A store over ``tiers``, fastest first (already opened; the store closes them in :meth:`close`).
+        :class:`KvcachedConfigError` for an empty chain or two tiers of one name."""
+        store = cls.__new__(cls)
+        store._setup(list(tiers), max_block_bytes, listener, absent=())
+        return store
+
+    def _setup(
+        self,
+        tiers: list[Tier],
+        max_block_bytes: int,
+        listener: StoreListener | None,
+        *,
+        absent: tuple[str, ...],
+    ) -> None:
+        """Both constructors end here. ``absent``: tier names listed empty by :meth:`held` and
+        :meth:`stats` although the chain lacks them."""
+        _check_max_block_bytes(max_block_bytes)
+        names = [tier.name for tier in tiers] + list(absent)
+        if not tiers:
+            raise KvcachedConfigError("a store needs at least one tier")
+        if len(set(names)) != len(names):
+            raise KvcachedConfigError(f"tier names must be unique, got {', '.join(names)}")
         self.max_block_bytes = max_block_bytes
         self._listener = listener
-        self._ram = RamTier(ram_bytes)
-        self._ssd: SsdTier | None = None
-        if ssd_path is not None:
-            try:
-                self._ssd = SsdTier(ssd_path, ssd_bytes)
-            except Exception as exc:  # rocksdict raises bare Exception (lock held, IO error, ...)
-                raise KvcachedError(f"cannot open the SSD tier at {ssd_path}: {exc}") from exc
-        self._counts = {tier: dict.fromkeys(COUNTERS, 0) for tier in (TIER_RAM, TIER_SSD)}
-        if self._ssd is not None and self._ssd.evicted_on_open:
-            self._counts[TIER_SSD]["evictions"] += len(self._ssd.evicted_on_open)
+        self._tiers = tiers
+        self._absent = absent
+        self._counts = {name: dict.fromkeys(COUNTERS, 0) for name in names}
+        for tier in tiers:
+            self._counts[tier.name]["evictions"] += len(tier.evicted_on_open)
 
     # -- writes ---------------------------------------------------------------------------------------
 
@@ -103,115 +138,117 @@ class TieredStore:
             summed = _checksum(data)
             if checksum != summed:
                 raise BadRequest("checksum does not match the block's bytes")
-        if digest in self._ram or (self._ssd is not None and digest in self._ssd):
-            self._ram.touch(digest)
-            if self._ssd is not None:
-                self._ssd.touch(digest)
+        if any(digest in tier for tier in self._tiers):
+            for tier in self._tiers:
+                tier.touch(digest)
             return
-        if self._ram.fits(len(data)):
-            self._put_ram(digest, data)
-        elif self._ssd is not None and self._ssd.fits(len(data)):
-            self._put_ssd([(digest, data)], data_checksum=summed)
-        else:
-            raise BadRequest(f"block of {len(data)} bytes is larger than every tier's budget")
+        for i, tier in enumerate(self._tiers):
+            if tier.fits(len(data)):
+                self._store(i, [(digest, data)], data_checksum=summed)
+                return
+        raise BadRequest(f"block of {len(data)} bytes is larger than every tier's budget")
 
-    def _put_ram(self, digest: bytes, data: bytes) -> None:
-        evicted = self._ram.put(digest, data)
-        if evicted:
-            self._counts[TIER_RAM]["evictions"] += len(evicted)
-            self._emit_removed(TIER_RAM, [d for d, _ in evicted])
-            self._demote(evicted)
-        self._emit_stored(TIER_RAM, [digest])
-
-    def _demote(self, evicted: list[tuple[bytes, bytes]]) -> None:
-        """Write RAM evictions the SSD lacks to the SSD (dropped when there is none or they do not fit)."""
-        if self._ssd is None:
-            return
-        moving = [(d, data) for d, data in evicted if d not in self._ssd and self._ssd.fits(len(data))]
-        if moving:
-            self._counts[TIER_RAM]["demotions"] += len(moving)
-            self._counts[TIER_SSD]["demotions"] += len(moving)
-            self._put_ssd(moving)
-
-    def _put_ssd(self, blocks: list[tuple[bytes, bytes]], data_checksum: bytes | None = None) -> None:
-        assert self._ssd is not None
-        dropped: list[bytes] = []
+    def _store(
+        self, i: int, blocks: list[tuple[bytes, bytes]], *, data_checksum: bytes | None = None
+    ) -> None:
+        """Put ``blocks`` (each fits) into tier ``i`` and demote what that evicts; then announce them.
+        ``data_checksum``: the verified checksum of the only block (a client's put)."""
+        assert data_checksum is None or len(blocks) == 1
+        tier = self._tiers[i]
+        below = i + 1 < len(self._tiers)
+        evicted: list[Evicted] = []
         for digest, data in blocks:
-            dropped.extend(self._ssd.put(digest, data, data_checksum=data_checksum))
-        new = {digest for digest, _ in blocks}
-        if dropped:
+            evicted.extend(tier.put(digest, data, data_checksum=data_checksum, with_data=below))
+        if evicted:
             # a block of this batch evicted by a later one was never announced: do not remove it
-            self._counts[TIER_SSD]["evictions"] += len(dropped)
-            self._emit_removed(TIER_SSD, [d for d in dropped if d not in new])
-        self._emit_stored(TIER_SSD, [d for d, _ in blocks if d in self._ssd])
+            new = {digest for digest, _ in blocks}
+            self._counts[tier.name]["evictions"] += len(evicted)
+            self._emit_removed(tier.name, [e.digest for e in evicted if e.digest not in new])
+            self._demote(i, evicted)
+        self._emit_stored(tier.name, [digest for digest, _ in blocks if digest in tier])
+
+    def _demote(self, i: int, evicted: list[Evicted]) -> None:
+        """Write tier ``i``'s evictions each into the next slower tier that fits it, unless that tier
+        holds it already; dropped when none fits or the payload could not be read."""
+        moving: dict[int, list[tuple[bytes, bytes]]] = {}
+        for digest, data in evicted:
+            if data is None:
+                continue
+            j = self._fastest_fitting(len(data), range(i + 1, len(self._tiers)))
+            if j is not None and digest not in self._tiers[j]:
+                moving.setdefault(j, []).append((digest, data))
+        for j, blocks in sorted(moving.items()):
+            self._counts[self._tiers[i].name]["demotions"] += len(blocks)
+            self._counts[self._tiers[j].name]["demotions"] += len(blocks)
+            self._store(j, blocks)
+
+    def _promote(self, i: int, digest: bytes, data: bytes) -> None:
+        """Copy a block served from tier ``i`` into the fastest tier above it that fits (kept in ``i``)."""
+        j = self._fastest_fitting(len(data), range(i))
+        if j is not None:
+            self._counts[self._tiers[i].name]["promotions"] += 1
+            self._counts[self._tiers[j].name]["promotions"] += 1
+            self._store(j, [(digest, data)])
+
+    def _fastest_fitting(self, payload_bytes: int, among: range) -> int | None:
+        return next((j for j in among if self._tiers[j].fits(payload_bytes)), None)
 
     def delete(self, digest: bytes) -> bool:
         """Remove block ``digest`` from every tier; whether any tier held it."""
         digest = check_digest(digest)
-        in_ram = self._ram.pop(digest) is not None
-        if in_ram:
-            self._emit_removed(TIER_RAM, [digest])
-        in_ssd = self._ssd is not None and self._ssd.delete(digest)
-        if in_ssd:
-            self._emit_removed(TIER_SSD, [digest])
-        return in_ram or in_ssd
+        held = False
+        for tier in self._tiers:
+            if tier.delete(digest):
+                held = True
+                self._emit_removed(tier.name, [digest])
+        return held
 
     # -- reads ----------------------------------------------------------------------------------------
 
     def get(self, digest: bytes) -> bytes | None:
-        """The block's bytes: a RAM hit, or an SSD hit (verified, then promoted into RAM); ``None`` on a
-        miss or when the SSD record was corrupt (it is dropped and counted)."""
+        """The block's bytes from the fastest tier holding it intact (verified by the tier, promoted when
+        it was not the fastest); ``None`` on a miss. A corrupt record is dropped, counted and passed over
+        as a miss in its tier."""
         digest = check_digest(digest)
-        data = self._ram.get(digest)
-        if data is not None:
-            self._counts[TIER_RAM]["hits"] += 1
-            if self._ssd is not None:
-                self._ssd.touch(digest)
+        for i, tier in enumerate(self._tiers):
+            counts = self._counts[tier.name]
+            try:
+                data = tier.get(digest)
+            except CorruptBlock as exc:
+                counts["corrupt"] += 1
+                counts["misses"] += 1
+                log.warning("%s tier: dropped corrupt block %s: %s", tier.name, digest.hex(), exc)
+                self._emit_removed(tier.name, [digest])
+                continue
+            if data is None:
+                counts["misses"] += 1
+                continue
+            counts["hits"] += 1
+            for slower in self._tiers[i + 1 :]:
+                slower.touch(digest)
+            self._promote(i, digest, data)
             return data
-        self._counts[TIER_RAM]["misses"] += 1
-        if self._ssd is None:
-            return None
-        try:
-            data = self._ssd.get(digest)
-        except CorruptBlock as exc:
-            self._counts[TIER_SSD]["corrupt"] += 1
-            self._counts[TIER_SSD]["misses"] += 1
-            log.warning("ssd tier: dropped corrupt block %s: %s", digest.hex(), exc)
-            self._emit_removed(TIER_SSD, [digest])
-            return None
-        if data is None:
-            self._counts[TIER_SSD]["misses"] += 1
-            return None
-        self._counts[TIER_SSD]["hits"] += 1
-        if self._ram.fits(len(data)):
-            self._counts[TIER_SSD]["promotions"] += 1
-            self._counts[TIER_RAM]["promotions"] += 1
-            self._put_ram(digest, data)
-        return data
+        return None
 
     def tier_of(self, digest: bytes) -> str | None:
-        """The fastest tier holding ``digest``, or ``None``."""
-        if digest in self._ram:
-            return TIER_RAM
-        if self._ssd is not None and digest in self._ssd:
-            return TIER_SSD
-        return None
+        """The name of the fastest tier holding ``digest``, or ``None``."""
+        return next((tier.name for tier in self._tiers if digest in tier), None)
 
     def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, list[str]]:
         """How many leading blocks of the chain ``digests`` are held, and the fastest tier of each.
-        The matched prefix is refreshed tail first (its head ends most recently used), in both tiers."""
-        tiers: list[str] = []
+        The matched prefix is refreshed tail first (its head ends most recently used), in every tier:
+        chains then lose their tail before their head (see :mod:`kvcached.ram`)."""
+        names: list[str] = []
         for digest in digests:
-            tier = self.tier_of(check_digest(digest))
-            if tier is None:
+            name = self.tier_of(check_digest(digest))
+            if name is None:
                 break
-            tiers.append(tier)
-        matched = [bytes(d) for d in digests[: len(tiers)]]
-        self._ram.touch_chain(matched)
-        if self._ssd is not None:
+            names.append(name)
+        matched = [bytes(d) for d in digests[: len(names)]]
+        for tier in self._tiers:
             for digest in reversed(matched):
-                self._ssd.touch(digest)
-        return len(tiers), tiers
+                tier.touch(digest)
+        return len(names), names
 
     def contains(self, digests: Sequence[bytes]) -> list[bool]:
         """Whether each digest is held in any tier (recency unchanged)."""
@@ -219,28 +256,30 @@ class TieredStore:
 
     def held(self) -> dict[str, list[bytes]]:
         """Every digest each tier holds, least recently used first (for an index feed snapshot)."""
-        return {TIER_RAM: list(self._ram), TIER_SSD: list(self._ssd) if self._ssd is not None else []}
+        out = {tier.name: list(tier) for tier in self._tiers}
+        out.update((name, []) for name in self._absent)
+        return out
 
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges, flat: ``<tier>_<name>`` for the names in :data:`COUNTERS` and
-        ``bytes`` (payload bytes for RAM, record + key bytes for the SSD), ``blocks`` and
-        ``capacity_bytes``."""
+        ``bytes`` (as the tier charges them: payload bytes for RAM, record + key bytes for the SSD),
+        ``blocks`` and ``capacity_bytes``; zeros for an absent tier."""
         out: dict[str, int | float] = {}
-        for tier, counts in self._counts.items():
-            for name, value in counts.items():
-                out[f"{tier}_{name}"] = value
-        out["ram_bytes"] = self._ram.bytes
-        out["ram_blocks"] = len(self._ram)
-        out["ram_capacity_bytes"] = self._ram.capacity_bytes
-        out["ssd_bytes"] = self._ssd.bytes if self._ssd is not None else 0
-        out["ssd_blocks"] = len(self._ssd) if self._ssd is not None else 0
-        out["ssd_capacity_bytes"] = self._ssd.capacity_bytes if self._ssd is not None else 0
+        for name, counts in self._counts.items():
+            for counter, value in counts.items():
+                out[f"{name}_{counter}"] = value
+        for tier in self._tiers:
+            out[f"{tier.name}_bytes"] = tier.bytes
+            out[f"{tier.name}_blocks"] = len(tier)
+            out[f"{tier.name}_capacity_bytes"] = tier.capacity_bytes
+        for name in self._absent:
+            out[f"{name}_bytes"] = out[f"{name}_blocks"] = out[f"{name}_capacity_bytes"] = 0
         return out
 
     def close(self) -> None:
-        """Close the SSD tier (idempotent). RAM contents are not written down: a cache loses them."""
-        if self._ssd is not None:
-            self._ssd.close()
+        """Close every tier (idempotent). RAM contents are not written down: a cache loses them."""
+        for tier in self._tiers:
+            tier.close()
 
     # -- events ---------------------------------------------------------------------------------------
 
@@ -251,6 +290,11 @@ class TieredStore:
     def _emit_removed(self, tier: str, digests: list[bytes]) -> None:
         if self._listener is not None and digests:
             self._listener.on_removed(tier, digests)
+
+
+def _check_max_block_bytes(max_block_bytes: int) -> None:
+    if max_block_bytes <= 0:
+        raise KvcachedConfigError("max_block_bytes must be positive")
 
 
 _checksum = checksum  # ``put``'s parameter named ``checksum`` shadows the function

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from kvcached.tiers import TIER_SSD, TieredStore
+from kvcached.tier import TIER_SSD
+from kvcached.tiers import TieredStore
 
 ROOT = Path(__file__).resolve().parents[2]
 RAM_BYTES = 300 * 1024

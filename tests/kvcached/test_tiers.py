@@ -1,5 +1,6 @@
 """TieredStore: round trips through both tiers, eviction, demotion, promotion, listener events,
-bad input, longest-prefix lookups and corruption injection into the RocksDB values."""
+bad input, longest-prefix lookups and corruption injection into the RocksDB values; the node's chain
+built by either constructor, and chains of three tiers built from tier objects."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from rocksdict import Options, Rdict
 
 from kvcached.block import HEADER_BYTES, checksum
-from kvcached.errors import BadRequest, KvcachedConfigError, KvcachedError
-from kvcached.ssd import KEY_BYTES
-from kvcached.tiers import TIER_RAM, TIER_SSD, TieredStore
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError
+from kvcached.ram import RamTier
+from kvcached.ssd import KEY_BYTES, SsdTier
+from kvcached.tier import TIER_RAM, TIER_SSD
+from kvcached.tiers import TieredStore
 
 BLOCK = 1000
 RECORD = BLOCK + HEADER_BYTES + KEY_BYTES
@@ -48,9 +51,13 @@ def rec() -> Recorder:
     return Recorder()
 
 
-@pytest.fixture
-def store(tmp_path: Path, rec: Recorder) -> Iterator[TieredStore]:
-    s = TieredStore(3 * BLOCK, tmp_path / "ssd", 5 * RECORD, listener=rec)
+@pytest.fixture(params=["init", "of"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, rec: Recorder) -> Iterator[TieredStore]:
+    """RAM of 3 blocks over an SSD of 5 records, from the daemon's constructor or from tier objects."""
+    if request.param == "init":
+        s = TieredStore(3 * BLOCK, tmp_path / "ssd", 5 * RECORD, listener=rec)
+    else:
+        s = TieredStore.of([RamTier(3 * BLOCK), SsdTier(tmp_path / "ssd", 5 * RECORD)], listener=rec)
     yield s
     s.close()
 
@@ -298,3 +305,174 @@ def test_stray_keys_are_dropped_on_open(tmp_path: Path) -> None:
     store = TieredStore(0, path, 10 * RECORD)
     store.close()
     assert _raw_keys(path) == 0
+
+
+# -- chains other than RAM -> SSD ---------------------------------------------------------------------
+
+
+class DamagedRam(RamTier):
+    """A RAM tier whose reads of ``damaged`` digests fail verification, as a torn SSD record would."""
+
+    __slots__ = ("damaged",)
+
+    def __init__(self, capacity_bytes: int, *, name: str) -> None:
+        super().__init__(capacity_bytes, name=name)
+        self.damaged: set[bytes] = set()
+
+    def get(self, digest: bytes) -> bytes | None:
+        if digest in self.damaged and self.delete(digest):
+            raise CorruptBlock("damaged on purpose")
+        return super().get(digest)
+
+
+@pytest.fixture
+def three(tmp_path: Path, rec: Recorder) -> Iterator[TieredStore]:
+    """``ram1`` (2 blocks) in front of ``ram2`` (3 blocks) in front of the SSD (5 records)."""
+    chain = [
+        RamTier(2 * BLOCK, name="ram1"),
+        RamTier(3 * BLOCK, name="ram2"),
+        SsdTier(tmp_path / "ssd", 5 * RECORD),
+    ]
+    s = TieredStore.of(chain, listener=rec)
+    yield s
+    s.close()
+
+
+def test_three_tiers_demote_one_step_at_a_time(three: TieredStore, rec: Recorder) -> None:
+    for i in range(6):
+        three.put(d(i), data(i))
+    assert rec.take() == [
+        ("stored", "ram1", [d(0)]),  # d(0), d(1) fill ram1
+        ("stored", "ram1", [d(1)]),
+        ("removed", "ram1", [d(0)]),  # d(2), d(3), d(4) each push ram1's oldest down into ram2
+        ("stored", "ram2", [d(0)]),
+        ("stored", "ram1", [d(2)]),
+        ("removed", "ram1", [d(1)]),
+        ("stored", "ram2", [d(1)]),
+        ("stored", "ram1", [d(3)]),
+        ("removed", "ram1", [d(2)]),
+        ("stored", "ram2", [d(2)]),
+        ("stored", "ram1", [d(4)]),
+        ("removed", "ram1", [d(3)]),  # d(5): d(3) into a full ram2, which pushes d(0) into the SSD
+        ("removed", "ram2", [d(0)]),
+        ("stored", "ssd", [d(0)]),
+        ("stored", "ram2", [d(3)]),
+        ("stored", "ram1", [d(5)]),
+    ]
+    assert three.held() == {"ram1": [d(4), d(5)], "ram2": [d(1), d(2), d(3)], "ssd": [d(0)]}
+    assert three.longest_prefix([d(0), d(1), d(4), d(7)]) == (3, ["ssd", "ram2", "ram1"])
+    stats = three.stats()
+    assert (stats["ram1_evictions"], stats["ram2_evictions"], stats["ssd_evictions"]) == (4, 1, 0)
+    assert (stats["ram1_demotions"], stats["ram2_demotions"], stats["ssd_demotions"]) == (4, 4 + 1, 1)
+    assert (stats["ram2_blocks"], stats["ram2_bytes"], stats["ram2_capacity_bytes"]) == (
+        3,
+        3 * BLOCK,
+        3 * BLOCK,
+    )
+
+
+def test_three_tiers_promote_into_the_fastest_and_keep_the_copy(three: TieredStore, rec: Recorder) -> None:
+    for i in range(6):
+        three.put(d(i), data(i))  # ram1 [d4, d5], ram2 [d1, d2, d3], ssd [d0]
+    rec.take()
+    assert three.get(d(0)) == data(0)  # SSD hit, promoted past ram2 into ram1; the cascade goes down again
+    assert rec.take() == [
+        ("removed", "ram1", [d(4)]),
+        ("removed", "ram2", [d(1)]),
+        ("stored", "ssd", [d(1)]),
+        ("stored", "ram2", [d(4)]),
+        ("stored", "ram1", [d(0)]),
+    ]
+    assert three.held() == {"ram1": [d(5), d(0)], "ram2": [d(2), d(3), d(4)], "ssd": [d(0), d(1)]}
+    assert three.get(d(2)) == data(2)  # ram2 hit, promoted into ram1; d(5) goes down, pushing out d(3)
+    assert rec.take() == [
+        ("removed", "ram1", [d(5)]),
+        ("removed", "ram2", [d(3)]),
+        ("stored", "ssd", [d(3)]),
+        ("stored", "ram2", [d(5)]),
+        ("stored", "ram1", [d(2)]),
+    ]
+    assert three.held() == {"ram1": [d(0), d(2)], "ram2": [d(4), d(2), d(5)], "ssd": [d(0), d(1), d(3)]}
+    stats = three.stats()
+    assert (stats["ram1_misses"], stats["ram2_misses"], stats["ram2_hits"], stats["ssd_hits"]) == (2, 1, 1, 1)
+    assert (stats["ram1_promotions"], stats["ram2_promotions"], stats["ssd_promotions"]) == (2, 1, 1)
+    assert three.get(d(0)) == data(0)  # a ram1 hit: nothing moves
+    assert rec.take() == []
+    assert three.delete(d(0)) is True
+    assert rec.take() == [("removed", "ram1", [d(0)]), ("removed", "ssd", [d(0)])]
+
+
+def test_put_goes_to_the_fastest_tier_that_fits_and_demotion_skips_a_tier_too_small(
+    tmp_path: Path, rec: Recorder
+) -> None:
+    chain = [
+        RamTier(4 * BLOCK, name="ram1"),
+        RamTier(BLOCK, name="ram2"),
+        SsdTier(tmp_path / "ssd", 10 * RECORD),
+    ]
+    store = TieredStore.of(chain, listener=rec)
+    try:
+        store.put(d(1), data(1, 2 * BLOCK))  # fits ram1 only: when evicted, it skips ram2 for the SSD
+        store.put(d(2), data(2, 3 * BLOCK))
+        assert rec.take() == [
+            ("stored", "ram1", [d(1)]),
+            ("removed", "ram1", [d(1)]),
+            ("stored", "ssd", [d(1)]),
+            ("stored", "ram1", [d(2)]),
+        ]
+        stats = store.stats()
+        assert (stats["ram1_demotions"], stats["ram2_demotions"], stats["ssd_demotions"]) == (1, 0, 1)
+        big = data(7, 4 * BLOCK + 1)
+        store.put(d(7), big)  # larger than both RAM tiers: straight to the SSD
+        assert rec.take() == [("stored", "ssd", [d(7)])]
+        assert store.get(d(7)) == big and store.tier_of(d(7)) == "ssd"  # not promoted: fits no RAM tier
+    finally:
+        store.close()
+
+
+def test_ssd_in_the_middle_demotes_verified_payloads(tmp_path: Path, rec: Recorder) -> None:
+    small = SsdTier(tmp_path / "fast", 2 * RECORD)
+    chain = [RamTier(BLOCK), small, SsdTier(tmp_path / "slow", 5 * RECORD, name="ssd2")]
+    store = TieredStore.of(chain, listener=rec)
+    try:
+        for i in range(4):
+            store.put(d(i), data(i))  # ram [d3], ssd [d1, d2], ssd2 [d0] (read back from RocksDB)
+        assert store.held() == {TIER_RAM: [d(3)], TIER_SSD: [d(1), d(2)], "ssd2": [d(0)]}
+        assert store.stats()["ssd_demotions"] == 3 + 1
+        rec.take()
+        assert store.get(d(0)) == data(0)  # a hit two tiers down, promoted into RAM
+        assert store.tier_of(d(0)) == TIER_RAM
+        assert store.stats()["ssd2_hits"] == store.stats()["ssd2_promotions"] == 1
+    finally:
+        store.close()
+
+
+def test_a_corrupt_copy_is_passed_over_for_a_slower_one(tmp_path: Path, rec: Recorder) -> None:
+    hot = DamagedRam(BLOCK, name="ram1")
+    store = TieredStore.of([hot, RamTier(3 * BLOCK, name="ram2")], listener=rec)
+    store.put(d(1), data(1))
+    store.put(d(2), data(2))  # d(1) demoted into ram2
+    assert store.get(d(1)) == data(1)  # promoted back: held in both
+    assert store.held() == {"ram1": [d(1)], "ram2": [d(1), d(2)]}
+    rec.take()
+    hot.damaged.add(d(1))
+    assert store.get(d(1)) == data(1)  # ram1's copy fails, ram2's is served and promoted again
+    assert rec.take() == [
+        ("removed", "ram1", [d(1)]),
+        ("stored", "ram1", [d(1)]),
+    ]
+    stats = store.stats()
+    assert (stats["ram1_corrupt"], stats["ram1_misses"], stats["ram2_hits"]) == (1, 2, 2)
+
+
+def test_chains_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(KvcachedConfigError, match="at least one tier"):
+        TieredStore.of([])
+    with pytest.raises(KvcachedConfigError, match="unique"):
+        TieredStore.of([RamTier(BLOCK), RamTier(2 * BLOCK)])
+    with pytest.raises(KvcachedConfigError, match="max_block_bytes"):
+        TieredStore.of([RamTier(BLOCK)], max_block_bytes=0)
+    ram_only = TieredStore.of([RamTier(BLOCK)])
+    assert ram_only.held() == {TIER_RAM: []}  # no SSD named: none listed (the daemon's constructor lists it)
+    assert "ssd_bytes" not in ram_only.stats()
+    assert TieredStore(BLOCK, None, 0).stats()["ssd_bytes"] == 0
