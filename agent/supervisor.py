@@ -43,9 +43,10 @@ from pathlib import Path
 
 import aiohttp
 
-from agent.config import AgentSection, EngineConfig, RestartPolicy
-from agent.engines import EngineLaunch, needs_kv_events_ports, needs_side_port, render
+from agent.config import AgentSection
 from agent.errors import EngineNotReady, EngineStartError
+from agent.launch import EngineLaunch, needs_kv_events_ports, needs_side_port, render
+from engines.config import EngineConfig, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ Renderer = Callable[[EngineConfig, AgentSection, EnginePorts], EngineLaunch]
 
 
 def render_ports(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) -> EngineLaunch:
-    """The default renderer: :func:`agent.engines.render` on picked ports."""
+    """The default renderer: :func:`agent.launch.render` on picked ports."""
     return render(
         engine, agent, port=ports.port, kv_events_port=ports.kv_events, kv_replay_port=ports.kv_replay,
         side_port=ports.side,

@@ -39,7 +39,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from contracts.events import Gpu, Load
-from engines.metrics import ENGINE_METRICS, VLLM, MetricNames, parse_metrics
+from engines.kinds import metric_names
+from engines.metrics import MetricNames, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class EngineScraper:
     ) -> None:
         self.engine = engine
         self.metrics_url = metrics_url
-        names = ENGINE_METRICS.get(engine, VLLM)
+        names = metric_names(engine)
         self._llama = engine == "llama_cpp"
         if self._llama:
             names = MetricNames(names.waiting, names.running, LLAMA_CPP_KV_METRIC)

@@ -1,4 +1,5 @@
-"""What engines export for routing: the Prometheus series each kind names its load with, and a fast parser.
+"""What engines export for routing: one scrape's load signals, the names of the series they come from (each
+kind's are on its :class:`~engines.kind.EngineKind`; :func:`engines.kinds.metric_names`), and a fast parser.
 
 The parser reads only the few series routing needs (REFERENCE.md section 4) and sums them over label
 sets (an engine serving several models reports one series per model). It is a line scan, not a full
@@ -28,24 +29,12 @@ class EngineMetrics:
 
 @dataclass(frozen=True, slots=True)
 class MetricNames:
-    """Series names of one engine kind; ``kv_usage`` is ``None`` where the engine has no such gauge."""
+    """Series names of one engine kind's load: requests queued, requests running, and the KV cache use
+    gauge (``None`` where the engine has no such gauge)."""
 
     waiting: str
     running: str
     kv_usage: str | None
-
-
-VLLM = MetricNames("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
-ENGINE_METRICS: dict[str, MetricNames] = {
-    "vllm": VLLM,
-    "sim": VLLM,
-    "openai_compat": VLLM,
-    "sglang": MetricNames("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
-    "trtllm": MetricNames(
-        "trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization"
-    ),
-    "llama_cpp": MetricNames("llamacpp:requests_deferred", "llamacpp:requests_processing", None),
-}
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:

@@ -1,6 +1,7 @@
 """The scrape loop: every endpoint with a ``metrics_url`` is read each ``scrape.interval_s`` into the fleet.
 
-The series each engine kind names its load with, and the parser, are :mod:`engines.metrics`.
+The series each engine kind names its load with are :func:`engines.kinds.metric_names`; the parser is
+:mod:`engines.metrics`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from engines.metrics import ENGINE_METRICS, VLLM, parse_metrics
+from engines.kinds import metric_names
+from engines.metrics import parse_metrics
 from extproc.fleet import EndpointState, Fleet
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class Scraper:
     async def _scrape(self, state: EndpointState) -> None:
         url = state.endpoint.metrics_url
         assert url is not None
-        names = ENGINE_METRICS.get(state.endpoint.engine, VLLM)
+        names = metric_names(state.endpoint.engine)
         assert self._session is not None
         routed_before = state.routed_since_scrape  # what the engine's answer will already include
         try:

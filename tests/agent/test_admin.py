@@ -17,11 +17,12 @@ import aiohttp
 import pytest
 
 from agent.admin import server_context
-from agent.config import AgentSection, EngineConfig, NodeConfig, TLSFiles, parse_node_config
+from agent.config import AgentSection, NodeConfig, TLSFiles, parse_node_config
 from agent.errors import AgentConfigError
 from agent.main import Agent
 from agent.slot_api import RESTORE_CHAIN_PATH
 from certs.store import LeafFiles, dev_bundle
+from engines.config import EngineConfig
 
 #: Every state-changing route of an agent with ``[agent] kvcached``.
 POSTS = ("/drain", "/slots/save", "/slots/restore", RESTORE_CHAIN_PATH)

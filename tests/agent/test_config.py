@@ -11,19 +11,11 @@ from typing import Any
 import pytest
 
 import agent.config as config_module
-from agent.config import (
-    KV_OFFLOADS,
-    OFFLOAD_MATRIX,
-    AgentSection,
-    NodeConfig,
-    OffloadConfig,
-    RestartPolicy,
-    load_node_config,
-    parse_node_config,
-)
-from agent.engines import render
+from agent.config import AgentSection, NodeConfig, load_node_config, parse_node_config
 from agent.errors import AgentConfigError
-from engines.kinds import ENGINE_KINDS, ROLES
+from agent.launch import render
+from engines.config import KV_OFFLOADS, OffloadConfig, RestartPolicy
+from engines.kinds import ENGINE_KINDS, OFFLOAD_MATRIX, ROLES
 
 
 def engine_raw(kind: str, **keys: Any) -> dict[str, Any]:

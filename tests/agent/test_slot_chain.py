@@ -18,13 +18,14 @@ import pytest
 from aiohttp import web
 
 from agent.autosave import SlotAutoSaver
-from agent.config import AgentSection, EngineConfig
+from agent.config import AgentSection
 from agent.slot_api import RESTORE_CHAIN_PATH, SlotAdmin
 from agent.slotfile import decode_marker, state_tokens
 from agent.slots import SlotCache, decode_slot_record, slot_dir
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper
 from contracts.digest import Digest, block_digests, chain_seed
+from engines.config import EngineConfig
 from tests.agent.test_slots import complete
 
 MODEL = "SmolLM2-135M-Instruct"

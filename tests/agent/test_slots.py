@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.config import AgentSection, EngineConfig
+from agent.config import AgentSection
 from agent.slot_api import SlotAdmin
 from agent.slots import (
     SLOT_HEADER_BYTES,
@@ -26,6 +26,7 @@ from agent.slots import (
 )
 from agent.supervisor import EngineSupervisor
 from contracts.digest import block_digests, chain_seed
+from engines.config import EngineConfig
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 from runtime.kvcached import KvcachedClient

