@@ -38,31 +38,32 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.admission.gate import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER, Gate, Principal, Ticket
+from contracts.epp import (
+    CONFORMANCE_HEADER,
+    CONFORMANCE_SERVED,
+    DESTINATION,
+    JWT_NS,
+    JWT_PAYLOAD,
+    JWT_STATUS,
+    LB_NS,
+    MAX_CHUNK,
+    MODEL_REWRITE,
+    PRIMARY,
+    REJECTED_KEY,
+    REJECTED_NS,
+    SERVED,
+    SUBSET_KEY,
+    SUBSET_NS,
+    TENANT_HEADER,
+    UPSTREAM_HEADER,
+)
+from extproc.admission.gate import Gate, Principal, Ticket
 from extproc.admission.usage import UsageReader
 from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests
 from extproc.routing.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
 from extproc.routing.router import Decision, Router
 
 log = logging.getLogger(__name__)
-
-DESTINATION = "x-gateway-destination-endpoint"
-#: The first address alone: plain Envoy's ORIGINAL_DST cluster takes exactly one ``ip:port``.
-PRIMARY = "x-kvgate-destination-primary"
-SERVED = "x-gateway-destination-endpoint-served"
-SUBSET_NS = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-LB_NS = "envoy.lb"
-#: Set by the bundled Envoy route from %UPSTREAM_HOST%; removed before the client sees the response.
-UPSTREAM_HEADER = "x-kvgate-upstream-host"
-CONFORMANCE_HEADER = "test-epp-endpoint-selection"
-CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
-MODEL_REWRITE = "x-gateway-model-name-rewrite"
-MAX_CHUNK = 62_000
-#: Dynamic metadata sent with every immediate response, so the bundled Envoy config passes its
-#: OpenAI JSON body through instead of re-wrapping it as one of Envoy's own errors.
-REJECTED_NS = "kvgate"
-REJECTED_KEY = "rejected"
 
 
 class Phase(Enum):

@@ -31,14 +31,6 @@ from extproc.admission.usage import Usage
 from extproc.errors import Forbidden, TooManyRequests, Unauthorized
 from extproc.routing.request import ParsedRequest
 
-#: Dynamic metadata namespace of Envoy's jwt_authn filter, and the keys kvgate's config gives it.
-JWT_NS = "envoy.filters.http.jwt_authn"
-JWT_PAYLOAD = "jwt_payload"
-JWT_STATUS = "jwt_status"
-#: Set by the processor on the upstream request (overwriting any client value; Envoy also strips it
-#: from clients) so Envoy's local_ratelimit can key its buckets by tenant and engines can see it.
-TENANT_HEADER = "x-kvgate-tenant"
-
 
 class Settle(Enum):
     """How output tokens are charged: ``USAGE`` reads the engine's reported usage from the response

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.admission.gate import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER, JwtConfig, Settle
+from contracts.epp import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER
+from extproc.admission.gate import JwtConfig, Settle
 from extproc.admission.tenants import RequestRate
 from extproc.config import GatewayConfig
 

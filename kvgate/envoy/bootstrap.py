@@ -22,14 +22,14 @@ from typing import Any
 
 import yaml
 
-from extproc.admission.gate import TENANT_HEADER
-from extproc.processor import (
+from contracts.epp import (
     DESTINATION,
     LB_NS,
     PRIMARY,
     REJECTED_KEY,
     REJECTED_NS,
     SUBSET_NS,
+    TENANT_HEADER,
     UPSTREAM_HEADER,
 )
 from kvgate.envoy import auth as envoy_auth

@@ -22,11 +22,24 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
+from contracts.epp import (
+    CONFORMANCE_HEADER,
+    CONFORMANCE_SERVED,
+    DESTINATION,
+    JWT_NS,
+    LB_NS,
+    MAX_CHUNK,
+    MODEL_REWRITE,
+    PRIMARY,
+    SERVED,
+    SUBSET_KEY,
+    SUBSET_NS,
+    TENANT_HEADER,
+    UPSTREAM_HEADER,
+)
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.admission.gate import (
-    JWT_NS,
-    TENANT_HEADER,
     AuthConfig,
     Gate,
     JwtConfig,
@@ -38,21 +51,7 @@ from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
-from extproc.processor import (
-    CONFORMANCE_HEADER,
-    CONFORMANCE_SERVED,
-    DESTINATION,
-    LB_NS,
-    MAX_CHUNK,
-    MODEL_REWRITE,
-    PRIMARY,
-    SERVED,
-    SUBSET_KEY,
-    SUBSET_NS,
-    UPSTREAM_HEADER,
-    ProcessorConfig,
-    StreamProcessor,
-)
+from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Decision, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 
