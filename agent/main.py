@@ -28,6 +28,10 @@ through the telemetry poll), and their endpoint record names the agent's ``/slot
 (``slot_restore``: ``http://<advertise>:<admin port>/slots/restore-chain``, ``https://`` with
 ``[agent.tls]``) so that gateways restore a prefix kvcached holds before they route a request there
 (:mod:`extproc.control.restore`, over mTLS with the gateway's ``[feeds]`` client certificate).
+
+KV events and slot chains are hashed in blocks of the gateways' index block size, followed live in etcd
+(``policy/index/block_size``, :mod:`agent.blocksize`): when it changes, each engine's endpoint is reported
+``Cleared`` and its KV events are translated anew from the engine's replay, in blocks of the new size.
 """
 
 from __future__ import annotations
@@ -41,11 +45,14 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from agent.admin import client_cert_required, server_context
 from agent.autosave import SlotAutoSaver
+from agent.blocksize import DEFAULT_INDEX_BLOCK_SIZE, IndexBlockSize
+from agent.blocksize import PATH as BLOCK_SIZE_PATH
 from agent.config import NodeConfig, load_node_config
 from agent.errors import AgentError
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
@@ -55,7 +62,7 @@ from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
 from contracts.errors import ConfigError
-from contracts.etcd import decode_value, endpoint_key, parse_etcd_settings, policy_key
+from contracts.etcd import endpoint_key, parse_etcd_settings, policy_key
 from contracts.events import Cleared, IndexEvent, Load
 from contracts.kvcached import MESSAGE_SLACK
 from engines.config import EngineConfig
@@ -66,10 +73,14 @@ from runtime.kvcached import KvcachedClient
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ServerTlsFiles
 
+if TYPE_CHECKING:
+    from runtime.watch import PrefixWatcher
+
 log = logging.getLogger(__name__)
 
-DEFAULT_INDEX_BLOCK_SIZE = 16
 TELEMETRY_INTERVAL_S = 0.1
+#: How long start waits for etcd's ``index/block_size`` before starting engines at the current size.
+BLOCK_SIZE_WAIT_S = 2.0
 #: Every reading is sent (heartbeat = interval), as often as the gateway scraped engines itself: the
 #: gateway's load estimate adds the requests it routed since the last reading, so a reading that is skipped
 #: because the engine's numbers did not change (short requests that came and went between two samples)
@@ -115,6 +126,8 @@ class _Engine:
     scraper: EngineScraper | None = None
     #: Automatic slot saves (llama.cpp with ``[agent] kvcached``).
     autosave: SlotAutoSaver | None = None
+    #: Held while the engine's KV event subscription is (re)made, so two never overlap.
+    kv_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 class Agent:
@@ -123,7 +136,11 @@ class Agent:
     def __init__(self, config: NodeConfig, *, index_block_size: int | None = None) -> None:
         self.config = config
         self.node = config.agent.id
-        self._index_block_size = index_block_size
+        #: Tokens per index block of the KV events and slot chains sent to gateways: the gateways' own
+        #: (etcd ``policy/index/block_size``, followed live) unless ``index_block_size`` fixes it.
+        self.index_block_size = index_block_size or DEFAULT_INDEX_BLOCK_SIZE
+        self._follow_block_size = index_block_size is None
+        self._block_size_watch: PrefixWatcher[int] | None = None
         self.feed_log = FeedLog(self.node)
         tls = config.agent.tls
         self.feed = FeedServer(
@@ -160,10 +177,8 @@ class Agent:
         await self._start_admin()
         if self.config.etcd_raw is not None:
             await self._start_etcd()
-        if self._index_block_size is None:
-            self._index_block_size = DEFAULT_INDEX_BLOCK_SIZE
         if self.slots is not None:  # slot chains use the gateways' block size, as KV events do
-            self.slots.block_size = self._index_block_size
+            self.slots.block_size = self.index_block_size
         self.telemetry.start()
         for engine in self.config.engines:
             sup = EngineSupervisor(engine, self.config.agent, on_change=self._on_change)
@@ -204,6 +219,8 @@ class Agent:
             await self.slots.aclose()
         await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
         await self.telemetry.aclose()
+        if self._block_size_watch is not None:
+            await self._block_size_watch.aclose()
         if self._leased is not None:
             from runtime.etcd import LeasedKeys
 
@@ -225,40 +242,59 @@ class Agent:
     async def _start_etcd(self) -> None:
         # Imported here: a standalone agent never loads an etcd client library.
         from runtime.etcd import LeasedKeys, connect
+        from runtime.watch import PrefixWatcher
 
         settings = parse_etcd_settings(self.config.etcd_raw, "etcd")
         self._prefix = settings.prefix
         client = await connect(settings)
         self._etcd_client = client
-        if self._index_block_size is None:
-            key = policy_key(settings.prefix, "index/block_size")
-            self._index_block_size = await self._read_block_size(client, key, decode_value)
+        if self._follow_block_size:
+            key = policy_key(settings.prefix, BLOCK_SIZE_PATH)
+            watch: PrefixWatcher[int] = PrefixWatcher(
+                client,
+                key,
+                IndexBlockSize(key),
+                timeout_s=settings.timeout_s,
+                on_applied=self._set_index_block_size,
+                name="agent-index-block-size",
+            )
+            self._block_size_watch = watch
+            watch.start()
+            if not await watch.wait_synced(BLOCK_SIZE_WAIT_S):
+                log.warning(
+                    "agent %s: etcd not reachable yet: index block size %d until it is",
+                    self.node,
+                    self.index_block_size,
+                )
         leased = LeasedKeys(client, self.config.agent.lease_ttl_s, timeout_s=settings.timeout_s)
         self._leased = leased
         if not await leased.start({}):
             log.warning("agent %s: etcd not reachable yet; registration retries in the background", self.node)
 
-    @staticmethod
-    async def _read_block_size(client: object, key: str, decode: object) -> int:
-        """The gateways' index block size (etcd ``policy/index/block_size``; default 16). Read once: a
-        change needs an agent restart (documented in the policy module)."""
-        import etcd3aio
+    def _set_index_block_size(self, size: int) -> None:
+        """The gateways' index block size is now ``size`` tokens: slot chains use it at once, and each
+        engine's KV events are translated again in blocks of it (:meth:`_translate_again`)."""
+        if size == self.index_block_size:
+            return
+        log.info("agent %s: index block size %d -> %d tokens", self.node, self.index_block_size, size)
+        self.index_block_size = size
+        if self.slots is not None:
+            self.slots.block_size = size
+        for eng in self.engines.values():
+            if eng.translator is not None:
+                self._spawn(self._translate_again(eng), f"block-size-{eng.config.id}")
 
-        assert isinstance(client, etcd3aio.Etcd3Client) and client.kv is not None
-        try:
-            resp = await client.kv.get(key, timeout=2.0)
-        except Exception as exc:  # etcd down at start: the default, and say so
-            log.warning("cannot read %s (%s): using block size %d", key, exc, DEFAULT_INDEX_BLOCK_SIZE)
-            return DEFAULT_INDEX_BLOCK_SIZE
-        if not resp.kvs:
-            return DEFAULT_INDEX_BLOCK_SIZE
-        try:
-            assert callable(decode)
-            value = decode("index/block_size", resp.kvs[0].value)
-        except ConfigError as exc:
-            log.warning("ignoring %s: %s", key, exc)
-            return DEFAULT_INDEX_BLOCK_SIZE
-        return int(value) if isinstance(value, int) and value > 0 else DEFAULT_INDEX_BLOCK_SIZE
+    async def _translate_again(self, eng: _Engine) -> None:
+        """Forget what ``eng`` was reported to hold (a ``Cleared``: those digests are of the old block
+        size) and follow its KV events anew from the engine's replay, as at start: the catch-up goes out
+        as one snapshot in blocks of the new size (:func:`feed_batches`)."""
+        async with eng.kv_lock:
+            await self._stop_feed(eng)
+            translator, eng.translator = eng.translator, None
+            if translator is not None:
+                self.feed.publish(translator.reset())
+            if eng.supervisor.state is EngineState.READY:
+                await self._follow_kv_events(eng)
 
     async def _register(self, eng: _Engine) -> None:
         launch = eng.supervisor.launch
@@ -314,27 +350,37 @@ class Agent:
         launch = eng.supervisor.launch
         assert launch is not None
         cfg = eng.config
-        if launch.speaks_kv_events and launch.kv_events_endpoint is not None:
-            await self._stop_feed(eng)
-            assert self._index_block_size is not None
-            translator = eng.translator or Translator(cfg.id, cfg.model, self._index_block_size)
-            subscriber = KvEventSubscriber(
-                SubscriberConfig(
-                    launch.kv_events_endpoint,
-                    launch.kv_replay_endpoint,
-                    topic=launch.kv_events_topic,
-                    catch_up=True,
-                )
-            )
-            await subscriber.start()
-            eng.translator, eng.subscriber = translator, subscriber
-            eng.pump = asyncio.create_task(self._pump(eng, subscriber, translator), name=f"kv-{cfg.id}")
+        async with eng.kv_lock:
+            await self._follow_kv_events(eng)
         if launch.metrics_url is not None and cfg.id not in self._watched():
             scraper = EngineScraper(cfg.kind, launch.metrics_url)
             eng.scraper = scraper
             self.telemetry.watch(cfg.id, scraper, status=lambda: self._status(eng))
         self._start_autosave(eng)
         await self._register(eng)
+
+    async def _follow_kv_events(self, eng: _Engine) -> None:
+        """Subscribe to a ready engine's KV events (those that publish them), replaying from its first
+        batch, translated in blocks of :attr:`index_block_size` (the engine's previous translator is kept
+        across a restart: it was reset when the engine went away). Callers hold ``eng.kv_lock``."""
+        launch = eng.supervisor.launch
+        assert launch is not None
+        if not launch.speaks_kv_events or launch.kv_events_endpoint is None:
+            return
+        await self._stop_feed(eng)
+        cfg = eng.config
+        translator = eng.translator or Translator(cfg.id, cfg.model, self.index_block_size)
+        subscriber = KvEventSubscriber(
+            SubscriberConfig(
+                launch.kv_events_endpoint,
+                launch.kv_replay_endpoint,
+                topic=launch.kv_events_topic,
+                catch_up=True,
+            )
+        )
+        await subscriber.start()
+        eng.translator, eng.subscriber = translator, subscriber
+        eng.pump = asyncio.create_task(self._pump(eng, subscriber, translator), name=f"kv-{cfg.id}")
 
     def _start_autosave(self, eng: _Engine) -> None:
         """Automatic slot saves for a llama.cpp engine (once per engine: they survive its restarts)."""
@@ -466,6 +512,7 @@ class Agent:
         return {
             "node": self.node,
             "feed": self.feed_address,
+            "index_block_size": self.index_block_size,
             "admin_port": self.admin_port,
             "feed_seq": self.feed_log.seq,
             "engines": [

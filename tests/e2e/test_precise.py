@@ -21,12 +21,14 @@ import orjson
 import pytest
 
 from contracts.digest import Digest
+from contracts.etcd import EtcdSettings, encode_value, policy_key
 from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.server import Gateway
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child
+from runtime.etcd import connect
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_agents import MODEL, start_agent
 
@@ -257,3 +259,52 @@ async def test_speculative_entries_do_not_mask_eviction(fleet: Fleet, gateways: 
     await until(lambda: everywhere(gateways, prompt, chosen, 0), 2, "the speculation dropped")
     assert time.monotonic() - started < SPECULATIVE_TTL_S
     assert pick(gateway, prompt) != (chosen, n_blocks)
+
+
+async def agent_block_sizes(client: httpx.AsyncClient, fleet: Fleet) -> set[int]:
+    """Every agent's ``index_block_size`` (``GET /status``)."""
+    sizes = set()
+    for port in set(fleet.admin.values()):
+        status = (await client.get(f"http://127.0.0.1:{port}/status")).json()
+        sizes.add(status["index_block_size"])
+    return sizes
+
+
+async def until_agents(client: httpx.AsyncClient, fleet: Fleet, size: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await agent_block_sizes(client, fleet) != {size}:
+        assert time.monotonic() < deadline, f"agents not at block size {size} after {timeout_s:g} s"
+        await asyncio.sleep(0.05)  # polling interval of an HTTP probe, not a readiness stand-in
+
+
+async def test_a_new_index_block_size_reaches_agents_and_gateways_live(
+    fleet: Fleet, gateways: list[Gateway]
+) -> None:
+    """``policy/index/block_size`` changed in etcd: both gateways hash prompts in the new blocks at once,
+    and each agent translates its engine's KV events anew in them (the endpoint cleared, then the
+    engine's replay), so a prefix the engine held before the change is found under its new digests; no
+    process restarts."""
+    before = fresh_prompt("before the change")
+    key = policy_key("/kvgate/", "index/block_size")
+    etcd = await connect(EtcdSettings(endpoints=(fleet.etcd.address,)))
+    assert etcd.kv is not None
+    async with httpx.AsyncClient(timeout=30) as client:
+        try:
+            await send(client, fleet.engines["sim-0"], before)
+            n16 = len(digests(gateways[0], before))
+            await until(lambda: everywhere(gateways, before, "sim-0", n16), 2, "indexed in 16-token blocks")
+            await etcd.kv.put(key, encode_value(32))
+            await until(lambda: all(g.router.policy.block_size == 32 for g in gateways) or None, 5, "at 32")
+            await until_agents(client, fleet, 32, 5)
+            n32 = len(digests(gateways[0], before))
+            assert n32 == n16 // 2 > 0
+            await until(lambda: everywhere(gateways, before, "sim-0", n32), 5, "the held prefix in 32s")
+            after = fresh_prompt("after the change")
+            await send(client, fleet.engines["sim-0"], after)
+            n_after = len(digests(gateways[0], after))
+            await until(lambda: everywhere(gateways, after, "sim-0", n_after), 5, "a new prompt at 32")
+        finally:
+            await etcd.kv.delete(key)
+            await until(lambda: all(g.router.policy.block_size == 16 for g in gateways) or None, 5, "back")
+            await until_agents(client, fleet, 16, 5)
+            await etcd.close()
