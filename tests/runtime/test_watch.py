@@ -3,9 +3,7 @@ delete, a failing callback, no etcd at start, an outage and the resync after it)
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import etcd3aio
@@ -15,8 +13,14 @@ from contracts.etcd import Change, EtcdSettings
 from kvgate.dev.etcd import EtcdServer
 from runtime.etcd import connect
 from runtime.watch import PrefixWatcher, Retry
+from tests.polling import until
 
 pytest_plugins = ("tests.etcd_fixtures",)
+
+
+def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
+    assert client.kv is not None
+    return client.kv
 
 
 # -- the retry rule -------------------------------------------------------------------------------------
@@ -72,21 +76,6 @@ class Mirror:
         return frozenset(keys)
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float) -> float:
-    """Poll ``condition`` until true; the seconds it took (fails after ``timeout_s``)."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - started
-
-
-def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
-    assert client.kv is not None
-    return client.kv
-
-
 async def test_snapshot_then_changes_and_a_delete(
     etcd_client: etcd3aio.Etcd3Client, etcd_prefix: str
 ) -> None:
@@ -109,7 +98,7 @@ async def test_snapshot_then_changes_and_a_delete(
         await kv.put(f"{watched}b", b"22")
         await kv.put(f"{etcd_prefix}wx", b"still beside")
         last = (await kv.delete(f"{watched}a")).header.revision
-        await _until(lambda: watcher.revision == last, 2.0)
+        await until(lambda: watcher.revision == last, 2.0)
         assert core.state == {f"{watched}b": b"22", f"{watched}c": b"3"}
         assert set().union(*applied[1:]) == {f"{watched}a", f"{watched}b", f"{watched}c"}
         assert watcher.counters["syncs"] == 1  # changes came by the watch, not by a resync
@@ -133,7 +122,7 @@ async def test_a_failing_callback_does_not_stop_the_watcher(
     try:
         assert await watcher.wait_synced(5.0)
         await _kv(etcd_client).put(f"{etcd_prefix}k", b"v")
-        await _until(lambda: core.state == {f"{etcd_prefix}k": b"v"} and len(calls) == 2, 2.0)
+        await until(lambda: core.state == {f"{etcd_prefix}k": b"v"} and len(calls) == 2, 2.0)
         assert watcher.connected and watcher.counters["syncs"] == 1
     finally:
         await watcher.aclose()
@@ -170,16 +159,16 @@ async def test_an_outage_keeps_the_state_and_a_resync_follows(etcd_outage_server
         before, old_revision = dict(core.state), watcher.revision
 
         server.stop()
-        await _until(lambda: not watcher.connected, 3.0)  # the probe noticed: the watch alone would not
+        await until(lambda: not watcher.connected, 3.0)  # the probe noticed: the watch alone would not
         assert core.state == before and watcher.counters["outages"] == 1
 
         server.wipe()  # etcd comes back rebuilt: no keys, and its revisions start over
         server.start()
-        took = await _until(lambda: watcher.connected and core.state == {}, 10.0)
+        took = await until(lambda: watcher.connected and core.state == {}, 10.0)
         assert watcher.counters["syncs"] >= 2 and watcher.revision < old_revision
         # The watch follows from the resync's revision, not from the old (now future) one.
         last = (await kv.put(f"{prefix}c", b"4")).header.revision
-        await _until(lambda: watcher.revision == last, 2.0)
+        await until(lambda: watcher.revision == last, 2.0)
         assert core.state == {f"{prefix}c": b"4"} and watcher.counters["outages"] == 1
         print(f"resynced {took:.2f} s after etcd came back")
     finally:

@@ -3,9 +3,7 @@ applied to a fake index and a real Fleet; lost and restored feeds."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -23,20 +21,12 @@ from extproc.control.feeds import FeedManager
 from extproc.fleet import Fleet
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
+from tests.runtime.feed.test_server import Held, eventually
 
 D1, D2, D3 = (bytes([i]) * 16 for i in (1, 2, 3))
 
 
 E1, E2 = EndpointId("e1"), EndpointId("e2")
-
-
-async def eventually(cond: Callable[[], bool], within_s: float = 5.0) -> None:
-    """Poll ``cond`` until true or fail after ``within_s`` seconds."""
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 class FakeIndex:
@@ -54,14 +44,6 @@ class FakeIndex:
 
     def events(self) -> list[IndexEvent]:
         return [e for events, _ in self.applied for e in events]
-
-
-class Held:
-    def __init__(self) -> None:
-        self.events: list[IndexEvent] = []
-
-    def __call__(self) -> list[IndexEvent]:
-        return list(self.events)
 
 
 @pytest.fixture

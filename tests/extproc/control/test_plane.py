@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
 
 import etcd3aio
 
@@ -19,8 +18,14 @@ from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from kvgate.dev.etcd import EtcdServer
 from runtime.etcd import connect
+from tests.polling import until
 
 pytest_plugins = ("tests.etcd_fixtures",)
+
+
+def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
+    assert client.kv is not None
+    return client.kv
 
 P = "/kvgate/"
 STATIC = Endpoint(EndpointId("static-0"), "127.0.0.1:9000", frozenset({"m"}))
@@ -159,21 +164,6 @@ def test_snapshot_applies_the_difference() -> None:
 # -- the shell, against a real etcd ---------------------------------------------------------------------
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float) -> float:
-    """Poll ``condition`` until true; the seconds it took (fails after ``timeout_s``)."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - started
-
-
-def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
-    assert client.kv is not None
-    return client.kv
-
-
 async def test_control_plane_follows_etcd(
     etcd_settings: EtcdSettings, etcd_client: etcd3aio.Etcd3Client
 ) -> None:
@@ -201,27 +191,27 @@ async def test_control_plane_follows_etcd(
         new = _ep("new", 8011)
         started = time.monotonic()
         await kv.put(f"{p}endpoints/new", encode_endpoint(new))
-        await _until(lambda: fleet.get(new.id) is not None, 1.0)
+        await until(lambda: fleet.get(new.id) is not None, 1.0)
         assert time.monotonic() - started < 1.0  # measured registration latency
 
         await kv.put(f"{p}drain/new", b'{"at": 0, "by": "test"}')
-        await _until(lambda: fleet.get(new.id).draining, 1.0)  # type: ignore[union-attr]
+        await until(lambda: fleet.get(new.id).draining, 1.0)  # type: ignore[union-attr]
         await kv.delete(f"{p}drain/new")
-        await _until(lambda: not fleet.get(new.id).draining, 1.0)  # type: ignore[union-attr]
+        await until(lambda: not fleet.get(new.id).draining, 1.0)  # type: ignore[union-attr]
 
         await kv.put(f"{p}policy/weights/prefix", b"6")
-        await _until(lambda: policies[-1].weight("prefix") == 6.0, 1.0)
+        await until(lambda: policies[-1].weight("prefix") == 6.0, 1.0)
         seen = len(policies)
         await kv.put(f"{p}policy/weights/prefix", b'"heavy"')  # bad value written around the CLI
-        await _until(lambda: plane.counters["rejected"] == 1, 1.0)
+        await until(lambda: plane.counters["rejected"] == 1, 1.0)
         assert store.policy.weight("prefix") == 6.0 and len(policies) == seen
 
         await kv.put(f"{p}endpoints/static-0", encode_endpoint(_ep("static-0", 8012)))
-        await _until(lambda: plane.counters["refused"] == 1, 1.0)
+        await until(lambda: plane.counters["refused"] == 1, 1.0)
         assert fleet.get(STATIC.id).endpoint == STATIC  # type: ignore[union-attr]
 
         await kv.delete(f"{p}endpoints/new")
-        await _until(lambda: fleet.get(new.id) is None, 1.0)
+        await until(lambda: fleet.get(new.id) is None, 1.0)
         assert fleet.get(STATIC.id) is not None
     finally:
         await plane.aclose()
@@ -316,7 +306,7 @@ async def test_control_plane_rides_out_an_outage_and_resyncs(etcd_outage_server:
         assert set(before) == {STATIC.id, EndpointId("a")}
 
         server.stop()
-        await _until(lambda: not plane.connected, 3.0)
+        await until(lambda: not plane.connected, 3.0)
         assert {s.id: s.endpoint for s in fleet} == before  # routing keeps the last known fleet ...
         assert store.policy.weight("prefix") == 5.0  # ... and policy
 
@@ -334,7 +324,7 @@ async def test_control_plane_rides_out_an_outage_and_resyncs(etcd_outage_server:
         assert not plane.connected and fleet.get(EndpointId("a")) is not None
 
         await proxy.resume()
-        took = await _until(lambda: plane.connected and fleet.get(EndpointId("b")) is not None, 10.0)
+        took = await until(lambda: plane.connected and fleet.get(EndpointId("b")) is not None, 10.0)
         assert fleet.get(EndpointId("a")) is None
         assert fleet.get(EndpointId("b")).draining  # type: ignore[union-attr]
         assert store.policy.weight("prefix") == 7.0
@@ -365,7 +355,7 @@ async def test_control_plane_resyncs_when_its_watch_is_compacted(etcd_outage_ser
         finally:
             await client.close()
         await proxy.resume()
-        await _until(lambda: fleet.get(EndpointId("c")) is not None, 10.0)
+        await until(lambda: fleet.get(EndpointId("c")) is not None, 10.0)
         assert store.policy.weight("queue") == 4.0
         counters = plane.counters
         # Usually the resumed watch is told its revision was compacted; if its reconnect attempt lands
