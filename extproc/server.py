@@ -30,7 +30,7 @@ from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
 from extproc.config import GatewayConfig, load_config
 from extproc.control.cluster import Cluster
-from extproc.control.policy import PolicyStore, routing_policy
+from extproc.control.policy import gateway_policy, routing_policy
 from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.fleet import Fleet
@@ -107,6 +107,8 @@ class Gateway:
         self.fleet = Fleet(config.endpoints)
         self.models = ModelRegistry.from_config(config.models)
         max_fallbacks = config.extproc.max_fallbacks
+        #: The policy in force (config defaults + [policy] file; etcd changes it live via the cluster).
+        store = gateway_policy(config)
         approximate = ApproximateIndex(
             capacity_blocks_per_endpoint=config.index.capacity_blocks,
             ttl_s=config.index.ttl_s,
@@ -123,7 +125,7 @@ class Gateway:
             self.fleet,
             self.models,
             self.index,
-            routing_policy(PolicyStore.from_config(config).policy, max_fallbacks=max_fallbacks),
+            routing_policy(store.policy, max_fallbacks=max_fallbacks),
             max_blocks=config.index.max_match_blocks,
             rng=random.Random(),
             working_set=(
@@ -133,7 +135,7 @@ class Gateway:
             ),
         )
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
-        self.cluster = Cluster(config, self.fleet, self.index, self.router)
+        self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.metrics = GatewayMetrics(self.fleet)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)

@@ -30,7 +30,7 @@ from contracts.events import EndpointId, node_store_endpoint
 from extproc.config import GatewayConfig
 from extproc.control.feeds import FeedManager
 from extproc.control.plane import ControlPlane
-from extproc.control.policy import Policy, PolicyStore, load_policy_file, routing_policy
+from extproc.control.policy import Policy, PolicyStore, routing_policy
 from extproc.fleet import Fleet
 from extproc.index.hybrid import HybridIndex
 from extproc.routing.router import Router
@@ -43,7 +43,8 @@ SYNC_TIMEOUT_S = 2.0
 
 
 class Cluster:
-    """Keeps the fleet, index and router in step with etcd, the agents' feeds and the policy."""
+    """Keeps the fleet, index and router in step with etcd, the agents' feeds and the policy (``store``:
+    the gateway's, :func:`~extproc.control.policy.gateway_policy`)."""
 
     def __init__(
         self,
@@ -51,16 +52,14 @@ class Cluster:
         fleet: Fleet,
         index: HybridIndex,
         router: Router,
+        store: PolicyStore,
     ) -> None:
         self.config = config
         self.fleet, self.index, self.router = fleet, index, router
         self._static = frozenset(e.id for e in config.endpoints)
         self._known: set[EndpointId] = {s.id for s in fleet}
         self._stores: set[str] = set()  # nodes whose kvcached feeds are followed
-        self.store = PolicyStore.from_config(config)
-        if config.policy_file:
-            # A bad file fails the start (ConfigError): nothing half-applied, the operator sees why.
-            self.store.load(load_policy_file(Path(config.policy_file)))
+        self.store = store
         self.policy_changes = 0
         self.apply_policy(self.store.policy)
         fd = config.feeds

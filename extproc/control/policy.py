@@ -408,6 +408,16 @@ def policy_tree(values: Mapping[str, object]) -> dict[str, object]:
     return tree
 
 
+def gateway_policy(config: GatewayConfig) -> PolicyStore:
+    """The policy a gateway starts with: its config's scheduling and index settings as the embedded
+    default, overridden by its ``[policy] file``. A bad file is a :class:`ConfigError` (the start fails,
+    nothing half-applied: the operator sees why)."""
+    store = PolicyStore.from_config(config)
+    if config.policy_file:
+        store.load(load_policy_file(Path(config.policy_file)))
+    return store
+
+
 def load_policy_file(path: Path) -> dict[str, bytes]:
     """The policy paths of a ``.toml`` or ``.json`` file, each value JSON-encoded (as stored in etcd)."""
     tree = read_tree(path, "policy file")
