@@ -63,10 +63,6 @@ class RamTier:
             self._blocks.move_to_end(digest)
         return data
 
-    def peek(self, digest: bytes) -> bytes | None:
-        """The block without changing its recency."""
-        return self._blocks.get(digest)
-
     def touch(self, digest: bytes) -> None:
         """Make ``digest`` (if held) the most recently used."""
         if digest in self._blocks:
@@ -100,13 +96,12 @@ class RamTier:
         self.bytes += len(data)
         return evicted
 
-    def pop(self, digest: bytes) -> bytes | None:
-        """Remove and return the block; ``None`` when absent."""
-        return self._pop(digest) if digest in self._blocks else None
-
     def delete(self, digest: bytes) -> bool:
         """Remove the block; whether it was held."""
-        return self.pop(digest) is not None
+        if digest not in self._blocks:
+            return False
+        self._pop(digest)
+        return True
 
     def close(self) -> None:
         """Nothing to release: the blocks go with the process (a cache loses them)."""
