@@ -126,7 +126,7 @@ def compat_routes(replica: Replica) -> list[web.RouteDef]:
 
 def _rendered(model: str, token_ids: list[int], body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's render answer: the generate request the prompt becomes (``token_ids`` is what routers use)."""
-    gen = api.parse_generation({k: v for k, v in body.items() if k != "stream_options"}, chat=True)
+    gen = api.parse_sampling({k: v for k, v in body.items() if k != "stream_options"}, chat=True)
     sampling: dict[str, Any] = {"max_tokens": gen.max_tokens} if gen.max_tokens is not None else {}
     return {
         "request_id": f"render-{uuid.uuid4().hex}",

@@ -55,12 +55,20 @@ class EngineDriver:
         return True
 
     def submit(
-        self, request_id: str, prompt: Sequence[int], output: Sequence[int]
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        output: Sequence[int],
+        siblings: Sequence[tuple[str, Sequence[int]]] = (),
+        queue: asyncio.Queue[TokenEvent] | None = None,
     ) -> asyncio.Queue[TokenEvent]:
-        """Queue a request; its tokens arrive on the returned queue, the last with ``finished``."""
-        self.engine.add_request(request_id, prompt, output, asyncio.get_running_loop().time())
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
+        """Queue a request (and the ``siblings`` (id, output) sharing its prefill, see
+        :meth:`Engine.add_request`); the tokens of all of them arrive on ``queue`` (a new one by
+        default), which is returned, each request's last with ``finished``."""
+        self.engine.add_request(request_id, prompt, output, asyncio.get_running_loop().time(), siblings)
+        queue = asyncio.Queue() if queue is None else queue
+        for rid in (request_id, *(s for s, _ in siblings)):
+            self._queues[rid] = queue
         self._idle.clear()
         self._wake.set()
         return queue

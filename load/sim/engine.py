@@ -117,6 +117,7 @@ class Engine:
         self._seed = seed
         self._seqs: dict[str, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
+        self._held: dict[str, list[_Seq]] = {}  # first choice's id -> its siblings, until its prefill ends
         self._running: list[_Seq] = []
         self._in_flight: Step | None = None
 
@@ -140,23 +141,43 @@ class Engine:
         return bool(self._running or self._waiting)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], now: float
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        now: float,
+        siblings: Sequence[tuple[str, Sequence[int]]] = (),
     ) -> None:
-        """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival."""
+        """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival.
+
+        ``siblings`` (id, output) are the other choices of an ``n`` > 1 request: they share this
+        request's prefill, so they wait until its prompt is computed, then go to the head of the queue
+        and take its cached prompt blocks (vLLM's child requests hit the blocks the first one
+        allocated); each then decodes as a sequence of its own."""
+        seqs = [
+            self._new_seq(rid, prompt_token_ids, out, now)
+            for rid, out in ((request_id, output_token_ids), *siblings)
+        ]
+        for seq in seqs:
+            self._seqs[seq.request_id] = seq
+        self._waiting.append(seqs[0])
+        if len(seqs) > 1:
+            self._held[request_id] = seqs[1:]
+
+    def _new_seq(self, request_id: str, prompt: Sequence[int], output: Sequence[int], now: float) -> _Seq:
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt_token_ids or not output_token_ids:
+        if not prompt or not output:
             raise ValueError("prompt and output must each hold at least one token")
-        if len(prompt_token_ids) + len(output_token_ids) > self.config.max_model_len:
+        if len(prompt) + len(output) > self.config.max_model_len:
             raise ValueError("prompt plus output exceed max_model_len")
-        tokens = list(prompt_token_ids)
+        tokens = list(prompt)
         digests = block_digests(self._seed, tokens, self.config.block_size)
-        seq = _Seq(request_id, len(tokens), tokens, output_token_ids, now, digests)
-        self._seqs[request_id] = seq
-        self._waiting.append(seq)
+        return _Seq(request_id, len(tokens), tokens, output, now, digests)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is and release its blocks; unknown ids are ignored."""
+        """Drop a request wherever it is and release its blocks; unknown ids are ignored. Siblings
+        still waiting on an aborted request's prefill are queued at the head."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
@@ -164,8 +185,15 @@ class Engine:
         if seq in self._running:
             self._running.remove(seq)
             self.cache.free(request_id)
-        else:
+        elif seq in self._waiting:
             self._waiting.remove(seq)
+        for held in self._held.values():
+            if seq in held:
+                held.remove(seq)
+        self._release_siblings(seq)
+
+    def _release_siblings(self, seq: _Seq) -> None:
+        self._waiting.extendleft(reversed(self._held.pop(seq.request_id, [])))
 
     def schedule(self, now: float) -> Step | None:
         """Plan the next step starting at ``now``; ``None`` when nothing can run."""
@@ -214,6 +242,7 @@ class Engine:
             if seq.num_computed == seq.prompt_len:
                 self.stats.prompt_tokens += seq.prompt_len
                 events.append(self._sample(seq, step.end))
+                self._release_siblings(seq)
             else:
                 self._commit(seq)
         return events

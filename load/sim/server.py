@@ -18,7 +18,6 @@ import ssl
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 
 from contracts.digest import chain_seed
 from load.sim import protocol as api
+from load.sim import responses
 from load.sim.cache import CacheListener
 from load.sim.compat import compat_routes
 from load.sim.driver import EngineDriver
-from load.sim.engine import Engine, EngineConfig, TokenEvent
+from load.sim.engine import Engine, EngineConfig
+from load.sim.errors import SimError
+from load.sim.fields import lax_bool, opt, strict_str
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import replica_registry
+from load.sim.serving import Serving, ToolParsing
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
 
@@ -59,6 +62,7 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     timing: TimingModel = field(default_factory=TimingModel)
     kv_events: KvEventsConfig | None = None
+    tool_parsing: ToolParsing = field(default_factory=ToolParsing)
 
 
 class SimReplica:
@@ -84,6 +88,9 @@ class SimReplica:
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener)
         self.registry, observe_ttft = replica_registry(self.engine, config.model)
         self.driver = EngineDriver(self.engine, observe_ttft)
+        self.serving = Serving(
+            config.model, config.engine.max_model_len, tokenizer, self.driver, config.tool_parsing
+        )
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
@@ -134,12 +141,12 @@ class SimReplica:
         try:
             response: web.StreamResponse = await handler(request)
             return response
-        except api.SimError as exc:
+        except SimError as exc:
             return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            err = api.SimError(exc.status, exc.reason)
+            err = SimError(exc.status, exc.reason)
             return web.Response(status=exc.status, body=err.body(), content_type="application/json")
 
     async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -153,123 +160,37 @@ class SimReplica:
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         """The prompt token ids of a chat body, rendered with the chat template as vLLM does."""
-        chat = api.parse_chat(body)
-        try:
-            return self.tokenizer.chat_ids(
-                chat.messages,
-                add_special_tokens=chat.add_special_tokens,
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message,
-                tools=chat.tools,
-                template_kwargs=chat.template_kwargs,
-            )
-        except ValueError as exc:
-            raise api.bad(str(exc), "messages") from exc
+        return self.serving.chat_prompt(body)[2]
 
     def prompt_ids(self, body: dict[str, Any]) -> list[int]:
-        """The prompt token ids of a completion body: its text tokenized, or its ids as given."""
-        prompt = api.parse_text_prompt(body)
-        if isinstance(prompt.prompt, str):
-            return self.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
-        if max(prompt.prompt) >= self.tokenizer.vocab_size:
-            raise api.bad(f"Token id {max(prompt.prompt)} is out of vocabulary", "prompt")
-        return prompt.prompt
+        """The prompt token ids of a completion body (its first prompt)."""
+        return self.serving.prompt_ids(api.parse_text_prompts(body)[0])
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self.read_body(request)
-        return await self._generate(request, body, self.chat_ids(body), chat=True)
+        return await self.serving.chat(request, await self.read_body(request))
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
-        body = await self.read_body(request)
-        return await self._generate(request, body, self.prompt_ids(body), chat=False)
-
-    async def _generate(
-        self, request: web.Request, body: dict[str, Any], prompt: list[int], *, chat: bool
-    ) -> web.StreamResponse:
-        gen = api.parse_generation(body, chat=chat)
-        if not prompt:
-            raise api.bad("The prompt is empty", "prompt")
-        max_tokens = api.resolve_max_tokens(gen.max_tokens, len(prompt), self.config.engine.max_model_len)
-        output = self.tokenizer.sample_output(max_tokens, prompt, gen.seed)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        log.debug("%s %s: %d prompt tokens, %d output tokens", self.id, rid, len(prompt), max_tokens)
-        queue = self.driver.submit(rid, prompt, output)
-        try:
-            if gen.stream:
-                return await self._stream(
-                    request, queue, rid, len(prompt), chat=chat, usage=gen.include_usage
-                )
-            event = await queue.get()
-            while not event.finished:
-                event = await queue.get()
-            use = api.usage(len(prompt), max_tokens, event.cached_tokens)
-            text = self.tokenizer.output_text(output)
-            build = api.chat_response if chat else api.completion_response
-            return _json(build(rid, self._created_now(), self.config.model, text, use))
-        finally:
-            self.driver.abort(rid)
-
-    async def _stream(
-        self,
-        request: web.Request,
-        queue: asyncio.Queue[TokenEvent],
-        rid: str,
-        n_prompt: int,
-        *,
-        chat: bool,
-        usage: bool,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        response.headers["Cache-Control"] = "no-cache"
-        await response.prepare(request)
-        created, model, n_out, cached = self._created_now(), self.config.model, 0, 0
-        finished = False
-        try:
-            while not finished:
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                ids = [t for e in events for t in e.token_ids]
-                finished = events[-1].finished
-                finish = "length" if finished else None
-                text = self.tokenizer.output_text(ids)
-                if n_out == 0:
-                    cached = events[0].cached_tokens
-                    if chat:  # vLLM sends the role once the first token exists
-                        await _sse(
-                            response,
-                            api.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None),
-                        )
-                chunk = (
-                    api.chat_chunk(rid, created, model, {"content": text}, finish)
-                    if chat
-                    else api.completion_chunk(rid, created, model, text, finish)
-                )
-                await _sse(response, chunk)
-                n_out += len(ids)
-            if usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                use = api.usage(n_prompt, n_out, cached)
-                await _sse(response, api.usage_chunk(rid, obj, created, model, use))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:
-            log.debug("%s %s: client went away", self.id, rid)
-        return response
+        return await self.serving.completion(request, await self.read_body(request))
 
     async def _models(self, request: web.Request) -> web.Response:
         root = str(self.config.model_dir)
-        return _json(
-            api.models_response(self.config.model, root, self.config.engine.max_model_len, self._created)
-        )
+        max_model_len = self.config.engine.max_model_len
+        return _json(responses.models_response(self.config.model, root, max_model_len, self._created))
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self.read_body(request)
-        ids = self.chat_ids(body) if "messages" in body else self.prompt_ids(body)
-        strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") is True else None
+        if "messages" in body:  # TokenizeChatRequest: tools are rendered, tool_choice is not read
+            tools = api.parse_tools({k: v for k, v in body.items() if k != "tool_choice"})
+            ids = self.serving.render(api.parse_chat(body, tools.tools))
+        else:  # TokenizeCompletionRequest: ``prompt`` is a string
+            prompt = strict_str(body.get("prompt"), "prompt")
+            ids = self.tokenizer.encode(
+                prompt, add_special_tokens=opt(body, "add_special_tokens", lax_bool, True)
+            )
+        strs = self.tokenizer.token_strs(ids) if opt(body, "return_token_strs", lax_bool, False) else None
         return _json(
             {
                 "count": len(ids),
@@ -281,16 +202,11 @@ class SimReplica:
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await self.read_body(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
-            raise api.bad("'tokens' must be a list of token ids", "tokens")
-        return _json({"prompt": self.tokenizer.decode(tokens)})
+        return _json({"prompt": self.tokenizer.decode(api.parse_detokenize(body))})
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         if not self.engine.cache.reset():
-            raise api.SimError(409, "the prefix cache is in use by running requests")
+            raise SimError(409, "the prefix cache is in use by running requests")
         return web.Response(status=200)
 
     async def _drop_next_kv_batches(self, request: web.Request) -> web.Response:
@@ -301,7 +217,7 @@ class SimReplica:
         except ValueError:
             n = -1
         if n < 0:
-            raise api.bad("'n' must be a non-negative integer", "n")
+            raise SimError(400, "'n' must be a non-negative integer", param="n")
         self.kv_events.drop_next(n)
         return _json({"dropping": n})
 
@@ -310,17 +226,9 @@ class SimReplica:
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
-    @staticmethod
-    def _created_now() -> int:
-        return int(time.time())
-
 
 def _json(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
-
-
-async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -410,7 +318,7 @@ class SimFleet:
         await self.aclose()
 
 
-def write_ready_file(path: Path, records: list[dict[str, str]]) -> None:
+def write_ready_file(path: Path, records: list[dict[str, object]]) -> None:
     """Write ``records`` as JSON to ``path`` atomically (temp file in the same directory, then rename)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -478,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
         "(replica i uses port+i)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='as vLLM: answer tool_choice "auto" (and, with a parser, "required" and named) with tool calls',
+    )
+    p.add_argument("--tool-call-parser", metavar="NAME", help="as vLLM; needed by --enable-auto-tool-choice")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -501,7 +415,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
     )
     kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
-    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing, kv_events)
+    tools = ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser)
+    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing, kv_events, tools)
 
 
 async def serve(config: SimConfig, args: argparse.Namespace) -> None:
@@ -520,7 +435,7 @@ async def serve(config: SimConfig, args: argparse.Namespace) -> None:
     )
     await fleet.start()
     try:
-        records = fleet.describe()
+        records = [{**r, "pid": os.getpid()} for r in fleet.describe()]
         if args.ready_file is not None:
             write_ready_file(args.ready_file, records)
         sys.stdout.write(orjson.dumps(records).decode() + "\n")

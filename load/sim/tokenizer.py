@@ -105,16 +105,47 @@ class SimTokenizer:
         """Vocabulary strings of token ids (vLLM's ``token_strs``)."""
         return list(self._hf.convert_ids_to_tokens(list(token_ids)))
 
-    def sample_output(self, n: int, prompt_ids: Sequence[int], seed: int | None = None) -> list[int]:
-        """``n`` output token ids, determined by ``seed`` or else by the prompt."""
-        rng = random.Random(zlib.crc32(pack_tokens(prompt_ids)) if seed is None else seed)
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence token id, if the tokenizer has one."""
+        eos = self._hf.eos_token_id
+        return eos if isinstance(eos, int) else None
+
+    def sample_output(
+        self, n: int, prompt_ids: Sequence[int], seed: int | None = None, index: int = 0
+    ) -> list[int]:
+        """``n`` output token ids of choice ``index``, determined by ``seed`` or else by the prompt."""
+        base = zlib.crc32(pack_tokens(prompt_ids)) if seed is None else seed
+        rng = random.Random(base if index == 0 else f"{base}/{index}")
         pool = self._pool
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
-    def output_text(self, token_ids: Sequence[int]) -> str:
-        """Text of output tokens drawn by :meth:`sample_output`."""
-        pieces = self._pieces
-        return "".join(pieces[t] for t in token_ids)
+    def pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """The text each token adds when ``token_ids`` are decoded in order: output-vocabulary words
+        directly, any other ids by incremental decoding (as vLLM's detokenizer streams them)."""
+        words = self._pieces
+        if all(t in words for t in token_ids):
+            return [words[t] for t in token_ids]
+        out, previous = [], ""
+        for i in range(len(token_ids)):
+            text = self.decode(token_ids[: i + 1])
+            if text.endswith("\ufffd"):  # a character split across tokens: it comes with the next one
+                out.append("")
+                continue
+            out.append(text[len(previous) :])
+            previous = text
+        return out
+
+    def alternatives(self, token_id: int, k: int) -> list[int]:
+        """``k`` other output-vocabulary tokens, fixed per ``token_id`` (the sim's top logprobs)."""
+        pool = self._pool
+        start = token_id * 31
+        picks = [pool[(start + 7 * j) % len(pool)] for j in range(1, k + 2)]
+        return [t for t in picks if t != token_id][:k]
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (what vLLM shows as a logprob's ``token``)."""
+        return self._pieces.get(token_id) or self.decode([token_id])
 
 
 def _output_vocab(hf: Any) -> dict[int, str]:

@@ -299,28 +299,37 @@ def body(**fields: Any) -> bytes:
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
+BAD, SCHEMA, MISSING = "BadRequestError", "Bad Request", "NotFoundError"
+
+
 @pytest.mark.parametrize(
-    ("path", "raw", "status", "param"),
-    [
-        (CHAT, b"{not json", 400, None),
-        (CHAT, b"[1, 2]", 400, None),
-        (CHAT, body(model=MODEL), 400, "messages"),
-        (CHAT, body(messages=[{"content": "no role"}]), 400, "messages"),
-        (CHAT, body(messages=MESSAGES, max_tokens="9"), 400, "max_tokens"),
-        (CHAT, body(messages=MESSAGES, stream=1), 400, "stream"),
-        (CHAT, body(messages=MESSAGES, max_tokens=0), 400, "max_tokens"),
-        (CHAT, body(messages=MESSAGES, max_tokens=500), 400, "max_tokens"),  # prompt + 500 > 512
-        (CHAT, body(messages=MESSAGES, n=2), 400, "n"),
-        (COMPLETIONS, body(prompt="the " * 600), 400, None),  # prompt alone > max_model_len
-        (COMPLETIONS, body(prompt=[1, 10**6]), 400, "prompt"),
-        (COMPLETIONS, body(prompt=["a", "b"]), 400, "prompt"),
-        (COMPLETIONS, body(prompt="x", stream_options={}), 400, "stream_options"),
-        (COMPLETIONS, body(model="other", prompt="x"), 404, "model"),
-        ("/v1/nothing", b"{}", 404, None),
+    ("path", "raw", "status", "param", "kind"),
+    [  # vLLM's three error styles (load/sim/errors.py): schema failures, its own checks, 404s
+        (CHAT, b"{not json", 400, "body.1", SCHEMA),
+        (CHAT, b"[1, 2]", 400, "body", SCHEMA),
+        (CHAT, body(model=MODEL), 400, "body.messages", SCHEMA),
+        (CHAT, body(messages=[{"content": "no role"}]), 400, "body.messages.0.role", SCHEMA),
+        (CHAT, body(messages=MESSAGES, max_tokens="nine"), 400, "body.max_tokens", SCHEMA),
+        (CHAT, body(messages=MESSAGES, stream=2), 400, "body.stream", SCHEMA),
+        (CHAT, body(messages=MESSAGES, max_tokens=0), 400, "max_tokens", BAD),
+        (CHAT, body(messages=MESSAGES, max_tokens=600), 400, "max_tokens", BAD),  # > max_model_len 512
+        (CHAT, body(messages=MESSAGES, n=0), 400, None, BAD),
+        (COMPLETIONS, body(prompt="the " * 600), 400, "input_tokens", BAD),  # prompt alone > max_model_len
+        (COMPLETIONS, body(prompt=[1, 10**6]), 400, None, BAD),  # out of vocabulary
+        (COMPLETIONS, body(prompt="x", suffix="y"), 400, None, BAD),
+        (COMPLETIONS, body(prompt="x", stream_options={"include_usage": True}), 400, "stream_options", BAD),
+        (COMPLETIONS, body(model="other", prompt="x"), 404, "model", MISSING),
+        ("/v1/nothing", b"{}", 404, None, MISSING),
     ],
 )
 async def test_bad_requests_get_openai_error_json(
-    fleet: SimFleet, http: aiohttp.ClientSession, path: str, raw: bytes, status: int, param: str | None
+    fleet: SimFleet,
+    http: aiohttp.ClientSession,
+    path: str,
+    raw: bytes,
+    status: int,
+    param: str | None,
+    kind: str,
 ) -> None:
     async with http.post(f"http://{fleet.addresses[0]}{path}", data=raw) as resp:
         assert resp.status == status
@@ -328,7 +337,7 @@ async def test_bad_requests_get_openai_error_json(
         err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == status and err["param"] == param
-    assert err["type"] == ("BadRequestError" if status == 400 else "NotFoundError")
+    assert err["type"] == kind
 
 
 async def test_client_disconnect_cancels_and_frees_blocks(

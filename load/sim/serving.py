@@ -1,0 +1,380 @@
+"""Chat and completion requests of one replica, end to end: validate, render, plan, run, answer.
+
+:class:`Serving` is the part of a replica that speaks vLLM's generate API over aiohttp: it validates a
+body (:mod:`load.sim.protocol`), renders and tokenizes the prompt, plans every choice up front
+(:mod:`load.sim.output`), hands the token ids to the engine driver (``n`` choices of a prompt as one
+request and its siblings, sharing the prefill) and writes the answer as vLLM does, whole or as SSE
+chunks (:mod:`load.sim.responses`), one chunk per choice index as its tokens appear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from load.sim import protocol as api
+from load.sim import responses as out
+from load.sim.driver import EngineDriver
+from load.sim.errors import invalid, refused
+from load.sim.fields import opt, strict_str
+from load.sim.output import Plan, plan_choice
+from load.sim.tokenizer import SimTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParsing:
+    """vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser NAME``: tool calls are answered
+    only with both (vLLM loads the parser only when auto tool choice is on)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
+@dataclass(slots=True)
+class _Choice:
+    """A choice being answered: its plan, index and what has been sent of it."""
+
+    index: int
+    plan: Plan
+    prompt_index: int
+    sent: int = 0  # tokens
+    text_sent: int = 0  # characters (completions' logprob offsets)
+    finished: bool = False
+    echo: str = ""
+
+
+@dataclass(slots=True)
+class _Request:
+    """One generate request after validation: its choices keyed by engine request id."""
+
+    rid: str
+    chat: bool
+    sampling: api.Sampling
+    prompt_lens: list[int]
+    choices: dict[str, _Choice] = field(default_factory=dict)
+    role: str = "assistant"
+    forced_tool: bool = False
+
+
+class Serving:
+    """The generate routes of one replica. ``model`` is the served name, ``max_model_len`` the context."""
+
+    def __init__(
+        self,
+        model: str,
+        max_model_len: int,
+        tokenizer: SimTokenizer,
+        driver: EngineDriver,
+        tool_parsing: ToolParsing,
+    ) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.driver = driver
+        self.tool_parsing = tool_parsing
+
+    # -- prompts (also what /tokenize and the render routes use) ---------------------------------
+
+    def chat_prompt(self, body: dict[str, Any]) -> tuple[api.ChatPrompt, api.Tools, list[int]]:
+        """A chat body's messages, tools and prompt token ids, checked as vLLM's ``render_chat``."""
+        tools = api.parse_tools(body)
+        api.check_tool_support(
+            tools,
+            auto_tools=self.tool_parsing.enable_auto_tool_choice,
+            parser=self.tool_parsing.tool_call_parser,
+        )
+        chat = api.parse_chat(body, tools.tools)
+        return chat, tools, self.render(chat)
+
+    def render(self, chat: api.ChatPrompt) -> list[int]:
+        """Token ids of a chat, rendered with the chat template as vLLM does."""
+        try:
+            return self.tokenizer.chat_ids(
+                chat.messages,
+                add_special_tokens=chat.add_special_tokens,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tools=chat.tools,
+                template_kwargs=chat.template_kwargs,
+            )
+        except ValueError as exc:  # a template error: vLLM answers jinja2 errors with a plain 400
+            raise refused(str(exc)) from exc
+
+    def prompt_ids(self, prompt: api.TextPrompt) -> list[int]:
+        """A completion prompt's token ids: its text tokenized, or its ids as given; then the context
+        length check (the renderer's) and the vocabulary check (the engine's input processor's)."""
+        text = isinstance(prompt.prompt, str)
+        if isinstance(prompt.prompt, str):
+            ids = self.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
+        else:
+            ids = prompt.prompt
+        api.check_prompt_len(len(ids), self.max_model_len, text=text)
+        if ids and max(ids) >= self.tokenizer.vocab_size:
+            raise invalid(f"Token id {max(ids)} is out of vocabulary")
+        return ids
+
+    # -- routes ------------------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        sampling = api.parse_sampling(body, chat=True)
+        fmt = api.parse_response_format(body)
+        chat, tools, prompt = self.chat_prompt(body)
+        api.check_max_tokens(sampling, self.max_model_len)
+        api.check_prompt_len(len(prompt), self.max_model_len, text=True)
+        max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(prompt), self.max_model_len)
+        role = "assistant" if chat.add_generation_prompt else chat.messages[-1]["role"]
+        last = chat.messages[-1]
+        echo = last["content"] if sampling.echo and last["role"] == role else ""
+        req = _Request(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            True,
+            sampling,
+            [len(prompt)],
+            role=role,
+            forced_tool=tools.mode in ("required", "named"),
+        )
+        plans = [
+            plan_choice(
+                self.tokenizer,
+                prompt,
+                max_tokens,
+                sampling,
+                i,
+                response_format=fmt,
+                tools=tools,
+                after_tool_result=last["role"] == "tool",
+            )
+            for i in range(sampling.n)
+        ]
+        self._add(req, 0, plans, echo)
+        return await self._run(request, req, [prompt])
+
+    async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
+        ``prompt * n + i``."""
+        sampling = api.parse_sampling(body, chat=False)
+        prompts = api.parse_text_prompts(body)
+        fmt = api.parse_response_format(body)
+        if opt(body, "suffix", strict_str, None) is not None:
+            raise refused("suffix is not currently supported")
+        api.check_max_tokens(sampling, self.max_model_len)
+        ids = []
+        for prompt in prompts:
+            ids.append(self.prompt_ids(prompt))
+        req = _Request(f"cmpl-{uuid.uuid4().hex}", False, sampling, [len(p) for p in ids])
+        for p, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
+            max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(tokens), self.max_model_len)
+            text = prompt.prompt if isinstance(prompt.prompt, str) else self.tokenizer.decode(tokens)
+            plans = [
+                plan_choice(self.tokenizer, tokens, max_tokens, sampling, i, response_format=fmt)
+                for i in range(sampling.n)
+            ]
+            self._add(req, p, plans, text if sampling.echo else "")
+        return await self._run(request, req, ids)
+
+    def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
+        n = len(plans)
+        for i, plan in enumerate(plans):
+            rid = f"{req.rid}-{p}" if i == 0 else f"{req.rid}-{p}-{i}"
+            req.choices[rid] = _Choice(p * n + i, plan, p, echo=echo)
+
+    async def _run(self, request: web.Request, req: _Request, prompts: list[list[int]]) -> web.StreamResponse:
+        queue = None
+        ids = list(req.choices)
+        for p, prompt in enumerate(prompts):
+            group = [rid for rid in ids if req.choices[rid].prompt_index == p]
+            siblings = [(rid, req.choices[rid].plan.token_ids) for rid in group[1:]]
+            queue = self.driver.submit(
+                group[0], prompt, req.choices[group[0]].plan.token_ids, siblings, queue
+            )
+        assert queue is not None
+        log.debug("%s: %d prompts, %d choices", req.rid, len(prompts), len(ids))
+        try:
+            if req.sampling.stream:
+                return await self._stream(request, req, queue)
+            return await self._whole(req, queue)
+        finally:
+            for rid in ids:
+                self.driver.abort(rid)
+
+    async def _whole(self, req: _Request, queue: asyncio.Queue[Any]) -> web.Response:
+        cached = [0] * len(req.prompt_lens)
+        left = len(req.choices)
+        while left:
+            event = await queue.get()
+            choice = req.choices[event.request_id]
+            if choice.sent == 0 and choice.index % req.sampling.n == 0:
+                cached[choice.prompt_index] = event.cached_tokens
+            choice.sent += len(event.token_ids)
+            left -= event.finished
+        choices = sorted(req.choices.values(), key=lambda c: c.index)
+        use = out.usage(sum(req.prompt_lens), sum(len(c.plan.token_ids) for c in choices), sum(cached))
+        created = int(time.time())
+        if req.chat:
+            body = out.chat_response(
+                req.rid, created, self.model, [self._chat_choice(req, c) for c in choices], use
+            )
+        else:
+            body = out.completion_response(
+                req.rid, created, self.model, [self._text_choice(req, c) for c in choices], use
+            )
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    def _chat_choice(self, req: _Request, c: _Choice) -> dict[str, Any]:
+        k = req.sampling.logprobs
+        return {
+            "index": c.index,
+            "message": out.chat_message(c.plan, req.role, req.forced_tool, c.echo),
+            "logprobs": None if k is None else out.chat_logprobs(self.tokenizer, c.plan.token_ids, k),
+            "finish_reason": c.plan.finish_reason,
+            "stop_reason": c.plan.stop_reason,
+            "token_ids": None,
+        }
+
+    def _text_choice(self, req: _Request, c: _Choice) -> dict[str, Any]:
+        k = req.sampling.logprobs
+        plan = c.plan
+        logprobs = (
+            None
+            if k is None
+            else out.completion_logprobs(self.tokenizer, plan.token_ids, plan.pieces, k, offset=len(c.echo))
+        )
+        return {
+            "index": c.index,
+            "text": c.echo + plan.text,
+            "logprobs": logprobs,
+            "finish_reason": plan.finish_reason,
+            "stop_reason": plan.stop_reason,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+        }
+
+    async def _stream(
+        self, request: web.Request, req: _Request, queue: asyncio.Queue[Any]
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        created, sampling = int(time.time()), req.sampling
+        n_prompt = sum(req.prompt_lens)
+        cached = 0
+        left = len(req.choices)
+        first = True
+        try:
+            while left:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                if first:
+                    cached = events[0].cached_tokens
+                    if req.chat:
+                        await self._chat_preamble(response, req, created, n_prompt)
+                    first = False
+                new: dict[str, list[int]] = {}
+                for event in events:
+                    new.setdefault(event.request_id, []).extend(event.token_ids)
+                    left -= event.finished
+                for rid, tokens in new.items():
+                    choice = req.choices[rid]
+                    body = self._delta(req, choice, len(tokens))
+                    use = out.usage(n_prompt, choice.sent, cached) if sampling.continuous_usage else None
+                    await _sse(response, out.chunk(req.rid, obj, created, self.model, body, use))
+            if sampling.include_usage:
+                total = sum(c.sent for c in req.choices.values())
+                await _sse(
+                    response,
+                    out.usage_chunk(req.rid, obj, created, self.model, out.usage(n_prompt, total, cached)),
+                )
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("%s: client went away", req.rid)
+        return response
+
+    async def _chat_preamble(
+        self, response: web.StreamResponse, req: _Request, created: int, n_prompt: int
+    ) -> None:
+        """vLLM's first chunks: the role of every choice, then the echoed last message."""
+        use = out.usage(n_prompt, 0, 0) if req.sampling.continuous_usage else None
+        choices = sorted(req.choices.values(), key=lambda c: c.index)
+        for c in choices:
+            delta = {
+                "index": c.index,
+                "delta": {"role": req.role, "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            await _sse(response, out.chunk(req.rid, "chat.completion.chunk", created, self.model, delta, use))
+        for c in choices:
+            if c.echo:
+                delta = {
+                    "index": c.index,
+                    "delta": {"content": c.echo},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await _sse(
+                    response, out.chunk(req.rid, "chat.completion.chunk", created, self.model, delta, use)
+                )
+
+    def _delta(self, req: _Request, c: _Choice, n: int) -> dict[str, Any]:
+        """The streamed choice for ``c``'s next ``n`` tokens (its finish when they are its last)."""
+        plan, start = c.plan, c.sent
+        ids, pieces = plan.token_ids[start : start + n], plan.pieces[start : start + n]
+        c.sent += n
+        done = c.sent == len(plan.token_ids)
+        k = req.sampling.logprobs
+        body: dict[str, Any] = {"index": c.index}
+        if req.chat:
+            body["delta"] = self._chat_delta(plan, start, c.sent, "".join(pieces))
+            body["logprobs"] = None if k is None else out.chat_logprobs(self.tokenizer, ids, k, start)
+        else:
+            echo, joined = (c.echo if start == 0 else ""), "".join(pieces)
+            body["text"] = echo + joined
+            offset = c.text_sent + len(echo)
+            body["logprobs"] = (
+                None if k is None else out.completion_logprobs(self.tokenizer, ids, pieces, k, start, offset)
+            )
+            c.text_sent = offset + len(joined)
+        body["finish_reason"] = plan.finish_reason if done else None
+        body["stop_reason"] = plan.stop_reason if done else None
+        return body
+
+    @staticmethod
+    def _chat_delta(plan: Plan, start: int, end: int, text: str) -> dict[str, Any]:
+        call = plan.tool_call
+        if call is None:
+            return {"content": text}
+        # arguments stream in proportion to the call's tokens; the id, type and name come first
+        total = len(plan.token_ids)
+        args = call.arguments[len(call.arguments) * start // total : len(call.arguments) * end // total]
+        delta: dict[str, Any] = {"index": 0, "function": {"arguments": args}}
+        if start == 0:
+            delta = {
+                "id": call.id,
+                "type": "function",
+                "index": 0,
+                "function": {"name": call.name, "arguments": args},
+            }
+        return {"tool_calls": [delta]}
+
+
+async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
