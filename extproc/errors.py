@@ -6,6 +6,7 @@ error body; nothing else formats errors for clients.
 
     GatewayError                 status, OpenAI ``type`` and ``code``
     ├── BadRequest               400 invalid_request_error (bad JSON, wrong types, non-UTF-8, ...)
+    │   └── ContextLengthExceeded    code context_length_exceeded (the prompt fills the context)
     ├── Unauthorized             401 authentication_error
     ├── Forbidden                403 permission_error
     ├── NotFound                 404 not_found_error (unknown model or path)
@@ -52,6 +53,14 @@ class GatewayError(Exception):
 class BadRequest(GatewayError):
     status = 400
     error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    """The prompt leaves no room in the model's context: OpenAI's string code ``context_length_exceeded``
+    (vLLM sends the integer 400 instead; :mod:`extproc.routing.length`)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message, code="context_length_exceeded", param=param)
 
 
 class Unauthorized(GatewayError):

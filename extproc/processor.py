@@ -5,12 +5,20 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
 (:mod:`extproc.server`) only pumps messages. Protocol (REFERENCE.md section 3):
 
 * request headers: held until the body's end (FULL_DUPLEX_STREAMED); a body-less request is answered
-  at once (``GET /v1/models`` from the fleet; anything else is an error);
+  at once (``GET /v1/models`` from the fleet, the probes below; anything else is an error);
 * request body chunks: buffered up to ``max_body_bytes`` (then 413); at end of stream the request is
   parsed once and scheduled, then the headers reply (destination header, ``envoy.lb`` metadata, corrected
   content-length, route cache cleared) and the body streamed back in chunks of at most 62,000 bytes;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
+
+The gateway answers its probes itself, GET or HEAD, without credentials and without touching an engine:
+``/health`` and ``/liveness`` 200 with an empty body (vLLM's ``/health``; that the answer came at all means
+Envoy and the ext_proc are up), ``/ready`` and ``/readiness`` 200 while some endpoint is routable for some
+model (healthy, not draining, admitted by the model's route), else 503 with an OpenAI JSON error. If the
+ext_proc is down Envoy fails closed: 503 for both. The headers reply of a routed request also carries the
+decision in dynamic metadata ``kvgate.decision`` (model, endpoint id, matched and prompt blocks, decision
+microseconds: :mod:`contracts.epp`) for Envoy's access log.
 
 With a :class:`~extproc.admission.gate.Gate` (an ``[auth]`` section), the caller is identified at the request
 headers (Envoy-verified JWT claims from dynamic metadata, or an API key; 401/403 before any body is
@@ -41,6 +49,12 @@ from google.protobuf.struct_pb2 import Struct
 from contracts.epp import (
     CONFORMANCE_HEADER,
     CONFORMANCE_SERVED,
+    DECISION_BLOCKS,
+    DECISION_ENDPOINT,
+    DECISION_MATCHED,
+    DECISION_MODEL,
+    DECISION_NS,
+    DECISION_US,
     DESTINATION,
     JWT_NS,
     JWT_PAYLOAD,
@@ -59,11 +73,17 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket
 from extproc.admission.usage import UsageReader
-from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests
+from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests, Unavailable
 from extproc.routing.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
 from extproc.routing.router import Decision, Router
 
 log = logging.getLogger(__name__)
+
+#: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
+HEALTH_PATHS = frozenset({"/health", "/liveness"})
+#: Readiness probes (``/readiness`` as sglang-router and vllm-router name it): 200 while something is
+#: routable, else 503.
+READY_PATHS = frozenset({"/ready", "/readiness"})
 
 
 class Phase(Enum):
@@ -161,19 +181,17 @@ class StreamProcessor:
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
-        if self._gate is not None:
+        path = self._headers.get(":path", "/")
+        if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
             self.principal = self._gate.identify(self._headers.get("authorization"), claims, failure)
         if not msg.request_headers.end_of_stream:
             self._phase = Phase.BODY
             return []
         self._phase = Phase.DONE
-        path = self._headers.get(":path", "/")
-        if path.split("?", 1)[0] == MODELS_PATH:
-            return self._models()
         if route_kind(path) is not None:
             raise BadRequest("The request body is empty; expected a JSON object.")
-        raise unknown_path(path)
+        return self._answer(path)
 
     def _on_request_body(self, chunk: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         if self._phase is not Phase.BODY:
@@ -199,9 +217,7 @@ class StreamProcessor:
         path = self._headers.get(":path", "/")
         kind = route_kind(path)
         if kind is None:
-            if path.split("?", 1)[0] == MODELS_PATH:
-                return self._models()
-            raise unknown_path(path)
+            return self._answer(path)
         request = parse_body(kind, body)
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
@@ -209,6 +225,7 @@ class StreamProcessor:
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
+        started = self._clock()
         tokens = self._router.tokens(request, exact_count=self._gate is not None)
         if self._gate is not None and self.principal is not None:
             self.ticket = self._gate.admit(self.principal, request, tokens.count, self._clock())
@@ -224,9 +241,11 @@ class StreamProcessor:
         except Exception:  # a 503/404 or a gateway fault: nothing was used, refund the reservation
             self._refund()
             raise
+        decided = self._clock()
         self._phase = Phase.ROUTED
-        destination = self.decision.destination
-        primary = self.decision.endpoints[0].address
+        decision = self.decision
+        destination = decision.destination
+        pick = decision.endpoints[0]
         set_headers = [
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
@@ -236,7 +255,18 @@ class StreamProcessor:
             set_headers.append(_header(TENANT_HEADER, self.principal.tenant.id))
             remove_headers.append("authorization")  # the gateway consumed it; engines never see it
         metadata = Struct()
-        metadata.update({LB_NS: {DESTINATION: destination, PRIMARY: primary}})
+        metadata.update(
+            {
+                LB_NS: {DESTINATION: destination, PRIMARY: pick.address},
+                DECISION_NS: {
+                    DECISION_MODEL: decision.model,
+                    DECISION_ENDPOINT: pick.id,
+                    DECISION_MATCHED: decision.matched_blocks,
+                    DECISION_BLOCKS: len(decision.digests),
+                    DECISION_US: round((decided - started) * 1e6),
+                },
+            }
+        )
         out = [
             pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
@@ -255,6 +285,26 @@ class StreamProcessor:
         for off in range(0, len(body), MAX_CHUNK):
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
+
+    def _answer(self, path: str) -> list[pb.ProcessingResponse]:
+        """A request for a path the gateway answers itself (``/v1/models``, the probes), else 404."""
+        base = path.split("?", 1)[0]
+        if base == MODELS_PATH:
+            return self._models()
+        if _is_probe(base):
+            return self._probe(base)
+        raise unknown_path(path)
+
+    def _probe(self, path: str) -> list[pb.ProcessingResponse]:
+        """``/health`` (200, empty body) or ``/ready`` (200, empty body, while :func:`_routable`; else 503
+        with an OpenAI JSON error, not logged: a probe of a gateway still starting is no fault), for GET
+        and HEAD; else 404."""
+        if self._headers.get(":method", "GET") not in ("GET", "HEAD"):
+            raise NotFound(f"Use GET for {path}.")
+        if path in READY_PATHS and not _routable(self._router):
+            down = Unavailable("No endpoint is ready to serve any model.", code="no_ready_endpoint")
+            return [_immediate(down.status, down.body(), f"kvgate_{down.error_type}")]
+        return [_immediate(200, b"", "kvgate_probe")]
 
     def _models(self) -> list[pb.ProcessingResponse]:
         """``/v1/models``, whether or not the request came with a body: the list (of the models the caller's
@@ -353,7 +403,9 @@ def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
 def _immediate(
     status: int, body: bytes, details: str, extra: list[HeaderValueOption] | None = None
 ) -> pb.ProcessingResponse:
-    headers = pb.HeaderMutation(set_headers=[_header("content-type", "application/json"), *(extra or [])])
+    """An answer from the gateway itself: ``body`` is JSON (typed as such), or empty (no content type)."""
+    typed = [_header("content-type", "application/json")] if body else []
+    headers = pb.HeaderMutation(set_headers=[*typed, *(extra or [])])
     marker = Struct()
     marker.update({REJECTED_NS: {REJECTED_KEY: True}})
     return pb.ProcessingResponse(
@@ -365,6 +417,24 @@ def _immediate(
             details=details,
         ),
     )
+
+
+def _is_probe(path: str) -> bool:
+    base = path.split("?", 1)[0]
+    return base in HEALTH_PATHS or base in READY_PATHS
+
+
+def _routable(router: Router) -> bool:
+    """Whether some endpoint can be picked for some model it serves: healthy, not draining, and admitted
+    by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it."""
+    routes = router.policy.routes
+    for state in router.fleet:
+        if state.healthy and not state.draining:
+            for model in state.endpoint.models:
+                route = routes.get(model)
+                if route is None or route.admits(state):
+                    return True
+    return False
 
 
 def _subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:

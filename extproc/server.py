@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
 import ssl
 import sys
@@ -28,7 +29,7 @@ from prometheus_client import start_http_server
 
 from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
-from extproc.config import GatewayConfig, load_config
+from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
 from extproc.control.policy import gateway_policy, routing_policy
 from extproc.control.restore import SlotRestorer
@@ -106,6 +107,8 @@ class Gateway:
         self.config = config
         self.fleet = Fleet(config.endpoints)
         self.models = ModelRegistry.from_config(config.models)
+        #: The request body limit in force: ``[extproc] max_body_bytes``, else from the models' contexts.
+        self.max_body_bytes = _max_body_bytes(config, self.models)
         max_fallbacks = config.extproc.max_fallbacks
         #: The policy in force (config defaults + [policy] file; etcd changes it live via the cluster).
         store = gateway_policy(config)
@@ -157,12 +160,10 @@ class Gateway:
                 ServerTlsFiles(Path(ex.tls_cert), Path(ex.tls_key), Path(ex.tls_client_ca))
             )
         scrape_tls = _scrape_tls(cfg)
-        proc_cfg = ProcessorConfig(
-            max_body_bytes=cfg.extproc.max_body_bytes, conformance=cfg.extproc.conformance
-        )
+        proc_cfg = ProcessorConfig(max_body_bytes=self.max_body_bytes, conformance=cfg.extproc.conformance)
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
-        message_limit = cfg.extproc.max_body_bytes + GRPC_MESSAGE_SLACK
+        message_limit = self.max_body_bytes + GRPC_MESSAGE_SLACK
         options = [
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
@@ -203,11 +204,13 @@ class Gateway:
         await self._scraper.scrape_once()
         self._scraper.start()
         log.info(
-            "ext_proc listening on %s (health %s), %d endpoints, %d models with tokenizers",
+            "ext_proc listening on %s (health %s), %d endpoints, %d models with tokenizers, bodies up to %d"
+            " bytes",
             self.ports["extproc"],
             self.ports["health"],
             len(self.fleet),
             len(self.models),
+            self.max_body_bytes,
         )
 
     def _on_scrape_round(self) -> None:
@@ -226,6 +229,24 @@ class Gateway:
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
         await self.cluster.aclose()
         await self.restorer.aclose()
+
+
+def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:
+    """``[extproc] max_body_bytes`` when set, else :func:`~extproc.config.default_max_body_bytes` over
+    the configured models and the models the configured endpoints serve (one without a tokenizer, or
+    whose context length or token bounds are unknown, keeps the default)."""
+    if cfg.extproc.max_body_bytes is not None:
+        return cfg.extproc.max_body_bytes
+    names = set(models) | {m for e in cfg.endpoints for m in e.models}
+    windows: list[tuple[int, int] | None] = []
+    for name in sorted(names):
+        assets = models.find(name)
+        bounds = assets.tokenizer.bounds if assets is not None else None
+        if assets is None or assets.max_model_len is None or bounds is None:
+            windows.append(None)
+        else:
+            windows.append((assets.max_model_len, bounds.max_token_bytes))
+    return default_max_body_bytes(windows)
 
 
 def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
@@ -272,7 +293,7 @@ async def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
     gateway = Gateway(config)
     await gateway.start()
     if ready_file is not None:
-        write_ready_file(ready_file, gateway.ports)
+        write_ready_file(ready_file, {**gateway.ports, "pid": os.getpid()})
     stop = asyncio.Event()
     stop_on_signals(stop)
     await stop.wait()

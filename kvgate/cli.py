@@ -19,7 +19,7 @@ commands:
   bench           routing benchmark: `kvgate bench routing [--smoke|--full] --out DIR`
   agent           run a node agent supervising engines (--config node.toml)
   policy          scheduling policy in etcd (or a file): `kvgate policy get|set|unset|list|watch`
-  drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo]`
+  drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo] [--force]`
   kvcached        run the node's tiered KV block store (--config kvcached.toml)
 """
 
@@ -45,6 +45,19 @@ def _envoy_config(argv: list[str]) -> int:
     parser.add_argument(
         "--gateway-config", help="render its [auth] and [[tenants]]: JWT verification, per-tenant rate limits"
     )
+    parser.add_argument(
+        "--no-endpoint-header",
+        action="store_true",
+        help="do not tell clients which engine served them (the x-kvgate-endpoint response header)",
+    )
+    logs = parser.add_mutually_exclusive_group()
+    logs.add_argument(
+        "--access-log",
+        default=defaults.access_log_path,
+        metavar="PATH",
+        help="Envoy's JSON-lines access log: a file, /dev/stdout or /dev/stderr (default %(default)s)",
+    )
+    logs.add_argument("--no-access-log", action="store_true", help="no access log")
     args = parser.parse_args(argv)
     auth = None
     if args.gateway_config:
@@ -72,6 +85,8 @@ def _envoy_config(argv: list[str]) -> int:
                 extproc_port=args.extproc_port,
                 tls=tls,
                 auth=auth,
+                access_log_path=None if args.no_access_log else args.access_log,
+                endpoint_header=not args.no_endpoint_header,
             )
         )
     )

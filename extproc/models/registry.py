@@ -1,4 +1,4 @@
-"""The served models: for each name a chat template and a tokenizer.
+"""The served models: for each name a chat template, a tokenizer and the context length.
 
 Loading happens once at start-up (or config reload) from Hugging-Face-style model directories, e.g. the
 ones :func:`engines.gguf.ensure_model_dir` exports from GGUF files. Lookup by the request's ``model``
@@ -16,6 +16,7 @@ from typing import Protocol
 from contracts.errors import ConfigError
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.errors import NotFound
+from extproc.models.context import MAX_CONTEXT, read_max_model_len
 from extproc.models.template import ChatTemplate
 from extproc.models.tokenizer import CacheLimits, SegmentTokenizer
 
@@ -30,7 +31,8 @@ class ModelSource(Protocol):
     """Where a served model's tokenizer and template come from (``extproc.config.ModelConfig``).
 
     Exactly one of ``model_dir`` (a directory with tokenizer.json) and ``gguf`` (a GGUF path, or
-    ``"smollm2"``) is set; ``chat_template`` optionally names a template file overriding the model's.
+    ``"smollm2"``) is set; ``chat_template`` optionally names a template file overriding the model's;
+    ``max_model_len`` optionally sets the context length in tokens (else the model's files tell).
     """
 
     @property
@@ -41,16 +43,23 @@ class ModelSource(Protocol):
     def gguf(self) -> str | None: ...
     @property
     def chat_template(self) -> str | None: ...
+    @property
+    def max_model_len(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
 class ModelAssets:
     """What the gateway needs to turn a request for model ``name`` into engine token ids (hashed in blocks
-    of the routing policy's ``block_size``, :class:`extproc.routing.router.RoutingPolicy`)."""
+    of the routing policy's ``block_size``, :class:`extproc.routing.router.RoutingPolicy`).
+
+    ``max_model_len``: the context length in tokens (prompt plus output) that over-long prompts are
+    refused by (:mod:`extproc.routing.length`); ``None``: unknown, nothing is refused for length.
+    """
 
     name: str
     template: ChatTemplate
     tokenizer: SegmentTokenizer
+    max_model_len: int | None = None
 
     @classmethod
     def load(
@@ -59,14 +68,19 @@ class ModelAssets:
         model_dir: Path,
         chat_template_override: str | Path | None = None,
         cache_limits: CacheLimits | None = None,
+        max_model_len: int | None = None,
     ) -> ModelAssets:
-        """Load ``tokenizer.json`` and the chat template from ``model_dir``.
+        """Load ``tokenizer.json``, the chat template and the context length from ``model_dir``.
 
         ``chat_template_override`` is a template file replacing the directory's template (like vLLM's
-        ``--chat-template``). Raises ConfigError when the directory, tokenizer or template is unusable.
+        ``--chat-template``). ``max_model_len`` (tokens) overrides the context length, which is otherwise
+        ``tokenizer_config.json``'s ``model_max_length`` when sane (:func:`read_max_model_len`), else
+        unknown. Raises ConfigError when the directory, tokenizer or template is unusable.
         """
         if not name:
             raise ConfigError("model name must not be empty")
+        if max_model_len is not None and not 1 <= max_model_len <= MAX_CONTEXT:
+            raise ConfigError(f"model {name}: max_model_len must be 1..{MAX_CONTEXT}, got {max_model_len}")
         if not (model_dir / "tokenizer.json").is_file():
             raise ConfigError(f"model {name}: {model_dir} has no tokenizer.json")
         try:
@@ -77,15 +91,18 @@ class ModelAssets:
             template = ChatTemplate.from_model_dir(model_dir, override=chat_template_override)
         except OSError as exc:
             raise ConfigError(f"model {name}: cannot read the chat template: {exc}") from exc
+        if max_model_len is None:
+            max_model_len = read_max_model_len(model_dir)
         logger.info(
-            "loaded model %s from %s (vocab %d, segment cache %s, template content format %s)",
+            "loaded model %s from %s (vocab %d, segment cache %s, template content format %s, context %s)",
             name,
             model_dir,
             tokenizer.vocab_size,
             "on" if tokenizer.exact else "off",
             template.content_format,
+            "unknown" if max_model_len is None else f"{max_model_len} tokens",
         )
-        return cls(name=name, template=template, tokenizer=tokenizer)
+        return cls(name=name, template=template, tokenizer=tokenizer, max_model_len=max_model_len)
 
 
 class ModelRegistry(Mapping[str, ModelAssets]):
@@ -123,7 +140,11 @@ class ModelRegistry(Mapping[str, ModelAssets]):
                     raise ConfigError(f"model {source.name}: cannot export {source.gguf}: {exc}") from exc
             else:
                 raise ConfigError(f"model {source.name}: set model_dir or gguf")
-            assets.append(ModelAssets.load(source.name, model_dir, source.chat_template))
+            assets.append(
+                ModelAssets.load(
+                    source.name, model_dir, source.chat_template, max_model_len=source.max_model_len
+                )
+            )
         return cls(assets)
 
     def find(self, name: str) -> ModelAssets | None:

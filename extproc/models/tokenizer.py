@@ -28,6 +28,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from extproc.models.context import ByteBounds, byte_bounds
+
 logger = logging.getLogger(__name__)
 
 _POSITION_FREE_PRE_TOKENIZERS = frozenset(
@@ -102,6 +104,11 @@ class SegmentTokenizer:
         skip_special = bool(getattr(tokenizer, "encode_special_tokens", False))
         plan_or_reason = _plan(spec, encode_special_tokens=skip_special)
         self._plan = plan_or_reason if isinstance(plan_or_reason, _Plan) else None
+        edges = _post_processor_edges(spec.get("post_processor"))
+        #: Cheap token-count bounds from a text's UTF-8 length (byte-level BPE only; else ``None``).
+        self.bounds: ByteBounds | None = (
+            None if isinstance(edges, str) else byte_bounds(spec, len(edges[0]) + len(edges[1]))
+        )
         self.fallback_reason = None if isinstance(plan_or_reason, _Plan) else plan_or_reason
         if self.fallback_reason is not None:
             logger.warning(

@@ -1,8 +1,9 @@
 """The routing core: one request in, an ordered list of endpoints out.
 
-parse (done by :mod:`extproc.routing.request`) -> render + tokenize -> chained digests -> index lookup ->
-filters -> scorers -> picker. Pure bookkeeping on top of the fleet and the index: no IO, no clock
-reads (``now`` is passed in), so the same object serves the gRPC shell, tests and benchmarks.
+parse (done by :mod:`extproc.routing.request`) -> render + tokenize (refusing prompts over the model's
+context, :mod:`extproc.routing.length`) -> chained digests -> index lookup -> filters -> scorers -> picker.
+Pure bookkeeping on top of the fleet and the index: no IO, no clock reads (``now`` is passed in), so the
+same object serves the gRPC shell, tests and benchmarks.
 
 What it decides by (the scheduling profile, per-model routes and the index block size) is one frozen
 :class:`RoutingPolicy`, swapped as a whole by :meth:`Router.apply` when the policy in force changes
@@ -28,6 +29,7 @@ from extproc.fleet import EndpointState, Fleet
 from extproc.index.interface import PrefixIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
+from extproc.routing.length import ContextLimit, Verdict, triage
 from extproc.routing.request import Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
@@ -166,15 +168,16 @@ class Router:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
 
         Only the tokens the digests can use (``max_blocks`` blocks) are guaranteed; the rest of a long
-        prompt is tokenized only with ``exact_count`` (token budgets need the real length), otherwise its
-        length is estimated.
+        prompt is tokenized only with ``exact_count`` (token budgets need the real length) or as far as the
+        context-length check needs (:mod:`extproc.routing.length`), otherwise its length is estimated.
+        Raises :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is
+        known and the prompt leaves no room in it for an output token.
         """
         block_size = self._policy.block_size
         assets = self.models.find(request.model)
         if assets is None:
             return self._byte_tokens(request, block_size)
-        limit = None if exact_count else self.max_blocks * block_size
-        ids, count = _token_ids(assets, request, limit)
+        ids, count = _token_ids(assets, request, self.max_blocks * block_size, exact_count)
         return Tokens(ids, block_size, True, count)
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
@@ -328,10 +331,15 @@ class Router:
         return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
 
 
-def _token_ids(assets: ModelAssets, request: ParsedRequest, limit: int | None) -> tuple[Sequence[int], int]:
-    """(token ids, prompt length in tokens): all ids, or with ``limit`` at least the first ``limit``
-    (the rest of the prompt is then not tokenized and its length is estimated)."""
-    if request.kind is Kind.CHAT:
+def _token_ids(
+    assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool
+) -> tuple[Sequence[int], int]:
+    """(token ids, prompt length in tokens): all ids with ``exact_count``, else at least the first
+    ``window`` (the rest of the prompt is then tokenized only as far as the context check needs, and its
+    length is estimated). Raises ContextLengthExceeded for a prompt that leaves no room in the context."""
+    chat = request.kind is Kind.CHAT
+    limit = ContextLimit.of(assets.max_model_len, chat)
+    if chat:
         text = assets.template.render(
             request.messages,
             tools=request.tools,
@@ -343,11 +351,25 @@ def _token_ids(assets: ModelAssets, request: ParsedRequest, limit: int | None) -
         text, special = request.prompt, True
     else:
         ids = list(request.prompt or ())
+        if limit is not None:
+            limit.check(len(ids))
         return ids, len(ids)
-    if limit is None:
-        ids = assets.tokenizer.encode(text, add_special_tokens=special)
+    tokenizer = assets.tokenizer
+    counting = False
+    if limit is not None:
+        found, fewest = triage(text, limit.allowed, tokenizer.bounds, special)
+        if found is Verdict.TOO_LONG:
+            raise limit.exceeded(fewest)
+        counting = found is Verdict.COUNT
+    if exact_count and not counting:
+        ids = tokenizer.encode(text, add_special_tokens=special)
         return ids, len(ids)
-    return assets.tokenizer.encode_prefix(text, add_special_tokens=special, limit=limit)
+    # Counting the leading allowed + 1 tokens also gives the exact length of every prompt that fits.
+    needed = max(window, limit.allowed + 1) if counting and limit is not None else window
+    ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
+    if limit is not None:
+        limit.check(len(ids))
+    return ids, count
 
 
 def _pinned(address: str, pinned: Sequence[str]) -> bool:

@@ -8,7 +8,11 @@
   sent, response headers sent for the served-endpoint read-back), failing CLOSED with 503;
 * an ORIGINAL_DST upstream cluster that takes its host from ``envoy.lb`` dynamic metadata written
   only by the ext_proc, never from a header; streaming-safe timeouts; a raised buffer limit;
-* local replies (Envoy's own errors: ext_proc down, upstream unreachable) as OpenAI-style JSON.
+* local replies (Envoy's own errors: ext_proc down, upstream unreachable) as OpenAI-style JSON;
+* what happened to each request: an ``x-request-id`` on every response, ``x-kvgate-endpoint`` (the engine
+  that served it) on proxied ones, and a JSON-lines access log (:data:`ACCESS_LOG_FORMAT`);
+* a listener without ``SO_REUSEPORT``, so a second Envoy on the same port fails to start instead of
+  silently sharing the port.
 
 With ``tls`` set (``kvgate up --secure``; ``envoy/gateway-secure.yaml`` for the default paths) the same
 bootstrap gets the transport security of :mod:`kvgate.envoy.tls` and nothing else changes.
@@ -23,7 +27,14 @@ from typing import Any
 import yaml
 
 from contracts.epp import (
+    DECISION_BLOCKS,
+    DECISION_ENDPOINT,
+    DECISION_MATCHED,
+    DECISION_MODEL,
+    DECISION_NS,
+    DECISION_US,
     DESTINATION,
+    ENDPOINT_HEADER,
     LB_NS,
     PRIMARY,
     REJECTED_KEY,
@@ -43,6 +54,48 @@ _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.Exter
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _EARLY = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+_LOGGERS = "type.googleapis.com/envoy.extensions.access_loggers."
+#: Access-log paths that name a stream of the Envoy process: Envoy's stream loggers write them through
+#: its own descriptor (opening ``/dev/stdout`` as a file would append past whatever shares it).
+_STREAM_LOGGERS = {
+    "/dev/stdout": ("envoy.access_loggers.stdout", _LOGGERS + "stream.v3.StdoutAccessLog"),
+    "/dev/stderr": ("envoy.access_loggers.stderr", _LOGGERS + "stream.v3.StderrAccessLog"),
+}
+
+
+def _decision(key: str) -> str:
+    return f"%DYNAMIC_METADATA({DECISION_NS}:{key})%"
+
+
+#: The access log: one JSON object per request, with exactly these fields (``null`` where unknown, e.g.
+#: no engine for a request the gateway answered itself). Never the body, the query string (it may carry
+#: a key), the Authorization header or any other credential. ``endpoint``: ``ip:port`` Envoy sent the
+#: request to; ``endpoint_id``, ``model``, ``matched_blocks`` (leading prompt blocks the pick held),
+#: ``prompt_blocks`` (blocks looked up) and ``decision_us``: the ext_proc's decision (dynamic metadata
+#: ``kvgate.decision``); ``ttfb_ms``: request start to the engine's first response byte (about the time to
+#: first token of a stream); ``duration_ms``: request start to the last byte sent; ``tenant``: set with
+#: ``[auth]`` only.
+ACCESS_LOG_FORMAT: dict[str, str] = {
+    "start_time": "%START_TIME%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%PATH(NQ:PATH)%",
+    "protocol": "%PROTOCOL%",
+    "status": "%RESPONSE_CODE%",
+    "flags": "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "endpoint": "%UPSTREAM_HOST%",
+    "endpoint_id": _decision(DECISION_ENDPOINT),
+    "model": _decision(DECISION_MODEL),
+    "tenant": f"%REQ({TENANT_HEADER.upper()})%",
+    "matched_blocks": _decision(DECISION_MATCHED),
+    "prompt_blocks": _decision(DECISION_BLOCKS),
+    "decision_us": _decision(DECISION_US),
+    "ttfb_ms": "%RESPONSE_DURATION%",
+    "duration_ms": "%DURATION%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +122,12 @@ class EnvoyParams:
     #: cluster always serves the pick, so the read-back would only cost a round trip before every
     #: response's first byte. Tenants (``auth``) turn it on: refunds and usage settlement need it.
     served_readback: bool = False
+    #: Where Envoy writes the access log (:data:`ACCESS_LOG_FORMAT`): a file path, ``/dev/stdout`` or
+    #: ``/dev/stderr``; ``None``: no access log. Envoy buffers it and writes every 10 s
+    #: (``--file-flush-interval-msec``) or every 64 KiB (``--file-flush-min-size-kb``), and on exit.
+    access_log_path: str | None = "/dev/stdout"
+    #: Add ``x-kvgate-endpoint: ip:port`` (the engine that served it) to every proxied response.
+    endpoint_header: bool = True
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -124,6 +183,18 @@ def _local_reply() -> dict[str, Any]:
     }
 
 
+def _access_log(path: str) -> dict[str, Any]:
+    log_format = {"json_format": ACCESS_LOG_FORMAT}
+    stream = _STREAM_LOGGERS.get(path)
+    if stream is not None:
+        name, type_url = stream
+        return {"name": name, "typed_config": {"@type": type_url, "log_format": log_format}}
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {"@type": _LOGGERS + "file.v3.FileAccessLog", "path": path, "log_format": log_format},
+    }
+
+
 def _json_error(kind: str, message: str) -> dict[str, Any]:
     return {
         "json_format": {"error": {"message": message, "type": kind, "param": None, "code": None}},
@@ -138,12 +209,17 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "match": {"prefix": "/"},
         "route": {"cluster": "kvgate_engines", "timeout": "0s"},
     }
+    upstream_headers = [ENDPOINT_HEADER] if params.endpoint_header else []
     if response_headers:
+        upstream_headers.append(UPSTREAM_HEADER)  # read back and removed by the ext_proc
+    if upstream_headers:
+        # Overwrites any copy the engine sent; a client cannot set response headers.
         route["response_headers_to_add"] = [
             {
-                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                "header": {"key": key, "value": "%UPSTREAM_HOST%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
+            for key in upstream_headers
         ]
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -163,7 +239,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             },
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": [SUBSET_NS, LB_NS]},
-                "receiving_namespaces": {"untyped": [LB_NS, REJECTED_NS]},
+                "receiving_namespaces": {"untyped": [LB_NS, REJECTED_NS, DECISION_NS]},
             },
         },
     }
@@ -173,6 +249,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "codec_type": "AUTO",
         "request_timeout": "0s",
         "stream_idle_timeout": "300s",
+        "always_set_request_id_in_response": True,
         "early_header_mutation_extensions": [
             {
                 "name": "kvgate.strip_routing_headers",
@@ -182,6 +259,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 },
             }
         ],
+        **({"access_log": [_access_log(params.access_log_path)]} if params.access_log_path else {}),
         "local_reply_config": _local_reply(),
         "route_config": {
             "name": "openai",
@@ -204,6 +282,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 {
                     "name": "openai",
                     "address": _addr(params.listen_host, params.listen_port),
+                    # Off: a second Envoy on this port fails to bind instead of sharing its connections.
+                    "enable_reuse_port": False,
                     "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
                     "filter_chains": [
                         {

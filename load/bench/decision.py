@@ -154,7 +154,9 @@ def build_gateway(n_endpoints: int, model_dir: Path, rng: random.Random, now: fl
     config = parse_config(
         {
             "extproc": {"metrics_listen": ""},
-            "models": [{"name": MODEL, "model_dir": str(model_dir)}],
+            # A 131,072-token window (SmolLM2's is 8192): the 16,384-token cells time tokenizing and
+            # routing, not the context-length refusal.
+            "models": [{"name": MODEL, "model_dir": str(model_dir), "max_model_len": 131072}],
             "endpoints": [
                 {
                     "id": f"e{i}",

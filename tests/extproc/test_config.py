@@ -9,7 +9,14 @@ import pytest
 
 from contracts.errors import ConfigError
 from extproc import config as config_module
-from extproc.config import SlotRestoreConfig, load_config, parse_config
+from extproc.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    ModelConfig,
+    SlotRestoreConfig,
+    default_max_body_bytes,
+    load_config,
+    parse_config,
+)
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
 
@@ -41,6 +48,12 @@ def test_defaults_and_endpoint() -> None:
         ({"endpoints": [{**ENDPOINT, "labels": {"zone": 3}}]}, "labels.zone"),
         ({"models": [{"name": "m"}]}, "exactly one of model_dir or gguf"),
         ({"models": [{"name": "m", "gguf": "x", "extra": 1}]}, "unknown key(s) extra"),
+        (
+            {"models": [{"name": "m", "gguf": "x", "max_model_len": 0}]},
+            "models[0].max_model_len: must be >= 1",
+        ),
+        ({"models": [{"name": "m", "gguf": "x", "max_model_len": "8k"}]}, "max_model_len: expected int"),
+        ({"extproc": {"max_body_bytes": 100}}, "extproc.max_body_bytes: must be >= 1024"),
         ({"scheduling": {"plugins": [{"type": "nope"}], "profiles": []}}, "nope"),
         ({"slot_restore": {"min_blocks": 0}}, "slot_restore.min_blocks: must be >= 1"),
         ({"slot_restore": {"timeout_s": 0}}, "slot_restore.timeout_s: must be a finite number >= 0.001"),
@@ -94,3 +107,33 @@ def test_load_toml_and_json(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_context_length_and_body_limit_keys() -> None:
+    config = parse_config({"models": [{"name": "m", "gguf": "smollm2", "max_model_len": 4096}]})
+    assert config.models == (ModelConfig("m", gguf="smollm2", max_model_len=4096),)
+    assert config.extproc.max_body_bytes is None  # not set: derived from the models (extproc.server)
+    assert parse_config({"extproc": {"max_body_bytes": 2048}}).extproc.max_body_bytes == 2048
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("windows", "limit"),
+    [
+        ([], DEFAULT_MAX_BODY_BYTES),  # no model known: byte-digest routing
+        ([None], DEFAULT_MAX_BODY_BYTES),
+        ([(8192, 81)], 8192 * 81 * 6 + MIB),  # SmolLM2-135M-Instruct: 5,029,888
+        ([(8192, 81), (2048, 20)], 8192 * 81 * 6 + MIB),  # the largest window
+        ([(2048, 20), (8192, 81)], 8192 * 81 * 6 + MIB),
+        ([(8192, 81), None], DEFAULT_MAX_BODY_BYTES),  # one model without a known window
+        ([(131072, 256)], DEFAULT_MAX_BODY_BYTES),  # never above the former default
+        ([(1, 1)], 6 + MIB),
+    ],
+)
+def test_default_body_limit_follows_the_largest_context(
+    windows: list[tuple[int, int] | None], limit: int
+) -> None:
+    assert default_max_body_bytes(windows) == limit
+    assert DEFAULT_MAX_BODY_BYTES == 32 * MIB

@@ -25,6 +25,7 @@ from google.protobuf.struct_pb2 import Struct
 from contracts.epp import (
     CONFORMANCE_HEADER,
     CONFORMANCE_SERVED,
+    DECISION_NS,
     DESTINATION,
     JWT_NS,
     LB_NS,
@@ -52,7 +53,7 @@ from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
-from extproc.routing.router import Decision, Router, RoutingPolicy
+from extproc.routing.router import Decision, Router, RoutingPolicy, Tokens
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 
 MODEL = "smol"
@@ -85,7 +86,9 @@ def clock() -> float:
 
 @pytest.fixture(scope="module")
 def assets(model_dir: str) -> ModelAssets:
-    return ModelAssets.load(MODEL, Path(model_dir))
+    # A window wider than SmolLM2's 8192 tokens: the chunking tests stream bodies of 15,000-31,000 tokens
+    # (the context-length check has its own tests in test_context_length.py).
+    return ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
 
 
 def make_router(assets: ModelAssets, cls: type[Router] = Router) -> Router:
@@ -235,6 +238,7 @@ class Reply:
     remove_headers: list[str]
     lb: dict[str, str]
     chunks: list[tuple[bytes, bool]]
+    decision: dict[str, Any]
 
     @property
     def destination(self) -> list[str]:
@@ -250,16 +254,15 @@ def reply(out: Sequence[pb.ProcessingResponse]) -> Reply:
     assert first.WhichOneof("response") == "request_headers", out
     common = first.request_headers.response
     assert common.clear_route_cache
-    lb = json_format.MessageToDict(first.dynamic_metadata)
-    assert set(lb) == {LB_NS}
+    meta = json_format.MessageToDict(first.dynamic_metadata)
+    assert set(meta) == {LB_NS, DECISION_NS}
     chunks = []
     for r in rest:
         assert r.WhichOneof("response") == "request_body", r
         streamed = r.request_body.response.body_mutation.streamed_response
         chunks.append((streamed.body, streamed.end_of_stream))
-    return Reply(
-        set_headers(common.header_mutation), list(common.header_mutation.remove_headers), lb[LB_NS], chunks
-    )
+    mutation = common.header_mutation
+    return Reply(set_headers(mutation), list(mutation.remove_headers), meta[LB_NS], chunks, meta[DECISION_NS])
 
 
 def trailers_only(out: list[pb.ProcessingResponse]) -> None:
@@ -511,8 +514,54 @@ def test_decision_reply_shape(router: Router) -> None:
     assert r.set_headers == {DESTINATION: decision.destination, "content-length": str(len(payload))}
     assert r.remove_headers == []
     assert r.lb == {DESTINATION: decision.destination, PRIMARY: r.destination[0]}
+    assert r.decision == {  # for the access log; the fixed clock makes the decision take 0 us
+        "model": MODEL,
+        "endpoint": decision.endpoints[0].id,
+        "matched_blocks": 0,
+        "prompt_blocks": len(decision.digests),
+        "decision_us": 0,
+    }
     assert r.chunks == [(payload, True)]
     assert in_flight(router) == {r.destination[0]: 1}
+
+
+class Ticking:
+    """A clock that stands still until something advances it."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedRouter(Router):
+    """Tokenizing takes 1 ms and deciding 2.5 ms of ``ticking`` time."""
+
+    ticking = Ticking()
+
+    def tokens(self, *args: Any, **kwargs: Any) -> Tokens:
+        self.ticking.now += 0.001
+        return super().tokens(*args, **kwargs)
+
+    def decide(self, *args: Any, **kwargs: Any) -> Decision:
+        self.ticking.now += 0.0025
+        return super().decide(*args, **kwargs)
+
+
+def test_decision_metadata_times_the_decision_and_counts_matched_blocks(assets: ModelAssets) -> None:
+    router = make_router(assets, TimedRouter)
+    payload = chat("hello " * 40)
+    seen = []
+    for _ in range(2):  # the second request finds the prompt where the first was sent
+        proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=LIMIT), TimedRouter.ticking)
+        r = reply(route(proc, payload))
+        proc.after_send()
+        seen.append(r.decision)
+    blocks = seen[0]["prompt_blocks"]
+    assert blocks >= 3
+    assert [(d["matched_blocks"], d["decision_us"]) for d in seen] == [(0, 3500), (blocks, 3500)]
+    assert seen[0]["endpoint"] == seen[1]["endpoint"]
 
 
 @pytest.mark.parametrize(

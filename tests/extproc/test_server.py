@@ -34,7 +34,8 @@ async def gateway(model_dir: str) -> AsyncIterator[Gateway]:
                 "max_body_bytes": 8 * 1024 * 1024,
                 "conformance": True,
             },
-            "models": [{"name": MODEL, "model_dir": model_dir}],
+            # A context longer than test_multi_megabyte_body's prompt, so that it is routed, not refused.
+            "models": [{"name": MODEL, "model_dir": model_dir, "max_model_len": 1 << 22}],
             "endpoints": [{"id": f"e{i}", "address": a, "models": [MODEL]} for i, a in enumerate(ADDRESSES)]
             + [{"id": "other", "address": "127.0.0.9:8000", "models": ["other-model"]}],
         }

