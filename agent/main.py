@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -575,7 +576,7 @@ async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: floa
             done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
                 waiting.result()
-                write_ready_file(ready_file, agent.status())
+                write_ready_file(ready_file, {**agent.status(), "pid": os.getpid()})
             else:
                 waiting.cancel()
             stopped.cancel()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -47,6 +46,7 @@ from agent.config import AgentSection
 from agent.errors import EngineNotReady, EngineStartError
 from agent.launch import EngineLaunch, needs_kv_events_ports, needs_side_port, render
 from engines.config import EngineConfig, RestartPolicy
+from runtime.lifecycle import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -136,23 +136,6 @@ def render_ports(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) 
         engine, agent, port=ports.port, kv_events_port=ports.kv_events, kv_replay_port=ports.kv_replay,
         side_port=ports.side,
     )  # fmt: skip
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """A preexec function asking the kernel to SIGTERM the child when its parent dies; libc is loaded
-    here, in the parent, so the child only makes one system call between fork and exec."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
 
 
 _SECRET = re.compile(r"(key|token|secret|password)(?![a-z])", re.IGNORECASE)
@@ -353,7 +336,7 @@ class EngineSupervisor:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                    env=env, cwd=self.agent.state_dir, start_new_session=True, preexec_fn=_die_with_parent(),
+                    env=env, cwd=self.agent.state_dir, start_new_session=True, preexec_fn=die_with_parent(),
                 )  # fmt: skip
             except OSError as exc:
                 raise EngineStartError(self.engine.id, f"cannot execute {argv[0]!r}: {exc}") from exc

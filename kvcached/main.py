@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -260,7 +261,7 @@ async def run(config: KvcachedConfig, ready_file: Path | None) -> int:
     try:
         await daemon.start()
         if ready_file is not None:
-            write_ready_file(ready_file, daemon.status())
+            write_ready_file(ready_file, {**daemon.status(), "pid": os.getpid()})
         await stop.wait()
         log.info("kvcached %s: stopping", config.node)
     finally:

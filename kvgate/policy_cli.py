@@ -11,6 +11,11 @@ embedded default (the built-in scheduling, or that of ``--config gateway.toml``)
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
 
+etcd is ``--etcd``, else ``$KVGATE_ETCD``, else the local etcd of the running ``kvgate up --agents N``
+(found through its published ``stack.json``, :mod:`kvgate.dev.stackfile`); with none of these the
+command fails naming ``--etcd``. ``kvgate drain`` refuses an id that no endpoint in etcd has (it lists
+the ones it has) unless ``--force`` (a static endpoint of a gateway config, or one not registered yet).
+
 Exit status: 0 done, 1 etcd unreachable or a file unreadable, 2 bad usage or a refused value.
 """
 
@@ -30,10 +35,10 @@ import etcd3aio
 
 from contracts.errors import ConfigError
 from contracts.etcd import (
+    ENDPOINTS,
     EtcdSettings,
     drain_key,
     encode_value,
-    endpoint_key,
     parse_etcd_settings,
     policy_key,
     policy_path,
@@ -46,6 +51,7 @@ from extproc.control.policy import (
     load_policy_file,
     write_policy_file,
 )
+from kvgate.dev.stackfile import StackNotRunning, find_running
 from runtime.etcd import ETCD_ERRORS, connect, describe_error
 
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
@@ -64,7 +70,8 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
         "--etcd",
         action="append",
         metavar="HOST:PORT",
-        help="etcd client endpoint, repeatable (default: $KVGATE_ETCD, comma-separated, or 127.0.0.1:2379)",
+        help="etcd client endpoint, repeatable (default: $KVGATE_ETCD, comma-separated, else the etcd of "
+        "the running kvgate up --agents N)",
     )
     parser.add_argument("--prefix", default="/kvgate/", help="key prefix (default: /kvgate/)")
     parser.add_argument("--tls-ca", help="CA bundle (PEM) that etcd's certificate chains to")
@@ -74,10 +81,12 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> EtcdSettings:
-    endpoints = args.etcd or [e for e in os.environ.get("KVGATE_ETCD", "").split(",") if e] or None
-    raw: dict[str, object] = {"prefix": args.prefix, "timeout_s": args.timeout}
-    if endpoints:
-        raw["endpoints"] = endpoints
+    endpoints = args.etcd or [e for e in os.environ.get("KVGATE_ETCD", "").split(",") if e]
+    raw: dict[str, object] = {
+        "prefix": args.prefix,
+        "timeout_s": args.timeout,
+        "endpoints": endpoints or [_local_etcd()],
+    }
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if getattr(args, key):
             raw[key] = getattr(args, key)
@@ -85,6 +94,22 @@ def _settings(args: argparse.Namespace) -> EtcdSettings:
         return parse_etcd_settings(raw, "etcd options")
     except ConfigError as exc:
         raise _Failed(str(exc), 2) from exc
+
+
+def _local_etcd() -> str:
+    """The etcd of the running ``kvgate up``, for a command given no ``--etcd`` nor ``$KVGATE_ETCD``."""
+    hint = "pass --etcd HOST:PORT (or set KVGATE_ETCD)"
+    try:
+        stack = find_running()
+    except StackNotRunning as exc:
+        raise _Failed(f"no etcd given and {exc}: {hint}, or start kvgate up --agents N", 2) from exc
+    if stack.etcd is None:
+        raise _Failed(
+            f"no etcd given, and the running kvgate up (pid {stack.pid}, {stack.url}) has none (start it "
+            f"with --agents N): {hint}",
+            2,
+        )
+    return stack.etcd
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -307,26 +332,45 @@ async def _drain(args: argparse.Namespace, settings: EtcdSettings) -> int:
             deleted = (await kv.delete(key, timeout=settings.timeout_s)).deleted
             print(f"endpoint {args.id} " + ("no longer draining" if deleted else "was not draining"))
             return 0
+        known = await _registered(kv, settings)
+        if args.id not in known and not args.force:
+            listed = ", ".join(sorted(known)) or "none"
+            raise _Failed(
+                f"no endpoint {args.id!r} is registered in etcd (registered: {listed}); nothing written. "
+                "--force drains it anyway (a static endpoint of a gateway config, or one not started yet)",
+                2,
+            )
         value = json.dumps({"at": round(time.time(), 3), "by": args.by or _who()}).encode()
         await kv.put(key, value, timeout=settings.timeout_s)
-        ep_key = endpoint_key(settings.prefix, args.id)
-        registered = await kv.get(ep_key, count_only=True, timeout=settings.timeout_s)
         print(f"endpoint {args.id} draining: no new requests will be routed to it")
-        if not registered.count:
-            print(f"note: no {args.id!r} registered in etcd (a static or future endpoint?)", file=sys.stderr)
         return 0
     finally:
         await client.close()
 
 
+async def _registered(kv: etcd3aio.kv.KVService, settings: EtcdSettings) -> set[str]:
+    """The ids of the endpoints registered in etcd (``endpoints/<id>`` keys)."""
+    prefix = f"{settings.prefix}{ENDPOINTS}/"
+    end = etcd3aio.prefix_range_end(prefix)
+    response = await kv.get(prefix, end, keys_only=True, timeout=settings.timeout_s)
+    keys = (split_key(settings.prefix, bytes(item.key)) for item in response.kvs)
+    return {key[1] for key in keys if key is not None}
+
+
 def drain_main(argv: list[str]) -> int:
-    """``kvgate drain ID [--undo]``: stop (or resume) routing new requests to an endpoint."""
+    """``kvgate drain ID [--undo] [--force]``: stop (or resume) routing new requests to an endpoint."""
     parser = argparse.ArgumentParser(
         prog="kvgate drain", description="Stop routing new requests to an endpoint (in-flight ones finish)."
     )
     parser.add_argument("id", help="endpoint id")
     parser.add_argument("--undo", action="store_true", help="route to it again")
     parser.add_argument("--by", help="who drains it, recorded in the value (default: user@host)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="drain an id no endpoint in etcd has (a static endpoint of a gateway config, or one not "
+        "registered yet); without it such an id is refused",
+    )
     _source_options(parser)
     args = parser.parse_args(argv)
     try:

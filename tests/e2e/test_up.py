@@ -33,6 +33,7 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
             "--workdir",
             str(tmp_path),
         ],
+        env={**os.environ, "KVGATE_STATE_DIR": str(tmp_path / "state")},  # not the user's stack.json
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

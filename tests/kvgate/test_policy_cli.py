@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from contracts.etcd import EtcdSettings
+from kvgate.dev import stackfile
 from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.stackfile import StackInfo
 from kvgate.policy_cli import drain_main, main
 from runtime.etcd import connect
 
@@ -116,9 +118,94 @@ def test_etcd_from_environment(
     assert capsys.readouterr().out == "16\n"
 
 
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where `kvgate up` publishes its stack.json, for this test only; no $KVGATE_ETCD."""
+    monkeypatch.setenv(stackfile.STATE_DIR_ENV, str(tmp_path / "state"))
+    monkeypatch.delenv("KVGATE_ETCD", raising=False)
+    return tmp_path / "state"
+
+
+def _publish(etcd: str | None, pid: int | None = None) -> None:
+    """A stack.json as a running `kvgate up` (this process, or ``pid``) publishes it."""
+    pid = os.getpid() if pid is None else pid
+    info = StackInfo(
+        pid=pid,
+        started=stackfile.process_started(pid),
+        url="http://127.0.0.1:8080",
+        admin_url="http://127.0.0.1:9901",
+        metrics_url=None,
+        etcd=etcd,
+        workdir="/tmp/w",
+        models=(),
+        engines={},
+        logs={},
+    )
+    stackfile.write(stackfile.pointer_path(), info)
+
+
+def test_etcd_of_the_running_kvgate_up(
+    state_dir: Path,
+    etcd_server: EtcdServer,
+    etcd_settings: EtcdSettings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No --etcd, no $KVGATE_ETCD: the commands use the etcd of the local `kvgate up --agents N`."""
+    _publish(etcd_server.address)
+    p = etcd_settings.prefix
+    assert main(["set", "weights/prefix", "5", "--prefix", p]) == 0
+    assert _read(etcd_settings, f"{p}policy/weights/prefix") == b"5"
+    assert main(["get", "weights/prefix", "--prefix", p]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "5.0"
+    _put(etcd_settings, f"{p}endpoints/sim-0", b"{}")
+    assert drain_main(["sim-0", "--prefix", p]) == 0
+    assert _read(etcd_settings, f"{p}drain/sim-0") is not None
+
+
+def test_without_etcd_nor_kvgate_up_the_error_names_the_flag(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate policy: no etcd given and no running kvgate up found (")
+    assert "pass --etcd HOST:PORT" in err
+    assert drain_main(["sim-0"]) == 2
+    assert "pass --etcd HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_killed_kvgate_ups_pointer_is_ignored_and_said(
+    state_dir: Path, etcd_server: EtcdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    _publish(etcd_server.address, pid=int(gone.stdout))
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert f"is stale: the kvgate up that wrote it (pid {int(gone.stdout)}) is not running" in err
+    assert "pass --etcd HOST:PORT" in err
+
+
+def test_a_kvgate_up_without_agents_has_no_etcd(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _publish(None)
+    assert drain_main(["sim-0"]) == 2
+    err = capsys.readouterr().err
+    assert "the running kvgate up (pid" in err and "has none (start it with --agents N)" in err
+
+
 def test_unreachable_etcd_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list", "--etcd", "127.0.0.1:1", "--timeout", "0.5"]) == 1
     assert "etcd at 127.0.0.1:1: " in capsys.readouterr().err
+
+
+def _put(settings: EtcdSettings, key: str, value: bytes) -> None:
+    async def write() -> None:
+        client = await connect(settings)
+        try:
+            assert client.kv is not None
+            await client.kv.put(key, value, timeout=2.0)
+        finally:
+            await client.close()
+
+    asyncio.run(write())
 
 
 def test_drain_and_undo(
@@ -126,9 +213,10 @@ def test_drain_and_undo(
 ) -> None:
     args = ["--etcd", etcd_server.address, "--prefix", etcd_settings.prefix]
     key = f"{etcd_settings.prefix}drain/vllm-0"
+    _put(etcd_settings, f"{etcd_settings.prefix}endpoints/vllm-0", b"{}")
     assert drain_main(["vllm-0", "--by", "ops", *args]) == 0
     captured = capsys.readouterr()
-    assert "vllm-0 draining" in captured.out and "no 'vllm-0' registered" in captured.err
+    assert "vllm-0 draining" in captured.out and captured.err == ""
     value = _read(etcd_settings, key)
     assert value is not None and json.loads(value)["by"] == "ops"
     assert drain_main(["vllm-0", "--undo", *args]) == 0
@@ -136,6 +224,23 @@ def test_drain_and_undo(
     assert _read(etcd_settings, key) is None
     assert drain_main(["vllm-0", "--undo", *args]) == 0
     assert "was not draining" in capsys.readouterr().out
+
+
+def test_drain_of_an_unknown_id_is_refused_and_writes_nothing(
+    etcd_server: EtcdServer, etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--etcd", etcd_server.address, "--prefix", etcd_settings.prefix]
+    for endpoint in ("sim-1", "sim-0"):
+        _put(etcd_settings, f"{etcd_settings.prefix}endpoints/{endpoint}", b"{}")
+    assert drain_main(["sim-9", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    refused = "no endpoint 'sim-9' is registered in etcd (registered: sim-0, sim-1); nothing written"
+    assert refused in captured.err
+    assert _read(etcd_settings, f"{etcd_settings.prefix}drain/sim-9") is None
+    # A static endpoint of a gateway config is drained through etcd too: --force says so.
+    assert drain_main(["sim-9", "--force", *args]) == 0
+    assert _read(etcd_settings, f"{etcd_settings.prefix}drain/sim-9") is not None
 
 
 def test_watch_once_prints_the_first_change(etcd_args: list[str]) -> None:
