@@ -14,7 +14,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     role = "both"                     # default role of engines: both | prefill | decode
     lease_ttl_s = 5                   # etcd lease TTL (whole seconds >= 2)
     drain_timeout_s = 30              # max wait (s) for in-flight requests when draining
-    state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files
+    state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files;
+                                          # relative: from the directory the agent starts in
     kvcached = "unix:/run/kvgate/kvcached.sock"   # optional: llama.cpp slot save/restore via kvcached
     slot_save_min_tokens = 1024       # with kvcached: save a llama.cpp slot that finished a request of at
                                       # least this many tokens (prompt + output) into kvcached; 0 = off
@@ -237,7 +238,9 @@ def _agent(raw: object) -> AgentSection:
         role=_choice(s.string("role", d.role), ROLES, "agent.role"),
         lease_ttl_s=s.integer("lease_ttl_s", d.lease_ttl_s, minimum=2),
         drain_timeout_s=s.number("drain_timeout_s", d.drain_timeout_s, minimum=0.0),
-        state_dir=_nonempty(s.string("state_dir", d.state_dir), "agent.state_dir"),
+        # Absolute: engines run with the state directory as their working directory, so a relative path
+        # (of an exported model, say) would resolve twice.
+        state_dir=str(Path(_nonempty(s.string("state_dir", d.state_dir), "agent.state_dir")).absolute()),
         tls=_tls(s.raw("tls")),
         kvcached=s.string("kvcached"),
         slot_save_min_tokens=_slot_save_min_tokens(s),

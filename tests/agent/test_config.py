@@ -97,6 +97,15 @@ def test_minimal_config_defaults() -> None:
     assert e.restart == RestartPolicy() and e.offload == OffloadConfig() and e.started
 
 
+def test_relative_state_dir_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines run with the state directory as their working directory: a relative one, left relative,
+    made an exported model's path (``node-a/models/...``) resolve under itself and the engine never start."""
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_node_config(node(OK, agent={"state_dir": "node-a"}))
+    assert cfg.agent.state_dir == str(tmp_path / "node-a")
+    assert parse_node_config(node(OK, agent={"state_dir": "/srv/kv"})).agent.state_dir == "/srv/kv"
+
+
 @pytest.mark.parametrize(
     ("kind", "events"),
     [("vllm", True), ("sglang", True), ("sim", True), ("trtllm", False), ("llama_cpp", False)],
