@@ -241,6 +241,65 @@ def merge_repeats(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def summary(result: Mapping[str, Any], name: str, date: str) -> dict[str, Any]:
+    """The figures a BENCHMARKS.md table quotes and ``python -m load.bench.plots`` draws, from the result
+    of ``load.bench.routing.run`` (its ``routing.json``); written next to it as ``routing-summary.json``.
+
+    Shape (``docs/bench/*.json`` holds quoted runs in it)::
+
+        benchmark  "routing-summary"
+        name       the run's name (its output directory's); images are named after it
+        source     where the figures come from
+        command, commit, changed, date (UTC day, YYYY-MM-DD), machine (dict), wall_s, repeats
+        rows       per (workload, load, target): workload, load, load_unit, target, and either
+                   metrics {key: {"median": x, "rounds": [x, ...]}} or skipped (why)
+        goals      report.goals' names: value, goal, met, best_peer/measured where it has them, and
+                   rounds (each round's value) when the run had several
+
+    ``median`` is the number the tables quote (``merge_repeats``' median); ``rounds`` each round's own
+    value, in round order, of the rounds that measured the target (one value for a single run).
+    Metrics are ``PLOTTED``'s keys, as ``summarize`` defines them. A record transcribed from a table
+    holds the columns the table quotes, leaves ``rounds`` out where it quoted only the median, and adds
+    ``benchmarks_section``: the BENCHMARKS.md heading it was transcribed from.
+    """
+    repeats = int(result.get("repeats", 1))
+    rows_in = result["merged"] if "merged" in result else result["runs"]
+    rows: list[dict[str, Any]] = []
+    for r in rows_in:
+        row: dict[str, Any] = {k: r[k] for k in ("workload", "load", "load_unit", "target")}
+        m = r.get("metrics")
+        if m is None:
+            row["skipped"] = r.get("skipped", "not measured")
+        else:
+            per_round = r.get("metrics_runs", {})
+            row["metrics"] = {
+                key: {"median": m[key], "rounds": list(per_round.get(key, [m[key]]))} for key, _ in PLOTTED
+            }
+        rows.append(row)
+    by_round: Sequence[Mapping[str, Any]] = result.get("goals_by_round", [])
+    goals_out: dict[str, Any] = {}
+    for goal_name, goal in result["goals"].items():
+        entry = dict(goal)
+        if by_round and all(goal_name in g for g in by_round):
+            entry["rounds"] = [g[goal_name]["value"] for g in by_round]
+        goals_out[goal_name] = entry
+    revision = result.get("revision", {})
+    return {
+        "benchmark": "routing-summary",
+        "name": name,
+        "source": "written by kvgate bench routing; routing.json beside it holds every run",
+        "command": result.get("command", ""),
+        "commit": revision.get("commit", ""),
+        "changed": revision.get("changed", []),
+        "date": date,
+        "machine": result.get("machine", {}),
+        "wall_s": result.get("wall_s"),
+        "repeats": repeats,
+        "rows": rows,
+        "goals": goals_out,
+    }
+
+
 def markdown_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """One row per (workload, load, target); skipped targets say why."""
     head = (

@@ -10,7 +10,8 @@ For each workload it starts a simulated fleet (``load.sim``, one process, ``repl
 for that workload, then for each load level and each target: resets every replica's prefix cache,
 starts the target fresh, sends the same sessions (same seed, so byte-identical requests at the same
 times) with :mod:`load.client`, stops the target. Results: ``routing.json`` (every run's metrics and
-the goals), ``routing.md`` (the table), and one PNG per workload and metric.
+the goals), ``routing-summary.json`` (the quoted figures: ``python -m load.bench.plots`` draws them),
+``routing.md`` (the table), and one PNG per workload and metric.
 
 Fleet capacity (see ``load/sim/README.md`` for the timing model): each replica runs the H100/8B step
 model slowed ``time_scale`` times (default 5, so 2 CPU cores can drive 8 replicas and a router), with
@@ -299,6 +300,8 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
         "wall_s": round(time.monotonic() - started, 1),
     }
     write_json(out_dir / "routing.json", result)
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    write_json(out_dir / "routing-summary.json", rep.summary(result, out_dir.resolve().name, day))
     table = rep.markdown_table(merged)
     if config.repeats > 1:
         table = f"Each cell: the median of {config.repeats} runs (rounds of every target in turn).\n\n{table}"
