@@ -74,8 +74,15 @@ from contracts.epp import (
 from extproc.admission.gate import Gate, Principal, Ticket
 from extproc.admission.usage import UsageReader
 from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests, Unavailable
-from extproc.routing.request import MODELS_PATH, parse_body, rewrite_model, route_kind, unknown_path
-from extproc.routing.router import Decision, Router
+from extproc.routing.request import (
+    MODELS_PATH,
+    ParsedRequest,
+    parse_body,
+    rewrite_model,
+    route_kind,
+    unknown_path,
+)
+from extproc.routing.router import Decision, Router, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +102,33 @@ class Phase(Enum):
 
 @dataclass(frozen=True, slots=True)
 class ProcessorConfig:
+    """``max_body_bytes``: larger bodies get 413; ``offload_bytes``: bodies from this size on are parsed,
+    rendered and tokenized by :meth:`StreamProcessor.prepare` in a worker thread (``None``: never)."""
+
     max_body_bytes: int
     conformance: bool = False
+    offload_bytes: int | None = 32 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """The pure part of routing a body: the parsed (and model-rewritten) request, the body to forward, the
+    prompt's tokens, and how long it took (seconds of the processor's clock)."""
+
+    request: ParsedRequest
+    body: bytes
+    tokens: Tokens
+    seconds: float
 
 
 class StreamProcessor:
-    """Drives one ext_proc stream; not thread-safe, one per stream."""
+    """Drives one ext_proc stream; not thread-safe, one per stream.
+
+    A large body's parse, chat-template render and tokenization (milliseconds, up to hundreds for a prompt
+    near a long context) need none of the router's mutable state, so the shell may run them off its event
+    loop: when :meth:`preparable` says so for a message, it calls :meth:`prepare` with it in a worker thread,
+    then :meth:`handle` with the same message on the loop, which then only schedules.
+    """
 
     def __init__(
         self,
@@ -121,6 +149,8 @@ class StreamProcessor:
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
+        #: What :meth:`prepare` made of the body (or the error it met), for :meth:`handle` to use.
+        self._prepared: _Prepared | Exception | None = None
         self.decision: Decision | None = None
 
     @property
@@ -136,6 +166,36 @@ class StreamProcessor:
         except Exception:
             log.exception("request %s: internal error in ext_proc", self.request_id)
             return [self._reject(_Internal("The gateway failed to process the request."))]
+
+    def preparable(self, msg: pb.ProcessingRequest) -> bool:
+        """Whether ``msg`` ends a body of at least ``offload_bytes`` (within the limit) for a routed path:
+        then :meth:`prepare` may run first, in a worker thread."""
+        limit = self._config.offload_bytes
+        if (
+            limit is None
+            or self._phase is not Phase.BODY
+            or route_kind(self._headers.get(":path", "/")) is None
+        ):
+            return False
+        which = msg.WhichOneof("request")
+        if which == "request_body" and msg.request_body.end_of_stream:
+            size = self._size + len(msg.request_body.body)
+        elif which == "request_trailers":
+            size = self._size
+        else:
+            return False
+        return limit <= size <= self._config.max_body_bytes
+
+    def prepare(self, msg: pb.ProcessingRequest) -> None:
+        """Parse, rewrite, render and tokenize the body ``msg`` ends (:meth:`preparable`), keeping the result
+        or the error for :meth:`handle`. Safe in a worker thread while the event loop runs other streams:
+        it reads this stream's buffered chunks and the router's models and policy, and changes nothing
+        else; the caller does not touch this processor until it returns."""
+        last = msg.request_body.body if msg.WhichOneof("request") == "request_body" else b""
+        try:
+            self._prepared = self._prepare(b"".join([*self._chunks, last]))
+        except Exception as exc:  # re-raised by handle, which formats it as any other failure
+            self._prepared = exc
 
     def after_send(self) -> None:
         """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""
@@ -212,21 +272,35 @@ class StreamProcessor:
         self._phase = Phase.DONE
         return self._route(b"".join(self._chunks))
 
-    def _route(self, body: bytes) -> list[pb.ProcessingResponse]:
-        self._chunks.clear()
-        path = self._headers.get(":path", "/")
-        kind = route_kind(path)
-        if kind is None:
-            return self._answer(path)
+    def _prepare(self, body: bytes) -> _Prepared:
+        """Parse the body of a routed path, apply the model rewrite, render and tokenize the prompt."""
+        started = self._clock()
+        kind = route_kind(self._headers.get(":path", "/"))
+        assert kind is not None, "only routed paths are prepared"
         request = parse_body(kind, body)
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)
+        tokens = self._router.tokens(request, exact_count=self._gate is not None)
+        return _Prepared(request, body, tokens, self._clock() - started)
+
+    def _route(self, body: bytes) -> list[pb.ProcessingResponse]:
+        self._chunks.clear()
+        path = self._headers.get(":path", "/")
+        if route_kind(path) is None:
+            return self._answer(path)
+        prepared, self._prepared = self._prepared, None
+        if isinstance(prepared, Exception):
+            raise prepared
+        started = self._clock()
+        if prepared is None:
+            prepared = self._prepare(body)
+        else:
+            started -= prepared.seconds  # the decision's time includes the preparation done beforehand
+        request, body, tokens = prepared.request, prepared.body, prepared.tokens
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
-        started = self._clock()
-        tokens = self._router.tokens(request, exact_count=self._gate is not None)
         if self._gate is not None and self.principal is not None:
             self.ticket = self._gate.admit(self.principal, request, tokens.count, self._clock())
         try:

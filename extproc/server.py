@@ -80,6 +80,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             async for msg in request_iterator:
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
+                if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop
+                    await asyncio.to_thread(proc.prepare, msg)
                 responses = proc.handle(msg)
                 if proc.decision is not None and not decided_before:
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)

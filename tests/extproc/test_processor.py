@@ -1022,3 +1022,79 @@ def test_tenant_without_a_budget_is_never_read(router: Router) -> None:
     assert ticket is not None and not ticket.settled  # nothing to read: settled at the end
     proc.close()
     assert ticket.settled and ticket.charged == ticket.reserved and gate.budgets.level(WIDE, NOW) is None
+
+
+# --- preparing a large body off the event loop -----------------------------------------------------------
+
+OFFLOAD = 32 * 1024
+
+
+@pytest.mark.parametrize(
+    ("path", "messages", "expected"),
+    [
+        (CHAT, [body(chat("x" * OFFLOAD))], True),  # ends a body at least offload_bytes long
+        (CHAT, [body(chat("x" * OFFLOAD), end=False), body(b"")], True),  # the size counts every chunk
+        (CHAT, [body(b"x" * OFFLOAD, end=False), trailers()], True),  # trailers end it too
+        (CHAT, [body(chat("x" * 100))], False),  # small: not worth a thread hop
+        (CHAT, [body(chat("x" * OFFLOAD), end=False)], False),  # not the end of the body
+        (CHAT, [body(sized(LIMIT + 1))], False),  # over the limit: 413 on the loop, nothing parsed
+        ("/v1/models", [body(chat("x" * OFFLOAD))], False),  # not routed: answered without parsing
+    ],
+)
+def test_preparable_only_for_the_end_of_a_large_routed_body(
+    router: Router, path: str, messages: list[pb.ProcessingRequest], expected: bool
+) -> None:
+    proc = processor(router)
+    proc.handle(headers(path))
+    *before, last = messages
+    for msg in before:
+        assert not proc.preparable(msg)
+        proc.handle(msg)
+    assert proc.preparable(last) is expected
+
+
+def test_preparable_never_without_an_offload_size(router: Router) -> None:
+    proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=LIMIT, offload_bytes=None), clock)
+    proc.handle(headers())
+    assert not proc.preparable(body(chat("x" * OFFLOAD)))
+
+
+def test_prepared_body_routes_as_if_handled_at_once(assets: ModelAssets) -> None:
+    """prepare() then handle() answers exactly as handle() alone (on an identical router), and the
+    decision's time counts the preparation."""
+    payload = chat("hello " * 8000, max_tokens=7)
+    inline = make_router(assets)
+    expected = reply(route(processor(inline), payload))
+    ticks = iter(range(100))
+    prepared_router = make_router(assets)
+    proc = StreamProcessor(prepared_router, ProcessorConfig(max_body_bytes=LIMIT), lambda: next(ticks) / 1000)
+    proc.handle(headers())
+    last = body(payload)
+    assert proc.preparable(last)
+    proc.prepare(last)
+    got = reply(proc.handle(last))
+    assert (got.set_headers, got.lb, got.chunks) == (expected.set_headers, expected.lb, expected.chunks)
+    assert got.decision["decision_us"] >= 2000  # the clock's ticks inside prepare() are counted
+    assert in_flight(prepared_router) == in_flight(inline)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "code"),
+    [
+        (b'{"model": "' + b"x" * OFFLOAD + b"", 400, None),  # not JSON
+        (chat("x" * OFFLOAD, model="nope"), 404, "model_not_found"),
+        (chat("hello " * 9000), 400, "context_length_exceeded"),  # 9000+ tokens: over SmolLM2's 8192
+    ],
+)
+def test_an_error_met_while_preparing_is_the_answer(
+    model_dir: str, payload: bytes, status: int, code: str | None
+) -> None:
+    router = make_router(ModelAssets.load(MODEL, Path(model_dir)))  # SmolLM2's own 8192-token context
+    proc = processor(router)
+    proc.handle(headers())
+    last = body(payload)
+    assert proc.preparable(last)
+    proc.prepare(last)
+    got_status, err, _ = error(proc.handle(last))
+    assert (got_status, err["code"]) == (status, code)
+    assert in_flight(router) == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -17,6 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.events import EndpointId
 from extproc.config import parse_config
+from extproc.routing.request import ParsedRequest
+from extproc.routing.router import Tokens
 from extproc.server import Gateway
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -136,6 +140,30 @@ async def test_multi_megabyte_body(gateway: Gateway) -> None:
     decision(resps)
     assert streamed_body(resps) == body
     assert len(resps) == 1 + -(-len(body) // 62_000)
+
+
+async def test_a_large_body_is_tokenized_off_the_event_loop(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one stream's large prompt is being tokenized, other streams are answered: the tokenizing of a
+    body of at least ``offload_bytes`` runs in a worker thread. Here it waits until a ``GET /v1/models``
+    on another stream has been answered, which on the event loop could never happen."""
+    tokens = gateway.router.tokens
+    models_answered = threading.Event()
+
+    def blocking_tokens(request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
+        assert models_answered.wait(10), "GET /v1/models was not answered while the prompt was tokenized"
+        return tokens(request, exact_count=exact_count)
+
+    monkeypatch.setattr(gateway.router, "tokens", blocking_tokens)
+    body = chat_body("hello " * 20_000)  # 120 KB: over the 32 KiB offload threshold
+    routed = asyncio.create_task(run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
+    models = await run(gateway, [headers_msg("/v1/models", method="GET", end=True)])
+    assert models[0].immediate_response.status.code == 200
+    models_answered.set()
+    resps = await asyncio.wait_for(routed, 10)
+    decision(resps)
+    assert streamed_body(resps) == body
 
 
 async def test_oversize_body_is_413(gateway: Gateway) -> None:
