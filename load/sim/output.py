@@ -87,16 +87,21 @@ def plan_choice(
     response_format: dict[str, Any] | None = None,
     tools: Tools | None = None,
     after_tool_result: bool = False,
+    structured_max_tokens: int | None = None,
 ) -> Plan:
     """The plan of choice ``index`` of a request whose prompt is ``prompt``. ``after_tool_result``: the
-    conversation ends with a tool's answer, so an ``"auto"`` tool choice answers in text."""
+    conversation ends with a tool's answer, so an ``"auto"`` tool choice answers in text.
+    ``structured_max_tokens``: the limit of a tool call or JSON answer (default ``max_tokens``), which end
+    with EOS as a model's would; a chat request without ``max_tokens`` gets the rest of the context there,
+    as vLLM does, while free text keeps the documented default length (the simulator has no EOS model)."""
+    structured = max_tokens if structured_max_tokens is None else structured_max_tokens
     words = vocab.sample_output(max_tokens, prompt, sampling.seed, index)
     function = tools.function() if tools is not None else None
     if tools is not None and function is not None and not (tools.mode == "auto" and after_tool_result):
         rng = random.Random(words[0] if words else 0)
         arguments = json.dumps(instance(function.get("parameters") or {}, vocab, words, rng))
         value = {"name": function["name"], "arguments": json.loads(arguments)}
-        plan = _json_plan(vocab, value, max_tokens)
+        plan = _json_plan(vocab, value, structured)
         if plan.finish_reason == "length":
             return plan
         call = ToolCall(f"chatcmpl-tool-{uuid.uuid4().hex}", function["name"], arguments)
@@ -106,7 +111,7 @@ def plan_choice(
         rng = random.Random(words[0] if words else 0)
         schema = response_format.get("schema") if response_format["type"] == "json_schema" else None
         value = instance(schema, vocab, words, rng) if schema else {"answer": _phrase(vocab, words, rng)}
-        return _json_plan(vocab, value, max_tokens)
+        return _json_plan(vocab, value, structured)
     return _text_plan(vocab, words, sampling)
 
 

@@ -137,6 +137,8 @@ class Serving:
         api.check_max_tokens(sampling, self.max_model_len)
         api.check_prompt_len(len(prompt), self.max_model_len, text=True)
         max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(prompt), self.max_model_len)
+        # No max_tokens: a tool call or JSON answer runs to its end (vLLM's limit is the context's rest).
+        structured = None if sampling.max_tokens is not None else self.max_model_len - len(prompt)
         role = "assistant" if chat.add_generation_prompt else chat.messages[-1]["role"]
         last = chat.messages[-1]
         echo = last["content"] if sampling.echo and last["role"] == role else ""
@@ -158,6 +160,7 @@ class Serving:
                 response_format=fmt,
                 tools=tools,
                 after_tool_result=last["role"] == "tool",
+                structured_max_tokens=structured,
             )
             for i in range(sampling.n)
         ]

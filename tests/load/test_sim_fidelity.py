@@ -382,6 +382,27 @@ async def test_auto_tool_choice_calls_a_tool(tool_api: openai.AsyncOpenAI) -> No
     assert after.choices[0].finish_reason == "length" and after.choices[0].message.tool_calls is None
 
 
+async def test_without_max_tokens_a_tool_call_or_json_answer_runs_to_its_end(
+    tool_api: openai.AsyncOpenAI,
+) -> None:
+    """vLLM's chat limit without max_tokens is the rest of the context, so a call or a JSON answer ends
+    with EOS, not cut at the simulator's 16-token default for free text."""
+    called = await tool_api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required"
+    )
+    calls = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert set(json.loads(calls[0].function.arguments)) == {"city", "days"}  # type: ignore[union-attr]
+    assert called.usage is not None and called.usage.completion_tokens > 16
+    answer = await tool_api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    json.loads(answer.choices[0].message.content or "")
+    text = await tool_api.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert text.usage is not None and text.usage.completion_tokens == 16  # free text: the default
+
+
 async def test_required_and_named_tool_choice(tool_api: openai.AsyncOpenAI) -> None:
     required = await tool_api.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=64, tools=[WEATHER, CLOCK], tool_choice="required"
