@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,9 @@ from extproc.models.context import ByteBounds, byte_bounds, read_max_model_len
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import SegmentTokenizer
 from tests.engines.test_gguf import _write_gguf
+from tests.extproc.models.test_registry import Source
 
 SMOLLM2_DROPPED = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xF1, 0xF2])
-
-
-@dataclass(frozen=True)
-class Source:
-    name: str
-    model_dir: str | None = None
-    gguf: str | None = None
-    chat_template: str | None = None
-    max_model_len: int | None = None
 
 
 def with_config(smollm2_dir: Path, tmp_path: Path, **changes: Any) -> Path:
