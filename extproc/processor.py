@@ -270,7 +270,7 @@ class StreamProcessor:
         if not end_of_stream:
             return []
         self._phase = Phase.DONE
-        return self._route(b"".join(self._chunks))
+        return self._route()
 
     def _prepare(self, body: bytes) -> _Prepared:
         """Parse the body of a routed path, apply the model rewrite, render and tokenize the prompt."""
@@ -284,8 +284,10 @@ class StreamProcessor:
         tokens = self._router.tokens(request, exact_count=self._gate is not None)
         return _Prepared(request, body, tokens, self._clock() - started)
 
-    def _route(self, body: bytes) -> list[pb.ProcessingResponse]:
-        self._chunks.clear()
+    def _route(self) -> list[pb.ProcessingResponse]:
+        """Route the buffered body: prepared already (:meth:`prepare`), or prepared now; the body is joined
+        once, by whichever prepares it."""
+        chunks, self._chunks = self._chunks, []
         path = self._headers.get(":path", "/")
         if route_kind(path) is None:
             return self._answer(path)
@@ -294,7 +296,7 @@ class StreamProcessor:
             raise prepared
         started = self._clock()
         if prepared is None:
-            prepared = self._prepare(body)
+            prepared = self._prepare(b"".join(chunks))
         else:
             started -= prepared.seconds  # the decision's time includes the preparation done beforehand
         request, body, tokens = prepared.request, prepared.body, prepared.tokens

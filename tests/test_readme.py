@@ -499,7 +499,7 @@ def test_block_runs(block: Block, scratch: Scratch) -> None:
         re.search(r"^(\$ )?curl ", block.text, re.M)
         and shutil.which("curl", path=scratch.env["PATH"]) is None
     ):
-        pytest.skip("curl is not installed on this machine")
+        pytest.skip("curl is not installed (kvgate does not install it): install curl to run it")
     if block.marker == "starts":
         run_daemons(block, scratch)
     elif block.lang == "sh":
