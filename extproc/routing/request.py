@@ -1,8 +1,26 @@
 """OpenAI request understanding: the body is parsed once, here, into a :class:`ParsedRequest`.
 
 Only what routing needs is kept, but every field the gateway reads is type-checked so a malformed
-request is refused with a 400 before it can reach an engine. Fields the gateway does not read are passed
-through untouched for the engine to validate.
+request is refused with a 400 before it can reach an engine, and so is every value vLLM 0.33 would refuse
+that can be told from the body alone: the output options in :mod:`extproc.routing.sampling` (its table),
+and these (vLLM's words on the right)::
+
+    cache_salt "", over 128 characters, or with @ / \\ NUL   Parameter 'cache_salt' must be a non-empty
+                                                          string ... / must be at most 128 characters ...
+    tools []                                              `tools` must not be an empty array. ...
+    tool_choice other than "none" without tools           When using `tool_choice`, `tools` must be set.
+    tool_choice not "none"/"auto"/"required"/an object    Invalid value for `tool_choice`: ...
+    tool_choice.function not an object / no name /        Invalid value for `function` ... / Expected
+      a name no tool has                                  field `name` ... / The tool specified in
+                                                          `tool_choice` does not match any of ...
+    continue_final_message and add_generation_prompt      Cannot set both `continue_final_message` and
+      both true                                           `add_generation_prompt` to True.
+    prompt "" (completions, without prompt_embeds)        Either prompt or prompt_embeds must be provided
+                                                          and non-empty.
+    a prompt batch mixing strings and token ids, or an    pydantic's type errors; The decoder prompt
+      empty token-id array                                cannot be empty
+
+Other fields are passed through untouched for the engine to validate.
 """
 
 from __future__ import annotations
@@ -15,6 +33,7 @@ from typing import Any
 import orjson
 
 from extproc.errors import BadRequest, NotFound
+from extproc.routing.sampling import check_sampling
 
 
 class Kind(Enum):
@@ -25,6 +44,9 @@ class Kind(Enum):
 #: Routed API paths (query strings are ignored) -> request kind.
 ROUTES: dict[str, Kind] = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
 MODELS_PATH = "/v1/models"
+#: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +92,8 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string.", param="model")
     stream = _opt(body, "stream", bool, False)
-    _opt(body, "stream_options", dict, None)
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        value = _opt(body, key, int, None)
-        if value is not None and value < 0:
-            raise BadRequest(f"'{key}' must be >= 0.", param=key)
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _opt(body, key, (int, float), None)
-    cache_salt = _opt(body, "cache_salt", str, None)
+    check_sampling(body, chat=kind is Kind.CHAT, stream=stream)
+    cache_salt = _cache_salt(body)
     if kind is Kind.CHAT:
         return _chat(body, model, stream, cache_salt)
     return _completion(body, model, stream, cache_salt)
@@ -108,6 +124,15 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
     tools = _opt(body, "tools", list, None)
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise BadRequest("'tools' must be an array of objects.", param="tools")
+    if tools == []:
+        raise BadRequest("'tools' must not be empty: leave it out instead.", param="tools")
+    _check_tool_choice(body.get("tool_choice"), tools)
+    add_generation_prompt = _opt(body, "add_generation_prompt", bool, True)
+    if _opt(body, "continue_final_message", bool, False) and body.get("add_generation_prompt"):
+        raise BadRequest(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+            param="continue_final_message",
+        )
     return ParsedRequest(
         kind=Kind.CHAT,
         model=model,
@@ -116,26 +141,83 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         messages=messages,
         tools=tools,
         template_kwargs=_opt(body, "chat_template_kwargs", dict, None),
-        add_generation_prompt=_opt(body, "add_generation_prompt", bool, True),
+        add_generation_prompt=add_generation_prompt,
         cache_salt=cache_salt,
     )
 
 
+def _check_tool_choice(choice: object, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """``tool_choice``: ``"none"``, or with ``tools`` also ``"auto"``, ``"required"`` or
+    ``{"type": "function", "function": {"name": N}}`` naming one of them."""
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise BadRequest("'tool_choice' needs 'tools'.", param="tool_choice")
+    if choice in ("auto", "required"):
+        return
+    if not isinstance(choice, dict):
+        raise BadRequest(
+            '\'tool_choice\' must be "none", "auto", "required" or a named function.',
+            param="tool_choice",
+        )
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise BadRequest(
+            '\'tool_choice.function\' must be an object such as {"name": "my_function"}.',
+            param="tool_choice.function",
+        )
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(
+            "'tool_choice.function.name' must be a non-empty string.", param="tool_choice.function.name"
+        )
+    if not any(isinstance(t.get("function"), dict) and t["function"].get("name") == name for t in tools):
+        raise BadRequest("'tool_choice' names a function that is not among the 'tools'.", param="tool_choice")
+
+
 def _completion(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None) -> ParsedRequest:
     prompt = body.get("prompt")
-    # A batch (list of strings or of token lists) is routed on its first prompt.
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+    if prompt == "" and not body.get("prompt_embeds"):
+        raise BadRequest("'prompt' must not be empty.", param="prompt")
+    # A batch (all strings or all token-id arrays) is routed on its first prompt.
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise BadRequest(
-                "'prompt' must be a string, an array of strings or of token ids.", param="prompt"
-            )
-    elif not isinstance(prompt, str):
-        raise BadRequest("'prompt' must be a string, an array of strings or of token ids.", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        if not all(_is_token_ids(p) for p in prompt):
+            raise BadRequest(_PROMPT, param="prompt")
+        prompt = prompt[0]
+    elif not isinstance(prompt, str) and not _is_token_ids(prompt):
+        raise BadRequest(_PROMPT, param="prompt")
     return ParsedRequest(
         kind=Kind.COMPLETION, model=model, body=body, stream=stream, prompt=prompt, cache_salt=cache_salt
     )
+
+
+_PROMPT = "'prompt' must be a string, token ids, or an array of strings or of token-id arrays."
+
+
+def _is_token_ids(prompt: object) -> bool:
+    """Whether ``prompt`` is a non-empty array of token ids (integers >= 0)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    )
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """``cache_salt``: as vLLM takes it, 1 to 128 characters, none of ``@``, ``/``, ``\\`` or NUL."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise BadRequest("'cache_salt' must be a non-empty string.", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT or any(c in _SALT_FORBIDDEN for c in salt):
+        raise BadRequest(
+            f"'cache_salt' must be at most {MAX_CACHE_SALT} characters, none of '@', '/', '\\' or NUL.",
+            param="cache_salt",
+        )
+    return salt
 
 
 def _opt(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], default: Any) -> Any:

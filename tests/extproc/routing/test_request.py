@@ -83,3 +83,77 @@ def test_rewrite_model_keeps_other_fields() -> None:
     rewritten, body = rewrite_model(req, "other")
     assert orjson.loads(body) == {**orjson.loads(chat(temperature=0.5)), "model": "other"}
     assert rewritten.model == "other" and rewritten.messages == req.messages
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+def request(kind: Kind, fields: dict[str, object]) -> bytes:
+    if kind is Kind.CHAT:
+        return chat(**fields)
+    return orjson.dumps({"model": "m", "prompt": "hi", **fields})
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "param"),
+    [
+        (Kind.CHAT, {"cache_salt": ""}, "cache_salt"),
+        (Kind.COMPLETION, {"cache_salt": "s" * 129}, "cache_salt"),
+        (Kind.CHAT, {"cache_salt": "tenant/a"}, "cache_salt"),
+        (Kind.CHAT, {"cache_salt": "a@b"}, "cache_salt"),
+        (Kind.CHAT, {"cache_salt": "a\\b"}, "cache_salt"),
+        (Kind.CHAT, {"cache_salt": "a\x00b"}, "cache_salt"),
+        (Kind.CHAT, {"cache_salt": 5}, "cache_salt"),
+        (Kind.CHAT, {"tools": []}, "tools"),
+        (Kind.CHAT, {"tools": [], "tool_choice": "none"}, "tools"),
+        (Kind.CHAT, {"tool_choice": "auto"}, "tool_choice"),
+        (Kind.CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": 1}, "tool_choice"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": {"function": {}}}, "tool_choice.function.name"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": {"function": {"name": ""}}}, "tool_choice.function.name"),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": {"function": {"name": "other"}}}, "tool_choice"),
+        (
+            Kind.CHAT,
+            {"continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+        (Kind.CHAT, {"continue_final_message": "yes"}, "continue_final_message"),
+        (Kind.COMPLETION, {"prompt": ""}, "prompt"),
+        (Kind.COMPLETION, {"prompt": ["a", [1]]}, "prompt"),
+        (Kind.COMPLETION, {"prompt": ["a", 1]}, "prompt"),
+        (Kind.COMPLETION, {"prompt": [[1], []]}, "prompt"),
+        (Kind.COMPLETION, {"prompt": [[1], [2, -1]]}, "prompt"),
+    ],
+)
+def test_values_vllm_refuses(kind: Kind, fields: dict[str, object], param: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse_body(kind, request(kind, fields))
+    assert (err.value.status, err.value.param, err.value.code) == (400, param, None)
+    assert orjson.loads(err.value.body())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        (Kind.CHAT, {"cache_salt": "s" * 128}),
+        (Kind.COMPLETION, {"cache_salt": "tenant-a_1:+=."}),
+        (Kind.CHAT, {"tool_choice": "none"}),
+        (Kind.CHAT, {"tool_choice": None}),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": "none"}),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": "auto"}),
+        (Kind.CHAT, {"tools": TOOLS, "tool_choice": "required"}),
+        (
+            Kind.CHAT,
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        ),
+        (Kind.CHAT, {"continue_final_message": True}),
+        (Kind.CHAT, {"continue_final_message": True, "add_generation_prompt": False}),
+        (Kind.COMPLETION, {"prompt": "", "prompt_embeds": "AAAA"}),
+        (Kind.COMPLETION, {"prompt": ["a", ""]}),
+        (Kind.COMPLETION, {"prompt": [[1], [0, 2]]}),
+    ],
+)
+def test_values_vllm_takes(kind: Kind, fields: dict[str, object]) -> None:
+    assert parse_body(kind, request(kind, fields)).body == orjson.loads(request(kind, fields))
