@@ -21,7 +21,11 @@
   ``heartbeat_s`` (GPU telemetry alone does not trigger a send: it rides along).
 - :class:`TelemetryLoop` polls every watched engine (and the GPUs) each ``interval_s`` and hands the
   ``Load`` events to send to a callback (the feed's ``publish``). ``heartbeat_s`` must stay below the
-  gateway's ``scrape.stale_after_s``, or an idle engine's load expires there between heartbeats.
+  gateway's ``scrape.stale_after_s``, or an idle engine's load expires there between heartbeats. An
+  engine whose reading hangs (a stopped process: up to the scraper's 2 s timeout) is reported in the
+  round its answer arrives in, without holding back the others' (one wait for all stretched every round
+  to that timeout: the node's other engines were reported every 2 s, the gateway's staleness bound, and
+  one that came back ready up to 2 s late).
 """
 
 from __future__ import annotations
@@ -277,6 +281,8 @@ class _Watched:
     status: Callable[[], EngineStatus] | None
     gpus: frozenset[int] | None
     failures: int = 0
+    #: The reading under way (one at a time: an engine that hangs is not asked again until it answers).
+    reading: asyncio.Task[EngineSample | None] | None = None
 
 
 class TelemetryLoop:
@@ -325,17 +331,32 @@ class TelemetryLoop:
         watched = self._watched.pop(endpoint, None)
         self._changes.forget(endpoint)
         if watched is not None:
+            reading, watched.reading = watched.reading, None
+            if reading is not None:
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
             await watched.scraper.aclose()
 
-    async def tick(self) -> list[Load]:
-        """One round: read everything, emit what changed (or is due), and return it."""
+    async def tick(self, wait_s: float | None = None) -> list[Load]:
+        """One round: read the GPUs and every engine not still being read, wait for those readings
+        (``wait_s``: at most that many seconds; a slower one is reported in the round its answer arrives
+        in), emit what changed (or is due), and return it."""
         gpu = self._gpus
         readings = await asyncio.to_thread(gpu.read) if gpu is not None and not gpu.disabled else []
         watched = list(self._watched.items())
-        samples = await asyncio.gather(*(w.scraper.scrape() for _, w in watched))
+        for _, w in watched:
+            if w.reading is None:
+                w.reading = asyncio.create_task(w.scraper.scrape())
+        if watched:
+            await asyncio.wait([w.reading for _, w in watched if w.reading is not None], timeout=wait_s)
         now = self._clock()
         out: list[Load] = []
-        for (endpoint, w), sample in zip(watched, samples, strict=True):
+        for endpoint, w in watched:
+            reading = w.reading
+            if reading is None or not reading.done():
+                continue  # still reading (reported in a later round), or unwatched meanwhile
+            w.reading = None
+            sample = reading.result()
             status = w.status() if w.status is not None else EngineStatus(True)
             mine = [g for g in readings if w.gpus is None or g.index in w.gpus]
             if sample is None:
@@ -382,7 +403,7 @@ class TelemetryLoop:
         while True:
             started = self._clock()
             try:
-                await self.tick()
+                await self.tick(self.interval_s)
             except Exception:  # a bad round must not end telemetry for good
                 log.exception("telemetry round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (self._clock() - started)))

@@ -24,6 +24,7 @@ from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChang
 from contracts.events import Gpu, Load
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
+from tests.polling import until
 
 MODEL = "tiny-chat"
 CHATML = (
@@ -365,3 +366,32 @@ async def test_loop_runs_until_closed(sim: SimFleet) -> None:
         assert all(batch == [Load("sim-0", 0, 0, 0.0)] for batch in emitted)
     finally:
         await loop.aclose()
+
+
+async def test_a_hung_engine_does_not_hold_back_the_other_engines_loads(sim: SimFleet) -> None:
+    """An engine that accepts and never answers (a stopped process; its reading times out after 2 s)
+    beside a live one: the live one's loads still go out every round (heartbeat 0.05 s), and the hung
+    one is reported unhealthy once its readings time out. (One wait for every reading stretched each
+    round to 2 s: one load of the live engine per 2 s.)"""
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    hung = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = int(hung.sockets[0].getsockname()[1])
+    emitted: list[list[Load]] = []
+    loop = TelemetryLoop(0.02, emitted.append, heartbeat_s=0.05, unhealthy_after=1)
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    loop.watch("hung-0", EngineScraper("vllm", f"http://127.0.0.1:{port}/metrics", timeout_s=2.0))
+    loop.start()
+    try:
+        await until(lambda: sum(ld.endpoint == "sim-0" for b in emitted for ld in b) >= 10, 1.5)
+        assert all(ld.endpoint == "sim-0" for b in emitted for ld in b)  # hung-0: still being read
+        await until(lambda: any(ld.endpoint == "hung-0" and not ld.healthy for b in emitted for ld in b), 3)
+    finally:
+        await loop.aclose()
+        for writer in held:
+            writer.close()
+        hung.close()
+        await hung.wait_closed()

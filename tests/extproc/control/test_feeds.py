@@ -3,10 +3,12 @@ applied to a fake index and a real Fleet; lost and restored feeds."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 
 import pytest
 
+from contracts.digest import Digest
 from contracts.events import (
     Cleared,
     EndpointId,
@@ -17,8 +19,11 @@ from contracts.events import (
     Stored,
 )
 from engines.endpoint import Endpoint
+from engines.metrics import EngineMetrics
 from extproc.control.feeds import FeedManager
-from extproc.fleet import Fleet
+from extproc.fleet import EndpointState, Fleet
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from tests.runtime.feed.test_server import Held, eventually
@@ -169,3 +174,97 @@ async def test_set_addresses_stops_removed_feeds_and_clears_their_endpoints(
     mgr.set_addresses(set())
     assert mgr.clients == {} and index.cleared[-1:] == [E1]
     await eventually(lambda: agent.subscribers == 0)
+
+
+# -- an engine restarted by its agent -------------------------------------------------------------------
+
+NOW = 100.0  # the manager's clock in these tests
+PREFIX = [Digest(bytes([i]) * 16) for i in range(32)]  # a shared system prompt: 32 blocks
+
+
+def default_pick(candidates: list[EndpointState], holders: set[str]) -> str:
+    """What the default profile picks at ``NOW`` among ``candidates`` (all idle) for a prompt of
+    :data:`PREFIX` that ``holders`` hold (leads from engine KV events: exact)."""
+    for state in candidates:
+        state.metrics = EngineMetrics(0.0, 0.0, 0.1, NOW)
+    blocks = {c.id: len(PREFIX) for c in candidates if c.id in holders}
+    cycle = CycleState(prefix_blocks=blocks, cached_blocks=blocks, exact=True)
+    request = SchedulingRequest("r1", "m", PREFIX, 16 * len(PREFIX), NOW)
+    pick = build_profile(DEFAULT_SCHEDULING).schedule(request, cycle, candidates, random.Random(0)).pick
+    assert pick is not None
+    return pick.id
+
+
+async def test_engine_restarted_by_its_agent_is_picked_again_at_once(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """The agent's crash report (``Cleared``, unhealthy) and then its healthy ``Load``: the endpoint's
+    routed share starts again from 0, so the default profile sends it the shared prefix's next request
+    although the other replicas hold that prefix and it does not. With the crashed process's share kept,
+    the ``balance`` filter kept all of them and the prefix scorer chose a holder, request after request
+    (until that share had decayed: 21 s in the issue's measurement)."""
+    mgr, _, fleet = manager
+    await eventually(lambda: mgr.clients[f"127.0.0.1:{agent.port}"].connected)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e2 is not None
+    e1.count_routed(NOW, 300.0)  # before the crash
+    e2.count_routed(NOW, 400.0)  # more, while e1 was away
+    agent.publish([Cleared("e1")])  # what agent.main publishes when its engine exits
+    agent.publish([Load("e1", 0, 0, None, healthy=False)])
+    await eventually(lambda: mgr.stats.batches == 3)
+    assert not e1.healthy and e1.recent_routed(NOW) == 300.0
+    agent.publish([Load("e1", 0, 0, 0.0)])  # ready again
+    await eventually(lambda: mgr.stats.batches == 4)
+    assert e1.healthy and e1.recent_routed(NOW) == 0.0
+    e3 = fleet.get(EndpointId("e3"))  # another replica holding the prefix
+    assert e3 is not None
+    e3.count_routed(NOW, 400.0)
+    assert default_pick([e1, e2, e3], holders={"e2", "e3"}) == "e1"
+
+
+async def test_engine_back_with_its_cache_keeps_its_routed_share(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """Unhealthy then healthy without a ``Cleared`` (a hang that ended), or a ``Cleared`` while healthy
+    (KV events lost, the engine still runs): the engine still holds its cache, its share stays."""
+    mgr, _, fleet = manager
+    await eventually(lambda: mgr.clients[f"127.0.0.1:{agent.port}"].connected)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e2 is not None
+    e1.count_routed(NOW, 300.0)
+    e2.count_routed(NOW, 300.0)
+    agent.publish([Load("e1", 0, 0, None, healthy=False)])
+    agent.publish([Load("e1", 0, 0, 0.0)])
+    agent.publish([Cleared("e2")])
+    agent.publish([Load("e2", 0, 0, 0.0)])
+    agent.publish([Load("e2", 0, 0, None, healthy=False)])  # a later outage, no Cleared before it
+    agent.publish([Load("e2", 0, 0, 0.0)])
+    await eventually(lambda: mgr.stats.batches == 7)
+    assert e1.healthy and e2.healthy
+    assert e1.recent_routed(NOW) == 300.0 and e2.recent_routed(NOW) == 300.0
+
+
+async def test_snapshot_does_not_count_as_a_restart(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """A resubscription's snapshot clears every endpoint of the feed; their engines did not restart."""
+    mgr, _, fleet = manager
+    address = f"127.0.0.1:{agent.port}"
+    await eventually(lambda: mgr.clients[address].connected)
+    e1 = fleet.get(E1)
+    assert e1 is not None
+    e1.count_routed(NOW, 300.0)
+    agent.publish([Load("e1", 0, 0, None, healthy=False)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    port = agent.port
+    await agent.aclose()
+    again = FeedServer(FeedLog("node-a"), Held(), listen=address)  # a new epoch: a snapshot
+    await again.start()
+    try:
+        assert again.port == port
+        await eventually(lambda: mgr.stats.resets == 2)
+        again.publish([Load("e1", 0, 0, 0.0)])
+        await eventually(lambda: e1.healthy)
+        assert e1.recent_routed(NOW) == 300.0
+    finally:
+        await again.aclose()
