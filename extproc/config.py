@@ -16,6 +16,12 @@ Example (TOML)::
     name = "SmolLM2-135M-Instruct"
     gguf = "smollm2"                   # or model_dir = "/path/with/tokenizer.json"
     max_model_len = 8192               # optional: context length in tokens (default: the model's files)
+    request_timeout_s = 600            # optional: this model's bounds (default: [timeouts])
+    first_byte_timeout_s = 20
+
+    [timeouts]                         # how long Envoy waits for an engine (extproc/routing/timeouts.py)
+    request_s = 1800                   # the whole response, retries included; 0: none
+    first_byte_s = 30                  # a stream's response headers, per try; 0: none
 
     [[endpoints]]
     id = "sim-0"
@@ -44,6 +50,10 @@ Example (TOML)::
     min_blocks = 32                    # restore when kvcached's lead beats the pick's own by this many blocks
     timeout_s = 2.0                    # wait this long for the agent, then route anyway; keep it below
                                        # Envoy's ext_proc message_timeout (5 s in the bundled config)
+
+    [ejection]                         # an endpoint with a failed try (Envoy's upstream log) is not
+    base_s = 2.0                       # picked for base_s x 2^(k-1) s, at most max_s (k: ejections in
+    max_s = 30.0                       # a row; forgotten after max_s quiet); extproc/xds/README.md
 
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
@@ -75,6 +85,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
 #: The request body limit (bytes) when no served model's context bounds it, and the most a derived one is.
@@ -197,6 +208,15 @@ class SlotRestoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EjectionConfig:
+    """Ejection after a failed upstream try (:mod:`extproc.xds.ejection`): the ``k``-th ejection in a row
+    lasts ``min(max_s, base_s * 2 ** (k - 1))`` seconds; ``max_s`` quiet seconds start ``k`` over."""
+
+    base_s: float = 2.0
+    max_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A served model: where its tokenizer and chat template come from, and its context length.
 
@@ -213,6 +233,9 @@ class ModelConfig:
     gguf: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
+    #: This model's engine-side bounds (:mod:`extproc.routing.timeouts`); ``None``: the gateway's.
+    request_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,11 +255,33 @@ class GatewayConfig:
     policy_file: str | None = None
     feeds: FeedsConfig = field(default_factory=FeedsConfig)
     slot_restore: SlotRestoreConfig = field(default_factory=SlotRestoreConfig)
+    #: The default engine-side bounds; ``[[models]]`` may set their own.
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    #: How long an endpoint is not picked after a failed try (:mod:`extproc.xds.ejection`).
+    ejection: EjectionConfig = field(default_factory=EjectionConfig)
+
+    def timeout_table(self) -> TimeoutTable:
+        """The per-model bounds the processor sets on each routed request."""
+        default = self.timeouts
+        models = {
+            m.name: Timeouts(
+                request_s=_or(m.request_timeout_s, default.request_s),
+                first_byte_s=_or(m.first_byte_timeout_s, default.first_byte_s),
+            )
+            for m in self.models
+            if (m.request_timeout_s, m.first_byte_timeout_s) != (None, None)
+        }
+        return TimeoutTable(default, models)
 
 
-_EX, _SC, _IX, _SR = ExtprocConfig(), ScrapeConfig(), IndexConfig(), SlotRestoreConfig()
+_EX, _SC, _IX, _SR, _TO = ExtprocConfig(), ScrapeConfig(), IndexConfig(), SlotRestoreConfig(), Timeouts()
 #: Longest ``slot_restore.timeout_s`` accepted (s): a request never waits longer for a restore.
 MAX_RESTORE_TIMEOUT_S = 60.0
+_EJ = EjectionConfig()
+#: Bounds of ``ejection.base_s`` and ``ejection.max_s`` (s): shorter than a retry's back-off is no
+#: ejection at all; an hour is an outage, which the scraper and the agents report anyway.
+MIN_EJECTION_S = 0.01
+MAX_EJECTION_S = 3600.0
 
 
 def parse_config(raw: object) -> GatewayConfig:
@@ -298,6 +343,7 @@ def parse_config(raw: object) -> GatewayConfig:
         raise ConfigError(
             f"slot_restore.timeout_s: must be <= {MAX_RESTORE_TIMEOUT_S}, got {slot_restore.timeout_s}"
         )
+    ejection = _ejection(top.table("ejection"))
     models = tuple(_model(m, f"models[{i}]") for i, m in enumerate(top.array("models", [])))
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -318,11 +364,36 @@ def parse_config(raw: object) -> GatewayConfig:
     pol = top.table("policy")
     policy_file = pol.string("file")
     pol.done()
+    to = top.table("timeouts")
+    timeouts = Timeouts(
+        request_s=to.number("request_s", _TO.request_s, minimum=0.0),
+        first_byte_s=to.number("first_byte_s", _TO.first_byte_s, minimum=0.0),
+    )
+    to.done()
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
-        slot_restore,
+        slot_restore, timeouts,
+        ejection=ejection,
     )  # fmt: skip
+
+
+def _ejection(ej: Section) -> EjectionConfig:
+    """``[ejection]``: both bounds within [MIN_EJECTION_S, MAX_EJECTION_S], ``base_s <= max_s``."""
+    ejection = EjectionConfig(
+        base_s=ej.number("base_s", _EJ.base_s, minimum=MIN_EJECTION_S),
+        max_s=ej.number("max_s", _EJ.max_s, minimum=MIN_EJECTION_S),
+    )
+    ej.done()
+    if ejection.max_s > MAX_EJECTION_S:
+        raise ConfigError(f"ejection.max_s: must be <= {MAX_EJECTION_S}, got {ejection.max_s}")
+    if ejection.base_s > ejection.max_s:
+        raise ConfigError(f"ejection.base_s: must be <= max_s ({ejection.max_s}), got {ejection.base_s}")
+    return ejection
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _optional_hostport(value: str | None) -> str | None:
@@ -337,6 +408,8 @@ def _model(raw: object, where: str) -> ModelConfig:
         gguf=s.string("gguf"),
         chat_template=s.string("chat_template"),
         max_model_len=s.integer("max_model_len", None, minimum=1),
+        request_timeout_s=s.number("request_timeout_s", None, minimum=0.0),
+        first_byte_timeout_s=s.number("first_byte_timeout_s", None, minimum=0.0),
     )
     s.done()
     if (model.model_dir is None) == (model.gguf is None):

@@ -2,12 +2,13 @@
 
 Plain data and bookkeeping, no IO and no clock reads: scrapers, config loaders and (later) the etcd
 watcher write into a :class:`Fleet`; the scheduler reads :class:`EndpointState` snapshots from it.
+Watchers (:meth:`Fleet.watch`, the EDS server) hear of the changes the fleet's own methods make.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from contracts.events import EndpointId
@@ -27,7 +28,8 @@ class EndpointState:
     more to send it, which for the bundled config is right after routing: so this is not the engine's
     load); ``routed_since_scrape`` counts requests routed there since the last successful scrape;
     ``metrics`` is ``None`` until the first scrape or when the last one is older than the staleness bound
-    (see :meth:`Fleet.expire_metrics`).
+    (see :meth:`Fleet.expire_metrics`); ``ejected_until``: monotonic seconds until which the endpoint is
+    not picked after a failed try (:meth:`Fleet.eject`; 0: never ejected).
     """
 
     endpoint: Endpoint
@@ -39,6 +41,10 @@ class EndpointState:
     routed_decayed: float = field(default=0.0, repr=False)
     routed_at: float = field(default=0.0, repr=False)
     consecutive_failures: int = field(default=0, repr=False)
+    ejected_until: float = 0.0
+    #: Nothing listened at its address at the last scrape (refused): the process that answers next is a
+    #: new one, with an empty cache.
+    vanished: bool = field(default=False, repr=False)
 
     @property
     def load(self) -> float:
@@ -61,6 +67,10 @@ class EndpointState:
         self.routed_decayed = max(0.0, self.recent_routed(now) + delta)
         self.routed_at = max(now, self.routed_at)
 
+    def ejected(self, now: float) -> bool:
+        """Whether a failed try keeps the endpoint out of picks at ``now`` (monotonic seconds)."""
+        return now < self.ejected_until
+
     @property
     def id(self) -> EndpointId:
         return self.endpoint.id
@@ -71,13 +81,27 @@ class EndpointState:
 
 
 class Fleet:
-    """The set of known endpoints keyed by id, plus address -> id for the response path."""
+    """The set of known endpoints keyed by id, plus address -> id for the response path.
+
+    Its methods call every watcher (:meth:`watch`) after a change of membership, address, scrape health
+    or ejection; writers that set :class:`EndpointState` fields directly are not heard.
+    """
 
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
         self._states: dict[EndpointId, EndpointState] = {}
         self._by_address: dict[str, EndpointId] = {}
+        self._watchers: list[Callable[[], None]] = []
         for ep in endpoints:
             self.upsert(ep)
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (synchronously, so keep it cheap) after each change; returns the unwatch."""
+        self._watchers.append(callback)
+        return lambda: self._watchers.remove(callback)
+
+    def _changed(self) -> None:
+        for callback in list(self._watchers):
+            callback()
 
     def upsert(self, endpoint: Endpoint) -> EndpointState:
         """Add an endpoint or replace its static description, keeping its live state."""
@@ -89,12 +113,21 @@ class Fleet:
             self._by_address.pop(state.endpoint.address, None)
             state.endpoint = endpoint
         self._by_address[endpoint.address] = endpoint.id
+        self._changed()
         return state
 
     def remove(self, endpoint_id: EndpointId) -> None:
         state = self._states.pop(endpoint_id, None)
         if state is not None:
             self._by_address.pop(state.endpoint.address, None)
+            self._changed()
+
+    def eject(self, endpoint_id: EndpointId, until: float) -> None:
+        """Keep the endpoint out of picks until ``until`` (monotonic seconds; never shortens one)."""
+        state = self._states.get(endpoint_id)
+        if state is not None and until > state.ejected_until:
+            state.ejected_until = until
+            self._changed()
 
     def get(self, endpoint_id: EndpointId) -> EndpointState | None:
         return self._states.get(endpoint_id)
@@ -120,19 +153,33 @@ class Fleet:
         requests are now in the engine's running/waiting (``None``: all of them are)."""
         state = self._states.get(endpoint_id)
         if state is not None:
+            recovered = not state.healthy
+            if state.vanished:
+                # A restarted engine is a new replica to the scheduler: the dead process's routed share
+                # would hold the balance filter shut while the replicas holding a shared prefix took
+                # every request (as for an agent's restarted engine, extproc/control/feeds.py).
+                state.routed_decayed = 0.0
+                state.vanished = False
             state.metrics = metrics
             state.healthy = True
             state.consecutive_failures = 0
             counted = state.routed_since_scrape if routed_before is None else routed_before
             state.routed_since_scrape = max(0, state.routed_since_scrape - counted)
+            if recovered:
+                self._changed()
 
-    def record_scrape_failure(self, endpoint_id: EndpointId, unhealthy_after: int) -> None:
-        """Count a failed scrape; after ``unhealthy_after`` in a row the endpoint is unhealthy."""
+    def record_scrape_failure(
+        self, endpoint_id: EndpointId, unhealthy_after: int, gone: bool = False
+    ) -> None:
+        """Count a failed scrape; after ``unhealthy_after`` in a row the endpoint is unhealthy. ``gone``:
+        the connection was refused (no process listens), so the next one to answer is a new process."""
         state = self._states.get(endpoint_id)
         if state is not None:
+            state.vanished = state.vanished or gone
             state.consecutive_failures += 1
-            if state.consecutive_failures >= unhealthy_after:
+            if state.consecutive_failures >= unhealthy_after and state.healthy:
                 state.healthy = False
+                self._changed()
 
     def expire_metrics(self, now: float, stale_after: float) -> None:
         """Forget metrics older than ``stale_after`` seconds so scorers treat them as missing."""

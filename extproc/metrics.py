@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,8 +15,8 @@ DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5
 
 
 class GatewayMetrics:
-    """Counters for outcomes and slot restores, histograms of decision and restore time, and per-endpoint
-    gauges.
+    """Counters for outcomes, slot restores and ejections, histograms of decision and restore time, and
+    per-endpoint gauges.
 
     The endpoint gauges are read from the fleet when Prometheus scrapes (a collector), so the request
     path and the engine-metrics loop never spend time on them.
@@ -59,6 +60,13 @@ class GatewayMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
             registry=self.registry,
         )
+        self.ejections = Counter(
+            "kvgate_endpoint_ejections",
+            "Endpoints ejected from picks after a failed upstream try, by endpoint and kind (a response "
+            "flag of Envoy's, e.g. upstream_connection_failure, or http_503).",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
         registry.register(_FleetCollector(fleet))
 
 
@@ -80,13 +88,15 @@ class _FleetCollector(Collector):
         )
         healthy = GaugeMetricFamily(
             "kvgate_endpoint_healthy",
-            "1 if the endpoint is eligible (healthy, not draining).",
+            "1 if the endpoint is eligible (healthy, not draining, not ejected after a failed try).",
             labels=["endpoint"],
         )
+        now = time.monotonic()  # the clock ejections are kept in (the processor's)
         for state in list(self._fleet):  # a snapshot: this runs on the metrics server's thread
             in_flight.add_metric([state.id], state.in_flight)
             load.add_metric([state.id], state.load)
-            healthy.add_metric([state.id], 1 if state.healthy and not state.draining else 0)
+            eligible = state.healthy and not state.draining and not state.ejected(now)
+            healthy.add_metric([state.id], 1 if eligible else 0)
         yield in_flight
         yield load
         yield healthy

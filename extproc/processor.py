@@ -9,6 +9,10 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
 * request body chunks: buffered up to ``max_body_bytes`` (then 413); at end of stream the request is
   parsed once and scheduled, then the headers reply (destination header, ``envoy.lb`` metadata, corrected
   content-length, route cache cleared) and the body streamed back in chunks of at most 62,000 bytes;
+* BUFFERED body mode instead (Envoy's ``ProtocolConfiguration`` on the first message says so; the bundled
+  config uses it with ``--fail-open``, the only mode in which Envoy can go on without its processor): the
+  headers are answered at once with no change, the body comes whole, and its answer carries the same
+  header mutation, metadata and body (a body reply's header mutation applies in this mode only);
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
@@ -37,10 +41,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf import json_format
@@ -83,8 +88,10 @@ from extproc.routing.request import (
     unknown_path,
 )
 from extproc.routing.router import Decision, Router, Tokens
+from extproc.routing.timeouts import TimeoutTable
 
 log = logging.getLogger(__name__)
+BUFFERED = ProcessingMode.BUFFERED
 
 #: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
 HEALTH_PATHS = frozenset({"/health", "/liveness"})
@@ -103,11 +110,13 @@ class Phase(Enum):
 @dataclass(frozen=True, slots=True)
 class ProcessorConfig:
     """``max_body_bytes``: larger bodies get 413; ``offload_bytes``: bodies from this size on are parsed,
-    rendered and tokenized by :meth:`StreamProcessor.prepare` in a worker thread (``None``: never)."""
+    rendered and tokenized by :meth:`StreamProcessor.prepare` in a worker thread (``None``: never);
+    ``timeouts``: the engine-side bounds set on each routed request, per model."""
 
     max_body_bytes: int
     conformance: bool = False
     offload_bytes: int | None = 32 * 1024
+    timeouts: TimeoutTable = field(default_factory=TimeoutTable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +154,9 @@ class StreamProcessor:
         self.ticket: Ticket | None = None
         self._usage: UsageReader | None = None
         self._phase = Phase.HEADERS
+        #: Envoy sends the whole body in one message and waits for the headers reply before it (BUFFERED
+        #: body mode: the bundled config with ``--fail-open``), instead of streaming it (FULL_DUPLEX).
+        self._buffered = False
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
@@ -238,6 +250,7 @@ class StreamProcessor:
     def _on_request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self._phase is not Phase.HEADERS:
             raise _Internal("Request headers received twice.")
+        self._buffered = msg.protocol_config.request_body_mode == BUFFERED
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
@@ -247,7 +260,9 @@ class StreamProcessor:
             self.principal = self._gate.identify(self._headers.get("authorization"), claims, failure)
         if not msg.request_headers.end_of_stream:
             self._phase = Phase.BODY
-            return []
+            # Buffered: Envoy holds the body until the headers are answered; the routing headers then
+            # come with the body's answer (a body reply's header mutation applies in this mode only).
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())] if self._buffered else []
         self._phase = Phase.DONE
         if route_kind(path) is not None:
             raise BadRequest("The request body is empty; expected a JSON object.")
@@ -325,6 +340,7 @@ class StreamProcessor:
         set_headers = [
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
+            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, request.stream)),
         ]
         remove_headers: list[str] = []
         if self.principal is not None:
@@ -343,15 +359,20 @@ class StreamProcessor:
                 },
             }
         )
+        mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
+        if self._buffered:
+            common = pb.CommonResponse(
+                header_mutation=mutation, body_mutation=pb.BodyMutation(body=body), clear_route_cache=True
+            )
+            return [
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
         out = [
             pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
-                    response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(
-                            set_headers=set_headers, remove_headers=remove_headers
-                        ),
-                        clear_route_cache=True,
-                    )
+                    response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
                 ),
                 dynamic_metadata=metadata,
             )

@@ -2,10 +2,14 @@
 
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
 ``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
-scraper feeding the fleet. With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates
-re-read when their files change, :mod:`runtime.tls`); health and metrics stay plaintext. ``[feeds]``
-TLS files also serve the slot restorer's ``https`` requests to agents (:mod:`extproc.control.restore`). First
-SIGINT/SIGTERM drains (health NOT_SERVING, in-flight streams get a grace period), the second forces.
+scraper feeding the fleet. The ext_proc port also serves, for Envoy, the engine cluster's endpoints
+(EDS, :mod:`extproc.xds.eds`), the failed-try receiver (gRPC access logs, :mod:`extproc.xds.als`: a
+failed try ejects its endpoint for a while) and the same gRPC health (Envoy health-checks its ext_procs
+there). With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates re-read when their
+files change, :mod:`runtime.tls`); health and metrics stay plaintext. ``[feeds]`` TLS files also serve
+the slot restorer's ``https`` requests to agents (:mod:`extproc.control.restore`). First SIGINT/SIGTERM
+drains (health NOT_SERVING, EDS and access-log streams ended so Envoy moves them to another replica,
+in-flight streams get a grace period), the second forces.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +49,9 @@ from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router
+from extproc.xds.als import FailedTries
+from extproc.xds.eds import EndpointDiscovery
+from extproc.xds.ejection import Ejection, Ejector
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
@@ -148,6 +157,10 @@ class Gateway:
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
         self.health = _HealthServicer()
+        #: Envoy's engine cluster (EDS) and the failed tries Envoy reports, which eject endpoints.
+        self.eds = EndpointDiscovery(self.fleet, time.monotonic)
+        self.ejector = Ejector(config.ejection.base_s, config.ejection.max_s)
+        self.failed_tries = FailedTries(self.fleet, self.ejector, time.monotonic, self._on_ejection)
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
         self.ports: dict[str, int] = {}
@@ -162,7 +175,11 @@ class Gateway:
                 ServerTlsFiles(Path(ex.tls_cert), Path(ex.tls_key), Path(ex.tls_client_ca))
             )
         scrape_tls = _scrape_tls(cfg)
-        proc_cfg = ProcessorConfig(max_body_bytes=self.max_body_bytes, conformance=cfg.extproc.conformance)
+        proc_cfg = ProcessorConfig(
+            max_body_bytes=self.max_body_bytes,
+            conformance=cfg.extproc.conformance,
+            timeouts=cfg.timeout_table(),
+        )
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
         message_limit = self.max_body_bytes + GRPC_MESSAGE_SLACK
@@ -174,6 +191,9 @@ class Gateway:
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer), server
         )
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.failed_tries, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.server_certs is not None:
             self.ports["extproc"] = server.add_secure_port(
                 cfg.extproc.listen, self.server_certs.credentials()
@@ -184,6 +204,7 @@ class Gateway:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
         self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
         self._servers = [server, health_server]
+        self.eds.start()
         for s in self._servers:
             await s.start()
         for name in ("", "liveness", EXT_PROC_SERVICE):
@@ -221,11 +242,18 @@ class Gateway:
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         self.health.set("readiness", status)
+        self.eds.poll()  # health and drain flags the agents' feeds and etcd set on the fleet directly
+
+    def _on_ejection(self, ejection: Ejection) -> None:
+        self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()
 
     async def aclose(self, grace_s: float = 5.0) -> None:
-        """Drain: report NOT_SERVING, stop accepting streams, give in-flight ones ``grace_s`` seconds."""
+        """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens
+        them to another replica), stop accepting streams, give in-flight ones ``grace_s`` seconds."""
         for name in HEALTH_SERVICES:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.eds.aclose()
+        await self.failed_tries.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))

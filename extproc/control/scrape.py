@@ -135,11 +135,12 @@ class Scraper:
                 exc.os_error, ConnectionRefusedError
             )
             was_healthy = state.healthy
-            self._fleet.record_scrape_failure(state.id, 1 if gone else self._unhealthy_after)
+            self._fleet.record_scrape_failure(state.id, 1 if gone else self._unhealthy_after, gone=gone)
             if was_healthy and not state.healthy:
                 why = "connection refused" if gone else type(exc).__name__
                 log.warning("endpoint %s unhealthy: metrics scrape failed (%s)", state.id, why)
             return
         if not state.healthy:
-            log.info("endpoint %s healthy again", state.id)
+            restarted = " (a new process: its routed share starts again)" if state.vanished else ""
+            log.info("endpoint %s healthy again%s", state.id, restarted)
         self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()), routed_before)

@@ -31,7 +31,8 @@ class ModelFilter:
 
 
 class HealthyFilter:
-    """Keeps endpoints that are healthy (recent scrapes succeed) and not draining."""
+    """Keeps endpoints that are healthy (recent scrapes succeed), not draining, and not ejected at
+    ``request.now`` (a failed try keeps an endpoint out for a while: :mod:`extproc.xds.ejection`)."""
 
     __slots__ = ("name",)
 
@@ -41,7 +42,8 @@ class HealthyFilter:
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
-        return [c for c in candidates if c.healthy and not c.draining]
+        now = request.now
+        return [c for c in candidates if c.healthy and not c.draining and c.ejected_until <= now]
 
 
 class SubsetFilter:
@@ -123,6 +125,8 @@ class LoadThresholdFilter:
     """
 
     __slots__ = ("name", "params")
+    #: A preference: what it drops may still be a fallback (scheduling/interface.py Filter).
+    soft = True
 
     def __init__(self, name: str = "load-threshold", params: LoadThresholdParams | None = None) -> None:
         self.name = name
@@ -213,6 +217,8 @@ class BalanceFilter:
     """
 
     __slots__ = ("name", "params")
+    #: A preference: what it drops may still be a fallback (scheduling/interface.py Filter).
+    soft = True
 
     def __init__(self, name: str = "balance", params: BalanceParams | None = None) -> None:
         self.name = name

@@ -62,7 +62,12 @@ class CycleState:
 
 
 class Filter(Protocol):
-    """Narrows the candidates; returns a (possibly equal) sub-list, never raises."""
+    """Narrows the candidates; returns a (possibly equal) sub-list, never raises.
+
+    A filter whose class sets ``soft = True`` states a preference (load, balance), not a rule: what it
+    drops is not picked, but stays fit to be a fallback after the picker's own (least loaded first), so
+    a request the preferred endpoints fail can still be retried (:meth:`Profile.schedule`).
+    """
 
     name: str
 

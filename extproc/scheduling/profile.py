@@ -54,6 +54,10 @@ def cycle_state(index: PrefixIndex, request: SchedulingRequest) -> CycleState:
     )
 
 
+def _by_load(state: EndpointState) -> float:
+    return state.load
+
+
 def _clamp(value: float) -> float:
     if value >= 1.0:
         return 1.0
@@ -113,9 +117,17 @@ class Profile:
         clock = self._clock
         timings: dict[str, int] = {}
         current: Sequence[EndpointState] = candidates
+        spare: list[EndpointState] = []  # dropped by a soft filter only: still fit to be a fallback
         for plugin in self.filters:
             started = clock()
-            current = plugin.filter(request, state, current)
+            kept = plugin.filter(request, state, current)
+            if getattr(plugin, "soft", False):
+                if len(kept) < len(current):
+                    passed = {c.id for c in kept}
+                    spare.extend(c for c in current if c.id not in passed)
+            elif spare:
+                spare = plugin.filter(request, state, spare)
+            current = kept
             timings[plugin.name] = clock() - started
             if not current:
                 return ScheduleResult((), timings_ns=timings, rejected_by=plugin.name)
@@ -137,6 +149,9 @@ class Profile:
 
         started = clock()
         ordered = self.picker.pick(list(zip(current, totals, strict=True)), rng)
+        if spare and (self._limit is None or len(ordered) < self._limit):
+            # A retry on an endpoint a preference filter passed over beats no retry at all.
+            ordered = [*ordered, *sorted(spare, key=_by_load)]
         timings[self.picker.name] = clock() - started
         scores = dict(zip(ids, totals, strict=True))
         return ScheduleResult(tuple(ordered[: self._limit]), scores, per_scorer, timings)

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import time
+
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import Fleet
+from extproc.metrics import GatewayMetrics
 
 EP = Endpoint(EndpointId("a"), "127.0.0.1:1", frozenset({"m"}))
 
@@ -30,3 +33,21 @@ def test_stale_metrics_fall_back_to_open_streams() -> None:
     state.in_flight = 2
     fleet.expire_metrics(now=10.0, stale_after=2.0)
     assert state.metrics is None and state.load == 2.0
+
+
+def test_the_eligibility_gauge_counts_an_ejection() -> None:
+    """``kvgate_endpoint_healthy`` is 0 while the endpoint is ejected after a failed try (the scheduler
+    skips it then), 1 again once the ejection is over."""
+    fleet = Fleet([EP])
+    metrics = GatewayMetrics(fleet)
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("kvgate_endpoint_healthy", {"endpoint": "a"})
+
+    assert gauge() == 1.0
+    fleet.eject(EP.id, time.monotonic() + 60)
+    assert gauge() == 0.0
+    state = fleet.get(EP.id)
+    assert state is not None
+    state.ejected_until = time.monotonic() - 1  # the ejection ended
+    assert gauge() == 1.0

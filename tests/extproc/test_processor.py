@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption, Metadata
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
@@ -54,6 +55,12 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Decision, Router, RoutingPolicy, Tokens
+from extproc.routing.timeouts import (
+    FIRST_BYTE_TIMEOUT_HEADER,
+    REQUEST_TIMEOUT_HEADER,
+    Timeouts,
+    TimeoutTable,
+)
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 
 MODEL = "smol"
@@ -511,7 +518,11 @@ def test_decision_reply_shape(router: Router) -> None:
     assert decision is not None
     assert r.destination == [s.address for s in decision.endpoints]  # the pick, then the fallbacks
     assert len(r.destination) == 3 and set(r.destination) == set(ADDRESSES)
-    assert r.set_headers == {DESTINATION: decision.destination, "content-length": str(len(payload))}
+    assert r.set_headers == {
+        DESTINATION: decision.destination,
+        "content-length": str(len(payload)),
+        REQUEST_TIMEOUT_HEADER: "1800000",  # the default bound (a non-streamed request: no first-byte bound)
+    }
     assert r.remove_headers == []
     assert r.lb == {DESTINATION: decision.destination, PRIMARY: r.destination[0]}
     assert r.decision == {  # for the access log; the fixed clock makes the decision take 0 us
@@ -581,6 +592,35 @@ def test_body_is_streamed_back_in_chunks(router: Router, size: int, chunks: list
     assert [len(c) for c, _ in r.chunks] == chunks
     assert [end for _, end in r.chunks] == [False] * (len(chunks) - 1) + [True]
     assert r.body == payload and r.set_headers["content-length"] == str(size)
+
+
+def test_timeouts_per_model_and_stream(router: Router) -> None:
+    table = TimeoutTable(Timeouts(request_s=0), {MODEL: Timeouts(request_s=60, first_byte_s=2.5)})
+    proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=LIMIT, timeouts=table), clock)
+    r = reply(route(proc, chat("hi", stream=True)))
+    bounds = (r.set_headers[REQUEST_TIMEOUT_HEADER], r.set_headers[FIRST_BYTE_TIMEOUT_HEADER])
+    assert bounds == ("60000", "2500")
+
+
+def test_buffered_body_mode_routes_in_the_body_reply(router: Router) -> None:
+    """Envoy in BUFFERED body mode (the bundled config with ``--fail-open``) waits for the headers reply
+    before sending the whole body: the headers are let through unchanged, and the body's reply carries
+    the routing headers, the metadata and the body."""
+    proc = processor(router)
+    first = headers()
+    first.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    (go,) = proc.handle(first)
+    assert go.WhichOneof("response") == "request_headers"
+    assert not go.request_headers.response.HasField("header_mutation")
+    payload = chat("hello " * 40)
+    (reply,) = proc.handle(body(payload))
+    common = reply.request_body.response
+    decision = proc.decision
+    assert decision is not None
+    assert set_headers(common.header_mutation)[DESTINATION] == decision.destination
+    assert common.clear_route_cache and common.body_mutation.body == payload
+    lb = json_format.MessageToDict(reply.dynamic_metadata)[LB_NS]
+    assert lb[DESTINATION] == decision.destination
 
 
 @pytest.mark.parametrize(

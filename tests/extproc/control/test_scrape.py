@@ -170,10 +170,13 @@ async def test_engine_restarted_on_the_same_port_is_healthy_after_one_scrape(eng
         await engine.aclose()
         await scrapes.scrape_once()
         assert not state(fleet, "e").healthy
+        state(fleet, "e").count_routed(0.0, 5.0)  # the dead process's share of recent requests
         await again.start()
         await scrapes.scrape_once()
         e = state(fleet, "e")
         assert e.healthy and e.metrics is not None and e.metrics.running == 3.0
+        # A new process, empty cache: a new replica to the scheduler, as for an agent's restarted engine.
+        assert e.recent_routed(0.0) == 0.0
     finally:
         await scrapes.aclose()
         await again.aclose()
@@ -189,9 +192,11 @@ async def test_stopped_then_continued_engine_is_healthy_again_within_one_interva
         await until(lambda: state(fleet, "e").metrics is not None, 1.0)
         engine.running.clear()
         await until(lambda: not state(fleet, "e").healthy, 1.0)
+        state(fleet, "e").count_routed(0.0, 5.0)
         engine.running.set()
         took = await until(lambda: state(fleet, "e").healthy, 1.0)
         assert took < 0.2
+        assert state(fleet, "e").recent_routed(0.0) == 5.0  # the same process, its cache intact
     finally:
         await scrapes.aclose()
 

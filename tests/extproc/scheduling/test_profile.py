@@ -15,7 +15,7 @@ from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState, Fleet
 from extproc.index.approximate import ApproximateIndex
-from extproc.scheduling.filters import LoadThresholdFilter, ModelFilter
+from extproc.scheduling.filters import HealthyFilter, LoadThresholdFilter, ModelFilter
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.picker import MaxScorePicker
 from extproc.scheduling.profile import Profile, ScheduleResult, cycle_state
@@ -343,3 +343,48 @@ PICK_REF = {"ref": "max-score"}
 def test_config_errors(raw: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_scheduling(raw)
+
+
+class Only:
+    """A filter keeping one endpoint: ``soft`` says whether it is a preference or a rule."""
+
+    def __init__(self, keep: str, *, soft: bool) -> None:
+        self.name, self.keep, self.soft = f"only-{keep}", keep, soft
+
+    def filter(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[EndpointState]:
+        return [c for c in candidates if c.id == self.keep]
+
+
+def test_what_a_preference_filter_drops_is_still_a_fallback() -> None:
+    """A soft filter (balance, load-threshold) narrowing the pick to one endpoint leaves the decision with
+    fallbacks (least loaded first), so a pick that fails can be retried; a hard filter's drops never come
+    back, and a hard filter after the soft one applies to the fallbacks too."""
+    fleet = make_fleet(4)
+    for i, state in enumerate(fleet):
+        state.routed_since_scrape = 4 - i  # loads e0 5, e1 4, e2 3, e3 2
+    capped = Profile("p", [Only("e0", soft=True)], [], MaxScorePicker(), max_fallbacks=2)
+    assert [s.id for s in run(capped, fleet).endpoints] == ["e0", "e3", "e2"]
+    unhealthy = fleet.get(EndpointId("e3"))
+    assert unhealthy is not None
+    unhealthy.healthy = False
+    then_healthy = Profile(
+        "p", [Only("e0", soft=True), HealthyFilter()], [], MaxScorePicker(), max_fallbacks=2
+    )
+    assert [s.id for s in run(then_healthy, fleet).endpoints] == ["e0", "e2", "e1"]
+    hard = Profile("p", [Only("e0", soft=False)], [], MaxScorePicker(), max_fallbacks=2)
+    assert [s.id for s in run(hard, fleet).endpoints] == ["e0"]
+
+
+def test_the_default_profile_keeps_fallbacks_when_balance_narrows_the_pick() -> None:
+    """A replica back from a restart (routed share 0) is the balance filter's only choice for a while; the
+    others stay fallbacks (a request it fails is retried, not a 503)."""
+    fleet = make_fleet(3)
+    for state in fleet:
+        if state.id != "e0":
+            state.count_routed(1.0, 50.0)
+    profile = build_profile(DEFAULT_SCHEDULING, max_fallbacks=2)
+    state = CycleState(exact=True)
+    result = profile.schedule(make_request([1] * BLOCK), state, list(fleet), random.Random(0))
+    assert result.endpoints[0].id == "e0" and len(result.endpoints) == 3
