@@ -28,14 +28,40 @@ def _envoy_config(argv: list[str]) -> int:
     import argparse
 
     from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
+    from kvgate.envoy.resilience import Resilience
     from kvgate.envoy.tls import EnvoyTls, write_sds
 
-    defaults, tls_defaults = EnvoyParams(), EnvoyTls()
+    defaults, tls_defaults, res = EnvoyParams(), EnvoyTls(), Resilience()
     parser = argparse.ArgumentParser(prog="kvgate envoy-config")
     parser.add_argument("--listen-port", type=int, default=defaults.listen_port)
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
     parser.add_argument("--extproc-host", default=defaults.extproc_host)
     parser.add_argument("--extproc-port", type=int, default=defaults.extproc_port)
+    parser.add_argument(
+        "--extproc",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an ext_proc replica (repeat for each; replaces --extproc-host/--extproc-port)",
+    )
+    parser.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="with every ext_proc down, proxy to the least-loaded engine instead of answering 503",
+    )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=res.max_retries,
+        help="fallbacks tried for a request that never reached an engine (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=res.stream_idle_timeout_s,
+        metavar="SECONDS",
+        help="end a stream with no byte either way for this long (default %(default)s)",
+    )
     parser.add_argument("--secure", action="store_true", help="the TLS profile (SDS files in --certs-dir)")
     parser.add_argument("--certs-dir", default=tls_defaults.certs_dir, help="with --secure: PEM + SDS files")
     parser.add_argument("--client-certs", action="store_true", help="with --secure: require client certs")
@@ -59,6 +85,12 @@ def _envoy_config(argv: list[str]) -> int:
     )
     logs.add_argument("--no-access-log", action="store_true", help="no access log")
     args = parser.parse_args(argv)
+    try:
+        extprocs = tuple(_hostport(a) for a in args.extproc)
+    except ValueError:
+        parser.error(f"--extproc: expected HOST:PORT, got {args.extproc}")
+    if args.max_retries < 0 or args.stream_idle_timeout <= 0:
+        parser.error("--max-retries must be >= 0 and --stream-idle-timeout > 0")
     auth = None
     if args.gateway_config:
         from pathlib import Path
@@ -83,6 +115,12 @@ def _envoy_config(argv: list[str]) -> int:
                 admin_port=args.admin_port,
                 extproc_host=args.extproc_host,
                 extproc_port=args.extproc_port,
+                extproc_addresses=extprocs,
+                resilience=Resilience(
+                    fail_open=args.fail_open,
+                    max_retries=args.max_retries,
+                    stream_idle_timeout_s=args.stream_idle_timeout,
+                ),
                 tls=tls,
                 auth=auth,
                 access_log_path=None if args.no_access_log else args.access_log,
@@ -91,6 +129,13 @@ def _envoy_config(argv: list[str]) -> int:
         )
     )
     return 0
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(value)
+    return host, int(port)
 
 
 def _model(argv: list[str]) -> int:

@@ -21,7 +21,7 @@ bootstrap gets the transport security of :mod:`kvgate.envoy.tls` and nothing els
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -35,6 +35,8 @@ from contracts.epp import (
     DECISION_US,
     DESTINATION,
     ENDPOINT_HEADER,
+    ENGINES_CLUSTER,
+    EXTPROC_CLUSTER,
     LB_NS,
     PRIMARY,
     REJECTED_KEY,
@@ -44,10 +46,20 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy import resilience
+from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
 
-#: Headers a client may never set: routing decisions come from the ext_proc alone.
-STRIPPED_REQUEST_HEADERS = (DESTINATION, PRIMARY, "x-envoy-original-dst-host", UPSTREAM_HEADER, TENANT_HEADER)
+#: Headers a client may never set: routing decisions, retries and timeouts come from the ext_proc and
+#: this config alone.
+STRIPPED_REQUEST_HEADERS = (
+    DESTINATION,
+    PRIMARY,
+    "x-envoy-original-dst-host",
+    UPSTREAM_HEADER,
+    TENANT_HEADER,
+    *ENVOY_CONTROL_HEADERS,
+)
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -112,6 +124,9 @@ class EnvoyParams:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 9002
+    #: Every ext_proc replica (``host``, ``port``) behind the one ``kvgate_extproc`` cluster; empty: the
+    #: single ``extproc_host:extproc_port``.
+    extproc_addresses: tuple[tuple[str, int], ...] = ()
     buffer_limit_bytes: int = 4 * 1024 * 1024
     message_timeout_s: float = 5.0
     upstream_connect_timeout_s: float = 2.0
@@ -128,6 +143,8 @@ class EnvoyParams:
     access_log_path: str | None = "/dev/stdout"
     #: Add ``x-kvgate-endpoint: ip:port`` (the engine that served it) to every proxied response.
     endpoint_header: bool = True
+    #: Retries, fallbacks, fail-open, stream idle timeout, ext_proc health checks (resilience.py).
+    resilience: Resilience = field(default_factory=Resilience)
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -205,9 +222,12 @@ def _json_error(kind: str, message: str) -> dict[str, Any]:
 def render(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap as a plain dict (dump it as YAML or JSON)."""
     response_headers = params.served_readback or params.auth is not None
+    res = params.resilience
+    extprocs = _extprocs(params)
     route: dict[str, Any] = {
         "match": {"prefix": "/"},
-        "route": {"cluster": "kvgate_engines", "timeout": "0s"},
+        # No route-wide bound: the ext_proc sets each request's (x-envoy-upstream-rq-timeout-ms, per model).
+        "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s", "retry_policy": resilience.retry_policy(res)},
     }
     upstream_headers = [ENDPOINT_HEADER] if params.endpoint_header else []
     if response_headers:
@@ -225,14 +245,22 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _EXT_PROC,
-            "grpc_service": {"envoy_grpc": {"cluster_name": "kvgate_extproc"}},
-            "failure_mode_allow": False,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EXTPROC_CLUSTER},
+                "retry_policy": resilience.extproc_retry_policy(res),
+            },
+            "failure_mode_allow": res.fail_open,
+            # The ext_proc sets each request's x-envoy-upstream-rq-* bounds; Envoy ignores x-envoy-*
+            # mutations unless allowed (clients' copies are stripped before any filter).
+            "mutation_rules": {"allow_envoy": True},
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": f"{params.message_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
+                # Fail-open needs Envoy to keep the body: in FULL_DUPLEX_STREAMED mode it has handed
+                # the body to the ext_proc and must fail closed (measured on 1.40).
+                "request_body_mode": "BUFFERED" if res.fail_open else "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SKIP" if res.fail_open else "SEND",
                 "response_header_mode": "SEND" if response_headers else "SKIP",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
@@ -248,7 +276,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "stat_prefix": "openai",
         "codec_type": "AUTO",
         "request_timeout": "0s",
-        "stream_idle_timeout": "300s",
+        "stream_idle_timeout": f"{res.stream_idle_timeout_s}s",
         "always_set_request_id_in_response": True,
         "early_header_mutation_extensions": [
             {
@@ -259,7 +287,10 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 },
             }
         ],
-        **({"access_log": [_access_log(params.access_log_path)]} if params.access_log_path else {}),
+        "access_log": [
+            *([_access_log(params.access_log_path)] if params.access_log_path else []),
+            *resilience.timeout_loggers(len(extprocs)),
+        ],
         "local_reply_config": _local_reply(),
         "route_config": {
             "name": "openai",
@@ -272,10 +303,18 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             ],
         },
         "http_filters": envoy_auth.http_filters(
-            params.auth, ext_proc, {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
+            params.auth,
+            ext_proc,
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": _ROUTER, "upstream_log": resilience.failure_loggers(len(extprocs))},
+            },
         ),
     }
+    extproc_cluster = resilience.extproc_cluster(res, extprocs)
     config: dict[str, Any] = {
+        # A node identity: xDS (the ext_procs' EDS) and SDS require one.
+        "node": {"id": "kvgate-envoy", "cluster": "kvgate"},
         "admin": {"address": _addr("127.0.0.1", params.admin_port)},
         "static_resources": {
             "listeners": [
@@ -295,44 +334,9 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 }
             ],
             "clusters": [
-                {
-                    "name": "kvgate_extproc",
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": _HTTP_OPTS,
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": "kvgate_extproc",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {"endpoint": {"address": _addr(params.extproc_host, params.extproc_port)}}
-                                ]
-                            }
-                        ],
-                    },
-                },
-                {
-                    "name": "kvgate_engines",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": f"{params.upstream_connect_timeout_s}s",
-                    "per_connection_buffer_limit_bytes": params.buffer_limit_bytes,
-                    "original_dst_lb_config": {"metadata_key": {"key": LB_NS, "path": [{"key": PRIMARY}]}},
-                    "circuit_breakers": {
-                        "thresholds": [
-                            {
-                                "max_connections": 100000,
-                                "max_pending_requests": 100000,
-                                "max_requests": 100000,
-                            }
-                        ]
-                    },
-                },
+                extproc_cluster,
+                resilience.engines_cluster(res, params.upstream_connect_timeout_s, params.buffer_limit_bytes),
+                *resilience.failure_log_clusters(extprocs, extproc_cluster),
                 *envoy_auth.clusters(params.auth),
             ],
         },
@@ -340,6 +344,10 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     if params.tls is None:
         return config
     return secure_profile(config, params.tls)
+
+
+def _extprocs(params: EnvoyParams) -> tuple[tuple[str, int], ...]:
+    return params.extproc_addresses or ((params.extproc_host, params.extproc_port),)
 
 
 def render_yaml(params: EnvoyParams) -> str:
@@ -357,6 +365,8 @@ def render_baseline(addresses: Sequence[str], lb_policy: str = "ROUND_ROBIN") ->
     static = config["static_resources"]
     hcm = static["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    for f in hcm["http_filters"]:
+        f["typed_config"].pop("upstream_log", None)  # the failure log goes to the ext_procs
     engines = next(c for c in static["clusters"] if c["name"] == "kvgate_engines")
     lb_endpoints = [{"endpoint": {"address": _addr(*_split(a))}} for a in addresses]
     static["clusters"] = [
@@ -364,7 +374,7 @@ def render_baseline(addresses: Sequence[str], lb_policy: str = "ROUND_ROBIN") ->
             "name": "kvgate_engines",
             "type": "STATIC",
             "lb_policy": lb_policy,
-            "connect_timeout": engines["connect_timeout"],
+            "connect_timeout": engines["connect_timeout"],  # the same limits as kvgate's own cluster
             "per_connection_buffer_limit_bytes": engines["per_connection_buffer_limit_bytes"],
             "circuit_breakers": engines["circuit_breakers"],
             "load_assignment": {

@@ -77,8 +77,12 @@ def secure_profile(config: dict[str, Any], tls: EnvoyTls) -> dict[str, Any]:
     chain["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": downstream}
     peers = {"kvgate_extproc": (tls.extproc_sni, tls.extproc_identity, ["h2"])}
     peers["kvgate_engines"] = (tls.engine_sni, tls.engine_identity, [])
-    for cluster in (c for c in resources["clusters"] if c["name"] in peers):  # not the JWKS cluster
-        sni, identity, alpn = peers[cluster["name"]]
+    for cluster in resources["clusters"]:
+        # The failure-log clusters are single ext_proc replicas; the JWKS cluster is not ours.
+        name = "kvgate_extproc" if cluster["name"].startswith("kvgate_extproc_log_") else cluster["name"]
+        if name not in peers:
+            continue
+        sni, identity, alpn = peers[name]
         common: dict[str, Any] = {"alpn_protocols": alpn} if alpn else {}
         common["tls_certificate_sds_secret_configs"] = [_sds_ref(tls, CERT_SECRET)]
         common["combined_validation_context"] = _peer_validation(tls, {"exact": identity})
@@ -86,7 +90,7 @@ def secure_profile(config: dict[str, Any], tls: EnvoyTls) -> dict[str, Any]:
             "name": "envoy.transport_sockets.tls",
             "typed_config": {"@type": _TLS + "UpstreamTlsContext", "sni": sni, "common_tls_context": common},
         }
-    return {"node": {"id": "kvgate-envoy", "cluster": "kvgate"}, **config}
+    return config
 
 
 def _peer_validation(tls: EnvoyTls, uri_matcher: dict[str, str]) -> dict[str, Any]:

@@ -106,7 +106,11 @@ def test_api_keys_only_and_reservation_mode() -> None:
     assert (
         "envoy.filters.http.jwt_authn" not in ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"]
     )
-    assert [c["name"] for c in config["static_resources"]["clusters"]] == ["kvgate_extproc", "kvgate_engines"]
+    assert [c["name"] for c in config["static_resources"]["clusters"]] == [
+        "kvgate_extproc",
+        "kvgate_engines",
+        "kvgate_extproc_log_0",
+    ]  # no JWKS cluster
 
 
 def test_local_jwks_file() -> None:

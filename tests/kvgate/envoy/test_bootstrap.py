@@ -41,11 +41,19 @@ def test_fails_closed_and_routes_on_metadata_only() -> None:
     assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext_proc["processing_mode"]["request_trailer_mode"] == "SEND"
     engines = cfg["static_resources"]["clusters"][1]
-    assert engines["type"] == "ORIGINAL_DST" and "use_http_header" not in engines.get(
-        "original_dst_lb_config", {}
-    )
+    assert engines["type"] == "EDS"  # the ext_procs serve it: every endpoint they may pick, nothing else
+    (policy,) = engines["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    # The decision's list, from metadata only the ext_proc writes; a list that runs out finds no host.
+    assert override["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["typed_config"]["fallback_policy"] == "NO_FALLBACK"
     removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
     assert {"x-gateway-destination-endpoint", "x-envoy-original-dst-host"} <= removed
+    # Retries and timeouts are the gateway's: a client cannot set them.
+    assert {"x-envoy-max-retries", "x-envoy-upstream-rq-timeout-ms", "x-envoy-retry-on"} <= removed
 
 
 def test_checked_in_secure_config_is_rendered_output() -> None:
@@ -54,7 +62,7 @@ def test_checked_in_secure_config_is_rendered_output() -> None:
 
 def test_secure_profile_adds_tls_only() -> None:
     plain, secure = render(EnvoyParams()), render(EnvoyParams(tls=EnvoyTls(client_certs=True)))
-    assert secure["node"] == {"id": "kvgate-envoy", "cluster": "kvgate"}  # SDS needs a node identity
+    assert secure["node"] == {"id": "kvgate-envoy", "cluster": "kvgate"}  # SDS and EDS need a node identity
     chain = secure["static_resources"]["listeners"][0]["filter_chains"][0]
     downstream = chain.pop("transport_socket")["typed_config"]
     assert downstream["require_client_certificate"] is True
@@ -68,7 +76,7 @@ def test_secure_profile_adds_tls_only() -> None:
     assert hcm.pop("forward_client_cert_details") == "SANITIZE_SET"
     hcm.pop("set_current_client_cert_details")
     identities = {}
-    for cluster in secure["static_resources"]["clusters"][:2]:  # ext_proc, engines
+    for cluster in secure["static_resources"]["clusters"]:  # ext_proc, engines, ext_proc failure log
         upstream = cluster.pop("transport_socket")["typed_config"]
         common = upstream["common_tls_context"]
         assert common["tls_certificate_sds_secret_configs"][0]["name"] == "envoy-edge"  # Envoy's client cert
@@ -79,8 +87,8 @@ def test_secure_profile_adds_tls_only() -> None:
     assert identities == {
         "kvgate_extproc": ("extproc", "spiffe://kvgate.local/extproc"),
         "kvgate_engines": ("engine", "spiffe://kvgate.local/engine"),
+        "kvgate_extproc_log_0": ("extproc", "spiffe://kvgate.local/extproc"),
     }
-    del secure["node"]
     assert secure == plain  # everything else is the plaintext profile
 
 
@@ -151,7 +159,7 @@ ALLOWED_OPERATORS: dict[str, set[str | None]] = {
 
 
 def test_access_log_is_json_lines_of_safe_fields() -> None:
-    (log,) = hcm_of(render(EnvoyParams()))["access_log"]
+    log, _timeouts = hcm_of(render(EnvoyParams()))["access_log"]
     assert log["name"] == "envoy.access_loggers.stdout"
     fields = log["typed_config"]["log_format"]["json_format"]
     assert fields is ACCESS_LOG_FORMAT and set(log["typed_config"]) == {"@type", "log_format"}
@@ -183,7 +191,7 @@ def test_access_log_is_json_lines_of_safe_fields() -> None:
     ],
 )
 def test_access_log_destination(path: str, logger: str, typed: dict[str, str]) -> None:
-    (log,) = hcm_of(render(EnvoyParams(access_log_path=path)))["access_log"]
+    log, _timeouts = hcm_of(render(EnvoyParams(access_log_path=path)))["access_log"]
     assert log["name"] == logger
     got = dict(log["typed_config"])
     assert got.pop("log_format") == {"json_format": ACCESS_LOG_FORMAT}
@@ -192,7 +200,10 @@ def test_access_log_destination(path: str, logger: str, typed: dict[str, str]) -
 
 
 def test_access_log_off() -> None:
-    assert "access_log" not in hcm_of(render(EnvoyParams(access_log_path=None)))
+    """No request log; only the gRPC entries of timed-out requests for the ext_procs remain."""
+    loggers = hcm_of(render(EnvoyParams(access_log_path=None)))["access_log"]
+    assert [a["name"] for a in loggers] == ["envoy.access_loggers.http_grpc"]
+    assert loggers[0]["filter"] == {"response_flag_filter": {"flags": ["UT"]}}
 
 
 def test_decision_metadata_reaches_envoy() -> None:
@@ -264,7 +275,8 @@ def test_second_envoy_on_the_same_port_fails_to_start(tmp_path: Path) -> None:
 def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvgate(["envoy-config", "--no-endpoint-header", "--no-access-log"]) == 0
     quiet = yaml.safe_load(capsys.readouterr().out)
-    assert "access_log" not in hcm_of(quiet) and ENDPOINT_HEADER not in str(quiet)
+    loggers = [a["name"] for a in hcm_of(quiet)["access_log"]]
+    assert loggers == ["envoy.access_loggers.http_grpc"] and ENDPOINT_HEADER not in str(quiet)
     assert kvgate(["envoy-config", "--access-log", "/tmp/access.jsonl"]) == 0
-    (log,) = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
+    log, _timeouts = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
     assert log["typed_config"]["path"] == "/tmp/access.jsonl"

