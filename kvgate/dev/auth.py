@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.admission.keys import ApiKey, hash_key, new_key, new_key_id, write_keys
-from kvgate.dev.procs import Child
+from kvgate.dev.supervisor import Service
 
 DEV_TENANT: dict[str, Any] = {
     "id": "dev",
@@ -72,23 +72,27 @@ class DevAuth:
         return lines
 
 
-def start_dev_auth(options: StackAuth, workdir: Path, spawn: Callable[[str, list[str]], Child]) -> DevAuth:
-    """Start the dev issuer and write the client and key files; returns what the config needs."""
+def start_dev_auth(
+    options: StackAuth, workdir: Path, spawn: Callable[[str, list[str], Path, float], Service[Any]]
+) -> DevAuth:
+    """Start the dev issuer and write the client and key files; returns what the config needs.
+    ``spawn(name, argv, ready_file, timeout_s)`` starts a child that is ready once it wrote its PID into
+    ``ready_file``; the issuer's port is then pinned, so a restarted issuer serves the same URL (and
+    signs with the same key file)."""
     clients = options.clients or (
         {"client_id": "dev", "client_secret": secrets.token_urlsafe(24), "claims": {"tenant": "dev"}},
     )
     clients_file = workdir / "oidc_clients.json"
     _write_private(clients_file, json.dumps({"clients": list(clients)}, indent=2))
     ready = workdir / "oidc.ready.json"
-    ready.unlink(missing_ok=True)  # an earlier run's, in a reused work directory
-    issuer_child = spawn(
-        "oidc",
-        [
+
+    def argv(port: int) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "kvgate.dev.oidc",
             "--port",
-            "0",
+            str(port),
             "--clients",
             str(clients_file),
             "--audience",
@@ -97,9 +101,12 @@ def start_dev_auth(options: StackAuth, workdir: Path, spawn: Callable[[str, list
             str(workdir / "oidc_key.pem"),
             "--ready-file",
             str(ready),
-        ],
-    )
-    issuer = str(issuer_child.wait_for_json_file(ready, 60)["issuer"])
+        ]
+
+    issuer_child = spawn("oidc", argv(0), ready, 60)
+    started = issuer_child.await_ready()
+    issuer_child.argv = argv(int(started["port"]))  # a restart serves the same issuer URL
+    issuer = str(started["issuer"])
     keys_file = workdir / "api_keys.json"
     dev_key = None
     records: list[ApiKey] = []

@@ -121,17 +121,52 @@ class EtcdServer:
         """Start (or restart) the member and wait until ``/health`` says it is serving."""
         if self.running:
             return
+        self.spawn()
+        try:
+            self.await_ready()
+        except RuntimeError:
+            self.stop()
+            raise
+
+    # -- as a child kvgate up keeps running (kvgate.dev.supervisor.Restartable) --------------------------
+
+    @property
+    def name(self) -> str:
+        return "etcd"
+
+    @property
+    def pid(self) -> int:
+        return 0 if self._proc is None else self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """``None`` while the member runs (or was never started); its exit status once it ended."""
+        return None if self._proc is None else self._proc.poll()
+
+    def spawn(self) -> None:
+        """Start the member on its ports and data directory (the log is appended to); returns at once."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def await_ready(self) -> None:
+        """Wait until ``/health`` says the member serves; ``RuntimeError`` if it exits or times out."""
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("etcd is not started")
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._healthy():
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self._proc.returncode}: {self._log_tail()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {proc.returncode}: {self._log_tail()}")
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(f"etcd not ready within {self.ready_timeout_s} s: {self._log_tail()}")
             time.sleep(0.02)  # poll interval of the readiness check, not a stand-in for it
+
+    def kill(self) -> None:
+        """SIGKILL the member by PID and reap it, keeping its exit status."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
     @property
     def _scheme(self) -> str:

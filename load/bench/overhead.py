@@ -175,11 +175,14 @@ def run_client(
 # --- the processes measured ---------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+def cpu_seconds(pids: int | Sequence[int]) -> float:
+    """utime + stime of process ``pids`` (all its threads; several processes: their sum), in seconds."""
+    total = 0
+    for pid in [pids] if isinstance(pids, int) else pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
 
 
 def decision_totals(metrics_url: str | None) -> tuple[float, int] | None:
@@ -196,7 +199,7 @@ def decision_totals(metrics_url: str | None) -> tuple[float, int] | None:
     return None if total is None or count is None else (total, count)
 
 
-def idle_cpu(pids: Mapping[str, int], seconds: float) -> dict[str, float]:
+def idle_cpu(pids: Mapping[str, int | Sequence[int]], seconds: float) -> dict[str, float]:
     """CPU milliseconds per second each process uses with no traffic (scrapers, timers), over ``seconds``."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.monotonic()
@@ -294,7 +297,7 @@ def cpu_at_saturation(
 
 def measure_round(
     url: str,
-    pids: Mapping[str, int],
+    pids: Mapping[str, int | Sequence[int]],
     metrics_url: str | None,
     concurrency: int,
     requests: int,
@@ -377,9 +380,13 @@ def main(argv: list[str] | None = None) -> int:
             stack.start()
             if stack.extproc is None or stack.envoy is None:
                 raise RuntimeError("the stack has no ext_proc or no Envoy")
-            sim = stack.children[0]
             urls = {"direct": f"http://{stack.engines[0]['address']}{PATH}", "gateway": stack.url + PATH}
-            pids = {"extproc": stack.extproc.pid, "envoy": stack.envoy.pid, "sim": sim.pid}
+            # "sim": every replica's process together (one process per replica).
+            pids: dict[str, int | Sequence[int]] = {
+                "extproc": stack.extproc.pid,
+                "envoy": stack.envoy.pid,
+                "sim": [s.pid for s in stack.sims],
+            }
             if not args.no_plain_envoy:
                 plain, plain_url = start_plain_envoy(workdir, [e["address"] for e in stack.engines])
                 urls["envoy_rr"] = plain_url + PATH

@@ -259,6 +259,7 @@ class SimFleet:
         host: str = "127.0.0.1",
         port: int = 0,
         prefix: str = "sim",
+        first: int = 0,
         listener_factory: Callable[[str], CacheListener | None] | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
@@ -267,6 +268,7 @@ class SimFleet:
         self.config = config
         self.replicas: list[SimReplica] = []
         self._n, self._host, self._port, self._prefix = replicas, host, port, prefix
+        self._first = first
         self._listener_factory = listener_factory
         self._ssl_context = ssl_context
 
@@ -293,7 +295,7 @@ class SimFleet:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model_dir, self.config.chat_template)
         try:
             for i in range(self._n):
-                replica_id = f"{self._prefix}-{i}"
+                replica_id = f"{self._prefix}-{self._first + i}"
                 listener = self._listener_factory(replica_id) if self._listener_factory else None
                 replica = SimReplica(replica_id, self.config, tokenizer, listener, rank=i)
                 self.replicas.append(replica)
@@ -354,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="first port; replica i uses port+i (0: ephemeral)")
     p.add_argument("--replica-prefix", default="sim", help="replica ids are PREFIX-0, PREFIX-1, ...")
+    p.add_argument(
+        "--first-replica", type=int, default=0, metavar="N", help="replica ids start at PREFIX-N (default 0)"
+    )
     p.add_argument("--ready-file", type=Path, help="write [{id, address, model}] here once all listen")
     e, t = EngineConfig(), TimingModel()
     p.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
@@ -431,6 +436,7 @@ async def serve(config: SimConfig, args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         prefix=args.replica_prefix,
+        first=args.first_replica,
         ssl_context=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
     )
     await fleet.start()

@@ -53,7 +53,7 @@ def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
         )
         assert reply.choices[0].message.content
         children = [int(p) for p in _child_pids(proc.pid)]
-        assert len(children) == 3  # simulator, ext_proc, Envoy
+        assert len(children) == 4  # two simulators (one process per replica), the ext_proc, Envoy
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         for pid in children:

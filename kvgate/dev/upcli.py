@@ -1,0 +1,177 @@
+"""``kvgate up``'s command line: its flags (``kvgate up --help``) and the banner it prints once up.
+
+The flags are documented in the README's "``kvgate up`` flags" table (``tests/test_readme.py`` checks
+that every flag ``--help`` lists is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from certs.store import LeafFiles
+from engines.kinds import ENGINE_KINDS
+from kvgate.dev import stackfile
+from kvgate.dev.auth import DevAuth
+
+
+def banner(
+    info: stackfile.StackInfo,
+    engines: Sequence[Mapping[str, str]],
+    *,
+    access_log: Path,
+    certs: Mapping[str, LeafFiles],
+    auth: DevAuth | None,
+    client_certs: bool,
+    pointer: Path | None,
+) -> list[str]:
+    """What ``kvgate up`` prints once up (``info``: its addresses; ``engines`` in order; ``certs``: the
+    secure profile's; ``client_certs``: the listener requires a client certificate; ``auth``: the dev
+    identity setup; ``pointer``: where ``info`` is published): every address, credentials (shown once),
+    a curl to try."""
+    listed = ", ".join(f"{e['id']}={e['address']}" for e in engines)
+    models = f"model {info.models[0]}" if len(info.models) == 1 else f"models {', '.join(info.models)}"
+    lines = [
+        f"kvgate is up: {info.base_url}  ({models}; engines {listed})",
+        f"  OpenAI base URL:  {info.base_url}",
+        f"  ext_proc metrics: {info.metrics_url}",
+    ]
+    if len(info.extprocs) > 1:
+        each = (f"{name}=127.0.0.1:{ports['extproc']}" for name, ports in info.extprocs.items())
+        lines.append(f"  ext_procs:        {', '.join(each)}")
+    lines += [
+        f"  Envoy admin:      {info.admin_url}",
+        f"  access log:       {access_log}   (one JSON line per request)",
+    ]
+    if info.etcd is not None:
+        lines.append(f"  etcd:             {info.etcd}   (kvgate policy list; kvgate drain ID)")
+    curl = ""
+    if "envoy-edge" in certs:
+        ca = certs["envoy-edge"].ca
+        lines.append(f"  CA certificate for clients: {ca}")
+        curl = f"--cacert {ca} "
+        if client_certs:
+            client = certs["client-dev"]
+            lines.append(f"  client certificate: {client.cert}  key: {client.key}")
+            curl += f"--cert {client.cert} --key {client.key} "
+    if auth is not None:
+        lines += auth.banner()
+        curl += f"-H 'authorization: Bearer {auth.dev_key}' "
+    body = json.dumps({"model": info.models[0], "messages": [{"role": "user", "content": "Hi"}]})
+    lines += [
+        f"  try: curl {curl}{info.base_url}/chat/completions -H 'content-type: application/json' -d '{body}'",
+        f"  workdir:          {info.workdir}   (configs, logs: *.log)",
+        f"  addresses:        {info.workdir}/{stackfile.FILE_NAME}"
+        + ("" if pointer is None else f"  (published at {pointer})"),
+        "  Ctrl-C stops everything",
+    ]
+    return lines
+
+
+def parser(default_model: str) -> argparse.ArgumentParser:
+    """``kvgate up``'s flags; ``default_model``: the simulators' model name."""
+    p = argparse.ArgumentParser(
+        prog="kvgate up",
+        description="Run Envoy + kvgate + engines locally.",
+        epilog=(
+            "Once up, every address (OpenAI base URL, ext_proc metrics, Envoy admin, etcd with --agents) "
+            "is printed and written to WORKDIR/stack.json, and published at "
+            f"${stackfile.STATE_DIR_ENV} (default $XDG_STATE_HOME/kvgate or ~/.local/state/kvgate)"
+            f"/{stackfile.FILE_NAME} until a clean stop: kvgate policy and kvgate drain use its etcd when "
+            "given no --etcd. A child that dies (an engine, an ext_proc, an agent, etcd, Envoy) is restarted "
+            "on the same addresses with backoff (0.2 s doubling to 10 s), and the rest keeps serving. "
+            "Children stop with kvgate up (Ctrl-C, SIGTERM, even kill -9). Exit status: 0 stopped, 1 could "
+            "not start, 2 bad usage or --config, 130 interrupted while starting."
+        ),
+    )
+    p.add_argument(
+        "--replicas", type=int, default=4, help="simulated vLLM replicas, one process each (default 4)"
+    )
+    p.add_argument(
+        "--extprocs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ext_proc processes behind Envoy's one ext_proc cluster, each following the same engines "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="with every ext_proc down, proxy to the least-loaded engine instead of answering 503",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        help="OpenAI listener port (default 8080; refused if already in use; 0: any free port)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="OpenAI listener address")
+    p.add_argument(
+        "--model",
+        help=f"served model name (default {default_model}; with --endpoint: the models each engine lists "
+        "at GET /v1/models)",
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="front an existing OpenAI-compatible engine instead of simulators (repeatable)",
+    )
+    p.add_argument(
+        "--engine",
+        default="vllm",
+        choices=[k for k in ENGINE_KINDS if k != "sim"],
+        help="engine kind of --endpoint URLs (selects metric names; default vllm)",
+    )
+    p.add_argument("--model-dir", help="directory with the model's tokenizer.json + tokenizer_config.json")
+    p.add_argument("--chat-template", help="chat template file overriding the model's")
+    p.add_argument(
+        "--workdir", type=Path, help="where configs and logs go (default: a temp dir; reusing one is safe)"
+    )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS everywhere: HTTPS listener, mTLS to the ext_proc and engines (certs in WORKDIR/certs)",
+    )
+    p.add_argument(
+        "--client-certs",
+        action="store_true",
+        help="the HTTPS listener requires a client certificate from the dev CA (implies --secure)",
+    )
+    p.add_argument(
+        "--agents",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a local etcd and N node agents, each running one engine (see --agent-engine)",
+    )
+    p.add_argument(
+        "--agent-engine",
+        default="sim",
+        choices=["sim", "llama_cpp"],
+        help="with --agents: the engine each agent runs (llama_cpp: llama-server with SmolLM2 on the CPU)",
+    )
+    p.add_argument(
+        "--kvcached",
+        action="store_true",
+        help="with --agents: a kvcached daemon per node (llama.cpp slots saved, restored before routing)",
+    )
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="require credentials: a dev OIDC issuer (JWTs) and an API key for tenant 'dev'",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a gateway config (TOML or JSON, the schema of kvgate extproc --config) merged over the "
+        "generated one: [auth], [[tenants]], [policy], [scheduling], [index], [scrape], [slot_restore], "
+        "[[models]], [extproc] limits. Refused (they are kvgate up's): [[endpoints]], [etcd], [feeds], "
+        "extproc listen addresses and TLS files, scrape TLS files; with --auth also [auth], [[tenants]]",
+    )
+    return p
