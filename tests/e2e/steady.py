@@ -1,0 +1,81 @@
+"""A small steady load through the gateway, every request's outcome recorded: the fault tests' yardstick.
+
+``clients`` concurrent loops, each sending one chat completion after another (every other one streamed),
+all sharing a system prompt, until stopped. A request *succeeded* when it got a 200 and, for a stream,
+the final ``[DONE]`` event; anything else (an error status, a cut stream, a client timeout) is a failure,
+with the engine Envoy last tried (``x-kvgate-endpoint``, also on Envoy's own 503/504) when known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+SYSTEM = "You are a careful assistant for a fleet operations team. " * 40  # shared by every request
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    started: float
+    ended: float
+    stream: bool
+    status: int | None  # None: no HTTP response at all
+    endpoint: str | None
+    ok: bool
+    error: str | None = None
+
+
+@dataclass
+class SteadyLoad:
+    base_url: str
+    model: str
+    clients: int = 4
+    max_tokens: int = 8
+    #: No request may take longer than this in the client (it is a failure then, not a hang).
+    client_timeout_s: float = 30.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def __aenter__(self) -> SteadyLoad:
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=self.client_timeout_s)
+        self._tasks = [asyncio.create_task(self._loop(i)) for i in range(self.clients)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self._client.aclose()
+
+    async def _loop(self, client: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            self.outcomes.append(await self._one(stream=(client + n) % 2 == 0, n=n))
+
+    async def _one(self, stream: bool, n: int) -> Outcome:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {n}"}],
+            "max_tokens": self.max_tokens,
+            "stream": stream,
+        }
+        started = time.monotonic()
+        status: int | None = None
+        endpoint: str | None = None
+        try:
+            async with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
+                status, endpoint = response.status_code, response.headers.get("x-kvgate-endpoint")
+                text = (await response.aread()).decode()
+            ok = status == 200 and (not stream or "data: [DONE]" in text)
+            error = None if ok else text[-300:]
+            return Outcome(started, time.monotonic(), stream, status, endpoint, ok, error)
+        except httpx.HTTPError as exc:
+            return Outcome(started, time.monotonic(), stream, status, endpoint, False, type(exc).__name__)
+
+    def between(self, start: float, end: float) -> list[Outcome]:
+        """Requests that started in ``[start, end)`` (monotonic seconds)."""
+        return [o for o in self.outcomes if start <= o.started < end]
