@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.epp import FAILURE_LOG_NAME
 from contracts.events import EndpointId
-from extproc.config import parse_config
 from extproc.server import EXT_PROC_SERVICE, Gateway
 from extproc.xds.als import FAILURE_FLAGS, FailedTry, failed_try
 from tests.extproc.test_server import body_msgs, chat_body, decision, headers_msg, run
+from tests.extproc.xds.conftest import gateway_on
 from tests.polling import until
 
 
@@ -72,16 +72,8 @@ ADDRESSES = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
 
 @pytest.fixture
 async def gateway() -> AsyncIterator[Gateway]:
-    config = parse_config(
-        {
-            "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
-            "endpoints": [{"id": f"e{i}", "address": a, "models": ["m"]} for i, a in enumerate(ADDRESSES)],
-        }
-    )
-    gw = Gateway(config)
-    await gw.start()
-    yield gw
-    await gw.aclose(grace_s=0)
+    async with gateway_on(ADDRESSES) as gw:
+        yield gw
 
 
 def messages(log_name: str, *entries: al.HTTPAccessLogEntry) -> list[als_pb2.StreamAccessLogsMessage]:

@@ -20,10 +20,10 @@ from google.rpc.status_pb2 import Status  # type: ignore[import-untyped]
 from contracts.epp import ENGINES_CLUSTER
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
-from extproc.config import parse_config
 from extproc.fleet import Fleet
 from extproc.server import Gateway
 from extproc.xds.eds import DRAINING, HEALTHY, TYPE_URL, UNHEALTHY, SotwStream, assignment, hosts, snapshot
+from tests.extproc.xds.conftest import gateway_on
 from tests.polling import until
 
 
@@ -153,16 +153,8 @@ ADDRESSES = ["127.0.0.1:18001", "127.0.0.1:18002"]
 
 @pytest.fixture
 async def gateway() -> AsyncIterator[Gateway]:
-    config = parse_config(
-        {
-            "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
-            "endpoints": [{"id": f"e{i}", "address": a, "models": ["m"]} for i, a in enumerate(ADDRESSES)],
-        }
-    )
-    gw = Gateway(config)
-    await gw.start()
-    yield gw
-    await gw.aclose(grace_s=0)
+    async with gateway_on(ADDRESSES) as gw:
+        yield gw
 
 
 class Envoy:

@@ -26,6 +26,7 @@ from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.server import Gateway
 from kvgate.dev.procs import Child, http_get, start_envoy
+from kvgate.envoy.resilience import failure_loggers
 from tests.polling import until
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -36,22 +37,8 @@ _OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.o
 _ROUND_ROBIN = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 XDS_CLUSTER = "kvgate_extproc"
 
-#: What Envoy sends: every failed upstream try (and nothing else).
-FAILED_TRY_FILTER = {
-    "or_filter": {
-        "filters": [
-            {"response_flag_filter": {"flags": ["UF", "UT", "UC", "UR", "UO", "UPE"]}},
-            {
-                "status_code_filter": {
-                    "comparison": {
-                        "op": "EQ",
-                        "value": {"default_value": 503, "runtime_key": "test.failed_try"},
-                    }
-                }
-            },
-        ]
-    }
-}
+#: What Envoy sends: every failed upstream try (and nothing else), as the bundled config filters it.
+FAILED_TRY_FILTER = failure_loggers(1)[0]["filter"]
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
