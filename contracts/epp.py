@@ -68,3 +68,6 @@ ENGINES_CLUSTER = "kvgate_engines"
 """The bundled Envoy's engine cluster: EDS served by the ext_proc replicas (every endpoint they may pick)."""
 FAILURE_LOG_NAME = "kvgate-upstream-failures"
 """Log name of the gRPC access-log entries Envoy sends the ext_procs, one per failed upstream try."""
+MODEL_HEADER = "x-kvgate-model"
+"""Request header the processor sets to the decision's model (overwriting; Envoy strips clients' copies):
+the bundled Envoy config routes on it to the model's own stream idle timeout, and removes it upstream."""

@@ -18,6 +18,8 @@ Example (TOML)::
     max_model_len = 8192               # optional: context length in tokens (default: the model's files)
     request_timeout_s = 600            # optional: this model's bounds (default: [timeouts])
     first_byte_timeout_s = 20
+    idle_timeout_s = 120               # optional: Envoy ends this model's streams silent this long
+                                       # (kvgate envoy-config --gateway-config renders it; default: 300)
 
     [timeouts]                         # how long Envoy waits for an engine (extproc/routing/timeouts.py)
     request_s = 1800                   # the whole response, retries included; 0: none
@@ -236,6 +238,9 @@ class ModelConfig:
     #: This model's engine-side bounds (:mod:`extproc.routing.timeouts`); ``None``: the gateway's.
     request_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
+    #: Envoy's stream idle timeout for this model's requests (``None``: the listener's); rendered into
+    #: the Envoy config (:mod:`kvgate.envoy.resilience`), not used by the ext_proc.
+    idle_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +415,7 @@ def _model(raw: object, where: str) -> ModelConfig:
         max_model_len=s.integer("max_model_len", None, minimum=1),
         request_timeout_s=s.number("request_timeout_s", None, minimum=0.0),
         first_byte_timeout_s=s.number("first_byte_timeout_s", None, minimum=0.0),
+        idle_timeout_s=s.number("idle_timeout_s", None, minimum=0.001),
     )
     s.done()
     if (model.model_dir is None) == (model.gguf is None):

@@ -66,6 +66,7 @@ from contracts.epp import (
     JWT_STATUS,
     LB_NS,
     MAX_CHUNK,
+    MODEL_HEADER,
     MODEL_REWRITE,
     PRIMARY,
     REJECTED_KEY,
@@ -340,6 +341,7 @@ class StreamProcessor:
         set_headers = [
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
+            _header(MODEL_HEADER, decision.model),
             *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, request.stream)),
         ]
         remove_headers: list[str] = []

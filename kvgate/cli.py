@@ -28,7 +28,7 @@ def _envoy_config(argv: list[str]) -> int:
     import argparse
 
     from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
-    from kvgate.envoy.resilience import Resilience
+    from kvgate.envoy.resilience import Resilience, model_idle_timeouts
     from kvgate.envoy.tls import EnvoyTls, write_sds
 
     defaults, tls_defaults, res = EnvoyParams(), EnvoyTls(), Resilience()
@@ -69,7 +69,9 @@ def _envoy_config(argv: list[str]) -> int:
         "--write-sds", action="store_true", help="with --secure: also write the SDS files into --certs-dir"
     )
     parser.add_argument(
-        "--gateway-config", help="render its [auth] and [[tenants]]: JWT verification, per-tenant rate limits"
+        "--gateway-config",
+        help="render its [auth] and [[tenants]] (JWT verification, per-tenant rate limits) and its models' "
+        "idle_timeout_s",
     )
     parser.add_argument(
         "--no-endpoint-header",
@@ -92,6 +94,7 @@ def _envoy_config(argv: list[str]) -> int:
     if args.max_retries < 0 or args.stream_idle_timeout <= 0:
         parser.error("--max-retries must be >= 0 and --stream-idle-timeout > 0")
     auth = None
+    idle_timeouts: tuple[tuple[str, float], ...] = ()
     if args.gateway_config:
         from pathlib import Path
 
@@ -100,7 +103,8 @@ def _envoy_config(argv: list[str]) -> int:
         from kvgate.envoy.auth import EdgeAuth
 
         try:
-            auth = EdgeAuth.from_config(load_config(Path(args.gateway_config)))
+            gateway = load_config(Path(args.gateway_config))
+            auth, idle_timeouts = EdgeAuth.from_config(gateway), model_idle_timeouts(gateway)
         except ConfigError as exc:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
@@ -120,6 +124,7 @@ def _envoy_config(argv: list[str]) -> int:
                     fail_open=args.fail_open,
                     max_retries=args.max_retries,
                     stream_idle_timeout_s=args.stream_idle_timeout,
+                    model_idle_timeouts=idle_timeouts,
                 ),
                 tls=tls,
                 auth=auth,

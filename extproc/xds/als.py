@@ -32,9 +32,11 @@ FAILURE_FLAGS = (
     "upstream_remote_reset",
     "upstream_overflow",
     "upstream_protocol_error",
+    "stream_idle_timeout",
 )
-"""``AccessLogCommon.response_flags`` fields that mark a failed try (Envoy's UF, UT, UC, UR, UO, UPE), in
-the order a kind is chosen when several are set; the kind is the field's name."""
+"""``AccessLogCommon.response_flags`` fields that mark a failed try (Envoy's UF, UT, UC, UR, UO, UPE, and SI:
+a request whose engine stayed silent past the model's idle timeout, from the listener's log), in the
+order a kind is chosen when several are set; the kind is the field's name."""
 REFUSED_STATUS = 503
 REFUSED_KIND = "http_503"
 """The kind of a try the engine answered with 503 (draining, overloaded) and no failure flag."""

@@ -58,7 +58,7 @@ from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Restartable, Service, Supervisor
 from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
-from kvgate.envoy.resilience import Resilience
+from kvgate.envoy.resilience import Resilience, model_idle_timeouts
 from kvgate.envoy.tls import EnvoyTls, write_sds
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,8 @@ class Stack:
         """The ext_procs on ``config`` (validated first; ``WORKDIR/gateway.json``, each ext_proc's copy
         ``WORKDIR/<name>.json`` pinned to its ports once ready), then Envoy in front of them."""
         opts = self.options
-        edge_auth = EdgeAuth.from_config(parse_config(config))
+        parsed = parse_config(config)
+        edge_auth = EdgeAuth.from_config(parsed)
         (self.workdir / "gateway.json").write_text(json.dumps(config, indent=2))
         if opts.with_extproc:
             for name in _numbered("extproc", opts.extprocs):
@@ -274,7 +275,7 @@ class Stack:
             tls=self.tls,
             auth=edge_auth,
             access_log_path=str(self.access_log),
-            resilience=Resilience(fail_open=opts.fail_open),
+            resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))

@@ -38,6 +38,7 @@ from contracts.epp import (
     ENGINES_CLUSTER,
     EXTPROC_CLUSTER,
     LB_NS,
+    MODEL_HEADER,
     PRIMARY,
     REJECTED_KEY,
     REJECTED_NS,
@@ -58,6 +59,7 @@ STRIPPED_REQUEST_HEADERS = (
     "x-envoy-original-dst-host",
     UPSTREAM_HEADER,
     TENANT_HEADER,
+    MODEL_HEADER,
     *ENVOY_CONTROL_HEADERS,
 )
 
@@ -224,11 +226,9 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     response_headers = params.served_readback or params.auth is not None
     res = params.resilience
     extprocs = _extprocs(params)
-    route: dict[str, Any] = {
-        "match": {"prefix": "/"},
-        # No route-wide bound: the ext_proc sets each request's (x-envoy-upstream-rq-timeout-ms, per model).
-        "route": {"cluster": ENGINES_CLUSTER, "timeout": "0s", "retry_policy": resilience.retry_policy(res)},
-    }
+    # No route-wide bound: the ext_proc sets each request's (x-envoy-upstream-rq-timeout-ms, per model).
+    action = {"cluster": ENGINES_CLUSTER, "timeout": "0s", "retry_policy": resilience.retry_policy(res)}
+    route: dict[str, Any] = {}
     upstream_headers = [ENDPOINT_HEADER] if params.endpoint_header else []
     if response_headers:
         upstream_headers.append(UPSTREAM_HEADER)  # read back and removed by the ext_proc
@@ -298,7 +298,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 {
                     "name": "openai",
                     "domains": ["*"],
-                    "routes": [route],
+                    "routes": [{**r, **route} for r in resilience.routes(res, action)],
                 }
             ],
         },

@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.epp import DESTINATION, ENGINES_CLUSTER, EXTPROC_CLUSTER, FAILURE_LOG_NAME, LB_NS
+from contracts.epp import DESTINATION, ENGINES_CLUSTER, EXTPROC_CLUSTER, FAILURE_LOG_NAME, LB_NS, MODEL_HEADER
+from extproc.config import GatewayConfig
 
 _OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 _SUBSET = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
@@ -85,8 +86,32 @@ class Resilience:
     fail_open: bool = False
     max_retries: int = 2
     stream_idle_timeout_s: float = 300.0
+    #: (model, seconds): that model's own stream idle timeout (``[[models]] idle_timeout_s``), on a route
+    #: chosen by the header the ext_proc sets (:data:`~contracts.epp.MODEL_HEADER`).
+    model_idle_timeouts: tuple[tuple[str, float], ...] = ()
     eds_initial_fetch_s: float = 2.0
     extproc_health_interval_s: float = 0.5
+
+
+def model_idle_timeouts(config: GatewayConfig) -> tuple[tuple[str, float], ...]:
+    """The ``[[models]]`` of a gateway config that set their own ``idle_timeout_s``."""
+    return tuple((m.name, m.idle_timeout_s) for m in config.models if m.idle_timeout_s is not None)
+
+
+def routes(res: Resilience, action: dict[str, Any]) -> list[dict[str, Any]]:
+    """The listener's routes, all to ``action`` (cluster, retries, response headers): one per model with
+    its own idle timeout, matched on the model header the ext_proc set (the route is chosen again after
+    the ext_proc's reply), then the default. The model header never reaches an engine."""
+    out = [
+        {
+            "match": {"prefix": "/", "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}]},
+            "route": {**action, "idle_timeout": f"{idle}s"},
+            "request_headers_to_remove": [MODEL_HEADER],
+        }
+        for model, idle in res.model_idle_timeouts
+    ]
+    out.append({"match": {"prefix": "/"}, "route": action, "request_headers_to_remove": [MODEL_HEADER]})
+    return out
 
 
 def retry_policy(res: Resilience) -> dict[str, Any]:
@@ -262,10 +287,11 @@ def failure_loggers(count: int) -> list[dict[str, Any]]:
 
 
 def timeout_loggers(count: int) -> list[dict[str, Any]]:
-    """The listener's access log of requests that ran out of their whole bound (``UT``): Envoy logs that
-    try upstream with no flag and no status (measured on 1.40), so only the request's own entry, whose
-    upstream host is the engine it waited for, tells the ext_procs."""
-    return _grpc_loggers(count, {"response_flag_filter": {"flags": ["UT"]}})
+    """The listener's access log of requests that ran out of their whole bound (``UT``) or whose engine
+    stayed silent past the idle timeout (``SI``): Envoy logs that try upstream with no flag and no status
+    (measured on 1.40), so only the request's own entry, whose upstream host is the engine it waited for,
+    tells the ext_procs."""
+    return _grpc_loggers(count, {"response_flag_filter": {"flags": ["UT", "SI"]}})
 
 
 def _grpc_loggers(count: int, only: dict[str, Any]) -> list[dict[str, Any]]:

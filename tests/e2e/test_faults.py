@@ -29,7 +29,8 @@ from tests.e2e.conftest import FAST_SIM
 from tests.e2e.steady import Outcome, SteadyLoad
 
 MODEL = "SmolLM2-135M-Instruct"
-FIRST_BYTE_S, REQUEST_S = 2.0, 4.0
+#: The model's bounds: a stream's response headers, silence either way, the whole response.
+FIRST_BYTE_S, IDLE_S, REQUEST_S = 2.0, 3.0, 5.0
 #: Bounds this file states: detection, a restart, and a recovered engine taking traffic again.
 DETECT_S, RESTART_S, ROTATION_S = 2.0, 15.0, 5.0
 #: Client-side slack over Envoy's bounds (scheduling on a loaded 2-core machine).
@@ -48,7 +49,10 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         port=0,
         sim_args=FAST_SIM,
         workdir=tmp_path_factory.mktemp("faults"),
-        overlay={"timeouts": {"request_s": REQUEST_S, "first_byte_s": FIRST_BYTE_S}},
+        overlay={
+            "timeouts": {"request_s": REQUEST_S, "first_byte_s": FIRST_BYTE_S},
+            "models": [{"name": MODEL, "gguf": "smollm2", "idle_timeout_s": IDLE_S}],
+        },
     )
     with Stack(options) as stack:
         stack.supervise(FAST_RESTART)
@@ -205,6 +209,8 @@ async def test_a_stopped_replica_is_bounded_detected_and_back_after_continue(sim
     for o in steady.outcomes:  # nothing outlived its bound
         assert o.ended - o.started < REQUEST_S + SLACK_S, o
     failed = failures(steady.outcomes)
+    # A whole answer waiting on the stopped replica is cut at the model's idle timeout, before its bound.
+    assert all(o.ended - o.started < IDLE_S + SLACK_S for o in failed), failed
     assert all(o.endpoint == address and o.started < detected for o in failed), failed
     # Envoy's timeout (504, OpenAI JSON), or a stream the replica had begun, cut at the request's bound.
     assert all(o.status == 504 or (o.stream and o.status == 200) for o in failed), failed

@@ -31,6 +31,7 @@ from contracts.epp import (
     JWT_NS,
     LB_NS,
     MAX_CHUNK,
+    MODEL_HEADER,
     MODEL_REWRITE,
     PRIMARY,
     SERVED,
@@ -521,6 +522,7 @@ def test_decision_reply_shape(router: Router) -> None:
     assert r.set_headers == {
         DESTINATION: decision.destination,
         "content-length": str(len(payload)),
+        MODEL_HEADER: MODEL,  # Envoy routes on it to the model's idle timeout, and removes it upstream
         REQUEST_TIMEOUT_HEADER: "1800000",  # the default bound (a non-streamed request: no first-byte bound)
     }
     assert r.remove_headers == []

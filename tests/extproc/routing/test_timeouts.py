@@ -55,6 +55,7 @@ def test_config_defaults_and_per_model_bounds() -> None:
         {"timeouts": {"first_byte_s": "soon"}},
         {"timeouts": {"first_byte": 3}},
         {"models": [{**MODEL, "request_timeout_s": -5}]},
+        {"models": [{**MODEL, "idle_timeout_s": 0}]},
     ],
 )
 def test_bad_bounds_are_refused(raw: dict[str, object]) -> None:

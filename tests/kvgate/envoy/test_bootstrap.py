@@ -203,7 +203,7 @@ def test_access_log_off() -> None:
     """No request log; only the gRPC entries of timed-out requests for the ext_procs remain."""
     loggers = hcm_of(render(EnvoyParams(access_log_path=None)))["access_log"]
     assert [a["name"] for a in loggers] == ["envoy.access_loggers.http_grpc"]
-    assert loggers[0]["filter"] == {"response_flag_filter": {"flags": ["UT"]}}
+    assert loggers[0]["filter"] == {"response_flag_filter": {"flags": ["UT", "SI"]}}
 
 
 def test_decision_metadata_reaches_envoy() -> None:

@@ -96,3 +96,25 @@ def test_cli_flags_render_and_validate(tmp_path: Path, capsys: pytest.CaptureFix
     assert done.returncode == 0, done.stderr
     with pytest.raises(SystemExit):
         kvgate(["envoy-config", "--extproc", "no-port"])
+
+
+def test_a_model_may_have_its_own_stream_idle_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[[models]] idle_timeout_s`` becomes a route matched on the model header the ext_proc sets; the
+    header is stripped from clients and never reaches an engine."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        '[[models]]\nname = "slow"\ngguf = "smollm2"\nidle_timeout_s = 900\n'
+        '[[models]]\nname = "plain"\ngguf = "smollm2"\n'
+    )
+    assert kvgate(["envoy-config", "--gateway-config", str(config)]) == 0
+    hcm = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][0]["filter_chains"][0]
+    hcm = hcm["filters"][0]["typed_config"]
+    own, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert own["match"]["headers"] == [{"name": "x-kvgate-model", "string_match": {"exact": "slow"}}]
+    assert own["route"]["idle_timeout"] == "900.0s" and "idle_timeout" not in default["route"]
+    assert own["route"]["retry_policy"] == default["route"]["retry_policy"]
+    assert own["request_headers_to_remove"] == default["request_headers_to_remove"] == ["x-kvgate-model"]
+    removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    assert "x-kvgate-model" in removed
