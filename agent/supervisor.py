@@ -7,7 +7,8 @@ the asyncio shell around them:
 - ports: ``port = 0`` (and the KV-event / side-channel ports the rendering needs) are picked once, at
   :meth:`EngineSupervisor.start`, and kept across restarts (the registered address must not move);
 - the engine is spawned with :func:`asyncio.create_subprocess_exec`, stdout+stderr appended to
-  ``<state_dir>/logs/<id>.log``, in its own process group (its workers die with the escalation SIGKILL);
+  ``<state_dir>/logs/<id>.log`` (mode 0600), in its own process group (its workers die with the
+  escalation SIGKILL);
 - engines die with the agent, even on SIGKILL of the agent: the child calls
   ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, between fork and exec), so the kernel sends it
   SIGTERM when the thread that forked it exits. Spawns happen on the event loop's thread: run the agent's
@@ -39,6 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import BinaryIO
 
 import aiohttp
 
@@ -152,6 +154,18 @@ def _redacted(argv: tuple[str, ...]) -> list[str]:
             arg = "***"
         out.append(arg)
     return out
+
+
+def _open_private_log(path: Path) -> BinaryIO:
+    """``path`` opened for appending, mode 0600 (made so if it already existed): an engine's log may hold
+    what its debug level prints, credentials among them, so it is this user's only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _makedirs(paths: tuple[str, ...]) -> None:
@@ -330,7 +344,7 @@ class EngineSupervisor:
         assert self.launch is not None
         argv = self.launch.argv
         env = {**os.environ, **dict(self.launch.env), **dict(self.engine.env)}
-        with self.log_path.open("ab") as out:
+        with _open_private_log(self.log_path) as out:
             out.write(f"--- kvgate agent {time.strftime('%FT%T')}: {shlex.join(_redacted(argv))}\n".encode())
             out.flush()
             try:

@@ -90,6 +90,8 @@ from extproc.admission.tenants import Tenant
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
+#: The identity URI of the bundled Envoy's certificate (``kvgate certs issue --name envoy-edge``).
+ENVOY_IDENTITY = "spiffe://kvgate.local/envoy-edge"
 #: The request body limit (bytes) when no served model's context bounds it, and the most a derived one is.
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 #: JSON writes a byte of text as at most 6 bytes (``\u00XX``).
@@ -142,6 +144,9 @@ class ExtprocConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    #: With TLS: the identity URIs (URI SANs) that may call the ext_proc port; any other verified peer is
+    #: refused (PERMISSION_DENIED) before a message is read. Envoy's, by default.
+    tls_allowed_peers: tuple[str, ...] = (ENVOY_IDENTITY,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +308,7 @@ def parse_config(raw: object) -> GatewayConfig:
         tls_cert=ex.string("tls_cert"),
         tls_key=ex.string("tls_key"),
         tls_client_ca=ex.string("tls_client_ca"),
+        tls_allowed_peers=_peers(ex.array("tls_allowed_peers", list(_EX.tls_allowed_peers))),
     )
     ex.done()
     all_or_none(
@@ -395,6 +401,12 @@ def _ejection(ej: Section) -> EjectionConfig:
     if ejection.base_s > ejection.max_s:
         raise ConfigError(f"ejection.base_s: must be <= max_s ({ejection.max_s}), got {ejection.base_s}")
     return ejection
+
+
+def _peers(raw: list[object]) -> tuple[str, ...]:
+    if not raw or not all(isinstance(p, str) and p for p in raw):
+        raise ConfigError("extproc.tls_allowed_peers: a non-empty list of identity URIs")
+    return tuple(str(p) for p in raw)
 
 
 def _or(value: float | None, default: float) -> float:

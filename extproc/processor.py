@@ -39,7 +39,9 @@ message and a logged traceback, never a pass-through.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -92,6 +94,8 @@ from extproc.routing.router import Decision, Router, Tokens
 from extproc.routing.timeouts import TimeoutTable
 
 log = logging.getLogger(__name__)
+#: A client's ``x-request-id`` logged as sent (:attr:`StreamProcessor.request_id`).
+_SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 BUFFERED = ProcessingMode.BUFFERED
 
 #: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
@@ -168,7 +172,17 @@ class StreamProcessor:
 
     @property
     def request_id(self) -> str:
-        return self._headers.get("x-request-id", "-")
+        """The request's ``x-request-id`` as it may appear in a log line: as sent when it is 1 to 128 of
+        ``A-Z a-z 0-9 . _ : -`` (Envoy's UUIDs, most clients' ids), ``-`` when absent, else
+        ``invalid-`` and the first 16 hex digits of its SHA-256 (the same for every line of the
+        request), so a client's id never writes a newline, a control character or a fake log line."""
+        raw = self._headers.get("x-request-id")
+        if raw is None:
+            return "-"
+        if _SAFE_REQUEST_ID.fullmatch(raw):
+            return raw
+        digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"invalid-{digest[:16]}"
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The responses for one message from Envoy, in order."""

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -60,6 +61,57 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
+
+
+class PeerCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call but gRPC health (PERMISSION_DENIED, before a message is read) unless the TLS
+    peer's certificate carries one of the ``allowed`` identity URIs (gRPC's ``peer_uri`` property)."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        self._allowed = allowed
+
+    def permits(self, context: grpc.aio.ServicerContext) -> bool:
+        uris = context.auth_context().get("peer_uri", [])
+        return any(uri.decode(errors="replace") in self._allowed for uri in uris)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        refuse = grpc.StatusCode.PERMISSION_DENIED, "this identity may not call the ext_proc"
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if not self.permits(context):
+                    await context.abort(*refuse)
+                async for response in inner_ss(requests, context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                if not self.permits(context):
+                    await context.abort(*refuse)
+                return await inner_su(requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not self.permits(context):
+                await context.abort(*refuse)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, handler.request_deserializer, handler.response_serializer
+        )
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -187,7 +239,10 @@ class Gateway:
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
         ]
-        server = grpc.aio.server(options=options)
+        # With TLS, only the allowed identities (Envoy's) may call: a certificate of another role chains
+        # to the same CA, and a caller here could forge jwt_authn metadata or failed tries.
+        peers = [PeerCheck(frozenset(ex.tls_allowed_peers))] if self.server_certs is not None else []
+        server = grpc.aio.server(options=options, interceptors=peers)
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer), server
         )

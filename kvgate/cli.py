@@ -35,6 +35,11 @@ def _envoy_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvgate envoy-config")
     parser.add_argument("--listen-port", type=int, default=defaults.listen_port)
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
+    parser.add_argument(
+        "--admin-socket",
+        metavar="PATH",
+        help="Envoy's admin on this Unix socket (mode 0600) instead of 127.0.0.1:--admin-port",
+    )
     parser.add_argument("--extproc-host", default=defaults.extproc_host)
     parser.add_argument("--extproc-port", type=int, default=defaults.extproc_port)
     parser.add_argument(
@@ -61,6 +66,14 @@ def _envoy_config(argv: list[str]) -> int:
         default=res.stream_idle_timeout_s,
         metavar="SECONDS",
         help="end a stream with no byte either way for this long (default %(default)s)",
+    )
+    parser.add_argument(
+        "--trusted-hops",
+        type=int,
+        default=defaults.trusted_hops,
+        metavar="N",
+        help="proxies in front of Envoy whose x-forwarded-for entries are trusted (default %(default)s: "
+        "clients connect directly and their own x-forwarded-for is dropped)",
     )
     parser.add_argument("--secure", action="store_true", help="the TLS profile (SDS files in --certs-dir)")
     parser.add_argument("--certs-dir", default=tls_defaults.certs_dir, help="with --secure: PEM + SDS files")
@@ -91,8 +104,8 @@ def _envoy_config(argv: list[str]) -> int:
         extprocs = tuple(_hostport(a) for a in args.extproc)
     except ValueError:
         parser.error(f"--extproc: expected HOST:PORT, got {args.extproc}")
-    if args.max_retries < 0 or args.stream_idle_timeout <= 0:
-        parser.error("--max-retries must be >= 0 and --stream-idle-timeout > 0")
+    if args.max_retries < 0 or args.stream_idle_timeout <= 0 or args.trusted_hops < 0:
+        parser.error("--max-retries and --trusted-hops must be >= 0 and --stream-idle-timeout > 0")
     auth = None
     idle_timeouts: tuple[tuple[str, float], ...] = ()
     if args.gateway_config:
@@ -117,6 +130,7 @@ def _envoy_config(argv: list[str]) -> int:
             EnvoyParams(
                 listen_port=args.listen_port,
                 admin_port=args.admin_port,
+                admin_socket=args.admin_socket,
                 extproc_host=args.extproc_host,
                 extproc_port=args.extproc_port,
                 extproc_addresses=extprocs,
@@ -130,6 +144,7 @@ def _envoy_config(argv: list[str]) -> int:
                 auth=auth,
                 access_log_path=None if args.no_access_log else args.access_log,
                 endpoint_header=not args.no_endpoint_header,
+                trusted_hops=args.trusted_hops,
             )
         )
     )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from kvgate.dev.procs import popen
+from kvgate.dev.procs import open_private_log, popen
 
 #: Lease TTL (s) for tests: short, so expiry tests stay quick.
 TEST_TTL_S = 2
@@ -146,7 +146,7 @@ class EtcdServer:
     def spawn(self) -> None:
         """Start the member on its ports and data directory (the log is appended to); returns at once."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
+        with open_private_log(self.log_path, append=True) as log:
             self._proc = popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def await_ready(self) -> None:

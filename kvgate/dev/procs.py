@@ -6,6 +6,10 @@ HTTP probe), never a sleep. A ready file only counts when it proves it is this c
 Children are stopped with SIGTERM to their own PID, then SIGKILL after a grace period; nothing else on
 the machine is touched.
 
+Every log a child writes here is private to this user (mode 0600, :func:`open_private_log`): a log may
+hold what a debug level prints (request headers, credentials among them). Envoy's admin may listen on a
+Unix socket instead of TCP (:func:`admin_get` reaches both), so that no other local user can reach it.
+
 Children die with the launcher, even when it is killed with SIGKILL: each one is started in a session of
 its own (a Ctrl-C in the launcher's terminal reaches the launcher only, which then stops the children in
 order) and asks the kernel, between fork and exec, for SIGTERM when its parent dies
@@ -16,11 +20,13 @@ thread that lives as long as the process.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -29,7 +35,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from runtime.lifecycle import die_with_parent
 
@@ -67,6 +73,19 @@ def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     return forked.result()
 
 
+def open_private_log(path: Path, *, append: bool = False) -> BinaryIO:
+    """``path`` opened for writing (appending when ``append``, else emptied), created mode 0600; a file
+    that already exists is made 0600 too, whatever mode an earlier run left it in."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab" if append else "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def written_by(data: Any, pid: int) -> bool:
     """Whether ready-file ``data`` names ``pid`` as its writer: ``{"pid": pid, ...}``, or a non-empty list
     of such records (the simulator writes one per replica)."""
@@ -86,10 +105,11 @@ class Child:
         *,
         append: bool = False,
     ) -> None:
-        """Start ``argv`` now; its log starts empty unless ``append`` (a restart keeps the last run's)."""
+        """Start ``argv`` now; its log (mode 0600) starts empty unless ``append`` (a restart keeps the last
+        run's)."""
         self.name = name
         self.log_path = log_path
-        self._log = log_path.open("ab" if append else "wb")
+        self._log = open_private_log(log_path, append=append)
         self.proc = popen(
             argv,
             stdout=self._log,
@@ -175,9 +195,10 @@ def start_envoy(
     listener: str = "openai",
     timeout_s: float = 60.0,
 ) -> tuple[Child, str, int]:
-    """Start the wheel's Envoy on ``config_yaml`` (its admin port may be 0); return the child, its admin
-    URL and the bound port of ``listener``, once the admin says ready and the listener is bound.
-    :class:`ListenFailed` when Envoy exits because a listener's address cannot be bound."""
+    """Start the wheel's Envoy on ``config_yaml`` (its admin port may be 0, or its admin a Unix socket);
+    return the child, its admin URL (:func:`admin_get`) and the bound port of ``listener``, once the admin
+    says ready and the listener is bound. :class:`ListenFailed` when Envoy exits because a listener's
+    address cannot be bound."""
     config_path = workdir / f"{name}.yaml"
     config_path.write_text(config_yaml)
     admin_path = workdir / f"{name}.admin"
@@ -213,8 +234,9 @@ def envoy_argv(config_path: Path, admin_path: Path, concurrency: int = 1) -> lis
 
 
 def await_envoy(child: Child, admin_path: Path, listener: str, timeout_s: float) -> tuple[str, int]:
-    """Envoy ``child``'s admin URL and ``listener``'s bound port, once its admin (address written to
-    ``admin_path``, which must not exist before the child starts) says ready and the listener is bound.
+    """Envoy ``child``'s admin URL (``http://host:port`` or ``unix:/path``, :func:`admin_get`) and
+    ``listener``'s bound port, once its admin (address written to ``admin_path``, which must not exist
+    before the child starts) says ready and the listener is bound.
     :class:`ListenFailed` when Envoy exited because a listener's address cannot be bound, else
     :class:`ChildFailed`; the child may still run then (stopping it is the caller's)."""
     try:
@@ -233,21 +255,62 @@ def await_envoy(child: Child, admin_path: Path, listener: str, timeout_s: float)
 _BIND_ERROR = re.compile(r"cannot bind '([^']+)': ([^\n]+)")
 
 
+#: How an admin on a Unix socket is named: ``unix:`` and the socket's path (``curl --unix-socket PATH``).
+UNIX_PREFIX = "unix:"
+
+
 def _admin_url(path: Path) -> str | None:
+    """The admin Envoy wrote to ``path``: ``http://host:port`` for TCP, ``unix:/path`` for a socket."""
     try:
         text = path.read_text().strip()
     except OSError:
         return None
-    return f"http://{text}" if text else None
+    if not text:
+        return None
+    return f"{UNIX_PREFIX}{text}" if text.startswith("/") else f"http://{text}"
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the Unix socket at ``path``."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def admin_get(admin_url: str, path: str, timeout_s: float = 1.0) -> tuple[int, bytes] | None:
+    """GET ``path`` (``/clusters``, ...) from the Envoy admin at ``admin_url`` (``http://host:port`` or
+    ``unix:/socket/path``): (status, body), or ``None`` when nothing answers yet."""
+    if not admin_url.startswith(UNIX_PREFIX):
+        return http_get(f"{admin_url}{path}", timeout_s)
+    conn = _UnixConnection(admin_url.removeprefix(UNIX_PREFIX), timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
 
 
 def _ready(admin_url: str) -> bool | None:
-    got = http_get(f"{admin_url}/ready")
+    got = admin_get(admin_url, "/ready")
     return True if got is not None and got[0] == 200 else None
 
 
 def _listener_port(admin_url: str, name: str) -> int | None:
-    got = http_get(f"{admin_url}/listeners?format=json")
+    got = admin_get(admin_url, "/listeners?format=json")
     if got is None or got[0] != 200:
         return None
     for listener in json.loads(got[1]).get("listener_statuses", []):

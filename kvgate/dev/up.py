@@ -13,6 +13,11 @@ child's PID (:mod:`kvgate.dev.procs`), and the local etcd starts with an empty d
 every address is printed and written to ``WORKDIR/stack.json`` (:mod:`kvgate.dev.stackfile`), which
 ``kvgate up`` also publishes where ``kvgate policy`` and ``kvgate drain`` find it.
 
+What it writes is this user's only: the work directory it creates is 0700, every log 0600 (Envoy's
+access log is made 0600 before Envoy opens it), and Envoy's admin, which can raise the log level until
+request headers (API keys) are logged, listens on a 0600 Unix socket (:attr:`Stack.admin_socket`;
+``admin_url`` is ``unix:`` and its path, :func:`kvgate.dev.procs.admin_get`), not on loopback TCP.
+
 Once up, ``kvgate up`` supervises (:meth:`Stack.supervise`, :mod:`kvgate.dev.supervisor`): a child that
 dies (a simulator, an ext_proc, an agent, a kvcached daemon, etcd, the dev OIDC issuer, Envoy) is logged
 and restarted with capped exponential backoff on the same command line, ports and files (ports first
@@ -52,14 +57,14 @@ from kvgate.dev.gateway_config import gateway_config, pin_listeners
 from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.preflight import check_port_free, endpoint_from_url, served_models
-from kvgate.dev.procs import ChildFailed, ListenFailed, await_envoy, envoy_argv
+from kvgate.dev.procs import ChildFailed, ListenFailed, await_envoy, envoy_argv, open_private_log
 from kvgate.dev.stackfile import StackInfo
 from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Restartable, Service, Supervisor
 from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
-from kvgate.envoy.tls import EnvoyTls, write_sds
+from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
 
 log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MODEL", "Stack", "StackOptions", "main"]
@@ -67,7 +72,12 @@ __all__ = ["DEFAULT_MODEL", "Stack", "StackOptions", "main"]
 #: The key of Envoy's access log (JSON lines, ``WORKDIR/access.log``) among the stack's logs.
 ACCESS_LOG = "access"
 #: Certificates ``--secure`` mints: Envoy, the ext_proc, the engines, and one client for trying mTLS.
-SECURE_SERVICES = ("envoy-edge", "extproc", "engine", "client-dev")
+SECURE_SERVICES = ("envoy-edge", "extproc", "engine")
+#: API client certificates come from a CA of their own (``WORKDIR/certs/clients``) that no internal hop
+#: trusts: one opens the OpenAI listener (``--client-certs``) and no engine, ext_proc or agent.
+CLIENT_SERVICES = ("client-dev",)
+#: The longest path a Unix socket may have (``sun_path``, 108 bytes with its NUL, on Linux).
+_UNIX_PATH_MAX = 108
 #: How long each kind of child may take to be ready (s), at start and after a restart.
 SIM_READY_S, EXTPROC_READY_S, AGENT_READY_S, KVCACHED_READY_S, ENVOY_READY_S = 120, 120, 600, 60, 60
 
@@ -83,8 +93,10 @@ class Stack:
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
+        # mkdtemp's directory, and one made for --workdir, are 0700: this user's only (an existing
+        # --workdir keeps its mode; the logs and the admin socket in it are 0600 regardless).
         self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="kvgate-"))
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         #: Every child in start order (Envoy last); ``sims``, ``extprocs`` and ``agents`` are among them.
         self.children: list[Service[Any]] = []
         self.sims: list[Service[Any]] = []
@@ -121,6 +133,7 @@ class Stack:
         #: Where :meth:`publish` wrote ``info`` besides the work directory (rewritten on restarts).
         self.pointer: Path | None = None
         self._info_lock = threading.Lock()
+        self._admin_socket: Path | None = None
 
     def start(self) -> Stack:
         try:
@@ -134,6 +147,18 @@ class Stack:
     def access_log(self) -> Path:
         """Envoy's access log, one JSON line per request (fields: ``bootstrap.ACCESS_LOG_FORMAT``)."""
         return self.workdir / "access.log"
+
+    @property
+    def admin_socket(self) -> Path:
+        """Envoy's admin, a Unix socket (mode 0600) in the work directory (``admin_url`` is ``unix:`` and
+        this path); in a private 0700 directory of its own when the work directory's path is too long
+        for a socket's."""
+        path = self.workdir / "envoy-admin.sock"
+        if len(os.fsencode(path)) < _UNIX_PATH_MAX:
+            return path
+        if self._admin_socket is None:
+            self._admin_socket = Path(tempfile.mkdtemp(prefix="kvgate-admin-")) / "envoy-admin.sock"
+        return self._admin_socket
 
     @property
     def secure(self) -> bool:
@@ -270,6 +295,7 @@ class Stack:
             listen_host=opts.host,
             listen_port=opts.port,
             admin_port=0,
+            admin_socket=str(self.admin_socket),
             extproc_port=1,  # without an ext_proc, a closed port: Envoy must fail closed
             extproc_addresses=tuple(("127.0.0.1", ports["extproc"]) for ports in self.extproc_listeners),
             tls=self.tls,
@@ -279,16 +305,18 @@ class Stack:
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
+        # Envoy creates its access log with the umask's mode; made here first, it stays 0600.
+        open_private_log(self.access_log, append=True).close()
         self.envoy = Service(
             "envoy",
             envoy_argv(config_path, admin_path, opts.envoy_concurrency),
             self.workdir / "envoy.log",
             lambda child: await_envoy(child, admin_path, "openai", ENVOY_READY_S),
-            stale=[admin_path],
+            stale=[admin_path, self.admin_socket],
         )
         self.children.append(self.envoy)
         self.admin_url, port = self.envoy.await_ready()
-        pinned = dataclasses.replace(params, listen_port=port, admin_port=port_of(self.admin_url))
+        pinned = dataclasses.replace(params, listen_port=port)
         config_path.write_text(render_yaml(pinned))
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
 
@@ -370,7 +398,9 @@ class Stack:
         """CA + service certificates into ``workdir/certs`` and the SDS files Envoy reads them through."""
         certs_dir = self.workdir / "certs"
         sans = [*LOCAL_SANS, *_host_sans(self.options.host)]
-        self.certs = dev_bundle(certs_dir, SECURE_SERVICES, dt.datetime.now(dt.UTC), sans=sans)
+        now = dt.datetime.now(dt.UTC)
+        self.certs = dev_bundle(certs_dir, SECURE_SERVICES, now, sans=sans)
+        self.certs.update(dev_bundle(certs_dir / CLIENTS_DIR, CLIENT_SERVICES, now, sans=sans))
         self.tls = EnvoyTls(certs_dir=str(certs_dir), client_certs=self.options.client_certs)
         write_sds(self.tls)
 

@@ -35,6 +35,8 @@ JWKS_CLUSTER = "kvgate_jwks"
 RATE_DESCRIPTOR = "tenant"
 #: CA bundle Envoy trusts for an https JWKS endpoint (Envoy has no notion of "the system store").
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+#: The ``Authorization`` schemes jwt_authn reads a token from (Envoy compares them case-sensitively).
+BEARER_PREFIXES = ("Bearer", "bearer", "BEARER")
 #: Requests per second of the default bucket (tenants without a rate): effectively unlimited.
 UNLIMITED = 1_000_000
 
@@ -105,8 +107,9 @@ def jwt_authn_filter(jwt: JwtConfig) -> dict[str, Any]:
         "audiences": list(jwt.audiences),
         "require_expiration": True,
         "clock_skew_seconds": jwt.clock_skew_s,
-        # Only the Authorization header: no access_token query parameter (URLs end up in logs).
-        "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+        # Only the Authorization header: no access_token query parameter (URLs end up in logs). The
+        # scheme is case-insensitive (RFC 9110) but Envoy matches the prefix as written: each usual case.
+        "from_headers": [{"name": "authorization", "value_prefix": f"{p} "} for p in BEARER_PREFIXES],
         "forward": False,
         "payload_in_metadata": JWT_PAYLOAD,
         "failed_status_in_metadata": JWT_STATUS,

@@ -51,8 +51,9 @@ from kvgate.envoy import resilience
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
 
-#: Headers a client may never set: routing decisions, retries and timeouts come from the ext_proc and
-#: this config alone.
+#: Headers a client may never set: routing decisions, retries, timeouts and client addresses come from
+#: the ext_proc and this config alone. A client's ``x-forwarded-for`` is dropped too when no proxy in front
+#: is trusted (``EnvoyParams.trusted_hops`` 0).
 STRIPPED_REQUEST_HEADERS = (
     DESTINATION,
     PRIMARY,
@@ -61,7 +62,14 @@ STRIPPED_REQUEST_HEADERS = (
     TENANT_HEADER,
     MODEL_HEADER,
     *ENVOY_CONTROL_HEADERS,
+    # Client addresses only Envoy may state (it writes x-forwarded-for from the peer it saw).
+    "x-real-ip",
+    "forwarded",
 )
+
+#: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
+#: ever sees a client's key, token or session.
+CREDENTIAL_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -112,6 +120,13 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
 }
 
 
+def _admin_address(params: EnvoyParams) -> dict[str, Any]:
+    """The admin's address: ``params.admin_socket`` (mode 0600) when set, else TCP on loopback."""
+    if params.admin_socket is not None:
+        return {"pipe": {"path": params.admin_socket, "mode": 0o600}}
+    return _addr("127.0.0.1", params.admin_port)
+
+
 @dataclass(frozen=True, slots=True)
 class EnvoyParams:
     """Addresses (``host``/ports) and limits of the rendered bootstrap.
@@ -124,6 +139,10 @@ class EnvoyParams:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     admin_port: int = 9901
+    #: Envoy's admin on this Unix socket (mode 0600: this user only) instead of ``127.0.0.1:admin_port``;
+    #: the admin can raise the log level until requests' credentials are logged, so no other local user
+    #: may reach it.
+    admin_socket: str | None = None
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 9002
     #: Every ext_proc replica (``host``, ``port``) behind the one ``kvgate_extproc`` cluster; empty: the
@@ -145,6 +164,9 @@ class EnvoyParams:
     access_log_path: str | None = "/dev/stdout"
     #: Add ``x-kvgate-endpoint: ip:port`` (the engine that served it) to every proxied response.
     endpoint_header: bool = True
+    #: Proxies in front of Envoy whose ``x-forwarded-for`` entries are trusted (Envoy's
+    #: ``xff_num_trusted_hops``); 0: clients connect directly, their own list is dropped.
+    trusted_hops: int = 0
     #: Retries, fallbacks, fail-open, stream idle timeout, ext_proc health checks (resilience.py).
     resilience: Resilience = field(default_factory=Resilience)
 
@@ -271,6 +293,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             },
         },
     }
+    stripped = STRIPPED_REQUEST_HEADERS + (("x-forwarded-for",) if params.trusted_hops == 0 else ())
     hcm = {
         "@type": _HCM,
         "stat_prefix": "openai",
@@ -278,12 +301,17 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "request_timeout": "0s",
         "stream_idle_timeout": f"{res.stream_idle_timeout_s}s",
         "always_set_request_id_in_response": True,
+        # The downstream peer is the client (or the last of trusted_hops proxies, whose x-forwarded-for
+        # entries name it); Envoy appends the peer to x-forwarded-for, and regenerates the x-request-id of
+        # every request from outside (preserve_external_request_id stays false).
+        "use_remote_address": True,
+        "xff_num_trusted_hops": params.trusted_hops,
         "early_header_mutation_extensions": [
             {
                 "name": "kvgate.strip_routing_headers",
                 "typed_config": {
                     "@type": _EARLY,
-                    "mutations": [{"remove": h} for h in STRIPPED_REQUEST_HEADERS],
+                    "mutations": [{"remove": h} for h in stripped],
                 },
             }
         ],
@@ -294,6 +322,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "local_reply_config": _local_reply(),
         "route_config": {
             "name": "openai",
+            # For every route, at the router, after every filter: jwt_authn and the ext_proc still see them.
+            "request_headers_to_remove": list(CREDENTIAL_HEADERS),
             "virtual_hosts": [
                 {
                     "name": "openai",
@@ -315,7 +345,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     config: dict[str, Any] = {
         # A node identity: xDS (the ext_procs' EDS) and SDS require one.
         "node": {"id": "kvgate-envoy", "cluster": "kvgate"},
-        "admin": {"address": _addr("127.0.0.1", params.admin_port)},
+        "admin": {"address": _admin_address(params)},
         "static_resources": {
             "listeners": [
                 {

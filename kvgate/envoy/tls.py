@@ -25,9 +25,14 @@ from certs.authority import identity_uri
 from certs.store import CERT_MODE, write_atomic
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
-#: SDS secret names: the certificate Envoy presents (listener and upstream client) and the trusted CA.
+#: SDS secret names: the certificate Envoy presents (listener and upstream client), the CA of the internal
+#: services, and the CA of API clients (``CLIENTS_DIR``: no internal hop trusts it, so a client's
+#: certificate opens the listener and nothing else).
 CERT_SECRET = "envoy-edge"
 CA_SECRET = "kvgate-ca"
+CLIENT_CA_SECRET = "kvgate-client-ca"
+#: The subdirectory of ``certs_dir`` holding the API clients' CA (``kvgate certs init --dir CERTS/clients``).
+CLIENTS_DIR = "clients"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +41,8 @@ class EnvoyTls:
 
     ``certs_dir`` holds ``ca.pem`` and ``<cert_name>.pem``/``.key`` (as ``kvgate certs`` writes them) and
     the SDS files ``sds-*.yaml`` (:func:`render_sds`). ``client_certs``: the OpenAI listener requires a
-    client certificate from the CA whose identity URI starts with ``client_identity_prefix``. Upstream
+    client certificate from the clients' CA (``certs_dir/clients/ca.pem``, a CA of its own that no internal
+    service trusts) whose identity URI starts with ``client_identity_prefix``. Upstream
     certificates must carry exactly ``extproc_identity`` / ``engine_identity`` as a URI SAN; ``extproc_sni``
     and ``engine_sni`` are the server names Envoy sends.
     """
@@ -67,7 +73,7 @@ def secure_profile(config: dict[str, Any], tls: EnvoyTls) -> dict[str, Any]:
     if tls.client_certs:
         downstream["require_client_certificate"] = True
         downstream["common_tls_context"]["combined_validation_context"] = _peer_validation(
-            tls, {"prefix": tls.client_identity_prefix}
+            tls, {"prefix": tls.client_identity_prefix}, CLIENT_CA_SECRET
         )
         hcm = chain["filters"][0]["typed_config"]
         # The client's identity reaches the ext_proc and the engine in x-forwarded-client-cert, set by
@@ -93,13 +99,13 @@ def secure_profile(config: dict[str, Any], tls: EnvoyTls) -> dict[str, Any]:
     return config
 
 
-def _peer_validation(tls: EnvoyTls, uri_matcher: dict[str, str]) -> dict[str, Any]:
-    """Chain to the CA secret and carry a URI SAN matching ``uri_matcher`` (a StringMatcher)."""
+def _peer_validation(tls: EnvoyTls, uri_matcher: dict[str, str], ca: str = CA_SECRET) -> dict[str, Any]:
+    """Chain to the CA secret ``ca`` and carry a URI SAN matching ``uri_matcher`` (a StringMatcher)."""
     return {
         "default_validation_context": {
             "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": uri_matcher}]
         },
-        "validation_context_sds_secret_config": _sds_ref(tls, CA_SECRET),
+        "validation_context_sds_secret_config": _sds_ref(tls, ca),
     }
 
 
@@ -142,6 +148,14 @@ def render_sds(tls: EnvoyTls) -> dict[str, str]:
             "validation_context": {"trusted_ca": {"filename": f"{d}/ca.pem"}, "watched_directory": watched}
         },
     }
+    if tls.client_certs:
+        clients = f"{d}/{CLIENTS_DIR}"
+        secrets[CLIENT_CA_SECRET] = {
+            "validation_context": {
+                "trusted_ca": {"filename": f"{clients}/ca.pem"},
+                "watched_directory": {"path": clients},
+            }
+        }
     return {
         sds_file_name(name): yaml.safe_dump(
             {"resources": [{"@type": _TLS + "Secret", "name": name, **body}]}, sort_keys=False, width=100

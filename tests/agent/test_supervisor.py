@@ -187,6 +187,19 @@ async def test_ready_after_health_turns_200(make: Make, fake_engine: Path) -> No
     assert sup.last_exit_code == -signal.SIGTERM
 
 
+async def test_engine_log_is_private(make: Make, fake_engine: Path) -> None:
+    """The engine's log is 0600, even where an earlier run left it readable by every local user: it may
+    hold what the engine's debug level prints, credentials among them."""
+    sup = make(stand_in(), fake(fake_engine))
+    sup.log_path.parent.mkdir(parents=True)
+    sup.log_path.write_text("an earlier run\n")
+    sup.log_path.chmod(0o644)
+    await sup.start()
+    await sup.wait_ready(timeout_s=10)
+    assert sup.log_path.read_text().startswith("an earlier run\n--- kvgate agent")
+    assert sup.log_path.stat().st_mode & 0o777 == 0o600
+
+
 async def test_crash_restarts_after_backoff(
     make: Make, fake_engine: Path, tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgate.dev.procs import admin_get
 from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Service
 from kvgate.dev.up import Stack, StackOptions
@@ -98,7 +99,9 @@ def ejections(stack: Stack, endpoint_id: str) -> list[float]:
 def envoy_counter(stack: Stack, address: str, counter: str) -> int:
     """Envoy's per-host counter of the engine cluster (``cx_connect_fail``: tries that found no process
     listening; ``rq_total``: tries sent)."""
-    text = httpx.get(f"{stack.admin_url}/clusters", timeout=2).text
+    got = admin_get(stack.admin_url, "/clusters", timeout_s=2)
+    assert got is not None and got[0] == 200, got
+    text = got[1].decode()
     m = re.search(rf"^kvgate_engines::{re.escape(address)}::{counter}::(\d+)$", text, re.M)
     return int(m.group(1)) if m else 0
 

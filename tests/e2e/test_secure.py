@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from cryptography import x509
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -131,14 +132,59 @@ def test_engines_and_extproc_refuse_callers_without_client_cert(secure: Stack) -
     engine = secure.engines[0]["address"]
     with pytest.raises(httpx.TransportError), httpx.Client(verify=context(ca_of(secure)), timeout=10) as http:
         http.get(f"https://{engine}/metrics")
-    with httpx.Client(verify=context(ca_of(secure), secure.certs["client-dev"]), timeout=10) as http:
-        assert http.get(f"https://{engine}/metrics").status_code == 200  # any client cert of the CA
-    creds = grpc.ssl_channel_credentials(root_certificates=ca_of(secure).read_bytes())
-    with grpc.secure_channel(f"127.0.0.1:{secure.extproc_ports['extproc']}", creds) as channel:
-        stream = pb_grpc.ExternalProcessorStub(channel).Process(iter([pb.ProcessingRequest()]), timeout=10)
+    # An API client's certificate (its own CA) opens the listener and no internal hop (issue 26.1).
+    client = secure.certs["client-dev"]
+    assert client.ca != ca_of(secure)
+    with (
+        pytest.raises(httpx.TransportError),
+        httpx.Client(verify=context(ca_of(secure), client), timeout=10) as http,
+    ):
+        http.get(f"https://{engine}/metrics")
+    with httpx.Client(verify=context(ca_of(secure), secure.certs["extproc"]), timeout=10) as http:
+        assert http.get(f"https://{engine}/metrics").status_code == 200  # the scraper's identity
+    extproc = f"127.0.0.1:{secure.extproc_ports['extproc']}"
+    for cert in (None, client):
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca_of(secure).read_bytes(),
+            private_key=None if cert is None else cert.key.read_bytes(),
+            certificate_chain=None if cert is None else cert.cert.read_bytes(),
+        )
+        with grpc.secure_channel(extproc, creds) as channel:
+            stream = pb_grpc.ExternalProcessorStub(channel).Process(
+                iter([pb.ProcessingRequest()]), timeout=10
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_the_extproc_answers_only_envoys_identity(secure: Stack) -> None:
+    """Another role's certificate from the same CA (here the ext_proc's own) gets PERMISSION_DENIED before
+    a message is read, so it cannot forge jwt_authn metadata or failed tries; Envoy's identity is served;
+    gRPC health stays open to any verified peer (issue 26.1-2)."""
+    extproc = f"127.0.0.1:{secure.extproc_ports['extproc']}"
+
+    def channel(name: str) -> grpc.Channel:
+        leaf = secure.certs[name]
+        creds = grpc.ssl_channel_credentials(
+            ca_of(secure).read_bytes(), leaf.key.read_bytes(), leaf.cert.read_bytes()
+        )
+        return grpc.secure_channel(extproc, creds, options=[("grpc.ssl_target_name_override", "extproc")])
+
+    probe = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=":path", raw_value=b"/health")]), end_of_stream=True
+        )
+    )
+    with channel("extproc") as other:
         with pytest.raises(grpc.RpcError) as err:
-            list(stream)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            list(pb_grpc.ExternalProcessorStub(other).Process(iter([probe]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+        health = health_pb2_grpc.HealthStub(other).Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with channel("envoy-edge") as envoy:
+        (answer,) = list(pb_grpc.ExternalProcessorStub(envoy).Process(iter([probe]), timeout=10))
+        assert answer.immediate_response.status.code == 200
 
 
 def test_envoy_serves_rotated_certificate_without_restart(secure: Stack) -> None:

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvgate import apikey
-from kvgate.dev.procs import Child
+from kvgate.dev.procs import Child, admin_get
 from kvgate.dev.up import Stack
 from tests.e2e.conftest import FAST_SIM
 from tests.polling import until
@@ -242,7 +242,10 @@ async def test_every_address_is_printed_and_published(
     async with httpx.AsyncClient(timeout=10) as http:
         metrics = await http.get(up.field("ext_proc metrics"))
         assert metrics.status_code == 200 and "kvgate_" in metrics.text
-        assert (await http.get(f"{up.field('Envoy admin')}/ready")).status_code == 200
+    admin = up.field("Envoy admin")  # unix:PATH, the private admin socket
+    assert admin == f"unix:{workdir / 'envoy-admin.sock'}"
+    ready = await asyncio.to_thread(admin_get, admin, "/ready")
+    assert ready is not None and ready[0] == 200
     assert up.field("workdir") == str(workdir)
     published = json.loads((workdir / "stack.json").read_text())
     assert json.loads(pointer.read_text()) == published

@@ -137,3 +137,16 @@ def test_default_body_limit_follows_the_largest_context(
 ) -> None:
     assert default_max_body_bytes(windows) == limit
     assert DEFAULT_MAX_BODY_BYTES == 32 * MIB
+
+
+def test_allowed_peers_default_to_envoy_and_are_checked() -> None:
+    """``[extproc] tls_allowed_peers``: who may call the ext_proc port under TLS (Envoy's identity unless
+    set); an empty or non-string list is refused."""
+    assert parse_config({}).extproc.tls_allowed_peers == ("spiffe://kvgate.local/envoy-edge",)
+    gateways = ["spiffe://kvgate.local/envoy-edge", "spiffe://kvgate.local/envoy-eu"]
+    assert parse_config({"extproc": {"tls_allowed_peers": gateways}}).extproc.tls_allowed_peers == tuple(
+        gateways
+    )
+    for bad in ([], [""], [3]):
+        with pytest.raises(ConfigError, match="tls_allowed_peers"):
+            parse_config({"extproc": {"tls_allowed_peers": bad}})

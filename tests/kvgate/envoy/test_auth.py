@@ -68,7 +68,9 @@ def test_filter_chain_order_and_jwt_provider() -> None:
     assert provider["issuer"] == JWT["issuer"] and provider["audiences"] == ["kvgate"]
     assert provider["payload_in_metadata"] == "jwt_payload" and provider["forward"] is False
     assert provider["require_expiration"] is True and "claim_to_headers" not in provider
-    assert provider["from_headers"] == [{"name": "authorization", "value_prefix": "Bearer "}]
+    assert provider["from_headers"] == [
+        {"name": "authorization", "value_prefix": p} for p in ("Bearer ", "bearer ", "BEARER ")
+    ]
     remote = provider["remote_jwks"]
     assert remote["http_uri"]["uri"] == JWT["jwks_uri"] and remote["http_uri"]["cluster"] == "kvgate_jwks"
     assert remote["cache_duration"] == "300s" and remote["async_fetch"]["fast_listener"] is False

@@ -95,9 +95,13 @@ def test_secure_profile_adds_tls_only() -> None:
 def test_secure_config_and_sds_files_validate_in_envoy(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
     dev_bundle(certs, ["envoy-edge"], dt.datetime.now(dt.UTC))
+    dev_bundle(certs / "clients", ["client-dev"], dt.datetime.now(dt.UTC))  # API clients: a CA of their own
     tls = EnvoyTls(certs_dir=str(certs), client_certs=True)
     written = write_sds(tls)
-    assert sorted(p.name for p in written) == ["sds-envoy-edge.yaml", "sds-kvgate-ca.yaml"]
+    names = ["sds-envoy-edge.yaml", "sds-kvgate-ca.yaml", "sds-kvgate-client-ca.yaml"]
+    assert sorted(p.name for p in written) == names
+    client_ca = yaml.safe_load((certs / "sds-kvgate-client-ca.yaml").read_text())["resources"][0]
+    assert client_ca["validation_context"]["trusted_ca"] == {"filename": f"{certs}/clients/ca.pem"}
     secret = yaml.safe_load((certs / "sds-envoy-edge.yaml").read_text())["resources"][0]
     assert secret["tls_certificate"]["private_key"] == {"filename": f"{certs}/envoy-edge.key"}
     config = tmp_path / "envoy.yaml"

@@ -1,0 +1,42 @@
+"""Envoy's admin on a Unix socket (issue 26, defect 6): ``EnvoyParams.admin_socket`` and ``kvgate
+envoy-config --admin-socket``. The admin can raise Envoy's log level until request headers (API keys)
+are logged, so only this user may reach it: a 0600 socket, where loopback TCP is open to every local user.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.cli import main as kvgate
+from kvgate.dev.procs import UNIX_PREFIX, admin_get, start_envoy
+from kvgate.envoy.bootstrap import EnvoyParams, render, render_yaml
+
+
+def test_default_admin_stays_on_loopback_tcp() -> None:
+    admin = render(EnvoyParams(admin_port=9901))["admin"]
+    assert admin == {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9901}}}
+
+
+def test_cli_admin_socket(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvgate(["envoy-config", "--admin-socket", "/run/kvgate/admin.sock"]) == 0
+    admin = yaml.safe_load(capsys.readouterr().out)["admin"]
+    assert admin == {"address": {"pipe": {"path": "/run/kvgate/admin.sock", "mode": 0o600}}}
+
+
+def test_real_envoy_serves_admin_on_a_private_socket(tmp_path: Path) -> None:
+    """The bundled Envoy binds the socket 0600 and answers its admin there; its log is 0600 too."""
+    sock = tmp_path / "admin.sock"
+    params = EnvoyParams(listen_port=0, admin_socket=str(sock), extproc_port=1, access_log_path=None)
+    child, admin, port = start_envoy("envoy", render_yaml(params), tmp_path, timeout_s=30)
+    try:
+        assert admin == f"{UNIX_PREFIX}{sock}" and port > 0
+        assert stat.S_ISSOCK(sock.lstat().st_mode) and stat.S_IMODE(sock.lstat().st_mode) == 0o600
+        got = admin_get(admin, "/server_info")
+        assert got is not None and got[0] == 200 and b'"state": "LIVE"' in got[1]
+        assert stat.S_IMODE(child.log_path.stat().st_mode) == 0o600
+    finally:
+        child.stop()
