@@ -83,8 +83,8 @@ class EndpointState:
 class Fleet:
     """The set of known endpoints keyed by id, plus address -> id for the response path.
 
-    Its methods call every watcher (:meth:`watch`) after a change of membership, address, scrape health
-    or ejection; writers that set :class:`EndpointState` fields directly are not heard.
+    Its methods call every watcher (:meth:`watch`) after a change of membership, address, health, drain
+    or ejection: every writer goes through them (:meth:`set_state` for the feeds and etcd).
     """
 
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
@@ -122,6 +122,30 @@ class Fleet:
             self._by_address.pop(state.endpoint.address, None)
             self._changed()
 
+    def set_state(
+        self, endpoint_id: EndpointId, *, healthy: bool | None = None, draining: bool | None = None
+    ) -> None:
+        """Health and/or drain as a control source reports them (an agent's feed, etcd ``drain/``); the
+        watchers hear of a change."""
+        state = self._states.get(endpoint_id)
+        if state is None:
+            return
+        changed = False
+        if healthy is not None and healthy != state.healthy:
+            state.healthy, changed = healthy, True
+        if draining is not None and draining != state.draining:
+            state.draining, changed = draining, True
+        if changed:
+            self._changed()
+
+    def restarted(self, endpoint_id: EndpointId) -> None:
+        """A new process answers at the endpoint (its cache empty): to the scheduler a new replica, whose
+        routed share starts from 0. Kept, the dead process's share held the ``balance`` filter shut while
+        the replicas holding a shared prefix took every request."""
+        state = self._states.get(endpoint_id)
+        if state is not None:
+            state.routed_decayed = 0.0
+
     def eject(self, endpoint_id: EndpointId, until: float) -> None:
         """Keep the endpoint out of picks until ``until`` (monotonic seconds; never shortens one)."""
         state = self._states.get(endpoint_id)
@@ -155,10 +179,7 @@ class Fleet:
         if state is not None:
             recovered = not state.healthy
             if state.vanished:
-                # A restarted engine is a new replica to the scheduler: the dead process's routed share
-                # would hold the balance filter shut while the replicas holding a shared prefix took
-                # every request (as for an agent's restarted engine, extproc/control/feeds.py).
-                state.routed_decayed = 0.0
+                self.restarted(endpoint_id)
                 state.vanished = False
             state.metrics = metrics
             state.healthy = True

@@ -74,44 +74,33 @@ class PeerCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         uris = context.auth_context().get("peer_uri", [])
         return any(uri.decode(errors="replace") in self._allowed for uri in uris)
 
+    async def _require(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.permits(context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this identity may not call the ext_proc")
+
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
             return handler
-        refuse = grpc.StatusCode.PERMISSION_DENIED, "this identity may not call the ext_proc"
+        codec = handler.request_deserializer, handler.response_serializer
         if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
+            inner_stream = handler.stream_stream
 
             async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                if not self.permits(context):
-                    await context.abort(*refuse)
-                async for response in inner_ss(requests, context):
+                await self._require(context)
+                async for response in inner_stream(requests, context):
                     yield response
 
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
+            return grpc.stream_stream_rpc_method_handler(stream_stream, *codec)
+        streamed = handler.stream_unary is not None
+        inner = handler.stream_unary if streamed else handler.unary_unary
 
-            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                if not self.permits(context):
-                    await context.abort(*refuse)
-                return await inner_su(requests, context)
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._require(context)
+            return await inner(request, context)
 
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer
-            )
-        inner_uu = handler.unary_unary
-
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if not self.permits(context):
-                await context.abort(*refuse)
-            return await inner_uu(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, handler.request_deserializer, handler.response_serializer
-        )
+        wrap = grpc.stream_unary_rpc_method_handler if streamed else grpc.unary_unary_rpc_method_handler
+        return wrap(call, *codec)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -297,7 +286,6 @@ class Gateway:
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         self.health.set("readiness", status)
-        self.eds.poll()  # health and drain flags the agents' feeds and etcd set on the fleet directly
 
     def _on_ejection(self, ejection: Ejection) -> None:
         self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()

@@ -165,7 +165,7 @@ class FeedManager:
         if load.healthy and endpoint in self._emptied:
             self._emptied.discard(endpoint)
             if state is not None and not state.healthy:  # back from a restart (class docstring)
-                state.routed_decayed = 0.0
+                self.fleet.restarted(endpoint)
                 log.info("endpoint %s back after a restart: its routed share starts again", endpoint)
         if state is None:
             return
@@ -173,20 +173,17 @@ class FeedManager:
             self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
         elif state.healthy:
             log.warning("endpoint %s unhealthy: reported by its agent", endpoint)
-        state.healthy = load.healthy
+        self.fleet.set_state(endpoint, healthy=load.healthy)
         if load.draining:
-            state.draining = True
+            self.fleet.set_state(endpoint, draining=True)
             self._draining.add(endpoint)
         elif endpoint in self._draining:
-            state.draining = False
+            self.fleet.set_state(endpoint, draining=False)
             self._draining.discard(endpoint)
 
     def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
         endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}
         for endpoint in endpoints:
-            state = self.fleet.get(endpoint)
-            if state is None:
-                continue
             last = self.loads.get(endpoint)
-            state.healthy = not lost and (last is None or last.healthy)
+            self.fleet.set_state(endpoint, healthy=not lost and (last is None or last.healthy))
         log.info("feed %s %s: %d endpoints", feed.address, "lost" if lost else "restored", len(endpoints))

@@ -157,8 +157,8 @@ class ControlCore:
         state = self.fleet.get(endpoint_id)
         if state is not None and state.endpoint == endpoint:
             return False
-        state = self.fleet.upsert(endpoint)
-        state.draining = endpoint_id in self._draining
+        self.fleet.upsert(endpoint)
+        self.fleet.set_state(endpoint_id, draining=endpoint_id in self._draining)
         if endpoint_id not in self._ours:
             log.info("endpoint %s (%s) joined the fleet", endpoint_id, endpoint.address)
         self._ours.add(endpoint_id)
@@ -185,10 +185,9 @@ class ControlCore:
         else:
             self._draining.discard(endpoint_id)
         log.info("endpoint %s %s", endpoint_id, "draining" if draining else "no longer draining")
-        state = self.fleet.get(endpoint_id)
-        if state is None:
+        if self.fleet.get(endpoint_id) is None:
             return False
-        state.draining = draining
+        self.fleet.set_state(endpoint_id, draining=draining)
         return True
 
     def _policy(self, path: str, value: bytes | None) -> bool:

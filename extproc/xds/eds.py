@@ -35,8 +35,6 @@ TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 HEALTHY: int = health_check_pb2.HEALTHY
 UNHEALTHY: int = health_check_pb2.UNHEALTHY
 DRAINING: int = health_check_pb2.DRAINING
-POLL_MIN_INTERVAL_S = 0.1
-"""Least time between two :meth:`EndpointDiscovery.poll` comparisons (at most 10 a second)."""
 
 Host = tuple[str, int]
 """``(ip:port, health status)`` of one endpoint as Envoy should see it."""
@@ -178,13 +176,11 @@ class SotwStream:
 class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type: ignore[misc]
     """``StreamEndpoints`` for every Envoy, kept current with the fleet.
 
-    :meth:`start` watches the fleet (membership, scrape health, ejections: :meth:`Fleet.watch`); each
+    :meth:`start` watches the fleet (membership, health, drain, ejections: :meth:`Fleet.watch`); each
     change schedules one :meth:`refresh` on the event loop, which recomputes :func:`hosts` and, when they
     differ, the snapshot, and wakes every stream. An ejection's end is timed (``loop.call_later``).
-    Health and drain flags that other writers set on the fleet's states directly (the agents' feeds,
-    etcd drains) are not heard: :meth:`poll`, called by the gateway after each scrape round, compares
-    at most every :data:`POLL_MIN_INTERVAL_S`. :meth:`aclose` ends every stream (Envoy reconnects to
-    another replica) and refuses new ones with ``UNAVAILABLE``.
+    :meth:`aclose` ends every stream (Envoy reconnects to another replica) and refuses new ones with
+    ``UNAVAILABLE``.
     """
 
     def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
@@ -199,7 +195,6 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._polled = float("-inf")
         self._unwatch: Callable[[], None] | None = None
         self._warn_skipped(self.snapshot.skipped)
 
@@ -218,13 +213,6 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
             self._timer.cancel()
         for wake in self._wakes:
             wake.set()
-
-    def poll(self) -> None:
-        """:meth:`refresh`, unless the last poll was less than :data:`POLL_MIN_INTERVAL_S` ago."""
-        now = self._clock()
-        if now - self._polled >= POLL_MIN_INTERVAL_S:
-            self._polled = now
-            self.refresh()
 
     def refresh(self) -> None:
         """Recompute the hosts at the clock's now; on a change, a new snapshot and every stream woken."""

@@ -20,6 +20,7 @@ import openai
 import pytest
 from cryptography import x509
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -179,6 +180,11 @@ def test_the_extproc_answers_only_envoys_identity(secure: Stack) -> None:
     with channel("extproc") as other:
         with pytest.raises(grpc.RpcError) as err:
             list(pb_grpc.ExternalProcessorStub(other).Process(iter([probe]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+        with pytest.raises(grpc.RpcError) as err:  # nor report failed tries (a stream-unary call)
+            als_pb2_grpc.AccessLogServiceStub(other).StreamAccessLogs(
+                iter([als_pb2.StreamAccessLogsMessage()]), timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
         health = health_pb2_grpc.HealthStub(other).Check(health_pb2.HealthCheckRequest(service="liveness"))
         assert health.status == health_pb2.HealthCheckResponse.SERVING

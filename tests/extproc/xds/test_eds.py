@@ -242,15 +242,13 @@ async def test_nack_is_logged_once_and_the_stream_keeps_serving(
         envoy.call.cancel()
 
 
-async def test_drain_flags_set_directly_reach_envoy_on_the_next_poll(gateway: Gateway) -> None:
+async def test_drain_and_health_from_the_feeds_and_etcd_reach_envoy(gateway: Gateway) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
         envoy = Envoy(channel)
         resp, _ = await envoy.receive()
         envoy.ack(resp)
-        state = gateway.fleet.get(EndpointId("e1"))
-        assert state is not None
-        state.draining = True  # as etcd's drain/ and the agents' feeds write it: no fleet method
-        resp, got = await envoy.receive()  # the gateway polls after each scrape round (0.1 s)
+        gateway.fleet.set_state(EndpointId("e1"), draining=True)  # as etcd's drain/ and the feeds write it
+        resp, got = await envoy.receive()
         assert got[1] == ("127.0.0.1", 18002, DRAINING)
         envoy.call.cancel()
 

@@ -1,10 +1,8 @@
 """A real Envoy (the wheel's 1.40) on the gateway's EDS and failed-try services.
 
-The bootstrap is rendered here, minimal and independent of :mod:`kvgate.envoy`: an EDS cluster
-``kvgate_engines`` fed over ``envoy_grpc`` by a STATIC HTTP/2 cluster pointing at the gateway's ext_proc
-port, balanced by ``override_host`` (from a request header here, so no ext_proc filter is needed), and
-the router's ``upstream_log``: an ``http_grpc`` access logger filtered to failed tries, which is what the
-bundled config renders for every ext_proc replica.
+The bootstrap is the bundled config's pieces (:mod:`kvgate.envoy.resilience`: the ext_proc cluster, the
+EDS engine cluster balanced by ``override_host``, the failed-try logger and its cluster) behind a bare
+listener whose host list comes from a request header, so no ext_proc filter is needed.
 """
 
 from __future__ import annotations
@@ -21,24 +19,22 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from contracts.epp import DESTINATION, ENGINES_CLUSTER, FAILURE_LOG_NAME
+from contracts.epp import DESTINATION, ENGINES_CLUSTER
 from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.server import Gateway
 from kvgate.dev.procs import Child, http_get, start_envoy
-from kvgate.envoy.resilience import failure_loggers
+from kvgate.envoy.resilience import (
+    Resilience,
+    engines_cluster,
+    extproc_cluster,
+    failure_log_clusters,
+    failure_loggers,
+)
 from tests.polling import until
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_GRPC_LOG = "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
-_HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-_OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-_ROUND_ROBIN = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-XDS_CLUSTER = "kvgate_extproc"
-
-#: What Envoy sends: every failed upstream try (and nothing else), as the bundled config filters it.
-FAILED_TRY_FILTER = failure_loggers(1)[0]["filter"]
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -47,28 +43,15 @@ def _addr(host: str, port: int) -> dict[str, Any]:
 
 def bootstrap(extproc_port: int) -> dict[str, Any]:
     """Listener ``openai`` → router (one retry, to the next host of the header's list) → ``kvgate_engines``
-    (EDS from the gateway); failed tries logged to the gateway."""
-    router = {
-        "name": "envoy.filters.http.router",
-        "typed_config": {
-            "@type": _ROUTER,
-            "upstream_log": [
-                {
-                    "name": "envoy.access_loggers.http_grpc",
-                    "filter": FAILED_TRY_FILTER,
-                    "typed_config": {
-                        "@type": _GRPC_LOG,
-                        "common_config": {
-                            "log_name": FAILURE_LOG_NAME,
-                            "transport_api_version": "V3",
-                            "grpc_service": {"envoy_grpc": {"cluster_name": XDS_CLUSTER}},
-                            "buffer_flush_interval": "0.1s",
-                        },
-                    },
-                }
-            ],
-        },
-    }
+    (EDS from the gateway); failed tries logged to the gateway. The clusters and the logger are the
+    bundled config's (:mod:`kvgate.envoy.resilience`); only the host list comes from a request header,
+    so no ext_proc filter is needed."""
+    res = Resilience()
+    extproc = extproc_cluster(res, (("127.0.0.1", extproc_port),))
+    (log_cluster,) = failure_log_clusters((("127.0.0.1", extproc_port),), extproc)
+    engines = engines_cluster(res, 0.5, 1024 * 1024)
+    override = engines["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    override["override_host_sources"] = [{"header": DESTINATION}]
     route = {
         "match": {"prefix": "/"},
         "route": {
@@ -80,84 +63,24 @@ def bootstrap(extproc_port: int) -> dict[str, Any]:
         "@type": _HCM,
         "stat_prefix": "openai",
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
-        "http_filters": [router],
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": _ROUTER, "upstream_log": failure_loggers(1)},
+            }
+        ],
+    }
+    listener = {
+        "name": "openai",
+        "address": _addr("127.0.0.1", 0),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+        ],
     }
     return {
         "node": {"id": "test-envoy", "cluster": "kvgate"},
         "admin": {"address": _addr("127.0.0.1", 0)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "openai",
-                    "address": _addr("127.0.0.1", 0),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [
-                {
-                    "name": XDS_CLUSTER,
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": _HTTP_OPTS,
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": XDS_CLUSTER,
-                        "endpoints": [
-                            {"lb_endpoints": [{"endpoint": {"address": _addr("127.0.0.1", extproc_port)}}]}
-                        ],
-                    },
-                },
-                {
-                    "name": ENGINES_CLUSTER,
-                    "type": "EDS",
-                    "connect_timeout": "0.5s",
-                    "eds_cluster_config": {
-                        "service_name": ENGINES_CLUSTER,
-                        "eds_config": {
-                            "resource_api_version": "V3",
-                            "api_config_source": {
-                                "api_type": "GRPC",
-                                "transport_api_version": "V3",
-                                "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
-                            },
-                        },
-                    },
-                    "load_balancing_policy": {
-                        "policies": [
-                            {
-                                "typed_extension_config": {
-                                    "name": "envoy.load_balancing_policies.override_host",
-                                    "typed_config": {
-                                        "@type": _OVERRIDE_HOST,
-                                        "override_host_sources": [{"header": DESTINATION}],
-                                        "fallback_policy": {
-                                            "policies": [
-                                                {
-                                                    "typed_extension_config": {
-                                                        "name": "rr",
-                                                        "typed_config": {"@type": _ROUND_ROBIN},
-                                                    }
-                                                }
-                                            ]
-                                        },
-                                    },
-                                }
-                            }
-                        ]
-                    },
-                },
-            ],
-        },
+        "static_resources": {"listeners": [listener], "clusters": [extproc, engines, log_cluster]},
     }
 
 
