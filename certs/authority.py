@@ -16,7 +16,9 @@ extproc        server + client (gRPC server; client of engine metrics)
 agent          server + client
 kvcached       server + client (QUIC peers authenticate each other)
 engine         server
-client         client (suffix required: ``client-alice``)
+oidc           server (the dev OIDC issuer's JWKS endpoint)
+operator       client (an operator's tools: ``POST /drain`` on an agent)
+client         client (API clients; suffix required: ``client-alice``)
 =============  =========================================================
 """
 
@@ -41,8 +43,8 @@ BACKDATE = dt.timedelta(minutes=5)
 CA_DAYS = 30
 LEAF_DAYS = 7
 
-_ROLES = ("envoy-edge", "extproc", "agent", "kvcached", "engine", "client")
-_NAME = re.compile(r"^(envoy-edge|extproc|agent|kvcached|engine|client)(-[a-z0-9][a-z0-9-]{0,39})?$")
+_ROLES = ("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "client")
+_NAME = re.compile(rf"^({'|'.join(_ROLES)})(-[a-z0-9][a-z0-9-]{{0,39}})?$")
 
 
 class Usage(enum.Enum):
@@ -72,7 +74,8 @@ def role_of(name: str) -> str:
 def default_usage(name: str) -> Usage:
     """The usage a leaf of this service gets when none is asked for (table in the module docstring)."""
     role = role_of(name)
-    return {"engine": Usage.SERVER, "client": Usage.CLIENT}.get(role, Usage.BOTH)
+    usages = {"engine": Usage.SERVER, "oidc": Usage.SERVER, "operator": Usage.CLIENT, "client": Usage.CLIENT}
+    return usages.get(role, Usage.BOTH)
 
 
 def identity_uri(name: str) -> str:

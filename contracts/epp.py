@@ -45,6 +45,11 @@ JWT_PAYLOAD = "jwt_payload"
 JWT_STATUS = "jwt_status"
 """Dynamic metadata namespace of Envoy's jwt_authn filter, and the keys kvgate's config gives it (the
 verified claims, or why verification failed)."""
+EXTPROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+SOURCE_ADDRESS = "source.address"
+"""Key of the request attributes Envoy's ext_proc filter sends with the request headers (its
+``request_attributes``), and the attribute kvgate asks for under auth: the client's ``ip:port`` as Envoy
+saw it (after ``xff_num_trusted_hops``), which failed-authentication limits are keyed on."""
 DECISION_NS = "kvgate.decision"
 """Dynamic metadata namespace the processor fills with each routing decision, for Envoy's access log
 (never routed on). Keys below; values are the model, endpoint id and plain numbers, never prompt

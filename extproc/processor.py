@@ -63,6 +63,7 @@ from contracts.epp import (
     DECISION_NS,
     DECISION_US,
     DESTINATION,
+    EXTPROC_ATTRIBUTES,
     JWT_NS,
     JWT_PAYLOAD,
     JWT_STATUS,
@@ -74,6 +75,7 @@ from contracts.epp import (
     REJECTED_KEY,
     REJECTED_NS,
     SERVED,
+    SOURCE_ADDRESS,
     SUBSET_KEY,
     SUBSET_NS,
     TENANT_HEADER,
@@ -81,7 +83,15 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket
 from extproc.admission.usage import UsageReader
-from extproc.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, TooManyRequests, Unavailable
+from extproc.errors import (
+    BadRequest,
+    GatewayError,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthorized,
+    Unavailable,
+)
 from extproc.routing.request import (
     MODELS_PATH,
     ParsedRequest,
@@ -272,7 +282,13 @@ class StreamProcessor:
         path = self._headers.get(":path", "/")
         if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
-            self.principal = self._gate.identify(self._headers.get("authorization"), claims, failure)
+            self.principal = self._gate.identify(
+                self._headers.get("authorization"),
+                claims,
+                failure,
+                address=_client_address(msg),
+                now=self._clock(),
+            )
         if not msg.request_headers.end_of_stream:
             self._phase = Phase.BODY
             # Buffered: Envoy holds the body until the headers are answered; the routing headers then
@@ -568,20 +584,40 @@ def _jwt_metadata(msg: pb.ProcessingRequest) -> tuple[dict[str, object] | None, 
     """(verified JWT claims, failure reason) from Envoy's jwt_authn dynamic metadata.
 
     Only Envoy writes dynamic metadata, and jwt_authn writes the payload only after verifying the
-    token's signature, issuer, audience and lifetime: these claims are never client-controlled.
+    token's signature, issuer, audience and lifetime: these claims are never client-controlled. The
+    namespace is read only in the shape jwt_authn gives it (an object under ``jwt_payload``, or under
+    ``jwt_status`` for a failed token, never both, nothing else): any other is refused with 401
+    ``invalid_identity`` (a misconfigured or foreign writer; not counted against the client's address).
     """
     ns = msg.metadata_context.filter_metadata
     if JWT_NS not in ns:
         return None, None
     fields = ns[JWT_NS].fields
-    payload = fields.get(JWT_PAYLOAD)
-    if payload is not None and payload.HasField("struct_value"):
+    payload, status = fields.get(JWT_PAYLOAD), fields.get(JWT_STATUS)
+    if (
+        set(fields) - {JWT_PAYLOAD, JWT_STATUS}
+        or (payload is not None and status is not None)
+        or not all(v is None or v.HasField("struct_value") for v in (payload, status))
+    ):
+        raise Unauthorized("The identity metadata is not a verified token's.", code="invalid_identity")
+    if payload is not None:
         return json_format.MessageToDict(payload.struct_value), None
-    status = fields.get(JWT_STATUS)
-    if status is not None and status.HasField("struct_value"):
+    if status is not None:
         message = status.struct_value.fields.get("message")
         return None, message.string_value if message is not None else None
     return None, None
+
+
+def _client_address(msg: pb.ProcessingRequest) -> str | None:
+    """The client's address as Envoy saw it (its ``source.address`` request attribute, without the port),
+    or ``None`` when Envoy sent none."""
+    attributes = msg.attributes.get(EXTPROC_ATTRIBUTES)
+    value = attributes.fields.get(SOURCE_ADDRESS) if attributes is not None else None
+    text: str = value.string_value if value is not None else ""
+    if not text:
+        return None
+    host, sep, port = text.rpartition(":")
+    return host.strip("[]") if sep and port.isdigit() else text
 
 
 def _served_from_metadata(msg: pb.ProcessingRequest) -> str | None:

@@ -27,6 +27,7 @@ commands:
 def _envoy_config(argv: list[str]) -> int:
     import argparse
 
+    from contracts.errors import ConfigError
     from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
     from kvgate.envoy.resilience import Resilience, model_idle_timeouts
     from kvgate.envoy.tls import EnvoyTls, write_sds
@@ -111,7 +112,6 @@ def _envoy_config(argv: list[str]) -> int:
     if args.gateway_config:
         from pathlib import Path
 
-        from contracts.errors import ConfigError
         from extproc.config import load_config
         from kvgate.envoy.auth import EdgeAuth
 
@@ -122,11 +122,8 @@ def _envoy_config(argv: list[str]) -> int:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
     tls = EnvoyTls(certs_dir=args.certs_dir, client_certs=args.client_certs) if args.secure else None
-    if tls is not None and args.write_sds:
-        for path in write_sds(tls):
-            print(f"wrote {path}", file=sys.stderr)
-    sys.stdout.write(
-        render_yaml(
+    try:
+        rendered = render_yaml(
             EnvoyParams(
                 listen_port=args.listen_port,
                 admin_port=args.admin_port,
@@ -147,7 +144,13 @@ def _envoy_config(argv: list[str]) -> int:
                 trusted_hops=args.trusted_hops,
             )
         )
-    )
+    except ConfigError as exc:  # a combination of flags and config the profile refuses
+        print(f"kvgate envoy-config: {exc}", file=sys.stderr)
+        return 2
+    if tls is not None and args.write_sds:
+        for path in write_sds(tls):
+            print(f"wrote {path}", file=sys.stderr)
+    sys.stdout.write(rendered)
     return 0
 
 

@@ -10,6 +10,7 @@ import math
 
 from contracts.config import REQUIRED, Section
 from contracts.errors import ConfigError
+from extproc.admission.failures import FailedAuthLimit
 from extproc.admission.gate import AuthConfig, JwtConfig, Settle
 from extproc.admission.tenants import TENANT_ID, RequestRate, Tenant, TenantMatch, TokenLimit
 
@@ -44,6 +45,10 @@ def _auth(raw: object) -> AuthConfig:
         api_keys_file=s.string("api_keys_file"),
         default_max_tokens=s.integer("default_max_tokens", _AUTH.default_max_tokens, minimum=1),
         settle=Settle(settle),
+        failed_auth=FailedAuthLimit(
+            per_minute=s.integer("failed_auth_per_minute", _AUTH.failed_auth.per_minute, minimum=1),
+            burst=s.integer("failed_auth_burst", _AUTH.failed_auth.burst, minimum=1),
+        ),
     )
     s.done()
     if auth.jwt is None and auth.api_keys_file is None:

@@ -10,21 +10,26 @@ Two credentials reach the ext_proc:
 * an API key (``Authorization: Bearer sk-kvg-...``), which ``jwt_authn`` lets through as "not a JWT"
   (``allow_missing_or_failed``) and :class:`Gate` looks up by hash.
 
-Anything else is 401. A verified identity that maps to no tenant is 403, as is a model outside the
-tenant's scope; an exhausted token budget is 429 with ``Retry-After``. The request rate is limited by
-Envoy (``local_ratelimit``), keyed by the tenant header the processor sets. Pure: ``now`` is a
-parameter; the key lookup (one ``stat`` per API-key request) is injected.
+Anything else is 401. The claims are taken only as ``jwt_authn`` writes them: the namespace holds
+nothing but ``jwt_payload`` or ``jwt_status``, the payload is an object, and its ``iss`` and ``aud`` are
+the configured issuer and one of the audiences; any other shape is refused (401 ``invalid_identity``),
+never read. A client address that keeps failing is answered 429 before its credentials are looked at
+(:mod:`extproc.admission.failures`). A verified identity that maps to no tenant is 403, as is a model
+outside the tenant's scope; an exhausted token budget is 429 with ``Retry-After``. The request rate is
+limited by Envoy (``local_ratelimit``), keyed by the tenant header the processor sets. Pure: ``now`` is
+a parameter; the key lookup (one ``stat`` per API-key request) is injected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
 from extproc.admission.budget import TokenBudgets
+from extproc.admission.failures import FailedAuth, FailedAuthLimit
 from extproc.admission.keys import ApiKey, KeyFile, looks_like_key
 from extproc.admission.tenants import Tenant, Tenants
 from extproc.admission.usage import Usage
@@ -63,12 +68,14 @@ class AuthConfig:
 
     ``api_keys_file``: the hashed key file (:mod:`extproc.admission.keys`). ``default_max_tokens``: output
     tokens reserved for a request that sets no ``max_tokens``. ``settle``: see :class:`Settle`.
+    ``failed_auth``: how many failed attempts a client address may make (:mod:`~extproc.admission.failures`).
     """
 
     jwt: JwtConfig | None = None
     api_keys_file: str | None = None
     default_max_tokens: int = 1024
     settle: Settle = Settle.USAGE
+    failed_auth: FailedAuthLimit = field(default_factory=FailedAuthLimit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +119,38 @@ class Gate:
         self.tenants = tenants
         self._keys = keys
         self.budgets = budgets or TokenBudgets()
+        self.failures = FailedAuth(config.failed_auth)
         self._groups_claim = config.jwt.groups_claim if config.jwt else "groups"
 
     def identify(
+        self,
+        authorization: str | None,
+        claims: Mapping[str, object] | None,
+        jwt_failure: str | None,
+        *,
+        address: str | None = None,
+        now: float = 0.0,
+    ) -> Principal:
+        """The caller, from Envoy-verified JWT claims or an API key; raises 401/403, or 429 while the
+        client ``address`` (as Envoy saw it; ``None``: unknown, not limited) is over its failed attempts."""
+        retry_after_s = self.failures.retry_after_s(address, now)
+        if retry_after_s is not None:
+            raise TooManyRequests(
+                f"Too many failed authentication attempts from your address; retry after {retry_after_s}s.",
+                code="auth_attempts_exceeded",
+                retry_after_s=retry_after_s,
+            )
+        try:
+            return self._identify(authorization, claims, jwt_failure)
+        except Unauthorized:
+            self.failures.failed(address, now)
+            raise
+
+    def _identify(
         self, authorization: str | None, claims: Mapping[str, object] | None, jwt_failure: str | None
     ) -> Principal:
-        """The caller, from Envoy-verified JWT claims or an API key; raises 401/403."""
         if claims is not None:
+            self._check_claims(claims)
             tenant = self.tenants.for_claims(claims, self._groups_claim)
             if tenant is None:
                 raise Forbidden("No tenant is configured for this identity.", code="no_tenant")
@@ -140,6 +172,15 @@ class Gate:
             return Principal(tenant, "api_key", record.id)
         reason = (jwt_failure or "not a valid token")[:120]
         raise Unauthorized(f"The bearer token was rejected: {reason}.", code="invalid_token")
+
+    def _check_claims(self, claims: Mapping[str, object]) -> None:
+        """401 unless the claims name the configured issuer and one of its audiences, as a payload
+        jwt_authn verified for our provider must (claims of any other shape are never read)."""
+        jwt = self.config.jwt
+        aud = claims.get("aud")
+        audiences = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
+        if jwt is None or claims.get("iss") != jwt.issuer or not any(a in jwt.audiences for a in audiences):
+            raise Unauthorized("The identity metadata is not a verified token's.", code="invalid_identity")
 
     def admit(self, principal: Principal, request: ParsedRequest, prompt_tokens: int, now: float) -> Ticket:
         """Check the model scope and reserve ``prompt + max output`` tokens; raises 403/429."""

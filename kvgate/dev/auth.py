@@ -5,6 +5,10 @@ file and an API key file into the work directory, and returns the gateway config
 ``[[tenants]]`` sections pointing at them (Envoy then fetches the issuer's JWKS remotely). By default
 one tenant ``dev`` (every model, 50 req/s, 200k tokens/min), one client ``dev`` whose tokens carry
 ``tenant = "dev"``, and one API key for it; the end-to-end tests pass their own tenants and clients.
+
+In the secure profile (``kvgate up --secure --auth``) the issuer serves HTTPS only with the ``oidc``
+certificate of the stack's CA: its URL is ``https://127.0.0.1:PORT``, and clients of its token endpoint
+(and Envoy, for the JWKS) trust ``DevAuth.ca_file``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from certs.store import LeafFiles
 from extproc.admission.keys import ApiKey, hash_key, new_key, new_key_id, write_keys
 from kvgate.dev.supervisor import Service
 
@@ -48,7 +53,8 @@ class StackAuth:
 @dataclass(frozen=True, slots=True)
 class DevAuth:
     """The running setup: the issuer's URL and signing key file, the client credentials, the API key
-    file and the dev key (shown once by ``kvgate up``), and the config sections to add."""
+    file and the dev key (shown once by ``kvgate up``), the config sections to add, and the CA that
+    signed the issuer's certificate (``None``: plain HTTP)."""
 
     issuer: str
     key_file: Path
@@ -57,14 +63,17 @@ class DevAuth:
     dev_key: str | None
     auth_section: dict[str, Any]
     tenants: tuple[dict[str, Any], ...]
+    ca_file: Path | None = None
 
     def banner(self) -> list[str]:
         """What ``kvgate up --auth`` prints (once, to its terminal; never logged)."""
         client = self.clients[0]
         cid, secret = client["client_id"], client["client_secret"]
+        cacert = "" if self.ca_file is None else f"--cacert {self.ca_file} "
         lines = [
             f"  OIDC issuer: {self.issuer}  client: {cid}  secret: {secret}",
-            f"  a token: curl -s -u {cid}:{secret} -d grant_type=client_credentials {self.issuer}/token",
+            f"  a token: curl -s {cacert}-u {cid}:{secret} -d grant_type=client_credentials "
+            f"{self.issuer}/token",
         ]
         if self.dev_key is not None:
             lines.append(f"  API key of tenant {self.tenants[0]['id']} (shown once): {self.dev_key}")
@@ -73,12 +82,16 @@ class DevAuth:
 
 
 def start_dev_auth(
-    options: StackAuth, workdir: Path, spawn: Callable[[str, list[str], Path, float], Service[Any]]
+    options: StackAuth,
+    workdir: Path,
+    spawn: Callable[[str, list[str], Path, float], Service[Any]],
+    tls: LeafFiles | None = None,
 ) -> DevAuth:
     """Start the dev issuer and write the client and key files; returns what the config needs.
     ``spawn(name, argv, ready_file, timeout_s)`` starts a child that is ready once it wrote its PID into
     ``ready_file``; the issuer's port is then pinned, so a restarted issuer serves the same URL (and
-    signs with the same key file)."""
+    signs with the same key file). ``tls``: the issuer's certificate, key and CA; it then serves HTTPS
+    only and its URL (hence ``jwks_uri``) is ``https://``."""
     clients = options.clients or (
         {"client_id": "dev", "client_secret": secrets.token_urlsafe(24), "claims": {"tenant": "dev"}},
     )
@@ -101,6 +114,7 @@ def start_dev_auth(
             str(workdir / "oidc_key.pem"),
             "--ready-file",
             str(ready),
+            *([] if tls is None else ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]),
         ]
 
     issuer_child = spawn("oidc", argv(0), ready, 60)
@@ -122,7 +136,14 @@ def start_dev_auth(
         **options.settings,
     }
     return DevAuth(
-        issuer, workdir / "oidc_key.pem", tuple(clients), keys_file, dev_key, section, options.tenants
+        issuer,
+        workdir / "oidc_key.pem",
+        tuple(clients),
+        keys_file,
+        dev_key,
+        section,
+        options.tenants,
+        None if tls is None else tls.ca,
     )
 
 

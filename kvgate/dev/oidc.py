@@ -9,6 +9,11 @@ responses) with tokens signed by PyJWT. It serves:
   ``client_secret_post``; the access token is a JWT with ``iss``, ``aud``, ``sub`` (the client id),
   ``iat``, ``exp``, ``jti``, ``scope`` and the client's extra claims (``tenant``, ``groups``, ...).
 
+With ``--tls-cert``/``--tls-key`` it serves HTTPS only (TLS 1.2+; the issuer URL is then
+``https://HOST:PORT``): what ``kvgate up --secure --auth`` runs, so Envoy fetches the JWKS over
+verified TLS. Each connection's handshake runs in its own thread, bounded by
+:data:`HANDSHAKE_TIMEOUT_S`.
+
 Clients file (JSON or TOML; secrets in clear: a development tool)::
 
     [[clients]]
@@ -29,6 +34,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -56,6 +62,8 @@ log = logging.getLogger(__name__)
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 MAX_FORM_BYTES = 16 * 1024
+#: Seconds a client has to complete the TLS handshake (HTTPS only).
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +217,13 @@ def _handler(issuer: DevIssuer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):  # in this connection's thread, not the acceptor's
+                self.request.settimeout(HANDSHAKE_TIMEOUT_S)
+                self.request.do_handshake()
+                self.request.settimeout(None)
+            super().setup()
+
         def do_GET(self) -> None:
             path = urlsplit(self.path).path
             if path == DISCOVERY_PATH:
@@ -252,14 +267,47 @@ def _handler(issuer: DevIssuer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    """Plain HTTP, or HTTPS only with ``tls`` (accepted sockets are wrapped; the handler shakes hands)."""
+
+    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None) -> None:
+        self.tls = tls
+        super().__init__(address, BaseHTTPRequestHandler)
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = super().get_request()
+        if self.tls is None:
+            return sock, address
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A failed handshake or a dropped connection: one line, no traceback (nothing secret in it).
+        log.debug("connection from %s failed: %s", client_address[0], sys.exc_info()[1])
+
+
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The server side of the issuer's HTTPS (TLS 1.2+); raises ``OSError`` for unreadable or bad files."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
+
+
 def serve(
-    clients: list[DevClient], key: SigningKey, host: str, port: int, issuer: str | None, token_ttl_s: int
+    clients: list[DevClient],
+    key: SigningKey,
+    host: str,
+    port: int,
+    issuer: str | None,
+    token_ttl_s: int,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[ThreadingHTTPServer, DevIssuer]:
-    """Bind (port 0: any free port), then build the issuer for the bound URL; the caller runs
-    ``serve_forever``."""
-    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    """Bind (port 0: any free port), then build the issuer for the bound URL (``https://`` with ``tls``,
+    which then is the only protocol served); the caller runs ``serve_forever``."""
+    server = _Server((host, port), tls)
+    scheme = "http" if tls is None else "https"
     try:
-        dev = DevIssuer(issuer or f"http://{host}:{server.server_address[1]}", clients, key, token_ttl_s)
+        dev = DevIssuer(issuer or f"{scheme}://{host}:{server.server_address[1]}", clients, key, token_ttl_s)
     except BaseException:
         server.server_close()
         raise
@@ -278,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         "--key-file", type=Path, help="signing key (PEM), created if missing; default: a new key per run"
     )
     parser.add_argument("--token-ttl", type=int, default=3600, help="token lifetime (s)")
-    parser.add_argument("--issuer", help="public issuer URL (default http://HOST:PORT)")
+    parser.add_argument("--issuer", help="public issuer URL (default http(s)://HOST:PORT)")
+    parser.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--tls-key", type=Path, help="with --tls-cert: its private key (PEM)")
     parser.add_argument("--ready-file", type=Path, help="write {issuer, port, pid} here (JSON) once serving")
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         clients = load_clients(args.clients, args.audience)
@@ -296,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvgate oidc-dev: {exc}", file=sys.stderr)
         return 2
-    server, issuer = serve(clients, key, args.host, args.port, args.issuer, args.token_ttl)
+    try:
+        tls = None if args.tls_cert is None else tls_context(args.tls_cert, args.tls_key)
+    except OSError as exc:
+        print(f"kvgate oidc-dev: --tls-cert/--tls-key: {exc}", file=sys.stderr)
+        return 2
+    server, issuer = serve(clients, key, args.host, args.port, args.issuer, args.token_ttl, tls)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -27,7 +27,8 @@ stops the stack. Children die with the launcher, even on ``kill -9``.
 ``--secure`` runs the secure profile: a dev CA and service certificates minted into ``WORKDIR/certs``
 (:func:`certs.store.dev_bundle`), HTTPS on the OpenAI listener (``--client-certs``: client certificates
 required), mTLS from Envoy to the ext_proc and to the simulated engines (which require Envoy's client
-certificate), and the ext_proc scraping engine metrics over mTLS.
+certificate), and the ext_proc scraping engine metrics over mTLS. With ``--auth`` the dev OIDC issuer
+serves HTTPS (certificate ``oidc``) and Envoy fetches its JWKS verifying it against ``WORKDIR/certs/ca.pem``.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ __all__ = ["DEFAULT_MODEL", "Stack", "StackOptions", "main"]
 ACCESS_LOG = "access"
 #: Certificates ``--secure`` mints: Envoy, the ext_proc, the engines, and one client for trying mTLS.
 SECURE_SERVICES = ("envoy-edge", "extproc", "engine")
+#: With ``--auth`` also the dev OIDC issuer's (HTTPS; Envoy fetches its JWKS trusting the same CA).
+ISSUER_SERVICE = "oidc"
 #: API client certificates come from a CA of their own (``WORKDIR/certs/clients``) that no internal hop
 #: trusts: one opens the OpenAI listener (``--client-certs``) and no engine, ext_proc or agent.
 CLIENT_SERVICES = ("client-dev",)
@@ -205,7 +208,7 @@ class Stack:
             secure=self.secure,
         )
         if opts.auth is not None:
-            self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn)
+            self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn, self.certs.get(ISSUER_SERVICE))
             config["auth"], config["tenants"] = self.auth.auth_section, list(self.auth.tenants)
         config = overlay.merge(config, opts.overlay)
         self._start_gateway(config)
@@ -271,6 +274,9 @@ class Stack:
         opts = self.options
         parsed = parse_config(config)
         edge_auth = EdgeAuth.from_config(parsed)
+        if edge_auth is not None and self.auth is not None and self.auth.ca_file is not None:
+            # The dev issuer's JWKS over HTTPS, verified against the stack's CA.
+            edge_auth = dataclasses.replace(edge_auth, jwks_ca_file=str(self.auth.ca_file))
         (self.workdir / "gateway.json").write_text(json.dumps(config, indent=2))
         if opts.with_extproc:
             for name in _numbered("extproc", opts.extprocs):
@@ -399,7 +405,8 @@ class Stack:
         certs_dir = self.workdir / "certs"
         sans = [*LOCAL_SANS, *_host_sans(self.options.host)]
         now = dt.datetime.now(dt.UTC)
-        self.certs = dev_bundle(certs_dir, SECURE_SERVICES, now, sans=sans)
+        services = (*SECURE_SERVICES, *((ISSUER_SERVICE,) if self.options.auth is not None else ()))
+        self.certs = dev_bundle(certs_dir, services, now, sans=sans)
         self.certs.update(dev_bundle(certs_dir / CLIENTS_DIR, CLIENT_SERVICES, now, sans=sans))
         self.tls = EnvoyTls(certs_dir=str(certs_dir), client_certs=self.options.client_certs)
         write_sds(self.tls)

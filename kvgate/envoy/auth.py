@@ -9,7 +9,8 @@ With an ``[auth]`` section the OpenAI listener's filter chain becomes::
   failed token leaves its reason (``failed_status_in_metadata``). It lets every request through
   (``allow_missing_or_failed``): API keys are not JWTs, and the ext_proc makes the decision
   (:mod:`extproc.admission.gate`). A verified token is removed from the request (``forward: false``).
-* ``ext_proc`` additionally forwards the ``envoy.filters.http.jwt_authn`` metadata namespace, and with
+* ``ext_proc`` additionally forwards the ``envoy.filters.http.jwt_authn`` metadata namespace and the
+  ``source.address`` attribute (failed authentication is limited per client address), and with
   ``settle = "usage"`` sees response bodies (``response_body_mode: STREAMED``) to read token usage.
 * ``local_ratelimit`` keys one token bucket per tenant on the ``x-kvgate-tenant`` header, which only the
   ext_proc sets (the listener strips client copies before any filter runs). Over the rate it answers
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from contracts.epp import JWT_NS, JWT_PAYLOAD, JWT_STATUS, TENANT_HEADER
+from contracts.epp import JWT_NS, JWT_PAYLOAD, JWT_STATUS, SOURCE_ADDRESS, TENANT_HEADER
+from contracts.errors import ConfigError
 from extproc.admission.gate import JwtConfig, Settle
 from extproc.admission.tenants import RequestRate
 from extproc.config import GatewayConfig
@@ -35,8 +37,11 @@ JWKS_CLUSTER = "kvgate_jwks"
 RATE_DESCRIPTOR = "tenant"
 #: CA bundle Envoy trusts for an https JWKS endpoint (Envoy has no notion of "the system store").
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-#: The ``Authorization`` schemes jwt_authn reads a token from (Envoy compares them case-sensitively).
-BEARER_PREFIXES = ("Bearer", "bearer", "BEARER")
+#: The ``Authorization`` schemes jwt_authn reads a token from: the scheme is case-insensitive (RFC 9110)
+#: but Envoy compares prefixes as written, so every one of the 64 spellings of "bearer" is listed.
+BEARER_PREFIXES = tuple(
+    "".join(c.upper() if mask >> i & 1 else c for i, c in enumerate("bearer")) for mask in range(64)
+)
 #: Requests per second of the default bucket (tenants without a rate): effectively unlimited.
 UNLIMITED = 1_000_000
 
@@ -79,11 +84,25 @@ def http_filters(
     return [*chain, router]
 
 
-def clusters(auth: EdgeAuth | None) -> list[dict[str, Any]]:
-    """Extra upstream clusters: the issuer's JWKS endpoint when keys are fetched remotely."""
+def clusters(auth: EdgeAuth | None, secure: bool = False) -> list[dict[str, Any]]:
+    """Extra upstream clusters: the issuer's JWKS endpoint when keys are fetched remotely. ``secure``
+    (the TLS profile) refuses a JWKS fetched without TLS (:func:`require_verified_jwks`)."""
     if auth is None or auth.jwt is None or auth.jwt.jwks_uri is None:
         return []
+    if secure:
+        require_verified_jwks(auth.jwt.jwks_uri)
     return [jwks_cluster(auth.jwt.jwks_uri, auth.jwks_ca_file)]
+
+
+def require_verified_jwks(jwks_uri: str) -> None:
+    """:class:`ConfigError` unless ``jwks_uri`` is ``https``: whoever can answer a plain-HTTP JWKS fetch
+    chooses the keys Envoy accepts tokens signed with, so the secure profile never fetches one."""
+    if urlsplit(jwks_uri).scheme != "https":
+        raise ConfigError(
+            f"auth.jwt.jwks_uri {jwks_uri!r}: the secure profile fetches signing keys over verified TLS "
+            "only: use an https:// jwks_uri (its server certificate checked against the CA bundle) or a "
+            "local jwks_file"
+        )
 
 
 def with_auth(ext_proc: dict[str, Any], auth: EdgeAuth) -> dict[str, Any]:
@@ -96,6 +115,8 @@ def with_auth(ext_proc: dict[str, Any], auth: EdgeAuth) -> dict[str, Any]:
         forwarding["untyped"] = [*forwarding.get("untyped", []), JWT_NS]
     options["forwarding_namespaces"] = forwarding
     typed["metadata_options"] = options
+    # The client's address as Envoy saw it: failed authentication is limited per address.
+    typed["request_attributes"] = [*typed.get("request_attributes", []), SOURCE_ADDRESS]
     if auth.read_usage:
         typed["processing_mode"] = {**typed["processing_mode"], "response_body_mode": "STREAMED"}
     return {**ext_proc, "typed_config": typed}
@@ -107,8 +128,7 @@ def jwt_authn_filter(jwt: JwtConfig) -> dict[str, Any]:
         "audiences": list(jwt.audiences),
         "require_expiration": True,
         "clock_skew_seconds": jwt.clock_skew_s,
-        # Only the Authorization header: no access_token query parameter (URLs end up in logs). The
-        # scheme is case-insensitive (RFC 9110) but Envoy matches the prefix as written: each usual case.
+        # Only the Authorization header: no access_token query parameter (URLs end up in logs).
         "from_headers": [{"name": "authorization", "value_prefix": f"{p} "} for p in BEARER_PREFIXES],
         "forward": False,
         "payload_in_metadata": JWT_PAYLOAD,

@@ -244,7 +244,8 @@ def _json_error(kind: str, message: str) -> dict[str, Any]:
 
 
 def render(params: EnvoyParams) -> dict[str, Any]:
-    """The bootstrap as a plain dict (dump it as YAML or JSON)."""
+    """The bootstrap as a plain dict (dump it as YAML or JSON). Raises ``ConfigError`` for a secure
+    profile (``tls``) whose JWT keys would come over plain HTTP."""
     response_headers = params.served_readback or params.auth is not None
     res = params.resilience
     extprocs = _extprocs(params)
@@ -367,7 +368,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 extproc_cluster,
                 resilience.engines_cluster(res, params.upstream_connect_timeout_s, params.buffer_limit_bytes),
                 *resilience.failure_log_clusters(extprocs, extproc_cluster),
-                *envoy_auth.clusters(params.auth),
+                # The secure profile refuses a plain-HTTP JWKS (ConfigError).
+                *envoy_auth.clusters(params.auth, secure=params.tls is not None),
             ],
         },
     }

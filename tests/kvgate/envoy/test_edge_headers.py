@@ -6,6 +6,7 @@ and an engine that records every request's headers (issue 26).
   configured number of proxies in front adds it, and ``x-real-ip`` / ``forwarded`` never pass.
 * A client's ``x-request-id`` is replaced by Envoy's own (a client is an external peer).
 * A JWT is accepted whatever the case of its ``Bearer`` scheme.
+* A client address that keeps failing authentication is answered 429.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from extproc.admission.failures import FailedAuthLimit
 from extproc.config import parse_config
 from extproc.server import Gateway
 from kvgate.cli import main as kvgate
@@ -210,16 +212,31 @@ async def test_a_client_request_id_is_replaced(edge: StartEdge) -> None:
     assert seen["x-request-id"] == resp.headers["x-request-id"]
 
 
-@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
-async def test_a_jwt_is_accepted_whatever_the_case_of_bearer(edge: StartEdge, scheme: str) -> None:
+async def test_a_jwt_is_accepted_whatever_the_case_of_bearer(edge: StartEdge) -> None:
     stack = await edge(auth=True)
-    resp = await stack.post({"authorization": f"{scheme} {stack.token()}"})
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR", "BeArEr"):
+        resp = await stack.post({"authorization": f"{scheme} {stack.token()}"})
+        assert resp.status_code == 200, (scheme, resp.text)
+        assert "authorization" not in stack.seen[-1]
+        # Verified, not merely let through: a token with a broken signature is refused in that case too.
+        resp = await stack.post({"authorization": f"{scheme} {bad_signature(stack.token())}"})
+        assert resp.status_code == 401, (scheme, resp.text)
+        assert resp.json()["error"]["code"] == "invalid_token"
+
+
+async def test_a_burst_of_bad_credentials_gets_429_per_client_address(edge: StartEdge) -> None:
+    """Keyed on the address Envoy saw (here the one a trusted proxy named), never on the tenant."""
+    stack = await edge(auth=True, trusted_hops=1)
+    guesser, other = {"x-forwarded-for": "6.6.6.6"}, {"x-forwarded-for": "7.7.7.7"}
+    for _ in range(FailedAuthLimit().burst):
+        resp = await stack.post({**guesser, "authorization": "Bearer sk-kvg-guess"})
+        assert resp.status_code == 401, resp.text
+    resp = await stack.post({**guesser, "authorization": f"Bearer {stack.token()}"})
+    assert resp.status_code == 429, resp.text
+    assert resp.json()["error"]["code"] == "auth_attempts_exceeded" and int(resp.headers["retry-after"]) >= 1
+    resp = await stack.post({**other, "authorization": f"Bearer {stack.token()}"})
     assert resp.status_code == 200, resp.text
-    assert "authorization" not in stack.seen[0]
-    # Verified, not merely let through: a token with a broken signature is refused in that case too.
-    resp = await stack.post({"authorization": f"{scheme} {bad_signature(stack.token())}"})
-    assert resp.status_code == 401, resp.text
-    assert resp.json()["error"]["code"] == "invalid_token"
+    assert len(stack.seen) == 1  # nothing of the guesser reached the engine
 
 
 # --- the rendered config ---------------------------------------------------------------------------------
