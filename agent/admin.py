@@ -1,4 +1,4 @@
-"""The agent's admin listener in the secure profile: HTTPS, and a client certificate for every change.
+"""The agent's admin listener in the secure profile: HTTPS, and an allowed client identity for every change.
 
 Without ``[agent.tls]`` the admin API is plaintext HTTP, open to whoever reaches ``admin_listen``. With
 it, the listener serves HTTPS with the agent's certificate and key (the feed's, :mod:`runtime.feed.server`)
@@ -8,12 +8,16 @@ without one still read ``GET /healthz``, ``/readyz`` and ``/status``; a certific
 verify fails the handshake. Every request that may change state (any method but ``GET``, ``HEAD`` and
 ``OPTIONS``: ``POST /drain``, ``/slots/save``, ``/slots/restore``, ``/slots/restore-chain``, and any
 route added later) must come over a connection whose client presented a verified certificate, or it is
-answered 401 with an OpenAI-style JSON error (:func:`client_cert_required`).
+answered 401, and that certificate's identity (its ``spiffe://kvgate.local/<role>[-suffix]`` URI SAN)
+must name a role that may change agent state (:data:`certs.roles.CALLERS`: ``extproc``, ``operator``),
+or it is answered 403; both with an OpenAI-style JSON error (:func:`client_cert_required`).
 
-Gateways present their ``[feeds]`` client certificate (:mod:`extproc.control.restore`); an operator's
-``POST /drain`` needs one from the same CA, e.g. ``curl --cacert ca.pem --cert client-ops.pem --key
-client-ops.key -X POST https://<advertise>:<admin port>/drain``. The files are read when the listener
-starts: rotating them needs an agent restart (the feed follows rotation).
+Gateways present their ``[feeds]`` client certificate, an ``extproc`` identity
+(:mod:`extproc.control.restore`). An operator's ``POST /drain`` needs an ``operator-NAME`` certificate
+from the same CA (``kvgate certs issue --dir D --name operator-alice``), e.g. ``curl --cacert ca.pem
+--cert operator-alice.pem --key operator-alice.key -X POST https://<advertise>:<admin port>/drain``; an
+API client's (``client-NAME``) or another service's certificate is refused. The files are read when the
+listener starts: rotating them needs an agent restart (the feed follows rotation).
 """
 
 from __future__ import annotations
@@ -25,14 +29,29 @@ from aiohttp.typedefs import Handler
 
 from agent.config import TLSFiles
 from agent.errors import AgentConfigError
+from runtime.identity import AGENT_ADMIN, peercert_uris, permits
 
 #: Methods that only read: served to clients without a certificate.
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
+#: The OpenAI error ``type`` of each status the admin API answers with.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
+
+
 def error_response(status: int, message: str) -> web.Response:
-    """The admin API's error answer: OpenAI-style JSON ``{"error": {"code", "message"}}``."""
-    return web.json_response({"error": {"code": status, "message": message}}, status=status)
+    """The admin API's error answer: OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
+    (``code`` is the HTTP status, as vLLM's errors carry it)."""
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "api_error"), "param": None, "code": status}
+    return web.json_response({"error": error}, status=status)
 
 
 def server_context(files: TLSFiles) -> ssl.SSLContext:
@@ -47,18 +66,28 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
     return ctx
 
 
-def client_certified(request: web.Request) -> bool:
-    """Whether ``request`` came over TLS from a client that presented a certificate that verified."""
+def client_identity(request: web.Request) -> list[str] | None:
+    """The identity URIs of the verified certificate ``request``'s client presented over TLS; ``None``
+    without one (or once the connection is gone)."""
     transport = request.transport
-    if transport is None:  # the connection is gone
-        return False
+    if transport is None:
+        return None
     # ``None`` without a certificate; a certificate that fails verification fails the handshake.
-    return bool(transport.get_extra_info("peercert"))
+    peercert = transport.get_extra_info("peercert")
+    return peercert_uris(peercert) if peercert else None
 
 
 @web.middleware
 async def client_cert_required(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """401 for a state-changing request whose client presented no verified certificate."""
-    if request.method not in READ_ONLY_METHODS and not client_certified(request):
-        return error_response(401, f"{request.method} {request.path} needs a client certificate")
+    """For a state-changing request: 401 when its client presented no verified certificate, 403 when
+    the certificate's identity may not change agent state (module docstring)."""
+    if request.method not in READ_ONLY_METHODS:
+        uris = client_identity(request)
+        if uris is None:
+            return error_response(401, f"{request.method} {request.path} needs a client certificate")
+        if not permits(AGENT_ADMIN, uris):
+            return error_response(
+                403,
+                f"{request.method} {request.path}: this certificate's identity may not change agent state",
+            )
     return await handler(request)

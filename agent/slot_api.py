@@ -12,8 +12,9 @@
   manual flow; the prompt's tokens come from the engine's own ``/apply-template`` and ``/tokenize``.
   Answers 200 with ``{engine, slot, prompt_tokens, tokens, ms, ...}``, errors as above.
 
-Errors are OpenAI-style JSON ``{"error": {"code", "message"}}`` (:func:`agent.admin.error_response`); with
-``[agent.tls]`` every route here needs a client certificate (401 without, :mod:`agent.admin`). No prompt
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
+(:func:`agent.admin.error_response`); with ``[agent.tls]`` every route here needs a client certificate of
+an allowed role (401 without, 403 for another role, :mod:`agent.admin`). No prompt
 or token is ever logged.
 """
 

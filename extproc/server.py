@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -53,6 +52,7 @@ from extproc.routing.router import Router
 from extproc.xds.als import FailedTries
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
+from runtime.identity import PeerCheck
 from runtime.lifecycle import stop_on_signals, write_ready_file
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
@@ -61,46 +61,6 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
-
-
-class PeerCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call but gRPC health (PERMISSION_DENIED, before a message is read) unless the TLS
-    peer's certificate carries one of the ``allowed`` identity URIs (gRPC's ``peer_uri`` property)."""
-
-    def __init__(self, allowed: frozenset[str]) -> None:
-        self._allowed = allowed
-
-    def permits(self, context: grpc.aio.ServicerContext) -> bool:
-        uris = context.auth_context().get("peer_uri", [])
-        return any(uri.decode(errors="replace") in self._allowed for uri in uris)
-
-    async def _require(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.permits(context):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this identity may not call the ext_proc")
-
-    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
-            return handler
-        codec = handler.request_deserializer, handler.response_serializer
-        if handler.stream_stream is not None:
-            inner_stream = handler.stream_stream
-
-            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                await self._require(context)
-                async for response in inner_stream(requests, context):
-                    yield response
-
-            return grpc.stream_stream_rpc_method_handler(stream_stream, *codec)
-        streamed = handler.stream_unary is not None
-        inner = handler.stream_unary if streamed else handler.unary_unary
-
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._require(context)
-            return await inner(request, context)
-
-        wrap = grpc.stream_unary_rpc_method_handler if streamed else grpc.unary_unary_rpc_method_handler
-        return wrap(call, *codec)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -230,7 +190,7 @@ class Gateway:
         ]
         # With TLS, only the allowed identities (Envoy's) may call: a certificate of another role chains
         # to the same CA, and a caller here could forge jwt_authn metadata or failed tries.
-        peers = [PeerCheck(frozenset(ex.tls_allowed_peers))] if self.server_certs is not None else []
+        peers = [PeerCheck(frozenset(ex.tls_allowed_peers), "the ext_proc")] if self.server_certs else []
         server = grpc.aio.server(options=options, interceptors=peers)
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer), server

@@ -16,7 +16,9 @@ check). aioquic has no setting that makes a *server* require a client certificat
 empty certificate nor verifies the chain), so :func:`_require_client_cert` hooks each server connection's
 TLS context: it requests a certificate, rejects an empty one with ``certificate_required``, and after
 aioquic has checked the CertificateVerify signature (proof of the key) verifies the chain against the CA
-and the ``clientAuth`` usage, failing the handshake with ``bad_certificate``. Only then is the connection
+and the ``clientAuth`` usage, failing the handshake with ``bad_certificate``, and the identity: only a
+``kvcached`` certificate (URI SAN ``spiffe://kvgate.local/kvcached[-suffix]``, :data:`certs.roles.CALLERS`)
+may fetch, another role fails the handshake with ``access_denied``. Only then is the connection
 marked authenticated; stream data on a connection that is not is never served (belt and braces). The hook
 uses aioquic internals (``QuicConnection._initialize``, ``tls.Context._server_handle_certificate*``),
 pinned by the tests that reject a client without a valid certificate.
@@ -70,6 +72,7 @@ from kvcached.wire import (
     frame_header,
     max_request_bytes,
 )
+from runtime.identity import KVCACHED_PEERS, certificate_uris, permits
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,10 @@ class _CertificateRequired(tls.Alert):
     description = tls.AlertDescription.certificate_required
 
 
+class _AccessDenied(tls.Alert):
+    description = tls.AlertDescription.access_denied
+
+
 def _require_client_cert(
     quic: QuicConnection, ca_data: bytes, on_verified: Callable[[], None], on_rejected: Callable[[str], None]
 ) -> None:
@@ -158,6 +165,8 @@ def _require_client_cert(
                     usage = None
                 if usage is not None and ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
                     raise tls.AlertBadCertificate("certificate not valid for client authentication")
+                if not permits(KVCACHED_PEERS, certificate_uris(cert)):
+                    raise _AccessDenied("certificate identity may not fetch blocks (not a kvcached)")
             except tls.Alert as exc:
                 on_rejected(f"client certificate: {exc}")
                 raise

@@ -16,7 +16,9 @@ is single-threaded, its listener publishes to the feed (which must run on the lo
 blocks the loop for its duration (about a millisecond per MiB).
 
 Served on a unix socket (plaintext: the socket's file mode is the access control) and/or TCP (mTLS only,
-client certificate required, files re-read on rotation via :class:`runtime.tls.ReloadingServerCerts`).
+client certificate required, files re-read on rotation via :class:`runtime.tls.ReloadingServerCerts`;
+only agents' and operators' identities may call it, :mod:`certs.roles` hop ``kvcached-api``: any other
+gets PERMISSION_DENIED).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import PeerClient
 from kvcached.tiers import TieredStore
+from runtime.identity import KVCACHED_API, PeerCheck, hop_callers
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 
 log = logging.getLogger(__name__)
@@ -231,25 +234,34 @@ class ApiServer:
         self._certs = None if tls is None else ReloadingServerCerts(ServerTlsFiles(tls.cert, tls.key, tls.ca))
         limit = max_block_bytes + MESSAGE_SLACK
         self._options = (("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit))
-        self._server: Any = None
+        self._servers: list[Any] = []
         self.tcp_port = 0
 
     async def start(self) -> None:
-        server = grpc.aio.server(handlers=[self._service.handler()], options=self._options)
+        # Two servers: the role check applies to TCP callers only (the Unix socket's file mode guards it).
+        servers = []
         if self._unix is not None:
             _remove_stale_socket(Path(self._unix))
-            server.add_insecure_port(f"unix:{self._unix}")
+            local = grpc.aio.server(handlers=[self._service.handler()], options=self._options)
+            local.add_insecure_port(f"unix:{self._unix}")
+            servers.append(local)
         if self._tcp is not None and self._certs is not None:
-            self.tcp_port = server.add_secure_port(self._tcp, self._certs.credentials())
-        await server.start()
-        self._server = server
+            agents = [PeerCheck(hop_callers(KVCACHED_API), "kvcached's API")]
+            remote = grpc.aio.server(
+                handlers=[self._service.handler()], options=self._options, interceptors=agents
+            )
+            self.tcp_port = remote.add_secure_port(self._tcp, self._certs.credentials())
+            servers.append(remote)
+        for server in servers:
+            await server.start()
+        self._servers = servers
         log.info(
             "kvcached API on %s", ", ".join(filter(None, [self._unix, self._tcp and f"tcp:{self.tcp_port}"]))
         )
 
     async def aclose(self, grace_s: float = 0.0) -> None:
-        server, self._server = self._server, None
-        if server is not None:
+        servers, self._servers = self._servers, []
+        for server in servers:
             await server.stop(grace_s)
         if self._unix is not None:
             with contextlib.suppress(OSError):

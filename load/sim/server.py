@@ -3,7 +3,10 @@
 Each :class:`SimReplica` is an aiohttp app over its own :class:`~load.sim.engine.Engine`, pumped by an
 :class:`EngineDriver` task, with its own Prometheus registry. :class:`SimFleet` hosts N replicas in one
 event loop sharing one tokenizer; :func:`main` is ``kvgate sim`` (also ``python -m load.sim.server``).
-Every response carries ``x-kvgate-replica: <id>``.
+Every response carries ``x-kvgate-replica: <id>``. Over TLS with client certificates required
+(``--tls-client-ca``), every request must also come from an identity that may call an engine
+(:data:`certs.roles.CALLERS`: ``envoy-edge``, ``extproc``, ``agent``); another gets 403 with an
+OpenAI-style JSON error, whatever the route.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from load.sim.metrics import replica_registry
 from load.sim.serving import Serving, ToolParsing
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
+from runtime.identity import ENGINE, peercert_uris, permits
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +100,13 @@ class SimReplica:
         self._created = int(time.time())
 
     async def start(self, sock: socket.socket, ssl_context: ssl.SSLContext | None = None) -> None:
-        """Serve on a bound socket (HTTPS with ``ssl_context``) and start the engine."""
+        """Serve on a bound socket (HTTPS with ``ssl_context``) and start the engine. When the context
+        requires client certificates, only engine callers' identities are served (module docstring)."""
         if self.kv_events is not None:
             await self.kv_events.start()
-        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        checked = ssl_context is not None and ssl_context.verify_mode == ssl.CERT_REQUIRED
+        middlewares = [_engine_callers, self._errors] if checked else [self._errors]
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._tag)
         app.add_routes(
             [
@@ -227,6 +234,19 @@ class SimReplica:
         return response
 
 
+@web.middleware
+async def _engine_callers(request: web.Request, handler: Any) -> web.StreamResponse:
+    """403 unless the client certificate of the request's connection names a role that may call an
+    engine (the handshake already verified it against the client CA)."""
+    transport = request.transport
+    peercert = None if transport is None else transport.get_extra_info("peercert")
+    if not permits(ENGINE, peercert_uris(peercert)):
+        err = SimError(403, "this client certificate's identity may not call the engine")
+        return web.Response(status=403, body=err.body(), content_type="application/json")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
 def _json(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
 
@@ -334,7 +354,8 @@ def write_ready_file(path: Path, records: list[dict[str, object]]) -> None:
 
 def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> ssl.SSLContext | None:
     """The replicas' TLS context: ``None`` (plain HTTP) without ``cert``; with ``client_ca``, clients
-    must present a certificate chaining to it (``CERT_REQUIRED``). ``ssl.SSLError`` (an ``OSError``)
+    must present a certificate chaining to it (``CERT_REQUIRED``), and its identity must be an engine
+    caller's (checked on each request, :meth:`SimReplica.start`). ``ssl.SSLError`` (an ``OSError``)
     when the files do not load."""
     if cert is None or key is None:
         return None
@@ -382,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate (needs --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument(
-        "--tls-client-ca", type=Path, help="require client certificates that chain to this PEM CA bundle"
+        "--tls-client-ca",
+        type=Path,
+        help="require client certificates that chain to this PEM CA bundle; only the identities "
+        "spiffe://kvgate.local/{envoy-edge,extproc,agent}[-SUFFIX] are served (others: 403)",
     )
     p.add_argument(
         "--kv-events-config",

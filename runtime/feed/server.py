@@ -2,7 +2,9 @@
 :class:`~runtime.feed.log.FeedLog` to any number of subscribers.
 
 It serves :data:`~contracts.events.SUBSCRIBE_METHOD` (generic gRPC handler, msgpack (de)serialisers from
-:mod:`contracts.events`, optional mTLS with a required client certificate). A subscriber gets a replay or a
+:mod:`contracts.events`, optional mTLS with a required client certificate whose identity must be an allowed
+caller: by default the roles :mod:`certs.roles` lets call a feed, i.e. gateways' ``extproc`` certificates;
+another gets ``PERMISSION_DENIED`` before anything is sent). A subscriber gets a replay or a
 snapshot, then live batches through a bounded queue; one that falls more than ``queue_batches`` behind is
 disconnected with ``RESOURCE_EXHAUSTED`` (it resubscribes and gets a replay or a snapshot), so publishing
 never waits for a slow reader.
@@ -21,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -37,6 +39,7 @@ from contracts.events import (
     encode,
 )
 from runtime.feed.log import FeedLog
+from runtime.identity import FEED, PeerCheck, hop_callers
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,9 @@ DEFAULT_QUEUE_BATCHES = 1024
 """Live batches a subscriber may have pending before it is disconnected."""
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 """gRPC message limit: a snapshot of a large node is one message, well above gRPC's 4 MiB default."""
+
+FEED_CALLERS = hop_callers(FEED)
+"""Who may subscribe under TLS by default: identities whose role :data:`certs.roles.CALLERS` allows."""
 
 SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -90,8 +96,10 @@ class FeedServer:
     ``snapshot_source`` returns what the agent's translators hold now (index events, no ``Load``).
     ``listen``: ``host:port`` (port 0: ephemeral; the bound port is :attr:`port` after :meth:`start`).
     ``tls``: serve mTLS, requiring a client certificate that chains to ``tls.client_ca``; the files are
-    re-read when they change (:class:`runtime.tls.ReloadingServerCerts`). ``wall``: wall clock for
-    batch timestamps (seconds since the epoch).
+    re-read when they change (:class:`runtime.tls.ReloadingServerCerts`). ``callers``: whether a TLS
+    peer with these identity URIs may subscribe (default: the roles :data:`certs.roles.CALLERS` allows
+    on the feed hop); others get ``PERMISSION_DENIED``. ``wall``: wall clock for batch timestamps
+    (seconds since the epoch).
     """
 
     def __init__(
@@ -103,6 +111,7 @@ class FeedServer:
         tls: ServerTlsFiles | None = None,
         queue_batches: int = DEFAULT_QUEUE_BATCHES,
         wall: Callable[[], float] = time.time,
+        callers: Callable[[Collection[str]], bool] = FEED_CALLERS,
     ) -> None:
         if queue_batches < 1:
             raise ValueError("queue_batches must be >= 1")
@@ -110,6 +119,7 @@ class FeedServer:
         self._snapshot_source = snapshot_source
         self._listen = listen
         self._certs = ReloadingServerCerts(tls) if tls is not None else None
+        self._callers = callers
         self._queue_batches = queue_batches
         self._wall = wall
         self._subscribers: set[_Subscriber] = set()
@@ -135,7 +145,8 @@ class FeedServer:
                 )
             },
         )
-        server = grpc.aio.server(handlers=[handler], options=SERVER_OPTIONS)
+        peers = [PeerCheck(self._callers, "this feed")] if self._certs is not None else []
+        server = grpc.aio.server(handlers=[handler], options=SERVER_OPTIONS, interceptors=peers)
         if self._certs is not None:
             self.port = server.add_secure_port(self._listen, self._certs.credentials())
         else:

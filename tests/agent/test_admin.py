@@ -1,8 +1,9 @@
 """agent.admin: the admin API of a real :class:`agent.main.Agent` (no engines, no etcd, ``[agent]
 kvcached`` set so the slot routes exist) on 127.0.0.1:0. With ``[agent.tls]`` (dev-CA certificates):
-HTTPS, reads open without a client certificate, every POST 401 without one, a certificate from another CA
-refused, a valid one let through to the route; the advertised ``slot_restore`` URL is ``https``. Without
-it: plaintext and open, as before."""
+HTTPS, reads open without a client certificate, every POST 401 without one, 403 with one whose role may
+not change agent state, a certificate from another CA refused, a gateway's (``extproc``) or an
+operator's let through to the route; the advertised ``slot_restore`` URL is ``https``. Without it:
+plaintext and open, as before."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from engines.config import EngineConfig
 #: Every state-changing route of an agent with ``[agent] kvcached``.
 POSTS = ("/drain", "/slots/save", "/slots/restore", RESTORE_CHAIN_PATH)
 DIGEST = "ab" * 16
+#: Roles of the agent's own CA that may not change agent state (issue 26.1).
+WRONG = ("agent-node-b", "kvcached", "envoy-edge", "client-x")
 
 
 @dataclass(frozen=True)
@@ -34,14 +37,28 @@ class Pki:
     agent: LeafFiles
     gateway: LeafFiles  # the ext_proc's [feeds] client certificate
     rogue: LeafFiles  # same name, another CA
+    operator: LeafFiles  # an operator's tools (kvgate certs issue --name operator-ops)
+    wrong: dict[str, LeafFiles]  # same CA, roles that may not change agent state
+    api_client: LeafFiles  # an API client's certificate, from its own CA (kvgate up --secure's clients/)
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     now = dt.datetime.now(dt.UTC)
-    good = dev_bundle(tmp_path_factory.mktemp("pki"), ["agent-node-a", "extproc"], now)
+    good = dev_bundle(
+        tmp_path_factory.mktemp("pki"), ["agent-node-a", "extproc", "operator-ops", *WRONG], now
+    )
     rogue = dev_bundle(tmp_path_factory.mktemp("rogue"), ["extproc"], now)
-    return Pki(good["agent-node-a"], good["extproc"], rogue["extproc"])
+    api = dev_bundle(tmp_path_factory.mktemp("clients"), ["client-alice"], now)
+    wrong = {name: good[name] for name in WRONG}
+    return Pki(
+        good["agent-node-a"],
+        good["extproc"],
+        rogue["extproc"],
+        good["operator-ops"],
+        wrong,
+        api["client-alice"],
+    )
 
 
 def llama_engine() -> EngineConfig:
@@ -105,6 +122,7 @@ async def test_reads_are_open_and_every_post_needs_a_client_certificate(tls_agen
         )
         assert status == 401, path
         assert answer["error"]["code"] == 401 and "client certificate" in answer["error"]["message"]
+        assert answer["error"]["type"] == "authentication_error" and answer["error"]["param"] is None
     assert not tls_agent.stop_requested.is_set()
 
 
@@ -136,6 +154,35 @@ async def test_a_valid_client_certificate_reaches_the_routes(tls_agent: Agent, p
     assert status == 400 and answer["error"]["code"] == 400
     assert await call("GET", f"{base}/healthz", gateway) == (200, {"status": "ok"})
     assert await call("POST", f"{base}/drain", gateway) == (202, {"draining": True})
+    assert tls_agent.stop_requested.is_set()
+
+
+@pytest.mark.parametrize("name", WRONG)
+async def test_a_certificate_of_a_role_that_may_not_change_state_gets_403(
+    tls_agent: Agent, pki: Pki, name: str
+) -> None:
+    base = f"https://127.0.0.1:{tls_agent.admin_port}"
+    other = client(pki, pki.wrong[name])
+    assert await call("GET", f"{base}/healthz", other) == (200, {"status": "ok"})  # reads stay open
+    for path in POSTS:
+        status, answer = await call("POST", base + path, other, {"engine": "llama-0", "digests": [DIGEST]})
+        assert status == 403, path
+        assert answer["error"]["code"] == 403 and "identity" in answer["error"]["message"]
+        assert answer["error"]["type"] == "permission_error"
+    assert not tls_agent.stop_requested.is_set()
+
+
+async def test_an_api_client_certificate_from_its_own_ca_fails_the_handshake(
+    tls_agent: Agent, pki: Pki
+) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        await call("POST", f"https://127.0.0.1:{tls_agent.admin_port}/drain", client(pki, pki.api_client))
+    assert not tls_agent.stop_requested.is_set()
+
+
+async def test_an_operator_certificate_may_drain(tls_agent: Agent, pki: Pki) -> None:
+    base = f"https://127.0.0.1:{tls_agent.admin_port}"
+    assert await call("POST", f"{base}/drain", client(pki, pki.operator)) == (202, {"draining": True})
     assert tls_agent.stop_requested.is_set()
 
 

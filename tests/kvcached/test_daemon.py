@@ -76,6 +76,7 @@ class Pair:
     b: Node
     client_leaf: LeafFiles
     settings: EtcdSettings
+    gateway_leaf: LeafFiles  # an ext_proc's identity: the only role that may subscribe to feeds
 
 
 def _config(tmp: Path, name: str, leaf: LeafFiles, etcd: EtcdServer, prefix: str) -> Path:
@@ -110,7 +111,8 @@ prefix = "{prefix}"
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("kvd")
-    leaves = dev_bundle(tmp / "certs", ["kvcached-a", "kvcached-b", "client-test"], dt.datetime.now(dt.UTC))
+    names = ["kvcached-a", "kvcached-b", "agent-test", "extproc"]
+    leaves = dev_bundle(tmp / "certs", names, dt.datetime.now(dt.UTC))
     prefix = f"/kvgate-test/{uuid.uuid4().hex[:12]}/"
     children: list[Child] = []
     try:
@@ -141,7 +143,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer) -> I
             for name, child, ready in started
         ]
         settings = EtcdSettings(endpoints=(etcd_server.address,), prefix=prefix)
-        yield Pair(nodes[0], nodes[1], leaves["client-test"], settings)
+        yield Pair(nodes[0], nodes[1], leaves["agent-test"], settings, leaves["extproc"])
     finally:
         for child in children:
             child.stop()
@@ -260,7 +262,7 @@ async def test_registration_appears_in_etcd(pair: Pair, etcd: etcd3aio.Etcd3Clie
 
 async def test_feed_reports_stored_ram_and_demotion(pair: Pair, clients: tuple[KvcachedClient, ...]) -> None:
     a, _ = clients
-    leaf = pair.client_leaf
+    leaf = pair.gateway_leaf
     creds = grpc.ssl_channel_credentials(leaf.ca.read_bytes(), leaf.key.read_bytes(), leaf.cert.read_bytes())
     seen: list[Batch] = []
     async with grpc.aio.secure_channel(pair.a.status["feed"], creds) as channel:
@@ -322,7 +324,7 @@ async def test_gateway_prefers_the_node_whose_kvcached_holds_the_prefix(
     """A gateway following etcd subscribes to both daemons' feeds (mTLS); blocks of a prompt put into
     b's kvcached make the endpoint on node b the pick (a local fetch beats a peer fetch), with no GPU
     prefix anywhere."""
-    leaf = pair.client_leaf
+    leaf = pair.gateway_leaf
     config = parse_config(
         {
             "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},

@@ -33,6 +33,8 @@ from kvcached.wire import (
 )
 
 NOW = dt.datetime.now(dt.UTC)
+#: Roles of the peers' CA with client usage that may not fetch blocks (issue 26.1: kvcached only).
+WRONG = ("agent-node-b", "extproc", "operator-ops", "client-x")
 
 
 class DictStore:
@@ -54,13 +56,14 @@ class Pki:
     a: LeafFiles
     b: LeafFiles
     rogue: LeafFiles  # same name, another CA
+    wrong: dict[str, LeafFiles]  # same CA, roles that may not fetch blocks
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    good = dev_bundle(tmp_path_factory.mktemp("pki"), ["kvcached-a", "kvcached-b"], NOW)
+    good = dev_bundle(tmp_path_factory.mktemp("pki"), ["kvcached-a", "kvcached-b", *WRONG], NOW)
     other = dev_bundle(tmp_path_factory.mktemp("rogue"), ["kvcached-a"], NOW)
-    return Pki(good["kvcached-a"], good["kvcached-b"], other["kvcached-a"])
+    return Pki(good["kvcached-a"], good["kvcached-b"], other["kvcached-a"], {n: good[n] for n in WRONG})
 
 
 def server_for(store: object, leaf: LeafFiles, **kw: object) -> PeerServer:
@@ -235,6 +238,22 @@ async def test_client_with_cert_from_another_ca_is_rejected(
             await client.fetch(address, [digest(1)])
         assert server.stats()["rejected"] == 1
         assert server.stats()["served_blocks"] == 0
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("name", WRONG)
+async def test_client_cert_of_another_role_is_rejected(
+    pki: Pki, served: tuple[PeerServer, DictStore, str], name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, _, address = served
+    client = client_for(pki.wrong[name])  # chains to the CA, clientAuth usage, but not a kvcached
+    try:
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(address, [digest(1)])
+        assert server.stats()["rejected"] == 1
+        assert server.stats()["served_blocks"] == 0
+        assert "may not fetch" in caplog.text
     finally:
         await client.aclose()
 

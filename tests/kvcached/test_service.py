@@ -42,7 +42,7 @@ class Api:
 @pytest.fixture
 def leaves(tmp_path: Path) -> dict[str, LeafFiles]:
     now = dt.datetime.now(dt.UTC)
-    return dev_bundle(tmp_path / "certs", ["kvcached-a", "client-test"], now)
+    return dev_bundle(tmp_path / "certs", ["kvcached-a", "agent-a", "extproc", "client-test"], now)
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ async def test_bad_digest_on_reads_and_undecodable_messages(api: Api, client: Kv
 
 async def test_tcp_requires_a_client_certificate(api: Api, tmp_path: Path) -> None:
     target = f"127.0.0.1:{api.server.tcp_port}"
-    leaf = api.leaves["client-test"]
+    leaf = api.leaves["agent-a"]
     good = KvcachedClient(target, ca=leaf.ca, cert=leaf.cert, key=leaf.key, timeout_s=5.0)
     try:
         await good.put(digest(7), b"seven")
@@ -145,6 +145,24 @@ async def test_tcp_requires_a_client_certificate(api: Api, tmp_path: Path) -> No
     finally:
         await anonymous.aclose()
         await stranger.aclose()
+
+
+@pytest.mark.parametrize("name", ["client-test", "extproc", "kvcached-a"])
+async def test_tcp_refuses_a_certificate_of_a_role_that_may_not_call(api: Api, name: str) -> None:
+    """Same CA, wrong role: refused before anything is read or written; the Unix socket is not affected."""
+    leaf = api.leaves[name]
+    target = f"127.0.0.1:{api.server.tcp_port}"
+    wrong = KvcachedClient(target, ca=leaf.ca, cert=leaf.cert, key=leaf.key, timeout_s=5.0)
+    local = KvcachedClient(f"unix:{api.sock}", timeout_s=5.0)
+    try:
+        with pytest.raises(KvcachedError, match="PERMISSION_DENIED"):
+            await wrong.put(digest(8), b"eight")
+        with pytest.raises(KvcachedError, match="PERMISSION_DENIED"):
+            await wrong.stats()
+        assert await local.contains([digest(8)]) == [False]
+    finally:
+        await wrong.aclose()
+        await local.aclose()
 
 
 class FakePeers:

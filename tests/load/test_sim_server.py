@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -21,8 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from certs.store import LeafFiles, dev_bundle
 from load.sim.engine import EngineConfig
-from load.sim.server import REPLICA_HEADER, SimConfig, SimFleet
+from load.sim.server import REPLICA_HEADER, SimConfig, SimFleet, server_tls
 from load.sim.timing import TimingModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -385,3 +388,73 @@ def test_main_in_a_subprocess_writes_ready_file_and_stops_on_sigterm(model_dir: 
         stdout, stderr = proc.communicate(timeout=20)
     assert proc.returncode == 0, stderr
     assert json.loads(stdout.splitlines()[0]) == records
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LeafFiles]:
+    """Dev-CA leaves of every role that may or may not call an engine, and an API client from its own CA."""
+    now = dt.datetime.now(dt.UTC)
+    roles = ["engine", "envoy-edge", "extproc", "agent-node-a", "kvcached", "operator-ops", "client-x"]
+    bundle = dev_bundle(tmp_path_factory.mktemp("pki"), roles, now)
+    bundle["foreign-client"] = dev_bundle(tmp_path_factory.mktemp("clients"), ["client-x"], now)["client-x"]
+    return bundle
+
+
+@pytest.fixture
+async def tls_fleet(config: SimConfig, pki: dict[str, LeafFiles]) -> AsyncIterator[SimFleet]:
+    engine = pki["engine"]
+    async with SimFleet(config, 1, ssl_context=server_tls(engine.cert, engine.key, engine.ca)) as fleet:
+        yield fleet
+
+
+async def tls_get(fleet: SimFleet, pki: dict[str, LeafFiles], name: str, path: str) -> tuple[int, Any]:
+    """GET ``path`` presenting ``pki[name]``'s certificate; the status and the parsed body (or text)."""
+    ctx = ssl.create_default_context(cafile=str(pki["engine"].ca))
+    ctx.load_cert_chain(pki[name].cert, pki[name].key)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"https://{fleet.addresses[0]}{path}", ssl=ctx) as resp,
+    ):
+        text = await resp.text()
+        return resp.status, json.loads(text) if resp.content_type == "application/json" else text
+
+
+@pytest.mark.parametrize("name", ["envoy-edge", "extproc", "agent-node-a"])
+async def test_tls_engine_callers_are_served(
+    tls_fleet: SimFleet, pki: dict[str, LeafFiles], name: str
+) -> None:
+    status, models = await tls_get(tls_fleet, pki, name, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    status, metrics = await tls_get(tls_fleet, pki, name, "/metrics")
+    assert status == 200 and "vllm:num_requests_running" in metrics
+
+
+@pytest.mark.parametrize("name", ["kvcached", "operator-ops", "client-x"])
+async def test_tls_other_roles_of_the_same_ca_get_an_openai_403(
+    tls_fleet: SimFleet, pki: dict[str, LeafFiles], name: str
+) -> None:
+    """Issue 26.1: a certificate that chains to the CA but names a role that may not call an engine."""
+    for path in ("/v1/models", "/metrics", "/health"):
+        status, answer = await tls_get(tls_fleet, pki, name, path)
+        assert status == 403, path
+        assert answer["error"]["code"] == 403 and answer["error"]["type"] == "ForbiddenError"
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+    ctx = ssl.create_default_context(cafile=str(pki["engine"].ca))
+    ctx.load_cert_chain(pki[name].cert, pki[name].key)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"https://{tls_fleet.addresses[0]}/v1/completions",
+            data=body(model=MODEL, prompt="the quick brown fox", max_tokens=2),
+            ssl=ctx,
+        ) as resp,
+    ):
+        assert resp.status == 403 and (await resp.json())["error"]["code"] == 403
+    assert tls_fleet.replicas[0].engine.stats.prompt_tokens == 0  # nothing reached the engine
+
+
+async def test_tls_client_certificate_from_another_ca_fails_the_handshake(
+    tls_fleet: SimFleet, pki: dict[str, LeafFiles]
+) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        await tls_get(tls_fleet, pki, "foreign-client", "/v1/models")

@@ -11,10 +11,21 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from certs.store import dev_bundle
-from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load, SequenceTracker, Stored
+from contracts.events import (
+    SUBSCRIBE_METHOD,
+    Batch,
+    Cleared,
+    EndpointId,
+    IndexEvent,
+    Load,
+    SequenceTracker,
+    Stored,
+    encode,
+)
 from runtime.feed.client import FeedClient
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
@@ -295,4 +306,63 @@ async def test_mtls_accepts_a_client_certificate_and_refuses_none(
     finally:
         await other.aclose()
         await client.aclose()
+        await srv.aclose()
+
+
+async def subscribe_status(srv: FeedServer, files: ClientTlsFiles) -> grpc.StatusCode:
+    """The status a raw Subscribe call ends with when the server answers it (not a handshake failure)."""
+    async with grpc.aio.secure_channel(addr(srv), channel_credentials(files)) as channel:
+        method = channel.unary_stream(SUBSCRIBE_METHOD, request_serializer=encode, response_deserializer=None)
+        call = method(SequenceTracker().request("probe"), timeout=10)
+        try:
+            async for _ in call:
+                break
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("role", ["agent", "kvcached-b", "envoy-edge", "operator-ops", "client-x"])
+async def test_mtls_refuses_a_certificate_of_a_role_that_may_not_subscribe(tmp_path: Path, role: str) -> None:
+    """Issue 26.1: chaining to the CA is not enough; only a gateway's (``extproc``) identity subscribes."""
+    bundle = dev_bundle(tmp_path / "pki", ["agent-node-a", "extproc", role], dt.datetime.now(dt.UTC))
+    agent = bundle["agent-node-a"]
+    srv = FeedServer(FeedLog("node-a"), Held(), tls=ServerTlsFiles(agent.cert, agent.key, agent.ca))
+    await srv.start()
+    wrong, right = bundle[role], bundle["extproc"]
+    try:
+        refused = Recorder()
+        other = FeedClient(
+            addr(srv),
+            refused,
+            subscriber="wrong",
+            credentials=channel_credentials(ClientTlsFiles(ca=wrong.ca, cert=wrong.cert, key=wrong.key)),
+        )
+        other.start()
+        try:
+            await eventually(lambda: refused.lost == [addr(srv)])
+            assert other.last_error.startswith("PERMISSION_DENIED") and refused.batches == []
+        finally:
+            await other.aclose()
+        files = ClientTlsFiles(ca=wrong.ca, cert=wrong.cert, key=wrong.key)
+        assert await subscribe_status(srv, files) == grpc.StatusCode.PERMISSION_DENIED
+        assert srv.subscriptions == 0
+        files = ClientTlsFiles(ca=right.ca, cert=right.cert, key=right.key)
+        assert await subscribe_status(srv, files) == grpc.StatusCode.OK and srv.subscriptions == 1
+    finally:
+        await srv.aclose()
+
+
+async def test_mtls_refuses_a_client_certificate_from_another_ca(tmp_path: Path) -> None:
+    """An API client's certificate (its own CA, as ``kvgate up --secure`` issues them) fails the handshake."""
+    now = dt.datetime.now(dt.UTC)
+    agent = dev_bundle(tmp_path / "pki", ["agent"], now)["agent"]
+    client = dev_bundle(tmp_path / "clients", ["client-x"], now)["client-x"]
+    srv = FeedServer(FeedLog("node-a"), Held(), tls=ServerTlsFiles(agent.cert, agent.key, agent.ca))
+    await srv.start()
+    try:
+        files = ClientTlsFiles(ca=agent.ca, cert=client.cert, key=client.key)
+        assert await subscribe_status(srv, files) == grpc.StatusCode.UNAVAILABLE
+        assert srv.subscriptions == 0
+    finally:
         await srv.aclose()
