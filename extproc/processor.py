@@ -386,7 +386,7 @@ class StreamProcessor:
                     DECISION_MODEL: decision.model,
                     DECISION_ENDPOINT: pick.id,
                     DECISION_MATCHED: decision.matched_blocks,
-                    DECISION_BLOCKS: len(decision.digests),
+                    DECISION_BLOCKS: decision.prompt_blocks,
                     DECISION_US: round((decided - started) * 1e6),
                 },
             }

@@ -86,17 +86,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate)
+        large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         try:
             async for msg in request_iterator:
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
                 if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop
+                    large = True
                     await asyncio.to_thread(proc.prepare, msg)
                 responses = proc.handle(msg)
                 if proc.decision is not None and not decided_before:
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
                     self._metrics.requests.labels("routed").inc()
-                    blocks = len(proc.decision.digests)
+                    blocks = proc.decision.prompt_blocks
                     if blocks:
                         self._metrics.prefix_hit_ratio.observe(proc.decision.matched_blocks / blocks)
                     if self._restorer is not None:
@@ -105,6 +107,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if resp.HasField("immediate_response"):
                         self._metrics.requests.labels(str(resp.immediate_response.status.code)).inc()
                     yield resp
+                decision = proc.decision
+                if large and decision is not None and decision.rest is not None and not decision.recorded:
+                    # The answer is out; the rest of the window is hashed for the index record: a long
+                    # prompt's off the event loop, as its start was (preparable).
+                    await asyncio.to_thread(decision.rest.finish)
                 proc.after_send()
         finally:
             if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:

@@ -170,6 +170,11 @@ class ApproximateIndex:
         candidates = list(holders) if isinstance(holders, dict) else [holders]
         return [ep for ep in candidates if self._expiry(holders, ep, digest) > now]
 
+    def held(self, digest: Digest) -> bool:
+        """Whether some endpoint has an entry for ``digest``, expired or not (see
+        :meth:`~extproc.index.interface.PrefixIndex.held`). One dict lookup."""
+        return digest in self._where
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Remember that ``endpoint`` holds the chain ``digests`` (from block 0) until ``now + ttl_s``.
 

@@ -99,6 +99,10 @@ class HybridIndex:
         """:meth:`PreciseIndex.node_leads` (node-store pseudo endpoints live in the precise index)."""
         return self.precise.node_leads(endpoints, digests)
 
+    def held(self, digest: Digest) -> bool:
+        """Whether either index may hold ``digest`` (node stores live in the precise one)."""
+        return self.precise.held(digest) or self.approximate.held(digest)
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         if endpoint in self._precise_ids:
             self.precise.record(endpoint, digests, now)

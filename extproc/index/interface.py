@@ -39,6 +39,16 @@ class PrefixIndex(Protocol):
         """
         ...
 
+    def held(self, digest: Digest) -> bool:
+        """Whether any endpoint or node store may hold ``digest``, in any tier or speculatively. O(1).
+
+        ``False`` is definite: no endpoint's :meth:`match` lead nor any :meth:`node_leads` lead can reach
+        past this block at any ``now``, so (digests being chained) no later block of the chain can count
+        either. ``True`` may include entries expired but not yet swept: a caller that stops at the first
+        unheld block of a chain only ever looks at a few blocks too many, never too few.
+        """
+        ...
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Note that ``endpoint`` was sent the chain ``digests`` (from block 0) at ``now``."""
         ...

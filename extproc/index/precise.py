@@ -295,6 +295,14 @@ class PreciseIndex:
                 ends[endpoint] = n
         return ends
 
+    def held(self, digest: Digest) -> bool:
+        """Whether some endpoint holds ``digest`` in an engine tier or speculatively (live or awaiting its
+        sweep), or some node store in ``ram`` or ``ssd`` (see
+        :meth:`~extproc.index.interface.PrefixIndex.held`). Three dict lookups at most."""
+        if digest in self._held:
+            return True
+        return any(digest in table for table in self._node.values())
+
     def holders(self, digest: Digest, now: float) -> list[EndpointId]:
         """Endpoints holding ``digest`` in an engine tier or live speculatively (inspection, tests)."""
         result: dict[EndpointId, int] = {}

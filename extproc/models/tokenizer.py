@@ -1,4 +1,4 @@
-"""Prompt tokenization identical to the engine's, with a per-segment cache for multi-turn prompts.
+r"""Prompt tokenization identical to the engine's, with a per-segment cache for multi-turn prompts.
 
 ``tokenizers`` (and so transformers and vLLM) first cuts the text at added tokens (``<|im_start|>``,
 ``<|im_end|>`` ...; leftmost-longest match), maps those straight to their ids, and normalizes,
@@ -12,6 +12,20 @@ normalizer is set, no pre-tokenizer depends on a piece's position in the whole t
 ``prepend_scheme: first``), the model is deterministic (no BPE dropout), no truncation or padding is
 configured, and the post-processor only adds fixed tokens around the sequence. Any other tokenizer is
 served by :meth:`SegmentTokenizer.encode_whole` (the reference path), with the reason logged once.
+
+:class:`PrefixCursor` tokenizes a text in order, on demand, so a router can stop at the first block no
+engine holds. A long piece is cut into chunks only where the cut provably does not change its tokens:
+with GPT-2's byte-level pre-tokenizer (``ByteLevel`` with its regex, optionally after ``Digits``; no
+normalizer; a BPE model), at a space (U+0020) right after a letter, digit, underscore or printable ASCII
+character. No alternative of GPT-2's regex (``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
+?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``) can match across a non-whitespace character followed by a space (a
+space only ever leads a match or sits in a whitespace run), and no attempt made left of the cut reads
+past it: every greedy run there stops at the space, and a whitespace run ends before the non-whitespace
+character, its lookahead reading that character. The regex has no anchors or lookbehind, so the
+matches left of the cut are those of the text cut there and the matches right of it those of the rest
+alone; ``Digits`` only isolates digit runs, which contain no space; and BPE runs on each pre-token
+independently. So ``tokens(piece) == tokens(piece[:cut]) + tokens(piece[cut:])``. Any other
+pre-tokenizer (Llama 3's and Qwen's ``Split`` regexes included) gets whole pieces.
 """
 
 from __future__ import annotations
@@ -87,6 +101,17 @@ class _Plan:
     ids: dict[str, int]
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
+    chunkable: bool = False
+    """Whether a long piece may be cut at :data:`_CHUNK_CUT` (see the module docstring)."""
+
+
+_CHUNK_CUT = re.compile(r"[\w!-~] ")
+"""A character that is never whitespace followed by a space: the space is a safe chunk boundary."""
+
+FIRST_CHUNK_CHARS = 256
+"""Characters of a long uncached piece tokenized first by a :class:`PrefixCursor` (about 60 tokens of
+English, four 16-token blocks); each next chunk of the same piece is twice as long, so a piece costs
+O(log length) tokenizer calls."""
 
 
 class SegmentTokenizer:
@@ -212,38 +237,53 @@ class SegmentTokenizer:
         """The leading token ids of ``text`` (at least ``limit`` of them, when it has that many) and an
         estimate of its total length in tokens.
 
-        The ids are exactly ``encode(text)[:len(ids)]``: pieces are tokenized in order until ``limit``
-        tokens are covered, and the pieces after that are not tokenized at all. Their length is estimated
-        from the characters-per-token ratio of what was tokenized (special tokens counted exactly). A
-        router that hashes only a prompt's first blocks needs no more; a long first turn then costs the
-        window, not the whole prompt.
+        The ids are exactly ``encode(text)[:len(ids)]``: :meth:`cursor` advanced to ``limit`` tokens (the
+        rest is not tokenized at all; its length is :meth:`PrefixCursor.estimate`). A router that hashes
+        only a prompt's first blocks needs no more; a long first turn then costs the window, not the
+        whole prompt.
         """
-        if self._plan is None:
-            ids = self.encode_whole(text, add_special_tokens)
-            return ids, len(ids)
+        cursor = self.cursor(text, add_special_tokens)
+        cursor.advance(limit)
+        return list(cursor.ids), cursor.estimate()
+
+    def cursor(self, text: str, add_special_tokens: bool) -> PrefixCursor:
+        """A :class:`PrefixCursor` over ``text`` (nothing tokenized yet, unless the tokenizer has no exact
+        segment path: then the whole text is tokenized at once and the cursor is done)."""
+        plan = self._plan
+        if plan is None:
+            return PrefixCursor(self, [], self.encode_whole(text, add_special_tokens), (), chunkable=False)
         pieces = self.split(text)
-        out = list(self._plan.prefix) if add_special_tokens else []
-        chars = 0
-        for i, piece in enumerate(pieces):
-            if len(out) >= limit:
-                rest = pieces[i:]
-                specials = sum(1 for p in rest if isinstance(p, int))
-                rest_chars = sum(len(p) for p in rest if isinstance(p, str))
-                per_char = (len(out) / chars) if chars else 0.25
-                suffix = len(self._plan.suffix) if add_special_tokens else 0
-                return out, len(out) + specials + round(rest_chars * per_char) + suffix
-            if isinstance(piece, int):
-                out.append(piece)
-                continue
-            with self._lock:
-                cached = self._cache.get(piece)
-                if cached is not None:
-                    self._cache.move_to_end(piece)
-            out.extend(cached if cached is not None else self._tokenize([piece])[piece])
-            chars += len(piece)
-        if add_special_tokens:
-            out.extend(self._plan.suffix)
-        return out, len(out)
+        if not add_special_tokens:
+            return PrefixCursor(self, pieces, [], (), chunkable=plan.chunkable)
+        return PrefixCursor(self, pieces, list(plan.prefix), plan.suffix, chunkable=plan.chunkable)
+
+    def _cached(self, piece: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._cache.get(piece)
+            if ids is not None:
+                self._cache.move_to_end(piece)
+            return ids
+
+    def _remember(self, piece: str, ids: tuple[int, ...]) -> None:
+        """Cache ``ids`` (tokenized in chunks) for ``piece``, as :meth:`_tokenize` would have."""
+        limits = self.limits
+        with self._lock:
+            if len(ids) > limits.max_tokens or piece in self._cache:
+                return
+            self._cache[piece] = ids
+            self._cached_tokens += len(ids)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used segments past either bound (the lock is held)."""
+        limits = self.limits
+        while len(self._cache) > limits.max_entries or self._cached_tokens > limits.max_tokens:
+            _, evicted = self._cache.popitem(last=False)
+            self._cached_tokens -= len(evicted)
+
+    def _chunk(self, text: str) -> list[int]:
+        """Ids of a chunk of a piece (not cached: a chunk is not a piece)."""
+        return list(self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     def _tokenize(self, pieces: list[str]) -> dict[str, tuple[int, ...]]:
         """Tokenize cache misses in one batch call and insert them into the cache."""
@@ -257,9 +297,7 @@ class SegmentTokenizer:
                     continue
                 self._cache[piece] = ids
                 self._cached_tokens += len(ids)
-            while len(self._cache) > limits.max_entries or self._cached_tokens > limits.max_tokens:
-                _, evicted = self._cache.popitem(last=False)
-                self._cached_tokens -= len(evicted)
+            self._evict()
         return result
 
     def token_count(self, text: str, add_special_tokens: bool) -> int:
@@ -275,6 +313,126 @@ class SegmentTokenizer:
         with self._lock:
             self._cache.clear()
             self._cached_tokens = 0
+
+
+class PrefixCursor:
+    """One text's token ids, produced in order on demand (:meth:`SegmentTokenizer.cursor`).
+
+    Invariant: :attr:`ids` is always exactly ``SegmentTokenizer.encode(text)[:len(ids)]``. Each step
+    takes the next added token, the next cached piece whole, or the next chunk of an uncached piece
+    (whole when the plan is not chunkable or no safe cut lies ahead; see the module docstring). A piece
+    finished through chunks is cached whole. Not thread-safe: one request uses it at a time.
+    """
+
+    __slots__ = (
+        "_chars",
+        "_chunk",
+        "_chunkable",
+        "_next",
+        "_offset",
+        "_partial",
+        "_pieces",
+        "_suffix",
+        "_tok",
+        "ids",
+    )
+
+    def __init__(
+        self,
+        tokenizer: SegmentTokenizer,
+        pieces: list[str | int],
+        ids: list[int],
+        suffix: tuple[int, ...],
+        *,
+        chunkable: bool,
+    ) -> None:
+        self._tok = tokenizer
+        self._pieces = pieces
+        self._suffix = suffix
+        self._chunkable = chunkable
+        self._next = 0  # index of the piece being tokenized
+        self._offset = 0  # characters of it already tokenized (chunks)
+        self._partial: list[int] = []  # ids of those characters
+        self._chunk = FIRST_CHUNK_CHARS
+        self._chars = 0  # characters of ordinary pieces tokenized so far
+        #: The ids so far (read-only for callers).
+        self.ids = ids
+        if not pieces:
+            self._finish()
+
+    @property
+    def done(self) -> bool:
+        """Whether :attr:`ids` is the whole text's tokenization (post-processor suffix included)."""
+        return self._next > len(self._pieces)
+
+    def advance(self, want: int) -> bool:
+        """Tokenize on until :attr:`ids` holds at least ``want`` ids or the text is done; returns
+        :attr:`done`."""
+        while len(self.ids) < want and not self.done:
+            self.step()
+        return self.done
+
+    def step(self) -> None:
+        """Tokenize the next added token, piece or chunk (nothing when :attr:`done`)."""
+        if self.done:
+            return
+        piece = self._pieces[self._next]
+        if isinstance(piece, int):
+            self.ids.append(piece)
+            self._next_piece()
+            return
+        tok = self._tok
+        offset = self._offset
+        if offset == 0:
+            cached = tok._cached(piece)
+            if cached is not None:
+                self.ids.extend(cached)
+                self._chars += len(piece)
+                self._next_piece()
+                return
+        if self._chunkable and len(piece) - offset > self._chunk:
+            cut = _CHUNK_CUT.search(piece, offset + self._chunk - 1)
+            if cut is not None:
+                end = cut.start() + 1
+                ids = tok._chunk(piece[offset:end])
+                self.ids.extend(ids)
+                self._partial.extend(ids)
+                self._chars += end - offset
+                self._offset = end
+                self._chunk *= 2
+                return
+        if offset == 0:
+            self.ids.extend(tok._tokenize([piece])[piece])
+        else:
+            rest = tok._chunk(piece[offset:])
+            self.ids.extend(rest)
+            tok._remember(piece, (*self._partial, *rest))
+        self._chars += len(piece) - offset
+        self._next_piece()
+
+    def estimate(self) -> int:
+        """The text's length in tokens: exact when :attr:`done`, else the ids so far plus the added tokens
+        left, the post-processor's suffix, and the characters left at the ratio of ids so far to
+        characters tokenized so far (0.25 a character before any)."""
+        if self.done:
+            return len(self.ids)
+        rest = self._pieces[self._next :]
+        specials = sum(1 for p in rest if isinstance(p, int))
+        rest_chars = sum(len(p) for p in rest if isinstance(p, str)) - self._offset
+        per_char = (len(self.ids) / self._chars) if self._chars else 0.25
+        return len(self.ids) + specials + round(rest_chars * per_char) + len(self._suffix)
+
+    def _next_piece(self) -> None:
+        self._next += 1
+        self._offset = 0
+        self._partial = []
+        self._chunk = FIRST_CHUNK_CHARS
+        if self._next == len(self._pieces):
+            self._finish()
+
+    def _finish(self) -> None:
+        self.ids.extend(self._suffix)
+        self._next = len(self._pieces) + 1
 
 
 def _cut(text: str, pattern: re.Pattern[str] | None, ids: dict[str, int]) -> list[str | int]:
@@ -324,7 +482,28 @@ def _plan(spec: dict[str, Any], *, encode_special_tokens: bool) -> _Plan | str:
     edges = _post_processor_edges(spec.get("post_processor"))
     if isinstance(edges, str):
         return edges
-    return _Plan(_alternation(raw), _alternation(normalized), ids, edges[0], edges[1])
+    chunkable = (
+        spec.get("normalizer") is None
+        and model.get("type") == "BPE"
+        and _gpt2_split(spec.get("pre_tokenizer"))
+    )
+    return _Plan(_alternation(raw), _alternation(normalized), ids, edges[0], edges[1], chunkable)
+
+
+def _gpt2_split(pre: dict[str, Any] | None) -> bool:
+    """Whether ``pre`` is GPT-2's byte-level regex split, optionally after ``Digits`` (what a chunk cut at
+    :data:`_CHUNK_CUT` is proven exact for; see the module docstring)."""
+    if pre is None:
+        return False
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not steps or any(step.get("type") != "Digits" for step in steps[:-1]):
+        return False
+    last = steps[-1]
+    return (
+        last.get("type") == "ByteLevel"
+        and bool(last.get("use_regex", True))
+        and not last.get("add_prefix_space", False)
+    )
 
 
 def _pre_tokenizer_reason(pre: dict[str, Any] | None) -> str | None:

@@ -5,6 +5,26 @@ context, :mod:`extproc.routing.length`) -> chained digests -> index lookup -> fi
 Pure bookkeeping on top of the fleet and the index: no IO, no clock reads (``now`` is passed in), so the
 same object serves the gRPC shell, tests and benchmarks.
 
+Tokenize only what can match: digests are chained, so once a block is held by no endpoint nor node store
+(:meth:`~extproc.index.interface.PrefixIndex.held`), no later block can be. :meth:`Router.tokens`
+tokenizes piece by piece (long pieces in chunks, :class:`~extproc.models.tokenizer.PrefixCursor`) and
+hashes each block as soon as it is complete, stopping at the first one nobody holds
+(:class:`LazyPrompt`). The index match over that prefix equals the match over the whole window. The rest
+of the window is tokenized only when something needs it: :meth:`Router.decide` when some endpoint or
+node store holds a lead (the ``prefix`` and ``kv-tier`` scorers divide by the prompt's blocks in the
+window, so the pick needs their exact number), and :meth:`Router.commit` (off the request's critical
+path) to record the whole window, so the index learns exactly what it learned before.
+
+Which prompt length each consumer uses (:attr:`Tokens.count`):
+
+- token budgets (admission, ``exact_count``): the exact count, the whole prompt tokenized;
+- the context-length check: exact as far as it needs (:mod:`extproc.routing.length`: a byte bound, or the
+  leading ``allowed + 1`` tokens counted);
+- ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens``: exact when the whole prompt was
+  tokenized, else estimated from the characters left at the tokenized part's characters-per-token ratio
+  (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt past the digest window, or one whose
+  tokenization stopped at the first unheld block).
+
 What it decides by (the scheduling profile, per-model routes and the index block size) is one frozen
 :class:`RoutingPolicy`, swapped as a whole by :meth:`Router.apply` when the policy in force changes
 (:mod:`extproc.control.cluster` builds it); a request reads it once, so it never sees half a change.
@@ -29,6 +49,7 @@ from extproc.fleet import EndpointState, Fleet
 from extproc.index.interface import PrefixIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
+from extproc.models.tokenizer import PrefixCursor
 from extproc.routing.length import ContextLimit, Verdict, triage
 from extproc.routing.request import Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
@@ -49,7 +70,11 @@ class Decision:
     ``endpoints``: the pick then the fallbacks. ``matched_blocks``: leading blocks the pick was known
     to hold. ``kv_lead_blocks``: the longest run of leading blocks some node's kvcached holds (0 when
     none, or no kvcached is followed). ``served``: where Envoy really sent it (read back on the response
-    path).
+    path). ``rest``: set when ``digests`` stop at the first block nobody held (the lazy path);
+    :meth:`Router.commit` then hashes the rest of the window before recording, and ``digests`` becomes
+    the whole window's chain. ``prompt_blocks``: the prompt's full blocks within the window (``max_blocks``
+    at most), what hit ratios divide by: ``len(digests)``, or with ``rest`` set an estimate from the
+    prompt's estimated length.
     """
 
     request_id: str
@@ -62,6 +87,8 @@ class Decision:
     served: EndpointState | None = None
     finished: bool = field(default=False)
     recorded: bool = field(default=False)
+    rest: LazyPrompt | None = None
+    prompt_blocks: int = 0
 
     @property
     def destination(self) -> str:
@@ -107,13 +134,81 @@ class Tokens:
 
     ``ids``: token ids (or, when not ``exact``, bytes standing in for them), possibly only the leading
     ones the digests use; ``block_size``: units per index block; ``count``: the prompt length in tokens
-    (estimated when not ``exact`` or when ``ids`` stop early).
+    (estimated when not ``exact`` or when ``ids`` stop early). ``rest``: set when ``ids`` stop at the
+    first block nobody held (:class:`LazyPrompt`, which tokenizes on when asked; its chain, for the
+    request the tokens were made for, is ``rest.digests``); ``None`` when ``ids`` cover the digest
+    window or the whole prompt.
     """
 
     ids: Sequence[int]
     block_size: int
     exact: bool
     count: int
+    rest: LazyPrompt | None = None
+
+
+class LazyPrompt:
+    """A prompt tokenized and hashed block by block on demand, up to the digest window.
+
+    Invariants: ``cursor.ids`` is exactly a prefix of the prompt's full tokenization, and ``digests`` is
+    exactly the chain of its complete blocks within the window (``window`` blocks at most), so a prefix
+    of the full chain. Not thread-safe: one request uses it at a time.
+    """
+
+    __slots__ = ("_chains", "block_size", "cursor", "digests", "seed", "window")
+
+    def __init__(
+        self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, chains: ChainCache
+    ) -> None:
+        self.cursor = cursor
+        self.seed = seed
+        self.block_size = block_size
+        self.window = window
+        self._chains = chains
+        self.digests: list[Digest] = []
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``digests`` is the whole window's chain (the window is full or the prompt ends)."""
+        return len(self.digests) >= self.window or self.cursor.done
+
+    def extend(self, held: Callable[[Digest], bool]) -> None:
+        """Tokenize and hash on until a digest ``held`` says nobody holds is in ``digests`` (from the
+        last one known on), or :attr:`complete`. Every digest before that one is held, so the index
+        match over ``digests`` equals the match over the whole chain."""
+        start = max(len(self.digests) - 1, 0)  # those before were held when hashed
+        while True:
+            digests = self.digests
+            for i in range(start, len(digests)):
+                if not held(digests[i]):
+                    return
+            start = len(digests)
+            if self.complete:
+                return
+            self._hash_step()
+
+    def finish(self) -> None:
+        """Tokenize and hash the rest of the window."""
+        while not self.complete:
+            self._hash_step()
+
+    def tokens(self) -> Tokens:
+        """A snapshot: the ids so far, the length estimate (exact once the prompt is done) and, unless
+        :attr:`complete`, this prompt as ``rest``."""
+        cursor = self.cursor
+        return Tokens(
+            list(cursor.ids), self.block_size, True, cursor.estimate(), None if self.complete else self
+        )
+
+    def _hash_step(self) -> None:
+        """One tokenizer step, then the digests of the blocks it completed (within the window)."""
+        cursor, size = self.cursor, self.block_size
+        cursor.step()
+        have = len(self.digests)
+        full = min(len(cursor.ids) // size, self.window)
+        if full > have:
+            parent = self.digests[-1] if have else self.seed
+            self.digests.extend(self._chains.digests(parent, cursor.ids[have * size : full * size], size))
 
 
 class Router:
@@ -167,22 +262,33 @@ class Router:
     def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
 
-        Only the tokens the digests can use (``max_blocks`` blocks) are guaranteed; the rest of a long
-        prompt is tokenized only with ``exact_count`` (token budgets need the real length) or as far as the
-        context-length check needs (:mod:`extproc.routing.length`), otherwise its length is estimated.
-        Raises :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is
-        known and the prompt leaves no room in it for an output token.
+        With ``exact_count`` (token budgets need the real length) the whole prompt is tokenized; when
+        the context-length check must count (:mod:`extproc.routing.length`), the leading ``allowed + 1``
+        tokens or the digest window, whichever is more. Otherwise only up to the first block that no
+        endpoint nor node store holds (``rest`` is then set, see :class:`LazyPrompt`) or the digest
+        window (``max_blocks`` blocks), and the length is estimated. Raises
+        :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is known and
+        the prompt leaves no room in it for an output token.
         """
         block_size = self._policy.block_size
         assets = self.models.find(request.model)
         if assets is None:
             return self._byte_tokens(request, block_size)
-        ids, count = _token_ids(assets, request, self.max_blocks * block_size, exact_count)
+        found = _token_ids(assets, request, self.max_blocks * block_size, exact_count)
+        if isinstance(found, PrefixCursor):
+            seed = chain_seed(request.model, salt=request.cache_salt)
+            lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
+            lazy.extend(self.index.held)
+            return lazy.tokens()
+        ids, count = found
         return Tokens(ids, block_size, True, count)
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
-        can ever match (memoised: a follow-up turn re-hashes only its new blocks)."""
+        can ever match (memoised: a follow-up turn re-hashes only its new blocks). For lazy tokens
+        (``rest`` set) the chain of the blocks tokenized so far, already hashed."""
+        if tokens.rest is not None:
+            return list(tokens.rest.digests)
         hashed = tokens.ids[: self.max_blocks * tokens.block_size]
         seed = chain_seed(request.model, salt=request.cache_salt)
         return self._chains.digests(seed, hashed, tokens.block_size)
@@ -219,6 +325,10 @@ class Router:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
         if tokens is None:
             tokens = self.tokens(request)
+        lazy = tokens.rest
+        if lazy is not None:  # the index may have learned the stopping block since
+            lazy.extend(self.index.held)
+            tokens = lazy.tokens()
         digests = self.digests(request, tokens)
         working_set = self.working_set
         state = CycleState(
@@ -229,6 +339,13 @@ class Router:
         state.exact = all(is_precise(c.id) for c in candidates)
         if self.node_stores:
             self._warm(state, candidates, digests)
+        if lazy is not None and (state.prefix_blocks or state.warm_blocks or state.peer_warm_blocks):
+            # Some lead exists, so the prefix and kv-tier scorers divide by the window's blocks: hash them
+            # all (the leads stay the same: each stops before the first unheld block).
+            lazy.finish()
+            tokens = lazy.tokens()
+            digests = self.digests(request, tokens)
+            lazy = None
         sched = SchedulingRequest(
             request_id=request_id,
             model=request.model,
@@ -253,6 +370,12 @@ class Router:
             matched_blocks=state.prefix_blocks.get(primary.id, 0),
             kv_lead_blocks=max(state.peer_warm_blocks, state.warm_blocks.get(primary.id, 0)),
             served=primary,
+            rest=tokens.rest,
+            prompt_blocks=(
+                len(digests)
+                if tokens.rest is None
+                else max(len(digests), min(self.max_blocks, tokens.count // tokens.block_size))
+            ),
         )
 
     def _warm(
@@ -277,7 +400,7 @@ class Router:
         """
         if not decision.recorded and decision.served is not None:
             decision.recorded = True
-            self._record(decision.served.id, decision.digests, now)
+            self._record(decision.served.id, self._window(decision), now)
 
     def served(self, decision: Decision, address: str, now: float) -> None:
         """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
@@ -298,7 +421,17 @@ class Router:
         state.count_routed(now)
         decision.served = state
         decision.recorded = True
-        self._record(state.id, decision.digests, now)
+        self._record(state.id, self._window(decision), now)
+
+    @staticmethod
+    def _window(decision: Decision) -> Sequence[Digest]:
+        """The decision's digests over the whole window (hashing the rest of a lazy prompt first)."""
+        rest = decision.rest
+        if rest is not None:
+            rest.finish()
+            decision.digests = list(rest.digests)
+            decision.rest = None
+        return decision.digests
 
     def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         self.index.record(endpoint, digests, now)
@@ -333,10 +466,12 @@ class Router:
 
 def _token_ids(
     assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool
-) -> tuple[Sequence[int], int]:
-    """(token ids, prompt length in tokens): all ids with ``exact_count``, else at least the first
-    ``window`` (the rest of the prompt is then tokenized only as far as the context check needs, and its
-    length is estimated). Raises ContextLengthExceeded for a prompt that leaves no room in the context."""
+) -> tuple[Sequence[int], int] | PrefixCursor:
+    """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
+    ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
+    estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
+    context is unknown: the caller tokenizes as far as it needs). Raises ContextLengthExceeded for a
+    prompt that leaves no room in the context."""
     chat = request.kind is Kind.CHAT
     limit = ContextLimit.of(assets.max_model_len, chat)
     if chat:
@@ -364,11 +499,12 @@ def _token_ids(
     if exact_count and not counting:
         ids = tokenizer.encode(text, add_special_tokens=special)
         return ids, len(ids)
+    if limit is None or not counting:
+        return tokenizer.cursor(text, add_special_tokens=special)
     # Counting the leading allowed + 1 tokens also gives the exact length of every prompt that fits.
-    needed = max(window, limit.allowed + 1) if counting and limit is not None else window
+    needed = max(window, limit.allowed + 1)
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
-    if limit is not None:
-        limit.check(len(ids))
+    limit.check(len(ids))
     return ids, count
 
 

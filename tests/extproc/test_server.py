@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from contracts.events import EndpointId
 from extproc.config import parse_config
 from extproc.routing.request import ParsedRequest
-from extproc.routing.router import Tokens
+from extproc.routing.router import LazyPrompt, Tokens
 from extproc.server import Gateway
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -164,6 +164,26 @@ async def test_a_large_body_is_tokenized_off_the_event_loop(
     resps = await asyncio.wait_for(routed, 10)
     decision(resps)
     assert streamed_body(resps) == body
+
+
+async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A never-seen long prompt is tokenized only to its first block before the answer; the rest of its
+    window, hashed for the index record after the answer, is tokenized in a worker thread too."""
+    finished_in: list[str] = []
+    finish = LazyPrompt.finish
+
+    def recording_finish(self: LazyPrompt) -> None:
+        finished_in.append(threading.current_thread().name)
+        finish(self)
+
+    monkeypatch.setattr(LazyPrompt, "finish", recording_finish)
+    body = chat_body(" ".join(f"w{i}" for i in range(20_000)))  # ~130 KB, every block new
+    resps = await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)])
+    decision(resps)
+    assert finished_in and threading.main_thread().name not in finished_in[:1], finished_in
+    assert len(gateway.index.occupancy()) == 1 and max(gateway.index.occupancy().values()) > 1  # recorded
 
 
 async def test_oversize_body_is_413(gateway: Gateway) -> None:

@@ -54,12 +54,16 @@ def test_long_prompts_are_tokenized_only_as_far_as_digests_reach(model_dir: str)
     # A model whose context is longer than the prompt is in bytes: the context check needs no count
     # (tests/extproc/test_context_length.py covers prompts that may not fit).
     r = router(model_dir, max_model_len=32768)
-    # Pieces are cut at special tokens, so a long chat has many; a single long piece is tokenized whole.
+    # Pieces are cut at special tokens, so a long chat has many (a long piece is cut into chunks).
     messages = [
         {"role": "user", "content": " ".join(f"turn {t} word{i}." for i in range(20))} for t in range(30)
     ]
     request = parse_body(Kind.CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
-    windowed, full = r.tokens(request), r.tokens(request, exact_count=True)
+    full = r.tokens(request, exact_count=True)
+    # The window is held, so the lazy path must reach it (tests/extproc/routing/test_lazy_tokens.py
+    # covers stopping at the first unheld block).
+    r.index.record(EndpointId("e0"), r.digests(request, full), 0.0)
+    windowed = r.tokens(request)
     assert len(windowed.ids) >= 32 and list(windowed.ids) == list(full.ids[: len(windowed.ids)])
     assert len(windowed.ids) < len(full.ids)
     assert abs(windowed.count - full.count) <= 0.2 * full.count  # the rest is estimated
@@ -152,11 +156,11 @@ def test_the_block_size_lives_in_the_routing_policy(model_dir: str) -> None:
     none); :meth:`Router.apply` swaps profile, routes and block size as one value."""
     r = router(model_dir, max_blocks=256)
     request = parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": "hello " * 100}))
-    tokens16 = r.tokens(request)
+    tokens16 = r.tokens(request, exact_count=True)  # the whole prompt (the lazy path stops at block 0)
     assert tokens16.block_size == 16 and len(r.digests(request, tokens16)) == tokens16.count // 16
     profile = r.policy.profile
     r.apply(RoutingPolicy(profile, block_size=32))
-    tokens32 = r.tokens(request)
+    tokens32 = r.tokens(request, exact_count=True)
     assert tokens32.block_size == 32 and len(r.digests(request, tokens32)) == tokens32.count // 32
     assert r.policy.profile is profile and r.policy.routes == {}
     unknown = parse_body(Kind.COMPLETION, orjson.dumps({"model": "other", "prompt": "x" * 1000}))
