@@ -131,7 +131,7 @@ def request(prompt: str) -> ParsedRequest:
 
 def digests(gateway: Gateway, prompt: str) -> list[Digest]:
     parsed = request(prompt)
-    return gateway.router.digests(parsed, gateway.router.tokens(parsed))
+    return gateway.router.digests(parsed, gateway.router.tokens(parsed, exact_count=True))  # the whole chain
 
 
 def matches(gateways: list[Gateway], prompt: str) -> list[dict[EndpointId, int]]:

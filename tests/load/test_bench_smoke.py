@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from load.bench import decision, overhead
+from load.bench import decision, mixed, overhead
 
 STATS = {"n", "p50", "p90", "p99", "max", "mean"}
 
@@ -51,6 +51,26 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert "extproc_net_ms_per_req" in result["cpu_at_saturation"]["gateway"]
     assert {"extproc", "envoy", "sim", "envoy_rr"} == result["idle_cpu_ms_per_s"].keys()
     assert {"added_p50_us_c1", "added_p99_us_c1"} == result["goals"].keys()
+
+
+@pytest.mark.e2e
+def test_mixed_quick(tmp_path: Path) -> None:
+    out = tmp_path / "mixed.json"
+    assert mixed.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"benchmark", "command", "machine", "parameters", "aggregate", "rounds"} <= result.keys()
+    assert [r["condition"] for r in result["rounds"]] == ["alone", "with_long"]
+    agg = result["aggregate"]
+    for condition in mixed.CONDITIONS:
+        assert {"p50", "p90", "p99"} == agg[condition]["short_us"].keys()
+        assert agg[condition]["short_count"] > 0
+        assert agg[condition]["short_errors"] == 0
+        assert agg[condition]["extproc_cpu_ms_per_req"] > 0
+    long = agg["with_long"]
+    assert long["long_count"] > 0
+    assert long["long_errors"] == 0  # routed and answered, not refused for length
+    assert long["long_prompt_tokens_p50"] > 3000
+    assert {"p50", "p99", "p99_rounds"} == agg["ratio_with_long_over_alone"].keys()
 
 
 def test_load_client_refuses_other_hosts() -> None:
