@@ -266,17 +266,18 @@ class SegmentTokenizer:
 
     def _remember(self, piece: str, ids: tuple[int, ...]) -> None:
         """Cache ``ids`` (tokenized in chunks) for ``piece``, as :meth:`_tokenize` would have."""
-        limits = self.limits
         with self._lock:
+            self._store({piece: ids})
+
+    def _store(self, found: dict[str, tuple[int, ...]]) -> None:
+        """Insert tokenized pieces (one over ``max_tokens`` or already there is skipped), then drop least
+        recently used segments past either bound; the lock is held."""
+        limits = self.limits
+        for piece, ids in found.items():
             if len(ids) > limits.max_tokens or piece in self._cache:
-                return
+                continue
             self._cache[piece] = ids
             self._cached_tokens += len(ids)
-            self._evict()
-
-    def _evict(self) -> None:
-        """Drop least recently used segments past either bound (the lock is held)."""
-        limits = self.limits
         while len(self._cache) > limits.max_entries or self._cached_tokens > limits.max_tokens:
             _, evicted = self._cache.popitem(last=False)
             self._cached_tokens -= len(evicted)
@@ -290,14 +291,8 @@ class SegmentTokenizer:
         # encode_batch_fast skips offsets: ~25% cheaper than encode/encode_batch (measured here).
         encodings = self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
         result = {p: tuple(e.ids) for p, e in zip(pieces, encodings, strict=True)}
-        limits = self.limits
         with self._lock:
-            for piece, ids in result.items():
-                if len(ids) > limits.max_tokens or piece in self._cache:
-                    continue
-                self._cache[piece] = ids
-                self._cached_tokens += len(ids)
-            self._evict()
+            self._store(result)
         return result
 
     def token_count(self, text: str, add_special_tokens: bool) -> int:

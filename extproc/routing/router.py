@@ -137,7 +137,8 @@ class Tokens:
     (estimated when not ``exact`` or when ``ids`` stop early). ``rest``: set when ``ids`` stop at the
     first block nobody held (:class:`LazyPrompt`, which tokenizes on when asked; its chain, for the
     request the tokens were made for, is ``rest.digests``); ``None`` when ``ids`` cover the digest
-    window or the whole prompt.
+    window or the whole prompt. ``chain``: the digests already hashed for these ids by the lazy path
+    (what :meth:`Router.digests` returns then, instead of hashing again); ``None`` otherwise.
     """
 
     ids: Sequence[int]
@@ -145,6 +146,7 @@ class Tokens:
     exact: bool
     count: int
     rest: LazyPrompt | None = None
+    chain: Sequence[Digest] | None = None
 
 
 class LazyPrompt:
@@ -172,19 +174,20 @@ class LazyPrompt:
         """Whether ``digests`` is the whole window's chain (the window is full or the prompt ends)."""
         return len(self.digests) >= self.window or self.cursor.done
 
-    def extend(self, held: Callable[[Digest], bool]) -> None:
+    def extend(self, held: Callable[[Digest], bool]) -> bool:
         """Tokenize and hash on until a digest ``held`` says nobody holds is in ``digests`` (from the
         last one known on), or :attr:`complete`. Every digest before that one is held, so the index
-        match over ``digests`` equals the match over the whole chain."""
+        match over ``digests`` equals the match over the whole chain. Returns whether it hashed more."""
         start = max(len(self.digests) - 1, 0)  # those before were held when hashed
+        before = len(self.digests)
         while True:
             digests = self.digests
             for i in range(start, len(digests)):
                 if not held(digests[i]):
-                    return
+                    return len(digests) > before
             start = len(digests)
             if self.complete:
-                return
+                return len(digests) > before
             self._hash_step()
 
     def finish(self) -> None:
@@ -196,9 +199,8 @@ class LazyPrompt:
         """A snapshot: the ids so far, the length estimate (exact once the prompt is done) and, unless
         :attr:`complete`, this prompt as ``rest``."""
         cursor = self.cursor
-        return Tokens(
-            list(cursor.ids), self.block_size, True, cursor.estimate(), None if self.complete else self
-        )
+        rest = None if self.complete else self
+        return Tokens(list(cursor.ids), self.block_size, True, cursor.estimate(), rest, list(self.digests))
 
     def _hash_step(self) -> None:
         """One tokenizer step, then the digests of the blocks it completed (within the window)."""
@@ -285,10 +287,10 @@ class Router:
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
-        can ever match (memoised: a follow-up turn re-hashes only its new blocks). For lazy tokens
-        (``rest`` set) the chain of the blocks tokenized so far, already hashed."""
-        if tokens.rest is not None:
-            return list(tokens.rest.digests)
+        can ever match (memoised: a follow-up turn re-hashes only its new blocks). Tokens of the lazy
+        path carry their chain (``chain``), already hashed as far as they were tokenized."""
+        if tokens.chain is not None:
+            return list(tokens.chain)
         hashed = tokens.ids[: self.max_blocks * tokens.block_size]
         seed = chain_seed(request.model, salt=request.cache_salt)
         return self._chains.digests(seed, hashed, tokens.block_size)
@@ -325,10 +327,9 @@ class Router:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
         if tokens is None:
             tokens = self.tokens(request)
+        elif tokens.rest is not None and tokens.rest.extend(self.index.held):
+            tokens = tokens.rest.tokens()  # made earlier: the index has since learned the stopping block
         lazy = tokens.rest
-        if lazy is not None:  # the index may have learned the stopping block since
-            lazy.extend(self.index.held)
-            tokens = lazy.tokens()
         digests = self.digests(request, tokens)
         working_set = self.working_set
         state = CycleState(
@@ -345,7 +346,6 @@ class Router:
             lazy.finish()
             tokens = lazy.tokens()
             digests = self.digests(request, tokens)
-            lazy = None
         sched = SchedulingRequest(
             request_id=request_id,
             model=request.model,

@@ -7,6 +7,7 @@ commands that produced them. This module holds what both share: machine facts, p
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import platform
@@ -99,6 +100,26 @@ def wait_quiet(
         other = before.other_cores(CpuSample.take(), unreaped() - own)
         if other <= threshold_cores or time.monotonic() >= deadline:
             return other
+
+
+def add_quiet_arguments(parser: argparse.ArgumentParser, unit: str) -> None:
+    """``--quiet-threshold``, ``--max-attempts`` and ``--quiet-wait-s``: what :func:`quietest` takes, for
+    a benchmark whose repeated measurement is a ``unit`` (a cell, a round)."""
+    parser.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.25,
+        help=f"a {unit} run while other tenants used more CPU cores than this is repeated",
+    )
+    parser.add_argument(
+        "--max-attempts", type=int, default=3, help=f"runs of a noisy {unit}; the quietest is kept"
+    )
+    parser.add_argument("--quiet-wait-s", type=float, default=20.0, help="longest wait for a quiet machine")
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b`` to two decimals (NaN when ``b`` is not positive): a figure over its same-run baseline."""
+    return round(a / b, 2) if b > 0 else float("nan")
 
 
 def quietest(

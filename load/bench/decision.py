@@ -43,7 +43,7 @@ from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.routing.router import Tokens
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.server import Gateway
-from load.bench import CpuSample, machine, quietest, revision, summary, write_json
+from load.bench import CpuSample, add_quiet_arguments, machine, quietest, revision, summary, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 SIZES = (1024, 4096, 16384)
@@ -51,6 +51,9 @@ FLEETS = (4, 16, 64)
 TURNS = ("first", "follow_up")
 BASES_PER_CELL = 8
 """Distinct earlier conversations a follow-up cell rotates through."""
+EXACT_COUNTS = 30
+"""Timed decisions per cell whose prompt is also tokenized whole, untimed: the sizes reported (the router
+itself estimates a prompt's length when it stops tokenizing at the first block nobody holds)."""
 FOLLOW_UP_WORDS = 325
 """Mean words :meth:`ChatFactory.follow_up` adds; a follow-up cell's earlier turns are that much shorter."""
 
@@ -197,19 +200,19 @@ def words_per_token(gateway: Gateway, factory: ChatFactory) -> float:
     """Calibrate the text generator: words per prompt token on a sample conversation."""
     sample = factory.conversation(3000)
     n_words = sum(m["content"].count(" ") + 1 for m in sample)
-    tokens = gateway.router.tokens(parse_body(Kind.CHAT, body(sample))).count
+    tokens = gateway.router.tokens(parse_body(Kind.CHAT, body(sample)), exact_count=True).count
     return n_words / tokens
 
 
-def _decide(gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float]) -> tuple[int, int]:
-    """One timed decision (parse + decide); returns (nanoseconds, prompt tokens)."""
+def _decide(gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float]) -> int:
+    """One timed decision (parse + decide); returns its nanoseconds."""
     router = gateway.router
     started = time.perf_counter_ns()
     decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
     elapsed = time.perf_counter_ns() - started
     router.commit(decision, clock())  # what the gRPC shell does after sending the reply
     router.finish(decision)
-    return elapsed, decision.prompt_tokens
+    return elapsed
 
 
 def run_cell(
@@ -244,13 +247,15 @@ def run_cell(
     tokens: list[float] = []
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
-        elapsed, n_tokens = _decide(gateway, raw, i, clock)
+        elapsed = _decide(gateway, raw, i, clock)
         if i < warmup:
             continue
         samples_us.append(elapsed / 1e3)
-        tokens.append(n_tokens)
-        if i - warmup < baseline_iterations:  # interleaved, so both see the same machine
-            baseline_us.append(_encode_whole_us(assets, raw))
+        if i - warmup < max(baseline_iterations, EXACT_COUNTS):  # untimed; interleaved: same machine
+            us, n_tokens = _encode_whole_us(assets, raw)
+            tokens.append(n_tokens)  # exact (the router estimates when it stops tokenizing early)
+            if i - warmup < baseline_iterations:
+                baseline_us.append(us)
     cell: dict[str, Any] = {
         "turn": turn,
         "prompt_tokens": summary(tokens, 0),
@@ -263,13 +268,14 @@ def run_cell(
     return cell
 
 
-def _encode_whole_us(assets: ModelAssets, raw: bytes) -> float:
-    """Microseconds to tokenize the request's rendered prompt whole (rendering not timed)."""
+def _encode_whole_us(assets: ModelAssets, raw: bytes) -> tuple[float, int]:
+    """Microseconds to tokenize the request's rendered prompt whole (rendering not timed), and its
+    exact length in tokens."""
     request = parse_body(Kind.CHAT, raw)
     text = assets.template.render(request.messages, add_generation_prompt=True)
     started = time.perf_counter_ns()
-    assets.tokenizer.encode_whole(text, add_special_tokens=False)
-    return (time.perf_counter_ns() - started) / 1e3
+    n_tokens = len(assets.tokenizer.encode_whole(text, add_special_tokens=False))
+    return (time.perf_counter_ns() - started) / 1e3, n_tokens
 
 
 STAGES = ("parse", "render", "tokenize", "digest", "lookup", "schedule", "record (deferred)")
@@ -314,7 +320,8 @@ def run_breakdown(
             extra=request.template_kwargs,
         )
         marks.append(time.perf_counter_ns())
-        # As Router.tokens does without token budgets: only as far as the digest window reaches.
+        # As Router.tokens does for a follow-up whose history is held (a lead anywhere makes it hash the
+        # whole digest window) without token budgets: only as far as the window reaches.
         ids, count = assets.tokenizer.encode_prefix(
             text, add_special_tokens=False, limit=router.max_blocks * block_size
         )
@@ -367,16 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-iterations", type=int, default=100, help="timed whole-prompt encodes per size and turn"
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
-        "--quiet-threshold",
-        type=float,
-        default=0.25,
-        help="a cell run while other tenants used more CPU cores than this is repeated",
-    )
-    parser.add_argument(
-        "--max-attempts", type=int, default=3, help="runs of a noisy cell; the quietest is kept"
-    )
-    parser.add_argument("--quiet-wait-s", type=float, default=20.0, help="longest wait for a quiet machine")
+    add_quiet_arguments(parser, "cell")
     args = parser.parse_args(argv)
     sizes: Sequence[int] = SIZES
     fleets: Sequence[int] = FLEETS

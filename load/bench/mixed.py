@@ -53,7 +53,7 @@ from tokenizers import Tokenizer
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from extproc.models.template import ChatTemplate
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import CpuSample, machine, quietest, revision, summary, write_json
+from load.bench import CpuSample, add_quiet_arguments, machine, quietest, ratio, revision, summary, write_json
 from load.bench.decision import ChatFactory
 from load.bench.overhead import CLIENT_TIMEOUT_S, PATH, cpu_seconds, request_body, run_client
 
@@ -310,19 +310,15 @@ def aggregate(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out[condition] = cell
     if len(out) == len(CONDITIONS):
         a, b = out["alone"]["short_us"], out["with_long"]["short_us"]
-        ratios: dict[str, Any] = {p: _ratio(b[p], a[p]) for p in ("p50", "p99")}
+        ratios: dict[str, Any] = {p: ratio(b[p], a[p]) for p in ("p50", "p99")}
         by_round = {(r["round"], r["condition"]): r["short_us"]["p99"] for r in rounds}
         ratios["p99_rounds"] = [
-            _ratio(by_round[(i, "with_long")], by_round[(i, "alone")])
+            ratio(by_round[(i, "with_long")], by_round[(i, "alone")])
             for i in sorted({r["round"] for r in rounds})
             if (i, "alone") in by_round and (i, "with_long") in by_round
         ]
         out["ratio_with_long_over_alone"] = ratios
     return out
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 2) if b > 0 else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,14 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4, help="simulated replicas")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-round-s", type=float, default=60.0, help="a round's clients stop after this")
-    p.add_argument(
-        "--quiet-threshold",
-        type=float,
-        default=0.25,
-        help="a round run while other tenants used more CPU cores than this is repeated",
-    )
-    p.add_argument("--max-attempts", type=int, default=3, help="runs of a noisy round; the quietest is kept")
-    p.add_argument("--quiet-wait-s", type=float, default=20.0, help="longest wait for a quiet machine")
+    add_quiet_arguments(p, "round")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.short_requests, args.short_warmup = 1, 100, 5

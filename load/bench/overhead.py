@@ -39,7 +39,7 @@ import aiohttp
 from kvgate.dev.procs import Child, http_get, start_envoy
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
 from kvgate.envoy.bootstrap import render_baseline
-from load.bench import CpuSample, machine, quietest, revision, summary, write_json
+from load.bench import CpuSample, add_quiet_arguments, machine, quietest, ratio, revision, summary, write_json
 
 PATH = "/v1/chat/completions"
 SIM_ARGS = ("--time-scale", "0")
@@ -217,10 +217,6 @@ def start_plain_envoy(workdir: Path, addresses: Sequence[str]) -> tuple[Child, s
 # --- the benchmark ------------------------------------------------------------------------------------
 
 
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 2) if b > 0 else float("nan")
-
-
 def aggregate(rounds: Sequence[Mapping[str, Any]], targets: Sequence[str]) -> dict[str, Any]:
     """Pooled latency percentiles, rounds' requests/s and added latency per (stream, concurrency)."""
     out: dict[str, Any] = {}
@@ -253,9 +249,9 @@ def aggregate(rounds: Sequence[Mapping[str, Any]], targets: Sequence[str]) -> di
                 added[name] = {
                     "p50_us": round(a["p50"] - b["p50"], 1),
                     "p99_us": round(a["p99"] - b["p99"], 1),
-                    "p50_ratio": _ratio(a["p50"], b["p50"]),
-                    "p99_ratio": _ratio(a["p99"], b["p99"]),
-                    "rps_ratio": _ratio(per_target[over]["rps_median"], per_target[base]["rps_median"]),
+                    "p50_ratio": ratio(a["p50"], b["p50"]),
+                    "p99_ratio": ratio(a["p99"], b["p99"]),
+                    "rps_ratio": ratio(per_target[over]["rps_median"], per_target[base]["rps_median"]),
                 }
         label = f"{'stream' if stream else 'non_stream'}/c{concurrency}"
         out[label] = {"stream": stream, "concurrency": concurrency, "targets": per_target, "added": added}
@@ -354,14 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "--replicas", type=int, default=4, help="simulated replicas (the fleet the ext_proc scrapes)"
     )
     p.add_argument("--idle-only", action="store_true", help="only measure idle CPU (no load rounds)")
-    p.add_argument(
-        "--quiet-threshold",
-        type=float,
-        default=0.25,
-        help="a round run while other tenants used more CPU cores than this is repeated",
-    )
-    p.add_argument("--max-attempts", type=int, default=3, help="runs of a noisy round; the quietest is kept")
-    p.add_argument("--quiet-wait-s", type=float, default=20.0, help="longest wait for a quiet machine")
+    add_quiet_arguments(p, "round")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.requests_c1, args.requests_sat, args.saturating = 1, 10, 20, 4
