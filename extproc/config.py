@@ -11,6 +11,8 @@ Example (TOML)::
     health_listen = "127.0.0.1:9003"   # gRPC health: liveness, readiness
     metrics_listen = "127.0.0.1:9090"  # Prometheus text
     # max_body_bytes = 5029888         # 413 beyond; default: from the models' contexts (see ExtprocConfig)
+    # workers = 2                      # ext_procs a launcher runs on this config (kvgate up --extprocs)
+    # siblings_dir = "/run/kvgate/siblings"  # workers on one host share in-flight counts and decisions
 
     [[models]]
     name = "SmolLM2-135M-Instruct"
@@ -147,6 +149,14 @@ class ExtprocConfig:
     #: With TLS: the identity URIs (URI SANs) that may call the ext_proc port; any other verified peer is
     #: refused (PERMISSION_DENIED) before a message is read. Envoy's, by default.
     tls_allowed_peers: tuple[str, ...] = (ENVOY_IDENTITY,)
+    #: How many ext_proc processes (workers) a launcher runs on this config, all behind Envoy's one
+    #: ext_proc cluster (``kvgate up``'s default for ``--extprocs``); one process is one worker.
+    workers: int = 1
+    #: A directory (mode 0700) where the workers of one host meet (:mod:`extproc.control.siblings`): each
+    #: binds ``<worker>.sock`` there and shares its in-flight counts and its routing decisions with the
+    #: others; ``None``: this worker shares nothing (workers then diverge until their feeds and scrapes
+    #: catch up).
+    siblings_dir: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,8 +319,12 @@ def parse_config(raw: object) -> GatewayConfig:
         tls_key=ex.string("tls_key"),
         tls_client_ca=ex.string("tls_client_ca"),
         tls_allowed_peers=_peers(ex.array("tls_allowed_peers", list(_EX.tls_allowed_peers))),
+        workers=ex.integer("workers", _EX.workers, minimum=1),
+        siblings_dir=ex.string("siblings_dir"),
     )
     ex.done()
+    if extproc.siblings_dir == "":
+        raise ConfigError("extproc.siblings_dir: must be a directory path, got an empty string")
     all_or_none(
         "extproc", tls_cert=extproc.tls_cert, tls_key=extproc.tls_key, tls_client_ca=extproc.tls_client_ca
     )

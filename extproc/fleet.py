@@ -45,15 +45,21 @@ class EndpointState:
     #: Nothing listened at its address at the last scrape (refused): the process that answers next is a
     #: new one, with an empty cache.
     vanished: bool = field(default=False, repr=False)
+    #: The sibling workers' ``in_flight`` and ``routed_since_scrape`` for this endpoint, summed (other
+    #: ext_proc processes of this host, :mod:`extproc.control.siblings`; 0 without siblings).
+    sibling_in_flight: int = 0
+    sibling_routed: int = 0
 
     @property
     def load(self) -> float:
         """Requests at the engine now, best estimate: its ``running + waiting`` at the last scrape plus
-        what this gateway routed there since; without metrics, this gateway's open streams."""
+        what this gateway and its sibling workers routed there since their own last scrapes; without
+        metrics, the open streams of this gateway and its siblings (or the routed counts, if higher)."""
         metrics = self.metrics
+        routed = self.routed_since_scrape + self.sibling_routed
         if metrics is None:
-            return float(max(self.in_flight, self.routed_since_scrape))
-        return metrics.running + metrics.waiting + self.routed_since_scrape
+            return float(max(self.in_flight + self.sibling_in_flight, routed))
+        return metrics.running + metrics.waiting + routed
 
     def recent_routed(self, now: float) -> float:
         """Requests this gateway routed here lately: each counts ``2 ** (-age / ROUTED_HALF_LIFE_S)``, so

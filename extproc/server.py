@@ -40,6 +40,7 @@ from extproc.control.cluster import Cluster
 from extproc.control.policy import gateway_policy, routing_policy
 from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
+from extproc.control.siblings import SiblingBus
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
@@ -120,9 +121,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
 
 class Gateway:
-    """Wires config -> fleet, models, index, profile, router; owns the servers and the scraper."""
+    """Wires config -> fleet, models, index, profile, router; owns the servers and the scraper.
 
-    def __init__(self, config: GatewayConfig) -> None:
+    ``worker``: this process's name among the sibling workers of ``[extproc] siblings_dir`` (default:
+    ``pid<PID>``; give a stable one so a restarted worker takes its predecessor's place at once)."""
+
+    def __init__(self, config: GatewayConfig, worker: str | None = None) -> None:
         self.config = config
         self.fleet = Fleet(config.endpoints)
         self.models = ModelRegistry.from_config(config.models)
@@ -169,6 +173,13 @@ class Gateway:
         self.eds = EndpointDiscovery(self.fleet, time.monotonic)
         self.ejector = Ejector(config.ejection.base_s, config.ejection.max_s)
         self.failed_tries = FailedTries(self.fleet, self.ejector, time.monotonic, self._on_ejection)
+        #: In-flight counts and decisions shared with the other workers of this host (``None``: no
+        #: ``[extproc] siblings_dir``).
+        self.siblings = (
+            SiblingBus(Path(config.extproc.siblings_dir), worker or f"pid{os.getpid()}", self.router)
+            if config.extproc.siblings_dir
+            else None
+        )
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
         self.ports: dict[str, int] = {}
@@ -215,6 +226,8 @@ class Gateway:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
         self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
         self._servers = [server, health_server]
+        if self.siblings is not None:
+            self.siblings.start()
         self.eds.start()
         for s in self._servers:
             await s.start()
@@ -267,6 +280,8 @@ class Gateway:
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        if self.siblings is not None:
+            await self.siblings.aclose()
         await self.cluster.aclose()
         await self.restorer.aclose()
 
@@ -329,8 +344,8 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         return health_pb2.HealthCheckResponse(status=status)
 
 
-async def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
-    gateway = Gateway(config)
+async def serve(config: GatewayConfig, ready_file: Path | None = None, worker: str | None = None) -> int:
+    gateway = Gateway(config, worker)
     await gateway.start()
     if ready_file is not None:
         write_ready_file(ready_file, {**gateway.ports, "pid": os.getpid()})
@@ -348,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", type=Path, required=True, help="gateway config (.toml or .json)")
     parser.add_argument("--ready-file", type=Path, help="write the bound ports here (JSON) once serving")
+    parser.add_argument(
+        "--worker",
+        metavar="NAME",
+        help="this worker's name among the siblings of [extproc] siblings_dir (default: pid<PID>)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -359,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(config, args.ready_file))
+        return uvloop.run(serve(config, args.ready_file, args.worker))
     except ConfigError as exc:  # unusable TLS files, found when the servers start
         print(f"kvgate extproc: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Protocol
 
 import orjson
 
@@ -213,6 +214,18 @@ class LazyPrompt:
             self.digests.extend(self._chains.digests(parent, cursor.ids[have * size : full * size], size))
 
 
+class RoutingListener(Protocol):
+    """Hears of the router's bookkeeping (:mod:`extproc.control.siblings` shares it with sibling workers).
+    Called on the router's thread, after Envoy has its answer; must be cheap and never raise."""
+
+    def recorded(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        """``digests`` were recorded for ``endpoint`` at ``now`` (a decision, or the move to where Envoy
+        served it); in-flight counts changed with it."""
+
+    def released(self, endpoint: EndpointId) -> None:
+        """A request's in-flight slot at ``endpoint`` was released."""
+
+
 class Router:
     """Decides where requests go and keeps in-flight counts and the speculative index up to date."""
 
@@ -239,6 +252,8 @@ class Router:
         self._chains = ChainCache()
         self._node_stores: frozenset[str] = frozenset()
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
+        #: Told of each record and release (``None``: nobody listens).
+        self.listener: RoutingListener | None = None
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -437,6 +452,8 @@ class Router:
         self.index.record(endpoint, digests, now)
         if self.working_set is not None:
             self.working_set.record(endpoint, digests, now)
+        if self.listener is not None:
+            self.listener.recorded(endpoint, digests, now)
 
     def finish(self, decision: Decision) -> None:
         """The request's stream ended (completed, failed or cancelled): release its in-flight slot."""
@@ -445,6 +462,8 @@ class Router:
         decision.finished = True
         if decision.served is not None:
             decision.served.in_flight = max(0, decision.served.in_flight - 1)
+            if self.listener is not None:
+                self.listener.released(decision.served.id)
 
     def models_body(self, allowed: Callable[[str], bool] | None = None) -> bytes:
         """The OpenAI ``/v1/models`` list of every model the fleet serves (that ``allowed`` accepts)."""

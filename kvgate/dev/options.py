@@ -35,8 +35,9 @@ class StackOptions:
 
     replicas: int = 4
     #: ``--extprocs N``: ext_proc processes, each on its own ports with the same gateway config, all in
-    #: Envoy's one ext_proc cluster.
-    extprocs: int = 1
+    #: Envoy's one ext_proc cluster, sharing in-flight counts and decisions when more than one;
+    #: ``None``: the gateway config's ``[extproc] workers`` (1 unless ``extproc`` or ``overlay`` sets it).
+    extprocs: int | None = None
     #: ``--fail-open``: with every ext_proc down, Envoy proxies to the least-loaded engine it last heard of
     #: (the Inference Extension's FailOpen) instead of answering 503.
     fail_open: bool = False

@@ -3,7 +3,9 @@
 By default it starts N simulated vLLM replicas (``load.sim``, one process each, so a fault hits one
 replica as on a real fleet); with ``--endpoint URL`` (repeatable) it fronts engines that already run
 instead, serving the models they list at ``GET /v1/models`` unless ``--model`` names one. ``--extprocs
-N`` runs N ext_procs on the same gateway config behind Envoy's one ext_proc cluster. The same
+N`` (default: the config's ``[extproc] workers``, 1 unless ``--config`` sets it) runs N ext_procs on the
+same gateway config behind Envoy's one ext_proc cluster; with more than one, they share in-flight counts
+and routing decisions through ``WORKDIR/siblings`` (:mod:`extproc.control.siblings`). The same
 :class:`Stack` is what the end-to-end tests start, so the tests exercise exactly what a user runs.
 
 Before anything starts, the OpenAI listener's port is checked free (a second ``kvgate up`` on a port in
@@ -163,6 +165,14 @@ class Stack:
             self._admin_socket = Path(tempfile.mkdtemp(prefix="kvgate-admin-")) / "envoy-admin.sock"
         return self._admin_socket
 
+    def _siblings_dir(self, workers: int) -> Path:
+        """Where the ext_procs meet (``[extproc] siblings_dir``): ``WORKDIR/siblings``, or a new private
+        temp directory when that is too long for their socket paths."""
+        path = self.workdir / "siblings"
+        if len(os.fsencode(path / f"extproc-{workers - 1}.sock")) < _UNIX_PATH_MAX:
+            return path
+        return Path(tempfile.mkdtemp(prefix="kvgate-siblings-"))
+
     @property
     def secure(self) -> bool:
         return self.options.secure or self.options.client_certs
@@ -177,7 +187,8 @@ class Stack:
             raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
         if (opts.agents or opts.attach) and (opts.endpoints or self.secure):
             raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
-        if opts.extprocs < 1 or (opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)):
+        no_engines = opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)
+        if (opts.extprocs is not None and opts.extprocs < 1) or no_engines:
             raise ConfigError("--replicas and --extprocs must be at least 1")
         if self.secure:
             if opts.endpoints:
@@ -273,13 +284,17 @@ class Stack:
         ``WORKDIR/<name>.json`` pinned to its ports once ready), then Envoy in front of them."""
         opts = self.options
         parsed = parse_config(config)
+        workers = parsed.extproc.workers if opts.extprocs is None else opts.extprocs
+        if workers > 1 and parsed.extproc.siblings_dir is None:
+            siblings = str(self._siblings_dir(workers))
+            config = {**config, "extproc": {**config["extproc"], "siblings_dir": siblings}}
         edge_auth = EdgeAuth.from_config(parsed)
         if edge_auth is not None and self.auth is not None and self.auth.ca_file is not None:
             # The dev issuer's JWKS over HTTPS, verified against the stack's CA.
             edge_auth = dataclasses.replace(edge_auth, jwks_ca_file=str(self.auth.ca_file))
         (self.workdir / "gateway.json").write_text(json.dumps(config, indent=2))
         if opts.with_extproc:
-            for name in _numbered("extproc", opts.extprocs):
+            for name in _numbered("extproc", workers):
                 path, ready = self.workdir / f"{name}.json", self.workdir / f"{name}.ready.json"
                 path.write_text(json.dumps(config, indent=2))
                 argv = [
@@ -290,6 +305,8 @@ class Stack:
                     str(path),
                     "--ready-file",
                     str(ready),
+                    "--worker",
+                    name,
                 ]
                 self.extprocs.append(self._spawn(name, argv, ready, EXTPROC_READY_S))
             for extproc in self.extprocs:

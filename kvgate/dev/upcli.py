@@ -92,10 +92,9 @@ def parser(default_model: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--extprocs",
         type=int,
-        default=1,
         metavar="N",
-        help="ext_proc processes behind Envoy's one ext_proc cluster, each following the same engines "
-        "(default 1)",
+        help="ext_proc processes behind Envoy's one ext_proc cluster, each following the same engines, "
+        "sharing in-flight counts and routing decisions (default: --config's [extproc] workers, else 1)",
     )
     p.add_argument(
         "--fail-open",

@@ -1,0 +1,411 @@
+"""Sibling workers: the ext_proc processes of one host share in-flight counts and routing decisions.
+
+``[extproc] workers = N`` runs N ext_procs behind Envoy's one ext_proc cluster (Envoy balances per
+stream), each following the same feeds and etcd. What each one learns only from its own streams is
+shared here, so every worker schedules on what the whole host routed:
+
+- **learned**: the endpoint and the chained digests a worker recorded for a decision (what
+  :meth:`~extproc.routing.router.Router.commit` records); the others record the same, so their
+  approximate (and speculative precise) index and working set learn what the sibling routed;
+- **loads**: the sender's ABSOLUTE ``in_flight`` and ``routed_since_scrape`` per endpoint (all of them:
+  an endpoint left out is 0), sent when they change (coalesced, at most every :data:`COALESCE_S`) and as
+  a heartbeat every :data:`HEARTBEAT_S`; the receiver keeps them per sibling, forgets a sibling silent for
+  :data:`EXPIRE_S`, and writes the sums into ``EndpointState.sibling_in_flight`` / ``sibling_routed``,
+  which :attr:`~extproc.fleet.EndpointState.load` adds (every load-aware filter and scorer sees them).
+
+Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
+mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
+Sending never blocks and never fails a request: a full receiver queue drops the datagram (loads are
+absolute, so the next one repairs it; a dropped decision is one the sibling does not learn), a sibling
+that went away is skipped until it binds again. Workers on other hosts share only through feeds and etcd.
+
+Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`decode`): a header
+``magic "KVS1", kind (1 learned, 2 loads), sender length`` and the sender's name; learned: records of
+``endpoint length, digest count, endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram
+of a snapshot, which replaces the sender's counts) and entries ``endpoint length, in_flight, routed,
+endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from contracts.digest import DIGEST_BYTES, Digest
+from contracts.errors import ConfigError
+from contracts.events import EndpointId
+from extproc.fleet import Fleet
+from extproc.routing.router import Router
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVS1"
+LEARNED, LOADS = 1, 2
+#: Largest datagram sent (bytes): far below Linux's Unix datagram limit (the socket's send buffer).
+MAX_DATAGRAM = 60_000
+#: Changed loads and new records wait this long (s) to share one send per sibling.
+COALESCE_S = 0.005
+#: A worker sends its loads at least this often (s): its heartbeat; the directory is re-listed as often.
+HEARTBEAT_S = 1.0
+#: A sibling not heard from this long (s) is gone: its counts stop counting.
+EXPIRE_S = 3.0
+#: Datagrams read per wake-up of the event loop, at most (the rest on the next turn).
+READ_BATCH = 256
+#: Worker names: one path component, short enough for a socket path.
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SUFFIX = ".sock"
+_UNIX_PATH_MAX = 108  # sun_path, with its NUL
+_MAX_COUNT = 2**32 - 1
+
+_HEAD = struct.Struct("!4sBB")
+_RECORD = struct.Struct("!HH")
+_FLAGS = struct.Struct("!B")
+_ENTRY = struct.Struct("!HII")
+
+
+class MessageError(ValueError):
+    """A datagram that is not a sibling message of this version (dropped by the receiver)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """Decisions a sibling recorded: ``(endpoint, digests)`` each."""
+
+    sender: str
+    records: list[tuple[EndpointId, list[Digest]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Loads:
+    """A sibling's counts per endpoint, ``(in_flight, routed_since_scrape)``; ``replace``: the first
+    datagram of a snapshot (counts of endpoints absent from the snapshot are 0)."""
+
+    sender: str
+    replace: bool
+    counts: dict[EndpointId, tuple[int, int]]
+
+
+def _header(kind: int, sender: str) -> bytes:
+    name = sender.encode()
+    return _HEAD.pack(MAGIC, kind, len(name)) + name
+
+
+def encode_learned(
+    sender: str, records: Iterable[tuple[EndpointId, Sequence[Digest]]], limit: int = MAX_DATAGRAM
+) -> list[bytes]:
+    """Datagrams of at most ``limit`` bytes carrying ``records``; a record longer than one datagram keeps
+    its leading digests (a chain's prefix is itself a valid record)."""
+    head = _header(LEARNED, sender)
+    out: list[bytes] = []
+    parts: list[bytes] = [head]
+    size = len(head)
+    for endpoint, digests in records:
+        eid = endpoint.encode()
+        room = (limit - len(head) - _RECORD.size - len(eid)) // DIGEST_BYTES
+        kept = digests[: max(0, room)]
+        record = _RECORD.pack(len(eid), len(kept)) + eid + b"".join(kept)
+        if size + len(record) > limit and len(parts) > 1:
+            out.append(b"".join(parts))
+            parts, size = [head], len(head)
+        parts.append(record)
+        size += len(record)
+    if len(parts) > 1:
+        out.append(b"".join(parts))
+    return out
+
+
+def encode_loads(
+    sender: str, counts: Mapping[EndpointId, tuple[int, int]], limit: int = MAX_DATAGRAM
+) -> list[bytes]:
+    """A snapshot of ``counts`` in datagrams of at most ``limit`` bytes (at least one, the first flagged
+    to replace the sender's counts; an empty snapshot says every count is 0)."""
+    head = _header(LOADS, sender)
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    size = len(head) + _FLAGS.size
+    for endpoint, (in_flight, routed) in counts.items():
+        eid = endpoint.encode()
+        entry = _ENTRY.pack(len(eid), min(in_flight, _MAX_COUNT), min(routed, _MAX_COUNT)) + eid
+        if size + len(entry) > limit and parts:
+            out.append(head + _FLAGS.pack(not out) + b"".join(parts))
+            parts, size = [], len(head) + _FLAGS.size
+        parts.append(entry)
+        size += len(entry)
+    if parts or not out:
+        out.append(head + _FLAGS.pack(not out) + b"".join(parts))
+    return out
+
+
+def decode(data: bytes) -> Learned | Loads:
+    """The message in ``data``; :class:`MessageError` for anything else (truncated, another version)."""
+    try:
+        magic, kind, name_len = _HEAD.unpack_from(data)
+        if magic != MAGIC:
+            raise MessageError("not a sibling message")
+        at = _HEAD.size + name_len
+        sender = data[_HEAD.size : at].decode()
+        if kind == LEARNED:
+            records: list[tuple[EndpointId, list[Digest]]] = []
+            while at < len(data):
+                eid_len, count = _RECORD.unpack_from(data, at)
+                at += _RECORD.size
+                endpoint = EndpointId(data[at : at + eid_len].decode())
+                at += eid_len
+                end = at + count * DIGEST_BYTES
+                if end > len(data):
+                    raise MessageError("truncated record")
+                records.append(
+                    (endpoint, [Digest(data[i : i + DIGEST_BYTES]) for i in range(at, end, DIGEST_BYTES)])
+                )
+                at = end
+            return Learned(sender, records)
+        if kind == LOADS:
+            (flags,) = _FLAGS.unpack_from(data, at)
+            at += _FLAGS.size
+            counts: dict[EndpointId, tuple[int, int]] = {}
+            while at < len(data):
+                eid_len, in_flight, routed = _ENTRY.unpack_from(data, at)
+                at += _ENTRY.size
+                if at + eid_len > len(data):
+                    raise MessageError("truncated entry")
+                counts[EndpointId(data[at : at + eid_len].decode())] = (in_flight, routed)
+                at += eid_len
+            return Loads(sender, bool(flags & 1), counts)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MessageError(f"malformed sibling message: {exc}") from exc
+    raise MessageError(f"unknown message kind {kind}")
+
+
+def local_loads(fleet: Fleet) -> dict[EndpointId, tuple[int, int]]:
+    """This worker's own ``(in_flight, routed_since_scrape)`` per endpoint, zeros left out."""
+    return {s.id: (s.in_flight, s.routed_since_scrape) for s in fleet if s.in_flight or s.routed_since_scrape}
+
+
+class SiblingLoads:
+    """The siblings' counts per endpoint and when each sibling was last heard from (pure: ``now`` is
+    given, monotonic seconds)."""
+
+    def __init__(self, expire_s: float = EXPIRE_S) -> None:
+        self.expire_s = expire_s
+        self._counts: dict[str, dict[EndpointId, tuple[int, int]]] = {}
+        self._heard: dict[str, float] = {}
+
+    @property
+    def senders(self) -> list[str]:
+        """Siblings heard from within ``expire_s`` (as of the last :meth:`expire`), sorted."""
+        return sorted(self._heard)
+
+    def apply(self, message: Loads, now: float) -> bool:
+        """Take ``message`` heard at ``now``; True when its sender is new (or back after expiring)."""
+        new = message.sender not in self._heard
+        self._heard[message.sender] = now
+        if message.replace or new:
+            self._counts[message.sender] = dict(message.counts)
+        else:
+            self._counts[message.sender].update(message.counts)
+        return new
+
+    def expire(self, now: float) -> list[str]:
+        """Forget siblings silent for more than ``expire_s``; their names."""
+        gone = [s for s, at in self._heard.items() if now - at > self.expire_s]
+        for sender in gone:
+            del self._heard[sender], self._counts[sender]
+        return gone
+
+    def totals(self) -> dict[EndpointId, tuple[int, int]]:
+        """Per endpoint, the siblings' ``(in_flight, routed_since_scrape)`` summed."""
+        out: dict[EndpointId, tuple[int, int]] = {}
+        for counts in self._counts.values():
+            for endpoint, (in_flight, routed) in counts.items():
+                have = out.get(endpoint, (0, 0))
+                out[endpoint] = (have[0] + in_flight, have[1] + routed)
+        return out
+
+    def write(self, fleet: Fleet) -> None:
+        """Set every endpoint's ``sibling_in_flight`` and ``sibling_routed`` to the sums (0 if none)."""
+        totals = self.totals()
+        for state in fleet:
+            state.sibling_in_flight, state.sibling_routed = totals.get(state.id, (0, 0))
+
+
+class SiblingBus:
+    """This worker's socket in the siblings directory: the router's listener on the sending side, the
+    index, working set and fleet's writer on the receiving side. :meth:`start` and :meth:`aclose` run on
+    the event loop, as do the listener calls (:class:`~extproc.routing.router.RoutingListener`)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        router: Router,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        coalesce_s: float = COALESCE_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        expire_s: float = EXPIRE_S,
+    ) -> None:
+        if not WORKER_NAME.fullmatch(name):
+            raise ConfigError(f"worker name {name!r}: letters, digits, '.', '_', '-' (at most 64)")
+        self.directory, self.name = directory, name
+        self.path = directory / f"{name}{SUFFIX}"
+        if len(os.fsencode(self.path)) >= _UNIX_PATH_MAX:
+            raise ConfigError(f"extproc.siblings_dir: {directory} is too long for a Unix socket path")
+        self._router = router
+        self._clock = clock
+        self._coalesce_s, self._heartbeat_s = coalesce_s, heartbeat_s
+        self.loads = SiblingLoads(expire_s)
+        self._peers: list[str] = []
+        self._learned: list[tuple[EndpointId, Sequence[Digest]]] = []
+        self._loads_changed = False
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._sock: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: Datagrams not sent because a sibling's queue was full (drops are never retried).
+        self.dropped = 0
+
+    def start(self) -> None:
+        """Make the directory (0700; one that others may enter is refused), bind ``<name>.sock``
+        (replacing this worker's earlier socket), listen, and start the heartbeat."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.directory.stat().st_mode & 0o077:
+            raise ConfigError(f"extproc.siblings_dir: {self.directory} must be mode 0700 (this user's only)")
+        self.path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(self.path))
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._readable)
+        self._router.listener = self
+        self._rescan()
+        self._task = loop.create_task(self._beat())
+        log.info("sibling worker %s listening at %s", self.name, self.path)
+
+    async def aclose(self) -> None:
+        """Stop listening and sending; remove the socket (the siblings forget this worker's counts
+        within ``expire_s``)."""
+        if self._router.listener is self:
+            self._router.listener = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            self.path.unlink(missing_ok=True)
+
+    # -- the router's listener ---------------------------------------------------------------------
+
+    def recorded(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        """Queue the record for the siblings (sent within ``coalesce_s`` with the changed loads)."""
+        if self._peers:
+            self._learned.append((endpoint, digests))
+        self.released(endpoint)
+
+    def released(self, endpoint: EndpointId) -> None:
+        """Loads changed: send them within ``coalesce_s``."""
+        self._loads_changed = True
+        if self._flush_handle is None and self._sock is not None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self._coalesce_s, self._flush)
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        learned, self._learned = self._learned, []
+        datagrams = encode_learned(self.name, learned) if learned else []
+        if self._loads_changed:
+            self._loads_changed = False
+            datagrams += encode_loads(self.name, local_loads(self._router.fleet))
+        self._send(datagrams)
+
+    def _send(self, datagrams: Sequence[bytes]) -> None:
+        sock = self._sock
+        if sock is None or not datagrams:
+            return
+        for peer in list(self._peers):
+            for data in datagrams:
+                try:
+                    sock.sendto(data, peer)
+                except BlockingIOError:
+                    self.dropped += 1  # its queue is full: it catches up with the next loads
+                except (ConnectionRefusedError, FileNotFoundError):
+                    self._peers.remove(peer)  # gone: listed again when it binds again
+                    break
+                except OSError as exc:
+                    log.debug("sibling %s: send failed: %s", peer, exc)
+                    break
+
+    def _rescan(self) -> None:
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            log.warning("siblings directory %s: %s", self.directory, exc)
+            return
+        own = self.path.name
+        self._peers = [str(self.directory / n) for n in names if n.endswith(SUFFIX) and n != own]
+
+    async def _beat(self) -> None:
+        """Every ``heartbeat_s``: re-list the directory, forget silent siblings, send the loads."""
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            self._rescan()
+            gone = self.loads.expire(self._clock())
+            for sender in gone:
+                log.info("sibling worker %s: %s is gone", self.name, sender)
+            if gone:
+                self.loads.write(self._router.fleet)
+            self._loads_changed = True
+            if self._flush_handle is None:
+                self._flush()
+
+    # -- receiving -------------------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        loads_changed = False
+        for _ in range(READ_BATCH):
+            try:
+                data = sock.recv(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                break
+            try:
+                message = decode(data)
+            except MessageError as exc:
+                log.debug("sibling worker %s: dropped a datagram: %s", self.name, exc)
+                continue
+            if message.sender == self.name:
+                continue
+            if isinstance(message, Learned):
+                self.learn(message, self._clock())
+            else:
+                if self.loads.apply(message, self._clock()):
+                    log.info("sibling worker %s: heard from %s", self.name, message.sender)
+                loads_changed = True
+        if loads_changed:
+            self.loads.write(self._router.fleet)
+
+    def learn(self, message: Learned, now: float) -> None:
+        """Record a sibling's decisions in this worker's index and working set (endpoints this worker
+        does not know are skipped: its fleet catches up from the same etcd and config)."""
+        router = self._router
+        for endpoint, digests in message.records:
+            if digests and router.fleet.get(endpoint) is not None:
+                router.index.record(endpoint, digests, now)
+                if router.working_set is not None:
+                    router.working_set.record(endpoint, digests, now)
