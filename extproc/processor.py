@@ -378,19 +378,17 @@ class StreamProcessor:
         if self.principal is not None:
             set_headers.append(_header(TENANT_HEADER, self.principal.tenant.id))
             remove_headers.append("authorization")  # the gateway consumed it; engines never see it
+        # Field by field: Struct.update walks a dict in Python, several times slower.
         metadata = Struct()
-        metadata.update(
-            {
-                LB_NS: {DESTINATION: destination, PRIMARY: pick.address},
-                DECISION_NS: {
-                    DECISION_MODEL: decision.model,
-                    DECISION_ENDPOINT: pick.id,
-                    DECISION_MATCHED: decision.matched_blocks,
-                    DECISION_BLOCKS: decision.prompt_blocks,
-                    DECISION_US: round((decided - started) * 1e6),
-                },
-            }
-        )
+        lb = metadata.fields[LB_NS].struct_value.fields
+        lb[DESTINATION].string_value = destination
+        lb[PRIMARY].string_value = pick.address
+        noted = metadata.fields[DECISION_NS].struct_value.fields
+        noted[DECISION_MODEL].string_value = decision.model
+        noted[DECISION_ENDPOINT].string_value = pick.id
+        noted[DECISION_MATCHED].number_value = decision.matched_blocks
+        noted[DECISION_BLOCKS].number_value = decision.prompt_blocks
+        noted[DECISION_US].number_value = round((decided - started) * 1e6)
         mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
         if self._buffered:
             common = pb.CommonResponse(

@@ -204,10 +204,12 @@ class LazyPrompt:
         return Tokens(list(cursor.ids), self.block_size, True, cursor.estimate(), rest, list(self.digests))
 
     def _hash_step(self) -> None:
-        """One tokenizer step, then the digests of the blocks it completed (within the window)."""
+        """Tokenizer steps until a block completes (or the prompt ends), then the digests of the blocks
+        they completed (within the window). Short pieces (a role marker, a cached message) go in one call:
+        no digest can be asked for before its block is complete."""
         cursor, size = self.cursor, self.block_size
-        cursor.step()
         have = len(self.digests)
+        cursor.advance((have + 1) * size)
         full = min(len(cursor.ids) // size, self.window)
         if full > have:
             parent = self.digests[-1] if have else self.seed
