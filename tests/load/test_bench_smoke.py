@@ -5,12 +5,14 @@ Benchmarks are not tests: nothing here asserts a figure, only that the results f
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from load.bench import decision, mixed, overhead
+from load.bench import decision, mixed, overhead, peers
 
 STATS = {"n", "p50", "p90", "p99", "max", "mean"}
 
@@ -36,21 +38,100 @@ def test_decision_quick(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    assert overhead.main(["--quick", "--out", str(out)]) == 0
+    assert overhead.main(["--quick", "--no-peers", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert {"benchmark", "command", "machine", "parameters", "cells", "cpu_at_saturation", "goals"} <= (
-        result.keys()
-    )
+    assert {
+        "benchmark",
+        "command",
+        "machine",
+        "revision",
+        "parameters",
+        "cells",
+        "cpu_at_saturation",
+        "goals",
+        "ratios",
+        "skipped",
+    } <= result.keys()
+    targets = {"direct", "envoy_rr", "empty", "gateway", "gateway_2w"}
+    assert result["parameters"]["targets"] == [t for t in overhead.TARGETS if t in targets]
+    assert result["skipped"] == {}
     assert set(result["cells"]) == {"non_stream/c1", "non_stream/c4", "stream/c1", "stream/c4"}
     for cell in result["cells"].values():
-        assert set(cell["targets"]) == {"direct", "envoy_rr", "gateway"}
+        assert set(cell["targets"]) == targets
         for target in cell["targets"].values():
             assert target["latency_us"].keys() >= STATS
+            assert target["completed"] > 0
             assert target["errors"] == 0
         assert {"p50_us", "p99_us", "p50_ratio", "p99_ratio"} <= cell["added"]["gateway_vs_direct"].keys()
-    assert "extproc_net_ms_per_req" in result["cpu_at_saturation"]["gateway"]
-    assert {"extproc", "envoy", "sim", "envoy_rr"} == result["idle_cpu_ms_per_s"].keys()
-    assert {"added_p50_us_c1", "added_p99_us_c1"} == result["goals"].keys()
+        assert {"empty_vs_direct", "gateway_2w_vs_direct", "gateway_vs_empty"} <= cell["added"].keys()
+    cpu = result["cpu_at_saturation"]
+    assert "extproc_net_ms_per_req" in cpu["gateway"]
+    # The floor and the two workers: their ext_procs did work for the requests (CPU summed over both).
+    for target in ("empty", "gateway", "gateway_2w"):
+        assert cpu[target]["extproc_total_ms_per_req"] > 0
+        assert cpu[target]["router_ms_per_req"] >= cpu[target]["extproc_total_ms_per_req"]
+    assert cpu["gateway_2w"]["extproc_2w_ms_per_req"] == cpu["gateway_2w"]["extproc_total_ms_per_req"]
+    assert {
+        "extproc",
+        "envoy",
+        "sim",
+        "envoy_rr",
+        "empty_extproc",
+        "empty_envoy",
+        "extproc_2w",
+        "envoy_2w",
+    } == (result["idle_cpu_ms_per_s"].keys())
+    assert {
+        "added_p50_us_c1",
+        "added_p99_us_c1",
+        "rps_vs_envoy_rr_c4",
+        "extproc_cpu_ms_per_req",
+        "own_added_p50_us_c1",
+        "own_cpu_ms_per_req",
+    } == result["goals"].keys()
+    assert all(isinstance(g["met"], bool) for g in result["goals"].values())
+    assert {"own_share", "rps_vs_envoy_rr_c4", "rps_vs_gateway_c4", "rps_2w_over_1w_c4"} == (
+        result["ratios"].keys()
+    )
+
+
+def test_overhead_targets_flag() -> None:
+    assert overhead.parse_targets("", no_peers=False) == list(overhead.TARGETS)
+    assert overhead.parse_targets("", no_peers=True) == [
+        "direct",
+        "envoy_rr",
+        "empty",
+        "gateway",
+        "gateway_2w",
+    ]
+    assert overhead.parse_targets("gateway, empty,vllm-router", no_peers=False) == [
+        "empty",
+        "gateway",
+        "vllm-router",
+    ]
+    assert overhead.parse_targets("gateway,vllm-router", no_peers=True) == ["gateway"]
+    with pytest.raises(ValueError, match="nginx"):
+        overhead.parse_targets("gateway,nginx", no_peers=False)
+
+
+def test_overhead_reports_an_unavailable_peer_as_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_network(spec: peers.PeerSpec) -> Path:
+        raise peers.PeerUnavailable(f"{spec.requirement}: install failed: no network")
+
+    monkeypatch.setattr(peers, "install", no_network)
+    stack = SimpleNamespace(extproc=object(), envoy=object(), engines=[{"address": "127.0.0.1:9"}])
+    with contextlib.ExitStack() as later:
+        started, skipped = overhead.start_targets(
+            ["direct", "vllm-router"],
+            stack,  # type: ignore[arg-type]
+            tmp_path,
+            1,
+            later,
+        )
+    assert list(started) == ["direct"]
+    assert skipped == {"vllm-router": "vllm-router==0.1.17: install failed: no network"}
 
 
 @pytest.mark.e2e
