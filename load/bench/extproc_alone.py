@@ -14,9 +14,11 @@ picks a host per stream), and sends what the bundled Envoy sends in FULL_DUPLEX_
 headers (``:method`` POST, ``:path`` /v1/chat/completions, ``:authority``, ``content-type``, ...), a short
 chat's JSON body in one message with ``end_of_stream`` (Envoy sends request trailers only when the
 client's request has some; a plain POST has none), reads the routing answer (the headers reply with the
-destination header and ``envoy.lb`` metadata, then the body streamed back), sends the response headers
-(``:status`` 200 and ``x-kvgate-upstream-host``, which the bundled route sets from ``%UPSTREAM_HOST%``,
-with the ``envoy.lb`` namespace forwarded) and half-closes. A stream counts as served only when the
+destination header and ``envoy.lb`` metadata, then the body streamed back) and half-closes. With
+``--response-headers`` it first sends the response headers (``:status`` 200 and ``x-kvgate-upstream-host``,
+which the bundled route sets from ``%UPSTREAM_HOST%``, with the ``envoy.lb`` namespace forwarded), as the
+bundled Envoy does only with tenants (``[auth]``: refunds and usage need them); without tenants it skips
+that phase. A stream counts as served only when the
 answer names a destination whose pick is one of the replicas; immediate responses (rejections) and gRPC
 errors are counted apart. Closed loop at a fixed total concurrency split over the client processes, for
 a warm-up then a timed window, all clients released together.
@@ -132,9 +134,14 @@ def routing_answer(resp: pb.ProcessingResponse) -> tuple[str, str] | None:
 
 
 async def _one(
-    stub: pb_grpc.ExternalProcessorStub, body: bytes, request_id: str, replicas: frozenset[str]
+    stub: pb_grpc.ExternalProcessorStub,
+    body: bytes,
+    request_id: str,
+    replicas: frozenset[str],
+    response_headers: bool = False,
 ) -> tuple[str, int, int]:
-    """One request's stream: (outcome, stream nanoseconds, nanoseconds from the body sent to the answer)."""
+    """One request's stream: (outcome, stream nanoseconds, nanoseconds from the body sent to the answer);
+    ``response_headers``: the response-headers phase too (the bundled Envoy sends it with tenants only)."""
     started = time.perf_counter_ns()
     call = stub.Process()
     try:
@@ -159,11 +166,13 @@ async def _one(
                 return "closed_early", time.perf_counter_ns() - started, answered - sent
             if chunk.request_body.response.body_mutation.streamed_response.end_of_stream:
                 break
-        await call.write(response_headers_message(*routed))
-        reply = await call.read()
+        if response_headers:
+            await call.write(response_headers_message(*routed))
+            reply = await call.read()
+            if reply is grpc.aio.EOF or reply.WhichOneof("response") != "response_headers":
+                await call.done_writing()
+                return "bad_response_reply", time.perf_counter_ns() - started, answered - sent
         await call.done_writing()
-        if reply is grpc.aio.EOF or reply.WhichOneof("response") != "response_headers":
-            return "bad_response_reply", time.perf_counter_ns() - started, answered - sent
         while await call.read() is not grpc.aio.EOF:
             pass
         return SERVED, time.perf_counter_ns() - started, answered - sent
@@ -182,6 +191,7 @@ async def _load(
     warmup_s: float,
     duration_s: float,
     client_id: int,
+    response_headers: bool = False,
 ) -> dict[str, Any]:
     """Closed loop: ``concurrency`` workers, each one stream at a time, round robin over the channels,
     for ``warmup_s`` then a timed ``duration_s``; waits for ``go`` on stdin once the channels connect."""
@@ -211,7 +221,7 @@ async def _load(
                 n = next(picks)
                 body = chat_body(conversations.randrange(CONVERSATIONS))
                 outcome, stream_ns, answer_ns = await _one(
-                    stubs[n % len(stubs)], body, f"bench-{client_id}-{n}", replicas
+                    stubs[n % len(stubs)], body, f"bench-{client_id}-{n}", replicas, response_headers
                 )
                 phase = "timed" if now >= timed_from else "warmup"
                 outcomes[phase][outcome] = outcomes[phase].get(outcome, 0) + 1
@@ -245,6 +255,7 @@ def client_main(argv: Sequence[str]) -> int:
     p.add_argument("--warmup-s", type=float, required=True)
     p.add_argument("--duration-s", type=float, required=True)
     p.add_argument("--client-id", type=int, default=0)
+    p.add_argument("--response-headers", action="store_true")
     args = p.parse_args(argv)
     if any(not t.startswith("127.0.0.1:") for t in args.target):
         p.error("the load client only targets 127.0.0.1")
@@ -257,6 +268,7 @@ def client_main(argv: Sequence[str]) -> int:
             args.warmup_s,
             args.duration_s,
             args.client_id,
+            args.response_headers,
         )
     )
     sys.stdout.write(json.dumps(result) + "\n")
@@ -271,6 +283,7 @@ def run_clients(
     channels_per_target: int,
     warmup_s: float,
     duration_s: float,
+    response_headers: bool = False,
 ) -> list[dict[str, Any]]:
     """Start ``clients`` client processes sharing ``concurrency``, release them together once all are
     connected, and return their results (each one's PID ended by this function if it overruns)."""
@@ -290,6 +303,7 @@ def run_clients(
                 f"--warmup-s={warmup_s}",
                 f"--duration-s={duration_s}",
                 f"--client-id={i}",
+                *(["--response-headers"] if response_headers else []),
             ]
             procs.append(popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         for proc in procs:  # readiness: each client says so once its channels are connected
@@ -394,7 +408,14 @@ def measure_round(
     machine0 = CpuSample.take()
     started = time.monotonic()
     got = run_clients(
-        targets, replicas, args.concurrency, args.clients, args.channels, args.warmup_s, args.duration_s
+        targets,
+        replicas,
+        args.concurrency,
+        args.clients,
+        args.channels,
+        args.warmup_s,
+        args.duration_s,
+        args.response_headers,
     )
     span = time.monotonic() - started
     used = cpu_seconds(pids) - cpu0
@@ -497,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="workers share nothing (default: in-flight counts and decisions, as kvgate up runs them)",
     )
+    p.add_argument(
+        "--response-headers",
+        action="store_true",
+        help="also play the response-headers phase (the bundled Envoy sends it only with tenants)",
+    )
     p.add_argument("--replicas", type=int, default=4, help="simulated replicas the ext_procs scrape")
     p.add_argument("--idle-s", type=float, default=1.0, help="window measuring the ext_procs' idle CPU")
     add_quiet_arguments(p, "round")
@@ -570,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             "client_processes": args.clients,
             "channels_per_extproc_per_client": args.channels,
             "siblings": not args.no_siblings,
+            "response_headers_phase": args.response_headers,
             "warmup_s": args.warmup_s,
             "duration_s": args.duration_s,
             "replicas": args.replicas,

@@ -59,16 +59,21 @@ async def gateway(model_dir: str) -> AsyncIterator[Gateway]:
     await gw.aclose(grace_s=0)
 
 
-async def outcome(gw: Gateway, body: bytes, replicas: list[str]) -> str:
+async def outcome(gw: Gateway, body: bytes, replicas: list[str], response_headers: bool = False) -> str:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.ports['extproc']}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
-        got, stream_ns, answer_ns = await extproc_alone._one(stub, body, "t1", frozenset(replicas))
+        got, stream_ns, answer_ns = await extproc_alone._one(
+            stub, body, "t1", frozenset(replicas), response_headers
+        )
     assert 0 < answer_ns <= stream_ns
     return got
 
 
-async def test_only_a_routed_stream_is_served(gateway: Gateway) -> None:
-    assert await outcome(gateway, extproc_alone.chat_body(1), ADDRESSES) == extproc_alone.SERVED
+@pytest.mark.parametrize("response_headers", [False, True])
+async def test_only_a_routed_stream_is_served(gateway: Gateway, response_headers: bool) -> None:
+    # Without tenants the bundled Envoy skips the response-headers phase; with them it sends it.
+    body = extproc_alone.chat_body(1)
+    assert await outcome(gateway, body, ADDRESSES, response_headers) == extproc_alone.SERVED
 
 
 async def test_a_rejected_stream_is_not_served(gateway: Gateway) -> None:
