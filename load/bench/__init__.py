@@ -2,7 +2,8 @@
 
 ``decision``: the routing core's decision latency in-process. ``overhead``: Envoy + ext_proc latency and
 CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes their results with the
-commands that produced them. This module holds what both share: machine facts, percentiles, JSON output.
+commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
+the CPU time of the processes measured.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import orjson
 
 PERCENTILES = (50, 90, 99)
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: One process id, or several (their CPU summed).
+Pids = int | Sequence[int]
 
 
 def machine() -> dict[str, Any]:
@@ -169,3 +172,22 @@ def write_json(path: Path, result: Mapping[str, Any]) -> None:
     """Write ``result`` as indented JSON, creating the parent directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def cpu_seconds(pids: Pids) -> float:
+    """utime + stime of process ``pids`` (all its threads; several processes: their sum), in seconds."""
+    total = 0
+    for pid in [pids] if isinstance(pids, int) else pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
+
+
+def idle_cpu(pids: Mapping[str, Pids], seconds: float) -> dict[str, float]:
+    """CPU milliseconds per second each process uses with no traffic (scrapers, timers), over ``seconds``."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    started = time.monotonic()
+    time.sleep(seconds)  # a measurement window, not a wait for readiness
+    wall = time.monotonic() - started
+    return {name: round((cpu_seconds(pid) - before[name]) / wall * 1e3, 2) for name, pid in pids.items()}

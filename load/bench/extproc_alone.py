@@ -60,8 +60,18 @@ from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.gateway_config import gateway_config
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.procs import Child, popen
-from load.bench import CpuSample, add_quiet_arguments, machine, quietest, ratio, revision, summary, write_json
-from load.bench.overhead import cpu_seconds, idle_cpu
+from load.bench import (
+    CpuSample,
+    add_quiet_arguments,
+    cpu_seconds,
+    idle_cpu,
+    machine,
+    quietest,
+    ratio,
+    revision,
+    summary,
+    write_json,
+)
 
 PATH = "/v1/chat/completions"
 READY_S = 120.0

@@ -53,9 +53,19 @@ from tokenizers import Tokenizer
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from extproc.models.template import ChatTemplate
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import CpuSample, add_quiet_arguments, machine, quietest, ratio, revision, summary, write_json
+from load.bench import (
+    CpuSample,
+    add_quiet_arguments,
+    cpu_seconds,
+    machine,
+    quietest,
+    ratio,
+    revision,
+    summary,
+    write_json,
+)
 from load.bench.decision import ChatFactory
-from load.bench.overhead import CLIENT_TIMEOUT_S, PATH, cpu_seconds, request_body, run_client
+from load.bench.overhead import CLIENT_TIMEOUT_S, PATH, request_body, run_client
 
 LONG_CONTEXT = 32768
 """Context length (tokens) given to the gateway's model and to the replicas: room for the long prompts."""

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -49,7 +48,10 @@ from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
 from kvgate.envoy.bootstrap import EnvoyParams, render_baseline, render_yaml
 from load.bench import (
     CpuSample,
+    Pids,
     add_quiet_arguments,
+    cpu_seconds,
+    idle_cpu,
     machine,
     peers,
     quietest,
@@ -86,8 +88,6 @@ class Goals:
 
 
 GOALS = Goals()
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def request_body(stream: bool) -> bytes:
@@ -213,19 +213,6 @@ def run_client(
 
 # --- the processes measured ---------------------------------------------------------------------------
 
-Pids = int | Sequence[int]
-"""One process, or several measured as one (their CPU summed)."""
-
-
-def cpu_seconds(pids: Pids) -> float:
-    """utime + stime of process ``pids`` (all its threads; several processes: their sum), in seconds."""
-    total = 0
-    for pid in [pids] if isinstance(pids, int) else pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / _CLK_TCK
-
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants now (``/proc/PID/task/*/children``): a peer's script may run the
@@ -258,15 +245,6 @@ def decision_totals(metrics_urls: Sequence[str]) -> tuple[float, int] | None:
             return None
         total, count = total + seconds, count + decisions
     return (total, count) if metrics_urls else None
-
-
-def idle_cpu(pids: Mapping[str, Pids], seconds: float) -> dict[str, float]:
-    """CPU milliseconds per second each process uses with no traffic (scrapers, timers), over ``seconds``."""
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    started = time.monotonic()
-    time.sleep(seconds)  # a measurement window, not a wait for readiness
-    wall = time.monotonic() - started
-    return {name: round((cpu_seconds(pid) - before[name]) / wall * 1e3, 2) for name, pid in pids.items()}
 
 
 def start_plain_envoy(workdir: Path, addresses: Sequence[str]) -> tuple[Child, str]:

@@ -54,8 +54,7 @@ from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child
-from load.bench import CpuSample, machine, revision, summary, write_json
-from load.bench.overhead import cpu_seconds
+from load.bench import CpuSample, cpu_seconds, machine, revision, summary, write_json
 
 log = logging.getLogger(__name__)
 
