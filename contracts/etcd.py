@@ -11,8 +11,12 @@ key                    value                                                    
 ``drain/<id>``         any value (by convention ``{"at": unix_s, "by": who}``);      ``kvgate drain``
                        present = the endpoint takes no new requests
 ``policy/<path>``      one JSON value per key (:mod:`extproc.control.policy`), e.g.  ``kvgate policy``
-                       ``policy/weights/prefix`` = ``3.0``
+                       ``policy/weights/prefix`` = ``3.0``; flow control under
+                       ``policy/flow/...`` (:mod:`extproc.flow.policy`), e.g.
+                       ``policy/flow/saturation`` = ``{"max_waiting": 8}``
 ``models/<name>``      JSON route ``{"labels": {..}, "profile": ".."}``              ``kvgate policy``
+``objectives/<name>``  JSON objective ``{"priority": 1, "ttft_ms": 500}``            ``kvgate policy``
+                       (:mod:`extproc.flow.policy`)
 ``tenants/<id>``       reserved: tenant scopes and limits                            (later)
                        (:mod:`extproc.admission.tenants`)
 ``kvcached/<node>``    a node's tier store (:class:`PeerInfo`), under a lease        kvcached daemons
@@ -29,11 +33,12 @@ from dataclasses import dataclass
 from contracts.config import Section, all_or_none, hostport
 from contracts.errors import ConfigError
 
-ENDPOINTS, DRAIN, POLICY, MODELS, TENANTS, KVCACHED = (
+ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
     "endpoints",
     "drain",
     "policy",
     "models",
+    "objectives",
     "tenants",
     "kvcached",
 )
@@ -113,11 +118,16 @@ def drain_key(prefix: str, endpoint_id: str) -> str:
     return family_key(prefix, DRAIN, endpoint_id)
 
 
+_OWN_FAMILIES = (MODELS, OBJECTIVES)
+"""Policy paths whose first segment is a key family of its own (``models/<name>``, ``objectives/<name>``)."""
+
+
 def policy_key(prefix: str, path: str) -> str:
-    """The key of a policy path (:mod:`extproc.control.policy`): ``models/<name>`` lives in its own family,
-    every other path under ``policy/``."""
-    if path.startswith(MODELS + "/"):
-        return family_key(prefix, MODELS, path[len(MODELS) + 1 :])
+    """The key of a policy path (:mod:`extproc.control.policy`): ``models/<name>`` and
+    ``objectives/<name>`` live in their own families, every other path under ``policy/``."""
+    for family in _OWN_FAMILIES:
+        if path.startswith(family + "/"):
+            return family_key(prefix, family, path[len(family) + 1 :])
     return family_key(prefix, POLICY, path)
 
 
@@ -133,20 +143,21 @@ def split_key(prefix: str, key: str | bytes) -> tuple[str, str] | None:
 
 
 def policy_path(family: str, name: str) -> str | None:
-    """The policy path of a ``policy/`` or ``models/`` key (``None`` for other families, and for
-    ``policy/models/...``, which would shadow the ``models/`` family)."""
-    if family == MODELS:
-        return f"{MODELS}/{name}"
-    if family == POLICY and not name.startswith(MODELS + "/"):
+    """The policy path of a ``policy/``, ``models/`` or ``objectives/`` key (``None`` for other families,
+    and for ``policy/models/...`` and ``policy/objectives/...``, which would shadow those families)."""
+    if family in _OWN_FAMILIES:
+        return f"{family}/{name}"
+    if family == POLICY and not name.startswith(tuple(f + "/" for f in _OWN_FAMILIES)):
         return name
     return None
 
 
-# -- policy/<path> and models/<name> values --------------------------------------------------------
+# -- policy/<path>, models/<name> and objectives/<name> values -----------------------------------------
 
 
 def decode_value(path: str, raw: bytes) -> object:
-    """The JSON value of the policy key for ``path`` (``policy/<path>`` or ``models/<name>``)."""
+    """The JSON value of the policy key for ``path`` (``policy/<path>``, ``models/<name>`` or
+    ``objectives/<name>``)."""
     try:
         return json.loads(raw)
     except ValueError as exc:

@@ -39,10 +39,23 @@ Example (TOML)::
     speculative_ttl_s = 10.0           # a decision counts this long for an event-fed endpoint
     working_set_s = 20.0               # cache-spread: blocks routed to an endpoint this long ago count
 
-    [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/
+    [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/,
+                                       # objectives/
     endpoints = ["127.0.0.1:2379"]     # schema: runtime/etcd.py; tls_ca, tls_cert, tls_key, prefix
     [policy]
     file = "policy.toml"               # optional local policy overrides (schema: extproc/control/policy.py)
+
+    [flow]                             # flow control's defaults (schema: extproc/flow/policy.py; etcd
+    waiting_room_s = 5.0               # policy/flow/... and the policy file's [flow] override them)
+    fairness = "tokens"                # or "requests"
+    [flow.saturation]                  # an endpoint past any of these takes no more requests
+    max_waiting = 8
+    max_kv_usage = 0.9
+    [flow.bands.-1]                    # a band's queue bounds (a priority, or "default")
+    max_requests = 64
+    [objectives.interactive]           # x-llm-d-inference-objective: interactive (etcd objectives/<name>)
+    priority = 1
+    ttft_ms = 500
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -74,6 +87,7 @@ Example (TOML)::
     match = { groups = ["acme"] }
     rate = { requests_per_s = 5, burst = 10 }
     tokens = { per_minute = 20000 }
+    objectives = ["interactive"]       # objective names it may use (globs; default: all)
 """
 
 from __future__ import annotations
@@ -89,6 +103,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
@@ -279,6 +294,9 @@ class GatewayConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     #: How long an endpoint is not picked after a failed try (:mod:`extproc.xds.ejection`).
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
+    #: Flow control's embedded default (``[flow]``, ``[objectives.<name>]``), under the policy file and
+    #: etcd (:mod:`extproc.flow.policy`).
+    flow: FlowPolicy = field(default_factory=FlowPolicy)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -395,11 +413,13 @@ def parse_config(raw: object) -> GatewayConfig:
         first_byte_s=to.number("first_byte_s", _TO.first_byte_s, minimum=0.0),
     )
     to.done()
+    flow = parse_flow(top.raw("flow"), top.raw("objectives"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
+        flow=flow,
     )  # fmt: skip
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.fleet import Fleet
 
 DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
@@ -67,7 +68,54 @@ class GatewayMetrics:
             ["endpoint", "kind"],
             registry=self.registry,
         )
+        self.flow_queued = Gauge(
+            "kvgate_flow_queued",
+            "Requests flow control holds, per model and priority band.",
+            ["model", "priority"],
+            registry=self.registry,
+        )
+        self.flow_wait_seconds = Histogram(
+            "kvgate_flow_wait_seconds",
+            "How long a held request waited, by outcome (dispatched or shed).",
+            ["outcome"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.flow_dispatches = Counter(
+            "kvgate_flow_dispatches",
+            "Held requests dispatched to an engine when capacity freed, per model and priority band.",
+            ["model", "priority"],
+            registry=self.registry,
+        )
+        self.flow_sheds = Counter(
+            "kvgate_flow_sheds",
+            "Requests flow control answered without an engine, by reason (queue_full, queue_timeout, "
+            "slo_unattainable, no_endpoint).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._flow_bands: set[tuple[str, str]] = set()
         registry.register(_FleetCollector(fleet))
+
+    # -- flow control (extproc.flow.dispatch.FlowListener) -----------------------------------------------
+
+    def dispatched(self, model: str, priority: int, waited_s: float) -> None:
+        self.flow_dispatches.labels(model, str(priority)).inc()
+        self.flow_wait_seconds.labels("dispatched").observe(waited_s)
+
+    def shed(self, model: str, priority: int, reason: str, waited_s: float) -> None:
+        self.flow_sheds.labels(reason).inc()
+        if waited_s > 0:
+            self.flow_wait_seconds.labels("shed").observe(waited_s)
+
+    def depth(self, depth: dict[tuple[str, int], int]) -> None:
+        """Set each band's gauge; a band that emptied reads 0."""
+        current = {(model, str(priority)): n for (model, priority), n in depth.items()}
+        for labels in self._flow_bands - set(current):
+            self.flow_queued.labels(*labels).set(0)
+        for labels, n in current.items():
+            self.flow_queued.labels(*labels).set(n)
+        self._flow_bands = set(current)
 
 
 class _FleetCollector(Collector):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf import json_format
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from contracts.epp import (
@@ -81,10 +83,11 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from extproc.admission.gate import Gate, Principal, Ticket
+from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
 from extproc.errors import (
     BadRequest,
+    Forbidden,
     GatewayError,
     NotFound,
     PayloadTooLarge,
@@ -92,6 +95,24 @@ from extproc.errors import (
     Unauthorized,
     Unavailable,
 )
+from extproc.fleet import EndpointState
+from extproc.flow.control import (
+    DEADLINE_HEADER,
+    DEFAULT_FLOW,
+    DEFAULT_OUTPUT_TOKENS,
+    FAIRNESS_HEADER,
+    FAIRNESS_HEADER_OLD,
+    OBJECTIVE_HEADER,
+    OBJECTIVE_HEADER_OLD,
+    SLO_TTFT_HEADER,
+    TTFT_DEADLINE_UPSTREAM,
+    FlowControl,
+    FlowRequest,
+    Room,
+    room,
+)
+from extproc.flow.policy import FlowPolicy
+from extproc.flow.queue import Entry
 from extproc.routing.request import (
     MODELS_PATH,
     ParsedRequest,
@@ -113,6 +134,8 @@ HEALTH_PATHS = frozenset({"/health", "/liveness"})
 #: Readiness probes (``/readiness`` as sglang-router and vllm-router name it): 200 while something is
 #: routable, else 503.
 READY_PATHS = frozenset({"/ready", "/readiness"})
+#: Seconds a held request's Envoy message timeout reaches past its latest shedding time.
+HOLD_SLACK_S = 5.0
 
 
 class Phase(Enum):
@@ -126,12 +149,15 @@ class Phase(Enum):
 class ProcessorConfig:
     """``max_body_bytes``: larger bodies get 413; ``offload_bytes``: bodies from this size on are parsed,
     rendered and tokenized by :meth:`StreamProcessor.prepare` in a worker thread (``None``: never);
-    ``timeouts``: the engine-side bounds set on each routed request, per model."""
+    ``timeouts``: the engine-side bounds set on each routed request, per model; ``hold_timeout_s``: while
+    flow control holds a request, extend Envoy's message timeout up to this (Envoy's ``max_message_timeout``;
+    ``None``: send no extension)."""
 
     max_body_bytes: int
     conformance: bool = False
     offload_bytes: int | None = 32 * 1024
     timeouts: TimeoutTable = field(default_factory=TimeoutTable)
+    hold_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +186,22 @@ class StreamProcessor:
         config: ProcessorConfig,
         clock: Callable[[], float],
         gate: Gate | None = None,
+        flow: FlowControl[StreamProcessor] | None = None,
     ) -> None:
         self._router = router
         self._config = config
         self._clock = clock
         self._gate = gate
+        self._flow = flow
+        #: Queued by flow control, waiting for :meth:`resume` or :meth:`shed` (``None``: not held).
+        self.held: Entry[StreamProcessor] | None = None
+        #: Sheddable requests this one pushed out of a full queue (the shell answers them 429).
+        self.evicted: tuple[Entry[StreamProcessor], ...] = ()
+        #: The code of flow control's refusal at arrival (``queue_full``, ``slo_unattainable``), if any.
+        self.refused: str | None = None
+        self._waiting: tuple[_Prepared, float] | None = None
+        self._deadline: float | None = None
+        self._arrived = 0.0
         self.principal: Principal | None = None
         self.ticket: Ticket | None = None
         self._usage: UsageReader | None = None
@@ -275,6 +312,7 @@ class StreamProcessor:
     def _on_request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self._phase is not Phase.HEADERS:
             raise _Internal("Request headers received twice.")
+        self._arrived = self._clock()
         self._buffered = msg.protocol_config.request_body_mode == BUFFERED
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
@@ -332,7 +370,8 @@ class StreamProcessor:
 
     def _route(self) -> list[pb.ProcessingResponse]:
         """Route the buffered body: prepared already (:meth:`prepare`), or prepared now; the body is joined
-        once, by whichever prepares it."""
+        once, by whichever prepares it. With flow control, a request with no room yet is held
+        (:attr:`held`) and routed by :meth:`resume` when the shell dispatches it."""
         chunks, self._chunks = self._chunks, []
         path = self._headers.get(":path", "/")
         if route_kind(path) is None:
@@ -345,12 +384,113 @@ class StreamProcessor:
             prepared = self._prepare(b"".join(chunks))
         else:
             started -= prepared.seconds  # the decision's time includes the preparation done beforehand
+        if self._gate is not None and self.principal is not None:
+            self.ticket = self._gate.admit(
+                self.principal, prepared.request, prepared.tokens.count, self._clock()
+            )
+        flow = self._flow
+        if flow is not None:
+            try:
+                request = self._flow_request(flow.policy, prepared)
+                offer = flow.offer(
+                    request,
+                    self,
+                    flow_room(flow.policy, self._router, request.model, self._clock()),
+                    self._clock(),
+                )
+            except GatewayError as exc:
+                self._refund()
+                if isinstance(exc, TooManyRequests):
+                    self.refused = exc.code
+                raise
+            self._deadline = request.deadline
+            self.evicted = offer.evicted
+            if offer.held is not None:
+                self.held = offer.held
+                self._waiting = (prepared, started)
+                return self._hold_reply(offer.held)
+        return self._decide(prepared, started)
+
+    def resume(self) -> list[pb.ProcessingResponse]:
+        """Route a held request now (flow control dispatched it: the shell calls this once, on the event
+        loop, with the fleet's state as it is now)."""
+        waiting, self._waiting, self.held = self._waiting, None, None
+        assert waiting is not None, "resume() only after a hold"
+        try:
+            return self._decide(*waiting)
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
+
+    def shed(self, error: GatewayError) -> list[pb.ProcessingResponse]:
+        """Answer a held request that leaves the queue unrouted (it expired, or was evicted) with ``error``;
+        its token reservation is refunded."""
+        self._waiting, self.held = None, None
+        self._refund()
+        return [self._reject(error)]
+
+    def _hold_reply(self, entry: Entry[StreamProcessor]) -> list[pb.ProcessingResponse]:
+        """While held, Envoy must not time the ext_proc out: extend its message timeout past the longest
+        wait (``hold_timeout_s``: Envoy's ``max_message_timeout`` caps it; ``None``: nothing is sent)."""
+        cap = self._config.hold_timeout_s
+        if cap is None:
+            return []
+        seconds = min(cap, max(1.0, entry.expires - self._clock() + HOLD_SLACK_S))
+        timeout = Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
+        return [pb.ProcessingResponse(override_message_timeout=timeout)]
+
+    def _flow_request(self, policy: FlowPolicy, prepared: _Prepared) -> FlowRequest:
+        """Flow control's view of the request: its objective's priority (header, checked against the
+        tenant's allowed objectives; else the tenant's priority; else 0), its flow (under auth the tenant,
+        else the fairness-id header, else one shared flow), its fair-share cost and its TTFT deadline
+        (``x-kvgate-deadline-ms``, else ``x-llm-d-slo-ttft-ms``, else the objective's ``ttft_ms``; from the
+        request's arrival)."""
+        headers = self._headers
+        tenant = self.principal.tenant if self.principal is not None else None
+        name = headers.get(OBJECTIVE_HEADER) or headers.get(OBJECTIVE_HEADER_OLD)
+        objective = None
+        if name:
+            objective = policy.objectives.get(name)
+            if objective is None:
+                raise BadRequest(
+                    f"Unknown inference objective `{name}`.", code="unknown_objective", param=OBJECTIVE_HEADER
+                )
+            if tenant is not None and not tenant.allows_objective(name):
+                raise Forbidden(
+                    f"Tenant `{tenant.id}` may not use objective `{name}`.",
+                    code="objective_not_allowed",
+                    param=OBJECTIVE_HEADER,
+                )
+        priority = (
+            objective.priority if objective is not None else tenant.priority if tenant is not None else 0
+        )
+        if tenant is not None:
+            flow = tenant.id
+        else:
+            flow = headers.get(FAIRNESS_HEADER) or headers.get(FAIRNESS_HEADER_OLD) or DEFAULT_FLOW
+        ttft_ms = _positive_ms(headers, SLO_TTFT_HEADER)
+        if ttft_ms is None and objective is not None:
+            ttft_ms = objective.ttft_ms
+        deadline_ms = _positive_ms(headers, DEADLINE_HEADER)
+        if deadline_ms is None:
+            deadline_ms = ttft_ms
+        request, tokens = prepared.request, prepared.tokens
+        if policy.fairness == "requests":
+            cost = 1.0
+        else:
+            output = max_output_tokens(request)
+            cost = float(tokens.count + (output if output is not None else DEFAULT_OUTPUT_TOKENS))
+        deadline = None if deadline_ms is None else self._arrived + deadline_ms / 1000.0
+        return FlowRequest(request.model, priority, flow, cost, len(prepared.body), deadline)
+
+    def _decide(self, prepared: _Prepared, started: float) -> list[pb.ProcessingResponse]:
+        """Schedule the prepared request and build the replies that send it to its pick."""
         request, body, tokens = prepared.request, prepared.body, prepared.tokens
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
-        if self._gate is not None and self.principal is not None:
-            self.ticket = self._gate.admit(self.principal, request, tokens.count, self._clock())
         try:
             self.decision = self._router.decide(
                 request,
@@ -374,6 +514,9 @@ class StreamProcessor:
             _header(MODEL_HEADER, decision.model),
             *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, request.stream)),
         ]
+        if self._deadline is not None:
+            left_ms = max(1, round((self._deadline - decided) * 1000))
+            set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
         remove_headers: list[str] = []
         if self.principal is not None:
             set_headers.append(_header(TENANT_HEADER, self.principal.tenant.id))
@@ -544,6 +687,36 @@ def _immediate(
             details=details,
         ),
     )
+
+
+def serving(router: Router, model: str) -> list[EndpointState]:
+    """The fleet's endpoints serving ``model`` that its route admits (health not checked)."""
+    route = router.policy.routes.get(model)
+    return [s for s in router.fleet if model in s.endpoint.models and (route is None or route.admits(s))]
+
+
+def flow_room(policy: FlowPolicy, router: Router, model: str, now: float) -> Room:
+    """``model``'s room under ``policy`` (:func:`extproc.flow.control.room`), skipped (``OPEN``) when the
+    policy can never hold a request."""
+    if not policy.holds:
+        return Room.OPEN
+    return room(policy, model, serving(router, model), now)
+
+
+def _positive_ms(headers: dict[str, str], name: str) -> float | None:
+    """A header's milliseconds (a positive finite number), ``None`` when absent; else 400."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise BadRequest(
+            f"Header {name} must be a positive number of milliseconds.", code="invalid_header", param=name
+        )
+    return value
 
 
 def _is_probe(path: str) -> bool:

@@ -42,13 +42,16 @@ from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.fleet import Fleet
+from extproc.flow.control import FlowControl, Room
+from extproc.flow.dispatch import Dispatcher
+from extproc.flow.policy import FlowPolicy
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
 from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
-from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
 from extproc.xds.als import FailedTries
 from extproc.xds.eds import EndpointDiscovery
@@ -76,17 +79,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         metrics: GatewayMetrics,
         gate: Gate | None = None,
         restorer: SlotRestorer | None = None,
+        dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] | None = None,
     ) -> None:
         self._router = router
         self._config = config
         self._metrics = metrics
         self._gate = gate
         self._restorer = restorer
+        self._dispatcher = dispatcher
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate)
+        dispatcher = self._dispatcher
+        flow = dispatcher.control if dispatcher is not None else None
+        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         try:
             async for msg in request_iterator:
@@ -96,6 +103,20 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     large = True
                     await asyncio.to_thread(proc.prepare, msg)
                 responses = proc.handle(msg)
+                if proc.refused is not None:
+                    self._metrics.flow_sheds.labels(proc.refused).inc()
+                    proc.refused = None
+                if dispatcher is not None and proc.evicted:
+                    dispatcher.evict(proc.evicted)
+                    proc.evicted = ()
+                if dispatcher is not None and proc.held is not None:
+                    # Held by flow control: Envoy's message timeout is extended (responses), then the
+                    # replies come when the dispatcher routes or sheds the request.
+                    future = dispatcher.wait(proc.held)
+                    for resp in responses:
+                        yield resp
+                    responses = await future
+                    started = time.perf_counter()  # the decision's time, not the wait
                 if proc.decision is not None and not decided_before:
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
                     self._metrics.requests.labels("routed").inc()
@@ -115,9 +136,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     await asyncio.to_thread(decision.rest.finish)
                 proc.after_send()
         finally:
+            if dispatcher is not None and proc.held is not None:
+                dispatcher.cancel(proc.held)  # the client went away while held: never routed
             if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
                 self._metrics.fallbacks.inc()
             proc.close()
+            if dispatcher is not None and proc.decision is not None:
+                dispatcher.kick()  # a stream's end frees its in-flight slot
 
 
 class Gateway:
@@ -163,6 +188,14 @@ class Gateway:
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.metrics = GatewayMetrics(self.fleet)
+        #: Flow control: requests held while their model's endpoints are saturated (:mod:`extproc.flow`),
+        #: dispatched when capacity may have freed (a scrape round, a fleet change, a stream's end, a policy).
+        self.flow: FlowControl[StreamProcessor] = FlowControl(store.policy.flow)
+        self.dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] = Dispatcher(
+            self.flow, self._flow_space, time.monotonic, self.metrics
+        )
+        self.cluster.flow_listener = self._apply_flow
+        self.fleet.watch(self.dispatcher.kick)
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
         #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
@@ -211,7 +244,8 @@ class Gateway:
         peers = [PeerCheck(frozenset(ex.tls_allowed_peers), "the ext_proc")] if self.server_certs else []
         server = grpc.aio.server(options=options, interceptors=peers)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer), server
+            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer, self.dispatcher),
+            server,
         )
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.failed_tries, server)
@@ -260,7 +294,15 @@ class Gateway:
             self.max_body_bytes,
         )
 
+    def _flow_space(self, model: str, now: float) -> Room:
+        return flow_room(self.flow.policy, self.router, model, now)
+
+    def _apply_flow(self, policy: FlowPolicy) -> None:
+        self.flow.apply(policy)
+        self.dispatcher.kick()  # limits may have risen
+
     def _on_scrape_round(self) -> None:
+        self.dispatcher.kick()
         ready = any(s.healthy and not s.draining for s in self.fleet)
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -280,6 +322,7 @@ class Gateway:
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        self.dispatcher.close()
         if self.siblings is not None:
             await self.siblings.aclose()
         await self.cluster.aclose()

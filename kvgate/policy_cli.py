@@ -1,13 +1,15 @@
 """``kvgate policy get|set|unset|list|watch`` and ``kvgate drain ID [--undo]``.
 
-The operator's handle on the control plane: the policy paths of :mod:`extproc.control.policy` in etcd (or in a
-local policy file with ``--file``), and the drain flag of an endpoint. ``set`` validates the value
+The operator's handle on the control plane: the policy paths of :mod:`extproc.control.policy` (scheduling,
+routes, and flow control's ``flow/...`` and ``objectives/<name>``) in etcd (or in a local policy file with
+``--file``), and the drain flag of an endpoint. ``set`` validates the value
 against the schema and the values already in force before anything is written: a bad value exits 2
 with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that
 is not JSON is taken as a string. ``get`` and ``list`` print effective values: the override, else the
-embedded default (the built-in scheduling, or that of ``--config gateway.toml``)::
+embedded default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``)::
 
     kvgate policy set weights/prefix 3.0 --etcd 10.0.0.5:2379
+    kvgate policy set objectives/interactive '{"priority": 1, "ttft_ms": 500}'
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
 
@@ -115,7 +117,8 @@ def _local_etcd() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate policy",
-        description="The scheduling policy in etcd (or in a policy file with --file).",
+        description="The run-time policy (scheduling, routes, flow control) in etcd (or in a policy file "
+        "with --file).",
         epilog=f"paths: {KNOWN_PATHS}. Values are JSON; a word that is not JSON is a string.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,14 +132,18 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in commands.items():
         cmd = sub.add_parser(name, help=text, description=text)
         if name in ("get", "set", "unset"):
-            cmd.add_argument("path", help="e.g. weights/prefix, plugins/load-threshold/max_waiting")
+            cmd.add_argument(
+                "path", help="e.g. weights/prefix, plugins/load-threshold/max_waiting, flow/saturation"
+            )
         if name == "set":
             cmd.add_argument("value", help="JSON value (a bare word is a string)")
         if name == "watch":
             cmd.add_argument("--once", action="store_true", help="exit after the first change")
         else:
             cmd.add_argument("--file", type=Path, help="work on this policy file (.toml or .json), not etcd")
-        cmd.add_argument("--config", type=Path, help="gateway config whose scheduling gives the defaults")
+        cmd.add_argument(
+            "--config", type=Path, help="gateway config whose scheduling and [flow] give the defaults"
+        )
         _source_options(cmd)
     return parser
 

@@ -110,12 +110,20 @@ def parse_tenant(raw: object, where: str) -> Tenant:
         id=tenant_id,
         models=tuple(models),
         match=TenantMatch(tuple(sorted(claim_rules)), frozenset(groups)),
-        priority=s.integer("priority", 0, minimum=0),
+        priority=s.integer("priority", 0),
         rate=_rate(s.raw("rate"), f"{where}.rate"),
         tokens=_tokens(s.raw("tokens"), f"{where}.tokens"),
+        objectives=_objectives(s.array("objectives", ["*"]), f"{where}.objectives"),
     )
     s.done()
     return tenant
+
+
+def _objectives(raw: list[object], where: str) -> tuple[str, ...]:
+    """The objective globs a tenant may use: strings, none empty (an empty list: no objective)."""
+    if not all(isinstance(p, str) and p for p in raw):
+        raise ConfigError(f"{where}: expected a list of objective names or globs, got {raw!r}")
+    return tuple(str(p) for p in raw)
 
 
 def _rate(raw: object, where: str) -> RequestRate | None:

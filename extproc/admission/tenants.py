@@ -7,7 +7,8 @@ A tenant is the unit of scope and quota. The same schema is read from the gatewa
     [[tenants]]
     id = "acme"
     models = ["SmolLM2-*", "llama-3.1-8b"]      # fnmatch globs, case-sensitive
-    priority = 1                                 # higher = more important (flow control)
+    priority = 1                                 # higher = more important; negative: sheddable
+    objectives = ["interactive", "batch-*"]      # objective names it may use (globs; default ["*"])
     match = { claims = { tenant = "acme" }, groups = ["acme-engineers"] }
     rate = { requests_per_s = 5, burst = 10 }    # enforced by Envoy local_ratelimit
     tokens = { per_minute = 20000 }              # prompt + completion, enforced by the ext_proc
@@ -72,8 +73,9 @@ class TenantMatch:
 @dataclass(frozen=True, slots=True)
 class Tenant:
     """One tenant. ``models``: globs of the model names it may request (after any model rewrite).
-    ``priority``: higher is more important (carried for flow control). ``rate``/``tokens``: ``None``
-    means unlimited."""
+    ``priority``: higher is more important, negative is sheddable (flow control's band for requests
+    that name no objective). ``rate``/``tokens``: ``None`` means unlimited. ``objectives``: globs of the
+    objective names (:mod:`extproc.flow.policy`) its requests may name (empty: none)."""
 
     id: str
     models: tuple[str, ...]
@@ -81,10 +83,15 @@ class Tenant:
     priority: int = 0
     rate: RequestRate | None = None
     tokens: TokenLimit | None = None
+    objectives: tuple[str, ...] = ("*",)
 
     def allows(self, model: str) -> bool:
         """Whether ``model`` is within this tenant's scope."""
         return any(fnmatchcase(model, pattern) for pattern in self.models)
+
+    def allows_objective(self, name: str) -> bool:
+        """Whether this tenant's requests may name objective ``name`` (fnmatch globs, case-sensitive)."""
+        return any(fnmatchcase(name, pattern) for pattern in self.objectives)
 
 
 class Tenants:

@@ -3,9 +3,10 @@
 :class:`Cluster` wires three sources into the gateway's fleet, index and router:
 
 - the policy (:mod:`extproc.control.policy`): the embedded default from the gateway config, overridden by a
-  local policy file (``[policy] file``) and by etcd ``policy/`` and ``models/`` keys when ``[etcd]`` is set;
-  every change that passes validation is applied at once (scheduling profile, per-model routes, block size,
-  speculative TTL); a refused one leaves the last good policy in force;
+  local policy file (``[policy] file``) and by etcd ``policy/``, ``models/`` and ``objectives/`` keys when
+  ``[etcd]`` is set; every change that passes validation is applied at once (scheduling profile, per-model
+  routes, block size, speculative TTL, and the flow policy handed to :attr:`Cluster.flow_listener`); a
+  refused one leaves the last good policy in force;
 - the fleet: static ``[[endpoints]]`` plus the agents' leased ``endpoints/<id>`` entries and ``drain/<id>``
   flags (:class:`extproc.control.plane.ControlPlane`);
 - the agents' feeds (:class:`extproc.control.feeds.FeedManager`): each endpoint registered with a ``feed``
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from contracts.errors import ConfigError
@@ -32,6 +34,7 @@ from extproc.control.feeds import FeedManager
 from extproc.control.plane import ControlPlane
 from extproc.control.policy import Policy, PolicyStore, routing_policy
 from extproc.fleet import Fleet
+from extproc.flow.policy import FlowPolicy
 from extproc.index.hybrid import HybridIndex
 from extproc.routing.router import Router
 from runtime.tls import ClientTlsFiles, channel_credentials
@@ -44,7 +47,11 @@ SYNC_TIMEOUT_S = 2.0
 
 class Cluster:
     """Keeps the fleet, index and router in step with etcd, the agents' feeds and the policy (``store``:
-    the gateway's, :func:`~extproc.control.policy.gateway_policy`)."""
+    the gateway's, :func:`~extproc.control.policy.gateway_policy`).
+
+    ``flow_listener``: called (on the event loop, must not block) with the flow policy each time a policy
+    is put in force; ``None`` at construction, so whoever sets it reads :attr:`flow_policy` first.
+    """
 
     def __init__(
         self,
@@ -61,6 +68,8 @@ class Cluster:
         self._stores: set[str] = set()  # nodes whose kvcached feeds are followed
         self.store = store
         self.policy_changes = 0
+        self.flow_listener: Callable[[FlowPolicy], None] | None = None
+        self._flow = store.policy.flow
         self.apply_policy(self.store.policy)
         fd = config.feeds
         credentials = None
@@ -115,9 +124,15 @@ class Cluster:
         feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
         self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
 
+    @property
+    def flow_policy(self) -> FlowPolicy:
+        """The flow policy in force (that of the last policy :meth:`apply_policy` put in force)."""
+        return self._flow
+
     def apply_policy(self, policy: Policy) -> None:
         """Put a validated policy in force: the router's profile, per-model routes and block size (one
-        :class:`~extproc.routing.router.RoutingPolicy`), and the index's speculative TTL."""
+        :class:`~extproc.routing.router.RoutingPolicy`), the index's speculative TTL, and the flow policy
+        (:attr:`flow_policy`, handed to :attr:`flow_listener` when set)."""
         try:
             routing = routing_policy(policy, max_fallbacks=self.config.extproc.max_fallbacks)
         except ConfigError as exc:  # the store validated it; a failure here is a bug, keep the old one
@@ -128,6 +143,9 @@ class Cluster:
         if routing.block_size != before:
             log.info("index block size now %d tokens: prefixes are relearned", routing.block_size)
         self.index.speculative_ttl_s = policy.speculative_ttl_s
+        self._flow = policy.flow
+        if self.flow_listener is not None:
+            self.flow_listener(policy.flow)
         self.policy_changes += 1
         weights = ", ".join(f"{r.ref}={r.weight}" for r in policy.scheduling.profiles[0].plugins if r.weight)
         log.info("policy %d in force: %s; %d model routes", self.policy_changes, weights, len(routing.routes))

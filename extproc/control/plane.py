@@ -1,4 +1,5 @@
-"""The control plane of one gateway: etcd's endpoints, drains, policy and routes -> its Fleet and policy.
+"""The control plane of one gateway: etcd's endpoints, drains, policy, routes and objectives -> its Fleet
+and policy.
 
 :class:`ControlCore` is sans-IO: it takes snapshots (every key under the prefix at a revision) and
 batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
@@ -10,7 +11,8 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   endpoint's last good description stays.
 * ``drain/<id>``: present = :attr:`EndpointState.draining` (also for static endpoints, and remembered
   for an endpoint that registers later).
-* ``policy/<path>``, ``models/<name>``: handed to the policy store (which keeps the last good value).
+* ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
+  the policy store (which keeps the last good value); :func:`contracts.etcd.policy_path` maps keys to paths.
 
 Changes are :class:`contracts.etcd.Change`. A snapshot is diffed against what was applied, so a resync
 after an outage applies exactly what changed while the watcher was away. :class:`ControlPlane` is the

@@ -12,9 +12,13 @@ laid over the gateway's embedded defaults (its own config's scheduling and index
     models/<name>                         route {"labels": {k: v}, "profile": "default"}: the model's
                                           endpoints must carry all labels; profile picks the scheduling
                                           profile (absent or null: the first one)
+    flow/..., objectives/<name>           flow control: saturation limits, band bounds, the waiting
+                                          room, fairness, named objectives (:mod:`extproc.flow.policy`;
+                                          its defaults: the gateway config's [flow], [objectives.<name>])
 
 In etcd a path lives at ``<prefix>policy/<path>``, except ``models/<name>`` at ``<prefix>models/<name>``
-(:func:`contracts.etcd.policy_key`). A file holds the same paths as a tree::
+and ``objectives/<name>`` at ``<prefix>objectives/<name>`` (:func:`contracts.etcd.policy_key`). A file
+holds the same paths as a tree (``flow`` and ``objectives``: :func:`extproc.flow.policy.flow_paths`)::
 
     [weights]
     prefix = 3.0
@@ -24,6 +28,10 @@ In etcd a path lives at ``<prefix>policy/<path>``, except ``models/<name>`` at `
     block_size = 16
     [models."SmolLM2-135M-Instruct"]
     labels = { pool = "a" }
+    [flow.saturation]
+    max_waiting = 8
+    [objectives.interactive]
+    priority = 1
 
 Every value is validated (type, range, known scorer/plugin/param/profile) together with the other
 values in force; a bad value is refused with a logged reason and the last good value stays.
@@ -48,6 +56,15 @@ from contracts.config import read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import decode_value, encode_value
 from engines.endpoint import Endpoint
+from extproc.flow.policy import KNOWN_PATHS as FLOW_PATHS
+from extproc.flow.policy import (
+    FlowPolicy,
+    apply_flow,
+    check_flow_path,
+    flow_paths,
+    flow_values,
+    is_flow_path,
+)
 from extproc.routing.router import Route, RoutingPolicy
 from extproc.scheduling.registry import (
     DEFAULT_SCHEDULING,
@@ -66,7 +83,7 @@ log = logging.getLogger(__name__)
 
 KNOWN_PATHS = (
     "weights/<scorer>, profiles/<profile>/weights/<scorer>, plugins/<plugin>/<param>, "
-    "index/block_size, index/speculative_ttl_s, models/<name>"
+    f"index/block_size, index/speculative_ttl_s, models/<name>, {FLOW_PATHS}"
 )
 _INDEX_KEYS = ("block_size", "speculative_ttl_s")
 
@@ -89,12 +106,13 @@ class ModelRoute:
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The policy in force: the scheduling config (weights and params applied), the index block size
-    (tokens), the speculative TTL (s) and the model routes."""
+    (tokens), the speculative TTL (s), the model routes and the flow-control policy."""
 
     scheduling: SchedulingConfig
     block_size: int = 16
     speculative_ttl_s: float = 10.0
     routes: Mapping[str, ModelRoute] = field(default_factory=lambda: types.MappingProxyType({}))
+    flow: FlowPolicy = field(default_factory=FlowPolicy)
 
     def weight(self, scorer: str, profile: str | None = None) -> float:
         """The weight of ``scorer`` in ``profile`` (``None``: the first); 0 when the profile lacks it."""
@@ -141,8 +159,13 @@ def _params_fields(config: SchedulingConfig, plugin: str, where: str) -> list[st
 
 def classify(path: str, config: SchedulingConfig) -> tuple[str, tuple[str, ...]]:
     """``(kind, names)`` of a policy path: ``weight (scorer)``, ``profile-weight (profile, scorer)``,
-    ``param (plugin, param)``, ``index (key)`` or ``model (name)``; unknown names are a ConfigError."""
+    ``param (plugin, param)``, ``index (key)``, ``model (name)`` or ``flow (path)`` (``flow/...`` and
+    ``objectives/<name>``, :func:`~extproc.flow.policy.check_flow_path`); unknown names are a
+    ConfigError."""
     where = f"policy {path}"
+    if is_flow_path(path):
+        check_flow_path(path)
+        return "flow", (path,)
     parts = path.split("/")
     if len(parts) == 2 and parts[0] == "weights":
         return "weight", (_scorer(config, parts[1], where),)
@@ -214,6 +237,8 @@ def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
     for path, value in sorted(overrides.items()):
         kind, names = classify(path, config)
         where = f"policy {path}"
+        if kind == "flow":
+            continue  # all at once below, by apply_flow
         if kind == "weight":
             weights[names[0]] = float(_number(value, where, 0.0))
         elif kind == "profile-weight":
@@ -243,6 +268,7 @@ def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
         int(index.get("block_size", base.block_size)),
         float(index.get("speculative_ttl_s", base.speculative_ttl_s)),
         types.MappingProxyType(routes),
+        apply_flow(base.flow, overrides),
     )
 
 
@@ -259,17 +285,23 @@ class PolicyStore:
         block_size: int = 16,
         speculative_ttl_s: float = 10.0,
         routes: Mapping[str, ModelRoute] | None = None,
+        flow: FlowPolicy | None = None,
     ) -> None:
         frozen_routes = types.MappingProxyType(dict(routes or {}))
-        self.base = Policy(scheduling, block_size, speculative_ttl_s, frozen_routes)
+        self.base = Policy(
+            scheduling, block_size, speculative_ttl_s, frozen_routes, FlowPolicy() if flow is None else flow
+        )
         self._overrides: dict[str, object] = {}
         self._policy = self.base
         self.rejected: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> PolicyStore:
-        """Defaults from a gateway config: its scheduling and its index block size and speculative TTL."""
-        return cls(config.scheduling, config.index.block_size, config.index.speculative_ttl_s)
+        """Defaults from a gateway config: its scheduling, its index block size and speculative TTL, and
+        its flow policy (``[flow]``, ``[objectives.<name>]``)."""
+        return cls(
+            config.scheduling, config.index.block_size, config.index.speculative_ttl_s, flow=config.flow
+        )
 
     @property
     def policy(self) -> Policy:
@@ -335,9 +367,16 @@ class PolicyStore:
         return policy
 
     def get(self, path: str) -> object:
-        """The effective value at ``path`` (override or default; a model without route: ``None``)."""
+        """The effective value at ``path`` (override or default; a model without route, or without
+        flow limits of its own, and an undefined objective: ``None``; a band without bounds of its own:
+        the default band's)."""
         kind, names = classify(path, self.base.scheduling)
         policy = self._policy
+        if kind == "flow":
+            values = flow_values(policy.flow)
+            if path.startswith("flow/bands/"):
+                return values.get(path, values["flow/bands/default"])
+            return values.get(path)
         if kind == "weight":
             return policy.weight(names[0])
         if kind == "profile-weight":
@@ -359,6 +398,7 @@ class PolicyStore:
             if PLUGIN_TYPES[spec.type].params is not None:
                 paths += [f"plugins/{spec.name}/{k}" for k in _fields(spec.type)]
         paths += [f"index/{k}" for k in _INDEX_KEYS] + [f"models/{m}" for m in self._policy.routes]
+        paths += list(flow_values(self._policy.flow))
         return {p: self.get(p) for p in sorted({*paths, *self._overrides})}
 
 
@@ -372,8 +412,12 @@ def flatten_policy(tree: object, where: str) -> dict[str, object]:
     depth = {"weights": 1, "profiles": 3, "plugins": 2, "index": 1, "models": 1}
     out: dict[str, object] = {}
     for top, sub in tree.items():
+        if top in ("flow", "objectives"):
+            out.update(flow_paths(top, sub, f"{where}.{top}"))
+            continue
         if top not in depth:
-            raise ConfigError(f"{where}: unknown table {top!r}; known: {', '.join(depth)}")
+            known = ", ".join([*depth, "flow", "objectives"])
+            raise ConfigError(f"{where}: unknown table {top!r}; known: {known}")
         _walk(sub, [top], depth[top], f"{where}.{top}", out)
     return out
 
@@ -393,12 +437,15 @@ def _walk(value: object, parts: list[str], depth: int, where: str, out: dict[str
 
 
 def policy_tree(values: Mapping[str, object]) -> dict[str, object]:
-    """The tree of a set of paths (the inverse of :func:`flatten_policy`)."""
+    """The tree of a set of paths (the inverse of :func:`flatten_policy`; a model or objective name
+    stays one key, ``/`` and all)."""
     tree: dict[str, object] = {}
     for path, value in sorted(values.items()):
         parts = path.split("/")
-        if parts[0] == "models":
-            parts = ["models", path[len("models/") :]]
+        if parts[0] in ("models", "objectives"):
+            parts = [parts[0], path[len(parts[0]) + 1 :]]
+        elif parts[:2] == ["flow", "models"]:
+            parts = ["flow", "models", path[len("flow/models/") :]]
         node = tree
         for part in parts[:-1]:
             child = node.setdefault(part, {})

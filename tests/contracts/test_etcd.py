@@ -59,6 +59,9 @@ def test_keys() -> None:
     assert drain_key("/p/", "x") == "/p/drain/x"
     assert policy_key("/kvgate/", "weights/prefix") == "/kvgate/policy/weights/prefix"
     assert policy_key("/kvgate/", "models/org/model") == "/kvgate/models/org/model"
+    assert policy_key("/kvgate/", "objectives/team/chat") == "/kvgate/objectives/team/chat"
+    assert policy_key("/kvgate/", "flow/saturation") == "/kvgate/policy/flow/saturation"
+    assert policy_key("/kvgate/", "flow/models/org/m") == "/kvgate/policy/flow/models/org/m"
     with pytest.raises(ConfigError):
         endpoint_key("/kvgate/", "")
 
@@ -82,4 +85,7 @@ def test_policy_path() -> None:
     assert policy_path("policy", "weights/prefix") == "weights/prefix"
     assert policy_path("models", "org/m") == "models/org/m"
     assert policy_path("policy", "models/x") is None  # would shadow the models/ family
+    assert policy_path("objectives", "team/chat") == "objectives/team/chat"
+    assert policy_path("policy", "objectives/x") is None  # would shadow the objectives/ family
+    assert policy_path("policy", "flow/models/org/m") == "flow/models/org/m"
     assert policy_path("drain", "x") is None

@@ -17,6 +17,7 @@ from extproc.config import (
     load_config,
     parse_config,
 )
+from extproc.flow.policy import FlowPolicy, Objective, Saturation
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
 
@@ -67,12 +68,47 @@ def test_defaults_and_endpoint() -> None:
         ({"endpoints": [{**ENDPOINT, "slot_restore": 7}]}, "endpoints[0].slot_restore: expected str"),
         ({"endpoints": [{**ENDPOINT, "slot_restore": "wss://h/x"}]}, "slot_restore: expected an http"),
         ({"endpoints": [{**ENDPOINT, "slot_restore": "https:///x"}]}, "endpoints[0].slot_restore"),
+        ({"flow": {"saturation": {"max_waiting": -1}}}, "flow.saturation.max_waiting: must be finite"),
+        ({"flow": {"saturation": {"max_kv_usage": 1.5}}}, "flow.saturation.max_kv_usage: a fraction"),
+        ({"flow": {"bands": {"default": {"max_requests": 0}}}}, "flow.bands.default.max_requests"),
+        ({"flow": {"bands": {"high": {}}}}, "flow.bands.high: a band is named by its priority"),
+        ({"flow": {"fairness": "bytes"}}, "flow.fairness: expected one of tokens, requests"),
+        ({"flow": {"retry_after_s": 0}}, "flow.retry_after_s: must be finite and >= 1"),
+        ({"flow": {"queue": 1}}, "flow: unknown key 'queue'"),
+        ({"flow": 3}, "flow: expected a table"),
+        ({"objectives": {"chat": {"priority": "high"}}}, "objectives.chat.priority: expected an integer"),
+        ({"objectives": {"chat": {"ttft": 5}}}, "objectives.chat: unknown key(s) ttft"),
     ],
 )
 def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     assert message in str(err.value)
+
+
+def test_flow_and_objectives_sections() -> None:
+    assert parse_config({}).flow == FlowPolicy()
+    config = parse_config(
+        {
+            "flow": {
+                "waiting_room_s": 5,
+                "saturation": {"max_waiting": 8},
+                "models": {"org/m": {"roles": {"prefill": {"max_in_flight": 2}}}},
+                "bands": {"-1": {"max_requests": 64}},
+            },
+            "objectives": {"interactive": {"priority": 1, "ttft_ms": 500}},
+        }
+    )
+    flow = config.flow
+    assert flow.waiting_room_s == 5.0 and flow.saturation == Saturation(max_waiting=8.0)
+    assert flow.saturation_for("org/m", "prefill") == Saturation(max_in_flight=2.0)
+    assert flow.band_limits[-1].max_requests == 64
+    assert flow.objectives["interactive"] == Objective("interactive", 1, 500.0)
+    doc = config_module.__doc__ or ""
+    start = doc.index("    [flow]")
+    example = tomllib.loads(textwrap.dedent(doc[start : doc.index("\n\n", start)]))
+    documented = parse_config(example).flow  # the sample in the module docstring is a valid config
+    assert documented.objectives["interactive"].ttft_ms == 500.0 and documented.saturation.checked
 
 
 def test_slot_restore_section() -> None:

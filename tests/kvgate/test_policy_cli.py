@@ -92,6 +92,48 @@ def test_bad_values_exit_2_and_write_nothing(
     assert _read(etcd_settings, key) is None
 
 
+def test_flow_and_objectives_through_etcd(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flow/... lives under policy/, objectives/<name> in its own family; a bad value exits 2, writes
+    nothing, and the value in force stays; one written past the CLI is refused by readers."""
+    p = etcd_settings.prefix
+    assert main(["set", "flow/saturation", '{"max_waiting": 8}', *etcd_args]) == 0
+    assert _read(etcd_settings, f"{p}policy/flow/saturation") == b'{"max_waiting":8}'
+    assert main(["set", "objectives/team/chat", '{"priority": 2, "ttft_ms": 500}', *etcd_args]) == 0
+    assert _read(etcd_settings, f"{p}objectives/team/chat") == b'{"priority":2,"ttft_ms":500}'
+    assert main(["set", "flow/fairness", "requests", *etcd_args]) == 0
+    capsys.readouterr()
+
+    for argv, reason in [
+        (["set", "flow/saturation", '{"max_waiting": -1}'], "max_waiting: must be finite and >= 0"),
+        (["set", "objectives/team/chat", '{"priority": "high"}'], "priority: expected an integer"),
+        (["set", "flow/fairness", "bytes"], "expected one of tokens, requests"),
+        (["set", "flow/bands/high", "{}"], "a band is named by its priority"),
+        (["get", "flow/queue"], "unknown policy path 'flow/queue'"),
+    ]:
+        assert main([*argv, *etcd_args]) == 2
+        captured = capsys.readouterr()
+        assert reason in captured.err and captured.out == "", argv
+    assert _read(etcd_settings, f"{p}policy/flow/saturation") == b'{"max_waiting":8}'
+    assert _read(etcd_settings, f"{p}objectives/team/chat") == b'{"priority":2,"ttft_ms":500}'
+    assert _read(etcd_settings, f"{p}policy/flow/fairness") == b'"requests"'
+    assert _read(etcd_settings, f"{p}policy/flow/bands/high") is None
+
+    _put(etcd_settings, f"{p}objectives/team/chat", b'{"priority": 1.5}')  # past the CLI's check
+    assert main(["get", "objectives/team/chat", *etcd_args]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "null\n" and "refused" in captured.err  # never a good value: undefined
+
+    assert main(["list", *etcd_args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert 'flow/saturation={"max_in_flight":null,"max_kv_usage":null,"max_waiting":8.0}' in lines
+    assert 'flow/fairness="requests"' in lines and "flow/retry_after_s=1" in lines
+    assert main(["unset", "flow/fairness", *etcd_args]) == 0
+    assert main(["get", "flow/fairness", *etcd_args]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == '"tokens"'
+
+
 def test_get_shows_the_default_over_a_refused_etcd_value(
     etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -289,14 +331,41 @@ def test_file_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.splitlines()[-1] == "3.0"
 
 
+def test_file_mode_flow_and_objectives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policy.toml"
+    file = ["--file", str(path)]
+    assert main(["set", "flow/models/org/m", '{"roles": {"prefill": {"max_in_flight": 2}}}', *file]) == 0
+    assert main(["set", "flow/bands/-1", '{"max_requests": 64}', *file]) == 0
+    assert main(["set", "objectives/interactive", '{"priority": 1, "ttft_ms": 500}', *file]) == 0
+    text = path.read_text()
+    assert '[flow.models."org/m".roles.prefill]\nmax_in_flight = 2\n' in text
+    assert "[flow.bands.-1]\nmax_requests = 64\n" in text
+    assert "[objectives.interactive]\npriority = 1\nttft_ms = 500\n" in text
+    before = path.read_bytes()
+    capsys.readouterr()
+
+    assert main(["set", "objectives/interactive", '{"priority": 1, "ttft_ms": 0}', *file]) == 2
+    assert "ttft_ms: must be finite and >= 1" in capsys.readouterr().err
+    assert path.read_bytes() == before  # nothing written, the old value stays
+
+    assert main(["list", *file]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert 'flow/models/org/m={"roles":{"prefill":{"max_in_flight":2.0,"max_kv_usage":null,' \
+        '"max_waiting":null}}}' in lines
+    assert 'objectives/interactive={"priority":1,"tpot_ms":null,"ttft_ms":500.0}' in lines
+    assert 'flow/bands/-1={"max_bytes":268435456,"max_requests":64,"max_wait_s":60.0}' in lines
+
+
 def test_file_mode_defaults_from_a_gateway_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "gateway.toml"
-    config.write_text("[index]\nblock_size = 32\n")
+    config.write_text("[index]\nblock_size = 32\n[flow]\nwaiting_room_s = 5\n[objectives.chat]\npriority = 3")
     policy = tmp_path / "policy.json"
-    policy.write_text(json.dumps({"weights": {"queue": 1.5}}))
+    policy.write_text(json.dumps({"weights": {"queue": 1.5}, "flow": {"retry_after_s": 2}}))
     assert main(["list", "--file", str(policy), "--config", str(config)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "index/block_size=32" in lines and "weights/queue=1.5" in lines
+    assert "flow/waiting_room_s=5.0" in lines and "flow/retry_after_s=2" in lines
+    assert 'objectives/chat={"priority":3,"tpot_ms":null,"ttft_ms":null}' in lines
 
 
 def test_file_mode_refuses_an_invalid_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

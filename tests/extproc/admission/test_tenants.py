@@ -93,12 +93,22 @@ def test_parse_full_tenant() -> None:
 def test_parse_minimal_tenant_defaults() -> None:
     tenant = parse_tenant({"id": "t", "models": ["*"]}, "t")
     assert tenant.match.empty and tenant.rate is None and tenant.tokens is None and tenant.priority == 0
+    assert tenant.objectives == ("*",) and tenant.allows_objective("anything")
     assert parse_tenant({"id": "t", "models": ["*"], "tokens": {"per_minute": 60}}, "t").tokens == TokenLimit(
         60, 60
     )
 
 
 GOOD = {"id": "acme", "models": ["*"]}
+
+
+def test_negative_priority_is_sheddable_and_objectives_are_globs() -> None:
+    tenant = parse_tenant({**GOOD, "priority": -1, "objectives": ["chat", "batch-*"]}, "tenants[0]")
+    assert tenant.priority == -1 and tenant.objectives == ("chat", "batch-*")
+    assert tenant.allows_objective("chat") and tenant.allows_objective("batch-nightly")
+    assert not tenant.allows_objective("Chat") and not tenant.allows_objective("interactive")
+    none = parse_tenant({**GOOD, "objectives": []}, "tenants[0]")
+    assert not none.allows_objective("chat")  # may name no objective
 
 
 @pytest.mark.parametrize(
@@ -113,8 +123,11 @@ GOOD = {"id": "acme", "models": ["*"]}
         ({**GOOD, "models": []}, "tenants[0].models: expected a non-empty list"),
         ({**GOOD, "models": "*"}, "tenants[0].models: expected list"),
         ({**GOOD, "models": ["ok", 3]}, "tenants[0].models"),
-        ({**GOOD, "priority": -1}, "tenants[0].priority: must be >= 0"),
         ({**GOOD, "priority": 1.5}, "tenants[0].priority: expected int"),
+        ({**GOOD, "priority": True}, "tenants[0].priority: expected int, got bool"),
+        ({**GOOD, "objectives": "*"}, "tenants[0].objectives: expected list"),
+        ({**GOOD, "objectives": ["ok", ""]}, "tenants[0].objectives: expected a list of objective names"),
+        ({**GOOD, "objectives": [1]}, "tenants[0].objectives: expected a list of objective names"),
         ({**GOOD, "match": {"claims": {"tenant": 5}}}, "tenants[0].match.claims.tenant"),
         ({**GOOD, "match": {"claims": {"tenant": []}}}, "tenants[0].match.claims.tenant"),
         ({**GOOD, "match": {"groups": ["ok", ""]}}, "tenants[0].match.groups"),

@@ -15,6 +15,7 @@ from contracts.etcd import encode_value, policy_key, policy_path, split_key
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.control.policy import (
+    KNOWN_PATHS,
     ModelRoute,
     Policy,
     PolicyStore,
@@ -23,6 +24,7 @@ from extproc.control.policy import (
     policy_tree,
     write_policy_file,
 )
+from extproc.flow.policy import BandLimits, FlowPolicy, Objective, Saturation
 from extproc.scheduling.filters import LoadThresholdParams
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 
@@ -106,6 +108,38 @@ def test_model_route() -> None:
     assert store.policy.routes["plain"] == ModelRoute()
 
 
+def test_flow_and_objectives() -> None:
+    store = PolicyStore()
+    policy = _put(store, "flow/saturation", {"max_waiting": 8})
+    assert policy is not None and policy.flow.saturation == Saturation(max_waiting=8.0)
+    policy = _put(store, "objectives/interactive", {"priority": 2, "ttft_ms": 500})
+    assert policy is not None
+    assert policy.flow.objectives["interactive"] == Objective("interactive", 2, 500.0)
+    assert policy.flow.saturation == Saturation(max_waiting=8.0)  # the other flow value stays
+    policy = _put(store, "flow/bands/-1", {"max_requests": 4})
+    assert policy is not None and policy.flow.band_limits[-1] == BandLimits(max_requests=4)
+    assert policy.scheduling == DEFAULT_SCHEDULING  # flow paths leave scheduling alone
+    assert store.get("flow/saturation") == {"max_waiting": 8.0, "max_in_flight": None, "max_kv_usage": None}
+    assert store.get("objectives/interactive") == {"priority": 2, "ttft_ms": 500.0, "tpot_ms": None}
+    assert store.get("objectives/undefined") is None and store.get("flow/models/m") is None
+    assert store.get("flow/bands/7") == store.get("flow/bands/default")  # no bounds of its own
+    assert store.get("flow/bands/-1") == {"max_requests": 4, "max_bytes": 256 << 20, "max_wait_s": 60.0}
+    policy = store.delete("objectives/interactive")
+    assert policy is not None and "interactive" not in policy.flow.objectives
+    assert "flow/" in KNOWN_PATHS and "objectives/<name>" in KNOWN_PATHS
+
+
+def test_flow_defaults_from_the_store_base() -> None:
+    base = FlowPolicy(waiting_room_s=5.0, objectives={"batch": Objective("batch", -1)})
+    store = PolicyStore(flow=base)
+    assert store.policy.flow == base and store.get("flow/waiting_room_s") == 5.0
+    policy = _put(store, "flow/fairness", "requests")
+    assert policy is not None
+    assert policy.flow.waiting_room_s == 5.0 and policy.flow.fairness == "requests"
+    assert policy.flow.objectives["batch"].priority == -1
+    assert store.delete("flow/fairness") == store.base
+
+
 def test_same_value_again_is_no_change() -> None:
     store = PolicyStore()
     assert _put(store, "weights/prefix", 3.0) is None  # equal to the default: the policy is unchanged
@@ -143,6 +177,18 @@ REFUSED = [
     ("models/", b"{}", "unknown policy path"),
     ("weight/prefix", b"1", "unknown policy path"),
     ("tenants/acme", b"{}", "unknown policy path"),
+    ("flow/saturation", b'{"max_waiting": -1}', "max_waiting: must be finite and >= 0"),
+    ("flow/saturation", b'{"max_kv_usage": 2}', "a fraction of the KV cache"),
+    ("flow/models/org/m", b'{"roles": {"encode": {}}}', "unknown role 'encode'"),
+    ("flow/bands/default", b'{"max_requests": 0}', "must be finite and >= 1"),
+    ("flow/bands/high", b"{}", "a band is named by its priority"),
+    ("flow/fairness", b'"bytes"', "expected one of tokens, requests"),
+    ("flow/retry_after_s", b"0", "must be finite and >= 1"),
+    ("flow/waiting_room_s", b"-1", "must be finite and >= 0"),
+    ("flow/queue", b"1", "unknown policy path"),
+    ("objectives/x", b'{"priority": "high"}', "priority: expected an integer"),
+    ("objectives/x", b'{"ttft_ms": 0}', "must be finite and >= 1"),
+    ("objectives/", b"{}", "unknown policy path"),
 ]
 
 
@@ -170,6 +216,19 @@ def test_refused_value_keeps_the_last_good_one() -> None:
     assert set(store.rejected) == {"weights/prefix", "plugins/load-threshold/max_waiting"}
     assert _put(store, "weights/prefix", 6) is not None  # a good value clears the refusal
     assert "weights/prefix" not in store.rejected
+
+
+def test_refused_flow_value_keeps_the_last_good_one() -> None:
+    store = PolicyStore()
+    _put(store, "flow/saturation", {"max_waiting": 8})
+    _put(store, "objectives/chat", {"priority": 1})
+    good = store.policy
+    assert store.put("flow/saturation", b'{"max_waiting": "many"}') is None
+    assert store.put("objectives/chat", b'{"priority": 1.5}') is None
+    assert store.policy is good
+    assert store.get("flow/saturation") == {"max_waiting": 8.0, "max_in_flight": None, "max_kv_usage": None}
+    assert store.get("objectives/chat") == {"priority": 1, "ttft_ms": None, "tpot_ms": None}
+    assert set(store.rejected) == {"flow/saturation", "objectives/chat"}
 
 
 def test_delete_returns_to_the_default() -> None:
@@ -202,6 +261,10 @@ def test_effective_lists_every_path() -> None:
     assert effective["plugins/max-score/max_fallbacks"] == 2
     assert effective["index/block_size"] == 16 and effective["index/speculative_ttl_s"] == 10.0
     assert effective["models/m"] == {"labels": {"a": "b"}, "profile": None}
+    assert effective["flow/fairness"] == "tokens" and effective["flow/retry_after_s"] == 1
+    assert effective["flow/bands/default"] == store.get("flow/bands/default")
+    assert effective["flow/bands/default"] == {"max_requests": 1024, "max_bytes": 1 << 28, "max_wait_s": 60.0}
+    assert not any(p.startswith("objectives/") for p in effective)  # none defined
     assert not any(p.startswith("profiles/") for p in effective)
     assert list(effective) == sorted(effective)
     assert all(store.get(path) == value for path, value in effective.items())
@@ -218,10 +281,22 @@ def test_effective_with_several_profiles() -> None:
 def test_from_config() -> None:
     from extproc.config import parse_config
 
-    config = parse_config({"index": {"block_size": 32, "speculative_ttl_s": 4}})
+    config = parse_config(
+        {
+            "index": {"block_size": 32, "speculative_ttl_s": 4},
+            "flow": {"saturation": {"max_waiting": 4}},
+            "objectives": {"chat": {"priority": 1}},
+        }
+    )
     store = PolicyStore.from_config(config)
     assert (store.policy.block_size, store.policy.speculative_ttl_s) == (32, 4.0)
     assert store.policy.scheduling == DEFAULT_SCHEDULING
+    assert store.policy.flow == config.flow and store.get("flow/saturation") == {
+        "max_waiting": 4.0,
+        "max_in_flight": None,
+        "max_kv_usage": None,
+    }
+    assert store.get("objectives/chat") == {"priority": 1, "ttft_ms": None, "tpot_ms": None}
 
 
 # -- the file source ------------------------------------------------------------------------------------
@@ -244,6 +319,29 @@ speculative_ttl_s = 5
 [models."org/llama-3"]
 labels = { pool = "a" }
 profile = "batch"
+
+[flow]
+waiting_room_s = 5
+fairness = "requests"
+
+[flow.saturation]
+max_waiting = 8
+
+[flow.models."org/llama-3".roles.prefill]
+max_in_flight = 4
+
+[flow.bands.-1]
+max_requests = 64
+
+[flow.bands.default]
+max_wait_s = 30
+
+[objectives.interactive]
+priority = 1
+ttft_ms = 500
+
+[objectives."team/batch"]
+priority = -1
 """
 
 FLAT = {
@@ -254,6 +352,14 @@ FLAT = {
     "index/block_size": 32,
     "index/speculative_ttl_s": 5,
     "models/org/llama-3": {"labels": {"pool": "a"}, "profile": "batch"},
+    "flow/waiting_room_s": 5,
+    "flow/fairness": "requests",
+    "flow/saturation": {"max_waiting": 8},
+    "flow/models/org/llama-3": {"roles": {"prefill": {"max_in_flight": 4}}},
+    "flow/bands/-1": {"max_requests": 64},
+    "flow/bands/default": {"max_wait_s": 30},
+    "objectives/interactive": {"priority": 1, "ttft_ms": 500},
+    "objectives/team/batch": {"priority": -1},
 }
 
 
@@ -270,6 +376,9 @@ def test_flatten_and_tree_are_inverse() -> None:
         ({"weights": 3}, "expected a table"),
         ({"plugins": {"load-threshold": 16}}, "plugins.load-threshold: expected a table"),
         ({"profiles": {"batch": 1}}, "profiles.batch: expected a table"),
+        ({"flow": {"queue": 1}}, "flow: unknown key 'queue'"),
+        ({"flow": {"models": 1}}, "flow.models: expected a table"),
+        ({"objectives": 1}, "objectives: expected a table"),
         ([], "expected a table"),
     ],
 )

@@ -1,0 +1,169 @@
+"""Flow control's decisions, sans IO: may a request go now, wait, or be shed (``now`` passed in).
+
+:func:`room` reads a model's endpoints: ``NONE`` when none is routable (healthy, not draining, not
+ejected), ``FULL`` when every routable one is saturated (:func:`saturated`, limits of its (model,
+role) from :meth:`FlowPolicy.saturation_for`), else ``OPEN``. :meth:`FlowControl.offer` lets a request
+go at once only when its model has ``OPEN`` room and nothing queued (so nobody overtakes a waiting
+request); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
+``queue_full``. With no endpoint at all it waits ``waiting_room_s`` (then 503 ``no_endpoint``); with
+``waiting_room_s = 0`` it goes on at once and the router answers as it always has. The shell dispatches
+queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
+with :meth:`FlowControl.error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+from extproc.errors import GatewayError, TooManyRequests, Unavailable
+from extproc.fleet import EndpointState
+from extproc.flow.policy import FlowPolicy, Saturation
+from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE, Entry, FlowQueues
+
+T = TypeVar("T")
+
+
+class Room(Enum):
+    OPEN = "open"
+    FULL = "full"
+    NONE = "none"
+
+
+def saturated(limits: Saturation, state: EndpointState) -> bool:
+    """Whether ``state`` can take no more under ``limits``: ``load >= max_in_flight`` (the load counts
+    requests at the engine, so one more would exceed it), or, from the last scrape, ``waiting >=
+    max_waiting`` or ``kv_usage >= max_kv_usage``; a missing metric never saturates."""
+    if limits.max_in_flight is not None and state.load >= limits.max_in_flight:
+        return True
+    metrics = state.metrics
+    if metrics is None:
+        return False
+    if limits.max_waiting is not None and metrics.waiting >= limits.max_waiting:
+        return True
+    return (
+        limits.max_kv_usage is not None
+        and metrics.kv_usage is not None
+        and metrics.kv_usage >= limits.max_kv_usage
+    )
+
+
+def room(policy: FlowPolicy, model: str, states: Iterable[EndpointState], now: float) -> Room:
+    """Whether ``model`` can take a request now among ``states`` (those the model's route admits)."""
+    found = Room.NONE
+    for state in states:
+        if model not in state.endpoint.models or not state.healthy or state.draining or state.ejected(now):
+            continue
+        if not saturated(policy.saturation_for(model, state.endpoint.role), state):
+            return Room.OPEN
+        found = Room.FULL
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    """What flow control knows of a request: its ``model``, band ``priority``, ``flow`` (fairness id),
+    fair-share ``cost`` (tokens or 1), body ``size`` in bytes, and TTFT ``deadline`` (monotonic seconds;
+    ``None``: none)."""
+
+    model: str
+    priority: int
+    flow: str
+    cost: float
+    size: int
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offer(Generic[T]):
+    """The answer to :meth:`FlowControl.offer`: ``held`` is the queued entry (``None``: go now);
+    ``evicted``: sheddable entries pushed out to make room, for the shell to answer 429."""
+
+    held: Entry[T] | None
+    evicted: tuple[Entry[T], ...] = ()
+
+
+class FlowControl(Generic[T]):
+    """The queues and the policy in force; every method takes ``now`` (monotonic seconds)."""
+
+    def __init__(self, policy: FlowPolicy | None = None) -> None:
+        self.queues: FlowQueues[T] = FlowQueues(policy)
+
+    @property
+    def policy(self) -> FlowPolicy:
+        return self.queues.policy
+
+    def apply(self, policy: FlowPolicy) -> None:
+        """Put ``policy`` in force (queued requests keep their expiry; new bounds apply to new arrivals)."""
+        self.queues.policy = policy
+
+    def offer(self, request: FlowRequest, payload: T, space: Room, now: float) -> Offer[T]:
+        """Go, wait or refuse ``request`` given its model's ``space`` (:func:`room`). Raises
+        :class:`TooManyRequests` (``queue_full``; ``slo_unattainable`` for a deadline already past)."""
+        policy = self.policy
+        if request.deadline is not None and request.deadline <= now:
+            raise self._error(SLO_UNATTAINABLE, request.model)
+        if space is Room.OPEN and not self.queues.queued(request.model):
+            return Offer(None)
+        if space is Room.NONE and policy.waiting_room_s <= 0 and not self.queues.queued(request.model):
+            return Offer(None)  # no waiting room: the router answers (503 no_endpoint, 404)
+        waiting_room = space is Room.NONE and policy.waiting_room_s > 0
+        pushed = self.queues.push(
+            payload,
+            model=request.model,
+            priority=request.priority,
+            flow=request.flow,
+            cost=request.cost,
+            size=request.size,
+            now=now,
+            deadline=request.deadline,
+            max_wait_s=policy.waiting_room_s if waiting_room else None,
+            reason=NO_ENDPOINT if waiting_room else QUEUE_TIMEOUT,
+        )
+        if pushed.entry is None:
+            raise self._error(QUEUE_FULL, request.model)
+        return Offer(pushed.entry, pushed.evicted)
+
+    def next(self, model: str, space: Room) -> Entry[T] | None:
+        """The next queued request of ``model`` to dispatch while it has ``OPEN`` space, else ``None``."""
+        return self.queues.pop(model) if space is Room.OPEN else None
+
+    def error(self, entry: Entry[T], space: Room) -> GatewayError:
+        """The answer to a request shed from the queues (expired or evicted), given its model's ``space``
+        now: a waiting-room wait that ends with endpoints present but saturated is a queue timeout."""
+        reason = entry.reason
+        if reason == NO_ENDPOINT and space is not Room.NONE:
+            reason = QUEUE_TIMEOUT
+        return self._error(reason, entry.model)
+
+    def _error(self, reason: str, model: str) -> GatewayError:
+        retry = self.policy.retry_after_s
+        if reason == NO_ENDPOINT:
+            return Unavailable(f"No ready endpoint for model `{model}`.", code=NO_ENDPOINT)
+        if reason == QUEUE_FULL:
+            text = f"The gateway's queue for model `{model}` is full; retry later."
+        elif reason == SLO_UNATTAINABLE:
+            text = f"No endpoint for model `{model}` can meet the request's deadline."
+        else:
+            text = f"The request waited too long for a free endpoint for model `{model}`; retry later."
+        return TooManyRequests(text, code=reason, retry_after_s=retry)
+
+
+#: Request headers flow control reads (the Gateway API Inference Extension's names, llm-d's and the older
+#: ``x-gateway-inference-*``), and the one it sets upstream.
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+OBJECTIVE_HEADER_OLD = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+FAIRNESS_HEADER_OLD = "x-gateway-inference-fairness-id"
+SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"
+DEADLINE_HEADER = "x-kvgate-deadline-ms"
+#: Set on a routed request with a TTFT deadline: the milliseconds left of it when it leaves the gateway
+#: (for the engine side; the whole response is bounded only by the model's own timeouts).
+TTFT_DEADLINE_UPSTREAM = "x-kvgate-ttft-deadline-ms"
+#: The flow of a request with no tenant and no fairness id.
+DEFAULT_FLOW = "default"
+#: Output tokens a request that sets no ``max_tokens`` is counted for in fair shares by tokens.
+DEFAULT_OUTPUT_TOKENS = 256

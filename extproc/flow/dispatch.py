@@ -1,0 +1,158 @@
+"""The flow-control shell: holds streams until :class:`~extproc.flow.control.FlowControl` lets them go.
+
+Event-driven, on the ext_proc's event loop; nothing polls. :meth:`Dispatcher.wait` gives a held stream a
+future. :meth:`Dispatcher.kick` (the gateway calls it when capacity may have freed: an engine completion,
+a scrape round, a load update from a feed, a stream's end, a policy or fleet change, a sibling's counts)
+schedules one dispatch pass: expired requests are shed (:meth:`Held.shed`), then, per model, queued
+requests are routed (:meth:`Held.resume`, which decides with the fleet's state as it is now and counts the
+request against its pick) while :func:`space` says the model has room. A timer fires the pass again at the
+next expiry. :meth:`Dispatcher.cancel` takes out a stream whose client went away, so it is never routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+from extproc.errors import GatewayError
+from extproc.flow.control import FlowControl, Room
+from extproc.flow.queue import Entry
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Held(Protocol[R_co]):
+    """A held stream: :meth:`resume` routes it now, :meth:`shed` answers it with an error; either returns
+    the stream's replies."""
+
+    def resume(self) -> R_co: ...
+
+    def shed(self, error: GatewayError) -> R_co: ...
+
+
+H = TypeVar("H", bound=Held[object])
+
+
+class FlowListener(Protocol):
+    """What the metrics hear: each dispatch and each shed (with how long the request waited), and the
+    queue depth per (model, priority) after a change."""
+
+    def dispatched(self, model: str, priority: int, waited_s: float) -> None: ...
+
+    def shed(self, model: str, priority: int, reason: str, waited_s: float) -> None: ...
+
+    def depth(self, depth: dict[tuple[str, int], int]) -> None: ...
+
+
+class Dispatcher(Generic[H, R]):
+    """Dispatches ``control``'s queues; ``space(model, now)`` is the model's room now, ``clock`` monotonic
+    seconds (the processors' clock)."""
+
+    def __init__(
+        self,
+        control: FlowControl[H],
+        space: Callable[[str, float], Room],
+        clock: Callable[[], float],
+        listener: FlowListener | None = None,
+    ) -> None:
+        self.control = control
+        self._space = space
+        self._clock = clock
+        self._listener = listener
+        self._futures: dict[int, asyncio.Future[R]] = {}
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+
+    def wait(self, entry: Entry[H]) -> asyncio.Future[R]:
+        """The future of a held stream's replies (call it before the stream's next ``await``)."""
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._futures[entry.seq] = future
+        self.kick()
+        return future
+
+    def evict(self, entries: tuple[Entry[H], ...]) -> None:
+        """Answer entries another request pushed out of a full queue (429 ``queue_full``)."""
+        now = self._clock()
+        for entry in entries:
+            self._shed(entry, now)
+        if entries:
+            self._depth()
+
+    def cancel(self, entry: Entry[H]) -> None:
+        """The held stream's client went away: out of the queue, never routed."""
+        if self.control.queues.remove(entry):
+            self._depth()
+        self._futures.pop(entry.seq, None)
+
+    def kick(self) -> None:
+        """Capacity may have freed: run one dispatch pass soon (passes coalesce)."""
+        if not self._scheduled and len(self.control.queues):
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._scheduled = False
+        control = self.control
+        now = self._clock()
+        changed = False
+        for entry in control.queues.expire(now):
+            self._shed(entry, now)
+            changed = True
+        for model in control.queues.models():
+            while (going := control.next(model, self._space(model, now))) is not None:
+                changed = True
+                self._settle(going, going.payload.resume())
+                if self._listener is not None:
+                    self._listener.dispatched(model, going.priority, now - going.enqueued)
+        if changed:
+            self._depth()
+        self._arm()
+
+    def _shed(self, entry: Entry[H], now: float) -> None:
+        error = self.control.error(entry, self._space(entry.model, now))
+        log.info(
+            "flow control shed a request for model %s (priority %d): %s",
+            entry.model,
+            entry.priority,
+            error.code,
+        )
+        self._settle(entry, entry.payload.shed(error))
+        if self._listener is not None:
+            self._listener.shed(entry.model, entry.priority, error.code or entry.reason, now - entry.enqueued)
+
+    def _settle(self, entry: Entry[H], replies: object) -> None:
+        future = self._futures.pop(entry.seq, None)
+        if future is not None and not future.done():
+            future.set_result(replies)  # type: ignore[arg-type]
+
+    def _arm(self) -> None:
+        """Fire a pass at the next expiry (one timer, moved when an earlier expiry appears)."""
+        at = self.control.queues.next_expiry()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, at
+        if at is not None:
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, at - self._clock())
+            self._timer = loop.call_at(loop.time() + delay, self._expired)
+
+    def _expired(self) -> None:
+        self._timer, self._timer_at = None, None
+        self._run()
+
+    def _depth(self) -> None:
+        if self._listener is not None:
+            self._listener.depth(self.control.queues.depth())
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

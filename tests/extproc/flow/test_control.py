@@ -1,0 +1,278 @@
+"""Flow control's decisions without IO: saturation, room, offer, next and the errors (``now`` passed in)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from engines.metrics import EngineMetrics
+from extproc.errors import TooManyRequests, Unavailable
+from extproc.fleet import EndpointState
+from extproc.flow.control import FlowControl, FlowRequest, Room, room, saturated
+from extproc.flow.policy import BandLimits, FlowPolicy, ModelSaturation, Saturation
+from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE
+
+M = "m"
+
+
+def state(
+    i: int = 1,
+    *,
+    models: tuple[str, ...] = (M,),
+    role: str = "both",
+    healthy: bool = True,
+    draining: bool = False,
+    ejected_until: float = 0.0,
+    in_flight: int = 0,
+    routed: int = 0,
+    running: float | None = None,
+    waiting: float = 0.0,
+    kv: float | None = None,
+) -> EndpointState:
+    """An endpoint's state; ``running`` ``None``: no metrics (never scraped, or stale)."""
+    metrics = (
+        None if running is None else EngineMetrics(waiting=waiting, running=running, kv_usage=kv, at=0.0)
+    )
+    ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models), role=role)
+    return EndpointState(
+        ep,
+        healthy=healthy,
+        draining=draining,
+        ejected_until=ejected_until,
+        in_flight=in_flight,
+        routed_since_scrape=routed,
+        metrics=metrics,
+    )
+
+
+def request(
+    *, model: str = M, priority: int = 0, flow: str = "f", deadline: float | None = None
+) -> FlowRequest:
+    return FlowRequest(model=model, priority=priority, flow=flow, cost=1.0, size=10, deadline=deadline)
+
+
+# --- saturated -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("limits", "endpoint", "expected"),
+    [
+        # nothing checked: never saturated
+        (Saturation(), state(in_flight=100, running=50, waiting=50, kv=1.0), False),
+        # in flight, without metrics: the open streams (or the routed count, if higher)
+        (Saturation(max_in_flight=4), state(in_flight=3), False),
+        (Saturation(max_in_flight=4), state(in_flight=4), True),
+        (Saturation(max_in_flight=4), state(in_flight=1, routed=4), True),
+        # in flight, with metrics: running + waiting + routed since the scrape
+        (Saturation(max_in_flight=4), state(running=2, waiting=1), False),
+        (Saturation(max_in_flight=4), state(running=2, waiting=1, routed=1), True),
+        # waiting: from the scrape; missing metrics never saturate
+        (Saturation(max_waiting=8), state(in_flight=100), False),
+        (Saturation(max_waiting=8), state(running=0, waiting=7), False),
+        (Saturation(max_waiting=8), state(running=0, waiting=8), True),
+        # KV use: from the scrape; an engine that reports none never saturates
+        (Saturation(max_kv_usage=0.9), state(in_flight=100), False),
+        (Saturation(max_kv_usage=0.9), state(running=0, kv=None), False),
+        (Saturation(max_kv_usage=0.9), state(running=0, kv=0.89), False),
+        (Saturation(max_kv_usage=0.9), state(running=0, kv=0.9), True),
+        # any one signal is enough
+        (Saturation(max_waiting=8, max_kv_usage=0.9), state(running=0, waiting=0, kv=0.95), True),
+        (Saturation(max_waiting=8, max_in_flight=100), state(running=0, waiting=9), True),
+    ],
+)
+def test_saturated(limits: Saturation, endpoint: EndpointState, expected: bool) -> None:
+    assert saturated(limits, endpoint) is expected
+
+
+# --- room ------------------------------------------------------------------------------------------------
+
+LIMITED = FlowPolicy(saturation=Saturation(max_in_flight=2))
+BY_ROLE = FlowPolicy(
+    saturation=Saturation(max_in_flight=2),
+    models=types.MappingProxyType(
+        {
+            M: ModelSaturation(
+                limits=Saturation(max_in_flight=4),
+                roles=types.MappingProxyType({"prefill": Saturation(max_in_flight=1)}),
+            )
+        }
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "states", "expected"),
+    [
+        (LIMITED, [], Room.NONE),
+        (LIMITED, [state(in_flight=0)], Room.OPEN),
+        (LIMITED, [state(in_flight=2)], Room.FULL),
+        (LIMITED, [state(1, in_flight=2), state(2, in_flight=1)], Room.OPEN),
+        # not routable: unhealthy, draining, ejected, or serving another model
+        (LIMITED, [state(healthy=False)], Room.NONE),
+        (LIMITED, [state(draining=True)], Room.NONE),
+        (LIMITED, [state(ejected_until=10.1)], Room.NONE),
+        (LIMITED, [state(ejected_until=10.0)], Room.OPEN),  # the ejection is over at now = 10
+        (LIMITED, [state(models=("other",))], Room.NONE),
+        # an unroutable free endpoint does not open a saturated model
+        (LIMITED, [state(1, in_flight=2), state(2, healthy=False)], Room.FULL),
+        (LIMITED, [state(1, in_flight=2), state(2, draining=True), state(3, ejected_until=11.0)], Room.FULL),
+        # no limits at all: never full
+        (FlowPolicy(), [state(in_flight=1000)], Room.OPEN),
+        # per (model, role): the role's limits, else the model's, else the default
+        (BY_ROLE, [state(role="prefill", in_flight=1)], Room.FULL),
+        (BY_ROLE, [state(role="decode", in_flight=3)], Room.OPEN),
+        (BY_ROLE, [state(role="decode", in_flight=4)], Room.FULL),
+        (BY_ROLE, [state(role="prefill", in_flight=1), state(2, role="both", in_flight=3)], Room.OPEN),
+    ],
+)
+def test_room(policy: FlowPolicy, states: list[EndpointState], expected: Room) -> None:
+    assert room(policy, M, states, now=10.0) is expected
+
+
+def test_room_of_a_model_without_its_own_limits_uses_the_default() -> None:
+    other = state(models=("other",), role="prefill", in_flight=2)
+    assert room(BY_ROLE, "other", [other], now=0.0) is Room.FULL
+    other = state(models=("other",), role="prefill", in_flight=1)
+    assert room(BY_ROLE, "other", [other], now=0.0) is Room.OPEN
+
+
+# --- offer -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("space", "waiting_room_s", "queued_before", "held", "expires", "reason"),
+    [
+        (Room.OPEN, 0.0, False, False, None, None),
+        (Room.OPEN, 5.0, True, True, 160.0, QUEUE_TIMEOUT),  # no overtaking a queued request
+        (Room.FULL, 0.0, False, True, 160.0, QUEUE_TIMEOUT),
+        (Room.FULL, 5.0, False, True, 160.0, QUEUE_TIMEOUT),  # the waiting room is for no endpoint only
+        (Room.NONE, 0.0, False, False, None, None),  # no waiting room: the router answers
+        (Room.NONE, 5.0, False, True, 105.0, NO_ENDPOINT),
+        (Room.NONE, 5.0, True, True, 105.0, NO_ENDPOINT),
+    ],
+)
+def test_offer(
+    space: Room,
+    waiting_room_s: float,
+    queued_before: bool,
+    held: bool,
+    expires: float | None,
+    reason: str | None,
+) -> None:
+    control = FlowControl[str](FlowPolicy(waiting_room_s=waiting_room_s))
+    if queued_before:
+        assert control.offer(request(flow="earlier"), "earlier", Room.FULL, now=90.0).held is not None
+    before = len(control.queues)
+    offer = control.offer(request(), "r", space, now=100.0)
+    assert (offer.held is not None) is held
+    assert len(control.queues) == before + held
+    if offer.held is not None:
+        assert offer.held.payload == "r"
+        assert (offer.held.expires, offer.held.reason) == (expires, reason)
+    assert offer.evicted == ()
+
+
+def test_offer_goes_when_only_another_model_has_requests_queued() -> None:
+    control = FlowControl[str]()
+    assert control.offer(request(model="other"), "o", Room.FULL, now=0.0).held is not None
+    assert control.offer(request(), "r", Room.OPEN, now=0.0).held is None
+
+
+def test_a_request_with_a_deadline_expires_with_slo_unattainable_at_its_deadline() -> None:
+    control = FlowControl[str]()
+    held = control.offer(request(deadline=102.5), "r", Room.FULL, now=100.0).held
+    assert held is not None
+    assert (held.expires, held.reason) == (102.5, SLO_UNATTAINABLE)
+
+
+@pytest.mark.parametrize("deadline", [99.0, 100.0])
+def test_a_past_deadline_is_refused_as_unattainable(deadline: float) -> None:
+    control = FlowControl[str](FlowPolicy(retry_after_s=3))
+    with pytest.raises(TooManyRequests) as info:
+        control.offer(request(deadline=deadline), "r", Room.FULL, now=100.0)
+    assert (info.value.status, info.value.code, info.value.retry_after_s) == (429, SLO_UNATTAINABLE, 3)
+    assert len(control.queues) == 0
+
+
+def test_overflow_raises_queue_full_with_retry_after() -> None:
+    policy = FlowPolicy(band_limits=types.MappingProxyType({0: BandLimits(max_requests=2)}), retry_after_s=7)
+    control = FlowControl[str](policy)
+    for i in range(2):
+        assert control.offer(request(), f"r{i}", Room.FULL, now=0.0).held is not None
+    with pytest.raises(TooManyRequests) as info:
+        control.offer(request(), "r2", Room.FULL, now=0.0)
+    exc = info.value
+    assert (exc.status, exc.error_type, exc.code) == (429, "rate_limit_error", QUEUE_FULL)
+    assert exc.retry_after_s == 7
+    assert b'"code":"queue_full"' in exc.body()
+    assert len(control.queues) == 2
+
+
+# --- next ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("space", "pops"), [(Room.OPEN, True), (Room.FULL, False), (Room.NONE, False)])
+def test_next_pops_only_while_open(space: Room, pops: bool) -> None:
+    control = FlowControl[str]()
+    control.offer(request(), "r", Room.FULL, now=0.0)
+    entry = control.next(M, space)
+    assert (entry is not None) is pops
+    assert len(control.queues) == (0 if pops else 1)
+
+
+def test_next_answers_none_for_a_model_with_nothing_queued() -> None:
+    control = FlowControl[str]()
+    assert control.next(M, Room.OPEN) is None
+
+
+def test_next_follows_the_queues_order() -> None:
+    control = FlowControl[str]()
+    control.offer(request(priority=0), "low", Room.FULL, now=0.0)
+    control.offer(request(priority=1), "high", Room.FULL, now=1.0)
+    assert [control.next(M, Room.OPEN).payload for _ in range(2)] == ["high", "low"]  # type: ignore[union-attr]
+
+
+# --- error -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reason", "space", "status", "code"),
+    [
+        (QUEUE_FULL, Room.FULL, 429, QUEUE_FULL),
+        (QUEUE_TIMEOUT, Room.FULL, 429, QUEUE_TIMEOUT),
+        (QUEUE_TIMEOUT, Room.NONE, 429, QUEUE_TIMEOUT),
+        (SLO_UNATTAINABLE, Room.FULL, 429, SLO_UNATTAINABLE),
+        (NO_ENDPOINT, Room.NONE, 503, NO_ENDPOINT),
+        # endpoints appeared but are saturated: the wait ended for want of room, not of endpoints
+        (NO_ENDPOINT, Room.FULL, 429, QUEUE_TIMEOUT),
+        (NO_ENDPOINT, Room.OPEN, 429, QUEUE_TIMEOUT),
+    ],
+)
+def test_error(reason: str, space: Room, status: int, code: str) -> None:
+    control = FlowControl[str](FlowPolicy(waiting_room_s=5.0, retry_after_s=4))
+    held = control.offer(request(), "r", Room.NONE if reason == NO_ENDPOINT else Room.FULL, now=0.0).held
+    assert held is not None
+    held.reason = reason
+    error = control.error(held, space)
+    assert (error.status, error.code) == (status, code)
+    if status == 429:
+        assert isinstance(error, TooManyRequests)
+        assert error.retry_after_s == 4
+    else:
+        assert isinstance(error, Unavailable)
+    assert f"`{M}`" in error.message
+    assert b"Traceback" not in error.body()
+
+
+def test_apply_puts_new_bounds_in_force_for_new_arrivals() -> None:
+    control = FlowControl[str]()
+    for i in range(2):
+        control.offer(request(flow=f"f{i}"), f"r{i}", Room.FULL, now=0.0)
+    control.apply(FlowPolicy(band_limits=types.MappingProxyType({0: BandLimits(max_requests=2)})))
+    assert control.policy.limits(0).max_requests == 2
+    with pytest.raises(TooManyRequests):
+        control.offer(request(), "r2", Room.FULL, now=0.0)
+    assert len(control.queues) == 2

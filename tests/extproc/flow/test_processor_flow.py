@@ -1,0 +1,223 @@
+"""Flow control inside the stream state machine, in memory: a real Router over a real Fleet, a real
+FlowControl, a fixed clock. A request with no room is held (Envoy's message timeout extended), then
+routed with fresh state by ``resume`` or answered by ``shed``; the headers it reads are checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.metrics import EngineMetrics
+from extproc.errors import GatewayError
+from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl, Room
+from extproc.flow.policy import BandLimits, FlowPolicy, Objective, Saturation
+from extproc.models.registry import ModelAssets
+from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
+from extproc.routing.router import Router
+from tests.extproc.test_processor import (
+    LIMIT,
+    MODEL,
+    NOW,
+    body,
+    chat,
+    clock,
+    error,
+    headers,
+    make_router,
+    reply,
+)
+
+ONE_EACH = Saturation(max_in_flight=1)
+INTERACTIVE = Objective("interactive", priority=1, ttft_ms=2000)
+BATCH = Objective("batch", priority=0)
+SCRAP = Objective("scrap", priority=-1)
+POLICY = FlowPolicy(
+    saturation=ONE_EACH,
+    objectives={o.name: o for o in (INTERACTIVE, BATCH, SCRAP)},
+    retry_after_s=3,
+)
+
+
+@pytest.fixture(scope="module")
+def smol(model_dir: str) -> ModelAssets:
+    return ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
+
+
+@pytest.fixture
+def router(smol: ModelAssets) -> Router:
+    return make_router(smol)
+
+
+def make(router: Router, control: FlowControl[StreamProcessor], gate: Any = None) -> StreamProcessor:
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0)
+    return StreamProcessor(router, config, clock, gate, control)
+
+
+def send(proc: StreamProcessor, extra: dict[str, str] | None = None, **kw: Any) -> list[Any]:
+    assert proc.handle(headers(extra=extra)) == []
+    return proc.handle(body(chat(**kw)))
+
+
+def fill(router: Router, control: FlowControl[StreamProcessor]) -> None:
+    """Route one request to each of the model's three endpoints: each is then at its limit."""
+    for _ in range(3):
+        reply(send(make(router, control)))
+    assert flow_room(control.policy, router, MODEL, NOW) is Room.FULL
+
+
+def scrape_idle(router: Router) -> None:
+    """A scrape finds every engine idle: the routed-since-scrape counts reset, room opens."""
+    for state in router.fleet:
+        router.fleet.record_scrape(state.id, EngineMetrics(0, 0, 0.1, NOW))
+
+
+def test_a_saturated_model_holds_the_request_and_resume_routes_it_with_fresh_state(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    out = send(proc)
+    assert proc.held is not None and proc.decision is None
+    assert [r.WhichOneof("response") for r in out] == [None]  # only the timeout extension
+    assert out[0].HasField("override_message_timeout")
+    assert 60 <= out[0].override_message_timeout.seconds <= 600  # past the band's 60 s wait
+    scrape_idle(router)
+    entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW))
+    assert entry is proc.held
+    routed = reply(entry.payload.resume())
+    assert proc.held is None and proc.decision is not None
+    assert routed.set_headers  # the destination and the rest of the decision reply
+
+
+def test_an_open_model_with_nobody_waiting_routes_at_once(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    proc = make(router, control)
+    reply(send(proc))
+    assert proc.held is None
+
+
+def test_a_full_band_refuses_with_429_queue_full_and_retry_after(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(
+        FlowPolicy(saturation=ONE_EACH, bands=BandLimits(max_requests=1), retry_after_s=3)
+    )
+    fill(router, control)
+    first = make(router, control)
+    send(first)
+    assert first.held is not None
+    second = make(router, control)
+    status, err, hs = error(send(second))
+    assert (status, err["code"], err["type"], hs["retry-after"]) == (
+        429,
+        "queue_full",
+        "rate_limit_error",
+        "3",
+    )
+    assert second.refused == "queue_full"
+
+
+def test_a_held_request_shed_gets_the_flow_error(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    send(proc)
+    entry = proc.held
+    assert entry is not None
+    [expired] = control.queues.expire(entry.expires)
+    status, err, hs = error(proc.shed(control.error(expired, Room.FULL)))
+    assert (status, err["code"], hs["retry-after"]) == (429, "queue_timeout", "3")
+    assert proc.held is None
+
+
+def test_an_objective_sets_the_band_and_its_ttft_the_deadline(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    send(proc, {"x-llm-d-inference-objective": "interactive"})
+    entry = proc.held
+    assert entry is not None and entry.priority == 1
+    assert entry.deadline == pytest.approx(NOW + 2.0)
+    assert entry.reason == "slo_unattainable" and entry.expires == entry.deadline
+    scrape_idle(router)
+    routed = reply(entry.payload.resume())
+    assert 1 <= int(routed.set_headers[TTFT_DEADLINE_UPSTREAM]) <= 2000
+
+
+def test_priority_beats_arrival_order_when_capacity_frees(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    procs = []
+    for objective in ("batch", "scrap", "interactive", "batch", "interactive"):
+        proc = make(router, control)
+        send(proc, {"x-gateway-inference-objective": objective})
+        procs.append(proc)
+    order = []
+    while (entry := control.queues.pop(MODEL)) is not None:
+        order.append(entry.priority)
+    assert order == [1, 1, 0, 0, -1]
+
+
+def test_the_fairness_header_names_the_flow_and_the_tenant_wins_under_auth(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    send(proc, {"x-llm-d-inference-fairness-id": "team-a"})
+    assert proc.held is not None and proc.held.flow == "team-a"
+    other = make(router, control)
+    send(other)
+    assert other.held is not None and other.held.flow == "default"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "code"),
+    [
+        ({"x-llm-d-inference-objective": "nope"}, 400, "unknown_objective"),
+        ({"x-kvgate-deadline-ms": "soon"}, 400, "invalid_header"),
+        ({"x-llm-d-slo-ttft-ms": "-5"}, 400, "invalid_header"),
+        ({"x-llm-d-slo-ttft-ms": "inf"}, 400, "invalid_header"),
+    ],
+)
+def test_bad_flow_headers_are_refused(router: Router, extra: dict[str, str], status: int, code: str) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    got, err, _ = error(send(make(router, control), extra))
+    assert (got, err["code"]) == (status, code)
+    assert control.queues.queued(MODEL) == 0
+
+
+def test_a_deadline_already_past_is_shed_before_any_engine(router: Router) -> None:
+    ticking = iter([NOW, NOW, NOW + 10.0])
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+
+    def later() -> float:
+        return next(ticking, NOW + 10.0)
+
+    proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=LIMIT), later, None, control)
+    assert proc.handle(headers(extra={"x-kvgate-deadline-ms": "100"})) == []
+    status, err, _ = error(proc.handle(body(chat())))
+    assert (status, err["code"]) == (429, "slo_unattainable")
+    assert proc.decision is None
+
+
+def test_no_endpoint_waits_in_the_waiting_room_then_503(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(waiting_room_s=5.0))
+    for state in router.fleet:
+        router.fleet.set_state(state.id, healthy=False)
+    proc = make(router, control)
+    send(proc)
+    entry = proc.held
+    assert entry is not None and entry.expires == NOW + 5.0 and entry.reason == "no_endpoint"
+    [gone] = control.queues.expire(NOW + 5.0)
+    status, err, _ = error(proc.shed(control.error(gone, Room.NONE)))
+    assert (status, err["code"]) == (503, "no_endpoint")
+
+
+def test_shed_refunds_and_never_routes(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    send(proc)
+    before = sum(s.routed_since_scrape for s in router.fleet)
+    out = proc.shed(GatewayError("x"))
+    assert out and proc.decision is None
+    assert sum(s.routed_since_scrape for s in router.fleet) == before
