@@ -76,3 +76,6 @@ FAILURE_LOG_NAME = "kvgate-upstream-failures"
 MODEL_HEADER = "x-kvgate-model"
 """Request header the processor sets to the decision's model (overwriting; Envoy strips clients' copies):
 the bundled Envoy config routes on it to the model's own stream idle timeout, and removes it upstream."""
+COMPLETION_LOG_NAME = "kvgate-completions"
+"""Log name of the gRPC access-log entries Envoy sends the ext_procs, one per request the ext_proc routed
+(``kvgate.decision`` metadata present), after its response is complete: the completion signal."""

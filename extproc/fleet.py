@@ -26,9 +26,11 @@ class EndpointState:
     ``healthy`` is False after failed scrapes; ``draining`` stops new requests; ``in_flight`` counts
     this gateway's open ext_proc streams for the endpoint (Envoy closes a stream as soon as it has nothing
     more to send it, which for the bundled config is right after routing: so this is not the engine's
-    load); ``routed_since_scrape`` counts requests routed there since the last successful scrape;
-    ``metrics`` is ``None`` until the first scrape or when the last one is older than the staleness bound
-    (see :meth:`Fleet.expire_metrics`); ``ejected_until``: monotonic seconds until which the endpoint is
+    load); ``routed_since_scrape`` counts requests routed there since the last successful scrape, and
+    ``completed_since_scrape`` the requests this gateway routed there (at any time) whose completion
+    Envoy reported since then (:meth:`~extproc.routing.router.Router.completed`); ``metrics`` is
+    ``None`` until the first scrape or when the last one is older than the staleness bound (see
+    :meth:`Fleet.expire_metrics`); ``ejected_until``: monotonic seconds until which the endpoint is
     not picked after a failed try (:meth:`Fleet.eject`; 0: never ejected).
     """
 
@@ -37,6 +39,10 @@ class EndpointState:
     draining: bool = False
     in_flight: int = 0
     routed_since_scrape: int = 0
+    completed_since_scrape: int = 0
+    #: Requests this gateway routed here whose completion it has not heard yet (exact for its own
+    #: traffic; flow control's in-flight limit never counts fewer).
+    outstanding: int = 0
     metrics: EngineMetrics | None = None
     routed_decayed: float = field(default=0.0, repr=False)
     routed_at: float = field(default=0.0, repr=False)
@@ -45,21 +51,31 @@ class EndpointState:
     #: Nothing listened at its address at the last scrape (refused): the process that answers next is a
     #: new one, with an empty cache.
     vanished: bool = field(default=False, repr=False)
-    #: The sibling workers' ``in_flight`` and ``routed_since_scrape`` for this endpoint, summed (other
-    #: ext_proc processes of this host, :mod:`extproc.control.siblings`; 0 without siblings).
+    #: The sibling workers' ``in_flight`` and net routed count (:attr:`net_routed`) for this endpoint,
+    #: summed (other ext_proc processes of this host, :mod:`extproc.control.siblings`; 0 without
+    #: siblings; the net may be negative).
     sibling_in_flight: int = 0
     sibling_routed: int = 0
 
     @property
+    def net_routed(self) -> int:
+        """This gateway's ``routed_since_scrape - completed_since_scrape``: what it added to the engine's
+        queue since the last scrape (negative when more of its requests ended than it sent since)."""
+        return self.routed_since_scrape - self.completed_since_scrape
+
+    @property
     def load(self) -> float:
-        """Requests at the engine now, best estimate: its ``running + waiting`` at the last scrape plus
-        what this gateway and its sibling workers routed there since their own last scrapes; without
-        metrics, the open streams of this gateway and its siblings (or the routed counts, if higher)."""
+        """Requests at the engine now, best estimate, never below 0. With metrics:
+        ``running + waiting + net``, where ``net = net_routed + sibling_routed`` is what this gateway and
+        its sibling workers routed there since their own last scrapes minus their requests whose
+        completion they heard of since. Without metrics: ``max(in_flight + sibling_in_flight, net)``
+        (the counts run from the last scrape, or from the start when there was none: then ``net`` is
+        exactly the requests routed there and not yet complete)."""
         metrics = self.metrics
-        routed = self.routed_since_scrape + self.sibling_routed
+        net = self.net_routed + self.sibling_routed
         if metrics is None:
-            return float(max(self.in_flight + self.sibling_in_flight, routed))
-        return metrics.running + metrics.waiting + routed
+            return float(max(self.in_flight + self.sibling_in_flight, net, 0))
+        return float(max(0, metrics.running + metrics.waiting + net))
 
     def recent_routed(self, now: float) -> float:
         """Requests this gateway routed here lately: each counts ``2 ** (-age / ROUTED_HALF_LIFE_S)``, so
@@ -97,6 +113,8 @@ class Fleet:
         self._states: dict[EndpointId, EndpointState] = {}
         self._by_address: dict[str, EndpointId] = {}
         self._watchers: list[Callable[[], None]] = []
+        #: Called after each new load reading (a scrape or a feed's ``Load``): capacity may have freed.
+        self.on_reading: Callable[[], None] | None = None
         for ep in endpoints:
             self.upsert(ep)
 
@@ -177,10 +195,16 @@ class Fleet:
         return sorted({m for s in self._states.values() for m in s.endpoint.models})
 
     def record_scrape(
-        self, endpoint_id: EndpointId, metrics: EngineMetrics, routed_before: int | None = None
+        self,
+        endpoint_id: EndpointId,
+        metrics: EngineMetrics,
+        routed_before: int | None = None,
+        completed_before: int | None = None,
     ) -> None:
         """Store a scrape. ``routed_before``: ``routed_since_scrape`` when the scrape was sent; only those
-        requests are now in the engine's running/waiting (``None``: all of them are)."""
+        requests are now in the engine's running/waiting (``None``: all of them are).
+        ``completed_before``: ``completed_since_scrape`` when the scrape was sent; only those requests
+        are gone from the engine's counts (``None``: all of them are)."""
         state = self._states.get(endpoint_id)
         if state is not None:
             recovered = not state.healthy
@@ -192,8 +216,12 @@ class Fleet:
             state.consecutive_failures = 0
             counted = state.routed_since_scrape if routed_before is None else routed_before
             state.routed_since_scrape = max(0, state.routed_since_scrape - counted)
+            done = state.completed_since_scrape if completed_before is None else completed_before
+            state.completed_since_scrape = max(0, state.completed_since_scrape - done)
             if recovered:
                 self._changed()
+            if self.on_reading is not None:
+                self.on_reading()
 
     def record_scrape_failure(
         self, endpoint_id: EndpointId, unhealthy_after: int, gone: bool = False

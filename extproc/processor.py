@@ -110,6 +110,7 @@ from extproc.flow.control import (
     FlowRequest,
     Room,
     room,
+    saturated,
 )
 from extproc.flow.policy import FlowPolicy
 from extproc.flow.queue import Entry
@@ -485,6 +486,19 @@ class StreamProcessor:
         deadline = None if deadline_ms is None else self._arrived + deadline_ms / 1000.0
         return FlowRequest(request.model, priority, flow, cost, len(prepared.body), deadline)
 
+    def _admit(self, model: str) -> Callable[[EndpointState], bool] | None:
+        """Flow control's filter for the router: endpoints of ``model`` not saturated (``None``: flow
+        control off, or its policy can never hold a request)."""
+        flow = self._flow
+        if flow is None or not flow.policy.holds:
+            return None
+        policy = flow.policy
+
+        def has_room(state: EndpointState) -> bool:
+            return not saturated(policy.saturation_for(model, state.endpoint.role), state)
+
+        return has_room
+
     def _decide(self, prepared: _Prepared, started: float) -> list[pb.ProcessingResponse]:
         """Schedule the prepared request and build the replies that send it to its pick."""
         request, body, tokens = prepared.request, prepared.body, prepared.tokens
@@ -499,6 +513,7 @@ class StreamProcessor:
                 subset=self._subset,
                 pinned=pinned,
                 tokens=tokens,
+                admit=self._admit(request.model),
             )
         except Exception:  # a 503/404 or a gateway fault: nothing was used, refund the reservation
             self._refund()

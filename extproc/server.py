@@ -53,7 +53,7 @@ from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
-from extproc.xds.als import FailedTries
+from extproc.xds.als import Completion, FailedTries
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
@@ -196,6 +196,7 @@ class Gateway:
         )
         self.cluster.flow_listener = self._apply_flow
         self.fleet.watch(self.dispatcher.kick)
+        self.fleet.on_reading = self.dispatcher.kick
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
         #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
@@ -205,7 +206,9 @@ class Gateway:
         #: Envoy's engine cluster (EDS) and the failed tries Envoy reports, which eject endpoints.
         self.eds = EndpointDiscovery(self.fleet, time.monotonic)
         self.ejector = Ejector(config.ejection.base_s, config.ejection.max_s)
-        self.failed_tries = FailedTries(self.fleet, self.ejector, time.monotonic, self._on_ejection)
+        self.failed_tries = FailedTries(
+            self.fleet, self.ejector, time.monotonic, self._on_ejection, on_completion=self._on_completion
+        )
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
         self.siblings = (
@@ -293,6 +296,12 @@ class Gateway:
             len(self.models),
             self.max_body_bytes,
         )
+
+    def _on_completion(self, done: Completion) -> None:
+        """Envoy's completion log: an engine finished a request (this worker's or another's), so its
+        load fell and a held request may go."""
+        self.router.completed(done.request_id, time.monotonic())
+        self.dispatcher.kick()
 
     def _flow_space(self, model: str, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now)

@@ -7,11 +7,13 @@ shared here, so every worker schedules on what the whole host routed:
 - **learned**: the endpoint and the chained digests a worker recorded for a decision (what
   :meth:`~extproc.routing.router.Router.commit` records); the others record the same, so their
   approximate (and speculative precise) index and working set learn what the sibling routed;
-- **loads**: the sender's ABSOLUTE ``in_flight`` and ``routed_since_scrape`` per endpoint (all of them:
-  an endpoint left out is 0), sent when they change (coalesced, at most every :data:`COALESCE_S`) and as
-  a heartbeat every :data:`HEARTBEAT_S`; the receiver keeps them per sibling, forgets a sibling silent for
-  :data:`EXPIRE_S`, and writes the sums into ``EndpointState.sibling_in_flight`` / ``sibling_routed``,
-  which :attr:`~extproc.fleet.EndpointState.load` adds (every load-aware filter and scorer sees them).
+- **loads**: the sender's ABSOLUTE ``in_flight`` and net routed count
+  (:attr:`~extproc.fleet.EndpointState.net_routed`: routed minus completed since its last scrape, possibly
+  negative) per endpoint (all of them: an endpoint left out is 0), sent when they change (coalesced, at
+  most every :data:`COALESCE_S`) and as a heartbeat every :data:`HEARTBEAT_S`; the receiver keeps them
+  per sibling, forgets a sibling silent for :data:`EXPIRE_S`, and writes the sums into
+  ``EndpointState.sibling_in_flight`` / ``sibling_routed``, which
+  :attr:`~extproc.fleet.EndpointState.load` adds (every load-aware filter and scorer sees them).
 
 Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
 mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
@@ -22,8 +24,8 @@ that went away is skipped until it binds again. Workers on other hosts share onl
 Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`decode`): a header
 ``magic "KVS1", kind (1 learned, 2 loads), sender length`` and the sender's name; learned: records of
 ``endpoint length, digest count, endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram
-of a snapshot, which replaces the sender's counts) and entries ``endpoint length, in_flight, routed,
-endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
+of a snapshot, which replaces the sender's counts) and entries ``endpoint length, in_flight, net routed
+(signed), endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".sock"
 _UNIX_PATH_MAX = 108  # sun_path, with its NUL
 _MAX_COUNT = 2**32 - 1
+_MIN_NET, _MAX_NET = -(2**31), 2**31 - 1
 
 _HEAD = struct.Struct("!4sBB")
 _RECORD = struct.Struct("!HH")
 _FLAGS = struct.Struct("!B")
-_ENTRY = struct.Struct("!HII")
+_ENTRY = struct.Struct("!HIi")
 
 
 class MessageError(ValueError):
@@ -86,7 +89,7 @@ class Learned:
 
 @dataclass(frozen=True, slots=True)
 class Loads:
-    """A sibling's counts per endpoint, ``(in_flight, routed_since_scrape)``; ``replace``: the first
+    """A sibling's counts per endpoint, ``(in_flight, net routed)``; ``replace``: the first
     datagram of a snapshot (counts of endpoints absent from the snapshot are 0)."""
 
     sender: str
@@ -134,7 +137,8 @@ def encode_loads(
     size = len(head) + _FLAGS.size
     for endpoint, (in_flight, routed) in counts.items():
         eid = endpoint.encode()
-        entry = _ENTRY.pack(len(eid), min(in_flight, _MAX_COUNT), min(routed, _MAX_COUNT)) + eid
+        net = min(max(routed, _MIN_NET), _MAX_NET)
+        entry = _ENTRY.pack(len(eid), min(in_flight, _MAX_COUNT), net) + eid
         if size + len(entry) > limit and parts:
             out.append(head + _FLAGS.pack(not out) + b"".join(parts))
             parts, size = [], len(head) + _FLAGS.size
@@ -186,8 +190,8 @@ def decode(data: bytes) -> Learned | Loads:
 
 
 def local_loads(fleet: Fleet) -> dict[EndpointId, tuple[int, int]]:
-    """This worker's own ``(in_flight, routed_since_scrape)`` per endpoint, zeros left out."""
-    return {s.id: (s.in_flight, s.routed_since_scrape) for s in fleet if s.in_flight or s.routed_since_scrape}
+    """This worker's own ``(in_flight, net_routed)`` per endpoint, zeros left out."""
+    return {s.id: (s.in_flight, s.net_routed) for s in fleet if s.in_flight or s.net_routed}
 
 
 class SiblingLoads:
@@ -222,7 +226,7 @@ class SiblingLoads:
         return gone
 
     def totals(self) -> dict[EndpointId, tuple[int, int]]:
-        """Per endpoint, the siblings' ``(in_flight, routed_since_scrape)`` summed."""
+        """Per endpoint, the siblings' ``(in_flight, net routed)`` summed."""
         out: dict[EndpointId, tuple[int, int]] = {}
         for counts in self._counts.values():
             for endpoint, (in_flight, routed) in counts.items():

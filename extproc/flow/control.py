@@ -33,10 +33,11 @@ class Room(Enum):
 
 
 def saturated(limits: Saturation, state: EndpointState) -> bool:
-    """Whether ``state`` can take no more under ``limits``: ``load >= max_in_flight`` (the load counts
-    requests at the engine, so one more would exceed it), or, from the last scrape, ``waiting >=
+    """Whether ``state`` can take no more under ``limits``: ``max(load, outstanding) >= max_in_flight``
+    (the load estimates requests at the engine, the outstanding count is this gateway's own requests not
+    yet completed: never fewer than those; one more would exceed it), or, from the last scrape, ``waiting >=
     max_waiting`` or ``kv_usage >= max_kv_usage``; a missing metric never saturates."""
-    if limits.max_in_flight is not None and state.load >= limits.max_in_flight:
+    if limits.max_in_flight is not None and max(state.load, state.outstanding) >= limits.max_in_flight:
         return True
     metrics = state.metrics
     if metrics is None:

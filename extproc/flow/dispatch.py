@@ -73,6 +73,7 @@ class Dispatcher(Generic[H, R]):
         """The future of a held stream's replies (call it before the stream's next ``await``)."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._futures[entry.seq] = future
+        self._depth()
         self.kick()
         return future
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import random
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -62,6 +63,13 @@ log = logging.getLogger(__name__)
 #: request's UTF-8 bytes, one "token" per byte, in blocks of ``block_size * BYTES_PER_TOKEN`` bytes.
 #: Approximate (no chat template), but prefix affinity still works for engines kvgate knows nothing of.
 BYTES_PER_TOKEN = 4
+#: Requests remembered between their decision and their completion (:meth:`Router.completed`), at most;
+#: beyond it the oldest is forgotten, so completions Envoy never reports (a lost log entry, a request
+#: refused after its decision) cost a bounded table, and their routed counts end at the next scrape.
+MAX_OPEN_REQUESTS = 65_536
+#: Seconds a routed request counts as outstanding without a completion (a lost log, a stream Envoy
+#: never proxied): longer than any request's own bound.
+OPEN_TTL_S = 900.0
 
 
 @dataclass(slots=True)
@@ -225,7 +233,8 @@ class RoutingListener(Protocol):
         served it); in-flight counts changed with it."""
 
     def released(self, endpoint: EndpointId) -> None:
-        """A request's in-flight slot at ``endpoint`` was released."""
+        """A request's in-flight slot at ``endpoint`` was released, or a request routed there completed
+        (:meth:`Router.completed`): its counts changed."""
 
 
 class Router:
@@ -256,6 +265,10 @@ class Router:
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
         #: Told of each record and release (``None``: nobody listens).
         self.listener: RoutingListener | None = None
+        #: Routed, not yet reported complete: request id -> the endpoint serving it (oldest first).
+        self._open: OrderedDict[str, tuple[EndpointState, float]] = OrderedDict()
+        #: The open table's bound (:data:`MAX_OPEN_REQUESTS`; tests lower it).
+        self.max_open = MAX_OPEN_REQUESTS
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -321,12 +334,15 @@ class Router:
         subset: frozenset[str] | None = None,
         pinned: Sequence[str] | None = None,
         tokens: Tokens | None = None,
+        admit: Callable[[EndpointState], bool] | None = None,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
         ``subset``: EPP subset hint (``ip:port`` addresses allowed). ``pinned``: conformance-test
         selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet. ``tokens``: the prompt
         if already tokenized by the caller (:meth:`tokens`; admission counts it before routing).
+        ``admit``: flow control's test of an endpoint's room; when some candidate passes it, only those
+        are scheduled (a saturated endpoint is never picked while another has room).
         Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready.
         """
         candidates = [s for s in self.fleet if request.model in s.endpoint.models]
@@ -342,6 +358,9 @@ class Router:
             profile = route.profile
         if pinned is not None:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
+        if admit is not None:  # flow control: only endpoints with room, while some has room
+            roomy = [s for s in candidates if admit(s)]
+            candidates = roomy or candidates
         if tokens is None:
             tokens = self.tokens(request)
         elif tokens.rest is not None and tokens.rest.extend(self.index.held):
@@ -378,6 +397,7 @@ class Router:
         primary.in_flight += 1
         primary.routed_since_scrape += 1
         primary.count_routed(now)
+        self._opened(request_id, primary, now)
         return Decision(
             request_id=request_id,
             model=request.model,
@@ -405,9 +425,7 @@ class Router:
             return
         by_node = {self._store_nodes[key]: n for key, n in leads.items()}
         state.peer_warm_blocks = max(by_node.values())
-        state.warm_blocks = {
-            s.id: by_node[s.endpoint.node] for s in candidates if s.endpoint.node in by_node
-        }
+        state.warm_blocks = {s.id: by_node[s.endpoint.node] for s in candidates if s.endpoint.node in by_node}
 
     def commit(self, decision: Decision, now: float) -> None:
         """Record the decision in the index as speculative entries for the pick (and in the working set).
@@ -436,6 +454,11 @@ class Router:
         state.in_flight += 1
         state.routed_since_scrape += 1
         state.count_routed(now)
+        moved = self._open.get(decision.request_id)
+        if moved is not None:
+            moved[0].outstanding -= 1
+            state.outstanding += 1
+            self._open[decision.request_id] = (state, moved[1])
         decision.served = state
         decision.recorded = True
         self._record(state.id, self._window(decision), now)
@@ -456,6 +479,38 @@ class Router:
             self.working_set.record(endpoint, digests, now)
         if self.listener is not None:
             self.listener.recorded(endpoint, digests, now)
+
+    def _opened(self, request_id: str, state: EndpointState, now: float) -> None:
+        """Remember that ``request_id`` is at ``state`` until its completion, forgetting the oldest
+        beyond :attr:`max_open` or older than :data:`OPEN_TTL_S`; ``EndpointState.outstanding`` follows."""
+        opened = self._open
+        before = opened.pop(request_id, None)
+        if before is not None:
+            before[0].outstanding -= 1
+        opened[request_id] = (state, now)
+        state.outstanding += 1
+        while opened:
+            oldest_id, (oldest, at) = next(iter(opened.items()))
+            if len(opened) <= self.max_open and now - at <= OPEN_TTL_S:
+                break
+            del opened[oldest_id]
+            oldest.outstanding -= 1
+
+    def completed(self, request_id: str, now: float) -> EndpointState | None:
+        """Envoy reported that ``request_id`` ended at its engine (a completion log entry, monotonic
+        ``now``): if this router routed it, count one completion at the endpoint that served it
+        (``completed_since_scrape``, which :attr:`EndpointState.load` subtracts), tell the listener, and
+        return that endpoint; ``None`` for a request it did not route (a sibling's or another replica's),
+        already reported, or forgotten (:data:`MAX_OPEN_REQUESTS`). Each request counts once."""
+        found = self._open.pop(request_id, None)
+        if found is None:
+            return None
+        state = found[0]
+        state.outstanding -= 1
+        state.completed_since_scrape += 1
+        if self.listener is not None:
+            self.listener.released(state.id)
+        return state
 
     def finish(self, decision: Decision) -> None:
         """The request's stream ended (completed, failed or cancelled): release its in-flight slot."""

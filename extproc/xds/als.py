@@ -1,11 +1,18 @@
-"""The failed-try receiver: Envoy's gRPC access-log service, fed one entry per failed upstream try.
+"""The access-log receiver: Envoy's gRPC access-log service, fed failed tries and completed requests.
 
-Envoy's router ``upstream_log`` (an ``envoy.access_loggers.http_grpc`` logger per ext_proc replica, log
-name :data:`~contracts.epp.FAILURE_LOG_NAME`, filtered to failed tries) streams
-``StreamAccessLogsMessage`` s here. :func:`failed_try` reads one ``HTTPAccessLogEntry`` (pure): the
-upstream host and the failure's kind. :class:`FailedTries` is the grpc.aio shell: it maps the host to
-the fleet's endpoint by address, asks the :class:`~extproc.xds.ejection.Ejector` and ejects it in the
-fleet (which the scheduler and EDS read). Entries of other log names and unknown addresses are ignored.
+Two logs arrive here, told apart by the log name of each stream's first message:
+
+* :data:`~contracts.epp.FAILURE_LOG_NAME`: one entry per failed upstream try (the router's
+  ``upstream_log``) or timed-out request (the listener's). :func:`failed_try` reads one
+  ``HTTPAccessLogEntry`` (pure): the upstream host and the failure's kind. :class:`FailedTries` maps the
+  host to the fleet's endpoint by address, asks the :class:`~extproc.xds.ejection.Ejector` and ejects it
+  in the fleet (which the scheduler and EDS read).
+* :data:`~contracts.epp.COMPLETION_LOG_NAME`: one entry per request an ext_proc routed, once its response
+  is complete (the listener's ``access_log``, :func:`kvgate.envoy.resilience.completion_loggers`).
+  :func:`completion` reads it (pure) and :class:`FailedTries` hands it to ``on_completion``: every
+  replica hears every completion, the one that routed the request counts it.
+
+Entries of other log names, and failed tries to unknown addresses, are ignored.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from dataclasses import dataclass
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf.duration_pb2 import Duration
 
-from contracts.epp import FAILURE_LOG_NAME
+from contracts.epp import COMPLETION_LOG_NAME, FAILURE_LOG_NAME
 from extproc.fleet import Fleet
 from extproc.xds.ejection import Ejection, Ejector
 
@@ -50,15 +58,65 @@ class FailedTry:
     kind: str
 
 
-def failed_try(entry: accesslog_pb2.HTTPAccessLogEntry) -> FailedTry | None:
-    """The failed try ``entry`` records, or ``None`` (no upstream socket address, or neither a failure
-    flag of :data:`FAILURE_FLAGS` nor a 503 response)."""
-    common = entry.common_properties
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A request an ext_proc routed, complete: the ``address`` (``ip:port``, ``[ipv6]:port``) of the
+    engine Envoy last sent it to, its ``request_id`` (Envoy's ``x-request-id``, the id the ext_proc decided
+    it under), the response ``status`` (0: none, e.g. the engine was unreachable or the client left
+    first), ``ttfb_s``: seconds from the request's start to the engine's first response byte, and
+    ``duration_s``: seconds from the request's start to its end (each ``None`` when Envoy did not
+    record it)."""
+
+    address: str
+    request_id: str
+    status: int
+    ttfb_s: float | None
+    duration_s: float | None
+
+
+def _upstream(common: accesslog_pb2.AccessLogCommon) -> str | None:
+    """``ip:port`` (``[ipv6]:port``) of the entry's upstream host, ``None`` when it has none."""
     if not common.upstream_remote_address.HasField("socket_address"):
         return None
     sa = common.upstream_remote_address.socket_address
     host = f"[{sa.address}]" if ":" in sa.address else sa.address
-    address = f"{host}:{sa.port_value}"
+    return f"{host}:{sa.port_value}"
+
+
+def _seconds(common: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
+    if not common.HasField(name):
+        return None
+    value: Duration = getattr(common, name)
+    return value.seconds + value.nanos / 1e9
+
+
+def completion(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion | None:
+    """The completion ``entry`` records, or ``None`` (no upstream socket address or no request id).
+    ``duration_s`` is Envoy's request ``duration``, else the time to its last byte sent downstream."""
+    common = entry.common_properties
+    address = _upstream(common)
+    request_id = entry.request.request_id
+    if address is None or not request_id:
+        return None
+    duration = _seconds(common, "duration")
+    if duration is None:
+        duration = _seconds(common, "time_to_last_downstream_tx_byte")
+    return Completion(
+        address,
+        request_id,
+        entry.response.response_code.value,
+        _seconds(common, "time_to_first_upstream_rx_byte"),
+        duration,
+    )
+
+
+def failed_try(entry: accesslog_pb2.HTTPAccessLogEntry) -> FailedTry | None:
+    """The failed try ``entry`` records, or ``None`` (no upstream socket address, or neither a failure
+    flag of :data:`FAILURE_FLAGS` nor a 503 response)."""
+    common = entry.common_properties
+    address = _upstream(common)
+    if address is None:
+        return None
     flags = common.response_flags
     for name in FAILURE_FLAGS:
         if getattr(flags, name):
@@ -72,7 +130,10 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """``StreamAccessLogs``: each failed try of :data:`~contracts.epp.FAILURE_LOG_NAME` to a fleet
     endpoint ejects it (:meth:`Ejector.fail` at ``clock()``, monotonic seconds) in ``fleet``; each
     ejection is logged at WARNING (endpoint id, kind, duration; never request content) and handed to
-    ``on_ejection``. :meth:`aclose` ends the open streams (Envoy reopens one to another replica)."""
+    ``on_ejection``. Each entry of :data:`~contracts.epp.COMPLETION_LOG_NAME` that :func:`completion`
+    reads is handed to :attr:`on_completion` on the event loop, whether or not this replica routed it
+    (every completion frees a slot at an engine); it must be cheap, and an exception it raises is logged
+    and skipped. :meth:`aclose` ends the open streams (Envoy reopens one to another replica)."""
 
     def __init__(
         self,
@@ -80,11 +141,15 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         ejector: Ejector,
         clock: Callable[[], float],
         on_ejection: Callable[[Ejection], None] | None = None,
+        on_completion: Callable[[Completion], None] | None = None,
     ) -> None:
         self._fleet = fleet
         self._ejector = ejector
         self._clock = clock
         self._on_ejection = on_ejection
+        #: Told of each completion (``None``: completions are read and dropped); may be set after
+        #: construction, before the first completion it should hear.
+        self.on_completion = on_completion
         self._closed = asyncio.Event()
 
     async def aclose(self) -> None:
@@ -135,9 +200,21 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         async for msg in messages:
             if msg.HasField("identifier"):
                 log_name = msg.identifier.log_name
-            if log_name != FAILURE_LOG_NAME:
-                continue
-            for entry in msg.http_logs.log_entry:
-                failed = failed_try(entry)
-                if failed is not None:
-                    self.record(failed)
+            if log_name == FAILURE_LOG_NAME:
+                for entry in msg.http_logs.log_entry:
+                    failed = failed_try(entry)
+                    if failed is not None:
+                        self.record(failed)
+            elif log_name == COMPLETION_LOG_NAME:
+                for entry in msg.http_logs.log_entry:
+                    self._complete(entry)
+
+    def _complete(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        callback = self.on_completion
+        done = completion(entry)
+        if callback is None or done is None:
+            return
+        try:
+            callback(done)
+        except Exception:  # one bad completion must not end Envoy's log stream (and lose the rest)
+            log.exception("completion of request %s at %s: callback failed", done.request_id, done.address)

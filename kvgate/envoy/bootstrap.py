@@ -11,6 +11,8 @@
 * local replies (Envoy's own errors: ext_proc down, upstream unreachable) as OpenAI-style JSON;
 * what happened to each request: an ``x-request-id`` on every response, ``x-kvgate-endpoint`` (the engine
   that served it) on proxied ones, and a JSON-lines access log (:data:`ACCESS_LOG_FORMAT`);
+* for the ext_procs, gRPC access-log entries (:mod:`kvgate.envoy.resilience`): failed tries, timed-out
+  requests, and one completion per routed request;
 * a listener without ``SO_REUSEPORT``, so a second Envoy on the same port fails to start instead of
   silently sharing the port.
 
@@ -134,6 +136,9 @@ class EnvoyParams:
     ``buffer_limit_bytes``: per-connection buffer (must exceed the largest request body streamed
     through ext_proc chunking, i.e. 62 KB, and bounds memory per connection). ``message_timeout_s``:
     how long Envoy waits for each ext_proc reply (Envoy's 200 ms default is too tight under load).
+    ``max_message_timeout_s``: the longest wait the ext_proc may ask for instead, per reply, with a
+    ``ProcessingResponse`` carrying only ``override_message_timeout`` (while it holds a request in a
+    queue); larger asks are refused by Envoy.
     """
 
     listen_host: str = "127.0.0.1"
@@ -150,6 +155,7 @@ class EnvoyParams:
     extproc_addresses: tuple[tuple[str, int], ...] = ()
     buffer_limit_bytes: int = 4 * 1024 * 1024
     message_timeout_s: float = 5.0
+    max_message_timeout_s: float = 600.0
     upstream_connect_timeout_s: float = 2.0
     tls: EnvoyTls | None = None
     #: JWT verification, per-tenant rate limits and the ext_proc's auth options (kvgate/envoy/auth.py).
@@ -167,6 +173,10 @@ class EnvoyParams:
     #: Proxies in front of Envoy whose ``x-forwarded-for`` entries are trusted (Envoy's
     #: ``xff_num_trusted_hops``); 0: clients connect directly, their own list is dropped.
     trusted_hops: int = 0
+    #: Send every ext_proc one gRPC access-log entry per routed request once its response is complete
+    #: (:func:`kvgate.envoy.resilience.completion_loggers`): the engines' load and flow control's
+    #: dispatch follow it. Off only to measure its cost.
+    completion_log: bool = True
     #: Retries, fallbacks, fail-open, stream idle timeout, ext_proc health checks (resilience.py).
     resilience: Resilience = field(default_factory=Resilience)
 
@@ -278,6 +288,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             "mutation_rules": {"allow_envoy": True},
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": f"{params.message_timeout_s}s",
+            "max_message_timeout": f"{params.max_message_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 # Fail-open needs Envoy to keep the body: in FULL_DUPLEX_STREAMED mode it has handed
@@ -319,6 +330,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "access_log": [
             *([_access_log(params.access_log_path)] if params.access_log_path else []),
             *resilience.timeout_loggers(len(extprocs)),
+            *(resilience.completion_loggers(len(extprocs)) if params.completion_log else []),
         ],
         "local_reply_config": _local_reply(),
         "route_config": {

@@ -28,6 +28,13 @@ times out, and how every ext_proc replica hears about a failed try.
   :data:`~contracts.epp.FAILURE_LOG_NAME`; each replica ejects that endpoint for a while
   (:mod:`extproc.xds.ejection`). A request that ran out of its whole bound is reported by the listener's
   access log instead (:func:`timeout_loggers`). Successful tries are not logged: they cost nothing here.
+* **Completions reach every ext_proc.** The listener's access log sends one entry per request the
+  ext_proc routed (its ``kvgate.decision`` metadata is present: every routed decision sets it, Envoy's own
+  local replies and the gateway's answers have none) once the response is complete, to every replica, log
+  name :data:`~contracts.epp.COMPLETION_LOG_NAME` (:func:`completion_loggers`, flushed every
+  :data:`COMPLETION_FLUSH_S`): the request id, the engine that served it and its timings, so the worker
+  that routed it counts the engine's load down and flow control learns that a slot is free. A request
+  whose engine could not be reached is logged too (it ended there: its routed count is given back).
 * **ext_proc replicas** are health-checked by gRPC health on the ext_proc port (service ``liveness``)
   and ejected at once on a connect failure, so a killed replica costs at most its in-flight decisions.
 """
@@ -37,7 +44,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.epp import DESTINATION, ENGINES_CLUSTER, EXTPROC_CLUSTER, FAILURE_LOG_NAME, LB_NS, MODEL_HEADER
+from contracts.epp import (
+    COMPLETION_LOG_NAME,
+    DECISION_ENDPOINT,
+    DECISION_NS,
+    DESTINATION,
+    ENGINES_CLUSTER,
+    EXTPROC_CLUSTER,
+    FAILURE_LOG_NAME,
+    LB_NS,
+    MODEL_HEADER,
+)
 from extproc.config import GatewayConfig
 
 _OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
@@ -70,6 +87,11 @@ ENVOY_CONTROL_HEADERS = (
     "x-envoy-upstream-stream-duration-ms",
     "x-envoy-is-timeout-retry",
 )
+#: How often (s) Envoy sends the buffered failure entries to each ext_proc.
+FAILURE_FLUSH_S = 0.05
+#: How often (s) Envoy sends the buffered completion entries to each ext_proc: a held request waits at
+#: most about this long after a slot freed up.
+COMPLETION_FLUSH_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +316,27 @@ def timeout_loggers(count: int) -> list[dict[str, Any]]:
     return _grpc_loggers(count, {"response_flag_filter": {"flags": ["UT", "SI"]}})
 
 
-def _grpc_loggers(count: int, only: dict[str, Any]) -> list[dict[str, Any]]:
+def completion_loggers(count: int) -> list[dict[str, Any]]:
+    """The listener's access log of every request the ext_proc routed (``kvgate.decision`` metadata
+    present), once its response is complete, to each of ``count`` ext_proc replicas: the completion
+    signal (:data:`~contracts.epp.COMPLETION_LOG_NAME`)."""
+    routed = {
+        "metadata_filter": {
+            # match_if_key_not_found defaults to TRUE in Envoy: it must be false here.
+            "match_if_key_not_found": False,
+            "matcher": {
+                "filter": DECISION_NS,
+                "path": [{"key": DECISION_ENDPOINT}],
+                "value": {"present_match": True},
+            },
+        }
+    }
+    return _grpc_loggers(count, routed, COMPLETION_LOG_NAME, COMPLETION_FLUSH_S)
+
+
+def _grpc_loggers(
+    count: int, only: dict[str, Any], log_name: str = FAILURE_LOG_NAME, flush_s: float = FAILURE_FLUSH_S
+) -> list[dict[str, Any]]:
     return [
         {
             "name": "envoy.access_loggers.http_grpc",
@@ -302,10 +344,10 @@ def _grpc_loggers(count: int, only: dict[str, Any]) -> list[dict[str, Any]]:
             "typed_config": {
                 "@type": _GRPC_LOG,
                 "common_config": {
-                    "log_name": FAILURE_LOG_NAME,
+                    "log_name": log_name,
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": failure_log_cluster(i)}},
-                    "buffer_flush_interval": "0.05s",
+                    "buffer_flush_interval": f"{flush_s}s",
                 },
             },
         }

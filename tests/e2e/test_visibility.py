@@ -41,7 +41,7 @@ def access_log_path(stack: Stack) -> Path:
     """Where the running Envoy writes its access log, from its rendered config."""
     config = yaml.safe_load((stack.workdir / "envoy.yaml").read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    log, _timeouts = hcm["access_log"]  # the request log, then the timeout entries for the ext_procs
+    log, _timeouts, _completions = hcm["access_log"]  # the request log, then the ext_procs' gRPC logs
     path = log["typed_config"].get("path")
     if path is not None:
         return Path(path)

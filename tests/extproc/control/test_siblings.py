@@ -225,3 +225,27 @@ async def test_two_workers_share_decisions_and_in_flight_counts(tmp_path: Path) 
     finally:
         for bus in buses:
             await bus.aclose()
+
+
+def test_loads_carry_the_net_routed_count_negative_too() -> None:
+    """A worker shares routed minus completed since its scrape: more of its requests ended than it sent
+    since is a negative count, which survives the wire (clamped to 32 bits) and lowers the load."""
+    f = fleet()
+    e0, e1 = f.get(E0), f.get(E1)
+    assert e0 is not None and e1 is not None
+    e0.routed_since_scrape, e0.completed_since_scrape = 1, 3
+    e1.routed_since_scrape, e1.completed_since_scrape = 2, 2  # net 0, nothing open: left out
+    assert local_loads(f) == {E0: (0, -2)}
+    (data,) = encode_loads("w", local_loads(f))
+    assert decode(data) == Loads("w", True, {E0: (0, -2)})
+    (data,) = encode_loads("w", {E0: (0, -(2**40)), E1: (0, 2**40)})
+    assert decode(data) == Loads("w", True, {E0: (0, -(2**31)), E1: (0, 2**31 - 1)})
+    loads = SiblingLoads()
+    loads.apply(Loads("a", True, {E0: (0, -2)}), now=0.0)
+    loads.apply(Loads("b", True, {E0: (1, 1)}), now=0.0)
+    g = fleet()
+    loads.write(g)
+    mirrored = g.get(E0)
+    assert mirrored is not None and (mirrored.sibling_in_flight, mirrored.sibling_routed) == (1, -1)
+    mirrored.metrics = EngineMetrics(running=3, waiting=0, kv_usage=0.0, at=0.0)
+    assert mirrored.load == 2.0

