@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
+#: The longest Envoy message timeout a held request asks for: the bundled filter's
+#: ``max_message_timeout`` (kvgate/envoy/bootstrap.py ``EnvoyParams.max_message_timeout_s``).
+HOLD_TIMEOUT_S = 600.0
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -234,6 +237,7 @@ class Gateway:
             max_body_bytes=self.max_body_bytes,
             conformance=cfg.extproc.conformance,
             timeouts=cfg.timeout_table(),
+            hold_timeout_s=HOLD_TIMEOUT_S,
         )
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
