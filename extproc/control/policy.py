@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -64,6 +63,7 @@ from extproc.flow.policy import (
     flow_paths,
     flow_values,
     is_flow_path,
+    number,
 )
 from extproc.routing.router import Route, RoutingPolicy
 from extproc.scheduling.registry import (
@@ -188,16 +188,6 @@ def classify(path: str, config: SchedulingConfig) -> tuple[str, tuple[str, ...]]
     raise ConfigError(f"unknown policy path {path!r}; known: {KNOWN_PATHS}")
 
 
-def _number(value: object, where: str, minimum: float, *, integer: bool = False) -> float:
-    kinds = int if integer else int | float
-    if not isinstance(value, kinds) or isinstance(value, bool):
-        expected = "an integer" if integer else "a number"
-        raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value >= minimum):
-        raise ConfigError(f"{where}: must be finite and >= {minimum}, got {value!r}")
-    return value
-
-
 def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected an object {{labels, profile}}, got {type(value).__name__}")
@@ -240,14 +230,14 @@ def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
         if kind == "flow":
             continue  # all at once below, by apply_flow
         if kind == "weight":
-            weights[names[0]] = float(_number(value, where, 0.0))
+            weights[names[0]] = float(number(value, where, 0.0))
         elif kind == "profile-weight":
-            profile_weights.setdefault(names[0], {})[names[1]] = float(_number(value, where, 0.0))
+            profile_weights.setdefault(names[0], {})[names[1]] = float(number(value, where, 0.0))
         elif kind == "param":
             params.setdefault(names[0], {})[names[1]] = value
         elif kind == "index":
             integer = names[0] == "block_size"
-            index[names[0]] = _number(value, where, 1 if integer else 0.001, integer=integer)
+            index[names[0]] = number(value, where, 1 if integer else 0.001, integer=integer)
         else:
             routes[names[0]] = _route(value, where, config)
     plugins = []

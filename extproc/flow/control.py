@@ -159,7 +159,6 @@ OBJECTIVE_HEADER_OLD = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 FAIRNESS_HEADER_OLD = "x-gateway-inference-fairness-id"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
-SLO_TPOT_HEADER = "x-llm-d-slo-tpot-ms"
 DEADLINE_HEADER = "x-kvgate-deadline-ms"
 #: Set on a routed request with a TTFT deadline: the milliseconds left of it when it leaves the gateway
 #: (for the engine side; the whole response is bounded only by the model's own timeouts).

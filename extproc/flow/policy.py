@@ -259,15 +259,15 @@ def _apply(policy: FlowPolicy, path: str, value: object, where: str) -> FlowPoli
             ),
         )
     if rest == "max_queued":
-        return replace(policy, max_queued=int(_number(value, where, 1, integer=True)))
+        return replace(policy, max_queued=int(number(value, where, 1, integer=True)))
     if rest == "max_queued_bytes":
-        return replace(policy, max_queued_bytes=int(_number(value, where, 1, integer=True)))
+        return replace(policy, max_queued_bytes=int(number(value, where, 1, integer=True)))
     if rest == "sheddable_max_wait_s":
-        return replace(policy, sheddable_max_wait_s=float(_number(value, where, 0.0)))
+        return replace(policy, sheddable_max_wait_s=float(number(value, where, 0.0)))
     if rest == "waiting_room_s":
-        return replace(policy, waiting_room_s=float(_number(value, where, 0.0)))
+        return replace(policy, waiting_room_s=float(number(value, where, 0.0)))
     if rest == "retry_after_s":
-        return replace(policy, retry_after_s=int(_number(value, where, 1, integer=True)))
+        return replace(policy, retry_after_s=int(number(value, where, 1, integer=True)))
     if value not in FAIRNESS:  # flow/fairness, the last path check_flow_path lets through
         raise ConfigError(f"{where}: expected one of {', '.join(FAIRNESS)}, got {value!r}")
     assert isinstance(value, str)
@@ -295,11 +295,13 @@ def _table(value: object, where: str, allowed: tuple[str, ...]) -> Mapping[str, 
     return value
 
 
-def _number(value: object, where: str, minimum: float, *, integer: bool = False) -> float:
+def number(value: object, where: str, minimum: float, *, integer: bool = False) -> float:
+    """``value`` if it is a finite number (an integer with ``integer``; never a bool) ``>= minimum``,
+    else :class:`ConfigError` naming ``where`` (every policy value is checked with it)."""
     kinds = int if integer else int | float
     if not isinstance(value, kinds) or isinstance(value, bool):
         expected = "an integer" if integer else "a number"
-        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+        raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
     if not (math.isfinite(value) and value >= minimum):
         raise ConfigError(f"{where}: must be finite and >= {minimum}, got {value!r}")
     return value
@@ -307,7 +309,7 @@ def _number(value: object, where: str, minimum: float, *, integer: bool = False)
 
 def _optional(table: Mapping[str, object], key: str, where: str, minimum: float) -> float | None:
     value = table.get(key)
-    return None if value is None else float(_number(value, f"{where}.{key}", minimum))
+    return None if value is None else float(number(value, f"{where}.{key}", minimum))
 
 
 def parse_saturation(value: object, where: str) -> Saturation:
@@ -348,10 +350,10 @@ def parse_band(value: object, where: str) -> BandLimits:
     base = BandLimits()
     return BandLimits(
         max_requests=int(
-            _number(table.get("max_requests", base.max_requests), f"{where}.max_requests", 1, integer=True)
+            number(table.get("max_requests", base.max_requests), f"{where}.max_requests", 1, integer=True)
         ),
-        max_bytes=int(_number(table.get("max_bytes", base.max_bytes), f"{where}.max_bytes", 1, integer=True)),
-        max_wait_s=float(_number(table.get("max_wait_s", base.max_wait_s), f"{where}.max_wait_s", 0.0)),
+        max_bytes=int(number(table.get("max_bytes", base.max_bytes), f"{where}.max_bytes", 1, integer=True)),
+        max_wait_s=float(number(table.get("max_wait_s", base.max_wait_s), f"{where}.max_wait_s", 0.0)),
     )
 
 

@@ -114,11 +114,6 @@ class FlowQueues(Generic[T]):
     def queued(self, model: str) -> int:
         return sum(b.count for b in self._models.get(model, {}).values())
 
-    def top_priority(self, model: str) -> int | None:
-        """The highest priority with a queued request for ``model`` (``None``: nothing queued)."""
-        bands = [p for p, b in self._models.get(model, {}).items() if b.count]
-        return max(bands) if bands else None
-
     def push(
         self,
         payload: T,

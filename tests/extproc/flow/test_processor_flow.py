@@ -212,7 +212,7 @@ def test_no_endpoint_waits_in_the_waiting_room_then_503(router: Router) -> None:
     assert (status, err["code"]) == (503, "no_endpoint")
 
 
-def test_shed_refunds_and_never_routes(router: Router) -> None:
+def test_shed_answers_without_routing(router: Router) -> None:
     control: FlowControl[StreamProcessor] = FlowControl(POLICY)
     fill(router, control)
     proc = make(router, control)

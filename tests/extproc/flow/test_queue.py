@@ -94,17 +94,17 @@ def test_every_higher_band_entry_pops_before_any_lower_one(arrivals: list[int]) 
     assert_empty(q)
 
 
-def test_top_priority_and_depth_follow_the_bands() -> None:
+def test_depth_follows_the_bands() -> None:
     q = FlowQueues[str]()
-    assert q.top_priority(M) is None
+    assert q.depth() == {} and q.queued(M) == 0
     push(q, "a", priority=0)
     push(q, "b", priority=2)
     push(q, "c", priority=2, model="other")
-    assert q.top_priority(M) == 2
+    assert max(p for m, p in q.depth() if m == M) == 2
     assert q.depth() == {(M, 0): 1, (M, 2): 1, ("other", 2): 1}
     assert q.queued(M) == 2 and len(q) == 3
     assert q.pop(M) is not None
-    assert q.top_priority(M) == 0
+    assert max(p for m, p in q.depth() if m == M) == 0
 
 
 # --- fairness ------------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ def test_a_drained_queue_keeps_no_flow_and_pop_answers_none() -> None:
     assert len(drain(q)) == 3
     assert_empty(q)
     assert q.pop(M) is None
-    assert q.top_priority(M) is None
+    assert q.depth() == {}
 
 
 def test_ten_thousand_distinct_flows_leave_no_flow_behind() -> None:
