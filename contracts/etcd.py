@@ -17,8 +17,12 @@ key                    value                                                    
 ``models/<name>``      JSON route ``{"labels": {..}, "profile": ".."}``              ``kvgate policy``
 ``objectives/<name>``  JSON objective ``{"priority": 1, "ttft_ms": 500}``            ``kvgate policy``
                        (:mod:`extproc.flow.policy`)
-``tenants/<id>``       reserved: tenant scopes and limits                            (later)
-                       (:mod:`extproc.admission.tenants`)
+``tenants/<id>``       JSON tenant, the schema of a gateway config ``[[tenants]]``   ``kvgate policy``
+                       table (:mod:`extproc.admission.tenants`); ``id`` may be
+                       omitted, else must equal ``<id>``
+``usage/<tenant>/``    JSON integer: the tokens one ext_proc replica charged the     ext_proc replicas
+``<replica>``          tenant's budget since it started (:func:`encode_usage`),
+                       under its lease (:mod:`extproc.admission.shared`)
 ``kvcached/<node>``    a node's tier store (:class:`PeerInfo`), under a lease        kvcached daemons
 =====================  ============================================================  ==================
 
@@ -43,6 +47,9 @@ ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
     "kvcached",
 )
 """Key families: the first path segment after the prefix."""
+
+USAGE = "usage"
+"""Key family of the token counters ext_proc replicas share (``usage/<tenant>/<replica>``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +125,27 @@ def drain_key(prefix: str, endpoint_id: str) -> str:
     return family_key(prefix, DRAIN, endpoint_id)
 
 
+def tenant_key(prefix: str, tenant_id: str) -> str:
+    """``<prefix>tenants/<id>``."""
+    return family_key(prefix, TENANTS, tenant_id)
+
+
+def usage_key(prefix: str, tenant_id: str, replica: str) -> str:
+    """``<prefix>usage/<tenant>/<replica>``; neither part may be empty or contain ``/``."""
+    if not tenant_id or not replica or "/" in tenant_id or "/" in replica:
+        raise ConfigError(f"{USAGE}: bad tenant {tenant_id!r} or replica {replica!r}")
+    return family_key(prefix, USAGE, f"{tenant_id}/{replica}")
+
+
+def split_usage(name: str) -> tuple[str, str] | None:
+    """``(tenant, replica)`` of a ``usage/`` key's name (what :func:`split_key` returns after the family),
+    or ``None`` when it is not ``<tenant>/<replica>``."""
+    tenant_id, sep, replica = name.partition("/")
+    if not sep or not tenant_id or not replica or "/" in replica:
+        return None
+    return tenant_id, replica
+
+
 _OWN_FAMILIES = (MODELS, OBJECTIVES)
 """Policy paths whose first segment is a key family of its own (``models/<name>``, ``objectives/<name>``)."""
 
@@ -167,6 +195,26 @@ def decode_value(path: str, raw: bytes) -> object:
 def encode_value(value: object) -> bytes:
     """A policy value as stored: compact JSON with sorted keys (so equal values are equal bytes)."""
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+# -- usage/<tenant>/<replica> (written and read by ext_proc replicas) ---------------------------------
+
+
+def encode_usage(charged: int) -> bytes:
+    """The value of a ``usage/<tenant>/<replica>`` key: the replica's cumulative charge, as JSON."""
+    return str(int(charged)).encode()
+
+
+def decode_usage(value: bytes) -> int:
+    """Validate a ``usage/`` value: a JSON integer (any sign: only differences between two values of one
+    key are used); :class:`ConfigError` otherwise."""
+    try:
+        doc = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"{USAGE}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, int) or isinstance(doc, bool):
+        raise ConfigError(f"{USAGE}: expected an integer, got {doc!r}")
+    return doc
 
 
 # -- kvcached/<node> (written by kvcached daemons, read by peers and gateways) ---------------------

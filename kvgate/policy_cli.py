@@ -6,10 +6,13 @@ routes, and flow control's ``flow/...`` and ``objectives/<name>``) in etcd (or i
 against the schema and the values already in force before anything is written: a bad value exits 2
 with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that
 is not JSON is taken as a string. ``get`` and ``list`` print effective values: the override, else the
-embedded default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``)::
+embedded default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``).
+``tenants/<id>`` (etcd only) sets, gets or unsets one tenant (the ``[[tenants]]`` schema, validated by
+:func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants::
 
     kvgate policy set weights/prefix 3.0 --etcd 10.0.0.5:2379
     kvgate policy set objectives/interactive '{"priority": 1, "ttft_ms": 500}'
+    kvgate policy set tenants/acme '{"models": ["*"], "tokens": {"per_minute": 20000}}'
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
 
@@ -38,6 +41,7 @@ import etcd3aio
 from contracts.errors import ConfigError
 from contracts.etcd import (
     ENDPOINTS,
+    TENANTS,
     EtcdSettings,
     drain_key,
     encode_value,
@@ -45,7 +49,9 @@ from contracts.etcd import (
     policy_key,
     policy_path,
     split_key,
+    tenant_key,
 )
+from extproc.admission.shared import decode_tenant
 from extproc.control.policy import (
     KNOWN_PATHS,
     PolicyStore,
@@ -119,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvgate policy",
         description="The run-time policy (scheduling, routes, flow control) in etcd (or in a policy file "
         "with --file).",
-        epilog=f"paths: {KNOWN_PATHS}. Values are JSON; a word that is not JSON is a string.",
+        epilog=f"paths: {KNOWN_PATHS}, tenants/<id> (etcd only). Values are JSON; a word that is not JSON "
+        "is a string.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
@@ -246,11 +253,59 @@ def _path_of(settings: EtcdSettings, key: bytes) -> str | None:
     return None if parsed is None else policy_path(*parsed)
 
 
+def _tenant_id(args: argparse.Namespace) -> str | None:
+    """The id when the command's PATH is ``tenants/<id>``, else ``None``."""
+    path = getattr(args, "path", None)
+    if path is None or not path.startswith(TENANTS + "/"):
+        return None
+    return str(path[len(TENANTS) + 1 :])
+
+
+async def _tenant_command(
+    args: argparse.Namespace, client: etcd3aio.Etcd3Client, settings: EtcdSettings, tenant_id: str
+) -> None:
+    """get/set/unset of ``tenants/<id>``; ``set`` validates the tenant before writing it."""
+    key, timeout = tenant_key(settings.prefix, tenant_id), settings.timeout_s
+    if args.command == "set":
+        raw = _value(args.value)
+        try:
+            decode_tenant(tenant_id, raw)
+        except ConfigError as exc:
+            raise _Failed(str(exc), 2) from exc
+        await _kv(client).put(key, raw, timeout=timeout)
+        print(f"{args.path}={raw.decode()}")
+    elif args.command == "unset":
+        await _kv(client).delete(key, timeout=timeout)
+        print(f"{args.path} unset")
+    else:
+        response = await _kv(client).get(key, timeout=timeout)
+        if not response.kvs:
+            raise _Failed(f"{args.path}: no such tenant in etcd (a gateway config's are not shown)", 2)
+        print(bytes(response.kvs[0].value).decode("utf-8", "replace"))
+
+
+async def _print_tenants(client: etcd3aio.Etcd3Client, settings: EtcdSettings) -> None:
+    """``tenants/<id>=<value>`` for every tenant in etcd, by id."""
+    prefix = f"{settings.prefix}{TENANTS}/"
+    response = await _kv(client).get(prefix, etcd3aio.prefix_range_end(prefix), timeout=settings.timeout_s)
+    for kv in sorted(response.kvs, key=lambda kv: bytes(kv.key)):
+        parsed = split_key(settings.prefix, kv.key)
+        if parsed is not None:
+            print(f"{TENANTS}/{parsed[1]}={bytes(kv.value).decode('utf-8', 'replace')}")
+
+
 async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store: PolicyStore) -> int:
     client = await connect(settings)
     try:
+        tenant_id = _tenant_id(args)
+        if tenant_id is not None:
+            await _tenant_command(args, client, settings, tenant_id)
+            return 0
         revision = await _load(client, settings, store)
-        if args.command in ("get", "list"):
+        if args.command == "list":
+            _print_effective(args, store)
+            await _print_tenants(client, settings)
+        elif args.command == "get":
             _print_effective(args, store)
         elif args.command == "set":
             raw = _value(args.value)
@@ -303,9 +358,14 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         store = _store(args)
-        if args.command in ("get", "set", "unset"):
+        tenant = _tenant_id(args)
+        if args.command in ("get", "set", "unset") and tenant is None:
             _check_path(store, args.path)
         if getattr(args, "file", None) is not None:
+            if tenant is not None:
+                raise _Failed(
+                    "tenants/<id> live in etcd (or a gateway config's [[tenants]]), not a policy file", 2
+                )
             return _file_command(args, store)
         settings = _settings(args)
         try:

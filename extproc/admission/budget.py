@@ -62,10 +62,18 @@ class Refusal:
 
 
 class TokenBudgets:
-    """One bucket per tenant with a token limit; a changed limit starts a fresh (full) bucket."""
+    """One bucket per tenant with a token limit; a changed limit starts a fresh (full) bucket.
+
+    :attr:`charged` counts, per tenant id, the tokens this object's own reservations and settlements
+    took from the buckets (reservations minus refunds, plus charges after the fact): what other replicas
+    are told (:mod:`extproc.admission.shared`). Their spending comes in through :meth:`charge`, which
+    :attr:`charged` does not count.
+    """
 
     def __init__(self) -> None:
         self._buckets: dict[str, tuple[TokenLimit, TokenBucket]] = {}
+        #: Cumulative tokens charged by this replica's own requests, per tenant id (limited tenants only).
+        self.charged: dict[str, int] = {}
 
     def _bucket(self, tenant: Tenant, now: float) -> TokenBucket | None:
         limit = tenant.tokens
@@ -86,6 +94,7 @@ class TokenBudgets:
             return Refusal(tokens, int(bucket.capacity), None)
         wait = bucket.take(tokens, now)
         if wait == 0.0:
+            self.charged[tenant.id] = self.charged.get(tenant.id, 0) + tokens
             return None
         return Refusal(tokens, int(bucket.capacity), max(1, math.ceil(wait)))
 
@@ -94,6 +103,14 @@ class TokenBudgets:
         bucket = self._bucket(tenant, now)
         if bucket is not None:
             bucket.adjust(reserved - actual, now)
+            self.charged[tenant.id] = self.charged.get(tenant.id, 0) + actual - reserved
+
+    def charge(self, tenant: Tenant, tokens: int, now: float) -> None:
+        """Take ``tokens`` spent elsewhere (another replica) from the tenant's bucket, into debt if need
+        be; negative ``tokens`` give back what was refunded there. Not counted in :attr:`charged`."""
+        bucket = self._bucket(tenant, now)
+        if bucket is not None:
+            bucket.adjust(-tokens, now)
 
     def level(self, tenant: Tenant, now: float) -> float | None:
         """Tokens available to the tenant now (negative: in debt); ``None`` when unlimited."""

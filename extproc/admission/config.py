@@ -49,6 +49,7 @@ def _auth(raw: object) -> AuthConfig:
             per_minute=s.integer("failed_auth_per_minute", _AUTH.failed_auth.per_minute, minimum=1),
             burst=s.integer("failed_auth_burst", _AUTH.failed_auth.burst, minimum=1),
         ),
+        usage_sync_s=s.number("usage_sync_s", _AUTH.usage_sync_s, minimum=0.01),
     )
     s.done()
     if auth.jwt is None and auth.api_keys_file is None:
@@ -82,7 +83,8 @@ def _jwt(raw: object) -> JwtConfig:
 
 
 def parse_tenant(raw: object, where: str) -> Tenant:
-    """Validate one tenant (a ``[[tenants]]`` table, or later an etcd ``tenants/<id>`` value)."""
+    """Validate one tenant (a ``[[tenants]]`` table, or an etcd ``tenants/<id>`` value through
+    :func:`extproc.admission.shared.decode_tenant`)."""
     s = Section(raw, where)
     tenant_id = s.string("id", REQUIRED)
     if not TENANT_ID.fullmatch(tenant_id):

@@ -69,6 +69,8 @@ class AuthConfig:
     ``api_keys_file``: the hashed key file (:mod:`extproc.admission.keys`). ``default_max_tokens``: output
     tokens reserved for a request that sets no ``max_tokens``. ``settle``: see :class:`Settle`.
     ``failed_auth``: how many failed attempts a client address may make (:mod:`~extproc.admission.failures`).
+    ``usage_sync_s``: with ``[etcd]``, how often at most this replica publishes what it charged the token
+    budgets, which replicas share (:mod:`extproc.admission.shared`).
     """
 
     jwt: JwtConfig | None = None
@@ -76,6 +78,7 @@ class AuthConfig:
     default_max_tokens: int = 1024
     settle: Settle = Settle.USAGE
     failed_auth: FailedAuthLimit = field(default_factory=FailedAuthLimit)
+    usage_sync_s: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,12 @@ class Gate:
         self.budgets = budgets or TokenBudgets()
         self.failures = FailedAuth(config.failed_auth)
         self._groups_claim = config.jwt.groups_claim if config.jwt else "groups"
+
+    def set_tenants(self, tenants: Tenants) -> None:
+        """Put a new tenant set in force from the next :meth:`identify` on (a removed tenant's callers are
+        refused as unknown; principals already made keep their tenant until their request ends). Token
+        buckets are kept by tenant id, so a tenant whose limit did not change keeps its bucket's level."""
+        self.tenants = tenants
 
     def identify(
         self,

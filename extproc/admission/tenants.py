@@ -1,8 +1,9 @@
 """Tenants: who a caller is billed and limited as, which models they may use, and their limits.
 
 A tenant is the unit of scope and quota. The same schema is read from the gateway config's
-``[[tenants]]`` tables today and from etcd ``tenants/<id>`` values later (parsed by
-:func:`extproc.config.parse_tenant`, which validates every value on read). Example (TOML)::
+``[[tenants]]`` tables and from etcd ``tenants/<id>`` values (parsed by
+:func:`extproc.admission.config.parse_tenant`, which validates every value on read; the etcd overlay is
+:class:`extproc.admission.shared.TenantDirectory`). Example (TOML)::
 
     [[tenants]]
     id = "acme"

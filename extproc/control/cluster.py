@@ -9,6 +9,8 @@
   refused one leaves the last good policy in force;
 - the fleet: static ``[[endpoints]]`` plus the agents' leased ``endpoints/<id>`` entries and ``drain/<id>``
   flags (:class:`extproc.control.plane.ControlPlane`);
+- admission (:meth:`Cluster.share_admission`): etcd ``tenants/<id>`` into the gate's tenant set, and the
+  token counters replicas share under ``usage/<tenant>/<replica>`` (:class:`extproc.control.usage.UsageSync`);
 - the agents' feeds (:class:`extproc.control.feeds.FeedManager`): each endpoint registered with a ``feed``
   address gets its load (and, in ``precise`` index mode, its KV events) from that stream; in precise mode
   the feeds of the nodes' kvcached daemons (etcd ``kvcached/<node>``) too, which the router's ``kv-tier``
@@ -28,11 +30,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from contracts.errors import ConfigError
+from contracts.etcd import TENANTS, USAGE
 from contracts.events import EndpointId, node_store_endpoint
 from extproc.config import GatewayConfig
 from extproc.control.feeds import FeedManager
-from extproc.control.plane import ControlPlane
+from extproc.control.plane import ControlPlane, FamilySink
 from extproc.control.policy import Policy, PolicyStore, routing_policy
+from extproc.control.usage import Ledger, UsageSync
 from extproc.fleet import Fleet
 from extproc.flow.policy import FlowPolicy
 from extproc.index.hybrid import HybridIndex
@@ -81,6 +85,8 @@ class Cluster:
             index, fleet, subscriber=f"extproc@{socket.gethostname()}:{os.getpid()}", credentials=credentials
         )
         self.control: ControlPlane | None = None
+        #: The shared token budgets' etcd side (``None``: no ``[etcd]``, or no :meth:`share_admission`).
+        self.usage: UsageSync | None = None
         if config.etcd is not None:
             self.control = ControlPlane(
                 config.etcd,
@@ -91,15 +97,31 @@ class Cluster:
                 static_ids=self._static,
             )
 
+    def share_admission(self, tenants: FamilySink, ledger: Ledger, sync_s: float) -> None:
+        """With ``[etcd]``, follow ``tenants/`` into ``tenants`` (the gate's
+        :class:`~extproc.admission.shared.TenantDirectory`) and share token budgets through ``ledger``,
+        publishing every ``sync_s`` seconds; call before :meth:`start`. Without etcd nothing happens:
+        tenants stay the file's and budgets stay per replica."""
+        if self.control is None:
+            return
+        self.usage = UsageSync(ledger, sync_s=sync_s)
+        self.control.core.follow(TENANTS, tenants)
+        self.control.core.follow(USAGE, self.usage)
+
     async def start(self) -> None:
         """Follow etcd (waiting briefly for the first read) and subscribe to the feeds it names."""
         if self.control is not None:
             await self.control.start()
             if not await self.control.wait_synced(SYNC_TIMEOUT_S):
                 log.warning("etcd not reachable yet: serving the static fleet until it is")
+            if self.usage is not None and self.control.client is not None:
+                settings = self.control.settings
+                await self.usage.start(self.control.client, settings.prefix, settings.timeout_s)
         self.fleet_changed()
 
     async def aclose(self) -> None:
+        if self.usage is not None:
+            await self.usage.aclose()
         if self.control is not None:
             await self.control.aclose()
         await self.feeds.aclose()

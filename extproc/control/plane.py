@@ -13,6 +13,8 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   for an endpoint that registers later).
 * ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
   the policy store (which keeps the last good value); :func:`contracts.etcd.policy_path` maps keys to paths.
+* any other family a :class:`FamilySink` was registered for (:meth:`ControlCore.follow`): handed to it,
+  e.g. ``tenants/<id>`` and ``usage/<tenant>/<replica>`` (:mod:`extproc.control.usage`).
 
 Changes are :class:`contracts.etcd.Change`. A snapshot is diffed against what was applied, so a resync
 after an outage applies exactly what changed while the watcher was away. :class:`ControlPlane` is the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import etcd3aio
 
@@ -60,6 +63,20 @@ class Applied:
     policy: Policy | None = None
 
 
+class FamilySink(Protocol):
+    """Takes the keys of one family (``<prefix><family>/<name>``) from the control plane, on the event
+    loop (must not block). Each returns whether something changed (``False``: same value, or refused)."""
+
+    def put(self, name: str, value: bytes, *, backlog: bool) -> bool:
+        """``<family>/<name>`` is ``value``; ``backlog``: learnt from a full read (start, resync), not a
+        live watch event, so the value may sum changes made while nobody was watching."""
+        ...
+
+    def delete(self, name: str) -> bool:
+        """``<family>/<name>`` was deleted (or expired with its lease)."""
+        ...
+
+
 class ControlCore:
     """Applies etcd state under ``prefix`` to ``fleet`` and ``store``; no IO, no clock.
 
@@ -81,6 +98,15 @@ class ControlCore:
         #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
         self.kvcached_feeds: dict[str, str | None] = {}
         self.counters = dict.fromkeys(("syncs", "changes", "rejected", "refused", "ignored"), 0)
+        self._sinks: dict[str, FamilySink] = {}
+        self._backlog = False  # applying a snapshot's diff
+
+    def follow(self, family: str, sink: FamilySink) -> None:
+        """Hand the keys of ``family`` to ``sink`` from the next snapshot on (register before the first;
+        the families the core handles itself cannot be taken)."""
+        if family in (ENDPOINTS, DRAIN, KVCACHED) or policy_path(family, "x") is not None:
+            raise ValueError(f"the control core handles {family}/ itself")
+        self._sinks[family] = sink
 
     @property
     def etcd_endpoints(self) -> frozenset[EndpointId]:
@@ -93,7 +119,11 @@ class ControlCore:
         changes = [Change(k, None) for k in sorted(self._seen) if k not in current]
         changes += [Change(k, v) for k, v in sorted(current.items()) if self._seen.get(k) != v]
         self.counters["syncs"] += 1
-        return self.apply(changes, revision)
+        self._backlog = True
+        try:
+            return self.apply(changes, revision)
+        finally:
+            self._backlog = False
 
     def apply(self, changes: Iterable[Change], revision: int) -> Applied:
         """Apply changes in order (one watch response, or a snapshot's diff)."""
@@ -127,6 +157,13 @@ class ControlCore:
             path = policy_path(family, name)
             if path is not None:
                 return False, self._policy(path, value)
+            sink = self._sinks.get(family)
+            if sink is not None:
+                if value is None:
+                    sink.delete(name)
+                else:
+                    sink.put(name, value, backlog=self._backlog)
+                return False, False
         self.counters["ignored"] += 1
         return False, False
 
@@ -236,6 +273,12 @@ class ControlPlane:
     def connected(self) -> bool:
         """etcd answered the last call (``False`` before :meth:`start` and after :meth:`aclose`)."""
         return self._watcher is not None and self._watcher.connected
+
+    @property
+    def client(self) -> etcd3aio.Etcd3Client | None:
+        """The plane's etcd client (``None`` before :meth:`start` and after :meth:`aclose`), which a
+        companion that writes to etcd may share (the client is safe for concurrent calls)."""
+        return self._client
 
     @property
     def revision(self) -> int:
