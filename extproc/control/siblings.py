@@ -13,7 +13,15 @@ shared here, so every worker schedules on what the whole host routed:
   most every :data:`COALESCE_S`) and as a heartbeat every :data:`HEARTBEAT_S`; the receiver keeps them
   per sibling, forgets a sibling silent for :data:`EXPIRE_S`, and writes the sums into
   ``EndpointState.sibling_in_flight`` / ``sibling_routed``, which
-  :attr:`~extproc.fleet.EndpointState.load` adds (every load-aware filter and scorer sees them).
+  :attr:`~extproc.fleet.EndpointState.load` adds (every load-aware filter and scorer sees them), then
+  kicks flow control's dispatcher (a sibling's slot may have freed);
+- **queued tops**: with the loads, per model with requests queued in the sender's flow control, the
+  highest priority queued (:meth:`~extproc.flow.dispatch.Dispatcher.queued_tops`; a model left out has
+  nothing queued there), sent when it changes (coalesced with the loads) and with every heartbeat. The
+  receiver's flow control holds a request of priority ``p`` back while a sibling reports more than ``p``
+  queued for its model (strict priority across the host's workers), trusting a report for at most
+  ``EXPIRE_S`` after it was heard (a silent sibling holds nothing back for longer); a report whose top
+  fell or left, or a sibling that expires, runs a dispatch pass.
 
 Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
 mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
@@ -22,10 +30,13 @@ absolute, so the next one repairs it; a dropped decision is one the sibling does
 that went away is skipped until it binds again. Workers on other hosts share only through feeds and etcd.
 
 Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`decode`): a header
-``magic "KVS1", kind (1 learned, 2 loads), sender length`` and the sender's name; learned: records of
+``magic "KVS2", kind (1 learned, 2 loads), sender length`` and the sender's name; learned: records of
 ``endpoint length, digest count, endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram
-of a snapshot, which replaces the sender's counts) and entries ``endpoint length, in_flight, net routed
-(signed), endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
+of a snapshot, which replaces the sender's counts and queued tops), a count of queued tops (0 after the
+first datagram) and that many ``model length, priority (signed), model``, then entries ``endpoint
+length, in_flight, net routed (signed), endpoint``. Integers are network order. No JSON: a record is a
+few ``struct`` packs and a join. ``KVS2`` added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop
+each other's datagrams (so share nothing) until both run the same version.
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from contracts.digest import DIGEST_BYTES, Digest
 from contracts.errors import ConfigError
@@ -50,7 +62,7 @@ from extproc.routing.router import Router
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVS1"
+MAGIC = b"KVS2"
 LEARNED, LOADS = 1, 2
 #: Largest datagram sent (bytes): far below Linux's Unix datagram limit (the socket's send buffer).
 MAX_DATAGRAM = 60_000
@@ -73,6 +85,8 @@ _HEAD = struct.Struct("!4sBB")
 _RECORD = struct.Struct("!HH")
 _FLAGS = struct.Struct("!B")
 _ENTRY = struct.Struct("!HIi")
+_TOPS = struct.Struct("!H")
+_TOP = struct.Struct("!Hi")
 
 
 class MessageError(ValueError):
@@ -90,11 +104,29 @@ class Learned:
 @dataclass(frozen=True, slots=True)
 class Loads:
     """A sibling's counts per endpoint, ``(in_flight, net routed)``; ``replace``: the first
-    datagram of a snapshot (counts of endpoints absent from the snapshot are 0)."""
+    datagram of a snapshot (counts of endpoints absent from the snapshot are 0), the only one with
+    ``tops``: the sender's highest queued priority per model (models absent: nothing queued)."""
 
     sender: str
     replace: bool
     counts: dict[EndpointId, tuple[int, int]]
+    tops: dict[str, int] = field(default_factory=dict)
+
+
+class SiblingFlow(Protocol):
+    """This worker's flow-control shell as the bus sees it (:class:`~extproc.flow.dispatch.Dispatcher`):
+    the bus sets :attr:`on_tops` to send when the queued tops change, reads :meth:`queued_tops`, hands
+    over the siblings' reports and kicks a dispatch pass when their counts changed."""
+
+    on_tops: Callable[[], None] | None
+
+    def queued_tops(self) -> dict[str, int]: ...
+
+    def sibling_heard(self, sender: str, tops: Mapping[str, int], until: float) -> None: ...
+
+    def sibling_gone(self, sender: str) -> None: ...
+
+    def kick(self) -> None: ...
 
 
 def _header(kind: int, sender: str) -> bytes:
@@ -127,26 +159,44 @@ def encode_learned(
 
 
 def encode_loads(
-    sender: str, counts: Mapping[EndpointId, tuple[int, int]], limit: int = MAX_DATAGRAM
+    sender: str,
+    counts: Mapping[EndpointId, tuple[int, int]],
+    limit: int = MAX_DATAGRAM,
+    tops: Mapping[str, int] | None = None,
 ) -> list[bytes]:
-    """A snapshot of ``counts`` in datagrams of at most ``limit`` bytes (at least one, the first flagged
-    to replace the sender's counts; an empty snapshot says every count is 0)."""
+    """A snapshot of ``counts`` and queued ``tops`` in datagrams of at most ``limit`` bytes (at least one,
+    the first flagged to replace the sender's counts and tops, and the only one carrying tops; an empty
+    snapshot says every count is 0 and nothing is queued). Tops that do not fit in the first datagram
+    are left out (the siblings then hold nothing back for those models); priorities are clamped to 32
+    bits."""
     head = _header(LOADS, sender)
+    empty = len(head) + _FLAGS.size + _TOPS.size  # a datagram without tops or entries
+    top_entries: list[bytes] = []
+    size = empty
+    for model, priority in (tops or {}).items():
+        name = model.encode()
+        entry = _TOP.pack(len(name), min(max(priority, _MIN_NET), _MAX_NET)) + name
+        if size + len(entry) <= limit:
+            top_entries.append(entry)
+            size += len(entry)
     out: list[bytes] = []
     parts: list[bytes] = []
-    size = len(head) + _FLAGS.size
     for endpoint, (in_flight, routed) in counts.items():
         eid = endpoint.encode()
         net = min(max(routed, _MIN_NET), _MAX_NET)
         entry = _ENTRY.pack(len(eid), min(in_flight, _MAX_COUNT), net) + eid
         if size + len(entry) > limit and parts:
-            out.append(head + _FLAGS.pack(not out) + b"".join(parts))
-            parts, size = [], len(head) + _FLAGS.size
+            out.append(_loads_datagram(head, top_entries if not out else [], parts, first=not out))
+            parts, size = [], empty
         parts.append(entry)
         size += len(entry)
     if parts or not out:
-        out.append(head + _FLAGS.pack(not out) + b"".join(parts))
+        out.append(_loads_datagram(head, top_entries if not out else [], parts, first=not out))
     return out
+
+
+def _loads_datagram(head: bytes, tops: Sequence[bytes], entries: Sequence[bytes], *, first: bool) -> bytes:
+    return head + _FLAGS.pack(first) + _TOPS.pack(len(tops)) + b"".join(tops) + b"".join(entries)
 
 
 def decode(data: bytes) -> Learned | Loads:
@@ -175,6 +225,16 @@ def decode(data: bytes) -> Learned | Loads:
         if kind == LOADS:
             (flags,) = _FLAGS.unpack_from(data, at)
             at += _FLAGS.size
+            (top_count,) = _TOPS.unpack_from(data, at)
+            at += _TOPS.size
+            tops: dict[str, int] = {}
+            for _ in range(top_count):
+                name_len, priority = _TOP.unpack_from(data, at)
+                at += _TOP.size
+                if at + name_len > len(data):
+                    raise MessageError("truncated queued top")
+                tops[data[at : at + name_len].decode()] = priority
+                at += name_len
             counts: dict[EndpointId, tuple[int, int]] = {}
             while at < len(data):
                 eid_len, in_flight, routed = _ENTRY.unpack_from(data, at)
@@ -183,7 +243,7 @@ def decode(data: bytes) -> Learned | Loads:
                     raise MessageError("truncated entry")
                 counts[EndpointId(data[at : at + eid_len].decode())] = (in_flight, routed)
                 at += eid_len
-            return Loads(sender, bool(flags & 1), counts)
+            return Loads(sender, bool(flags & 1), counts, tops)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MessageError(f"malformed sibling message: {exc}") from exc
     raise MessageError(f"unknown message kind {kind}")
@@ -243,8 +303,11 @@ class SiblingLoads:
 
 class SiblingBus:
     """This worker's socket in the siblings directory: the router's listener on the sending side, the
-    index, working set and fleet's writer on the receiving side. :meth:`start` and :meth:`aclose` run on
-    the event loop, as do the listener calls (:class:`~extproc.routing.router.RoutingListener`)."""
+    index, working set and fleet's writer on the receiving side; with ``flow``, also the sender of this
+    worker's queued tops and the receiver of the siblings' (see the module docstring). :meth:`start` and
+    :meth:`aclose` run on the event loop, as do the listener calls
+    (:class:`~extproc.routing.router.RoutingListener`). ``clock`` must be ``flow``'s clock too (a
+    report's trust ends at ``clock() + expire_s``)."""
 
     def __init__(
         self,
@@ -252,6 +315,7 @@ class SiblingBus:
         name: str,
         router: Router,
         *,
+        flow: SiblingFlow | None = None,
         clock: Callable[[], float] = time.monotonic,
         coalesce_s: float = COALESCE_S,
         heartbeat_s: float = HEARTBEAT_S,
@@ -264,6 +328,7 @@ class SiblingBus:
         if len(os.fsencode(self.path)) >= _UNIX_PATH_MAX:
             raise ConfigError(f"extproc.siblings_dir: {directory} is too long for a Unix socket path")
         self._router = router
+        self._flow = flow
         self._clock = clock
         self._coalesce_s, self._heartbeat_s = coalesce_s, heartbeat_s
         self.loads = SiblingLoads(expire_s)
@@ -290,6 +355,8 @@ class SiblingBus:
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self._readable)
         self._router.listener = self
+        if self._flow is not None:
+            self._flow.on_tops = self.queue_changed
         self._rescan()
         self._task = loop.create_task(self._beat())
         log.info("sibling worker %s listening at %s", self.name, self.path)
@@ -299,6 +366,8 @@ class SiblingBus:
         within ``expire_s``)."""
         if self._router.listener is self:
             self._router.listener = None
+        if self._flow is not None and self._flow.on_tops == self.queue_changed:
+            self._flow.on_tops = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -321,6 +390,10 @@ class SiblingBus:
 
     def released(self, endpoint: EndpointId) -> None:
         """Loads changed: send them within ``coalesce_s``."""
+        self.queue_changed()
+
+    def queue_changed(self) -> None:
+        """The loads or the queued tops changed: send both within ``coalesce_s``."""
         self._loads_changed = True
         if self._flush_handle is None and self._sock is not None:
             self._flush_handle = asyncio.get_running_loop().call_later(self._coalesce_s, self._flush)
@@ -333,7 +406,8 @@ class SiblingBus:
         datagrams = encode_learned(self.name, learned) if learned else []
         if self._loads_changed:
             self._loads_changed = False
-            datagrams += encode_loads(self.name, local_loads(self._router.fleet))
+            tops = self._flow.queued_tops() if self._flow is not None else None
+            datagrams += encode_loads(self.name, local_loads(self._router.fleet), tops=tops)
         self._send(datagrams)
 
     def _send(self, datagrams: Sequence[bytes]) -> None:
@@ -370,6 +444,8 @@ class SiblingBus:
             gone = self.loads.expire(self._clock())
             for sender in gone:
                 log.info("sibling worker %s: %s is gone", self.name, sender)
+                if self._flow is not None:
+                    self._flow.sibling_gone(sender)
             if gone:
                 self.loads.write(self._router.fleet)
             self._loads_changed = True
@@ -383,6 +459,7 @@ class SiblingBus:
         if sock is None:
             return
         loads_changed = False
+        reports: list[tuple[str, dict[str, int], float]] = []
         for _ in range(READ_BATCH):
             try:
                 data = sock.recv(MAX_DATAGRAM + 1)
@@ -398,11 +475,18 @@ class SiblingBus:
             if isinstance(message, Learned):
                 self.learn(message, self._clock())
             else:
-                if self.loads.apply(message, self._clock()):
+                now = self._clock()
+                if self.loads.apply(message, now):
                     log.info("sibling worker %s: heard from %s", self.name, message.sender)
                 loads_changed = True
+                if message.replace:
+                    reports.append((message.sender, message.tops, now + self.loads.expire_s))
         if loads_changed:
             self.loads.write(self._router.fleet)
+            if self._flow is not None:
+                for sender, tops, until in reports:
+                    self._flow.sibling_heard(sender, tops, until)
+                self._flow.kick()  # a sibling's counts fell: a held request may fit now
 
     def learn(self, message: Learned, now: float) -> None:
         """Record a sibling's decisions in this worker's index and working set (endpoints this worker

@@ -9,11 +9,20 @@ request); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or r
 ``waiting_room_s = 0`` it goes on at once and the router answers as it always has. The shell dispatches
 queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
 with :meth:`FlowControl.error`.
+
+Sibling workers (the ext_procs of one host, :mod:`extproc.control.siblings`) each report the highest
+priority they hold queued per model (:meth:`FlowControl.heard`). Strict priority then holds across them:
+a request of priority ``p`` for model ``m`` neither goes at once nor leaves the queue while a sibling's
+report still trusted reports a queued priority ``> p`` for ``m`` (:meth:`FlowControl.outranked`; equal
+priorities both go). A report is trusted until the ``until`` it came with (heard + the siblings'
+``EXPIRE_S``; a live sibling refreshes it every heartbeat), so a silent sibling holds nothing back for
+longer; a live one holds back only while its higher request is queued, which its own ``max_wait_s`` or
+deadline bounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
@@ -86,11 +95,22 @@ class Offer(Generic[T]):
     evicted: tuple[Entry[T], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class SiblingReport:
+    """A sibling worker's highest queued priority per model (a model absent: nothing of it queued there),
+    trusted before ``until`` (monotonic seconds)."""
+
+    tops: Mapping[str, int]
+    until: float
+
+
 class FlowControl(Generic[T]):
-    """The queues and the policy in force; every method takes ``now`` (monotonic seconds)."""
+    """The queues, the policy in force and the siblings' reports; every method takes ``now`` (monotonic
+    seconds, the same clock as the reports' ``until``)."""
 
     def __init__(self, policy: FlowPolicy | None = None) -> None:
         self.queues: FlowQueues[T] = FlowQueues(policy)
+        self._siblings: dict[str, SiblingReport] = {}
 
     @property
     def policy(self) -> FlowPolicy:
@@ -106,7 +126,11 @@ class FlowControl(Generic[T]):
         policy = self.policy
         if request.deadline is not None and request.deadline <= now:
             raise self._error(SLO_UNATTAINABLE, request.model)
-        if space is Room.OPEN and not self.queues.queued(request.model):
+        if (
+            space is Room.OPEN
+            and not self.queues.queued(request.model)
+            and not self.outranked(request.model, request.priority, now)
+        ):
             return Offer(None)
         if space is Room.NONE and policy.waiting_room_s <= 0 and not self.queues.queued(request.model):
             return Offer(None)  # no waiting room: the router answers (503 no_endpoint, 404)
@@ -127,9 +151,54 @@ class FlowControl(Generic[T]):
             raise self._error(QUEUE_FULL, request.model)
         return Offer(pushed.entry, pushed.evicted)
 
-    def next(self, model: str, space: Room) -> Entry[T] | None:
-        """The next queued request of ``model`` to dispatch while it has ``OPEN`` space, else ``None``."""
-        return self.queues.pop(model) if space is Room.OPEN else None
+    def next(self, model: str, space: Room, now: float) -> Entry[T] | None:
+        """The next queued request of ``model`` to dispatch while it has ``OPEN`` space and no sibling
+        outranks it at ``now``, else ``None``."""
+        if space is not Room.OPEN:
+            return None
+        top = self.queues.top_priority(model)
+        if top is None or self.outranked(model, top, now):
+            return None
+        return self.queues.pop(model)
+
+    # -- sibling workers ---------------------------------------------------------------------------------
+
+    def heard(self, sender: str, tops: Mapping[str, int], until: float) -> bool:
+        """Take sibling ``sender``'s report (replacing its last): its highest queued priority per model,
+        trusted before ``until``. True when a model's reported top fell or left, so a request held back by
+        it may go now (the shell runs a dispatch pass)."""
+        before = self._siblings.get(sender)
+        self._siblings[sender] = SiblingReport(dict(tops), until)
+        if before is None:
+            return False
+        return any(model not in tops or tops[model] < top for model, top in before.tops.items())
+
+    def forget(self, sender: str) -> bool:
+        """Drop ``sender``'s report (it went silent or away); True when it reported anything queued."""
+        before = self._siblings.pop(sender, None)
+        return before is not None and bool(before.tops)
+
+    def sibling_top(self, model: str, now: float) -> int | None:
+        """The highest priority a sibling reports queued for ``model`` among the reports trusted at ``now``
+        (``None``: none)."""
+        tops = [r.tops[model] for r in self._siblings.values() if now < r.until and model in r.tops]
+        return max(tops) if tops else None
+
+    def outranked(self, model: str, priority: int, now: float) -> bool:
+        """Whether a request of ``priority`` for ``model`` must wait for a sibling's higher one."""
+        top = self.sibling_top(model, now)
+        return top is not None and top > priority
+
+    def deferred_until(self, now: float) -> float | None:
+        """When the first report that now holds back one of this worker's queued models stops being
+        trusted (``None``: none holds anything back); the shell runs a dispatch pass then."""
+        ends = [
+            report.until
+            for model, own in self.queues.tops().items()
+            for report in self._siblings.values()
+            if now < report.until and report.tops.get(model, own) > own
+        ]
+        return min(ends, default=None)
 
     def error(self, entry: Entry[T], space: Room) -> GatewayError:
         """The answer to a request shed from the queues (expired or evicted), given its model's ``space``

@@ -7,13 +7,19 @@ schedules one dispatch pass: expired requests are shed (:meth:`Held.shed`), then
 requests are routed (:meth:`Held.resume`, which decides with the fleet's state as it is now and counts the
 request against its pick) while :func:`space` says the model has room. A timer fires the pass again at the
 next expiry. :meth:`Dispatcher.cancel` takes out a stream whose client went away, so it is never routed.
+
+Sibling workers (:class:`~extproc.control.siblings.SiblingBus`): after each change of the queues the
+dispatcher calls :attr:`Dispatcher.on_tops` if this worker's highest queued priority of some model
+changed (the bus sends :meth:`Dispatcher.queued_tops` to the siblings); the bus hands it theirs
+(:meth:`Dispatcher.sibling_heard`, :meth:`Dispatcher.sibling_gone`), and a pass runs when a report that
+held a request back falls, leaves, or stops being trusted (a timer, as for expiries).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from extproc.errors import GatewayError
@@ -68,6 +74,9 @@ class Dispatcher(Generic[H, R]):
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        #: Called after this worker's highest queued priority of some model changed (the sibling bus).
+        self.on_tops: Callable[[], None] | None = None
+        self._tops: dict[str, int] = {}
 
     def wait(self, entry: Entry[H]) -> asyncio.Future[R]:
         """The future of a held stream's replies (call it before the stream's next ``await``)."""
@@ -106,7 +115,7 @@ class Dispatcher(Generic[H, R]):
             self._shed(entry, now)
             changed = True
         for model in control.queues.models():
-            while (going := control.next(model, self._space(model, now))) is not None:
+            while (going := control.next(model, self._space(model, now), now)) is not None:
                 changed = True
                 self._settle(going, going.payload.resume())
                 if self._listener is not None:
@@ -133,8 +142,13 @@ class Dispatcher(Generic[H, R]):
             future.set_result(replies)  # type: ignore[arg-type]
 
     def _arm(self) -> None:
-        """Fire a pass at the next expiry (one timer, moved when an earlier expiry appears)."""
-        at = self.control.queues.next_expiry()
+        """Fire a pass at the next expiry, or when a sibling's report that holds a request back stops
+        being trusted, whichever comes first (one timer, moved when an earlier time appears)."""
+        control = self.control
+        times = [
+            t for t in (control.queues.next_expiry(), control.deferred_until(self._clock())) if t is not None
+        ]
+        at = min(times, default=None)
         if at == self._timer_at:
             return
         if self._timer is not None:
@@ -150,8 +164,30 @@ class Dispatcher(Generic[H, R]):
         self._run()
 
     def _depth(self) -> None:
+        """The queues changed: tell the metrics their depth, and the siblings a changed top priority."""
         if self._listener is not None:
             self._listener.depth(self.control.queues.depth())
+        tops = self.control.queues.tops()
+        if tops != self._tops:
+            self._tops = tops
+            if self.on_tops is not None:
+                self.on_tops()
+
+    # -- sibling workers -------------------------------------------------------------------------------
+
+    def queued_tops(self) -> dict[str, int]:
+        """This worker's highest queued priority per model with queued requests (for its siblings)."""
+        return self.control.queues.tops()
+
+    def sibling_heard(self, sender: str, tops: Mapping[str, int], until: float) -> None:
+        """A sibling's report (:meth:`FlowControl.heard`): a pass runs if one of its tops fell or left."""
+        if self.control.heard(sender, tops, until):
+            self.kick()
+
+    def sibling_gone(self, sender: str) -> None:
+        """A sibling went silent or away: its report no longer holds anything back."""
+        if self.control.forget(sender):
+            self.kick()
 
     def close(self) -> None:
         if self._timer is not None:

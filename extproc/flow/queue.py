@@ -114,6 +114,16 @@ class FlowQueues(Generic[T]):
     def queued(self, model: str) -> int:
         return sum(b.count for b in self._models.get(model, {}).values())
 
+    def top_priority(self, model: str) -> int | None:
+        """The highest priority with a queued request of ``model`` (the band :meth:`pop` takes from next);
+        ``None``: nothing of ``model`` is queued."""
+        bands = [p for p, b in self._models.get(model, {}).items() if b.count]
+        return max(bands) if bands else None
+
+    def tops(self) -> dict[str, int]:
+        """:meth:`top_priority` of every model with queued requests (what a worker tells its siblings)."""
+        return {m: top for m in self._models if (top := self.top_priority(m)) is not None}
+
     def push(
         self,
         payload: T,

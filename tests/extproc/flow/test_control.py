@@ -218,21 +218,21 @@ def test_overflow_raises_queue_full_with_retry_after() -> None:
 def test_next_pops_only_while_open(space: Room, pops: bool) -> None:
     control = FlowControl[str]()
     control.offer(request(), "r", Room.FULL, now=0.0)
-    entry = control.next(M, space)
+    entry = control.next(M, space, 0.0)
     assert (entry is not None) is pops
     assert len(control.queues) == (0 if pops else 1)
 
 
 def test_next_answers_none_for_a_model_with_nothing_queued() -> None:
     control = FlowControl[str]()
-    assert control.next(M, Room.OPEN) is None
+    assert control.next(M, Room.OPEN, 0.0) is None
 
 
 def test_next_follows_the_queues_order() -> None:
     control = FlowControl[str]()
     control.offer(request(priority=0), "low", Room.FULL, now=0.0)
     control.offer(request(priority=1), "high", Room.FULL, now=1.0)
-    assert [control.next(M, Room.OPEN).payload for _ in range(2)] == ["high", "low"]  # type: ignore[union-attr]
+    assert [control.next(M, Room.OPEN, 0.0).payload for _ in range(2)] == ["high", "low"]  # type: ignore[union-attr]
 
 
 # --- error -----------------------------------------------------------------------------------------------
