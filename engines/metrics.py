@@ -19,31 +19,41 @@ class EngineMetrics:
 
     ``waiting``/``running``: requests queued / being decoded. ``kv_usage``: fraction 0..1 of KV cache in
     use, ``None`` where the engine does not export it. ``at``: monotonic seconds of the scrape.
+    ``ttft_sum``/``ttft_count``: the engine's time-to-first-token histogram's cumulative sum (seconds) and
+    count, ``None`` where it exports none (or the reading came from elsewhere than a scrape).
     """
 
     waiting: float
     running: float
     kv_usage: float | None
     at: float
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class MetricNames:
-    """Series names of one engine kind's load: requests queued, requests running, and the KV cache use
-    gauge (``None`` where the engine has no such gauge)."""
+    """Series names of one engine kind's load: requests queued, requests running, the KV cache use
+    gauge (``None`` where the engine has no such gauge), and the time-to-first-token histogram's name
+    (its ``_sum`` and ``_count`` series are read; ``None``: none)."""
 
     waiting: str
     running: str
     kv_usage: str | None
+    ttft: str | None = None
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
-    """Sum each wanted series over its label sets; missing waiting/running read as 0, kv as ``None``."""
+    """Sum each wanted series over its label sets; missing waiting/running read as 0, kv and TTFT as
+    ``None``."""
     wanted = {names.waiting: 0, names.running: 1}
     if names.kv_usage is not None:
         wanted[names.kv_usage] = 2
-    sums = [0.0, 0.0, 0.0]
-    seen = [False, False, False]
+    if names.ttft is not None:
+        wanted[names.ttft + "_sum"] = 3
+        wanted[names.ttft + "_count"] = 4
+    sums = [0.0, 0.0, 0.0, 0.0, 0.0]
+    seen = [False, False, False, False, False]
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -63,4 +73,12 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     kv = sums[2] if seen[2] else None
     if kv is not None and kv > 1.0:  # some engines export a percentage
         kv = kv / 100.0
-    return EngineMetrics(waiting=sums[0], running=sums[1], kv_usage=kv, at=at)
+    ttft = seen[3] and seen[4]
+    return EngineMetrics(
+        waiting=sums[0],
+        running=sums[1],
+        kv_usage=kv,
+        at=at,
+        ttft_sum=sums[3] if ttft else None,
+        ttft_count=sums[4] if ttft else None,
+    )

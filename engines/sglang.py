@@ -57,7 +57,12 @@ def render(ctx: RenderContext) -> Rendered:
 
 KIND = EngineKind(
     name="sglang",
-    metrics=MetricNames("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
+    metrics=MetricNames(
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:token_usage",
+        "sglang:time_to_first_token_seconds",
+    ),
     health_path="/health",
     metrics_path="/metrics",
     kv_events=True,

@@ -28,7 +28,12 @@ from engines.kind import EngineKind, RenderContext, Rendered, compact_json, gib,
 from engines.metrics import MetricNames
 
 #: vLLM's load series; the simulator and OpenAI-compatible servers name theirs the same way.
-METRICS = MetricNames("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+METRICS = MetricNames(
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds",
+)
 #: Where KVBM's vLLM connectors live (DynamoConnector, PdConnector).
 KVBM_MODULE = "kvbm.vllm_integration.connector"
 _KV_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}

@@ -94,8 +94,22 @@ class GatewayMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.ttft_prediction_error = Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Observed minus predicted engine TTFT, in absolute seconds, by direction (late: observed later "
+            "than predicted; early: sooner): per endpoint and window of its TTFT histogram, the engine's "
+            "mean against the mean prediction of the requests routed there (extproc/scheduling/predict.py).",
+            ["direction"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
         self._flow_bands: set[tuple[str, str]] = set()
         registry.register(_FleetCollector(fleet))
+
+    def ttft_observed(self, predicted_s: float, observed_s: float) -> None:
+        """One window's mean predicted and observed engine TTFT at one endpoint."""
+        error = observed_s - predicted_s
+        self.ttft_prediction_error.labels("late" if error > 0 else "early").observe(abs(error))
 
     # -- flow control (extproc.flow.dispatch.FlowListener) -----------------------------------------------
 

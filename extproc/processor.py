@@ -122,7 +122,7 @@ from extproc.routing.request import (
     route_kind,
     unknown_path,
 )
-from extproc.routing.router import Decision, Router, Tokens
+from extproc.routing.router import Decision, Router, Tokens, Unattainable
 from extproc.routing.timeouts import TimeoutTable
 
 log = logging.getLogger(__name__)
@@ -505,18 +505,30 @@ class StreamProcessor:
         pinned = None
         if self._config.conformance and CONFORMANCE_HEADER in self._headers:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
+        now = self._clock()
+        budget = None if self._deadline is None else self._deadline - now
         try:
             self.decision = self._router.decide(
                 request,
                 request_id=self.request_id,
-                now=self._clock(),
+                now=now,
                 subset=self._subset,
                 pinned=pinned,
                 tokens=tokens,
                 admit=self._admit(request.model),
+                ttft_budget_s=budget,
             )
-        except Exception:  # a 503/404 or a gateway fault: nothing was used, refund the reservation
+        except Exception as exc:  # a 429/503/404 or a gateway fault: nothing was used, refund
             self._refund()
+            if isinstance(exc, Unattainable) and self._flow is not None:
+                self.refused = "slo_unattainable"
+                raise TooManyRequests(
+                    f"No endpoint for model `{request.model}` is predicted to send the first token within "
+                    f"the request's TTFT deadline (best {exc.predicted_s * 1000:.0f} ms, "
+                    f"{max(0.0, exc.budget_s) * 1000:.0f} ms left); retry later.",
+                    code="slo_unattainable",
+                    retry_after_s=self._flow.policy.retry_after_s,
+                ) from None
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED

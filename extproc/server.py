@@ -35,6 +35,7 @@ from prometheus_client import start_http_server
 
 from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
+from extproc.admission.shared import SharedAdmission
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
 from extproc.control.policy import gateway_policy, routing_policy
@@ -119,6 +120,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     for resp in responses:
                         yield resp
                     responses = await future
+                    if proc.refused is not None:  # shed when dispatched (a deadline predicted missed)
+                        self._metrics.flow_sheds.labels(proc.refused).inc()
+                        proc.refused = None
                     started = time.perf_counter()  # the decision's time, not the wait
                 if proc.decision is not None and not decided_before:
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -191,6 +195,9 @@ class Gateway:
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.metrics = GatewayMetrics(self.fleet)
+        self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
+            seen.predicted_s, seen.observed_s
+        )
         #: Flow control: requests held while their model's endpoints are saturated (:mod:`extproc.flow`),
         #: dispatched when capacity may have freed (a scrape round, a fleet change, a stream's end, a policy).
         self.flow: FlowControl[StreamProcessor] = FlowControl(store.policy.flow)
@@ -202,6 +209,9 @@ class Gateway:
         self.fleet.on_reading = self.dispatcher.kick
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
+        if self.gate is not None:  # etcd tenants/<id>, and token budgets shared with the other replicas
+            shared = SharedAdmission(self.gate)
+            self.cluster.share_admission(shared.tenants, shared.usage, self.gate.config.usage_sync_s)
         #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
@@ -215,7 +225,12 @@ class Gateway:
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
         self.siblings = (
-            SiblingBus(Path(config.extproc.siblings_dir), worker or f"pid{os.getpid()}", self.router)
+            SiblingBus(
+                Path(config.extproc.siblings_dir),
+                worker or f"pid{os.getpid()}",
+                self.router,
+                flow=self.dispatcher,  # strict priority across the workers: each one's queued tops
+            )
             if config.extproc.siblings_dir
             else None
         )

@@ -55,6 +55,7 @@ from extproc.models.tokenizer import PrefixCursor
 from extproc.routing.length import ContextLimit, Verdict, triage
 from extproc.routing.request import Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.profile import Profile
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,17 @@ MAX_OPEN_REQUESTS = 65_536
 #: Seconds a routed request counts as outstanding without a completion (a lost log, a stream Envoy
 #: never proxied): longer than any request's own bound.
 OPEN_TTL_S = 900.0
+
+
+class Unattainable(Exception):
+    """Every candidate is predicted, from a confident line (:meth:`TTFTPredictor.confident`), to send the
+    first token later than the request's TTFT budget allows: ``predicted_s`` the best prediction,
+    ``budget_s`` the budget. Flow control sheds such a request (429 ``slo_unattainable``)."""
+
+    def __init__(self, predicted_s: float, budget_s: float) -> None:
+        super().__init__(f"predicted TTFT {predicted_s:.3f} s over the budget {budget_s:.3f} s")
+        self.predicted_s = predicted_s
+        self.budget_s = budget_s
 
 
 @dataclass(slots=True)
@@ -269,6 +281,8 @@ class Router:
         self._open: OrderedDict[str, tuple[EndpointState, float]] = OrderedDict()
         #: The open table's bound (:data:`MAX_OPEN_REQUESTS`; tests lower it).
         self.max_open = MAX_OPEN_REQUESTS
+        #: TTFT per endpoint, learned from the engines' TTFT histograms and this router's requests.
+        self.predictor = TTFTPredictor()
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -335,6 +349,7 @@ class Router:
         pinned: Sequence[str] | None = None,
         tokens: Tokens | None = None,
         admit: Callable[[EndpointState], bool] | None = None,
+        ttft_budget_s: float | None = None,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
@@ -343,7 +358,10 @@ class Router:
         if already tokenized by the caller (:meth:`tokens`; admission counts it before routing).
         ``admit``: flow control's test of an endpoint's room; when some candidate passes it, only those
         are scheduled (a saturated endpoint is never picked while another has room).
-        Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready.
+        ``ttft_budget_s``: seconds left of the request's TTFT deadline; the candidates' TTFT is then
+        predicted (:attr:`predictor`) for the ``slo`` filter.
+        Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready,
+        :class:`Unattainable` when every candidate is confidently predicted to miss ``ttft_budget_s``.
         """
         candidates = [s for s in self.fleet if request.model in s.endpoint.models]
         if not candidates:
@@ -382,6 +400,19 @@ class Router:
             lazy.finish()
             tokens = lazy.tokens()
             digests = self.digests(request, tokens)
+        predictor = self.predictor
+        block_size = policy.block_size  # tokens per block, whatever stands in for tokens
+        if ttft_budget_s is not None or profile.predicts:
+            matched = state.prefix_blocks
+            predicted = {
+                c.id: predictor.predict(c, max(0, tokens.count - matched.get(c.id, 0) * block_size), now)
+                for c in candidates
+            }
+            state.predicted_ttft = predicted
+            if ttft_budget_s is not None and predicted:
+                best = min(predicted.values())
+                if best > ttft_budget_s and all(predictor.confident(c.id) for c in candidates):
+                    raise Unattainable(best, ttft_budget_s)
         sched = SchedulingRequest(
             request_id=request_id,
             model=request.model,
@@ -389,6 +420,7 @@ class Router:
             prompt_tokens=tokens.count,
             now=now,
             subset=subset,
+            ttft_budget_s=ttft_budget_s,
         )
         result = profile.schedule(sched, state, candidates, self._rng)
         if not result.endpoints:
@@ -398,6 +430,8 @@ class Router:
         primary.routed_since_scrape += 1
         primary.count_routed(now)
         self._opened(request_id, primary, now)
+        uncached = max(0, tokens.count - state.prefix_blocks.get(primary.id, 0) * block_size)
+        predictor.routed(request_id, primary, uncached, now)
         return Decision(
             request_id=request_id,
             model=request.model,
@@ -459,6 +493,7 @@ class Router:
             moved[0].outstanding -= 1
             state.outstanding += 1
             self._open[decision.request_id] = (state, moved[1])
+        self.predictor.moved(decision.request_id, state, now)
         decision.served = state
         decision.recorded = True
         self._record(state.id, self._window(decision), now)
@@ -505,6 +540,7 @@ class Router:
         found = self._open.pop(request_id, None)
         if found is None:
             return None
+        self.predictor.forget(request_id)
         state = found[0]
         state.outstanding -= 1
         state.completed_since_scrape += 1

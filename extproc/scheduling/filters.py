@@ -247,3 +247,30 @@ class BalanceFilter:
             if share <= limit or lead - (second if lead == best else best) >= p.min_lead_blocks
         ]
         return kept if kept else list(candidates)
+
+
+class SLOFilter:
+    """Prefers endpoints predicted to send the first token within the request's TTFT budget.
+
+    Keeps the candidates whose ``state.predicted_ttft`` is at most ``request.ttft_budget_s``; when the
+    request has no budget, no candidate has a prediction, or none is predicted to meet it, keeps them all
+    (flow control decides whether an unattainable request is shed: :mod:`extproc.scheduling.predict`).
+    Soft: an endpoint it drops may still be a fallback.
+    """
+
+    __slots__ = ("name",)
+    #: A preference: what it drops may still be a fallback (scheduling/interface.py Filter).
+    soft = True
+
+    def __init__(self, name: str = "slo") -> None:
+        self.name = name
+
+    def filter(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[EndpointState]:
+        budget = request.ttft_budget_s
+        predicted = state.predicted_ttft
+        if budget is None or not predicted:
+            return list(candidates)
+        kept = [c for c in candidates if predicted.get(c.id, math.inf) <= budget]
+        return kept if kept else list(candidates)

@@ -29,7 +29,8 @@ class SchedulingRequest:
 
     ``digests``: the chained block digests of the prompt (full blocks only). ``prompt_tokens``: the prompt
     length in tokens. ``subset``: the ``ip:port`` addresses the gateway allows (EPP subset hint), or
-    ``None`` for no restriction. ``now``: monotonic seconds.
+    ``None`` for no restriction. ``now``: monotonic seconds. ``ttft_budget_s``: seconds left of the
+    request's TTFT deadline (flow control's), ``None`` without one.
     """
 
     request_id: str
@@ -40,6 +41,7 @@ class SchedulingRequest:
     subset: frozenset[str] | None = None
     objective: str | None = None
     fairness_id: str | None = None
+    ttft_budget_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class CycleState:
     ``peer_warm_blocks``: the longest lead any node's kvcached holds (a peer fetch; 0: none).
     ``exact``: every candidate's ``prefix_blocks`` comes from its engine's KV events (precise index), so a
     lead it lost to eviction is gone from the figures; ``False`` when any is the approximate index's guess.
+    ``predicted_ttft``: seconds to the first token predicted per candidate (:mod:`extproc.scheduling.predict`;
+    filled only when the request has a TTFT budget or the profile has a plugin that reads it).
     """
 
     prefix_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
@@ -59,6 +63,7 @@ class CycleState:
     warm_blocks: Mapping[EndpointId, int] = field(default_factory=dict)
     peer_warm_blocks: int = 0
     exact: bool = False
+    predicted_ttft: Mapping[EndpointId, float] = field(default_factory=dict)
 
 
 class Filter(Protocol):

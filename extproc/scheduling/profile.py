@@ -103,6 +103,9 @@ class Profile:
         self._limit = None if max_fallbacks is None else 1 + max_fallbacks
         self._clock = clock
         self.explain = explain
+        #: Some plugin reads ``CycleState.predicted_ttft`` whatever the request (the router fills it).
+        plugins = (*self.filters, *(s for s, _ in self.scorers))
+        self.predicts = any(getattr(p, "needs_prediction", False) for p in plugins)
 
     def schedule(
         self,

@@ -33,6 +33,7 @@ from extproc.scheduling.filters import (
     LoadThresholdFilter,
     LoadThresholdParams,
     ModelFilter,
+    SLOFilter,
     SubsetFilter,
 )
 from extproc.scheduling.interface import Filter, Picker, Scorer
@@ -43,6 +44,7 @@ from extproc.scheduling.scorers import (
     InFlightScorer,
     KVUtilizationScorer,
     LoadParams,
+    PredictedTTFTScorer,
     PrefixParams,
     PrefixScorer,
     QueueScorer,
@@ -70,12 +72,14 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "subset": PluginType("filter", SubsetFilter),
         "load-threshold": PluginType("filter", LoadThresholdFilter, LoadThresholdParams),
         "balance": PluginType("filter", BalanceFilter, BalanceParams),
+        "slo": PluginType("filter", SLOFilter),
         "prefix": PluginType("scorer", PrefixScorer, PrefixParams),
         "queue": PluginType("scorer", QueueScorer, LoadParams),
         "kv-utilization": PluginType("scorer", KVUtilizationScorer),
         "in-flight": PluginType("scorer", InFlightScorer, LoadParams),
         "cache-spread": PluginType("scorer", CacheSpreadScorer),
         "kv-tier": PluginType("scorer", TierScorer, TierParams),
+        "ttft": PluginType("scorer", PredictedTTFTScorer),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }
 )
@@ -300,6 +304,7 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "model"},
                     {"ref": "healthy"},
                     {"ref": "subset"},
+                    {"ref": "slo"},
                     {"ref": "load-threshold"},
                     {"ref": "balance"},
                     {"ref": "prefix", "weight": 3.0},

@@ -207,3 +207,33 @@ class TierScorer:
             extra = local * max(0, warm - gpu) + peer * max(0, peer_blocks - max(gpu, warm))
             scores[c.id] = min(1.0, extra / n)
         return scores
+
+
+class PredictedTTFTScorer:
+    """``best / predicted``: 1 for the candidate predicted to send the first token soonest
+    (``state.predicted_ttft``, :mod:`extproc.scheduling.predict`: the prefill tokens queued ahead plus the
+    request's own uncached tokens, over the endpoint's learned prefill rate), falling with its predicted
+    TTFT. Candidates without a prediction score 0. A load scorer that weighs queued work in tokens, not
+    requests, and knows the prefix match; opt-in (not in the default profile: README.md)."""
+
+    __slots__ = ("name",)
+    #: The router fills ``state.predicted_ttft`` for profiles with a plugin that sets this.
+    needs_prediction = True
+
+    def __init__(self, name: str = "ttft") -> None:
+        self.name = name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        predicted = state.predicted_ttft
+        values = [predicted[c.id] for c in candidates if c.id in predicted]
+        finite = [v for v in values if math.isfinite(v) and v >= 0.0]
+        if not finite:
+            return {}
+        best = max(min(finite), 1e-6)
+        return {
+            c.id: best / max(v, 1e-6)
+            for c in candidates
+            if (v := predicted.get(c.id, math.inf)) >= 0.0 and math.isfinite(v)
+        }

@@ -49,3 +49,26 @@ def test_sums_over_label_sets_and_ignores_others() -> None:
 def test_percentages_normalised() -> None:
     m = parse_metrics("vllm:kv_cache_usage_perc 42\n", metric_names("vllm"), at=0.0)
     assert m.kv_usage == pytest.approx(0.42)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_ttft_histogram_sum_and_count_are_read(engine: str) -> None:
+    names = metric_names(engine)
+    assert names.ttft == f"{engine}:time_to_first_token_seconds"
+    text = (
+        f'{names.ttft}_bucket{{le="0.1",model_name="a"}} 3.0\n'
+        f'{names.ttft}_sum{{model_name="a"}} 1.5\n'
+        f'{names.ttft}_count{{model_name="a"}} 4.0\n'
+        f'{names.ttft}_sum{{model_name="b"}} 0.5\n'
+        f'{names.ttft}_count{{model_name="b"}} 1.0\n'
+    )
+    m = parse_metrics(text, names, at=1.0)
+    assert (m.ttft_sum, m.ttft_count) == (2.0, 5.0)
+    half = parse_metrics(f'{names.ttft}_sum{{model_name="a"}} 1.5\n', names, at=1.0)
+    assert (half.ttft_sum, half.ttft_count) == (None, None)  # a sum without its count: none
+
+
+@pytest.mark.parametrize("engine", ["trtllm", "llama_cpp"])
+def test_engines_without_a_ttft_histogram_read_none(engine: str) -> None:
+    m = parse_metrics("time_to_first_token_seconds_sum 3\n", metric_names(engine), at=1.0)
+    assert (m.ttft_sum, m.ttft_count) == (None, None)

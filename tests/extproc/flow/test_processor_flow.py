@@ -16,6 +16,7 @@ from extproc.flow.policy import BandLimits, FlowPolicy, Objective, Saturation
 from extproc.models.registry import ModelAssets
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
+from extproc.scheduling.predict import CONFIDENT_AFTER
 from tests.extproc.test_processor import (
     LIMIT,
     MODEL,
@@ -83,7 +84,7 @@ def test_a_saturated_model_holds_the_request_and_resume_routes_it_with_fresh_sta
     assert out[0].HasField("override_message_timeout")
     assert 60 <= out[0].override_message_timeout.seconds <= 600  # past the band's 60 s wait
     scrape_idle(router)
-    entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW))
+    entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW), NOW)
     assert entry is proc.held
     routed = reply(entry.payload.resume())
     assert proc.held is None and proc.decision is not None
@@ -221,3 +222,61 @@ def test_shed_answers_without_routing(router: Router) -> None:
     out = proc.shed(GatewayError("x"))
     assert out and proc.decision is None
     assert sum(s.routed_since_scrape for s in router.fleet) == before
+
+
+def teach(router: Router, endpoint: str, seconds_per_token: float, base_s: float = 0.05) -> None:
+    """Windows of the engine's TTFT histogram, each with one request of this router's alone at
+    ``endpoint`` (sizes vary): the predictor learns its line."""
+    state = next(s for s in router.fleet if s.id == endpoint)
+    total = count = 0.0
+    for i in range(CONFIDENT_AFTER + 1):
+        at = NOW - 1000.0 + i * 50
+        state.metrics = EngineMetrics(0, 0, 0.1, at, ttft_sum=total, ttft_count=count)
+        tokens = 500 * (i % 4 + 1)
+        router.predictor.routed(f"{endpoint}-{i}", state, tokens, at)
+        router.predictor.forget(f"{endpoint}-{i}")
+        total, count = total + base_s + seconds_per_token * tokens, count + 1
+    state.metrics = None
+    assert router.predictor.confident(endpoint)
+
+
+def test_a_deadline_every_endpoint_is_predicted_to_miss_is_shed_before_any_engine(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    for state in router.fleet:
+        if MODEL in state.endpoint.models:
+            teach(router, state.id, seconds_per_token=0.01)  # 100 tokens/s: a long prompt takes seconds
+    before = [(s.routed_since_scrape, s.outstanding) for s in router.fleet]
+    proc = make(router, control)
+    status, err, hs = error(send(proc, {"x-kvgate-deadline-ms": "300"}, content="word " * 400))
+    assert (status, err["code"], err["type"], hs["retry-after"]) == (
+        429,
+        "slo_unattainable",
+        "rate_limit_error",
+        "3",
+    )
+    assert "predicted" in err["message"]
+    assert proc.refused == "slo_unattainable" and proc.decision is None
+    assert [(s.routed_since_scrape, s.outstanding) for s in router.fleet] == before
+    assert len(router.predictor) == 0  # nothing remembered of it
+    reply(send(make(router, control), content="word " * 400))  # without a deadline it goes
+
+
+def test_the_slo_filter_sends_a_deadline_to_the_endpoint_predicted_in_time(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fast = "e2"
+    for state in router.fleet:
+        if MODEL in state.endpoint.models:
+            teach(router, state.id, seconds_per_token=0.0001 if state.id == fast else 0.01)
+    for _ in range(3):
+        proc = make(router, control)
+        reply(send(proc, {"x-kvgate-deadline-ms": "1000"}, content="word " * 400))
+        assert proc.decision is not None and proc.decision.endpoints[0].id == fast
+        router.finish(proc.decision)
+        router.completed(proc.request_id, NOW)
+
+
+def test_predictions_without_confidence_never_shed(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    proc = make(router, control)  # nothing learned: the prior alone
+    reply(send(proc, {"x-kvgate-deadline-ms": "1"}, content="word " * 4000))
+    assert proc.decision is not None

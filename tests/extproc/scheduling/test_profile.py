@@ -246,7 +246,14 @@ def test_profile_rejects_bad_composition(kwargs: dict[str, Any], message: str) -
 def test_default_config() -> None:
     profile = build_profile(DEFAULT_SCHEDULING)
     assert profile.name == "default"
-    assert [f.name for f in profile.filters] == ["model", "healthy", "subset", "load-threshold", "balance"]
+    assert [f.name for f in profile.filters] == [
+        "model",
+        "healthy",
+        "subset",
+        "slo",
+        "load-threshold",
+        "balance",
+    ]
     assert [(s.name, w) for s, w in profile.scorers] == [
         ("prefix", 3.0),
         ("queue", 2.0),
