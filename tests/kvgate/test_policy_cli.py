@@ -1,4 +1,5 @@
-"""kvgate policy get|set|unset|list|watch and kvgate drain, against a real etcd and on a policy file."""
+"""kvgate policy get|set|unset|list|watch (policy paths and tenants/<id>) and kvgate drain, against a real
+etcd and on a policy file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from contracts.etcd import EtcdSettings
+from contracts.etcd import EtcdSettings, tenant_key
 from kvgate.dev import stackfile
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.stackfile import StackInfo
@@ -350,8 +351,10 @@ def test_file_mode_flow_and_objectives(tmp_path: Path, capsys: pytest.CaptureFix
 
     assert main(["list", *file]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert 'flow/models/org/m={"roles":{"prefill":{"max_in_flight":2.0,"max_kv_usage":null,' \
+    assert (
+        'flow/models/org/m={"roles":{"prefill":{"max_in_flight":2.0,"max_kv_usage":null,'
         '"max_waiting":null}}}' in lines
+    )
     assert 'objectives/interactive={"priority":1,"tpot_ms":null,"ttft_ms":500.0}' in lines
     assert 'flow/bands/-1={"max_bytes":268435456,"max_requests":64,"max_wait_s":60.0}' in lines
 
@@ -380,3 +383,51 @@ def test_watch_needs_etcd() -> None:
     with pytest.raises(SystemExit) as info:
         main(["watch", "--file", "policy.toml"])
     assert info.value.code == 2
+
+
+def test_set_get_list_unset_a_tenant(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tenant_key(etcd_settings.prefix, "acme")
+    assert main(["set", "tenants/acme", '{"models": ["*"], "tokens": {"per_minute": 60}}', *etcd_args]) == 0
+    stored = '{"models":["*"],"tokens":{"per_minute":60}}'
+    assert capsys.readouterr().out == f"tenants/acme={stored}\n"
+    assert _read(etcd_settings, key) == stored.encode()
+
+    assert main(["get", "tenants/acme", *etcd_args]) == 0
+    assert capsys.readouterr().out == f"{stored}\n"
+    assert main(["list", *etcd_args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == f"tenants/acme={stored}" and "weights/prefix=3.0" in lines
+
+    assert main(["unset", "tenants/acme", *etcd_args]) == 0
+    assert _read(etcd_settings, key) is None
+    assert main(["get", "tenants/acme", *etcd_args]) == 2
+    assert "no such tenant" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ('{"models": "m"}', "tenants/acme.models"),
+        ('{"id": "other", "models": ["m"]}', "does not match the key"),
+        ('{"models": ["m"], "tokens": {"per_minute": 0}}', "tenants/acme.tokens.per_minute"),
+    ],
+)
+def test_a_bad_tenant_exits_2_and_writes_nothing(
+    value: str,
+    reason: str,
+    etcd_args: list[str],
+    etcd_settings: EtcdSettings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["set", "tenants/acme", value, *etcd_args]) == 2
+    captured = capsys.readouterr()
+    assert reason in captured.err and captured.out == ""
+    assert _read(etcd_settings, tenant_key(etcd_settings.prefix, "acme")) is None
+
+
+def test_tenants_are_not_for_policy_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["set", "tenants/acme", '{"models": ["m"]}', "--file", str(tmp_path / "p.toml")]) == 2
+    assert "live in etcd" in capsys.readouterr().err
+    assert not (tmp_path / "p.toml").exists()
