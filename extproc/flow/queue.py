@@ -14,9 +14,11 @@ model (:meth:`FlowQueues.pop`):
    come first served.
 
 Bounds: a request that would exceed its (model, band)'s ``max_requests`` or ``max_bytes``
-(:class:`~extproc.flow.policy.BandLimits`) is refused (``queue_full``); one that would exceed the model's
-``max_queued`` or ``max_queued_bytes`` over all bands first evicts the newest queued request of the
-model's lowest sheddable band (priority < 0, lower than its own), and is refused if there is none.
+(:class:`~extproc.flow.policy.BandLimits`) is refused (``queue_full``), unless the band's longest other flow
+holds more requests than the arrival's would: then that flow's newest request is dropped for it
+(``queue_full``), so one flow's backlog cannot lock the others out of the band. One that would exceed
+the model's ``max_queued`` or ``max_queued_bytes`` over all bands first evicts the newest queued request
+of the model's lowest sheddable band (priority < 0, lower than its own), and is refused if there is none.
 Each request leaves by :meth:`pop`, :meth:`remove` (its client went away) or :meth:`expire` at its
 ``expires`` time with its ``reason`` (``queue_timeout``, ``slo_unattainable``, ``no_endpoint``).
 """
@@ -29,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from extproc.flow.policy import FlowPolicy
+from extproc.flow.policy import BandLimits, FlowPolicy
 
 T = TypeVar("T")
 
@@ -144,13 +146,16 @@ class FlowQueues(Generic[T]):
         limits = policy.limits(priority)
         bands = self._models.get(model, {})
         own = bands.get(priority)
-        if own is not None and (own.count + 1 > limits.max_requests or own.bytes + size > limits.max_bytes):
-            return Pushed(None)
         if size > limits.max_bytes or size > policy.max_queued_bytes:
             return Pushed(None)
         victims: list[Entry[T]] = []
-        count = sum(b.count for b in bands.values())
-        size_queued = sum(b.bytes for b in bands.values())
+        if own is not None and (own.count + 1 > limits.max_requests or own.bytes + size > limits.max_bytes):
+            dropped = self._fair_drop(own, flow, size, limits)
+            if dropped is None:
+                return Pushed(None)
+            victims.append(dropped)
+        count = sum(b.count for b in bands.values()) - len(victims)
+        size_queued = sum(b.bytes for b in bands.values()) - sum(v.size for v in victims)
         if count + 1 > policy.max_queued or size_queued + size > policy.max_queued_bytes:
             lower = sorted(
                 (e for p, b in bands.items() if p < 0 and p < priority for e in self._entries(b)),
@@ -187,6 +192,25 @@ class FlowQueues(Generic[T]):
         band.bytes += size
         heapq.heappush(self._expiry, (expires, seq, entry))
         return Pushed(entry, tuple(evicted))
+
+    @staticmethod
+    def _fair_drop(band: _Band[T], flow: str, size: int, limits: BandLimits) -> Entry[T] | None:
+        """A full band would refuse a request of ``flow``: the newest request of the band's longest other
+        flow when that flow holds more requests than ``flow`` would with this one and dropping it makes
+        room (so a heavy flow's backlog cannot lock a light flow out of its band); else ``None``."""
+        mine = band.flows.get(flow)
+        after = (mine.count if mine is not None else 0) + 1
+        longest = max(
+            (f for name, f in band.flows.items() if name != flow and f.count),
+            key=lambda f: f.count,
+            default=None,
+        )
+        if longest is None or longest.count <= after:
+            return None
+        victim = max((e for _, _, e in longest.heap if e.queued), key=lambda e: e.seq)
+        if band.count > limits.max_requests or band.bytes - victim.size + size > limits.max_bytes:
+            return None
+        return victim
 
     @staticmethod
     def _entries(band: _Band[T]) -> list[Entry[T]]:

@@ -10,6 +10,7 @@ import pytest
 
 from extproc.flow.policy import BandLimits, FlowPolicy
 from extproc.flow.queue import (
+    QUEUE_FULL,
     QUEUE_TIMEOUT,
     SLO_UNATTAINABLE,
     Entry,
@@ -244,6 +245,28 @@ def test_a_full_band_refuses(limits: BandLimits, sizes: list[int], refused: list
     # another model's band and another band of the same model are bounded separately
     assert push(q, "x", size=1, model="other").entry is not None
     assert push(q, "y", size=1, priority=1).entry is not None
+
+
+def test_a_full_band_drops_the_longest_flows_newest_so_a_light_flow_gets_in() -> None:
+    q = FlowQueues[str](policy({0: BandLimits(max_requests=4)}))
+    heavy = [queued(q, f"a{i}", flow="a") for i in range(4)]
+    first = push(q, "b0", flow="b")
+    assert first.entry is not None and first.evicted == (heavy[3],)
+    assert not heavy[3].queued and heavy[3].reason == QUEUE_FULL
+    second = push(q, "b1", flow="b")
+    assert second.entry is not None and second.evicted == (heavy[2],)
+    assert push(q, "b2", flow="b") == Pushed(None)  # 3 of b against 2 of a: b is the longer now
+    assert push(q, "a4", flow="a") == Pushed(None)  # a is no lighter than b: refused, nothing dropped
+    assert sorted(drain(q)) == ["a0", "a1", "b0", "b1"]
+
+
+def test_a_fair_drop_that_frees_too_few_bytes_drops_nothing() -> None:
+    q = FlowQueues[str](policy({0: BandLimits(max_bytes=10)}))
+    heavy = [queued(q, f"a{i}", flow="a", size=s) for i, s in enumerate([6, 2, 2])]
+    assert push(q, "big", flow="b", size=3) == Pushed(None)  # dropping a2 (2 bytes) leaves 10 + 3 - 2
+    assert all(e.queued for e in heavy)
+    fits = push(q, "small", flow="b", size=2)
+    assert fits.entry is not None and fits.evicted == (heavy[2],)
 
 
 def test_a_refused_push_into_a_new_band_leaves_nothing_behind() -> None:
