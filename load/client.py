@@ -23,6 +23,7 @@ import importlib
 import logging
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -63,7 +64,8 @@ class FixedRoute:
 class LoadOptions:
     """How to send. ``duration_s``: open loop, a cap on arrival times; closed loop, how long workers
     start new sessions. ``drain_s``: how long requests may still run after that before they are
-    cancelled (failures). ``request_timeout_s``: per request, end to end."""
+    cancelled (failures). ``request_timeout_s``: per request, end to end. ``headers``: extra request
+    headers for turn ``n`` of a session (an objective, a fairness id), ``None``: none."""
 
     model: str
     mode: Literal["open", "closed"] = "open"
@@ -73,6 +75,7 @@ class LoadOptions:
     request_timeout_s: float = 180.0
     progress: bool = True
     label: str = ""
+    headers: Callable[[Session, int], Mapping[str, str]] | None = None
 
 
 @dataclass(slots=True)
@@ -82,6 +85,8 @@ class RequestRecord:
     ``status``: ``"ok"``, an HTTP status, or an exception name. ``chunk_gaps_s``: time between
     consecutive streamed content chunks after the first (inter-token latency; the engine coalesces
     tokens only when the client lags). Token counts come from the final ``usage`` chunk.
+    ``error_code``: a non-200 answer's OpenAI ``error.code`` (``queue_full``, ...), as a string; ``None``
+    when the answer had none (or succeeded).
     """
 
     session: str
@@ -96,6 +101,7 @@ class RequestRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     replica: str | None = None
+    error_code: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -133,19 +139,36 @@ class _Progress:
             self._bar.close()
 
 
+def _error_code(raw: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body, as a string; ``None`` if the body has none."""
+    try:
+        error = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return None if code is None else str(code)
+
+
 async def _send(
-    http: aiohttp.ClientSession, url: str, body: bytes, record: RequestRecord, t0: float
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    record: RequestRecord,
+    t0: float,
+    headers: Mapping[str, str] | None = None,
 ) -> str | None:
-    """POST one streamed chat request, filling ``record``; returns the answer's text when it succeeded."""
+    """POST one streamed chat request (with ``headers`` added), filling ``record``; returns the answer's
+    text when it succeeded."""
     started = time.perf_counter()
     record.sent_s = started - t0
     parts: list[str] = []
     last: float | None = None
     try:
-        async with http.post(url + PATH, data=body, headers={"content-type": "application/json"}) as resp:
+        sent_headers = {**(headers or {}), "content-type": "application/json"}
+        async with http.post(url + PATH, data=body, headers=sent_headers) as resp:
             record.replica = resp.headers.get(REPLICA_HEADER)
             if resp.status != 200:
-                await resp.read()
+                record.error_code = _error_code(await resp.read())
                 record.status = str(resp.status)
                 return None
             async for raw in resp.content:
@@ -216,8 +239,9 @@ async def run_load(sessions: list[Session], route: Route, options: LoadOptions) 
             records.append(record)
             url = route.pick(session, n)
             try:
+                headers = options.headers(session, n) if options.headers is not None else None
                 answer = await _send(
-                    http, url, request_body(options.model, messages, turn.max_tokens), record, t0
+                    http, url, request_body(options.model, messages, turn.max_tokens), record, t0, headers
                 )
             except asyncio.CancelledError:
                 record.status = "cancelled"
