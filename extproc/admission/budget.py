@@ -98,9 +98,16 @@ class TokenBudgets:
             return None
         return Refusal(tokens, int(bucket.capacity), max(1, math.ceil(wait)))
 
+    def _live(self, tenant: Tenant, now: float) -> TokenBucket | None:
+        """The tenant's bucket in use, whatever limit it was made for (a request admitted before a limit
+        change settles into the bucket of the new limit, never replacing it with a fresh full one);
+        made from ``tenant`` only if it has none."""
+        held = self._buckets.get(tenant.id)
+        return held[1] if held is not None else self._bucket(tenant, now)
+
     def settle(self, tenant: Tenant, reserved: int, actual: int, now: float) -> None:
         """The request really used ``actual`` tokens of the ``reserved``: refund or charge the rest."""
-        bucket = self._bucket(tenant, now)
+        bucket = self._live(tenant, now)
         if bucket is not None:
             bucket.adjust(reserved - actual, now)
             self.charged[tenant.id] = self.charged.get(tenant.id, 0) + actual - reserved
@@ -108,7 +115,7 @@ class TokenBudgets:
     def charge(self, tenant: Tenant, tokens: int, now: float) -> None:
         """Take ``tokens`` spent elsewhere (another replica) from the tenant's bucket, into debt if need
         be; negative ``tokens`` give back what was refunded there. Not counted in :attr:`charged`."""
-        bucket = self._bucket(tenant, now)
+        bucket = self._live(tenant, now)
         if bucket is not None:
             bucket.adjust(-tokens, now)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from contracts.errors import ConfigError
@@ -24,6 +25,9 @@ from extproc.admission.gate import Gate
 from extproc.admission.tenants import TENANT_ID, Tenant, Tenants
 
 log = logging.getLogger(__name__)
+
+#: Deleted usage keys whose last counter a ledger keeps (oldest forgotten first).
+TOMBSTONES = 65_536
 
 
 def decode_tenant(tenant_id: str, value: bytes) -> Tenant:
@@ -100,7 +104,10 @@ class UsageLedger:
     replica's bucket of that tenant with its change since last seen (a drop is a refund given back). A
     counter first seen in a full read (``backlog``) is a baseline, charged nothing: it sums spending from
     before this replica knew; one first seen live is a replica that just started, charged in full. A
-    counter that disappears (its replica's lease ended) is forgotten, not refunded.
+    counter that disappears (its replica's lease ended) is not refunded, and its last value is kept (up
+    to :data:`TOMBSTONES` of them): a replica whose lease lapsed and was granted anew puts the same key
+    again with the same cumulative counter, and only its change since is charged (replica ids are unique
+    per process, so a key that comes back is the same counter).
     """
 
     def __init__(self, budgets: TokenBudgets, lookup: Callable[[str], Tenant | None]) -> None:
@@ -108,6 +115,7 @@ class UsageLedger:
         self._lookup = lookup
         self._published: dict[str, int] = {}
         self._seen: dict[tuple[str, str], int] = {}  # (tenant, replica) -> counter last seen
+        self._gone: OrderedDict[tuple[str, str], int] = OrderedDict()  # deleted keys' last counters
         self.rejected = 0
 
     def due(self) -> Mapping[str, int]:
@@ -121,7 +129,12 @@ class UsageLedger:
         charged to this replica's bucket (negative: refunded; 0 when the tenant is unknown or unlimited)."""
         key = (tenant_id, replica)
         if value is None:
-            self._seen.pop(key, None)
+            last_seen = self._seen.pop(key, None)
+            if last_seen is not None:
+                self._gone[key] = last_seen
+                self._gone.move_to_end(key)
+                while len(self._gone) > TOMBSTONES:
+                    self._gone.popitem(last=False)
             return 0
         try:
             counter = decode_usage(value)
@@ -130,6 +143,8 @@ class UsageLedger:
             self.rejected += 1
             return 0
         last = self._seen.get(key)
+        if last is None:
+            last = self._gone.pop(key, None)  # the same replica back under a new lease
         self._seen[key] = counter
         delta = counter - last if last is not None else (0 if backlog else counter)
         tenant = self._lookup(tenant_id)

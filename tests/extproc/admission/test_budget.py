@@ -82,6 +82,21 @@ def test_unlimited_tenant_and_changed_limit() -> None:
     assert budgets.reserve(raised, 1000, 0.0) is None  # a new limit starts a fresh, full bucket
 
 
+def test_a_request_admitted_before_a_limit_change_settles_into_the_new_bucket() -> None:
+    """Settling (or another replica's charge) with the tenant as it was at admission neither brings back
+    the old limit's bucket nor refills the new one."""
+    budgets = TokenBudgets()
+    assert budgets.reserve(TENANT, 100, 0.0) is None  # admitted under the old limit: bucket empty
+    lowered = Tenant("t", ("*",), tokens=TokenLimit(per_minute=60, burst=50))
+    assert budgets.reserve(lowered, 50, 0.0) is None  # the new limit's fresh bucket, now empty
+    budgets.settle(TENANT, reserved=100, actual=100, now=0.0)  # the old request ends, old tenant object
+    budgets.charge(TENANT, 0, 0.0)
+    assert budgets.level(lowered, 0.0) == pytest.approx(0.0)  # not refilled
+    assert budgets.reserve(lowered, 1, 0.0) is not None
+    budgets.settle(TENANT, reserved=100, actual=40, now=0.0)  # a refund lands in the live bucket
+    assert budgets.level(lowered, 0.0) == pytest.approx(50.0)  # capped at its capacity
+
+
 def sse(*events: dict[str, object]) -> bytes:
     return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 

@@ -122,7 +122,9 @@ def test_budgets_count_their_own_charges_only() -> None:
         ([("r1", 500, True), ("r1", 530, False)], [0, 30]),  # first seen in a full read: a baseline
         ([("r1", 500, True), ("r1", 540, True)], [0, 40]),  # a resync charges what was missed
         ([("r1", 50, False), ("r1", 20, False)], [50, -30]),  # a refund there gives back here
-        ([("r1", 50, False), ("r1", None, False), ("r1", 70, False)], [50, 0, 70]),  # gone: no refund
+        # gone: no refund; back under a new lease (same process, same counter): only what it spent since
+        ([("r1", 50, False), ("r1", None, False), ("r1", 70, False)], [50, 0, 20]),
+        ([("r1", 50, False), ("r1", None, False), ("r1", 50, True)], [50, 0, 0]),
         ([("r1", 5, False), ("r2", 7, False), ("r1", 9, False)], [5, 7, 4]),  # per replica
         ([("r1", "x", False), ("r1", 8, False)], [0, 8]),  # a bad value is ignored
     ],
