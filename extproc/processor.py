@@ -202,6 +202,8 @@ class StreamProcessor:
         self.refused: str | None = None
         self._waiting: tuple[_Prepared, float] | None = None
         self._deadline: float | None = None
+        #: The request's flow-control band (``None``: not offered to flow control).
+        self._priority: int | None = None
         self._arrived = 0.0
         self.principal: Principal | None = None
         self.ticket: Ticket | None = None
@@ -393,18 +395,19 @@ class StreamProcessor:
         if flow is not None:
             try:
                 request = self._flow_request(flow.policy, prepared)
-                offer = flow.offer(
-                    request,
-                    self,
-                    flow_room(flow.policy, self._router, request.model, self._clock()),
-                    self._clock(),
-                )
+                now = self._clock()
+                space = flow_room(flow.policy, self._router, request.model, now, request.priority)
+                deadline = request.deadline
+                if deadline is not None and deadline > now and not flow.goes(request, space, now):
+                    self._check_deadline(prepared, deadline - now, now)  # it would wait: can it make it?
+                offer = flow.offer(request, self, space, now)
             except GatewayError as exc:
                 self._refund()
                 if isinstance(exc, TooManyRequests):
                     self.refused = exc.code
                 raise
             self._deadline = request.deadline
+            self._priority = request.priority
             self.evicted = offer.evicted
             if offer.held is not None:
                 self.held = offer.held
@@ -486,16 +489,39 @@ class StreamProcessor:
         deadline = None if deadline_ms is None else self._arrived + deadline_ms / 1000.0
         return FlowRequest(request.model, priority, flow, cost, len(prepared.body), deadline)
 
+    def _check_deadline(self, prepared: _Prepared, budget_s: float, now: float) -> None:
+        """A request about to be queued with ``budget_s`` seconds of its TTFT deadline left: 429
+        ``slo_unattainable`` at once if, routed right now, every endpoint is confidently predicted to
+        miss it (waiting can only make it later)."""
+        request = prepared.request
+        try:
+            self._router.check_deadline(request, prepared.tokens, budget_s, now)
+        except Unattainable as exc:
+            raise self._unattainable(request.model, exc) from None
+
+    def _unattainable(self, model: str, exc: Unattainable) -> TooManyRequests:
+        assert self._flow is not None
+        self.refused = "slo_unattainable"
+        return TooManyRequests(
+            f"No endpoint for model `{model}` is predicted to send the first token within "
+            f"the request's TTFT deadline (best {exc.predicted_s * 1000:.0f} ms, "
+            f"{max(0.0, exc.budget_s) * 1000:.0f} ms left); retry later.",
+            code="slo_unattainable",
+            retry_after_s=self._flow.policy.retry_after_s,
+        )
+
     def _admit(self, model: str) -> Callable[[EndpointState], bool] | None:
-        """Flow control's filter for the router: endpoints of ``model`` not saturated (``None``: flow
-        control off, or its policy can never hold a request)."""
+        """Flow control's filter for the router: endpoints of ``model`` not saturated for the request's
+        band (its headroom left free; ``None``: flow control off, or its policy can never hold a
+        request)."""
         flow = self._flow
         if flow is None or not flow.policy.holds:
             return None
         policy = flow.policy
+        headroom = policy.headroom(self._priority)
 
         def has_room(state: EndpointState) -> bool:
-            return not saturated(policy.saturation_for(model, state.endpoint.role), state)
+            return not saturated(policy.saturation_for(model, state.endpoint.role), state, headroom)
 
         return has_room
 
@@ -521,14 +547,7 @@ class StreamProcessor:
         except Exception as exc:  # a 429/503/404 or a gateway fault: nothing was used, refund
             self._refund()
             if isinstance(exc, Unattainable) and self._flow is not None:
-                self.refused = "slo_unattainable"
-                raise TooManyRequests(
-                    f"No endpoint for model `{request.model}` is predicted to send the first token within "
-                    f"the request's TTFT deadline (best {exc.predicted_s * 1000:.0f} ms, "
-                    f"{max(0.0, exc.budget_s) * 1000:.0f} ms left); retry later.",
-                    code="slo_unattainable",
-                    retry_after_s=self._flow.policy.retry_after_s,
-                ) from None
+                raise self._unattainable(request.model, exc) from None
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
@@ -722,12 +741,15 @@ def serving(router: Router, model: str) -> list[EndpointState]:
     return [s for s in router.fleet if model in s.endpoint.models and (route is None or route.admits(s))]
 
 
-def flow_room(policy: FlowPolicy, router: Router, model: str, now: float) -> Room:
-    """``model``'s room under ``policy`` (:func:`extproc.flow.control.room`), skipped (``OPEN``) when the
-    policy can never hold a request."""
+def flow_room(
+    policy: FlowPolicy, router: Router, model: str, now: float, priority: int | None = None
+) -> Room:
+    """``model``'s room under ``policy`` for a request of band ``priority``
+    (:func:`extproc.flow.control.room`; ``None``: the full limits), skipped (``OPEN``) when the policy can
+    never hold a request."""
     if not policy.holds:
         return Room.OPEN
-    return room(policy, model, serving(router, model), now)
+    return room(policy, model, serving(router, model), now, priority)
 
 
 def _positive_ms(headers: dict[str, str], name: str) -> float | None:

@@ -322,8 +322,8 @@ class Gateway:
         self.router.completed(done.request_id, time.monotonic())
         self.dispatcher.kick()
 
-    def _flow_space(self, model: str, now: float) -> Room:
-        return flow_room(self.flow.policy, self.router, model, now)
+    def _flow_space(self, model: str, priority: int, now: float) -> Room:
+        return flow_room(self.flow.policy, self.router, model, now, priority)
 
     def _apply_flow(self, policy: FlowPolicy) -> None:
         self.flow.apply(policy)

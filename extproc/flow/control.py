@@ -2,9 +2,10 @@
 
 :func:`room` reads a model's endpoints: ``NONE`` when none is routable (healthy, not draining, not
 ejected), ``FULL`` when every routable one is saturated (:func:`saturated`, limits of its (model,
-role) from :meth:`FlowPolicy.saturation_for`), else ``OPEN``. :meth:`FlowControl.offer` lets a request
-go at once only when its model has ``OPEN`` room and nothing queued (so nobody overtakes a waiting
-request); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
+role) from :meth:`FlowPolicy.saturation_for`, less the request's band's headroom), else ``OPEN``.
+:meth:`FlowControl.offer` lets a request go at once only when its model has ``OPEN`` room for its band
+and nothing of its priority or higher is queued (so nobody overtakes a waiting request of its band or
+above); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
 ``queue_full``. With no endpoint at all it waits ``waiting_room_s`` (then 503 ``no_endpoint``); with
 ``waiting_room_s = 0`` it goes on at once and the router answers as it always has. The shell dispatches
 queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
@@ -41,32 +42,46 @@ class Room(Enum):
     NONE = "none"
 
 
-def saturated(limits: Saturation, state: EndpointState) -> bool:
-    """Whether ``state`` can take no more under ``limits``: ``max(load, outstanding) >= max_in_flight``
+def saturated(limits: Saturation, state: EndpointState, headroom: float = 0.0) -> bool:
+    """Whether ``state`` can take no more under ``limits`` with ``1 - headroom`` of each (a band's
+    headroom, :meth:`FlowPolicy.headroom`): ``max(load, outstanding) >= (1 - headroom) x max_in_flight``
     (the load estimates requests at the engine, the outstanding count is this gateway's own requests not
-    yet completed: never fewer than those; one more would exceed it), or, from the last scrape, ``waiting >=
-    max_waiting`` or ``kv_usage >= max_kv_usage``; a missing metric never saturates."""
-    if limits.max_in_flight is not None and max(state.load, state.outstanding) >= limits.max_in_flight:
+    yet completed: never fewer than those; one more would exceed it), or, from the last scrape, ``waiting
+    >= (1 - headroom) x max_waiting`` or ``kv_usage >= (1 - headroom) x max_kv_usage``; a missing metric
+    never saturates."""
+    share = 1.0 - headroom
+    if (
+        limits.max_in_flight is not None
+        and max(state.load, state.outstanding) >= share * limits.max_in_flight
+    ):
         return True
     metrics = state.metrics
     if metrics is None:
         return False
-    if limits.max_waiting is not None and metrics.waiting >= limits.max_waiting:
+    if limits.max_waiting is not None and metrics.waiting >= share * limits.max_waiting:
         return True
     return (
         limits.max_kv_usage is not None
         and metrics.kv_usage is not None
-        and metrics.kv_usage >= limits.max_kv_usage
+        and metrics.kv_usage >= share * limits.max_kv_usage
     )
 
 
-def room(policy: FlowPolicy, model: str, states: Iterable[EndpointState], now: float) -> Room:
-    """Whether ``model`` can take a request now among ``states`` (those the model's route admits)."""
+def room(
+    policy: FlowPolicy,
+    model: str,
+    states: Iterable[EndpointState],
+    now: float,
+    priority: int | None = None,
+) -> Room:
+    """Whether ``model`` can take a request of band ``priority`` now among ``states`` (those the model's
+    route admits), under the limits less the band's headroom (``None``: the full limits)."""
+    headroom = policy.headroom(priority)
     found = Room.NONE
     for state in states:
         if model not in state.endpoint.models or not state.healthy or state.draining or state.ejected(now):
             continue
-        if not saturated(policy.saturation_for(model, state.endpoint.role), state):
+        if not saturated(policy.saturation_for(model, state.endpoint.role), state, headroom):
             return Room.OPEN
         found = Room.FULL
     return found
@@ -121,16 +136,13 @@ class FlowControl(Generic[T]):
         self.queues.policy = policy
 
     def offer(self, request: FlowRequest, payload: T, space: Room, now: float) -> Offer[T]:
-        """Go, wait or refuse ``request`` given its model's ``space`` (:func:`room`). Raises
-        :class:`TooManyRequests` (``queue_full``; ``slo_unattainable`` for a deadline already past)."""
+        """Go, wait or refuse ``request`` given its model's ``space`` for its band (:func:`room` with its
+        priority). Raises :class:`TooManyRequests` (``queue_full``; ``slo_unattainable`` for a deadline
+        already past)."""
         policy = self.policy
         if request.deadline is not None and request.deadline <= now:
             raise self._error(SLO_UNATTAINABLE, request.model)
-        if (
-            space is Room.OPEN
-            and not self.queues.queued(request.model)
-            and not self.outranked(request.model, request.priority, now)
-        ):
+        if self.goes(request, space, now):
             return Offer(None)
         if space is Room.NONE and policy.waiting_room_s <= 0 and not self.queues.queued(request.model):
             return Offer(None)  # no waiting room: the router answers (503 no_endpoint, 404)
@@ -151,9 +163,20 @@ class FlowControl(Generic[T]):
             raise self._error(QUEUE_FULL, request.model)
         return Offer(pushed.entry, pushed.evicted)
 
+    def goes(self, request: FlowRequest, space: Room, now: float) -> bool:
+        """Whether :meth:`offer` lets ``request`` go at once: ``OPEN`` space for its band, nothing of its
+        model queued at its priority or higher, and no sibling outranking it."""
+        top = self.queues.top_priority(request.model)
+        return (
+            space is Room.OPEN
+            and (top is None or top < request.priority)
+            and not self.outranked(request.model, request.priority, now)
+        )
+
     def next(self, model: str, space: Room, now: float) -> Entry[T] | None:
-        """The next queued request of ``model`` to dispatch while it has ``OPEN`` space and no sibling
-        outranks it at ``now``, else ``None``."""
+        """The next queued request of ``model`` to dispatch while it has ``OPEN`` space for the top queued
+        band (:func:`room` with :meth:`FlowQueues.top_priority`; strict priority: a lower band never goes
+        while a higher one waits) and no sibling outranks it at ``now``, else ``None``."""
         if space is not Room.OPEN:
             return None
         top = self.queues.top_priority(model)

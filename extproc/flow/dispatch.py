@@ -5,8 +5,9 @@ future. :meth:`Dispatcher.kick` (the gateway calls it when capacity may have fre
 a scrape round, a load update from a feed, a stream's end, a policy or fleet change, a sibling's counts)
 schedules one dispatch pass: expired requests are shed (:meth:`Held.shed`), then, per model, queued
 requests are routed (:meth:`Held.resume`, which decides with the fleet's state as it is now and counts the
-request against its pick) while :func:`space` says the model has room. A timer fires the pass again at the
-next expiry. :meth:`Dispatcher.cancel` takes out a stream whose client went away, so it is never routed.
+request against its pick) while :func:`space` says the model has room for its top queued band. A timer
+fires the pass again at the next expiry. :meth:`Dispatcher.cancel` takes out a stream whose client went
+away, so it is never routed.
 
 Sibling workers (:class:`~extproc.control.siblings.SiblingBus`): after each change of the queues the
 dispatcher calls :attr:`Dispatcher.on_tops` if this worker's highest queued priority of some model
@@ -56,13 +57,14 @@ class FlowListener(Protocol):
 
 
 class Dispatcher(Generic[H, R]):
-    """Dispatches ``control``'s queues; ``space(model, now)`` is the model's room now, ``clock`` monotonic
-    seconds (the processors' clock)."""
+    """Dispatches ``control``'s queues; ``space(model, priority, now)`` is the model's room now for a
+    request of that band (:func:`~extproc.flow.control.room`), ``clock`` monotonic seconds (the
+    processors' clock)."""
 
     def __init__(
         self,
         control: FlowControl[H],
-        space: Callable[[str, float], Room],
+        space: Callable[[str, int, float], Room],
         clock: Callable[[], float],
         listener: FlowListener | None = None,
     ) -> None:
@@ -114,8 +116,11 @@ class Dispatcher(Generic[H, R]):
         for entry in control.queues.expire(now):
             self._shed(entry, now)
             changed = True
-        for model in control.queues.models():
-            while (going := control.next(model, self._space(model, now), now)) is not None:
+        queues = control.queues
+        for model in queues.models():
+            while (top := queues.top_priority(model)) is not None and (
+                going := control.next(model, self._space(model, top, now), now)
+            ) is not None:
                 changed = True
                 self._settle(going, going.payload.resume())
                 if self._listener is not None:
@@ -125,7 +130,7 @@ class Dispatcher(Generic[H, R]):
         self._arm()
 
     def _shed(self, entry: Entry[H], now: float) -> None:
-        error = self.control.error(entry, self._space(entry.model, now))
+        error = self.control.error(entry, self._space(entry.model, entry.priority, now))
         log.info(
             "flow control shed a request for model %s (priority %d): %s",
             entry.model,

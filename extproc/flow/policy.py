@@ -6,7 +6,9 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
     flow/saturation            {max_waiting, max_in_flight, max_kv_usage}: every (model, role); a key
                                absent or null is not checked; all absent: never saturated
     flow/models/<model>        the same for one model, with optional "roles": {role: {...}} per role
-    flow/bands/default         {max_requests, max_bytes, max_wait_s}: each priority band's bounds
+    flow/bands/default         {max_requests, max_bytes, max_wait_s, headroom}: each priority band's
+                               bounds; headroom (0..1, default 0) is the share of every saturation limit
+                               the band leaves free for higher bands
     flow/bands/<priority>      the same for one band (an integer; negative: sheddable)
     flow/max_queued            requests queued per model over all bands (default 4096): an arrival past
                                it evicts the newest request of a lower sheddable band, else gets 429
@@ -73,11 +75,15 @@ class ModelSaturation:
 @dataclass(frozen=True, slots=True)
 class BandLimits:
     """A priority band's queue bounds, per model: at most ``max_requests`` queued requests and
-    ``max_bytes`` of queued bodies; a request queued ``max_wait_s`` seconds is shed (429 queue_timeout)."""
+    ``max_bytes`` of queued bodies; a request queued ``max_wait_s`` seconds is shed (429 queue_timeout).
+    ``headroom`` (0 <= h < 1) is the share of each saturation limit the band leaves free for higher
+    bands: for its requests an endpoint is saturated at ``(1 - h) x`` each limit (a slot kept for
+    interactive work while batch work fills the rest; 0: the full limits)."""
 
     max_requests: int = 1024
     max_bytes: int = 256 * 1024 * 1024
     max_wait_s: float = 60.0
+    headroom: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +123,11 @@ class FlowPolicy:
         if priority < 0 and band.max_wait_s > self.sheddable_max_wait_s:
             band = replace(band, max_wait_s=self.sheddable_max_wait_s)
         return band
+
+    def headroom(self, priority: int | None) -> float:
+        """The share of each saturation limit ``priority``'s band leaves free (``None``: 0, the full
+        limits)."""
+        return 0.0 if priority is None else self.band_limits.get(priority, self.bands).headroom
 
     def saturation_for(self, model: str, role: str) -> Saturation:
         """The limits of ``(model, role)``: the model's role's, else the model's, else the default."""
@@ -354,7 +365,15 @@ def parse_band(value: object, where: str) -> BandLimits:
         ),
         max_bytes=int(number(table.get("max_bytes", base.max_bytes), f"{where}.max_bytes", 1, integer=True)),
         max_wait_s=float(number(table.get("max_wait_s", base.max_wait_s), f"{where}.max_wait_s", 0.0)),
+        headroom=_headroom(table.get("headroom", base.headroom), f"{where}.headroom"),
     )
+
+
+def _headroom(value: object, where: str) -> float:
+    share = float(number(value, where, 0.0))
+    if share >= 1.0:
+        raise ConfigError(f"{where}: a share of each saturation limit, 0 <= headroom < 1, got {value!r}")
+    return share
 
 
 def parse_objective(name: str, value: object, where: str) -> Objective:
@@ -381,7 +400,12 @@ def flow_values(policy: FlowPolicy) -> dict[str, object]:
         }
 
     def band(b: BandLimits) -> dict[str, object]:
-        return {"max_requests": b.max_requests, "max_bytes": b.max_bytes, "max_wait_s": b.max_wait_s}
+        return {
+            "max_requests": b.max_requests,
+            "max_bytes": b.max_bytes,
+            "max_wait_s": b.max_wait_s,
+            "headroom": b.headroom,
+        }
 
     out: dict[str, object] = {
         "flow/saturation": sat(policy.saturation),

@@ -339,6 +339,33 @@ class Router:
         seed = chain_seed(request.model, salt=request.cache_salt)
         return self._chains.digests(seed, hashed, tokens.block_size)
 
+    def check_deadline(self, request: ParsedRequest, tokens: Tokens, budget_s: float, now: float) -> None:
+        """Raise :class:`Unattainable` when ``request``, dispatched right now, would miss ``budget_s``
+        seconds on every endpoint its route admits (each confidently predicted, with its prefix match:
+        a lower bound for a request about to wait in flow control's queue, so one shed here could not
+        have been served in time later). Healthy, not draining; nothing is recorded."""
+        predictor = self.predictor
+        route = self._policy.routes.get(request.model)
+        candidates = [
+            s
+            for s in self.fleet
+            if request.model in s.endpoint.models
+            and s.healthy
+            and not s.draining
+            and (route is None or route.admits(s))
+        ]
+        if not candidates or not all(predictor.confident(c.id) for c in candidates):
+            return
+        digests = self.digests(request, tokens)
+        matched = self.index.match(digests, now)
+        block_size = self._policy.block_size
+        best = min(
+            predictor.predict(c, max(0, tokens.count - matched.get(c.id, 0) * block_size), now)
+            for c in candidates
+        )
+        if best > budget_s:
+            raise Unattainable(best, budget_s)
+
     def decide(
         self,
         request: ParsedRequest,

@@ -22,8 +22,9 @@ open loop, every request streamed:
 
 The headers go to every target (the peers ignore them). Targets, each started fresh over the same fleet
 (prefix caches reset before each): ``kvgate-flow`` (``kvgate up``'s Envoy + ext_proc with the ``[flow]``
-settings of :func:`flow_overlay`: at most ``max_num_seqs`` requests in flight per engine, batch queued
-at most ``batch_max_wait_s`` and ``batch_max_requests`` deep, then 429), ``kvgate-no-flow`` (the same
+settings of :func:`flow_overlay`: at most ``max_num_seqs`` requests in flight per engine, of which batch
+fills at most ``(1 - batch_headroom)`` (the rest kept for interactive arrivals), batch queued at most
+``batch_max_wait_s`` and ``batch_max_requests`` deep, then 429), ``kvgate-no-flow`` (the same
 stack with the objectives and no ``[flow]`` limits), ``round-robin`` (plain Envoy), ``sglang-router`` and
 ``vllm-router`` (``--policy cache_aware``; skipped with the reason when they cannot be installed).
 
@@ -127,6 +128,7 @@ class FlowConfig:
     ttft_ms: float = 1000.0
     batch_max_requests: int = 32
     batch_max_wait_s: float = 10.0
+    batch_headroom: float = 0.25
     seed: int = 1
 
     def sim_args(self) -> tuple[str, ...]:
@@ -175,7 +177,8 @@ def flow_overlay(config: FlowConfig, limits: bool) -> dict[str, Any]:
     """The gateway config laid over ``kvgate up``'s: the two objectives (an unknown objective is a 400),
     and with ``limits`` flow control: the interactive TTFT target (a deadline: predicted or past, a 429
     ``slo_unattainable``) and the ``[flow]`` settings (per engine at most ``max_num_seqs`` in flight;
-    batch band bounds). Without ``limits`` the objectives carry no deadline, so nothing is held or shed."""
+    batch band bounds and headroom). Without ``limits`` the objectives carry no deadline, so nothing is
+    held or shed."""
     interactive: dict[str, Any] = {"priority": 1}
     if limits:
         interactive["ttft_ms"] = config.ttft_ms
@@ -184,7 +187,11 @@ def flow_overlay(config: FlowConfig, limits: bool) -> dict[str, Any]:
         overlay["flow"] = {
             "saturation": {"max_in_flight": config.max_num_seqs},
             "bands": {
-                "0": {"max_requests": config.batch_max_requests, "max_wait_s": config.batch_max_wait_s}
+                "0": {
+                    "max_requests": config.batch_max_requests,
+                    "max_wait_s": config.batch_max_wait_s,
+                    "headroom": config.batch_headroom,
+                }
             },
             "fairness": "tokens",
         }
@@ -553,6 +560,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--multiplier", type=float, help="arrival rate over measured capacity (default 1.5)")
     p.add_argument("--replicas", type=int, help="simulated replicas (default 2)")
     p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    p.add_argument(
+        "--batch-headroom",
+        type=float,
+        help="share of each engine's in-flight limit the batch band leaves to interactive (default 0.25)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -562,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("multiplier", args.multiplier),
         ("replicas", args.replicas),
         ("seed", args.seed),
+        ("batch_headroom", args.batch_headroom),
     ):
         if value is not None:
             config = replace(config, **{key: value})

@@ -71,8 +71,8 @@ class Worker:
         assert state is not None
         return state.load
 
-    def space(self, model: str, now: float) -> Room:
-        return room(POLICY, model, list(self.router.fleet), now)
+    def space(self, model: str, priority: int, now: float) -> Room:
+        return room(POLICY, model, list(self.router.fleet), now, priority)
 
     def route(self, name: str) -> Decision:
         body = orjson.dumps({"model": M, "prompt": f"{name} " * 40})
@@ -85,7 +85,7 @@ class Worker:
     def hold(self, name: str, priority: int) -> asyncio.Future[Decision]:
         now = time.monotonic()
         offer = self.control.offer(
-            FlowRequest(M, priority, "f", 1.0, 10), Stream(self, name), self.space(M, now), now
+            FlowRequest(M, priority, "f", 1.0, 10), Stream(self, name), self.space(M, priority, now), now
         )
         assert offer.held is not None, f"{name} was not held"
         return self.dispatcher.wait(offer.held)

@@ -356,7 +356,7 @@ def test_file_mode_flow_and_objectives(tmp_path: Path, capsys: pytest.CaptureFix
         '"max_waiting":null}}}' in lines
     )
     assert 'objectives/interactive={"priority":1,"tpot_ms":null,"ttft_ms":500.0}' in lines
-    assert 'flow/bands/-1={"max_bytes":268435456,"max_requests":64,"max_wait_s":60.0}' in lines
+    assert 'flow/bands/-1={"headroom":0.0,"max_bytes":268435456,"max_requests":64,"max_wait_s":60.0}' in lines
 
 
 def test_file_mode_defaults_from_a_gateway_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

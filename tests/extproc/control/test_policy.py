@@ -123,7 +123,12 @@ def test_flow_and_objectives() -> None:
     assert store.get("objectives/interactive") == {"priority": 2, "ttft_ms": 500.0, "tpot_ms": None}
     assert store.get("objectives/undefined") is None and store.get("flow/models/m") is None
     assert store.get("flow/bands/7") == store.get("flow/bands/default")  # no bounds of its own
-    assert store.get("flow/bands/-1") == {"max_requests": 4, "max_bytes": 256 << 20, "max_wait_s": 60.0}
+    assert store.get("flow/bands/-1") == {
+        "max_requests": 4,
+        "max_bytes": 256 << 20,
+        "max_wait_s": 60.0,
+        "headroom": 0.0,
+    }
     policy = store.delete("objectives/interactive")
     assert policy is not None and "interactive" not in policy.flow.objectives
     assert "flow/" in KNOWN_PATHS and "objectives/<name>" in KNOWN_PATHS
@@ -263,7 +268,12 @@ def test_effective_lists_every_path() -> None:
     assert effective["models/m"] == {"labels": {"a": "b"}, "profile": None}
     assert effective["flow/fairness"] == "tokens" and effective["flow/retry_after_s"] == 1
     assert effective["flow/bands/default"] == store.get("flow/bands/default")
-    assert effective["flow/bands/default"] == {"max_requests": 1024, "max_bytes": 1 << 28, "max_wait_s": 60.0}
+    assert effective["flow/bands/default"] == {
+        "max_requests": 1024,
+        "max_bytes": 1 << 28,
+        "max_wait_s": 60.0,
+        "headroom": 0.0,
+    }
     assert not any(p.startswith("objectives/") for p in effective)  # none defined
     assert not any(p.startswith("profiles/") for p in effective)
     assert list(effective) == sorted(effective)

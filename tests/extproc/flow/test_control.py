@@ -87,6 +87,27 @@ def test_saturated(limits: Saturation, endpoint: EndpointState, expected: bool) 
     assert saturated(limits, endpoint) is expected
 
 
+@pytest.mark.parametrize(
+    ("limits", "endpoint", "headroom", "expected"),
+    [
+        # a band with headroom h sees (1 - h) x each limit: 8 in flight, h 0.25 -> full at 6
+        (Saturation(max_in_flight=8), state(in_flight=5), 0.25, False),
+        (Saturation(max_in_flight=8), state(in_flight=6), 0.25, True),
+        (Saturation(max_in_flight=8), state(in_flight=6), 0.0, False),
+        (Saturation(max_waiting=4), state(running=0, waiting=2), 0.5, True),
+        (Saturation(max_waiting=4), state(running=0, waiting=1), 0.5, False),
+        (Saturation(max_kv_usage=0.8), state(running=0, kv=0.61), 0.25, True),
+        (Saturation(max_kv_usage=0.8), state(running=0, kv=0.59), 0.25, False),
+        # no limit: headroom changes nothing
+        (Saturation(), state(in_flight=100), 0.9, False),
+    ],
+)
+def test_saturated_with_a_bands_headroom(
+    limits: Saturation, endpoint: EndpointState, headroom: float, expected: bool
+) -> None:
+    assert saturated(limits, endpoint, headroom) is expected
+
+
 # --- room ------------------------------------------------------------------------------------------------
 
 LIMITED = FlowPolicy(saturation=Saturation(max_in_flight=2))
@@ -132,6 +153,28 @@ def test_room(policy: FlowPolicy, states: list[EndpointState], expected: Room) -
     assert room(policy, M, states, now=10.0) is expected
 
 
+HEADROOM = FlowPolicy(
+    saturation=Saturation(max_in_flight=8),
+    band_limits=types.MappingProxyType({0: BandLimits(headroom=0.25), -1: BandLimits(headroom=0.5)}),
+)
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "priority", "expected"),
+    [
+        (5, 0, Room.OPEN),
+        (6, 0, Room.FULL),  # batch leaves 2 of 8 slots free
+        (6, 1, Room.OPEN),  # a band without headroom of its own sees the full limit
+        (7, None, Room.OPEN),
+        (8, 1, Room.FULL),
+        (3, -1, Room.OPEN),
+        (4, -1, Room.FULL),
+    ],
+)
+def test_room_per_band(in_flight: int, priority: int | None, expected: Room) -> None:
+    assert room(HEADROOM, M, [state(in_flight=in_flight)], now=0.0, priority=priority) is expected
+
+
 def test_room_of_a_model_without_its_own_limits_uses_the_default() -> None:
     other = state(models=("other",), role="prefill", in_flight=2)
     assert room(BY_ROLE, "other", [other], now=0.0) is Room.FULL
@@ -173,6 +216,18 @@ def test_offer(
         assert offer.held.payload == "r"
         assert (offer.held.expires, offer.held.reason) == (expires, reason)
     assert offer.evicted == ()
+
+
+def test_a_higher_band_goes_past_queued_lower_ones_but_not_past_its_own() -> None:
+    control = FlowControl[str]()
+    assert control.offer(request(priority=0), "batch", Room.FULL, now=0.0).held is not None
+    # room for priority 1 (batch sees none, its headroom kept free): it goes at once
+    assert control.offer(request(priority=1), "interactive", Room.OPEN, now=1.0).held is None
+    assert control.offer(request(priority=1), "late", Room.FULL, now=2.0).held is not None
+    # a request of a queued band waits behind it, even with room
+    assert control.offer(request(priority=1), "next", Room.OPEN, now=3.0).held is not None
+    assert control.offer(request(priority=0), "batch2", Room.OPEN, now=3.0).held is not None
+    assert len(control.queues) == 4
 
 
 def test_offer_goes_when_only_another_model_has_requests_queued() -> None:

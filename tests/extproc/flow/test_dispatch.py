@@ -53,7 +53,7 @@ def setup(
     space = {"m": Room.FULL}
     listener = Listener()
     dispatcher: Dispatcher[Stream, list[str]] = Dispatcher(
-        control, lambda model, now: space[model], time.monotonic, listener
+        control, lambda model, priority, now: space[model], time.monotonic, listener
     )
     return control, space, dispatcher, listener
 
@@ -117,4 +117,28 @@ async def test_evicted_streams_are_answered_at_once() -> None:
     assert not batch_future.done()
     assert listener.events == [("shed", "queue_full")]
     assert listener.last_depth == {("m", 0): 1, ("m", 3): 1}
+    dispatcher.close()
+
+
+async def test_a_pass_asks_for_room_per_band_and_stops_at_a_band_with_none() -> None:
+    """The room a pass asks for is the top queued band's: a band whose headroom leaves it no room stays
+    queued while a higher band (room up to the full limit) goes; nothing below a blocked band overtakes."""
+    control: FlowControl[Stream] = FlowControl(FlowPolicy())
+    asked: list[int] = []
+
+    def space(model: str, priority: int, now: float) -> Room:
+        asked.append(priority)
+        return Room.OPEN if priority >= 1 else Room.FULL
+
+    dispatcher: Dispatcher[Stream, list[str]] = Dispatcher(control, space, time.monotonic)
+    log: list[str] = []
+    futures = {}
+    for name, priority in (("batch", 0), ("sheddable", -1), ("interactive", 1)):
+        offer = control.offer(request(priority), Stream(name, log), Room.FULL, time.monotonic())
+        assert offer.held is not None
+        futures[name] = dispatcher.wait(offer.held)
+    assert await asyncio.wait_for(futures["interactive"], timeout=5) == ["routed interactive"]
+    assert log == ["routed interactive"]
+    assert 1 in asked and 0 in asked and -1 not in asked
+    assert not futures["batch"].done() and not futures["sheddable"].done()
     dispatcher.close()

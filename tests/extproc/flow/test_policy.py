@@ -51,6 +51,11 @@ GOOD: list[tuple[str, object, FlowPolicy]] = [
         FlowPolicy(band_limits=types.MappingProxyType({-1: BandLimits(max_bytes=1024, max_wait_s=0.5)})),
     ),
     ("flow/bands/2", {}, FlowPolicy(band_limits=types.MappingProxyType({2: BandLimits()}))),
+    (
+        "flow/bands/0",
+        {"headroom": 0.25},
+        FlowPolicy(band_limits=types.MappingProxyType({0: BandLimits(headroom=0.25)})),
+    ),
     ("flow/sheddable_max_wait_s", 0, FlowPolicy(sheddable_max_wait_s=0.0)),
     ("flow/waiting_room_s", 2.5, FlowPolicy(waiting_room_s=2.5)),
     ("flow/fairness", "requests", FlowPolicy(fairness="requests")),
@@ -89,6 +94,9 @@ BAD: list[tuple[str, object, str]] = [
     ("flow/bands/default", {"max_requests": 0}, "max_requests: must be finite and >= 1"),
     ("flow/bands/default", {"max_requests": 1.5}, "expected an integer"),
     ("flow/bands/default", {"max_wait_s": -1}, "max_wait_s: must be finite and >= 0"),
+    ("flow/bands/0", {"headroom": 1}, "0 <= headroom < 1"),
+    ("flow/bands/0", {"headroom": -0.1}, "headroom: must be finite and >= 0"),
+    ("flow/bands/0", {"headroom": "0.2"}, "headroom: expected a number"),
     ("flow/bands/high", {}, "a band is named by its priority"),
     ("flow/bands/01", {}, "a band is named by its priority"),  # one band, one path
     ("flow/bands/+1", {}, "a band is named by its priority"),
@@ -146,6 +154,8 @@ def test_limits_and_saturation_lookup() -> None:
     assert policy.saturation_for("m", "prefill") == Saturation(max_waiting=8.0)  # the default
     assert policy.saturation_for("other", "both") == Saturation(max_waiting=8.0)
     assert policy.holds and not FlowPolicy().holds
+    headroom = apply_flow(policy, {"flow/bands/0": {"headroom": 0.5}})
+    assert (headroom.headroom(0), headroom.headroom(1), headroom.headroom(None)) == (0.5, 0.0, 0.0)
 
 
 def test_flow_values_is_the_inverse_of_apply_flow() -> None:

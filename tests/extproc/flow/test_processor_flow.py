@@ -280,3 +280,54 @@ def test_predictions_without_confidence_never_shed(router: Router) -> None:
     proc = make(router, control)  # nothing learned: the prior alone
     reply(send(proc, {"x-kvgate-deadline-ms": "1"}, content="word " * 4000))
     assert proc.decision is not None
+
+
+def test_a_bands_headroom_holds_batch_while_interactive_goes_at_once(router: Router) -> None:
+    """Batch (priority 0, headroom 0.5) sees half of each engine's 2 slots: one batch request per engine
+    fills them for batch, the next is held; an interactive request still goes at once, into the slot
+    batch left free, and the held batch request is routed only when an engine is back under its half."""
+    policy = FlowPolicy(
+        saturation=Saturation(max_in_flight=2),
+        band_limits={0: BandLimits(headroom=0.5)},
+        objectives={o.name: o for o in (INTERACTIVE, BATCH)},
+    )
+    control: FlowControl[StreamProcessor] = FlowControl(policy)
+    batch = {"x-llm-d-inference-objective": "batch"}
+    for _ in range(3):
+        reply(send(make(router, control), batch))
+    assert flow_room(policy, router, MODEL, NOW, 0) is Room.FULL
+    assert flow_room(policy, router, MODEL, NOW, 1) is Room.OPEN
+    held = make(router, control)
+    send(held, batch)
+    assert held.held is not None
+    urgent = make(router, control)
+    reply(send(urgent, {"x-llm-d-inference-objective": "interactive"}))
+    assert urgent.held is None and urgent.decision is not None
+    assert max(s.load for s in router.fleet) == 2  # the interactive request took a kept slot
+    assert control.next(MODEL, flow_room(policy, router, MODEL, NOW, 0), NOW) is None
+    scrape_idle(router)
+    entry = control.next(MODEL, flow_room(policy, router, MODEL, NOW, 0), NOW)
+    assert entry is held.held
+    reply(entry.payload.resume())
+    assert held.decision is not None
+
+
+def test_a_request_that_would_wait_is_shed_at_arrival_when_even_routing_now_would_miss(
+    router: Router,
+) -> None:
+    """The fleet is saturated, so a request with a deadline would be queued; every engine is confidently
+    predicted to miss its deadline even if it were routed now (a lower bound of what waiting gives), so
+    it gets 429 slo_unattainable at arrival instead of waiting out its deadline in the queue. One whose
+    deadline the engines can meet is queued as usual."""
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    for state in router.fleet:
+        if MODEL in state.endpoint.models:
+            teach(router, state.id, seconds_per_token=0.01)
+    fill(router, control)
+    proc = make(router, control)
+    status, err, _ = error(send(proc, {"x-kvgate-deadline-ms": "300"}, content="word " * 400))
+    assert (status, err["code"]) == (429, "slo_unattainable")
+    assert proc.held is None and len(control.queues) == 0 and proc.refused == "slo_unattainable"
+    waits = make(router, control)
+    send(waits, {"x-kvgate-deadline-ms": "60000"}, content="word " * 400)
+    assert waits.held is not None and len(control.queues) == 1

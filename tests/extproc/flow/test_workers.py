@@ -147,7 +147,7 @@ class Stream:
 
 
 def dispatcher(space: Room = Room.OPEN) -> Dispatcher[Stream, list[str]]:
-    return Dispatcher(FlowControl(), lambda model, now: space, time.monotonic)
+    return Dispatcher(FlowControl(), lambda model, priority, now: space, time.monotonic)
 
 
 async def test_the_dispatcher_announces_each_change_of_its_queued_tops() -> None:
