@@ -209,6 +209,7 @@ class Gateway:
         self.fleet.on_reading = self.dispatcher.kick
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
         self.gate = build_gate(config.auth, config.tenants)
+        shared = None
         if self.gate is not None:  # etcd tenants/<id>, and token budgets shared with the other replicas
             shared = SharedAdmission(self.gate)
             self.cluster.share_admission(shared.tenants, shared.usage, self.gate.config.usage_sync_s)
@@ -230,6 +231,8 @@ class Gateway:
                 worker or f"pid{os.getpid()}",
                 self.router,
                 flow=self.dispatcher,  # strict priority across the workers: each one's queued tops
+                # token budgets across the workers (with etcd, usage/ carries them to every replica)
+                usage=shared.usage if shared is not None and self.cluster.usage is None else None,
             )
             if config.extproc.siblings_dir
             else None

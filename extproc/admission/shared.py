@@ -124,6 +124,10 @@ class UsageLedger:
         self._published.update(changed)
         return changed
 
+    def counters(self) -> Mapping[str, int]:
+        """This replica's counters now, every limited tenant it charged (what sibling workers are sent)."""
+        return self._budgets.charged
+
     def observe(self, tenant_id: str, replica: str, value: bytes | None, *, backlog: bool, now: float) -> int:
         """Another replica's counter for ``tenant_id`` is ``value`` (``None``: gone); returns the tokens
         charged to this replica's bucket (negative: refunded; 0 when the tenant is unknown or unlimited)."""

@@ -21,7 +21,19 @@ shared here, so every worker schedules on what the whole host routed:
   receiver's flow control holds a request of priority ``p`` back while a sibling reports more than ``p``
   queued for its model (strict priority across the host's workers), trusting a report for at most
   ``EXPIRE_S`` after it was heard (a silent sibling holds nothing back for longer); a report whose top
-  fell or left, or a sibling that expires, runs a dispatch pass.
+  fell or left, or a sibling that expires, runs a dispatch pass;
+- **usage** (only when the gateway has no etcd, which otherwise carries it: ``usage/<tenant>/<replica>``):
+  the tokens the sender's own requests charged each tenant's budget since it started (absolute counters,
+  :attr:`~extproc.admission.budget.TokenBudgets.charged`), with the sender's start time, when they change
+  (coalesced) and with every heartbeat. The receiver hands each counter to its usage ledger
+  (:class:`~extproc.admission.shared.UsageLedger`) as the replica ``<sender>@<start>``, which charges its
+  own bucket of that tenant with the change since last seen: every worker's budget sees the whole host's
+  spending. Every heartbeat carries the counters, an empty message when there are none yet. The first
+  message heard from a sibling that started before the receiver is a baseline (its counters hold
+  spending from before the receiver existed, charged nothing; spending between the receiver's start and
+  that message, at most a heartbeat, is not charged); every later change, a tenant it names later, and
+  everything of a sibling that started after the receiver are charged; a restarted worker is a new
+  replica (a new start), so its counter starting again from 0 is no refund.
 
 Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
 mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
@@ -29,14 +41,16 @@ Sending never blocks and never fails a request: a full receiver queue drops the 
 absolute, so the next one repairs it; a dropped decision is one the sibling does not learn), a sibling
 that went away is skipped until it binds again. Workers on other hosts share only through feeds and etcd.
 
-Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`decode`): a header
-``magic "KVS2", kind (1 learned, 2 loads), sender length`` and the sender's name; learned: records of
-``endpoint length, digest count, endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram
-of a snapshot, which replaces the sender's counts and queued tops), a count of queued tops (0 after the
-first datagram) and that many ``model length, priority (signed), model``, then entries ``endpoint
-length, in_flight, net routed (signed), endpoint``. Integers are network order. No JSON: a record is a
-few ``struct`` packs and a join. ``KVS2`` added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop
-each other's datagrams (so share nothing) until both run the same version.
+Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`encode_usage` /
+:func:`decode`): a header ``magic "KVS2", kind (1 learned, 2 loads, 3 usage), sender length`` and the
+sender's name; learned: records of ``endpoint length, digest count, endpoint, 16-byte digests``; loads:
+a flag byte (1: the first datagram of a snapshot, which replaces the sender's counts and queued tops), a
+count of queued tops (0 after the first datagram) and that many ``model length, priority (signed),
+model``, then entries ``endpoint length, in_flight, net routed (signed), endpoint``; usage: the sender's
+start (nanoseconds since the epoch, 64 bits), then entries ``tenant length, counter (signed 64 bits),
+tenant``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join. ``KVS2``
+added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop each other's datagrams (so share
+nothing) until both run the same version; a worker built before kind 3 drops those datagrams alone.
 """
 
 from __future__ import annotations
@@ -63,7 +77,7 @@ from extproc.routing.router import Router
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVS2"
-LEARNED, LOADS = 1, 2
+LEARNED, LOADS, USAGE = 1, 2, 3
 #: Largest datagram sent (bytes): far below Linux's Unix datagram limit (the socket's send buffer).
 MAX_DATAGRAM = 60_000
 #: Changed loads and new records wait this long (s) to share one send per sibling.
@@ -87,6 +101,9 @@ _FLAGS = struct.Struct("!B")
 _ENTRY = struct.Struct("!HIi")
 _TOPS = struct.Struct("!H")
 _TOP = struct.Struct("!Hi")
+_STARTED = struct.Struct("!Q")
+_COUNTER = struct.Struct("!Hq")
+_MIN_COUNTER, _MAX_COUNTER = -(2**63), 2**63 - 1
 
 
 class MessageError(ValueError):
@@ -111,6 +128,27 @@ class Loads:
     replace: bool
     counts: dict[EndpointId, tuple[int, int]]
     tops: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A sibling's token counters per tenant (tokens its own requests charged each budget since it
+    started) and its start (nanoseconds since the epoch: which process of that worker name)."""
+
+    sender: str
+    started_ns: int
+    counters: dict[str, int]
+
+
+class SiblingUsage(Protocol):
+    """This worker's token-budget ledger as the bus sees it (:class:`~extproc.admission.shared.UsageLedger`):
+    its own counters to send, the siblings' to charge."""
+
+    def counters(self) -> Mapping[str, int]: ...
+
+    def observe(
+        self, tenant_id: str, replica: str, value: bytes | None, *, backlog: bool, now: float
+    ) -> int: ...
 
 
 class SiblingFlow(Protocol):
@@ -195,11 +233,34 @@ def encode_loads(
     return out
 
 
+def encode_usage(
+    sender: str, started_ns: int, counters: Mapping[str, int], limit: int = MAX_DATAGRAM
+) -> list[bytes]:
+    """``counters`` (tenant id -> tokens) in datagrams of at most ``limit`` bytes, each carrying the
+    sender's start (no counters: one datagram without entries, which says the sender has charged
+    nothing yet). Counters are clamped to 64 bits."""
+    head = _header(USAGE, sender) + _STARTED.pack(started_ns)
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    size = len(head)
+    for tenant, counter in counters.items():
+        name = tenant.encode()
+        entry = _COUNTER.pack(len(name), min(max(counter, _MIN_COUNTER), _MAX_COUNTER)) + name
+        if size + len(entry) > limit and parts:
+            out.append(head + b"".join(parts))
+            parts, size = [], len(head)
+        parts.append(entry)
+        size += len(entry)
+    if parts or not out:
+        out.append(head + b"".join(parts))
+    return out
+
+
 def _loads_datagram(head: bytes, tops: Sequence[bytes], entries: Sequence[bytes], *, first: bool) -> bytes:
     return head + _FLAGS.pack(first) + _TOPS.pack(len(tops)) + b"".join(tops) + b"".join(entries)
 
 
-def decode(data: bytes) -> Learned | Loads:
+def decode(data: bytes) -> Learned | Loads | Usage:
     """The message in ``data``; :class:`MessageError` for anything else (truncated, another version)."""
     try:
         magic, kind, name_len = _HEAD.unpack_from(data)
@@ -244,6 +305,18 @@ def decode(data: bytes) -> Learned | Loads:
                 counts[EndpointId(data[at : at + eid_len].decode())] = (in_flight, routed)
                 at += eid_len
             return Loads(sender, bool(flags & 1), counts, tops)
+        if kind == USAGE:
+            (started_ns,) = _STARTED.unpack_from(data, at)
+            at += _STARTED.size
+            counters: dict[str, int] = {}
+            while at < len(data):
+                name_len, counter = _COUNTER.unpack_from(data, at)
+                at += _COUNTER.size
+                if at + name_len > len(data):
+                    raise MessageError("truncated usage entry")
+                counters[data[at : at + name_len].decode()] = counter
+                at += name_len
+            return Usage(sender, started_ns, counters)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MessageError(f"malformed sibling message: {exc}") from exc
     raise MessageError(f"unknown message kind {kind}")
@@ -316,6 +389,7 @@ class SiblingBus:
         router: Router,
         *,
         flow: SiblingFlow | None = None,
+        usage: SiblingUsage | None = None,
         clock: Callable[[], float] = time.monotonic,
         coalesce_s: float = COALESCE_S,
         heartbeat_s: float = HEARTBEAT_S,
@@ -329,6 +403,13 @@ class SiblingBus:
             raise ConfigError(f"extproc.siblings_dir: {directory} is too long for a Unix socket path")
         self._router = router
         self._flow = flow
+        self._usage = usage
+        self._usage_sent: dict[str, int] = {}
+        self._usage_beat = True
+        self._usage_known: set[str] = set()  # sibling replicas (name@start) heard from
+        #: This process's start (ns since the epoch): siblings tell its usage counters from a restarted
+        #: worker's of the same name by it.
+        self.started_ns = time.time_ns()
         self._clock = clock
         self._coalesce_s, self._heartbeat_s = coalesce_s, heartbeat_s
         self.loads = SiblingLoads(expire_s)
@@ -408,7 +489,22 @@ class SiblingBus:
             self._loads_changed = False
             tops = self._flow.queued_tops() if self._flow is not None else None
             datagrams += encode_loads(self.name, local_loads(self._router.fleet), tops=tops)
+        datagrams += self._usage_due(force=self._usage_beat)
+        self._usage_beat = False
         self._send(datagrams)
+
+    def _usage_due(self, *, force: bool) -> list[bytes]:
+        """The usage datagrams to send: all counters when one changed since the last send (sent with the
+        loads, which change with every routed and completed request; and with every heartbeat); none
+        without a ledger or counters."""
+        if self._usage is None:
+            return []
+        counters = dict(self._usage.counters())
+        if counters == self._usage_sent and not force:
+            return []
+        self._usage_sent = counters
+        return encode_usage(self.name, self.started_ns, counters)
+
 
     def _send(self, datagrams: Sequence[bytes]) -> None:
         sock = self._sock
@@ -449,6 +545,7 @@ class SiblingBus:
             if gone:
                 self.loads.write(self._router.fleet)
             self._loads_changed = True
+            self._usage_beat = True  # the heartbeat repeats the counters (a dropped datagram heals)
             if self._flush_handle is None:
                 self._flush()
 
@@ -474,6 +571,8 @@ class SiblingBus:
                 continue
             if isinstance(message, Learned):
                 self.learn(message, self._clock())
+            elif isinstance(message, Usage):
+                self.charge(message, self._clock())
             else:
                 now = self._clock()
                 if self.loads.apply(message, now):
@@ -487,6 +586,22 @@ class SiblingBus:
                 for sender, tops, until in reports:
                     self._flow.sibling_heard(sender, tops, until)
                 self._flow.kick()  # a sibling's counts fell: a held request may fit now
+
+    def charge(self, message: Usage, now: float) -> None:
+        """Hand a sibling's token counters to this worker's ledger (the module docstring: the counters of
+        a sibling that started before this worker are a baseline in the first message heard from it; a
+        tenant it names later, or any counter of a sibling that started after, is charged in full)."""
+        if self._usage is None:
+            return
+        replica = f"{message.sender}@{message.started_ns}"
+        baseline = replica not in self._usage_known and message.started_ns < self.started_ns
+        self._usage_known.add(replica)
+        for tenant, counter in message.counters.items():
+            self._usage.observe(tenant, replica, str(counter).encode(), backlog=baseline, now=now)
+
+    def usage_heard(self, sender: str) -> bool:
+        """Whether a usage message of sibling ``sender`` (any start) has been heard."""
+        return any(r.split("@", 1)[0] == sender for r in self._usage_known)
 
     def learn(self, message: Learned, now: float) -> None:
         """Record a sibling's decisions in this worker's index and working set (endpoints this worker
