@@ -13,6 +13,10 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   config uses it with ``--fail-open``, the only mode in which Envoy can go on without its processor): the
   headers are answered at once with no change, the body comes whole, and its answer carries the same
   header mutation, metadata and body (a body reply's header mutation applies in this mode only);
+* a request its model's route disaggregates (:mod:`extproc.disagg`): after the decision the replies wait
+  while the shell sends the prefill half itself (:attr:`StreamProcessor.handoff`; Envoy's message timeout
+  extended past its bound); :meth:`StreamProcessor.handed_off` then sends the request to its decode
+  endpoint with the prefill engine's ``kv_transfer_params``, or whole (aggregated) when the prefill failed;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
@@ -85,6 +89,9 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
+from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.plan import Disaggregator, Handoff, Verdict
+from extproc.disagg.protocol import decode_body, parse_request, prefill_body, transfer_params
 from extproc.errors import (
     BadRequest,
     Forbidden,
@@ -188,8 +195,17 @@ class StreamProcessor:
         clock: Callable[[], float],
         gate: Gate | None = None,
         flow: FlowControl[StreamProcessor] | None = None,
+        disagg: Disaggregator | None = None,
     ) -> None:
         self._router = router
+        self._disagg = disagg
+        #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
+        self.pd: Verdict | None = None
+        #: The prefill sub-request the shell must send before the replies (:meth:`handed_off`).
+        self.handoff: SubRequest | None = None
+        #: How the handoff ended: ``disaggregated``, or the reason it fell back to aggregated.
+        self.handoff_outcome: str | None = None
+        self._pending: _Pending | None = None
         self._config = config
         self._clock = clock
         self._gate = gate
@@ -279,6 +295,9 @@ class StreamProcessor:
 
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
+        if self._pending is not None and self._disagg is not None:
+            self._disagg.release(self._pending.pair)  # the client left during the prefill
+            self._pending = self.handoff = None
         if self.decision is not None:
             self._router.commit(self.decision, self._clock())
             self._router.finish(self.decision)
@@ -439,8 +458,7 @@ class StreamProcessor:
         if cap is None:
             return []
         seconds = min(cap, max(1.0, entry.expires - self._clock() + HOLD_SLACK_S))
-        timeout = Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
-        return [pb.ProcessingResponse(override_message_timeout=timeout)]
+        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
 
     def _flow_request(self, policy: FlowPolicy, prepared: _Prepared) -> FlowRequest:
         """Flow control's view of the request: its objective's priority (header, checked against the
@@ -532,14 +550,25 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
+        if self._disagg is not None:
+            self.pd = self._disagg.plan(self.decision, decided)
+            if self.pd is not None and self.pd.handoff is not None:
+                return self._begin_handoff(self.pd.handoff, prepared, started, decided)
+        return self._replies(request.stream, body, started, decided)
+
+    def _replies(
+        self, stream: bool, body: bytes, started: float, decided: float
+    ) -> list[pb.ProcessingResponse]:
+        """The replies that send the decided request, with ``body``, to its pick."""
         decision = self.decision
+        assert decision is not None, "replies only after a decision"
         destination = decision.destination
         pick = decision.endpoints[0]
         set_headers = [
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
             _header(MODEL_HEADER, decision.model),
-            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, request.stream)),
+            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, stream)),
         ]
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
@@ -582,6 +611,58 @@ class StreamProcessor:
         for off in range(0, len(body), MAX_CHUNK):
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
+
+    def _begin_handoff(
+        self, pair: Handoff, prepared: _Prepared, started: float, decided: float
+    ) -> list[pb.ProcessingResponse]:
+        """Hold the replies while the shell sends the prefill half (:attr:`handoff`, vLLM's protocol:
+        :mod:`extproc.disagg.protocol`); Envoy's message timeout is extended past the prefill's bound."""
+        doc = parse_request(prepared.body)
+        headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
+        self.handoff = SubRequest(
+            pair.prefill.address,
+            self._headers.get(":path", "/"),
+            prefill_body(doc),
+            pair.timeout_s,
+            headers,
+        )
+        self._pending = _Pending(pair, doc, prepared, started, decided)
+        cap = self._config.hold_timeout_s
+        if cap is None:
+            return []
+        seconds = min(cap, pair.timeout_s + HOLD_SLACK_S)
+        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+
+    def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
+        """The prefill half ended: ``answer`` the prefill engine's 2xx body, else ``failure`` (a reason:
+        ``timeout``, ``unreachable``, ``status``). With the engine's transfer params the decode endpoint gets
+        the body that fetches the prompt's KV; otherwise it serves the request whole (aggregated). Then the
+        replies that send it there."""
+        pending, self._pending, self.handoff = self._pending, None, None
+        assert pending is not None and self._disagg is not None, "handed_off() only after a handoff"
+        self._disagg.release(pending.pair)
+        body = pending.prepared.body
+        try:
+            if answer is not None:
+                try:
+                    body = decode_body(pending.doc, transfer_params(answer))
+                except HandoffFailed as exc:
+                    failure = exc.reason
+            self.handoff_outcome = "disaggregated" if failure is None else failure
+            if failure is not None:
+                log.warning(
+                    "request %s: prefill on %s failed (%s); served aggregated on %s",
+                    self.request_id,
+                    pending.pair.prefill.endpoint.id,
+                    failure,
+                    pending.pair.decode.endpoint.id,
+                )
+            return self._replies(pending.prepared.request.stream, body, pending.started, pending.decided)
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
 
     def _answer(self, path: str) -> list[pb.ProcessingResponse]:
         """A request for a path the gateway answers itself (``/v1/models``, the probes), else 404."""
@@ -671,6 +752,33 @@ class StreamProcessor:
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
+
+
+@dataclass(frozen=True, slots=True)
+class SubRequest:
+    """A request the gateway itself sends before answering Envoy: POST ``body`` (JSON) to ``path`` at
+    ``address`` (``ip:port``) within ``timeout_s`` seconds, with ``headers``."""
+
+    address: str
+    path: str
+    body: bytes
+    timeout_s: float
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A disaggregated request between its decision and the end of its prefill half."""
+
+    pair: Handoff
+    doc: dict[str, object]
+    prepared: _Prepared
+    started: float
+    decided: float
+
+
+def _duration(seconds: float) -> Duration:
+    return Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
 
 
 class _Internal(GatewayError):

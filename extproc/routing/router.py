@@ -71,6 +71,8 @@ MAX_OPEN_REQUESTS = 65_536
 #: Seconds a routed request counts as outstanding without a completion (a lost log, a stream Envoy
 #: never proxied): longer than any request's own bound.
 OPEN_TTL_S = 900.0
+#: The role of endpoints that only compute prompts for a decode endpoint (:mod:`extproc.disagg`).
+PREFILL_ROLE = "prefill"
 
 
 class Unattainable(Exception):
@@ -368,6 +370,8 @@ class Router:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
             )
+        # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them).
+        candidates = [s for s in candidates if s.endpoint.role != PREFILL_ROLE]
         policy = self._policy
         route = policy.routes.get(request.model)
         profile = policy.profile
