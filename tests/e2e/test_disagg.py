@@ -1,15 +1,18 @@
 """End to end, disaggregated: the OpenAI SDK -> real Envoy -> ext_proc -> a prefill/decode pair of
 simulated vLLM replicas (``kvgate up --prefill 2 --decode 1``, the model's route ``conditional`` from 256
-uncached tokens). The engines' own counters and logs say who prefilled and who decoded."""
+uncached tokens). The engines' own counters, logs and KV events say who prefilled and who decoded."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import openai
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.errors import ConfigError
@@ -20,6 +23,14 @@ from tests.e2e.conftest import FAST_SIM
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 256
+#: Every replica publishes vLLM KV events (ZMQ, ephemeral ports; read back here through replay).
+KV_EVENTS = json.dumps(
+    {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+    }
+)
 #: ~700 prompt tokens: past the threshold for any decode replica that does not hold it.
 LONG = "Disaggregated serving computes the prompt on one replica and decodes on another. " * 50
 
@@ -35,7 +46,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         prefill=2,
         decode=1,
         port=0,
-        sim_args=FAST_SIM,
+        sim_args=(*FAST_SIM, "--kv-events-config", KV_EVENTS),
         workdir=tmp_path_factory.mktemp("pd-stack"),
         disaggregation={"mode": "conditional", "min_uncached_tokens": THRESHOLD, "prefill_timeout_s": 20},
     )
@@ -82,6 +93,27 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in before if after[k] != before[k]}
 
 
+def stored_blocks(stack: Stack, replica: str) -> int:
+    """Blocks the replica announced in ``BlockStored`` KV events so far (its replay from seq 0)."""
+    (ready,) = json.loads((stack.workdir / f"{replica}.ready.json").read_text())
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        dealer.connect(ready["kv_events_replay"])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        blocks = 0
+        while True:
+            frames = dealer.recv_multipart()
+            if frames[1] == (-1).to_bytes(8, "big", signed=True):
+                return blocks
+            events = msgspec.msgpack.decode(frames[2])[1]
+            blocks += sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored")
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
 def log_text(stack: Stack, child: str) -> str:
     assert stack.info is not None
     return Path(stack.info.logs[child]).read_text()
@@ -100,6 +132,7 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
 ) -> None:
     before = remote(stack)
     generated = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
+    stored = {r: stored_blocks(stack, r) for r in before}
     raw = client(stack).chat.completions.with_raw_response.create(
         model=MODEL,
         messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(1)}],
@@ -116,6 +149,11 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
     assert engine_counter(stack, "decode-0", "kvgate_sim_remote_prefill_tokens_total") > THRESHOLD
     assert f"prefilled by engine {prefill}" in log_text(stack, "decode-0")
     assert "for a remote decode" in log_text(stack, prefill)
+    # both engines published the prompt's blocks (KV events): computed on one, received on the other
+    for replica in (prefill, "decode-0"):
+        assert stored_blocks(stack, replica) - stored[replica] >= THRESHOLD // 16, replica
+    (idle,) = {"prefill-0", "prefill-1"} - {prefill}
+    assert stored_blocks(stack, idle) == stored[idle]
     assert gateway_counter(stack, "kvgate_pd_decisions_total", mode="disaggregated") >= 1
 
 
