@@ -129,7 +129,7 @@ from extproc.routing.request import (
     route_kind,
     unknown_path,
 )
-from extproc.routing.router import Decision, Router, Tokens, Unattainable
+from extproc.routing.router import PREFILL_ROLE, Decision, Router, Tokens, Unattainable
 from extproc.routing.timeouts import TimeoutTable
 
 log = logging.getLogger(__name__)
@@ -617,7 +617,13 @@ class StreamProcessor:
     ) -> list[pb.ProcessingResponse]:
         """Hold the replies while the shell sends the prefill half (:attr:`handoff`, vLLM's protocol:
         :mod:`extproc.disagg.protocol`); Envoy's message timeout is extended past the prefill's bound."""
-        doc = parse_request(prepared.body)
+        try:
+            doc = parse_request(prepared.body)
+        except HandoffFailed:  # parsed once already: cannot happen, but never worth an error
+            assert self._disagg is not None
+            self._disagg.release(pair)
+            self.handoff_outcome = "bad_request"
+            return self._replies(prepared.request.stream, prepared.body, started, decided)
         headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
         self.handoff = SubRequest(
             pair.prefill.address,
@@ -825,9 +831,16 @@ def _immediate(
 
 
 def serving(router: Router, model: str) -> list[EndpointState]:
-    """The fleet's endpoints serving ``model`` that its route admits (health not checked)."""
+    """The fleet's endpoints serving ``model`` that its route admits (health not checked; prefill-only
+    endpoints are not among them: the router never sends a request there, :mod:`extproc.disagg`)."""
     route = router.policy.routes.get(model)
-    return [s for s in router.fleet if model in s.endpoint.models and (route is None or route.admits(s))]
+    return [
+        s
+        for s in router.fleet
+        if model in s.endpoint.models
+        and (route is None or route.admits(s))
+        and s.endpoint.role != PREFILL_ROLE
+    ]
 
 
 def flow_room(policy: FlowPolicy, router: Router, model: str, now: float) -> Room:
@@ -861,10 +874,11 @@ def _is_probe(path: str) -> bool:
 
 def _routable(router: Router) -> bool:
     """Whether some endpoint can be picked for some model it serves: healthy, not draining, and admitted
-    by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it."""
+    by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it (a
+    prefill-only endpoint serves no request by itself)."""
     routes = router.policy.routes
     for state in router.fleet:
-        if state.healthy and not state.draining:
+        if state.healthy and not state.draining and state.endpoint.role != PREFILL_ROLE:
             for model in state.endpoint.models:
                 route = routes.get(model)
                 if route is None or route.admits(state):

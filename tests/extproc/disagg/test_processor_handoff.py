@@ -18,7 +18,7 @@ from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
-from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.processor import ProcessorConfig, StreamProcessor, serving
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from tests.extproc.test_processor import body, headers, reply
@@ -149,3 +149,8 @@ def test_without_a_message_timeout_extension() -> None:
     proc, _ = make(PdSpec("disaggregated"), hold_timeout_s=None)
     assert start(proc, request()) == []
     assert proc.handoff is not None
+
+
+def test_flow_control_counts_no_prefill_endpoint_among_a_models_servers() -> None:
+    _, router = make(PdSpec("disaggregated"))
+    assert [s.address for s in serving(router, MODEL)] == [DECODE]
