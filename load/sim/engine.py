@@ -76,8 +76,10 @@ class EngineStats:
     #: Requests decoded after a remote prefill, and the prompt tokens whose KV they received.
     remote_prefills: int = 0
     remote_prefill_tokens: int = 0
-    #: Prefills answered with transfer params for a remote decode (counted by the serving layer).
+    #: Prefills answered with transfer params for a remote decode, and seconds spent receiving KV
+    #: (both counted by the serving layer).
     remote_decodes: int = 0
+    remote_prefill_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)

@@ -61,6 +61,11 @@ class EngineCollector(Collector):
                 "Prompt tokens whose KV was received from a prefill replica.",
                 stats.remote_prefill_tokens,
             ),
+            (
+                "kvgate_sim_remote_prefill_seconds",
+                "Seconds spent receiving KV from prefill replicas (the modelled transfer time).",
+                stats.remote_prefill_seconds,
+            ),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=labels)

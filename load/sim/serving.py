@@ -243,6 +243,7 @@ class Serving:
         tokens = max(0, len(prompt) - 1 - engine.cached_prefix_tokens(prompt))
         seconds = engine.timing.transfer_s(tokens)
         await asyncio.sleep(seconds)
+        engine.stats.remote_prefill_seconds += seconds
         log.info(
             "%s: prefilled by engine %s; KV of %d prompt tokens received in %.4f s",
             rid,
