@@ -10,15 +10,16 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    whether to disaggregate (``disaggregated``: always; ``conditional``: when ``uncached >=
    min_uncached_tokens``);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
-   endpoints of role ``prefill`` serving ``m`` that the route's labels admit, with the prefix index's
+   endpoints of role ``prefill`` serving ``m`` that the route's labels admit and that speak the decode
+   pick's handoff protocol, with the prefix index's
    match of the prompt against that pool (its prefix scorer prefers the replica holding the prompt's
    lead), plus whatever load scorers the profile has;
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
    to the prefill endpoint that computed it.
 
-Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``)
-and SGLang (bootstrap fields); anything else is served aggregated (reason ``engine``).
+Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``);
+anything else (SGLang included, for now) is served aggregated (reason ``engine``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from extproc.routing.router import Decision, Router
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
 
-#: Engine kind -> the handoff protocol its prefill and decode servers speak.
-PROTOCOLS: Mapping[str, str] = types.MappingProxyType({"vllm": "vllm", "sim": "vllm", "sglang": "sglang"})
+#: Engine kind -> the handoff protocol its prefill and decode servers speak, for the kinds the gateway
+#: pairs (SGLang's bootstrap protocol has its bodies in :mod:`extproc.disagg.protocol` but is not paired
+#: yet: its prefill servers do not register their bootstrap port).
+PROTOCOLS: Mapping[str, str] = types.MappingProxyType({"vllm": "vllm", "sim": "vllm"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ class PdPolicy:
 class Handoff:
     """A disaggregated request's pair: ``prefill`` computes the prompt (the gateway's sub-request),
     ``decode`` streams the answer (Envoy's route). ``uncached_tokens``: what the decode pick lacked;
-    ``protocol``: ``vllm`` or ``sglang``; ``timeout_s``: the prefill's bound."""
+    ``protocol``: ``vllm`` (:data:`PROTOCOLS`); ``timeout_s``: the prefill's bound."""
 
     request_id: str
     prefill: EndpointState
@@ -117,7 +120,7 @@ class Disaggregator:
         protocol = PROTOCOLS.get(decode.endpoint.engine)
         if protocol is None:
             return Verdict(None, "engine")
-        prefill = self._pick_prefill(decision, route, now)
+        prefill = self._pick_prefill(decision, route, protocol, now)
         if prefill is None:
             return Verdict(None, "no_prefill")
         prefill.in_flight += 1
@@ -128,7 +131,9 @@ class Disaggregator:
         )
         return Verdict(handoff, "disaggregated")
 
-    def _pick_prefill(self, decision: Decision, route: PdRoute, now: float) -> EndpointState | None:
+    def _pick_prefill(
+        self, decision: Decision, route: PdRoute, protocol: str, now: float
+    ) -> EndpointState | None:
         model = decision.model
         pool = [
             s
@@ -136,7 +141,7 @@ class Disaggregator:
             if s.endpoint.role == "prefill"
             and model in s.endpoint.models
             and set(route.labels) <= set(s.endpoint.labels)
-            and s.endpoint.engine in PROTOCOLS
+            and PROTOCOLS.get(s.endpoint.engine) == protocol
         ]
         if not pool:
             return None

@@ -143,9 +143,11 @@ def test_no_prefill_endpoint_fits() -> None:
     assert verdict is not None and verdict.reason == "no_prefill"
 
 
-def test_engines_without_a_handoff_protocol_are_served_aggregated() -> None:
+@pytest.mark.parametrize("engine", ["llama_cpp", "sglang", "trtllm"])
+def test_engines_without_a_handoff_protocol_are_served_aggregated(engine: str) -> None:
     router, pd = make(
-        [endpoint("p0", "prefill"), endpoint("d0", "decode", engine="llama_cpp")], PdSpec("disaggregated")
+        [endpoint("p0", "prefill", engine=engine), endpoint("d0", "decode", engine=engine)],
+        PdSpec("disaggregated"),
     )
     verdict = pd.plan(decide(router, request("x")), NOW)
     assert verdict is not None and verdict.reason == "engine"
@@ -155,3 +157,16 @@ def test_models_without_a_disaggregating_route() -> None:
     router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "both")], PdSpec("disaggregated"))
     pd.apply(PdPolicy())
     assert pd.plan(decide(router, request("x")), NOW) is None
+
+
+def test_the_prefill_endpoint_speaks_the_decode_endpoints_protocol() -> None:
+    router, pd = make(
+        [endpoint("p0", "prefill", engine="sglang"), endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and verdict.reason == "no_prefill"
+    router, pd = make(
+        [endpoint("p0", "prefill", engine="sim"), endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and verdict.handoff is not None and verdict.handoff.prefill.id == "p0"
