@@ -63,6 +63,13 @@ class GatewayMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.pd_prefill_errors = Counter(
+            "kvgate_pd_prefill_errors",
+            "SGLang prefill halves that failed, by reason (the decode half was routed with them: no "
+            "fallback).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "kvgate_served_by_fallback",
             "Requests Envoy sent to an endpoint other than the pick.",

@@ -91,7 +91,13 @@ from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
-from extproc.disagg.protocol import decode_body, parse_request, prefill_body, transfer_params
+from extproc.disagg.protocol import (
+    bootstrap_bodies,
+    decode_body,
+    parse_request,
+    prefill_body,
+    transfer_params,
+)
 from extproc.errors import (
     BadRequest,
     Forbidden,
@@ -206,6 +212,8 @@ class StreamProcessor:
         #: How the handoff ended: ``disaggregated``, or the reason it fell back to aggregated.
         self.handoff_outcome: str | None = None
         self._pending: _Pending | None = None
+        #: A prefill half sent beside the routed request (SGLang), released by :meth:`prefill_done`.
+        self._beside: Handoff | None = None
         self._config = config
         self._clock = clock
         self._gate = gate
@@ -625,6 +633,8 @@ class StreamProcessor:
             self.handoff_outcome = "bad_request"
             return self._replies(prepared.request.stream, prepared.body, started, decided)
         headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
+        if pair.protocol == "sglang":
+            return self._beside_prefill(pair, doc, headers, prepared, started, decided)
         self.handoff = SubRequest(
             pair.prefill.address,
             self._headers.get(":path", "/"),
@@ -638,6 +648,44 @@ class StreamProcessor:
             return []
         seconds = min(cap, pair.timeout_s + HOLD_SLACK_S)
         return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+
+    def _beside_prefill(
+        self,
+        pair: Handoff,
+        doc: dict[str, object],
+        headers: dict[str, str],
+        prepared: _Prepared,
+        started: float,
+        decided: float,
+    ) -> list[pb.ProcessingResponse]:
+        """SGLang's protocol: the prefill and the decode server get the request at once, both with the
+        prefill server's bootstrap address and the pair's room; the replies go at once and the shell
+        sends the prefill half beside them (:attr:`handoff` with ``wait`` false, then
+        :meth:`prefill_done`). Once the decode server waits on the room there is no fallback."""
+        port, room = pair.prefill.endpoint.bootstrap_port, pair.room
+        assert port is not None and room is not None, "planned with a bootstrap port and a room"
+        host = pair.prefill.address.rpartition(":")[0].strip("[]")
+        prefill, decode = bootstrap_bodies(doc, host, port, room)
+        path = self._headers.get(":path", "/")
+        self.handoff = SubRequest(pair.prefill.address, path, prefill, pair.timeout_s, headers, wait=False)
+        self._beside = pair
+        return self._replies(prepared.request.stream, decode, started, decided)
+
+    def prefill_done(self, failure: str | None) -> None:
+        """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""
+        pair, self._beside = self._beside, None
+        if pair is None or self._disagg is None:
+            return
+        self._disagg.release(pair)
+        self.handoff_outcome = "disaggregated" if failure is None else failure
+        if failure is not None:
+            log.warning(
+                "request %s: SGLang prefill on %s failed (%s); its decode on %s waits for KV in vain",
+                self.request_id,
+                pair.prefill.endpoint.id,
+                failure,
+                pair.decode.endpoint.id,
+            )
 
     def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
         """The prefill half ended: ``answer`` the prefill engine's 2xx body, else ``failure`` (a reason:
@@ -763,13 +811,16 @@ class StreamProcessor:
 @dataclass(frozen=True, slots=True)
 class SubRequest:
     """A request the gateway itself sends before answering Envoy: POST ``body`` (JSON) to ``path`` at
-    ``address`` (``ip:port``) within ``timeout_s`` seconds, with ``headers``."""
+    ``address`` (``ip:port``) within ``timeout_s`` seconds, with ``headers``. ``wait``: the replies wait
+    for it (:meth:`StreamProcessor.handed_off`); else they are out already and it runs beside the request
+    (:meth:`StreamProcessor.prefill_done`)."""
 
     address: str
     path: str
     body: bytes
     timeout_s: float
     headers: dict[str, str]
+    wait: bool = True
 
 
 @dataclass(frozen=True, slots=True)

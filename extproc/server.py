@@ -93,6 +93,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._router = router
         self._disagg = disagg
         self._upstream = upstream
+        #: Prefill halves running beside their routed requests (SGLang), kept until they end.
+        self._beside: set[asyncio.Task[None]] = set()
         self._config = config
         self._metrics = metrics
         self._gate = gate
@@ -131,6 +133,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         self._metrics.flow_sheds.labels(proc.refused).inc()
                         proc.refused = None
                     started = time.perf_counter()  # the decision's time, not the wait
+                if proc.handoff is not None and not proc.handoff.wait:  # SGLang: beside the request
+                    self._send_beside(proc)
                 if proc.handoff is not None:  # disaggregated: the prefill half first (extproc/disagg)
                     for resp in responses:
                         yield resp
@@ -166,6 +170,33 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
 
+
+    def _send_beside(self, proc: StreamProcessor) -> None:
+        """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
+        own: the request's stream may end first."""
+        sub, proc.handoff = proc.handoff, None
+        assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
+        upstream = self._upstream
+
+        async def send() -> None:
+            started = time.monotonic()
+            failure: str | None = "cancelled"
+            try:
+                await upstream.post_json(
+                    sub.address, sub.path, sub.body, timeout_s=sub.timeout_s, headers=sub.headers
+                )
+                failure = None
+            except UpstreamError as exc:
+                failure = exc.reason
+            finally:
+                proc.prefill_done(failure)
+                self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
+                if failure is not None:
+                    self._metrics.pd_prefill_errors.labels(failure).inc()
+
+        task = asyncio.create_task(send(), name="kvgate-prefill")
+        self._beside.add(task)
+        task.add_done_callback(self._beside.discard)
 
     async def _prefill(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
         """Send a disaggregated request's prefill half (:attr:`StreamProcessor.handoff`) and hand the

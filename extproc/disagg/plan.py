@@ -18,8 +18,9 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
    to the prefill endpoint that computed it.
 
-Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``);
-anything else (SGLang included, for now) is served aggregated (reason ``engine``).
+Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``),
+SGLang (bootstrap fields; its prefill endpoint must have registered its ``bootstrap_port``, and each pair
+gets a random ``bootstrap_room`` in [0, 2^63)); anything else is served aggregated (reason ``engine``).
 """
 
 from __future__ import annotations
@@ -31,15 +32,14 @@ from dataclasses import dataclass, field
 
 from contracts.events import EndpointId
 from extproc.disagg.policy import PdSpec
+from extproc.disagg.protocol import MAX_ROOM
 from extproc.fleet import EndpointState
 from extproc.routing.router import Decision, Router
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
 
-#: Engine kind -> the handoff protocol its prefill and decode servers speak, for the kinds the gateway
-#: pairs (SGLang's bootstrap protocol has its bodies in :mod:`extproc.disagg.protocol` but is not paired
-#: yet: its prefill servers do not register their bootstrap port).
-PROTOCOLS: Mapping[str, str] = types.MappingProxyType({"vllm": "vllm", "sim": "vllm"})
+#: Engine kind -> the handoff protocol its prefill and decode servers speak (:mod:`extproc.disagg.protocol`).
+PROTOCOLS: Mapping[str, str] = types.MappingProxyType({"vllm": "vllm", "sim": "vllm", "sglang": "sglang"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,8 @@ class PdPolicy:
 class Handoff:
     """A disaggregated request's pair: ``prefill`` computes the prompt (the gateway's sub-request),
     ``decode`` streams the answer (Envoy's route). ``uncached_tokens``: what the decode pick lacked;
-    ``protocol``: ``vllm`` (:data:`PROTOCOLS`); ``timeout_s``: the prefill's bound."""
+    ``protocol``: ``vllm`` or ``sglang`` (:data:`PROTOCOLS`); ``timeout_s``: the prefill's bound;
+    ``room``: SGLang's bootstrap room pairing the two servers (``None`` for vLLM)."""
 
     request_id: str
     prefill: EndpointState
@@ -71,6 +72,7 @@ class Handoff:
     protocol: str
     uncached_tokens: int
     timeout_s: float
+    room: int | None = None
     released: bool = False
 
 
@@ -126,8 +128,9 @@ class Disaggregator:
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
         prefill.count_routed(now)
+        room = self._rng.randrange(MAX_ROOM + 1) if protocol == "sglang" else None
         handoff = Handoff(
-            decision.request_id, prefill, decode, protocol, uncached, route.spec.prefill_timeout_s
+            decision.request_id, prefill, decode, protocol, uncached, route.spec.prefill_timeout_s, room
         )
         return Verdict(handoff, "disaggregated")
 
@@ -142,6 +145,7 @@ class Disaggregator:
             and model in s.endpoint.models
             and set(route.labels) <= set(s.endpoint.labels)
             and PROTOCOLS.get(s.endpoint.engine) == protocol
+            and (protocol != "sglang" or s.endpoint.bootstrap_port is not None)
         ]
         if not pool:
             return None

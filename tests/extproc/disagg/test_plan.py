@@ -25,7 +25,13 @@ MODEL = "m"
 NOW = 100.0
 
 
-def endpoint(name: str, role: str, engine: str = "vllm", labels: dict[str, str] | None = None) -> Endpoint:
+def endpoint(
+    name: str,
+    role: str,
+    engine: str = "vllm",
+    labels: dict[str, str] | None = None,
+    bootstrap_port: int | None = None,
+) -> Endpoint:
     n = sum(map(ord, name)) % 200
     return Endpoint(
         EndpointId(name),
@@ -34,6 +40,7 @@ def endpoint(name: str, role: str, engine: str = "vllm", labels: dict[str, str] 
         engine=engine,
         role=role,
         labels=tuple(sorted((labels or {}).items())),
+        bootstrap_port=bootstrap_port,
     )
 
 
@@ -143,7 +150,7 @@ def test_no_prefill_endpoint_fits() -> None:
     assert verdict is not None and verdict.reason == "no_prefill"
 
 
-@pytest.mark.parametrize("engine", ["llama_cpp", "sglang", "trtllm"])
+@pytest.mark.parametrize("engine", ["llama_cpp", "trtllm", "openai_compat"])
 def test_engines_without_a_handoff_protocol_are_served_aggregated(engine: str) -> None:
     router, pd = make(
         [endpoint("p0", "prefill", engine=engine), endpoint("d0", "decode", engine=engine)],
@@ -170,3 +177,26 @@ def test_the_prefill_endpoint_speaks_the_decode_endpoints_protocol() -> None:
     )
     verdict = pd.plan(decide(router, request("x")), NOW)
     assert verdict is not None and verdict.handoff is not None and verdict.handoff.prefill.id == "p0"
+
+
+def test_sglang_pairs_need_a_bootstrap_port_and_get_a_room() -> None:
+    router, pd = make(
+        [
+            endpoint("p0", "prefill", engine="sglang"),
+            endpoint("p1", "prefill", engine="sglang", bootstrap_port=8998),
+            endpoint("d0", "decode", engine="sglang"),
+        ],
+        PdSpec("disaggregated"),
+    )
+    rooms = set()
+    for i in range(5):
+        verdict = pd.plan(decide(router, request(f"x{i}"), f"r{i}"), NOW)
+        assert verdict is not None and verdict.handoff is not None
+        assert (verdict.handoff.prefill.id, verdict.handoff.protocol) == ("p1", "sglang")
+        assert verdict.handoff.room is not None and 0 <= verdict.handoff.room < 2**63
+        rooms.add(verdict.handoff.room)
+        pd.release(verdict.handoff)
+    assert len(rooms) == 5
+    vllm, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    verdict = pd.plan(decide(vllm, request("x")), NOW)
+    assert verdict is not None and verdict.handoff is not None and verdict.handoff.room is None

@@ -28,10 +28,13 @@ PREFILL, DECODE = "10.0.0.1:8000", "10.0.0.2:8000"
 LONG = " ".join(f"w{i}" for i in range(3000))  # ~4,000 tokens by the byte fallback
 
 
-def make(spec: PdSpec, hold_timeout_s: float | None = 600.0) -> tuple[StreamProcessor, Router]:
+def make(
+    spec: PdSpec, hold_timeout_s: float | None = 600.0, engine: str = "vllm"
+) -> tuple[StreamProcessor, Router]:
+    port = 8998 if engine == "sglang" else None
     endpoints = [
-        Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), role="prefill"),
-        Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), role="decode"),
+        Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), engine, role="prefill", bootstrap_port=port),
+        Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode"),
     ]
     router = Router(
         Fleet(endpoints),
@@ -154,3 +157,28 @@ def test_without_a_message_timeout_extension() -> None:
 def test_flow_control_counts_no_prefill_endpoint_among_a_models_servers() -> None:
     _, router = make(PdSpec("disaggregated"))
     assert [s.address for s in serving(router, MODEL)] == [DECODE]
+
+
+def test_sglang_sends_both_halves_at_once_with_the_bootstrap_fields() -> None:
+    proc, router = make(PdSpec("disaggregated", prefill_timeout_s=7.0), engine="sglang")
+    payload = request()
+    decided = reply(start(proc, payload))  # routed at once: no message-timeout extension first
+    assert decided.destination == [DECODE]
+    sub = proc.handoff
+    assert sub is not None and not sub.wait and (sub.address, sub.timeout_s) == (PREFILL, 7.0)
+    decode, prefill = orjson.loads(decided.body), orjson.loads(sub.body)
+    room = decode["bootstrap_room"]
+    assert (decode["bootstrap_host"], decode["bootstrap_port"]) == ("10.0.0.1", 8998)
+    assert (prefill["bootstrap_host"], prefill["bootstrap_port"], prefill["bootstrap_room"]) == (
+        "10.0.0.1",
+        8998,
+        room,
+    )
+    assert (decode["stream"], prefill["stream"], prefill["max_tokens"]) == (True, False, 20)
+    assert "kv_transfer_params" not in decode
+    proc.close()  # the stream may end first: the prefill's slot stays taken until it ends
+    assert in_flight(router)[PREFILL] == 1
+    proc.prefill_done(None)
+    assert in_flight(router)[PREFILL] == 0 and proc.handoff_outcome == "disaggregated"
+    proc.prefill_done("timeout")  # once only
+    assert proc.handoff_outcome == "disaggregated"

@@ -17,6 +17,7 @@ from aiohttp import web
 from extproc.config import parse_config
 from extproc.server import Gateway
 from tests.extproc.test_server import body_msgs, chat_body, decision, headers_msg, run, streamed_body
+from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
 DECODE = "127.0.0.2:8000"
@@ -62,24 +63,44 @@ async def prefill() -> AsyncIterator[tuple[FakePrefill, str]]:
         await runner.cleanup()
 
 
-@pytest.fixture
-async def gateway(model_dir: str, prefill: tuple[FakePrefill, str], tmp_path: Path) -> AsyncIterator[Gateway]:
+async def start_gateway(model_dir: str, prefill: str, tmp_path: Path, engine: str) -> Gateway:
     policy = tmp_path / "policy.json"
     route = {"disaggregation": {"mode": "disaggregated", "prefill_timeout_s": 0.5}}
     policy.write_text(json.dumps({"models": {MODEL: route}}))
+    port = {"bootstrap_port": 8998} if engine == "sglang" else {}
     config = parse_config(
         {
             "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
             "models": [{"name": MODEL, "model_dir": model_dir}],
             "endpoints": [
-                {"id": "p", "address": prefill[1], "models": [MODEL], "role": "prefill"},
-                {"id": "d", "address": DECODE, "models": [MODEL], "role": "decode"},
+                {
+                    "id": "p",
+                    "address": prefill,
+                    "models": [MODEL],
+                    "role": "prefill",
+                    "engine": engine,
+                    **port,
+                },
+                {"id": "d", "address": DECODE, "models": [MODEL], "role": "decode", "engine": engine},
             ],
             "policy": {"file": str(policy)},
         }
     )
     gw = Gateway(config)
     await gw.start()
+    return gw
+
+
+@pytest.fixture
+async def gateway(model_dir: str, prefill: tuple[FakePrefill, str], tmp_path: Path) -> AsyncIterator[Gateway]:
+    gw = await start_gateway(model_dir, prefill[1], tmp_path, "vllm")
+    yield gw
+    await gw.aclose(grace_s=0)
+
+
+@pytest.fixture
+async def sglang(model_dir: str, prefill: tuple[FakePrefill, str], tmp_path: Path) -> AsyncIterator[Gateway]:
+    gw = await start_gateway(model_dir, prefill[1], tmp_path, "sglang")
     yield gw
     await gw.aclose(grace_s=0)
 
@@ -121,3 +142,27 @@ async def test_a_failed_or_late_prefill_is_served_aggregated(
     assert streamed_body(resps[1:]) == payload
     assert sample(gateway, "kvgate_pd_fallbacks_total", reason=reason) == 1
     assert all(s.in_flight == 0 for s in gateway.fleet if s.endpoint.role == "prefill")
+
+
+@pytest.mark.parametrize(("mode", "failure"), [("ok", None), ("fail", "status"), ("hang", "timeout")])
+async def test_sglang_routes_at_once_and_sends_the_prefill_beside(
+    sglang: Gateway, prefill: tuple[FakePrefill, str], mode: str, failure: str | None
+) -> None:
+    fake = prefill[0]
+    fake.mode = mode
+    payload = chat_body("hello there", max_tokens=9, stream=True)
+    resps = await run(sglang, [headers_msg("/v1/chat/completions"), *body_msgs(payload)])
+    destination, _, _ = decision(resps)  # the decision first: nothing waits for the prefill
+    assert destination == DECODE
+    decode = orjson.loads(streamed_body(resps))
+    await until(lambda: bool(fake.seen), 5.0)
+    ((asked, request_id),) = fake.seen
+    fields = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+    assert [asked[k] for k in fields] == [decode[k] for k in fields]
+    assert (asked["bootstrap_host"], asked["bootstrap_port"], request_id) == ("127.0.0.1", 8998, "r1")
+    assert (asked["stream"], decode["stream"]) == (False, True)
+    prefill_state = next(s for s in sglang.fleet if s.endpoint.role == "prefill")
+    await until(lambda: prefill_state.in_flight == 0, 5.0)
+    errors = sample(sglang, "kvgate_pd_prefill_errors_total", reason=failure or "status")
+    assert errors == (0 if failure is None else 1)
+    assert sample(sglang, "kvgate_pd_prefill_seconds_count") == 1
