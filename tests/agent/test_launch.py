@@ -284,6 +284,15 @@ def test_endpoint_record() -> None:
     assert ep.bootstrap_port is None  # vLLM's side port is NIXL's, which the params carry
 
 
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+def test_a_simulator_plays_its_role(role: str) -> None:
+    argv = launch_of(engine("sim", role)).argv
+    assert ("--role" in argv) == (role != "both")
+    if role != "both":
+        assert argv[argv.index("--role") + 1] == role
+    assert endpoint_for(engine("sim", role), launch_of(engine("sim", role)), node="n", feed=None).role == role
+
+
 def test_an_sglang_prefill_server_registers_its_bootstrap_port() -> None:
     for role, offload in (("prefill", "nixl"), ("decode", "nixl")):
         e = engine("sglang", role, offload)
