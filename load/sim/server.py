@@ -104,8 +104,10 @@ class SimReplica:
             role=config.role,
             engine_id=replica_id,
         )
-        #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook).
+        #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
+        #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
+        self.delay_next = (0, 0.0)
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
@@ -130,6 +132,7 @@ class SimReplica:
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
                 web.get("/metrics", self._metrics),
                 web.post("/_sim/fail_next", self._fail_next),
+                web.post("/_sim/delay_next", self._delay_next),
                 *compat_routes(self),
             ]
         )
@@ -187,17 +190,32 @@ class SimReplica:
         return self.serving.prompt_ids(api.parse_text_prompts(body)[0])
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        self._injected_failure()
+        await self._injected_fault()
         return await self.serving.chat(request, await self.read_body(request))
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
-        self._injected_failure()
+        await self._injected_fault()
         return await self.serving.completion(request, await self.read_body(request))
 
-    def _injected_failure(self) -> None:
+    async def _injected_fault(self) -> None:
         if self.fail_next > 0:
             self.fail_next -= 1
             raise SimError(500, "injected failure (/_sim/fail_next)")
+        n, seconds = self.delay_next
+        if n > 0:
+            self.delay_next = (n - 1, seconds)
+            await asyncio.sleep(seconds)
+
+    async def _delay_next(self, request: web.Request) -> web.Response:
+        """Test hook: the next ``n`` chat or completion requests wait ``s`` seconds first."""
+        try:
+            n, seconds = int(request.query.get("n", "1")), float(request.query.get("s", "0"))
+        except ValueError:
+            n, seconds = -1, 0.0
+        if n < 0 or not 0 <= seconds <= 3600:
+            raise SimError(400, "'n' must be a non-negative integer and 's' seconds in [0, 3600]", param="n")
+        self.delay_next = (n, seconds)
+        return _json({"delaying": n, "seconds": seconds})
 
     async def _fail_next(self, request: web.Request) -> web.Response:
         """Test hook: the next ``n`` chat or completion requests fail with a 500."""

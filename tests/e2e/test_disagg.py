@@ -5,6 +5,7 @@ uncached tokens). The engines' own counters, logs and KV events say who prefille
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ from tests.e2e.conftest import FAST_SIM
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 THRESHOLD = 256
+#: The route's bound on a prefill: past Envoy's 5 s ext_proc message timeout (kvgate/envoy/bootstrap.py).
+PREFILL_TIMEOUT_S = 8
 #: Every replica publishes vLLM KV events (ZMQ, ephemeral ports; read back here through replay).
 KV_EVENTS = json.dumps(
     {
@@ -48,7 +51,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         port=0,
         sim_args=(*FAST_SIM, "--kv-events-config", KV_EVENTS),
         workdir=tmp_path_factory.mktemp("pd-stack"),
-        disaggregation={"mode": "conditional", "min_uncached_tokens": THRESHOLD, "prefill_timeout_s": 20},
+        disaggregation={
+            "mode": "conditional",
+            "min_uncached_tokens": THRESHOLD,
+            "prefill_timeout_s": PREFILL_TIMEOUT_S,
+        },
     )
     with Stack(options) as running:
         yield running
@@ -81,12 +88,9 @@ def gateway_counter(stack: Stack, name: str, **labels: str) -> float:
 
 def remote(stack: Stack) -> dict[str, float]:
     """Each replica's handoff counter: prefills answered for a remote decode (prefill replicas), requests
-    decoded after a remote prefill (the decode replica)."""
-    return {
-        "prefill-0": engine_counter(stack, "prefill-0", "kvgate_sim_remote_decodes_total"),
-        "prefill-1": engine_counter(stack, "prefill-1", "kvgate_sim_remote_decodes_total"),
-        "decode-0": engine_counter(stack, "decode-0", "kvgate_sim_remote_prefills_total"),
-    }
+    decoded after a remote prefill (decode replicas)."""
+    names = {"prefill": "kvgate_sim_remote_decodes_total", "decode": "kvgate_sim_remote_prefills_total"}
+    return {e["id"]: engine_counter(stack, e["id"], names[e["role"]]) for e in stack.engines}
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -217,6 +221,80 @@ def fail_next(stack: Stack, replica: str, n: int) -> None:
     url = f"http://{engine['address']}/_sim/fail_next?n={n}"
     with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as answer:
         assert answer.status == 200
+
+
+def delay_next(stack: Stack, replica: str, n: int, seconds: float) -> None:
+    (engine,) = [e for e in stack.engines if e["id"] == replica]
+    url = f"http://{engine['address']}/_sim/delay_next?n={n}&s={seconds}"
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as answer:
+        assert answer.status == 200
+
+
+def slow_prefill_is_waited_for(stack: Stack) -> None:
+    """A 6 s prefill (longer than Envoy's 5 s ext_proc message timeout) still disaggregates."""
+    prefills = [e["id"] for e in stack.engines if e.get("role") == "prefill"]
+    for replica in prefills:
+        delay_next(stack, replica, 1, 6.0)
+    try:
+        before = remote(stack)
+        started = time.monotonic()
+        raw = client(stack).chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(40)}],
+            max_tokens=3,
+        )
+        assert time.monotonic() - started >= 6.0
+        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        moved = delta(before, remote(stack))
+        assert moved.pop("decode-0") == 1 and list(moved.values()) == [1], "disaggregated, not a fallback"
+    finally:
+        for replica in prefills:
+            delay_next(stack, replica, 0, 0.0)
+
+
+def test_a_prefill_longer_than_envoys_message_timeout_is_waited_for(stack: Stack) -> None:
+    """Streamed bodies (the bundled default): Envoy runs no message timer while it waits
+    (tests/kvgate/envoy/test_message_timeout.py); the stream idle timeout bounds the wait."""
+    slow_prefill_is_waited_for(stack)
+
+
+def test_buffered_bodies_wait_for_the_prefill_through_override_message_timeout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Buffered bodies (``--fail-open``): Envoy's 5 s message timer runs, and only the held request's
+    ``override_message_timeout`` (the prefill's bound + 5 s) keeps it from giving up on the ext_proc."""
+    options = StackOptions(
+        prefill=1,
+        decode=1,
+        fail_open=True,
+        port=0,
+        sim_args=(*FAST_SIM, "--kv-events-config", KV_EVENTS),
+        workdir=tmp_path_factory.mktemp("pd-buffered"),
+        disaggregation={"mode": "disaggregated", "prefill_timeout_s": PREFILL_TIMEOUT_S},
+    )
+    with Stack(options) as buffered:
+        slow_prefill_is_waited_for(buffered)
+
+
+def test_a_prefill_past_its_timeout_is_served_aggregated(stack: Stack) -> None:
+    for replica in ("prefill-0", "prefill-1"):
+        delay_next(stack, replica, 1, 60.0)
+    try:
+        before = remote(stack)
+        timeouts = gateway_counter(stack, "kvgate_pd_fallbacks_total", reason="timeout")
+        started = time.monotonic()
+        raw = client(stack).chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(50)}],
+            max_tokens=3,
+        )
+        assert PREFILL_TIMEOUT_S <= time.monotonic() - started < PREFILL_TIMEOUT_S + 5
+        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        assert delta(before, remote(stack)) == {}
+        assert gateway_counter(stack, "kvgate_pd_fallbacks_total", reason="timeout") == timeouts + 1
+    finally:
+        for replica in ("prefill-0", "prefill-1"):
+            delay_next(stack, replica, 0, 0.0)
 
 
 def test_a_failing_prefill_replica_still_serves_the_request_aggregated(stack: Stack) -> None:

@@ -3,6 +3,7 @@ two replicas (prefill, decode) speaking vLLM's ``kv_transfer_params`` on 127.0.0
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
@@ -153,6 +154,14 @@ async def test_prefill_then_decode_on_the_wire(model_dir: Path) -> None:
             assert r.status == 500 and (await r.json())["error"]["code"] == 500
         async with http.post(url, json=chat) as r:
             assert r.status == 200 and (await r.json())["kv_transfer_params"] is None
+        async with http.post(f"http://{prefill.addresses[0]}/_sim/delay_next?n=1&s=0.3") as r:
+            assert r.status == 200
+        started = asyncio.get_running_loop().time()
+        async with http.post(url, json=chat) as r:
+            assert r.status == 200
+        assert asyncio.get_running_loop().time() - started >= 0.3
+        async with http.post(f"http://{prefill.addresses[0]}/_sim/delay_next?n=1&s=-1") as r:
+            assert r.status == 400
 
 
 def itl_of_a_decode_beside_a_long_prompt(remote_prefill: bool) -> float:
