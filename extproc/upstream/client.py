@@ -50,7 +50,8 @@ class UpstreamClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else False)
+            # No pool cap (aiohttp's default is 100): the requests held by the gateway bound the calls.
+            connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else False, limit=0)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
         return self._session
 
