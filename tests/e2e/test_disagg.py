@@ -5,11 +5,13 @@ uncached tokens). The engines' own counters, logs and KV events say who prefille
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -331,3 +333,30 @@ def test_prefill_and_decode_go_together(options: dict[str, object], tmp_path: Pa
     with pytest.raises(ConfigError, match="--prefill"):
         Stack(StackOptions(port=0, workdir=tmp_path, **options)).start()  # type: ignore[arg-type]
     assert not list(tmp_path.glob("*.log")), "nothing was started"
+
+
+def test_the_prefill_sub_request_speaks_mtls_to_engines(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--secure``: engines accept only certificates of engine callers; the ext_proc's prefill request
+    uses its client certificate (the scraper's files), so the pair still works."""
+    options = StackOptions(
+        prefill=1,
+        decode=1,
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path_factory.mktemp("pd-secure"),
+        secure=True,
+        disaggregation={"mode": "disaggregated"},
+    )
+    with Stack(options) as secure:
+        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
+        with httpx.Client(verify=ctx, timeout=30) as http:
+            sdk = openai.OpenAI(
+                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
+            )
+            raw = sdk.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
+            )
+        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        assert gateway_counter(secure, "kvgate_pd_decisions_total", mode="disaggregated") == 1
+        assert gateway_counter(secure, "kvgate_pd_fallbacks_total") == 0
+        assert "prefilled by engine prefill-0" in log_text(secure, "decode-0")
