@@ -90,14 +90,8 @@ from contracts.epp import (
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
 from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
-from extproc.disagg.protocol import (
-    bootstrap_bodies,
-    decode_body,
-    parse_request,
-    prefill_body,
-    transfer_params,
-)
 from extproc.errors import (
     BadRequest,
     Forbidden,
@@ -137,6 +131,7 @@ from extproc.routing.request import (
 )
 from extproc.routing.router import PREFILL_ROLE, Decision, Router, Tokens, Unattainable
 from extproc.routing.timeouts import TimeoutTable
+from extproc.upstream.request import SubRequest
 
 log = logging.getLogger(__name__)
 #: A client's ``x-request-id`` logged as sent (:attr:`StreamProcessor.request_id`).
@@ -207,13 +202,13 @@ class StreamProcessor:
         self._disagg = disagg
         #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
         self.pd: Verdict | None = None
-        #: The prefill sub-request the shell must send before the replies (:meth:`handed_off`).
+        #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
         self.handoff: SubRequest | None = None
         #: How the handoff ended: ``disaggregated``, or the reason it fell back to aggregated.
         self.handoff_outcome: str | None = None
-        self._pending: _Pending | None = None
-        #: A prefill half sent beside the routed request (SGLang), released by :meth:`prefill_done`.
-        self._beside: Handoff | None = None
+        self._pairing: Pairing | None = None
+        #: A vLLM handoff's replies waiting for its prefill: (prepared, started, decided).
+        self._pending: tuple[_Prepared, float, float] | None = None
         self._config = config
         self._clock = clock
         self._gate = gate
@@ -303,8 +298,8 @@ class StreamProcessor:
 
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
-        if self._pending is not None and self._disagg is not None:
-            self._disagg.release(self._pending.pair)  # the client left during the prefill
+        if self._pending is not None and self._pairing is not None:
+            self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
         if self.decision is not None:
             self._router.commit(self.decision, self._clock())
@@ -561,7 +556,7 @@ class StreamProcessor:
         if self._disagg is not None:
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
-                return self._begin_handoff(self.pd.handoff, prepared, started, decided)
+                return self._pair(self.pd.handoff, prepared, started, decided)
         return self._replies(request.stream, body, started, decided)
 
     def _replies(
@@ -620,98 +615,48 @@ class StreamProcessor:
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
 
-    def _begin_handoff(
+    def _pair(
         self, pair: Handoff, prepared: _Prepared, started: float, decided: float
     ) -> list[pb.ProcessingResponse]:
-        """Hold the replies while the shell sends the prefill half (:attr:`handoff`, vLLM's protocol:
-        :mod:`extproc.disagg.protocol`); Envoy's message timeout is extended past the prefill's bound."""
+        """A disaggregated request (:mod:`extproc.disagg.pairing`): its prefill half for the shell to send
+        (:attr:`handoff`). vLLM's protocol: the replies wait for it (:meth:`handed_off`), Envoy's message
+        timeout extended past its bound meanwhile; SGLang's: they go at once, the prefill beside them."""
+        assert self._disagg is not None
+        request_id = self.request_id if "x-request-id" in self._headers else None
+        path = self._headers.get(":path", "/")
         try:
-            doc = parse_request(prepared.body)
-        except HandoffFailed:  # parsed once already: cannot happen, but never worth an error
-            assert self._disagg is not None
-            self._disagg.release(pair)
-            self.handoff_outcome = "bad_request"
+            pairing = Pairing(self._disagg, pair, prepared.body, path, request_id, self.request_id)
+        except HandoffFailed as exc:  # validated before routing: cannot happen, never worth an error
+            self.handoff_outcome = exc.reason
             return self._replies(prepared.request.stream, prepared.body, started, decided)
-        headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
-        if pair.protocol == "sglang":
-            return self._beside_prefill(pair, doc, headers, prepared, started, decided)
-        self.handoff = SubRequest(
-            pair.prefill.address,
-            self._headers.get(":path", "/"),
-            prefill_body(doc),
-            pair.timeout_s,
-            headers,
-        )
-        self._pending = _Pending(pair, doc, prepared, started, decided)
+        self._pairing, self.handoff = pairing, pairing.prefill
+        if pairing.decode_now is not None:
+            return self._replies(prepared.request.stream, pairing.decode_now, started, decided)
+        self._pending = (prepared, started, decided)
         cap = self._config.hold_timeout_s
         if cap is None:
             return []
         seconds = min(cap, pair.timeout_s + HOLD_SLACK_S)
         return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
 
-    def _beside_prefill(
-        self,
-        pair: Handoff,
-        doc: dict[str, object],
-        headers: dict[str, str],
-        prepared: _Prepared,
-        started: float,
-        decided: float,
-    ) -> list[pb.ProcessingResponse]:
-        """SGLang's protocol: the prefill and the decode server get the request at once, both with the
-        prefill server's bootstrap address and the pair's room; the replies go at once and the shell
-        sends the prefill half beside them (:attr:`handoff` with ``wait`` false, then
-        :meth:`prefill_done`). Once the decode server waits on the room there is no fallback."""
-        port, room = pair.prefill.endpoint.bootstrap_port, pair.room
-        assert port is not None and room is not None, "planned with a bootstrap port and a room"
-        host = pair.prefill.address.rpartition(":")[0].strip("[]")
-        prefill, decode = bootstrap_bodies(doc, host, port, room)
-        path = self._headers.get(":path", "/")
-        self.handoff = SubRequest(pair.prefill.address, path, prefill, pair.timeout_s, headers, wait=False)
-        self._beside = pair
-        return self._replies(prepared.request.stream, decode, started, decided)
-
     def prefill_done(self, failure: str | None) -> None:
         """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""
-        pair, self._beside = self._beside, None
-        if pair is None or self._disagg is None:
-            return
-        self._disagg.release(pair)
-        self.handoff_outcome = "disaggregated" if failure is None else failure
-        if failure is not None:
-            log.warning(
-                "request %s: SGLang prefill on %s failed (%s); its decode on %s waits for KV in vain",
-                self.request_id,
-                pair.prefill.endpoint.id,
-                failure,
-                pair.decode.endpoint.id,
-            )
+        if self._pairing is not None:
+            self._pairing.beside_done(failure)
+            self.handoff_outcome = self._pairing.outcome
 
     def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
         """The prefill half ended: ``answer`` the prefill engine's 2xx body, else ``failure`` (a reason:
-        ``timeout``, ``unreachable``, ``status``). With the engine's transfer params the decode endpoint gets
-        the body that fetches the prompt's KV; otherwise it serves the request whole (aggregated). Then the
-        replies that send it there."""
+        ``timeout``, ``unreachable``, ``status``). The decode endpoint gets the body that fetches the
+        prompt's KV, or the client's (served aggregated) when the prefill gave nothing usable."""
         pending, self._pending, self.handoff = self._pending, None, None
-        assert pending is not None and self._disagg is not None, "handed_off() only after a handoff"
-        self._disagg.release(pending.pair)
-        body = pending.prepared.body
+        pairing = self._pairing
+        assert pending is not None and pairing is not None, "handed_off() only after a handoff"
+        prepared, started, decided = pending
         try:
-            if answer is not None:
-                try:
-                    body = decode_body(pending.doc, transfer_params(answer))
-                except HandoffFailed as exc:
-                    failure = exc.reason
-            self.handoff_outcome = "disaggregated" if failure is None else failure
-            if failure is not None:
-                log.warning(
-                    "request %s: prefill on %s failed (%s); served aggregated on %s",
-                    self.request_id,
-                    pending.pair.prefill.endpoint.id,
-                    failure,
-                    pending.pair.decode.endpoint.id,
-                )
-            return self._replies(pending.prepared.request.stream, body, pending.started, pending.decided)
+            body = pairing.finish(answer, failure)
+            self.handoff_outcome = pairing.outcome
+            return self._replies(prepared.request.stream, body, started, decided)
         except GatewayError as exc:
             return [self._reject(exc)]
         except Exception:
@@ -806,32 +751,6 @@ class StreamProcessor:
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
-
-
-@dataclass(frozen=True, slots=True)
-class SubRequest:
-    """A request the gateway itself sends before answering Envoy: POST ``body`` (JSON) to ``path`` at
-    ``address`` (``ip:port``) within ``timeout_s`` seconds, with ``headers``. ``wait``: the replies wait
-    for it (:meth:`StreamProcessor.handed_off`); else they are out already and it runs beside the request
-    (:meth:`StreamProcessor.prefill_done`)."""
-
-    address: str
-    path: str
-    body: bytes
-    timeout_s: float
-    headers: dict[str, str]
-    wait: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """A disaggregated request between its decision and the end of its prefill half."""
-
-    pair: Handoff
-    doc: dict[str, object]
-    prepared: _Prepared
-    started: float
-    decided: float
 
 
 def _duration(seconds: float) -> Duration:

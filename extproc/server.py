@@ -182,9 +182,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             started = time.monotonic()
             failure: str | None = "cancelled"
             try:
-                await upstream.post_json(
-                    sub.address, sub.path, sub.body, timeout_s=sub.timeout_s, headers=sub.headers
-                )
+                await upstream.send(sub)
                 failure = None
             except UpstreamError as exc:
                 failure = exc.reason
@@ -205,9 +203,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
         started = time.monotonic()
         try:
-            answer = await self._upstream.post_json(
-                sub.address, sub.path, sub.body, timeout_s=sub.timeout_s, headers=sub.headers
-            )
+            answer = await self._upstream.send(sub)
         except UpstreamError as exc:
             responses = proc.handed_off(None, exc.reason)
         else:

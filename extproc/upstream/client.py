@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from extproc.upstream.errors import Unreachable, UpstreamError, UpstreamStatus, UpstreamTimeout
+from extproc.upstream.request import SubRequest
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,12 @@ class UpstreamClient:
         if not 200 <= status < 300:
             raise UpstreamStatus(status)
         return Answer(status, data)
+
+    async def send(self, sub: SubRequest) -> Answer:
+        """:meth:`post_json` for a :class:`~extproc.upstream.request.SubRequest`."""
+        return await self.post_json(
+            sub.address, sub.path, sub.body, timeout_s=sub.timeout_s, headers=sub.headers
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -13,6 +13,8 @@ import pytest
 
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
+from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
@@ -21,6 +23,9 @@ from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, serving
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from tests.extproc.disagg.test_plan import endpoint as plan_endpoint
+from tests.extproc.disagg.test_plan import make as plan_make
+from tests.extproc.disagg.test_plan import request as plan_request
 from tests.extproc.test_processor import body, headers, reply
 
 MODEL = "m"
@@ -182,3 +187,15 @@ def test_sglang_sends_both_halves_at_once_with_the_bootstrap_fields() -> None:
     assert in_flight(router)[PREFILL] == 0 and proc.handoff_outcome == "disaggregated"
     proc.prefill_done("timeout")  # once only
     assert proc.handoff_outcome == "disaggregated"
+
+
+def test_a_pairing_of_a_body_that_is_no_object_releases_its_slot() -> None:
+    router, pd = plan_make(
+        [plan_endpoint("p0", "prefill"), plan_endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(router.decide(plan_request("x"), request_id="r", now=1.0), 1.0)
+    assert verdict is not None and verdict.handoff is not None
+    assert verdict.handoff.prefill.in_flight == 1
+    with pytest.raises(HandoffFailed) as caught:
+        Pairing(pd, verdict.handoff, b"[1, 2]", "/v1/completions", None, "r")
+    assert caught.value.reason == "bad_request" and verdict.handoff.prefill.in_flight == 0
