@@ -173,7 +173,7 @@ class Disaggregator:
         if not result.endpoints:
             return None
         pick = result.endpoints[0]
-        index.record(pick.id, digests, now)
+        self._router.record(pick.id, digests, now)
         return pick
 
     def release(self, handoff: Handoff) -> None:

@@ -512,6 +512,11 @@ class Router:
             decision.rest = None
         return decision.digests
 
+    def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        """Record that ``endpoint`` computes ``digests`` for a request it was picked for outside
+        :meth:`decide` (a prefill sub-request, :mod:`extproc.disagg`): index, working set, listener."""
+        self._record(endpoint, digests, now)
+
     def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         self.index.record(endpoint, digests, now)
         if self.working_set is not None:

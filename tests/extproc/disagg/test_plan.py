@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 import types
+from collections.abc import Sequence
 
 import orjson
 import pytest
 
+from contracts.digest import Digest
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
@@ -16,6 +18,7 @@ from extproc.disagg.policy import PdSpec
 from extproc.errors import Unavailable
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
+from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelRegistry
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.routing.router import Decision, Router, RoutingPolicy
@@ -200,3 +203,21 @@ def test_sglang_pairs_need_a_bootstrap_port_and_get_a_room() -> None:
     vllm, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
     verdict = pd.plan(decide(vllm, request("x")), NOW)
     assert verdict is not None and verdict.handoff is not None and verdict.handoff.room is None
+
+
+def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None:
+    router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    router.working_set = WorkingSet(60.0, 256)
+    heard: list[str] = []
+
+    class Listener:
+        def recorded(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+            heard.append(endpoint)
+
+        def released(self, endpoint: EndpointId) -> None: ...
+
+    router.listener = Listener()
+    verdict = pd.plan(decide(router, request(LONG)), NOW)
+    assert verdict is not None and verdict.handoff is not None
+    assert heard == ["p0"]  # siblings hear of it; the decode pick is recorded at commit
+    assert router.working_set.sizes(NOW)[EndpointId("p0")] > 0
