@@ -181,3 +181,6 @@ class Disaggregator:
         if not handoff.released:
             handoff.released = True
             handoff.prefill.in_flight = max(0, handoff.prefill.in_flight - 1)
+            listener = self._router.listener
+            if listener is not None:  # the sibling workers share in-flight counts
+                listener.released(handoff.prefill.id)

@@ -214,10 +214,14 @@ def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None
         def recorded(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
             heard.append(endpoint)
 
-        def released(self, endpoint: EndpointId) -> None: ...
+        def released(self, endpoint: EndpointId) -> None:
+            heard.append(f"released {endpoint}")
 
     router.listener = Listener()
     verdict = pd.plan(decide(router, request(LONG)), NOW)
     assert verdict is not None and verdict.handoff is not None
     assert heard == ["p0"]  # siblings hear of it; the decode pick is recorded at commit
     assert router.working_set.sizes(NOW)[EndpointId("p0")] > 0
+    pd.release(verdict.handoff)
+    pd.release(verdict.handoff)
+    assert heard == ["p0", "released p0"]
