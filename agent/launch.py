@@ -185,4 +185,6 @@ def endpoint_for(engine: EngineConfig, launch: EngineLaunch, *, node: str, feed:
         feed=feed,
         kv_events=launch.speaks_kv_events,
         block_size=engine.block_size,
+        # An SGLang prefill server's side port is its PD bootstrap server (engines/sglang.py).
+        bootstrap_port=launch.side_port if engine.kind == "sglang" and engine.role == "prefill" else None,
     )

@@ -32,7 +32,8 @@ class Endpoint:
     ``decode``), ``block_size`` (the engine's KV block, tokens) and ``capacity_blocks`` (its KV blocks).
     ``slot_restore``: the agent's ``http(s)`` URL that restores a prefix from the node's kvcached into the
     engine before a request is sent there (llama.cpp; :mod:`extproc.control.restore`), ``None`` when not
-    offered.
+    offered. ``bootstrap_port``: an SGLang prefill server's PD bootstrap port, which its decode partner
+    connects to (``None``: none; :mod:`extproc.disagg`).
     """
 
     id: EndpointId
@@ -48,6 +49,7 @@ class Endpoint:
     block_size: int | None = None
     capacity_blocks: int | None = None
     slot_restore: str | None = None
+    bootstrap_port: int | None = None
 
 
 def parse_endpoint(raw: object, where: str) -> Endpoint:
@@ -80,7 +82,10 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
         block_size=s.integer("block_size", None, minimum=1),
         capacity_blocks=s.integer("capacity_blocks", None, minimum=1),
         slot_restore=_http_url(s.string("slot_restore"), f"{where}.slot_restore"),
+        bootstrap_port=s.integer("bootstrap_port", None, minimum=1),
     )
+    if endpoint.bootstrap_port is not None and endpoint.bootstrap_port > 65535:
+        raise ConfigError(f"{where}.bootstrap_port: must be a port number, got {endpoint.bootstrap_port}")
     s.done()
     return endpoint
 
@@ -118,6 +123,8 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
     }
     if endpoint.slot_restore is not None:  # absent otherwise: records stay readable by older gateways
         doc["slot_restore"] = endpoint.slot_restore
+    if endpoint.bootstrap_port is not None:  # the same
+        doc["bootstrap_port"] = endpoint.bootstrap_port
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

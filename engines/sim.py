@@ -30,6 +30,8 @@ def render(ctx: RenderContext) -> Rendered:
     argv += option("--max-num-seqs", e.parallel) + option("--max-model-len", e.context)
     if ctx.events_port is not None:
         argv += ["--kv-events-config", ctx.events_config(vllm_keys=True)]
+    if e.role != "both":  # vLLM's kv_transfer_params, both halves (load/sim/handoff.py)
+        argv += ["--role", e.role]
     return ctx.rendered(argv, {})
 
 
@@ -39,6 +41,6 @@ KIND = EngineKind(
     health_path="/health",
     metrics_path="/metrics",
     kv_events=True,
-    offloads={"both": ("none",)},
+    offloads={"both": ("none",), "prefill": ("none",), "decode": ("none",)},
     render=render,
 )

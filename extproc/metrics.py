@@ -43,6 +43,33 @@ class GatewayMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
             registry=self.registry,
         )
+        self.pd_decisions = Counter(
+            "kvgate_pd_decisions",
+            "Requests of disaggregating models by how they were served (mode: disaggregated or "
+            "aggregated; reason: disaggregated, cached, no_prefill, engine).",
+            ["mode", "reason"],
+            registry=self.registry,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "kvgate_pd_prefill_seconds",
+            "Time a disaggregated request waited for its prefill sub-request.",
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.pd_fallbacks = Counter(
+            "kvgate_pd_fallbacks",
+            "Disaggregated requests served aggregated because the prefill failed, by reason (timeout, "
+            "unreachable, status, bad_response).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.pd_prefill_errors = Counter(
+            "kvgate_pd_prefill_errors",
+            "SGLang prefill halves that failed, by reason (the decode half was routed with them: no "
+            "fallback).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "kvgate_served_by_fallback",
             "Requests Envoy sent to an endpoint other than the pick.",

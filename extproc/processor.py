@@ -13,6 +13,10 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   config uses it with ``--fail-open``, the only mode in which Envoy can go on without its processor): the
   headers are answered at once with no change, the body comes whole, and its answer carries the same
   header mutation, metadata and body (a body reply's header mutation applies in this mode only);
+* a request its model's route disaggregates (:mod:`extproc.disagg`): after the decision the replies wait
+  while the shell sends the prefill half itself (:attr:`StreamProcessor.handoff`; Envoy's message timeout
+  extended past its bound); :meth:`StreamProcessor.handed_off` then sends the request to its decode
+  endpoint with the prefill engine's ``kv_transfer_params``, or whole (aggregated) when the prefill failed;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
@@ -85,6 +89,9 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
+from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.pairing import Pairing
+from extproc.disagg.plan import Disaggregator, Handoff, Verdict
 from extproc.errors import (
     BadRequest,
     Forbidden,
@@ -122,8 +129,9 @@ from extproc.routing.request import (
     route_kind,
     unknown_path,
 )
-from extproc.routing.router import Decision, Router, Tokens, Unattainable
+from extproc.routing.router import PREFILL_ROLE, Decision, Router, Tokens, Unattainable
 from extproc.routing.timeouts import TimeoutTable
+from extproc.upstream.request import SubRequest
 
 log = logging.getLogger(__name__)
 #: A client's ``x-request-id`` logged as sent (:attr:`StreamProcessor.request_id`).
@@ -188,8 +196,19 @@ class StreamProcessor:
         clock: Callable[[], float],
         gate: Gate | None = None,
         flow: FlowControl[StreamProcessor] | None = None,
+        disagg: Disaggregator | None = None,
     ) -> None:
         self._router = router
+        self._disagg = disagg
+        #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
+        self.pd: Verdict | None = None
+        #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
+        self.handoff: SubRequest | None = None
+        #: How the handoff ended: ``disaggregated``, or the reason it fell back to aggregated.
+        self.handoff_outcome: str | None = None
+        self._pairing: Pairing | None = None
+        #: A vLLM handoff's replies waiting for its prefill: (prepared, started, decided).
+        self._pending: tuple[_Prepared, float, float] | None = None
         self._config = config
         self._clock = clock
         self._gate = gate
@@ -281,6 +300,9 @@ class StreamProcessor:
 
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
+        if self._pending is not None and self._pairing is not None:
+            self._pairing.release()  # the client left during the prefill
+            self._pending = self.handoff = None
         if self.decision is not None:
             self._router.commit(self.decision, self._clock())
             self._router.finish(self.decision)
@@ -442,8 +464,7 @@ class StreamProcessor:
         if cap is None:
             return []
         seconds = min(cap, max(1.0, entry.expires - self._clock() + HOLD_SLACK_S))
-        timeout = Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
-        return [pb.ProcessingResponse(override_message_timeout=timeout)]
+        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
 
     def _flow_request(self, policy: FlowPolicy, prepared: _Prepared) -> FlowRequest:
         """Flow control's view of the request: its objective's priority (header, checked against the
@@ -551,14 +572,25 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
+        if self._disagg is not None:
+            self.pd = self._disagg.plan(self.decision, decided)
+            if self.pd is not None and self.pd.handoff is not None:
+                return self._pair(self.pd.handoff, prepared, started, decided)
+        return self._replies(request.stream, body, started, decided)
+
+    def _replies(
+        self, stream: bool, body: bytes, started: float, decided: float
+    ) -> list[pb.ProcessingResponse]:
+        """The replies that send the decided request, with ``body``, to its pick."""
         decision = self.decision
+        assert decision is not None, "replies only after a decision"
         destination = decision.destination
         pick = decision.endpoints[0]
         set_headers = [
             _header(DESTINATION, destination),
             _header("content-length", str(len(body))),
             _header(MODEL_HEADER, decision.model),
-            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, request.stream)),
+            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, stream)),
         ]
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
@@ -601,6 +633,54 @@ class StreamProcessor:
         for off in range(0, len(body), MAX_CHUNK):
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
+
+    def _pair(
+        self, pair: Handoff, prepared: _Prepared, started: float, decided: float
+    ) -> list[pb.ProcessingResponse]:
+        """A disaggregated request (:mod:`extproc.disagg.pairing`): its prefill half for the shell to send
+        (:attr:`handoff`). vLLM's protocol: the replies wait for it (:meth:`handed_off`), Envoy's message
+        timeout extended past its bound meanwhile; SGLang's: they go at once, the prefill beside them."""
+        assert self._disagg is not None
+        request_id = self.request_id if "x-request-id" in self._headers else None
+        path = self._headers.get(":path", "/")
+        try:
+            pairing = Pairing(self._disagg, pair, prepared.body, path, request_id, self.request_id)
+        except HandoffFailed as exc:  # validated before routing: cannot happen, never worth an error
+            self.handoff_outcome = exc.reason
+            return self._replies(prepared.request.stream, prepared.body, started, decided)
+        self._pairing, self.handoff = pairing, pairing.prefill
+        if pairing.decode_now is not None:
+            return self._replies(prepared.request.stream, pairing.decode_now, started, decided)
+        self._pending = (prepared, started, decided)
+        cap = self._config.hold_timeout_s
+        if cap is None:
+            return []
+        seconds = min(cap, pair.timeout_s + HOLD_SLACK_S)
+        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+
+    def prefill_done(self, failure: str | None) -> None:
+        """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""
+        if self._pairing is not None:
+            self._pairing.beside_done(failure)
+            self.handoff_outcome = self._pairing.outcome
+
+    def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
+        """The prefill half ended: ``answer`` the prefill engine's 2xx body, else ``failure`` (a reason:
+        ``timeout``, ``unreachable``, ``status``). The decode endpoint gets the body that fetches the
+        prompt's KV, or the client's (served aggregated) when the prefill gave nothing usable."""
+        pending, self._pending, self.handoff = self._pending, None, None
+        pairing = self._pairing
+        assert pending is not None and pairing is not None, "handed_off() only after a handoff"
+        prepared, started, decided = pending
+        try:
+            body = pairing.finish(answer, failure)
+            self.handoff_outcome = pairing.outcome
+            return self._replies(prepared.request.stream, body, started, decided)
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
 
     def _answer(self, path: str) -> list[pb.ProcessingResponse]:
         """A request for a path the gateway answers itself (``/v1/models``, the probes), else 404."""
@@ -692,6 +772,10 @@ class StreamProcessor:
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 
 
+def _duration(seconds: float) -> Duration:
+    return Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
+
+
 class _Internal(GatewayError):
     status = 500
     error_type = "server_error"
@@ -736,9 +820,16 @@ def _immediate(
 
 
 def serving(router: Router, model: str) -> list[EndpointState]:
-    """The fleet's endpoints serving ``model`` that its route admits (health not checked)."""
+    """The fleet's endpoints serving ``model`` that its route admits (health not checked; prefill-only
+    endpoints are not among them: the router never sends a request there, :mod:`extproc.disagg`)."""
     route = router.policy.routes.get(model)
-    return [s for s in router.fleet if model in s.endpoint.models and (route is None or route.admits(s))]
+    return [
+        s
+        for s in router.fleet
+        if model in s.endpoint.models
+        and (route is None or route.admits(s))
+        and s.endpoint.role != PREFILL_ROLE
+    ]
 
 
 def flow_room(
@@ -775,10 +866,11 @@ def _is_probe(path: str) -> bool:
 
 def _routable(router: Router) -> bool:
     """Whether some endpoint can be picked for some model it serves: healthy, not draining, and admitted
-    by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it."""
+    by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it (a
+    prefill-only endpoint serves no request by itself)."""
     routes = router.policy.routes
     for state in router.fleet:
-        if state.healthy and not state.draining:
+        if state.healthy and not state.draining and state.endpoint.role != PREFILL_ROLE:
             for model in state.endpoint.models:
                 route = routes.get(model)
                 if route is None or route.admits(state):

@@ -38,10 +38,11 @@ from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
-from extproc.control.policy import gateway_policy, routing_policy
+from extproc.control.policy import Policy, gateway_policy, pd_policy, routing_policy
 from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
+from extproc.disagg.plan import Disaggregator
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -54,6 +55,8 @@ from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
+from extproc.upstream.client import UpstreamClient
+from extproc.upstream.errors import UpstreamError
 from extproc.xds.als import Completion, FailedTries
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
@@ -84,8 +87,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         gate: Gate | None = None,
         restorer: SlotRestorer | None = None,
         dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] | None = None,
+        disagg: Disaggregator | None = None,
+        upstream: UpstreamClient | None = None,
     ) -> None:
         self._router = router
+        self._disagg = disagg
+        self._upstream = upstream
+        #: Prefill halves running beside their routed requests (SGLang), kept until they end.
+        self._beside: set[asyncio.Task[None]] = set()
         self._config = config
         self._metrics = metrics
         self._gate = gate
@@ -97,7 +106,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> AsyncIterator[pb.ProcessingResponse]:
         dispatcher = self._dispatcher
         flow = dispatcher.control if dispatcher is not None else None
-        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow)
+        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         try:
             async for msg in request_iterator:
@@ -124,7 +133,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         self._metrics.flow_sheds.labels(proc.refused).inc()
                         proc.refused = None
                     started = time.perf_counter()  # the decision's time, not the wait
+                if proc.handoff is not None and not proc.handoff.wait:  # SGLang: beside the request
+                    self._send_beside(proc)
+                if proc.handoff is not None:  # disaggregated: the prefill half first (extproc/disagg)
+                    for resp in responses:
+                        yield resp
+                    waited = time.perf_counter()
+                    responses = await self._prefill(proc)
+                    started += time.perf_counter() - waited
                 if proc.decision is not None and not decided_before:
+                    if proc.pd is not None:
+                        self._metrics.pd_decisions.labels(proc.pd.mode, proc.pd.reason).inc()
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
                     self._metrics.requests.labels("routed").inc()
                     blocks = proc.decision.prompt_blocks
@@ -150,6 +169,49 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             proc.close()
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
+
+
+    def _send_beside(self, proc: StreamProcessor) -> None:
+        """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
+        own: the request's stream may end first."""
+        sub, proc.handoff = proc.handoff, None
+        assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
+        upstream = self._upstream
+
+        async def send() -> None:
+            started = time.monotonic()
+            failure: str | None = "cancelled"
+            try:
+                await upstream.send(sub)
+                failure = None
+            except UpstreamError as exc:
+                failure = exc.reason
+            finally:
+                proc.prefill_done(failure)
+                self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
+                if failure is not None:
+                    self._metrics.pd_prefill_errors.labels(failure).inc()
+
+        task = asyncio.create_task(send(), name="kvgate-prefill")
+        self._beside.add(task)
+        task.add_done_callback(self._beside.discard)
+
+    async def _prefill(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
+        """Send a disaggregated request's prefill half (:attr:`StreamProcessor.handoff`) and hand the
+        outcome back to the processor."""
+        sub = proc.handoff
+        assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
+        started = time.monotonic()
+        try:
+            answer = await self._upstream.send(sub)
+        except UpstreamError as exc:
+            responses = proc.handed_off(None, exc.reason)
+        else:
+            responses = proc.handed_off(answer.body)
+        self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
+        if proc.handoff_outcome != "disaggregated":
+            self._metrics.pd_fallbacks.labels(proc.handoff_outcome or "error").inc()
+        return responses
 
 
 class Gateway:
@@ -192,8 +254,15 @@ class Gateway:
                 else None
             ),
         )
+        #: Prefill/decode pairs for models whose route disaggregates (:mod:`extproc.disagg`); the prefill
+        #: sub-requests go through the one upstream client (engine-side TLS: the scraper's files).
+        self.disagg = Disaggregator(
+            self.router, pd_policy(store.policy, max_fallbacks=max_fallbacks), random.Random()
+        )
+        self.upstream = UpstreamClient(tls=_scrape_tls(config))
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
+        self.cluster.pd_listener = self._apply_pd
         self.metrics = GatewayMetrics(self.fleet)
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
@@ -269,7 +338,16 @@ class Gateway:
         peers = [PeerCheck(frozenset(ex.tls_allowed_peers), "the ext_proc")] if self.server_certs else []
         server = grpc.aio.server(options=options, interceptors=peers)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.router, proc_cfg, self.metrics, self.gate, self.restorer, self.dispatcher),
+            ExternalProcessor(
+                self.router,
+                proc_cfg,
+                self.metrics,
+                self.gate,
+                self.restorer,
+                self.dispatcher,
+                self.disagg,
+                self.upstream,
+            ),
             server,
         )
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, server)
@@ -328,6 +406,9 @@ class Gateway:
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now, priority)
 
+    def _apply_pd(self, policy: Policy) -> None:
+        self.disagg.apply(pd_policy(policy, max_fallbacks=self.config.extproc.max_fallbacks))
+
     def _apply_flow(self, policy: FlowPolicy) -> None:
         self.flow.apply(policy)
         self.dispatcher.kick()  # limits may have risen
@@ -358,6 +439,7 @@ class Gateway:
             await self.siblings.aclose()
         await self.cluster.aclose()
         await self.restorer.aclose()
+        await self.upstream.aclose()
 
 
 def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:

@@ -73,6 +73,8 @@ class Cluster:
         self.store = store
         self.policy_changes = 0
         self.flow_listener: Callable[[FlowPolicy], None] | None = None
+        #: Called (on the event loop) with each policy put in force, for the disaggregation policy.
+        self.pd_listener: Callable[[Policy], None] | None = None
         self._flow = store.policy.flow
         self.apply_policy(self.store.policy)
         fd = config.feeds
@@ -168,6 +170,8 @@ class Cluster:
         self._flow = policy.flow
         if self.flow_listener is not None:
             self.flow_listener(policy.flow)
+        if self.pd_listener is not None:
+            self.pd_listener(policy)
         self.policy_changes += 1
         weights = ", ".join(f"{r.ref}={r.weight}" for r in policy.scheduling.profiles[0].plugins if r.weight)
         log.info("policy %d in force: %s; %d model routes", self.policy_changes, weights, len(routing.routes))

@@ -11,7 +11,9 @@ laid over the gateway's embedded defaults (its own config's scheduling and index
     index/speculative_ttl_s               seconds a routing decision counts for an event-fed endpoint
     models/<name>                         route {"labels": {k: v}, "profile": "default"}: the model's
                                           endpoints must carry all labels; profile picks the scheduling
-                                          profile (absent or null: the first one)
+                                          profile (absent or null: the first one); "disaggregation":
+                                          {"mode", "min_uncached_tokens", "prefill_profile",
+                                          "prefill_timeout_s"} how it is served (:mod:`extproc.disagg`)
     flow/..., objectives/<name>           flow control: saturation limits, band bounds, the waiting
                                           room, fairness, named objectives (:mod:`extproc.flow.policy`;
                                           its defaults: the gateway config's [flow], [objectives.<name>])
@@ -55,6 +57,8 @@ from contracts.config import read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import decode_value, encode_value
 from engines.endpoint import Endpoint
+from extproc.disagg.plan import PdPolicy, PdRoute
+from extproc.disagg.policy import PdSpec, parse_pd
 from extproc.flow.policy import KNOWN_PATHS as FLOW_PATHS
 from extproc.flow.policy import (
     FlowPolicy,
@@ -91,16 +95,21 @@ _INDEX_KEYS = ("block_size", "speculative_ttl_s")
 @dataclass(frozen=True, slots=True)
 class ModelRoute:
     """Where a model's requests may go: endpoints carrying every label in ``labels``, scheduled with
-    profile ``profile`` (``None``: the first profile)."""
+    profile ``profile`` (``None``: the first profile); ``disaggregation``: how it is served (``None``:
+    aggregated)."""
 
     labels: tuple[tuple[str, str], ...] = ()
     profile: str | None = None
+    disaggregation: PdSpec | None = None
 
     def matches(self, endpoint: Endpoint) -> bool:
         return set(self.labels) <= set(endpoint.labels)
 
     def to_json(self) -> dict[str, object]:
-        return {"labels": dict(self.labels), "profile": self.profile}
+        doc: dict[str, object] = {"labels": dict(self.labels), "profile": self.profile}
+        if self.disaggregation is not None:
+            doc["disaggregation"] = self.disaggregation.to_json()
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +200,11 @@ def classify(path: str, config: SchedulingConfig) -> tuple[str, tuple[str, ...]]
 def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected an object {{labels, profile}}, got {type(value).__name__}")
-    unknown = sorted(set(value) - {"labels", "profile"})
+    unknown = sorted(set(value) - {"labels", "profile", "disaggregation"})
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: labels, profile")
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: labels, profile, disaggregation"
+        )
     labels = value.get("labels", {})
     if not isinstance(labels, Mapping) or not all(
         isinstance(k, str) and k and isinstance(v, str) for k, v in labels.items()
@@ -207,7 +218,14 @@ def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
             _profile(config, profile)
         except ConfigError as exc:
             raise ConfigError(f"{where}.profile: {exc}") from None
-    return ModelRoute(tuple(sorted(labels.items())), profile)
+    pd = value.get("disaggregation")
+    spec = None if pd is None else parse_pd(pd, f"{where}.disaggregation")
+    if spec is not None and spec.prefill_profile is not None:
+        try:
+            _profile(config, spec.prefill_profile)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.disaggregation.prefill_profile: {exc}") from None
+    return ModelRoute(tuple(sorted(labels.items())), profile, spec)
 
 
 def _params_dict(params: object | None) -> dict[str, object]:
@@ -528,3 +546,22 @@ def routing_policy(policy: Policy, *, max_fallbacks: int | None) -> RoutingPolic
     }
     profile = build_profile(scheduling, max_fallbacks=max_fallbacks)
     return RoutingPolicy(profile, types.MappingProxyType(routes), policy.block_size)
+
+
+def pd_policy(policy: Policy, *, max_fallbacks: int | None) -> PdPolicy:
+    """The disaggregation policy under ``policy``: a :class:`~extproc.disagg.plan.PdRoute` (its prefill
+    profile built: the spec's, else the route's) for each model route that is not aggregated."""
+    routes = {
+        model: PdRoute(
+            route.disaggregation,
+            build_profile(
+                policy.scheduling,
+                route.disaggregation.prefill_profile or route.profile,
+                max_fallbacks=max_fallbacks,
+            ),
+            tuple(sorted(route.labels)),
+        )
+        for model, route in policy.routes.items()
+        if route.disaggregation is not None and route.disaggregation.mode != "aggregated"
+    }
+    return PdPolicy(types.MappingProxyType(routes))

@@ -71,6 +71,8 @@ MAX_OPEN_REQUESTS = 65_536
 #: Seconds a routed request counts as outstanding without a completion (a lost log, a stream Envoy
 #: never proxied): longer than any request's own bound.
 OPEN_TTL_S = 900.0
+#: The role of endpoints that only compute prompts for a decode endpoint (:mod:`extproc.disagg`).
+PREFILL_ROLE = "prefill"
 
 
 class Unattainable(Exception):
@@ -395,6 +397,8 @@ class Router:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
             )
+        # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them).
+        candidates = [s for s in candidates if s.endpoint.role != PREFILL_ROLE]
         policy = self._policy
         route = policy.routes.get(request.model)
         profile = policy.profile
@@ -534,6 +538,11 @@ class Router:
             decision.digests = list(rest.digests)
             decision.rest = None
         return decision.digests
+
+    def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+        """Record that ``endpoint`` computes ``digests`` for a request it was picked for outside
+        :meth:`decide` (a prefill sub-request, :mod:`extproc.disagg`): index, working set, listener."""
+        self._record(endpoint, digests, now)
 
     def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         self.index.record(endpoint, digests, now)

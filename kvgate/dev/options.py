@@ -34,6 +34,11 @@ class StackOptions:
     """
 
     replicas: int = 4
+    #: ``--prefill N --decode M``: a disaggregated fleet of simulated replicas instead of ``replicas``
+    #: (``prefill-<i>``, ``decode-<i>``), the served model's route set to ``disaggregation``.
+    prefill: int = 0
+    decode: int = 0
+    disaggregation: dict[str, Any] = field(default_factory=lambda: {"mode": "conditional"})
     #: ``--extprocs N``: ext_proc processes, each on its own ports with the same gateway config, all in
     #: Envoy's one ext_proc cluster, sharing in-flight counts and decisions when more than one;
     #: ``None``: the gateway config's ``[extproc] workers`` (1 unless ``extproc`` or ``overlay`` sets it).

@@ -187,6 +187,11 @@ class Stack:
             raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
         if (opts.agents or opts.attach) and (opts.endpoints or self.secure):
             raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
+        if opts.prefill or opts.decode:
+            if opts.prefill < 1 or opts.decode < 1:
+                raise ConfigError("--prefill and --decode go together, each at least 1")
+            if opts.agents or opts.attach or opts.endpoints:
+                raise ConfigError("--prefill/--decode start simulators: not with --agents or --endpoint")
         no_engines = opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)
         if (opts.extprocs is not None and opts.extprocs < 1) or no_engines:
             raise ConfigError("--replicas and --extprocs must be at least 1")
@@ -221,6 +226,8 @@ class Stack:
         if opts.auth is not None:
             self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn, self.certs.get(ISSUER_SERVICE))
             config["auth"], config["tenants"] = self.auth.auth_section, list(self.auth.tenants)
+        if opts.prefill:  # a disaggregated fleet: the model's route says how it is served
+            config["policy"] = {"file": str(self._pd_policy())}
         config = overlay.merge(config, opts.overlay)
         self._start_gateway(config)
         self._write_info()
@@ -229,24 +236,38 @@ class Stack:
         """The simulated replicas, one process each (started together, then awaited on their ready
         files); each one's port is then pinned for its restarts."""
         scheme = "https" if self.secure else "http"
-        for i, name in enumerate(_numbered("sim", self.options.replicas)):
+        opts = self.options
+        roles = [(name, "both", i) for i, name in enumerate(_numbered("sim", opts.replicas))]
+        if opts.prefill:  # --prefill N --decode M: replicas prefill-<i> and decode-<i>
+            roles = [(f"prefill-{i}", "prefill", i) for i in range(opts.prefill)]
+            roles += [(f"decode-{i}", "decode", i) for i in range(opts.decode)]
+        for name, role, i in roles:
             ready = self.workdir / f"{name}.ready.json"
-            self.sims.append(self._spawn(name, self._sim_argv(i, model_dir, ready, 0), ready, SIM_READY_S))
-        for i, sim in enumerate(self.sims):
+            argv = self._sim_argv(i, model_dir, ready, 0, role)
+            self.sims.append(self._spawn(name, argv, ready, SIM_READY_S))
+        for (_, role, i), sim in zip(roles, self.sims, strict=True):
             (replica,) = sim.await_ready()
             ready = self.workdir / f"{sim.name}.ready.json"
-            sim.argv = self._sim_argv(i, model_dir, ready, port_of(replica["address"]))
-            self.engines.append(
-                {
-                    "id": replica["id"],
-                    "address": replica["address"],
-                    "engine": "sim",
-                    "metrics_url": f"{scheme}://{replica['address']}/metrics",
-                }
-            )
+            sim.argv = self._sim_argv(i, model_dir, ready, port_of(replica["address"]), role)
+            engine = {
+                "id": replica["id"],
+                "address": replica["address"],
+                "engine": "sim",
+                "metrics_url": f"{scheme}://{replica['address']}/metrics",
+            }
+            self.engines.append(engine if role == "both" else {**engine, "role": role})
 
-    def _sim_argv(self, index: int, model_dir: str, ready: Path, port: int) -> list[str]:
-        """Simulated replica ``sim-<index>`` on ``port`` (0: any free one)."""
+    def _pd_policy(self) -> Path:
+        """A policy file giving the served model ``StackOptions.disaggregation`` (a disaggregated fleet)."""
+        opts = self.options
+        path = self.workdir / "policy.json"
+        route = {"disaggregation": dict(opts.disaggregation)}
+        path.write_text(json.dumps({"models": {opts.model or DEFAULT_MODEL: route}}, indent=2) + "\n")
+        return path
+
+    def _sim_argv(self, index: int, model_dir: str, ready: Path, port: int, role: str = "both") -> list[str]:
+        """Simulated replica ``sim-<index>`` (a prefill/decode role: ``<role>-<index>``) on ``port`` (0: any
+        free one)."""
         opts = self.options
         argv = [
             sys.executable,
@@ -260,6 +281,7 @@ class Stack:
             "1",
             "--first-replica",
             str(index),
+            *(() if role == "both" else ("--role", role, "--replica-prefix", role)),
             "--port",
             str(port),
             "--ready-file",
@@ -566,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(
         StackOptions(
             replicas=args.replicas,
+            prefill=args.prefill,
+            decode=args.decode,
+            disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
             extprocs=args.extprocs,
             fail_open=args.fail_open,
             port=args.port,

@@ -90,6 +90,34 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         "--replicas", type=int, default=4, help="simulated vLLM replicas, one process each (default 4)"
     )
     p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a disaggregated fleet instead of --replicas: N simulated prefill replicas (with --decode)",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="M",
+        help="M simulated decode replicas (with --prefill); the model's route is conditional: prefilled on "
+        "a prefill replica when the decode pick lacks at least --pd-min-uncached-tokens prompt tokens",
+    )
+    p.add_argument(
+        "--pd-mode",
+        choices=["conditional", "disaggregated", "aggregated"],
+        default="conditional",
+        help="with --prefill/--decode: how the model is served (default conditional)",
+    )
+    p.add_argument(
+        "--pd-min-uncached-tokens",
+        type=int,
+        default=512,
+        metavar="T",
+        help="with --pd-mode conditional: disaggregate from T uncached prompt tokens (default 512)",
+    )
+    p.add_argument(
         "--extprocs",
         type=int,
         metavar="N",

@@ -90,6 +90,10 @@ class PrefixCache:
             n += 1
         return n
 
+    def block_ids(self, digests: Sequence[Digest]) -> list[int]:
+        """The block numbers of the leading ``digests`` that are cached (no side effects)."""
+        return [self._table[d] for d in digests[: self.match(digests)]]
+
     def allocate(self, owner: str, prefix: Sequence[Digest], num_blocks: int) -> int | None:
         """Give ``owner`` ``num_blocks`` blocks, sharing the cached leading blocks of ``prefix``.
 

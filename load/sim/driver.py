@@ -61,11 +61,15 @@ class EngineDriver:
         output: Sequence[int],
         siblings: Sequence[tuple[str, Sequence[int]]] = (),
         queue: asyncio.Queue[TokenEvent] | None = None,
+        *,
+        remote_prefill: bool = False,
     ) -> asyncio.Queue[TokenEvent]:
         """Queue a request (and the ``siblings`` (id, output) sharing its prefill, see
-        :meth:`Engine.add_request`); the tokens of all of them arrive on ``queue`` (a new one by
-        default), which is returned, each request's last with ``finished``."""
-        self.engine.add_request(request_id, prompt, output, asyncio.get_running_loop().time(), siblings)
+        :meth:`Engine.add_request`; ``remote_prefill``: its prompt was computed by another replica); the
+        tokens of all of them arrive on ``queue`` (a new one by default), which is returned, each
+        request's last with ``finished``."""
+        now = asyncio.get_running_loop().time()
+        self.engine.add_request(request_id, prompt, output, now, siblings, remote_prefill=remote_prefill)
         queue = asyncio.Queue() if queue is None else queue
         for rid in (request_id, *(s for s, _ in siblings)):
             self._queues[rid] = queue

@@ -12,6 +12,11 @@ A request is admitted only when the cache can give it blocks for its whole promp
 longest cached prefix of its prompt is reused and never recomputed (at least one prompt token is
 always computed, so a fully cached prompt still costs one token). Output tokens are fixed by the caller
 up front: the engine only decides when each appears.
+
+A request added with ``remote_prefill`` (a decode replica of a prefill/decode pair) had its prompt
+computed elsewhere: on admission every prompt token but the last counts as computed (the KV arrived by
+transfer, :meth:`TimingModel.transfer_s`, charged by the caller before it adds the request), its blocks
+are registered at once, and the one step that computes the last token samples the first output token.
 """
 
 from __future__ import annotations
@@ -68,6 +73,13 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
+    #: Requests decoded after a remote prefill, and the prompt tokens whose KV they received.
+    remote_prefills: int = 0
+    remote_prefill_tokens: int = 0
+    #: Prefills answered with transfer params for a remote decode, and seconds spent receiving KV
+    #: (both counted by the serving layer).
+    remote_decodes: int = 0
+    remote_prefill_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -83,6 +95,7 @@ class _Seq:
     num_output: int = 0
     num_committed: int = 0  # leading blocks registered in the cache (hits included)
     done: bool = False
+    remote: bool = False  # prefilled elsewhere: the prompt's KV arrives by transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +160,11 @@ class Engine:
         output_token_ids: Sequence[int],
         now: float,
         siblings: Sequence[tuple[str, Sequence[int]]] = (),
+        *,
+        remote_prefill: bool = False,
     ) -> None:
         """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival.
+        ``remote_prefill``: its prompt was computed by another replica (module docstring).
 
         ``siblings`` (id, output) are the other choices of an ``n`` > 1 request: they share this
         request's prefill, so they wait until its prompt is computed, then go to the head of the queue
@@ -160,6 +176,7 @@ class Engine:
         ]
         for seq in seqs:
             self._seqs[seq.request_id] = seq
+        seqs[0].remote = remote_prefill
         self._waiting.append(seqs[0])
         if len(seqs) > 1:
             self._held[request_id] = seqs[1:]
@@ -259,7 +276,27 @@ class Engine:
         seq.num_committed = hits
         self.stats.prefix_cache_queries += seq.prompt_len
         self.stats.prefix_cache_hits += seq.num_cached
+        if seq.remote:  # the KV of every prompt token but the last arrived from the prefill replica
+            self.stats.remote_prefills += 1
+            self.stats.remote_prefill_tokens += max(0, seq.prompt_len - 1 - seq.num_computed)
+            seq.num_computed = max(seq.num_computed, seq.prompt_len - 1)
+            self._commit(seq)
         return True
+
+    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt tokens a request for ``prompt_token_ids`` would find cached now (whole blocks, at most
+        all but the last token, as on admission)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        bs = self.config.block_size
+        digests = block_digests(self._seed, list(prompt_token_ids), bs)
+        return self.cache.match(digests[: (len(prompt_token_ids) - 1) // bs]) * bs
+
+    def prompt_blocks(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The cache's block numbers holding the prompt's leading full blocks now (a prefill replica's
+        ``remote_block_ids``)."""
+        bs = self.config.block_size
+        return self.cache.block_ids(block_digests(self._seed, list(prompt_token_ids), bs))
 
     def _sample(self, seq: _Seq, now: float) -> TokenEvent:
         token = seq.output[seq.num_output]

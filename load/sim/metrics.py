@@ -45,6 +45,27 @@ class EngineCollector(Collector):
             ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
+            # The simulator's own (not vLLM's): both halves of P/D handoffs (load/sim/handoff.py).
+            (
+                "kvgate_sim_remote_decodes",
+                "Prefills answered with kv_transfer_params for a remote decode.",
+                stats.remote_decodes,
+            ),
+            (
+                "kvgate_sim_remote_prefills",
+                "Requests decoded after a remote prefill (KV received).",
+                stats.remote_prefills,
+            ),
+            (
+                "kvgate_sim_remote_prefill_tokens",
+                "Prompt tokens whose KV was received from a prefill replica.",
+                stats.remote_prefill_tokens,
+            ),
+            (
+                "kvgate_sim_remote_prefill_seconds",
+                "Seconds spent receiving KV from prefill replicas (the modelled transfer time).",
+                stats.remote_prefill_seconds,
+            ),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=labels)

@@ -40,6 +40,7 @@ from load.sim.driver import EngineDriver
 from load.sim.engine import Engine, EngineConfig
 from load.sim.errors import SimError
 from load.sim.fields import lax_bool, opt, strict_str
+from load.sim.handoff import ROLES
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import replica_registry
 from load.sim.serving import Serving, ToolParsing
@@ -58,7 +59,8 @@ class SimConfig:
     """What each replica serves: ``model`` is the served name, ``model_dir`` a Hugging Face style
     directory (tokenizer.json, tokenizer_config.json), ``chat_template`` a template file or template
     text overriding the tokenizer's, ``kv_events`` vLLM's ``--kv-events-config`` (replica ``i`` is
-    data-parallel rank ``i``)."""
+    data-parallel rank ``i``), ``role`` the replica's part in prefill/decode disaggregation (``both``: none;
+    :mod:`load.sim.handoff`)."""
 
     model: str
     model_dir: Path
@@ -67,6 +69,7 @@ class SimConfig:
     timing: TimingModel = field(default_factory=TimingModel)
     kv_events: KvEventsConfig | None = None
     tool_parsing: ToolParsing = field(default_factory=ToolParsing)
+    role: str = "both"
 
 
 class SimReplica:
@@ -93,8 +96,18 @@ class SimReplica:
         self.registry, observe_ttft = replica_registry(self.engine, config.model)
         self.driver = EngineDriver(self.engine, observe_ttft)
         self.serving = Serving(
-            config.model, config.engine.max_model_len, tokenizer, self.driver, config.tool_parsing
+            config.model,
+            config.engine.max_model_len,
+            tokenizer,
+            self.driver,
+            config.tool_parsing,
+            role=config.role,
+            engine_id=replica_id,
         )
+        #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
+        #: held that many seconds before they are served (``/_sim/delay_next``).
+        self.fail_next = 0
+        self.delay_next = (0, 0.0)
         self.address = ""
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
@@ -118,6 +131,8 @@ class SimReplica:
                 web.post("/detokenize", self._detokenize),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
                 web.get("/metrics", self._metrics),
+                web.post("/_sim/fail_next", self._fail_next),
+                web.post("/_sim/delay_next", self._delay_next),
                 *compat_routes(self),
             ]
         )
@@ -128,6 +143,7 @@ class SimReplica:
         host, port = sock.getsockname()[:2]
         await web.SockSite(self._runner, sock, ssl_context=ssl_context).start()
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.serving.side_channel = (host, port)
         self.driver.start()
 
     async def aclose(self, drain_s: float = 5.0) -> None:
@@ -174,10 +190,43 @@ class SimReplica:
         return self.serving.prompt_ids(api.parse_text_prompts(body)[0])
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await self._injected_fault()
         return await self.serving.chat(request, await self.read_body(request))
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
+        await self._injected_fault()
         return await self.serving.completion(request, await self.read_body(request))
+
+    async def _injected_fault(self) -> None:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise SimError(500, "injected failure (/_sim/fail_next)")
+        n, seconds = self.delay_next
+        if n > 0:
+            self.delay_next = (n - 1, seconds)
+            await asyncio.sleep(seconds)
+
+    async def _delay_next(self, request: web.Request) -> web.Response:
+        """Test hook: the next ``n`` chat or completion requests wait ``s`` seconds first."""
+        try:
+            n, seconds = int(request.query.get("n", "1")), float(request.query.get("s", "0"))
+        except ValueError:
+            n, seconds = -1, 0.0
+        if n < 0 or not 0 <= seconds <= 3600:
+            raise SimError(400, "'n' must be a non-negative integer and 's' seconds in [0, 3600]", param="n")
+        self.delay_next = (n, seconds)
+        return _json({"delaying": n, "seconds": seconds})
+
+    async def _fail_next(self, request: web.Request) -> web.Response:
+        """Test hook: the next ``n`` chat or completion requests fail with a 500."""
+        try:
+            n = int(request.query.get("n", "1"))
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise SimError(400, "'n' must be a non-negative integer", param="n")
+        self.fail_next = n
+        return _json({"failing": n})
 
     async def _models(self, request: web.Request) -> web.Response:
         root = str(self.config.model_dir)
@@ -421,6 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
         help='as vLLM: answer tool_choice "auto" (and, with a parser, "required" and named) with tool calls',
     )
     p.add_argument("--tool-call-parser", metavar="NAME", help="as vLLM; needed by --enable-auto-tool-choice")
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="part in prefill/decode disaggregation: prefill and decode speak vLLM's kv_transfer_params",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token", type=float, default=t.kv_bytes_per_token, help="KV bytes per token moved"
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=t.link_bytes_per_s * 8 / 1e9,
+        help="prefill-to-decode link speed (Gbit/s) for KV transfers",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -429,6 +493,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Build and validate the config; raises ``ValueError``."""
     if args.prefill_tokens_per_s <= 0:
         raise ValueError("--prefill-tokens-per-s must be positive")
+    if args.link_gbps <= 0:
+        raise ValueError("--link-gbps must be positive")
     engine = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.kv_blocks,
@@ -442,10 +508,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_s_per_seq=args.decode_ms_per_seq / 1e3,
         prefill_s_per_token=1 / args.prefill_tokens_per_s,
         time_scale=args.time_scale,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        link_bytes_per_s=args.link_gbps * 1e9 / 8,
     )
     kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
     tools = ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser)
-    return SimConfig(args.model, args.model_dir, args.chat_template, engine, timing, kv_events, tools)
+    return SimConfig(
+        args.model, args.model_dir, args.chat_template, engine, timing, kv_events, tools, args.role
+    )
 
 
 async def serve(config: SimConfig, args: argparse.Namespace) -> None:

@@ -4,7 +4,8 @@
 body (:mod:`load.sim.protocol`), renders and tokenizes the prompt, plans every choice up front
 (:mod:`load.sim.output`), hands the token ids to the engine driver (``n`` choices of a prompt as one
 request and its siblings, sharing the prefill) and writes the answer as vLLM does, whole or as SSE
-chunks (:mod:`load.sim.responses`), one chunk per choice index as its tokens appear.
+chunks (:mod:`load.sim.responses`), one chunk per choice index as its tokens appear. A replica of a
+prefill/decode pair also speaks vLLM's ``kv_transfer_params`` (:mod:`load.sim.handoff`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from load.sim import responses as out
 from load.sim.driver import EngineDriver
 from load.sim.errors import invalid, refused
 from load.sim.fields import opt, strict_str
+from load.sim.handoff import NONE, Transfer, prefill_params, read_transfer
 from load.sim.output import Plan, plan_choice
 from load.sim.tokenizer import SimTokenizer
 
@@ -80,12 +82,19 @@ class Serving:
         tokenizer: SimTokenizer,
         driver: EngineDriver,
         tool_parsing: ToolParsing,
+        role: str = "both",
+        engine_id: str = "sim",
     ) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.driver = driver
         self.tool_parsing = tool_parsing
+        #: ``both`` (no KV connector), ``prefill`` or ``decode`` (:mod:`load.sim.handoff`).
+        self.role = role
+        self.engine_id = engine_id
+        #: ``(host, port)`` a decode replica fetches this replica's KV from (set once it listens).
+        self.side_channel: tuple[str, int] = ("", 0)
 
     # -- prompts (also what /tokenize and the render routes use) ---------------------------------
 
@@ -134,6 +143,7 @@ class Serving:
         sampling = api.parse_sampling(body, chat=True)
         fmt = api.parse_response_format(body)
         chat, tools, prompt = self.chat_prompt(body)
+        transfer = read_transfer(body, self.role)
         api.check_max_tokens(sampling, self.max_model_len)
         api.check_prompt_len(len(prompt), self.max_model_len, text=True)
         max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(prompt), self.max_model_len)
@@ -165,7 +175,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt])
+        return await self._run(request, req, [prompt], transfer)
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -175,6 +185,7 @@ class Serving:
         fmt = api.parse_response_format(body)
         if opt(body, "suffix", strict_str, None) is not None:
             raise refused("suffix is not currently supported")
+        transfer = read_transfer(body, self.role)
         api.check_max_tokens(sampling, self.max_model_len)
         ids = []
         for prompt in prompts:
@@ -188,7 +199,7 @@ class Serving:
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids)
+        return await self._run(request, req, ids, transfer)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -196,26 +207,56 @@ class Serving:
             rid = f"{req.rid}-{p}" if i == 0 else f"{req.rid}-{p}-{i}"
             req.choices[rid] = _Choice(p * n + i, plan, p, echo=echo)
 
-    async def _run(self, request: web.Request, req: _Request, prompts: list[list[int]]) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, req: _Request, prompts: list[list[int]], transfer: Transfer = NONE
+    ) -> web.StreamResponse:
+        remote = transfer.remote_prefill is not None
+        if transfer.remote_prefill is not None:
+            await self._receive_kv(req.rid, prompts[0], transfer.remote_prefill)
         queue = None
         ids = list(req.choices)
         for p, prompt in enumerate(prompts):
             group = [rid for rid in ids if req.choices[rid].prompt_index == p]
             siblings = [(rid, req.choices[rid].plan.token_ids) for rid in group[1:]]
             queue = self.driver.submit(
-                group[0], prompt, req.choices[group[0]].plan.token_ids, siblings, queue
+                group[0],
+                prompt,
+                req.choices[group[0]].plan.token_ids,
+                siblings,
+                queue,
+                remote_prefill=remote and p == 0,
             )
         assert queue is not None
         log.debug("%s: %d prompts, %d choices", req.rid, len(prompts), len(ids))
         try:
             if req.sampling.stream:
                 return await self._stream(request, req, queue)
-            return await self._whole(req, queue)
+            handoff = prompts[0] if transfer.remote_decode else None
+            return await self._whole(req, queue, handoff)
         finally:
             for rid in ids:
                 self.driver.abort(rid)
 
-    async def _whole(self, req: _Request, queue: asyncio.Queue[Any]) -> web.Response:
+    async def _receive_kv(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
+        """Wait while the KV of the prompt tokens this replica lacks arrives from the prefill replica."""
+        engine = self.driver.engine
+        tokens = max(0, len(prompt) - 1 - engine.cached_prefix_tokens(prompt))
+        seconds = engine.timing.transfer_s(tokens)
+        await asyncio.sleep(seconds)
+        engine.stats.remote_prefill_seconds += seconds
+        log.info(
+            "%s: prefilled by engine %s; KV of %d prompt tokens received in %.4f s",
+            rid,
+            params["remote_engine_id"],
+            tokens,
+            seconds,
+        )
+
+    async def _whole(
+        self, req: _Request, queue: asyncio.Queue[Any], handoff: list[int] | None = None
+    ) -> web.Response:
+        """The whole answer; with ``handoff`` (the prompt of a prefill for a remote decode) it carries
+        the ``kv_transfer_params`` the decode replica needs."""
         cached = [0] * len(req.prompt_lens)
         left = len(req.choices)
         while left:
@@ -236,6 +277,13 @@ class Serving:
             body = out.completion_response(
                 req.rid, created, self.model, [self._text_choice(req, c) for c in choices], use
             )
+        if handoff is not None:
+            engine = self.driver.engine
+            engine.stats.remote_decodes += 1
+            host, port = self.side_channel
+            blocks = engine.prompt_blocks(handoff)
+            body["kv_transfer_params"] = prefill_params(self.engine_id, req.rid, blocks, host, port)
+            log.info("%s: prefilled %d prompt tokens for a remote decode", req.rid, len(handoff))
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     def _chat_choice(self, req: _Request, c: _Choice) -> dict[str, Any]:

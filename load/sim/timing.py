@@ -16,6 +16,19 @@ The defaults describe an 8B dense model in bf16 on one H100 (vLLM, CUDA graphs):
 
 Attention cost growing with context length is not modelled. ``time_scale`` stretches (>1) or shrinks
 (<1) all of it; 0 makes every step instantaneous.
+
+Prefill/decode disaggregation adds one more duration, the KV transfer from the prefill replica to the
+decode replica, outside any step (the decode replica's GPU keeps stepping its other sequences)::
+
+    transfer_s = time_scale * tokens * kv_bytes_per_token / link_bytes_per_s
+
+* ``kv_bytes_per_token`` = 131,072 (128 KiB): K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes,
+  Llama-3.1-8B in bf16;
+* ``link_bytes_per_s`` = 50e9: one 400 Gb/s RDMA NIC (NIXL over UCX), so 6,000 tokens take ~16 ms.
+
+On an aggregated replica a prefill shares steps with the decodes batched with it (the
+``prefill_s_per_token x n_prefill_tokens`` term lengthens every decoding sequence's step: chunked-prefill
+interference); a decode replica of a pair computes one prompt token per request instead.
 """
 
 from __future__ import annotations
@@ -31,9 +44,13 @@ class TimingModel:
     decode_s_per_seq: float = 0.00015
     prefill_s_per_token: float = 1 / 20_000
     time_scale: float = 1.0
+    kv_bytes_per_token: float = 131_072.0
+    link_bytes_per_s: float = 50e9
 
     def __post_init__(self) -> None:
-        for name in ("base_s", "decode_s_per_seq", "prefill_s_per_token", "time_scale"):
+        if self.link_bytes_per_s <= 0:
+            raise ValueError("link_bytes_per_s must be > 0")
+        for name in ("base_s", "decode_s_per_seq", "prefill_s_per_token", "time_scale", "kv_bytes_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -41,3 +58,7 @@ class TimingModel:
         """Seconds for a step decoding ``n_decoding`` sequences and prefilling ``n_prefill_tokens``."""
         raw = self.base_s + self.decode_s_per_seq * n_decoding + self.prefill_s_per_token * n_prefill_tokens
         return raw * self.time_scale
+
+    def transfer_s(self, tokens: int) -> float:
+        """Seconds to move the KV of ``tokens`` prompt tokens from a prefill replica to a decode replica."""
+        return self.time_scale * tokens * self.kv_bytes_per_token / self.link_bytes_per_s

@@ -281,6 +281,25 @@ def test_endpoint_record() -> None:
         f"http://10.0.0.5:{PORT}/metrics", "10.0.0.5:7000", True, 32,
     )  # fmt: skip
     assert ep.labels == (("zone", "a"),) and ep.node == "node-a"
+    assert ep.bootstrap_port is None  # vLLM's side port is NIXL's, which the params carry
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+def test_a_simulator_plays_its_role(role: str) -> None:
+    argv = launch_of(engine("sim", role)).argv
+    assert ("--role" in argv) == (role != "both")
+    if role != "both":
+        assert argv[argv.index("--role") + 1] == role
+    assert endpoint_for(engine("sim", role), launch_of(engine("sim", role)), node="n", feed=None).role == role
+
+
+def test_an_sglang_prefill_server_registers_its_bootstrap_port() -> None:
+    for role, offload in (("prefill", "nixl"), ("decode", "nixl")):
+        e = engine("sglang", role, offload)
+        launch = launch_of(e)
+        ep = endpoint_for(e, launch, node="n", feed=None)
+        assert ep.bootstrap_port == (launch.side_port if role == "prefill" else None)
+    assert launch_of(engine("sglang", "prefill", "nixl")).side_port is not None
 
 
 def test_missing_artifacts_are_engine_errors(monkeypatch: pytest.MonkeyPatch) -> None:

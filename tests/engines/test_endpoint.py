@@ -52,6 +52,17 @@ def test_codec_slot_restore_round_trip() -> None:
         decode_endpoint(FULL.id, _with(slot_restore="unix:/run/agent.sock"))
 
 
+def test_codec_bootstrap_port_round_trip() -> None:
+    endpoint = dataclasses.replace(FULL, bootstrap_port=8998)
+    value = encode_endpoint(endpoint)
+    assert json.loads(value)["bootstrap_port"] == 8998
+    assert decode_endpoint(endpoint.id, value) == endpoint
+    assert "bootstrap_port" not in json.loads(encode_endpoint(FULL))  # absent when none
+    for bad in (0, 70000, "8998"):
+        with pytest.raises(ConfigError, match="bootstrap_port"):
+            decode_endpoint(FULL.id, _with(bootstrap_port=bad))
+
+
 def test_decode_accepts_defaults() -> None:
     endpoint = decode_endpoint("e", b'{"id": "e", "address": "h:1", "models": ["m"]}')
     assert (endpoint.engine, endpoint.role, endpoint.kv_events) == ("vllm", "both", False)

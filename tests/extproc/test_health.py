@@ -150,10 +150,17 @@ def one_carries_the_label(router: Router) -> None:
     state.endpoint = dataclasses.replace(state.endpoint, labels=(GPU,))
 
 
+def only_prefill_endpoints(router: Router) -> None:
+    """Every endpoint prefill-only: none serves a request by itself (extproc/disagg)."""
+    for s in router.fleet:
+        s.endpoint = dataclasses.replace(s.endpoint, role="prefill")
+
+
 @pytest.mark.parametrize(
     ("setup", "ready"),
     [
         (as_started, True),
+        (only_prefill_endpoints, False),
         (all_unhealthy, False),
         (all_draining, False),
         (smol_unhealthy, True),  # `other` is still routable: ready for some model

@@ -10,7 +10,9 @@ import etcd3aio
 from contracts.etcd import EtcdSettings, encode_value, policy_key
 from extproc.config import parse_config
 from extproc.control.cluster import Cluster
-from extproc.control.policy import PolicyStore, routing_policy
+from extproc.control.policy import PolicyStore, pd_policy, routing_policy
+from extproc.disagg.plan import PdPolicy
+from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.flow.policy import FlowPolicy, Objective, Saturation
 from extproc.index.hybrid import HybridIndex
@@ -58,5 +60,28 @@ async def test_flow_policy_follows_etcd_and_reaches_the_listener(
         assert seen[-1].waiting_room_s == 5.0 and seen[-1].objectives["batch"].priority == -1
         assert cluster.flow_policy is seen[-1]
         assert "objectives/chat" in cluster.store.rejected
+    finally:
+        await cluster.aclose()
+
+
+async def test_a_models_serving_mode_follows_etcd_and_reaches_the_pd_listener(
+    etcd_settings: EtcdSettings, etcd_client: etcd3aio.Etcd3Client
+) -> None:
+    cluster = _cluster(etcd_settings)
+    seen: list[PdPolicy] = []
+    cluster.pd_listener = lambda policy: seen.append(pd_policy(policy, max_fallbacks=None))
+    await cluster.start()
+    try:
+        assert etcd_client.kv is not None
+        key = policy_key(etcd_settings.prefix, "models/m")
+        await etcd_client.kv.put(key, encode_value({"disaggregation": {"mode": "conditional"}}))
+        await until(lambda: bool(seen) and "m" in seen[-1].routes, 5.0)
+        assert seen[-1].routes["m"].spec == PdSpec("conditional")
+        count = len(seen)
+        await etcd_client.kv.put(key, encode_value({"disaggregation": {"mode": "often"}}))  # refused
+        await until(lambda: "models/m" in cluster.store.rejected, 5.0)
+        assert len(seen) == count and seen[-1].routes["m"].spec.mode == "conditional"
+        await etcd_client.kv.put(key, encode_value({"disaggregation": {"mode": "aggregated"}}))
+        await until(lambda: "m" not in seen[-1].routes, 5.0)
     finally:
         await cluster.aclose()

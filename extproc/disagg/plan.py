@@ -1,0 +1,186 @@
+"""The pair: whether a routed request is disaggregated, and which prefill endpoint computes its prompt.
+Pure (no IO, ``now`` passed in): the router has already picked the decode endpoint.
+
+For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.PdSpec`:
+
+1. the **decode profile** is the route's own: :meth:`Router.decide` runs it over the decode-capable
+   endpoints (role ``both`` or ``decode``; prefill-only endpoints are never picked by it), so the decode
+   pick already weighs load, KV use and the prefix it holds (it keeps the transferred blocks);
+2. ``uncached = max(0, prompt_tokens - matched_blocks x block_size)`` at that pick; the spec says
+   whether to disaggregate (``disaggregated``: always; ``conditional``: when ``uncached >=
+   min_uncached_tokens``);
+3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
+   endpoints of role ``prefill`` serving ``m`` that the route's labels admit and that speak the decode
+   pick's handoff protocol, with the prefix index's
+   match of the prompt against that pool (its prefix scorer prefers the replica holding the prompt's
+   lead), plus whatever load scorers the profile has;
+4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
+   digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
+   to the prefill endpoint that computed it.
+
+Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``),
+SGLang (bootstrap fields; its prefill endpoint must have registered its ``bootstrap_port``, and each pair
+gets a random ``bootstrap_room`` in [0, 2^63)); anything else is served aggregated (reason ``engine``).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from contracts.events import EndpointId
+from extproc.disagg.policy import PdSpec
+from extproc.disagg.protocol import MAX_ROOM
+from extproc.fleet import EndpointState
+from extproc.routing.router import Decision, Router
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.profile import Profile
+
+#: Engine kind -> the handoff protocol its prefill and decode servers speak (:mod:`extproc.disagg.protocol`).
+PROTOCOLS: Mapping[str, str] = types.MappingProxyType({"vllm": "vllm", "sim": "vllm", "sglang": "sglang"})
+
+
+@dataclass(frozen=True, slots=True)
+class PdRoute:
+    """A model's serving spec with its prefill profile built (``labels``: the route's, which prefill
+    endpoints must carry too)."""
+
+    spec: PdSpec
+    prefill: Profile
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PdPolicy:
+    """Model name -> :class:`PdRoute`; a model without one is served aggregated."""
+
+    routes: Mapping[str, PdRoute] = field(default_factory=lambda: types.MappingProxyType({}))
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A disaggregated request's pair: ``prefill`` computes the prompt (the gateway's sub-request),
+    ``decode`` streams the answer (Envoy's route). ``uncached_tokens``: what the decode pick lacked;
+    ``protocol``: ``vllm`` or ``sglang`` (:data:`PROTOCOLS`); ``timeout_s``: the prefill's bound;
+    ``room``: SGLang's bootstrap room pairing the two servers (``None`` for vLLM)."""
+
+    request_id: str
+    prefill: EndpointState
+    decode: EndpointState
+    protocol: str
+    uncached_tokens: int
+    timeout_s: float
+    room: int | None = None
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What :meth:`Disaggregator.plan` decided: a ``handoff``, or ``None`` with why the request is served
+    aggregated (``reason``: ``cached`` under the threshold, ``no_prefill`` no prefill endpoint fit,
+    ``engine`` no handoff protocol for the decode engine)."""
+
+    handoff: Handoff | None
+    reason: str
+
+    @property
+    def mode(self) -> str:
+        return "aggregated" if self.handoff is None else "disaggregated"
+
+
+class Disaggregator:
+    """Plans the prefill half of disaggregated requests under a :class:`PdPolicy` (swapped whole by
+    :meth:`apply`, as the router's policy)."""
+
+    def __init__(
+        self, router: Router, policy: PdPolicy | None = None, rng: random.Random | None = None
+    ) -> None:
+        self._router = router
+        self._policy = policy or PdPolicy()
+        self._rng = rng or random.Random()
+
+    @property
+    def policy(self) -> PdPolicy:
+        return self._policy
+
+    def apply(self, policy: PdPolicy) -> None:
+        self._policy = policy
+
+    def plan(self, decision: Decision, now: float) -> Verdict | None:
+        """The verdict for a decided request; ``None`` when its model has no serving spec or an
+        aggregated one (nothing to count)."""
+        route = self._policy.routes.get(decision.model)
+        if route is None or route.spec.mode == "aggregated" or decision.served is None:
+            return None
+        decode = decision.served
+        block_size = self._router.policy.block_size
+        uncached = max(0, decision.prompt_tokens - decision.matched_blocks * block_size)
+        if not route.spec.disaggregates(uncached):
+            return Verdict(None, "cached")
+        protocol = PROTOCOLS.get(decode.endpoint.engine)
+        if protocol is None:
+            return Verdict(None, "engine")
+        prefill = self._pick_prefill(decision, route, protocol, now)
+        if prefill is None:
+            return Verdict(None, "no_prefill")
+        prefill.in_flight += 1
+        prefill.routed_since_scrape += 1
+        prefill.count_routed(now)
+        room = self._rng.randrange(MAX_ROOM + 1) if protocol == "sglang" else None
+        handoff = Handoff(
+            decision.request_id, prefill, decode, protocol, uncached, route.spec.prefill_timeout_s, room
+        )
+        return Verdict(handoff, "disaggregated")
+
+    def _pick_prefill(
+        self, decision: Decision, route: PdRoute, protocol: str, now: float
+    ) -> EndpointState | None:
+        model = decision.model
+        pool = [
+            s
+            for s in self._router.fleet
+            if s.endpoint.role == "prefill"
+            and model in s.endpoint.models
+            and set(route.labels) <= set(s.endpoint.labels)
+            and PROTOCOLS.get(s.endpoint.engine) == protocol
+            and (protocol != "sglang" or s.endpoint.bootstrap_port is not None)
+        ]
+        if not pool:
+            return None
+        rest = decision.rest
+        if rest is not None:  # the lazy path stopped early: the prefix scorer divides by the window
+            rest.finish()
+        digests = list(rest.digests) if rest is not None else list(decision.digests)
+        index = self._router.index
+        match = index.match(digests, now)
+        ids: set[EndpointId] = {s.id for s in pool}
+        working_set = self._router.working_set
+        state = CycleState(
+            prefix_blocks={k: v for k, v in match.items() if k in ids},
+            cached_blocks=index.occupancy() if working_set is None else working_set.sizes(now),
+        )
+        state.exact = all(index.is_precise(s.id) for s in pool)
+        request = SchedulingRequest(
+            request_id=decision.request_id,
+            model=model,
+            digests=digests,
+            prompt_tokens=decision.prompt_tokens,
+            now=now,
+        )
+        result = route.prefill.schedule(request, state, pool, self._rng)
+        if not result.endpoints:
+            return None
+        pick = result.endpoints[0]
+        self._router.record(pick.id, digests, now)
+        return pick
+
+    def release(self, handoff: Handoff) -> None:
+        """The prefill sub-request ended (answered, failed or abandoned): its in-flight slot is free."""
+        if not handoff.released:
+            handoff.released = True
+            handoff.prefill.in_flight = max(0, handoff.prefill.in_flight - 1)
+            listener = self._router.listener
+            if listener is not None:  # the sibling workers share in-flight counts
+                listener.released(handoff.prefill.id)

@@ -1,0 +1,100 @@
+"""One HTTP client for the gateway's own requests to engines (prefill sub-requests today; cascade steps,
+burst and migration are meant to use it too).
+
+:class:`UpstreamClient` posts a JSON body to ``scheme://address/path`` and returns the whole answer, or
+raises an :class:`~extproc.upstream.errors.UpstreamError`. One aiohttp session (connection pool) per
+client, made on first use on the running loop and closed by :meth:`aclose`; every call has its own total
+timeout; with an ``ssl.SSLContext`` it speaks HTTPS (the scraper's engine-side client certificate gives
+mTLS). It never logs a body, a header value or a URL query: only the address, the path, the status and
+the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from extproc.upstream.errors import Unreachable, UpstreamError, UpstreamStatus, UpstreamTimeout
+from extproc.upstream.request import SubRequest
+
+log = logging.getLogger(__name__)
+
+#: Bytes of an answer read at most (a prefill answer is one token and a few hundred bytes of params).
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An engine's 2xx answer: its status and whole body."""
+
+    status: int
+    body: bytes
+
+
+class UpstreamClient:
+    """Posts JSON to engines (module docstring). ``tls``: the client context for ``https`` (``None``:
+    plain ``http``); ``connect_timeout_s`` bounds the connection alone."""
+
+    def __init__(self, tls: ssl.SSLContext | None = None, connect_timeout_s: float = 2.0) -> None:
+        self._tls = tls
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No pool cap (aiohttp's default is 100): the requests held by the gateway bound the calls.
+            connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else False, limit=0)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+        return self._session
+
+    async def post_json(
+        self,
+        address: str,
+        path: str,
+        body: bytes,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Answer:
+        """POST ``body`` (JSON) to the engine at ``address`` (``ip:port``); the 2xx answer, else
+        :class:`UpstreamStatus`, :class:`UpstreamTimeout` past ``timeout_s`` seconds in all, or
+        :class:`Unreachable`."""
+        url = f"{self.scheme}://{address}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._connect_timeout_s))
+        sent = {"content-type": "application/json", **(headers or {})}
+        started = time.monotonic()
+        try:
+            async with self._client().post(url, data=body, headers=sent, timeout=timeout) as response:
+                data = await response.content.read(MAX_ANSWER_BYTES)
+                status = response.status
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no answer from {address}{path} within {timeout_s:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"{address}{path}: {type(exc).__name__}") from exc
+        log.debug("POST %s%s: %d in %.3f s", address, path, status, time.monotonic() - started)
+        if not 200 <= status < 300:
+            raise UpstreamStatus(status)
+        return Answer(status, data)
+
+    async def send(self, sub: SubRequest) -> Answer:
+        """:meth:`post_json` for a :class:`~extproc.upstream.request.SubRequest`."""
+        return await self.post_json(
+            sub.address, sub.path, sub.body, timeout_s=sub.timeout_s, headers=sub.headers
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+__all__ = ["Answer", "UpstreamClient", "UpstreamError"]

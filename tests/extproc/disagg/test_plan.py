@@ -1,0 +1,227 @@
+"""Pair selection in memory: a real Router over a real Fleet (roles both/prefill/decode), the byte
+fallback for prompts (no tokenizer: 4 bytes stand for a token), the default scheduling profile."""
+
+from __future__ import annotations
+
+import random
+import types
+from collections.abc import Sequence
+
+import orjson
+import pytest
+
+from contracts.digest import Digest
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
+from extproc.disagg.policy import PdSpec
+from extproc.errors import Unavailable
+from extproc.fleet import Fleet
+from extproc.index.approximate import ApproximateIndex
+from extproc.index.working_set import WorkingSet
+from extproc.models.registry import ModelRegistry
+from extproc.routing.request import Kind, ParsedRequest, parse_body
+from extproc.routing.router import Decision, Router, RoutingPolicy
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+
+MODEL = "m"
+NOW = 100.0
+
+
+def endpoint(
+    name: str,
+    role: str,
+    engine: str = "vllm",
+    labels: dict[str, str] | None = None,
+    bootstrap_port: int | None = None,
+) -> Endpoint:
+    n = sum(map(ord, name)) % 200
+    return Endpoint(
+        EndpointId(name),
+        f"10.0.0.{n}:8000",
+        frozenset({MODEL}),
+        engine=engine,
+        role=role,
+        labels=tuple(sorted((labels or {}).items())),
+        bootstrap_port=bootstrap_port,
+    )
+
+
+def make(
+    endpoints: list[Endpoint], spec: PdSpec, labels: dict[str, str] | None = None
+) -> tuple[Router, Disaggregator]:
+    router = Router(
+        Fleet(endpoints),
+        ModelRegistry([]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+    route = PdRoute(spec, build_profile(DEFAULT_SCHEDULING), tuple(sorted((labels or {}).items())))
+    return router, Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
+
+
+def request(prompt: str) -> ParsedRequest:
+    return parse_body(Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8}))
+
+
+def decide(router: Router, req: ParsedRequest, rid: str = "r") -> Decision:
+    return router.decide(req, request_id=rid, now=NOW)
+
+
+LONG = "".join(f"word{i} " for i in range(1000))  # ~7,000 bytes: ~1,700 tokens (inside the window)
+
+
+def test_prefill_endpoints_are_never_picked_by_the_router() -> None:
+    router, _ = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    for i in range(10):
+        assert decide(router, request(f"hello {i}"), f"r{i}").served is not None
+        assert decide(router, request(f"hello {i}"), f"s{i}").endpoints[0].id == "d0"
+    only_prefill, _ = make([endpoint("p0", "prefill")], PdSpec("disaggregated"))
+    with pytest.raises(Unavailable):
+        decide(only_prefill, request("hello"))
+
+
+def test_disaggregated_pairs_a_prefill_and_a_decode_endpoint() -> None:
+    router, pd = make(
+        [endpoint("p0", "prefill"), endpoint("d0", "decode"), endpoint("b0", "both")], PdSpec("disaggregated")
+    )
+    decision = decide(router, request("short"))
+    verdict = pd.plan(decision, NOW)
+    assert verdict is not None and verdict.mode == "disaggregated" and verdict.reason == "disaggregated"
+    handoff = verdict.handoff
+    assert handoff is not None
+    assert handoff.prefill.id == "p0" and handoff.decode is decision.served
+    assert handoff.protocol == "vllm" and handoff.timeout_s == 30.0
+    assert handoff.prefill.in_flight == 1
+    pd.release(handoff)
+    pd.release(handoff)  # once only
+    assert handoff.prefill.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "mode", "reason"),
+    [
+        ("short prompt", "aggregated", "cached"),  # 3 tokens < 512
+        (LONG, "disaggregated", "disaggregated"),
+    ],
+)
+def test_conditional_disaggregates_only_long_uncached_prompts(prompt: str, mode: str, reason: str) -> None:
+    router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("conditional", 512))
+    verdict = pd.plan(decide(router, request(prompt)), NOW)
+    assert verdict is not None and (verdict.mode, verdict.reason) == (mode, reason)
+
+
+def test_conditional_counts_what_the_decode_pick_already_holds() -> None:
+    router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("conditional", 512))
+    first = decide(router, request(LONG), "r1")
+    router.commit(first, NOW)  # d0 now holds the prompt (speculatively)
+    again = decide(router, request(LONG + " one more question"), "r2")
+    assert again.matched_blocks * 16 >= again.prompt_tokens - 16
+    verdict = pd.plan(again, NOW)
+    assert verdict is not None and verdict.reason == "cached"
+
+
+def test_a_repeated_long_prefix_goes_to_the_prefill_endpoint_that_holds_it() -> None:
+    prefill = [endpoint(f"p{i}", "prefill") for i in range(4)]
+    router, pd = make([*prefill, endpoint("d0", "decode"), endpoint("d1", "decode")], PdSpec("disaggregated"))
+    picks = []
+    for i in range(3):
+        verdict = pd.plan(decide(router, request(LONG + f" question {i}"), f"r{i}"), NOW)
+        assert verdict is not None and verdict.handoff is not None
+        picks.append(verdict.handoff.prefill.id)
+        pd.release(verdict.handoff)
+    assert picks[1:] == [picks[0], picks[0]]
+    cold = pd.plan(decide(router, request("another long document " * 400), "cold"), NOW)
+    assert cold is not None and cold.handoff is not None
+    assert cold.handoff.prefill.id != picks[0], "a cold prompt goes to a less loaded prefill endpoint"
+
+
+def test_no_prefill_endpoint_fits() -> None:
+    router, pd = make(
+        [endpoint("p0", "prefill", labels={"pool": "b"}), endpoint("d0", "decode", labels={"pool": "a"})],
+        PdSpec("disaggregated"),
+        labels={"pool": "a"},
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and (verdict.mode, verdict.reason) == ("aggregated", "no_prefill")
+    unhealthy, pd2 = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    for state in unhealthy.fleet:
+        if state.endpoint.role == "prefill":
+            state.healthy = False
+    verdict = pd2.plan(decide(unhealthy, request("x")), NOW)
+    assert verdict is not None and verdict.reason == "no_prefill"
+
+
+@pytest.mark.parametrize("engine", ["llama_cpp", "trtllm", "openai_compat"])
+def test_engines_without_a_handoff_protocol_are_served_aggregated(engine: str) -> None:
+    router, pd = make(
+        [endpoint("p0", "prefill", engine=engine), endpoint("d0", "decode", engine=engine)],
+        PdSpec("disaggregated"),
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and verdict.reason == "engine"
+
+
+def test_models_without_a_disaggregating_route() -> None:
+    router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "both")], PdSpec("disaggregated"))
+    pd.apply(PdPolicy())
+    assert pd.plan(decide(router, request("x")), NOW) is None
+
+
+def test_the_prefill_endpoint_speaks_the_decode_endpoints_protocol() -> None:
+    router, pd = make(
+        [endpoint("p0", "prefill", engine="sglang"), endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and verdict.reason == "no_prefill"
+    router, pd = make(
+        [endpoint("p0", "prefill", engine="sim"), endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(decide(router, request("x")), NOW)
+    assert verdict is not None and verdict.handoff is not None and verdict.handoff.prefill.id == "p0"
+
+
+def test_sglang_pairs_need_a_bootstrap_port_and_get_a_room() -> None:
+    router, pd = make(
+        [
+            endpoint("p0", "prefill", engine="sglang"),
+            endpoint("p1", "prefill", engine="sglang", bootstrap_port=8998),
+            endpoint("d0", "decode", engine="sglang"),
+        ],
+        PdSpec("disaggregated"),
+    )
+    rooms = set()
+    for i in range(5):
+        verdict = pd.plan(decide(router, request(f"x{i}"), f"r{i}"), NOW)
+        assert verdict is not None and verdict.handoff is not None
+        assert (verdict.handoff.prefill.id, verdict.handoff.protocol) == ("p1", "sglang")
+        assert verdict.handoff.room is not None and 0 <= verdict.handoff.room < 2**63
+        rooms.add(verdict.handoff.room)
+        pd.release(verdict.handoff)
+    assert len(rooms) == 5
+    vllm, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    verdict = pd.plan(decide(vllm, request("x")), NOW)
+    assert verdict is not None and verdict.handoff is not None and verdict.handoff.room is None
+
+
+def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None:
+    router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
+    router.working_set = WorkingSet(60.0, 256)
+    heard: list[str] = []
+
+    class Listener:
+        def recorded(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+            heard.append(endpoint)
+
+        def released(self, endpoint: EndpointId) -> None:
+            heard.append(f"released {endpoint}")
+
+    router.listener = Listener()
+    verdict = pd.plan(decide(router, request(LONG)), NOW)
+    assert verdict is not None and verdict.handoff is not None
+    assert heard == ["p0"]  # siblings hear of it; the decode pick is recorded at commit
+    assert router.working_set.sizes(NOW)[EndpointId("p0")] > 0
+    pd.release(verdict.handoff)
+    pd.release(verdict.handoff)
+    assert heard == ["p0", "released p0"]

@@ -1,0 +1,201 @@
+"""The stream state machine with a disaggregating route, in memory: the decision holds the replies while
+the prefill half runs (:attr:`StreamProcessor.handoff`), then :meth:`handed_off` routes the decode half,
+or the whole request on a failed prefill."""
+
+from __future__ import annotations
+
+import random
+import types
+from typing import Any
+
+import orjson
+import pytest
+
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.pairing import Pairing
+from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
+from extproc.disagg.policy import PdSpec
+from extproc.fleet import Fleet
+from extproc.index.approximate import ApproximateIndex
+from extproc.models.registry import ModelRegistry
+from extproc.processor import ProcessorConfig, StreamProcessor, serving
+from extproc.routing.router import Router, RoutingPolicy
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from tests.extproc.disagg.test_plan import endpoint as plan_endpoint
+from tests.extproc.disagg.test_plan import make as plan_make
+from tests.extproc.disagg.test_plan import request as plan_request
+from tests.extproc.test_processor import body, headers, reply
+
+MODEL = "m"
+PREFILL, DECODE = "10.0.0.1:8000", "10.0.0.2:8000"
+LONG = " ".join(f"w{i}" for i in range(3000))  # ~4,000 tokens by the byte fallback
+
+
+def make(
+    spec: PdSpec, hold_timeout_s: float | None = 600.0, engine: str = "vllm"
+) -> tuple[StreamProcessor, Router]:
+    port = 8998 if engine == "sglang" else None
+    endpoints = [
+        Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), engine, role="prefill", bootstrap_port=port),
+        Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode"),
+    ]
+    router = Router(
+        Fleet(endpoints),
+        ModelRegistry([]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+    route = PdRoute(spec, build_profile(DEFAULT_SCHEDULING))
+    pd = Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s)
+    return StreamProcessor(router, config, lambda: 1000.0, disagg=pd), router
+
+
+def request(prompt: str = LONG, **extra: Any) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 20, "stream": True, **extra})
+
+
+ANSWER = orjson.dumps(
+    {
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "p-engine",
+            "remote_block_ids": [1, 2],
+            "remote_host": "10.0.0.1",
+            "remote_port": 8000,
+        },
+    }
+)
+
+
+def start(proc: StreamProcessor, payload: bytes) -> list[Any]:
+    assert proc.handle(headers("/v1/completions")) == []
+    return proc.handle(body(payload))
+
+
+def in_flight(router: Router) -> dict[str, int]:
+    return {s.address: s.in_flight for s in router.fleet}
+
+
+def test_the_prefill_half_runs_before_envoy_gets_the_decode_endpoint() -> None:
+    proc, router = make(PdSpec("disaggregated", prefill_timeout_s=12.5))
+    out = start(proc, request())
+    assert len(out) == 1 and out[0].WhichOneof("response") is None
+    assert out[0].override_message_timeout.seconds == 17  # the prefill's bound + 5 s
+    sub = proc.handoff
+    assert sub is not None
+    assert (sub.address, sub.path, sub.timeout_s, sub.headers) == (
+        PREFILL,
+        "/v1/completions",
+        12.5,
+        {"x-request-id": "r1"},
+    )
+    sent = orjson.loads(sub.body)
+    assert sent["kv_transfer_params"]["do_remote_decode"] is True
+    assert (sent["stream"], sent["max_tokens"], sent["prompt"]) == (False, 1, LONG)
+    assert in_flight(router) == {PREFILL: 1, DECODE: 1}
+    assert proc.pd is not None and (proc.pd.mode, proc.pd.reason) == ("disaggregated", "disaggregated")
+
+    decided = reply(proc.handed_off(ANSWER))
+    assert decided.destination == [DECODE]
+    doc = orjson.loads(decided.body)
+    assert doc["kv_transfer_params"]["remote_engine_id"] == "p-engine"
+    assert doc["kv_transfer_params"]["do_remote_prefill"] is True
+    assert (doc["stream"], doc["max_tokens"]) == (True, 20)
+    assert decided.set_headers["content-length"] == str(len(decided.body))
+    assert proc.handoff is None and proc.handoff_outcome == "disaggregated"
+    assert in_flight(router) == {PREFILL: 0, DECODE: 1}
+    proc.close()
+    assert in_flight(router) == {PREFILL: 0, DECODE: 0}
+
+
+@pytest.mark.parametrize(
+    ("answer", "failure", "outcome"),
+    [
+        (None, "timeout", "timeout"),
+        (None, "status", "status"),
+        (None, "unreachable", "unreachable"),
+        (b'{"choices": []}', None, "bad_response"),
+        (b"<html>", None, "bad_response"),
+    ],
+)
+def test_a_failed_prefill_is_served_aggregated_on_the_decode_endpoint(
+    answer: bytes | None, failure: str | None, outcome: str
+) -> None:
+    proc, router = make(PdSpec("disaggregated"))
+    payload = request()
+    start(proc, payload)
+    decided = reply(proc.handed_off(answer, failure))
+    assert decided.destination == [DECODE]
+    assert decided.body == payload, "the client's request, unchanged"
+    assert proc.handoff_outcome == outcome
+    assert in_flight(router)[PREFILL] == 0
+
+
+def test_conditional_serves_a_short_prompt_at_once() -> None:
+    proc, _ = make(PdSpec("conditional", 512))
+    decided = reply(start(proc, request("short")))
+    assert decided.destination == [DECODE]
+    assert proc.handoff is None
+    assert proc.pd is not None and (proc.pd.mode, proc.pd.reason) == ("aggregated", "cached")
+
+
+def test_a_client_gone_during_the_prefill_frees_both_slots() -> None:
+    proc, router = make(PdSpec("disaggregated"))
+    start(proc, request())
+    proc.close()
+    assert in_flight(router) == {PREFILL: 0, DECODE: 0}
+    assert proc.handoff is None
+
+
+def test_without_a_message_timeout_extension() -> None:
+    proc, _ = make(PdSpec("disaggregated"), hold_timeout_s=None)
+    assert start(proc, request()) == []
+    assert proc.handoff is not None
+
+
+def test_flow_control_counts_no_prefill_endpoint_among_a_models_servers() -> None:
+    _, router = make(PdSpec("disaggregated"))
+    assert [s.address for s in serving(router, MODEL)] == [DECODE]
+
+
+def test_sglang_sends_both_halves_at_once_with_the_bootstrap_fields() -> None:
+    proc, router = make(PdSpec("disaggregated", prefill_timeout_s=7.0), engine="sglang")
+    payload = request()
+    decided = reply(start(proc, payload))  # routed at once: no message-timeout extension first
+    assert decided.destination == [DECODE]
+    sub = proc.handoff
+    assert sub is not None and not sub.wait and (sub.address, sub.timeout_s) == (PREFILL, 7.0)
+    decode, prefill = orjson.loads(decided.body), orjson.loads(sub.body)
+    room = decode["bootstrap_room"]
+    assert (decode["bootstrap_host"], decode["bootstrap_port"]) == ("10.0.0.1", 8998)
+    assert (prefill["bootstrap_host"], prefill["bootstrap_port"], prefill["bootstrap_room"]) == (
+        "10.0.0.1",
+        8998,
+        room,
+    )
+    assert (decode["stream"], prefill["stream"], prefill["max_tokens"]) == (True, False, 20)
+    assert "kv_transfer_params" not in decode
+    proc.close()  # the stream may end first: the prefill's slot stays taken until it ends
+    assert in_flight(router)[PREFILL] == 1
+    proc.prefill_done(None)
+    assert in_flight(router)[PREFILL] == 0 and proc.handoff_outcome == "disaggregated"
+    proc.prefill_done("timeout")  # once only
+    assert proc.handoff_outcome == "disaggregated"
+
+
+def test_a_pairing_of_a_body_that_is_no_object_releases_its_slot() -> None:
+    router, pd = plan_make(
+        [plan_endpoint("p0", "prefill"), plan_endpoint("d0", "decode")], PdSpec("disaggregated")
+    )
+    verdict = pd.plan(router.decide(plan_request("x"), request_id="r", now=1.0), 1.0)
+    assert verdict is not None and verdict.handoff is not None
+    assert verdict.handoff.prefill.in_flight == 1
+    with pytest.raises(HandoffFailed) as caught:
+        Pairing(pd, verdict.handoff, b"[1, 2]", "/v1/completions", None, "r")
+    assert caught.value.reason == "bad_request" and verdict.handoff.prefill.in_flight == 0

@@ -1,0 +1,122 @@
+"""The handoff bodies against vLLM's documented ``kv_transfer_params`` fields and SGLang's bootstrap
+fields (examples written from the protocol: vLLM's NixlConnector and its disaggregated-serving proxy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc.disagg.errors import HandoffFailed
+from extproc.disagg.protocol import (
+    MAX_ROOM,
+    bootstrap_bodies,
+    decode_body,
+    parse_request,
+    prefill_body,
+    transfer_params,
+)
+
+CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hello"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 200,
+    "max_completion_tokens": 150,
+    "min_tokens": 5,
+    "temperature": 0.2,
+}
+
+#: A vLLM prefill engine's answer (NixlConnector, one token, length-capped).
+PREFILL_ANSWER: dict[str, Any] = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "The"}, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 2000, "completion_tokens": 1, "total_tokens": 2001},
+    "kv_transfer_params": {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [4, 5, 6],
+        "remote_engine_id": "0f6c-engine",
+        "remote_request_id": "chatcmpl-1",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 1,
+    },
+}
+
+
+def test_prefill_body_asks_for_one_token_and_a_remote_decode() -> None:
+    doc = orjson.loads(prefill_body(CHAT))
+    assert doc["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert doc["stream"] is False
+    assert doc["max_tokens"] == 1 and doc["max_completion_tokens"] == 1
+    for dropped in ("stream_options", "min_tokens"):
+        assert dropped not in doc
+    assert doc["messages"] == CHAT["messages"] and doc["temperature"] == 0.2
+    assert CHAT["max_tokens"] == 200, "the client's body is not changed"
+
+
+def test_prefill_body_adds_no_max_completion_tokens() -> None:
+    doc = orjson.loads(prefill_body({"model": "m", "prompt": "x"}))
+    assert doc["max_tokens"] == 1 and "max_completion_tokens" not in doc
+
+
+def test_decode_body_carries_the_prefill_params() -> None:
+    params = transfer_params(orjson.dumps(PREFILL_ANSWER))
+    doc = orjson.loads(decode_body(CHAT, params))
+    expected = {**PREFILL_ANSWER["kv_transfer_params"], "do_remote_prefill": True, "do_remote_decode": False}
+    assert doc["kv_transfer_params"] == expected
+    rest = {k: v for k, v in doc.items() if k != "kv_transfer_params"}
+    assert rest == CHAT, "the decode engine gets the client's request unchanged"
+
+
+@pytest.mark.parametrize(
+    ("answer", "detail"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1]", "not a JSON object"),
+        (orjson.dumps({"choices": []}), "no kv_transfer_params"),
+        (orjson.dumps({"kv_transfer_params": None}), "no kv_transfer_params"),
+        (
+            orjson.dumps({"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"}}),
+            "remote_block_ids, remote_host, remote_port",
+        ),
+    ],
+)
+def test_unusable_prefill_answers(answer: bytes, detail: str) -> None:
+    with pytest.raises(HandoffFailed) as caught:
+        transfer_params(answer)
+    assert caught.value.reason == "bad_response"
+    assert detail in str(caught.value)
+
+
+def test_sglang_bootstrap_fields_go_to_both() -> None:
+    prefill, decode = bootstrap_bodies(CHAT, "10.0.0.7", 8998, 12345)
+    p, d = orjson.loads(prefill), orjson.loads(decode)
+    for doc in (p, d):
+        assert (doc["bootstrap_host"], doc["bootstrap_port"], doc["bootstrap_room"]) == (
+            "10.0.0.7",
+            8998,
+            12345,
+        )
+    assert p["stream"] is False and "stream_options" not in p
+    assert d["stream"] is True and d["stream_options"] == {"include_usage": True}
+    with pytest.raises(ValueError):
+        bootstrap_bodies(CHAT, "h", 1, MAX_ROOM + 1)
+
+
+def test_parse_request() -> None:
+    assert parse_request(b'{"model": "m"}') == {"model": "m"}
+    with pytest.raises(HandoffFailed):
+        parse_request(b"[]")
