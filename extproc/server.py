@@ -50,7 +50,7 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
-from extproc.metrics import GatewayMetrics
+from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
@@ -195,6 +195,10 @@ class Gateway:
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.metrics = GatewayMetrics(self.fleet)
+        self.metrics.watch_index(self.index.occupancy)
+        feed_stats = self.cluster.feeds.stats
+        feed_stats.on_staleness = self.metrics.feed_staleness.observe
+        self.metrics.watch_feeds(lambda: {name: getattr(feed_stats, name) for name in FEED_COUNTERS})
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
         )
