@@ -71,7 +71,7 @@ from engines.endpoint import encode_endpoint
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.kvcached import KvcachedClient
-from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.lifecycle import announce_ready, stop_on_signals, systemd_notify_wanted
 from runtime.tls import ServerTlsFiles
 
 if TYPE_CHECKING:
@@ -570,13 +570,13 @@ async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: floa
     stop_on_signals(stop)
     try:
         await agent.start()
-        if ready_file is not None:
+        if ready_file is not None or systemd_notify_wanted():
             waiting = asyncio.ensure_future(agent.wait_ready(ready_timeout_s))
             stopped = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
                 waiting.result()
-                write_ready_file(ready_file, {**agent.status(), "pid": os.getpid()})
+                announce_ready(ready_file, {**agent.status(), "pid": os.getpid()})
             else:
                 waiting.cancel()
             stopped.cancel()

@@ -58,7 +58,7 @@ from extproc.xds.als import Completion, FailedTries
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
-from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.lifecycle import announce_ready, stop_on_signals
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
 log = logging.getLogger(__name__)
@@ -422,8 +422,7 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 async def serve(config: GatewayConfig, ready_file: Path | None = None, worker: str | None = None) -> int:
     gateway = Gateway(config, worker)
     await gateway.start()
-    if ready_file is not None:
-        write_ready_file(ready_file, {**gateway.ports, "pid": os.getpid()})
+    announce_ready(ready_file, {**gateway.ports, "pid": os.getpid()})
     stop = asyncio.Event()
     stop_on_signals(stop)
     await stop.wait()
