@@ -110,32 +110,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class Prometheus:
-    """``prometheus`` scraping ``jobs`` (job name -> (metrics path, ``host:port`` targets)) every second,
-    evaluating ``rules`` every second, on a free loopback port, its data in ``workdir``."""
+def scrape_job(name: str, path: str, targets: Sequence[str], ca_file: Path | None = None) -> dict[str, Any]:
+    """One ``scrape_configs`` entry: ``targets`` (``host:port``) at ``path``; HTTPS verified against
+    ``ca_file`` when given."""
+    job: dict[str, Any] = {
+        "job_name": name,
+        "metrics_path": path,
+        "static_configs": [{"targets": list(targets)}],
+    }
+    if ca_file is not None:
+        job["scheme"] = "https"
+        job["tls_config"] = {"ca_file": str(ca_file)}
+    return job
 
-    def __init__(
-        self, workdir: Path, jobs: Mapping[str, tuple[str, Sequence[str]]], rules: Sequence[Path]
-    ) -> None:
+
+class Prometheus:
+    """``prometheus`` scraping ``jobs`` (:func:`scrape_job`) every second, evaluating ``rules`` every
+    second, on a free loopback port, its data in ``workdir``."""
+
+    def __init__(self, workdir: Path, jobs: Sequence[Mapping[str, Any]], rules: Sequence[Path]) -> None:
         self.config = workdir / "prometheus.yml"
         self.config.write_text(
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
                     "rule_files": [str(p) for p in rules],
-                    "scrape_configs": [
-                        {
-                            "job_name": job,
-                            "metrics_path": path,
-                            "static_configs": [{"targets": list(targets)}],
-                        }
-                        for job, (path, targets) in jobs.items()
-                    ],
+                    "scrape_configs": [dict(job) for job in jobs],
                 }
             )
         )
         self.workdir = workdir
         self.url = ""
+        #: The targets not up at the last :meth:`targets_up`, with Prometheus's reason.
+        self.targets_down: list[str] = []
         self.child: Child | None = None
 
     def start(self, timeout_s: float = 60.0) -> Prometheus:
@@ -195,7 +202,8 @@ class Prometheus:
 
     def targets_up(self) -> bool | None:
         active = self.api("targets", state="active")["activeTargets"]
-        return True if active and all(t["health"] == "up" for t in active) else None
+        self.targets_down = [f"{t['scrapeUrl']}: {t['lastError']}" for t in active if t["health"] != "up"]
+        return True if active and not self.targets_down else None
 
     def known_names(self) -> set[str]:
         """Every series name Prometheus holds and every metric family the targets described."""

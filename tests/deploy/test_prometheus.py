@@ -4,13 +4,13 @@
 would be scraped (``kvgate up --agents 2 --kvcached``: etcd, two agents each supervising a simulated vLLM,
 a kvcached daemon per node, the ext_proc, Envoy with its read-only statistics listener, flow control
 holding at most one request per engine and two per model), and Debian's ``prometheus`` scrapes every part
-every second: the ext_proc (job ``kvgate-extproc``), Envoy (``envoy``), the kvcached daemons
-(``kvcached``) and the engines the agents supervise (``engines``; the agent itself has no Prometheus
-endpoint). Once every target is up, a burst larger than the fleet goes through Envoy (some requests are
-held and dispatched, some shed as queue_full) with a request for an unknown model (404), twice (a labelled
-series is born at its first increment, and only its next increment gives it a rate). Every panel
-query of every dashboard must then parse and return a number, and every alert rule must evaluate
-without error and read only metrics the targets expose.
+every second: the ext_proc (job ``kvgate-extproc``), Envoy (``envoy``), the agents (``kvgate-agent``),
+the kvcached daemons (``kvcached``) and the engines the agents supervise (``engines``). Once every target
+is up, a burst larger than the fleet goes through Envoy (some requests are held and dispatched, some
+shed as queue_full) with a request for an unknown model (404), twice (a labelled series is born at its
+first increment, and only its next increment gives it a rate). Every panel query of every dashboard
+must then parse and return a number, and every alert rule must evaluate without error and read only
+metrics the targets expose.
 
 Queries that may stay empty here, and why (:data:`EMPTY_HERE`): series that appear only after an event
 this stack cannot produce (llama.cpp slot restores, a failed upstream try, a kvcached API call or peer
@@ -42,6 +42,7 @@ from tests.deploy.prom import (
     poll,
     rule_files,
     run_promtool,
+    scrape_job,
 )
 
 pytestmark = pytest.mark.e2e
@@ -116,24 +117,36 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def scrape_jobs(stack: Stack) -> dict[str, tuple[str, list[str]]]:
-    """The jobs of deploy/prometheus/prometheus.yml, with this stack's addresses."""
+def scrape_jobs(stack: Stack) -> list[dict[str, Any]]:
+    """The jobs of deploy/prometheus/prometheus.yml, with this stack's addresses. With kvcached the
+    agents' admin APIs serve HTTPS (GETs need no client certificate), verified against the stack's CA."""
     engines = [str(e["address"]) for status in stack.agent_status for e in status["engines"]]
     assert stack.envoy_stats_url.startswith("http://")
-    envoy = stack.envoy_stats_url.removeprefix("http://")
-    return {
-        "kvgate-extproc": ("/metrics", [f"127.0.0.1:{p['metrics']}" for p in stack.extproc_listeners]),
-        "envoy": ("/stats/prometheus", [envoy.split("/", 1)[0]]),
-        "kvcached": ("/metrics", [f"127.0.0.1:{d['metrics_port']}" for d in stack.kvcached]),
-        "engines": ("/metrics", engines),
-    }
+    envoy = stack.envoy_stats_url.removeprefix("http://").split("/", 1)[0]
+    return [
+        scrape_job(
+            "kvgate-extproc", "/metrics", [f"127.0.0.1:{p['metrics']}" for p in stack.extproc_listeners]
+        ),
+        scrape_job("envoy", "/stats/prometheus", [envoy]),
+        scrape_job(
+            "kvgate-agent",
+            "/metrics",
+            [f"127.0.0.1:{status['admin_port']}" for status in stack.agent_status],
+            ca_file=stack.workdir / "certs" / "ca.pem",
+        ),
+        scrape_job("kvcached", "/metrics", [f"127.0.0.1:{d['metrics_port']}" for d in stack.kvcached]),
+        scrape_job("engines", "/metrics", engines),
+    ]
 
 
 @pytest.fixture(scope="module")
 def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     server = Prometheus(tmp_path_factory.mktemp("prometheus"), scrape_jobs(stack), rule_files()).start()
     try:
-        poll(server.targets_up, 60, "every target up")
+        try:
+            poll(server.targets_up, 60, "every target up")
+        except AssertionError as exc:
+            raise AssertionError(f"targets down: {server.targets_down}") from exc
         # Traffic only once every target was scraped, twice: a labelled series (an outcome, a shed reason)
         # is born at its first increment, so only a second burst, after Prometheus has scraped the first,
         # gives it a rate.
@@ -217,7 +230,7 @@ def test_every_dashboard_query_returns_data(prometheus: Prometheus) -> None:
 def test_every_alert_expression_evaluates(prometheus: Prometheus) -> None:
     rules = alert_rules()
     names = {r["alert"] for r in rules}
-    assert len(names) == len(rules) >= 15
+    assert len(names) == len(rules) >= 20
 
     def evaluated() -> dict[str, Any] | None:
         found = {r["name"]: r for g in prometheus.api("rules")["groups"] for r in g["rules"]}
