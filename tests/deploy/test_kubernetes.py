@@ -284,3 +284,25 @@ def test_network_policies_deny_by_default_and_admit_each_service_port(
                 )
             ]
             assert admitted, (service["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects], overlay: str) -> None:
+    """Where the root filesystem is read-only, what the daemons write is a mounted volume: the GGUF
+    tokenizer cache (KVGATE_CACHE), the agent's state_dir and its rendered config."""
+    objects = rendered[overlay]
+    node_text = config_file(objects, "kvgate-agent", "node.toml")
+    for placeholder, value in POD.items():
+        node_text = node_text.replace(placeholder, value)
+    state_dir = parse_node_config(tomllib.loads(node_text)).agent.state_dir
+    writes = {"epp": ["KVGATE_CACHE"], "agent": [state_dir], "agent-config": ["/run/kvgate"]}
+    for name in ("kvgate-epp", "kvgate-model-server"):
+        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                continue
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            mounts = {m["mountPath"]: m.get("readOnly", False) for m in container.get("volumeMounts", [])}
+            for path in writes.get(container["name"], []):
+                path = env.get(path) or path
+                assert mounts.get(path) is False, (name, container["name"], path, mounts)
