@@ -53,3 +53,10 @@ def test_stats_listener_needs_a_nameable_admin() -> None:
     (admin,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvgate_envoy_admin"]
     endpoint = admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert endpoint["address"] == {"pipe": {"path": "/run/kvgate/admin.sock", "mode": 0o600}}
+
+
+def test_cli_stats_port(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvgate(["envoy-config", "--admin-socket", "/run/kvgate/admin.sock", "--stats-port", "9902"]) == 0
+    static = yaml.safe_load(capsys.readouterr().out)["static_resources"]
+    (stats,) = [listener for listener in static["listeners"] if listener["name"] == "stats"]
+    assert stats["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 9902}}
