@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -152,3 +154,43 @@ def test_envoy_ready_probe(tmp_path: Path) -> None:
     missing = [*probe[:-1], "0.3", "--admin-socket", str(tmp_path / "none.sock")]
     done = subprocess.run(missing, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "not ready" in done.stderr
+
+
+def exec_start(path: Path) -> list[str]:
+    """The unit's ExecStart as argv, pointed at this virtualenv."""
+    return shlex.split(unit(path)["Service"]["ExecStart"].replace(INSTALL_PREFIX, sys.prefix))
+
+
+def test_envoy_unit_command_validates_the_documented_bootstrap(tmp_path: Path) -> None:
+    """The Envoy unit's own command line, on the bootstrap its header says to render, passes Envoy's
+    ``--mode validate`` (flags and config both)."""
+    path = DEPLOY / "systemd" / "kvgate-envoy.service"
+    header = [line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#   ")]
+    render = shlex.split(" ".join(line.removesuffix("\\").strip() for line in header))
+    assert render[:2] == ["kvgate", "envoy-config"] and render[-2] == ">"
+    config = tmp_path / "envoy.yaml"
+    rendered = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", *render[1:-2]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    config.write_text(rendered.stdout)
+    argv = [config.as_posix() if a == render[-1] else a for a in exec_start(path)]
+    done = subprocess.run(
+        [*argv, "--mode", "validate"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0 and "OK" in done.stdout + done.stderr, (
+        done.stdout[-2000:] + done.stderr[-2000:]
+    )
+
+
+@pytest.mark.parametrize("daemon", ["extproc", "agent", "kvcached"])
+def test_daemon_units_run_a_kvgate_command_with_its_flags(daemon: str) -> None:
+    argv = exec_start(DEPLOY / "systemd" / f"kvgate-{daemon}.service")
+    assert Path(argv[0]) == Path(sys.prefix) / "bin" / "kvgate" and argv[1] == daemon
+    helped = subprocess.run(
+        [*argv[:2], "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert {a for a in argv[2:] if a.startswith("--")} <= set(re.findall(r"--[a-z][a-z-]*", helped))
