@@ -172,7 +172,7 @@ def burst(stack: Stack) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(chat, range(8)))
-    assert 200 in codes and set(codes) <= {200, 429}, codes
+    assert 200 in codes and set(codes) <= {200, 429, 503}, codes  # 503: held past the waiting room
     assert chat(99, "no-such-model") == 404
 
 
