@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
             replicas=args.replicas,
             extprocs=args.extprocs,
             fail_open=args.fail_open,
+            envoy_stats=args.envoy_stats,
             port=args.port,
             host=args.host,
             model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
@@ -634,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
             client_certs=args.client_certs,
             pointer=pointer,
         )
+        if stack.envoy_stats_url:
+            admin = next(i for i, line in enumerate(lines) if line.startswith("  Envoy admin:"))
+            lines.insert(admin + 1, f"  Envoy stats:      {stack.envoy_stats_url}   (Prometheus, read-only)")
         print("\n".join(lines), flush=True)
         stack.supervise()
         stop.wait()

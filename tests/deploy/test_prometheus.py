@@ -21,8 +21,15 @@ reads is described by a target, so a renamed metric fails.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -254,3 +261,46 @@ def test_envoy_stats_listener_serves_only_statistics(stack: Stack) -> None:
         assert httpx.get(base + path, timeout=10).status_code == 404, path
     assert httpx.post(stack.envoy_stats_url, timeout=10).status_code == 404
     assert Path(stack.admin_socket).exists()
+
+
+def test_kvgate_up_envoy_stats_flag(tmp_path: Path) -> None:
+    """``kvgate up --envoy-stats`` prints the statistics URL in its banner, and it serves."""
+    argv = [sys.executable, "-m", "kvgate.cli", "up", "--port", "0", "--replicas", "1", "--envoy-stats"]
+    proc = subprocess.Popen(
+        [*argv, "--workdir", str(tmp_path)],
+        env={**os.environ, "KVGATE_STATE_DIR": str(tmp_path / "state")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed below once the process exited
+            for line in stdout:
+                lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def stats_line() -> str | None:  # readiness: the banner, printed once Envoy listens
+        while not lines.empty():
+            line = lines.get()
+            if line.startswith("  Envoy stats:"):
+                return line
+        return None
+
+    try:
+        url = poll(stats_line, 120, "Envoy stats in the banner").split()[2]
+        assert url.startswith("http://127.0.0.1:"), url
+        got = httpx.get(url, timeout=10)
+        assert got.status_code == 200 and "envoy_http_downstream_rq_total" in got.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
