@@ -19,13 +19,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.config import parse_node_config
 from extproc.config import parse_config
+from kvgate.dev.procs import Child
 from tests.deploy.prom import DEPLOY
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -306,3 +309,37 @@ def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects]
             for path in writes.get(container["name"], []):
                 path = env.get(path) or path
                 assert mounts.get(path) is False, (name, container["name"], path, mounts)
+
+
+def test_the_picker_config_serves_the_probes_the_pod_asks(
+    rendered: dict[str, Objects], tmp_path: Path
+) -> None:
+    """The base's picker ConfigMap run by a real ``kvgate extproc`` (listen addresses moved to loopback
+    port 0, etcd to a closed port): the gRPC health services the pod's probes name answer on the health
+    listener: ``liveness`` SERVING, ``readiness`` NOT_SERVING while no model server is known."""
+    objects = rendered["base"]
+    raw = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))
+    raw["extproc"].update(listen="127.0.0.1:0", health_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+    raw["etcd"]["endpoints"] = ["127.0.0.1:1"]
+    config, ready = tmp_path / "gateway.json", tmp_path / "ready.json"
+    config.write_text(json.dumps(raw))
+    argv = [sys.executable, "-m", "extproc.server", "--config", str(config), "--ready-file", str(ready)]
+    child = Child("extproc", argv, tmp_path / "extproc.log")
+    try:
+        ports = child.wait_for_json_file(ready, 120)
+        container = find(objects, "Deployment", "kvgate-epp")["spec"]["template"]["spec"]["containers"][0]
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        health_listen = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))["extproc"][
+            "health_listen"
+        ]
+        assert declared["grpc-health"] == int(health_listen.rpartition(":")[2])
+        expected = {"liveness": "SERVING", "readiness": "NOT_SERVING"}
+        with grpc.insecure_channel(f"127.0.0.1:{ports['health']}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for probe in ("livenessProbe", "readinessProbe"):
+                service = container[probe]["grpc"]["service"]
+                assert container[probe]["grpc"]["port"] == declared["grpc-health"]
+                status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                assert health_pb2.HealthCheckResponse.ServingStatus.Name(status) == expected[service]
+    finally:
+        child.stop()
