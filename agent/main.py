@@ -16,6 +16,7 @@ and admin API still serve; a gateway can list the endpoints statically).
 
 Admin HTTP (``admin_listen``): ``GET /healthz`` (the agent runs), ``GET /readyz`` (200 when every engine
 is ready), ``GET /status`` (engines, states, addresses, feed position, slot save/restore counters),
+``GET /metrics`` (the same as Prometheus text, :mod:`agent.metrics`),
 ``POST /drain`` (the same drain as SIGTERM, then exit); with ``[agent] kvcached``, ``POST /slots/save``,
 ``/slots/restore`` and ``/slots/restore-chain`` (llama.cpp slot state through the node's kvcached,
 :mod:`agent.slot_api`). Plaintext without ``[agent.tls]`` (bind it to loopback or a management network);
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.admin import client_cert_required, server_context
 from agent.autosave import SlotAutoSaver
@@ -58,6 +60,7 @@ from agent.config import NodeConfig, load_node_config
 from agent.errors import AgentError
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
 from agent.launch import endpoint_for
+from agent.metrics import agent_registry
 from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
@@ -71,7 +74,7 @@ from engines.endpoint import encode_endpoint
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.kvcached import KvcachedClient
-from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.lifecycle import announce_ready, stop_on_signals, systemd_notify_wanted
 from runtime.tls import ServerTlsFiles
 
 if TYPE_CHECKING:
@@ -136,6 +139,8 @@ class Agent:
 
     def __init__(self, config: NodeConfig, *, index_block_size: int | None = None) -> None:
         self.config = config
+        #: Prometheus metrics read from :meth:`status` at each ``GET /metrics`` (:mod:`agent.metrics`).
+        self._registry = agent_registry(self.status)
         self.node = config.agent.id
         #: Tokens per index block of the KV events and slot chains sent to gateways: the gateways' own
         #: (etcd ``policy/index/block_size``, followed live) unless ``index_block_size`` fixes it.
@@ -475,6 +480,7 @@ class Agent:
                 web.get("/healthz", self._healthz),
                 web.get("/readyz", self._readyz),
                 web.get("/status", self._status_page),
+                web.get("/metrics", self._metrics),
                 web.post("/drain", self._drain_request),
             ]
         )
@@ -503,6 +509,11 @@ class Agent:
 
     async def _status_page(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text (:mod:`agent.metrics`), read from :meth:`status` now."""
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _drain_request(self, request: web.Request) -> web.Response:
         self.stop_requested.set()
@@ -570,13 +581,13 @@ async def run(config: NodeConfig, ready_file: Path | None, ready_timeout_s: floa
     stop_on_signals(stop)
     try:
         await agent.start()
-        if ready_file is not None:
+        if ready_file is not None or systemd_notify_wanted():
             waiting = asyncio.ensure_future(agent.wait_ready(ready_timeout_s))
             stopped = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
                 waiting.result()
-                write_ready_file(ready_file, {**agent.status(), "pid": os.getpid()})
+                announce_ready(ready_file, {**agent.status(), "pid": os.getpid()})
             else:
                 waiting.cancel()
             stopped.cancel()

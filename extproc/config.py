@@ -61,6 +61,8 @@ Example (TOML)::
     tls_ca = "ca.pem"
     tls_cert = "extproc.pem"
     tls_key = "extproc.key"
+    server_name = "agent"              # optional: the name agents' feed certificates are checked against
+                                       # (default: the address dialled, e.g. a pod IP no certificate names)
 
     [slot_restore]                     # llama.cpp prefixes restored from kvcached before routing
     enabled = true                     # (endpoints whose agent offers it: Endpoint.slot_restore)
@@ -225,6 +227,10 @@ class FeedsConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: The DNS name agents' feed certificates must carry (gRPC's target name override); ``None``: the
+    #: address dialled (an IP the certificate names). Where agents live at addresses no certificate can
+    #: name in advance (pods), issue their certificates for one name and set it here.
+    server_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,7 +377,10 @@ def parse_config(raw: object) -> GatewayConfig:
     ix.done()
     fd = top.table("feeds")
     feeds = FeedsConfig(
-        tls_ca=fd.string("tls_ca"), tls_cert=fd.string("tls_cert"), tls_key=fd.string("tls_key")
+        tls_ca=fd.string("tls_ca"),
+        tls_cert=fd.string("tls_cert"),
+        tls_key=fd.string("tls_key"),
+        server_name=fd.string("server_name"),
     )
     fd.done()
     all_or_none("feeds", tls_ca=feeds.tls_ca, tls_cert=feeds.tls_cert, tls_key=feeds.tls_key)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.fleet import Fleet
 
 DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STALENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: The feed clients' counters (``runtime.feed.client.FeedStats``) exported as ``kvgate_feed_<name>_total``.
+FEED_COUNTERS = ("batches", "events", "gaps", "resets", "duplicates", "reconnects")
+#: An endpoint id (a ``str`` NewType).
+K = TypeVar("K", bound=str)
 
 
 class GatewayMetrics:
@@ -130,8 +136,25 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=self.registry,
         )
+        self.feed_staleness = Histogram(
+            "kvgate_feed_staleness_seconds",
+            "Age of each feed batch (agents', kvcached daemons') when the gateway applied it: wall clock now "
+            "minus the batch's timestamp.",
+            buckets=STALENESS_BUCKETS,
+            registry=self.registry,
+        )
         self._flow_bands: set[tuple[str, str]] = set()
         registry.register(_FleetCollector(fleet))
+
+    def watch_index(self, occupancy: Callable[[], Mapping[K, int]]) -> None:
+        """Export ``kvgate_index_blocks{endpoint}`` from ``occupancy()`` (blocks the prefix index holds per
+        endpoint, ``HybridIndex.occupancy``) at every scrape."""
+        self.registry.register(_IndexCollector(occupancy))
+
+    def watch_feeds(self, counters: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``kvgate_feed_<name>_total`` for :data:`FEED_COUNTERS` from ``counters()`` (the feed
+        clients' shared stats) at every scrape; a name it lacks reads 0."""
+        self.registry.register(_FeedCollector(counters))
 
     def ttft_observed(self, predicted_s: float, observed_s: float) -> None:
         """One window's mean predicted and observed engine TTFT at one endpoint."""
@@ -189,3 +212,44 @@ class _FleetCollector(Collector):
         yield in_flight
         yield load
         yield healthy
+
+
+class _IndexCollector(Collector, Generic[K]):
+    """``kvgate_index_blocks{endpoint}``: blocks the prefix index holds per endpoint (precise entries from
+    KV events, approximate ones from routing decisions)."""
+
+    def __init__(self, occupancy: Callable[[], Mapping[K, int]]) -> None:
+        self._occupancy = occupancy
+
+    def collect(self) -> Iterable[Metric]:
+        blocks = GaugeMetricFamily(
+            "kvgate_index_blocks",
+            "Blocks the gateway's prefix index holds, per endpoint.",
+            labels=["endpoint"],
+        )
+        for _ in range(3):  # the index changes on the event loop while this thread reads it
+            try:
+                held = dict(self._occupancy())
+                break
+            except RuntimeError:
+                continue
+        else:
+            held = {}
+        for endpoint, n in sorted(held.items()):
+            blocks.add_metric([str(endpoint)], n)
+        yield blocks
+
+
+class _FeedCollector(Collector):
+    """``kvgate_feed_<name>_total``: the feed clients' counters (batches and events applied, sequence gaps,
+    resets by snapshot, duplicates, reconnects)."""
+
+    def __init__(self, counters: Callable[[], Mapping[str, int]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterable[Metric]:
+        values = self._counters()
+        for name in FEED_COUNTERS:
+            yield CounterMetricFamily(
+                f"kvgate_feed_{name}", f"Feed clients' {name} since start.", value=values.get(name, 0)
+            )

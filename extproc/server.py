@@ -51,7 +51,7 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
-from extproc.metrics import GatewayMetrics
+from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
@@ -61,7 +61,7 @@ from extproc.xds.als import Completion, FailedTries
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
-from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.lifecycle import announce_ready, stop_on_signals
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,10 @@ class Gateway:
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.cluster.pd_listener = self._apply_pd
         self.metrics = GatewayMetrics(self.fleet)
+        self.metrics.watch_index(self.index.occupancy)
+        feed_stats = self.cluster.feeds.stats
+        feed_stats.on_staleness = self.metrics.feed_staleness.observe
+        self.metrics.watch_feeds(lambda: {name: getattr(feed_stats, name) for name in FEED_COUNTERS})
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
         )
@@ -503,8 +507,7 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 async def serve(config: GatewayConfig, ready_file: Path | None = None, worker: str | None = None) -> int:
     gateway = Gateway(config, worker)
     await gateway.start()
-    if ready_file is not None:
-        write_ready_file(ready_file, {**gateway.ports, "pid": os.getpid()})
+    announce_ready(ready_file, {**gateway.ports, "pid": os.getpid()})
     stop = asyncio.Event()
     stop_on_signals(stop)
     await stop.wait()

@@ -43,7 +43,7 @@ from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
-from runtime.lifecycle import stop_on_signals, write_ready_file
+from runtime.lifecycle import announce_ready, stop_on_signals
 from runtime.tls import ServerTlsFiles
 
 if TYPE_CHECKING:
@@ -260,8 +260,7 @@ async def run(config: KvcachedConfig, ready_file: Path | None) -> int:
     stop_on_signals(stop)
     try:
         await daemon.start()
-        if ready_file is not None:
-            write_ready_file(ready_file, {**daemon.status(), "pid": os.getpid()})
+        announce_ready(ready_file, {**daemon.status(), "pid": os.getpid()})
         await stop.wait()
         log.info("kvcached %s: stopping", config.node)
     finally:

@@ -41,6 +41,13 @@ def _envoy_config(argv: list[str]) -> int:
         metavar="PATH",
         help="Envoy's admin on this Unix socket (mode 0600) instead of 127.0.0.1:--admin-port",
     )
+    parser.add_argument(
+        "--stats-port",
+        type=int,
+        metavar="PORT",
+        help="serve Envoy's statistics for Prometheus, read-only (GET /stats/prometheus only), on "
+        "127.0.0.1:PORT; needs --admin-socket or a fixed --admin-port",
+    )
     parser.add_argument("--extproc-host", default=defaults.extproc_host)
     parser.add_argument("--extproc-port", type=int, default=defaults.extproc_port)
     parser.add_argument(
@@ -128,6 +135,7 @@ def _envoy_config(argv: list[str]) -> int:
                 listen_port=args.listen_port,
                 admin_port=args.admin_port,
                 admin_socket=args.admin_socket,
+                stats_port=args.stats_port,
                 extproc_host=args.extproc_host,
                 extproc_port=args.extproc_port,
                 extproc_addresses=extprocs,

@@ -84,7 +84,11 @@ class Cluster:
                 ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
             )
         self.feeds = FeedManager(
-            index, fleet, subscriber=f"extproc@{socket.gethostname()}:{os.getpid()}", credentials=credentials
+            index,
+            fleet,
+            subscriber=f"extproc@{socket.gethostname()}:{os.getpid()}",
+            credentials=credentials,
+            server_name=fd.server_name,
         )
         self.control: ControlPlane | None = None
         #: The shared token budgets' etcd side (``None``: no ``[etcd]``, or no :meth:`share_admission`).

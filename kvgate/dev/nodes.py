@@ -48,12 +48,14 @@ def agent_config(
 def kvcached_config(
     node: str, *, workdir: Path, tls: LeafFiles, etcd: str, lease_ttl_s: int
 ) -> dict[str, Any]:
-    """kvcached daemon ``node``'s config: a unix socket in ``workdir``, its feed and QUIC with mTLS."""
+    """kvcached daemon ``node``'s config: a unix socket in ``workdir``, its feed and QUIC with mTLS,
+    Prometheus metrics on a loopback port."""
     return {
         "kvcached": {
             "node": node,
             "listen_unix": str(workdir / f"kvcached-{node}.sock"),
             "feed_listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
             "ram_bytes": 512 << 20,
             "lease_ttl_s": lease_ttl_s,
             "tls": {"cert": str(tls.cert), "key": str(tls.key), "ca": str(tls.ca)},
@@ -84,9 +86,12 @@ def pin_agent(config: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str,
 
 
 def pin_kvcached(config: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with the daemon's feed and QUIC listeners on the ports its ready ``status`` reports."""
+    """``config`` with the daemon's feed, metrics and QUIC listeners on the ports its ready ``status``
+    reports."""
     daemon = dict(config["kvcached"])
     daemon["feed_listen"] = with_port(str(daemon["feed_listen"]), port_of(str(status["feed"])))
+    if "metrics_listen" in daemon and status.get("metrics_port"):
+        daemon["metrics_listen"] = with_port(str(daemon["metrics_listen"]), int(status["metrics_port"]))
     pinned = {**config, "kvcached": daemon}
     if "quic" in config and status.get("quic"):
         quic = dict(config["quic"])

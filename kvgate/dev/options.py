@@ -76,6 +76,9 @@ class StackOptions:
     #: ``[[engines]]`` tables of engines that already run (each with an ``address``, and their KV event
     #: endpoints): a local etcd and one agent attached to them (no engine started; ``agents`` unused).
     attach: tuple[dict[str, Any], ...] = ()
+    #: Envoy also serves its statistics for Prometheus, read-only, on a loopback port of its own
+    #: (``Stack.envoy_stats_url``: ``GET /stats/prometheus`` only; kvgate/envoy/stats.py).
+    envoy_stats: bool = False
     #: Extra keys of the gateway config's ``[index]`` table.
     index: dict[str, Any] = field(default_factory=dict)
     #: ``agents`` mode: one kvcached daemon per node (``node-<i>``, registered in the local etcd), each

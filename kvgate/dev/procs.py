@@ -309,6 +309,11 @@ def _ready(admin_url: str) -> bool | None:
     return True if got is not None and got[0] == 200 else None
 
 
+def listener_port(admin_url: str, name: str) -> int | None:
+    """The port Envoy's listener ``name`` bound (its admin at ``admin_url``), ``None`` if not (yet)."""
+    return _listener_port(admin_url, name)
+
+
 def _listener_port(admin_url: str, name: str) -> int | None:
     got = admin_get(admin_url, "/listeners?format=json")
     if got is None or got[0] != 200:

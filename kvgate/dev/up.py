@@ -60,13 +60,21 @@ from kvgate.dev.gateway_config import gateway_config, pin_listeners
 from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.preflight import check_port_free, endpoint_from_url, served_models
-from kvgate.dev.procs import ChildFailed, ListenFailed, await_envoy, envoy_argv, open_private_log
+from kvgate.dev.procs import (
+    ChildFailed,
+    ListenFailed,
+    await_envoy,
+    envoy_argv,
+    listener_port,
+    open_private_log,
+)
 from kvgate.dev.stackfile import StackInfo
 from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Restartable, Service, Supervisor
 from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
+from kvgate.envoy.stats import STATS_LISTENER, STATS_PATH
 from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
 
 log = logging.getLogger(__name__)
@@ -115,6 +123,8 @@ class Stack:
         self.envoy: Service[tuple[str, int]] | None = None
         self.url = ""
         self.admin_url = ""
+        #: ``envoy_stats``: Envoy's statistics for Prometheus (``http://127.0.0.1:PORT/stats/prometheus``).
+        self.envoy_stats_url = ""
         #: Secure profile only: the minted files per service (``ca`` of any is the CA clients trust).
         self.certs: dict[str, LeafFiles] = {}
         self.tls: EnvoyTls | None = None
@@ -347,6 +357,7 @@ class Stack:
             auth=edge_auth,
             access_log_path=str(self.access_log),
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
+            stats_port=0 if opts.envoy_stats else None,
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
@@ -362,6 +373,12 @@ class Stack:
         self.children.append(self.envoy)
         self.admin_url, port = self.envoy.await_ready()
         pinned = dataclasses.replace(params, listen_port=port)
+        if opts.envoy_stats:
+            stats = self.envoy.child.wait_until(
+                lambda: listener_port(self.admin_url, STATS_LISTENER), ENVOY_READY_S, "stats listening"
+            )
+            pinned = dataclasses.replace(pinned, stats_port=stats)
+            self.envoy_stats_url = f"http://127.0.0.1:{stats}{STATS_PATH}"
         config_path.write_text(render_yaml(pinned))
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
 
@@ -593,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
             extprocs=args.extprocs,
             fail_open=args.fail_open,
+            envoy_stats=args.envoy_stats,
             port=args.port,
             host=args.host,
             model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
@@ -642,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
             client_certs=args.client_certs,
             pointer=pointer,
         )
+        if stack.envoy_stats_url:
+            admin = next(i for i, line in enumerate(lines) if line.startswith("  Envoy admin:"))
+            lines.insert(admin + 1, f"  Envoy stats:      {stack.envoy_stats_url}   (Prometheus, read-only)")
         print("\n".join(lines), flush=True)
         stack.supervise()
         stop.wait()

@@ -125,6 +125,12 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         "sharing in-flight counts and routing decisions (default: --config's [extproc] workers, else 1)",
     )
     p.add_argument(
+        "--envoy-stats",
+        action="store_true",
+        help="also serve Envoy's statistics for Prometheus, read-only, on a free loopback port "
+        "(GET /stats/prometheus only; the URL is in the banner)",
+    )
+    p.add_argument(
         "--fail-open",
         action="store_true",
         help="with every ext_proc down, proxy to the least-loaded engine instead of answering 503",

@@ -50,6 +50,7 @@ from contracts.epp import (
 )
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import resilience
+from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
 
@@ -179,6 +180,10 @@ class EnvoyParams:
     completion_log: bool = True
     #: Retries, fallbacks, fail-open, stream idle timeout, ext_proc health checks (resilience.py).
     resilience: Resilience = field(default_factory=Resilience)
+    #: A listener on ``stats_host:stats_port`` serving only ``GET /stats/prometheus`` from the admin
+    #: (kvgate/envoy/stats.py), for Prometheus; ``None``: none. Needs ``admin_socket`` or a fixed admin port.
+    stats_port: int | None = None
+    stats_host: str = "127.0.0.1"
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -385,9 +390,13 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             ],
         },
     }
-    if params.tls is None:
-        return config
-    return secure_profile(config, params.tls)
+    if params.tls is not None:
+        config = secure_profile(config, params.tls)
+    if params.stats_port is not None:  # plaintext, like the ext_proc's metrics (after TLS: not a peer)
+        static = config["static_resources"]
+        static["listeners"].append(envoy_stats.stats_listener(params.stats_host, params.stats_port))
+        static["clusters"].append(envoy_stats.admin_cluster(config["admin"]["address"]))
+    return config
 
 
 def _extprocs(params: EnvoyParams) -> tuple[tuple[str, int], ...]:

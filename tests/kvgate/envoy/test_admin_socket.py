@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from contracts.errors import ConfigError
 from kvgate.cli import main as kvgate
 from kvgate.dev.procs import UNIX_PREFIX, admin_get, start_envoy
 from kvgate.envoy.bootstrap import EnvoyParams, render, render_yaml
@@ -40,3 +41,22 @@ def test_real_envoy_serves_admin_on_a_private_socket(tmp_path: Path) -> None:
         assert stat.S_IMODE(child.log_path.stat().st_mode) == 0o600
     finally:
         child.stop()
+
+
+def test_stats_listener_needs_a_nameable_admin() -> None:
+    """The stats listener proxies to the admin: a TCP admin on port 0 has no address to name."""
+    with pytest.raises(ConfigError):
+        render(EnvoyParams(admin_port=0, stats_port=9902))
+    config = render(EnvoyParams(admin_socket="/run/kvgate/admin.sock", stats_port=9902))
+    names = [listener["name"] for listener in config["static_resources"]["listeners"]]
+    assert names == ["openai", "stats"]
+    (admin,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvgate_envoy_admin"]
+    endpoint = admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"] == {"pipe": {"path": "/run/kvgate/admin.sock", "mode": 0o600}}
+
+
+def test_cli_stats_port(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvgate(["envoy-config", "--admin-socket", "/run/kvgate/admin.sock", "--stats-port", "9902"]) == 0
+    static = yaml.safe_load(capsys.readouterr().out)["static_resources"]
+    (stats,) = [listener for listener in static["listeners"] if listener["name"] == "stats"]
+    assert stats["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 9902}}

