@@ -343,9 +343,10 @@ class Router:
 
     def check_deadline(self, request: ParsedRequest, tokens: Tokens, budget_s: float, now: float) -> None:
         """Raise :class:`Unattainable` when ``request``, dispatched right now, would miss ``budget_s``
-        seconds on every endpoint its route admits (each confidently predicted, with its prefix match:
-        a lower bound for a request about to wait in flow control's queue, so one shed here could not
-        have been served in time later). Healthy, not draining; nothing is recorded."""
+        seconds on every endpoint its route admits that serves requests itself (not prefill-only), each
+        confidently predicted with its prefix match: a lower bound for a request about to wait in flow
+        control's queue, so one shed here could not have been served in time later. Healthy, not
+        draining; nothing is recorded."""
         predictor = self.predictor
         route = self._policy.routes.get(request.model)
         candidates = [
@@ -354,6 +355,7 @@ class Router:
             if request.model in s.endpoint.models
             and s.healthy
             and not s.draining
+            and s.endpoint.role != PREFILL_ROLE
             and (route is None or route.admits(s))
         ]
         if not candidates or not all(predictor.confident(c.id) for c in candidates):
