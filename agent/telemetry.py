@@ -9,13 +9,13 @@
   claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
   prompts. A llama.cpp scraper with ``on_slots`` set reads ``/slots`` on every scrape and hands each
   reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way).
-- :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its
-  name, power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory
-  used/total (bytes) and utilisation (0..1). ``nvmlInit`` runs once, on first read; without the package,
-  the driver or a GPU, or on an NVML error there, it logs one line ``no GPU telemetry: <reason>`` and
-  returns ``[]`` from then on, never raising. A field a GPU does not support reads as ``None``. Device
-  indices are NVML's (PCI order), not ``CUDA_VISIBLE_DEVICES``'s. The tests exercise the NVML path with a
-  fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
+- :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its name,
+  power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory used/total
+  (bytes), utilisation (0..1) and the clocks event (throttle) reasons bitmask. ``nvmlInit`` runs once, on
+  first read; without the package, the driver or a GPU, or on an NVML error there, it logs one line ``no GPU
+  telemetry: <reason>`` and returns ``[]`` from then on, never raising. A field a GPU does not support reads
+  as ``None``. Device indices are NVML's (PCI order), not ``CUDA_VISIBLE_DEVICES``'s. The tests exercise the
+  NVML path with a fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
 - :class:`LoadChanges` (sans-IO) decides what to send: a ``Load`` whose routing signals (waiting,
   running, KV use, healthy, draining) changed, or any ``Load`` whose endpoint has sent nothing for
   ``heartbeat_s`` (GPU telemetry alone does not trigger a send: it rides along).
@@ -224,6 +224,11 @@ class GpuTelemetry:
         util = _field(nv.nvmlDeviceGetUtilizationRates, handle)
         sm = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
         mem = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
+        # Renamed from ...ThrottleReasons in NVML 12.x's headers; older bindings have only the old name.
+        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        reasons = None if reasons_fn is None else _field(reasons_fn, handle)
         return Gpu(
             index=index,
             name=name,
@@ -235,6 +240,7 @@ class GpuTelemetry:
             memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
             utilization=None if util is None else util.gpu / 100.0,
+            throttle_reasons=None if reasons is None else int(reasons),
         )
 
 

@@ -214,6 +214,7 @@ def fake_pynvml(gpus: list[dict[str, Any]], *, init_error: str | None = None) ->
         "nvmlDeviceGetMemoryInfo": memory_info,
         "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=get(h, "util_pct"), memory=0),
         "nvmlDeviceGetClockInfo": lambda h, clock: get(h, "sm_mhz" if clock == 1 else "mem_mhz"),
+        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: get(h, "reasons"),
     }
     for name, fn in functions.items():
         setattr(nv, name, fn)
@@ -230,11 +231,14 @@ H100 = {
     "util_pct": 87,
     "sm_mhz": 1980,
     "mem_mhz": 2619,
+    "reasons": 0x4,  # SW power cap
 }
 
 
 def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw")} | {"name": b"Tesla T4"}
+    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw", "reasons")} | {
+        "name": b"Tesla T4"
+    }
     nv = fake_pynvml([H100, second])
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     gpus = GpuTelemetry()
@@ -251,6 +255,7 @@ def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
             memory_used_bytes=60 * 2**30,
             memory_total_bytes=80 * 2**30,
             utilization=0.87,
+            throttle_reasons=0x4,
         ),
         Gpu(
             index=1,
