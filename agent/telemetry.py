@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from contracts.events import Gpu, Load
+from contracts.events import Gpu, Load, Power
 from engines.kinds import metric_names
 from engines.metrics import MetricNames, parse_metrics
 
@@ -296,7 +296,9 @@ class TelemetryLoop:
 
     ``emit`` receives the loads to send of one round (one feed batch). An engine is reported unhealthy
     (zero load, ``healthy=False``) after ``unhealthy_after`` failed scrapes in a row, or at once when its
-    ``status`` callback says so. ``clock``: monotonic seconds.
+    ``status`` callback says so. ``power``: the node's latest power readings (the agent's
+    :meth:`agent.power.monitor.PowerMonitor.readings`, a list in memory), put on every ``Load``; like GPU
+    telemetry they ride along and never trigger a send themselves. ``clock``: monotonic seconds.
     """
 
     def __init__(
@@ -306,6 +308,7 @@ class TelemetryLoop:
         *,
         heartbeat_s: float = 1.0,
         gpus: GpuTelemetry | None = None,
+        power: Callable[[], list[Power]] | None = None,
         unhealthy_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -315,6 +318,7 @@ class TelemetryLoop:
         self._emit = emit
         self._changes = LoadChanges(heartbeat_s)
         self._gpus = gpus
+        self._power = power
         self._unhealthy_after = unhealthy_after
         self._clock = clock
         self._watched: dict[str, _Watched] = {}
@@ -355,6 +359,7 @@ class TelemetryLoop:
                 w.reading = asyncio.create_task(w.scraper.scrape())
         if watched:
             await asyncio.wait([w.reading for _, w in watched if w.reading is not None], timeout=wait_s)
+        power = self._power() if self._power is not None else []
         now = self._clock()
         out: list[Load] = []
         for endpoint, w in watched:
@@ -372,7 +377,9 @@ class TelemetryLoop:
                     log.warning("engine %s unhealthy: metrics unreadable (%s)", endpoint, reason)
                 if w.failures < self._unhealthy_after and status.healthy:
                     continue
-                load = Load(endpoint, 0.0, 0.0, None, healthy=False, draining=status.draining, gpus=mine)
+                load = Load(
+                    endpoint, 0.0, 0.0, None, healthy=False, draining=status.draining, gpus=mine, power=power
+                )
             else:
                 if w.failures >= self._unhealthy_after:
                     log.info("engine %s metrics readable again", endpoint)
@@ -385,6 +392,7 @@ class TelemetryLoop:
                     healthy=status.healthy,
                     draining=status.draining,
                     gpus=mine,
+                    power=power,
                 )
             if self._changes.offer(load, now):
                 out.append(load)

@@ -400,3 +400,35 @@ async def test_a_hung_engine_does_not_hold_back_the_other_engines_loads(sim: Sim
             writer.close()
         hung.close()
         await hung.wait_closed()
+
+
+async def test_power_rides_along_and_a_hung_source_never_delays_loads(sim: SimFleet) -> None:
+    """Every Load carries the node's power readings (a DCGM exporter here); a power source that hangs
+    (a socket that never answers) holds back neither the loads nor the other source."""
+    from agent.power.dcgm import DcgmSource
+    from agent.power.monitor import PowerMonitor
+    from tests.agent.power.bmc import exporter_server, silent_server
+    from tests.agent.power.test_dcgm import exporter_text
+
+    async with exporter_server(exporter_text()) as exporter, silent_server() as hung_port:
+        monitor = PowerMonitor(
+            [
+                (DcgmSource("dcgm", f"http://127.0.0.1:{exporter.port}/metrics"), 0.05, 1.0),
+                (DcgmSource("stuck", f"http://127.0.0.1:{hung_port}/metrics"), 0.05, 5.0),
+            ]
+        )
+        emitted: list[list[Load]] = []
+        loop = TelemetryLoop(0.02, emitted.append, heartbeat_s=0.05, power=monitor.readings)
+        loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+        monitor.start()
+        loop.start()
+        try:
+            await until(lambda: any(p.watts == 600.5 for b in emitted for ld in b for p in ld.power), 3.0)
+            exporter.body = exporter_text(watts=(10.0, 20.0))
+            await until(lambda: [p.watts for p in emitted[-1][0].power if p.source == "dcgm"] == [30.0], 3.0)
+            loads = sum(len(b) for b in emitted)
+            await until(lambda: sum(len(b) for b in emitted) >= loads + 5, 1.0)  # the stuck source waits
+            assert all(p.source == "dcgm" for b in emitted for ld in b for p in ld.power)  # not read yet
+        finally:
+            await loop.aclose()
+            await monitor.aclose()

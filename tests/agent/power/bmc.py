@@ -1,5 +1,6 @@
 """Test helpers shared by the power source tests: a TCP server that accepts and never answers (a hung
-BMC or exporter), and a free port for servers that cannot report the one they bound."""
+BMC or exporter), an HTTP endpoint serving dcgm-exporter's text, and a free port for servers that cannot
+report the one they bound."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+from aiohttp import web
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -33,3 +36,34 @@ async def silent_server() -> AsyncIterator[int]:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+class Exporter:
+    """An HTTP endpoint on 127.0.0.1 serving dcgm-exporter's format at ``/metrics``: ``body`` and
+    ``status`` are what it answers now; ``port`` where it listens."""
+
+    def __init__(self, body: str) -> None:
+        self.body = body
+        self.status = 200
+        self.port = 0
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.body, status=self.status, content_type="text/plain")
+
+
+@asynccontextmanager
+async def exporter_server(body: str) -> AsyncIterator[Exporter]:
+    exp = Exporter(body)
+    app = web.Application()
+    app.router.add_get("/metrics", exp.metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = site._server
+    assert server is not None
+    exp.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+    try:
+        yield exp
+    finally:
+        await runner.cleanup()

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import web
 
 from agent.power.dcgm import DcgmSource, parse_dcgm
 from agent.power.errors import PowerSourceError
 from agent.power.monitor import PowerMonitor
-from tests.agent.power.bmc import silent_server
+from tests.agent.power.bmc import Exporter, exporter_server, silent_server
 
 LABELS = (
     'device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",Hostname="node-a",'
@@ -109,32 +108,10 @@ def test_parse_refuses_garbage(text: str, match: str) -> None:
         parse_dcgm(text)
 
 
-class Exporter:
-    """An HTTP endpoint on 127.0.0.1 serving dcgm-exporter's format; ``body`` is what it answers now."""
-
-    def __init__(self) -> None:
-        self.body = exporter_text()
-        self.status = 200
-        self.port = 0
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.body, status=self.status, content_type="text/plain")
-
-
 @pytest.fixture
 async def exporter() -> AsyncIterator[Exporter]:
-    exp = Exporter()
-    app = web.Application()
-    app.router.add_get("/metrics", exp.metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert server is not None
-    exp.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
-    yield exp
-    await runner.cleanup()
+    async with exporter_server(exporter_text()) as exp:
+        yield exp
 
 
 async def test_read_over_http_follows_the_exporter(exporter: Exporter) -> None:
