@@ -62,7 +62,8 @@ class FeedManager:
     Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
     feed spoke of); each ``Load`` updates the fleet: its metrics (``at`` = ``clock()``, monotonic
     seconds), ``healthy``, and ``draining`` (set from the agent; cleared only if the agent had set it,
-    so a drain ordered elsewhere stays); GPU telemetry is kept in :attr:`gpus`. A lost feed marks its
+    so a drain ordered elsewhere stays), its node's power readings (:meth:`Fleet.record_power`); GPU
+    telemetry is kept in :attr:`gpus`. A lost feed marks its
     endpoints unhealthy; a restored one gives them back the health their last ``Load`` reported.
 
     A restarted engine is a new replica to the scheduler: when an agent brings back (unhealthy, then
@@ -169,6 +170,7 @@ class FeedManager:
                 log.info("endpoint %s back after a restart: its routed share starts again", endpoint)
         if state is None:
             return
+        self.fleet.record_power(endpoint, tuple(load.power), now)
         if load.healthy:  # an unhealthy engine's numbers mean nothing
             self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
         elif state.healthy:

@@ -15,6 +15,7 @@ from contracts.events import (
     Gpu,
     IndexEvent,
     Load,
+    Power,
     Removed,
     Stored,
 )
@@ -268,3 +269,20 @@ async def test_snapshot_does_not_count_as_a_restart(
         assert e1.recent_routed(NOW) == 300.0
     finally:
         await again.aclose()
+
+
+async def test_power_readings_reach_the_endpoint_state(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    power = [
+        Power("dcgm", "dcgm", watts=612.0, limit_w=700.0, at=5.0),
+        Power("bmc", "ipmi", at=5.0, error="x"),
+    ]
+    agent.publish([Load("e1", 0, 1, 0.2, power=power), Load("e2", 0, 0, None, healthy=False, power=power)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    for endpoint in (E1, E2):  # an unhealthy engine's node still reports its power
+        state = fleet.get(endpoint)
+        assert state is not None and state.power == tuple(power) and state.power_at == 100.0
