@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import ssl
 import time
@@ -44,7 +45,7 @@ import aiohttp
 
 from contracts.events import Gpu, Load, Power
 from engines.kinds import metric_names
-from engines.metrics import MetricNames, parse_metrics
+from engines.metrics import parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,42 @@ LLAMA_CPP_KV_METRIC = "llamacpp:kv_cache_usage_ratio"
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown)."""
+    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown), and its
+    counter of output tokens generated since it started (``None``: it exports none)."""
 
     waiting: float
     running: float
     kv_usage: float | None
+    generation_tokens: float | None = None
+
+
+class TokenRate:
+    """Output tokens/s of one engine from its cumulative counter (sans-IO; ``now``: monotonic seconds).
+
+    The rate is the counter's growth over windows of at least ``window_s`` (tokens come in bursts, so a
+    100 ms difference would swing between 0 and several times the mean); ``None`` until the first window
+    ends or when the engine has no counter. A counter that goes down (the engine restarted) starts a new
+    window and keeps the last rate.
+    """
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._start: tuple[float, float] | None = None
+        #: The latest rate (tokens/s), ``None`` while unknown.
+        self.rate: float | None = None
+
+    def observe(self, count: float | None, now: float) -> float | None:
+        """Take a counter reading; the rate in force afterwards."""
+        if count is None:
+            self._start, self.rate = None, None
+            return None
+        start = self._start
+        if start is None or count < start[1]:
+            self._start = (now, count)
+        elif now - start[0] >= self.window_s:
+            self.rate = (count - start[1]) / (now - start[0])
+            self._start = (now, count)
+        return self.rate
 
 
 class EngineScraper:
@@ -86,7 +118,7 @@ class EngineScraper:
         names = metric_names(engine)
         self._llama = engine == "llama_cpp"
         if self._llama:
-            names = MetricNames(names.waiting, names.running, LLAMA_CPP_KV_METRIC)
+            names = dataclasses.replace(names, kv_usage=LLAMA_CPP_KV_METRIC)
             if slots_url is None:
                 parts = urlsplit(metrics_url)
                 slots_url = urlunsplit((parts.scheme, parts.netloc, "/slots", "", ""))
@@ -116,7 +148,7 @@ class EngineScraper:
         if (kv is None or self.on_slots is not None) and self._llama and self.slots_url is not None:
             from_slots = await self._slots_usage(self.slots_url)
             kv = from_slots if kv is None else kv
-        return EngineSample(m.waiting, m.running, kv)
+        return EngineSample(m.waiting, m.running, kv, m.generation_tokens)
 
     async def aclose(self) -> None:
         if self._own_session and self._session is not None:
@@ -287,6 +319,7 @@ class _Watched:
     status: Callable[[], EngineStatus] | None
     gpus: frozenset[int] | None
     failures: int = 0
+    tokens: TokenRate = dataclasses.field(default_factory=TokenRate)
     #: The reading under way (one at a time: an engine that hangs is not asked again until it answers).
     reading: asyncio.Task[EngineSample | None] | None = None
 
@@ -298,7 +331,8 @@ class TelemetryLoop:
     (zero load, ``healthy=False``) after ``unhealthy_after`` failed scrapes in a row, or at once when its
     ``status`` callback says so. ``power``: the node's latest power readings (the agent's
     :meth:`agent.power.monitor.PowerMonitor.readings`, a list in memory), put on every ``Load``; like GPU
-    telemetry they ride along and never trigger a send themselves. ``clock``: monotonic seconds.
+    telemetry they ride along and never trigger a send themselves. Each load also carries the engine's
+    output tokens/s (:class:`TokenRate`; riding along too). ``clock``: monotonic seconds.
     """
 
     def __init__(
@@ -384,6 +418,7 @@ class TelemetryLoop:
                 if w.failures >= self._unhealthy_after:
                     log.info("engine %s metrics readable again", endpoint)
                 w.failures = 0
+                tps = w.tokens.observe(sample.generation_tokens, now)
                 load = Load(
                     endpoint,
                     sample.waiting,
@@ -393,6 +428,7 @@ class TelemetryLoop:
                     draining=status.draining,
                     gpus=mine,
                     power=power,
+                    output_tps=tps,
                 )
             if self._changes.offer(load, now):
                 out.append(load)

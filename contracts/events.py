@@ -129,8 +129,9 @@ class Power(msgspec.Struct, array_like=True, frozen=True):
 
 class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     """Load of one endpoint as its agent last saw it: requests waiting and running, KV use 0..1 (``None``:
-    the engine does not say), whether the engine is healthy, whether it is draining, GPU telemetry, and the
-    power readings of its node (every source the agent reads; the same list on each of the node's loads).
+    the engine does not say), whether the engine is healthy, whether it is draining, GPU telemetry, the
+    power readings of its node (every source the agent reads; the same list on each of the node's loads),
+    and the engine's output tokens/s (from its generated-tokens counter; ``None``: unknown).
 
     Fields are only ever added at the end, with defaults: an older receiver ignores the trailing ones it
     does not know, a newer one reads their defaults from an older sender."""
@@ -143,6 +144,7 @@ class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     draining: bool = False
     gpus: list[Gpu] = msgspec.field(default_factory=list)
     power: list[Power] = msgspec.field(default_factory=list)
+    output_tps: float | None = None
 
 
 IndexEvent = Stored | Removed | Cleared

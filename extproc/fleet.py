@@ -62,6 +62,12 @@ class EndpointState:
     power: tuple[Power, ...] = ()
     #: Monotonic seconds when :attr:`power` arrived.
     power_at: float = field(default=0.0, repr=False)
+    #: Output tokens/s of the engine as its agent last measured them (``None``: unknown).
+    output_tps: float | None = None
+    #: Marginal energy per output token of the endpoint's node (J/token), as
+    #: :class:`extproc.scheduling.energy.EnergyModel` estimates it from the node's watts and output tokens/s
+    #: (``None``: not enough telemetry); the ``power`` scorer reads it.
+    energy_per_token: float | None = None
 
     @property
     def net_routed(self) -> int:
@@ -249,6 +255,10 @@ class Fleet:
         if state is not None:
             state.power, state.power_at = power, now
 
+    def node_states(self, node: str) -> list[EndpointState]:
+        """The endpoints of node ``node`` (an endpoint without a node is a node of its own, by its id)."""
+        return [s for s in self._states.values() if (s.endpoint.node or s.id) == node]
+
     def expire_metrics(self, now: float, stale_after: float) -> None:
         """Forget metrics and power readings older than ``stale_after`` seconds so scorers treat them as
         missing."""
@@ -256,4 +266,4 @@ class Fleet:
             if state.metrics is not None and now - state.metrics.at > stale_after:
                 state.metrics = None
             if state.power and now - state.power_at > stale_after:
-                state.power = ()
+                state.power, state.energy_per_token = (), None

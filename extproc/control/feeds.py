@@ -19,7 +19,8 @@ import grpc
 from contracts import events as ev
 from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load
 from engines.metrics import EngineMetrics
-from extproc.fleet import Fleet
+from extproc.fleet import EndpointState, Fleet
+from extproc.scheduling.energy import EnergyModel, node_watts
 from runtime.feed.client import FeedClient, FeedStats
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class FeedManager:
         self.gpus: dict[EndpointId, list[ev.Gpu]] = {}
         #: Latest ``Load`` per endpoint.
         self.loads: dict[EndpointId, Load] = {}
+        #: Energy per output token of each node, learnt from the power readings and tokens/s of its loads.
+        self.energy = EnergyModel()
+        self._energy_at: dict[str, float] = {}
         self._subscriber, self._credentials, self._server_name = subscriber, credentials, server_name
         self._clock, self._wall = clock, wall
         #: The running clients by address (read only).
@@ -171,6 +175,8 @@ class FeedManager:
         if state is None:
             return
         self.fleet.record_power(endpoint, tuple(load.power), now)
+        state.output_tps = load.output_tps if load.healthy else None
+        self._learn_energy(state, now)
         if load.healthy:  # an unhealthy engine's numbers mean nothing
             self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
         elif state.healthy:
@@ -182,6 +188,25 @@ class FeedManager:
         elif endpoint in self._draining:
             self.fleet.set_state(endpoint, draining=False)
             self._draining.discard(endpoint)
+
+    def _learn_energy(self, state: EndpointState, now: float) -> None:
+        """A new power reading of ``state``'s node feeds the node's energy model, and every endpoint of
+        the node gets its estimate (J per output token; :mod:`extproc.scheduling.energy`). The same reading
+        arrives with each of the node's loads: it counts once."""
+        reading = node_watts(state.power)
+        node = state.endpoint.node or state.id
+        if reading is None or reading.watts is None or reading.at <= self._energy_at.get(node, -1.0):
+            return
+        self._energy_at[node] = reading.at
+        states = self.fleet.node_states(node)
+        rates = [s.output_tps for s in states if s.output_tps is not None]
+        if not rates:
+            return
+        tps = sum(rates)
+        self.energy.observe(node, reading.watts, tps, now, reading_at=reading.at)
+        estimate = self.energy.marginal(node, reading.watts, tps)
+        for s in states:
+            s.energy_per_token = estimate
 
     def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
         endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop
+from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop, TokenRate
 from contracts.events import Gpu, Load
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
@@ -368,7 +368,11 @@ async def test_loop_runs_until_closed(sim: SimFleet) -> None:
             return len(emitted) >= 2
 
         await eventually(heartbeats)
-        assert all(batch == [Load("sim-0", 0, 0, 0.0)] for batch in emitted)
+        # output_tps: 0.0 once a 1 s window has passed (an idle engine), None before
+        assert all(
+            batch in ([Load("sim-0", 0, 0, 0.0)], [Load("sim-0", 0, 0, 0.0, output_tps=0.0)])
+            for batch in emitted
+        )
     finally:
         await loop.aclose()
 
@@ -432,3 +436,31 @@ async def test_power_rides_along_and_a_hung_source_never_delays_loads(sim: SimFl
         finally:
             await loop.aclose()
             await monitor.aclose()
+
+
+def test_token_rate_over_windows() -> None:
+    rate = TokenRate(window_s=1.0)
+    assert rate.observe(100.0, 0.0) is None  # the window starts
+    assert rate.observe(150.0, 0.5) is None  # too short to say
+    assert rate.observe(400.0, 1.25) == 240.0  # 300 tokens in 1.25 s
+    assert rate.observe(10.0, 2.0) == 240.0  # the counter went down: a restart, the old rate stays
+    assert rate.observe(60.0, 3.0) == 50.0
+    assert rate.observe(None, 4.0) is None  # no counter any more
+
+
+async def test_output_tokens_per_second_from_a_real_simulator(sim: SimFleet) -> None:
+    """The simulator's vllm:generation_tokens_total, read by the loop, becomes the load's output_tps."""
+    now = [0.0]
+    emitted: list[list[Load]] = []
+    loop = TelemetryLoop(0.1, emitted.append, heartbeat_s=0.01, clock=lambda: now[0])
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    try:
+        assert (await loop.tick())[0].output_tps is None
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 7}
+            async with http.post(f"http://{sim.addresses[0]}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        now[0] = 2.0
+        assert (await loop.tick())[0].output_tps == 3.5  # 7 tokens over 2 s of the loop's clock
+    finally:
+        await loop.aclose()

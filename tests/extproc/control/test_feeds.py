@@ -286,3 +286,31 @@ async def test_power_readings_reach_the_endpoint_state(
     for endpoint in (E1, E2):  # an unhealthy engine's node still reports its power
         state = fleet.get(endpoint)
         assert state is not None and state.power == tuple(power) and state.power_at == 100.0
+
+
+async def test_energy_per_token_is_learnt_from_the_node_loads(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """e1 and e2 share node-a: its watts over the sum of their output tokens/s (one load level so far:
+    the average energy per token); the same reading on both loads counts once."""
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    power = [Power("dcgm", "dcgm", watts=600.0, at=5.0)]
+    agent.publish(
+        [
+            Load("e1", 0, 2, 0.2, power=power, output_tps=100.0),
+            Load("e2", 0, 2, 0.2, power=power, output_tps=200.0),
+        ]
+    )
+    await eventually(lambda: mgr.stats.batches == 2)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e2 is not None
+    assert e1.output_tps == 100.0 and e2.output_tps == 200.0
+    # the first load's reading was learnt when only e1's rate was known; the second is the same reading
+    assert e1.energy_per_token == e2.energy_per_token == 6.0
+    agent.publish(
+        [Load("e1", 0, 2, 0.2, power=[Power("dcgm", "dcgm", watts=900.0, at=6.0)], output_tps=100.0)]
+    )
+    await eventually(lambda: mgr.stats.batches == 3)
+    assert e1.energy_per_token == e2.energy_per_token == 3.0  # 900 W / 300 tokens/s
