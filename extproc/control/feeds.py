@@ -20,7 +20,7 @@ from contracts import events as ev
 from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load
 from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState, Fleet
-from extproc.scheduling.energy import EnergyModel, node_watts
+from extproc.scheduling.energy import EnergyModel, average_watts, node_watts
 from runtime.feed.client import FeedClient, FeedStats
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,9 @@ class FeedManager:
         #: Energy per output token of each node, learnt from the power readings and tokens/s of its loads.
         self.energy = EnergyModel()
         self._energy_at: dict[str, float] = {}
+        #: The reading each node's energy was last learnt from (its mean draw since then comes from the
+        #: energy counter: :func:`~extproc.scheduling.energy.average_watts`).
+        self._energy_last: dict[str, ev.Power] = {}
         self._subscriber, self._credentials, self._server_name = subscriber, credentials, server_name
         self._clock, self._wall = clock, wall
         #: The running clients by address (read only).
@@ -198,13 +201,15 @@ class FeedManager:
         if reading is None or reading.watts is None or reading.at <= self._energy_at.get(node, -1.0):
             return
         self._energy_at[node] = reading.at
+        previous, self._energy_last[node] = self._energy_last.get(node), reading
+        watts = average_watts(previous, reading)
         states = self.fleet.node_states(node)
         rates = [s.output_tps for s in states if s.output_tps is not None]
-        if not rates:
+        if not rates or watts is None:
             return
         tps = sum(rates)
-        self.energy.observe(node, reading.watts, tps, now, reading_at=reading.at)
-        estimate = self.energy.marginal(node, reading.watts, tps)
+        self.energy.observe(node, watts, tps, now, reading_at=reading.at)
+        estimate = self.energy.marginal(node, watts, tps)
         for s in states:
             s.energy_per_token = estimate
 

@@ -10,7 +10,8 @@ bound of the marginal one: it includes idle power), and to ``None`` below ``min_
 
 Which reading gives a node's watts (:func:`node_watts`): the first source without an error in the order
 ``dcgm``, ``nvml``, ``redfish``, ``ipmi``: the GPUs' own power follows inference load, a BMC's includes the
-host's. Tokens/s are the sum over the node's endpoints.
+host's; its mean since the source's previous reading when it has an energy counter
+(:func:`average_watts`), else its instantaneous watts. Tokens/s are the sum over the node's endpoints.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ def node_watts(power: Sequence[Power]) -> Power | None:
         return None
     rank = {kind: i for i, kind in enumerate(KIND_ORDER)}
     return min(usable, key=lambda p: (rank.get(p.kind, len(KIND_ORDER)), p.source))
+
+
+def average_watts(previous: Power | None, current: Power) -> float | None:
+    """The node's mean draw between two readings of the same source, from its energy counter
+    (``(E1 - E0) / (t1 - t0)``), which covers the whole interval the tokens/s are measured over; the
+    reading's instantaneous ``watts`` when the counter is missing, went down (a reset) or no time passed."""
+    if (
+        previous is not None
+        and previous.source == current.source
+        and previous.energy_j is not None
+        and current.energy_j is not None
+        and current.energy_j >= previous.energy_j
+        and current.at > previous.at
+    ):
+        return (current.energy_j - previous.energy_j) / (current.at - previous.at)
+    return current.watts
 
 
 @dataclass(slots=True)

@@ -31,18 +31,34 @@ def headroom(power: Sequence[Power]) -> float | None:
     return None if not room else min(1.0, max(0.0, min(room)))
 
 
+@dataclass(frozen=True, slots=True)
+class PowerParams:
+    """``reserve``: the headroom under the power cap (a fraction of the cap) below which a node's score
+    falls, linearly to 0 at the cap; above it headroom does not matter (the node runs at full clocks)."""
+
+    reserve: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.reserve <= 1.0:
+            raise ValueError(f"reserve must be in (0, 1], got {self.reserve!r}")
+
+
 class PowerScorer:
-    """``score = mean of the terms known``, 0.5 when none is (formulas in README.md):
+    """``score = efficiency x room`` (formulas in README.md):
 
     - efficiency ``min_c e(c) / e(id)``, ``e`` the node's energy per output token (J/token): 1 for the most
-      efficient candidate, falling as the energy per token grows;
-    - headroom ``1 - watts / limit`` of the node's tightest power cap (0 at or over the cap).
+      efficient candidate, falling as the energy per token grows; unknown: 0.5 (neutral);
+    - room ``min(1, headroom / reserve)``, headroom ``1 - watts / limit`` of the node's tightest power cap:
+      1 while the node is at least ``reserve`` under its cap, falling to 0 at the cap; unknown: 1.
+
+    No telemetry at all scores 0.5.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "params")
 
-    def __init__(self, name: str = "power") -> None:
+    def __init__(self, name: str = "power", params: PowerParams | None = None) -> None:
         self.name = name
+        self.params = params or PowerParams()
 
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
@@ -53,16 +69,13 @@ class PowerScorer:
             if c.energy_per_token is not None and math.isfinite(c.energy_per_token) and c.energy_per_token > 0
         }
         best = min(energy.values()) if energy else 0.0
+        reserve = self.params.reserve
         scores: dict[EndpointId, float] = {}
         for c in candidates:
-            terms = []
             e = energy.get(c.id)
-            if e is not None:
-                terms.append(best / e)
+            efficiency = NEUTRAL if e is None else best / e
             room = headroom(c.power)
-            if room is not None:
-                terms.append(room)
-            scores[c.id] = sum(terms) / len(terms) if terms else NEUTRAL
+            scores[c.id] = efficiency * (1.0 if room is None else min(1.0, room / reserve))
         return scores
 
 

@@ -38,7 +38,7 @@ from extproc.scheduling.filters import (
 )
 from extproc.scheduling.interface import Filter, Picker, Scorer
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
-from extproc.scheduling.power import PowerCapFilter, PowerCapParams, PowerScorer
+from extproc.scheduling.power import PowerCapFilter, PowerCapParams, PowerParams, PowerScorer
 from extproc.scheduling.profile import Profile
 from extproc.scheduling.scorers import (
     CacheSpreadScorer,
@@ -82,7 +82,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "cache-spread": PluginType("scorer", CacheSpreadScorer),
         "kv-tier": PluginType("scorer", TierScorer, TierParams),
         "ttft": PluginType("scorer", PredictedTTFTScorer),
-        "power": PluginType("scorer", PowerScorer),
+        "power": PluginType("scorer", PowerScorer, PowerParams),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }
 )

@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ class Config:
     prefix_tokens: int = 1024
     question_tokens: int = 128
     output_tokens: int = 256
-    power_weight: float = 3.0
+    power_weight: float = 1.0
     block_size: int = 16
     seed: int = 7
 
@@ -249,8 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the result JSON here")
     p.add_argument("--quick", action="store_true", help="a few seconds of traffic (a smoke run)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument(
+        "--power-weight", type=float, default=Config().power_weight, help="kvgate-power's weights/power"
+    )
     args = p.parse_args(argv)
-    config = Config(duration_s=10.0, loads_rps=(2.0,)) if args.quick else Config()
+    config = Config(power_weight=args.power_weight)
+    if args.quick:
+        config = replace(config, duration_s=10.0, loads_rps=(2.0,))
     result = run(config, [t for t in args.targets.split(",") if t])
     result["command"] = " ".join(
         ["python -m load.bench.energy", *(argv if argv is not None else sys.argv[1:])]

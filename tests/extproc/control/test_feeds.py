@@ -314,3 +314,11 @@ async def test_energy_per_token_is_learnt_from_the_node_loads(
     )
     await eventually(lambda: mgr.stats.batches == 3)
     assert e1.energy_per_token == e2.energy_per_token == 3.0  # 900 W / 300 tokens/s
+    # with an energy counter: the mean draw since the previous reading, not the instantaneous watts
+    counted = [Power("dcgm", "dcgm", watts=70.0, energy_j=10_000.0, at=7.0)]
+    agent.publish([Load("e1", 0, 2, 0.2, power=counted, output_tps=100.0)])
+    await eventually(lambda: mgr.stats.batches == 4)
+    later = [Power("dcgm", "dcgm", watts=70.0, energy_j=10_600.0, at=8.0)]  # 600 J in 1 s
+    agent.publish([Load("e1", 0, 2, 0.2, power=later, output_tps=100.0)])
+    await eventually(lambda: mgr.stats.batches == 5)
+    assert e1.energy_per_token == 2.0  # 600 W / 300 tokens/s

@@ -19,7 +19,14 @@ from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.energy import EnergyModel, node_watts
 from extproc.scheduling.interface import CycleState, SchedulingRequest
-from extproc.scheduling.power import NEUTRAL, PowerCapFilter, PowerCapParams, PowerScorer, headroom
+from extproc.scheduling.power import (
+    NEUTRAL,
+    PowerCapFilter,
+    PowerCapParams,
+    PowerParams,
+    PowerScorer,
+    headroom,
+)
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from tests.polling import until
 
@@ -52,13 +59,22 @@ def capped(watts: float, limit: float = 700.0, **kwargs: object) -> tuple[Power,
         ([state(1), state(2)], {"e1": NEUTRAL, "e2": NEUTRAL}),
         # efficiency alone: min e / e
         ([state(1, energy=0.5), state(2, energy=1.0)], {"e1": 1.0, "e2": 0.5}),
-        # headroom alone: 1 - watts / limit (over the cap: 0)
-        ([state(1, power=capped(350.0)), state(2, power=capped(720.0))], {"e1": 0.5, "e2": 0.0}),
-        # both: the mean; a candidate without telemetry stays neutral
+        # headroom alone: neutral efficiency x min(1, (1 - watts / limit) / 0.2)
         (
-            [state(1, energy=0.5, power=capped(350.0)), state(2, energy=2.0), state(3)],
-            {"e1": 0.75, "e2": 0.25, "e3": 0.5},
+            [state(1, power=capped(350.0)), state(2, power=capped(630.0)), state(3, power=capped(720.0))],
+            {"e1": 0.5, "e2": 0.25, "e3": 0.0},
         ),
+        # both: efficiency x room; ample room does not matter, a node near its cap loses its lead
+        (
+            [
+                state(1, energy=0.5, power=capped(350.0)),
+                state(2, energy=2.0),
+                state(3, energy=0.5, power=capped(665.0)),
+            ],
+            {"e1": 1.0, "e2": 0.25, "e3": 0.25},
+        ),
+        # a candidate without telemetry stays neutral
+        ([state(1, energy=1.0), state(2)], {"e1": 1.0, "e2": 0.5}),
         # a failed source says nothing; a non-positive energy is no estimate
         (
             [state(1, power=(Power("bmc", "ipmi", at=1.0, error="timeout"),)), state(2, energy=0.0)],
@@ -69,6 +85,15 @@ def capped(watts: float, limit: float = 700.0, **kwargs: object) -> tuple[Power,
 def test_power_scorer(candidates: list[EndpointState], expected: dict[str, float]) -> None:
     scores = PowerScorer().score(REQUEST, CycleState(), candidates)
     assert scores == pytest.approx(expected)
+
+
+def test_power_reserve() -> None:
+    near = [state(1, energy=1.0, power=capped(560.0))]  # 20 % under the cap
+    assert PowerScorer().score(REQUEST, CycleState(), near) == {"e1": pytest.approx(1.0)}
+    wide = PowerScorer(params=PowerParams(reserve=0.4)).score(REQUEST, CycleState(), near)
+    assert wide == {"e1": pytest.approx(0.5)}
+    with pytest.raises(ValueError, match="reserve"):
+        PowerParams(reserve=0.0)
 
 
 def test_headroom_takes_the_tightest_cap() -> None:
@@ -181,3 +206,15 @@ async def test_a_power_weight_in_etcd_takes_effect_without_restart(
         await until(lambda: store.policy.scheduling.plugin("power-cap").params == PowerCapParams(0.5), 2.0)
     finally:
         await plane.aclose()
+
+
+def test_average_watts_from_the_energy_counter() -> None:
+    from extproc.scheduling.energy import average_watts
+
+    first = Power("dcgm", "dcgm", watts=70.0, energy_j=1000.0, at=10.0)
+    second = Power("dcgm", "dcgm", watts=70.0, energy_j=1450.0, at=11.5)  # a busy 1.5 s, idle at the read
+    assert average_watts(first, second) == 300.0
+    assert average_watts(None, second) == 70.0
+    assert average_watts(second, first) == 70.0  # backwards in time / counter reset: the reading itself
+    other = Power("bmc", "redfish", watts=500.0, energy_j=1.0, at=12.0)
+    assert average_watts(second, other) == 500.0  # another source's counter is not comparable
