@@ -34,6 +34,7 @@ One table per source; every key but ``kind`` has a default where one makes sense
     interface = "lanplus"             # lanplus (IPMI 2.0, RMCP+) | lan (IPMI 1.5)
     cipher_suite = 3                  # lanplus only (3: HMAC-SHA1, HMAC-SHA1-96, AES-CBC-128)
     privilege = "user"                # user | operator | admin
+    temperature_sensor = "Inlet Temp" # optional: an SDR sensor in degrees C read in the same call
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class IpmiConfig:
     interface: str = "lanplus"
     cipher_suite: int = 3
     privilege: str = "user"
+    temperature_sensor: str | None = None
     kind: str = "ipmi"
 
 
@@ -177,6 +179,7 @@ def _source(raw: object, index: int) -> PowerConfig:
             interface=interface,
             cipher_suite=s.integer("cipher_suite", 3, minimum=0),
             privilege=choice(s.string("privilege", "user"), IPMI_PRIVILEGES, f"{where}.privilege"),
+            temperature_sensor=s.string("temperature_sensor"),
         )
     s.done()
     return source

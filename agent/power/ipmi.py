@@ -11,8 +11,10 @@ its command line, which other users of the host can read)::
 
 ``-c`` prints one CSV line per sensor: id string, reading, unit, status, then entity and thresholds;
 :func:`parse_sdr` takes the line of the named sensor, whose unit must be ``Watts`` and whose status is
-not ``ns`` (no reading). ``-N 1 -R 1``: one second per try, one retry; the monitor's ``timeout_s``
-bounds the whole run, after which the process is killed.
+not ``ns`` (no reading); with ``temperature_sensor`` (an SDR sensor in degrees C, e.g. the inlet) its
+name follows the power sensor's on the command line and its reading is the sample's temperature.
+``-N 1 -R 1``: one second per try, one retry; the monitor's ``timeout_s`` bounds the whole run, after
+which the process is killed.
 """
 
 from __future__ import annotations
@@ -24,31 +26,49 @@ import os
 import shutil
 
 from agent.power.errors import PowerSourceError
-from agent.power.reading import MAX_WATTS, Sample, number
+from agent.power.reading import MAX_CELSIUS, MAX_WATTS, Sample, number
 
 #: ``ipmitool -L`` names of the privilege levels.
 PRIVILEGES = {"user": "USER", "operator": "OPERATOR", "admin": "ADMINISTRATOR"}
 
 
-def parse_sdr(text: str, sensor: str) -> Sample:
-    """The watts of ``sensor`` from ``ipmitool -c sdr get`` output (module docstring);
-    :class:`PowerSourceError` when the line is missing, not in Watts, without a reading or not a number."""
+def _row(text: str, sensor: str) -> list[str] | None:
     for row in csv.reader(text.splitlines()):
-        if not row or row[0].strip() != sensor:
-            continue
-        if len(row) < 4:
-            raise PowerSourceError(f"sensor {sensor!r}: a short line from ipmitool: {','.join(row)[:200]!r}")
-        value, unit, status = row[1].strip(), row[2].strip(), row[3].strip()
-        if status == "ns" or value.lower() in ("", "na", "disabled"):
-            raise PowerSourceError(f"sensor {sensor!r} has no reading (status {status!r})")
-        if unit.lower() not in ("watts", "w"):
-            raise PowerSourceError(f"sensor {sensor!r} reads {unit!r}, not Watts")
-        try:
-            watts = float(value)
-        except ValueError as exc:
-            raise PowerSourceError(f"sensor {sensor!r}: {value[:50]!r} is not a number") from exc
-        return Sample(watts=number(watts, f"sensor {sensor!r}", MAX_WATTS))
-    raise PowerSourceError(f"the BMC has no sensor {sensor!r} in its SDR")
+        if row and row[0].strip() == sensor:
+            return row
+    return None
+
+
+def _reading(row: list[str], sensor: str, units: tuple[str, ...], maximum: float) -> float:
+    if len(row) < 4:
+        raise PowerSourceError(f"sensor {sensor!r}: a short line from ipmitool: {','.join(row)[:200]!r}")
+    value, unit, status = row[1].strip(), row[2].strip(), row[3].strip()
+    if status == "ns" or value.lower() in ("", "na", "disabled"):
+        raise PowerSourceError(f"sensor {sensor!r} has no reading (status {status!r})")
+    if unit.lower() not in (u.lower() for u in units):
+        raise PowerSourceError(f"sensor {sensor!r} reads {unit!r}, not {units[0]}")
+    try:
+        reading = float(value)
+    except ValueError as exc:
+        raise PowerSourceError(f"sensor {sensor!r}: {value[:50]!r} is not a number") from exc
+    return number(reading, f"sensor {sensor!r}", maximum)
+
+
+def parse_sdr(text: str, sensor: str, temperature_sensor: str | None = None) -> Sample:
+    """The watts of ``sensor`` (and the degrees C of ``temperature_sensor``) from ``ipmitool -c sdr get``
+    output (module docstring); :class:`PowerSourceError` when a line is missing, not in the right unit,
+    without a reading or not a number."""
+    row = _row(text, sensor)
+    if row is None:
+        raise PowerSourceError(f"the BMC has no sensor {sensor!r} in its SDR")
+    watts = _reading(row, sensor, ("Watts", "W"), MAX_WATTS)
+    temperature = None
+    if temperature_sensor is not None:
+        temp_row = _row(text, temperature_sensor)
+        if temp_row is None:
+            raise PowerSourceError(f"the BMC has no sensor {temperature_sensor!r} in its SDR")
+        temperature = _reading(temp_row, temperature_sensor, ("degrees C",), MAX_CELSIUS)
+    return Sample(watts=watts, temperature_c=temperature)
 
 
 class IpmiSource:
@@ -69,15 +89,18 @@ class IpmiSource:
         interface: str = "lanplus",
         cipher_suite: int = 3,
         privilege: str = "user",
+        temperature_sensor: str | None = None,
         program: str | None = None,
     ) -> None:
         self.name, self.sensor, self._password_env = name, sensor, password_env
+        self.temperature_sensor = temperature_sensor
         self._program = program
         argv = ["-I", interface]
         if interface == "lanplus":
             argv += ["-C", str(cipher_suite)]
         argv += ["-H", host, "-p", str(port), "-U", username, "-E", "-L", PRIVILEGES[privilege]]
-        self.argv = [*argv, "-N", "1", "-R", "1", "-c", "sdr", "get", sensor]
+        sensors = [sensor] if temperature_sensor is None else [sensor, temperature_sensor]
+        self.argv = [*argv, "-N", "1", "-R", "1", "-c", "sdr", "get", *sensors]
 
     async def read(self) -> Sample:
         password = os.environ.get(self._password_env)
@@ -106,7 +129,7 @@ class IpmiSource:
         if proc.returncode != 0:
             detail = " ".join(_last_lines(err.decode(errors="replace")).split()) or f"exit {proc.returncode}"
             raise PowerSourceError(f"ipmitool: {detail[:300]}")
-        return parse_sdr(text, self.sensor)
+        return parse_sdr(text, self.sensor, self.temperature_sensor)
 
     async def aclose(self) -> None:
         return None

@@ -43,6 +43,7 @@ def build_source(config: PowerConfig, read_gpus: Callable[[], Sequence[Gpu]]) ->
         interface=config.interface,
         cipher_suite=config.cipher_suite,
         privilege=config.privilege,
+        temperature_sensor=config.temperature_sensor,
     )
 
 

@@ -433,6 +433,7 @@ def test_power_sources_parse() -> None:
                 "password_env": "IPMI_PASSWORD",
                 "sensor": "Node Power",
                 "interface": "lan",
+                "temperature_sensor": "Inlet Temp",
             },
         ]
     }
@@ -447,7 +448,8 @@ def test_power_sources_parse() -> None:
         auth="session",
         verify="/etc/kvgate/bmc-ca.pem",
     )
-    assert isinstance(power[3], IpmiConfig) and (power[3].port, power[3].interface) == (623, "lan")
+    assert isinstance(power[3], IpmiConfig)
+    assert (power[3].port, power[3].interface, power[3].temperature_sensor) == (623, "lan", "Inlet Temp")
     assert parse_node_config(POWER_ENGINE).power == ()
 
 

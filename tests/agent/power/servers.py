@@ -108,13 +108,18 @@ IPMI_DATA = Path(__file__).parents[2] / "data" / "ipmi"
 @contextmanager
 def ipmi_sim(work: Path, value_file: Path) -> Iterator[int]:
     """OpenIPMI's ``ipmi_sim`` with tests/data/ipmi's BMC (user ``kvgate``, password ``s3cret-pw``; the
-    power sensor "Node Power" reads 10 x the number in ``value_file``) on a free UDP port; its port.
+    power sensor "Node Power" reads 10 x the number in ``value_file``, "Inlet Temp" the degrees C in
+    ``<value_file>.temp``, 31 unless the caller wrote it) on a free UDP port; its port.
     Ready means a read succeeds: the caller polls for that (UDP has no listening state to probe)."""
     port = free_port(socket.SOCK_DGRAM)
     conf = work / "lan.conf"
     conf.write_text((IPMI_DATA / "lan.conf").read_text().replace("@PORT@", str(port)))
     emu = work / "kvgate.emu"
-    emu.write_text((IPMI_DATA / "kvgate.emu").read_text().replace("@VALUE_FILE@", str(value_file)))
+    temp_file = value_file.with_name(value_file.name + ".temp")
+    if not temp_file.exists():
+        temp_file.write_text("31\n")
+    text = (IPMI_DATA / "kvgate.emu").read_text()
+    emu.write_text(text.replace("@VALUE_FILE@", str(value_file)).replace("@TEMP_FILE@", str(temp_file)))
     state = work / "ipmi-state"
     state.mkdir(exist_ok=True)
     argv = [tool("ipmi_sim"), "-c", str(conf), "-f", str(emu), "-s", str(state), "-n"]

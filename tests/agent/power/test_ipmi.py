@@ -42,11 +42,20 @@ def test_parse_sdr(text: str, watts: float) -> None:
         ("Node Power,nan,Watts,ok", "not a plausible reading"),
         ("Node Power,250", "short line"),
         ("\x00\x01\x02garbage", "no sensor"),
+        (LINE + "\nInlet Temp,na,degrees C,ns", "'Inlet Temp' has no reading"),
+        (LINE, "no sensor 'Inlet Temp'"),
     ],
 )
 def test_parse_refuses_garbage(text: str, match: str) -> None:
+    temperature = "Inlet Temp" if "Inlet" in match else None
     with pytest.raises(PowerSourceError, match=match):
-        parse_sdr(text, "Node Power")
+        parse_sdr(text, "Node Power", temperature)
+
+
+def test_parse_a_temperature_line() -> None:
+    text = LINE + "\nInlet Temp,33,degrees C,ok,7.1,System Board,Temperature,,,,,,,,,,0.000,255.000\n"
+    sample = parse_sdr(text, "Node Power", "Inlet Temp")
+    assert (sample.watts, sample.temperature_c) == (250.0, 33.0)
 
 
 def source(port: int, sensor: str = "Node Power", **kwargs: Any) -> IpmiSource:
@@ -98,6 +107,19 @@ async def test_reads_the_power_sensor_as_it_changes(bmc: int, value_file: Path) 
     assert (first.kind, first.error, first.at, first.limit_w) == ("ipmi", "", 3.0, None)
     await asyncio.to_thread(value_file.write_text, "37\n")
     await read_until(monitor, 370.0)
+
+
+async def test_reads_a_temperature_sensor_in_the_same_call(bmc: int, value_file: Path) -> None:
+    monitor = PowerMonitor([(source(bmc, temperature_sensor="Inlet Temp"), 1.0, 5.0)])
+    first = await read_until(monitor, 250.0)
+    assert first.temperature_c == 31.0
+    await asyncio.to_thread(Path(str(value_file) + ".temp").write_text, "44\n")
+    deadline = time.monotonic() + 15.0
+    while (await monitor.read_once("ipmi")).temperature_c != 44.0:
+        assert time.monotonic() < deadline, "the new temperature never showed"
+        await asyncio.sleep(0.05)
+    wrong = PowerMonitor([(source(bmc, temperature_sensor="Node Power"), 1.0, 5.0)])
+    assert "reads 'Watts', not degrees C" in (await wrong.read_once("ipmi")).error
 
 
 @pytest.mark.parametrize("interface", ["lanplus", "lan"])
