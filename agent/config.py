@@ -97,6 +97,11 @@ module). Example (every key; the engines show each family of the matrix below)::
     tls = true                        # probe over HTTPS
     api_key_env = "REMOTE_API_KEY"    # env var whose value is sent as a bearer token to the probe
 
+    [[power]]                         # optional, any number: node power sources (agent/power/config.py
+    kind = "dcgm"                     # has every key of each kind: nvml, dcgm, redfish, ipmi)
+    url = "http://127.0.0.1:9400/metrics"
+    interval_s = 1.0
+
 KV offload x role matrix (each kind's module in :mod:`engines` renders it and cites its sources; the table
 of kinds is engines/README.md)::
 
@@ -122,6 +127,7 @@ from types import MappingProxyType
 from typing import Any
 
 from agent.errors import AgentConfigError
+from agent.power.config import PowerConfig, parse_power
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
@@ -190,6 +196,8 @@ class NodeConfig:
     agent: AgentSection
     engines: tuple[EngineConfig, ...]
     etcd_raw: Mapping[str, Any] | None = None
+    #: The node's power sources (``[[power]]`` tables), read by :mod:`agent.power`.
+    power: tuple[PowerConfig, ...] = ()
 
 
 def parse_node_config(raw: object) -> NodeConfig:
@@ -217,6 +225,7 @@ def _parse(raw: object) -> NodeConfig:
     if etcd_raw is not None and not isinstance(etcd_raw, Mapping):
         raise AgentConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
     tables = top.array("engines", REQUIRED)
+    power = parse_power(top.array("power", []))
     top.done()
     if not tables:
         raise AgentConfigError("engines: at least one [[engines]] table is required")
@@ -224,7 +233,7 @@ def _parse(raw: object) -> NodeConfig:
     _unique([e.id for e in engines], "id")
     _unique([f"{e.host}:{e.port}" for e in engines if e.started and e.port], "host:port")
     frozen_etcd = None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw)))
-    return NodeConfig(agent, engines, frozen_etcd)
+    return NodeConfig(agent, engines, frozen_etcd, power)
 
 
 def _agent(raw: object) -> AgentSection:

@@ -5,6 +5,8 @@ For each ``[[engines]]`` entry: an :class:`~agent.supervisor.EngineSupervisor` r
 (``endpoints/<id>`` under the agent's lease, :class:`runtime.etcd.LeasedKeys`), subscribes to its KV
 events (:class:`~agent.kvevents.KvEventSubscriber`) and translates them into index events
 (:class:`~agent.translate.Translator`), and scrapes its load (:class:`~agent.telemetry.TelemetryLoop`).
+The node's power sources (``[[power]]``, :mod:`agent.power`) are read on their own intervals, and their
+latest readings go out with every load.
 Index events and loads go out on one gRPC stream (:class:`~runtime.feed.server.FeedServer`) that every gateway
 replica subscribes to; a subscriber that needs a full resync gets the translators' snapshots.
 
@@ -15,7 +17,8 @@ the engines stop. A second signal stops at once. Without ``[etcd]`` the agent ru
 and admin API still serve; a gateway can list the endpoints statically).
 
 Admin HTTP (``admin_listen``): ``GET /healthz`` (the agent runs), ``GET /readyz`` (200 when every engine
-is ready), ``GET /status`` (engines, states, addresses, feed position, slot save/restore counters),
+is ready), ``GET /status`` (engines, states, addresses, feed position, power sources and their errors, slot
+save/restore counters),
 ``GET /metrics`` (the same as Prometheus text, :mod:`agent.metrics`),
 ``POST /drain`` (the same drain as SIGTERM, then exit); with ``[agent] kvcached``, ``POST /slots/save``,
 ``/slots/restore`` and ``/slots/restore-chain`` (llama.cpp slot state through the node's kvcached,
@@ -61,6 +64,7 @@ from agent.errors import AgentError
 from agent.kvevents import EventsLost, KvBatch, KvEventSubscriber, SubscriberConfig
 from agent.launch import endpoint_for
 from agent.metrics import agent_registry
+from agent.power.sources import build_monitor
 from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
@@ -155,8 +159,15 @@ class Agent:
             listen=config.agent.listen,
             tls=None if tls is None else ServerTlsFiles(Path(tls.cert), Path(tls.key), Path(tls.client_ca)),
         )
+        gpus = GpuTelemetry()
+        #: The node's power sources (``[[power]]``), each read on its own interval (:mod:`agent.power`).
+        self.power = build_monitor(config.power, gpus.read)
         self.telemetry = TelemetryLoop(
-            TELEMETRY_INTERVAL_S, self.feed.publish, heartbeat_s=TELEMETRY_HEARTBEAT_S, gpus=GpuTelemetry()
+            TELEMETRY_INTERVAL_S,
+            self.feed.publish,
+            heartbeat_s=TELEMETRY_HEARTBEAT_S,
+            gpus=gpus,
+            power=self.power.readings,
         )
         self.engines: dict[str, _Engine] = {}
         self.feed_address = ""
@@ -185,6 +196,7 @@ class Agent:
             await self._start_etcd()
         if self.slots is not None:  # slot chains use the gateways' block size, as KV events do
             self.slots.block_size = self.index_block_size
+        self.power.start()
         self.telemetry.start()
         for engine in self.config.engines:
             sup = EngineSupervisor(engine, self.config.agent, on_change=self._on_change)
@@ -225,6 +237,7 @@ class Agent:
             await self.slots.aclose()
         await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
         await self.telemetry.aclose()
+        await self.power.aclose()
         if self._block_size_watch is not None:
             await self._block_size_watch.aclose()
         if self._leased is not None:
@@ -527,6 +540,7 @@ class Agent:
             "index_block_size": self.index_block_size,
             "admin_port": self.admin_port,
             "feed_seq": self.feed_log.seq,
+            "power": [state.as_dict() for state in self.power.states],
             "engines": [
                 {
                     "id": e.config.id,

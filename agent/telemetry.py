@@ -9,13 +9,13 @@
   claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
   prompts. A llama.cpp scraper with ``on_slots`` set reads ``/slots`` on every scrape and hands each
   reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way).
-- :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its
-  name, power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory
-  used/total (bytes) and utilisation (0..1). ``nvmlInit`` runs once, on first read; without the package,
-  the driver or a GPU, or on an NVML error there, it logs one line ``no GPU telemetry: <reason>`` and
-  returns ``[]`` from then on, never raising. A field a GPU does not support reads as ``None``. Device
-  indices are NVML's (PCI order), not ``CUDA_VISIBLE_DEVICES``'s. The tests exercise the NVML path with a
-  fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
+- :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its name,
+  power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory used/total
+  (bytes), utilisation (0..1) and the clocks event (throttle) reasons bitmask. ``nvmlInit`` runs once, on
+  first read; without the package, the driver or a GPU, or on an NVML error there, it logs one line ``no GPU
+  telemetry: <reason>`` and returns ``[]`` from then on, never raising. A field a GPU does not support reads
+  as ``None``. Device indices are NVML's (PCI order), not ``CUDA_VISIBLE_DEVICES``'s. The tests exercise the
+  NVML path with a fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
 - :class:`LoadChanges` (sans-IO) decides what to send: a ``Load`` whose routing signals (waiting,
   running, KV use, healthy, draining) changed, or any ``Load`` whose endpoint has sent nothing for
   ``heartbeat_s`` (GPU telemetry alone does not trigger a send: it rides along).
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import ssl
 import time
@@ -42,9 +43,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from contracts.events import Gpu, Load
+from contracts.events import Gpu, Load, Power
 from engines.kinds import metric_names
-from engines.metrics import MetricNames, parse_metrics
+from engines.metrics import parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,42 @@ LLAMA_CPP_KV_METRIC = "llamacpp:kv_cache_usage_ratio"
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown)."""
+    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown), and its
+    counter of output tokens generated since it started (``None``: it exports none)."""
 
     waiting: float
     running: float
     kv_usage: float | None
+    generation_tokens: float | None = None
+
+
+class TokenRate:
+    """Output tokens/s of one engine from its cumulative counter (sans-IO; ``now``: monotonic seconds).
+
+    The rate is the counter's growth over windows of at least ``window_s`` (tokens come in bursts, so a
+    100 ms difference would swing between 0 and several times the mean); ``None`` until the first window
+    ends or when the engine has no counter. A counter that goes down (the engine restarted) starts a new
+    window and keeps the last rate.
+    """
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._start: tuple[float, float] | None = None
+        #: The latest rate (tokens/s), ``None`` while unknown.
+        self.rate: float | None = None
+
+    def observe(self, count: float | None, now: float) -> float | None:
+        """Take a counter reading; the rate in force afterwards."""
+        if count is None:
+            self._start, self.rate = None, None
+            return None
+        start = self._start
+        if start is None or count < start[1]:
+            self._start = (now, count)
+        elif now - start[0] >= self.window_s:
+            self.rate = (count - start[1]) / (now - start[0])
+            self._start = (now, count)
+        return self.rate
 
 
 class EngineScraper:
@@ -86,7 +118,7 @@ class EngineScraper:
         names = metric_names(engine)
         self._llama = engine == "llama_cpp"
         if self._llama:
-            names = MetricNames(names.waiting, names.running, LLAMA_CPP_KV_METRIC)
+            names = dataclasses.replace(names, kv_usage=LLAMA_CPP_KV_METRIC)
             if slots_url is None:
                 parts = urlsplit(metrics_url)
                 slots_url = urlunsplit((parts.scheme, parts.netloc, "/slots", "", ""))
@@ -116,7 +148,7 @@ class EngineScraper:
         if (kv is None or self.on_slots is not None) and self._llama and self.slots_url is not None:
             from_slots = await self._slots_usage(self.slots_url)
             kv = from_slots if kv is None else kv
-        return EngineSample(m.waiting, m.running, kv)
+        return EngineSample(m.waiting, m.running, kv, m.generation_tokens)
 
     async def aclose(self) -> None:
         if self._own_session and self._session is not None:
@@ -224,6 +256,11 @@ class GpuTelemetry:
         util = _field(nv.nvmlDeviceGetUtilizationRates, handle)
         sm = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
         mem = _field(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
+        # Renamed from ...ThrottleReasons in NVML 12.x's headers; older bindings have only the old name.
+        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        reasons = None if reasons_fn is None else _field(reasons_fn, handle)
         return Gpu(
             index=index,
             name=name,
@@ -235,6 +272,7 @@ class GpuTelemetry:
             memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
             utilization=None if util is None else util.gpu / 100.0,
+            throttle_reasons=None if reasons is None else int(reasons),
         )
 
 
@@ -281,6 +319,7 @@ class _Watched:
     status: Callable[[], EngineStatus] | None
     gpus: frozenset[int] | None
     failures: int = 0
+    tokens: TokenRate = dataclasses.field(default_factory=TokenRate)
     #: The reading under way (one at a time: an engine that hangs is not asked again until it answers).
     reading: asyncio.Task[EngineSample | None] | None = None
 
@@ -290,7 +329,10 @@ class TelemetryLoop:
 
     ``emit`` receives the loads to send of one round (one feed batch). An engine is reported unhealthy
     (zero load, ``healthy=False``) after ``unhealthy_after`` failed scrapes in a row, or at once when its
-    ``status`` callback says so. ``clock``: monotonic seconds.
+    ``status`` callback says so. ``power``: the node's latest power readings (the agent's
+    :meth:`agent.power.monitor.PowerMonitor.readings`, a list in memory), put on every ``Load``; like GPU
+    telemetry they ride along and never trigger a send themselves. Each load also carries the engine's
+    output tokens/s (:class:`TokenRate`; riding along too). ``clock``: monotonic seconds.
     """
 
     def __init__(
@@ -300,6 +342,7 @@ class TelemetryLoop:
         *,
         heartbeat_s: float = 1.0,
         gpus: GpuTelemetry | None = None,
+        power: Callable[[], list[Power]] | None = None,
         unhealthy_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -309,6 +352,7 @@ class TelemetryLoop:
         self._emit = emit
         self._changes = LoadChanges(heartbeat_s)
         self._gpus = gpus
+        self._power = power
         self._unhealthy_after = unhealthy_after
         self._clock = clock
         self._watched: dict[str, _Watched] = {}
@@ -349,6 +393,7 @@ class TelemetryLoop:
                 w.reading = asyncio.create_task(w.scraper.scrape())
         if watched:
             await asyncio.wait([w.reading for _, w in watched if w.reading is not None], timeout=wait_s)
+        power = self._power() if self._power is not None else []
         now = self._clock()
         out: list[Load] = []
         for endpoint, w in watched:
@@ -366,11 +411,14 @@ class TelemetryLoop:
                     log.warning("engine %s unhealthy: metrics unreadable (%s)", endpoint, reason)
                 if w.failures < self._unhealthy_after and status.healthy:
                     continue
-                load = Load(endpoint, 0.0, 0.0, None, healthy=False, draining=status.draining, gpus=mine)
+                load = Load(
+                    endpoint, 0.0, 0.0, None, healthy=False, draining=status.draining, gpus=mine, power=power
+                )
             else:
                 if w.failures >= self._unhealthy_after:
                     log.info("engine %s metrics readable again", endpoint)
                 w.failures = 0
+                tps = w.tokens.observe(sample.generation_tokens, now)
                 load = Load(
                     endpoint,
                     sample.waiting,
@@ -379,6 +427,8 @@ class TelemetryLoop:
                     healthy=status.healthy,
                     draining=status.draining,
                     gpus=mine,
+                    power=power,
+                    output_tps=tps,
                 )
             if self._changes.offer(load, now):
                 out.append(load)

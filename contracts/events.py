@@ -7,8 +7,8 @@ tells every ext_proc replica what each endpoint holds:
   ``tier``; ``parent`` is the digest of the block before the first (``None``: the chain starts at block 0);
 - :class:`Removed`: ``endpoint`` no longer holds ``digests`` in ``tier``;
 - :class:`Cleared`: ``endpoint`` holds nothing (in ``tier``, or in any tier when ``tier`` is ``None``);
-- :class:`Load`: the endpoint's load signals and GPU telemetry, sent on the same stream so ext_proc need
-  not scrape engines that have an agent.
+- :class:`Load`: the endpoint's load signals, GPU telemetry and its node's power readings (:class:`Power`),
+  sent on the same stream so ext_proc need not scrape engines that have an agent.
 
 Events travel in :class:`Batch` es numbered per source: ``seq`` starts at 1 and grows by one per batch;
 ``epoch`` is chosen at random when the source starts, so a restarted source (whose ``seq`` restarts) is
@@ -86,7 +86,9 @@ class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
 
 
 class Gpu(msgspec.Struct, array_like=True, frozen=True):
-    """One GPU's telemetry (NVML). Units: watts, MHz, degrees Celsius, bytes, fraction 0..1."""
+    """One GPU's telemetry (NVML). Units: watts, MHz, degrees Celsius, bytes, fraction 0..1;
+    ``throttle_reasons``: NVML's clocks event reasons bitmask (``nvmlDeviceGetCurrentClocksEventReasons``,
+    the same bits as DCGM's ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``; agent/power/README.md)."""
 
     index: int
     name: str
@@ -98,11 +100,41 @@ class Gpu(msgspec.Struct, array_like=True, frozen=True):
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     utilization: float | None = None
+    throttle_reasons: int | None = None
+
+
+class Power(msgspec.Struct, array_like=True, frozen=True):
+    """One power source's latest reading of a node (agent/power/README.md says what each kind reads).
+
+    ``source``: the name the node config gives it; ``kind``: ``nvml``, ``dcgm``, ``redfish`` or ``ipmi``.
+    ``watts``: power drawn now (W); ``limit_w``: the power cap in force (W); ``energy_j``: a cumulative
+    energy counter (J; only differences mean anything); ``temperature_c``: the hottest temperature read
+    (degrees Celsius); ``throttled``: clocks are held down by a power or thermal limit; ``sm_clock_mhz``:
+    mean SM clock of the GPUs read (MHz). ``None``: the source does not say. ``at``: the agent's wall clock
+    (seconds since the epoch) of the latest attempt. ``error``: why that attempt failed ("" when it
+    succeeded); with an error every value is ``None`` (a reader treats the source as silent).
+    """
+
+    source: str
+    kind: str
+    watts: float | None = None
+    limit_w: float | None = None
+    energy_j: float | None = None
+    temperature_c: float | None = None
+    throttled: bool | None = None
+    sm_clock_mhz: float | None = None
+    at: float = 0.0
+    error: str = ""
 
 
 class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     """Load of one endpoint as its agent last saw it: requests waiting and running, KV use 0..1 (``None``:
-    the engine does not say), whether the engine is healthy, whether it is draining, GPU telemetry."""
+    the engine does not say), whether the engine is healthy, whether it is draining, GPU telemetry, the
+    power readings of its node (every source the agent reads; the same list on each of the node's loads),
+    and the engine's output tokens/s (from its generated-tokens counter; ``None``: unknown).
+
+    Fields are only ever added at the end, with defaults: an older receiver ignores the trailing ones it
+    does not know, a newer one reads their defaults from an older sender."""
 
     endpoint: str
     waiting: float
@@ -111,6 +143,8 @@ class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     healthy: bool = True
     draining: bool = False
     gpus: list[Gpu] = msgspec.field(default_factory=list)
+    power: list[Power] = msgspec.field(default_factory=list)
+    output_tps: float | None = None
 
 
 IndexEvent = Stored | Removed | Cleared

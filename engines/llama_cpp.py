@@ -43,7 +43,12 @@ def render(ctx: RenderContext) -> Rendered:
 
 KIND = EngineKind(
     name="llama_cpp",
-    metrics=MetricNames("llamacpp:requests_deferred", "llamacpp:requests_processing", None),
+    metrics=MetricNames(
+        "llamacpp:requests_deferred",
+        "llamacpp:requests_processing",
+        None,
+        generation_tokens="llamacpp:tokens_predicted_total",
+    ),
     health_path="/health",
     metrics_path="/metrics",
     kv_events=False,

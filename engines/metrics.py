@@ -21,6 +21,8 @@ class EngineMetrics:
     use, ``None`` where the engine does not export it. ``at``: monotonic seconds of the scrape.
     ``ttft_sum``/``ttft_count``: the engine's time-to-first-token histogram's cumulative sum (seconds) and
     count, ``None`` where it exports none (or the reading came from elsewhere than a scrape).
+    ``generation_tokens``: the engine's counter of output tokens generated since it started (its rate is
+    the output tokens/s an energy-per-token figure divides by), ``None`` where it exports none.
     """
 
     waiting: float
@@ -29,18 +31,21 @@ class EngineMetrics:
     at: float
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    generation_tokens: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class MetricNames:
     """Series names of one engine kind's load: requests queued, requests running, the KV cache use
-    gauge (``None`` where the engine has no such gauge), and the time-to-first-token histogram's name
-    (its ``_sum`` and ``_count`` series are read; ``None``: none)."""
+    gauge (``None`` where the engine has no such gauge), the time-to-first-token histogram's name
+    (its ``_sum`` and ``_count`` series are read; ``None``: none), and the output-token counter's series
+    (``None``: none)."""
 
     waiting: str
     running: str
     kv_usage: str | None
     ttft: str | None = None
+    generation_tokens: str | None = None
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
@@ -52,8 +57,10 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     if names.ttft is not None:
         wanted[names.ttft + "_sum"] = 3
         wanted[names.ttft + "_count"] = 4
-    sums = [0.0, 0.0, 0.0, 0.0, 0.0]
-    seen = [False, False, False, False, False]
+    if names.generation_tokens is not None:
+        wanted[names.generation_tokens] = 5
+    sums = [0.0] * 6
+    seen = [False] * 6
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -81,4 +88,5 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
         at=at,
         ttft_sum=sums[3] if ttft else None,
         ttft_count=sums[4] if ttft else None,
+        generation_tokens=sums[5] if seen[5] else None,
     )

@@ -62,6 +62,7 @@ KIND = EngineKind(
         "sglang:num_running_reqs",
         "sglang:token_usage",
         "sglang:time_to_first_token_seconds",
+        "sglang:generation_tokens_total",
     ),
     health_path="/health",
     metrics_path="/metrics",

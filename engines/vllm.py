@@ -33,6 +33,7 @@ METRICS = MetricNames(
     "vllm:num_requests_running",
     "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds",
+    "vllm:generation_tokens_total",
 )
 #: Where KVBM's vLLM connectors live (DynamoConnector, PdConnector).
 KVBM_MODULE = "kvbm.vllm_integration.connector"

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from contracts.events import EndpointId
+from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 
@@ -56,6 +56,18 @@ class EndpointState:
     #: siblings; the net may be negative).
     sibling_in_flight: int = 0
     sibling_routed: int = 0
+    #: The latest power readings of the endpoint's node, one per source its agent reads
+    #: (:class:`contracts.events.Power`: watts, cap, temperature, throttling; a source's ``error`` set
+    #: means it is silent); ``()`` without readings or once they are older than the staleness bound.
+    power: tuple[Power, ...] = ()
+    #: Monotonic seconds when :attr:`power` arrived.
+    power_at: float = field(default=0.0, repr=False)
+    #: Output tokens/s of the engine as its agent last measured them (``None``: unknown).
+    output_tps: float | None = None
+    #: Marginal energy per output token of the endpoint's node (J/token), as
+    #: :class:`extproc.scheduling.energy.EnergyModel` estimates it from the node's watts and output tokens/s
+    #: (``None``: not enough telemetry); the ``power`` scorer reads it.
+    energy_per_token: float | None = None
 
     @property
     def net_routed(self) -> int:
@@ -236,8 +248,22 @@ class Fleet:
                 state.healthy = False
                 self._changed()
 
+    def record_power(self, endpoint_id: EndpointId, power: tuple[Power, ...], now: float) -> None:
+        """Store the power readings an agent sent with the endpoint's load, received at ``now``
+        (monotonic seconds)."""
+        state = self._states.get(endpoint_id)
+        if state is not None:
+            state.power, state.power_at = power, now
+
+    def node_states(self, node: str) -> list[EndpointState]:
+        """The endpoints of node ``node`` (an endpoint without a node is a node of its own, by its id)."""
+        return [s for s in self._states.values() if (s.endpoint.node or s.id) == node]
+
     def expire_metrics(self, now: float, stale_after: float) -> None:
-        """Forget metrics older than ``stale_after`` seconds so scorers treat them as missing."""
+        """Forget metrics and power readings older than ``stale_after`` seconds so scorers treat them as
+        missing."""
         for state in self._states.values():
             if state.metrics is not None and now - state.metrics.at > stale_after:
                 state.metrics = None
+            if state.power and now - state.power_at > stale_after:
+                state.power, state.energy_per_token = (), None

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from contracts.events import Power
 from extproc.fleet import Fleet
 
 DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
@@ -184,7 +185,12 @@ class GatewayMetrics:
 
 class _FleetCollector(Collector):
     """Per endpoint: ``kvgate_endpoint_in_flight`` (open ext_proc streams), ``kvgate_endpoint_load`` (the
-    scheduler's estimate of requests at the engine) and ``kvgate_endpoint_healthy``."""
+    scheduler's estimate of requests at the engine) and ``kvgate_endpoint_healthy``. Per node and power
+    source (from the readings agents send with their loads; a node's endpoints carry the same readings, the
+    newest is shown): ``kvgate_power_watts``, ``kvgate_power_limit_watts``,
+    ``kvgate_power_temperature_celsius``, ``kvgate_power_throttled`` (1 when a power or thermal limit holds
+    the clocks down) and ``kvgate_power_source_up`` (0 while the source's last read failed); a figure the
+    source does not give is left out."""
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
@@ -212,6 +218,45 @@ class _FleetCollector(Collector):
         yield in_flight
         yield load
         yield healthy
+        yield from power_families(self._fleet)
+
+
+#: (name, help, the reading's field) of each per-source power gauge.
+_POWER_GAUGES = (
+    ("kvgate_power_watts", "Power drawn now (W), per node and power source.", "watts"),
+    ("kvgate_power_limit_watts", "Power cap in force (W), per node and power source.", "limit_w"),
+    (
+        "kvgate_power_temperature_celsius",
+        "Hottest temperature read (C), per node and power source.",
+        "temperature_c",
+    ),
+    ("kvgate_power_throttled", "1 if a power or thermal limit holds the clocks down.", "throttled"),
+)
+
+
+def power_families(fleet: Fleet) -> Iterable[Metric]:
+    """The power gauges of every node the fleet has readings of (see :class:`_FleetCollector`)."""
+    newest: dict[tuple[str, str], Power] = {}
+    for state in list(fleet):
+        node = state.endpoint.node or state.id
+        for reading in state.power:
+            key = (node, reading.source)
+            if key not in newest or reading.at > newest[key].at:
+                newest[key] = reading
+    labels = ["node", "source"]
+    for name, doc, field in _POWER_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        for (node, source), reading in sorted(newest.items()):
+            value = getattr(reading, field)
+            if value is not None:
+                family.add_metric([node, source], float(value))
+        yield family
+    up = GaugeMetricFamily(
+        "kvgate_power_source_up", "0 while the power source's last read failed.", labels=labels
+    )
+    for (node, source), reading in sorted(newest.items()):
+        up.add_metric([node, source], 0.0 if reading.error else 1.0)
+    yield up
 
 
 class _IndexCollector(Collector, Generic[K]):

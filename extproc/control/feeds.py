@@ -19,7 +19,8 @@ import grpc
 from contracts import events as ev
 from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load
 from engines.metrics import EngineMetrics
-from extproc.fleet import Fleet
+from extproc.fleet import EndpointState, Fleet
+from extproc.scheduling.energy import EnergyModel, average_watts, node_watts
 from runtime.feed.client import FeedClient, FeedStats
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class FeedManager:
     Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
     feed spoke of); each ``Load`` updates the fleet: its metrics (``at`` = ``clock()``, monotonic
     seconds), ``healthy``, and ``draining`` (set from the agent; cleared only if the agent had set it,
-    so a drain ordered elsewhere stays); GPU telemetry is kept in :attr:`gpus`. A lost feed marks its
+    so a drain ordered elsewhere stays), its node's power readings (:meth:`Fleet.record_power`); GPU
+    telemetry is kept in :attr:`gpus`. A lost feed marks its
     endpoints unhealthy; a restored one gives them back the health their last ``Load`` reported.
 
     A restarted engine is a new replica to the scheduler: when an agent brings back (unhealthy, then
@@ -94,6 +96,12 @@ class FeedManager:
         self.gpus: dict[EndpointId, list[ev.Gpu]] = {}
         #: Latest ``Load`` per endpoint.
         self.loads: dict[EndpointId, Load] = {}
+        #: Energy per output token of each node, learnt from the power readings and tokens/s of its loads.
+        self.energy = EnergyModel()
+        self._energy_at: dict[str, float] = {}
+        #: The reading each node's energy was last learnt from (its mean draw since then comes from the
+        #: energy counter: :func:`~extproc.scheduling.energy.average_watts`).
+        self._energy_last: dict[str, ev.Power] = {}
         self._subscriber, self._credentials, self._server_name = subscriber, credentials, server_name
         self._clock, self._wall = clock, wall
         #: The running clients by address (read only).
@@ -169,6 +177,9 @@ class FeedManager:
                 log.info("endpoint %s back after a restart: its routed share starts again", endpoint)
         if state is None:
             return
+        self.fleet.record_power(endpoint, tuple(load.power), now)
+        state.output_tps = load.output_tps if load.healthy else None
+        self._learn_energy(state, now)
         if load.healthy:  # an unhealthy engine's numbers mean nothing
             self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
         elif state.healthy:
@@ -180,6 +191,27 @@ class FeedManager:
         elif endpoint in self._draining:
             self.fleet.set_state(endpoint, draining=False)
             self._draining.discard(endpoint)
+
+    def _learn_energy(self, state: EndpointState, now: float) -> None:
+        """A new power reading of ``state``'s node feeds the node's energy model, and every endpoint of
+        the node gets its estimate (J per output token; :mod:`extproc.scheduling.energy`). The same reading
+        arrives with each of the node's loads: it counts once."""
+        reading = node_watts(state.power)
+        node = state.endpoint.node or state.id
+        if reading is None or reading.watts is None or reading.at <= self._energy_at.get(node, -1.0):
+            return
+        self._energy_at[node] = reading.at
+        previous, self._energy_last[node] = self._energy_last.get(node), reading
+        watts = average_watts(previous, reading)
+        states = self.fleet.node_states(node)
+        rates = [s.output_tps for s in states if s.output_tps is not None]
+        if not rates or watts is None:
+            return
+        tps = sum(rates)
+        self.energy.observe(node, watts, tps, now, reading_at=reading.at)
+        estimate = self.energy.marginal(node, watts, tps)
+        for s in states:
+            s.energy_per_token = estimate
 
     def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
         endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}

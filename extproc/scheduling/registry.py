@@ -38,6 +38,7 @@ from extproc.scheduling.filters import (
 )
 from extproc.scheduling.interface import Filter, Picker, Scorer
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
+from extproc.scheduling.power import PowerCapFilter, PowerCapParams, PowerParams, PowerScorer
 from extproc.scheduling.profile import Profile
 from extproc.scheduling.scorers import (
     CacheSpreadScorer,
@@ -73,6 +74,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "load-threshold": PluginType("filter", LoadThresholdFilter, LoadThresholdParams),
         "balance": PluginType("filter", BalanceFilter, BalanceParams),
         "slo": PluginType("filter", SLOFilter),
+        "power-cap": PluginType("filter", PowerCapFilter, PowerCapParams),
         "prefix": PluginType("scorer", PrefixScorer, PrefixParams),
         "queue": PluginType("scorer", QueueScorer, LoadParams),
         "kv-utilization": PluginType("scorer", KVUtilizationScorer),
@@ -80,6 +82,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "cache-spread": PluginType("scorer", CacheSpreadScorer),
         "kv-tier": PluginType("scorer", TierScorer, TierParams),
         "ttft": PluginType("scorer", PredictedTTFTScorer),
+        "power": PluginType("scorer", PowerScorer, PowerParams),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }
 )
@@ -305,6 +308,7 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "healthy"},
                     {"ref": "subset"},
                     {"ref": "slo"},
+                    {"ref": "power-cap"},
                     {"ref": "load-threshold"},
                     {"ref": "balance"},
                     {"ref": "prefix", "weight": 3.0},

@@ -108,3 +108,40 @@ def port_of(address: str) -> int:
 def with_port(address: str, port: int) -> str:
     """``address`` (``host:port``) with its port replaced by ``port``."""
     return f"{address.rpartition(':')[0]}:{port}"
+
+
+#: Where a simulated engine with a GPU power model serves dcgm-exporter's format (load.sim.server).
+SIM_DCGM_PATH = "/dcgm/metrics"
+#: The simulator's GPU classes (load.sim.power.GPU_CLASSES; kvgate.dev does not import load, a test
+#: keeps the two equal).
+SIM_GPU_CLASSES = ("h100", "a100", "l40s")
+
+
+def gpu_list(text: str) -> tuple[str, ...]:
+    """``--gpu``: comma-separated simulator GPU classes; ``ValueError`` naming an unknown one."""
+    names = tuple(n.strip() for n in text.split(","))
+    unknown = [n for n in names if n not in SIM_GPU_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown GPU class {', '.join(unknown)}; known: {', '.join(SIM_GPU_CLASSES)}")
+    return names
+
+
+def watts_list(text: str) -> tuple[float, ...]:
+    """``--power-cap-w``: comma-separated watts >= 0 (0: no cap); ``ValueError`` otherwise."""
+    values = tuple(float(w) for w in text.split(","))
+    if any(not 0 <= w < float("inf") for w in values):
+        raise ValueError(f"power caps must be finite watts >= 0, got {text!r}")
+    return values
+
+
+def sim_power(
+    gpus: Sequence[str], caps_w: Sequence[float], index: int, port: int
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """For node ``index``'s simulated engine on ``port``: the ``kvgate sim`` flags of its GPU power model
+    (class ``gpus[index]`` and cap ``caps_w[index]``, each list cycled; an empty one: ``h100``, no cap),
+    and its agent's ``[[power]]`` table reading the engine's dcgm-exporter endpoint every second."""
+    gpu = gpus[index % len(gpus)] if gpus else "h100"
+    cap = caps_w[index % len(caps_w)] if caps_w else 0.0
+    args = ["--gpu", gpu, "--power-cap-w", f"{cap:g}"]
+    table = {"kind": "dcgm", "url": f"http://127.0.0.1:{port}{SIM_DCGM_PATH}", "interval_s": 1.0}
+    return args, [table]

@@ -72,6 +72,11 @@ class StackOptions:
     agent_args: tuple[str, ...] = ()
     #: Extra keys of each agent engine's ``[[engines]]`` table (e.g. ``{"parallel": 2}``).
     agent_engine_options: dict[str, Any] = field(default_factory=dict)
+    #: ``--gpu`` / ``--power-cap-w`` (``agents`` with the ``sim`` engine): each simulated engine gets a GPU
+    #: power model, classes and caps (W, 0: none) cycled over the nodes, and its agent reads it as a
+    #: ``[[power]] kind = "dcgm"`` source (:func:`kvgate.dev.nodes.sim_power`). Empty: no power.
+    gpus: tuple[str, ...] = ()
+    power_caps_w: tuple[float, ...] = ()
     lease_ttl_s: int = 5
     #: ``[[engines]]`` tables of engines that already run (each with an ``address``, and their KV event
     #: endpoints): a local etcd and one agent attached to them (no engine started; ``agents`` unused).

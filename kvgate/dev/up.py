@@ -55,9 +55,9 @@ from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.config import parse_config
 from kvgate.dev import overlay, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
-from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.etcd import EtcdServer, free_port
 from kvgate.dev.gateway_config import gateway_config, pin_listeners
-from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of
+from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of, sim_power
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.preflight import check_port_free, endpoint_from_url, served_models
 from kvgate.dev.procs import (
@@ -392,6 +392,8 @@ class Stack:
         nodes: list[list[dict[str, Any]]] = []
         if opts.attach:
             nodes.append([dict(e) for e in opts.attach])
+        power: list[list[dict[str, Any]]] = [[] for _ in nodes]
+        with_power = (opts.gpus or opts.power_caps_w) and opts.agent_engine == "sim" and not opts.attach
         for i in range(0 if opts.attach else opts.agents):
             engine = {
                 "id": f"{opts.agent_engine}-{i}",
@@ -401,7 +403,13 @@ class Stack:
                 "args": list(opts.agent_args),
                 **opts.agent_engine_options,
             }
+            tables: list[dict[str, Any]] = []
+            if with_power:  # the agent must know the exporter's URL, so the engine's port is fixed here
+                engine["port"] = free_port()
+                flags, tables = sim_power(opts.gpus, opts.power_caps_w, i, engine["port"])
+                engine["args"] = [*engine["args"], *flags]
             nodes.append([engine])
+            power.append(tables)
         names = [f"node-{i}" for i in range(len(nodes))]
         if opts.kvcached:
             self._start_kvcached(names)
@@ -417,6 +425,8 @@ class Stack:
                 tls=self.certs[f"agent-{node}"] if opts.kvcached else None,
                 options=opts.agent_options,
             )
+            if power[i]:
+                config["power"] = power[i]
             path, ready = self.workdir / f"{node}.json", self.workdir / f"{node}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             self.agent_configs.append(path)
@@ -624,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             auth=StackAuth() if args.auth else None,
             agents=args.agents,
             agent_engine=args.agent_engine,
+            gpus=args.gpu or (),
+            power_caps_w=args.power_cap_w or (),
             kvcached=args.kvcached,
             overlay=extra,
         )

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from certs.store import LeafFiles
 from engines.kinds import ENGINE_KINDS
 from kvgate.dev import stackfile
 from kvgate.dev.auth import DevAuth
+from kvgate.dev.nodes import gpu_list, watts_list
 
 
 def banner(
@@ -189,6 +191,19 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         help="with --agents: the engine each agent runs (llama_cpp: llama-server with SmolLM2 on the CPU)",
     )
     p.add_argument(
+        "--gpu",
+        metavar="CLASSES",
+        type=_checked(gpu_list),
+        help="with --agents and the sim engine: simulate each engine's GPU power (h100, a100, l40s; "
+        "comma-separated, cycled over the nodes); each agent reads it as a DCGM power source",
+    )
+    p.add_argument(
+        "--power-cap-w",
+        metavar="W[,W...]",
+        type=_checked(watts_list),
+        help="with --gpu: power caps in W (0: none), comma-separated, cycled over the nodes",
+    )
+    p.add_argument(
         "--kvcached",
         action="store_true",
         help="with --agents: a kvcached daemon per node (llama.cpp slots saved, restored before routing)",
@@ -208,3 +223,18 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         "extproc listen addresses and TLS files, scrape TLS files; with --auth also [auth], [[tenants]]",
     )
     return p
+
+
+T = TypeVar("T")
+
+
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` that reports ``parse``'s ``ValueError`` as a usage error (exit 2)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return convert

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from contracts.digest import Digest, block_digests
 from load.sim.cache import CacheListener, PrefixCache
+from load.sim.power import EnergyMeter, PowerModel
 from load.sim.timing import TimingModel
 
 
@@ -122,9 +123,15 @@ class Engine:
         timing: TimingModel,
         seed: Digest,
         listener: CacheListener | None = None,
+        power: PowerModel | None = None,
     ) -> None:
         self.config = config
         self.timing = timing
+        #: The GPU's power model (``None``: no power simulated, steps as the timing model says); with
+        #: one, steps take ``1 / gpu.speed`` as long, and longer still when the power cap lowers clocks.
+        self.power = power
+        #: Energy and draw on the driver's clock (with a power model).
+        self.meter = None if power is None else EnergyMeter(power.gpu.idle_w, 0.0)
         self.cache = PrefixCache(config.num_blocks, config.block_size, listener)
         self.stats = EngineStats()
         self._seed = seed
@@ -238,7 +245,15 @@ class Engine:
         if not decode and not prefill:
             return None
         n_prefill = sum(n for _, n in prefill)
-        step = Step(now, now + self.timing.step_s(len(decode), n_prefill), decode, tuple(prefill))
+        duration = self.timing.step_s(len(decode), n_prefill)
+        if self.power is not None and self.meter is not None:
+            cfg = self.config
+            watts, ratio = self.power.step(
+                len(decode), n_prefill, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            )
+            duration = duration / self.power.gpu.speed / ratio
+            self.meter.begin(now, now + duration, watts, ratio)
+        step = Step(now, now + duration, decode, tuple(prefill))
         self._in_flight = step
         return step
 
@@ -247,6 +262,8 @@ class Engine:
         if step is not self._in_flight:
             raise RuntimeError("complete() must be given the step in flight")
         self._in_flight = None
+        if self.meter is not None:
+            self.meter.end(step.end)
         events: list[TokenEvent] = []
         for seq in step.decode:
             if not seq.done:

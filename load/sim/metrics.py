@@ -2,7 +2,8 @@
 
 Gauges and counters are read from the engine at scrape time (no double bookkeeping); time to first
 token is a histogram the driver observes. Names, labels (``model_name``, ``engine``) and TTFT buckets
-follow vLLM v1, so scrapers written for vLLM read the simulator unchanged.
+follow vLLM v1, so scrapers written for vLLM read the simulator unchanged. A replica with a power model
+also has a second registry in dcgm-exporter's format (:class:`DcgmCollector`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from load.sim.engine import Engine
+from load.sim.power import REASON_IDLE, REASON_SW_POWER_CAP
 
 # vLLM's buckets for vllm:time_to_first_token_seconds, in seconds.
 # fmt: off
@@ -97,3 +99,58 @@ def replica_registry(engine: Engine, model: str) -> tuple[CollectorRegistry, Cal
         buckets=TTFT_BUCKETS,
     ).labels(model, "0")
     return registry, ttft.observe
+
+
+class DcgmCollector(Collector):
+    """What a dcgm-exporter on the replica's GPU would serve (its field names, labels and units; the
+    engine's :mod:`load.sim.power` model): ``DCGM_FI_DEV_POWER_USAGE`` (W, the draw now),
+    ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` (mJ), ``DCGM_FI_DEV_POWER_MGMT_LIMIT`` (W),
+    ``DCGM_FI_DEV_SM_CLOCK`` (MHz), ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS`` and ``DCGM_FI_DEV_GPU_TEMP`` (C: 30
+    plus 50 x draw / TDP, a placeholder, not a thermal model). ``clock``: the driver's clock (seconds)."""
+
+    def __init__(self, engine: Engine, hostname: str, clock: Callable[[], float], gpu_index: int = 0) -> None:
+        if engine.power is None or engine.meter is None:
+            raise ValueError("the engine has no power model")
+        self._engine, self._clock = engine, clock
+        gpu = engine.power.gpu
+        self._labels = [
+            str(gpu_index),
+            f"GPU-sim-{hostname}-{gpu_index}",
+            f"nvidia{gpu_index}",
+            gpu.model_name,
+        ]
+        self._labels.append(hostname)
+
+    def collect(self) -> Iterable[Metric]:
+        power, meter = self._engine.power, self._engine.meter
+        assert power is not None and meter is not None
+        gpu, now = power.gpu, self._clock()
+        labels = ["gpu", "UUID", "device", "modelName", "Hostname"]
+        watts = meter.watts()
+        ratio = meter.clock_ratio
+        reasons = REASON_SW_POWER_CAP if ratio < 1.0 else REASON_IDLE if not self._engine.has_work() else 0
+        gauges = (
+            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", watts),
+            ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", power.limit_w),
+            ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", gpu.max_sm_mhz * ratio),
+            ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "Current clock event reasons (bitmask).", float(reasons)),
+            ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", 30.0 + 50.0 * watts / gpu.max_w),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(self._labels, value)
+            yield family
+        energy = CounterMetricFamily(
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+            "Total energy consumption since boot (in mJ).",
+            labels=labels,
+        )
+        energy.add_metric(self._labels, meter.energy_j(now) * 1000.0)
+        yield energy
+
+
+def dcgm_registry(engine: Engine, hostname: str, clock: Callable[[], float]) -> CollectorRegistry:
+    """A registry serving ``engine``'s GPU as dcgm-exporter does (:class:`DcgmCollector`)."""
+    registry = CollectorRegistry()
+    registry.register(DcgmCollector(engine, hostname, clock))
+    return registry

@@ -42,13 +42,17 @@ from load.sim.errors import SimError
 from load.sim.fields import lax_bool, opt, strict_str
 from load.sim.handoff import ROLES
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
-from load.sim.metrics import replica_registry
+from load.sim.metrics import dcgm_registry, replica_registry
+from load.sim.power import GPU_CLASSES, PowerModel
 from load.sim.serving import Serving, ToolParsing
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
 from runtime.identity import ENGINE, peercert_uris, permits
 
 log = logging.getLogger(__name__)
+
+DCGM_PATH = "/dcgm/metrics"
+"""Where a replica with a power model serves dcgm-exporter's format (its GPU's power, energy, clocks)."""
 
 REPLICA_HEADER = "x-kvgate-replica"
 MAX_BODY_BYTES = 32 * 1024 * 1024  # aiohttp's default of 1 MiB is below long-context prompts
@@ -70,6 +74,9 @@ class SimConfig:
     kv_events: KvEventsConfig | None = None
     tool_parsing: ToolParsing = field(default_factory=ToolParsing)
     role: str = "both"
+    #: GPU power models (:mod:`load.sim.power`), replica ``i`` taking ``power[i % len(power)]``; with one, a
+    #: replica serves dcgm-exporter's format at ``/dcgm/metrics``. Empty: no power simulated.
+    power: tuple[PowerModel, ...] = ()
 
 
 class SimReplica:
@@ -92,8 +99,10 @@ class SimReplica:
             KvEventPublisher(kv, rank, config.engine.block_size) if kv is not None and kv.enabled else None
         )
         listener = sink(self.kv_events, listener)
-        self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener)
+        power = config.power[rank % len(config.power)] if config.power else None
+        self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener, power)
         self.registry, observe_ttft = replica_registry(self.engine, config.model)
+        self.dcgm = None if power is None else dcgm_registry(self.engine, replica_id, time.monotonic)
         self.driver = EngineDriver(self.engine, observe_ttft)
         self.serving = Serving(
             config.model,
@@ -138,6 +147,8 @@ class SimReplica:
         )
         if self.kv_events is not None:
             app.router.add_post("/_sim/drop_next_kv_batches", self._drop_next_kv_batches)
+        if self.dcgm is not None:
+            app.router.add_get(DCGM_PATH, self._dcgm_metrics)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         host, port = sock.getsockname()[:2]
@@ -279,6 +290,12 @@ class SimReplica:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _dcgm_metrics(self, request: web.Request) -> web.Response:
+        assert self.dcgm is not None
+        response = web.Response(body=generate_latest(self.dcgm))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
@@ -485,6 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=t.link_bytes_per_s * 8 / 1e9,
         help="prefill-to-decode link speed (Gbit/s) for KV transfers",
     )
+    p.add_argument(
+        "--gpu",
+        help="simulate each replica's GPU power (load/sim/power.py): comma-separated classes, cycled over "
+        f"replicas ({', '.join(GPU_CLASSES)}); serves dcgm-exporter's format at {DCGM_PATH}",
+    )
+    p.add_argument(
+        "--power-cap-w",
+        help="power caps in W, comma-separated, cycled over replicas (0: none); implies --gpu h100",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -513,8 +539,33 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
     kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
     tools = ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser)
+    power = power_models(args.gpu, args.power_cap_w)
     return SimConfig(
-        args.model, args.model_dir, args.chat_template, engine, timing, kv_events, tools, args.role
+        args.model,
+        args.model_dir,
+        args.chat_template,
+        engine,
+        timing,
+        kv_events,
+        tools,
+        role=args.role,
+        power=power,
+    )
+
+
+def power_models(gpus: str | None, caps: str | None) -> tuple[PowerModel, ...]:
+    """``--gpu h100,a100`` and ``--power-cap-w 450,0`` (0: no cap) as power models, the shorter list
+    cycled; neither: none. Raises ``ValueError``."""
+    if gpus is None and caps is None:
+        return ()
+    names = (gpus or "h100").split(",")
+    watts = [float(w) for w in (caps or "0").split(",")]
+    unknown = [n for n in names if n not in GPU_CLASSES]
+    if unknown:
+        raise ValueError(f"--gpu: unknown {', '.join(unknown)}; known: {', '.join(GPU_CLASSES)}")
+    n = max(len(names), len(watts))
+    return tuple(
+        PowerModel(GPU_CLASSES[names[i % len(names)]], watts[i % len(watts)] or None) for i in range(n)
     )
 
 

@@ -405,3 +405,107 @@ def test_remote_engine_with_kv_events_attaches() -> None:
 
 def node_config(engine: dict[str, object]) -> NodeConfig:
     return parse_node_config({"agent": {"id": "node-a"}, "engines": [engine]})
+
+
+POWER_ENGINE = {"engines": [{"kind": "sim", "model": "m", "model_path": "smollm2"}]}
+
+
+def test_power_sources_parse() -> None:
+    from agent.power.config import Common, DcgmConfig, IpmiConfig, NvmlConfig, RedfishConfig
+
+    raw = POWER_ENGINE | {
+        "power": [
+            {"kind": "nvml"},
+            {"kind": "dcgm", "url": "http://127.0.0.1:9400/metrics", "gpus": [0, 1], "interval_s": 0.5},
+            {
+                "kind": "redfish",
+                "name": "bmc",
+                "url": "https://10.0.0.2/",
+                "username": "kvgate",
+                "password_env": "BMC_PASSWORD",
+                "ca_file": "/etc/kvgate/bmc-ca.pem",
+                "auth": "session",
+            },
+            {
+                "kind": "ipmi",
+                "host": "10.0.0.3",
+                "username": "kvgate",
+                "password_env": "IPMI_PASSWORD",
+                "sensor": "Node Power",
+                "interface": "lan",
+                "temperature_sensor": "Inlet Temp",
+            },
+        ]
+    }
+    power = parse_node_config(raw).power
+    assert power[0] == NvmlConfig(Common("nvml"))
+    assert power[1] == DcgmConfig(Common("dcgm", 0.5), "http://127.0.0.1:9400/metrics", frozenset({0, 1}))
+    assert power[2] == RedfishConfig(
+        Common("bmc"),
+        "https://10.0.0.2",
+        "kvgate",
+        "BMC_PASSWORD",
+        auth="session",
+        verify="/etc/kvgate/bmc-ca.pem",
+    )
+    assert isinstance(power[3], IpmiConfig)
+    assert (power[3].port, power[3].interface, power[3].temperature_sensor) == (623, "lan", "Inlet Temp")
+    assert parse_node_config(POWER_ENGINE).power == ()
+
+
+@pytest.mark.parametrize(
+    ("power", "message"),
+    [
+        ({"kind": "rapl"}, r"power\[0\].kind: expected one of nvml, dcgm, redfish, ipmi"),
+        ({"kind": "nvml", "url": "x"}, r"power\[0\]: unknown key\(s\) url"),
+        ({"kind": "dcgm"}, r"power\[0\].url: required"),
+        ({"kind": "dcgm", "url": "ftp://x/metrics"}, "expected an http:// or https:// URL"),
+        ({"kind": "dcgm", "url": "http://x/m", "gpus": [-1]}, "GPU indices"),
+        ({"kind": "redfish", "url": "https://bmc", "username": "u"}, r"password_env: required"),
+        (
+            {"kind": "redfish", "url": "https://u:p@bmc", "username": "u", "password_env": "P"},
+            "no credentials",
+        ),
+        (
+            {"kind": "redfish", "url": "https://bmc/redfish/v1", "username": "u", "password_env": "P"},
+            "only scheme",
+        ),
+        (
+            {
+                "kind": "redfish",
+                "url": "https://bmc",
+                "username": "u",
+                "password_env": "P",
+                "verify": False,
+                "ca_file": "/ca.pem",
+            },
+            "verify = false turns verification off",
+        ),
+        (
+            {"kind": "redfish", "url": "https://bmc", "username": "u", "password_env": "no-such var"},
+            "variable",
+        ),
+        ({"kind": "ipmi", "host": "h", "username": "u", "password_env": "P"}, r"sensor: required"),
+        (
+            {
+                "kind": "ipmi",
+                "host": "h",
+                "username": "u",
+                "password_env": "P",
+                "sensor": "S",
+                "interface": "lan",
+                "cipher_suite": 3,
+            },
+            "cipher_suite: only with",
+        ),
+        ({"kind": "nvml", "interval_s": 0}, "interval_s: must be a finite number >= 0.01"),
+    ],
+)
+def test_power_source_errors(power: dict[str, object], message: str) -> None:
+    with pytest.raises(AgentConfigError, match=message):
+        parse_node_config(POWER_ENGINE | {"power": [power]})
+
+
+def test_power_source_names_are_unique() -> None:
+    with pytest.raises(AgentConfigError, match="two sources named 'nvml'"):
+        parse_node_config(POWER_ENGINE | {"power": [{"kind": "nvml"}, {"kind": "nvml"}]})

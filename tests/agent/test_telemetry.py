@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop
+from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop, TokenRate
 from contracts.events import Gpu, Load
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
@@ -214,6 +214,7 @@ def fake_pynvml(gpus: list[dict[str, Any]], *, init_error: str | None = None) ->
         "nvmlDeviceGetMemoryInfo": memory_info,
         "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=get(h, "util_pct"), memory=0),
         "nvmlDeviceGetClockInfo": lambda h, clock: get(h, "sm_mhz" if clock == 1 else "mem_mhz"),
+        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: get(h, "reasons"),
     }
     for name, fn in functions.items():
         setattr(nv, name, fn)
@@ -230,11 +231,14 @@ H100 = {
     "util_pct": 87,
     "sm_mhz": 1980,
     "mem_mhz": 2619,
+    "reasons": 0x4,  # SW power cap
 }
 
 
 def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw")} | {"name": b"Tesla T4"}
+    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw", "reasons")} | {
+        "name": b"Tesla T4"
+    }
     nv = fake_pynvml([H100, second])
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     gpus = GpuTelemetry()
@@ -251,6 +255,7 @@ def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
             memory_used_bytes=60 * 2**30,
             memory_total_bytes=80 * 2**30,
             utilization=0.87,
+            throttle_reasons=0x4,
         ),
         Gpu(
             index=1,
@@ -363,7 +368,11 @@ async def test_loop_runs_until_closed(sim: SimFleet) -> None:
             return len(emitted) >= 2
 
         await eventually(heartbeats)
-        assert all(batch == [Load("sim-0", 0, 0, 0.0)] for batch in emitted)
+        # output_tps: 0.0 once a 1 s window has passed (an idle engine), None before
+        assert all(
+            batch in ([Load("sim-0", 0, 0, 0.0)], [Load("sim-0", 0, 0, 0.0, output_tps=0.0)])
+            for batch in emitted
+        )
     finally:
         await loop.aclose()
 
@@ -395,3 +404,63 @@ async def test_a_hung_engine_does_not_hold_back_the_other_engines_loads(sim: Sim
             writer.close()
         hung.close()
         await hung.wait_closed()
+
+
+async def test_power_rides_along_and_a_hung_source_never_delays_loads(sim: SimFleet) -> None:
+    """Every Load carries the node's power readings (a DCGM exporter here); a power source that hangs
+    (a socket that never answers) holds back neither the loads nor the other source."""
+    from agent.power.dcgm import DcgmSource
+    from agent.power.monitor import PowerMonitor
+    from tests.agent.power.bmc import exporter_server, silent_server
+    from tests.agent.power.test_dcgm import exporter_text
+
+    async with exporter_server(exporter_text()) as exporter, silent_server() as hung_port:
+        monitor = PowerMonitor(
+            [
+                (DcgmSource("dcgm", f"http://127.0.0.1:{exporter.port}/metrics"), 0.05, 1.0),
+                (DcgmSource("stuck", f"http://127.0.0.1:{hung_port}/metrics"), 0.05, 5.0),
+            ]
+        )
+        emitted: list[list[Load]] = []
+        loop = TelemetryLoop(0.02, emitted.append, heartbeat_s=0.05, power=monitor.readings)
+        loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+        monitor.start()
+        loop.start()
+        try:
+            await until(lambda: any(p.watts == 600.5 for b in emitted for ld in b for p in ld.power), 3.0)
+            exporter.body = exporter_text(watts=(10.0, 20.0))
+            await until(lambda: [p.watts for p in emitted[-1][0].power if p.source == "dcgm"] == [30.0], 3.0)
+            loads = sum(len(b) for b in emitted)
+            await until(lambda: sum(len(b) for b in emitted) >= loads + 5, 1.0)  # the stuck source waits
+            assert all(p.source == "dcgm" for b in emitted for ld in b for p in ld.power)  # not read yet
+        finally:
+            await loop.aclose()
+            await monitor.aclose()
+
+
+def test_token_rate_over_windows() -> None:
+    rate = TokenRate(window_s=1.0)
+    assert rate.observe(100.0, 0.0) is None  # the window starts
+    assert rate.observe(150.0, 0.5) is None  # too short to say
+    assert rate.observe(400.0, 1.25) == 240.0  # 300 tokens in 1.25 s
+    assert rate.observe(10.0, 2.0) == 240.0  # the counter went down: a restart, the old rate stays
+    assert rate.observe(60.0, 3.0) == 50.0
+    assert rate.observe(None, 4.0) is None  # no counter any more
+
+
+async def test_output_tokens_per_second_from_a_real_simulator(sim: SimFleet) -> None:
+    """The simulator's vllm:generation_tokens_total, read by the loop, becomes the load's output_tps."""
+    now = [0.0]
+    emitted: list[list[Load]] = []
+    loop = TelemetryLoop(0.1, emitted.append, heartbeat_s=0.01, clock=lambda: now[0])
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    try:
+        assert (await loop.tick())[0].output_tps is None
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 7}
+            async with http.post(f"http://{sim.addresses[0]}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        now[0] = 2.0
+        assert (await loop.tick())[0].output_tps == 3.5  # 7 tokens over 2 s of the loop's clock
+    finally:
+        await loop.aclose()

@@ -72,3 +72,17 @@ def test_the_ttft_histogram_sum_and_count_are_read(engine: str) -> None:
 def test_engines_without_a_ttft_histogram_read_none(engine: str) -> None:
     m = parse_metrics("time_to_first_token_seconds_sum 3\n", metric_names(engine), at=1.0)
     assert (m.ttft_sum, m.ttft_count) == (None, None)
+
+
+def test_generation_token_counter() -> None:
+    """Each kind's output-token counter is read (summed over models); absent, it reads as None."""
+    text = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="a"} 120\n'
+        'vllm:generation_tokens_total{model_name="b"} 30\n'
+        "vllm:num_requests_running 1\n"
+    )
+    assert parse_metrics(text, metric_names("vllm"), 0.0).generation_tokens == 150.0
+    assert parse_metrics("vllm:num_requests_running 1\n", metric_names("vllm"), 0.0).generation_tokens is None
+    llama = "llamacpp:tokens_predicted_total 42\nllamacpp:requests_processing 1\n"
+    assert parse_metrics(llama, metric_names("llama_cpp"), 0.0).generation_tokens == 42.0

@@ -51,3 +51,34 @@ def test_the_eligibility_gauge_counts_an_ejection() -> None:
     assert state is not None
     state.ejected_until = time.monotonic() - 1  # the ejection ended
     assert gauge() == 1.0
+
+
+def test_power_readings_are_gauges_per_node_and_source_and_expire() -> None:
+    """The readings an agent sends with its loads land on the endpoint's state and in
+    ``kvgate_power_*{node,source}`` (one series per node even when two endpoints carry them; the newest
+    wins); a failed source is ``up`` 0 with no figures; stale readings are forgotten."""
+    from contracts.events import Power
+
+    a = Endpoint(EndpointId("a"), "127.0.0.1:1", frozenset({"m"}), node="node-a")
+    b = Endpoint(EndpointId("b"), "127.0.0.1:2", frozenset({"m"}), node="node-a")
+    fleet = Fleet([a, b])
+    metrics = GatewayMetrics(fleet)
+    old = Power("dcgm", "dcgm", watts=500.0, at=1.0)
+    new = Power("dcgm", "dcgm", watts=610.0, limit_w=700.0, temperature_c=71.0, throttled=True, at=2.0)
+    bmc = Power("bmc", "redfish", at=2.0, error="access refused (check username and password): HTTP 401")
+    fleet.record_power(a.id, (old,), now=10.0)
+    fleet.record_power(b.id, (new, bmc), now=10.0)
+    state = fleet.get(b.id)
+    assert state is not None and state.power == (new, bmc)
+
+    def sample(name: str, source: str = "dcgm") -> float | None:
+        return metrics.registry.get_sample_value(name, {"node": "node-a", "source": source})
+
+    assert sample("kvgate_power_watts") == 610.0
+    assert sample("kvgate_power_limit_watts") == 700.0
+    assert sample("kvgate_power_temperature_celsius") == 71.0
+    assert sample("kvgate_power_throttled") == 1.0
+    assert sample("kvgate_power_source_up") == 1.0
+    assert sample("kvgate_power_source_up", "bmc") == 0.0 and sample("kvgate_power_watts", "bmc") is None
+    fleet.expire_metrics(now=13.0, stale_after=2.0)
+    assert state.power == () and sample("kvgate_power_watts") is None

@@ -15,6 +15,7 @@ from contracts.events import (
     Gpu,
     IndexEvent,
     Load,
+    Power,
     Removed,
     Stored,
 )
@@ -268,3 +269,56 @@ async def test_snapshot_does_not_count_as_a_restart(
         assert e1.recent_routed(NOW) == 300.0
     finally:
         await again.aclose()
+
+
+async def test_power_readings_reach_the_endpoint_state(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    power = [
+        Power("dcgm", "dcgm", watts=612.0, limit_w=700.0, at=5.0),
+        Power("bmc", "ipmi", at=5.0, error="x"),
+    ]
+    agent.publish([Load("e1", 0, 1, 0.2, power=power), Load("e2", 0, 0, None, healthy=False, power=power)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    for endpoint in (E1, E2):  # an unhealthy engine's node still reports its power
+        state = fleet.get(endpoint)
+        assert state is not None and state.power == tuple(power) and state.power_at == 100.0
+
+
+async def test_energy_per_token_is_learnt_from_the_node_loads(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """e1 and e2 share node-a: its watts over the sum of their output tokens/s (one load level so far:
+    the average energy per token); the same reading on both loads counts once."""
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    power = [Power("dcgm", "dcgm", watts=600.0, at=5.0)]
+    agent.publish(
+        [
+            Load("e1", 0, 2, 0.2, power=power, output_tps=100.0),
+            Load("e2", 0, 2, 0.2, power=power, output_tps=200.0),
+        ]
+    )
+    await eventually(lambda: mgr.stats.batches == 2)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e2 is not None
+    assert e1.output_tps == 100.0 and e2.output_tps == 200.0
+    # the first load's reading was learnt when only e1's rate was known; the second is the same reading
+    assert e1.energy_per_token == e2.energy_per_token == 6.0
+    agent.publish(
+        [Load("e1", 0, 2, 0.2, power=[Power("dcgm", "dcgm", watts=900.0, at=6.0)], output_tps=100.0)]
+    )
+    await eventually(lambda: mgr.stats.batches == 3)
+    assert e1.energy_per_token == e2.energy_per_token == 3.0  # 900 W / 300 tokens/s
+    # with an energy counter: the mean draw since the previous reading, not the instantaneous watts
+    counted = [Power("dcgm", "dcgm", watts=70.0, energy_j=10_000.0, at=7.0)]
+    agent.publish([Load("e1", 0, 2, 0.2, power=counted, output_tps=100.0)])
+    await eventually(lambda: mgr.stats.batches == 4)
+    later = [Power("dcgm", "dcgm", watts=70.0, energy_j=10_600.0, at=8.0)]  # 600 J in 1 s
+    agent.publish([Load("e1", 0, 2, 0.2, power=later, output_tps=100.0)])
+    await eventually(lambda: mgr.stats.batches == 5)
+    assert e1.energy_per_token == 2.0  # 600 W / 300 tokens/s

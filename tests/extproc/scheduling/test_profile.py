@@ -251,6 +251,7 @@ def test_default_config() -> None:
         "healthy",
         "subset",
         "slo",
+        "power-cap",  # no power telemetry: keeps every candidate
         "load-threshold",
         "balance",
     ]

@@ -83,3 +83,26 @@ def test_a_kvcached_daemon_is_pinned_to_its_feed_and_quic_ports() -> None:
 )
 def test_ports(address: str, port: int, pinned: str) -> None:
     assert with_port(address, port) == pinned and port_of(pinned) == port
+
+
+def test_simulated_gpu_power_for_a_node() -> None:
+    """``kvgate up --agents N --gpu h100,a100 --power-cap-w 0,250``: node i's sim flags and its agent's
+    DCGM source, which the agent config accepts."""
+    from agent.config import parse_node_config
+    from kvgate.dev.nodes import SIM_GPU_CLASSES, gpu_list, sim_power, watts_list
+    from load.sim.power import GPU_CLASSES
+    from load.sim.server import DCGM_PATH, power_models
+
+    assert set(SIM_GPU_CLASSES) == set(GPU_CLASSES)
+    gpus, caps = gpu_list("h100,a100"), watts_list("0,250")
+    args, power = sim_power(gpus, caps, 3, 8123)
+    assert args == ["--gpu", "a100", "--power-cap-w", "250"]
+    assert power == [{"kind": "dcgm", "url": f"http://127.0.0.1:8123{DCGM_PATH}", "interval_s": 1.0}]
+    assert [m.cap_w for m in power_models(args[1], args[3])] == [250.0]
+    engine = {"kind": "sim", "model": "m", "model_path": "/m", "port": 8123, "args": args}
+    assert parse_node_config({"engines": [engine], "power": power}).power[0].kind == "dcgm"
+    assert sim_power((), (), 0, 1)[0] == ["--gpu", "h100", "--power-cap-w", "0"]
+    with pytest.raises(ValueError, match="unknown GPU class b200"):
+        gpu_list("h100,b200")
+    with pytest.raises(ValueError, match="finite watts"):
+        watts_list("-5")

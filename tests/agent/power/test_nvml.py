@@ -1,0 +1,51 @@
+"""NVML as a power source, through the agent's GpuTelemetry and the fake ``pynvml`` of the telemetry tests
+(no GPU here): the node's sums, throttling from clocks event reasons, and no GPU as a reported error."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from agent.power.errors import PowerSourceError
+from agent.power.monitor import PowerMonitor
+from agent.power.nvml import NvmlSource
+from agent.power.reading import from_gpus
+from agent.telemetry import GpuTelemetry
+from contracts.events import Gpu
+from tests.agent.test_telemetry import H100, fake_pynvml
+
+
+async def test_two_gpus_summed(monkeypatch: pytest.MonkeyPatch) -> None:
+    idle = dict(H100, power_mw=90_000, temp_c=41, reasons=0x1, sm_mhz=345)
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([H100, idle]))
+    gpus = GpuTelemetry()
+    monitor = PowerMonitor([(NvmlSource("nvml", gpus.read), 1.0, 2.0)], wall=lambda: 5.0)
+    try:
+        reading = await monitor.read_once("nvml")
+        assert (reading.kind, reading.error, reading.at) == ("nvml", "", 5.0)
+        assert (reading.watts, reading.limit_w, reading.temperature_c) == (402.5, 1400.0, 54.0)
+        assert reading.throttled is True  # GPU 0 at its SW power cap (0x4)
+        assert reading.sm_clock_mhz == pytest.approx((1980 + 345) / 2)
+    finally:
+        await monitor.aclose()
+        gpus.close()
+
+
+async def test_no_gpu_is_a_reported_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], init_error="Driver Not Loaded"))
+    gpus = GpuTelemetry()
+    monitor = PowerMonitor([(NvmlSource("nvml", gpus.read), 1.0, 2.0)])
+    reading = await monitor.read_once("nvml")
+    assert reading.watts is None and reading.error == "no GPU reports its power draw"
+    assert monitor.delay("nvml") == 1.0 and (await monitor.read_once("nvml")).error
+    assert monitor.delay("nvml") == 2.0  # retried, backing off
+
+
+def test_from_gpus_limits_only_when_every_gpu_has_one() -> None:
+    a = Gpu(0, "a", power_w=300.0, power_limit_w=700.0, throttle_reasons=0x0)
+    b = Gpu(1, "b", power_w=100.0, throttle_reasons=0x100)  # display clocks: not throttling
+    sample = from_gpus([a, b])
+    assert (sample.watts, sample.limit_w, sample.throttled) == (400.0, None, False)
+    with pytest.raises(PowerSourceError, match="no GPU reports"):
+        from_gpus([Gpu(0, "a")])
