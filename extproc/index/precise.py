@@ -315,6 +315,21 @@ class PreciseIndex:
         counts, by_slot = self._counts, self._spec_by_slot
         return {endpoint: counts[slot] + len(by_slot[slot]) for endpoint, slot in self._slots.items()}
 
+    def node_occupancy(self) -> dict[EndpointId, dict[str, int]]:
+        """Blocks each endpoint (a node's kvcached pseudo endpoint) holds per node tier (``ram``,
+        ``ssd``); endpoints holding none are absent. Scans every node-tier entry: for inspection (the
+        status page), never on the request path."""
+        counts: dict[int, dict[str, int]] = {}
+        for tier, table in self._node.items():
+            for mask in table.values():
+                while mask:
+                    low = mask & -mask
+                    per = counts.setdefault(low.bit_length() - 1, {})
+                    per[tier] = per.get(tier, 0) + 1
+                    mask ^= low
+        ids = self._ids
+        return {endpoint: tiers for slot, tiers in counts.items() if (endpoint := ids[slot]) is not None}
+
     def endpoints(self) -> list[EndpointId]:
         """Endpoints the index has a slot for (they held something since they were last dropped)."""
         return list(self._slots)
