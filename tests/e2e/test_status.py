@@ -147,32 +147,6 @@ async def test_kvgate_status_finds_the_local_stack(
     assert all(engine["id"] in done.stdout for engine in stack.engines)
 
 
-@pytest.mark.parametrize(
-    ("argv", "code", "says"),
-    [
-        (["--url", "http://127.0.0.1:1"], 1, "unreachable"),
-        (["--url", "ftp://127.0.0.1:1"], 2, "expected http://HOST:PORT"),
-        (["--timeout", "0", "--url", "http://127.0.0.1:1"], 2, "--timeout"),
-    ],
-)
-def test_kvgate_status_exit_codes(
-    argv: list[str], code: int, says: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert status_main(argv) == code
-    assert says in capsys.readouterr().err
-
-
-def test_kvgate_status_without_a_stack_is_bad_usage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
-    assert status_main([]) == 2
-    assert "no --url given and no running kvgate up found" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:
-        status_main(["--bogus"])
-    assert exited.value.code == 2
-
-
 async def test_kvgate_status_refuses_what_is_not_a_status(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
