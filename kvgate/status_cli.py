@@ -3,7 +3,8 @@
 The ext_proc serves ``/status.json`` (and the HTML page ``/status``) on its metrics port
 (``[extproc] metrics_listen``, :mod:`extproc.status`). The gateway is ``--url`` (``http://HOST:PORT``;
 a trailing ``/metrics``, ``/status`` or ``/status.json`` is accepted), else the ext_proc of the running
-``kvgate up`` (its published ``stack.json``, :mod:`kvgate.dev.stackfile`)::
+``kvgate up`` (its published ``stack.json``, :mod:`kvgate.dev.stackfile`; with ``--extprocs N`` the
+first one: each ext_proc serves its own view, the others at their ``metrics`` ports)::
 
     kvgate status
     kvgate status --url http://10.0.0.7:9090 --json

@@ -2,7 +2,11 @@
 
 ``GET /status`` is the HTML page, ``GET /status.json`` the document ``kvgate status`` reads
 (:mod:`extproc.status.snapshot`); every other path serves Prometheus text from ``registry`` as the
-metrics port always has. ``/status`` and ``/status.json`` answer GET and HEAD only (else 405).
+metrics port always has (``/status/`` redirects to ``/status``, whose page links ``status.json``
+relatively). ``/status`` and ``/status.json`` answer GET and HEAD only (else 405). The metrics port,
+not a port of its own: it is already the gateway's read-only, plaintext, loopback-by-default admin
+surface that operators reach (and ``kvgate up`` publishes), and what the status shows is what its
+metrics already expose (no prompt, token or credential), in one consistent view.
 
 The server runs on its own thread (as prometheus_client's does), but the gateway's objects belong to
 its event loop: each status request asks the loop for a snapshot (``take``, run there between two
@@ -106,7 +110,11 @@ class StatusServer:
 
     def _app(self, environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
-        if path not in ("/status", "/status/", "/status.json"):
+        if path not in ("/status", "/status.json"):
+            if path == "/status/":
+                return _answer(
+                    start_response, "308 Permanent Redirect", b"", "text/plain", [("Location", "/status")]
+                )
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
         method = environ.get("REQUEST_METHOD", "GET")
         if method not in ("GET", "HEAD"):

@@ -68,7 +68,7 @@ async def test_the_json_document_is_taken_on_the_event_loop(served: Served) -> N
 
 
 async def test_the_page(served: Served) -> None:
-    for path in ("/status", "/status/"):
+    for path in ("/status", "/status/"):  # the second redirected to the first (urllib follows it)
         code, headers, body = await served.get(path)
         assert code == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
         assert "default-src 'none'" in headers["Content-Security-Policy"]
