@@ -127,9 +127,12 @@ class StatusServer:
             )
         try:
             status = self._snapshot()
-        except Exception as exc:  # the loop is closing or busy past the bound: say so, never hang
+        except (TimeoutError, RuntimeError) as exc:  # the loop busy past the bound, or closed: never hang
             log.warning("status snapshot unavailable: %s", type(exc).__name__)
             return _answer(start_response, "503 Service Unavailable", b"status unavailable\n", "text/plain")
+        except Exception:  # a bug in the snapshot: logged in full, the page says only that it failed
+            log.exception("status snapshot failed")
+            return _answer(start_response, "500 Internal Server Error", b"status failed\n", "text/plain")
         if path == "/status.json":
             body, kind = encode(status), "application/json"
         else:

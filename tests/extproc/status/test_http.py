@@ -103,3 +103,17 @@ async def test_a_snapshot_that_does_not_come_is_a_503() -> None:
     finally:
         await asyncio.to_thread(server.close)
         loop.close()
+
+
+async def test_a_failing_snapshot_is_a_500_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> Status:
+        raise KeyError("a bug")
+
+    server = StatusServer(CollectorRegistry(), broken, asyncio.get_running_loop())
+    port = server.start("127.0.0.1:0")
+    try:
+        code, _, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/status")
+        assert code == 500 and body == b"status failed\n"
+        assert "status snapshot failed" in caplog.text and "KeyError" in caplog.text
+    finally:
+        await asyncio.to_thread(server.close)
