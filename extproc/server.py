@@ -2,14 +2,16 @@
 
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
 ``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
-scraper feeding the fleet. The ext_proc port also serves, for Envoy, the engine cluster's endpoints
-(EDS, :mod:`extproc.xds.eds`), the failed-try receiver (gRPC access logs, :mod:`extproc.xds.als`: a
-failed try ejects its endpoint for a while) and the same gRPC health (Envoy health-checks its ext_procs
-there). With ``[extproc] tls_*`` set, the ext_proc port is mTLS only (certificates re-read when their
-files change, :mod:`runtime.tls`); health and metrics stay plaintext. ``[feeds]`` TLS files also serve
-the slot restorer's ``https`` requests to agents (:mod:`extproc.control.restore`). First SIGINT/SIGTERM
-drains (health NOT_SERVING, EDS and access-log streams ended so Envoy moves them to another replica,
-in-flight streams get a grace period), the second forces.
+scraper feeding the fleet; the metrics port also serves the read-only status (``/status``,
+``/status.json``: :mod:`extproc.status`). The ext_proc port also serves, for Envoy, the engine
+cluster's endpoints (EDS, :mod:`extproc.xds.eds`), the failed-try receiver (gRPC access logs,
+:mod:`extproc.xds.als`: a failed try ejects its endpoint for a while) and the same gRPC health (Envoy
+health-checks its ext_procs there). With ``[extproc] tls_*`` set, the ext_proc port is mTLS only
+(certificates re-read when their files change, :mod:`runtime.tls`); health and metrics stay plaintext.
+``[feeds]`` TLS files also serve the slot restorer's ``https`` requests to agents
+(:mod:`extproc.control.restore`). First SIGINT/SIGTERM drains (health NOT_SERVING, EDS and access-log
+streams ended so Envoy moves them to another replica, in-flight streams get a grace period), the
+second forces.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 
 from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
@@ -55,6 +56,8 @@ from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
+from extproc.status.http import StatusServer
+from extproc.status.snapshot import Status, snapshot
 from extproc.upstream.client import UpstreamClient
 from extproc.upstream.errors import UpstreamError
 from extproc.xds.als import Completion, FailedTries
@@ -312,6 +315,7 @@ class Gateway:
         )
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
+        self._status_server: StatusServer | None = None
         self.ports: dict[str, int] = {}
         #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
         self.server_certs: ReloadingServerCerts | None = None
@@ -374,10 +378,9 @@ class Gateway:
             await s.start()
         for name in ("", "liveness", EXT_PROC_SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.extproc.metrics_listen:
-            host, _, port = cfg.extproc.metrics_listen.rpartition(":")
-            http_server, _thread = start_http_server(int(port), addr=host, registry=self.metrics.registry)
-            self.ports["metrics"] = http_server.server_port
+        if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
+            self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
+            self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
         await self.cluster.start()
         self._scraper = Scraper(
             self.fleet,
@@ -399,6 +402,19 @@ class Gateway:
             len(self.fleet),
             len(self.models),
             self.max_body_bytes,
+        )
+
+    def status(self) -> Status:
+        """What ``GET /status.json`` shows (:func:`extproc.status.snapshot.snapshot`); on the event loop."""
+        now = time.monotonic()
+        return snapshot(
+            self.fleet,
+            self.index,
+            self.flow,
+            self.cluster.store,
+            self.cluster.feeds.views(now),
+            now,
+            time.time(),
         )
 
     def _on_completion(self, done: Completion) -> None:
@@ -444,6 +460,8 @@ class Gateway:
         await self.cluster.aclose()
         await self.restorer.aclose()
         await self.upstream.aclose()
+        if self._status_server is not None:
+            await asyncio.to_thread(self._status_server.close)
 
 
 def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:

@@ -20,6 +20,7 @@ commands:
   agent           run a node agent supervising engines (--config node.toml)
   policy          scheduling policy in etcd (or a file): `kvgate policy get|set|unset|list|watch`
   drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo] [--force]`
+  status          a gateway's fleet, index, policy in force and queues: `kvgate status [--url URL] [--json]`
   kvcached        run the node's tiered KV block store (--config kvcached.toml)
 """
 
@@ -205,6 +206,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "agent": _lazy("agent.main"),
     "policy": _lazy("kvgate.policy_cli"),
     "drain": _drain,
+    "status": _lazy("kvgate.status_cli"),
     "kvcached": _lazy("kvcached.main"),
 }
 

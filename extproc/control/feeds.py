@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -33,13 +34,31 @@ class EventIndex(Protocol):
     def clear_endpoint(self, endpoint: EndpointId) -> object: ...
 
 
+@dataclass(frozen=True, slots=True)
+class FeedView:
+    """One feed as the status page shows it: its ``address``; whether a stream is ``connected``; the
+    ``endpoints`` it spoke of; ``age_s``: seconds since its last batch was applied (``None``: none yet);
+    ``staleness_s``: how old that batch was when applied (the agent's wall clock to this gateway's,
+    seconds; ``None``: unknown); ``last_error``: why its last stream broke (empty: never)."""
+
+    address: str
+    connected: bool
+    endpoints: tuple[str, ...]
+    age_s: float | None
+    staleness_s: float | None
+    last_error: str
+
+
 class _Feed:
-    """The manager's handler for one address, remembering which endpoints the feed spoke of."""
+    """The manager's handler for one address, remembering which endpoints the feed spoke of, and when
+    (monotonic seconds) and how stale (seconds) its last batch was applied."""
 
     def __init__(self, manager: FeedManager, address: str) -> None:
         self.manager = manager
         self.address = address
         self.endpoints: set[EndpointId] = set()
+        self.applied_at: float | None = None
+        self.staleness_s: float | None = None
 
     def on_batch(self, batch: Batch) -> None:
         self.manager._apply(self, batch)
@@ -151,8 +170,28 @@ class FeedManager:
         self._feeds.clear()
         await asyncio.gather(*(c.aclose() for c in clients), *self._closing)
 
+    def views(self, now: float) -> list[FeedView]:
+        """Every feed, by address (``now``: monotonic seconds, for :attr:`FeedView.age_s`)."""
+        views = []
+        for address, feed in sorted(self._feeds.items()):
+            client = self.clients.get(address)
+            views.append(
+                FeedView(
+                    address=address,
+                    connected=client is not None and client.connected,
+                    endpoints=tuple(sorted(feed.endpoints)),
+                    age_s=None if feed.applied_at is None else max(0.0, now - feed.applied_at),
+                    staleness_s=feed.staleness_s,
+                    last_error=client.last_error if client is not None else "",
+                )
+            )
+        return views
+
     def _apply(self, feed: _Feed, batch: Batch) -> None:
         now = self._clock()
+        feed.applied_at = now
+        if batch.ts > 0:
+            feed.staleness_s = self._wall() - batch.ts
         index_events: list[IndexEvent] = []
         for event in batch.events:
             endpoint = EndpointId(event.endpoint)

@@ -121,6 +121,10 @@ class HybridIndex:
         result.update(self.precise.occupancy())
         return result
 
+    def node_occupancy(self) -> dict[EndpointId, dict[str, int]]:
+        """:meth:`PreciseIndex.node_occupancy` (node stores live in the precise index)."""
+        return self.precise.node_occupancy()
+
     def clear_endpoint(self, endpoint: EndpointId) -> None:
         """Forget what the events said ``endpoint`` holds (a feed reset); for an approximate endpoint,
         whose entries come from routing decisions, nothing to do."""

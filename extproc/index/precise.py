@@ -16,7 +16,8 @@ and one AND per block. The other structures exist only where used:
   For one (endpoint, digest) a holding is exact or speculative, never both: a speculative entry is only
   made for a block the endpoint does not hold, and a ``Stored`` confirms it (one ``pop``);
 - ``_node[tier]``: digest -> mask for kvcached's ``ram`` and ``ssd`` tiers, which :meth:`match` ignores
-  (a fetch is needed) and :meth:`PreciseIndex.match_tiers` reports.
+  (a fetch is needed) and :meth:`PreciseIndex.match_tiers` reports; ``_node_counts[tier]``: slot -> its
+  bits set in ``_node[tier]`` (kept with each change, for :meth:`PreciseIndex.node_occupancy`).
 
 Speculative entries (:meth:`PreciseIndex.record`, called right after routing) make the gateway prefer an
 endpoint for a prefix it was just sent, before the engine's events arrive. They count until confirmed
@@ -97,6 +98,7 @@ class PreciseIndex:
         "_ids",
         "_max_match",
         "_node",
+        "_node_counts",
         "_queue",
         "_serial",
         "_slots",
@@ -127,6 +129,7 @@ class PreciseIndex:
         self._held: dict[bytes, int] = {}
         self._split: dict[bytes, list[int]] = {}
         self._node: dict[str, dict[bytes, int]] = {tier: {} for tier in _NODE}
+        self._node_counts: dict[str, dict[int, int]] = {tier: {} for tier in _NODE}
         self._queue: list[_Expiry] = []  # a heap
         self._serial = itertools.count()
 
@@ -315,6 +318,17 @@ class PreciseIndex:
         counts, by_slot = self._counts, self._spec_by_slot
         return {endpoint: counts[slot] + len(by_slot[slot]) for endpoint, slot in self._slots.items()}
 
+    def node_occupancy(self) -> dict[EndpointId, dict[str, int]]:
+        """Blocks each endpoint (a node's kvcached pseudo endpoint) holds per node tier (``ram``,
+        ``ssd``); endpoints holding none are absent. O(endpoints): the counts are kept with each change."""
+        result: dict[EndpointId, dict[str, int]] = {}
+        for tier, counts in self._node_counts.items():
+            for slot, n in counts.items():
+                endpoint = self._ids[slot]
+                if n and endpoint is not None:
+                    result.setdefault(endpoint, {})[tier] = n
+        return result
+
     def endpoints(self) -> list[EndpointId]:
         """Endpoints the index has a slot for (they held something since they were last dropped)."""
         return list(self._slots)
@@ -389,7 +403,7 @@ class PreciseIndex:
         bit = self._bits[slot]
         k = _ENGINE_INDEX.get(tier)
         if k is None:
-            self._node_update(tier, digests, bit, add=True)
+            self._node_update(tier, digests, slot, add=True)
             return
         held, split, mine = self._held, self._split, self._spec_by_slot[slot]
         get = held.get
@@ -432,7 +446,7 @@ class PreciseIndex:
         bit = self._bits[slot]
         k = _ENGINE_INDEX.get(tier)
         if k is None:
-            self._node_update(tier, digests, bit, add=False)
+            self._node_update(tier, digests, slot, add=False)
             return
         held, split, mine = self._held, self._split, self._spec_by_slot[slot]
         get = held.get
@@ -458,17 +472,24 @@ class PreciseIndex:
                 del split[digest]
         self._counts[slot] -= removed
 
-    def _node_update(self, tier: str, digests: Iterable[bytes], bit: int, *, add: bool) -> None:
+    def _node_update(self, tier: str, digests: Iterable[bytes], slot: int, *, add: bool) -> None:
         table = self._node.get(tier)
         if table is None:
             raise EventError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+        bit = self._bits[slot]
         get = table.get
+        changed = 0
         for digest in digests:
             mask = get(digest, 0)
             if add and not mask & bit:
                 table[digest] = mask | bit if mask else bit
+                changed += 1
             elif not add and mask & bit:
                 _clear(table, digest, mask, bit)
+                changed += 1
+        if changed:
+            counts = self._node_counts[tier]
+            counts[slot] = counts.get(slot, 0) + (changed if add else -changed)
 
     def _clear_slot(self, slot: int, engine: frozenset[int], node: Sequence[str]) -> None:
         """Forget what ``slot`` holds in the engine tiers at positions ``engine`` (and, if any, its
@@ -498,6 +519,7 @@ class PreciseIndex:
             self._counts[slot] -= removed
         for tier in node:
             table = self._node[tier]
+            self._node_counts[tier].pop(slot, None)
             for digest in [d for d, mask in table.items() if mask & bit]:
                 _clear(table, digest, table[digest], bit)
 

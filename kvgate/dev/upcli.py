@@ -40,6 +40,9 @@ def banner(
         f"  OpenAI base URL:  {info.base_url}",
         f"  ext_proc metrics: {info.metrics_url}",
     ]
+    if info.metrics_url is not None:
+        status = info.metrics_url.removesuffix("/metrics") + "/status"
+        lines.append(f"  status page:      {status}   (kvgate status)")
     if len(info.extprocs) > 1:
         each = (f"{name}=127.0.0.1:{ports['extproc']}" for name, ports in info.extprocs.items())
         lines.append(f"  ext_procs:        {', '.join(each)}")

@@ -407,3 +407,20 @@ def test_node_leads_count_kvcached_tiers_only() -> None:
     assert index.match(chain, 0.0) == {EndpointId("engine"): 10}  # node tiers never count in match
     index.apply([Removed(a, [chain[3]], "ram")], 0.0)
     assert index.node_leads([a], chain) == {a: 3}
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(operations, max_size=30))
+def test_node_occupancy_counts_every_node_tier_entry(ops: list[tuple[Any, ...]]) -> None:
+    """``node_occupancy`` (kept with each change) equals a count over the node tiers' tables, through
+    stores, removals, clears and drops (freed slots reused)."""
+    index = PreciseIndex(speculative_ttl_s=TTL)
+    run(index, Reference(256), ops, check=False)
+    scanned: dict[str, dict[str, int]] = {}
+    for endpoint in index.endpoints():
+        bit = 1 << index._slots[endpoint]
+        for tier, table in index._node.items():
+            n = sum(1 for mask in table.values() if mask & bit)
+            if n:
+                scanned.setdefault(endpoint, {})[tier] = n
+    assert index.node_occupancy() == scanned
