@@ -260,14 +260,22 @@ UNIX_PREFIX = "unix:"
 
 
 def _admin_url(path: Path) -> str | None:
-    """The admin Envoy wrote to ``path``: ``http://host:port`` for TCP, ``unix:/path`` for a socket."""
+    """The admin Envoy wrote to ``path``: ``http://host:port`` for TCP, ``unix:/path`` for a socket (a
+    relative socket path, as a relative work directory gives, is made absolute: Envoy runs in this
+    process's directory)."""
     try:
         text = path.read_text().strip()
     except OSError:
         return None
     if not text:
         return None
-    return f"{UNIX_PREFIX}{text}" if text.startswith("/") else f"http://{text}"
+    if _TCP_ADDRESS.fullmatch(text):
+        return f"http://{text}"
+    return f"{UNIX_PREFIX}{os.path.abspath(text)}"
+
+
+#: How Envoy writes a TCP admin address (``127.0.0.1:9901``, ``[::1]:9901``); anything else is a path.
+_TCP_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^/\s:]+):\d+")
 
 
 class _UnixConnection(http.client.HTTPConnection):

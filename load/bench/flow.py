@@ -128,7 +128,7 @@ class FlowConfig:
     ttft_ms: float = 1000.0
     batch_max_requests: int = 32
     batch_max_wait_s: float = 10.0
-    batch_headroom: float = 0.25
+    batch_headroom: float = 0.125
     seed: int = 1
 
     def sim_args(self) -> tuple[str, ...]:
@@ -563,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--batch-headroom",
         type=float,
-        help="share of each engine's in-flight limit the batch band leaves to interactive (default 0.25)",
+        help="share of each engine's in-flight limit the batch band leaves to interactive (default 0.125)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)

@@ -185,3 +185,31 @@ async def test_a_held_back_request_goes_when_the_siblings_report_drops(how: str)
         d.sibling_gone("b")
     assert await asyncio.wait_for(future, timeout=5) == ["routed mine"]  # no kick from the test
     d.close()
+
+
+# --- fairness across two workers -------------------------------------------------------------------------
+
+
+def test_two_flows_of_one_band_each_get_at_least_45_percent_across_two_workers() -> None:
+    """Envoy spreads streams over the workers, so each worker queues its share of both flows of one band
+    (flow A sending 4x flow B's rate); each worker's fair queueing is local, and slots free on either
+    worker in turn. While both flows stay backlogged, each gets at least 45 % of the dispatches over the
+    two workers together (the issue's fairness test, at workers = 2)."""
+    workers = [FlowControl[str](), FlowControl[str]()]
+    arrivals = 0
+    dispatched = {"a": 0, "b": 0}
+    for step in range(400):
+        for _ in range(4):  # flow a: 4 arrivals per step, flow b: 1
+            workers[arrivals % 2].offer(FlowRequest(M, 0, "a", 1.0, 10), "a", Room.FULL, float(step))
+            arrivals += 1
+        workers[arrivals % 2].offer(FlowRequest(M, 0, "b", 1.0, 10), "b", Room.FULL, float(step))
+        arrivals += 1
+        for worker in workers:  # two slots free per step, one on each worker
+            going = worker.next(M, Room.OPEN, float(step))
+            assert going is not None
+            dispatched[going.payload] += 1
+        if min(len(w.queues) for w in workers) == 0:
+            break
+    total = sum(dispatched.values())
+    assert total >= 400
+    assert min(dispatched.values()) / total >= 0.45, dispatched

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.dev.procs import Child, ChildFailed, ListenFailed, start_envoy, written_by
+from kvgate.dev.procs import Child, ChildFailed, ListenFailed, _admin_url, start_envoy, written_by
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from tests.polling import until
 
@@ -79,6 +79,41 @@ def test_envoy_that_cannot_bind_names_the_address(tmp_path: Path) -> None:
         with pytest.raises(ListenFailed) as info:
             start_envoy("envoy", render_yaml(params), tmp_path, timeout_s=30)
     assert str(info.value) == f"envoy cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("127.0.0.1:9901", "http://127.0.0.1:9901"),
+        ("[::1]:9901", "http://[::1]:9901"),
+        ("localhost:19000", "http://localhost:19000"),
+        ("/run/kvgate/envoy-admin.sock", "unix:/run/kvgate/envoy-admin.sock"),
+        # a relative work directory (`kvgate bench routing --out results/x`) gives a relative socket path
+        ("results/x/work/envoy-admin.sock", "unix:{cwd}/results/x/work/envoy-admin.sock"),
+        ("envoy-admin.sock", "unix:{cwd}/envoy-admin.sock"),
+        ("", None),
+    ],
+)
+def test_the_admin_address_envoy_wrote(tmp_path: Path, written: str, expected: str | None) -> None:
+    path = tmp_path / "envoy.admin"
+    path.write_text(written + "\n")
+    want = None if expected is None else expected.format(cwd=os.getcwd())
+    assert _admin_url(path) == want
+
+
+def test_envoy_with_its_admin_on_a_relative_socket_path_becomes_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative admin socket path is made absolute (it read as a host name, and Envoy never became
+    ready to the caller, which broke `kvgate bench routing --out results/...`)."""
+    monkeypatch.chdir(tmp_path)
+    params = EnvoyParams(listen_port=0, admin_port=0, extproc_port=1, admin_socket="rel/envoy-admin.sock")
+    (tmp_path / "rel").mkdir()
+    child, admin, port = start_envoy("envoy", render_yaml(params), Path("rel"), timeout_s=60)
+    try:
+        assert admin == f"unix:{tmp_path}/rel/envoy-admin.sock" and port > 0
+    finally:
+        child.stop()
 
 
 async def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
