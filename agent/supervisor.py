@@ -4,8 +4,10 @@ The core is plain data: :class:`EngineState` and its allowed :data:`TRANSITIONS`
 :class:`RestartBackoff` (delays from run lengths passed in, no clock reads). :class:`EngineSupervisor` is
 the asyncio shell around them:
 
-- ports: ``port = 0`` (and the KV-event / side-channel ports the rendering needs) are picked once, at
-  :meth:`EngineSupervisor.start`, and kept across restarts (the registered address must not move);
+- ports: ``port = 0`` (and the KV-event / side-channel ports the rendering needs) are picked at
+  :meth:`EngineSupervisor.start` and kept across restarts once the engine has been ready (the registered
+  address must not move); until then each restart picks them anew (a picked port is free only when
+  picked: another process may bind it before the engine does, and the same port would fail forever);
 - the engine is spawned with :func:`asyncio.create_subprocess_exec`, stdout+stderr appended to
   ``<state_dir>/logs/<id>.log`` (mode 0600), in its own process group (its workers die with the
   escalation SIGKILL);
@@ -201,6 +203,7 @@ class EngineSupervisor:
         self.drain_poll_s = drain_poll_s
         self.log_path = Path(agent.state_dir, "logs", f"{engine.id}.log")
         self.ports: EnginePorts | None = None
+        self._ever_ready = False
         self.launch: EngineLaunch | None = None
         self.restarts = 0
         self.last_exit_code: int | None = None
@@ -368,6 +371,7 @@ class EngineSupervisor:
                 began = loop.time()
                 if self._proc is not None:
                     if await self._until_ready(began + self.engine.ready_timeout_s):
+                        self._ever_ready = True
                         self._set(EngineState.READY)
                         await self._watch()
                     if self._closing:
@@ -382,6 +386,9 @@ class EngineSupervisor:
                 if self._closing:
                     return
                 self._set(EngineState.STARTING)
+                if not self._ever_ready:  # never registered: nothing holds its address yet
+                    self.ports = pick_ports(self.engine)
+                    self.launch = self._renderer(self.engine, self.agent, self.ports)
                 try:
                     await self._spawn()
                 except EngineStartError as exc:

@@ -230,6 +230,39 @@ async def test_crash_loop_backs_off_exponentially(make: Make, fake_engine: Path)
     assert len(waits) >= 2 and waits[0] >= 0.1 and waits[1] >= 0.2 and sup.last_exit_code == 3
 
 
+async def test_ports_are_picked_anew_until_the_engine_has_been_ready(make: Make, fake_engine: Path) -> None:
+    """A picked port is free only when picked: an engine that fails before it was ever ready (its port
+    taken meanwhile, say) starts again on newly picked ports; once ready, its address stays."""
+    rendered: list[EnginePorts] = []
+    crashing = fake(fake_engine, "--exit-at-once")
+
+    def render(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) -> EngineLaunch:
+        rendered.append(ports)
+        return crashing(engine, agent, ports)
+
+    sup = make(stand_in(), render)
+    await sup.start()
+    while sup.restarts < 2:
+        await sup.wait_for(EngineState.STARTING, timeout_s=10)
+        await sup.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await sup.aclose()
+    assert len(rendered) >= 2  # the start, then again for the restart after it
+
+    kept: list[EnginePorts] = []
+    once = fake(fake_engine, "--crash-once-file", str(fake_engine.parent / "crashed"))
+
+    def render_kept(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) -> EngineLaunch:
+        kept.append(ports)
+        return once(engine, agent, ports)
+
+    ready = make(stand_in(), render_kept)
+    await ready.start()
+    await ready.wait_ready(timeout_s=10)
+    await ready.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await ready.wait_for(EngineState.READY, timeout_s=10)
+    assert kept == [kept[0]]  # rendered once: the restart after being ready keeps its address
+
+
 async def test_not_ready_in_time_counts_as_a_crash(make: Make, fake_engine: Path) -> None:
     sup = make(stand_in(ready_timeout_s=0.3), fake(fake_engine, "--ready-after", "60"))
     await sup.start()
