@@ -1,0 +1,540 @@
+"""Endpoint Picker Protocol v1 conformance without a cluster: the real ext_proc over real gRPC.
+
+The Gateway API Inference Extension's conformance suite needs Kubernetes; the protocol itself
+(``docs/proposals/004-endpoint-picker-protocol`` in gateway-api-inference-extension, REFERENCE.md section 3)
+is a contract on the ext_proc stream. Each case here is one rule of it, written from the protocol (not
+from the reference picker's code): a real :class:`~extproc.server.Gateway` listens on 127.0.0.1 (ephemeral
+ports) with a static fleet of four endpoints for one model and one for another (no engine runs: the
+protocol ends at the picker's answer), and each test sends the ``ProcessingRequest`` sequence Envoy sends
+in ``FULL_DUPLEX_STREAMED`` body mode (request headers, body chunks with ``end_of_stream``, or trailers
+after them) and checks the ``ProcessingResponse`` messages.
+
+Rules covered:
+
+* **Subset hint** (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``): the pick and
+  every fallback come from the hint only; the key absent (or its namespace without the key) means the
+  whole pool; an empty hint, or one with nothing eligible in it (unknown, of another model, unhealthy,
+  another port), is an ImmediateResponse 503. Read as a list of ``ip:port`` strings, as a comma-separated
+  string, and as list items holding comma-separated addresses (blanks trimmed, empty items dropped).
+* **Destination**: the header ``x-gateway-destination-endpoint`` and the dynamic metadata
+  ``envoy.lb / x-gateway-destination-endpoint`` carry the same value, ``ip:port`` or the ordered list
+  ``ip:port,ip:port`` (distinct entries, the pick first, as many as the fleet and ``max_fallbacks``
+  allow); the route cache is cleared.
+* **Streaming**: nothing is answered before the body's end; then the headers reply (with the destination
+  and a corrected ``content-length``, also after a ``x-gateway-model-name-rewrite`` changes the body) and
+  the body streamed back in chunks of at most 62,000 bytes, ``end_of_stream`` on the last only; a body
+  ended by trailers gets its TrailersResponse after the body.
+* **Errors**: 503 when no endpoint is ready, 429 when flow control sheds the request (with
+  ``retry-after``), each an ImmediateResponse with an OpenAI-style JSON body.
+* **Served endpoint**: ``envoy.lb / x-gateway-destination-endpoint-served`` in the response headers'
+  metadata is where the request went; in conformance mode it is echoed as
+  ``x-conformance-test-served-endpoint``.
+* **Health**: gRPC health on the health port and on the ext_proc port: ``liveness`` SERVING while the
+  process runs; ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` SERVING while some
+  endpoint is routable, NOT_SERVING when none is (the protocol: the ext_proc service "same criteria as
+  readiness"); an unknown service is NOT_FOUND.
+* **Conformance headers** (``extproc.conformance = true`` only): ``test-epp-endpoint-selection`` (``ip`` or
+  ``ip:port``, comma-separated, as the suite joins pod IPs) narrows the pick; off, it is ignored.
+* **FailOpen** is an explicit choice: ``kvgate envoy-config`` renders ``failure_mode_allow: false`` unless
+  ``--fail-open`` is given (the InferencePool side, ``failureMode: FailClose`` in the base and ``FailOpen``
+  in the dev overlay, is checked on the rendered Kustomize output by ``tests/deploy/test_kubernetes.py``).
+
+Where kvgate differs from the reference picker (each is a choice within the protocol):
+
+* A subset hint entry must be ``ip:port``, as the protocol writes it; the reference picker also takes a
+  bare IP as "any port of that IP". kvgate matches addresses exactly, so a bare IP in a hint matches
+  nothing (503), never more than the data plane named.
+* With both a conformance selection and a subset hint, kvgate picks from their intersection (the hint
+  is a MUST of the protocol; the selection only narrows); the reference picker lets the test header
+  override the hint.
+* Without ``x-gateway-destination-endpoint-served`` metadata, kvgate reads where the request went from
+  the bundled Envoy route's own ``x-kvgate-upstream-host`` response header, and sends no echo when it has
+  neither; the reference picker echoes a ``fail: ...`` text instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+import yaml
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import ListValue, Struct, Value
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from contracts.epp import (
+    CONFORMANCE_HEADER,
+    CONFORMANCE_SERVED,
+    DESTINATION,
+    LB_NS,
+    MAX_CHUNK,
+    MODEL_REWRITE,
+    PRIMARY,
+    SERVED,
+    SUBSET_KEY,
+    SUBSET_NS,
+    UPSTREAM_HEADER,
+)
+from extproc.config import parse_config
+from extproc.server import EXT_PROC_SERVICE, Gateway
+from kvgate.cli import main as kvgate
+
+MODEL = "SmolLM2-135M-Instruct"
+OTHER_MODEL = "other-model"
+POOL = tuple(f"127.0.0.{i + 1}:8000" for i in range(4))
+OTHER = "127.0.0.9:8000"
+UNKNOWN = "10.9.9.9:8000"
+CHAT = "/v1/chat/completions"
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: How many endpoints a decision lists: the pick and ``max_fallbacks`` (2) fallbacks.
+LISTED = 3
+
+GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+# --- the picker under test -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def start(model_dir: str) -> AsyncIterator[GatewayFactory]:
+    """Starts real gateways (``conformance`` on unless told; ``flow``: a ``[flow]`` table) on 127.0.0.1
+    port 0; all are drained at the end."""
+    started: list[Gateway] = []
+
+    async def make(conformance: bool = True, flow: dict[str, Any] | None = None) -> Gateway:
+        raw: dict[str, Any] = {
+            "extproc": {
+                "listen": "127.0.0.1:0",
+                "health_listen": "127.0.0.1:0",
+                "metrics_listen": "",
+                "max_body_bytes": 4 * 1024 * 1024,
+                "max_fallbacks": LISTED - 1,
+                "conformance": conformance,
+            },
+            "models": [{"name": MODEL, "model_dir": model_dir, "max_model_len": 1 << 20}],
+            "endpoints": [{"id": f"e{i}", "address": a, "models": [MODEL]} for i, a in enumerate(POOL)]
+            + [{"id": "other", "address": OTHER, "models": [OTHER_MODEL]}],
+        }
+        if flow is not None:
+            raw["flow"] = flow
+        gateway = Gateway(parse_config(raw))
+        await gateway.start()
+        started.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in started:
+        await gateway.aclose(grace_s=0)
+
+
+@pytest.fixture
+async def gateway(start: GatewayFactory) -> Gateway:
+    return await start()
+
+
+# --- what Envoy sends ------------------------------------------------------------------------------------
+
+
+def hint_metadata(value: Any) -> Metadata:
+    """``metadata_context`` with the subset hint namespace; ``value`` the key's value (``NO_KEY``: the
+    namespace without the key)."""
+    ns = Struct()
+    if value is not NO_KEY:
+        ns.fields[SUBSET_KEY].CopyFrom(as_value(value))
+    return Metadata(filter_metadata={SUBSET_NS: ns})
+
+
+def as_value(value: Any) -> Value:
+    if isinstance(value, list):
+        return Value(list_value=ListValue(values=[as_value(v) for v in value]))
+    if isinstance(value, str):
+        return Value(string_value=value)
+    return Value(number_value=float(value))
+
+
+def request_headers(
+    path: str = CHAT, *, extra: dict[str, str] | None = None, metadata: Metadata | None = None
+) -> pb.ProcessingRequest:
+    hs = {":method": "POST", ":path": path, "content-type": "application/json", "x-request-id": "c1"}
+    hs.update(extra or {})
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()])
+        ),
+        metadata_context=metadata,
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX),
+    )
+
+
+def body_chunks(body: bytes, size: int, *, end: bool = True) -> list[pb.ProcessingRequest]:
+    """``body`` in messages of ``size`` bytes, the last with ``end_of_stream`` (``end``)."""
+    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+    return [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=end and i == len(parts) - 1))
+        for i, p in enumerate(parts)
+    ]
+
+
+def trailers() -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+
+
+def chat(content: str = "Write as if you were a critic: San Francisco", model: str = MODEL) -> bytes:
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}]})
+
+
+def response_headers(lb: dict[str, str] | None, headers: dict[str, str]) -> pb.ProcessingRequest:
+    meta = None
+    if lb is not None:
+        ns = Struct()
+        ns.update(lb)
+        meta = Metadata(filter_metadata={LB_NS: ns})
+    hs = {":status": "200", **headers}
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()])
+        ),
+        metadata_context=meta,
+    )
+
+
+async def exchange(gateway: Gateway, msgs: Iterable[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    """One ext_proc stream: send ``msgs``, close the sending side, read every response."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        return [r async for r in stub.Process(iter(list(msgs)))]
+
+
+# --- what the picker answers -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A routed request's answer: the destination list, the headers set, the body streamed back."""
+
+    picks: list[str]
+    headers: dict[str, str]
+    body: bytes
+    chunks: list[int]
+    trailers_answered: bool
+
+
+def routed(resps: list[pb.ProcessingResponse]) -> Routed:
+    """Checks the shape every routed answer must have and returns its parts: the headers reply first
+    (route cache cleared; header == ``envoy.lb`` metadata; distinct ``ip:port`` entries), then the body
+    chunks (each <= 62,000 bytes, ``end_of_stream`` on the last only), then a TrailersResponse if Envoy
+    sent trailers."""
+    assert resps and resps[0].WhichOneof("response") == "request_headers", resps[:1]
+    common = resps[0].request_headers.response
+    assert common.clear_route_cache
+    hs = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert all(not h.header.value for h in common.header_mutation.set_headers)  # raw_value only
+    lb = resps[0].dynamic_metadata.fields[LB_NS].struct_value.fields
+    assert lb[DESTINATION].string_value == hs[DESTINATION]
+    picks = hs[DESTINATION].split(",")
+    assert len(set(picks)) == len(picks) and all(p.rpartition(":")[2].isdigit() for p in picks)
+    assert lb[PRIMARY].string_value == picks[0]
+    rest = resps[1:]
+    answered = bool(rest) and rest[-1].WhichOneof("response") == "request_trailers"
+    if answered:
+        rest = rest[:-1]
+    assert all(r.WhichOneof("response") == "request_body" for r in rest)
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in rest]
+    assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
+    sizes = [len(s.body) for s in streamed]
+    assert all(size <= MAX_CHUNK for size in sizes)
+    body = b"".join(s.body for s in streamed)
+    assert hs["content-length"] == str(len(body))
+    return Routed(picks, hs, body, sizes, answered)
+
+
+def refused(resps: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, the OpenAI-style ``error`` object, headers) of the one ImmediateResponse in ``resps``."""
+    assert len(resps) == 1 and resps[0].WhichOneof("response") == "immediate_response", resps
+    imm = resps[0].immediate_response
+    hs = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    assert hs["content-type"] == "application/json"
+    error = orjson.loads(imm.body)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    return imm.status.code, error, hs
+
+
+# --- subset hint and conformance selection ---------------------------------------------------------------
+
+NO_KEY = object()
+ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One protocol rule: a request with a subset ``hint`` (``ABSENT``: no namespace) and ``extra``
+    headers, answered with a destination list drawn from exactly ``eligible`` (``None``: 503)."""
+
+    rule: str
+    hint: Any = ABSENT
+    extra: dict[str, str] = field(default_factory=dict)
+    eligible: tuple[str, ...] | None = POOL
+
+
+A, B, C, D = POOL
+SELECTION_CASES = [
+    Case("no hint: the whole pool"),
+    Case("hint namespace without the key: the whole pool", hint=NO_KEY),
+    Case("hint of one: only it", hint=[C], eligible=(C,)),
+    Case("hint of two: only those, both listed", hint=[B, D], eligible=(B, D)),
+    Case("hint as one comma-separated string", hint=f"{A},{C}", eligible=(A, C)),
+    Case("hint string: blanks trimmed, empty items dropped", hint=f"  {A} , ,  {C}  ", eligible=(A, C)),
+    Case("hint list item holding two addresses", hint=[f"{B}, {D}"], eligible=(B, D)),
+    Case("hint with an unknown address: the known one", hint=[UNKNOWN, B], eligible=(B,)),
+    Case("hint of unknown addresses only: 503", hint=[UNKNOWN], eligible=None),
+    Case("empty hint list: 503, never the whole pool", hint=[], eligible=None),
+    Case("empty hint string: 503", hint="", eligible=None),
+    Case("hint naming another model's endpoint only: 503", hint=[OTHER], eligible=None),
+    Case("hint: same IP, another port: 503", hint=["127.0.0.2:9999"], eligible=None),
+    Case("hint: a bare IP matches no ip:port (kvgate)", hint=["127.0.0.2"], eligible=None),
+    Case("hint neither list nor string: 503", hint=7, eligible=None),
+    Case("selection by IP", extra={CONFORMANCE_HEADER: "127.0.0.3"}, eligible=(C,)),
+    Case("selection by ip:port", extra={CONFORMANCE_HEADER: D}, eligible=(D,)),
+    Case("selection of pod IPs joined", extra={CONFORMANCE_HEADER: "127.0.0.1,127.0.0.2"}, eligible=(A, B)),
+    Case("selection with blanks", extra={CONFORMANCE_HEADER: " 127.0.0.1 , 127.0.0.4 "}, eligible=(A, D)),
+    Case("selection of no endpoint: 503", extra={CONFORMANCE_HEADER: "10.9.9.9"}, eligible=None),
+    Case("selection on another port: 503", extra={CONFORMANCE_HEADER: "127.0.0.1:9999"}, eligible=None),
+    Case("selection within the hint", hint=[A, B], extra={CONFORMANCE_HEADER: "127.0.0.2"}, eligible=(B,)),
+    Case(
+        "selection outside the hint: the hint holds, 503 (kvgate)",
+        hint=[C],
+        extra={CONFORMANCE_HEADER: "127.0.0.1"},
+        eligible=None,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES, ids=lambda c: c.rule)
+async def test_the_pick_comes_from_the_subset_hint_and_the_selection(gateway: Gateway, case: Case) -> None:
+    meta = None if case.hint is ABSENT else hint_metadata(case.hint)
+    resps = await exchange(
+        gateway, [request_headers(extra=case.extra, metadata=meta), *body_chunks(chat(), 64)]
+    )
+    if case.eligible is None:
+        status, error, _ = refused(resps)
+        assert (status, error["type"]) == (503, "service_unavailable")
+        return
+    answer = routed(resps)
+    assert set(answer.picks) <= set(case.eligible)
+    assert len(answer.picks) == min(LISTED, len(case.eligible))  # every eligible one, up to the list size
+
+
+async def test_an_unhealthy_endpoint_in_the_hint_is_not_eligible(gateway: Gateway) -> None:
+    gateway.fleet.set_state(gateway.fleet.by_address(C).id, healthy=False)  # type: ignore[union-attr]
+    msgs = [request_headers(metadata=hint_metadata([C])), *body_chunks(chat(), 1024)]
+    status, error, _ = refused(await exchange(gateway, msgs))
+    assert (status, error["type"]) == (503, "service_unavailable")
+    answer = routed(
+        await exchange(gateway, [request_headers(metadata=hint_metadata([B, C])), *body_chunks(chat(), 1024)])
+    )
+    assert answer.picks == [B]
+
+
+async def test_the_selection_header_is_ignored_outside_conformance_mode(start: GatewayFactory) -> None:
+    gateway = await start(conformance=False)
+    msgs = [request_headers(extra={CONFORMANCE_HEADER: "127.0.0.3"}), *body_chunks(chat(), 1024)]
+    answer = routed(await exchange(gateway, msgs))
+    assert len(answer.picks) == LISTED and set(answer.picks) <= set(POOL)
+
+
+# --- FULL_DUPLEX_STREAMED: the headers reply at the body's end, the body streamed back ---------------------
+
+
+def large(size: int) -> bytes:
+    """A chat body of about ``size`` bytes."""
+    return chat("lorem ipsum " * (size // 12))
+
+
+@pytest.mark.parametrize(
+    ("shape", "body", "messages"),
+    [
+        ("one chunk with end_of_stream", chat(), lambda b: body_chunks(b, len(b))),
+        ("many small chunks", chat("x " * 400), lambda b: body_chunks(b, 100)),
+        (
+            "an empty last chunk ends it",
+            chat(),
+            lambda b: [*body_chunks(b, 50, end=False), *body_chunks(b"", 1)],
+        ),
+        ("trailers end it", chat(), lambda b: [*body_chunks(b, 50, end=False), trailers()]),
+        ("exactly 62,000 bytes", None, lambda b: body_chunks(b, 16 * 1024)),
+        ("200 kB in 64 KiB chunks", large(200_000), lambda b: body_chunks(b, 64 * 1024)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+async def test_body_is_streamed_back_after_the_headers_reply(
+    gateway: Gateway,
+    shape: str,
+    body: bytes | None,
+    messages: Callable[[bytes], list[pb.ProcessingRequest]],
+) -> None:
+    if body is None:  # a chat body padded to exactly one full chunk
+        base = chat("")
+        body = chat("y" * (MAX_CHUNK - len(base)))
+        assert len(body) == MAX_CHUNK
+    msgs = messages(body)
+    resps = await exchange(gateway, [request_headers(), *msgs])
+    answer = routed(resps)  # nothing before the headers reply: no per-chunk acknowledgement
+    assert answer.body == body
+    assert answer.chunks == [min(MAX_CHUNK, len(body) - off) for off in range(0, len(body), MAX_CHUNK)]
+    assert answer.trailers_answered == (msgs[-1].WhichOneof("request") == "request_trailers")
+    assert len(answer.picks) == LISTED and set(answer.picks) <= set(POOL)
+
+
+async def test_content_length_follows_a_model_name_rewrite(gateway: Gateway) -> None:
+    body = chat("rewrite me")
+    msgs = [request_headers(extra={MODEL_REWRITE: OTHER_MODEL}), *body_chunks(body, 16)]
+    answer = routed(await exchange(gateway, msgs))
+    assert answer.picks == [OTHER]
+    assert orjson.loads(answer.body)["model"] == OTHER_MODEL and len(answer.body) != len(body)
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+
+async def test_no_ready_endpoint_is_503(gateway: Gateway) -> None:
+    for state in list(gateway.fleet):
+        gateway.fleet.set_state(state.id, healthy=False)
+    status, error, _ = refused(await exchange(gateway, [request_headers(), *body_chunks(chat(), 1024)]))
+    assert (status, error["type"]) == (503, "service_unavailable")
+
+
+async def test_flow_control_shedding_is_429(start: GatewayFactory) -> None:
+    """Every endpoint saturated (``max_in_flight = 0``) and a queue of one: the first request is held
+    (Envoy's message timeout extended), the second is shed with 429 ``queue_full`` at once."""
+    gateway = await start(
+        flow={"saturation": {"max_in_flight": 0}, "bands": {"default": {"max_requests": 1}}}
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
+        held = pb_grpc.ExternalProcessorStub(channel).Process()
+        for msg in [request_headers(), *body_chunks(chat(), 1024)]:
+            await held.write(msg)
+        first = await held.read()
+        assert first.HasField("override_message_timeout"), first
+        status, error, hs = refused(await exchange(gateway, [request_headers(), *body_chunks(chat(), 1024)]))
+        assert (status, error["type"], error["code"]) == (429, "rate_limit_error", "queue_full")
+        assert int(hs["retry-after"]) >= 1
+        held.cancel()
+
+
+# --- the served endpoint ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("served", "expected"),
+    [
+        ("fallback in metadata", "fallback"),
+        ("pick in metadata", "pick"),
+        ("upstream header only (kvgate's route)", "fallback"),
+        ("neither", None),
+        ("conformance off", None),
+    ],
+)
+async def test_the_served_endpoint_is_read_back_and_echoed(
+    start: GatewayFactory, served: str, expected: str | None
+) -> None:
+    gateway = await start(conformance=served != "conformance off")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        for msg in [request_headers(), *body_chunks(chat(), 1024)]:
+            await call.write(msg)
+        replies = [await call.read()]
+        while not replies[-1].request_body.response.body_mutation.streamed_response.end_of_stream:
+            replies.append(await call.read())
+        picks = routed(replies).picks
+        where = {"pick": picks[0], "fallback": picks[1]}
+        if served.endswith("in metadata"):
+            msg = response_headers({SERVED: where[served.split()[0]]}, {})
+        elif served.startswith("upstream"):
+            msg = response_headers(None, {UPSTREAM_HEADER: where["fallback"]})
+        else:
+            msg = response_headers(
+                {"unrelated": "x"}, {UPSTREAM_HEADER: where["pick"]} if served == "conformance off" else {}
+            )
+        await call.write(msg)
+        reply = await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    mutation = reply.response_headers.response.header_mutation
+    echoed = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert echoed == ({} if expected is None else {CONFORMANCE_SERVED: where[expected]})
+    assert UPSTREAM_HEADER in mutation.remove_headers  # kvgate's internal header never reaches the client
+
+
+# --- health ---------------------------------------------------------------------------------------------
+
+
+async def statuses(gateway: Gateway, port: str) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports[port]}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        out = {}
+        for service in ("liveness", "readiness", EXT_PROC_SERVICE):
+            out[service] = (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Check(health_pb2.HealthCheckRequest(service="no-such-service"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        return out
+
+
+async def eventually(gateway: Gateway, port: str, expected: dict[str, int], timeout_s: float = 10) -> None:
+    """Poll the health services (the scraper's round, every 0.1 s, re-evaluates readiness) until they
+    read ``expected``, failing after ``timeout_s``."""
+    seen: dict[str, int] = {}
+
+    async def check() -> None:
+        seen.update(await statuses(gateway, port))
+
+    deadline = time.monotonic() + timeout_s
+    await check()
+    while seen != expected:
+        assert time.monotonic() < deadline, seen
+        await asyncio.sleep(0.005)
+        await check()
+
+
+ALL_SERVING = dict.fromkeys(("liveness", "readiness", EXT_PROC_SERVICE), SERVING)
+
+
+@pytest.mark.parametrize("port", ["health", "extproc"])
+async def test_health_services_follow_readiness(gateway: Gateway, port: str) -> None:
+    assert await statuses(gateway, port) == ALL_SERVING
+    for state in list(gateway.fleet):
+        gateway.fleet.set_state(state.id, healthy=False)
+    await eventually(
+        gateway, port, {"liveness": SERVING, "readiness": NOT_SERVING, EXT_PROC_SERVICE: NOT_SERVING}
+    )
+    gateway.fleet.set_state(gateway.fleet.by_address(A).id, healthy=True)  # type: ignore[union-attr]
+    await eventually(gateway, port, ALL_SERVING)
+
+
+# --- FailOpen is a choice, FailClose the default --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_envoy_config_fails_closed_unless_fail_open_is_asked(
+    fail_open: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["envoy-config", "--extproc", "127.0.0.1:9002"] + (["--fail-open"] if fail_open else [])
+    assert kvgate(argv) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [
+        f["typed_config"] for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
+    ]
+    assert ext_proc["failure_mode_allow"] is fail_open
