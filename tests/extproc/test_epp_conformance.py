@@ -84,9 +84,10 @@ from contracts.epp import (
     SUBSET_NS,
     UPSTREAM_HEADER,
 )
-from extproc.config import parse_config
+from extproc.config import GatewayConfig, parse_config
 from extproc.server import EXT_PROC_SERVICE, Gateway
 from kvgate.cli import main as kvgate
+from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
 OTHER_MODEL = "other-model"
@@ -106,31 +107,45 @@ GatewayFactory = Callable[..., Awaitable[Gateway]]
 # --- the picker under test -------------------------------------------------------------------------------
 
 
+def gateway_config(
+    model_dir: str,
+    *,
+    conformance: bool = True,
+    flow: dict[str, Any] | None = None,
+    metrics_url: str | None = None,
+) -> GatewayConfig:
+    """The picker under test on 127.0.0.1 port 0: ``conformance`` mode unless told; ``flow``: a
+    ``[flow]`` table; ``metrics_url``: the first endpoint's, scraped with a 30 s timeout."""
+    raw: dict[str, Any] = {
+        "extproc": {
+            "listen": "127.0.0.1:0",
+            "health_listen": "127.0.0.1:0",
+            "metrics_listen": "",
+            "max_body_bytes": 4 * 1024 * 1024,
+            "max_fallbacks": LISTED - 1,
+            "conformance": conformance,
+        },
+        "models": [{"name": MODEL, "model_dir": model_dir, "max_model_len": 1 << 20}],
+        "endpoints": [{"id": f"e{i}", "address": a, "models": [MODEL]} for i, a in enumerate(POOL)]
+        + [{"id": "other", "address": OTHER, "models": [OTHER_MODEL]}],
+    }
+    if flow is not None:
+        raw["flow"] = flow
+    if metrics_url is not None:
+        raw["endpoints"][0]["metrics_url"] = metrics_url
+        raw["scrape"] = {"timeout_s": 30.0}
+    return parse_config(raw)
+
+
 @pytest.fixture
 async def start(model_dir: str) -> AsyncIterator[GatewayFactory]:
-    """Starts real gateways (``conformance`` on unless told; ``flow``: a ``[flow]`` table) on 127.0.0.1
-    port 0; all are drained at the end."""
+    """Starts real gateways (:func:`gateway_config`'s keywords); all are drained at the end."""
     started: list[Gateway] = []
 
-    async def make(conformance: bool = True, flow: dict[str, Any] | None = None) -> Gateway:
-        raw: dict[str, Any] = {
-            "extproc": {
-                "listen": "127.0.0.1:0",
-                "health_listen": "127.0.0.1:0",
-                "metrics_listen": "",
-                "max_body_bytes": 4 * 1024 * 1024,
-                "max_fallbacks": LISTED - 1,
-                "conformance": conformance,
-            },
-            "models": [{"name": MODEL, "model_dir": model_dir, "max_model_len": 1 << 20}],
-            "endpoints": [{"id": f"e{i}", "address": a, "models": [MODEL]} for i, a in enumerate(POOL)]
-            + [{"id": "other", "address": OTHER, "models": [OTHER_MODEL]}],
-        }
-        if flow is not None:
-            raw["flow"] = flow
-        gateway = Gateway(parse_config(raw))
-        await gateway.start()
+    async def make(**options: Any) -> Gateway:
+        gateway = Gateway(gateway_config(model_dir, **options))
         started.append(gateway)
+        await gateway.start()
         return gateway
 
     yield make
@@ -436,20 +451,41 @@ async def test_flow_control_shedding_is_429(start: GatewayFactory) -> None:
 # --- the served endpoint ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("served", "expected"),
-    [
-        ("fallback in metadata", "fallback"),
-        ("pick in metadata", "pick"),
-        ("upstream header only (kvgate's route)", "fallback"),
-        ("neither", None),
-        ("conformance off", None),
-    ],
-)
-async def test_the_served_endpoint_is_read_back_and_echoed(
-    start: GatewayFactory, served: str, expected: str | None
-) -> None:
-    gateway = await start(conformance=served != "conformance off")
+@dataclass(frozen=True)
+class Served:
+    """A response-headers message: ``metadata`` the ``envoy.lb`` served key's value and ``upstream`` the
+    bundled route's ``x-kvgate-upstream-host`` (each ``pick``, ``fallback``, or ``None``: absent);
+    ``echo``: which one the picker reports as served (``None``: no echo header)."""
+
+    rule: str
+    metadata: str | None
+    upstream: str | None
+    echo: str | None
+    conformance: bool = True
+
+
+SERVED_CASES = [
+    Served("served by the fallback, in metadata", "fallback", None, "fallback"),
+    Served("served by the pick, in metadata", "pick", None, "pick"),
+    Served("metadata wins over kvgate's own header", "fallback", "pick", "fallback"),
+    Served("kvgate's own upstream header alone (kvgate)", None, "fallback", "fallback"),
+    Served("neither: no echo (kvgate)", None, None, None),
+    Served("conformance off: never an echo", "fallback", "fallback", None, conformance=False),
+]
+
+
+@pytest.mark.parametrize("case", SERVED_CASES, ids=lambda c: c.rule)
+async def test_the_served_endpoint_is_read_back_and_echoed(start: GatewayFactory, case: Served) -> None:
+    """The list is ordered: the pick (first) carries the request's in-flight slot until the response
+    says where it was served; the served endpoint then carries it."""
+    gateway = await start(conformance=case.conformance)
+    fleet = gateway.fleet
+
+    def in_flight(address: str) -> int:
+        state = fleet.by_address(address)
+        assert state is not None
+        return state.in_flight
+
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
         call = pb_grpc.ExternalProcessorStub(channel).Process()
         for msg in [request_headers(), *body_chunks(chat(), 1024)]:
@@ -458,22 +494,20 @@ async def test_the_served_endpoint_is_read_back_and_echoed(
         while not replies[-1].request_body.response.body_mutation.streamed_response.end_of_stream:
             replies.append(await call.read())
         picks = routed(replies).picks
+        assert [in_flight(p) for p in picks] == [1] + [0] * (LISTED - 1)
         where = {"pick": picks[0], "fallback": picks[1]}
-        if served.endswith("in metadata"):
-            msg = response_headers({SERVED: where[served.split()[0]]}, {})
-        elif served.startswith("upstream"):
-            msg = response_headers(None, {UPSTREAM_HEADER: where["fallback"]})
-        else:
-            msg = response_headers(
-                {"unrelated": "x"}, {UPSTREAM_HEADER: where["pick"]} if served == "conformance off" else {}
-            )
-        await call.write(msg)
+        lb = {"unrelated": "x"} if case.metadata is None else {SERVED: where[case.metadata]}
+        upstream = {} if case.upstream is None else {UPSTREAM_HEADER: where[case.upstream]}
+        await call.write(response_headers(lb, upstream))
         reply = await call.read()
+        served = case.metadata or case.upstream
+        if served is not None:
+            assert in_flight(where[served]) == 1 and sum(in_flight(p) for p in picks) == 1
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
     mutation = reply.response_headers.response.header_mutation
     echoed = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
-    assert echoed == ({} if expected is None else {CONFORMANCE_SERVED: where[expected]})
+    assert echoed == ({} if case.echo is None else {CONFORMANCE_SERVED: where[case.echo]})
     assert UPSTREAM_HEADER in mutation.remove_headers  # kvgate's internal header never reaches the client
 
 
@@ -538,3 +572,53 @@ def test_envoy_config_fails_closed_unless_fail_open_is_asked(
         f["typed_config"] for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
     ]
     assert ext_proc["failure_mode_allow"] is fail_open
+
+
+async def test_a_draining_picker_stays_not_serving(start: GatewayFactory) -> None:
+    """Once the drain has begun, a scrape round that still runs (while the drain awaits its streams)
+    finds the fleet routable but leaves every service NOT_SERVING."""
+    gateway = await start()
+    await gateway.aclose(grace_s=0)
+    gateway._on_scrape_round()  # a round racing the drain
+    for service in ("", "liveness", "readiness", EXT_PROC_SERVICE):
+        got = await gateway.health.Check(health_pb2.HealthCheckRequest(service=service), None)
+        assert got.status == NOT_SERVING, service
+
+
+async def test_readiness_is_known_and_not_serving_before_the_first_scrape_round(model_dir: str) -> None:
+    """The health port answers as soon as it listens, while the first scrape round still runs (held here
+    by a metrics endpoint that has not answered yet): ``liveness`` SERVING, ``readiness`` and the ext_proc
+    service NOT_SERVING (never NOT_FOUND); SERVING once the round is done."""
+    answer = asyncio.Event()
+
+    async def metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(metrics, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    gateway = Gateway(gateway_config(model_dir, metrics_url=f"http://127.0.0.1:{port}/metrics"))
+    starting = asyncio.create_task(gateway.start())
+    try:
+        await until(lambda: "health" in gateway.ports or starting.done(), 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['health']}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            got = {}
+            for service in ("liveness", "readiness", EXT_PROC_SERVICE):
+                request = health_pb2.HealthCheckRequest(service=service)
+                got[service] = (await stub.Check(request, wait_for_ready=True, timeout=10)).status
+        assert not starting.done()  # the first round is still waiting for the metrics
+        assert got == {"liveness": SERVING, "readiness": NOT_SERVING, EXT_PROC_SERVICE: NOT_SERVING}
+        answer.set()
+        await asyncio.wait_for(starting, 30)
+        await eventually(gateway, "health", ALL_SERVING)
+    finally:
+        answer.set()
+        if not starting.done():
+            starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await gateway.aclose(grace_s=0)
+        server.close()
+        await server.wait_closed()
