@@ -16,6 +16,7 @@ Rules covered:
   whole pool; an empty hint, or one with nothing eligible in it (unknown, of another model, unhealthy,
   another port), is an ImmediateResponse 503. Read as a list of ``ip:port`` strings, as a comma-separated
   string, and as list items holding comma-separated addresses (blanks trimmed, empty items dropped).
+  It holds whatever filters the scheduling profile lists (one without the ``subset`` filter too).
 * **Destination**: the header ``x-gateway-destination-endpoint`` and the dynamic metadata
   ``envoy.lb / x-gateway-destination-endpoint`` carry the same value, ``ip:port`` or the ordered list
   ``ip:port,ip:port`` (distinct entries, the pick first, as many as the fleet and ``max_fallbacks``
@@ -85,6 +86,8 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from extproc.config import GatewayConfig, parse_config
+from extproc.routing.router import RoutingPolicy
+from extproc.scheduling.registry import build_profile, parse_scheduling
 from extproc.server import EXT_PROC_SERVICE, Gateway
 from kvgate.cli import main as kvgate
 from tests.polling import until
@@ -360,6 +363,36 @@ async def test_an_unhealthy_endpoint_in_the_hint_is_not_eligible(gateway: Gatewa
         await exchange(gateway, [request_headers(metadata=hint_metadata([B, C])), *body_chunks(chat(), 1024)])
     )
     assert answer.picks == [B]
+
+
+NO_SUBSET_FILTER = parse_scheduling(
+    {
+        "plugins": [{"type": t} for t in ("model", "healthy", "in-flight", "max-score")],
+        "profiles": [
+            {
+                "name": "no-subset-filter",
+                "plugins": [{"ref": "model"}, {"ref": "healthy"}, {"ref": "in-flight"}, {"ref": "max-score"}],
+            }
+        ],
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("hint", "eligible"), [([C], (C,)), ([B, D], (B, D)), ([], None), ([UNKNOWN], None)], ids=str
+)
+async def test_the_hint_holds_whatever_filters_the_profile_lists(
+    gateway: Gateway, hint: list[str], eligible: tuple[str, ...] | None
+) -> None:
+    """An operator's profile without the ``subset`` filter (policy ``scheduling``) still picks only from
+    the hint: the router applies it before any profile runs."""
+    router = gateway.router
+    router.apply(RoutingPolicy(build_profile(NO_SUBSET_FILTER), block_size=router.policy.block_size))
+    resps = await exchange(gateway, [request_headers(metadata=hint_metadata(hint)), *body_chunks(chat(), 64)])
+    if eligible is None:
+        assert refused(resps)[0] == 503
+    else:
+        assert set(routed(resps).picks) == set(eligible)
 
 
 async def test_the_selection_header_is_ignored_outside_conformance_mode(start: GatewayFactory) -> None:
