@@ -20,7 +20,8 @@ Rules covered:
 * **Destination**: the header ``x-gateway-destination-endpoint`` and the dynamic metadata
   ``envoy.lb / x-gateway-destination-endpoint`` carry the same value, ``ip:port`` or the ordered list
   ``ip:port,ip:port`` (distinct entries, the pick first, as many as the fleet and ``max_fallbacks``
-  allow); the route cache is cleared.
+  allow), set with ``raw_value`` and overwrite (a client's own destination header never survives); the
+  route cache is cleared.
 * **Streaming**: nothing is answered before the body's end; then the headers reply (with the destination
   and a corrected ``content-length``, also after a ``x-gateway-model-name-rewrite`` changes the body) and
   the body streamed back in chunks of at most 62,000 bytes, ``end_of_stream`` on the last only; a body
@@ -36,9 +37,11 @@ Rules covered:
   readiness"); an unknown service is NOT_FOUND.
 * **Conformance headers** (``extproc.conformance = true`` only): ``test-epp-endpoint-selection`` (``ip`` or
   ``ip:port``, comma-separated, as the suite joins pod IPs) narrows the pick; off, it is ignored.
-* **FailOpen** is an explicit choice: ``kvgate envoy-config`` renders ``failure_mode_allow: false`` unless
-  ``--fail-open`` is given (the InferencePool side, ``failureMode: FailClose`` in the base and ``FailOpen``
-  in the dev overlay, is checked on the rendered Kustomize output by ``tests/deploy/test_kubernetes.py``).
+* **FailOpen** is an explicit choice: ``kvgate envoy-config`` renders ``failure_mode_allow: false`` and
+  FULL_DUPLEX_STREAMED bodies unless ``--fail-open`` is given (then BUFFERED, the only mode in which Envoy
+  can go on without its picker), and the picker answers in the mode rendered (the InferencePool side,
+  ``failureMode: FailClose`` in the base and ``FailOpen`` in the dev overlay, is checked on the rendered
+  Kustomize output by ``tests/deploy/test_kubernetes.py``).
 
 Where kvgate differs from the reference picker (each is a choice within the protocol):
 
@@ -65,7 +68,7 @@ import grpc
 import orjson
 import pytest
 import yaml
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption, Metadata
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -257,6 +260,8 @@ def routed(resps: list[pb.ProcessingResponse]) -> Routed:
     common = resps[0].request_headers.response
     assert common.clear_route_cache
     hs = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    overwrite = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD  # a client's own copy never survives
+    assert all(h.append_action == overwrite for h in common.header_mutation.set_headers)
     assert all(not h.header.value for h in common.header_mutation.set_headers)  # raw_value only
     lb = resps[0].dynamic_metadata.fields[LB_NS].struct_value.fields
     assert lb[DESTINATION].string_value == hs[DESTINATION]
@@ -309,6 +314,7 @@ class Case:
 A, B, C, D = POOL
 SELECTION_CASES = [
     Case("no hint: the whole pool"),
+    Case("a client's own destination header: overwritten", extra={DESTINATION: UNKNOWN}),
     Case("hint namespace without the key: the whole pool", hint=NO_KEY),
     Case("hint of one: only it", hint=[C], eligible=(C,)),
     Case("hint of two: only those, both listed", hint=[B, D], eligible=(B, D)),
@@ -593,18 +599,46 @@ async def test_health_services_follow_readiness(gateway: Gateway, port: str) -> 
 # --- FailOpen is a choice, FailClose the default --------------------------------------------------------
 
 
-@pytest.mark.parametrize("fail_open", [False, True])
-def test_envoy_config_fails_closed_unless_fail_open_is_asked(
-    fail_open: bool, capsys: pytest.CaptureFixture[str]
-) -> None:
+def rendered_ext_proc(fail_open: bool, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """The ext_proc filter of ``kvgate envoy-config`` (``--fail-open`` when asked)."""
     argv = ["envoy-config", "--extproc", "127.0.0.1:9002"] + (["--fail-open"] if fail_open else [])
     assert kvgate(argv) == 0
     config = yaml.safe_load(capsys.readouterr().out)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    (ext_proc,) = [
-        f["typed_config"] for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"
-    ]
+    (ext_proc,) = [f["typed_config"] for f in hcm["http_filters"] if f["name"].endswith(".ext_proc")]
+    assert isinstance(ext_proc, dict)
+    return ext_proc
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["default: FailClose", "--fail-open"])
+async def test_fail_open_is_a_choice_and_the_picker_serves_the_mode_it_renders(
+    gateway: Gateway, fail_open: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvgate envoy-config`` fails closed (``failure_mode_allow: false``, FULL_DUPLEX_STREAMED bodies)
+    unless ``--fail-open`` is given; then Envoy may go on without its picker only with a body it kept
+    (BUFFERED). The picker answers either mode as rendered: streamed, the destination in the headers
+    reply; buffered, the headers let through at once and the destination, metadata and body in the
+    body's reply."""
+    ext_proc = rendered_ext_proc(fail_open, capsys)
     assert ext_proc["failure_mode_allow"] is fail_open
+    mode_name = ext_proc["processing_mode"]["request_body_mode"]
+    assert mode_name == ("BUFFERED" if fail_open else "FULL_DUPLEX_STREAMED")
+    first = request_headers()
+    first.protocol_config.request_body_mode = ProcessingMode.BodySendMode.Value(mode_name)
+    body = chat("hello " * 40)
+    if not fail_open:
+        answer = routed(await exchange(gateway, [first, *body_chunks(body, 100)]))
+        assert answer.body == body and set(answer.picks) <= set(POOL)
+        return
+    go, reply = await exchange(gateway, [first, *body_chunks(body, len(body))])
+    assert go.WhichOneof("response") == "request_headers"
+    assert not go.request_headers.response.HasField("header_mutation")
+    common = reply.request_body.response
+    hs = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    lb = reply.dynamic_metadata.fields[LB_NS].struct_value.fields
+    assert hs[DESTINATION] == lb[DESTINATION].string_value and set(hs[DESTINATION].split(",")) <= set(POOL)
+    assert common.clear_route_cache and common.body_mutation.body == body
+    assert hs["content-length"] == str(len(body))
 
 
 async def test_a_draining_picker_stays_not_serving(start: GatewayFactory) -> None:
