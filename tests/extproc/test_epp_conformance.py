@@ -106,6 +106,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: How many endpoints a decision lists: the pick and ``max_fallbacks`` (2) fallbacks.
 LISTED = 3
+#: Subset hint markers: the namespace without the key; no namespace at all.
+NO_KEY = object()
+ABSENT = object()
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
 
@@ -296,9 +299,6 @@ def refused(resps: list[pb.ProcessingResponse]) -> tuple[int, dict[str, Any], di
 
 # --- subset hint and conformance selection ---------------------------------------------------------------
 
-NO_KEY = object()
-ABSENT = object()
-
 
 @dataclass(frozen=True)
 class Case:
@@ -462,11 +462,12 @@ async def test_content_length_follows_a_model_name_rewrite(gateway: Gateway) -> 
 # --- errors ---------------------------------------------------------------------------------------------
 
 
-async def test_no_ready_endpoint_is_503(gateway: Gateway) -> None:
+@pytest.mark.parametrize("why", ["unhealthy", "draining"])
+async def test_no_ready_endpoint_is_503(gateway: Gateway, why: str) -> None:
     for state in list(gateway.fleet):
-        gateway.fleet.set_state(state.id, healthy=False)
+        gateway.fleet.set_state(state.id, **{"healthy": False} if why == "unhealthy" else {"draining": True})
     status, error, _ = refused(await exchange(gateway, [request_headers(), *body_chunks(chat(), 1024)]))
-    assert (status, error["type"]) == (503, "service_unavailable")
+    assert (status, error["type"], error["code"]) == (503, "service_unavailable", "no_endpoint")
 
 
 async def test_flow_control_shedding_is_429(start: GatewayFactory) -> None:
