@@ -692,12 +692,12 @@ class StreamProcessor:
         raise unknown_path(path)
 
     def _probe(self, path: str) -> list[pb.ProcessingResponse]:
-        """``/health`` (200, empty body) or ``/ready`` (200, empty body, while :func:`_routable`; else 503
+        """``/health`` (200, empty body) or ``/ready`` (200, empty body, while :func:`routable`; else 503
         with an OpenAI JSON error, not logged: a probe of a gateway still starting is no fault), for GET
         and HEAD; else 404."""
         if self._headers.get(":method", "GET") not in ("GET", "HEAD"):
             raise NotFound(f"Use GET for {path}.")
-        if path in READY_PATHS and not _routable(self._router):
+        if path in READY_PATHS and not routable(self._router):
             down = Unavailable("No endpoint is ready to serve any model.", code="no_ready_endpoint")
             return [_immediate(down.status, down.body(), f"kvgate_{down.error_type}")]
         return [_immediate(200, b"", "kvgate_probe")]
@@ -864,7 +864,7 @@ def _is_probe(path: str) -> bool:
     return base in HEALTH_PATHS or base in READY_PATHS
 
 
-def _routable(router: Router) -> bool:
+def routable(router: Router) -> bool:
     """Whether some endpoint can be picked for some model it serves: healthy, not draining, and admitted
     by that model's route (its labels), as the ``healthy`` filter and :meth:`Router.decide` see it (a
     prefill-only endpoint serves no request by itself)."""
@@ -879,6 +879,11 @@ def _routable(router: Router) -> bool:
 
 
 def _subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The EPP subset hint's ``ip:port`` addresses; ``None`` when the key is absent (every endpoint may be
+    picked). The protocol sends a list of strings; a comma-separated string, and list items that hold
+    several comma-separated addresses, are read the same way (blanks trimmed, empty items dropped), so a
+    data plane that joins them never widens the pick. A present but empty hint, or one of another type,
+    is the empty set: nothing is eligible (503)."""
     ns = msg.metadata_context.filter_metadata
     if SUBSET_NS not in ns:
         return None
@@ -886,10 +891,12 @@ def _subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
     if value is None:
         return None
     if value.HasField("list_value"):
-        return frozenset(v.string_value for v in value.list_value.values if v.string_value)
-    if value.HasField("string_value"):
-        return frozenset(p.strip() for p in value.string_value.split(",") if p.strip())
-    return frozenset()
+        items = [v.string_value for v in value.list_value.values]
+    elif value.HasField("string_value"):
+        items = [value.string_value]
+    else:
+        return frozenset()
+    return frozenset(p.strip() for item in items for p in item.split(",") if p.strip())
 
 
 def _jwt_metadata(msg: pb.ProcessingRequest) -> tuple[dict[str, object] | None, str | None]:

@@ -1,17 +1,17 @@
 """The ext_proc gRPC shell: serves :class:`~extproc.processor.StreamProcessor` over grpc.aio.
 
 ``kvgate extproc --config FILE`` runs it: the ext_proc service, gRPC health (``liveness``,
-``readiness`` and the ext_proc service name) on its own port, Prometheus metrics, and the metrics
-scraper feeding the fleet; the metrics port also serves the read-only status (``/status``,
-``/status.json``: :mod:`extproc.status`). The ext_proc port also serves, for Envoy, the engine
-cluster's endpoints (EDS, :mod:`extproc.xds.eds`), the failed-try receiver (gRPC access logs,
-:mod:`extproc.xds.als`: a failed try ejects its endpoint for a while) and the same gRPC health (Envoy
-health-checks its ext_procs there). With ``[extproc] tls_*`` set, the ext_proc port is mTLS only
-(certificates re-read when their files change, :mod:`runtime.tls`); health and metrics stay plaintext.
-``[feeds]`` TLS files also serve the slot restorer's ``https`` requests to agents
-(:mod:`extproc.control.restore`). First SIGINT/SIGTERM drains (health NOT_SERVING, EDS and access-log
-streams ended so Envoy moves them to another replica, in-flight streams get a grace period), the
-second forces.
+``readiness`` and the ext_proc service name, which answers as ``readiness`` does) on its own port,
+Prometheus metrics, and the metrics scraper feeding the fleet; the metrics port also serves the
+read-only status (``/status``, ``/status.json``: :mod:`extproc.status`). The ext_proc port also serves,
+for Envoy, the engine cluster's endpoints (EDS, :mod:`extproc.xds.eds`), the failed-try receiver (gRPC
+access logs, :mod:`extproc.xds.als`: a failed try ejects its endpoint for a while) and the same gRPC
+health (Envoy health-checks its ext_procs there, service ``liveness``). With ``[extproc] tls_*`` set,
+the ext_proc port is mTLS only (certificates re-read when their files change, :mod:`runtime.tls`);
+health and metrics stay plaintext. ``[feeds]`` TLS files also serve the slot restorer's ``https``
+requests to agents (:mod:`extproc.control.restore`). First SIGINT/SIGTERM drains (health NOT_SERVING,
+EDS and access-log streams ended so Envoy moves them to another replica, in-flight streams get a grace
+period), the second forces.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
 from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
-from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
+from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, routable
 from extproc.routing.router import Router
 from extproc.status.http import StatusServer
 from extproc.status.snapshot import Status, snapshot
@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+#: The gRPC health services that say whether requests can be routed (the Endpoint Picker Protocol: the
+#: ext_proc service name answers as ``readiness`` does); ``""`` and ``liveness`` say the process is up.
+READY_SERVICES = ("readiness", EXT_PROC_SERVICE)
 GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
 #: The longest Envoy message timeout a held request asks for: the bundled filter's
 #: ``max_message_timeout`` (kvgate/envoy/bootstrap.py ``EnvoyParams.max_message_timeout_s``).
@@ -316,6 +319,8 @@ class Gateway:
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
         self._status_server: StatusServer | None = None
+        #: Set by :meth:`aclose`: health stays NOT_SERVING whatever a last scrape round finds.
+        self._draining = False
         self.ports: dict[str, int] = {}
         #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
         self.server_certs: ReloadingServerCerts | None = None
@@ -371,12 +376,14 @@ class Gateway:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
         self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
         self._servers = [server, health_server]
+        for name in READY_SERVICES:  # known from the first probe on; SERVING from the first scrape round
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.siblings is not None:
             self.siblings.start()
         self.eds.start()
         for s in self._servers:
             await s.start()
-        for name in ("", "liveness", EXT_PROC_SERVICE):
+        for name in ("", "liveness"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
             self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
@@ -435,11 +442,16 @@ class Gateway:
 
     def _on_scrape_round(self) -> None:
         self.dispatcher.kick()
-        ready = any(s.healthy and not s.draining for s in self.fleet)
+        if self._draining:
+            return
+        # Ready as the HTTP ``/ready`` probe: some endpoint routable for some model (processor.routable).
         status = (
-            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if routable(self.router)
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        self.health.set("readiness", status)
+        for name in READY_SERVICES:
+            self.health.set(name, status)
 
     def _on_ejection(self, ejection: Ejection) -> None:
         self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()
@@ -447,6 +459,7 @@ class Gateway:
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens
         them to another replica), stop accepting streams, give in-flight ones ``grace_s`` seconds."""
+        self._draining = True
         for name in HEALTH_SERVICES:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.eds.aclose()

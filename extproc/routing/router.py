@@ -384,7 +384,8 @@ class Router:
     ) -> Decision:
         """Pick endpoints for ``request``.
 
-        ``subset``: EPP subset hint (``ip:port`` addresses allowed). ``pinned``: conformance-test
+        ``subset``: EPP subset hint (``ip:port`` addresses allowed; applied here as well as by the
+        ``subset`` filter, so a profile without that filter still honours it). ``pinned``: conformance-test
         selection (``ip`` or ``ip:port`` entries); only ever narrows the fleet. ``tokens``: the prompt
         if already tokenized by the caller (:meth:`tokens`; admission counts it before routing).
         ``admit``: flow control's test of an endpoint's room; when some candidate passes it, only those
@@ -407,6 +408,8 @@ class Router:
         if route is not None:
             candidates = [s for s in candidates if route.admits(s)]
             profile = route.profile
+        if subset is not None:  # the protocol's MUST, whatever filters the profile lists
+            candidates = [s for s in candidates if s.endpoint.address in subset]
         if pinned is not None:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
         if admit is not None:  # flow control: only endpoints with room, while some has room
