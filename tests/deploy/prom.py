@@ -8,13 +8,12 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
@@ -22,7 +21,6 @@ from kvgate.dev.procs import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-T = TypeVar("T")
 
 #: Grafana's variables in the dashboards, as the tests evaluate them (scrapes every second; a rate window
 #: that reaches back to the start of the test, so data stays in it while every query is polled).
@@ -35,18 +33,6 @@ def binary(name: str) -> str:
     path = shutil.which(name)
     assert path is not None, f"{name} not on PATH: run ./dev setup (it installs the Debian package)"
     return path
-
-
-def poll(probe: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.1) -> T:
-    """Call ``probe`` until it returns a value (not ``None``); fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} within {timeout_s} s")
-        time.sleep(interval_s)
 
 
 def grafana_expr(expr: str) -> str:

@@ -46,11 +46,11 @@ from tests.deploy.prom import (
     family,
     metric_names,
     panel_queries,
-    poll,
     rule_files,
     run_promtool,
     scrape_job,
 )
+from tests.polling import poll
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

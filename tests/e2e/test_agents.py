@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import Child, http_get
 from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
+from tests.polling import poll
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,7 +33,6 @@ LEASE_TTL_S = 2
 LONG = "Node agents register their engines in etcd under a lease and stream KV events to gateways. " * 10
 _LOAD = "kvgate_endpoint_load{"
 _GAUGE = re.compile(r'^kvgate_endpoint_healthy\{endpoint="([^"]+)"\} (\S+)$')
-T = TypeVar("T")
 
 
 # -- helpers (also used by test_precise) -----------------------------------------------------------------
@@ -74,18 +74,6 @@ def start_agent(
     ready = workdir / f"{node}.ready.json"
     argv = [sys.executable, "-m", "agent.main", "--config", str(path), "--ready-file", str(ready)]
     return Child(node, argv, workdir / f"{node}.log"), ready
-
-
-def poll(probe: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.01) -> T:
-    """Call ``probe`` until it returns a value (not ``None``); fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s:g} s")
-        time.sleep(interval_s)
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,8 +25,8 @@ import pytest
 
 from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
-from tests.e2e.test_agents import MODEL, agent_status, healthy_gauges, pid_alive, poll
-from tests.polling import until
+from tests.e2e.test_agents import MODEL, agent_status, healthy_gauges, pid_alive
+from tests.polling import poll, until
 
 pytestmark = pytest.mark.e2e
 
