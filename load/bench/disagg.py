@@ -1,0 +1,339 @@
+"""Prefill/decode disaggregation (issue 18): long shared-prefix prompts at a load where prefill
+interferes with decode, the same number of replicas for every target, one run.
+
+    python -m load.bench.disagg --out results/disagg.json          # a few minutes on a 2-core VM
+    python -m load.bench.disagg --quick --out /tmp/disagg.json     # seconds; figures mean nothing
+
+Fleet: ``total`` simulated vLLM replicas (``load.sim``, one process each, started by ``kvgate up``'s
+:class:`~kvgate.dev.up.Stack`), the H100/8B step model slowed ``time_scale`` times. Targets, each over a
+fresh fleet (so no cache carries over):
+
+* ``kvgate-aggregated``: kvgate over ``total`` ``both`` replicas;
+* ``kvgate-disaggregated``: kvgate over ``prefill`` prefill + ``decode`` decode replicas, every request
+  prefilled on a prefill replica (``mode = "disaggregated"``);
+* ``kvgate-conditional``: the same fleet, disaggregated only when the decode pick lacks at least
+  ``min_uncached_tokens`` prompt tokens (``mode = "conditional"``);
+* ``round-robin``: a plain Envoy (``ROUND_ROBIN``) over ``total`` ``both`` replicas;
+* ``sglang-router-pd``: skipped (see :data:`SGLANG_PD_SKIP`).
+
+Workload: Poisson arrivals (seeded) at ``rate_req_s`` for ``duration_s``, open loop, streamed; each
+prompt is one of ``prefixes`` shared prefixes (``prefix_tokens`` long) and a unique suffix
+(``suffix_min``..``suffix_max`` tokens), ``output_tokens`` out. Per target: TTFT and inter-token latency
+(ITL: gaps between streamed chunks after the first) p50/p90/p99 in ms, output tok/s (completion tokens of
+served requests over the run's wall time), errors.
+
+Goals (``goals``): conditional ITL p90 <= 0.5 x aggregated with TTFT p90 <= 1.2 x aggregated;
+disaggregated TTFT p90 <= 0.6 x sglang-router's PD mode (not evaluated: that target cannot run here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvgate.dev.procs import ChildFailed
+from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
+from load.bench import machine, revision, summary, write_json
+from load.bench import targets as tg
+from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
+from load.workloads import smollm2_text
+from load.workloads.session import Session, Turn, poisson_arrivals
+
+log = logging.getLogger(__name__)
+
+TARGETS = (
+    "kvgate-aggregated",
+    "kvgate-disaggregated",
+    "kvgate-conditional",
+    "round-robin",
+    "sglang-router-pd",
+)
+SGLANG_PD_SKIP = (
+    "sglang-router's PD mode cannot run here: the simulator speaks only vLLM's kv_transfer_params"
+    " (NixlConnector), not SGLang's bootstrap protocol (bootstrap_host/port/room) that the router's"
+    " PD mode needs from its prefill and decode servers"
+)
+#: The simulator's parameters: what each means and where its value comes from (``load/sim/timing.py``,
+#: ``load/sim/README.md``, "Timing model" and "Prefill/decode disaggregation").
+SIM_SOURCES = {
+    "step_base_ms": "6 ms at time scale 1: an 8B bf16 model's ~16 GB of weights read at ~3 TB/s (H100 HBM3)"
+    " plus launch overhead, the ITL of a lone sequence (load/sim/timing.py, load/sim/README.md)",
+    "decode_ms_per_seq": "0.15 ms per decoding sequence (KV reads, sampling): ITL ~15.6 ms at 64 running"
+    " (load/sim/timing.py, load/sim/README.md)",
+    "prefill_tokens_per_s": "20,000 tokens/s: compute-bound prefill at ~30% of the H100's bf16 peak; every"
+    " step carrying prefill tokens is that much longer for all sequences decoding in it (chunked-prefill"
+    " interference; load/sim/timing.py, load/sim/README.md)",
+    "max_num_batched_tokens": "2,048 prompt tokens per step (vLLM's chunked-prefill default; the sim's)",
+    "kv_bytes_per_token": "131,072 B: K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes (Llama-3.1-8B"
+    " bf16; load/sim/README.md, Prefill/decode disaggregation)",
+    "link_gbps": "400 Gb/s: one RDMA NIC's line rate (NIXL over UCX), not a measured NIXL throughput"
+    " (load/sim/README.md)",
+    "time_scale": "every step (and transfer) stretched this many times so 2 CPU cores can drive the fleet"
+    " and a router",
+    "max_num_seqs": "the engine's running-batch limit (vLLM --max-num-seqs)",
+    "published_sources": "load/sim/README.md states these as derivations from H100 and Llama-3.1-8B"
+    " figures; it names no external publication",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """One benchmark's fleet and workload (see the module docstring)."""
+
+    total: int = 8
+    prefill: int = 2
+    decode: int = 6
+    min_uncached_tokens: int = 1024
+    time_scale: float = 4.0
+    step_base_ms: float = 6.0
+    decode_ms_per_seq: float = 0.15
+    prefill_tokens_per_s: float = 20_000.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    kv_bytes_per_token: int = 131_072
+    link_gbps: float = 400.0
+    max_model_len: int = 8192
+    rate_req_s: float = 2.0
+    duration_s: float = 40.0
+    drain_s: float = 120.0
+    prefixes: int = 8
+    prefix_tokens: int = 1536
+    suffix_min: int = 512
+    suffix_max: int = 6144
+    output_tokens: int = 96
+    seed: int = 1
+
+    def sim_args(self) -> tuple[str, ...]:
+        return (
+            "--time-scale", str(self.time_scale),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len", str(self.max_model_len),
+            "--step-base-ms", str(self.step_base_ms),
+            "--decode-ms-per-seq", str(self.decode_ms_per_seq),
+            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            "--kv-bytes-per-token", str(self.kv_bytes_per_token),
+            "--link-gbps", str(self.link_gbps),
+            "--log-level", "WARNING",
+        )  # fmt: skip
+
+
+def quick_config() -> DisaggConfig:
+    """The smoke run: 4 fast replicas (1P+3D), short prompts, a few seconds of arrivals."""
+    return DisaggConfig(
+        total=4,
+        prefill=1,
+        decode=3,
+        min_uncached_tokens=64,
+        time_scale=0.2,
+        rate_req_s=3.0,
+        duration_s=2.0,
+        drain_s=30.0,
+        prefixes=2,
+        prefix_tokens=64,
+        suffix_min=32,
+        suffix_max=128,
+        output_tokens=8,
+    )
+
+
+def make_sessions(config: DisaggConfig) -> list[Session]:
+    """One single-turn session per Poisson arrival: a shared prefix (one of ``prefixes``, drawn) and a
+    unique suffix of ``suffix_min``..``suffix_max`` tokens."""
+    rng = random.Random(f"{config.seed}-disagg")
+    text = smollm2_text()
+    prefixes = [text.block(config.prefix_tokens, f"disagg-prefix-{i}") for i in range(config.prefixes)]
+    arrivals = poisson_arrivals(
+        config.rate_req_s, config.duration_s, random.Random(f"{config.seed}-arrivals")
+    )
+    sessions = []
+    for i, start in enumerate(arrivals):
+        group = rng.randrange(config.prefixes)
+        suffix = text.words(rng.randint(config.suffix_min, config.suffix_max), rng)
+        turn = Turn(({"role": "user", "content": prefixes[group] + suffix},), config.output_tokens)
+        sessions.append(Session(f"r{i}", f"prefix-{group}", start, (), (turn,)))
+    return sessions
+
+
+def stack_options(name: str, config: DisaggConfig, workdir: Path) -> StackOptions:
+    """``kvgate up``'s options for target ``name`` (round robin: the replicas of an aggregated stack)."""
+    common: dict[str, Any] = {
+        "port": 0,
+        "model": DEFAULT_MODEL,
+        "sim_args": config.sim_args(),
+        "workdir": workdir,
+    }
+    if name in ("kvgate-aggregated", "round-robin"):
+        return StackOptions(replicas=config.total, **common)
+    mode = "disaggregated" if name == "kvgate-disaggregated" else "conditional"
+    route: dict[str, Any] = {"mode": mode}
+    if mode == "conditional":
+        route["min_uncached_tokens"] = config.min_uncached_tokens
+    return StackOptions(prefill=config.prefill, decode=config.decode, disaggregation=route, **common)
+
+
+def _start(name: str, config: DisaggConfig, workdir: Path) -> tg.Running:
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(stack_options(name, config, workdir))
+    try:
+        stack.start()
+        if name != "round-robin":
+            return tg.Running(FixedRoute(stack.url), stack=stack)
+        addresses = [e["address"] for e in stack.engines]
+        envoy, url = tg.start_baseline_envoy(workdir, addresses, "ROUND_ROBIN")
+    except BaseException:
+        stack.stop()
+        raise
+    return tg.Running(FixedRoute(url), children=[envoy], stack=stack)
+
+
+def _ms(samples: Sequence[float]) -> dict[str, float | int]:
+    return summary([s * 1e3 for s in samples])
+
+
+def target_metrics(result: RunResult, sent: int) -> dict[str, Any]:
+    """One target's figures (see the module docstring)."""
+    records: Sequence[RequestRecord] = result.records
+    ok = [r for r in records if r.ok]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[r.status] = errors.get(r.status, 0) + 1
+    wall = result.wall_s
+    return {
+        "sent": sent,
+        "served": len(ok),
+        "errors": dict(sorted(errors.items())),
+        "lost": sent - len(ok),
+        "wall_s": round(wall, 2),
+        "ttft_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": _ms([g for r in ok for g in r.chunk_gaps_s]),
+        "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall, 1) if wall > 0 else 0.0,
+        "prompt_tokens_mean": round(sum(r.prompt_tokens for r in ok) / len(ok), 1) if ok else float("nan"),
+        "replicas": dict(sorted(_count(r.replica or "?" for r in ok).items())),
+    }
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def run_target(
+    name: str, config: DisaggConfig, sessions: list[Session], workdir: Path, progress: bool
+) -> dict[str, Any]:
+    """Start ``name`` on a fresh fleet, send ``sessions``, stop it; its row (``skipped`` if it cannot run)."""
+    if name == "sglang-router-pd":
+        return {"target": name, "skipped": SGLANG_PD_SKIP}
+    started = time.monotonic()
+    try:
+        running = _start(name, config, workdir / name)
+    except (tg.TargetUnavailable, ChildFailed) as exc:
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        log.warning("%s: skipped: %s", name, reason)
+        return {"target": name, "skipped": reason}
+    options = LoadOptions(
+        DEFAULT_MODEL, duration_s=config.duration_s, drain_s=config.drain_s, progress=progress
+    )
+    try:
+        result = asyncio.run(run_load(sessions, running.route, options))
+    finally:
+        running.stop()
+    row = {"target": name, **target_metrics(result, len(sessions))}
+    row["target_wall_s"] = round(time.monotonic() - started, 1)
+    return row
+
+
+def _goal(value: float | None, goal: str, met: bool | None, **extra: Any) -> dict[str, Any]:
+    return {"value": value, "goal": goal, "met": met, **extra}
+
+
+def _p90(row: dict[str, Any], key: str) -> float | None:
+    if "skipped" in row or not row.get(key, {}).get("n"):
+        return None
+    return float(row[key]["p90"])
+
+
+def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The issue's goals: each ``{value, goal, met}`` (``met`` ``None``: not evaluated, with ``reason``)."""
+    agg, cond = rows.get("kvgate-aggregated", {}), rows.get("kvgate-conditional", {})
+    out: dict[str, dict[str, Any]] = {}
+    itl_a, itl_c = _p90(agg, "itl_ms"), _p90(cond, "itl_ms")
+    ttft_a, ttft_c = _p90(agg, "ttft_ms"), _p90(cond, "ttft_ms")
+    if itl_a and itl_c is not None:
+        out["conditional_itl_p90_over_aggregated"] = _goal(
+            round(itl_c / itl_a, 3), "<= 0.5", itl_c / itl_a <= 0.5
+        )
+    else:
+        out["conditional_itl_p90_over_aggregated"] = _goal(
+            None, "<= 0.5", None, reason="a target did not run"
+        )
+    if ttft_a and ttft_c is not None:
+        out["conditional_ttft_p90_over_aggregated"] = _goal(
+            round(ttft_c / ttft_a, 3), "<= 1.2", ttft_c / ttft_a <= 1.2
+        )
+    else:
+        out["conditional_ttft_p90_over_aggregated"] = _goal(
+            None, "<= 1.2", None, reason="a target did not run"
+        )
+    out["disaggregated_ttft_p90_over_sglang_pd"] = _goal(None, "<= 0.6", None, reason=SGLANG_PD_SKIP)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m load.bench.disagg", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=Path("results/disagg.json"), help="result JSON file")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (seconds, figures meaningless)")
+    p.add_argument("--targets", help=f"comma-separated subset of {','.join(TARGETS)}")
+    p.add_argument("--duration", type=float, help="seconds of arrivals")
+    p.add_argument("--rate", type=float, help="arrivals per second")
+    p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = quick_config() if args.quick else DisaggConfig()
+    for key, value in (("duration_s", args.duration), ("rate_req_s", args.rate), ("seed", args.seed)):
+        if value is not None:
+            config = replace(config, **{key: value})
+    targets = tuple(args.targets.split(",")) if args.targets else TARGETS
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown targets: {', '.join(unknown)}")
+    workdir = args.out.resolve().parent / f"{args.out.stem}-work"
+    started = time.monotonic()
+    sessions = make_sessions(config)
+    result: dict[str, Any] = {
+        "benchmark": "disagg",
+        "command": "python -m load.bench.disagg " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
+        "quick": args.quick,
+        "machine": machine(),
+        "revision": revision(),
+        "config": asdict(config),
+        "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
+        "requests": len(sessions),
+    }
+    rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
+    result["targets"] = rows
+    result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
+    result["goals"] = goals(rows)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    write_json(args.out, result)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
