@@ -24,6 +24,16 @@ from typing import Any
 import orjson
 
 PERCENTILES = (50, 90, 99)
+#: Where the simulator's step-model values come from, the part every simulator benchmark shares (each adds
+#: its own parameters; ``load/sim/timing.py`` and ``load/sim/README.md``, "Timing model").
+TIMING_SOURCES = {
+    "step_base_ms": "6 ms at time scale 1: an 8B bf16 model's ~16 GB of weights read at ~3 TB/s (H100 HBM3)"
+    " plus launch overhead, the ITL of a lone sequence (load/sim/timing.py, load/sim/README.md)",
+    "decode_ms_per_seq": "0.15 ms per decoding sequence (KV reads, sampling): ITL ~15.6 ms at 64 running"
+    " (load/sim/timing.py, load/sim/README.md)",
+    "published_sources": "load/sim/README.md states these as derivations from H100 and Llama-3.1-8B"
+    " figures; it names no external publication",
+}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: One process id, or several (their CPU summed).
 Pids = int | Sequence[int]

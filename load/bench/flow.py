@@ -70,7 +70,7 @@ from typing import Any
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import CpuSample, machine, revision, summary, write_json
+from load.bench import TIMING_SOURCES, CpuSample, machine, revision, summary, write_json
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -87,17 +87,12 @@ BATCH_FLOWS = ("batch-a", "batch-b")
 #: The simulator's timing parameters: what each means and where its value comes from
 #: (``load/sim/timing.py`` and ``load/sim/README.md``, "Timing model").
 SIM_SOURCES = {
-    "step_base_ms": "6 ms at time scale 1: an 8B bf16 model's ~16 GB of weights read at ~3 TB/s (H100 HBM3)"
-    " plus launch overhead, the ITL of a lone sequence (load/sim/timing.py, load/sim/README.md)",
-    "decode_ms_per_seq": "0.15 ms per decoding sequence (KV reads, sampling): ITL ~15.6 ms at 64 running"
-    " (load/sim/timing.py, load/sim/README.md)",
+    **TIMING_SOURCES,
     "prefill_tokens_per_s": "20,000 tokens/s: compute-bound prefill at ~30% of the H100's bf16 peak"
     " (load/sim/timing.py, load/sim/README.md)",
     "time_scale": "every step stretched this many times so 2 CPU cores can drive the fleet and a router",
     "max_num_seqs": "the engine's running-batch limit (vLLM --max-num-seqs), kept small so a few replicas"
     " saturate at a request rate 2 cores can send",
-    "published_sources": "load/sim/README.md states these as derivations from H100 and Llama-3.1-8B"
-    " figures; it names no external publication",
 }
 
 
