@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -572,6 +573,10 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
+        if self._flow is not None and self._priority is not None:
+            to_engine = self._flow.policy.engine_priority
+            if to_engine is not None:  # the band goes on to engines that schedule by priority
+                body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
         if self._disagg is not None:
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:

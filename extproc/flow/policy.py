@@ -7,8 +7,9 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
                                absent or null is not checked; all absent: never saturated
     flow/models/<model>        the same for one model, with optional "roles": {role: {...}} per role
     flow/bands/default         {max_requests, max_bytes, max_wait_s, headroom}: each priority band's
-                               bounds; headroom (0..1, default 0) is the share of every saturation limit
-                               the band leaves free for higher bands
+                               bounds; headroom (-1 <= h < 1, default 0) is the share of every
+                               saturation limit the band leaves free for higher bands (negative: the
+                               band may go past the limits, for engines that preempt lower priorities)
     flow/bands/<priority>      the same for one band (an integer; negative: sheddable)
     flow/max_queued            requests queued per model over all bands (default 4096): an arrival past
                                it evicts the newest request of a lower sheddable band, else gets 429
@@ -17,6 +18,10 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
     flow/waiting_room_s        how long a request waits when its model has no endpoint (0: 503 at once)
     flow/fairness              "tokens" (prompt + output tokens) or "requests": what a flow's share counts
     flow/retry_after_s         the Retry-After of a 429 from flow control (integer seconds >= 1)
+    flow/engine_priority       {order, scale} or null (default): write each routed request's priority
+                               into the body's "priority" field for engines that schedule by it
+                               (order "low_first": vLLM, value -priority x scale; "high_first": SGLang's
+                               default, priority x scale); the client's own "priority" is replaced
     objectives/<name>          {priority, ttft_ms, tpot_ms}: a named objective (etcd family objectives/)
 
 A policy file and the gateway config (its embedded default) hold the same paths as tables
@@ -76,14 +81,36 @@ class ModelSaturation:
 class BandLimits:
     """A priority band's queue bounds, per model: at most ``max_requests`` queued requests and
     ``max_bytes`` of queued bodies; a request queued ``max_wait_s`` seconds is shed (429 queue_timeout).
-    ``headroom`` (0 <= h < 1) is the share of each saturation limit the band leaves free for higher
+    ``headroom`` (-1 <= h < 1) is the share of each saturation limit the band leaves free for higher
     bands: for its requests an endpoint is saturated at ``(1 - h) x`` each limit (a slot kept for
-    interactive work while batch work fills the rest; 0: the full limits)."""
+    interactive work while batch work fills the rest; 0: the full limits; negative: past the limits,
+    where engines preempt lower priorities for it, :class:`EnginePriority`)."""
 
     max_requests: int = 1024
     max_bytes: int = 256 * 1024 * 1024
     max_wait_s: float = 60.0
     headroom: float = 0.0
+
+
+ENGINE_PRIORITY_ORDERS = ("low_first", "high_first")
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePriority:
+    """How a request's band reaches engines that schedule by priority: the body's ``priority`` field,
+    ``-priority x scale`` for ``low_first`` engines (vLLM's ``--scheduling-policy priority``, SGLang's
+    ``--schedule-low-priority-values-first``), ``priority x scale`` for ``high_first`` (SGLang's
+    default). ``scale`` spreads bands apart (SGLang preempts only past a difference of its
+    ``--priority-scheduling-preemption-threshold``, 10 by default)."""
+
+    order: str = "low_first"
+    scale: int = 1
+
+    def value(self, priority: int) -> int:
+        return priority * self.scale if self.order == "high_first" else -priority * self.scale
+
+    def to_json(self) -> dict[str, object]:
+        return {"order": self.order, "scale": self.scale}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +141,7 @@ class FlowPolicy:
     waiting_room_s: float = 0.0
     fairness: str = "tokens"
     retry_after_s: int = 1
+    engine_priority: EnginePriority | None = None
     objectives: Mapping[str, Objective] = field(default_factory=lambda: types.MappingProxyType({}))
 
     def limits(self, priority: int) -> BandLimits:
@@ -155,7 +183,7 @@ class FlowPolicy:
 KNOWN_PATHS = (
     "flow/saturation, flow/models/<model>, flow/bands/default, flow/bands/<priority>, "
     "flow/max_queued, flow/max_queued_bytes, flow/sheddable_max_wait_s, flow/waiting_room_s, "
-    "flow/fairness, flow/retry_after_s, objectives/<name>"
+    "flow/fairness, flow/retry_after_s, flow/engine_priority, objectives/<name>"
 )
 
 
@@ -171,6 +199,7 @@ _SCALARS = (
     "waiting_room_s",
     "fairness",
     "retry_after_s",
+    "engine_priority",
 )
 _FLOW_KEYS = ("saturation", "models", "bands", *_SCALARS)
 
@@ -279,6 +308,8 @@ def _apply(policy: FlowPolicy, path: str, value: object, where: str) -> FlowPoli
         return replace(policy, waiting_room_s=float(number(value, where, 0.0)))
     if rest == "retry_after_s":
         return replace(policy, retry_after_s=int(number(value, where, 1, integer=True)))
+    if rest == "engine_priority":
+        return replace(policy, engine_priority=parse_engine_priority(value, where))
     if value not in FAIRNESS:  # flow/fairness, the last path check_flow_path lets through
         raise ConfigError(f"{where}: expected one of {', '.join(FAIRNESS)}, got {value!r}")
     assert isinstance(value, str)
@@ -370,10 +401,24 @@ def parse_band(value: object, where: str) -> BandLimits:
 
 
 def _headroom(value: object, where: str) -> float:
-    share = float(number(value, where, 0.0))
+    share = float(number(value, where, -1.0))
     if share >= 1.0:
-        raise ConfigError(f"{where}: a share of each saturation limit, 0 <= headroom < 1, got {value!r}")
+        raise ConfigError(f"{where}: a share of each saturation limit, -1 <= headroom < 1, got {value!r}")
     return share
+
+
+def parse_engine_priority(value: object, where: str) -> EnginePriority | None:
+    """``{order, scale}`` (``None``: off)."""
+    if value is None:
+        return None
+    table = _table(value, where, ("order", "scale"))
+    order = table.get("order", "low_first")
+    if order not in ENGINE_PRIORITY_ORDERS:
+        orders = ", ".join(ENGINE_PRIORITY_ORDERS)
+        raise ConfigError(f"{where}.order: expected one of {orders}, got {order!r}")
+    assert isinstance(order, str)
+    scale = int(number(table.get("scale", 1), f"{where}.scale", 1, integer=True))
+    return EnginePriority(order, scale)
 
 
 def parse_objective(name: str, value: object, where: str) -> Objective:
@@ -416,6 +461,7 @@ def flow_values(policy: FlowPolicy) -> dict[str, object]:
         "flow/waiting_room_s": policy.waiting_room_s,
         "flow/fairness": policy.fairness,
         "flow/retry_after_s": policy.retry_after_s,
+        "flow/engine_priority": None if policy.engine_priority is None else policy.engine_priority.to_json(),
     }
     for model, own in policy.models.items():
         value: dict[str, object] = sat(own.limits) if own.limits is not None else {}

@@ -93,6 +93,11 @@ SIM_SOURCES = {
     "time_scale": "every step stretched this many times so 2 CPU cores can drive the fleet and a router",
     "max_num_seqs": "the engine's running-batch limit (vLLM --max-num-seqs), kept small so a few replicas"
     " saturate at a request rate 2 cores can send",
+    "engine_priority": "with it, the engines order their queue by (priority, arrival) (vLLM's"
+    " --scheduling-policy priority, v1 scheduler) and a waiting request preempts the latest running one of"
+    " lower priority when the batch is full (SGLang's --enable-priority-scheduling: schedule_policy.py"
+    " preempt_to_schedule, threshold 0 here); a preempted request recomputes from its last cached full block"
+    " (load/sim/engine.py)",
 }
 
 
@@ -124,15 +129,25 @@ class FlowConfig:
     batch_max_requests: int = 32
     batch_max_wait_s: float = 10.0
     batch_headroom: float = 0.125
+    #: Engines schedule by priority and preempt lower priorities for a full batch (SGLang's
+    #: --enable-priority-scheduling; the simulator's --scheduling-policy priority --priority-preemption);
+    #: kvgate-flow writes each request's band into its body (flow/engine_priority) and lets interactive
+    #: go past the in-flight limit by ``interactive_overcommit`` (a negative headroom).
+    engine_priority: bool = False
+    interactive_overcommit: float = 0.5
     seed: int = 1
 
     def sim_args(self) -> tuple[str, ...]:
+        priority: tuple[str, ...] = ()
+        if self.engine_priority:
+            priority = ("--scheduling-policy", "priority", "--priority-preemption")
         return (
             "--time-scale", str(self.time_scale),
             "--max-num-seqs", str(self.max_num_seqs),
             "--step-base-ms", str(self.step_base_ms),
             "--decode-ms-per-seq", str(self.decode_ms_per_seq),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            *priority,
         )  # fmt: skip
 
     def derived_capacity_req_s(self) -> float:
@@ -190,6 +205,9 @@ def flow_overlay(config: FlowConfig, limits: bool) -> dict[str, Any]:
             },
             "fairness": "tokens",
         }
+        if config.engine_priority:
+            overlay["flow"]["bands"]["1"] = {"headroom": -config.interactive_overcommit}
+            overlay["flow"]["engine_priority"] = {"order": "low_first", "scale": 1}
     return overlay
 
 
@@ -536,6 +554,7 @@ def _sim_params(config: FlowConfig) -> dict[str, Any]:
         "decode_ms_per_seq",
         "prefill_tokens_per_s",
         "multiplier",
+        "engine_priority",
     )
     return {k: getattr(config, k) for k in keys}
 
@@ -560,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="share of each engine's in-flight limit the batch band leaves to interactive (default 0.125)",
     )
+    p.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="engines preempt by priority and kvgate-flow passes the band (batch headroom 0 unless given)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -573,6 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if value is not None:
             config = replace(config, **{key: value})
+    if args.engine_priority:
+        config = replace(config, engine_priority=True)
+        if args.batch_headroom is None:
+            config = replace(config, batch_headroom=0.0)
     targets = tuple(args.targets.split(",")) if args.targets else TARGETS
     if args.quick and not args.targets:
         targets = ("kvgate-flow", "kvgate-no-flow", "round-robin")

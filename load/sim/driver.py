@@ -63,13 +63,17 @@ class EngineDriver:
         queue: asyncio.Queue[TokenEvent] | None = None,
         *,
         remote_prefill: bool = False,
+        priority: int = 0,
     ) -> asyncio.Queue[TokenEvent]:
         """Queue a request (and the ``siblings`` (id, output) sharing its prefill, see
-        :meth:`Engine.add_request`; ``remote_prefill``: its prompt was computed by another replica); the
+        :meth:`Engine.add_request`; ``remote_prefill``: its prompt was computed by another replica;
+        ``priority``: its scheduling priority, lower first); the
         tokens of all of them arrive on ``queue`` (a new one by default), which is returned, each
         request's last with ``finished``."""
         now = asyncio.get_running_loop().time()
-        self.engine.add_request(request_id, prompt, output, now, siblings, remote_prefill=remote_prefill)
+        self.engine.add_request(
+            request_id, prompt, output, now, siblings, remote_prefill=remote_prefill, priority=priority
+        )
         queue = asyncio.Queue() if queue is None else queue
         for rid in (request_id, *(s for s, _ in siblings)):
             self._queues[rid] = queue

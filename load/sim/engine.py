@@ -17,6 +17,17 @@ A request added with ``remote_prefill`` (a decode replica of a prefill/decode pa
 computed elsewhere: on admission every prompt token but the last counts as computed (the KV arrived by
 transfer, :meth:`TimingModel.transfer_s`, charged by the caller before it adds the request), its blocks
 are registered at once, and the one step that computes the last token samples the first output token.
+
+Priorities (``scheduling_policy = "priority"``, vLLM's ``--scheduling-policy priority``): each request
+has an integer ``priority``, lower first; the waiting queue is ordered by ``(priority, arrival)``
+instead of arrival alone. vLLM preempts only when the KV cache runs out; with ``priority_preemption``
+(SGLang's ``--enable-priority-scheduling``, whose preemption is on by default, in vLLM's order: SGLang's
+``--schedule-low-priority-values-first``) a waiting request also preempts when the running batch is full:
+the running request of the highest ``(priority, arrival)`` is preempted when the waiting head's
+priority is lower than its by more than ``priority_preemption_threshold``. A preempted request goes back
+to the waiting queue and loses its KV (recompute, as both engines do); its full blocks stay in the
+prefix cache, so on resumption it recomputes only the tokens past its last full block (prompt and
+output so far: the step that computes them samples its next token).
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from load.sim.cache import CacheListener, PrefixCache
 from load.sim.power import EnergyMeter, PowerModel
 from load.sim.timing import TimingModel
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -42,11 +55,21 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    #: "fcfs" or "priority" (module docstring).
+    scheduling_policy: str = "fcfs"
+    priority_preemption: bool = False
+    priority_preemption_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.priority_preemption and self.scheduling_policy != "priority":
+            raise ValueError("priority_preemption needs scheduling_policy 'priority'")
+        if self.priority_preemption_threshold < 0:
+            raise ValueError("priority_preemption_threshold must be >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -74,6 +97,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
+    #: Running requests sent back to the waiting queue (vLLM's ``num_preemptions``).
+    preemptions: int = 0
     #: Requests decoded after a remote prefill, and the prompt tokens whose KV they received.
     remote_prefills: int = 0
     remote_prefill_tokens: int = 0
@@ -97,6 +122,15 @@ class _Seq:
     num_committed: int = 0  # leading blocks registered in the cache (hits included)
     done: bool = False
     remote: bool = False  # prefilled elsewhere: the prompt's KV arrives by transfer
+    priority: int = 0  # lower first ("priority" scheduling)
+    prefill_len: int = 0  # tokens to compute before it decodes: the prompt, or all so far once preempted
+
+    def __post_init__(self) -> None:
+        if not self.prefill_len:
+            self.prefill_len = self.prompt_len
+
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +203,11 @@ class Engine:
         siblings: Sequence[tuple[str, Sequence[int]]] = (),
         *,
         remote_prefill: bool = False,
+        priority: int = 0,
     ) -> None:
         """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival.
-        ``remote_prefill``: its prompt was computed by another replica (module docstring).
+        ``remote_prefill``: its prompt was computed by another replica; ``priority``: lower first under
+        the "priority" scheduling policy, else ignored (module docstring).
 
         ``siblings`` (id, output) are the other choices of an ``n`` > 1 request: they share this
         request's prefill, so they wait until its prompt is computed, then go to the head of the queue
@@ -183,8 +219,9 @@ class Engine:
         ]
         for seq in seqs:
             self._seqs[seq.request_id] = seq
+            seq.priority = priority
         seqs[0].remote = remote_prefill
-        self._waiting.append(seqs[0])
+        self._enqueue(seqs[0])
         if len(seqs) > 1:
             self._held[request_id] = seqs[1:]
 
@@ -219,18 +256,51 @@ class Engine:
     def _release_siblings(self, seq: _Seq) -> None:
         self._waiting.extendleft(reversed(self._held.pop(seq.request_id, [])))
 
+    def _enqueue(self, seq: _Seq) -> None:
+        """Queue ``seq``: at the tail (fcfs), or after every request of lower ``(priority, arrival)``."""
+        if self.config.scheduling_policy == "fcfs":
+            self._waiting.append(seq)
+            return
+        key = (seq.priority, seq.arrival)
+        at = len(self._waiting)
+        while at > 0 and (self._waiting[at - 1].priority, self._waiting[at - 1].arrival) > key:
+            at -= 1
+        self._waiting.insert(at, seq)
+
+    def _preempt_for_head(self) -> bool:
+        """With priority preemption and a full batch: preempt the running request of the highest
+        ``(priority, arrival)`` for the waiting head if the head's priority beats it by more than the
+        threshold; whether one was preempted."""
+        cfg = self.config
+        if not (cfg.priority_preemption and self._waiting and len(self._running) >= cfg.max_num_seqs):
+            return False
+        head = self._waiting[0]
+        victim = max(self._running, key=lambda s: (s.priority, s.arrival))
+        if victim.priority - head.priority <= cfg.priority_preemption_threshold:
+            return False
+        self._running.remove(victim)
+        self.cache.free(victim.request_id)
+        victim.num_computed = victim.num_committed = 0
+        victim.prefill_len = max(victim.prompt_len, len(victim.tokens))
+        victim.remote = False
+        self.stats.preemptions += 1
+        self._enqueue(victim)
+        return True
+
     def schedule(self, now: float) -> Step | None:
         """Plan the next step starting at ``now``; ``None`` when nothing can run."""
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight")
-        decode = tuple(s for s in self._running if s.num_computed >= s.prompt_len)
+        while self._preempt_for_head():
+            pass
+        decode = tuple(s for s in self._running if not s.in_prefill())
         budget = self.config.max_num_batched_tokens - len(decode)
         prefill: list[tuple[_Seq, int]] = []
         for seq in self._running:
             if budget <= 0:
                 break
-            if seq.num_computed < seq.prompt_len:
-                chunk = min(budget, seq.prompt_len - seq.num_computed)
+            if seq.in_prefill():
+                chunk = min(budget, seq.prefill_len - seq.num_computed)
                 prefill.append((seq, chunk))
                 budget -= chunk
         while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
@@ -239,7 +309,7 @@ class Engine:
                 break  # FIFO: the head waits for blocks, and so does everyone behind it
             self._waiting.popleft()
             self._running.append(seq)
-            chunk = min(budget, seq.prompt_len - seq.num_computed)
+            chunk = min(budget, seq.prefill_len - seq.num_computed)
             prefill.append((seq, chunk))
             budget -= chunk
         if not decode and not prefill:
@@ -273,10 +343,13 @@ class Engine:
             if seq.done:
                 continue
             seq.num_computed += n
-            if seq.num_computed == seq.prompt_len:
-                self.stats.prompt_tokens += seq.prompt_len
+            if seq.num_computed == seq.prefill_len:
+                first = seq.num_output == 0
+                if first:
+                    self.stats.prompt_tokens += seq.prompt_len
                 events.append(self._sample(seq, step.end))
-                self._release_siblings(seq)
+                if first:
+                    self._release_siblings(seq)
             else:
                 self._commit(seq)
         return events
@@ -285,14 +358,16 @@ class Engine:
         bs = self.config.block_size
         kv_tokens = seq.prompt_len + len(seq.output) - 1  # the last sampled token is never computed
         n_blocks = -(-kv_tokens // bs)
-        prefix = seq.digests[: (seq.prompt_len - 1) // bs] if self.config.enable_prefix_caching else []
+        prefix = seq.digests[: (seq.prefill_len - 1) // bs] if self.config.enable_prefix_caching else []
         hits = self.cache.allocate(seq.request_id, prefix, n_blocks)
         if hits is None:
             return False
-        seq.num_cached = seq.num_computed = hits * bs
+        seq.num_computed = hits * bs
+        if seq.num_output == 0:  # a resumed request keeps its first admission's figure (usage)
+            seq.num_cached = seq.num_computed
         seq.num_committed = hits
-        self.stats.prefix_cache_queries += seq.prompt_len
-        self.stats.prefix_cache_hits += seq.num_cached
+        self.stats.prefix_cache_queries += seq.prefill_len
+        self.stats.prefix_cache_hits += hits * bs
         if seq.remote:  # the KV of every prompt token but the last arrived from the prefill replica
             self.stats.remote_prefills += 1
             self.stats.remote_prefill_tokens += max(0, seq.prompt_len - 1 - seq.num_computed)

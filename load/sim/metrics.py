@@ -47,6 +47,7 @@ class EngineCollector(Collector):
             ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions),
             # The simulator's own (not vLLM's): both halves of P/D handoffs (load/sim/handoff.py).
             (
                 "kvgate_sim_remote_decodes",

@@ -37,7 +37,7 @@ from load.sim import responses
 from load.sim.cache import CacheListener
 from load.sim.compat import compat_routes
 from load.sim.driver import EngineDriver
-from load.sim.engine import Engine, EngineConfig
+from load.sim.engine import SCHEDULING_POLICIES, Engine, EngineConfig
 from load.sim.errors import SimError
 from load.sim.fields import lax_bool, opt, strict_str
 from load.sim.handoff import ROLES
@@ -458,6 +458,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=e.max_model_len, help="prompt + output limit (tokens)"
     )
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=e.scheduling_policy,
+        help="as vLLM: fcfs, or priority (the request's 'priority' field, lower first)",
+    )
+    p.add_argument(
+        "--priority-preemption",
+        action="store_true",
+        help="(with --scheduling-policy priority) a waiting request preempts a running one of lower priority "
+        "when the batch is full, as SGLang's --enable-priority-scheduling does",
+    )
+    p.add_argument(
+        "--priority-preemption-threshold",
+        type=int,
+        default=e.priority_preemption_threshold,
+        help="preempt only when the priorities differ by more than this (SGLang's default: 10)",
+    )
     p.add_argument("--time-scale", type=float, default=t.time_scale, help="multiplies every step duration")
     p.add_argument("--step-base-ms", type=float, default=t.base_s * 1e3, help="fixed cost of a step (ms)")
     p.add_argument(
@@ -528,6 +546,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        priority_preemption=args.priority_preemption,
+        priority_preemption_threshold=args.priority_preemption_threshold,
     )
     timing = TimingModel(
         base_s=args.step_base_ms / 1e3,

@@ -25,7 +25,7 @@ from load.sim import protocol as api
 from load.sim import responses as out
 from load.sim.driver import EngineDriver
 from load.sim.errors import invalid, refused
-from load.sim.fields import opt, strict_str
+from load.sim.fields import lax_int, opt, strict_str
 from load.sim.handoff import NONE, Transfer, prefill_params, read_transfer
 from load.sim.output import Plan, plan_choice
 from load.sim.tokenizer import SimTokenizer
@@ -144,6 +144,7 @@ class Serving:
         fmt = api.parse_response_format(body)
         chat, tools, prompt = self.chat_prompt(body)
         transfer = read_transfer(body, self.role)
+        priority = self.priority_of(body)
         api.check_max_tokens(sampling, self.max_model_len)
         api.check_prompt_len(len(prompt), self.max_model_len, text=True)
         max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(prompt), self.max_model_len)
@@ -175,7 +176,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt], transfer)
+        return await self._run(request, req, [prompt], transfer, priority)
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -186,6 +187,7 @@ class Serving:
         if opt(body, "suffix", strict_str, None) is not None:
             raise refused("suffix is not currently supported")
         transfer = read_transfer(body, self.role)
+        priority = self.priority_of(body)
         api.check_max_tokens(sampling, self.max_model_len)
         ids = []
         for prompt in prompts:
@@ -199,7 +201,7 @@ class Serving:
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids, transfer)
+        return await self._run(request, req, ids, transfer, priority)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -207,8 +209,22 @@ class Serving:
             rid = f"{req.rid}-{p}" if i == 0 else f"{req.rid}-{p}-{i}"
             req.choices[rid] = _Choice(p * n + i, plan, p, echo=echo)
 
+    def priority_of(self, body: dict[str, Any]) -> int:
+        """The body's ``priority`` (vLLM's field, default 0, lower first); a non-zero one without the
+        "priority" scheduling policy is refused, as vLLM refuses it."""
+        value = body.get("priority")
+        priority = 0 if value is None else lax_int(value, "priority")
+        if priority and self.driver.engine.config.scheduling_policy != "priority":
+            raise refused(f"Got priority {priority} but Priority scheduling is not enabled.")
+        return priority
+
     async def _run(
-        self, request: web.Request, req: _Request, prompts: list[list[int]], transfer: Transfer = NONE
+        self,
+        request: web.Request,
+        req: _Request,
+        prompts: list[list[int]],
+        transfer: Transfer = NONE,
+        priority: int = 0,
     ) -> web.StreamResponse:
         remote = transfer.remote_prefill is not None
         if transfer.remote_prefill is not None:
@@ -225,6 +241,7 @@ class Serving:
                 siblings,
                 queue,
                 remote_prefill=remote and p == 0,
+                priority=priority,
             )
         assert queue is not None
         log.debug("%s: %d prompts, %d choices", req.rid, len(prompts), len(ids))

@@ -13,7 +13,7 @@ from load.sim.timing import TimingModel
 TIMING = TimingModel()
 
 
-def make(**kw: int | bool) -> Engine:
+def make(**kw: int | bool | str) -> Engine:
     return Engine(EngineConfig(**kw), TIMING, chain_seed("m"))  # type: ignore[arg-type]
 
 
@@ -189,3 +189,84 @@ def test_invalid_requests_and_configs_are_refused() -> None:
         EngineConfig(num_blocks=2, block_size=16, max_model_len=64)
     with pytest.raises(ValueError):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def run_until(engine: Engine, rid: str, t: float, n_tokens: int) -> float:
+    """Step until ``rid`` has produced ``n_tokens`` tokens; the time then."""
+    got = 0
+    while got < n_tokens:
+        step = engine.schedule(t)
+        assert step is not None
+        t = step.end
+        got += sum(1 for e in engine.complete(step) if e.request_id == rid)
+    return t
+
+
+def test_priority_policy_orders_the_waiting_queue_lower_first() -> None:
+    engine = make(max_num_seqs=1, scheduling_policy="priority")
+    engine.add_request("running", prompt(16), out(2), now=0.0, priority=5)
+    t = run_until(engine, "running", 0.0, 1)
+    engine.add_request("late-low", prompt(16, 2000), out(1), now=t, priority=5)
+    engine.add_request("later-high", prompt(16, 3000), out(1), now=t + 0.001, priority=-1)
+    events, _ = drain(engine, t)
+    assert events["later-high"][0][0] < events["late-low"][0][0]
+    assert engine.stats.preemptions == 0  # vLLM preempts only when KV runs out
+
+
+def test_fcfs_ignores_priority() -> None:
+    engine = make(max_num_seqs=1)
+    engine.add_request("running", prompt(16), out(2), now=0.0)
+    t = run_until(engine, "running", 0.0, 1)
+    engine.add_request("first", prompt(16, 2000), out(1), now=t, priority=5)
+    engine.add_request("second", prompt(16, 3000), out(1), now=t + 0.001, priority=-1)
+    events, _ = drain(engine, t)
+    assert events["first"][0][0] < events["second"][0][0]
+
+
+def test_priority_preemption_runs_a_higher_request_at_once_and_resumes_the_victim() -> None:
+    engine = make(max_num_seqs=2, scheduling_policy="priority", priority_preemption=True)
+    engine.add_request("old", prompt(40), out(30), now=0.0, priority=0)
+    engine.add_request("new", prompt(40, 2000), out(30), now=0.001, priority=0)
+    t = run_until(engine, "new", 0.0, 10)
+    engine.add_request("urgent", prompt(40, 3000), out(5), now=t, priority=-1)
+    step = engine.schedule(t)
+    assert step is not None
+    assert engine.stats.preemptions == 1
+    # the latest arrival of the lowest priority is the victim; urgent prefills in this very step
+    assert [s.request_id for s, _ in step.prefill] == ["urgent"]
+    assert {s.request_id for s in step.decode} == {"old"}
+    engine.complete(step)
+    events, _ = drain(engine, step.end)
+    assert len(events["new"]) == 20  # every output token of the victim still comes, once each
+    assert events["urgent"][-1][1].finished
+    assert events["new"][-1][1].finished
+    # on resumption it recomputes only what is past its last full block: 50 tokens, 48 of them cached
+    assert engine.stats.prefix_cache_hits >= 48
+    assert engine.cache.kv_usage == 0
+
+
+def test_priority_preemption_needs_a_margin_over_the_threshold() -> None:
+    engine = make(
+        max_num_seqs=1,
+        scheduling_policy="priority",
+        priority_preemption=True,
+        priority_preemption_threshold=1,
+    )
+    engine.add_request("batch", prompt(16), out(5), now=0.0, priority=0)
+    t = run_until(engine, "batch", 0.0, 1)
+    engine.add_request("close", prompt(16, 2000), out(1), now=t, priority=-1)
+    step = engine.schedule(t)
+    assert step is not None and engine.stats.preemptions == 0
+    engine.complete(step)
+    engine.add_request("far", prompt(16, 3000), out(1), now=step.end, priority=-2)
+    assert engine.schedule(step.end) is not None
+    assert engine.stats.preemptions == 1
+
+
+def test_priority_configs_are_checked() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="needs scheduling_policy"):
+        EngineConfig(priority_preemption=True)
+    with pytest.raises(ValueError, match="threshold"):
+        EngineConfig(scheduling_policy="priority", priority_preemption_threshold=-1)

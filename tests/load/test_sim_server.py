@@ -321,6 +321,8 @@ BAD, SCHEMA, MISSING = "BadRequestError", "Bad Request", "NotFoundError"
         (COMPLETIONS, body(prompt=[1, 10**6]), 400, None, BAD),  # out of vocabulary
         (COMPLETIONS, body(prompt="x", suffix="y"), 400, None, BAD),
         (COMPLETIONS, body(prompt="x", stream_options={"include_usage": True}), 400, "stream_options", BAD),
+        (CHAT, body(messages=MESSAGES, priority=3), 400, None, BAD),  # fcfs: vLLM refuses a priority
+        (CHAT, body(messages=MESSAGES, priority="high"), 400, "body.priority", SCHEMA),
         (COMPLETIONS, body(model="other", prompt="x"), 404, "model", MISSING),
         ("/v1/nothing", b"{}", 404, None, MISSING),
     ],
@@ -458,3 +460,16 @@ async def test_tls_client_certificate_from_another_ca_fails_the_handshake(
 ) -> None:
     with pytest.raises(aiohttp.ClientError):
         await tls_get(tls_fleet, pki, "foreign-client", "/v1/models")
+
+
+async def test_priority_scheduling_accepts_the_priority_field_and_counts_preemptions(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    engine = EngineConfig(max_model_len=512, scheduling_policy="priority", priority_preemption=True)
+    config = SimConfig(MODEL, model_dir, timing=TimingModel(time_scale=0.01), engine=engine)
+    async with SimFleet(config, 1) as fleet:
+        url = f"http://{fleet.addresses[0]}"
+        async with http.post(f"{url}{CHAT}", data=body(messages=MESSAGES, priority=-5, max_tokens=3)) as resp:
+            assert resp.status == 200, await resp.text()
+        async with http.get(f"{url}/metrics") as resp:
+            assert "vllm:num_preemptions" in await resp.text()

@@ -98,6 +98,9 @@ def test_saturated(limits: Saturation, endpoint: EndpointState, expected: bool) 
         (Saturation(max_waiting=4), state(running=0, waiting=1), 0.5, False),
         (Saturation(max_kv_usage=0.8), state(running=0, kv=0.61), 0.25, True),
         (Saturation(max_kv_usage=0.8), state(running=0, kv=0.59), 0.25, False),
+        # negative headroom goes past the limits (engines that preempt lower bands): 8 -> 12
+        (Saturation(max_in_flight=8), state(in_flight=11), -0.5, False),
+        (Saturation(max_in_flight=8), state(in_flight=12), -0.5, True),
         # no limit: headroom changes nothing
         (Saturation(), state(in_flight=100), 0.9, False),
     ],

@@ -10,6 +10,7 @@ import pytest
 from contracts.errors import ConfigError
 from extproc.flow.policy import (
     BandLimits,
+    EnginePriority,
     FlowPolicy,
     ModelSaturation,
     Objective,
@@ -61,6 +62,18 @@ GOOD: list[tuple[str, object, FlowPolicy]] = [
     ("flow/fairness", "requests", FlowPolicy(fairness="requests")),
     ("flow/retry_after_s", 3, FlowPolicy(retry_after_s=3)),
     (
+        "flow/bands/1",
+        {"headroom": -0.5},
+        FlowPolicy(band_limits=types.MappingProxyType({1: BandLimits(headroom=-0.5)})),
+    ),
+    ("flow/engine_priority", {}, FlowPolicy(engine_priority=EnginePriority())),
+    (
+        "flow/engine_priority",
+        {"order": "high_first", "scale": 100},
+        FlowPolicy(engine_priority=EnginePriority("high_first", 100)),
+    ),
+    ("flow/engine_priority", None, FlowPolicy()),
+    (
         "objectives/interactive",
         {"priority": 2, "ttft_ms": 500, "tpot_ms": 20},
         FlowPolicy(objectives=types.MappingProxyType({"interactive": Objective("interactive", 2, 500, 20)})),
@@ -94,8 +107,12 @@ BAD: list[tuple[str, object, str]] = [
     ("flow/bands/default", {"max_requests": 0}, "max_requests: must be finite and >= 1"),
     ("flow/bands/default", {"max_requests": 1.5}, "expected an integer"),
     ("flow/bands/default", {"max_wait_s": -1}, "max_wait_s: must be finite and >= 0"),
-    ("flow/bands/0", {"headroom": 1}, "0 <= headroom < 1"),
-    ("flow/bands/0", {"headroom": -0.1}, "headroom: must be finite and >= 0"),
+    ("flow/bands/0", {"headroom": 1}, "-1 <= headroom < 1"),
+    ("flow/bands/0", {"headroom": -1.5}, "headroom: must be finite and >= -1"),
+    ("flow/engine_priority", {"order": "first"}, "order: expected one of low_first, high_first"),
+    ("flow/engine_priority", {"scale": 0}, "scale: must be finite and >= 1"),
+    ("flow/engine_priority", {"scale": 2, "field": "x"}, "unknown key(s) field"),
+    ("flow/engine_priority", "vllm", "expected an object"),
     ("flow/bands/0", {"headroom": "0.2"}, "headroom: expected a number"),
     ("flow/bands/high", {}, "a band is named by its priority"),
     ("flow/bands/01", {}, "a band is named by its priority"),  # one band, one path

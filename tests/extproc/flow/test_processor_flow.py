@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from engines.metrics import EngineMetrics
 from extproc.errors import GatewayError
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl, Room
-from extproc.flow.policy import BandLimits, FlowPolicy, Objective, Saturation
+from extproc.flow.policy import BandLimits, EnginePriority, FlowPolicy, Objective, Saturation
 from extproc.models.registry import ModelAssets
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
@@ -331,3 +332,36 @@ def test_a_request_that_would_wait_is_shed_at_arrival_when_even_routing_now_woul
     waits = make(router, control)
     send(waits, {"x-kvgate-deadline-ms": "60000"}, content="word " * 400)
     assert waits.held is not None and len(control.queues) == 1
+
+
+@pytest.mark.parametrize(("order", "expected"), [("low_first", {1: -10, 0: 0}), ("high_first", {1: 10, 0: 0})])
+def test_engine_priority_writes_the_band_into_the_body_and_replaces_the_clients(
+    router: Router, order: str, expected: dict[int, int]
+) -> None:
+    """With flow/engine_priority the routed body carries the request's band as the engine's priority
+    field (the client's own replaced); batch fills every slot of the engines (headroom 0) while
+    interactive may go past them (headroom -0.5: engines that preempt make room)."""
+    policy = FlowPolicy(
+        saturation=Saturation(max_in_flight=2),
+        band_limits={1: BandLimits(headroom=-0.5)},
+        engine_priority=EnginePriority(order, 10),
+        objectives={o.name: o for o in (INTERACTIVE, BATCH)},
+    )
+    control: FlowControl[StreamProcessor] = FlowControl(policy)
+    sent: dict[int, int] = {}
+    for _ in range(6):
+        r = reply(send(make(router, control), {"x-llm-d-inference-objective": "batch"}, priority=-99))
+        sent[0] = orjson.loads(b"".join(c for c, _ in r.chunks))["priority"]
+    assert flow_room(policy, router, MODEL, NOW, 0) is Room.FULL
+    assert flow_room(policy, router, MODEL, NOW, 1) is Room.OPEN
+    urgent = make(router, control)
+    r = reply(send(urgent, {"x-llm-d-inference-objective": "interactive"}, priority=-99))
+    assert urgent.held is None
+    sent[1] = orjson.loads(b"".join(c for c, _ in r.chunks))["priority"]
+    assert sent == expected
+
+
+def test_without_engine_priority_the_body_is_left_alone(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    r = reply(send(make(router, control), {"x-llm-d-inference-objective": "interactive"}))
+    assert "priority" not in orjson.loads(b"".join(c for c, _ in r.chunks))
