@@ -131,10 +131,13 @@ async def test_responses_name_the_engine_and_the_log_holds_the_decision(stack: S
         assert 0 <= entry["ttfb_ms"] <= entry["duration_ms"]
         assert entry["bytes_received"] == len(payload) and entry["bytes_sent"] > 0
     assert served[0][1] == served[1][1]
-    # the first found at most the chat template's default system prompt; the second all of its prompt
-    blocks = first["prompt_blocks"]
+    # the first found at most the chat template's default system prompt; the second all of its prompt.
+    # The first stopped hashing at its first block nobody held (the lazy path), so its prompt_blocks is
+    # estimated from the prompt's characters (docs/ARCHITECTURE.md); the second, led everywhere, hashed
+    # its whole prompt and counts it exactly.
+    blocks = second["prompt_blocks"]
     assert first["matched_blocks"] < blocks
-    assert second["matched_blocks"] == second["prompt_blocks"] == blocks
+    assert second["matched_blocks"] == blocks
     text = access_log_path(stack).read_text(errors="replace")
     for never in (marker, secret, query_secret):
         assert never not in text
