@@ -285,6 +285,8 @@ class Router:
         self.max_open = MAX_OPEN_REQUESTS
         #: TTFT per endpoint, learned from the engines' TTFT histograms and this router's requests.
         self.predictor = TTFTPredictor()
+        # An endpoint that leaves the fleet takes what was learned of it along (no growth with churn).
+        fleet.watch(lambda: self.predictor.retain({state.id for state in fleet}))
 
     @property
     def policy(self) -> RoutingPolicy:

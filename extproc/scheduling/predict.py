@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from contracts.events import EndpointId
@@ -234,6 +234,17 @@ class TTFTPredictor:
             if at is not None:
                 at.pop(request_id, None)
         return entry
+
+    def retain(self, endpoints: Container[EndpointId]) -> None:
+        """Forget every endpoint not in ``endpoints`` (it left the fleet): its line, window, mean and the
+        requests routed there."""
+        known = {*self._fits, *self._mean_tokens, *self._at, *self._windows}
+        for gone in [e for e in known if e not in endpoints]:
+            self._fits.pop(gone, None)
+            self._mean_tokens.pop(gone, None)
+            self._windows.pop(gone, None)
+            for request_id in self._at.pop(gone, {}):
+                self._routed.pop(request_id, None)
 
     def __len__(self) -> int:
         """Routed requests remembered."""

@@ -334,7 +334,9 @@ def test_a_request_that_would_wait_is_shed_at_arrival_when_even_routing_now_woul
     assert waits.held is not None and len(control.queues) == 1
 
 
-@pytest.mark.parametrize(("order", "expected"), [("low_first", {1: -10, 0: 0}), ("high_first", {1: 10, 0: 0})])
+@pytest.mark.parametrize(
+    ("order", "expected"), [("low_first", {1: -10, 0: 0}), ("high_first", {1: 10, 0: 0})]
+)
 def test_engine_priority_writes_the_band_into_the_body_and_replaces_the_clients(
     router: Router, order: str, expected: dict[int, int]
 ) -> None:
@@ -365,3 +367,12 @@ def test_without_engine_priority_the_body_is_left_alone(router: Router) -> None:
     control: FlowControl[StreamProcessor] = FlowControl(POLICY)
     r = reply(send(make(router, control), {"x-llm-d-inference-objective": "interactive"}))
     assert "priority" not in orjson.loads(b"".join(c for c, _ in r.chunks))
+
+
+def test_the_router_forgets_what_it_learned_of_an_endpoint_that_leaves(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    proc = make(router, control)
+    reply(send(proc))
+    assert proc.decision is not None and len(router.predictor) == 1
+    router.fleet.remove(proc.decision.endpoints[0].id)
+    assert len(router.predictor) == 0

@@ -198,3 +198,21 @@ def test_the_ttft_scorer_rates_the_soonest_first_token_1() -> None:
     )
     assert scores == {"a": 1.0, "b": 0.5}
     assert PredictedTTFTScorer().score(request(None), CycleState(), [a]) == {}
+
+
+def test_an_endpoint_that_leaves_the_fleet_is_forgotten() -> None:
+    """What was learned of an endpoint goes with it (no growth as endpoints come and go); the router
+    prunes on every fleet change."""
+    p = TTFTPredictor()
+    a, b = state("a", waiting=0), state("b", waiting=0)
+    total = count = 0.0
+    for i in range(3):
+        for s in (a, b):
+            reading(s, at=10.0 * i, total=total, count=count)
+            p.routed(f"{s.id}{i}", s, 1000 * (i + 1), 10.0 * i)
+        total, count = total + 1.0, count + 2
+    assert p.line("a") != (PRIOR_SLOPE, PRIOR_BASE_S) and len(p) == 6
+    p.retain({"b"})
+    assert p.line("a") == (PRIOR_SLOPE, PRIOR_BASE_S) and p.ahead(a, 0.0) == 0
+    assert len(p) == 3 and p.line("b") != (PRIOR_SLOPE, PRIOR_BASE_S)
+
