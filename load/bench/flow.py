@@ -4,6 +4,7 @@
     python -m load.bench.flow --sweep --out results/flow.json    # + the sim-parameter sweep (~17 min more)
     python -m load.bench.flow --sweep-only --out results/flow-sweep.json  # the sweep alone
     python -m load.bench.flow --quick --out /tmp/flow.json       # seconds; figures mean nothing
+    python -m load.bench.flow --engine-priority --sweep --out results/flow.json  # engines preempt by priority
 
 Fleet: ``replicas`` simulated vLLM replicas (``load.sim``, one process) running the H100/8B step model
 slowed ``time_scale`` times, each running at most ``max_num_seqs`` sequences (the rest wait in the
@@ -42,6 +43,13 @@ Per target and class (every request sent counts; ``requests`` = served + 429 + l
   over the demands: a flow asking less than an equal split is owed all it asked), 1.0 = max-min fair;
   ``jain_raw`` the index of the served tokens themselves; ``shed_by_flow`` each flow's 429s by code
   (whole run).
+
+With ``--engine-priority`` the fleet's engines schedule by priority and preempt for a full batch (the
+simulator's ``--scheduling-policy priority --priority-preemption``, every target), and ``kvgate-flow``
+writes each request's band into its body (``flow/engine_priority``), lets batch fill every slot (headroom
+0 unless ``--batch-headroom`` is given) and lets interactive go past the limit (headroom
+``-interactive_overcommit``); the other targets send no priority, so the engines serve them first come,
+first served.
 
 Goals (``goals``, each ``{value, goal, met}``): interactive goodput >= 0.95 with flow control and < 0.5
 without; total output tok/s with flow control >= 0.95 x without; Jain's index with flow control >= 0.95;
