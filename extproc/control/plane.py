@@ -5,7 +5,10 @@ and policy.
 batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
 :class:`~extproc.control.policy.PolicyStore`:
 
-* ``endpoints/<id>``: decoded (:func:`engines.endpoint.decode_endpoint`) and upserted, or removed on delete.
+* ``endpoints/<node>/<id>`` (and ``endpoints/<id>``, the layout of older agents): decoded under the
+  version rule (:func:`engines.endpoint.decode_record`, :mod:`contracts.versions`: a record of a newer
+  schema or another digest version joins without its KV data, logged once and counted in
+  ``counters["version_skew"]``) and upserted, or removed on delete of the key that described it.
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
   address of another endpoint, is refused with a log. A value that does not decode is refused and the
   endpoint's last good description stays.
@@ -42,11 +45,13 @@ from contracts.etcd import (
     Change,
     EtcdSettings,
     decode_peer,
+    endpoint_id_of,
     policy_path,
     split_key,
 )
 from contracts.events import EndpointId
-from engines.endpoint import decode_endpoint
+from contracts.versions import SkewLog
+from engines.endpoint import decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from runtime.etcd import connect
@@ -97,7 +102,11 @@ class ControlCore:
         self._draining: set[EndpointId] = set()
         #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
         self.kvcached_feeds: dict[str, str | None] = {}
-        self.counters = dict.fromkeys(("syncs", "changes", "rejected", "refused", "ignored"), 0)
+        self.counters = dict.fromkeys(
+            ("syncs", "changes", "rejected", "refused", "ignored", "version_skew"), 0
+        )
+        self._skew = SkewLog()
+        self._endpoint_keys: dict[EndpointId, str] = {}  # id -> the key name that describes it now
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
 
@@ -149,7 +158,7 @@ class ControlCore:
         if parsed is not None:
             family, name = parsed
             if family == ENDPOINTS:
-                return self._endpoint(EndpointId(name), value), False
+                return self._endpoint_key(name, value), False
             if family == DRAIN:
                 return self._drain(EndpointId(name), value is not None), False
             if family == KVCACHED:
@@ -167,7 +176,21 @@ class ControlCore:
         self.counters["ignored"] += 1
         return False, False
 
-    def _endpoint(self, endpoint_id: EndpointId, value: bytes | None) -> bool:
+    def _endpoint_key(self, name: str, value: bytes | None) -> bool:
+        """``endpoints/<name>`` changed: the endpoint it names, whichever layout (an endpoint moving from
+        ``endpoints/<id>`` to ``endpoints/<node>/<id>`` in a rolling upgrade is described by the key
+        written last; the delete of the other one, when its lease ends, is ignored)."""
+        endpoint_id = EndpointId(endpoint_id_of(name))
+        holder = self._endpoint_keys.get(endpoint_id)
+        if value is None:
+            if holder is not None and holder != name:
+                return False
+            self._endpoint_keys.pop(endpoint_id, None)
+        elif endpoint_id not in self.static_ids:
+            self._endpoint_keys[endpoint_id] = name
+        return self._endpoint(endpoint_id, value, name)
+
+    def _endpoint(self, endpoint_id: EndpointId, value: bytes | None, name: str | None = None) -> bool:
         if endpoint_id in self.static_ids:
             if value is not None:
                 log.warning("etcd endpoint %s refused: the gateway config defines that id", endpoint_id)
@@ -181,12 +204,20 @@ class ControlCore:
             log.info("endpoint %s left the fleet", endpoint_id)
             return True
         try:
-            endpoint = decode_endpoint(endpoint_id, value)
+            decoded = decode_record(name or endpoint_id, value)
         except ConfigError as exc:
             kept = "its last good value" if endpoint_id in self._ours else "it out of the fleet"
             log.warning("etcd endpoint refused, keeping %s: %s", kept, exc)
             self.counters["rejected"] += 1
             return False
+        if decoded.skew is not None:
+            self.counters["version_skew"] += 1
+            if self._skew.note("endpoint record", endpoint_id, decoded.skew, decoded.skew) is not None:
+                log.warning("version skew: %s", decoded.skew)
+        if decoded.endpoint is None:
+            self.counters["rejected"] += 1
+            return False
+        endpoint = decoded.endpoint
         holder = self.fleet.by_address(endpoint.address)
         if holder is not None and holder.id != endpoint_id:
             address = endpoint.address
