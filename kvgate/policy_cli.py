@@ -102,11 +102,12 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> EtcdSettings:
     endpoints = args.etcd or [e for e in os.environ.get("KVGATE_ETCD", "").split(",") if e]
-    raw: dict[str, object] = {
-        "prefix": args.prefix,
-        "timeout_s": args.timeout,
-        "endpoints": endpoints or [_local_etcd()],
-    }
+    raw: dict[str, object] = {"prefix": args.prefix, "timeout_s": args.timeout, "endpoints": endpoints}
+    if not endpoints:  # the running kvgate up's etcd, with its operator certificate under --etcd-auth
+        address, tls = _local_etcd()
+        raw["endpoints"] = [address]
+        if not any(getattr(args, key) for key in ("tls_ca", "tls_cert", "tls_key")):
+            raw.update(tls)
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if getattr(args, key):
             raw[key] = getattr(args, key)
@@ -116,8 +117,9 @@ def _settings(args: argparse.Namespace) -> EtcdSettings:
         raise _Failed(str(exc), 2) from exc
 
 
-def _local_etcd() -> str:
-    """The etcd of the running ``kvgate up``, for a command given no ``--etcd`` nor ``$KVGATE_ETCD``."""
+def _local_etcd() -> tuple[str, dict[str, str]]:
+    """The etcd of the running ``kvgate up`` and its operator's TLS files (``--etcd-auth``; else none),
+    for a command given no ``--etcd`` nor ``$KVGATE_ETCD``."""
     hint = "pass --etcd HOST:PORT (or set KVGATE_ETCD)"
     try:
         stack = find_running()
@@ -129,7 +131,7 @@ def _local_etcd() -> str:
             f"with --agents N): {hint}",
             2,
         )
-    return stack.etcd
+    return stack.etcd, dict(stack.etcd_tls)
 
 
 def _parser() -> argparse.ArgumentParser:
