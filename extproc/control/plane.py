@@ -16,6 +16,8 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   for an endpoint that registers later).
 * ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
   the policy store (which keeps the last good value); :func:`contracts.etcd.policy_path` maps keys to paths.
+* ``audit/<family>/<name>``: the audit record of an operator's change (:mod:`contracts.audit`), logged
+  as one line (identity, key, operation, revision; never a value) when it arrives live.
 * any other family a :class:`FamilySink` was registered for (:meth:`ControlCore.follow`): handed to it,
   e.g. ``tenants/<id>`` and ``usage/<tenant>/<replica>`` (:mod:`extproc.control.usage`).
 
@@ -37,6 +39,7 @@ from typing import Protocol
 
 import etcd3aio
 
+from contracts import audit
 from contracts.errors import ConfigError
 from contracts.etcd import (
     DRAIN,
@@ -58,6 +61,7 @@ from runtime.etcd import connect
 from runtime.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
+audit_log = logging.getLogger("kvgate.audit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +113,12 @@ class ControlCore:
         self._endpoint_keys: dict[EndpointId, str] = {}  # id -> the key name that describes it now
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
+        self._revision_now = 0  # the revision of the changes being applied
 
     def follow(self, family: str, sink: FamilySink) -> None:
         """Hand the keys of ``family`` to ``sink`` from the next snapshot on (register before the first;
         the families the core handles itself cannot be taken)."""
-        if family in (ENDPOINTS, DRAIN, KVCACHED) or policy_path(family, "x") is not None:
+        if family in (ENDPOINTS, DRAIN, KVCACHED, audit.AUDIT) or policy_path(family, "x") is not None:
             raise ValueError(f"the control core handles {family}/ itself")
         self._sinks[family] = sink
 
@@ -137,6 +142,7 @@ class ControlCore:
     def apply(self, changes: Iterable[Change], revision: int) -> Applied:
         """Apply changes in order (one watch response, or a snapshot's diff)."""
         fleet_changed = policy_changed = False
+        self._revision_now = revision
         for change in changes:
             fleet, policy = self._apply_one(change)
             fleet_changed |= fleet
@@ -166,6 +172,13 @@ class ControlCore:
             path = policy_path(family, name)
             if path is not None:
                 return False, self._policy(path, value)
+            if family == audit.AUDIT:
+                if value is not None and not self._backlog:
+                    line = audit.log_line(
+                        audit.decode_record(value), f"{self.prefix}{name}", self._revision_now
+                    )
+                    audit_log.info("%s", line)
+                return False, False
             sink = self._sinks.get(family)
             if sink is not None:
                 if value is None:

@@ -1,10 +1,10 @@
 """Who changed a policy key, when (etcd revision), and going back to an earlier value.
 
 etcd keeps every revision of a key until it is compacted, but not who wrote it. So every write the
-operator's tools make (``kvgate policy set|unset|rollback``, ``kvgate drain``) is one transaction of two
-puts: the value key and its audit record ``<prefix>audit/<family>/<name>`` = ``{"by": identity, "op":
-"set" | "unset" | "rollback", "from": R}`` (``from``: the revision a rollback restored). Both land at the
-same revision, so the audit key's revisions name who made each change of the value key. The identity is
+operator's tools make (``kvgate policy set|unset|rollback``) is one transaction of two puts: the value
+key and its audit record ``<prefix>audit/<family>/<name>`` = ``{"by": identity, "op": "set" | "unset" |
+"rollback", "from": R}`` (:mod:`contracts.audit`; ``from``: the revision a rollback restored). Both land
+at the same revision, so the audit key's revisions name who made each change of the value key. The identity is
 the common name of the client certificate etcd authenticated the write with (etcd's user; without TLS:
 ``unauthenticated:<user>@<host>``). Records hold no values: a tenant's or a policy's content is never
 copied into the audit trail, and the log line of a change (:func:`log_line`) has identity, key, operation
@@ -20,7 +20,6 @@ version, after the caller validated it as any write.
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -32,23 +31,26 @@ from cryptography.x509.oid import NameOID
 
 from certs.authority import load_cert_pem
 from certs.errors import CertError
+from contracts.audit import Record, audit_key, decode_record, encode_record, log_line
 from contracts.errors import ConfigError
-from contracts.etcd import EtcdSettings, split_key
-from kvgate.etcdsec.rbac import AUDIT
+from contracts.etcd import EtcdSettings
 from runtime.etcd import ETCD_ERRORS
 
 log = logging.getLogger("kvgate.audit")
 
-OPS = ("set", "unset", "rollback")
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """An audit record: who, which operation, and for a rollback the revision restored."""
-
-    by: str
-    op: str
-    restored: int | None = None
+__all__ = [
+    "Entry",
+    "Record",
+    "RollbackError",
+    "audit_key",
+    "decode_record",
+    "encode_record",
+    "history",
+    "log_line",
+    "rollback",
+    "who",
+    "write",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,35 +61,6 @@ class Entry:
     revision: int
     value: bytes | None
     record: Record | None
-
-
-def audit_key(prefix: str, key: str) -> str:
-    """``<prefix>audit/<family>/<name>`` of the value key ``<prefix><family>/<name>``."""
-    parsed = split_key(prefix, key)
-    if parsed is None:
-        raise ConfigError(f"{key!r} is not a key under {prefix!r}")
-    return f"{prefix}{AUDIT}/{parsed[0]}/{parsed[1]}"
-
-
-def encode_record(record: Record) -> bytes:
-    if record.op not in OPS:
-        raise ConfigError(f"audit: unknown operation {record.op!r}")
-    doc: dict[str, object] = {"by": record.by, "op": record.op}
-    if record.restored is not None:
-        doc["from"] = record.restored
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
-def decode_record(raw: bytes) -> Record | None:
-    """An audit record, or ``None`` when the value is not one (never raises: history shows what it can)."""
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("by"), str) or doc.get("op") not in OPS:
-        return None
-    restored = doc.get("from")
-    return Record(doc["by"], doc["op"], restored if isinstance(restored, int) else None)
 
 
 def who(settings: EtcdSettings) -> str:
@@ -106,12 +79,6 @@ def who(settings: EtcdSettings) -> str:
     except (KeyError, OSError):
         user = "unknown"
     return f"unauthenticated:{user}@{socket.gethostname()}"
-
-
-def log_line(record: Record, key: str, revision: int) -> str:
-    """The audit log line of one change: identity, key, operation, revision; never the value."""
-    line = f"audit: by={record.by} key={key} op={record.op} revision={revision}"
-    return line if record.restored is None else f"{line} restored={record.restored}"
 
 
 def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:

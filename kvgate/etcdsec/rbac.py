@@ -32,11 +32,9 @@ from dataclasses import dataclass
 
 from certs.authority import role_of
 from certs.errors import CertError
+from contracts.audit import AUDIT
 from contracts.errors import ConfigError
 from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, MODELS, OBJECTIVES, POLICY, TENANTS, USAGE
-
-AUDIT = "audit"
-"""Key family of the audit records (``audit/<family>/<name>``, :mod:`kvgate.etcdsec.audit`)."""
 
 GATEWAY_ROLE = "kvgate-gateway"
 OPERATOR_ROLE = "kvgate-operator"

@@ -241,3 +241,26 @@ def test_audit_records_hold_no_values() -> None:
     assert audit.audit_key("/kvgate/", "/kvgate/models/org/chat") == "/kvgate/audit/models/org/chat"
     line = audit.log_line(record, "/kvgate/tenants/acme", 42)
     assert line == "audit: by=operator-alice key=/kvgate/tenants/acme op=rollback revision=42 restored=41"
+
+
+def test_the_gateway_logs_each_audit_record_it_sees_live(caplog: pytest.LogCaptureFixture) -> None:
+    from contracts.etcd import Change
+    from extproc.control.plane import ControlCore
+    from extproc.control.policy import PolicyStore
+    from extproc.fleet import Fleet
+
+    core = ControlCore("/kvgate/", Fleet([]), PolicyStore())
+    record = audit.encode_record(audit.Record("operator-alice", "set"))
+    caplog.set_level("INFO", logger="kvgate.audit")
+    core.snapshot([("/kvgate/audit/policy/weights/queue", record)], 7)  # a resync: old news, not logged
+    assert not caplog.records
+    core.apply(
+        [
+            Change("/kvgate/policy/weights/queue", b"4"),
+            Change("/kvgate/audit/policy/weights/queue", record + b" "),
+        ],
+        9,
+    )
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == "audit: by=operator-alice key=/kvgate/policy/weights/queue op=set revision=9"
+    assert core.store.policy.weight("queue") == 4.0
