@@ -59,8 +59,9 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[etcd3aio.Etc
 
 # -- an etcd with client-certificate auth and kvgate's RBAC (kvgate.etcdsec) ---------------------------
 
-#: The identities the secure etcd knows: a gateway, an operator, two agents, a node's kvcached.
-SECURE_IDENTITIES = ("extproc", "operator-alice", "agent-node-a", "agent-node-b", "kvcached-node-a")
+#: The identities the secure etcd knows: a gateway, an operator, two agents, a node's kvcached, and the
+#: shared agent identity of the Kubernetes manifests.
+SECURE_IDENTITIES = ("extproc", "operator-alice", "agent-node-a", "agent-node-b", "kvcached-node-a", "agent")
 
 
 @dataclass(frozen=True, slots=True)

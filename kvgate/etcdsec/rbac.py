@@ -12,6 +12,7 @@ identity (CN)      etcd role                  permissions
 ``extproc[-*]``    ``kvgate-gateway``         read ``P``; readwrite ``P usage/`` (shared token budgets)
 ``agent-<node>``   ``kvgate-agent-<node>``    readwrite ``P endpoints/<node>/``; read ``P policy/`` (block
                                               size)
+``agent``          ``kvgate-agents``          readwrite ``P endpoints/``; read ``P policy/`` (shared mode)
 ``kvcached-<n>``   ``kvgate-kvcached-<n>``    readwrite the key ``P kvcached/<n>``; read ``P kvcached/``
 ``operator[-*]``   ``kvgate-operator``        read ``P``; readwrite ``P`` + each of ``policy/ models/
                                               objectives/ tenants/ drain/ audit/``
@@ -21,7 +22,10 @@ identity (CN)      etcd role                  permissions
 So an agent writes only under its own ``endpoints/<node>/`` (a node id must be a certificate suffix:
 lowercase letters, digits, ``-``), a gateway writes nothing but its usage counters, and only operators
 change policy, routes, objectives, tenants and drains (each change with its audit record,
-:mod:`kvgate.etcdsec.audit`).
+:mod:`kvgate.etcdsec.audit`). The shared ``agent`` identity (one certificate for every agent, as the
+Kubernetes manifests use: a Deployment's pod names, hence node ids, are not known when users are made)
+keeps agents out of policy but lets one agent write another's endpoints: per-node identities need a
+certificate and a user per node.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, MODELS, OBJECTIVES, POLIC
 
 GATEWAY_ROLE = "kvgate-gateway"
 OPERATOR_ROLE = "kvgate-operator"
+AGENTS_ROLE = "kvgate-agents"
+"""The shared ``agent`` identity's role (every node's endpoints)."""
 ROOT = "root"
 """etcd's root user and role (auth cannot be enabled without the user)."""
 ROLE_PREFIX = "kvgate-"
@@ -139,8 +145,14 @@ def _role_for(prefix: str, name: str) -> Role:
         grants = {prefix_grant(prefix, Perm.READ)}
         grants |= {prefix_grant(f"{prefix}{family}/", Perm.READWRITE) for family in OPERATOR_FAMILIES}
         return Role(OPERATOR_ROLE, frozenset(grants))
-    if kind in ("agent", "kvcached") and not suffix:
-        raise ConfigError(f"etcd identity {name!r}: an {kind} needs its node: {kind}-<node>")
+    if kind == "agent" and not suffix:
+        grants = {
+            prefix_grant(f"{prefix}{ENDPOINTS}/", Perm.READWRITE),
+            prefix_grant(f"{prefix}{POLICY}/", Perm.READ),
+        }
+        return Role(AGENTS_ROLE, frozenset(grants))
+    if kind == "kvcached" and not suffix:
+        raise ConfigError(f"etcd identity {name!r}: a kvcached daemon needs its node: kvcached-<node>")
     if kind == "agent":
         grants = {
             prefix_grant(f"{prefix}{ENDPOINTS}/{suffix}/", Perm.READWRITE),
@@ -154,12 +166,3 @@ def _role_for(prefix: str, name: str) -> Role:
         }
         return Role(kvcached_role(suffix), frozenset(grants))
     raise ConfigError(f"etcd identity {name!r}: a {kind} has no business in etcd")
-
-
-def node_of(name: str) -> str | None:
-    """The node of an ``agent-<node>`` identity (``None`` for other names)."""
-    try:
-        kind = role_of(name)
-    except CertError:
-        return None
-    return name[len(kind) + 1 :] or None if kind == "agent" else None

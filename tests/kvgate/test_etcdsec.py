@@ -264,3 +264,10 @@ def test_the_gateway_logs_each_audit_record_it_sees_live(caplog: pytest.LogCaptu
     (line,) = [r.getMessage() for r in caplog.records]
     assert line == "audit: by=operator-alice key=/kvgate/policy/weights/queue op=set revision=9"
     assert core.store.policy.weight("queue") == 4.0
+
+
+async def test_the_shared_agent_identity_writes_endpoints_and_no_policy(secure_etcd: SecureEtcd) -> None:
+    p, shared = secure_etcd.prefix, secure_etcd.settings("agent")
+    assert await _put(shared, endpoint_key(p, "vllm-0", "kvgate-model-server-7f9c-x2"), b"{}")
+    for family in ("policy/weights/prefix", "tenants/acme", "models/m", "drain/vllm-0"):
+        assert not await _put(shared, p + family, b"1"), family
