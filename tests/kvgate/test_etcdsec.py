@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -271,3 +272,38 @@ async def test_the_shared_agent_identity_writes_endpoints_and_no_policy(secure_e
     assert await _put(shared, endpoint_key(p, "vllm-0", "kvgate-model-server-7f9c-x2"), b"{}")
     for family in ("policy/weights/prefix", "tenants/acme", "models/m", "drain/vllm-0"):
         assert not await _put(shared, p + family, b"1"), family
+
+
+def test_kvgate_policy_uses_the_operator_certificate_of_the_running_stack(
+    secure_etcd: SecureEtcd,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No --etcd and no --tls-*: the etcd and the operator's files that `kvgate up --etcd-auth` published."""
+    import os
+
+    from kvgate.dev import stackfile
+    from kvgate.dev.stackfile import StackInfo
+
+    monkeypatch.setenv(stackfile.STATE_DIR_ENV, str(tmp_path / "state"))
+    monkeypatch.delenv("KVGATE_ETCD", raising=False)
+    s = secure_etcd.settings("operator-alice")
+    assert s.tls_ca and s.tls_cert and s.tls_key
+    info = StackInfo(
+        pid=os.getpid(),
+        started=stackfile.process_started(os.getpid()),
+        url="http://127.0.0.1:8080",
+        admin_url="http://127.0.0.1:9901",
+        metrics_url=None,
+        etcd=secure_etcd.server.address,
+        workdir=str(tmp_path),
+        models=(),
+        engines={},
+        logs={},
+        etcd_tls={"tls_ca": s.tls_ca, "tls_cert": s.tls_cert, "tls_key": s.tls_key},
+    )
+    stackfile.write(stackfile.pointer_path(), info)
+    assert StackInfo.from_json(info.to_json(), "stack.json") == info
+    assert policy_main(["set", "weights/in-flight", "2"]) == 0
+    assert "audit: by=operator-alice key=/kvgate/policy/weights/in-flight op=set" in capsys.readouterr().err
