@@ -1,5 +1,6 @@
-"""End to end with etcd security: ``kvgate up --agents 2 --etcd-auth`` (etcd with TLS client-certificate
-auth and kvgate's RBAC; agents, the ext_proc and the operator each with their own certificate)."""
+"""End to end with etcd security: ``kvgate up --agents 2 --kvcached --etcd-auth`` (etcd with TLS
+client-certificate auth and kvgate's RBAC; agents, kvcached daemons, the ext_proc and the operator each
+with their own certificate)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         lease_ttl_s=2,
         port=0,
         etcd_auth=True,
+        kvcached=True,
         workdir=tmp_path_factory.mktemp("etcd-auth"),
     )
     with Stack(options) as running:
