@@ -328,7 +328,8 @@ class Agent:
                 metrics_url=None,
                 slot_restore=self.slot_restore_url(eng.config),
             )
-            await self._leased.update(endpoint_key(self._prefix, eng.config.id), encode_endpoint(endpoint))
+            key = endpoint_key(self._prefix, eng.config.id, self.node)
+            await self._leased.update(key, encode_endpoint(endpoint))
         eng.registered = True
         self._registered.set()
 
@@ -345,7 +346,7 @@ class Agent:
             from runtime.etcd import LeasedKeys
 
             assert isinstance(self._leased, LeasedKeys)
-            await self._leased.delete(endpoint_key(self._prefix, eng.config.id))
+            await self._leased.delete(endpoint_key(self._prefix, eng.config.id, self.node))
 
     # -- engines ---------------------------------------------------------------------------------------
 

@@ -17,8 +17,10 @@ agent          server + client
 kvcached       server + client (QUIC peers authenticate each other)
 engine         server
 oidc           server (the dev OIDC issuer's JWKS endpoint)
-operator       client (an operator's tools: ``POST /drain`` on an agent)
+operator       client (an operator's tools: ``POST /drain`` on an agent, ``kvgate policy``)
 client         client (API clients; suffix required: ``client-alice``)
+etcd           server + client (an etcd member; it dials itself with it under client-cert auth)
+root           client (etcd's root user: ``kvgate etcd bootstrap``; :mod:`kvgate.etcdsec`)
 =============  =========================================================
 """
 
@@ -43,7 +45,10 @@ BACKDATE = dt.timedelta(minutes=5)
 CA_DAYS = 30
 LEAF_DAYS = 7
 
-_ROLES = ("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "client")
+_ROLES = (
+    *("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "etcd", "root"),
+    "client",
+)
 _NAME = re.compile(rf"^({'|'.join(_ROLES)})(-[a-z0-9][a-z0-9-]{{0,39}})?$")
 
 
@@ -74,7 +79,13 @@ def role_of(name: str) -> str:
 def default_usage(name: str) -> Usage:
     """The usage a leaf of this service gets when none is asked for (table in the module docstring)."""
     role = role_of(name)
-    usages = {"engine": Usage.SERVER, "oidc": Usage.SERVER, "operator": Usage.CLIENT, "client": Usage.CLIENT}
+    usages = {
+        "engine": Usage.SERVER,
+        "oidc": Usage.SERVER,
+        "operator": Usage.CLIENT,
+        "root": Usage.CLIENT,
+        "client": Usage.CLIENT,
+    }
     return usages.get(role, Usage.BOTH)
 
 

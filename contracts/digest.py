@@ -16,19 +16,23 @@ from typing import NewType
 
 from blake3 import blake3
 
+from contracts.versions import DIGEST_VERSION
+
 Digest = NewType("Digest", bytes)
 DIGEST_BYTES = 16
 TOKEN_BYTES = 4
+
+_SEED_TAG = f"kvgate-v{DIGEST_VERSION}\x00".encode()
 
 if array("I").itemsize != TOKEN_BYTES:  # pragma: no cover - every platform we support has 32-bit "I"
     raise ImportError("array('I') is not 32-bit on this platform")
 
 
 def chain_seed(model: str, lora: str | None = None, salt: str | None = None) -> Digest:
-    """The chain seed for a model, optional LoRA adapter and optional cache salt."""
-    material = (
-        b"kvgate-v1\x00" + model.encode() + b"\x00" + (lora or "").encode() + b"\x00" + (salt or "").encode()
-    )
+    """The chain seed for a model, optional LoRA adapter and optional cache salt. The material starts
+    with the digest version (:data:`contracts.versions.DIGEST_VERSION`): chains of two versions never
+    share a digest, and readers never compare them (:func:`contracts.versions.digest_matches`)."""
+    material = _SEED_TAG + model.encode() + b"\x00" + (lora or "").encode() + b"\x00" + (salt or "").encode()
     return Digest(blake3(material).digest(DIGEST_BYTES))
 
 

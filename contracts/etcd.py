@@ -6,8 +6,9 @@ keys). Key schema, under a configurable prefix (default ``/kvgate/``):
 =====================  ============================================================  ==================
 key                    value                                                         written by
 =====================  ============================================================  ==================
-``endpoints/<id>``     JSON endpoint (:func:`engines.endpoint.encode_endpoint`),      node agents
-                       under a lease
+``endpoints/<node>/``  JSON endpoint (:func:`engines.endpoint.encode_endpoint`,      node agents
+``<id>``               versioned: :mod:`contracts.versions`), under a lease; older
+                       agents wrote ``endpoints/<id>``, which gateways still read
 ``drain/<id>``         any value (by convention ``{"at": unix_s, "by": who}``);      ``kvgate drain``
                        present = the endpoint takes no new requests
 ``policy/<path>``      one JSON value per key (:mod:`extproc.control.policy`), e.g.  ``kvgate policy``
@@ -117,8 +118,20 @@ def family_key(prefix: str, family: str, name: str) -> str:
     return f"{prefix}{family}/{name}"
 
 
-def endpoint_key(prefix: str, endpoint_id: str) -> str:
-    return family_key(prefix, ENDPOINTS, endpoint_id)
+def endpoint_key(prefix: str, endpoint_id: str, node: str | None = None) -> str:
+    """``<prefix>endpoints/<node>/<id>`` (what agents write: etcd's RBAC gives each agent identity the
+    ``endpoints/<node>/`` prefix, :mod:`kvgate.etcdsec`), or ``<prefix>endpoints/<id>`` without a node
+    (the layout of older agents)."""
+    if node is None:
+        return family_key(prefix, ENDPOINTS, endpoint_id)
+    if not node or "/" in node or "/" in endpoint_id:
+        raise ConfigError(f"{ENDPOINTS}: bad node {node!r} or endpoint id {endpoint_id!r}")
+    return family_key(prefix, ENDPOINTS, f"{node}/{endpoint_id}")
+
+
+def endpoint_id_of(name: str) -> str:
+    """The endpoint id of an ``endpoints/`` key's name (``<node>/<id>`` or ``<id>``)."""
+    return name.rpartition("/")[2]
 
 
 def drain_key(prefix: str, endpoint_id: str) -> str:

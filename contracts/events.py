@@ -36,6 +36,7 @@ from typing import NewType
 import msgspec
 
 from contracts.digest import DIGEST_BYTES
+from contracts.versions import DIGEST_VERSION, FEED_VERSION, LEGACY_VERSION, Skew, digest_matches, skew
 
 TIERS = ("gpu", "cpu", "disk", "ram", "ssd")
 """Every tier name, fastest first."""
@@ -154,7 +155,11 @@ Event = Stored | Removed | Cleared | Load
 class Batch(msgspec.Struct, array_like=True, frozen=True):
     """Events from one source, in order. ``ts``: the source's wall clock (seconds since the epoch) when it
     sent the batch, for staleness measurements only. ``snapshot``: the batch replaces everything the
-    receiver holds from this source (its endpoints' index entries)."""
+    receiver holds from this source (its endpoints' index entries). ``version``: the feed protocol's
+    version and ``digest``: the digest chain version its digests were made under
+    (:mod:`contracts.versions`; absent on the wire: 1, a sender older than the fields; every
+    :class:`runtime.feed.log.FeedLog` batch carries the current ones). Receivers check them with
+    :func:`batch_skew`."""
 
     source: str
     epoch: int
@@ -162,6 +167,8 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
     events: list[Event]
     snapshot: bool = False
     ts: float = 0.0
+    version: int = LEGACY_VERSION
+    digest: int = LEGACY_VERSION
 
 
 class Subscribe(msgspec.Struct, frozen=True):
@@ -191,6 +198,85 @@ def decode_batch(data: bytes) -> Batch:
         raise EventError(f"undecodable index event batch: {exc}") from exc
     check_batch(batch)
     return batch
+
+
+class _Envelope(msgspec.Struct, array_like=True, frozen=True):
+    """A batch whose events are left undecoded: what every feed version shares (a newer version may add
+    event kinds, which the strict decoder refuses)."""
+
+    source: str
+    epoch: int
+    seq: int
+    events: list[msgspec.Raw]
+    snapshot: bool = False
+    ts: float = 0.0
+    version: int = LEGACY_VERSION
+    digest: int = LEGACY_VERSION
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_load_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def batch_skew(batch: Batch) -> Skew:
+    """:attr:`Skew.OK` when the receiver may apply ``batch`` as is (feed version N - 1 or N, digests of
+    this process's version); otherwise what to do (:func:`kv_blind`)."""
+    verdict = skew(batch.version, FEED_VERSION)
+    if verdict is Skew.OK and not digest_matches(batch.digest):
+        return Skew.NEWER if batch.digest > DIGEST_VERSION else Skew.TOO_OLD
+    return verdict
+
+
+def kv_blind(batch: Batch) -> Batch:
+    """``batch`` without its index events (a skewed feed: its KV data is treated as absent), keeping its
+    loads and its position (so sequence checks and snapshots work as usual). A snapshot keeps one
+    :class:`Cleared` per endpoint, so whatever the receiver held from the source is dropped."""
+    kept: list[Event] = [e for e in batch.events if isinstance(e, Load)]
+    if batch.snapshot:
+        endpoints = dict.fromkeys(e.endpoint for e in batch.events)
+        kept = [Cleared(endpoint) for endpoint in endpoints] + kept
+    return msgspec.structs.replace(batch, events=kept)
+
+
+def decode_batch_skewed(data: bytes) -> Batch:
+    """A batch as a receiver of this feed version takes it: :func:`decode_batch` when the batch is of a
+    version it reads (:func:`batch_skew` OK), else the envelope and of its events only the loads that
+    decode (index events and unknown event kinds dropped; :func:`kv_blind`). :class:`EventError` when a
+    batch of a readable version is malformed, or not even the envelope decodes."""
+    try:
+        batch = decode_batch(data)
+    except EventError as strict:
+        try:
+            envelope = _envelope_decoder.decode(data)
+        except msgspec.DecodeError:
+            raise strict from None
+        if skew(envelope.version, FEED_VERSION) is Skew.OK:
+            raise
+        return _lenient(envelope)
+    return batch if batch_skew(batch) is Skew.OK else kv_blind(batch)
+
+
+def _lenient(envelope: _Envelope) -> Batch:
+    events: list[Event] = []
+    for raw in envelope.events:
+        try:
+            event = _load_decoder.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        events.append(event)
+    batch = Batch(
+        envelope.source,
+        envelope.epoch,
+        envelope.seq,
+        events,
+        snapshot=envelope.snapshot,
+        ts=envelope.ts,
+        version=envelope.version,
+        digest=envelope.digest,
+    )
+    if batch.seq < 1:
+        raise EventError(f"batch seq must be >= 1, got {batch.seq}")
+    return kv_blind(batch)
 
 
 def decode_subscribe(data: bytes) -> Subscribe:

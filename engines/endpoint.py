@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from urllib.parse import urlsplit
 
 from contracts.config import REQUIRED, Section, choice, hostport
 from contracts.errors import ConfigError
 from contracts.etcd import ENDPOINTS
 from contracts.events import EndpointId
+from contracts.versions import DIGEST_VERSION, LEGACY_VERSION, RECORD_VERSION, Skew, describe, skew
 from engines.kinds import ENGINE_KINDS, ROLES
+
+#: Fields of a record that say how to read it, not what the endpoint is (:mod:`contracts.versions`).
+VERSION_FIELDS = ("schema", "digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +110,12 @@ def _http_url(value: str | None, where: str) -> str | None:
 
 
 def encode_endpoint(endpoint: Endpoint) -> bytes:
-    """The JSON value of ``endpoints/<id>`` (sorted keys, compact; ``slot_restore`` only when set)."""
+    """The JSON value of ``endpoints/<node>/<id>`` (sorted keys, compact; ``slot_restore`` only when
+    set), with the record version (``schema``) and the digest version its KV events are made under
+    (``digest``)."""
     doc: dict[str, object] = {
+        "schema": RECORD_VERSION,
+        "digest": DIGEST_VERSION,
         "id": endpoint.id,
         "address": endpoint.address,
         "models": sorted(endpoint.models),
@@ -128,17 +136,72 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def decode_endpoint(key_id: str, value: bytes) -> Endpoint:
-    """Validate an ``endpoints/<key_id>`` value; :class:`ConfigError` names the field and the reason."""
-    where = f"{ENDPOINTS}/{key_id}"
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """An ``endpoints/`` record as a reader takes it: the endpoint, and ``skew``: ``None`` when read as
+    written, else why its KV data (``kv_events``, ``slot_restore``) was dropped or, with ``refused``,
+    why the record was not taken at all (a line to log once)."""
+
+    endpoint: Endpoint | None
+    skew: str | None = None
+    refused: bool = False
+
+
+def decode_endpoint(key_name: str, value: bytes) -> Endpoint:
+    """Validate an ``endpoints/<key_name>`` value of a version this reader reads as written;
+    :class:`ConfigError` names the field and the reason (also for any version skew)."""
+    decoded = decode_record(key_name, value)
+    if decoded.endpoint is None or decoded.skew is not None:
+        raise ConfigError(decoded.skew or f"{ENDPOINTS}/{key_name}: refused")
+    return decoded.endpoint
+
+
+def decode_record(key_name: str, value: bytes) -> Decoded:
+    """Read an ``endpoints/<key_name>`` value under the version rule of :mod:`contracts.versions`.
+
+    ``key_name`` is ``<node>/<id>`` (the layout agents write: etcd permissions give each agent its
+    ``endpoints/<node>/`` prefix) or ``<id>`` (records of agents older than that layout); the record's
+    ``id`` must equal ``<id>`` and, when the key names one, its ``node`` the ``<node>``. ``schema`` N - 1 or
+    N: validated strictly. Newer: read leniently (unknown fields ignored) with ``kv_events`` off and no
+    ``slot_restore``. Older than N - 1: refused. A ``digest`` version other than this process's: the
+    KV data is dropped as for a newer schema. :class:`ConfigError` when it does not validate.
+    """
+    where = f"{ENDPOINTS}/{key_name}"
+    node_in_key, sep, key_id = key_name.rpartition("/")
+    if sep and (not node_in_key or "/" in node_in_key or not key_id):
+        raise ConfigError(f"{where}: expected endpoints/<node>/<id> or endpoints/<id>")
     try:
         raw = json.loads(value)
     except ValueError as exc:
         raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
-    if isinstance(raw, dict) and "id" not in raw:  # not defaulted to the address, as in a config file
+    if not isinstance(raw, dict):
+        parse_endpoint(raw, where)  # raises: not a table
+        raise ConfigError(f"{where}: expected a JSON object")
+    if "id" not in raw:  # not defaulted to the address, as in a config file
         raise ConfigError(f"{where}.id: required")
-    endpoint = parse_endpoint(raw, where)
+    schema, digest = raw.get("schema", LEGACY_VERSION), raw.get("digest", LEGACY_VERSION)
+    for name, version in (("schema", schema), ("digest", digest)):
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"{where}.{name}: expected a positive integer, got {version!r}")
+    verdict = skew(schema, RECORD_VERSION)
+    if verdict is Skew.TOO_OLD:
+        return Decoded(None, f"{where}: record schema {schema} {describe(schema, RECORD_VERSION)}", True)
+    known = {k: v for k, v in raw.items() if k not in VERSION_FIELDS}
+    note = None
+    if verdict is Skew.NEWER:
+        known = {k: v for k, v in known.items() if k in _FIELDS}
+        note = f"{where}: record schema {schema} {describe(schema, RECORD_VERSION)}"
+    elif digest != DIGEST_VERSION:
+        note = f"{where}: digest version {digest}, this gateway's is {DIGEST_VERSION}: its KV data is ignored"
+    endpoint = parse_endpoint(known, where)
     if endpoint.id != key_id:
         raise ConfigError(f"{where}.id: {endpoint.id!r} does not match the key")
-    return endpoint
+    if sep and endpoint.node != node_in_key:
+        raise ConfigError(f"{where}.node: {endpoint.node!r} does not match the key")
+    if note is not None:
+        endpoint = replace(endpoint, kv_events=False, slot_restore=None)
+    return Decoded(endpoint, note)
 
+
+_FIELDS = frozenset(f.name for f in fields(Endpoint))
+"""The record fields this version knows (a newer record's others are ignored)."""

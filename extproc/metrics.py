@@ -17,7 +17,7 @@ DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STALENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: The feed clients' counters (``runtime.feed.client.FeedStats``) exported as ``kvgate_feed_<name>_total``.
-FEED_COUNTERS = ("batches", "events", "gaps", "resets", "duplicates", "reconnects")
+FEED_COUNTERS = ("batches", "events", "gaps", "resets", "duplicates", "reconnects", "version_skew")
 #: An endpoint id (a ``str`` NewType).
 K = TypeVar("K", bound=str)
 

@@ -273,7 +273,7 @@ class Gateway:
         self.metrics.watch_index(self.index.occupancy)
         feed_stats = self.cluster.feeds.stats
         feed_stats.on_staleness = self.metrics.feed_staleness.observe
-        self.metrics.watch_feeds(lambda: {name: getattr(feed_stats, name) for name in FEED_COUNTERS})
+        self.metrics.watch_feeds(self._feed_counters)
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
         )
@@ -325,6 +325,15 @@ class Gateway:
         #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
         self.server_certs: ReloadingServerCerts | None = None
 
+
+    def _feed_counters(self) -> dict[str, int]:
+        """The feed clients' counters; ``version_skew`` also counts etcd endpoint records of a version
+        this gateway does not read as written (:mod:`contracts.versions`)."""
+        stats = self.cluster.feeds.stats
+        counters = {name: getattr(stats, name) for name in FEED_COUNTERS}
+        if self.cluster.control is not None:
+            counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
+        return counters
     async def start(self) -> None:
         cfg = self.config
         ex = cfg.extproc  # TLS files are read first: a bad one fails the start before anything listens

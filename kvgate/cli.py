@@ -18,7 +18,8 @@ commands:
   apikey          API keys: `kvgate apikey create --tenant T | revoke ID | list`
   bench           routing benchmark: `kvgate bench routing [--smoke|--full] --out DIR`
   agent           run a node agent supervising engines (--config node.toml)
-  policy          scheduling policy in etcd (or a file): `kvgate policy get|set|unset|list|watch`
+  policy          policy in etcd (or a file): `kvgate policy get|set|unset|list|watch|history|rollback`
+  etcd            etcd users, roles and auth for kvgate's identities: `kvgate etcd bootstrap ...`
   drain           stop routing new requests to an endpoint: `kvgate drain ID [--undo] [--force]`
   status          a gateway's fleet, index, policy in force and queues: `kvgate status [--url URL] [--json]`
   kvcached        run the node's tiered KV block store (--config kvcached.toml)
@@ -206,6 +207,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "agent": _lazy("agent.main"),
     "policy": _lazy("kvgate.policy_cli"),
     "drain": _drain,
+    "etcd": _lazy("kvgate.etcdsec.cli"),
     "status": _lazy("kvgate.status_cli"),
     "kvcached": _lazy("kvcached.main"),
 }

@@ -1,4 +1,4 @@
-"""``kvgate policy get|set|unset|list|watch`` and ``kvgate drain ID [--undo]``.
+"""``kvgate policy get|set|unset|list|watch|history|rollback`` and ``kvgate drain ID [--undo]``.
 
 The operator's handle on the control plane: the policy paths of :mod:`extproc.control.policy` (scheduling,
 routes, and flow control's ``flow/...`` and ``objectives/<name>``) in etcd (or in a local policy file with
@@ -15,6 +15,15 @@ embedded default (the built-in scheduling and flow policy, or those of ``--confi
     kvgate policy set tenants/acme '{"models": ["*"], "tokens": {"per_minute": 20000}}'
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
+
+In etcd every ``set``, ``unset`` and ``rollback`` is one transaction with its audit record (who: the CN
+of ``--tls-cert``; :mod:`kvgate.etcdsec.audit`) and logs one audit line (identity, key, revision; no
+value). ``history PATH`` lists the revisions of PATH's key with who made each where recorded;
+``rollback PATH [--revision R]`` writes back the value PATH had at revision R (default: the one before
+the current), validated as ``set`` validates: a value that no longer validates exits 2, nothing written::
+
+    kvgate policy history weights/prefix
+    kvgate policy rollback weights/prefix --revision 41
 
 etcd is ``--etcd``, else ``$KVGATE_ETCD``, else the local etcd of the running ``kvgate up --agents N``
 (found through its published ``stack.json``, :mod:`kvgate.dev.stackfile`); with none of these the
@@ -34,6 +43,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import etcd3aio
@@ -45,6 +55,7 @@ from contracts.etcd import (
     EtcdSettings,
     drain_key,
     encode_value,
+    endpoint_id_of,
     parse_etcd_settings,
     policy_key,
     policy_path,
@@ -60,6 +71,7 @@ from extproc.control.policy import (
     write_policy_file,
 )
 from kvgate.dev.stackfile import StackNotRunning, find_running
+from kvgate.etcdsec import audit
 from runtime.etcd import ETCD_ERRORS, connect, describe_error
 
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
@@ -90,11 +102,12 @@ def _source_options(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> EtcdSettings:
     endpoints = args.etcd or [e for e in os.environ.get("KVGATE_ETCD", "").split(",") if e]
-    raw: dict[str, object] = {
-        "prefix": args.prefix,
-        "timeout_s": args.timeout,
-        "endpoints": endpoints or [_local_etcd()],
-    }
+    raw: dict[str, object] = {"prefix": args.prefix, "timeout_s": args.timeout, "endpoints": endpoints}
+    if not endpoints:  # the running kvgate up's etcd, with its operator certificate under --etcd-auth
+        address, tls = _local_etcd()
+        raw["endpoints"] = [address]
+        if not any(getattr(args, key) for key in ("tls_ca", "tls_cert", "tls_key")):
+            raw.update(tls)
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if getattr(args, key):
             raw[key] = getattr(args, key)
@@ -104,8 +117,9 @@ def _settings(args: argparse.Namespace) -> EtcdSettings:
         raise _Failed(str(exc), 2) from exc
 
 
-def _local_etcd() -> str:
-    """The etcd of the running ``kvgate up``, for a command given no ``--etcd`` nor ``$KVGATE_ETCD``."""
+def _local_etcd() -> tuple[str, dict[str, str]]:
+    """The etcd of the running ``kvgate up`` and its operator's TLS files (``--etcd-auth``; else none),
+    for a command given no ``--etcd`` nor ``$KVGATE_ETCD``."""
     hint = "pass --etcd HOST:PORT (or set KVGATE_ETCD)"
     try:
         stack = find_running()
@@ -117,7 +131,7 @@ def _local_etcd() -> str:
             f"with --agents N): {hint}",
             2,
         )
-    return stack.etcd
+    return stack.etcd, dict(stack.etcd_tls)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,10 +149,12 @@ def _parser() -> argparse.ArgumentParser:
         "unset": "remove the override at PATH (back to the default)",
         "list": "print every effective PATH=VALUE",
         "watch": "print each policy change as it happens",
+        "history": "list PATH's revisions in etcd, newest first, with who made each where recorded",
+        "rollback": "write back the value PATH had at --revision R (default: the one before the current)",
     }
     for name, text in commands.items():
         cmd = sub.add_parser(name, help=text, description=text)
-        if name in ("get", "set", "unset"):
+        if name in ("get", "set", "unset", "history", "rollback"):
             cmd.add_argument(
                 "path", help="e.g. weights/prefix, plugins/load-threshold/max_waiting, flow/saturation"
             )
@@ -146,7 +162,11 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("value", help="JSON value (a bare word is a string)")
         if name == "watch":
             cmd.add_argument("--once", action="store_true", help="exit after the first change")
-        else:
+        elif name == "history":
+            cmd.add_argument("--limit", type=int, default=20, help="at most this many revisions (default 20)")
+        elif name == "rollback":
+            cmd.add_argument("--revision", type=int, help="etcd revision whose value to restore")
+        if name not in ("watch", "history", "rollback"):
             cmd.add_argument("--file", type=Path, help="work on this policy file (.toml or .json), not etcd")
         cmd.add_argument(
             "--config", type=Path, help="gateway config whose scheduling and [flow] give the defaults"
@@ -272,11 +292,13 @@ async def _tenant_command(
             decode_tenant(tenant_id, raw)
         except ConfigError as exc:
             raise _Failed(str(exc), 2) from exc
-        await _kv(client).put(key, raw, timeout=timeout)
+        await _audited(client, settings, key, raw, "set")
         print(f"{args.path}={raw.decode()}")
     elif args.command == "unset":
-        await _kv(client).delete(key, timeout=timeout)
+        await _audited(client, settings, key, None, "unset")
         print(f"{args.path} unset")
+    elif args.command in ("history", "rollback"):
+        await _revision_command(args, client, settings, key, lambda raw: decode_tenant(tenant_id, raw))
     else:
         response = await _kv(client).get(key, timeout=timeout)
         if not response.kvs:
@@ -292,6 +314,62 @@ async def _print_tenants(client: etcd3aio.Etcd3Client, settings: EtcdSettings) -
         parsed = split_key(settings.prefix, kv.key)
         if parsed is not None:
             print(f"{TENANTS}/{parsed[1]}={bytes(kv.value).decode('utf-8', 'replace')}")
+
+
+async def _audited(
+    client: etcd3aio.Etcd3Client, settings: EtcdSettings, key: str, value: bytes | None, op: str
+) -> None:
+    """Write (``None``: delete) ``key`` with its audit record; the audit line goes to stderr."""
+    record = audit.Record(audit.who(settings), op)
+    revision = await audit.write(client, settings.prefix, key, value, record, timeout_s=settings.timeout_s)
+    assert revision is not None  # unconditional: the transaction always succeeds
+    print(audit.log_line(record, key, revision), file=sys.stderr)
+
+
+async def _revision_command(
+    args: argparse.Namespace,
+    client: etcd3aio.Etcd3Client,
+    settings: EtcdSettings,
+    key: str,
+    validate: Callable[[bytes], object],
+) -> None:
+    """``history`` (print) or ``rollback`` (validate, then write) of ``key``."""
+    timeout = settings.timeout_s
+    if args.command == "history":
+        if args.limit < 1:
+            raise _Failed("--limit must be at least 1", 2)
+        entries = await audit.history(client, settings.prefix, key, limit=args.limit, timeout_s=timeout)
+        if not entries:
+            raise _Failed(f"{args.path}: no revisions in etcd (never set, or compacted)", 2)
+        for entry in entries:
+            text = "(unset)" if entry.value is None else entry.value.decode("utf-8", "replace")
+            record = entry.record
+            who = "by ? (not written through kvgate)" if record is None else f"by {record.by} ({record.op})"
+            if record is not None and record.restored is not None:
+                who += f" from revision {record.restored}"
+            print(f"{entry.revision}\t{who}\t{args.path}={text}")
+        return
+
+    def check(raw: bytes) -> None:
+        validate(raw)
+
+    try:
+        restored, restored_value, written = await audit.rollback(
+            client,
+            settings.prefix,
+            key,
+            audit.who(settings),
+            check,
+            revision=args.revision,
+            timeout_s=timeout,
+        )
+    except audit.RollbackError as exc:
+        raise _Failed(str(exc), exc.status) from exc
+    shown = " unset" if restored_value is None else f"={restored_value.decode('utf-8', 'replace')}"
+    print(f"{args.path}{shown} (the value at revision {restored}; written at revision {written})")
+    print(
+        audit.log_line(audit.Record(audit.who(settings), "rollback", restored), key, written), file=sys.stderr
+    )
 
 
 async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store: PolicyStore) -> int:
@@ -313,11 +391,20 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
                 store.validate(args.path, raw)
             except ConfigError as exc:
                 raise _Failed(str(exc), 2) from exc
-            await _kv(client).put(policy_key(settings.prefix, args.path), raw, timeout=settings.timeout_s)
+            await _audited(client, settings, policy_key(settings.prefix, args.path), raw, "set")
             print(f"{args.path}={raw.decode()}")
         elif args.command == "unset":
-            await _kv(client).delete(policy_key(settings.prefix, args.path), timeout=settings.timeout_s)
+            await _audited(client, settings, policy_key(settings.prefix, args.path), None, "unset")
             print(f"{args.path} unset")
+        elif args.command in ("history", "rollback"):
+            key = policy_key(settings.prefix, args.path)
+            path = args.path
+
+            def check(raw: bytes) -> None:
+                store.delete(path)  # validated against the other values in force, as set does
+                store.validate(path, raw)
+
+            await _revision_command(args, client, settings, key, check)
         else:
             await _watch(client, settings, store, revision, once=args.once)
         return 0
@@ -359,7 +446,7 @@ def main(argv: list[str]) -> int:
     try:
         store = _store(args)
         tenant = _tenant_id(args)
-        if args.command in ("get", "set", "unset") and tenant is None:
+        if args.command in ("get", "set", "unset", "history", "rollback") and tenant is None:
             _check_path(store, args.path)
         if getattr(args, "file", None) is not None:
             if tenant is not None:
@@ -416,12 +503,12 @@ async def _drain(args: argparse.Namespace, settings: EtcdSettings) -> int:
 
 
 async def _registered(kv: etcd3aio.kv.KVService, settings: EtcdSettings) -> set[str]:
-    """The ids of the endpoints registered in etcd (``endpoints/<id>`` keys)."""
+    """The ids of the endpoints registered in etcd (``endpoints/<node>/<id>`` and ``endpoints/<id>`` keys)."""
     prefix = f"{settings.prefix}{ENDPOINTS}/"
     end = etcd3aio.prefix_range_end(prefix)
     response = await kv.get(prefix, end, keys_only=True, timeout=settings.timeout_s)
     keys = (split_key(settings.prefix, bytes(item.key)) for item in response.kvs)
-    return {key[1] for key in keys if key is not None}
+    return {endpoint_id_of(key[1]) for key in keys if key is not None}
 
 
 def drain_main(argv: list[str]) -> int:

@@ -9,8 +9,11 @@ module loads these fixtures as a plugin::
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import etcd3aio
@@ -52,3 +55,50 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[etcd3aio.Etc
     client = await connect(etcd_settings)
     yield client
     await client.close()
+
+
+# -- an etcd with client-certificate auth and kvgate's RBAC (kvgate.etcdsec) ---------------------------
+
+#: The identities the secure etcd knows: a gateway, an operator, two agents, a node's kvcached, and the
+#: shared agent identity of the Kubernetes manifests.
+SECURE_IDENTITIES = ("extproc", "operator-alice", "agent-node-a", "agent-node-b", "kvcached-node-a", "agent")
+
+
+@dataclass(frozen=True, slots=True)
+class SecureEtcd:
+    """A TLS etcd with ``--client-cert-auth``, bootstrapped for :data:`SECURE_IDENTITIES` under ``prefix``
+    (auth enabled); :meth:`settings` connects as one identity (``root`` included)."""
+
+    server: EtcdServer
+    certs: Path
+    prefix: str
+    identities: tuple[str, ...] = SECURE_IDENTITIES
+
+    def settings(self, identity: str, prefix: str | None = None) -> EtcdSettings:
+        return EtcdSettings(
+            endpoints=(self.server.address,),
+            prefix=self.prefix if prefix is None else prefix,
+            tls_ca=str(self.certs / "ca.pem"),
+            tls_cert=str(self.certs / f"{identity}.pem"),
+            tls_key=str(self.certs / f"{identity}.key"),
+            timeout_s=5.0,
+        )
+
+
+@pytest.fixture(scope="session")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
+    """The session's secure etcd (auth enabled by :func:`kvgate.etcdsec.cli.bootstrap` as ``root``)."""
+    from certs.store import dev_bundle
+    from kvgate.dev.etcd import ServerTls
+    from kvgate.etcdsec.cli import bootstrap
+
+    workdir = tmp_path_factory.mktemp("secure-etcd")
+    certs = workdir / "certs"
+    files = dev_bundle(certs, ["etcd", "root", *SECURE_IDENTITIES], dt.datetime.now(dt.UTC))
+    etcd, root = files["etcd"], files["root"]
+    tls = ServerTls(etcd.ca, etcd.cert, etcd.key, root.cert, root.key)
+    with EtcdServer(workdir / "etcd", tls=tls) as server:
+        secure = SecureEtcd(server, certs, "/kvgate/")
+        report = asyncio.run(bootstrap(secure.settings("root"), list(SECURE_IDENTITIES)))
+        assert "auth enabled" in report.changes
+        yield secure

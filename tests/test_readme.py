@@ -94,6 +94,7 @@ NOT_RUN = (
     "# two agents, each supervising a simulated vLLM",
     "./dev up --secure                 # https://127.0.0.1:8080/v1; prints the CA file clients must trust",
     "import ssl",
+    "kvgate certs issue --dir /etc/kvgate/certs --name etcd --san DNS:etcd.internal",
 )
 LOADERS = ("gateway", "agent", "kvcached", "policy")
 LANGUAGES = ("sh", "console", "python", "toml", "text")
@@ -237,7 +238,7 @@ def test_kvgate_up_flags_are_all_documented() -> None:
     )
 
 
-_SUBCOMMANDS = {"policy", "certs", "apikey", "bench", "model"}
+_SUBCOMMANDS = {"policy", "certs", "apikey", "bench", "model", "etcd"}
 
 
 def test_flags_named_in_the_readme_exist() -> None:

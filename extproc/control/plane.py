@@ -5,7 +5,10 @@ and policy.
 batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
 :class:`~extproc.control.policy.PolicyStore`:
 
-* ``endpoints/<id>``: decoded (:func:`engines.endpoint.decode_endpoint`) and upserted, or removed on delete.
+* ``endpoints/<node>/<id>`` (and ``endpoints/<id>``, the layout of older agents): decoded under the
+  version rule (:func:`engines.endpoint.decode_record`, :mod:`contracts.versions`: a record of a newer
+  schema or another digest version joins without its KV data, logged once and counted in
+  ``counters["version_skew"]``) and upserted, or removed on delete of the key that described it.
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
   address of another endpoint, is refused with a log. A value that does not decode is refused and the
   endpoint's last good description stays.
@@ -13,6 +16,8 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   for an endpoint that registers later).
 * ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
   the policy store (which keeps the last good value); :func:`contracts.etcd.policy_path` maps keys to paths.
+* ``audit/<family>/<name>``: the audit record of an operator's change (:mod:`contracts.audit`), logged
+  as one line (identity, key, operation, revision; never a value) when it arrives live.
 * any other family a :class:`FamilySink` was registered for (:meth:`ControlCore.follow`): handed to it,
   e.g. ``tenants/<id>`` and ``usage/<tenant>/<replica>`` (:mod:`extproc.control.usage`).
 
@@ -34,6 +39,7 @@ from typing import Protocol
 
 import etcd3aio
 
+from contracts import audit
 from contracts.errors import ConfigError
 from contracts.etcd import (
     DRAIN,
@@ -42,17 +48,20 @@ from contracts.etcd import (
     Change,
     EtcdSettings,
     decode_peer,
+    endpoint_id_of,
     policy_path,
     split_key,
 )
 from contracts.events import EndpointId
-from engines.endpoint import decode_endpoint
+from contracts.versions import SkewLog
+from engines.endpoint import decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from runtime.etcd import connect
 from runtime.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
+audit_log = logging.getLogger("kvgate.audit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +106,19 @@ class ControlCore:
         self._draining: set[EndpointId] = set()
         #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
         self.kvcached_feeds: dict[str, str | None] = {}
-        self.counters = dict.fromkeys(("syncs", "changes", "rejected", "refused", "ignored"), 0)
+        self.counters = dict.fromkeys(
+            ("syncs", "changes", "rejected", "refused", "ignored", "version_skew"), 0
+        )
+        self._skew = SkewLog()
+        self._endpoint_keys: dict[EndpointId, str] = {}  # id -> the key name that describes it now
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
+        self._revision_now = 0  # the revision of the changes being applied
 
     def follow(self, family: str, sink: FamilySink) -> None:
         """Hand the keys of ``family`` to ``sink`` from the next snapshot on (register before the first;
         the families the core handles itself cannot be taken)."""
-        if family in (ENDPOINTS, DRAIN, KVCACHED) or policy_path(family, "x") is not None:
+        if family in (ENDPOINTS, DRAIN, KVCACHED, audit.AUDIT) or policy_path(family, "x") is not None:
             raise ValueError(f"the control core handles {family}/ itself")
         self._sinks[family] = sink
 
@@ -128,6 +142,7 @@ class ControlCore:
     def apply(self, changes: Iterable[Change], revision: int) -> Applied:
         """Apply changes in order (one watch response, or a snapshot's diff)."""
         fleet_changed = policy_changed = False
+        self._revision_now = revision
         for change in changes:
             fleet, policy = self._apply_one(change)
             fleet_changed |= fleet
@@ -149,7 +164,7 @@ class ControlCore:
         if parsed is not None:
             family, name = parsed
             if family == ENDPOINTS:
-                return self._endpoint(EndpointId(name), value), False
+                return self._endpoint_key(name, value), False
             if family == DRAIN:
                 return self._drain(EndpointId(name), value is not None), False
             if family == KVCACHED:
@@ -157,6 +172,13 @@ class ControlCore:
             path = policy_path(family, name)
             if path is not None:
                 return False, self._policy(path, value)
+            if family == audit.AUDIT:
+                if value is not None and not self._backlog:
+                    line = audit.log_line(
+                        audit.decode_record(value), f"{self.prefix}{name}", self._revision_now
+                    )
+                    audit_log.info("%s", line)
+                return False, False
             sink = self._sinks.get(family)
             if sink is not None:
                 if value is None:
@@ -167,7 +189,21 @@ class ControlCore:
         self.counters["ignored"] += 1
         return False, False
 
-    def _endpoint(self, endpoint_id: EndpointId, value: bytes | None) -> bool:
+    def _endpoint_key(self, name: str, value: bytes | None) -> bool:
+        """``endpoints/<name>`` changed: the endpoint it names, whichever layout (an endpoint moving from
+        ``endpoints/<id>`` to ``endpoints/<node>/<id>`` in a rolling upgrade is described by the key
+        written last; the delete of the other one, when its lease ends, is ignored)."""
+        endpoint_id = EndpointId(endpoint_id_of(name))
+        holder = self._endpoint_keys.get(endpoint_id)
+        if value is None:
+            if holder is not None and holder != name:
+                return False
+            self._endpoint_keys.pop(endpoint_id, None)
+        elif endpoint_id not in self.static_ids:
+            self._endpoint_keys[endpoint_id] = name
+        return self._endpoint(endpoint_id, value, name)
+
+    def _endpoint(self, endpoint_id: EndpointId, value: bytes | None, name: str | None = None) -> bool:
         if endpoint_id in self.static_ids:
             if value is not None:
                 log.warning("etcd endpoint %s refused: the gateway config defines that id", endpoint_id)
@@ -181,12 +217,20 @@ class ControlCore:
             log.info("endpoint %s left the fleet", endpoint_id)
             return True
         try:
-            endpoint = decode_endpoint(endpoint_id, value)
+            decoded = decode_record(name or endpoint_id, value)
         except ConfigError as exc:
             kept = "its last good value" if endpoint_id in self._ours else "it out of the fleet"
             log.warning("etcd endpoint refused, keeping %s: %s", kept, exc)
             self.counters["rejected"] += 1
             return False
+        if decoded.skew is not None:
+            self.counters["version_skew"] += 1
+            if self._skew.note("endpoint record", endpoint_id, decoded.skew, decoded.skew) is not None:
+                log.warning("version skew: %s", decoded.skew)
+        if decoded.endpoint is None:
+            self.counters["rejected"] += 1
+            return False
+        endpoint = decoded.endpoint
         holder = self.fleet.by_address(endpoint.address)
         if holder is not None and holder.id != endpoint_id:
             address = endpoint.address

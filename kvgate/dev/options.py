@@ -92,6 +92,10 @@ class StackOptions:
     #: APIs serve HTTPS) use mTLS from a dev CA in ``WORKDIR/certs``. llama.cpp slots are then saved into
     #: kvcached and restored before routing.
     kvcached: bool = False
+    #: ``--etcd-auth`` (``agents``): the local etcd serves TLS, requires client certificates and runs
+    #: kvgate's RBAC (:mod:`kvgate.etcdsec`): every agent, kvcached daemon and ext_proc connects with
+    #: its own certificate from the dev CA in ``WORKDIR/certs``; ``kvgate policy`` as ``operator``.
+    etcd_auth: bool = False
     #: Extra keys of each agent's ``[agent]`` table (e.g. ``{"slot_save_min_tokens": 512}``).
     agent_options: dict[str, Any] = field(default_factory=dict)
     #: Extra keys of the gateway config's ``[slot_restore]`` table.

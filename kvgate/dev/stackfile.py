@@ -41,7 +41,9 @@ class StackInfo:
     the served model names; ``engines``: endpoint id to ``host:port``; ``logs``: child name to log file.
     ``extprocs``: each ext_proc's bound ports by name (``extproc``: the gRPC service Envoy calls,
     ``health``, ``metrics``); ``pids``: each child's current PID by name (a restarted child's new one,
-    once it is ready again). Both are optional in the document (absent in older ones).
+    once it is ready again). ``etcd_tls``: with ``--etcd-auth``, the operator's etcd client files
+    (``tls_ca``, ``tls_cert``, ``tls_key``; ``kvgate policy`` and ``kvgate drain`` use them when given no
+    ``--tls-*``). All three are optional in the document (absent in older ones).
     """
 
     pid: int
@@ -56,6 +58,7 @@ class StackInfo:
     logs: dict[str, str]
     extprocs: dict[str, dict[str, int]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
+    etcd_tls: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -77,6 +80,7 @@ class StackInfo:
             "logs": self.logs,
             "extprocs": self.extprocs,
             "pids": self.pids,
+            "etcd_tls": self.etcd_tls,
         }
 
     @classmethod
@@ -100,6 +104,7 @@ class StackInfo:
                 for name, ports in _table(s.raw("extprocs"), f"{where}.extprocs").items()
             },
             pids=_int_table(s.raw("pids"), f"{where}.pids"),
+            etcd_tls=_string_table(s.raw("etcd_tls"), f"{where}.etcd_tls"),
         )
         s.done()
         return info

@@ -35,6 +35,8 @@ serves HTTPS (certificate ``oidc``) and Envoy fetches its JWKS verifying it agai
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import ipaddress
@@ -51,11 +53,12 @@ from typing import Any
 from certs.errors import CertError
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
 from contracts.errors import ConfigError
+from contracts.etcd import EtcdSettings
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.config import parse_config
 from kvgate.dev import overlay, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
-from kvgate.dev.etcd import EtcdServer, free_port
+from kvgate.dev.etcd import EtcdServer, ServerTls, free_port
 from kvgate.dev.gateway_config import gateway_config, pin_listeners
 from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of, sim_power
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
@@ -128,6 +131,9 @@ class Stack:
         #: Secure profile only: the minted files per service (``ca`` of any is the CA clients trust).
         self.certs: dict[str, LeafFiles] = {}
         self.tls: EnvoyTls | None = None
+        #: ``--etcd-auth``: the etcd client certificates by identity (``root``, ``extproc``, ``operator``,
+        #: ``agent-<node>``, ``kvcached-<node>``).
+        self.etcd_certs: dict[str, LeafFiles] = {}
         self.auth: DevAuth | None = None
         #: ``agents`` mode: the local etcd, and each agent's process and node config path.
         self.etcd: EtcdServer | None = None
@@ -197,6 +203,8 @@ class Stack:
             raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
         if (opts.agents or opts.attach) and (opts.endpoints or self.secure):
             raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
+        if opts.etcd_auth and not (opts.agents or opts.attach):
+            raise ConfigError("--etcd-auth secures the local etcd of --agents: it needs --agents")
         if opts.prefill or opts.decode:
             if opts.prefill < 1 or opts.decode < 1:
                 raise ConfigError("--prefill and --decode go together, each at least 1")
@@ -233,6 +241,8 @@ class Stack:
             feeds_tls=bool(self.kvcached),
             secure=self.secure,
         )
+        if "etcd" in config:
+            config["etcd"].update(self.etcd_tls("extproc"))
         if opts.auth is not None:
             self.auth = start_dev_auth(opts.auth, self.workdir, self._spawn, self.certs.get(ISSUER_SERVICE))
             config["auth"], config["tenants"] = self.auth.auth_section, list(self.auth.tenants)
@@ -386,9 +396,12 @@ class Stack:
         """A local etcd, then one node agent per engine; waits until every agent's engine is ready. Each
         agent's config (``WORKDIR/node-<i>.json``) is then pinned to the ports it bound."""
         opts = self.options
-        self.etcd = EtcdServer(self.workdir / "etcd")
+        names = [f"node-{i}" for i in range(1 if opts.attach else opts.agents)]
+        self.etcd = EtcdServer(self.workdir / "etcd", tls=self._etcd_certs(names) if opts.etcd_auth else None)
         self.etcd.wipe()  # an earlier run's endpoints, drains and policy are not this stack's
         self.etcd.start()
+        if opts.etcd_auth:
+            self._bootstrap_etcd(names)
         nodes: list[list[dict[str, Any]]] = []
         if opts.attach:
             nodes.append([dict(e) for e in opts.attach])
@@ -425,6 +438,7 @@ class Stack:
                 tls=self.certs[f"agent-{node}"] if opts.kvcached else None,
                 options=opts.agent_options,
             )
+            config["etcd"].update(self.etcd_tls(f"agent-{node}"))
             if power[i]:
                 config["power"] = power[i]
             path, ready = self.workdir / f"{node}.json", self.workdir / f"{node}.ready.json"
@@ -456,6 +470,7 @@ class Stack:
                 etcd=self.etcd.address,
                 lease_ttl_s=self.options.lease_ttl_s,
             )
+            config["etcd"].update(self.etcd_tls(name))
             path, ready = self.workdir / f"{name}.json", self.workdir / f"{name}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             configs.append((path, config))
@@ -465,6 +480,42 @@ class Stack:
             status = daemon.await_ready()
             self.kvcached.append(status)
             path.write_text(json.dumps(pin_kvcached(config, status), indent=2))
+
+    def _etcd_certs(self, nodes: list[str]) -> ServerTls:
+        """``--etcd-auth``: etcd's certificate, root's, and one per identity that uses etcd (the
+        ext_proc, an operator, each node's agent and kvcached daemon), from the dev CA in
+        ``WORKDIR/certs``."""
+        names = ["etcd", "root", "extproc", "operator", *(f"agent-{n}" for n in nodes)]
+        names += [f"kvcached-{n}" for n in nodes] if self.options.kvcached else []
+        minted = dev_bundle(self.workdir / "certs", names, dt.datetime.now(dt.UTC))
+        self.etcd_certs = {name: files for name, files in minted.items() if name != "etcd"}
+        etcd, root = minted["etcd"], minted["root"]
+        return ServerTls(etcd.ca, etcd.cert, etcd.key, root.cert, root.key)
+
+    def _bootstrap_etcd(self, nodes: list[str]) -> None:
+        """Users, roles and auth for the stack's identities (as ``root``; :mod:`kvgate.etcdsec`)."""
+        from kvgate.etcdsec.cli import bootstrap
+
+        assert self.etcd is not None
+        root = self.etcd_certs["root"]
+        settings = EtcdSettings(
+            endpoints=(self.etcd.address,),
+            tls_ca=str(root.ca),
+            tls_cert=str(root.cert),
+            tls_key=str(root.key),
+            timeout_s=5.0,
+        )
+        identities = [name for name in self.etcd_certs if name != "root"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run even under a running loop
+            report = pool.submit(asyncio.run, bootstrap(settings, identities)).result()
+        log.info("etcd auth: %d change(s): %s", len(report.changes), "; ".join(report.changes))
+
+    def etcd_tls(self, identity: str) -> dict[str, str]:
+        """The ``[etcd]`` TLS keys of ``identity`` under ``--etcd-auth`` (empty otherwise)."""
+        files = self.etcd_certs.get(identity)
+        if files is None:
+            return {}
+        return {"tls_ca": str(files.ca), "tls_cert": str(files.cert), "tls_key": str(files.key)}
 
     def _mint_certs(self) -> None:
         """CA + service certificates into ``workdir/certs`` and the SDS files Envoy reads them through."""
@@ -563,6 +614,7 @@ class Stack:
             logs=logs,
             extprocs={e.name: ports for e, ports in zip(self.extprocs, self.extproc_listeners, strict=False)},
             pids=pids,
+            etcd_tls=self.etcd_tls("operator"),
         )
 
     def stop(self) -> None:
@@ -637,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus=args.gpu or (),
             power_caps_w=args.power_cap_w or (),
             kvcached=args.kvcached,
+            etcd_auth=args.etcd_auth,
             overlay=extra,
         )
     )

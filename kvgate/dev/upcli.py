@@ -188,6 +188,13 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         help="a local etcd and N node agents, each running one engine (see --agent-engine)",
     )
     p.add_argument(
+        "--etcd-auth",
+        action="store_true",
+        help="with --agents: etcd with TLS client-certificate auth and RBAC (agents write only their own "
+        "endpoints/<node>/, gateways read, only operators write policy; kvgate policy uses the operator "
+        "certificate from stack.json)",
+    )
+    p.add_argument(
         "--agent-engine",
         default="sim",
         choices=["sim", "llama_cpp"],

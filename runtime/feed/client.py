@@ -8,6 +8,11 @@ snapshot) -> ``handler.on_reset(source, endpoints in it)`` then ``on_batch``; DU
 ``handler.on_lost`` once per outage, then the client reconnects with capped exponential backoff (50 ms
 doubling to 2 s) and calls ``handler.on_restored`` once attached again. A stream the source ends because
 this client fell behind (``RESOURCE_EXHAUSTED``) is resubscribed at once, without ``on_lost``.
+
+Versions (:mod:`contracts.versions`): a batch of a feed version this client does not read (newer than
+its own, or older than the one before), or whose digests are of another digest version, is delivered
+without its index events (:func:`contracts.events.decode_batch_skewed`): its loads still count, its KV
+data is absent. Logged once per feed and version, counted in ``FeedStats.version_skew``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import grpc
 
 from contracts import events as ev
 from contracts.events import EPOCH_HEADER, Batch, EndpointId, SequenceTracker, Verdict
+from contracts.versions import DIGEST_VERSION, FEED_VERSION, Skew, SkewLog, describe
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,8 @@ class FeedStats:
     resets: int = 0
     duplicates: int = 0
     reconnects: int = 0
+    #: Batches of a feed or digest version this receiver does not read (delivered without KV data).
+    version_skew: int = 0
     staleness_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     on_staleness: Callable[[float], object] | None = None
 
@@ -86,6 +94,9 @@ class FeedStats:
         if self.on_staleness is not None:
             self.on_staleness(seconds)
 
+
+_SKEW_LOG = SkewLog()
+"""One warning per feed address and version, for the whole process."""
 
 _Outcome = Literal["gap", "lagged", "failed", "broken"]
 """Why a stream was replaced; all but ``broken`` (agent unreachable, stream broken) keep the channel."""
@@ -172,7 +183,7 @@ class FeedClient:
     async def _stream(self, channel: Any) -> tuple[_Outcome, int]:
         """One subscription until it must be replaced; returns why and how many batches it applied."""
         method = channel.unary_stream(
-            ev.SUBSCRIBE_METHOD, request_serializer=ev.encode, response_deserializer=ev.decode_batch
+            ev.SUBSCRIBE_METHOD, request_serializer=ev.encode, response_deserializer=ev.decode_batch_skewed
         )
         call = method(self.tracker.request(self._subscriber))
         applied = 0
@@ -192,6 +203,8 @@ class FeedClient:
                 if batch is grpc.aio.EOF:
                     self.last_error = "stream ended by the agent"
                     return "broken", applied
+                if ev.batch_skew(batch) is not Skew.OK:
+                    self._skewed(batch)
                 verdict = self.tracker.check(batch)
                 if verdict is Verdict.GAP:
                     self.stats.gaps += 1
@@ -219,6 +232,20 @@ class FeedClient:
             return "broken", applied
         finally:
             call.cancel()
+
+    def _skewed(self, batch: Batch) -> None:
+        self.stats.version_skew += 1
+        if batch.digest != DIGEST_VERSION:
+            line = _SKEW_LOG.note(
+                "feed digests",
+                self.address,
+                batch.digest,
+                "digests of another version: its KV data is ignored",
+            )
+        else:
+            line = _SKEW_LOG.note("feed", self.address, batch.version, describe(batch.version, FEED_VERSION))
+        if line is not None:
+            log.warning("%s", line)
 
     def _deliver(self, batch: Batch, verdict: Verdict) -> None:
         stats = self.stats

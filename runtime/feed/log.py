@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 
 from contracts.events import Batch, Cleared, Event, IndexEvent, Load, encode
+from contracts.versions import DIGEST_VERSION, FEED_VERSION
 
 DEFAULT_MAX_BATCHES = 4096
 """Batches the ring keeps for replay."""
@@ -81,7 +82,15 @@ class FeedLog:
     def publish(self, events: Sequence[Event], ts: float) -> Batch:
         """Number ``events`` as the next batch, keep it for replay and return it."""
         self._seq += 1
-        batch = Batch(self.source, self.epoch, self._seq, list(events), ts=ts)
+        batch = Batch(
+            self.source,
+            self.epoch,
+            self._seq,
+            list(events),
+            ts=ts,
+            version=FEED_VERSION,
+            digest=DIGEST_VERSION,
+        )
         for event in events:
             self._endpoints.add(event.endpoint)
             if isinstance(event, Load):
@@ -117,7 +126,16 @@ class FeedLog:
         events: list[Event] = [Cleared(endpoint) for endpoint in sorted(self._endpoints)]
         events.extend(held)
         events.extend(self._loads[endpoint] for endpoint in sorted(self._loads))
-        return Batch(self.source, self.epoch, self._seq, events, snapshot=True, ts=ts)
+        return Batch(
+            self.source,
+            self.epoch,
+            self._seq,
+            events,
+            snapshot=True,
+            ts=ts,
+            version=FEED_VERSION,
+            digest=DIGEST_VERSION,
+        )
 
     def forget(self, endpoint: str) -> None:
         """Stop mentioning ``endpoint`` in snapshots (after its engine was removed and a ``Cleared`` for

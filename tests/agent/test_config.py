@@ -45,7 +45,9 @@ def test_docstring_example_parses() -> None:
     assert [e.kind for e in cfg.engines] == ["llama_cpp", "vllm", "sglang", "sim", "vllm", "openai_compat"]
     assert [e.id for e in cfg.engines] == ["llama-0", *(f"node-a-{i}" for i in range(1, 6))]
     llama, vllm, sglang, _, attached, remote = cfg.engines
-    assert not attached.started and attached.kv_events and attached.kv_events_endpoint == "tcp://10.0.0.7:5557"
+    assert (
+        not attached.started and attached.kv_events and attached.kv_events_endpoint == "tcp://10.0.0.7:5557"
+    )
     assert (llama.threads, llama.args, llama.env, llama.labels) == (
         2, ("--no-warmup",), (("LLAMA_ARG_FOO", "1"),), (("zone", "a"),),
     )  # fmt: skip

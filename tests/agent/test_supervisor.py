@@ -200,9 +200,7 @@ async def test_engine_log_is_private(make: Make, fake_engine: Path) -> None:
     assert sup.log_path.stat().st_mode & 0o777 == 0o600
 
 
-async def test_crash_restarts_after_backoff(
-    make: Make, fake_engine: Path, tmp_path: Path
-) -> None:
+async def test_crash_restarts_after_backoff(make: Make, fake_engine: Path, tmp_path: Path) -> None:
     rec = Recorder()
     sup = make(stand_in(), fake(fake_engine, "--crash-once-file", str(tmp_path / "crashed")), on_change=rec)
     await sup.start()
@@ -385,9 +383,7 @@ async def test_engine_dies_with_a_sigkilled_agent(fake_engine: Path, tmp_path: P
             os.kill(engine_pid, signal.SIGKILL)
 
 
-async def test_remote_engine_ready_when_models_answers(
-    make: Make, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_remote_engine_ready_when_models_answers(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGATE_TEST_REMOTE_KEY", "sekret")
     calls: list[str | None] = []
 

@@ -57,6 +57,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Objects]:
         ["init", "--dir", str(certs)],
         ["issue", "--dir", str(certs), "--name", "extproc"],
         ["issue", "--dir", str(certs), "--name", "agent", "--san", "DNS:agent"],
+        ["issue", "--dir", str(certs), "--name", "etcd", "--san", "DNS:etcd-client", "--san", "DNS:*.etcd"],
+        ["issue", "--dir", str(certs), "--name", "root"],
     ):
         subprocess.run([*kvgate, *args], check=True, capture_output=True, timeout=60)
     out: dict[str, Objects] = {}
@@ -244,9 +246,22 @@ def test_production_mounts_the_certificates_its_configs_name(rendered: dict[str,
     gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
     node = parse_node_config(tomllib.loads(config_file(objects, "kvgate-agent", "node.toml")))
     assert gateway.feeds.server_name == "agent" and node.agent.tls is not None
+    assert gateway.etcd is not None and node.etcd_raw is not None
+    etcd_files = [gateway.etcd.tls_ca, gateway.etcd.tls_cert, gateway.etcd.tls_key]
+    agent_etcd = [node.etcd_raw["tls_ca"], node.etcd_raw["tls_cert"], node.etcd_raw["tls_key"]]
     wanted = {
-        ("kvgate-epp", "epp"): [gateway.feeds.tls_ca, gateway.feeds.tls_cert, gateway.feeds.tls_key],
-        ("kvgate-model-server", "agent"): [node.agent.tls.cert, node.agent.tls.key, node.agent.tls.client_ca],
+        ("kvgate-epp", "epp"): [
+            gateway.feeds.tls_ca,
+            gateway.feeds.tls_cert,
+            gateway.feeds.tls_key,
+            *etcd_files,
+        ],
+        ("kvgate-model-server", "agent"): [
+            node.agent.tls.cert,
+            node.agent.tls.key,
+            node.agent.tls.client_ca,
+            *agent_etcd,
+        ],
     }
     for (deployment, container_name), paths in wanted.items():
         spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
@@ -343,3 +358,49 @@ def test_the_picker_config_serves_the_probes_the_pod_asks(
                 assert health_pb2.HealthCheckResponse.ServingStatus.Name(status) == expected[service]
     finally:
         child.stop()
+
+
+def test_production_etcd_requires_client_certificates_and_rbac(rendered: dict[str, Objects]) -> None:
+    """etcd serves clients over TLS with --client-cert-auth (its files mounted from its own Secret), the
+    probe uses the plain metrics port, the bootstrap Job's identities are ones kvgate's RBAC plans, and
+    root's certificate is mounted by that Job alone."""
+    from kvgate.etcdsec.rbac import plan
+
+    objects = rendered["overlays/production"]
+    etcd = find(objects, "StatefulSet", "etcd")["spec"]["template"]["spec"]
+    (container,) = etcd["containers"]
+    flags = dict(f.partition("=")[::2] for f in container["command"][1:])
+    assert "--client-cert-auth" in flags and flags["--listen-client-urls"].startswith("https://")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert flags["--listen-metrics-urls"].endswith(f":{ports['metrics']}")
+    assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in etcd["volumes"] if v["name"] == "tls"]
+    secret = find(objects, "Secret", volume["secret"]["secretName"])
+    for flag in ("--trusted-ca-file", "--cert-file", "--key-file"):
+        directory, _, name = flags[flag].rpartition("/")
+        assert directory == mount["mountPath"] and name in secret["data"], flag
+
+    job = find(objects, "Job", "kvgate-etcd-bootstrap")
+    spec = job["spec"]["template"]["spec"]
+    (boot,) = spec["containers"]
+    assert boot["args"][:2] == ["etcd", "bootstrap"]
+    identities = [a.partition("=")[2] for a in boot["args"] if a.startswith("--identity=")]
+    assert {u.name for u in plan("/kvgate/", identities).users} == {"root", *identities}
+    root_secrets = [v["secret"]["secretName"] for v in spec["volumes"]]
+    (root_secret,) = root_secrets
+    assert {"root.pem", "root.key"} <= set(find(objects, "Secret", root_secret)["data"])
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet") and obj is not job:
+            volumes = obj["spec"]["template"]["spec"].get("volumes", [])
+            assert root_secret not in [v.get("secret", {}).get("secretName") for v in volumes], obj[
+                "metadata"
+            ]
+    policy = find(objects, "NetworkPolicy", "kvgate-etcd")
+    admitted = [
+        peer["podSelector"]["matchLabels"]
+        for rule in policy["spec"]["ingress"]
+        if any(p["port"] == 2379 for p in rule["ports"])
+        for peer in rule["from"]
+    ]
+    assert job["spec"]["template"]["metadata"]["labels"].items() >= admitted[-1].items()

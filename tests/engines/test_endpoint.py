@@ -36,7 +36,7 @@ def test_codec_round_trip(endpoint: Endpoint) -> None:
     assert decode_endpoint(endpoint.id, value) == endpoint
     assert set(json.loads(value)) == {
         "id", "address", "models", "engine", "role", "node", "feed", "kv_events", "metrics_url",
-        "block_size", "capacity_blocks", "labels",
+        "block_size", "capacity_blocks", "labels", "schema", "digest",
     }  # fmt: skip
 
 

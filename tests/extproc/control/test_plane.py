@@ -27,6 +27,7 @@ def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
     assert client.kv is not None
     return client.kv
 
+
 P = "/kvgate/"
 STATIC = Endpoint(EndpointId("static-0"), "127.0.0.1:9000", frozenset({"m"}))
 

@@ -408,7 +408,7 @@ def test_file_paths_are_checked_like_etcd_paths() -> None:
 def test_policy_file_round_trip(tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"policy{suffix}"
     items = {p: encode_value(v) for p, v in FLAT.items()}
-    items["models/odd \"name\""] = encode_value({"labels": {"k.x": "v\u00e9\x7f"}})
+    items['models/odd "name"'] = encode_value({"labels": {"k.x": "v\u00e9\x7f"}})
     write_policy_file(path, items)
     assert load_policy_file(path) == items
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind

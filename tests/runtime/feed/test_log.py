@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.events import Batch, Cleared, Load, Stored, encode
+from contracts.versions import DIGEST_VERSION, FEED_VERSION
 from runtime.feed.log import FeedLog
 
 D1, D2 = (bytes([i]) * 16 for i in (1, 2))
@@ -17,7 +18,7 @@ def stored(endpoint: str, *digests: bytes) -> Stored:
 def test_log_starts_with_an_empty_batch() -> None:
     log = FeedLog("node-a", epoch=7)
     assert (log.seq, log.held_batches, log.oldest_seq) == (1, 1, 1)
-    assert log.replay_after(7, 0) == [Batch("node-a", 7, 1, [])]
+    assert log.replay_after(7, 0) == [Batch("node-a", 7, 1, [], version=FEED_VERSION, digest=DIGEST_VERSION)]
     assert 0 <= FeedLog("node-b").epoch < 2**63
 
 

@@ -1,0 +1,1 @@
+"""etcd security: RBAC for kvgate identities, the bootstrap, the policy audit trail (README.md)."""
