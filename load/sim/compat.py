@@ -50,6 +50,11 @@ class Replica(Protocol):
     @property
     def config(self) -> ServedModel: ...
 
+    @property
+    def disaggregation_mode(self) -> str:
+        """SGLang's ``--disaggregation-mode`` (``null``, ``prefill``, ``decode``)."""
+        ...
+
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON body, checked (a :class:`~load.sim.protocol.SimError` when invalid or for
         another model)."""
@@ -84,7 +89,7 @@ def compat_routes(replica: Replica) -> list[web.RouteDef]:
             "page_size": engine.block_size,
             "max_running_requests": engine.max_num_seqs,
             "chunked_prefill_size": engine.max_num_batched_tokens,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": replica.disaggregation_mode,
             "is_embedding": False,
             "version": VLLM_API_VERSION,
         }
