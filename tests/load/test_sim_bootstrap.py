@@ -113,6 +113,9 @@ async def test_a_pair_on_the_wire(model_dir: Path) -> None:
         (record,) = prefill.describe()
         port = record["bootstrap_port"]
         assert isinstance(port, int) and port > 0 and "bootstrap_port" not in decode.describe()[0]
+        for address, mode in ((prefill.addresses[0], "prefill"), (decode.addresses[0], "decode")):
+            async with http.get(f"http://{address}/get_server_info") as r:
+                assert (await r.json())["disaggregation_mode"] == mode
         p_addr, d_addr = prefill.addresses[0], decode.addresses[0]
         boot = f"http://127.0.0.1:{port}"
         async with http.get(f"{boot}/health") as r:
