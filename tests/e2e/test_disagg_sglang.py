@@ -13,9 +13,11 @@ already waits on the room, and it refuses requests without one. The last tests s
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -226,3 +228,30 @@ def test_with_the_prefill_replicas_down_the_decode_replica_refuses(stack: Stack)
         )
     assert time.monotonic() - started < WAITING_TIMEOUT_S
     assert gateway_counter(stack, "kvgate_pd_decisions_total", reason="no_prefill") == no_prefill + 1
+
+
+def test_an_mtls_fleet_pairs_too(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--secure``: the engines' HTTP ports take only engine callers' certificates (the ext_proc's prefill
+    half uses its client certificate); the bootstrap server is plain HTTP, as SGLang's."""
+    options = StackOptions(
+        prefill=1,
+        decode=1,
+        pd_protocol="sglang",
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path_factory.mktemp("pd-sglang-secure"),
+        secure=True,
+        disaggregation={"mode": "disaggregated"},
+    )
+    with Stack(options) as secure:
+        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
+        with httpx.Client(verify=ctx, timeout=30) as http:
+            sdk = openai.OpenAI(
+                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
+            )
+            raw = sdk.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
+            )
+        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        assert "prefilled by engine prefill-0 (bootstrap room" in log_text(secure, "decode-0")
+        assert gateway_counter(secure, "kvgate_pd_prefill_errors_total") == 0
