@@ -81,10 +81,12 @@ class Handoff:
 class Verdict:
     """What :meth:`Disaggregator.plan` decided: a ``handoff``, or ``None`` with why the request is served
     aggregated (``reason``: ``cached`` under the threshold, ``no_prefill`` no prefill endpoint fit,
-    ``engine`` no handoff protocol for the decode engine)."""
+    ``engine`` no handoff protocol for the decode engine). ``alone``: whether the decode pick can serve the
+    request by itself (not an SGLang decode server, which refuses requests without a bootstrap room)."""
 
     handoff: Handoff | None
     reason: str
+    alone: bool = True
 
     @property
     def mode(self) -> str:
@@ -127,7 +129,7 @@ class Disaggregator:
             return Verdict(None, "engine")
         prefill = self._pick_prefill(decision, route, protocol, now)
         if prefill is None:
-            return Verdict(None, "no_prefill")
+            return Verdict(None, "no_prefill", alone=not paired_only)
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
         prefill.count_routed(now)

@@ -203,11 +203,12 @@ def test_a_failing_prefill_fails_the_request(stack: Stack) -> None:
             fail_next(stack, replica, 0)
 
 
-def test_with_the_prefill_replicas_down_the_decode_replica_refuses(stack: Stack) -> None:
-    """Last (it stops the prefill replicas): once the gateway's scrapes see no prefill replica up, the
-    request goes to the decode replica without a room (``no_prefill``), which SGLang's decode server
-    refuses with 400 at once. (Paired just before the gateway noticed, it would fail with 500: the decode
-    replica cannot reach the room's bootstrap server.)"""
+def test_with_the_prefill_replicas_down_the_gateway_answers_503(stack: Stack) -> None:
+    """Last (it stops the prefill replicas): once the gateway's scrapes see no prefill replica up, no
+    pair can be made, and the decode replica cannot serve alone (SGLang's decode server refuses a request
+    without a room, 400): the gateway answers 503 ``no_prefill_endpoint`` at once. (Paired just before
+    the gateway noticed, a request fails with the decode replica's 500: it cannot reach the room's
+    bootstrap server.)"""
     for sim in stack.sims:
         if sim.name in PREFILLS:
             sim.stop()
@@ -218,16 +219,17 @@ def test_with_the_prefill_replicas_down_the_decode_replica_refuses(stack: Stack)
         10,
         "the gateway to see the prefill replicas down",
     )
-    no_prefill = gateway_counter(stack, "kvgate_pd_decisions_total", reason="no_prefill")
+    served = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
     started = time.monotonic()
-    with pytest.raises(openai.BadRequestError, match="without bootstrap room id"):
+    with pytest.raises(openai.InternalServerError) as failed:
         client(stack).chat.completions.create(
             model=MODEL,
             messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(130)}],
             max_tokens=3,
         )
+    assert failed.value.status_code == 503 and "no_prefill_endpoint" in str(failed.value.body)
     assert time.monotonic() - started < WAITING_TIMEOUT_S
-    assert gateway_counter(stack, "kvgate_pd_decisions_total", reason="no_prefill") == no_prefill + 1
+    assert engine_counter(stack, "decode-0", "vllm:generation_tokens_total") == served
 
 
 def test_an_mtls_fleet_pairs_too(tmp_path_factory: pytest.TempPathFactory) -> None:

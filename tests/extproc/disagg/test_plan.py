@@ -217,7 +217,14 @@ def test_an_sglang_decode_server_is_always_paired_under_the_conditional_mode() -
     assert verdict is not None and (verdict.mode, verdict.reason) == ("disaggregated", "disaggregated")
     router, pd = make([sglang[0], endpoint("b0", "both", engine="sglang")], PdSpec("conditional", 512))
     verdict = pd.plan(decide(router, request("short prompt")), NOW)
-    assert verdict is not None and (verdict.mode, verdict.reason) == ("aggregated", "cached")
+    assert verdict is not None and (verdict.mode, verdict.reason, verdict.alone) == (
+        "aggregated",
+        "cached",
+        True,
+    )
+    router, pd = make([sglang[1]], PdSpec("conditional", 512))  # no prefill endpoint: it cannot serve
+    verdict = pd.plan(decide(router, request("short prompt")), NOW)
+    assert verdict is not None and (verdict.reason, verdict.alone) == ("no_prefill", False)
 
 
 def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None:
