@@ -581,6 +581,12 @@ class StreamProcessor:
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)
+            if self.pd is not None and not self.pd.alone:  # an SGLang decode server, and no prefill fit
+                self._router.finish(self.decision)
+                self.decision = self.pd = None
+                self._refund()
+                message = "No prefill endpoint is ready to pair with the decode endpoint."
+                raise Unavailable(message, code="no_prefill_endpoint")
         return self._replies(request.stream, body, started, decided)
 
     def _replies(

@@ -8,7 +8,8 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    pick already weighs load, KV use and the prefix it holds (it keeps the transferred blocks);
 2. ``uncached = max(0, prompt_tokens - matched_blocks x block_size)`` at that pick; the spec says
    whether to disaggregate (``disaggregated``: always; ``conditional``: when ``uncached >=
-   min_uncached_tokens``);
+   min_uncached_tokens``, but always when the pick is an SGLang server of role ``decode``, which refuses
+   a request without a bootstrap room);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
    endpoints of role ``prefill`` serving ``m`` that the route's labels admit and that speak the decode
    pick's handoff protocol, with the prefix index's
@@ -80,10 +81,12 @@ class Handoff:
 class Verdict:
     """What :meth:`Disaggregator.plan` decided: a ``handoff``, or ``None`` with why the request is served
     aggregated (``reason``: ``cached`` under the threshold, ``no_prefill`` no prefill endpoint fit,
-    ``engine`` no handoff protocol for the decode engine)."""
+    ``engine`` no handoff protocol for the decode engine). ``alone``: whether the decode pick can serve the
+    request by itself (not an SGLang decode server, which refuses requests without a bootstrap room)."""
 
     handoff: Handoff | None
     reason: str
+    alone: bool = True
 
     @property
     def mode(self) -> str:
@@ -117,14 +120,16 @@ class Disaggregator:
         decode = decision.served
         block_size = self._router.policy.block_size
         uncached = max(0, decision.prompt_tokens - decision.matched_blocks * block_size)
-        if not route.spec.disaggregates(uncached):
-            return Verdict(None, "cached")
         protocol = PROTOCOLS.get(decode.endpoint.engine)
+        # An SGLang decode server refuses a request without a bootstrap room (400): it cannot serve alone.
+        paired_only = protocol == "sglang" and decode.endpoint.role == "decode"
+        if not route.spec.disaggregates(uncached) and not paired_only:
+            return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
         prefill = self._pick_prefill(decision, route, protocol, now)
         if prefill is None:
-            return Verdict(None, "no_prefill")
+            return Verdict(None, "no_prefill", alone=not paired_only)
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
         prefill.count_routed(now)

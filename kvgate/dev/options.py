@@ -39,6 +39,10 @@ class StackOptions:
     prefill: int = 0
     decode: int = 0
     disaggregation: dict[str, Any] = field(default_factory=lambda: {"mode": "conditional"})
+    #: ``--pd-protocol``: the handoff the simulated pair speaks: ``vllm`` (``kv_transfer_params``; engine kind
+    #: ``sim``) or ``sglang`` (SGLang's bootstrap fields, ``--disaggregation-mode``; engine kind ``sglang``,
+    #: each prefill replica registered with its ``bootstrap_port``).
+    pd_protocol: str = "vllm"
     #: ``--extprocs N``: ext_proc processes, each on its own ports with the same gateway config, all in
     #: Envoy's one ext_proc cluster, sharing in-flight counts and decisions when more than one;
     #: ``None``: the gateway config's ``[extproc] workers`` (1 unless ``extproc`` or ``overlay`` sets it).

@@ -210,6 +210,8 @@ class Stack:
                 raise ConfigError("--prefill and --decode go together, each at least 1")
             if opts.agents or opts.attach or opts.endpoints:
                 raise ConfigError("--prefill/--decode start simulators: not with --agents or --endpoint")
+        if opts.pd_protocol not in ("vllm", "sglang"):
+            raise ConfigError(f"--pd-protocol: expected vllm or sglang, got {opts.pd_protocol!r}")
         no_engines = opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)
         if (opts.extprocs is not None and opts.extprocs < 1) or no_engines:
             raise ConfigError("--replicas and --extprocs must be at least 1")
@@ -265,16 +267,21 @@ class Stack:
             ready = self.workdir / f"{name}.ready.json"
             argv = self._sim_argv(i, model_dir, ready, 0, role)
             self.sims.append(self._spawn(name, argv, ready, SIM_READY_S))
+        sglang = opts.prefill > 0 and opts.pd_protocol == "sglang"
         for (_, role, i), sim in zip(roles, self.sims, strict=True):
             (replica,) = sim.await_ready()
             ready = self.workdir / f"{sim.name}.ready.json"
-            sim.argv = self._sim_argv(i, model_dir, ready, port_of(replica["address"]), role)
+            bootstrap = replica.get("bootstrap_port")  # pinned too: the gateway pairs with it
+            port = port_of(replica["address"])
+            sim.argv = self._sim_argv(i, model_dir, ready, port, role, bootstrap)
             engine = {
                 "id": replica["id"],
                 "address": replica["address"],
-                "engine": "sim",
+                "engine": "sglang" if sglang else "sim",
                 "metrics_url": f"{scheme}://{replica['address']}/metrics",
             }
+            if bootstrap is not None:
+                engine["bootstrap_port"] = bootstrap
             self.engines.append(engine if role == "both" else {**engine, "role": role})
 
     def _pd_policy(self) -> Path:
@@ -285,10 +292,24 @@ class Stack:
         path.write_text(json.dumps({"models": {opts.model or DEFAULT_MODEL: route}}, indent=2) + "\n")
         return path
 
-    def _sim_argv(self, index: int, model_dir: str, ready: Path, port: int, role: str = "both") -> list[str]:
+    def _sim_argv(
+        self,
+        index: int,
+        model_dir: str,
+        ready: Path,
+        port: int,
+        role: str = "both",
+        bootstrap_port: int | None = None,
+    ) -> list[str]:
         """Simulated replica ``sim-<index>`` (a prefill/decode role: ``<role>-<index>``) on ``port`` (0: any
-        free one)."""
+        free one); a prefill replica of SGLang's protocol runs its bootstrap server on ``bootstrap_port``
+        (``None``: any free one)."""
         opts = self.options
+        pd: tuple[str, ...] = () if role == "both" else ("--role", role)
+        if role != "both" and opts.pd_protocol == "sglang":
+            pd = ("--disaggregation-mode", role)
+            if role == "prefill":
+                pd += ("--disaggregation-bootstrap-port", str(bootstrap_port or 0))
         argv = [
             sys.executable,
             "-m",
@@ -301,7 +322,7 @@ class Stack:
             "1",
             "--first-replica",
             str(index),
-            *(() if role == "both" else ("--role", role, "--replica-prefix", role)),
+            *(() if role == "both" else (*pd, "--replica-prefix", role)),
             "--port",
             str(port),
             "--ready-file",
@@ -670,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill=args.prefill,
             decode=args.decode,
             disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
+            pd_protocol=args.pd_protocol,
             extprocs=args.extprocs,
             fail_open=args.fail_open,
             envoy_stats=args.envoy_stats,

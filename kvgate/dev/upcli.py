@@ -116,6 +116,13 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         help="with --prefill/--decode: how the model is served (default conditional)",
     )
     p.add_argument(
+        "--pd-protocol",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="with --prefill/--decode: the replicas speak vLLM's kv_transfer_params (default) or SGLang's "
+        "bootstrap protocol (registered as SGLang engines; an SGLang decode replica is always paired)",
+    )
+    p.add_argument(
         "--pd-min-uncached-tokens",
         type=int,
         default=512,

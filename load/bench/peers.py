@@ -115,6 +115,40 @@ def launch(spec: PeerSpec, bin_dir: Path, workers: list[str], workdir: Path) -> 
     it lists the served model on ``GET /v1/models`` (i.e. has registered healthy workers)."""
     port, metrics_port = free_port(), free_port()
     child = Child(spec.name, spec.argv(bin_dir, port, metrics_port, workers), workdir / f"{spec.name}.log")
+    return _ready(spec, child, port)
+
+
+def pd_argv(
+    spec: PeerSpec,
+    bin_dir: Path,
+    port: int,
+    metrics_port: int,
+    prefills: list[tuple[str, int]],
+    decodes: list[str],
+) -> list[str]:
+    """sglang-router's prefill/decode mode (``--pd-disaggregation``): each prefill server as ``--prefill URL
+    BOOTSTRAP_PORT``, each decode server as ``--decode URL``, ``--policy`` for both pools."""
+    argv = [str(bin_dir / spec.script), *spec.launch, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    argv += ["--pd-disaggregation", "--policy", spec.policy]
+    for url, bootstrap_port in prefills:
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in decodes:
+        argv += ["--decode", url]
+    return argv
+
+
+def launch_pd(
+    spec: PeerSpec, bin_dir: Path, prefills: list[tuple[str, int]], decodes: list[str], workdir: Path
+) -> tuple[Child, str]:
+    """Start sglang-router in its prefill/decode mode over SGLang-protocol servers (``prefills``: URL and
+    bootstrap port each); returns it and its base URL once it answers ``GET /v1/models``."""
+    port, metrics_port = free_port(), free_port()
+    argv = pd_argv(spec, bin_dir, port, metrics_port, prefills, decodes)
+    return _ready(spec, Child(f"{spec.name}-pd", argv, workdir / f"{spec.name}-pd.log"), port)
+
+
+def _ready(spec: PeerSpec, child: Child, port: int) -> tuple[Child, str]:
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool | None:

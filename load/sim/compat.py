@@ -5,6 +5,10 @@ Found by running each router against the simulator and reading its logs and the 
 * ``sglang-router`` (``smg launch``) discovers a worker's model with ``GET /server_info`` and
   ``GET /model_info`` (falling back to ``/get_server_info`` and ``/get_model_info`` on 404), then
   ``GET /v1/models``; without them it registers the worker for model ``unknown``. Health: ``GET /health``.
+  It first probes each worker with an HTTP/2 preface (gRPC detection), which the simulator's HTTP/1.1
+  server logs as a bad request and the router then talks HTTP/1.1. ``server_info`` reports the
+  replica's SGLang ``disaggregation_mode``; in its PD mode (``--pd-disaggregation``) the router sends
+  each request to a prefill and a decode worker at once (:mod:`load.sim.bootstrap`).
 * ``vllm-router`` with ``--policy cache_aware`` sends every request first to
   ``POST /v1/chat/completions/render`` (or ``/v1/completions/render``) of **every** worker to get the
   prompt's token ids, falling back to ``POST /tokenize`` when that is missing; it also reads
@@ -50,6 +54,11 @@ class Replica(Protocol):
     @property
     def config(self) -> ServedModel: ...
 
+    @property
+    def disaggregation_mode(self) -> str:
+        """SGLang's ``--disaggregation-mode`` (``null``, ``prefill``, ``decode``)."""
+        ...
+
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON body, checked (a :class:`~load.sim.protocol.SimError` when invalid or for
         another model)."""
@@ -84,7 +93,7 @@ def compat_routes(replica: Replica) -> list[web.RouteDef]:
             "page_size": engine.block_size,
             "max_running_requests": engine.max_num_seqs,
             "chunked_prefill_size": engine.max_num_batched_tokens,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": replica.disaggregation_mode,
             "is_embedding": False,
             "version": VLLM_API_VERSION,
         }

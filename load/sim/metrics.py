@@ -25,11 +25,14 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 
 
 class EngineCollector(Collector):
-    """vLLM's gauges and counters, read from the engine at scrape time."""
+    """vLLM's gauges and counters, read from the engine at scrape time; with ``sglang`` also SGLang's
+    load series (a replica in SGLang's disaggregation mode registers with engine kind ``sglang``, whose
+    scrapers read those names)."""
 
-    def __init__(self, engine: Engine, model: str) -> None:
+    def __init__(self, engine: Engine, model: str, sglang: bool = False) -> None:
         self._engine = engine
         self._labels = (model, "0")
+        self._sglang = sglang
 
     def collect(self) -> Iterable[Metric]:
         engine, stats, labels = self._engine, self._engine.stats, ["model_name", "engine"]
@@ -78,6 +81,26 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(self._labels, value)
             yield counter
+        if self._sglang:  # SGLang's names and its model_name label
+            for name, doc, value in (
+                ("sglang:num_running_reqs", "The number of running requests.", engine.num_running),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", engine.num_waiting),
+                ("sglang:token_usage", "The token usage.", engine.kv_usage),
+            ):
+                gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+                gauge.add_metric([self._labels[0]], value)
+                yield gauge
+            for name, doc, value in (
+                ("sglang:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
+                (
+                    "sglang:generation_tokens",
+                    "Number of generation tokens processed.",
+                    stats.generation_tokens,
+                ),
+            ):
+                counter = CounterMetricFamily(name, doc, labels=["model_name"])
+                counter.add_metric([self._labels[0]], value)
+                yield counter
         cfg = engine.config
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
@@ -88,10 +111,13 @@ class EngineCollector(Collector):
         yield info
 
 
-def replica_registry(engine: Engine, model: str) -> tuple[CollectorRegistry, Callable[[float], None]]:
-    """A registry exposing ``engine`` as vLLM does, and the TTFT observer (seconds) to feed it."""
+def replica_registry(
+    engine: Engine, model: str, sglang: bool = False
+) -> tuple[CollectorRegistry, Callable[[float], None]]:
+    """A registry exposing ``engine`` as vLLM does (and SGLang, with ``sglang``), and the TTFT observer
+    (seconds) to feed it."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, model))
+    registry.register(EngineCollector(engine, model, sglang))
     ttft = Histogram(
         "vllm:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
@@ -99,7 +125,21 @@ def replica_registry(engine: Engine, model: str) -> tuple[CollectorRegistry, Cal
         registry=registry,
         buckets=TTFT_BUCKETS,
     ).labels(model, "0")
-    return registry, ttft.observe
+    if not sglang:
+        return registry, ttft.observe
+    sglang_ttft = Histogram(
+        "sglang:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        ["model_name"],
+        registry=registry,
+        buckets=TTFT_BUCKETS,
+    ).labels(model)
+
+    def observe(seconds: float) -> None:
+        ttft.observe(seconds)
+        sglang_ttft.observe(seconds)
+
+    return registry, observe
 
 
 class DcgmCollector(Collector):

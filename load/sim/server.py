@@ -34,6 +34,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 from contracts.digest import chain_seed
 from load.sim import protocol as api
 from load.sim import responses
+from load.sim.bootstrap import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    DEFAULT_BOOTSTRAP_PORT,
+    MODES,
+    WAITING_TIMEOUT_ENV,
+    Handshake,
+    RoomFailed,
+    env_timeout,
+)
 from load.sim.cache import CacheListener
 from load.sim.compat import compat_routes
 from load.sim.driver import EngineDriver
@@ -44,7 +53,7 @@ from load.sim.handoff import ROLES
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import dcgm_registry, replica_registry
 from load.sim.power import GPU_CLASSES, PowerModel
-from load.sim.serving import Serving, ToolParsing
+from load.sim.serving import Serving, SglangPd, ToolParsing
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
 from runtime.identity import ENGINE, peercert_uris, permits
@@ -77,6 +86,10 @@ class SimConfig:
     #: GPU power models (:mod:`load.sim.power`), replica ``i`` taking ``power[i % len(power)]``; with one, a
     #: replica serves dcgm-exporter's format at ``/dcgm/metrics``. Empty: no power simulated.
     power: tuple[PowerModel, ...] = ()
+    #: SGLang's prefill/decode disaggregation (:mod:`load.sim.bootstrap`; ``mode`` ``null``: none), and a
+    #: prefill replica's bootstrap port (replica ``i`` of a process takes ``bootstrap_port + i``; 0: any).
+    sglang_pd: SglangPd = field(default_factory=SglangPd)
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
 
 
 class SimReplica:
@@ -98,10 +111,12 @@ class SimReplica:
         self.kv_events = (
             KvEventPublisher(kv, rank, config.engine.block_size) if kv is not None and kv.enabled else None
         )
+        self.rank = rank
         listener = sink(self.kv_events, listener)
         power = config.power[rank % len(config.power)] if config.power else None
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener, power)
-        self.registry, observe_ttft = replica_registry(self.engine, config.model)
+        sglang = config.sglang_pd.mode != "null"
+        self.registry, observe_ttft = replica_registry(self.engine, config.model, sglang=sglang)
         self.dcgm = None if power is None else dcgm_registry(self.engine, replica_id, time.monotonic)
         self.driver = EngineDriver(self.engine, observe_ttft)
         self.serving = Serving(
@@ -112,12 +127,16 @@ class SimReplica:
             config.tool_parsing,
             role=config.role,
             engine_id=replica_id,
+            pd=config.sglang_pd,
         )
         #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
         #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
         self.delay_next = (0, 0.0)
         self.address = ""
+        #: A prefill replica's bootstrap port once it listens (SGLang's PD mode), else ``None``.
+        self.bootstrap_port: int | None = None
+        self._bootstrap: web.AppRunner | None = None
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
 
@@ -155,7 +174,81 @@ class SimReplica:
         await web.SockSite(self._runner, sock, ssl_context=ssl_context).start()
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.serving.side_channel = (host, port)
+        if self.config.sglang_pd.mode == "prefill":
+            base = self.config.bootstrap_port
+            await self._start_bootstrap(bind(host, base + self.rank if base else 0))
         self.driver.start()
+
+    async def _start_bootstrap(self, sock: socket.socket) -> None:
+        """SGLang's bootstrap server of a prefill replica (plain HTTP, as SGLang's): ``GET /health``,
+        ``GET /route`` (its topology: one rank) and the simulator's KV hand-over, ``POST /_sim/kv/{room}``
+        (:mod:`load.sim.bootstrap`)."""
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/health", self._bootstrap_health),
+                web.route("*", "/route", self._bootstrap_route),
+                web.post("/_sim/kv/{room}", self._bootstrap_kv),
+            ]
+        )
+        self._bootstrap = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+        await self._bootstrap.setup()
+        await web.SockSite(self._bootstrap, sock).start()
+        self.bootstrap_port = sock.getsockname()[1]
+
+    @property
+    def disaggregation_mode(self) -> str:
+        return self.config.sglang_pd.mode
+
+    async def _bootstrap_health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def _bootstrap_route(self, request: web.Request) -> web.Response:
+        """SGLang's ``/route``: GET with ``prefill_dp_rank``, ``prefill_cp_rank``, ``target_tp_rank`` and
+        ``target_pp_rank`` all -1 is the server's parallel info, with 0 the one rank's address."""
+        if request.method != "GET":
+            return web.Response(status=405, text="Method not allowed")
+        keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+        values = [request.query.get(k) for k in keys]
+        if not all(values):
+            return web.Response(status=400, text="Missing inputs for bootstrap server.")
+        if all(v == "-1" for v in values):
+            engine = self.config.engine
+            info = {
+                "attn_tp_size": 1,
+                "attn_cp_size": 1,
+                "dp_size": 1,
+                "pp_size": 1,
+                "page_size": engine.block_size,
+                "kv_cache_dtype": "auto",
+                "follow_bootstrap_room": True,
+                "enable_dsa_cache_layer_split": False,
+                "prefill_http_port": int(self.address.rpartition(":")[2]),
+            }
+            return _json(info)
+        if not all(v == "0" for v in values):
+            return web.Response(
+                status=404, text=f"Bootstrap info not found for {dict(zip(keys, values, strict=True))}"
+            )
+        return _json(
+            {"rank_ip": self.address.rpartition(":")[0].strip("[]"), "rank_port": self.bootstrap_port}
+        )
+
+    async def _bootstrap_kv(self, request: web.Request) -> web.Response:
+        """A decode replica connects to a room and waits for its KV (the simulator's stand-in for SGLang's
+        ZMQ/RDMA channel): 200 ``{engine_id, prompt_tokens, tokens}``, 409 when the prefill side failed."""
+        try:
+            room = int(request.match_info["room"])
+            doc = await request.json()
+            handshake = Handshake(str(doc["decode"]), int(doc["cached_tokens"]))
+        except (ValueError, KeyError, TypeError):
+            return web.Response(status=400, body=orjson.dumps({"error": "bad handshake"}))
+        try:
+            return _json(await self.serving.connect_room(room, handshake))
+        except RoomFailed as exc:
+            return web.Response(
+                status=409, body=orjson.dumps({"error": str(exc)}), content_type="application/json"
+            )
 
     async def aclose(self, drain_s: float = 5.0) -> None:
         """Stop listening, let in-flight requests finish for up to ``drain_s`` seconds, cancel the
@@ -166,6 +259,10 @@ class SimReplica:
             await self.driver.wait_idle(drain_s)
             await self._runner.cleanup()
             self._runner = None
+        if self._bootstrap is not None:
+            await self._bootstrap.cleanup()
+            self._bootstrap = None
+        await self.serving.aclose()
         await self.driver.aclose()
         if self.kv_events is not None:
             await self.kv_events.aclose()
@@ -363,16 +460,18 @@ class SimFleet:
         """``host:port`` of each replica, in id order."""
         return [r.address for r in self.replicas]
 
-    def describe(self) -> list[dict[str, str]]:
+    def describe(self) -> list[dict[str, Any]]:
         """``[{"id", "address", "model"}]``, plus ``kv_events`` and ``kv_events_replay`` (the bound
-        ``tcp://host:port``; replay ``""`` without a replay endpoint) when KV events are enabled: what
-        ``--ready-file`` holds."""
-        records = []
+        ``tcp://host:port``; replay ``""`` without a replay endpoint) when KV events are enabled, and
+        ``bootstrap_port`` (an integer) on an SGLang-mode prefill replica: what ``--ready-file`` holds."""
+        records: list[dict[str, Any]] = []
         for r in self.replicas:
-            record = {"id": r.id, "address": r.address, "model": self.config.model}
+            record: dict[str, Any] = {"id": r.id, "address": r.address, "model": self.config.model}
             if r.kv_events is not None:
                 record["kv_events"] = r.kv_events.address
                 record["kv_events_replay"] = r.kv_events.replay_address
+            if r.bootstrap_port is not None:
+                record["bootstrap_port"] = r.bootstrap_port
             records.append(record)
         return records
 
@@ -512,6 +611,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="part in prefill/decode disaggregation: prefill and decode speak vLLM's kv_transfer_params",
     )
     p.add_argument(
+        "--disaggregation-mode",
+        choices=MODES,
+        default="null",
+        help="as SGLang: a prefill or decode server of SGLang's PD protocol (bootstrap_host/port/room; "
+        f"waits bounded by ${BOOTSTRAP_TIMEOUT_ENV} and ${WAITING_TIMEOUT_ENV}, seconds, default 300)",
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help="as SGLang: a prefill server's bootstrap server port (replica i: port+i; 0: ephemeral)",
+    )
+    p.add_argument(
         "--kv-bytes-per-token", type=float, default=t.kv_bytes_per_token, help="KV bytes per token moved"
     )
     p.add_argument(
@@ -539,6 +651,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         raise ValueError("--prefill-tokens-per-s must be positive")
     if args.link_gbps <= 0:
         raise ValueError("--link-gbps must be positive")
+    if args.disaggregation_mode != "null" and args.role != "both":
+        raise ValueError(
+            "--role (vLLM's kv_transfer_params) and --disaggregation-mode (SGLang's) exclude each other"
+        )
+    if not 0 <= args.disaggregation_bootstrap_port < 65536:
+        raise ValueError("--disaggregation-bootstrap-port must be a port number")
+    sglang_pd = SglangPd(
+        args.disaggregation_mode, env_timeout(BOOTSTRAP_TIMEOUT_ENV), env_timeout(WAITING_TIMEOUT_ENV)
+    )
     engine = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.kv_blocks,
@@ -571,6 +692,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tools,
         role=args.role,
         power=power,
+        sglang_pd=sglang_pd,
+        bootstrap_port=args.disaggregation_bootstrap_port,
     )
 
 

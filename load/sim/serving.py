@@ -5,7 +5,8 @@ body (:mod:`load.sim.protocol`), renders and tokenizes the prompt, plans every c
 (:mod:`load.sim.output`), hands the token ids to the engine driver (``n`` choices of a prompt as one
 request and its siblings, sharing the prefill) and writes the answer as vLLM does, whole or as SSE
 chunks (:mod:`load.sim.responses`), one chunk per choice index as its tokens appear. A replica of a
-prefill/decode pair also speaks vLLM's ``kv_transfer_params`` (:mod:`load.sim.handoff`).
+prefill/decode pair also speaks vLLM's ``kv_transfer_params`` (:mod:`load.sim.handoff`), or, started with
+SGLang's ``--disaggregation-mode``, SGLang's bootstrap fields (:mod:`load.sim.bootstrap`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,49 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from load.sim import protocol as api
 from load.sim import responses as out
+from load.sim.bootstrap import Bootstrap, Handshake, Prefilled, Rooms, read_bootstrap
 from load.sim.driver import EngineDriver
-from load.sim.errors import invalid, refused
+from load.sim.engine import TokenEvent
+from load.sim.errors import SimError, invalid, refused
 from load.sim.fields import lax_int, opt, strict_str
 from load.sim.handoff import NONE, Transfer, prefill_params, read_transfer
 from load.sim.output import Plan, plan_choice
 from load.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangPd:
+    """SGLang's prefill/decode disaggregation (:mod:`load.sim.bootstrap`): ``mode`` (``null``, ``prefill``
+    or ``decode``), and the two waits' bounds in seconds: a prefill request for its decode side to connect
+    (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``), a decode request for its KV
+    (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``)."""
+
+    mode: str = "null"
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+
+
+class _Tap(asyncio.Queue[TokenEvent]):
+    """A request's token queue that calls ``on_first`` with the first event the engine delivers (the
+    prompt is computed then)."""
+
+    def __init__(self, on_first: Any) -> None:
+        super().__init__()
+        self._on_first = on_first
+
+    def put_nowait(self, item: TokenEvent) -> None:
+        if self._on_first is not None:
+            on_first, self._on_first = self._on_first, None
+            on_first(item)
+        super().put_nowait(item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +115,7 @@ class Serving:
         tool_parsing: ToolParsing,
         role: str = "both",
         engine_id: str = "sim",
+        pd: SglangPd | None = None,
     ) -> None:
         self.model = model
         self.max_model_len = max_model_len
@@ -95,6 +127,11 @@ class Serving:
         self.engine_id = engine_id
         #: ``(host, port)`` a decode replica fetches this replica's KV from (set once it listens).
         self.side_channel: tuple[str, int] = ("", 0)
+        #: SGLang's disaggregation mode; a prefill replica's rooms, met by decode replicas through its
+        #: bootstrap server; the client a decode replica reaches bootstrap servers with (made on first use).
+        self.pd = pd or SglangPd()
+        self.rooms = Rooms()
+        self._bootstrap_client: aiohttp.ClientSession | None = None
 
     # -- prompts (also what /tokenize and the render routes use) ---------------------------------
 
@@ -144,10 +181,13 @@ class Serving:
         fmt = api.parse_response_format(body)
         chat, tools, prompt = self.chat_prompt(body)
         transfer = read_transfer(body, self.role)
+        bootstrap = read_bootstrap(body, self.pd.mode)
         priority = self.priority_of(body)
         api.check_max_tokens(sampling, self.max_model_len)
         api.check_prompt_len(len(prompt), self.max_model_len, text=True)
         max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(prompt), self.max_model_len)
+        if self.pd.mode == "prefill":  # SGLang's prefill server stops after the first token
+            max_tokens = 1
         # No max_tokens: a tool call or JSON answer runs to its end (vLLM's limit is the context's rest).
         structured = None if sampling.max_tokens is not None else self.max_model_len - len(prompt)
         role = "assistant" if chat.add_generation_prompt else chat.messages[-1]["role"]
@@ -176,7 +216,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt], transfer, priority)
+        return await self._run(request, req, [prompt], transfer, bootstrap, priority)
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -187,6 +227,9 @@ class Serving:
         if opt(body, "suffix", strict_str, None) is not None:
             raise refused("suffix is not currently supported")
         transfer = read_transfer(body, self.role)
+        bootstrap = read_bootstrap(body, self.pd.mode)
+        if bootstrap is not None and len(prompts) > 1:
+            raise invalid("the simulator pairs one prompt per request in disaggregation mode", "prompt")
         priority = self.priority_of(body)
         api.check_max_tokens(sampling, self.max_model_len)
         ids = []
@@ -195,13 +238,15 @@ class Serving:
         req = _Request(f"cmpl-{uuid.uuid4().hex}", False, sampling, [len(p) for p in ids])
         for p, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
             max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(tokens), self.max_model_len)
+            if self.pd.mode == "prefill":
+                max_tokens = 1
             text = prompt.prompt if isinstance(prompt.prompt, str) else self.tokenizer.decode(tokens)
             plans = [
                 plan_choice(self.tokenizer, tokens, max_tokens, sampling, i, response_format=fmt)
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids, transfer, priority)
+        return await self._run(request, req, ids, transfer, bootstrap, priority)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -224,12 +269,32 @@ class Serving:
         req: _Request,
         prompts: list[list[int]],
         transfer: Transfer = NONE,
+        bootstrap: Bootstrap | None = None,
         priority: int = 0,
     ) -> web.StreamResponse:
-        remote = transfer.remote_prefill is not None
+        if bootstrap is not None and self.pd.mode == "prefill":
+            return await self._prefill_room(request, req, prompts[0], bootstrap, priority)
+        remote = transfer.remote_prefill is not None or bootstrap is not None
         if transfer.remote_prefill is not None:
             await self._receive_kv(req.rid, prompts[0], transfer.remote_prefill)
-        queue = None
+        if bootstrap is not None:
+            await self._receive_room(req.rid, prompts[0], bootstrap)
+        return await self._generate(request, req, prompts, transfer, remote, priority=priority)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: _Request,
+        prompts: list[list[int]],
+        transfer: Transfer = NONE,
+        remote: bool = False,
+        first: _Tap | None = None,
+        priority: int = 0,
+    ) -> web.StreamResponse:
+        """Run the request's prompts on the engine and answer (``remote``: the first prompt's KV came
+        from a prefill replica; ``first``: the queue of the first prompt's tokens; ``priority``: the
+        engine's scheduling priority)."""
+        queue: asyncio.Queue[TokenEvent] | None = first
         ids = list(req.choices)
         for p, prompt in enumerate(prompts):
             group = [rid for rid in ids if req.choices[rid].prompt_index == p]
@@ -253,6 +318,94 @@ class Serving:
         finally:
             for rid in ids:
                 self.driver.abort(rid)
+
+    async def _prefill_room(
+        self, request: web.Request, req: _Request, prompt: list[int], bootstrap: Bootstrap, priority: int = 0
+    ) -> web.StreamResponse:
+        """SGLang's prefill server: wait for the room's decode side, prefill, hand the KV over, answer
+        with the one sampled token once the transfer is done (:mod:`load.sim.bootstrap`)."""
+        room, engine = bootstrap.room, self.driver.engine
+        try:
+            try:
+                handshake = await self.rooms.wait_decode(room, self.pd.bootstrap_timeout_s)
+            except TimeoutError:
+                raise SimError(
+                    500,
+                    f"Request {room} timed out after {self.pd.bootstrap_timeout_s:.1f}s in "
+                    "KVPoll.Bootstrapping: no decode server connected",
+                ) from None
+            sent: list[Prefilled] = []
+
+            def computed(event: TokenEvent) -> None:
+                tokens = max(0, len(prompt) - 1 - handshake.cached_tokens)
+                sent.append(Prefilled(self.engine_id, len(prompt), tokens))
+                self.rooms.prefilled(room, sent[0])
+
+            response = await self._generate(request, req, [prompt], first=_Tap(computed), priority=priority)
+            if sent:  # the sender finishes when the KV has moved
+                await asyncio.sleep(engine.timing.transfer_s(sent[0].tokens))
+                engine.stats.remote_decodes += 1
+                log.info(
+                    "%s: prefilled %d prompt tokens for a remote decode (bootstrap room %d, decode %s)",
+                    req.rid,
+                    len(prompt),
+                    room,
+                    handshake.decode,
+                )
+            return response
+        finally:
+            self.rooms.release(room)
+
+    async def _receive_room(self, rid: str, prompt: list[int], bootstrap: Bootstrap) -> None:
+        """SGLang's decode server: connect to the room on the prefill replica's bootstrap server, wait for
+        its KV, then for the transfer of the prompt tokens this replica lacks; 500 when the bootstrap
+        server is unreachable, the prefill side failed, or no KV came within the waiting timeout."""
+        engine = self.driver.engine
+        handshake = {"decode": self.engine_id, "cached_tokens": engine.cached_prefix_tokens(prompt)}
+        url = f"http://{bootstrap.address}/_sim/kv/{bootstrap.room}"
+        if self._bootstrap_client is None:
+            self._bootstrap_client = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.pd.waiting_timeout_s)
+        try:
+            async with self._bootstrap_client.post(url, json=handshake, timeout=timeout) as answer:
+                doc = await answer.json(content_type=None)
+                status = answer.status
+        except aiohttp.ClientConnectionError:
+            raise SimError(
+                500, f"Could not fetch prefill parallel info from bootstrap_addr: {bootstrap.address}"
+            ) from None
+        except TimeoutError:
+            raise SimError(
+                500,
+                f"Request {bootstrap.room} timed out after {self.pd.waiting_timeout_s:.1f}s in "
+                "KVPoll.WaitingForInput",
+            ) from None
+        if status != 200 or not isinstance(doc, dict):
+            reason = doc.get("error") if isinstance(doc, dict) else None
+            raise SimError(500, f"KV transfer of bootstrap room {bootstrap.room} failed: {reason}")
+        tokens = int(doc["tokens"])
+        seconds = engine.timing.transfer_s(tokens)
+        await asyncio.sleep(seconds)
+        engine.stats.remote_prefill_seconds += seconds
+        log.info(
+            "%s: prefilled by engine %s (bootstrap room %d); KV of %d prompt tokens received in %.4f s",
+            rid,
+            doc["engine_id"],
+            bootstrap.room,
+            tokens,
+            seconds,
+        )
+
+    async def connect_room(self, room: int, handshake: Handshake) -> dict[str, Any]:
+        """The bootstrap server's side of :meth:`_receive_room` on a prefill replica: the room's KV, once
+        computed (:class:`RoomFailed` otherwise)."""
+        done = await self.rooms.connect(room, handshake)
+        return {"engine_id": done.engine_id, "prompt_tokens": done.prompt_tokens, "tokens": done.tokens}
+
+    async def aclose(self) -> None:
+        if self._bootstrap_client is not None:
+            await self._bootstrap_client.close()
+            self._bootstrap_client = None
 
     async def _receive_kv(self, rid: str, prompt: list[int], params: dict[str, Any]) -> None:
         """Wait while the KV of the prompt tokens this replica lacks arrives from the prefill replica."""

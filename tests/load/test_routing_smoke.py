@@ -53,6 +53,7 @@ async def test_sim_answers_what_peer_routers_probe() -> None:
             async with http.get(base + path) as resp:
                 info = await resp.json()
                 assert info["served_model_name"] == "smol" and info["model_path"] == str(model_dir)
+                assert info["disaggregation_mode"] == "null"
         for path in ("/model_info", "/get_model_info"):
             async with http.get(base + path) as resp:
                 assert (await resp.json())["tokenizer_path"] == str(model_dir)

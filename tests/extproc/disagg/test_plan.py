@@ -205,6 +205,28 @@ def test_sglang_pairs_need_a_bootstrap_port_and_get_a_room() -> None:
     assert verdict is not None and verdict.handoff is not None and verdict.handoff.room is None
 
 
+def test_an_sglang_decode_server_is_always_paired_under_the_conditional_mode() -> None:
+    """SGLang's decode servers refuse requests without a bootstrap room (400), so a short or cached
+    request is paired too; an SGLang ``both`` server still serves it alone."""
+    sglang = [
+        endpoint("p0", "prefill", engine="sglang", bootstrap_port=8998),
+        endpoint("d0", "decode", engine="sglang"),
+    ]
+    router, pd = make(sglang, PdSpec("conditional", 512))
+    verdict = pd.plan(decide(router, request("short prompt")), NOW)
+    assert verdict is not None and (verdict.mode, verdict.reason) == ("disaggregated", "disaggregated")
+    router, pd = make([sglang[0], endpoint("b0", "both", engine="sglang")], PdSpec("conditional", 512))
+    verdict = pd.plan(decide(router, request("short prompt")), NOW)
+    assert verdict is not None and (verdict.mode, verdict.reason, verdict.alone) == (
+        "aggregated",
+        "cached",
+        True,
+    )
+    router, pd = make([sglang[1]], PdSpec("conditional", 512))  # no prefill endpoint: it cannot serve
+    verdict = pd.plan(decide(router, request("short prompt")), NOW)
+    assert verdict is not None and (verdict.reason, verdict.alone) == ("no_prefill", False)
+
+
 def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None:
     router, pd = make([endpoint("p0", "prefill"), endpoint("d0", "decode")], PdSpec("disaggregated"))
     router.working_set = WorkingSet(60.0, 256)

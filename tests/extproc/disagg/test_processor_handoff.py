@@ -26,6 +26,7 @@ from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from tests.extproc.disagg.test_plan import endpoint as plan_endpoint
 from tests.extproc.disagg.test_plan import make as plan_make
 from tests.extproc.disagg.test_plan import request as plan_request
+from tests.extproc.test_epp_conformance import refused
 from tests.extproc.test_processor import body, headers, reply
 
 MODEL = "m"
@@ -34,9 +35,9 @@ LONG = " ".join(f"w{i}" for i in range(3000))  # ~4,000 tokens by the byte fallb
 
 
 def make(
-    spec: PdSpec, hold_timeout_s: float | None = 600.0, engine: str = "vllm"
+    spec: PdSpec, hold_timeout_s: float | None = 600.0, engine: str = "vllm", bootstrap: bool = True
 ) -> tuple[StreamProcessor, Router]:
-    port = 8998 if engine == "sglang" else None
+    port = 8998 if engine == "sglang" and bootstrap else None
     endpoints = [
         Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), engine, role="prefill", bootstrap_port=port),
         Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode"),
@@ -187,6 +188,17 @@ def test_sglang_sends_both_halves_at_once_with_the_bootstrap_fields() -> None:
     assert in_flight(router)[PREFILL] == 0 and proc.handoff_outcome == "disaggregated"
     proc.prefill_done("timeout")  # once only
     assert proc.handoff_outcome == "disaggregated"
+
+
+def test_an_sglang_decode_endpoint_with_no_prefill_partner_is_a_503() -> None:
+    """It would refuse the request without a bootstrap room (400); the gateway answers 503 instead and
+    keeps no slot taken."""
+    proc, router = make(PdSpec("conditional", 512), engine="sglang", bootstrap=False)
+    status, error, _ = refused(start(proc, request("short")))
+    assert (status, error["code"]) == (503, "no_prefill_endpoint")
+    assert proc.decision is None and proc.pd is None and proc.handoff is None
+    proc.close()
+    assert in_flight(router) == {PREFILL: 0, DECODE: 0}
 
 
 def test_a_pairing_of_a_body_that_is_no_object_releases_its_slot() -> None:
