@@ -44,6 +44,7 @@ from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
+from extproc.drift.monitor import DriftMonitor
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -54,7 +55,8 @@ from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
 from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
-from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, routable
+from extproc.overload.gate import DecisionGate, LagMeter
+from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
 from extproc.routing.router import Router
 from extproc.status.http import StatusServer
 from extproc.status.snapshot import Status, snapshot
@@ -95,8 +97,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] | None = None,
         disagg: Disaggregator | None = None,
         upstream: UpstreamClient | None = None,
+        overload: DecisionGate | None = None,
     ) -> None:
         self._router = router
+        self._overload = overload
         self._disagg = disagg
         self._upstream = upstream
         #: Prefill halves running beside their routed requests (SGLang), kept until they end.
@@ -114,14 +118,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         flow = dispatcher.control if dispatcher is not None else None
         proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
+        gate = self._overload
+        counted = False  # this stream holds one of the gate's decisions (extproc/overload)
         try:
             async for msg in request_iterator:
+                # Headers with a body to follow: a decision to make. The fast path: shed before
+                # buffering or parsing anything.
+                headers = msg.request_headers if msg.HasField("request_headers") else None
+                if gate is not None and headers is not None and not headers.end_of_stream:
+                    if not gate.admit():
+                        self._metrics.requests.labels("503").inc()
+                        yield overloaded()
+                        return
+                    counted = True
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
                 if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop
                     large = True
-                    await asyncio.to_thread(proc.prepare, msg)
+                    if gate is not None:
+                        gate.enqueue()
+                    try:
+                        await asyncio.to_thread(proc.prepare, msg)
+                    finally:
+                        if gate is not None:
+                            gate.dequeue()
                 responses = proc.handle(msg)
+                if counted and not proc.receiving:  # decided, held, or answered: the CPU work is done
+                    counted = False
+                    assert gate is not None
+                    gate.release()
                 if proc.refused is not None:
                     self._metrics.flow_sheds.labels(proc.refused).inc()
                     proc.refused = None
@@ -168,6 +193,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     await asyncio.to_thread(decision.rest.finish)
                 proc.after_send()
         finally:
+            if counted and gate is not None:
+                gate.release()
             if dispatcher is not None and proc.held is not None:
                 dispatcher.cancel(proc.held)  # the client went away while held: never routed
             if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
@@ -175,7 +202,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             proc.close()
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
-
 
     def _send_beside(self, proc: StreamProcessor) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
@@ -296,6 +322,16 @@ class Gateway:
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
         self.health = _HealthServicer()
+        #: The drift alarm: predicted vs engine-reused cached prompt tokens per model and endpoint, fed
+        #: by the completion log (:mod:`extproc.drift`).
+        self.drift = DriftMonitor(config.drift)
+        self.metrics.watch_drift(self.drift.published)
+        #: The ext_proc's own saturation: decisions in flight (bounded: beyond, 503 at the headers) and
+        #: the event loop's lag (:mod:`extproc.overload`).
+        self.decisions = DecisionGate(config.overload.max_decisions)
+        self.loop_lag = LagMeter(config.overload.lag_window_s)
+        self.metrics.watch_overload(self.decisions, self.loop_lag)
+        self._lag_task: asyncio.Task[None] | None = None
         #: Envoy's engine cluster (EDS) and the failed tries Envoy reports, which eject endpoints.
         self.eds = EndpointDiscovery(self.fleet, time.monotonic)
         self.ejector = Ejector(config.ejection.base_s, config.ejection.max_s)
@@ -360,6 +396,7 @@ class Gateway:
                 self.dispatcher,
                 self.disagg,
                 self.upstream,
+                self.decisions,
             ),
             server,
         )
@@ -385,6 +422,7 @@ class Gateway:
             await s.start()
         for name in ("", "liveness"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._lag_task = asyncio.create_task(self._measure_lag(), name="kvgate-loop-lag")
         if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
             self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
             self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
@@ -422,13 +460,47 @@ class Gateway:
             self.cluster.feeds.views(now),
             now,
             time.time(),
+            self.drift.views(now),
         )
+
+    async def _measure_lag(self) -> None:
+        """The loop-lag timer: every ``lag_interval_s``, how late it woke (:class:`LagMeter`)."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.overload.lag_interval_s
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            self.metrics.loop_lag.observe(self.loop_lag.record(due, loop.time()))
 
     def _on_completion(self, done: Completion) -> None:
         """Envoy's completion log: an engine finished a request (this worker's or another's), so its
-        load fell and a held request may go."""
-        self.router.completed(done.request_id, time.monotonic())
+        load fell and a held request may go; a 2xx answer with the engine's cached-token count feeds the
+        drift alarm."""
+        now = time.monotonic()
+        self.router.completed(done.request_id, now)
         self.dispatcher.kick()
+        if (
+            done.cached_tokens is not None
+            and done.predicted_tokens is not None
+            and done.model is not None
+            and done.endpoint is not None
+            and 200 <= done.status < 300
+        ):
+            tripped = self.drift.observe(
+                done.model, done.endpoint, done.predicted_tokens, done.cached_tokens, now
+            )
+            if tripped is not None:
+                log.log(
+                    logging.WARNING if tripped.tripped else logging.INFO,
+                    "drift alarm %s: model %s at endpoint %s: engine reused %.0f%% of the predicted cached "
+                    "prompt tokens over %d requests (error %.2f)",
+                    "TRIPPED" if tripped.tripped else "cleared",
+                    tripped.model,
+                    tripped.endpoint,
+                    100 * (tripped.ratio or 0.0),
+                    tripped.samples,
+                    tripped.error or 0.0,
+                )
 
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now, priority)
@@ -460,6 +532,8 @@ class Gateway:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens
         them to another replica), stop accepting streams, give in-flight ones ``grace_s`` seconds."""
         self._draining = True
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         for name in HEALTH_SERVICES:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.eds.aclose()
