@@ -65,6 +65,43 @@ def test_completion_reads_host_id_status_and_timings(
     assert completion(log_entry) == expected
 
 
+def with_metadata(entry: al.HTTPAccessLogEntry, **namespaces: dict[str, object]) -> al.HTTPAccessLogEntry:
+    for ns, fields in namespaces.items():
+        entry.common_properties.metadata.filter_metadata[ns.replace("_", ".")].update(fields)
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # The decision's model, endpoint and prediction, and the engine's count from json_to_metadata.
+        (
+            {"kvgate_decision": {"model": "m", "endpoint": "sim-0", "matched_tokens": 64.0},
+             "kvgate_usage": {"cached_tokens": 48.0}},
+            ("m", "sim-0", 64, 48),
+        ),
+        # A streamed answer (or an engine without the field): no count, not compared.
+        (
+            {"kvgate_decision": {"model": "m", "endpoint": "sim-0", "matched_tokens": 0.0}},
+            ("m", "sim-0", 0, None),
+        ),
+        # Ill-typed values are ignored, never trusted.
+        (
+            {"kvgate_decision": {"model": 3.0, "endpoint": "", "matched_tokens": -1.0},
+             "kvgate_usage": {"cached_tokens": "12"}},
+            (None, None, None, 12),
+        ),
+        ({}, (None, None, None, None)),
+    ],
+)  # fmt: skip
+def test_completion_reads_the_drift_alarm_metadata(
+    fields: dict[str, dict[str, object]], expected: tuple[object, ...]
+) -> None:
+    done_ = completion(with_metadata(done(), **fields))
+    assert done_ is not None
+    assert (done_.model, done_.endpoint, done_.predicted_tokens, done_.cached_tokens) == expected
+
+
 async def test_every_completion_reaches_the_callback_and_failures_still_eject() -> None:
     """Completions of the completion log reach ``on_completion`` (for any address: a capacity signal even
     when another replica routed it); the failure log's entries eject and are no completions; other
