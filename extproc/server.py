@@ -119,18 +119,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         gate = self._overload
-        counted = False  # this stream holds one of the gate's decisions (extproc/overload)
+        counted = gate is not None  # this stream counts as a decision in flight (extproc/overload)
+        if gate is not None:
+            gate.enter()
         try:
             async for msg in request_iterator:
-                # Headers with a body to follow: a decision to make. The fast path: shed before
-                # buffering or parsing anything.
-                headers = msg.request_headers if msg.HasField("request_headers") else None
-                if gate is not None and headers is not None and not headers.end_of_stream:
-                    if not gate.admit():
+                if counted and msg.HasField("request_headers"):
+                    assert gate is not None
+                    if msg.request_headers.end_of_stream:  # bodyless (a probe): no decision to make
+                        counted = False
+                        gate.release()
+                    elif not gate.admit():  # the fast path: shed before buffering or parsing anything
+                        counted = False
+                        gate.release()
                         self._metrics.requests.labels("503").inc()
                         yield overloaded()
                         return
-                    counted = True
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
                 if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop

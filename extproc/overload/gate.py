@@ -1,13 +1,16 @@
 """The ext_proc's own saturation (sans IO): how many decisions are in flight, and how late its event loop
 runs.
 
-A *decision* is the CPU work of one request: from its request headers (a body follows) until the
-processor has answered it: body buffered, parsed, rendered, tokenized (in a worker thread for a large
-body: the *decision queue*), hashed, looked up and scheduled. A request flow control holds
-(:mod:`extproc.flow`) left that phase when it was queued, and a request waiting for its prefill half or
-a slot restore left it when decided: neither counts. :class:`DecisionGate` bounds the decisions in
-flight: :meth:`DecisionGate.admit` at a request's headers is the whole shed test (one comparison,
-before any body is buffered), so shedding costs no parse.
+A *decision* is the CPU work of one request: from the moment its ext_proc stream starts until the
+processor has answered it: headers read, body buffered, parsed, rendered, tokenized (in a worker thread
+for a large body: the *decision queue*), hashed, looked up and scheduled. Counting from the stream's
+start, not from its headers, sees the backlog: under more load than the loop decides, streams wait with
+their messages unread, and only their count says so (measured: extproc/overload/README.md). A bodyless
+request (a probe, ``GET /v1/models``) stops counting at its headers; a request flow control holds
+(:mod:`extproc.flow`) stops when it is queued, one waiting for its prefill half or a slot restore when
+decided. :class:`DecisionGate` bounds the decisions in flight: :meth:`DecisionGate.admit` at a request's
+headers is the whole shed test (one comparison, before any body is buffered), so shedding costs no
+parse.
 
 :class:`LagMeter`: a timer due every ``interval_s`` seconds that wakes ``lag`` seconds late says the
 loop was busy that long with other work; ``lag`` over a window is the loop's saturation.
@@ -68,19 +71,23 @@ class DecisionGate:
         self.admitted = 0
         self.shed = 0
 
-    def admit(self) -> bool:
-        """A request's headers came with a body to follow: ``True`` and counted, or ``False`` (shed)."""
-        if self.limit and self.in_flight >= self.limit:
-            self.shed += 1
-            return False
+    def enter(self) -> None:
+        """A stream started: counted until :meth:`release`."""
         self.in_flight += 1
-        self.admitted += 1
         if self.in_flight > self.peak:
             self.peak = self.in_flight
+
+    def admit(self) -> bool:
+        """An entered stream's headers came with a body to follow: ``True``, or ``False`` when more than
+        ``limit`` decisions are in flight, itself included (then shed it, and :meth:`release` it)."""
+        if self.limit and self.in_flight > self.limit:
+            self.shed += 1
+            return False
+        self.admitted += 1
         return True
 
     def release(self) -> None:
-        """An admitted decision ended (answered, held, rejected, or its stream closed)."""
+        """An entered stream's decision ended (answered, held, rejected, shed, or its stream closed)."""
         self.in_flight = max(0, self.in_flight - 1)
 
     def enqueue(self) -> None:

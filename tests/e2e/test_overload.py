@@ -100,7 +100,7 @@ async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answe
 
 async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=200)))
+        busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=1500)))
         await asyncio.sleep(0)
         waiting = []
         for _ in range(3):  # one at a time: each is held (the engine has its one request), none is shed

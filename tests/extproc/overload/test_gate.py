@@ -9,21 +9,41 @@ from contracts.errors import ConfigError
 from extproc.overload.gate import DecisionGate, LagMeter, OverloadConfig, parse_overload
 
 
+def arrive(gate: DecisionGate) -> bool:
+    """A stream starts and its headers say a body follows: admitted, or shed (and released)."""
+    gate.enter()
+    if gate.admit():
+        return True
+    gate.release()
+    return False
+
+
 def test_the_bound_sheds_beyond_max_decisions_and_frees_on_release() -> None:
     gate = DecisionGate(2)
-    assert [gate.admit() for _ in range(4)] == [True, True, False, False]
-    assert (gate.in_flight, gate.shed, gate.peak, gate.saturation) == (2, 2, 2, 1.0)
+    assert [arrive(gate) for _ in range(4)] == [True, True, False, False]
+    assert (gate.in_flight, gate.shed, gate.peak, gate.saturation) == (2, 2, 3, 1.0)
     gate.release()
-    assert gate.admit() and not gate.admit()
+    assert arrive(gate) and not arrive(gate)
     gate.release()
     gate.release()
     gate.release()  # never below zero
     assert gate.in_flight == 0 and gate.admitted == 3
 
 
+def test_streams_that_started_but_were_not_read_yet_count() -> None:
+    """Three streams started before any headers were read (the loop was busy): the first whose headers
+    are read is shed (3 > 2) and released at once, the other two go on."""
+    gate = DecisionGate(2)
+    for _ in range(3):
+        gate.enter()
+    assert not gate.admit()
+    gate.release()
+    assert gate.admit() and gate.admit() and gate.in_flight == 2 and gate.shed == 1
+
+
 def test_no_bound() -> None:
     gate = DecisionGate(0)
-    assert all(gate.admit() for _ in range(10_000)) and gate.saturation == 0.0
+    assert all(arrive(gate) for _ in range(10_000)) and gate.saturation == 0.0
 
 
 def test_lag_is_the_lateness_and_peak_the_window_max() -> None:
