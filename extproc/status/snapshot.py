@@ -123,6 +123,8 @@ class DriftStatus:
     ratio: float | None
     error: float | None
     tripped: bool
+    #: Answered requests with a cached-token count since start (with a prediction or not).
+    observed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,10 @@ def snapshot(
         ),
         queues=queues,
         queued=sum(q.queued for q in queues),
-        drift=tuple(DriftStatus(d.model, d.endpoint, d.samples, d.ratio, d.error, d.tripped) for d in drift),
+        drift=tuple(
+            DriftStatus(d.model, d.endpoint, d.samples, d.ratio, d.error, d.tripped, d.observed)
+            for d in drift
+        ),
     )
 
 

@@ -152,3 +152,27 @@ async def test_metrics_and_kvgate_status_name_the_model_and_endpoint(
     assert await asyncio.to_thread(status_main, ["--url", base(stack), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["drift"] and "endpoint sim-1" in captured.err
+
+
+async def test_a_large_json_answer_passes_untouched_and_is_not_compared(stack: Stack) -> None:
+    """Past 1 MB the filter is skipped (it would buffer the body, and one past the listener's 4 MiB buffer
+    failed with 500): a 5 MB ``top_logprobs`` answer reaches the client whole, and adds no sample."""
+    before = drift(stack, "sim-0")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        resp = await client.post(
+            "/v1/chat/completions",
+            headers={"test-epp-endpoint-selection": address(stack, "sim-0")},
+            json={
+                "model": MODEL,
+                "max_tokens": 3000,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Long?"}],
+            },
+        )
+    assert resp.status_code == 200 and len(resp.content) > 4 * 1024 * 1024
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        await ask(client, stack, "sim-0", 999)  # a small one after it: its completion is heard
+    after = await observed(stack, "sim-0", (before.samples if before else 0) + 2)
+    assert after.observed == (before.observed if before else 0) + 1
