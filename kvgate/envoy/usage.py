@@ -10,7 +10,8 @@ metadata (model, endpoint, predicted tokens). The ext_proc's processing mode sta
 (``response_body_mode: NONE``): no response message crosses the ext_proc stream, no Python runs per
 chunk.
 
-Only ``application/json`` responses are read (non-streamed completions). A stream (``text/event-stream``)
+Only ``application/json`` responses under 1 MB are read (non-streamed completions; the filter buffers
+the body it reads, so larger or unsized ones are skipped by a matcher). A stream (``text/event-stream``)
 is passed on untouched and carries no count: its usage sits in the last SSE chunk (with
 ``stream_options.include_usage``), which Envoy cannot parse, and reading it in the ext_proc would cost
 one gRPC message per chunk of every stream. An engine that does not report the field (vLLM without
