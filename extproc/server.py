@@ -478,8 +478,9 @@ class Gateway:
 
     def _on_completion(self, done: Completion) -> None:
         """Envoy's completion log: an engine finished a request (this worker's or another's), so its
-        load fell and a held request may go; a 2xx answer with the engine's cached-token count feeds the
-        drift alarm."""
+        load fell and a held request may go; a 2xx answer with the engine's cached-token count, served by
+        the pick itself (not a fallback, whose cache the prediction was not about), feeds the drift
+        alarm."""
         now = time.monotonic()
         self.router.completed(done.request_id, now)
         self.dispatcher.kick()
@@ -489,6 +490,8 @@ class Gateway:
             and done.model is not None
             and done.endpoint is not None
             and 200 <= done.status < 300
+            and (served := self.fleet.by_address(done.address)) is not None
+            and served.id == done.endpoint
         ):
             tripped = self.drift.observe(
                 done.model, done.endpoint, done.predicted_tokens, done.cached_tokens, now

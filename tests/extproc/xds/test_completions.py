@@ -135,3 +135,28 @@ async def test_every_completion_reaches_the_callback_and_failures_still_eject() 
         assert ejected is not None and ejected.ejected_until > 0
         healthy = gw.fleet.get(EndpointId("e0"))
         assert healthy is not None and healthy.ejected_until == 0.0
+
+
+async def test_completions_feed_the_drift_alarm_only_when_the_pick_served_a_2xx() -> None:
+    """Over real gRPC: a 2xx with both counts, served by the pick, is a drift sample; one served by a
+    fallback (another cache), an error, or one without the engine's count is not."""
+
+    def answered(port: int, endpoint: str, cached: float | None, status: int = 200) -> al.HTTPAccessLogEntry:
+        usage = {} if cached is None else {"kvgate_usage": {"cached_tokens": cached}}
+        decision = {"model": "m", "endpoint": endpoint, "matched_tokens": 64.0}
+        return with_metadata(done("127.0.0.1", port, status=status), kvgate_decision=decision, **usage)
+
+    async with gateway_on(["127.0.0.1:18001", "127.0.0.1:18002"]) as gw:
+        await send(
+            gw,
+            messages(
+                COMPLETION_LOG_NAME,
+                answered(18001, "e0", 0.0),  # a sample: predicted 64, reused 0
+                answered(18001, "e1", 0.0),  # e1 was the pick, e0 served it (a fallback): skipped
+                answered(18001, "e0", 0.0, status=500),  # an error: skipped
+                answered(18001, "e0", None),  # a stream (no count): skipped
+                answered(18001, "e0", 64.0),  # a sample
+            ),
+        )
+        (view,) = gw.drift.views(0.0)
+    assert (view.model, view.endpoint, view.samples, view.ratio, view.error) == ("m", "e0", 2, 0.5, 0.5)
