@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from contracts.events import Power
-from extproc.drift.monitor import DriftView
+from extproc.drift.monitor import DriftView, Key
 from extproc.fleet import Fleet
 from extproc.overload.gate import DecisionGate, LagMeter
 
@@ -154,7 +154,7 @@ class GatewayMetrics:
         endpoint, ``HybridIndex.occupancy``) at every scrape."""
         self.registry.register(_IndexCollector(occupancy))
 
-    def watch_drift(self, published: Mapping[tuple[str, str], DriftView]) -> None:
+    def watch_drift(self, published: Mapping[Key, DriftView]) -> None:
         """Export the drift alarm per model and endpoint from ``published``
         (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape."""
         self.registry.register(_DriftCollector(published))
@@ -305,16 +305,18 @@ class _IndexCollector(Collector, Generic[K]):
 
 
 class _DriftCollector(Collector):
-    """Per model and endpoint: ``kvgate_drift_ratio`` (engine-reused / predicted cached prompt tokens over
-    the window), ``kvgate_drift_error`` (the predicted tokens the engine did not reuse, as a fraction),
-    ``kvgate_drift_samples`` (requests in the window), ``kvgate_drift_tripped`` (1 while the alarm is
-    tripped) and ``kvgate_drift_observed_total`` (answered requests with a cached-token count)."""
+    """Per model, endpoint and source (``responses``: each answer's cached tokens; ``counters``: the
+    engine's prefix-cache counters against the rates routed there): ``kvgate_drift_ratio``
+    (engine-reused / predicted cached prompt tokens over the window), ``kvgate_drift_error`` (the
+    predicted tokens the engine did not reuse, as a fraction), ``kvgate_drift_samples`` (requests with a
+    prediction in the window), ``kvgate_drift_tripped`` (1 while the alarm is tripped) and
+    ``kvgate_drift_observed_total`` (requests compared)."""
 
-    def __init__(self, published: Mapping[tuple[str, str], DriftView]) -> None:
+    def __init__(self, published: Mapping[Key, DriftView]) -> None:
         self._published = published
 
     def collect(self) -> Iterable[Metric]:
-        labels = ["model", "endpoint"]
+        labels = ["model", "endpoint", "source"]  # source: responses (cached_tokens) or counters (vLLM's)
         ratio = GaugeMetricFamily(
             "kvgate_drift_ratio",
             "Prompt tokens the engine reused / prompt tokens the router predicted it held, over the window.",
@@ -346,8 +348,8 @@ class _DriftCollector(Collector):
                 continue
         else:
             views = []
-        for v in sorted(views, key=lambda v: (v.model, v.endpoint)):
-            key = [v.model, v.endpoint]
+        for v in sorted(views, key=lambda v: (v.model, v.endpoint, v.source)):
+            key = [v.model, v.endpoint, v.source]
             if v.ratio is not None and v.error is not None:
                 ratio.add_metric(key, v.ratio)
                 error.add_metric(key, v.error)

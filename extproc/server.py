@@ -24,7 +24,7 @@ import random
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -44,7 +44,8 @@ from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
-from extproc.drift.monitor import DriftMonitor
+from extproc.drift.counters import CounterDrift
+from extproc.drift.monitor import DriftMonitor, DriftView, Key
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -57,7 +58,7 @@ from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.overload.gate import DecisionGate, LagMeter
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
-from extproc.routing.router import Router
+from extproc.routing.router import Decision, Router
 from extproc.status.http import StatusServer
 from extproc.status.snapshot import Status, snapshot
 from extproc.upstream.client import UpstreamClient
@@ -98,9 +99,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         disagg: Disaggregator | None = None,
         upstream: UpstreamClient | None = None,
         overload: DecisionGate | None = None,
+        on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
         self._router = router
         self._overload = overload
+        self._on_decision = on_decision
         self._disagg = disagg
         self._upstream = upstream
         #: Prefill halves running beside their routed requests (SGLang), kept until they end.
@@ -177,6 +180,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     responses = await self._prefill(proc)
                     started += time.perf_counter() - waited
                 if proc.decision is not None and not decided_before:
+                    if self._on_decision is not None:
+                        self._on_decision(proc.decision)
                     if proc.pd is not None:
                         self._metrics.pd_decisions.labels(proc.pd.mode, proc.pd.reason).inc()
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -328,8 +333,11 @@ class Gateway:
         self.health = _HealthServicer()
         #: The drift alarm: predicted vs engine-reused cached prompt tokens per model and endpoint, fed
         #: by the completion log (:mod:`extproc.drift`).
-        self.drift = DriftMonitor(config.drift)
-        self.metrics.watch_drift(self.drift.published)
+        published: dict[Key, DriftView] = {}
+        self.drift = DriftMonitor(config.drift, published)
+        #: The same from engines' prefix-cache counters, for answers without a count (streams).
+        self.counter_drift = CounterDrift(config.drift, published)
+        self.metrics.watch_drift(published)
         #: The ext_proc's own saturation: decisions in flight (bounded: beyond, 503 at the headers) and
         #: the event loop's lag (:mod:`extproc.overload`).
         self.decisions = DecisionGate(config.overload.max_decisions)
@@ -401,6 +409,7 @@ class Gateway:
                 self.disagg,
                 self.upstream,
                 self.decisions,
+                self._on_decision,
             ),
             server,
         )
@@ -464,7 +473,7 @@ class Gateway:
             self.cluster.feeds.views(now),
             now,
             time.time(),
-            self.drift.views(now),
+            [*self.drift.views(now), *self.counter_drift.views(now)],
         )
 
     async def _measure_lag(self) -> None:
@@ -493,21 +502,14 @@ class Gateway:
             and (served := self.fleet.by_address(done.address)) is not None
             and served.id == done.endpoint
         ):
-            tripped = self.drift.observe(
-                done.model, done.endpoint, done.predicted_tokens, done.cached_tokens, now
-            )
-            if tripped is not None:
-                log.log(
-                    logging.WARNING if tripped.tripped else logging.INFO,
-                    "drift alarm %s: model %s at endpoint %s: engine reused %.0f%% of the predicted cached "
-                    "prompt tokens over %d requests (error %.2f)",
-                    "TRIPPED" if tripped.tripped else "cleared",
-                    tripped.model,
-                    tripped.endpoint,
-                    100 * (tripped.ratio or 0.0),
-                    tripped.samples,
-                    tripped.error or 0.0,
-                )
+            predicted, cached = done.predicted_tokens, done.cached_tokens
+            _log_drift(self.drift.observe(done.model, done.endpoint, predicted, cached, now))
+
+    def _on_decision(self, decision: Decision) -> None:
+        """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
+        predicted = decision.matched_blocks * self.router.policy.block_size
+        pick = decision.endpoints[0]
+        self.counter_drift.routed(pick.id, decision.model, predicted, decision.prompt_tokens)
 
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now, priority)
@@ -521,6 +523,11 @@ class Gateway:
 
     def _on_scrape_round(self) -> None:
         self.dispatcher.kick()
+        now = time.monotonic()
+        for state in self.fleet:  # engines' prefix-cache counters against what was routed there
+            m = state.metrics
+            if m is not None and m.prefix_hits is not None and m.prefix_queries is not None:
+                _log_drift(self.counter_drift.reading(state.id, m.prefix_hits, m.prefix_queries, m.at, now))
         if self._draining:
             return
         # Ready as the HTTP ``/ready`` probe: some endpoint routable for some model (processor.routable).
@@ -556,6 +563,24 @@ class Gateway:
         await self.upstream.aclose()
         if self._status_server is not None:
             await asyncio.to_thread(self._status_server.close)
+
+
+def _log_drift(changed: DriftView | None) -> None:
+    """A drift alarm that tripped (WARNING) or cleared (INFO); never request content."""
+    if changed is None:
+        return
+    log.log(
+        logging.WARNING if changed.tripped else logging.INFO,
+        "drift alarm %s: model %s at endpoint %s (%s): engine reused %.0f%% of the predicted cached prompt "
+        "tokens over %d requests (error %.2f)",
+        "TRIPPED" if changed.tripped else "cleared",
+        changed.model,
+        changed.endpoint,
+        changed.source,
+        100 * (changed.ratio or 0.0),
+        changed.samples,
+        changed.error or 0.0,
+    )
 
 
 def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:

@@ -52,11 +52,18 @@ class Sample:
     at: float
 
 
+#: The two ways the engine's number arrives: each answer's ``cached_tokens`` (this module), or the
+#: engine's prefix-cache counters (:mod:`extproc.drift.counters`).
+RESPONSES, COUNTERS = "responses", "counters"
+Key = tuple[str, str, str]
+"""(model, endpoint, source) of one alarm."""
+
+
 @dataclass(frozen=True, slots=True)
 class DriftView:
-    """What the alarm says of one (model, endpoint): ``samples`` in the window (predicted > 0),
-    ``ratio`` and ``error`` over them (``None`` with no sample), ``tripped``, and since start
-    ``observed`` (every answered request with a cached-token count, predicted or not)."""
+    """What the alarm says of one (model, endpoint) from one ``source``: ``samples`` in the window
+    (requests with a prediction), ``ratio`` and ``error`` over them (``None`` with no sample),
+    ``tripped``, and since start ``observed`` (requests compared, predicted or not)."""
 
     model: str
     endpoint: str
@@ -65,6 +72,22 @@ class DriftView:
     error: float | None
     tripped: bool
     observed: int
+    source: str = RESPONSES
+
+
+def verdict(policy: DriftPolicy, tripped: bool, samples: int, error: float | None) -> bool:
+    """The trip rule (README.md): with ``samples >= min_samples``, trip at ``error >= trip_error``, clear
+    at ``error <= clear_error``; otherwise (and with too few samples) the last verdict stands; no sample
+    at all: not tripped."""
+    if samples == 0 or error is None:
+        return False
+    if samples < policy.min_samples:
+        return tripped
+    if error >= policy.trip_error:
+        return True
+    if error <= policy.clear_error:
+        return False
+    return tripped
 
 
 @dataclass(slots=True)
@@ -95,12 +118,15 @@ class _Window:
 class DriftMonitor:
     """Keeps one window per (model, endpoint); :meth:`observe` returns the views whose alarm changed."""
 
-    def __init__(self, policy: DriftPolicy | None = None) -> None:
+    def __init__(
+        self, policy: DriftPolicy | None = None, published: dict[Key, DriftView] | None = None
+    ) -> None:
         self.policy = policy or DriftPolicy()
         self._windows: dict[tuple[str, str], _Window] = {}
-        #: The latest view of each (model, endpoint), replaced whole at each change: what the metrics
-        #: collector reads from its own thread (copy it with ``list(...)``, retrying on RuntimeError).
-        self.published: dict[tuple[str, str], DriftView] = {}
+        #: The latest view of each alarm, replaced whole at each change (shared with
+        #: :class:`~extproc.drift.counters.CounterDrift`): what the metrics collector reads from its own
+        #: thread (copy it with ``list(...)``, retrying on RuntimeError).
+        self.published: dict[Key, DriftView] = {} if published is None else published
 
     def observe(self, model: str, endpoint: str, predicted: int, actual: int, now: float) -> DriftView | None:
         """One answered request; the new view when its alarm tripped or cleared, else ``None``."""
@@ -114,14 +140,14 @@ class DriftMonitor:
             win.push(Sample(predicted, max(0, actual), now), self.policy.window)
         was = win.tripped
         win.tripped = self._verdict(win)
-        view = self.published[key] = self._view(key, win)
+        view = self.published[(*key, RESPONSES)] = self._view(key, win)
         return view if win.tripped != was else None
 
     def forget(self, endpoint: str) -> None:
         """The endpoint left the fleet: drop its windows."""
         for key in [k for k in self._windows if k[1] == endpoint]:
             del self._windows[key]
-            self.published.pop(key, None)
+            self.published.pop((*key, RESPONSES), None)
 
     def views(self, now: float) -> list[DriftView]:
         """Every (model, endpoint) seen, sorted, with samples older than ``max_age_s`` expired."""
@@ -130,22 +156,13 @@ class DriftMonitor:
             win = self._windows[key]
             win.expire(now - self.policy.max_age_s)
             win.tripped = self._verdict(win)
-            view = self.published[key] = self._view(key, win)
+            view = self.published[(*key, RESPONSES)] = self._view(key, win)
             out.append(view)
         return out
 
     def _verdict(self, win: _Window) -> bool:
-        p = self.policy
-        if not win.samples:
-            return False
-        if len(win.samples) < p.min_samples:  # too few to judge: the last verdict stands
-            return win.tripped
-        error = win.shortfall / win.predicted
-        if error >= p.trip_error:
-            return True
-        if error <= p.clear_error:
-            return False
-        return win.tripped
+        error = win.shortfall / win.predicted if win.predicted > 0 else None
+        return verdict(self.policy, win.tripped, len(win.samples), error)
 
     @staticmethod
     def _view(key: tuple[str, str], win: _Window) -> DriftView:

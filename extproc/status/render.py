@@ -86,7 +86,7 @@ def policy_rows(status: Status) -> list[list[str]]:
     ]
 
 
-DRIFT_COLUMNS = ("model", "endpoint", "samples", "ratio", "error", "alarm")
+DRIFT_COLUMNS = ("model", "endpoint", "source", "samples", "ratio", "error", "alarm")
 
 
 def drift_warning(d: DriftStatus) -> str:
@@ -94,7 +94,7 @@ def drift_warning(d: DriftStatus) -> str:
     return (
         f"WARNING: drift: model {d.model} at endpoint {d.endpoint}: the engine reused {_pct(d.ratio)} of "
         f"the prompt tokens the router predicted it held (error {_pct(d.error)} over {d.samples} "
-        "requests); check its chat template, tokenizer, block size and digest seed"
+        f"requests, from its {d.source}); check its chat template, tokenizer, block size and digest seed"
     )
 
 
@@ -103,6 +103,7 @@ def drift_rows(status: Status) -> list[list[str]]:
         [
             d.model,
             d.endpoint,
+            d.source,
             str(d.samples),
             _num(d.ratio, 2),
             _pct(d.error),
@@ -213,7 +214,7 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
         f'<p class="unhealthy">{html.escape(drift_warning(d))}</p>' for d in status.drift if d.tripped
     )
     drift = [
-        f'<tr class="{"unhealthy" if d.tripped else "ready"}">{_cells(row, frozenset({2, 3, 4}))}</tr>'
+        f'<tr class="{"unhealthy" if d.tripped else "ready"}">{_cells(row, frozenset({3, 4, 5}))}</tr>'
         for d, row in zip(status.drift, drift_rows(status), strict=True)
     ]
     return f"""<!DOCTYPE html>

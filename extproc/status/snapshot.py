@@ -123,8 +123,11 @@ class DriftStatus:
     ratio: float | None
     error: float | None
     tripped: bool
-    #: Answered requests with a cached-token count since start (with a prediction or not).
+    #: Requests compared since start (with a prediction or not).
     observed: int = 0
+    #: Where the engine's number came from: ``responses`` (each answer's cached tokens) or ``counters``
+    #: (the engine's prefix-cache counters, :mod:`extproc.drift.counters`).
+    source: str = "responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +202,9 @@ def snapshot(
         ),
         queues=queues,
         queued=sum(q.queued for q in queues),
-        drift=tuple(
-            DriftStatus(d.model, d.endpoint, d.samples, d.ratio, d.error, d.tripped, d.observed)
-            for d in drift
+        drift=tuple(  # sorted: model, endpoint, source
+            DriftStatus(d.model, d.endpoint, d.samples, d.ratio, d.error, d.tripped, d.observed, d.source)
+            for d in sorted(drift, key=lambda d: (d.model, d.endpoint, d.source))
         ),
     )
 

@@ -77,9 +77,10 @@ def test_per_model_and_endpoint_and_published_for_the_metrics_thread() -> None:
         monitor.observe("model-b", "sim-1", 64, 64, 0.0)
     views = {(v.model, v.endpoint): v.tripped for v in monitor.views(0.0)}
     assert views == {(M, "sim-0"): False, (M, "sim-1"): True, ("model-b", "sim-1"): False}
-    assert {k: v.tripped for k, v in monitor.published.items()} == views
+    assert {k[:2]: v.tripped for k, v in monitor.published.items()} == views
+    assert {k[2] for k in monitor.published} == {"responses"}
     monitor.forget("sim-1")
-    assert set(monitor.published) == {(M, "sim-0")}
+    assert set(monitor.published) == {(M, "sim-0", "responses")}
 
 
 def test_old_samples_leave_the_window() -> None:
