@@ -64,6 +64,14 @@ DECISION_BLOCKS = "prompt_blocks"
 """Full blocks of the prompt looked up in the index (at most the index's ``max_match_blocks``)."""
 DECISION_US = "decision_us"
 """Microseconds the decision took: tokenizing, hashing, index lookup, admission and scheduling."""
+DECISION_MATCHED_TOKENS = "matched_tokens"
+"""Prompt tokens the pick was predicted to hold: matched blocks x the index's block size at the decision
+(the drift alarm compares it with what the engine reports it reused, :mod:`extproc.drift`)."""
+USAGE_NS = "kvgate.usage"
+USAGE_CACHED = "cached_tokens"
+"""Dynamic metadata namespace and key Envoy's ``json_to_metadata`` filter fills from a JSON response's
+``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens the engine reused); the completion log
+carries it to the ext_procs (:func:`kvgate.envoy.usage.usage_filter`)."""
 ENDPOINT_HEADER = "x-kvgate-endpoint"
 """Response header: ``ip:port`` of the engine that served the request, set by Envoy from
 ``%UPSTREAM_HOST%`` (overwriting any copy; off with ``EnvoyParams.endpoint_header``)."""

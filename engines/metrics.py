@@ -23,6 +23,9 @@ class EngineMetrics:
     count, ``None`` where it exports none (or the reading came from elsewhere than a scrape).
     ``generation_tokens``: the engine's counter of output tokens generated since it started (its rate is
     the output tokens/s an energy-per-token figure divides by), ``None`` where it exports none.
+    ``prefix_hits``/``prefix_queries``: the engine's counters of prompt tokens served from its prefix cache
+    and of prompt tokens looked up there (vLLM's), ``None`` where it exports none (the drift alarm,
+    :mod:`extproc.drift`).
     """
 
     waiting: float
@@ -32,6 +35,8 @@ class EngineMetrics:
     ttft_sum: float | None = None
     ttft_count: float | None = None
     generation_tokens: float | None = None
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,9 @@ class MetricNames:
     kv_usage: str | None
     ttft: str | None = None
     generation_tokens: str | None = None
+    #: The prefix cache's counters: prompt tokens hit, prompt tokens queried (``None``: none).
+    prefix_hits: str | None = None
+    prefix_queries: str | None = None
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
@@ -59,8 +67,11 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
         wanted[names.ttft + "_count"] = 4
     if names.generation_tokens is not None:
         wanted[names.generation_tokens] = 5
-    sums = [0.0] * 6
-    seen = [False] * 6
+    if names.prefix_hits is not None and names.prefix_queries is not None:
+        wanted[names.prefix_hits] = 6
+        wanted[names.prefix_queries] = 7
+    sums = [0.0] * 8
+    seen = [False] * 8
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -89,4 +100,6 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
         ttft_sum=sums[3] if ttft else None,
         ttft_count=sums[4] if ttft else None,
         generation_tokens=sums[5] if seen[5] else None,
+        prefix_hits=sums[6] if seen[6] and seen[7] else None,
+        prefix_queries=sums[7] if seen[6] and seen[7] else None,
     )

@@ -34,6 +34,8 @@ METRICS = MetricNames(
     "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds",
     "vllm:generation_tokens_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
 )
 #: Where KVBM's vLLM connectors live (DynamoConnector, PdConnector).
 KVBM_MODULE = "kvbm.vllm_integration.connector"

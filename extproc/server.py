@@ -24,7 +24,7 @@ import random
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -44,6 +44,8 @@ from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
+from extproc.drift.counters import CounterDrift
+from extproc.drift.monitor import DriftMonitor, DriftView, Key
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -54,8 +56,9 @@ from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
 from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
-from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, routable
-from extproc.routing.router import Router
+from extproc.overload.gate import DecisionGate, LagMeter
+from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
+from extproc.routing.router import Decision, Router
 from extproc.status.http import StatusServer
 from extproc.status.snapshot import Status, snapshot
 from extproc.upstream.client import UpstreamClient
@@ -95,8 +98,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] | None = None,
         disagg: Disaggregator | None = None,
         upstream: UpstreamClient | None = None,
+        overload: DecisionGate | None = None,
+        on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
         self._router = router
+        self._overload = overload
+        self._on_decision = on_decision
         self._disagg = disagg
         self._upstream = upstream
         #: Prefill halves running beside their routed requests (SGLang), kept until they end.
@@ -114,14 +121,39 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         flow = dispatcher.control if dispatcher is not None else None
         proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
+        gate = self._overload
+        counted = gate is not None  # this stream counts as a decision in flight (extproc/overload)
+        if gate is not None:
+            gate.enter()
         try:
             async for msg in request_iterator:
+                if counted and msg.HasField("request_headers"):
+                    assert gate is not None
+                    if msg.request_headers.end_of_stream:  # bodyless (a probe): no decision to make
+                        counted = False
+                        gate.release()
+                    elif not gate.admit():  # the fast path: shed before buffering or parsing anything
+                        counted = False
+                        gate.release()
+                        self._metrics.requests.labels("503").inc()
+                        yield overloaded()
+                        return
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
                 if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop
                     large = True
-                    await asyncio.to_thread(proc.prepare, msg)
+                    if gate is not None:
+                        gate.enqueue()
+                    try:
+                        await asyncio.to_thread(proc.prepare, msg)
+                    finally:
+                        if gate is not None:
+                            gate.dequeue()
                 responses = proc.handle(msg)
+                if counted and not proc.receiving:  # decided, held, or answered: the CPU work is done
+                    counted = False
+                    assert gate is not None
+                    gate.release()
                 if proc.refused is not None:
                     self._metrics.flow_sheds.labels(proc.refused).inc()
                     proc.refused = None
@@ -148,6 +180,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     responses = await self._prefill(proc)
                     started += time.perf_counter() - waited
                 if proc.decision is not None and not decided_before:
+                    if self._on_decision is not None:
+                        self._on_decision(proc.decision)
                     if proc.pd is not None:
                         self._metrics.pd_decisions.labels(proc.pd.mode, proc.pd.reason).inc()
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -168,6 +202,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     await asyncio.to_thread(decision.rest.finish)
                 proc.after_send()
         finally:
+            if counted and gate is not None:
+                gate.release()
             if dispatcher is not None and proc.held is not None:
                 dispatcher.cancel(proc.held)  # the client went away while held: never routed
             if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
@@ -175,7 +211,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             proc.close()
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
-
 
     def _send_beside(self, proc: StreamProcessor) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
@@ -296,6 +331,19 @@ class Gateway:
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
         self.health = _HealthServicer()
+        #: The drift alarm: predicted vs engine-reused cached prompt tokens per model and endpoint, fed
+        #: by the completion log (:mod:`extproc.drift`).
+        published: dict[Key, DriftView] = {}
+        self.drift = DriftMonitor(config.drift, published)
+        #: The same from engines' prefix-cache counters, for answers without a count (streams).
+        self.counter_drift = CounterDrift(config.drift, published)
+        self.metrics.watch_drift(published)
+        #: The ext_proc's own saturation: decisions in flight (bounded: beyond, 503 at the headers) and
+        #: the event loop's lag (:mod:`extproc.overload`).
+        self.decisions = DecisionGate(config.overload.max_decisions)
+        self.loop_lag = LagMeter(config.overload.lag_window_s)
+        self.metrics.watch_overload(self.decisions, self.loop_lag)
+        self._lag_task: asyncio.Task[None] | None = None
         #: Envoy's engine cluster (EDS) and the failed tries Envoy reports, which eject endpoints.
         self.eds = EndpointDiscovery(self.fleet, time.monotonic)
         self.ejector = Ejector(config.ejection.base_s, config.ejection.max_s)
@@ -369,6 +417,8 @@ class Gateway:
                 self.dispatcher,
                 self.disagg,
                 self.upstream,
+                self.decisions,
+                self._on_decision,
             ),
             server,
         )
@@ -394,6 +444,7 @@ class Gateway:
             await s.start()
         for name in ("", "liveness"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._lag_task = asyncio.create_task(self._measure_lag(), name="kvgate-loop-lag")
         if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
             self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
             self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
@@ -431,13 +482,43 @@ class Gateway:
             self.cluster.feeds.views(now),
             now,
             time.time(),
+            [*self.drift.views(now), *self.counter_drift.views(now)],
         )
+
+    async def _measure_lag(self) -> None:
+        """The loop-lag timer: every ``lag_interval_s``, how late it woke (:class:`LagMeter`)."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.overload.lag_interval_s
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            self.metrics.loop_lag.observe(self.loop_lag.record(due, loop.time()))
 
     def _on_completion(self, done: Completion) -> None:
         """Envoy's completion log: an engine finished a request (this worker's or another's), so its
-        load fell and a held request may go."""
-        self.router.completed(done.request_id, time.monotonic())
+        load fell and a held request may go; a 2xx answer with the engine's cached-token count, served by
+        the pick itself (not a fallback, whose cache the prediction was not about), feeds the drift
+        alarm."""
+        now = time.monotonic()
+        self.router.completed(done.request_id, now)
         self.dispatcher.kick()
+        if (
+            done.cached_tokens is not None
+            and done.predicted_tokens is not None
+            and done.model is not None
+            and done.endpoint is not None
+            and 200 <= done.status < 300
+            and (served := self.fleet.by_address(done.address)) is not None
+            and served.id == done.endpoint
+        ):
+            predicted, cached = done.predicted_tokens, done.cached_tokens
+            _log_drift(self.drift.observe(done.model, done.endpoint, predicted, cached, now))
+
+    def _on_decision(self, decision: Decision) -> None:
+        """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
+        predicted = decision.matched_blocks * self.router.policy.block_size
+        pick = decision.endpoints[0]
+        self.counter_drift.routed(pick.id, decision.model, predicted, decision.prompt_tokens)
 
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now, priority)
@@ -451,6 +532,11 @@ class Gateway:
 
     def _on_scrape_round(self) -> None:
         self.dispatcher.kick()
+        now = time.monotonic()
+        for state in self.fleet:  # engines' prefix-cache counters against what was routed there
+            m = state.metrics
+            if m is not None and m.prefix_hits is not None and m.prefix_queries is not None:
+                _log_drift(self.counter_drift.reading(state.id, m.prefix_hits, m.prefix_queries, m.at, now))
         if self._draining:
             return
         # Ready as the HTTP ``/ready`` probe: some endpoint routable for some model (processor.routable).
@@ -469,6 +555,8 @@ class Gateway:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens
         them to another replica), stop accepting streams, give in-flight ones ``grace_s`` seconds."""
         self._draining = True
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         for name in HEALTH_SERVICES:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.eds.aclose()
@@ -484,6 +572,24 @@ class Gateway:
         await self.upstream.aclose()
         if self._status_server is not None:
             await asyncio.to_thread(self._status_server.close)
+
+
+def _log_drift(changed: DriftView | None) -> None:
+    """A drift alarm that tripped (WARNING) or cleared (INFO); never request content."""
+    if changed is None:
+        return
+    log.log(
+        logging.WARNING if changed.tripped else logging.INFO,
+        "drift alarm %s: model %s at endpoint %s (%s): engine reused %.0f%% of the predicted cached prompt "
+        "tokens over %d requests (error %.2f)",
+        "TRIPPED" if changed.tripped else "cleared",
+        changed.model,
+        changed.endpoint,
+        changed.source,
+        100 * (changed.ratio or 0.0),
+        changed.samples,
+        changed.error or 0.0,
+    )
 
 
 def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:

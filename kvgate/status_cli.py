@@ -22,7 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from extproc.status.render import render_text
+from extproc.status.render import drift_warning, render_text
 from extproc.status.snapshot import StatusError, decode
 from kvgate.dev.stackfile import StackNotRunning, find_running
 
@@ -114,8 +114,11 @@ def main(argv: list[str]) -> int:
             status = decode(raw)
         except StatusError as exc:
             raise _Failed(f"{url}: {exc}", 1) from exc
-        if args.json:
+        if args.json:  # the drift alarm's warnings still reach a person, on stderr
             print(json.dumps(json.loads(raw), indent=2, sort_keys=True))
+            for drift in status.drift:
+                if drift.tripped:
+                    print(drift_warning(drift), file=sys.stderr)
         else:
             sys.stdout.write(render_text(status, url.removesuffix(DOCUMENT)))
         return 0

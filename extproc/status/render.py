@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from extproc.status.snapshot import EndpointStatus, Status
+from extproc.status.snapshot import DriftStatus, EndpointStatus, Status
 
 FLEET_COLUMNS = (
     "endpoint", "address", "models", "role", "state", "load", "run", "wait", "kv", "share", "blocks"
@@ -86,6 +86,33 @@ def policy_rows(status: Status) -> list[list[str]]:
     ]
 
 
+DRIFT_COLUMNS = ("model", "endpoint", "source", "samples", "ratio", "error", "alarm")
+
+
+def drift_warning(d: DriftStatus) -> str:
+    """The warning line of a tripped drift alarm, naming its model and endpoint."""
+    return (
+        f"WARNING: drift: model {d.model} at endpoint {d.endpoint}: the engine reused {_pct(d.ratio)} of "
+        f"the prompt tokens the router predicted it held (error {_pct(d.error)} over {d.samples} "
+        f"requests, from its {d.source}); check its chat template, tokenizer, block size and digest seed"
+    )
+
+
+def drift_rows(status: Status) -> list[list[str]]:
+    return [
+        [
+            d.model,
+            d.endpoint,
+            d.source,
+            str(d.samples),
+            _num(d.ratio, 2),
+            _pct(d.error),
+            "TRIPPED" if d.tripped else "ok",
+        ]
+        for d in status.drift
+    ]
+
+
 def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
@@ -103,6 +130,7 @@ def render_text(status: Status, source: str) -> str:
     out = [
         f"gateway {source} at {_when(status.at)}: {ready}/{len(status.endpoints)} endpoints ready, "
         f"models {', '.join(status.models) or '-'}",
+        *(drift_warning(d) for d in status.drift if d.tripped),
         "",
         "FLEET",
         *_table(FLEET_COLUMNS, fleet_rows(status)),
@@ -120,6 +148,12 @@ def render_text(status: Status, source: str) -> str:
             ("model", "priority", "queued"),
             [[q.model, str(q.priority), str(q.queued)] for q in status.queues],
         )
+    if status.drift:
+        out += [
+            "",
+            "DRIFT  engine-reused / predicted cached prompt tokens",
+            *_table(DRIFT_COLUMNS, drift_rows(status)),
+        ]
     out += ["", "POLICY", *_table(("path", "value", "override"), policy_rows(status))]
     out += [f"refused: {path}: {reason}" for path, reason in status.policy.rejected.items()]
     return "\n".join(out) + "\n"
@@ -176,6 +210,13 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
         for p, r in status.policy.rejected.items()
     )
     stores = "".join(f", {html.escape(_store(k, v))}" for k, v in status.index.stores.items())
+    warnings = "".join(
+        f'<p class="unhealthy">{html.escape(drift_warning(d))}</p>' for d in status.drift if d.tripped
+    )
+    drift = [
+        f'<tr class="{"unhealthy" if d.tripped else "ready"}">{_cells(row, frozenset({3, 4, 5}))}</tr>'
+        for d, row in zip(status.drift, drift_rows(status), strict=True)
+    ]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{int(refresh_s)}">
@@ -185,6 +226,7 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
 <h1>kvgate status</h1>
 <p class="muted">{html.escape(_when(status.at))}; refreshes every {int(refresh_s)} s;
 <a href="status.json">JSON</a></p>
+{warnings}
 <h2>Fleet: {ready}/{len(status.endpoints)} endpoints ready</h2>
 <p>models: {html.escape(", ".join(status.models) or "-")}</p>
 {_html_table(FLEET_COLUMNS, fleet, "no endpoints")}
@@ -192,6 +234,8 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
 {_html_table(FEED_COLUMNS, feeds, "no feeds: blocks learned from routing decisions (marked ~)")}
 <h2>Flow control: {status.queued} held</h2>
 {_html_table(("model", "priority", "queued"), queues, "no request held")}
+<h2>Drift: engine-reused / predicted cached prompt tokens</h2>
+{_html_table(DRIFT_COLUMNS, drift, "no answered request compared yet")}
 <h2>Policy in force</h2>
 {rejected}
 {_html_table(("path", "value", "override"), policy, "no policy")}

@@ -14,6 +14,9 @@ Per endpoint:
     running, waiting, kv_usage   the last reading (scrape or the agent's Load; null when none or stale)
     routed_share  recent_routed(now) / sum over the fleet (0 when nothing was routed lately)
     index_blocks  blocks the prefix index holds for it (HybridIndex.occupancy)
+
+Per model and endpoint the drift alarm has heard of (extproc/drift/README.md): the window's sample
+count, ratio (engine-reused / predicted cached tokens) and error, and whether its alarm is tripped.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import msgspec
 
 from extproc.control.feeds import FeedView
 from extproc.control.policy import PolicyStore
+from extproc.drift.monitor import DriftView
 from extproc.fleet import EndpointState, Fleet
 from extproc.flow.control import FlowControl
 from extproc.index.hybrid import HybridIndex
@@ -110,6 +114,23 @@ class QueueStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class DriftStatus:
+    """The drift alarm of one (model, endpoint) (:class:`~extproc.drift.monitor.DriftView`)."""
+
+    model: str
+    endpoint: str
+    samples: int
+    ratio: float | None
+    error: float | None
+    tripped: bool
+    #: Requests compared since start (with a prediction or not).
+    observed: int = 0
+    #: Where the engine's number came from: ``responses`` (each answer's cached tokens) or ``counters``
+    #: (the engine's prefix-cache counters, :mod:`extproc.drift.counters`).
+    source: str = "responses"
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     """One gateway's view, at ``at`` (wall seconds since the epoch)."""
 
@@ -122,6 +143,8 @@ class Status:
     schema: int = SCHEMA
     #: Requests held over every model and band.
     queued: int = field(default=0)
+    #: The drift alarm per (model, endpoint), sorted.
+    drift: tuple[DriftStatus, ...] = ()
 
 
 def endpoint_state(state: EndpointState, now: float) -> str:
@@ -143,8 +166,10 @@ def snapshot(
     feeds: Sequence[FeedView],
     now: float,
     wall: float,
+    drift: Sequence[DriftView] = (),
 ) -> Status:
-    """The status of one gateway at ``now`` (monotonic seconds) and ``wall`` (seconds since the epoch)."""
+    """The status of one gateway at ``now`` (monotonic seconds) and ``wall`` (seconds since the epoch);
+    ``drift``: the drift alarm's views."""
     states = sorted(fleet, key=lambda s: s.id)
     occupancy = {str(k): v for k, v in index.occupancy().items()}
     recent = {s.id: s.recent_routed(now) for s in states}
@@ -177,6 +202,10 @@ def snapshot(
         ),
         queues=queues,
         queued=sum(q.queued for q in queues),
+        drift=tuple(  # sorted: model, endpoint, source
+            DriftStatus(d.model, d.endpoint, d.samples, d.ratio, d.error, d.tripped, d.observed, d.source)
+            for d in sorted(drift, key=lambda d: (d.model, d.endpoint, d.source))
+        ),
     )
 
 

@@ -19,15 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Value
 
-from contracts.epp import COMPLETION_LOG_NAME, FAILURE_LOG_NAME
+from contracts.epp import (
+    COMPLETION_LOG_NAME,
+    DECISION_ENDPOINT,
+    DECISION_MATCHED_TOKENS,
+    DECISION_MODEL,
+    DECISION_NS,
+    FAILURE_LOG_NAME,
+    USAGE_CACHED,
+    USAGE_NS,
+)
 from extproc.fleet import Fleet
 from extproc.xds.ejection import Ejection, Ejector
 
@@ -65,13 +76,19 @@ class Completion:
     it under), the response ``status`` (0: none, e.g. the engine was unreachable or the client left
     first), ``ttfb_s``: seconds from the request's start to the engine's first response byte, and
     ``duration_s``: seconds from the request's start to its end (each ``None`` when Envoy did not
-    record it)."""
+    record it). From the entry's metadata (``None`` when absent): the decision's ``model``, ``endpoint``
+    id and ``predicted_tokens`` (prompt tokens the pick was predicted to hold), and ``cached_tokens``,
+    the prompt tokens the engine reported it reused (:mod:`kvgate.envoy.usage`)."""
 
     address: str
     request_id: str
     status: int
     ttfb_s: float | None
     duration_s: float | None
+    model: str | None = None
+    endpoint: str | None = None
+    predicted_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 def _upstream(common: accesslog_pb2.AccessLogCommon) -> str | None:
@@ -101,13 +118,41 @@ def completion(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion | None:
     duration = _seconds(common, "duration")
     if duration is None:
         duration = _seconds(common, "time_to_last_downstream_tx_byte")
+    meta = common.metadata.filter_metadata
+    decision = meta[DECISION_NS].fields if DECISION_NS in meta else None
+    usage = meta[USAGE_NS].fields if USAGE_NS in meta else None
     return Completion(
         address,
         request_id,
         entry.response.response_code.value,
         _seconds(common, "time_to_first_upstream_rx_byte"),
         duration,
+        model=_text(decision, DECISION_MODEL),
+        endpoint=_text(decision, DECISION_ENDPOINT),
+        predicted_tokens=_count(decision, DECISION_MATCHED_TOKENS),
+        cached_tokens=_count(usage, USAGE_CACHED),
     )
+
+
+def _text(fields: Mapping[str, Value] | None, key: str) -> str | None:
+    value = fields.get(key) if fields is not None else None
+    if value is None or not value.HasField("string_value"):
+        return None
+    return value.string_value or None
+
+
+def _count(fields: Mapping[str, Value] | None, key: str) -> int | None:
+    """A non-negative whole number under ``key`` (a number, or a numeric string), else ``None``."""
+    value = fields.get(key) if fields is not None else None
+    if value is None:
+        return None
+    if value.HasField("number_value"):
+        number = value.number_value
+    elif value.HasField("string_value") and value.string_value.isdigit():
+        number = float(value.string_value)
+    else:
+        return None
+    return int(number) if math.isfinite(number) and number >= 0 else None
 
 
 def failed_try(entry: accesslog_pb2.HTTPAccessLogEntry) -> FailedTry | None:

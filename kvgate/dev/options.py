@@ -58,6 +58,9 @@ class StackOptions:
     model_dir: str | None = None
     engine: str = "vllm"
     sim_args: tuple[str, ...] = ()
+    #: Extra ``kvgate sim`` flags of replica ``i`` (after ``sim_args``): e.g. a deliberately wrong
+    #: ``--chat-template`` or ``--block-size`` on one replica (the drift alarm's test, extproc/drift).
+    replica_args: tuple[tuple[str, ...], ...] = ()
     extproc: dict[str, Any] = field(default_factory=dict)
     scheduling: dict[str, Any] | None = None
     scrape: dict[str, Any] = field(default_factory=dict)

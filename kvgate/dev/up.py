@@ -333,6 +333,7 @@ class Stack:
             "--tool-call-parser",
             "hermes",
             *opts.sim_args,
+            *(opts.replica_args[index] if index < len(opts.replica_args) else ()),
         ]
         if self.secure:
             engine = self.certs["engine"]

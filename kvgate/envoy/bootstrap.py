@@ -53,6 +53,7 @@ from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
+from kvgate.envoy.usage import usage_filter
 
 #: Headers a client may never set: routing decisions, retries, timeouts and client addresses come from
 #: the ext_proc and this config alone. A client's ``x-forwarded-for`` is dropped too when no proxy in front
@@ -359,6 +360,9 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             },
         ),
     }
+    if params.completion_log:  # the engine's reused prompt tokens, for the drift alarm (extproc/drift)
+        filters: list[dict[str, Any]] = hcm["http_filters"]  # type: ignore[assignment]
+        filters.insert(-1, usage_filter())
     extproc_cluster = resilience.extproc_cluster(res, extprocs)
     config: dict[str, Any] = {
         # A node identity: xDS (the ext_procs' EDS) and SDS require one.

@@ -86,3 +86,18 @@ def test_generation_token_counter() -> None:
     assert parse_metrics("vllm:num_requests_running 1\n", metric_names("vllm"), 0.0).generation_tokens is None
     llama = "llamacpp:tokens_predicted_total 42\nllamacpp:requests_processing 1\n"
     assert parse_metrics(llama, metric_names("llama_cpp"), 0.0).generation_tokens == 42.0
+
+
+def test_prefix_cache_counters_are_read_as_a_pair() -> None:
+    """vLLM's prefix-cache counters (the drift alarm's second source); one without the other is neither."""
+    names = metric_names("vllm")
+    both = (
+        'vllm:prefix_cache_hits_total{model_name="m"} 48.0\n'
+        'vllm:prefix_cache_queries_total{model_name="m"} 100.0\n'
+        'vllm:prefix_cache_queries_total{model_name="n"} 20.0\n'
+    )
+    m = parse_metrics(both, names, 1.0)
+    assert (m.prefix_hits, m.prefix_queries) == (48.0, 120.0)
+    alone = parse_metrics('vllm:prefix_cache_hits_total{model_name="m"} 48.0\n', names, 1.0)
+    assert (alone.prefix_hits, alone.prefix_queries) == (None, None)
+    assert parse_metrics(both, metric_names("sglang"), 1.0).prefix_hits is None

@@ -546,6 +546,7 @@ def test_decision_reply_shape(router: Router) -> None:
         "matched_blocks": 0,
         "prompt_blocks": decision.prompt_blocks,
         "decision_us": 0,
+        "matched_tokens": 0,  # matched blocks x block size: the drift alarm's prediction
     }
     assert r.chunks == [(payload, True)]
     assert in_flight(router) == {r.destination[0]: 1}

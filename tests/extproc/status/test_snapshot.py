@@ -184,3 +184,26 @@ def test_the_text_tables() -> None:
     assert "QUEUES  3 held" in out
     assert any(line.split() == ["weights/prefix", "5.0", "set"] for line in lines)
     assert any(line.startswith("refused: weights/queue: ") for line in lines)
+
+
+def test_a_tripped_drift_alarm_is_a_warning_naming_model_and_endpoint() -> None:
+    from extproc.drift.monitor import DriftMonitor, DriftPolicy
+
+    monitor = DriftMonitor(DriftPolicy(window=8, min_samples=2))
+    for _ in range(2):
+        monitor.observe(M, "sim-1", 64, 0, NOW)
+        monitor.observe(M, "sim-0", 64, 64, NOW)
+    fleet, index, flow, policy, feeds = world()
+    status = snapshot(fleet, index, flow, policy, feeds, NOW, WALL, monitor.views(NOW))
+    assert [(d.endpoint, d.tripped, d.ratio, d.error) for d in status.drift] == [
+        ("sim-0", False, 1.0, 0.0),
+        ("sim-1", True, 0.0, 1.0),
+    ]
+    assert decode(encode(status)) == status
+    text = render_text(status, "http://x").splitlines()
+    warnings = [line for line in text if line.startswith("WARNING: drift")]
+    assert len(warnings) == 1 and f"model {M} at endpoint sim-1" in warnings[0]
+    assert text.index(warnings[0]) == 1  # under the headline
+    assert "sim-1" in next(line for line in text if "TRIPPED" in line)
+    page = render_html(status)
+    assert f"WARNING: drift: model {M} at endpoint sim-1" in page and "TRIPPED" in page

@@ -65,6 +65,43 @@ def test_completion_reads_host_id_status_and_timings(
     assert completion(log_entry) == expected
 
 
+def with_metadata(entry: al.HTTPAccessLogEntry, **namespaces: dict[str, object]) -> al.HTTPAccessLogEntry:
+    for ns, fields in namespaces.items():
+        entry.common_properties.metadata.filter_metadata[ns.replace("_", ".")].update(fields)
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # The decision's model, endpoint and prediction, and the engine's count from json_to_metadata.
+        (
+            {"kvgate_decision": {"model": "m", "endpoint": "sim-0", "matched_tokens": 64.0},
+             "kvgate_usage": {"cached_tokens": 48.0}},
+            ("m", "sim-0", 64, 48),
+        ),
+        # A streamed answer (or an engine without the field): no count, not compared.
+        (
+            {"kvgate_decision": {"model": "m", "endpoint": "sim-0", "matched_tokens": 0.0}},
+            ("m", "sim-0", 0, None),
+        ),
+        # Ill-typed values are ignored, never trusted.
+        (
+            {"kvgate_decision": {"model": 3.0, "endpoint": "", "matched_tokens": -1.0},
+             "kvgate_usage": {"cached_tokens": "12"}},
+            (None, None, None, 12),
+        ),
+        ({}, (None, None, None, None)),
+    ],
+)  # fmt: skip
+def test_completion_reads_the_drift_alarm_metadata(
+    fields: dict[str, dict[str, object]], expected: tuple[object, ...]
+) -> None:
+    done_ = completion(with_metadata(done(), **fields))
+    assert done_ is not None
+    assert (done_.model, done_.endpoint, done_.predicted_tokens, done_.cached_tokens) == expected
+
+
 async def test_every_completion_reaches_the_callback_and_failures_still_eject() -> None:
     """Completions of the completion log reach ``on_completion`` (for any address: a capacity signal even
     when another replica routed it); the failure log's entries eject and are no completions; other
@@ -98,3 +135,28 @@ async def test_every_completion_reaches_the_callback_and_failures_still_eject() 
         assert ejected is not None and ejected.ejected_until > 0
         healthy = gw.fleet.get(EndpointId("e0"))
         assert healthy is not None and healthy.ejected_until == 0.0
+
+
+async def test_completions_feed_the_drift_alarm_only_when_the_pick_served_a_2xx() -> None:
+    """Over real gRPC: a 2xx with both counts, served by the pick, is a drift sample; one served by a
+    fallback (another cache), an error, or one without the engine's count is not."""
+
+    def answered(port: int, endpoint: str, cached: float | None, status: int = 200) -> al.HTTPAccessLogEntry:
+        usage = {} if cached is None else {"kvgate_usage": {"cached_tokens": cached}}
+        decision = {"model": "m", "endpoint": endpoint, "matched_tokens": 64.0}
+        return with_metadata(done("127.0.0.1", port, status=status), kvgate_decision=decision, **usage)
+
+    async with gateway_on(["127.0.0.1:18001", "127.0.0.1:18002"]) as gw:
+        await send(
+            gw,
+            messages(
+                COMPLETION_LOG_NAME,
+                answered(18001, "e0", 0.0),  # a sample: predicted 64, reused 0
+                answered(18001, "e1", 0.0),  # e1 was the pick, e0 served it (a fallback): skipped
+                answered(18001, "e0", 0.0, status=500),  # an error: skipped
+                answered(18001, "e0", None),  # a stream (no count): skipped
+                answered(18001, "e0", 64.0),  # a sample
+            ),
+        )
+        (view,) = gw.drift.views(0.0)
+    assert (view.model, view.endpoint, view.samples, view.ratio, view.error) == ("m", "e0", 2, 0.5, 0.5)

@@ -47,6 +47,7 @@ def test_open_gateway_is_unchanged_but_strips_the_tenant_header() -> None:
     config = render(EnvoyParams())
     assert [f["name"] for f in hcm(config)["http_filters"]] == [
         "envoy.filters.http.ext_proc",
+        "envoy.filters.http.json_to_metadata",  # the engine's cached tokens, for the drift alarm
         "envoy.filters.http.router",
     ]
     assert EdgeAuth.from_config(parse_config({})) is None
@@ -64,6 +65,7 @@ def test_filter_chain_order_and_jwt_provider() -> None:
         "envoy.filters.http.jwt_authn",
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.local_ratelimit",
+        "envoy.filters.http.json_to_metadata",
         "envoy.filters.http.router",
     ]
     jwt = filters[0]["typed_config"]
@@ -107,7 +109,11 @@ def test_local_ratelimit_per_tenant() -> None:
 def test_api_keys_only_and_reservation_mode() -> None:
     config = rendered({"api_keys_file": "k.json"}, [{"id": "beta", "models": ["*"]}])
     filters = hcm(config)["http_filters"]
-    assert [f["name"] for f in filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.router",
+    ]
     ext_proc = filters[0]["typed_config"]
     assert ext_proc["processing_mode"]["response_body_mode"] == "NONE"
     assert (

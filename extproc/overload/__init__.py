@@ -1,0 +1,1 @@
+"""The ext_proc protects itself: bounded in-flight decisions, event-loop lag (README.md: the formulas)."""

@@ -1,0 +1,131 @@
+"""End to end: the ext_proc protects itself (extproc/overload) behind real Envoy, with one simulated replica.
+
+``[overload] max_decisions = 1``: a client that sends its headers and holds its body back keeps the one
+decision in flight, so a burst meanwhile is shed at its headers: 503 ``gateway_overloaded`` with an
+OpenAI JSON body and ``Retry-After``, while ``/health`` through Envoy and gRPC health on the ext_proc
+answer. Requests flow control holds (``flow/saturation max_in_flight = 1``) are no decisions in flight:
+they wait without making others shed. A burst larger than the bound gets only 200s and such 503s, and
+the count returns to 0. The loop-lag histogram is exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgate.dev.up import Stack, StackOptions
+from tests.e2e.test_flow import metric
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    options = StackOptions(
+        replicas=1,
+        port=0,
+        sim_args=("--time-scale", "0.5"),
+        workdir=tmp_path_factory.mktemp("overload"),
+        overlay={"overload": {"max_decisions": 1}, "flow": {"saturation": {"max_in_flight": 1}}},
+    )
+    with Stack(options) as running:
+        yield running
+
+
+def body(max_tokens: int = 2) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": max_tokens}
+
+
+async def metrics(stack: Stack) -> str:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return (await client.get(f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics")).text
+
+
+async def grpc_health(stack: Stack) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.extproc_ports['health']}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+        return int(reply.status)
+
+
+def assert_shed(resp: httpx.Response) -> None:
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["content-type"] == "application/json" and resp.headers["retry-after"] == "1"
+    error = resp.json()["error"]
+    assert error["code"] == "gateway_overloaded" and error["message"]
+
+
+async def in_flight(stack: Stack) -> float:
+    return metric(await metrics(stack), "kvgate_extproc_decisions_in_flight")
+
+
+async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answers(stack: Stack) -> None:
+    release = asyncio.Event()
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "hi"}],'
+        await release.wait()
+        yield b' "max_tokens": 2}'
+
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        held = asyncio.create_task(
+            client.post("/v1/chat/completions", content=slow(), headers={"content-type": "application/json"})
+        )
+        for _ in range(1000):  # the slow request's headers reached the ext_proc: one decision in flight
+            if await in_flight(stack) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert await in_flight(stack) == 1
+        burst = await asyncio.gather(*(client.post("/v1/chat/completions", json=body()) for _ in range(20)))
+        for resp in burst:
+            assert_shed(resp)
+        assert (await client.get("/health")).status_code == 200  # bodyless: never counted, never shed
+        assert await grpc_health(stack) == health_pb2.HealthCheckResponse.SERVING
+        release.set()
+        assert (await held).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
+    text = await metrics(stack)
+    assert metric(text, "kvgate_extproc_overload_sheds_total") >= 20
+    assert metric(text, "kvgate_extproc_decisions_in_flight") == 0
+    assert metric(text, "kvgate_extproc_decision_limit") == 1
+    assert metric(text, "kvgate_extproc_loop_lag_seconds_count") > 0
+    assert "kvgate_extproc_loop_lag_peak_seconds" in text and "kvgate_extproc_saturation" in text
+
+
+async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=1500)))
+        await asyncio.sleep(0)
+        waiting = []
+        for _ in range(3):  # one at a time: each is held (the engine has its one request), none is shed
+            waiting.append(asyncio.create_task(client.post("/v1/chat/completions", json=body())))
+            queued = len(waiting)
+
+            async def held(n: int = queued) -> bool:
+                text = await metrics(stack)
+                return metric(text, "kvgate_flow_queued") >= n
+
+            for _ in range(1000):
+                if await held():
+                    break
+                await asyncio.sleep(0.01)
+            assert await held() and await in_flight(stack) == 0
+        answers = await asyncio.gather(busy, *waiting)
+    assert [r.status_code for r in answers] == [200] * 4
+
+
+async def test_a_burst_gets_only_answers_or_overload_503s_and_the_count_returns_to_zero(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=body()) for _ in range(48)))
+        health = await grpc_health(stack)
+    for resp in answers:
+        if resp.status_code != 200:
+            assert_shed(resp)
+    assert health == health_pb2.HealthCheckResponse.SERVING
+    assert await in_flight(stack) == 0
