@@ -132,7 +132,12 @@ async def edge(tmp_path: Path, model_dir: str) -> AsyncIterator[StartEdge]:
             "endpoints": [{"id": "e0", "address": address, "models": [MODEL]}],
         }
         if auth:
-            raw["auth"] = {"jwt": {"issuer": ISSUER, "audiences": ["kvgate"], "jwks_file": str(jwks)}}
+            raw["auth"] = {
+                "jwt": {"issuer": ISSUER, "audiences": ["kvgate"], "jwks_file": str(jwks)},
+                # one failed attempt back a minute: a burst of failures on a slow machine (seconds for the
+                # burst) still finds its bucket empty, as it does in a fraction of a second on a quiet one
+                "failed_auth_per_minute": 1,
+            }
             raw["tenants"] = [{"id": "acme", "models": ["*"], "match": {"claims": {"tenant": "acme"}}}]
         config = parse_config(raw)
         gateway = Gateway(config)
