@@ -189,3 +189,13 @@ def test_invalid_requests_and_configs_are_refused() -> None:
         EngineConfig(num_blocks=2, block_size=16, max_model_len=64)
     with pytest.raises(ValueError):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_busy_seconds_sum_the_steps_and_not_the_idle_time() -> None:
+    engine = make()
+    engine.add_request("a", prompt(100), out(4), now=0.0)
+    _, end = drain(engine)
+    assert engine.stats.busy_seconds == pytest.approx(end)  # from 0, no gap
+    engine.add_request("b", prompt(50, start=5000), out(2), now=end + 10.0)  # idle for 10 s first
+    _, later = drain(engine, end + 10.0)
+    assert engine.stats.busy_seconds == pytest.approx(end + (later - end - 10.0))
