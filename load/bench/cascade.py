@@ -5,12 +5,14 @@ model, and what it costs the escalated requests in latency. One run, both target
     python -m load.bench.cascade --quick --out /tmp/cascade.json      # seconds; figures mean nothing
 
 Fleet: simulated vLLM replicas (``load.sim``), ``small`` (a 1B-class model: every step-model cost divided
-by ``cost_ratio``, see :data:`SIM_SOURCES`) and ``large`` (the simulator's 8B/H100 defaults), each
-``replicas`` replicas, one GPU each, behind kvgate (``kvgate up`` over ``--endpoint``s). Targets:
+by ``cost_ratio``, see :data:`SIM_SOURCES`) and ``large`` (the simulator's 8B/H100 defaults), one GPU per
+replica, behind kvgate (``kvgate up`` over ``--endpoint``s). Targets, by default on the same number of
+GPUs (2):
 
-* ``all-large``: the large replicas only; every request names ``large``;
-* ``cascade``: the small and the large replicas; every request names the virtual model ``auto``
-  (``{"cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat": STAT}}``).
+* ``all-large``: ``all_large_replicas`` large replicas; every request names ``large``;
+* ``cascade``: ``small_replicas`` small + ``large_replicas`` large replicas; every request names the
+  virtual model ``auto`` (``{"cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat":
+  STAT}}``).
 
 Workload: Poisson arrivals (seeded) at ``rate_req_s`` for ``duration_s``, open loop, streamed with
 ``include_usage``; each prompt about ``prompt_tokens`` tokens, unique, and hard with probability
@@ -21,9 +23,13 @@ a gate's accuracy on real text.
 
 Figures per target: cost per request = the engines' busy engine-seconds (``kvgate_sim_busy_seconds_total``:
 the modelled duration of every step each engine ran, time scale applied, summed over engines; idle time is
-not charged) / requests served; the share answered by each step (``x-kvgate-cascade-step``); TTFT
-(first content chunk) p50/p90 of easy and hard requests. The added latency of escalated requests is the
-cascade's hard-request TTFT less all-large's (p50 and p90): the buffered small step they wait for first.
+not charged) / requests served, in the simulator's (time-scaled) seconds; ``work_engine_s``: the
+batch-independent part of it, counted from tokens (each request's uncached prompt tokens x
+``1/prefill_tokens_per_s`` + its output tokens x ``decode_ms_per_seq``, per model: what no batching
+amortizes; the per-step ``step_base_ms`` is what batching shares); the share answered by each step
+(``x-kvgate-cascade-step``); TTFT (first content chunk) p50/p90 of easy and hard requests. The added
+latency of escalated requests is the cascade's hard-request TTFT less all-large's (p50 and p90): the
+buffered small step they wait for first.
 
 Goal: cascade cost per request <= 0.5 x all-large at the configured threshold.
 """
@@ -77,7 +83,9 @@ SIM_SOURCES = {
 class CascadeConfig:
     """One benchmark's fleet and workload (see the module docstring)."""
 
-    replicas: int = 2
+    all_large_replicas: int = 2
+    small_replicas: int = 1
+    large_replicas: int = 1
     cost_ratio: float = 8.0
     time_scale: float = 4.0
     step_base_ms: float = 6.0
@@ -109,7 +117,9 @@ class CascadeConfig:
 
 
 def quick_config() -> CascadeConfig:
-    return CascadeConfig(replicas=1, duration_s=3.0, rate_req_s=3.0, output_tokens=8, prompt_tokens=64)
+    return CascadeConfig(
+        all_large_replicas=1, duration_s=3.0, rate_req_s=3.0, output_tokens=8, prompt_tokens=64
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +150,7 @@ def make_requests(config: CascadeConfig) -> list[Request]:
 @dataclass(slots=True)
 class Record:
     hard: bool
+    prompt_tokens: int = 0
     ok: bool = False
     status: int = 0
     ttft_s: float | None = None
@@ -173,6 +184,7 @@ async def _send(http: aiohttp.ClientSession, url: str, model: str, req: Request,
                     rec.ttft_s = time.monotonic() - started
                 if chunk.get("usage"):
                     rec.completion_tokens = chunk["usage"]["completion_tokens"]
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
         rec.ok = rec.status == 200 and rec.ttft_s is not None
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("request failed: %s", type(exc).__name__)
@@ -192,6 +204,24 @@ async def run_load(url: str, model: str, requests: Sequence[Request], config: Ca
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
+def work_seconds(config: CascadeConfig, records: Sequence[Record], target: str) -> float:
+    """The batch-independent engine-seconds of ``records`` (module docstring): prompt tokens at the
+    model's prefill rate plus output tokens at its per-sequence decode cost, time scale applied; in the
+    cascade an escalated (hard) request pays the small model's and then the large model's (no prefix
+    cache is counted: an upper bound on the prompt part)."""
+    scale = config.time_scale
+
+    def cost(model: str, r: Record) -> float:
+        div = config.cost_ratio if model == "small" else 1.0
+        prefill = r.prompt_tokens / (config.prefill_tokens_per_s * div)
+        decode = r.completion_tokens * config.decode_ms_per_seq / div / 1e3
+        return scale * (prefill + decode)
+
+    if target == "all-large":
+        return sum(cost("large", r) for r in records)
+    return sum(cost("small", r) + (cost("large", r) if r.step == "2" else 0.0) for r in records)
+
+
 def _busy(stack: Stack) -> dict[str, float]:
     """Per engine address: its busy engine-seconds so far."""
     out = {}
@@ -209,17 +239,20 @@ def _ms(values: Sequence[float]) -> dict[str, float | int]:
 def run_target(name: str, config: CascadeConfig, requests: list[Request], workdir: Path) -> dict[str, Any]:
     """Start ``name``'s fleet, send ``requests``, stop it; its row."""
     workdir.mkdir(parents=True, exist_ok=True)
-    models = ("large",) if name == "all-large" else ("small", "large")
+    if name == "all-large":
+        fleet = {"large": config.all_large_replicas}
+    else:
+        fleet = {"small": config.small_replicas, "large": config.large_replicas}
     sims: list[Child] = []
     started = time.monotonic()
     try:
         urls, served = [], {}
         model_dir = str(ensure_model_dir(smollm2_gguf_path()))  # the simulators' tokenizer (SmolLM2's)
-        for model in models:
+        for model, replicas in fleet.items():
             ready = workdir / f"{model}.ready.json"
             ready.unlink(missing_ok=True)
             argv = [sys.executable, "-m", "load.sim.server", "--model", model, "--model-dir", model_dir]
-            argv += ["--replicas", str(config.replicas), "--port", "0", "--ready-file", str(ready)]
+            argv += ["--replicas", str(replicas), "--port", "0", "--ready-file", str(ready)]
             argv += config.sim_args(model)
             sims.append(child := Child(model, argv, workdir / f"{model}.log"))
             for replica in child.wait_for_json_file(ready, 120):
@@ -254,6 +287,7 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
         key = r.step or "-"
         steps[key] = steps.get(key, 0) + 1
     total_busy = sum(busy.values())
+    work = work_seconds(config, ok, name)
     return {
         "target": name,
         "sent": len(records),
@@ -261,7 +295,10 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
         "errors": sorted({r.status for r in records if not r.ok}),
         "wall_s": round(wall, 2),
         "engine_seconds": {m: round(v, 3) for m, v in sorted(busy.items())},
+        "replicas": fleet,
         "cost_per_request_engine_s": round(total_busy / len(ok), 5) if ok else None,
+        "work_engine_s": round(work, 3),
+        "work_per_request_engine_s": round(work / len(ok), 5) if ok else None,
         "answered_by_step": dict(sorted(steps.items())),
         "small_share": round(steps.get("1", 0) / len(ok), 3) if ok and name == "cascade" else 0.0,
         "models": sorted({r.model or "?" for r in ok}),
@@ -280,6 +317,13 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The issue's goal, and the escalated requests' TTFT penalty (reported, no goal)."""
     large, cascade = rows.get("all-large", {}), rows.get("cascade", {})
     out: dict[str, dict[str, Any]] = {}
+    wa, wc = large.get("work_per_request_engine_s"), cascade.get("work_per_request_engine_s")
+    out["work_per_request_over_all_large"] = {
+        "value": round(wc / wa, 3) if wa and wc is not None else None,
+        "goal": None,
+        "met": None,
+        "note": "batch-independent work only (reported beside the goal, not instead of it)",
+    }
     a, c = large.get("cost_per_request_engine_s"), cascade.get("cost_per_request_engine_s")
     if a and c is not None:
         out["cost_per_request_over_all_large"] = {
@@ -311,6 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hard-share", type=float, help="share of hard prompts (0..1)")
     p.add_argument("--threshold", type=float, help="the gate's threshold (nats, <= 0)")
     p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    p.add_argument(
+        "--all-large-replicas", type=int, help="large replicas of the all-large target (default 2)"
+    )
+    p.add_argument("--small-replicas", type=int, help="small replicas of the cascade (default 1)")
+    p.add_argument("--large-replicas", type=int, help="large replicas of the cascade (default 1)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = quick_config() if args.quick else CascadeConfig()
@@ -320,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("hard_share", args.hard_share),
         ("threshold", args.threshold),
         ("seed", args.seed),
+        ("all_large_replicas", args.all_large_replicas),
+        ("small_replicas", args.small_replicas),
+        ("large_replicas", args.large_replicas),
     ):
         if value is not None:
             config = replace(config, **{key: value})

@@ -38,6 +38,15 @@ def test_the_small_model_costs_the_stated_ratio_less() -> None:
     assert config.policy()["models"]["auto"]["cascade"]["steps"] == ["small", "large"]
 
 
+def test_work_counts_both_steps_of_an_escalated_request() -> None:
+    config = cascade.CascadeConfig(time_scale=1.0)
+    easy = cascade.Record(False, prompt_tokens=2000, completion_tokens=100, step="1")
+    hard = cascade.Record(True, prompt_tokens=2000, completion_tokens=100, step="2")
+    large = 2000 / 20_000 + 100 * 0.15e-3  # 0.115 s
+    assert cascade.work_seconds(config, [easy, hard], "all-large") == pytest.approx(2 * large)
+    assert cascade.work_seconds(config, [easy, hard], "cascade") == pytest.approx(2 * large / 8 + large)
+
+
 def test_goal_and_penalty() -> None:
     def row(cost: float, hard: float, easy: float) -> dict[str, object]:
         return {
@@ -66,4 +75,8 @@ def test_quick_run_writes_both_targets(tmp_path: Path) -> None:
     assert rows["cascade"]["answered_by_step"] == {"1": doc["requests"] - hard, "2": hard}
     assert rows["cascade"]["models"] == (["large", "small"] if hard else ["small"])
     assert set(rows["cascade"]["engine_seconds"]) == {"small", "large"}
+    assert rows["cascade"]["replicas"] == {"small": 1, "large": 1} and rows["all-large"]["replicas"] == {
+        "large": 1
+    }
+    assert rows["cascade"]["work_engine_s"] > 0 and "work_per_request_over_all_large" in doc["goals"]
     assert "cost_per_request_over_all_large" in doc["goals"]
