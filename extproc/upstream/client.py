@@ -1,5 +1,5 @@
-"""One HTTP client for the gateway's own requests to engines (prefill sub-requests today; cascade steps,
-burst and migration are meant to use it too).
+"""One HTTP client for the gateway's own requests to engines (prefill sub-requests and cascade steps
+today; burst and migration are meant to use it too).
 
 :class:`UpstreamClient` posts a JSON body to ``scheme://address/path`` and returns the whole answer, or
 raises an :class:`~extproc.upstream.errors.UpstreamError`. One aiohttp session (connection pool) per
