@@ -679,7 +679,8 @@ class StreamProcessor:
         headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
         path = self._headers.get(":path", "/")
         address = decision.endpoints[0].address
-        self.cascade_step = SubRequest(address, path, run.body(), run.spec.timeout_s, headers)
+        body = run.body()
+        self.cascade_step = SubRequest(address, path, body, run.spec.timeout_s, headers, stream=run.streamed)
         self._stepping = (prepared, started)
         cap = self._config.hold_timeout_s
         if cap is None:
@@ -687,10 +688,17 @@ class StreamProcessor:
         seconds = min(cap, run.spec.timeout_s + HOLD_SLACK_S)
         return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
 
+    def step_line(self, line: bytes) -> bool:
+        """One line of a streamed cascade step's answer (:attr:`SubRequest.stream`); false: stop reading,
+        the gate failed on its first tokens (then :meth:`stepped` as for any end)."""
+        assert self.run is not None, "step_line() only during a cascade step"
+        return self.run.feed(line)
+
     def stepped(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
-        """The gated cascade step ended: ``answer`` its engine's 2xx body, else ``failure`` (``timeout``,
-        ``unreachable``, ``status``). The step's endpoint is released; the gate passes the answer to the
-        client (an ImmediateResponse), or the client's body goes to the next step."""
+        """The gated cascade step ended: ``answer`` its engine's 2xx body (a streamed step: ``None``, its
+        lines went to :meth:`step_line`), else ``failure`` (``timeout``, ``unreachable``, ``status``).
+        The step's endpoint is released; the gate passes the answer to the client (an
+        ImmediateResponse), or the client's body goes to the next step."""
         pending, self._stepping, self.cascade_step = self._stepping, None, None
         assert pending is not None and self.run is not None, "stepped() only after a cascade step"
         prepared, started = pending

@@ -219,11 +219,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         sub, run = proc.cascade_step, proc.run
         assert sub is not None and run is not None and self._upstream is not None
         try:
-            answer = await self._upstream.send(sub)
+            if sub.stream:  # a first_k gate: read as it comes, cut short when the first tokens fail it
+                await self._upstream.post_stream(
+                    sub.address,
+                    sub.path,
+                    sub.body,
+                    proc.step_line,
+                    timeout_s=sub.timeout_s,
+                    headers=sub.headers,
+                )
+                body = None
+            else:
+                body = (await self._upstream.send(sub)).body
         except UpstreamError as exc:
             responses = proc.stepped(None, exc.reason)
         else:
-            responses = proc.stepped(answer.body)
+            responses = proc.stepped(body)
         model, verdict = run.verdicts[-1]
         m = self._metrics
         if verdict.stat is not None:

@@ -4,7 +4,8 @@ step's answer passes.
 * :func:`step_body`: the client's body for step model ``model``, with the step's token log-probabilities
   requested (chat ``logprobs: true``, the client's ``top_logprobs`` kept; completions ``logprobs`` at
   least 1) and not streamed (``stream`` false, ``stream_options`` dropped): the gate reads the whole
-  answer.
+  answer; a ``first_k`` gate streams it instead (``include_usage``) and decides after ``k`` tokens
+  (:mod:`extproc.cascade.stream`).
 * :func:`client_answer`: the step's answer as the client asked for it: its ``model`` field the step's
   model, the log-probabilities removed unless the client asked for them, and for a streaming client a
   Server-Sent Events stream (:func:`sse`) instead of one JSON object.
@@ -21,11 +22,14 @@ SSE = "text/event-stream"
 JSON = "application/json"
 
 
-def step_body(client: Mapping[str, Any], model: str, *, chat: bool) -> bytes:
-    """The gated step's request body (module docstring)."""
+def step_body(client: Mapping[str, Any], model: str, *, chat: bool, stream: bool = False) -> bytes:
+    """The gated step's request body (module docstring); ``stream``: streamed with its usage (a
+    ``first_k`` gate reads the first tokens as they come)."""
     body = {k: v for k, v in client.items() if k != "stream_options"}
     body["model"] = model
-    body["stream"] = False
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if chat:
         body["logprobs"] = True
     else:

@@ -21,6 +21,7 @@ import orjson
 from extproc.cascade.answer import client_answer, step_body
 from extproc.cascade.gate import Verdict, judge
 from extproc.cascade.spec import CascadeSpec
+from extproc.cascade.stream import StepStream
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Run:
     arrived: float
     step: int = 0
     verdicts: list[tuple[str, Verdict]] = field(default_factory=list)
+    #: The current step read as a stream (a ``first_k`` gate), else ``None``.
+    stream: StepStream | None = None
 
     @property
     def model(self) -> str:
@@ -90,15 +93,35 @@ class Run:
         """The current step, 1-based (what ``x-kvgate-cascade-step`` says)."""
         return self.step + 1
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens)."""
+        return self.spec.stat == "first_k"
+
     def body(self) -> bytes:
-        """The current gated step's request body."""
-        return step_body(self.client, self.model, chat=self.chat)
+        """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""
+        self.stream = StepStream(self.spec, chat=self.chat) if self.streamed else None
+        return step_body(self.client, self.model, chat=self.chat, stream=self.streamed)
+
+    def feed(self, line: bytes) -> bool:
+        """One line of a streamed step's answer; false: the gate failed on its first tokens, stop reading."""
+        assert self.stream is not None, "feed() only for a streamed step"
+        return self.stream.feed(line)
 
     def judge(self, answer: bytes | None, failure: str | None = None) -> Answered | None:
-        """The current gated step ended: ``answer`` its 2xx body, else ``failure`` (``timeout``,
-        ``unreachable``, ``status``). :class:`Answered` when the gate passes, else ``None`` (call
-        :meth:`escalate`)."""
+        """The current gated step ended: ``answer`` its 2xx body (a streamed step: ``None``, its lines went
+        to :meth:`feed`), else ``failure`` (``timeout``, ``unreachable``, ``status``). :class:`Answered`
+        when the gate passes, else ``None`` (call :meth:`escalate`)."""
         doc: Any = None
+        stream, self.stream = self.stream, None
+        if stream is not None and failure is None:  # a streamed step: judged early, or assembled now
+            if stream.cut and stream.verdict is not None:
+                self.verdicts.append((self.model, stream.verdict))
+                return None
+            doc = stream.answer()
+            answer = None
+            if doc is None:
+                failure = "bad_answer"
         if answer is not None:
             try:
                 doc = orjson.loads(answer)

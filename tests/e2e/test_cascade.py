@@ -23,7 +23,14 @@ from tests.e2e.test_disagg import samples
 
 pytestmark = pytest.mark.e2e
 THRESHOLD = -0.5
-POLICY = {"models": {"auto": {"cascade": {"steps": ["small", "large"], "threshold": THRESHOLD}}}}
+POLICY = {
+    "models": {
+        "auto": {"cascade": {"steps": ["small", "large"], "threshold": THRESHOLD}},
+        "early": {
+            "cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat": "first_k", "k": 4}
+        },
+    }
+}
 STEP = "x-kvgate-cascade-step"
 #: ~400 prompt tokens: the repeat of it hits the prefix cache of the small replica that served it.
 LONG = "A cascade answers from the small model when it is sure. " * 35
@@ -198,3 +205,30 @@ def test_a_refused_cascade_keeps_the_good_one(cascade: Stack) -> None:
     assert policy.read_text() == text
     done = client(cascade).chat.completions.create(**ask("[easy] Still there?"))
     assert done.model == "small"
+
+
+def test_first_k_cuts_an_uncertain_small_step_short(cascade: Stack) -> None:
+    """``first_k``: the small step is streamed to the gateway and closed after 4 unsure tokens (the engine
+    aborts it), then the request streams from the large engine."""
+    small = next(e["address"] for e in cascade.engines if cascade.served[e["id"]] == ["small"])
+    before = generated(cascade)
+    body = {**ask("[hard] A long uncertain essay.", stream=True), "model": "early", "max_tokens": 400}
+    with httpx.stream("POST", f"{cascade.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers[STEP] == "2"
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert {json.loads(e[6:])["model"] for e in events[:-1]} == {"large"}
+    after = generated(cascade)
+    smalls = [e["address"] for e in cascade.engines if cascade.served[e["id"]] == ["small"]]
+    cut = sum(after[a] - before[a] for a in smalls)
+    assert 4 <= cut < 200, cut  # the small step stopped long before its 400 tokens
+    assert small in after
+
+
+def test_first_k_passes_a_confident_answer_whole(cascade: Stack) -> None:
+    raw = client(cascade).chat.completions.with_raw_response.create(
+        **{**ask("[easy] Count to ten."), "model": "early"}
+    )
+    done = raw.parse()
+    assert raw.headers[STEP] == "1" and done.model == "small"
+    assert done.usage is not None and done.usage.completion_tokens == 8 and done.choices[0].message.content
+    assert done.choices[0].logprobs is None

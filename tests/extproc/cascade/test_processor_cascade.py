@@ -203,3 +203,36 @@ def test_a_served_model_is_not_cascaded_and_an_unknown_step_is_a_404() -> None:
     proc, _ = make(CascadeSpec(("nowhere", "large"), -0.5))
     status, _, text, _ = immediate(start(proc, request()))
     assert status == 404 and b"nowhere" in text
+
+
+def sse_line(logprob: float, content: str = "x") -> bytes:
+    choice = {
+        "index": 0,
+        "delta": {"content": content},
+        "logprobs": {"content": [{"token": content, "logprob": logprob}]},
+    }
+    return b"data: " + orjson.dumps({"id": "c", "created": 1, "model": "small", "choices": [choice]}) + b"\n"
+
+
+def test_a_first_k_step_is_streamed_and_cut_short_when_its_first_tokens_fail() -> None:
+    proc, router = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    start(proc, request())
+    sub = proc.cascade_step
+    assert sub is not None and sub.stream and orjson.loads(sub.body)["stream"] is True
+    assert proc.step_line(sse_line(-0.1)) and not proc.step_line(sse_line(-3.0))  # stop reading
+    decided = reply(proc.stepped(None))
+    assert decided.destination == [LARGE] and decided.decision[DECISION_CASCADE_STEP] == "2"
+    assert proc.run is not None and proc.run.verdicts[-1][1].reason == "gate"
+    assert load(router) == {LARGE: (1, 1)}
+
+
+def test_a_first_k_step_that_passes_is_read_to_its_end() -> None:
+    proc, _ = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    start(proc, request())
+    for lp in (-0.1, -0.2, -3.0, -3.0):  # only the first 2 tokens count
+        assert proc.step_line(sse_line(lp))
+    assert proc.step_line(b"data: [DONE]\n")
+    _, hs, text, _ = immediate(proc.stepped(None))
+    doc = orjson.loads(text)
+    assert hs[CASCADE_STEP_HEADER] == "1" and doc["choices"][0]["message"]["content"] == "xxxx"
+    assert doc["choices"][0]["logprobs"] is None
