@@ -48,6 +48,7 @@ message and a logged traceback, never a pass-through.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -441,9 +442,11 @@ class StreamProcessor:
         else:
             started -= prepared.seconds  # the decision's time includes the preparation done beforehand
         if self._gate is not None and self.principal is not None:
-            self.ticket = self._gate.admit(
-                self.principal, prepared.request, prepared.tokens.count, self._clock()
-            )
+            # A cascade is admitted by its virtual model's name (the one the tenant asked for).
+            asked = prepared.request
+            if prepared.run is not None:
+                asked = dataclasses.replace(asked, model=prepared.run.virtual)
+            self.ticket = self._gate.admit(self.principal, asked, prepared.tokens.count, self._clock())
         flow = self._flow
         if flow is not None:
             try:

@@ -24,7 +24,7 @@ from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
-from tests.extproc.test_processor import body, headers, reply
+from tests.extproc.test_processor import ACME_KEY, body, headers, make_gate, reply
 
 SMALL, MID, LARGE = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -236,3 +236,21 @@ def test_a_first_k_step_that_passes_is_read_to_its_end() -> None:
     doc = orjson.loads(text)
     assert hs[CASCADE_STEP_HEADER] == "1" and doc["choices"][0]["message"]["content"] == "xxxx"
     assert doc["choices"][0]["logprobs"] is None
+
+
+def test_a_tenant_is_admitted_by_the_virtual_models_name() -> None:
+    """Tenant ``acme`` may use ``smol*``: the cascade ``smol-auto`` (over ``small`` and ``large``, which it
+    may not name itself)."""
+    _, router = make(SPEC)
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"smol-auto": SPEC})))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=None)
+    proc = StreamProcessor(router, config, lambda: 1000.0, make_gate(), cascade=cascader)
+    assert proc.handle(headers(extra=ACME_KEY)) == []
+    assert proc.handle(body(orjson.dumps({**orjson.loads(request()), "model": "smol-auto"}))) == []
+    assert proc.cascade_step is not None and proc.ticket is not None
+    proc = StreamProcessor(router, config, lambda: 1000.0, make_gate(), cascade=cascader)
+    assert proc.handle(headers(extra=ACME_KEY)) == []
+    status, _, text, _ = immediate(
+        proc.handle(body(orjson.dumps({**orjson.loads(request()), "model": "small"})))
+    )
+    assert status == 403 and b"model_not_allowed" in text
