@@ -93,6 +93,7 @@ class CascadeConfig:
     prefill_tokens_per_s: float = 20_000.0
     threshold: float = -0.5
     stat: str = "mean"
+    k: int | None = None
     rate_req_s: float = 3.0
     duration_s: float = 40.0
     hard_share: float = 0.3
@@ -112,7 +113,9 @@ class CascadeConfig:
         )  # fmt: skip
 
     def policy(self) -> dict[str, Any]:
-        spec = {"steps": ["small", "large"], "threshold": self.threshold, "stat": self.stat}
+        spec: dict[str, Any] = {"steps": ["small", "large"], "threshold": self.threshold, "stat": self.stat}
+        if self.k is not None:
+            spec["k"] = self.k
         return {"models": {"auto": {"cascade": spec}}}
 
 
@@ -354,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, help="arrivals per second")
     p.add_argument("--hard-share", type=float, help="share of hard prompts (0..1)")
     p.add_argument("--threshold", type=float, help="the gate's threshold (nats, <= 0)")
+    p.add_argument("--stat", choices=("mean", "min", "first_k"), help="the gate's statistic (default mean)")
+    p.add_argument("--k", type=int, help="tokens the first_k gate reads")
     p.add_argument("--seed", type=int, help="workload seed (default 1)")
     p.add_argument(
         "--all-large-replicas", type=int, help="large replicas of the all-large target (default 2)"
@@ -368,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("rate_req_s", args.rate),
         ("hard_share", args.hard_share),
         ("threshold", args.threshold),
+        ("stat", args.stat),
+        ("k", args.k),
         ("seed", args.seed),
         ("all_large_replicas", args.all_large_replicas),
         ("small_replicas", args.small_replicas),
