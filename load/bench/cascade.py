@@ -210,19 +210,26 @@ async def run_load(url: str, model: str, requests: Sequence[Request], config: Ca
 def work_seconds(config: CascadeConfig, records: Sequence[Record], target: str) -> float:
     """The batch-independent engine-seconds of ``records`` (module docstring): prompt tokens at the
     model's prefill rate plus output tokens at its per-sequence decode cost, time scale applied; in the
-    cascade an escalated (hard) request pays the small model's and then the large model's (no prefix
-    cache is counted: an upper bound on the prompt part)."""
+    cascade an escalated (hard) request pays the small model's (with a ``first_k`` gate only its first
+    ``k`` output tokens) and then the large model's (no prefix cache is counted: an upper bound on the
+    prompt part)."""
     scale = config.time_scale
 
-    def cost(model: str, r: Record) -> float:
+    def cost(model: str, r: Record, tokens: int) -> float:
         div = config.cost_ratio if model == "small" else 1.0
         prefill = r.prompt_tokens / (config.prefill_tokens_per_s * div)
-        decode = r.completion_tokens * config.decode_ms_per_seq / div / 1e3
+        decode = tokens * config.decode_ms_per_seq / div / 1e3
         return scale * (prefill + decode)
 
     if target == "all-large":
-        return sum(cost("large", r) for r in records)
-    return sum(cost("small", r) + (cost("large", r) if r.step == "2" else 0.0) for r in records)
+        return sum(cost("large", r, r.completion_tokens) for r in records)
+    total = 0.0
+    for r in records:
+        small = r.completion_tokens
+        if r.step == "2" and config.stat == "first_k" and config.k is not None:
+            small = min(small, config.k)  # cut after k tokens (a few more run before the engine notices)
+        total += cost("small", r, small) + (cost("large", r, r.completion_tokens) if r.step == "2" else 0.0)
+    return total
 
 
 def _busy(stack: Stack) -> dict[str, float]:
