@@ -22,6 +22,7 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   timeout extended past its bound); :meth:`StreamProcessor.stepped` then answers the client itself with
   that step's answer (an ImmediateResponse, ``x-kvgate-cascade-step``) when the gate passes, else routes
   the client's body to the next step (the last one goes through Envoy as any request);
+  ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
@@ -98,7 +99,7 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
-from extproc.cascade.answer import SSE
+from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Run
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
@@ -800,7 +801,11 @@ class StreamProcessor:
         if self._headers.get(":method", "GET") not in ("GET", "HEAD"):
             raise NotFound("Use GET for /v1/models.")
         allowed = self.principal.tenant.allows if self.principal is not None else None
-        return [_immediate(200, self._router.models_body(allowed), "kvgate_models")]
+        body = self._router.models_body(allowed)
+        if self._cascade is not None and self._cascade.policy.cascades:  # virtual models too
+            virtual = self._cascade.listed(self._router.fleet.models())
+            body = listed_with(body, [m for m in virtual if allowed is None or allowed(m)])
+        return [_immediate(200, body, "kvgate_models")]
 
     def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = _served_from_metadata(msg)

@@ -110,3 +110,15 @@ def sse(answer: Mapping[str, Any], *, chat: bool, include_usage: bool) -> bytes:
         events.append({**head, "choices": [], "usage": answer["usage"]})
     out = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
     return out + b"data: [DONE]\n\n"
+
+
+def listed_with(models_body: bytes, virtual: list[str]) -> bytes:
+    """An OpenAI ``/v1/models`` list body with the ``virtual`` model names added (owned by ``kvgate``)."""
+    if not virtual:
+        return models_body
+    doc = orjson.loads(models_body)
+    doc["data"] = [
+        *doc.get("data", []),
+        *({"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in virtual),
+    ]
+    return orjson.dumps(doc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,12 @@ class Cascader:
 
     def lookup(self, model: str) -> CascadeSpec | None:
         return self.policy.cascades.get(model)
+
+    def listed(self, served: Iterable[str]) -> list[str]:
+        """The virtual models to list beside the ``served`` ones (``/v1/models``): those whose every step
+        is served, sorted."""
+        have = set(served)
+        return sorted(n for n, spec in self.policy.cascades.items() if have.issuperset(spec.steps))
 
     def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
         """A run for a request naming ``model`` (``None``: not a virtual model)."""

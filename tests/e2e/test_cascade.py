@@ -186,6 +186,10 @@ def test_completions_api(cascade: Stack) -> None:
     assert raw.headers[STEP] == "2" and raw.parse().model == "large"
 
 
+def test_the_virtual_models_are_listed(cascade: Stack) -> None:
+    assert [m.id for m in client(cascade).models.list()] == ["large", "small", "auto", "early"]
+
+
 def test_a_served_model_is_not_cascaded(cascade: Stack) -> None:
     raw = client(cascade).chat.completions.with_raw_response.create(
         model="large", messages=[{"role": "user", "content": "[easy] hi"}], max_tokens=2

@@ -254,3 +254,13 @@ def test_a_tenant_is_admitted_by_the_virtual_models_name() -> None:
         proc.handle(body(orjson.dumps({**orjson.loads(request()), "model": "small"})))
     )
     assert status == 403 and b"model_not_allowed" in text
+
+
+def test_models_lists_virtual_models_whose_steps_are_served() -> None:
+    _, router = make(SPEC)
+    specs = {"auto": SPEC, "broken": CascadeSpec(("small", "nowhere"), -0.5)}
+    cascader = Cascader(CascadePolicy(types.MappingProxyType(specs)))
+    proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, cascade=cascader)
+    status, _, text, _ = immediate(proc.handle(headers("/v1/models", "GET", end=True)))
+    ids = [m["id"] for m in orjson.loads(text)["data"]]
+    assert status == 200 and ids == ["large", "mid", "small", "auto"]
