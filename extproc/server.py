@@ -235,6 +235,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             responses = proc.stepped(None, exc.reason)
         else:
             responses = proc.stepped(body)
+        if self._dispatcher is not None:
+            self._dispatcher.kick()  # the step's endpoint has a slot free again
         model, verdict = run.verdicts[-1]
         m = self._metrics
         if verdict.stat is not None:
