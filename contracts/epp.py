@@ -72,6 +72,16 @@ USAGE_CACHED = "cached_tokens"
 """Dynamic metadata namespace and key Envoy's ``json_to_metadata`` filter fills from a JSON response's
 ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens the engine reused); the completion log
 carries it to the ext_procs (:func:`kvgate.envoy.usage.usage_filter`)."""
+DECISION_CASCADE_STEP = "cascade_step"
+"""A cascade's escalated request (:mod:`extproc.cascade`): the 1-based step it was routed as; the bundled
+Envoy route copies it into the response header :data:`CASCADE_STEP_HEADER`."""
+CASCADE_STEP_HEADER = "x-kvgate-cascade-step"
+"""Response header: which step of a cascade (1-based) answered a request for a virtual model; set by the
+ext_proc on an answer it returns itself, by Envoy (from ``kvgate.decision``) on an escalated one."""
+ANSWERED_KEY = "answered"
+"""Key in the ``kvgate`` dynamic metadata namespace of an immediate response that is an answer, not an
+error (a cascade step's): its content type's short name (``json`` or ``sse``), so the bundled Envoy
+config passes its body through with that type."""
 ENDPOINT_HEADER = "x-kvgate-endpoint"
 """Response header: ``ip:port`` of the engine that served the request, set by Envoy from
 ``%UPSTREAM_HOST%`` (overwriting any copy; off with ``EnvoyParams.endpoint_header``)."""

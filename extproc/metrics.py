@@ -17,6 +17,8 @@ from extproc.overload.gate import DecisionGate, LagMeter
 
 DECISION_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Log-probabilities (nats) of the cascade gate's statistic.
+GATE_BUCKETS = (-5.0, -3.0, -2.0, -1.5, -1.0, -0.75, -0.5, -0.4, -0.3, -0.2, -0.1, -0.05, -0.02, 0.0)
 STALENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: The feed clients' counters (``runtime.feed.client.FeedStats``) exported as ``kvgate_feed_<name>_total``.
 FEED_COUNTERS = ("batches", "events", "gaps", "resets", "duplicates", "reconnects", "version_skew")
@@ -78,6 +80,34 @@ class GatewayMetrics:
             "fallback).",
             ["reason"],
             registry=self.registry,
+        )
+        self.cascade_answers = Counter(
+            "kvgate_cascade_answers",
+            "Requests for a cascade's virtual model, by the step (1-based) and model that answered (the last"
+            " step counted when its request is routed).",
+            ["model", "step", "step_model"],
+            registry=registry,
+        )
+        self.cascade_gate = Histogram(
+            "kvgate_cascade_gate_stat",
+            "The logprob gate's statistic (nats) of each gated cascade step's answer.",
+            ["model"],
+            buckets=GATE_BUCKETS,
+            registry=registry,
+        )
+        self.cascade_escalations = Counter(
+            "kvgate_cascade_escalations",
+            "Cascade steps that passed the request on, by reason (gate: below the threshold; no_logprobs;"
+            " timeout, unreachable, status, bad_answer: no usable answer).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.cascade_escalation_seconds = Histogram(
+            "kvgate_cascade_escalation_seconds",
+            "Seconds from a cascade request's arrival to its escalation (what the gated steps added).",
+            ["model"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
         )
         self.fallbacks = Counter(
             "kvgate_served_by_fallback",

@@ -17,6 +17,12 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   while the shell sends the prefill half itself (:attr:`StreamProcessor.handoff`; Envoy's message timeout
   extended past its bound); :meth:`StreamProcessor.handed_off` then sends the request to its decode
   endpoint with the prefill engine's ``kv_transfer_params``, or whole (aggregated) when the prefill failed;
+* a request for a cascade's virtual model (:mod:`extproc.cascade`): each gated step is routed KV-aware
+  among its model's endpoints and sent by the shell (:attr:`StreamProcessor.cascade_step`, Envoy's message
+  timeout extended past its bound); :meth:`StreamProcessor.stepped` then answers the client itself with
+  that step's answer (an ImmediateResponse, ``x-kvgate-cascade-step``) when the gate passes, else routes
+  the client's body to the next step (the last one goes through Envoy as any request);
+  ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
 
@@ -44,6 +50,7 @@ message and a logged traceback, never a pass-through.
 from __future__ import annotations
 
 import functools
+import dataclasses
 import hashlib
 import logging
 import math
@@ -62,9 +69,12 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.struct_pb2 import Struct
 
 from contracts.epp import (
+    ANSWERED_KEY,
+    CASCADE_STEP_HEADER,
     CONFORMANCE_HEADER,
     CONFORMANCE_SERVED,
     DECISION_BLOCKS,
+    DECISION_CASCADE_STEP,
     DECISION_ENDPOINT,
     DECISION_MATCHED,
     DECISION_MATCHED_TOKENS,
@@ -92,6 +102,8 @@ from contracts.epp import (
 )
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
+from extproc.cascade.answer import SSE, listed_with
+from extproc.cascade.plan import Answered, Cascader, Run
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
@@ -126,6 +138,7 @@ from extproc.flow.policy import FlowPolicy
 from extproc.flow.queue import Entry
 from extproc.routing.request import (
     MODELS_PATH,
+    Kind,
     ParsedRequest,
     parse_body,
     rewrite_model,
@@ -181,6 +194,8 @@ class _Prepared:
     body: bytes
     tokens: Tokens
     seconds: float
+    #: The request's way through a cascade (``None``: the model is not virtual).
+    run: Run | None = None
 
 
 class StreamProcessor:
@@ -200,9 +215,19 @@ class StreamProcessor:
         gate: Gate | None = None,
         flow: FlowControl[StreamProcessor] | None = None,
         disagg: Disaggregator | None = None,
+        cascade: Cascader | None = None,
     ) -> None:
         self._router = router
         self._disagg = disagg
+        self._cascade = cascade
+        #: A request for a cascade's virtual model: its way through the steps (``None``: not virtual).
+        self.run: Run | None = None
+        #: A gated cascade step the shell must send (then :meth:`stepped`).
+        self.cascade_step: SubRequest | None = None
+        #: The gated step's answer returned to the client, once the gate passed.
+        self.answered: Answered | None = None
+        #: A gated step in flight: (prepared, started).
+        self._stepping: tuple[_Prepared, float] | None = None
         #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
         self.pd: Verdict | None = None
         #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
@@ -314,6 +339,9 @@ class StreamProcessor:
         if self.decision is not None:
             self._router.commit(self.decision, self._clock())
             self._router.finish(self.decision)
+            if self._stepping is not None:  # the client left during a cascade step (no completion log)
+                self._router.completed(self.decision.request_id, self._clock())
+                self._stepping = self.cascade_step = None
         self._settle()
         self._phase = Phase.DONE
 
@@ -398,8 +426,13 @@ class StreamProcessor:
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)
+        run = None
+        if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
+            run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
+            if run is not None:
+                request, body = rewrite_model(request, run.model)
         tokens = self._router.tokens(request, exact_count=self._gate is not None)
-        return _Prepared(request, body, tokens, self._clock() - started)
+        return _Prepared(request, body, tokens, self._clock() - started, run)
 
     def _route(self) -> list[pb.ProcessingResponse]:
         """Route the buffered body: prepared already (:meth:`prepare`), or prepared now; the body is joined
@@ -418,9 +451,11 @@ class StreamProcessor:
         else:
             started -= prepared.seconds  # the decision's time includes the preparation done beforehand
         if self._gate is not None and self.principal is not None:
-            self.ticket = self._gate.admit(
-                self.principal, prepared.request, prepared.tokens.count, self._clock()
-            )
+            # A cascade is admitted by its virtual model's name (the one the tenant asked for).
+            asked = prepared.request
+            if prepared.run is not None:
+                asked = dataclasses.replace(asked, model=prepared.run.virtual)
+            self.ticket = self._gate.admit(self.principal, asked, prepared.tokens.count, self._clock())
         flow = self._flow
         if flow is not None:
             try:
@@ -580,10 +615,15 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
+        self.run = prepared.run
+        if self.run is not None and self.run.gated:
+            return self._step(prepared, started)
         if self._flow is not None and self._priority is not None:
             to_engine = self._flow.policy.engine_priority
             if to_engine is not None:  # the band goes on to engines that schedule by priority
-                body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
+                doc = orjson.loads(body)  # the body as sent (a model rewrite or an escalation included)
+                doc["priority"] = to_engine.value(self._priority)
+                body = orjson.dumps(doc)
         if self._disagg is not None:
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
@@ -629,6 +669,8 @@ class StreamProcessor:
         noted[DECISION_BLOCKS].number_value = decision.prompt_blocks
         noted[DECISION_US].number_value = round((decided - started) * 1e6)
         noted[DECISION_MATCHED_TOKENS].number_value = decision.matched_blocks * self._router.policy.block_size
+        if self.run is not None:  # an escalated cascade request: Envoy names its step to the client
+            noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
         if self._buffered:
             common = pb.CommonResponse(
@@ -652,6 +694,59 @@ class StreamProcessor:
         for off in range(0, len(body), MAX_CHUNK):
             out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
         return out
+
+    def _step(self, prepared: _Prepared, started: float) -> list[pb.ProcessingResponse]:
+        """A gated cascade step (:mod:`extproc.cascade`): its body, for the shell to send to the pick
+        (:attr:`cascade_step`); the replies wait for it (:meth:`stepped`), Envoy's message timeout
+        extended past its bound meanwhile."""
+        run, decision = prepared.run, self.decision
+        assert run is not None and decision is not None
+        headers = {"x-request-id": self.request_id} if "x-request-id" in self._headers else {}
+        path = self._headers.get(":path", "/")
+        address = decision.endpoints[0].address
+        body = run.body()
+        self.cascade_step = SubRequest(address, path, body, run.spec.timeout_s, headers, stream=run.streamed)
+        self._stepping = (prepared, started)
+        cap = self._config.hold_timeout_s
+        if cap is None:
+            return []
+        seconds = min(cap, run.spec.timeout_s + HOLD_SLACK_S)
+        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+
+    def step_line(self, line: bytes) -> bool:
+        """One line of a streamed cascade step's answer (:attr:`SubRequest.stream`); false: stop reading,
+        the gate failed on its first tokens (then :meth:`stepped` as for any end)."""
+        assert self.run is not None, "step_line() only during a cascade step"
+        return self.run.feed(line)
+
+    def stepped(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
+        """The gated cascade step ended: ``answer`` its engine's 2xx body (a streamed step: ``None``, its
+        lines went to :meth:`step_line`), else ``failure`` (``timeout``, ``unreachable``, ``status``).
+        The step's endpoint is released; the gate passes the answer to the client (an
+        ImmediateResponse), or the client's body goes to the next step."""
+        pending, self._stepping, self.cascade_step = self._stepping, None, None
+        assert pending is not None and self.run is not None, "stepped() only after a cascade step"
+        prepared, started = pending
+        run, decision, now = self.run, self.decision, self._clock()
+        if decision is not None:  # the sub-request never went through Envoy: no completion log for it
+            self._router.commit(decision, now)
+            self._router.finish(decision)
+            self._router.completed(decision.request_id, now)
+            self.decision = None
+        try:
+            answered = run.judge(answer, failure)
+            if answered is not None:
+                self.answered = answered
+                self._phase = Phase.DONE
+                return [_answer_reply(answered)]
+            request, body = rewrite_model(prepared.request, run.escalate())
+            tokens = self._router.tokens(request, exact_count=self._gate is not None)
+            return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
 
     def _pair(
         self, pair: Handoff, prepared: _Prepared, started: float, decided: float
@@ -727,7 +822,11 @@ class StreamProcessor:
         if self._headers.get(":method", "GET") not in ("GET", "HEAD"):
             raise NotFound("Use GET for /v1/models.")
         allowed = self.principal.tenant.allows if self.principal is not None else None
-        return [_immediate(200, self._router.models_body(allowed), "kvgate_models")]
+        body = self._router.models_body(allowed)
+        if self._cascade is not None and self._cascade.policy.cascades:  # virtual models too
+            virtual = self._cascade.listed(self._router.fleet.models())
+            body = listed_with(body, [m for m in virtual if allowed is None or allowed(m)])
+        return [_immediate(200, body, "kvgate_models")]
 
     def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = _served_from_metadata(msg)
@@ -851,6 +950,26 @@ def overloaded() -> pb.ProcessingResponse:
     error = Unavailable("The gateway is overloaded; retry shortly.", code="gateway_overloaded")
     retry = [_header("retry-after", str(OVERLOAD_RETRY_AFTER_S))]
     return _immediate(error.status, error.body(), "kvgate_overloaded", retry)
+
+
+def _answer_reply(answered: Answered) -> pb.ProcessingResponse:
+    """A cascade step's answer returned by the gateway itself: 200 with its body (JSON or an SSE stream),
+    ``x-kvgate-cascade-step``, and the ``kvgate.answered`` marker so Envoy keeps the body and its type."""
+    kind = "sse" if answered.content_type == SSE else "json"
+    headers = pb.HeaderMutation(
+        set_headers=[
+            _header("content-type", answered.content_type),
+            _header(CASCADE_STEP_HEADER, str(answered.step)),
+        ]
+    )
+    marker = Struct()
+    marker.update({REJECTED_NS: {ANSWERED_KEY: kind}})
+    return pb.ProcessingResponse(
+        dynamic_metadata=marker,
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=200), headers=headers, body=answered.body, details="kvgate_cascade"
+        ),
+    )
 
 
 def serving(router: Router, model: str) -> list[EndpointState]:

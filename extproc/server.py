@@ -37,9 +37,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from contracts.errors import ConfigError
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
+from extproc.cascade.plan import Cascader
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
-from extproc.control.policy import Policy, gateway_policy, pd_policy, routing_policy
+from extproc.control.policy import Policy, cascade_policy, gateway_policy, pd_policy, routing_policy
 from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
@@ -100,11 +101,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         upstream: UpstreamClient | None = None,
         overload: DecisionGate | None = None,
         on_decision: Callable[[Decision], None] | None = None,
+        cascade: Cascader | None = None,
     ) -> None:
         self._router = router
         self._overload = overload
         self._on_decision = on_decision
         self._disagg = disagg
+        self._cascade = cascade
         self._upstream = upstream
         #: Prefill halves running beside their routed requests (SGLang), kept until they end.
         self._beside: set[asyncio.Task[None]] = set()
@@ -119,7 +122,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> AsyncIterator[pb.ProcessingResponse]:
         dispatcher = self._dispatcher
         flow = dispatcher.control if dispatcher is not None else None
-        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
+        proc = StreamProcessor(
+            self._router, self._config, time.monotonic, self._gate, flow, self._disagg, self._cascade
+        )
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         gate = self._overload
         counted = gate is not None  # this stream counts as a decision in flight (extproc/overload)
@@ -171,6 +176,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         self._metrics.flow_sheds.labels(proc.refused).inc()
                         proc.refused = None
                     started = time.perf_counter()  # the decision's time, not the wait
+                while proc.cascade_step is not None:  # a cascade's gated step first (extproc/cascade)
+                    for resp in responses:
+                        yield resp
+                    waited = time.perf_counter()
+                    responses = await self._step(proc)
+                    started += time.perf_counter() - waited
                 if proc.handoff is not None and not proc.handoff.wait:  # SGLang: beside the request
                     self._send_beside(proc)
                 if proc.handoff is not None:  # disaggregated: the prefill half first (extproc/disagg)
@@ -237,6 +248,43 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._beside.add(task)
         task.add_done_callback(self._beside.discard)
 
+    async def _step(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
+        """Send a cascade's gated step (:attr:`StreamProcessor.cascade_step`), hand its answer back to the
+        processor, and count the outcome."""
+        sub, run = proc.cascade_step, proc.run
+        assert sub is not None and run is not None and self._upstream is not None
+        try:
+            if sub.stream:  # a first_k gate: read as it comes, cut short when the first tokens fail it
+                await self._upstream.post_stream(
+                    sub.address,
+                    sub.path,
+                    sub.body,
+                    proc.step_line,
+                    timeout_s=sub.timeout_s,
+                    headers=sub.headers,
+                )
+                body = None
+            else:
+                body = (await self._upstream.send(sub)).body
+        except UpstreamError as exc:
+            responses = proc.stepped(None, exc.reason)
+        else:
+            responses = proc.stepped(body)
+        if self._dispatcher is not None:
+            self._dispatcher.kick()  # the step's endpoint has a slot free again
+        model, verdict = run.verdicts[-1]
+        m = self._metrics
+        if verdict.stat is not None:
+            m.cascade_gate.labels(run.virtual).observe(verdict.stat)
+        if proc.answered is not None:
+            m.cascade_answers.labels(run.virtual, str(proc.answered.step), model).inc()
+        else:
+            m.cascade_escalations.labels(run.virtual, verdict.reason).inc()
+            m.cascade_escalation_seconds.labels(run.virtual).observe(time.monotonic() - run.arrived)
+            if not run.gated and proc.decision is not None:  # routed to the last step
+                m.cascade_answers.labels(run.virtual, str(run.number), run.model).inc()
+        return responses
+
     async def _prefill(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
         """Send a disaggregated request's prefill half (:attr:`StreamProcessor.handoff`) and hand the
         outcome back to the processor."""
@@ -301,6 +349,9 @@ class Gateway:
             self.router, pd_policy(store.policy, max_fallbacks=max_fallbacks), random.Random()
         )
         self.upstream = UpstreamClient(tls=_scrape_tls(config))
+        #: Virtual models answered by a cascade of served models (:mod:`extproc.cascade`); their gated
+        #: steps go through the same upstream client.
+        self.cascade = Cascader(cascade_policy(store.policy))
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.cluster.pd_listener = self._apply_pd
@@ -419,6 +470,7 @@ class Gateway:
                 self.upstream,
                 self.decisions,
                 self._on_decision,
+                self.cascade,
             ),
             server,
         )
@@ -525,6 +577,7 @@ class Gateway:
 
     def _apply_pd(self, policy: Policy) -> None:
         self.disagg.apply(pd_policy(policy, max_fallbacks=self.config.extproc.max_fallbacks))
+        self.cascade.apply(cascade_policy(policy))
 
     def _apply_flow(self, policy: FlowPolicy) -> None:
         self.flow.apply(policy)

@@ -13,7 +13,9 @@ laid over the gateway's embedded defaults (its own config's scheduling and index
                                           endpoints must carry all labels; profile picks the scheduling
                                           profile (absent or null: the first one); "disaggregation":
                                           {"mode", "min_uncached_tokens", "prefill_profile",
-                                          "prefill_timeout_s"} how it is served (:mod:`extproc.disagg`)
+                                          "prefill_timeout_s"} how it is served (:mod:`extproc.disagg`);
+                                          or a virtual model {"cascade": {"steps", "gate", "threshold",
+                                          "stat", "k", "timeout_s"}} (:mod:`extproc.cascade`; alone)
     flow/..., objectives/<name>           flow control: saturation limits, band bounds, the waiting
                                           room, fairness, named objectives (:mod:`extproc.flow.policy`;
                                           its defaults: the gateway config's [flow], [objectives.<name>])
@@ -57,6 +59,8 @@ from contracts.config import read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import decode_value, encode_value
 from engines.endpoint import Endpoint
+from extproc.cascade.plan import CascadePolicy
+from extproc.cascade.spec import CascadeSpec, parse_cascade
 from extproc.disagg.plan import PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec, parse_pd
 from extproc.flow.policy import KNOWN_PATHS as FLOW_PATHS
@@ -96,16 +100,19 @@ _INDEX_KEYS = ("block_size", "speculative_ttl_s")
 class ModelRoute:
     """Where a model's requests may go: endpoints carrying every label in ``labels``, scheduled with
     profile ``profile`` (``None``: the first profile); ``disaggregation``: how it is served (``None``:
-    aggregated)."""
+    aggregated); ``cascade``: the model is virtual, answered by the steps of this cascade."""
 
     labels: tuple[tuple[str, str], ...] = ()
     profile: str | None = None
     disaggregation: PdSpec | None = None
+    cascade: CascadeSpec | None = None
 
     def matches(self, endpoint: Endpoint) -> bool:
         return set(self.labels) <= set(endpoint.labels)
 
     def to_json(self) -> dict[str, object]:
+        if self.cascade is not None:
+            return {"cascade": self.cascade.to_json()}
         doc: dict[str, object] = {"labels": dict(self.labels), "profile": self.profile}
         if self.disaggregation is not None:
             doc["disaggregation"] = self.disaggregation.to_json()
@@ -197,14 +204,19 @@ def classify(path: str, config: SchedulingConfig) -> tuple[str, tuple[str, ...]]
     raise ConfigError(f"unknown policy path {path!r}; known: {KNOWN_PATHS}")
 
 
-def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
+def _route(value: object, where: str, config: SchedulingConfig, name: str) -> ModelRoute:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: expected an object {{labels, profile}}, got {type(value).__name__}")
-    unknown = sorted(set(value) - {"labels", "profile", "disaggregation"})
+    unknown = sorted(set(value) - {"labels", "profile", "disaggregation", "cascade"})
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: labels, profile, disaggregation"
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: labels, profile, disaggregation, cascade"
         )
+    if "cascade" in value:  # a virtual model: no endpoints of its own, so nothing else applies
+        others = sorted(set(value) - {"cascade"})
+        if others:
+            raise ConfigError(f"{where}: a cascade is a virtual model; {', '.join(others)} cannot go with it")
+        return ModelRoute(cascade=parse_cascade(value["cascade"], f"{where}.cascade", name))
     labels = value.get("labels", {})
     if not isinstance(labels, Mapping) or not all(
         isinstance(k, str) and k and isinstance(v, str) for k, v in labels.items()
@@ -226,6 +238,17 @@ def _route(value: object, where: str, config: SchedulingConfig) -> ModelRoute:
         except ConfigError as exc:
             raise ConfigError(f"{where}.disaggregation.prefill_profile: {exc}") from None
     return ModelRoute(tuple(sorted(labels.items())), profile, spec)
+
+
+def _check_cascades(routes: Mapping[str, ModelRoute]) -> None:
+    """A cascade's steps are served models, never another cascade (no nesting, no loops)."""
+    for name, route in sorted(routes.items()):
+        if route.cascade is None:
+            continue
+        for step in route.cascade.steps:
+            other = routes.get(step)
+            if other is not None and other.cascade is not None:
+                raise ConfigError(f"policy models/{name}: step {step!r} is itself a cascade (no nesting)")
 
 
 def _params_dict(params: object | None) -> dict[str, object]:
@@ -257,7 +280,8 @@ def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
             integer = names[0] == "block_size"
             index[names[0]] = number(value, where, 1 if integer else 0.001, integer=integer)
         else:
-            routes[names[0]] = _route(value, where, config)
+            routes[names[0]] = _route(value, where, config, names[0])
+    _check_cascades(routes)
     plugins = []
     for spec in config.plugins:
         if spec.name in params:
@@ -546,6 +570,12 @@ def routing_policy(policy: Policy, *, max_fallbacks: int | None) -> RoutingPolic
     }
     profile = build_profile(scheduling, max_fallbacks=max_fallbacks)
     return RoutingPolicy(profile, types.MappingProxyType(routes), policy.block_size)
+
+
+def cascade_policy(policy: Policy) -> CascadePolicy:
+    """The cascades under ``policy``: each virtual model's :class:`~extproc.cascade.spec.CascadeSpec`."""
+    cascades = {m: r.cascade for m, r in policy.routes.items() if r.cascade is not None}
+    return CascadePolicy(types.MappingProxyType(cascades))
 
 
 def pd_policy(policy: Policy, *, max_fallbacks: int | None) -> PdPolicy:

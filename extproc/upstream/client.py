@@ -1,5 +1,5 @@
-"""One HTTP client for the gateway's own requests to engines (prefill sub-requests today; cascade steps,
-burst and migration are meant to use it too).
+"""One HTTP client for the gateway's own requests to engines (prefill sub-requests and cascade steps
+today; burst and migration are meant to use it too).
 
 :class:`UpstreamClient` posts a JSON body to ``scheme://address/path`` and returns the whole answer, or
 raises an :class:`~extproc.upstream.errors.UpstreamError`. One aiohttp session (connection pool) per
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -84,6 +84,55 @@ class UpstreamClient:
         if not 200 <= status < 300:
             raise UpstreamStatus(status)
         return Answer(status, data)
+
+    async def post_stream(
+        self,
+        address: str,
+        path: str,
+        body: bytes,
+        on_line: Callable[[bytes], bool],
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> int:
+        """POST ``body`` and hand each line of a 2xx answer (an SSE stream) to ``on_line`` as it arrives,
+        until the answer ends or ``on_line`` returns false: the connection is then closed, which an
+        engine takes as the client going away (vLLM and the simulator abort the request). Returns the
+        status; errors as :meth:`post_json` (past ``timeout_s`` in all, or :data:`MAX_ANSWER_BYTES`
+        read: :class:`UpstreamTimeout` / :class:`UpstreamError`)."""
+        url = f"{self.scheme}://{address}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._connect_timeout_s))
+        sent = {"content-type": "application/json", **(headers or {})}
+        started = time.monotonic()
+        read = 0
+        cut = False
+        try:
+            async with self._client().post(url, data=body, headers=sent, timeout=timeout) as response:
+                status = response.status
+                if 200 <= status < 300:
+                    async for line in response.content:
+                        read += len(line)
+                        if read > MAX_ANSWER_BYTES:
+                            raise UpstreamError(f"{address}{path}: answer over {MAX_ANSWER_BYTES} bytes")
+                        if not on_line(line):
+                            cut = True
+                            response.close()  # do not wait for (or pool) the rest
+                            break
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no complete answer from {address}{path} within {timeout_s:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"{address}{path}: {type(exc).__name__}") from exc
+        log.debug(
+            "POST %s%s (stream): %d in %.3f s%s",
+            address,
+            path,
+            status,
+            time.monotonic() - started,
+            ", cut short" if cut else "",
+        )
+        if not 200 <= status < 300:
+            raise UpstreamStatus(status)
+        return status
 
     async def send(self, sub: SubRequest) -> Answer:
         """:meth:`post_json` for a :class:`~extproc.upstream.request.SubRequest`."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 class SubRequest:
     """POST ``body`` (JSON) to ``path`` at ``address`` (``ip:port``) within ``timeout_s`` seconds, with
     ``headers``. ``wait``: the request's replies wait for its answer; else they are out already and it runs
-    beside the request (SGLang's prefill half)."""
+    beside the request (SGLang's prefill half); ``stream``: the answer is an SSE stream read line by line
+    (a cascade step gated on its first tokens)."""
 
     address: str
     path: str
@@ -18,3 +19,5 @@ class SubRequest:
     timeout_s: float
     headers: dict[str, str] = field(default_factory=dict)
     wait: bool = True
+    #: The answer is a stream the caller reads line by line (:meth:`UpstreamClient.post_stream`).
+    stream: bool = False

@@ -29,7 +29,10 @@ from typing import Any
 import yaml
 
 from contracts.epp import (
+    ANSWERED_KEY,
+    CASCADE_STEP_HEADER,
     DECISION_BLOCKS,
+    DECISION_CASCADE_STEP,
     DECISION_ENDPOINT,
     DECISION_MATCHED,
     DECISION_MODEL,
@@ -212,8 +215,29 @@ def _local_reply() -> dict[str, Any]:
             "body_format_override": _json_error(kind, message),
         }
 
+    def answered(kind: str, content_type: str) -> dict[str, Any]:
+        """An answer the ext_proc returns itself (a cascade step's), passed through with its type."""
+        return {
+            "filter": {
+                "metadata_filter": {
+                    "match_if_key_not_found": False,
+                    "matcher": {
+                        "filter": REJECTED_NS,
+                        "path": [{"key": ANSWERED_KEY}],
+                        "value": {"string_match": {"exact": kind}},
+                    },
+                }
+            },
+            "body_format_override": {
+                "text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                "content_type": content_type,
+            },
+        }
+
     return {
         "mappers": [
+            answered("json", "application/json"),
+            answered("sse", "text/event-stream"),
             {
                 # match_if_key_not_found defaults to TRUE in Envoy: it must be false here.
                 "filter": {
@@ -271,15 +295,22 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     upstream_headers = [ENDPOINT_HEADER] if params.endpoint_header else []
     if response_headers:
         upstream_headers.append(UPSTREAM_HEADER)  # read back and removed by the ext_proc
-    if upstream_headers:
-        # Overwrites any copy the engine sent; a client cannot set response headers.
-        route["response_headers_to_add"] = [
+    # Overwrites any copy the engine sent; a client cannot set response headers. The cascade step of an
+    # escalated request (extproc/cascade) comes from the ext_proc's decision metadata; absent (empty) for
+    # every other request, so no header is added then.
+    route["response_headers_to_add"] = [
+        *(
             {
                 "header": {"key": key, "value": "%UPSTREAM_HOST%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
             for key in upstream_headers
-        ]
+        ),
+        {
+            "header": {"key": CASCADE_STEP_HEADER, "value": _decision(DECISION_CASCADE_STEP)},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        },
+    ]
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {

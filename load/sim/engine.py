@@ -106,6 +106,8 @@ class EngineStats:
     #: (both counted by the serving layer).
     remote_decodes: int = 0
     remote_prefill_seconds: float = 0.0
+    #: Seconds of the engine's timeline spent in steps (busy; ``time_scale`` applied): its engine-seconds.
+    busy_seconds: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -334,6 +336,7 @@ class Engine:
         self._in_flight = None
         if self.meter is not None:
             self.meter.end(step.end)
+        self.stats.busy_seconds += step.end - step.start
         events: list[TokenEvent] = []
         for seq in step.decode:
             if not seq.done:

@@ -72,6 +72,11 @@ class EngineCollector(Collector):
                 "Seconds spent receiving KV from prefill replicas (the modelled transfer time).",
                 stats.remote_prefill_seconds,
             ),
+            (
+                "kvgate_sim_busy_seconds",
+                "Seconds of the modelled timeline the engine spent in steps (its engine-seconds).",
+                stats.busy_seconds,
+            ),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=labels)

@@ -1,7 +1,10 @@
 """The OpenAI/vLLM response side: bodies, stream chunks, usage and logprobs, shaped as vLLM 0.33's. No IO.
 
 Logprobs are made up but fixed per token and position: the sampled token has the highest, its
-alternatives (other output-vocabulary tokens) come after it, half a nat apart.
+alternatives (other output-vocabulary tokens) come after it, half a nat apart. How sure the model is
+follows the prompt (:func:`confidence`): the sampled token's logprob lies in [-0.10, -0.01] for an easy
+prompt, [-3.0, -1.0] for a hard one, [-0.55, -0.05] otherwise, so a cascade's logprob gate (kvgate's
+``extproc/cascade``) can be driven deterministically.
 """
 
 from __future__ import annotations
@@ -35,18 +38,36 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _logprob(token: int, position: int, rank: int) -> float:
+#: Prompt markers: a prompt (a chat's last user message, a completion's prompt) holding ``[hard]`` gets
+#: unsure answers, one holding ``[easy]`` (and not ``[hard]``) sure ones; any other: the default.
+HARD_MARKER = "[hard]"
+EASY_MARKER = "[easy]"
+#: Confidence -> (highest, span) of the sampled token's logprob: it lies in [highest - span, highest].
+_CONFIDENCE = {"easy": (-0.01, 0.09), "hard": (-1.0, 2.0), "default": (-0.05, 0.5)}
+
+
+def confidence(prompt: str) -> str:
+    """``easy``, ``hard`` or ``default``: how sure the simulated model is of its answer to ``prompt``."""
+    if HARD_MARKER in prompt:
+        return "hard"
+    return "easy" if EASY_MARKER in prompt else "default"
+
+
+def _logprob(token: int, position: int, rank: int, sure: str = "default") -> float:
     base = ((token * 2654435761 + position * 40503) % 10007) / 10007
-    return round(-0.05 - 0.5 * base - 0.5 * rank, 4)
+    highest, span = _CONFIDENCE[sure]
+    return round(highest - span * base - 0.5 * rank, 4)
 
 
-def chat_logprobs(vocab: Vocab, token_ids: Sequence[int], k: int, start: int = 0) -> dict[str, Any]:
+def chat_logprobs(
+    vocab: Vocab, token_ids: Sequence[int], k: int, start: int = 0, sure: str = "default"
+) -> dict[str, Any]:
     """``choices[].logprobs`` of a chat choice: one entry per token (positions from ``start``), each with
-    ``k`` ``top_logprobs`` (the sampled token first)."""
+    ``k`` ``top_logprobs`` (the sampled token first); ``sure``: :func:`confidence` of the prompt."""
 
     def entry(token: int, position: int, rank: int) -> dict[str, Any]:
         text = vocab.token_text(token)
-        return {"token": text, "logprob": _logprob(token, position, rank), "bytes": list(text.encode())}
+        return {"token": text, "logprob": _logprob(token, position, rank, sure), "bytes": list(text.encode())}
 
     content = []
     for position, token in enumerate(token_ids, start):
@@ -58,7 +79,13 @@ def chat_logprobs(vocab: Vocab, token_ids: Sequence[int], k: int, start: int = 0
 
 
 def completion_logprobs(
-    vocab: Vocab, token_ids: Sequence[int], pieces: Sequence[str], k: int, start: int = 0, offset: int = 0
+    vocab: Vocab,
+    token_ids: Sequence[int],
+    pieces: Sequence[str],
+    k: int,
+    start: int = 0,
+    offset: int = 0,
+    sure: str = "default",
 ) -> dict[str, Any]:
     """``choices[].logprobs`` of a completion choice: parallel lists over the tokens; ``offset`` is the
     text already sent before these tokens (``text_offset`` counts from it)."""
@@ -67,10 +94,10 @@ def completion_logprobs(
         text = vocab.token_text(token)
         text_offset.append(offset)
         offset += len(piece)
-        token_logprobs.append(_logprob(token, position, 0))
+        token_logprobs.append(_logprob(token, position, 0, sure))
         tokens.append(text)
         top = [token, *vocab.alternatives(token, k - 1)] if k > 0 else []
-        top_logprobs.append({vocab.token_text(t): _logprob(t, position, r) for r, t in enumerate(top)})
+        top_logprobs.append({vocab.token_text(t): _logprob(t, position, r, sure) for r, t in enumerate(top)})
     return {
         "text_offset": text_offset,
         "token_logprobs": token_logprobs,

@@ -101,6 +101,8 @@ class _Request:
     choices: dict[str, _Choice] = field(default_factory=dict)
     role: str = "assistant"
     forced_tool: bool = False
+    #: How sure the model is of its answer (``responses.confidence`` of the prompt): its logprobs.
+    sure: str = "default"
 
 
 class Serving:
@@ -200,6 +202,7 @@ class Serving:
             [len(prompt)],
             role=role,
             forced_tool=tools.mode in ("required", "named"),
+            sure=out.confidence(_last_user_text(chat.messages)),
         )
         plans = [
             plan_choice(
@@ -236,6 +239,11 @@ class Serving:
         for prompt in prompts:
             ids.append(self.prompt_ids(prompt))
         req = _Request(f"cmpl-{uuid.uuid4().hex}", False, sampling, [len(p) for p in ids])
+        texts = [
+            p.prompt if isinstance(p.prompt, str) else self.tokenizer.decode(t)
+            for p, t in zip(prompts, ids, strict=True)
+        ]
+        req.sure = out.confidence(" ".join(texts))
         for p, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
             max_tokens = api.resolve_max_tokens(sampling.max_tokens, len(tokens), self.max_model_len)
             if self.pd.mode == "prefill":
@@ -461,7 +469,9 @@ class Serving:
         return {
             "index": c.index,
             "message": out.chat_message(c.plan, req.role, req.forced_tool, c.echo),
-            "logprobs": None if k is None else out.chat_logprobs(self.tokenizer, c.plan.token_ids, k),
+            "logprobs": (
+                None if k is None else out.chat_logprobs(self.tokenizer, c.plan.token_ids, k, sure=req.sure)
+            ),
             "finish_reason": c.plan.finish_reason,
             "stop_reason": c.plan.stop_reason,
             "token_ids": None,
@@ -473,7 +483,9 @@ class Serving:
         logprobs = (
             None
             if k is None
-            else out.completion_logprobs(self.tokenizer, plan.token_ids, plan.pieces, k, offset=len(c.echo))
+            else out.completion_logprobs(
+                self.tokenizer, plan.token_ids, plan.pieces, k, offset=len(c.echo), sure=req.sure
+            )
         )
         return {
             "index": c.index,
@@ -565,13 +577,17 @@ class Serving:
         body: dict[str, Any] = {"index": c.index}
         if req.chat:
             body["delta"] = self._chat_delta(plan, start, c.sent, "".join(pieces))
-            body["logprobs"] = None if k is None else out.chat_logprobs(self.tokenizer, ids, k, start)
+            body["logprobs"] = (
+                None if k is None else out.chat_logprobs(self.tokenizer, ids, k, start, req.sure)
+            )
         else:
             echo, joined = (c.echo if start == 0 else ""), "".join(pieces)
             body["text"] = echo + joined
             offset = c.text_sent + len(echo)
             body["logprobs"] = (
-                None if k is None else out.completion_logprobs(self.tokenizer, ids, pieces, k, start, offset)
+                None
+                if k is None
+                else out.completion_logprobs(self.tokenizer, ids, pieces, k, start, offset, req.sure)
             )
             c.text_sent = offset + len(joined)
         body["finish_reason"] = plan.finish_reason if done else None
@@ -599,3 +615,16 @@ class Serving:
 
 async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+def _last_user_text(messages: Sequence[dict[str, Any]]) -> str:
+    """The text of the chat's last user message (its text parts joined), ``""`` without one."""
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return ""
+    return ""

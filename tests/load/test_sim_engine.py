@@ -270,3 +270,13 @@ def test_priority_configs_are_checked() -> None:
         EngineConfig(priority_preemption=True)
     with pytest.raises(ValueError, match="threshold"):
         EngineConfig(scheduling_policy="priority", priority_preemption_threshold=-1)
+
+
+def test_busy_seconds_sum_the_steps_and_not_the_idle_time() -> None:
+    engine = make()
+    engine.add_request("a", prompt(100), out(4), now=0.0)
+    _, end = drain(engine)
+    assert engine.stats.busy_seconds == pytest.approx(end)  # from 0, no gap
+    engine.add_request("b", prompt(50, start=5000), out(2), now=end + 10.0)  # idle for 10 s first
+    _, later = drain(engine, end + 10.0)
+    assert engine.stats.busy_seconds == pytest.approx(end + (later - end - 10.0))

@@ -167,6 +167,37 @@ async def test_chat_logprobs_with_top_alternatives(api: openai.AsyncOpenAI) -> N
     assert all(t.logprob < 0 and t.top_logprobs[1].logprob < t.logprob for t in content)
 
 
+@pytest.mark.parametrize(
+    ("marker", "low", "high"), [("[easy]", -0.1, -0.01), ("[hard]", -3.0, -1.0), ("", -0.55, -0.05)]
+)
+async def test_the_prompt_sets_the_confidence(
+    api: openai.AsyncOpenAI, marker: str, low: float, high: float
+) -> None:
+    """``[easy]`` / ``[hard]`` in the last user message fix the range of the sampled tokens' logprobs, the
+    same for every repeat and streamed or not (what a cascade's logprob gate is tested with)."""
+    messages: Any = [{"role": "user", "content": f"{marker} What is the capital of France?"}]
+    done = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, logprobs=True)
+    assert done.choices[0].logprobs is not None
+    values = [t.logprob for t in done.choices[0].logprobs.content or []]
+    assert len(values) == 8 and all(low <= v <= high for v in values), values
+    again = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, logprobs=True)
+    assert again.choices[0].logprobs is not None
+    assert [t.logprob for t in again.choices[0].logprobs.content or []] == values
+    stream = await api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, logprobs=True, stream=True
+    )
+    streamed = [
+        t.logprob
+        async for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert streamed == values
+    text = await api.completions.create(model=MODEL, prompt=f"{marker} Paris is", max_tokens=4, logprobs=0)
+    assert text.choices[0].logprobs is not None
+    assert all(low <= v <= high for v in text.choices[0].logprobs.token_logprobs or [])
+
+
 async def test_completion_logprobs(api: openai.AsyncOpenAI) -> None:
     done = await api.completions.create(model=MODEL, prompt="the lazy dog", max_tokens=3, logprobs=2)
     lp = done.choices[0].logprobs

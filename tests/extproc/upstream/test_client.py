@@ -71,3 +71,59 @@ async def test_unreachable() -> None:
         assert caught.value.reason == "unreachable"
     finally:
         await client.aclose()
+
+
+async def test_post_stream_hands_over_lines_and_stops_when_told() -> None:
+    """A streamed answer line by line; stopping early closes the connection, which the engine sees as the
+    client going away (its next write fails)."""
+    gone = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(200):
+                await response.write(f"data: {i}\n\n".encode())
+                await asyncio.sleep(0.005)
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            gone.set()
+        return response
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.json_response({"error": {}}, status=429)
+
+    app = web.Application()
+    app.add_routes([web.post("/sse", sse), web.post("/fail", fail)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    address = f"127.0.0.1:{runner.addresses[0][1]}"
+    client = UpstreamClient()
+    try:
+        whole: list[bytes] = []
+        assert (
+            await client.post_stream(
+                address, "/sse", b"{}", lambda ln: whole.append(ln) or True, timeout_s=10
+            )
+            == 200
+        )
+        data = [ln.strip() for ln in whole if ln.strip()]
+        assert data[0] == b"data: 0" and data[-1] == b"data: [DONE]" and len(data) == 201
+        seen: list[bytes] = []
+        await client.post_stream(
+            address,
+            "/sse",
+            b"{}",
+            lambda ln: (seen.append(ln) or True) and ln.strip() != b"data: 3",
+            timeout_s=10,
+        )
+        assert [ln.strip() for ln in seen if ln.strip()] == [b"data: 0", b"data: 1", b"data: 2", b"data: 3"]
+        await asyncio.wait_for(gone.wait(), 5)  # the server's writes failed: the client left
+        with pytest.raises(UpstreamStatus):
+            await client.post_stream(address, "/fail", b"{}", lambda ln: True, timeout_s=5)
+        with pytest.raises(UpstreamTimeout):
+            await client.post_stream(address, "/sse", b"{}", lambda ln: True, timeout_s=0.1)
+    finally:
+        await client.aclose()
+        await runner.cleanup()

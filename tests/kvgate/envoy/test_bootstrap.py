@@ -12,8 +12,10 @@ import yaml
 
 from certs.store import dev_bundle
 from contracts.epp import (
+    CASCADE_STEP_HEADER,
     COMPLETION_LOG_NAME,
     DECISION_BLOCKS,
+    DECISION_CASCADE_STEP,
     DECISION_ENDPOINT,
     DECISION_MATCHED,
     DECISION_MODEL,
@@ -236,6 +238,11 @@ def response_headers(params: EnvoyParams) -> dict[str, tuple[str, str]]:
 )
 def test_endpoint_header_names_the_upstream_and_overwrites(params: EnvoyParams, expected: set[str]) -> None:
     headers = response_headers(params)
+    # the cascade step (extproc/cascade) comes from the decision metadata, on every config
+    assert headers.pop(CASCADE_STEP_HEADER) == (
+        f"%DYNAMIC_METADATA({DECISION_NS}:{DECISION_CASCADE_STEP})%",
+        "OVERWRITE_IF_EXISTS_OR_ADD",
+    )
     assert set(headers) == expected
     assert all(v == ("%UPSTREAM_HOST%", "OVERWRITE_IF_EXISTS_OR_ADD") for v in headers.values())
 

@@ -1,0 +1,153 @@
+"""The cascades in force and one request's way through its cascade (sans IO).
+
+:class:`Cascader` holds the policy's cascades (virtual model -> :class:`~extproc.cascade.spec.CascadeSpec`),
+swapped whole when a policy is put in force. :class:`Run` is one request for a virtual model: at each gated
+step the processor routes the step's body (:meth:`Run.body`) KV-aware among the step model's endpoints and
+the shell sends it; :meth:`Run.judge` takes the answer (or the reason there was none) and says whether it
+goes to the client (:class:`Answered`) or the request moves on to the next step (:meth:`Run.escalate`).
+The last step is never gated: its request goes through Envoy as any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.cascade.answer import client_answer, step_body
+from extproc.cascade.gate import Verdict, judge
+from extproc.cascade.spec import CascadeSpec
+from extproc.cascade.stream import StepStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CascadePolicy:
+    """Virtual model name -> its cascade."""
+
+    cascades: Mapping[str, CascadeSpec] = field(default_factory=lambda: types.MappingProxyType({}))
+
+
+class Cascader:
+    """The cascades in force (:meth:`apply` swaps them whole; a request keeps the spec it started with)."""
+
+    def __init__(self, policy: CascadePolicy | None = None) -> None:
+        self.policy = policy or CascadePolicy()
+
+    def apply(self, policy: CascadePolicy) -> None:
+        self.policy = policy
+
+    def lookup(self, model: str) -> CascadeSpec | None:
+        return self.policy.cascades.get(model)
+
+    def listed(self, served: Iterable[str]) -> list[str]:
+        """The virtual models to list beside the ``served`` ones (``/v1/models``): those whose every step
+        is served, sorted."""
+        have = set(served)
+        return sorted(n for n, spec in self.policy.cascades.items() if have.issuperset(spec.steps))
+
+    def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
+        """A run for a request naming ``model`` (``None``: not a virtual model)."""
+        spec = self.lookup(model)
+        return None if spec is None else Run(spec, model, client, chat, now)
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A gated step's answer passed: the client gets ``body`` (``content_type``) from step ``step``
+    (1-based) ``model``."""
+
+    body: bytes
+    content_type: str
+    step: int
+    model: str
+
+
+@dataclass(slots=True)
+class Run:
+    """One request's way through ``spec`` (module docstring). ``client``: the client's body (validated,
+    JSON-decoded); ``chat``: a chat request (else completions); ``arrived``: when the request arrived
+    (seconds of the processor's clock). ``verdicts``: per gated step so far, its model and verdict."""
+
+    spec: CascadeSpec
+    virtual: str
+    client: Mapping[str, Any]
+    chat: bool
+    arrived: float
+    step: int = 0
+    verdicts: list[tuple[str, Verdict]] = field(default_factory=list)
+    #: The current step read as a stream (a ``first_k`` gate), else ``None``.
+    stream: StepStream | None = None
+
+    @property
+    def model(self) -> str:
+        """The current step's model."""
+        return self.spec.steps[self.step]
+
+    @property
+    def gated(self) -> bool:
+        """Whether the current step is gated (every step but the last)."""
+        return self.step < len(self.spec.steps) - 1
+
+    @property
+    def number(self) -> int:
+        """The current step, 1-based (what ``x-kvgate-cascade-step`` says)."""
+        return self.step + 1
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens)."""
+        return self.spec.stat == "first_k"
+
+    def body(self) -> bytes:
+        """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""
+        self.stream = StepStream(self.spec, chat=self.chat) if self.streamed else None
+        return step_body(self.client, self.model, chat=self.chat, stream=self.streamed)
+
+    def feed(self, line: bytes) -> bool:
+        """One line of a streamed step's answer; false: the gate failed on its first tokens, stop reading."""
+        assert self.stream is not None, "feed() only for a streamed step"
+        return self.stream.feed(line)
+
+    def judge(self, answer: bytes | None, failure: str | None = None) -> Answered | None:
+        """The current gated step ended: ``answer`` its 2xx body (a streamed step: ``None``, its lines went
+        to :meth:`feed`), else ``failure`` (``timeout``, ``unreachable``, ``status``). :class:`Answered`
+        when the gate passes, else ``None`` (call :meth:`escalate`)."""
+        doc: Any = None
+        stream, self.stream = self.stream, None
+        if stream is not None and failure is None:  # a streamed step: judged early, or assembled now
+            if stream.cut and stream.verdict is not None:
+                self.verdicts.append((self.model, stream.verdict))
+                return None
+            doc = stream.answer()
+            answer = None
+            if doc is None:
+                failure = "bad_answer"
+        if answer is not None:
+            try:
+                doc = orjson.loads(answer)
+            except orjson.JSONDecodeError:
+                failure = "bad_answer"
+            else:
+                if not isinstance(doc, dict):
+                    failure = "bad_answer"
+        if failure is not None or doc is None:
+            self.verdicts.append((self.model, Verdict(None, False, failure or "bad_answer")))
+            return None
+        verdict = judge(self.spec, doc)
+        self.verdicts.append((self.model, verdict))
+        if not verdict.passed:
+            return None
+        body, content_type = client_answer(doc, self.client, self.model, chat=self.chat)
+        return Answered(body, content_type, self.number, self.model)
+
+    def escalate(self) -> str:
+        """Move to the next step; its model."""
+        assert self.gated, "the last step has nowhere to go"
+        self.step += 1
+        return self.model

@@ -1,0 +1,107 @@
+"""A cascade's declaration: the ``cascade`` object of a virtual model's route (etcd ``models/<name>``, or
+``[models."<name>"]`` of the policy file). Pure: parsing and validation only.
+
+    {"cascade": {"steps": ["small-model", "large-model"], "gate": "logprob", "threshold": -0.4,
+                 "stat": "mean", "timeout_s": 30}}
+
+``steps``: 2 to :data:`MAX_STEPS` distinct served model names, cheapest first; every step but the last is
+gated. ``gate``: ``logprob`` (the only gate). ``threshold``: a log-probability in nats (finite, <= 0); a
+step's answer passes when its statistic is at least this. ``stat``: ``mean``, ``min`` or ``first_k`` (then
+``k``, an integer >= 1, is required; elsewhere it is refused). ``timeout_s``: the bound on each gated
+step's sub-request (past it the request escalates), in (0, 600].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from contracts.errors import ConfigError
+
+GATES = ("logprob",)
+STATS = ("mean", "min", "first_k")
+MAX_STEPS = 4
+DEFAULT_TIMEOUT_S = 30.0
+_KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeSpec:
+    """A virtual model's cascade (module docstring): ``threshold`` in nats, ``timeout_s`` in seconds."""
+
+    steps: tuple[str, ...]
+    threshold: float
+    stat: str = "mean"
+    k: int | None = None
+    gate: str = "logprob"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 2 <= len(self.steps) <= MAX_STEPS:
+            raise ConfigError(f"steps: expected 2 to {MAX_STEPS} model names, got {len(self.steps)}")
+        if len(set(self.steps)) != len(self.steps):
+            raise ConfigError(f"steps: a model appears twice in {list(self.steps)}")
+        if self.gate not in GATES:
+            raise ConfigError(f"gate must be one of {', '.join(GATES)}, got {self.gate!r}")
+        if self.stat not in STATS:
+            raise ConfigError(f"stat must be one of {', '.join(STATS)}, got {self.stat!r}")
+        if not (math.isfinite(self.threshold) and self.threshold <= 0):
+            raise ConfigError(f"threshold must be a log-probability (finite, <= 0), got {self.threshold}")
+        if self.stat == "first_k" and (self.k is None or self.k < 1):
+            raise ConfigError(f"stat first_k needs k, an integer >= 1, got {self.k}")
+        if self.stat != "first_k" and self.k is not None:
+            raise ConfigError(f"k applies to stat first_k only (stat is {self.stat!r})")
+        if not 0 < self.timeout_s <= 600:
+            raise ConfigError(f"timeout_s must be in (0, 600], got {self.timeout_s}")
+
+    def to_json(self) -> dict[str, object]:
+        doc: dict[str, object] = {
+            "steps": list(self.steps),
+            "gate": self.gate,
+            "threshold": self.threshold,
+            "stat": self.stat,
+            "timeout_s": self.timeout_s,
+        }
+        if self.k is not None:
+            doc["k"] = self.k
+        return doc
+
+
+def parse_cascade(value: object, where: str, name: str) -> CascadeSpec:
+    """The ``cascade`` object of the virtual model ``name``; unknown keys and bad values are a
+    :class:`ConfigError` naming ``where``. Whether a step is itself a cascade is checked by the caller
+    (it sees every route)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected an object {{{', '.join(_KEYS)}}}, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_KEYS)}")
+    steps = value.get("steps")
+    if not isinstance(steps, list) or not all(isinstance(s, str) and s for s in steps):
+        raise ConfigError(f"{where}.steps: expected a list of model names, got {steps!r}")
+    if name in steps:
+        raise ConfigError(f"{where}.steps: the cascade {name!r} cannot be one of its own steps")
+    if "threshold" not in value:
+        raise ConfigError(f"{where}.threshold: required (a log-probability, e.g. -0.5)")
+    threshold = _number(value["threshold"], f"{where}.threshold")
+    gate = value.get("gate", "logprob")
+    stat = value.get("stat", "mean")
+    k = value.get("k")
+    timeout = _number(value.get("timeout_s", DEFAULT_TIMEOUT_S), f"{where}.timeout_s")
+    if not isinstance(gate, str):
+        raise ConfigError(f"{where}.gate: expected one of {', '.join(GATES)}, got {gate!r}")
+    if not isinstance(stat, str):
+        raise ConfigError(f"{where}.stat: expected one of {', '.join(STATS)}, got {stat!r}")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
+        raise ConfigError(f"{where}.k: expected an integer, got {k!r}")
+    try:
+        return CascadeSpec(tuple(steps), threshold, stat, k, gate, timeout)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _number(value: object, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    return float(value)

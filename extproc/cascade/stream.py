@@ -1,0 +1,175 @@
+"""A gated step read as a stream (sans IO): the ``first_k`` gate decides as soon as the first ``k`` tokens'
+log-probabilities are in, and the rest of the answer is assembled as the non-streamed answer would read.
+
+:class:`StepStream` takes the engine's SSE lines one at a time (:meth:`StepStream.feed`). Once every choice
+seen has ``k`` token log-probabilities, it judges them (``first_k``, :mod:`extproc.cascade.gate`): below
+the threshold :meth:`feed` returns false and the caller closes the connection (the engine aborts the
+request: the step costs ``k`` tokens, not the whole answer); at or above it, the stream is read to its end.
+:meth:`StepStream.answer` rebuilds the whole answer from the chunks: per choice the content (and
+``reasoning_content``) joined, tool calls merged by their index, the log-probabilities concatenated, the
+finish reason; ``id``, ``created``, ``model`` of the first chunk and the ``usage`` of the last chunk that
+has one. Chat (``chat.completion.chunk``) and completions (``text_completion``) streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.cascade.gate import Verdict, statistic
+from extproc.cascade.spec import CascadeSpec
+
+
+@dataclass(slots=True)
+class _Choice:
+    role: str = "assistant"
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    logprobs: list[Any] | None = None  # chat: content entries
+    text_logprobs: dict[str, list[Any]] | None = None  # completions: parallel lists
+    finish_reason: str | None = None
+
+    def values(self) -> list[float]:
+        """The sampled tokens' log-probabilities so far (non-numbers dropped: judged as none)."""
+        if self.logprobs is not None:
+            raw = [e.get("logprob") if isinstance(e, dict) else None for e in self.logprobs]
+        elif self.text_logprobs is not None:
+            raw = list(self.text_logprobs.get("token_logprobs", []))
+        else:
+            return []
+        return [float(v) for v in raw if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
+class StepStream:
+    """One streamed gated step under ``spec`` (``stat`` ``first_k``); ``chat``: a chat stream."""
+
+    def __init__(self, spec: CascadeSpec, *, chat: bool) -> None:
+        assert spec.stat == "first_k" and spec.k is not None, "only first_k decides before the end"
+        self._spec, self._k, self._chat = spec, spec.k, chat
+        self._head: dict[str, Any] | None = None
+        self._choices: dict[int, _Choice] = {}
+        self._usage: Any = None
+        #: The early verdict, once the first ``k`` tokens of every choice were judged.
+        self.verdict: Verdict | None = None
+        #: The gate failed on the first ``k`` tokens: the rest was not read.
+        self.cut = False
+        #: A ``data:`` line that was not JSON.
+        self.bad = False
+
+    def feed(self, line: bytes) -> bool:
+        """One line of the engine's SSE answer; false: stop reading (the gate failed early)."""
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return True
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.bad = True
+            return True
+        if not isinstance(chunk, dict):
+            self.bad = True
+            return True
+        self._add(chunk)
+        if self.verdict is None and self._choices:
+            per = [c.values() for c in self._choices.values()]
+            if all(len(v) >= self._k for v in per):
+                stats = [statistic(v, "first_k", self._k) for v in per]
+                if any(s is None for s in stats):
+                    return True  # judged at the end (as no_logprobs)
+                worst = min(s for s in stats if s is not None)
+                passed = worst >= self._spec.threshold
+                self.verdict = Verdict(worst, passed, "pass" if passed else "gate")
+                if not passed:
+                    self.cut = True
+                    return False
+        return True
+
+    def _add(self, chunk: dict[str, Any]) -> None:
+        if self._head is None:
+            self._head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            if not isinstance(c, dict):
+                continue
+            choice = self._choices.setdefault(int(c.get("index", 0)), _Choice())
+            if c.get("finish_reason") is not None:
+                choice.finish_reason = c["finish_reason"]
+            lp = c.get("logprobs")
+            if self._chat:
+                delta = c.get("delta") or {}
+                choice.role = delta.get("role") or choice.role
+                if delta.get("content"):
+                    choice.content.append(delta["content"])
+                if delta.get("reasoning_content"):
+                    choice.reasoning.append(delta["reasoning_content"])
+                for call in delta.get("tool_calls") or []:
+                    _merge_call(choice.calls, call)
+                if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                    choice.logprobs = [*(choice.logprobs or []), *lp["content"]]
+            else:
+                if c.get("text"):
+                    choice.content.append(c["text"])
+                if isinstance(lp, dict):
+                    merged = choice.text_logprobs or {}
+                    for key, values in lp.items():
+                        if isinstance(values, list):
+                            merged[key] = [*merged.get(key, []), *values]
+                    choice.text_logprobs = merged
+
+    def answer(self) -> dict[str, Any] | None:
+        """The whole answer as the engine would have sent it unstreamed; ``None`` for an empty or bad
+        stream."""
+        if self._head is None or self.bad:
+            return None
+        choices = []
+        for index, c in sorted(self._choices.items()):
+            if self._chat:
+                message: dict[str, Any] = {"role": c.role, "content": "".join(c.content) or None}
+                if c.reasoning:
+                    message["reasoning_content"] = "".join(c.reasoning)
+                if c.calls:
+                    message["tool_calls"] = [c.calls[i] for i in sorted(c.calls)]
+                logprobs = None if c.logprobs is None else {"content": c.logprobs}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                text = "".join(c.content)
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": c.text_logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        obj = "chat.completion" if self._chat else "text_completion"
+        return {**self._head, "object": obj, "choices": choices, "usage": self._usage}
+
+
+def _merge_call(calls: dict[int, dict[str, Any]], delta: Any) -> None:
+    """Fold one streamed tool-call delta into the call at its index (id, type, name once; arguments
+    appended)."""
+    if not isinstance(delta, dict):
+        return
+    call = calls.setdefault(int(delta.get("index", 0)), {"id": None, "type": "function", "function": {}})
+    for key in ("id", "type"):
+        if delta.get(key):
+            call[key] = delta[key]
+    fn = delta.get("function") or {}
+    if fn.get("name"):
+        call["function"]["name"] = fn["name"]
+    if fn.get("arguments"):
+        call["function"]["arguments"] = call["function"].get("arguments", "") + fn["arguments"]

@@ -1,0 +1,422 @@
+"""SLM -> LLM cascade (issue 21): what a logprob-gated cascade saves against serving everything on the large
+model, and what it costs the escalated requests in latency. One run, both targets on fresh fleets.
+
+    python -m load.bench.cascade --out docs/bench/cascade/cascade-<rev>.json   # about two minutes here
+    python -m load.bench.cascade --quick --out /tmp/cascade.json      # seconds; figures mean nothing
+
+Fleet: simulated vLLM replicas (``load.sim``), ``small`` (a 1B-class model: every step-model cost divided
+by ``cost_ratio``, see :data:`SIM_SOURCES`) and ``large`` (the simulator's 8B/H100 defaults), one GPU per
+replica, behind kvgate (``kvgate up`` over ``--endpoint``s). Targets, by default on the same number of
+GPUs (2):
+
+* ``all-large``: ``all_large_replicas`` large replicas; every request names ``large``;
+* ``cascade``: ``small_replicas`` small + ``large_replicas`` large replicas; every request names the
+  virtual model ``auto`` (``{"cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat":
+  STAT}}``).
+
+Workload: Poisson arrivals (seeded) at ``rate_req_s`` for ``duration_s``, open loop, streamed with
+``include_usage``; each prompt about ``prompt_tokens`` tokens, unique, and hard with probability
+``hard_share`` (``[hard]`` in the prompt: the simulator's sampled-token logprobs lie in [-3, -1]) or easy
+(``[easy]``: [-0.10, -0.01]); ``output_tokens`` out. So at the threshold the gate passes every easy answer
+and escalates every hard one: the figures measure the mechanism's cost at a known escalation share, not
+a gate's accuracy on real text.
+
+Figures per target: cost per request = the engines' busy engine-seconds (``kvgate_sim_busy_seconds_total``:
+the modelled duration of every step each engine ran, time scale applied, summed over engines; idle time is
+not charged) / requests served, in the simulator's (time-scaled) seconds; ``work_engine_s``: the
+batch-independent part of it, counted from tokens (each request's uncached prompt tokens x
+``1/prefill_tokens_per_s`` + its output tokens x ``decode_ms_per_seq``, per model: what no batching
+amortizes; the per-step ``step_base_ms`` is what batching shares); the share answered by each step
+(``x-kvgate-cascade-step``); TTFT (first content chunk) p50/p90 of easy and hard requests. The added
+latency of escalated requests is the cascade's hard-request TTFT less all-large's (p50 and p90): the
+buffered small step they wait for first.
+
+Goal: cascade cost per request <= 0.5 x all-large at the configured threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from kvgate.dev.procs import Child, http_get
+from kvgate.dev.up import Stack, StackOptions
+from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("all-large", "cascade")
+STEP_HEADER = "x-kvgate-cascade-step"
+BUSY = "kvgate_sim_busy_seconds_total"
+#: The simulator's parameters: what each means and where its value comes from.
+SIM_SOURCES = {
+    **TIMING_SOURCES,
+    "prefill_tokens_per_s": "20,000 tokens/s for the large model: compute-bound prefill at ~30% of the"
+    " H100's bf16 peak (load/sim/timing.py, load/sim/README.md)",
+    "large_model": "the simulator's defaults as they stand: Llama-3.1-8B class, bf16, one H100",
+    "cost_ratio": "8: the small model is a 1B-class model (e.g. Llama-3.2-1B) on the same GPU class. Both"
+    " decode terms are memory-bound, so they scale with the bytes read per step, i.e. the parameter count"
+    " (~16 GB vs ~2 GB of bf16 weights); prefill is compute-bound at ~2 x params FLOPs per token, so its"
+    " throughput scales by the same factor. An assumption derived from parameter counts, not a"
+    " measurement: real small models lose some of it to launch overheads that do not shrink",
+    "time_scale": "every step stretched this many times (both models alike, so the cost ratio holds) so 2"
+    " CPU cores can drive the fleet, Envoy and the ext_proc",
+    "logprobs": "the simulator's sampled-token logprobs follow [easy] / [hard] in the prompt"
+    " (load/sim/README.md, Confidence): a stand-in for a real model's confidence",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeConfig:
+    """One benchmark's fleet and workload (see the module docstring)."""
+
+    all_large_replicas: int = 2
+    small_replicas: int = 1
+    large_replicas: int = 1
+    cost_ratio: float = 8.0
+    time_scale: float = 4.0
+    step_base_ms: float = 6.0
+    decode_ms_per_seq: float = 0.15
+    prefill_tokens_per_s: float = 20_000.0
+    threshold: float = -0.5
+    stat: str = "mean"
+    k: int | None = None
+    rate_req_s: float = 3.0
+    duration_s: float = 40.0
+    hard_share: float = 0.3
+    prompt_tokens: int = 256
+    output_tokens: int = 64
+    seed: int = 1
+
+    def sim_args(self, model: str) -> tuple[str, ...]:
+        """The simulator's timing flags for ``model`` (``small``: every cost divided by the ratio)."""
+        div = self.cost_ratio if model == "small" else 1.0
+        return (
+            "--time-scale", str(self.time_scale),
+            "--step-base-ms", str(self.step_base_ms / div),
+            "--decode-ms-per-seq", str(self.decode_ms_per_seq / div),
+            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s * div),
+            "--log-level", "WARNING",
+        )  # fmt: skip
+
+    def policy(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"steps": ["small", "large"], "threshold": self.threshold, "stat": self.stat}
+        if self.k is not None:
+            spec["k"] = self.k
+        return {"models": {"auto": {"cascade": spec}}}
+
+
+def quick_config() -> CascadeConfig:
+    return CascadeConfig(
+        all_large_replicas=1, duration_s=3.0, rate_req_s=3.0, output_tokens=8, prompt_tokens=64
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of the workload: when it is sent (seconds from the start), whether it is hard, its
+    prompt."""
+
+    at: float
+    hard: bool
+    prompt: str
+
+
+def make_requests(config: CascadeConfig) -> list[Request]:
+    """Poisson arrivals, each prompt unique (~``prompt_tokens`` tokens: about 5 a numbered word)."""
+    rng = random.Random(config.seed)
+    out: list[Request] = []
+    t, i = 0.0, 0
+    while True:
+        t += rng.expovariate(config.rate_req_s)
+        if t >= config.duration_s:
+            return out
+        hard = rng.random() < config.hard_share
+        words = " ".join(f"r{i}w{j}" for j in range(max(1, config.prompt_tokens // 5)))
+        out.append(Request(t, hard, f"[{'hard' if hard else 'easy'}] Question {i}: {words}"))
+        i += 1
+
+
+@dataclass(slots=True)
+class Record:
+    hard: bool
+    prompt_tokens: int = 0
+    ok: bool = False
+    status: int = 0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    step: str | None = None
+    model: str | None = None
+    completion_tokens: int = 0
+
+
+async def _send(http: aiohttp.ClientSession, url: str, model: str, req: Request, max_tokens: int) -> Record:
+    rec = Record(req.hard)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": req.prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    try:
+        async with http.post(url, json=body) as resp:
+            rec.status, rec.step = resp.status, resp.headers.get(STEP_HEADER)
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                rec.model = chunk.get("model", rec.model)
+                choices = chunk.get("choices") or []
+                if rec.ttft_s is None and choices and choices[0].get("delta", {}).get("content"):
+                    rec.ttft_s = time.monotonic() - started
+                if chunk.get("usage"):
+                    rec.completion_tokens = chunk["usage"]["completion_tokens"]
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        rec.ok = rec.status == 200 and rec.ttft_s is not None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("request failed: %s", type(exc).__name__)
+    rec.total_s = time.monotonic() - started
+    return rec
+
+
+async def run_load(url: str, model: str, requests: Sequence[Request], config: CascadeConfig) -> list[Record]:
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        start = time.monotonic()
+
+        async def one(req: Request) -> Record:
+            await asyncio.sleep(max(0.0, start + req.at - time.monotonic()))
+            return await _send(http, url, model, req, config.output_tokens)
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def work_seconds(config: CascadeConfig, records: Sequence[Record], target: str) -> float:
+    """The batch-independent engine-seconds of ``records`` (module docstring): prompt tokens at the
+    model's prefill rate plus output tokens at its per-sequence decode cost, time scale applied; in the
+    cascade an escalated (hard) request pays the small model's (with a ``first_k`` gate only its first
+    ``k`` output tokens) and then the large model's (no prefix cache is counted: an upper bound on the
+    prompt part)."""
+    scale = config.time_scale
+
+    def cost(model: str, r: Record, tokens: int) -> float:
+        div = config.cost_ratio if model == "small" else 1.0
+        prefill = r.prompt_tokens / (config.prefill_tokens_per_s * div)
+        decode = tokens * config.decode_ms_per_seq / div / 1e3
+        return scale * (prefill + decode)
+
+    if target == "all-large":
+        return sum(cost("large", r, r.completion_tokens) for r in records)
+    total = 0.0
+    for r in records:
+        small = r.completion_tokens
+        if r.step == "2" and config.stat == "first_k" and config.k is not None:
+            small = min(small, config.k)  # cut after k tokens (a few more run before the engine notices)
+        total += cost("small", r, small) + (cost("large", r, r.completion_tokens) if r.step == "2" else 0.0)
+    return total
+
+
+def _busy(stack: Stack) -> dict[str, float]:
+    """Per engine address: its busy engine-seconds so far."""
+    out = {}
+    for engine in stack.engines:
+        got = http_get(f"http://{engine['address']}/metrics", timeout_s=5.0)
+        text = got[1].decode() if got is not None and got[0] == 200 else ""
+        out[engine["address"]] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(BUSY))
+    return out
+
+
+def _ms(values: Sequence[float]) -> dict[str, float | int]:
+    return summary([v * 1e3 for v in values])
+
+
+def run_target(name: str, config: CascadeConfig, requests: list[Request], workdir: Path) -> dict[str, Any]:
+    """Start ``name``'s fleet, send ``requests``, stop it; its row."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if name == "all-large":
+        fleet = {"large": config.all_large_replicas}
+    else:
+        fleet = {"small": config.small_replicas, "large": config.large_replicas}
+    sims: list[Child] = []
+    started = time.monotonic()
+    try:
+        urls, served = [], {}
+        model_dir = str(ensure_model_dir(smollm2_gguf_path()))  # the simulators' tokenizer (SmolLM2's)
+        for model, replicas in fleet.items():
+            ready = workdir / f"{model}.ready.json"
+            ready.unlink(missing_ok=True)
+            argv = [sys.executable, "-m", "load.sim.server", "--model", model, "--model-dir", model_dir]
+            argv += ["--replicas", str(replicas), "--port", "0", "--ready-file", str(ready)]
+            argv += config.sim_args(model)
+            sims.append(child := Child(model, argv, workdir / f"{model}.log"))
+            for replica in child.wait_for_json_file(ready, 120):
+                urls.append(f"http://{replica['address']}")
+                served[replica["address"]] = model
+        policy = workdir / "policy.json"
+        policy.write_text(json.dumps(config.policy()))
+        options = StackOptions(
+            port=0,
+            model=None,
+            endpoints=tuple(urls),
+            workdir=workdir / "stack",
+            overlay={"policy": {"file": str(policy)}},
+        )
+        with Stack(options) as stack:
+            before = _busy(stack)
+            url = f"{stack.url}/v1/chat/completions"
+            target_model = "large" if name == "all-large" else "auto"
+            t0 = time.monotonic()
+            records = asyncio.run(run_load(url, target_model, requests, config))
+            wall = time.monotonic() - t0
+            after = _busy(stack)
+    finally:
+        for child in sims:
+            child.stop()
+    busy = {served[a]: 0.0 for a in after}
+    for address, value in after.items():
+        busy[served[address]] += value - before.get(address, 0.0)
+    ok = [r for r in records if r.ok]
+    steps: dict[str, int] = {}
+    for r in ok:
+        key = r.step or "-"
+        steps[key] = steps.get(key, 0) + 1
+    total_busy = sum(busy.values())
+    work = work_seconds(config, ok, name)
+    return {
+        "target": name,
+        "sent": len(records),
+        "served": len(ok),
+        "errors": sorted({r.status for r in records if not r.ok}),
+        "wall_s": round(wall, 2),
+        "engine_seconds": {m: round(v, 3) for m, v in sorted(busy.items())},
+        "replicas": fleet,
+        "cost_per_request_engine_s": round(total_busy / len(ok), 5) if ok else None,
+        "work_engine_s": round(work, 3),
+        "work_per_request_engine_s": round(work / len(ok), 5) if ok else None,
+        "answered_by_step": dict(sorted(steps.items())),
+        "small_share": round(steps.get("1", 0) / len(ok), 3) if ok and name == "cascade" else 0.0,
+        "models": sorted({r.model or "?" for r in ok}),
+        "ttft_ms": {
+            "all": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "easy": _ms([r.ttft_s for r in ok if r.ttft_s is not None and not r.hard]),
+            "hard": _ms([r.ttft_s for r in ok if r.ttft_s is not None and r.hard]),
+        },
+        "latency_ms": _ms([r.total_s for r in ok]),
+        "completion_tokens": sum(r.completion_tokens for r in ok),
+        "target_wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The issue's goal, and the escalated requests' TTFT penalty (reported, no goal)."""
+    large, cascade = rows.get("all-large", {}), rows.get("cascade", {})
+    out: dict[str, dict[str, Any]] = {}
+    wa, wc = large.get("work_per_request_engine_s"), cascade.get("work_per_request_engine_s")
+    out["work_per_request_over_all_large"] = {
+        "value": round(wc / wa, 3) if wa and wc is not None else None,
+        "goal": None,
+        "met": None,
+        "note": "batch-independent work only (reported beside the goal, not instead of it)",
+    }
+    a, c = large.get("cost_per_request_engine_s"), cascade.get("cost_per_request_engine_s")
+    if a and c is not None:
+        out["cost_per_request_over_all_large"] = {
+            "value": round(c / a, 3),
+            "goal": "<= 0.5",
+            "met": c / a <= 0.5,
+        }
+    else:
+        out["cost_per_request_over_all_large"] = {"value": None, "goal": "<= 0.5", "met": None}
+    penalty: dict[str, Any] = {"goal": None, "met": None}
+    for kind in ("hard", "easy"):
+        for pct in ("p50", "p90"):
+            x = cascade.get("ttft_ms", {}).get(kind, {}).get(pct)
+            y = large.get("ttft_ms", {}).get(kind, {}).get(pct)
+            label = "escalated" if kind == "hard" else "small_answered"
+            penalty[f"{label}_ttft_{pct}_added_ms"] = None if x is None or y is None else round(x - y, 1)
+    out["ttft_penalty"] = penalty
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m load.bench.cascade", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=Path("results/cascade.json"), help="result JSON file")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (seconds, figures meaningless)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals")
+    p.add_argument("--rate", type=float, help="arrivals per second")
+    p.add_argument("--hard-share", type=float, help="share of hard prompts (0..1)")
+    p.add_argument("--threshold", type=float, help="the gate's threshold (nats, <= 0)")
+    p.add_argument("--stat", choices=("mean", "min", "first_k"), help="the gate's statistic (default mean)")
+    p.add_argument("--k", type=int, help="tokens the first_k gate reads")
+    p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    p.add_argument(
+        "--all-large-replicas", type=int, help="large replicas of the all-large target (default 2)"
+    )
+    p.add_argument("--small-replicas", type=int, help="small replicas of the cascade (default 1)")
+    p.add_argument("--large-replicas", type=int, help="large replicas of the cascade (default 1)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = quick_config() if args.quick else CascadeConfig()
+    for key, value in (
+        ("duration_s", args.duration),
+        ("rate_req_s", args.rate),
+        ("hard_share", args.hard_share),
+        ("threshold", args.threshold),
+        ("stat", args.stat),
+        ("k", args.k),
+        ("seed", args.seed),
+        ("all_large_replicas", args.all_large_replicas),
+        ("small_replicas", args.small_replicas),
+        ("large_replicas", args.large_replicas),
+    ):
+        if value is not None:
+            config = replace(config, **{key: value})
+    workdir = args.out.resolve().parent / f"{args.out.stem}-work"
+    started = time.monotonic()
+    requests = make_requests(config)
+    result: dict[str, Any] = {
+        "benchmark": "cascade",
+        "command": "python -m load.bench.cascade " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
+        "quick": args.quick,
+        "machine": machine(),
+        "revision": revision(),
+        "config": asdict(config),
+        "policy": config.policy(),
+        "sim": {
+            "args": {m: list(config.sim_args(m)) for m in ("small", "large")},
+            "sources": SIM_SOURCES,
+        },
+        "requests": len(requests),
+        "hard_requests": sum(r.hard for r in requests),
+        "cost": "busy engine-seconds (kvgate_sim_busy_seconds_total summed over the target's engines) per"
+        " request served; one GPU per replica, both models on the same GPU class; idle time not charged",
+    }
+    rows = {t: run_target(t, config, requests, workdir / t) for t in TARGETS}
+    result["targets"] = rows
+    result["goals"] = goals(rows)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    write_json(args.out, result)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

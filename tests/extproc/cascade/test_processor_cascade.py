@@ -1,0 +1,266 @@
+"""The stream state machine with a cascade's virtual model, in memory: the first step is routed among its
+model's endpoints and handed to the shell (:attr:`StreamProcessor.cascade_step`); :meth:`stepped` then
+answers the client itself (gate passed) or routes the client's body to the next step."""
+
+from __future__ import annotations
+
+import random
+import types
+from typing import Any
+
+import orjson
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import json_format
+
+from contracts.epp import CASCADE_STEP_HEADER, DECISION_CASCADE_STEP
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from extproc.cascade.plan import CascadePolicy, Cascader
+from extproc.cascade.spec import CascadeSpec
+from extproc.fleet import Fleet
+from extproc.index.approximate import ApproximateIndex
+from extproc.models.registry import ModelRegistry
+from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.routing.router import Router, RoutingPolicy
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from tests.extproc.test_processor import ACME_KEY, body, headers, make_gate, reply
+
+SMALL, MID, LARGE = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+def make(spec: CascadeSpec, hold_timeout_s: float | None = 600.0) -> tuple[StreamProcessor, Router]:
+    endpoints = [
+        Endpoint(EndpointId("s"), SMALL, frozenset({"small"}), "vllm"),
+        Endpoint(EndpointId("m"), MID, frozenset({"mid"}), "vllm"),
+        Endpoint(EndpointId("l"), LARGE, frozenset({"large"}), "vllm"),
+    ]
+    router = Router(
+        Fleet(endpoints),
+        ModelRegistry([]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s)
+    return StreamProcessor(router, config, lambda: 1000.0, cascade=cascader), router
+
+
+SPEC = CascadeSpec(("small", "large"), -0.5, timeout_s=12.5)
+
+
+def request(**extra: Any) -> bytes:
+    return orjson.dumps(
+        {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    )
+
+
+def answer(*logprobs: float, model: str = "small") -> bytes:
+    return orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "logprobs": {"content": [{"token": "o", "logprob": v} for v in logprobs]},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": len(logprobs),
+                "total_tokens": 3 + len(logprobs),
+            },
+        }
+    )
+
+
+def start(proc: StreamProcessor, payload: bytes) -> list[pb.ProcessingResponse]:
+    assert proc.handle(headers()) == []
+    return proc.handle(body(payload))
+
+
+def load(router: Router) -> dict[str, tuple[int, int]]:
+    """Per endpoint: (in flight, outstanding until a completion)."""
+    return {s.address: (s.in_flight, s.outstanding) for s in router.fleet if s.in_flight or s.outstanding}
+
+
+def immediate(out: list[pb.ProcessingResponse]) -> tuple[int, dict[str, str], bytes, dict[str, Any]]:
+    (resp,) = out
+    assert resp.HasField("immediate_response")
+    ir = resp.immediate_response
+    hs = {h.header.key: h.header.raw_value.decode() for h in ir.headers.set_headers}
+    return ir.status.code, hs, ir.body, json_format.MessageToDict(resp.dynamic_metadata)
+
+
+def test_the_first_step_is_sent_by_the_shell_with_logprobs() -> None:
+    proc, router = make(SPEC)
+    out = start(proc, request(stream=True))
+    assert len(out) == 1 and out[0].WhichOneof("response") is None
+    assert out[0].override_message_timeout.seconds == 17  # the step's bound + 5 s
+    sub = proc.cascade_step
+    assert sub is not None
+    assert (sub.address, sub.path, sub.timeout_s, sub.headers) == (
+        SMALL,
+        "/v1/chat/completions",
+        12.5,
+        {"x-request-id": "r1"},
+    )
+    sent = orjson.loads(sub.body)
+    assert (sent["model"], sent["stream"], sent["logprobs"]) == ("small", False, True)
+    assert load(router) == {SMALL: (1, 1)}
+
+
+def test_a_confident_answer_is_returned_by_the_gateway() -> None:
+    proc, router = make(SPEC)
+    start(proc, request())
+    status, hs, text, meta = immediate(proc.stepped(answer(-0.1, -0.2)))
+    assert status == 200
+    assert hs == {"content-type": "application/json", CASCADE_STEP_HEADER: "1"}
+    assert meta == {"kvgate": {"answered": "json"}}
+    doc = orjson.loads(text)
+    assert doc["model"] == "small" and doc["choices"][0]["logprobs"] is None  # the client did not ask
+    assert doc["usage"]["completion_tokens"] == 2
+    assert proc.answered is not None and proc.answered.step == 1 and proc.cascade_step is None
+    assert load(router) == {}  # the step's slot and outstanding count are released
+    proc.close()
+    assert load(router) == {}
+
+
+def test_a_streaming_client_gets_sse() -> None:
+    proc, _ = make(SPEC)
+    start(proc, request(stream=True, logprobs=True))
+    _, hs, text, meta = immediate(proc.stepped(answer(-0.1)))
+    assert hs["content-type"] == "text/event-stream" and meta == {"kvgate": {"answered": "sse"}}
+    assert text.endswith(b"data: [DONE]\n\n")
+    chunks = [orjson.loads(b[6:]) for b in text.split(b"\n\n")[:-2]]
+    assert chunks[1]["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.1  # asked for: kept
+
+
+@pytest.mark.parametrize(
+    ("got", "failure", "reason"),
+    [
+        (answer(-0.1, -2.0), None, "gate"),
+        (orjson.dumps({"choices": [{"message": {"content": "x"}, "logprobs": None}]}), None, "no_logprobs"),
+        (b"<html>", None, "bad_answer"),
+        (None, "timeout", "timeout"),
+        (None, "status", "status"),
+    ],
+)
+def test_an_uncertain_or_failed_step_escalates_to_the_next_through_envoy(
+    got: bytes | None, failure: str | None, reason: str
+) -> None:
+    proc, router = make(SPEC)
+    start(proc, request(stream=True, logprobs=False))
+    decided = reply(proc.stepped(got, failure))
+    assert decided.destination == [LARGE]
+    doc = orjson.loads(decided.body)
+    assert (doc["model"], doc["stream"], doc["logprobs"]) == ("large", True, False)  # the client's own body
+    assert decided.decision[DECISION_CASCADE_STEP] == "2"
+    assert decided.set_headers["x-kvgate-model"] == "large"
+    assert proc.run is not None and proc.run.verdicts[-1][1].reason == reason
+    assert proc.cascade_step is None and proc.answered is None
+    assert load(router) == {LARGE: (1, 1)}
+    proc.close()
+    assert load(router) == {LARGE: (0, 1)}  # outstanding until Envoy's completion log
+
+
+def test_three_steps() -> None:
+    proc, router = make(CascadeSpec(("small", "mid", "large"), -0.5, "min"))
+    start(proc, request())
+    out = proc.stepped(answer(-0.1, -0.9))
+    assert len(out) == 1 and out[0].WhichOneof("response") is None  # the message timeout, extended again
+    sub = proc.cascade_step
+    assert sub is not None and sub.address == MID and orjson.loads(sub.body)["model"] == "mid"
+    assert load(router) == {MID: (1, 1)}
+    _, hs, text, _ = immediate(proc.stepped(answer(-0.3, model="mid")))
+    assert hs[CASCADE_STEP_HEADER] == "2" and orjson.loads(text)["model"] == "mid"
+    assert load(router) == {}
+
+
+def test_a_client_gone_during_a_step_frees_its_slot() -> None:
+    proc, router = make(SPEC)
+    start(proc, request())
+    proc.close()
+    assert load(router) == {}
+
+
+def test_without_a_message_timeout_extension() -> None:
+    proc, _ = make(SPEC, hold_timeout_s=None)
+    assert start(proc, request()) == []
+    assert proc.cascade_step is not None
+
+
+def test_a_served_model_is_not_cascaded_and_an_unknown_step_is_a_404() -> None:
+    proc, _ = make(SPEC)
+    out = start(proc, orjson.dumps({"model": "small", "messages": [{"role": "user", "content": "x"}]}))
+    assert reply(out).destination == [SMALL] and proc.run is None
+    proc, _ = make(CascadeSpec(("nowhere", "large"), -0.5))
+    status, _, text, _ = immediate(start(proc, request()))
+    assert status == 404 and b"nowhere" in text
+
+
+def sse_line(logprob: float, content: str = "x") -> bytes:
+    choice = {
+        "index": 0,
+        "delta": {"content": content},
+        "logprobs": {"content": [{"token": content, "logprob": logprob}]},
+    }
+    return b"data: " + orjson.dumps({"id": "c", "created": 1, "model": "small", "choices": [choice]}) + b"\n"
+
+
+def test_a_first_k_step_is_streamed_and_cut_short_when_its_first_tokens_fail() -> None:
+    proc, router = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    start(proc, request())
+    sub = proc.cascade_step
+    assert sub is not None and sub.stream and orjson.loads(sub.body)["stream"] is True
+    assert proc.step_line(sse_line(-0.1)) and not proc.step_line(sse_line(-3.0))  # stop reading
+    decided = reply(proc.stepped(None))
+    assert decided.destination == [LARGE] and decided.decision[DECISION_CASCADE_STEP] == "2"
+    assert proc.run is not None and proc.run.verdicts[-1][1].reason == "gate"
+    assert load(router) == {LARGE: (1, 1)}
+
+
+def test_a_first_k_step_that_passes_is_read_to_its_end() -> None:
+    proc, _ = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    start(proc, request())
+    for lp in (-0.1, -0.2, -3.0, -3.0):  # only the first 2 tokens count
+        assert proc.step_line(sse_line(lp))
+    assert proc.step_line(b"data: [DONE]\n")
+    _, hs, text, _ = immediate(proc.stepped(None))
+    doc = orjson.loads(text)
+    assert hs[CASCADE_STEP_HEADER] == "1" and doc["choices"][0]["message"]["content"] == "xxxx"
+    assert doc["choices"][0]["logprobs"] is None
+
+
+def test_a_tenant_is_admitted_by_the_virtual_models_name() -> None:
+    """Tenant ``acme`` may use ``smol*``: the cascade ``smol-auto`` (over ``small`` and ``large``, which it
+    may not name itself)."""
+    _, router = make(SPEC)
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"smol-auto": SPEC})))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=None)
+    proc = StreamProcessor(router, config, lambda: 1000.0, make_gate(), cascade=cascader)
+    assert proc.handle(headers(extra=ACME_KEY)) == []
+    assert proc.handle(body(orjson.dumps({**orjson.loads(request()), "model": "smol-auto"}))) == []
+    assert proc.cascade_step is not None and proc.ticket is not None
+    proc = StreamProcessor(router, config, lambda: 1000.0, make_gate(), cascade=cascader)
+    assert proc.handle(headers(extra=ACME_KEY)) == []
+    status, _, text, _ = immediate(
+        proc.handle(body(orjson.dumps({**orjson.loads(request()), "model": "small"})))
+    )
+    assert status == 403 and b"model_not_allowed" in text
+
+
+def test_models_lists_virtual_models_whose_steps_are_served() -> None:
+    _, router = make(SPEC)
+    specs = {"auto": SPEC, "broken": CascadeSpec(("small", "nowhere"), -0.5)}
+    cascader = Cascader(CascadePolicy(types.MappingProxyType(specs)))
+    proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, cascade=cascader)
+    status, _, text, _ = immediate(proc.handle(headers("/v1/models", "GET", end=True)))
+    ids = [m["id"] for m in orjson.loads(text)["data"]]
+    assert status == 200 and ids == ["large", "mid", "small", "auto"]

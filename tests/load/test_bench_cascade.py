@@ -1,0 +1,82 @@
+"""The cascade benchmark (``load.bench.cascade``): its workload, its cost model's arithmetic, its goal, and
+a ``--quick`` run writing the documented JSON shape (no figure is asserted but the step each request was
+answered by, which the workload fixes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from load.bench import cascade
+
+
+def test_requests_mix_easy_and_hard_prompts_deterministically() -> None:
+    config = cascade.CascadeConfig()
+    requests = cascade.make_requests(config)
+    assert requests == cascade.make_requests(config)
+    hard = [r for r in requests if r.hard]
+    assert 0.2 < len(hard) / len(requests) < 0.4
+    assert all(r.prompt.startswith("[hard]") for r in hard)
+    assert all(r.prompt.startswith("[easy]") for r in requests if not r.hard)
+    assert len({r.prompt for r in requests}) == len(requests)
+    assert all(0 < r.at < config.duration_s for r in requests)
+
+
+def test_the_small_model_costs_the_stated_ratio_less() -> None:
+    config = cascade.CascadeConfig()
+    small, large = config.sim_args("small"), config.sim_args("large")
+
+    def flag(args: tuple[str, ...], name: str) -> float:
+        return float(args[args.index(name) + 1])
+
+    assert flag(large, "--step-base-ms") == 8 * flag(small, "--step-base-ms") == 6.0
+    assert flag(large, "--decode-ms-per-seq") == 8 * flag(small, "--decode-ms-per-seq")
+    assert flag(small, "--prefill-tokens-per-s") == 8 * flag(large, "--prefill-tokens-per-s")
+    assert flag(small, "--time-scale") == flag(large, "--time-scale")
+    assert config.policy()["models"]["auto"]["cascade"]["steps"] == ["small", "large"]
+
+
+def test_work_counts_both_steps_of_an_escalated_request() -> None:
+    config = cascade.CascadeConfig(time_scale=1.0)
+    easy = cascade.Record(False, prompt_tokens=2000, completion_tokens=100, step="1")
+    hard = cascade.Record(True, prompt_tokens=2000, completion_tokens=100, step="2")
+    large = 2000 / 20_000 + 100 * 0.15e-3  # 0.115 s
+    assert cascade.work_seconds(config, [easy, hard], "all-large") == pytest.approx(2 * large)
+    assert cascade.work_seconds(config, [easy, hard], "cascade") == pytest.approx(2 * large / 8 + large)
+
+
+def test_goal_and_penalty() -> None:
+    def row(cost: float, hard: float, easy: float) -> dict[str, object]:
+        return {
+            "cost_per_request_engine_s": cost,
+            "ttft_ms": {"hard": {"p50": hard, "p90": hard}, "easy": {"p50": easy, "p90": easy}},
+        }
+
+    got = cascade.goals({"all-large": row(1.0, 100, 100), "cascade": row(0.4, 350, 120)})
+    assert got["cost_per_request_over_all_large"] == {"value": 0.4, "goal": "<= 0.5", "met": True}
+    assert got["ttft_penalty"]["escalated_ttft_p50_added_ms"] == 250
+    assert got["ttft_penalty"]["small_answered_ttft_p90_added_ms"] == 20
+    missed = cascade.goals({"all-large": row(1.0, 1, 1), "cascade": row(0.6, 1, 1)})
+    assert missed["cost_per_request_over_all_large"]["met"] is False
+
+
+@pytest.mark.e2e
+def test_quick_run_writes_both_targets(tmp_path: Path) -> None:
+    out = tmp_path / "cascade.json"
+    assert cascade.main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["targets"]) == {"all-large", "cascade"}
+    assert doc["sim"]["sources"]["cost_ratio"] and doc["sim"]["sources"]["step_base_ms"]
+    hard = doc["hard_requests"]
+    rows = doc["targets"]
+    assert rows["all-large"]["answered_by_step"] == {"-": doc["requests"]}
+    assert rows["cascade"]["answered_by_step"] == {"1": doc["requests"] - hard, "2": hard}
+    assert rows["cascade"]["models"] == (["large", "small"] if hard else ["small"])
+    assert set(rows["cascade"]["engine_seconds"]) == {"small", "large"}
+    assert rows["cascade"]["replicas"] == {"small": 1, "large": 1} and rows["all-large"]["replicas"] == {
+        "large": 1
+    }
+    assert rows["cascade"]["work_engine_s"] > 0 and "work_per_request_over_all_large" in doc["goals"]
+    assert "cost_per_request_over_all_large" in doc["goals"]
