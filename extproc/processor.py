@@ -49,8 +49,8 @@ message and a logged traceback, never a pass-through.
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
