@@ -42,6 +42,8 @@ Example (TOML)::
     [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/,
                                        # objectives/
     endpoints = ["127.0.0.1:2379"]     # schema: runtime/etcd.py; tls_ca, tls_cert, tls_key, prefix
+    [inference_pool]                   # optional: the fleet from a Kubernetes InferencePool's pods
+    name = "kvgate-pool"               # schema: extproc/inferencepool/config.py
     [policy]
     file = "policy.toml"               # optional local policy overrides (schema: extproc/control/policy.py)
 
@@ -106,6 +108,7 @@ from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
 from extproc.flow.policy import FlowPolicy, parse_flow
+from extproc.inferencepool.config import PoolSettings, parse_pool_settings
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
@@ -303,6 +306,9 @@ class GatewayConfig:
     #: Flow control's embedded default (``[flow]``, ``[objectives.<name>]``), under the policy file and
     #: etcd (:mod:`extproc.flow.policy`).
     flow: FlowPolicy = field(default_factory=FlowPolicy)
+    #: The fleet from a Kubernetes InferencePool's pods, merged with etcd's (``None``: not followed;
+    #: :mod:`extproc.inferencepool`).
+    inference_pool: PoolSettings | None = None
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -423,12 +429,15 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     to.done()
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
+    pool_raw = top.raw("inference_pool")
+    pool = None if pool_raw is None else parse_pool_settings(pool_raw, "inference_pool", tuple(names))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
         flow=flow,
+        inference_pool=pool,
     )  # fmt: skip
 
 

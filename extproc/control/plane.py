@@ -10,8 +10,9 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   schema or another digest version joins without its KV data, logged once and counted in
   ``counters["version_skew"]``) and upserted, or removed on delete of the key that described it.
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
-  address of another endpoint, is refused with a log. A value that does not decode is refused and the
-  endpoint's last good description stays.
+  address of another endpoint, is refused with a log (unless that endpoint yields,
+  :attr:`ControlCore.yields`: an InferencePool pod's endpoint gives its address up to the agent's
+  record). A value that does not decode is refused and the endpoint's last good description stays.
 * ``drain/<id>``: present = :attr:`EndpointState.draining` (also for static endpoints, and remembered
   for an endpoint that registers later).
 * ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
@@ -114,6 +115,9 @@ class ControlCore:
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
         self._revision_now = 0  # the revision of the changes being applied
+        #: Whether an endpoint of the fleet gives its address up to an etcd record that has it (the
+        #: InferencePool's pods, :meth:`extproc.inferencepool.merge.PoolSync.owns`); default: none does.
+        self.yields: Callable[[EndpointId], bool] = lambda _endpoint_id: False
 
     def follow(self, family: str, sink: FamilySink) -> None:
         """Hand the keys of ``family`` to ``sink`` from the next snapshot on (register before the first;
@@ -232,6 +236,10 @@ class ControlCore:
             return False
         endpoint = decoded.endpoint
         holder = self.fleet.by_address(endpoint.address)
+        if holder is not None and holder.id != endpoint_id and self.yields(holder.id):
+            log.info("endpoint %s takes over %s from %s", endpoint_id, endpoint.address, holder.id)
+            self.fleet.remove(holder.id)  # e.g. an InferencePool pod's: the agent's record is richer
+            holder = None
         if holder is not None and holder.id != endpoint_id:
             address = endpoint.address
             log.warning("etcd endpoint %s refused: %s is %s's address", endpoint_id, address, holder.id)
