@@ -27,6 +27,9 @@ from engines.kinds import ENGINE_KINDS
 from extproc.inferencepool.config import PoolSettings
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+#: What the picker asks of the API, as RBAC says it: (API group, resource) -> verbs, in its namespace
+#: (deploy/kubernetes/base/rbac.yaml grants these, read-only).
+API_ACCESS = {("", "pods"): ("list", "watch"), (GROUP, PLURAL): ("list", "watch")}
 ENGINE_ANNOTATION = "kvgate.io/engine"
 MODELS_ANNOTATION = "kvgate.io/models"
 GONE = 410
