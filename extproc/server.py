@@ -176,7 +176,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
 
-
     def _send_beside(self, proc: StreamProcessor) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
         own: the request's stream may end first."""
@@ -325,7 +324,6 @@ class Gateway:
         #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
         self.server_certs: ReloadingServerCerts | None = None
 
-
     def _feed_counters(self) -> dict[str, int]:
         """The feed clients' counters; ``version_skew`` also counts etcd endpoint records of a version
         this gateway does not read as written (:mod:`contracts.versions`)."""
@@ -334,6 +332,7 @@ class Gateway:
         if self.cluster.control is not None:
             counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
         return counters
+
     async def start(self) -> None:
         cfg = self.config
         ex = cfg.extproc  # TLS files are read first: a bad one fails the start before anything listens

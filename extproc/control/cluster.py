@@ -106,7 +106,7 @@ class Cluster:
         if config.inference_pool is not None:
             from extproc.inferencepool.watch import PoolWatcher  # here: the API client takes 0.7 s to import
 
-            self.pool = PoolSync(fleet)
+            self.pool = PoolSync(fleet, agents_outside_pool=config.inference_pool.agents_outside_pool)
             self.pool_watcher = PoolWatcher(config.inference_pool, self._pool_view)
         if config.etcd is not None:
             self.control = ControlPlane(
@@ -117,8 +117,9 @@ class Cluster:
                 on_fleet_change=self.fleet_changed,
                 static_ids=self._static,
             )
-            if self.pool is not None:  # an agent's record takes over its pod's pool endpoint
-                self.control.core.yields = self.pool.owns
+            if self.pool is not None:  # an agent's record takes over its pod's pool endpoint, and
+                self.control.core.yields = self.pool.owns  # (by default) only a ready pod's is admitted
+                self.control.core.admits = self.pool.admits
 
     def share_admission(self, tenants: FamilySink, ledger: Ledger, sync_s: float) -> None:
         """With ``[etcd]``, follow ``tenants/`` into ``tenants`` (the gate's
@@ -182,6 +183,8 @@ class Cluster:
         """The pool's endpoints changed (:class:`~extproc.inferencepool.watch.PoolWatcher`)."""
         assert self.pool is not None
         self.pool.set_pool(view.endpoints)
+        if self.control is not None:
+            self.control.core.readmit()  # agents' records at the addresses of pods that came or went
         self.fleet_changed()
 
     @property

@@ -12,6 +12,8 @@
     metrics_path = "/metrics"      # scraped on each target port ("": not scraped)
     timeout_s = 10.0               # connect and list timeout
     max_backoff_s = 30.0           # longest wait between reconnections
+    agents_outside_pool = false    # true: also route to agents' etcd endpoints that are no ready pod
+                                   # of the pool (default: held out until one is)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PoolSettings:
     metrics_path: str = "/metrics"
     timeout_s: float = 10.0
     max_backoff_s: float = 30.0
+    agents_outside_pool: bool = False
 
 
 def parse_pool_settings(raw: object, where: str, default_models: tuple[str, ...]) -> PoolSettings:
@@ -79,6 +82,7 @@ def parse_pool_settings(raw: object, where: str, default_models: tuple[str, ...]
         metrics_path=metrics_path,
         timeout_s=s.number("timeout_s", 10.0, minimum=0.001),
         max_backoff_s=s.number("max_backoff_s", 30.0, minimum=0.001),
+        agents_outside_pool=s.flag("agents_outside_pool", False),
     )
     s.done()
     return settings

@@ -3,7 +3,9 @@ agents' etcd records), and :class:`PoolSync`, which keeps a :class:`~extproc.fle
 
 The rule: every registered endpoint stays as registered; a pool endpoint joins unless a registered one
 has its address (the same engine: the agent's record, richer -- its feed, KV events, block size, role --
-wins) or its id.
+wins) or its id. And, unless ``agents_outside_pool``, an agent's etcd record is admitted to the fleet only
+at the address of a ready pod of the pool (:meth:`PoolSync.admits`): on Kubernetes the pool says which
+engines serve, the agent says what they hold.
 """
 
 from __future__ import annotations
@@ -39,10 +41,19 @@ class PoolSync:
     is no longer its own (:meth:`owns` says which, so the etcd control plane may displace them).
     """
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, *, agents_outside_pool: bool = False) -> None:
         self.fleet = fleet
+        self.agents_outside_pool = agents_outside_pool
+        #: The pool has been read at least once (before, :meth:`admits` admits every agent's record).
+        self.known = False
         self._pool: dict[EndpointId, Endpoint] = {}
+        self._addresses: frozenset[str] = frozenset()
         self._ours: dict[EndpointId, Endpoint] = {}
+
+    def admits(self, endpoint: Endpoint) -> bool:
+        """Whether an agent's etcd record may be in the fleet: it is at the address of one of the pool's
+        endpoints (a ready pod's target port), or the pool is not known yet, or ``agents_outside_pool``."""
+        return self.agents_outside_pool or not self.known or endpoint.address in self._addresses
 
     def owns(self, endpoint_id: EndpointId) -> bool:
         """The fleet's entry ``endpoint_id`` is a pool endpoint this sync put there (and nobody replaced)."""
@@ -62,6 +73,8 @@ class PoolSync:
     def set_pool(self, endpoints: Mapping[EndpointId, Endpoint]) -> bool:
         """The pool's endpoints are now ``endpoints``; returns whether the fleet changed."""
         self._pool = dict(endpoints)
+        self._addresses = frozenset(e.address for e in self._pool.values())
+        self.known = True
         return self.reconcile()
 
     def reconcile(self) -> bool:

@@ -238,3 +238,40 @@ def _json(obj: object) -> bytes:
     import json
 
     return json.dumps(obj).encode()
+
+
+def test_agents_records_are_admitted_only_at_a_ready_pods_address() -> None:
+    """The deploy's layout: the agent registers its engine under the pod's name at the pod's address."""
+    fleet = Fleet()
+    sync = PoolSync(fleet)
+    core = ControlCore("/kvgate/", fleet, PolicyStore({}))
+    core.yields, core.admits = sync.owns, sync.admits
+    agent = Endpoint(
+        EndpointId("pod-a"),
+        "10.0.0.1:8000",
+        frozenset({"m"}),
+        node="pod-a",
+        feed="10.0.0.1:9500",
+        kv_events=True,
+    )
+    outsider = Endpoint(EndpointId("elsewhere"), "192.168.1.5:8000", frozenset({"m"}), node="n9")
+    # before the pool is known every record is admitted (an API server down at start is no outage)
+    core.apply([Change("/kvgate/endpoints/pod-a/pod-a", encode_endpoint(agent))], 1)
+    core.apply([Change("/kvgate/endpoints/n9/elsewhere", encode_endpoint(outsider))], 2)
+    assert {s.id for s in fleet} == {"pod-a", "elsewhere"}
+    pod_a = _ep("pod-a", "10.0.0.1:8000")
+    sync.set_pool({pod_a.id: pod_a})
+    assert core.readmit()
+    sync.reconcile()
+    assert [s.endpoint for s in fleet] == [agent]  # the agent's record, not the pod's; the outsider held
+    sync.set_pool({})  # pod-a is not Ready (or terminating, or left the selector)
+    assert core.readmit() and len(fleet) == 0
+    sync.set_pool({pod_a.id: pod_a})
+    assert core.readmit() and [s.endpoint for s in fleet] == [agent]
+    assert not sync.reconcile()
+    core.apply([Change("/kvgate/endpoints/n9/elsewhere", None)], 3)  # a held record's key is deleted
+    assert not core.readmit()
+    # agents_outside_pool: every record is admitted
+    open_sync = PoolSync(Fleet(), agents_outside_pool=True)
+    open_sync.set_pool({})
+    assert open_sync.admits(outsider)

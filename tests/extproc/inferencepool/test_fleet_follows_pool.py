@@ -129,6 +129,18 @@ async def test_the_gateway_merges_the_pool_with_agents_registrations(
             lambda: cluster.pool is not None and cluster.pool.pool["a"].models == {"m", "other"}, 10.0
         )
         assert {s.id for s in fleet} == {"node-1-vllm", "b"}
+        # the pod stops being Ready: the agent's record leaves with it, and comes back with it
+        api.put("pods", pod("a", "127.0.0.11", ready=False, annotations={"kvgate.io/models": "m, other"}))
+        await until(lambda: {s.id for s in fleet} == {"b"}, 10.0)
+        api.put("pods", pod("a", "127.0.0.11", annotations={"kvgate.io/models": "m, other"}))
+        await until(lambda: {s.id for s in fleet} == {"node-1-vllm", "b"}, 10.0)
+        # an agent's record at no pod's address is held out of the fleet
+        outsider = Endpoint(EndpointId("outsider"), "127.0.0.99:8000", frozenset({MODEL}), node="node-9")
+        await etcd_client.kv.put(
+            endpoint_key(etcd_settings.prefix, outsider.id, outsider.node), encode_endpoint(outsider)
+        )
+        await until(lambda: cluster.control is not None and "outsider" in cluster.control.core.held, 10.0)
+        assert {s.id for s in fleet} == {"node-1-vllm", "b"}
         # the agent's lease ends: the pod is the pool's endpoint again
         await etcd_client.kv.delete(key)
         await until(lambda: {s.id for s in fleet} == {"a", "b"}, 10.0)
