@@ -8,7 +8,9 @@ moves the version on. A ``410 Gone`` (an ``ERROR`` event's Status or the respons
 version is too old: list again at once. Anything else that breaks a watch (a refused connection, a 5xx,
 a stream cut, a line that is not the protocol) is retried after an exponential back-off with jitter, from
 the last version. A stream the server ends normally (its ``timeoutSeconds``) is watched again at once.
-A change of the pool's selector or ports restarts the pod watch with a fresh list.
+A change of the pool's selector restarts the pod watch with a fresh list (the pods already known stay
+until it replaces them, filtered by the new selector); a change of its ports or defaults only re-derives
+the endpoints.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class PoolWatcher:
         self._pods_task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
         self._refused: dict[str, str] = {}
+        self._selector: str | None = None  # the label selector the pods are followed by
         self.counters = dict.fromkeys(("lists", "relists", "events", "reconnects", "changes"), 0)
         #: Why the last list or watch failed (empty: never).
         self.last_error = ""
@@ -165,12 +168,20 @@ class PoolWatcher:
         await self._follow(self.core.pool, self._pool_request, self._pool_changed)
 
     def _pool_changed(self, listed: bool) -> None:
+        selector = self._selector
         spec_changed = self.core.pool_changed()
         if self.core.refused_pool:
             log.warning("InferencePool refused, keeping the last good one: %s", self.core.refused_pool)
         if spec_changed:
-            self._restart_pods()
-            self._emit()
+            spec = self.core.spec
+            self._selector = None if spec is None else spec.label_selector
+            if spec is None:
+                self._restart_pods()  # stops following pods
+                self._emit()
+            elif self._selector != selector:
+                self._restart_pods()  # new pods: the fleet changes when their list is in
+            else:
+                self._emit()  # ports or defaults: the same pods
         elif listed and self.core.spec is None:
             self._emit()  # no pool (yet): an empty fleet part, and synced
         if self.core.spec is None:
@@ -182,8 +193,9 @@ class PoolWatcher:
         if self._pods_task is not None:
             self._pods_task.cancel()
             self._pods_task = None
-        self.core.pods.resource_version = None
-        self.core.pods.objects.clear()
+        self.core.pods.resource_version = None  # the old pods stay until the new list replaces them
+        if self.core.spec is None:
+            self.core.pods.objects.clear()
         spec = self.core.spec
         if spec is not None:
             selector, ports = spec.label_selector, spec.target_ports

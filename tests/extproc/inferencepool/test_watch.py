@@ -124,11 +124,19 @@ async def test_the_fleet_follows_the_pool_through_list_watch_bookmarks_and_a_410
         api.put("pods", pod("e", "10.0.0.5"))
         await until(lambda: f.ids() == {"e"}, TIMEOUT_S)
 
-        # The pool's ports change: the pods are listed again and each pod has one endpoint per port.
+        # The pool's ports change: each pod has one endpoint per port (the same pods: no relist).
         api.put("inferencepools", pool(ports=(8000, 8001)))
         await until(lambda: f.ids() == {"e:8000", "e:8001"}, TIMEOUT_S)
         assert f.addresses() == {"10.0.0.5:8000", "10.0.0.5:8001"}
-        assert len(lists(api, "pods")) == 3
+        assert len(lists(api, "pods")) == 2
+        # The pool's selector changes: the pods are listed again with it, and only its pods serve.
+        api.put("pods", pod("g", "10.0.0.7", labels={"app.kubernetes.io/name": "kvgate-green"}))
+        green = pool()
+        green["spec"]["selector"]["matchLabels"] = {"app.kubernetes.io/name": "kvgate-green"}
+        api.put("inferencepools", green)
+        await until(lambda: f.ids() == {"g"}, TIMEOUT_S)
+        assert lists(api, "pods")[-1]["labelSelector"] == "app.kubernetes.io/name=kvgate-green"
+        assert all(len(v.endpoints) > 0 for v in f.views[-2:])  # no empty fleet on the way
         # The pool is deleted: no pool, no endpoints.
         api.delete("inferencepools", "kvgate-pool")
         await until(lambda: f.ids() == set(), TIMEOUT_S)
