@@ -273,6 +273,8 @@ class Gateway:
         feed_stats = self.cluster.feeds.stats
         feed_stats.on_staleness = self.metrics.feed_staleness.observe
         self.metrics.watch_feeds(self._feed_counters)
+        if self.cluster.pool_watcher is not None:
+            self.metrics.watch_pool(self.cluster.pool_counters)
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
         )

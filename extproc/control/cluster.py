@@ -179,6 +179,17 @@ class Cluster:
         feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
         self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
 
+    def pool_counters(self) -> dict[str, int]:
+        """The InferencePool watcher's counters, ``synced`` (0/1) and ``endpoints`` (the pool's endpoints
+        in the fleet now); empty without ``[inference_pool]``."""
+        if self.pool_watcher is None or self.pool is None:
+            return {}
+        return {
+            **self.pool_watcher.counters,
+            "synced": int(self.pool_watcher.synced),
+            "endpoints": len(self.pool.joined),
+        }
+
     def _pool_view(self, view: PoolView) -> None:
         """The pool's endpoints changed (:class:`~extproc.inferencepool.watch.PoolWatcher`)."""
         assert self.pool is not None

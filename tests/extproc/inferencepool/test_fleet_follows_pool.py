@@ -13,6 +13,7 @@ from pathlib import Path
 import etcd3aio
 import orjson
 import pytest
+from prometheus_client import generate_latest
 
 from contracts.etcd import EtcdSettings, endpoint_key
 from contracts.events import EndpointId
@@ -27,6 +28,7 @@ from extproc.index.hybrid import HybridIndex
 from extproc.inferencepool.config import PoolSettings
 from extproc.inferencepool.core import PoolCore
 from extproc.inferencepool.merge import PoolSync
+from extproc.metrics import GatewayMetrics
 from extproc.models.registry import ModelRegistry
 from extproc.routing.request import Kind, parse_body
 from extproc.routing.router import Router, RoutingPolicy
@@ -113,6 +115,11 @@ async def test_the_gateway_merges_the_pool_with_agents_registrations(
     assert cluster.pool_watcher is not None and cluster.control is not None
     try:
         assert {s.id for s in fleet} == {"a", "b"}  # start waited for the first list
+        metrics = GatewayMetrics(fleet)
+        metrics.watch_pool(cluster.pool_counters)
+        text = generate_latest(metrics.registry).decode()
+        for line in ("synced 1.0", "endpoints 2.0", "lists_total 2.0", "relists_total 0.0"):
+            assert f"kvgate_inference_pool_{line}" in text
         agent = Endpoint(
             EndpointId("node-1-vllm"), "127.0.0.11:8000", frozenset({MODEL}), node="node-1",
             block_size=16, capacity_blocks=4096, labels=(("zone", "z1"),),
