@@ -5,6 +5,7 @@ gives it back when its lease ends."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from collections.abc import AsyncIterator
@@ -158,3 +159,56 @@ async def test_the_gateway_merges_the_pool_with_agents_registrations(
         assert all(p == ["a"] for p in picks(router, 5, "cluster"))
     finally:
         await cluster.aclose()
+
+
+async def test_a_gateway_on_a_pool_alone_is_ready_once_a_pod_is(api: FakeApiServer, tmp_path: Path) -> None:
+    """The whole ext_proc (``Gateway``) with ``[inference_pool]`` and nothing else: its gRPC readiness is
+    NOT_SERVING while no pod of the pool is Ready, SERVING once one is, NOT_SERVING after it is deleted."""
+    from grpc import aio
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from extproc.server import Gateway
+
+    api.put("inferencepools", pool())
+    api.put("pods", pod("a", "127.0.0.21", ready=False))
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    config = parse_config(
+        {
+            "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
+            "scrape": {"interval_s": 0.05},
+            "inference_pool": {
+                "name": "kvgate-pool", "namespace": NAMESPACE, "kubeconfig": str(kubeconfig),
+                "models": [MODEL], "metrics_path": "",
+            },
+        }
+    )  # fmt: skip
+    gw = Gateway(config)
+    await gw.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{gw.ports['health']}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def readiness() -> str:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+                return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+            serving: list[str] = []
+
+            async def poll(expected: str) -> None:
+                for _ in range(400):
+                    serving.append(await readiness())
+                    if serving[-1] == expected:
+                        return
+                    await asyncio.sleep(0.025)
+                raise AssertionError(f"readiness never {expected}: {serving[-3:]}")
+
+            assert len(gw.fleet) == 0
+            await poll("NOT_SERVING")
+            api.put("pods", pod("a", "127.0.0.21"))
+            await poll("SERVING")
+            assert [s.address for s in gw.fleet] == ["127.0.0.21:8000"]
+            api.delete("pods", "a")
+            await poll("NOT_SERVING")
+            assert len(gw.fleet) == 0
+    finally:
+        await gw.aclose(grace_s=0)
