@@ -120,6 +120,7 @@ class Cluster:
             if self.pool is not None:  # an agent's record takes over its pod's pool endpoint, and
                 self.control.core.yields = self.pool.owns  # (by default) only a ready pod's is admitted
                 self.control.core.admits = self.pool.admits
+                self.pool.draining = self.control.core.draining  # kvgate drain reaches pool pods too
 
     def share_admission(self, tenants: FamilySink, ledger: Ledger, sync_s: float) -> None:
         """With ``[etcd]``, follow ``tenants/`` into ``tenants`` (the gate's

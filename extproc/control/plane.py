@@ -138,6 +138,10 @@ class ControlCore:
         """Endpoints this core added from etcd (and has not removed)."""
         return frozenset(self._ours)
 
+    def draining(self, endpoint_id: EndpointId) -> bool:
+        """etcd has ``drain/<endpoint_id>`` (for an endpoint of any source, present or to come)."""
+        return endpoint_id in self._draining
+
     @property
     def held(self) -> frozenset[EndpointId]:
         """etcd endpoints held out of the fleet because :attr:`admits` refuses them."""

@@ -11,7 +11,7 @@ engines serve, the agent says what they hold.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
@@ -44,6 +44,9 @@ class PoolSync:
     def __init__(self, fleet: Fleet, *, agents_outside_pool: bool = False) -> None:
         self.fleet = fleet
         self.agents_outside_pool = agents_outside_pool
+        #: Whether an endpoint is drained (etcd ``drain/<id>``: ``ControlCore.draining``), applied when a
+        #: pool endpoint joins; a drain set later reaches it through the control core itself.
+        self.draining: Callable[[EndpointId], bool] = lambda _endpoint_id: False
         #: The pool has been read at least once (before, :meth:`admits` admits every agent's record).
         self.known = False
         self._pool: dict[EndpointId, Endpoint] = {}
@@ -98,7 +101,10 @@ class PoolSync:
             if self._ours.get(endpoint_id) != endpoint:
                 if endpoint_id not in self._ours:
                     log.info("pool endpoint %s (%s) joined the fleet", endpoint_id, endpoint.address)
+                joined = endpoint_id not in self._ours
                 self.fleet.upsert(endpoint)
                 self._ours[endpoint_id] = endpoint
+                if joined and self.draining(endpoint_id):
+                    self.fleet.set_state(endpoint_id, draining=True)
                 changed = True
         return changed

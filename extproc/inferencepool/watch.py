@@ -136,12 +136,13 @@ class PoolWatcher:
         return self._synced.is_set()
 
     async def aclose(self) -> None:
-        for task in (self._pods_task, self._pool_task):
+        for name in ("_pool_task", "_pods_task"):  # the pool's first: it may start a pods task
+            task: asyncio.Task[None] | None = getattr(self, name)
+            setattr(self, name, None)
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._pods_task = self._pool_task = None
         api, self._api = self._api, None
         if api is not None:
             await api.close()

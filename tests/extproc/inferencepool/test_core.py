@@ -275,3 +275,18 @@ def test_agents_records_are_admitted_only_at_a_ready_pods_address() -> None:
     open_sync = PoolSync(Fleet(), agents_outside_pool=True)
     open_sync.set_pool({})
     assert open_sync.admits(outsider)
+
+
+def test_a_drain_reaches_pool_endpoints_present_and_to_come() -> None:
+    fleet = Fleet()
+    sync = PoolSync(fleet)
+    core = ControlCore("/kvgate/", fleet, PolicyStore({}))
+    core.yields, core.admits, sync.draining = sync.owns, sync.admits, core.draining
+    a, b = _ep("pod-a", "10.0.0.1:8000"), _ep("pod-b", "10.0.0.2:8000")
+    sync.set_pool({a.id: a})
+    core.apply([Change("/kvgate/drain/pod-a", b"1"), Change("/kvgate/drain/pod-b", b"1")], 1)
+    assert fleet.get(a.id).draining  # type: ignore[union-attr]
+    sync.set_pool({a.id: a, b.id: b})  # b becomes Ready after its drain was ordered
+    assert fleet.get(b.id).draining  # type: ignore[union-attr]
+    core.apply([Change("/kvgate/drain/pod-b", None)], 2)
+    assert not fleet.get(b.id).draining  # type: ignore[union-attr]
