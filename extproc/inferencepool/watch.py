@@ -7,7 +7,9 @@ Each collection (the pool object, by ``fieldSelector=metadata.name=<pool>``; its
 moves the version on. A ``410 Gone`` (an ``ERROR`` event's Status or the response's status) means the
 version is too old: list again at once. Anything else that breaks a watch (a refused connection, a 5xx,
 a stream cut, a line that is not the protocol) is retried after an exponential back-off with jitter, from
-the last version. A stream the server ends normally (its ``timeoutSeconds``) is watched again at once.
+the last version (the credentials' own errors too: a failed token refresh retries, never ends the watch).
+A stream the server ends normally (its ``timeoutSeconds``) is watched again at once, unless it ended
+within :data:`QUICK_END_S` with no event (then after a back-off, so nothing spins).
 A change of the pool's selector restarts the pod watch with a fresh list (the pods already known stay
 until it replaces them, filtered by the new selector); a change of its ports or defaults only re-derives
 the endpoints.
@@ -20,6 +22,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,8 @@ from extproc.inferencepool.core import (
 log = logging.getLogger(__name__)
 
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+QUICK_END_S = 1.0
+"""A watch the server ends this soon with no event in it is retried after a back-off, not at once."""
 WATCH_TIMEOUT_S = 300
 """The ``timeoutSeconds`` of each watch: the server ends it then and the client watches again."""
 
@@ -234,6 +239,7 @@ class PoolWatcher:
                     self.counters["lists"] += 1
                     changed(True)
                     backoff = self._min_backoff_s
+                events, started = self.counters["events"], time.monotonic()
                 outcome = await self._watch(coll, request, changed)
                 if outcome is Outcome.RELIST:
                     self.counters["relists"] += 1
@@ -241,10 +247,15 @@ class PoolWatcher:
                     continue
                 if outcome is Outcome.ERROR:
                     raise ProtocolError(f"watch ERROR event {coll.last_error}")
-                backoff = self._min_backoff_s  # the server ended the watch: watch again at once
+                if self.counters["events"] == events and time.monotonic() - started < QUICK_END_S:
+                    # ended at once with nothing in it (a proxy closing streams?): no spinning
+                    await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                    backoff = min(backoff * 2, self.settings.max_backoff_s)
+                else:
+                    backoff = self._min_backoff_s  # the server ended the watch: watch again at once
             except asyncio.CancelledError:
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError, ProtocolError, HttpError, ValueError) as exc:
+            except Exception as exc:  # whatever it was (a token refresh too), the watch goes on
                 self.counters["reconnects"] += 1
                 self.last_error = f"{coll.kind}: {exc}"
                 log.warning("kubernetes %s: %s; retrying in %.1f s", coll.kind, exc, backoff)

@@ -36,6 +36,7 @@ class _Collection:
     streams: list[asyncio.Queue[bytes | None]] = field(default_factory=list)
     fail_lists: list[int] = field(default_factory=list)  # statuses the next lists answer
     history: list[tuple[int, bytes]] = field(default_factory=list)  # (resourceVersion, event line)
+    end_at_once: bool = False  # watches end as soon as they start, empty (a misbehaving proxy)
 
 
 class FakeApiServer:
@@ -167,6 +168,9 @@ class FakeApiServer:
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if coll.end_at_once:
+            await response.write_eof()
+            return response
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         since = int(query.get("resourceVersion") or 0)
         for rv, line in coll.history:

@@ -5,6 +5,7 @@ Kubernetes API server is the one part of this path that cannot run here. The cli
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -169,6 +170,12 @@ async def test_errors_are_retried_with_backoff_and_a_watch_error_event_resumes(
         assert len(lists(api, "pods")) == 3  # the two refused and the one answered
         api.put("pods", pod("b", "10.0.0.2"))
         await until(lambda: f.ids() == {"a", "b"}, TIMEOUT_S)
+        # Watches that end at once, empty: retried after a back-off (0.01 s doubling to 0.2 s), not spun.
+        api.collections["pods"].end_at_once = True
+        before = len(watches(api, "pods"))
+        api.end("pods")
+        await asyncio.sleep(1.0)  # a span to count requests in, not a readiness wait
+        assert 3 <= len(watches(api, "pods")) - before <= 15
     finally:
         await f.watcher.aclose()
 
