@@ -42,6 +42,8 @@ Example (TOML)::
     [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/,
                                        # objectives/
     endpoints = ["127.0.0.1:2379"]     # schema: runtime/etcd.py; tls_ca, tls_cert, tls_key, prefix
+    [inference_pool]                   # optional: the fleet from a Kubernetes InferencePool's pods
+    name = "kvgate-pool"               # schema: extproc/inferencepool/config.py
     [policy]
     file = "policy.toml"               # optional local policy overrides (schema: extproc/control/policy.py)
 
@@ -117,6 +119,7 @@ from extproc.admission.tenants import Tenant
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.overload.gate import OverloadConfig, parse_overload
+from extproc.inferencepool.config import PoolSettings, parse_pool_settings
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
@@ -318,6 +321,9 @@ class GatewayConfig:
     drift: DriftPolicy = field(default_factory=DriftPolicy)
     #: The ext_proc's own load bound (``[overload]``, :mod:`extproc.overload`).
     overload: OverloadConfig = field(default_factory=OverloadConfig)
+    #: The fleet from a Kubernetes InferencePool's pods, merged with etcd's (``None``: not followed;
+    #: :mod:`extproc.inferencepool`).
+    inference_pool: PoolSettings | None = None
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -440,6 +446,8 @@ def parse_config(raw: object) -> GatewayConfig:
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
     drift = parse_drift(top.table("drift"))
     overload = parse_overload(top.table("overload"))
+    pool_raw = top.raw("inference_pool")
+    pool = None if pool_raw is None else parse_pool_settings(pool_raw, "inference_pool", tuple(names))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -448,6 +456,7 @@ def parse_config(raw: object) -> GatewayConfig:
         flow=flow,
         drift=drift,
         overload=overload,
+        inference_pool=pool,
     )  # fmt: skip
 
 

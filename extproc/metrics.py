@@ -206,6 +206,13 @@ class GatewayMetrics:
         clients' shared stats) at every scrape; a name it lacks reads 0."""
         self.registry.register(_FeedCollector(counters))
 
+    def watch_pool(self, counters: Callable[[], Mapping[str, int]]) -> None:
+        """Export the InferencePool watcher's state from ``counters()`` at every scrape
+        (:class:`extproc.inferencepool.watch.PoolWatcher`): ``kvgate_inference_pool_<name>_total`` for
+        ``lists``, ``relists`` (410 Gone), ``events``, ``reconnects``; gauges ``kvgate_inference_pool_synced``
+        (listed once) and ``kvgate_inference_pool_endpoints`` (the pool's endpoints in the fleet)."""
+        self.registry.register(_PoolCollector(counters))
+
     def ttft_observed(self, predicted_s: float, observed_s: float) -> None:
         """One window's mean predicted and observed engine TTFT at one endpoint."""
         error = observed_s - predicted_s
@@ -447,4 +454,27 @@ class _FeedCollector(Collector):
         for name in FEED_COUNTERS:
             yield CounterMetricFamily(
                 f"kvgate_feed_{name}", f"Feed clients' {name} since start.", value=values.get(name, 0)
+            )
+
+
+class _PoolCollector(Collector):
+    """The InferencePool watcher's counters and gauges (:meth:`GatewayMetrics.watch_pool`)."""
+
+    def __init__(self, counters: Callable[[], Mapping[str, int]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterable[Metric]:
+        values = self._counters()
+        for name in ("lists", "relists", "events", "reconnects"):
+            yield CounterMetricFamily(
+                f"kvgate_inference_pool_{name}",
+                f"InferencePool watch: {name} since start.",
+                value=values.get(name, 0),
+            )
+        for name, what in (
+            ("synced", "1 once the pool and its pods were listed"),
+            ("endpoints", "pool endpoints in the fleet"),
+        ):
+            yield GaugeMetricFamily(
+                f"kvgate_inference_pool_{name}", f"InferencePool: {what}.", value=values.get(name, 0)
             )

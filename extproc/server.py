@@ -360,6 +360,8 @@ class Gateway:
         feed_stats = self.cluster.feeds.stats
         feed_stats.on_staleness = self.metrics.feed_staleness.observe
         self.metrics.watch_feeds(self._feed_counters)
+        if self.cluster.pool_watcher is not None:
+            self.metrics.watch_pool(self.cluster.pool_counters)
         self.router.predictor.listener = lambda seen: self.metrics.ttft_observed(
             seen.predicted_s, seen.observed_s
         )
@@ -424,7 +426,6 @@ class Gateway:
         #: The ext_proc port's certificate fetcher when TLS is configured (``reloads`` counts rotations).
         self.server_certs: ReloadingServerCerts | None = None
 
-
     def _feed_counters(self) -> dict[str, int]:
         """The feed clients' counters; ``version_skew`` also counts etcd endpoint records of a version
         this gateway does not read as written (:mod:`contracts.versions`)."""
@@ -433,6 +434,7 @@ class Gateway:
         if self.cluster.control is not None:
             counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
         return counters
+
     async def start(self) -> None:
         cfg = self.config
         ex = cfg.extproc  # TLS files are read first: a bad one fails the start before anything listens

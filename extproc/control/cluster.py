@@ -8,7 +8,8 @@
   routes, block size, speculative TTL, and the flow policy handed to :attr:`Cluster.flow_listener`); a
   refused one leaves the last good policy in force;
 - the fleet: static ``[[endpoints]]`` plus the agents' leased ``endpoints/<id>`` entries and ``drain/<id>``
-  flags (:class:`extproc.control.plane.ControlPlane`);
+  flags (:class:`extproc.control.plane.ControlPlane`), plus, with ``[inference_pool]``, the ready pods of a
+  Kubernetes InferencePool that no agent registered (:mod:`extproc.inferencepool`);
 - admission (:meth:`Cluster.share_admission`): etcd ``tenants/<id>`` into the gate's tenant set, and the
   token counters replicas share under ``usage/<tenant>/<replica>`` (:class:`extproc.control.usage.UsageSync`);
 - the agents' feeds (:class:`extproc.control.feeds.FeedManager`): each endpoint registered with a ``feed``
@@ -28,6 +29,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from contracts.errors import ConfigError
 from contracts.etcd import TENANTS, USAGE
@@ -40,8 +42,13 @@ from extproc.control.usage import Ledger, UsageSync
 from extproc.fleet import Fleet
 from extproc.flow.policy import FlowPolicy
 from extproc.index.hybrid import HybridIndex
+from extproc.inferencepool.core import PoolView
+from extproc.inferencepool.merge import PoolSync
 from extproc.routing.router import Router
 from runtime.tls import ClientTlsFiles, channel_credentials
+
+if TYPE_CHECKING:
+    from extproc.inferencepool.watch import PoolWatcher
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,14 @@ class Cluster:
         self.control: ControlPlane | None = None
         #: The shared token budgets' etcd side (``None``: no ``[etcd]``, or no :meth:`share_admission`).
         self.usage: UsageSync | None = None
+        #: The fleet part from a Kubernetes InferencePool's pods (``None``: no ``[inference_pool]``).
+        self.pool: PoolSync | None = None
+        self.pool_watcher: PoolWatcher | None = None
+        if config.inference_pool is not None:
+            from extproc.inferencepool.watch import PoolWatcher  # here: the API client takes 0.7 s to import
+
+            self.pool = PoolSync(fleet, agents_outside_pool=config.inference_pool.agents_outside_pool)
+            self.pool_watcher = PoolWatcher(config.inference_pool, self._pool_view)
         if config.etcd is not None:
             self.control = ControlPlane(
                 config.etcd,
@@ -102,6 +117,10 @@ class Cluster:
                 on_fleet_change=self.fleet_changed,
                 static_ids=self._static,
             )
+            if self.pool is not None:  # an agent's record takes over its pod's pool endpoint, and
+                self.control.core.yields = self.pool.owns  # (by default) only a ready pod's is admitted
+                self.control.core.admits = self.pool.admits
+                self.pool.draining = self.control.core.draining  # kvgate drain reaches pool pods too
 
     def share_admission(self, tenants: FamilySink, ledger: Ledger, sync_s: float) -> None:
         """With ``[etcd]``, follow ``tenants/`` into ``tenants`` (the gate's
@@ -123,18 +142,27 @@ class Cluster:
             if self.usage is not None and self.control.client is not None:
                 settings = self.control.settings
                 await self.usage.start(self.control.client, settings.prefix, settings.timeout_s)
+        if self.pool_watcher is not None:
+            await self.pool_watcher.start()
+            if not await self.pool_watcher.wait_synced(SYNC_TIMEOUT_S):
+                log.warning("Kubernetes API not reachable yet: serving without the pool's pods until it is")
         self.fleet_changed()
 
     async def aclose(self) -> None:
         if self.usage is not None:
             await self.usage.aclose()
+        if self.pool_watcher is not None:
+            await self.pool_watcher.aclose()
         if self.control is not None:
             await self.control.aclose()
         await self.feeds.aclose()
 
     def fleet_changed(self) -> None:
         """Endpoints came or went: forget removed ones in the index, place each endpoint in the precise
-        or approximate part of the index, follow the feeds the fleet names."""
+        or approximate part of the index, follow the feeds the fleet names. With an InferencePool, its
+        pods' endpoints are merged in first (an agent that came or went takes or gives back its pod's)."""
+        if self.pool is not None:
+            self.pool.reconcile()
         current = {s.id for s in self.fleet}
         for gone in self._known - current:
             self.index.drop_endpoint(gone)
@@ -151,6 +179,25 @@ class Cluster:
         self._stores = set(stores)
         feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
         self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
+
+    def pool_counters(self) -> dict[str, int]:
+        """The InferencePool watcher's counters, ``synced`` (0/1) and ``endpoints`` (the pool's endpoints
+        in the fleet now); empty without ``[inference_pool]``."""
+        if self.pool_watcher is None or self.pool is None:
+            return {}
+        return {
+            **self.pool_watcher.counters,
+            "synced": int(self.pool_watcher.synced),
+            "endpoints": len(self.pool.joined),
+        }
+
+    def _pool_view(self, view: PoolView) -> None:
+        """The pool's endpoints changed (:class:`~extproc.inferencepool.watch.PoolWatcher`)."""
+        assert self.pool is not None
+        self.pool.set_pool(view.endpoints)
+        if self.control is not None:
+            self.control.core.readmit()  # agents' records at the addresses of pods that came or went
+        self.fleet_changed()
 
     @property
     def flow_policy(self) -> FlowPolicy:

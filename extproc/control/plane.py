@@ -10,8 +10,11 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   schema or another digest version joins without its KV data, logged once and counted in
   ``counters["version_skew"]``) and upserted, or removed on delete of the key that described it.
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
-  address of another endpoint, is refused with a log. A value that does not decode is refused and the
-  endpoint's last good description stays.
+  address of another endpoint, is refused with a log (unless that endpoint yields,
+  :attr:`ControlCore.yields`: an InferencePool pod's endpoint gives its address up to the agent's
+  record). A value that does not decode is refused and the endpoint's last good description stays. One
+  that :attr:`ControlCore.admits` refuses (an InferencePool's gateway: no ready pod of the pool has its
+  address) is held out of the fleet until :meth:`ControlCore.readmit` finds it admitted.
 * ``drain/<id>``: present = :attr:`EndpointState.draining` (also for static endpoints, and remembered
   for an endpoint that registers later).
 * ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
@@ -54,7 +57,7 @@ from contracts.etcd import (
 )
 from contracts.events import EndpointId
 from contracts.versions import SkewLog
-from engines.endpoint import decode_record
+from engines.endpoint import Endpoint, decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
 from runtime.etcd import connect
@@ -114,6 +117,14 @@ class ControlCore:
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
         self._revision_now = 0  # the revision of the changes being applied
+        #: Whether an etcd endpoint may be in the fleet now (refused ones are held and asked again by
+        #: :meth:`readmit`; with an InferencePool, those at the address of none of its ready pods,
+        #: :meth:`extproc.inferencepool.merge.PoolSync.admits`); default: every one.
+        self.admits: Callable[[Endpoint], bool] = lambda _endpoint: True
+        self._held: dict[EndpointId, Endpoint] = {}
+        #: Whether an endpoint of the fleet gives its address up to an etcd record that has it (the
+        #: InferencePool's pods, :meth:`extproc.inferencepool.merge.PoolSync.owns`); default: none does.
+        self.yields: Callable[[EndpointId], bool] = lambda _endpoint_id: False
 
     def follow(self, family: str, sink: FamilySink) -> None:
         """Hand the keys of ``family`` to ``sink`` from the next snapshot on (register before the first;
@@ -126,6 +137,15 @@ class ControlCore:
     def etcd_endpoints(self) -> frozenset[EndpointId]:
         """Endpoints this core added from etcd (and has not removed)."""
         return frozenset(self._ours)
+
+    def draining(self, endpoint_id: EndpointId) -> bool:
+        """etcd has ``drain/<endpoint_id>`` (for an endpoint of any source, present or to come)."""
+        return endpoint_id in self._draining
+
+    @property
+    def held(self) -> frozenset[EndpointId]:
+        """etcd endpoints held out of the fleet because :attr:`admits` refuses them."""
+        return frozenset(self._held)
 
     def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> Applied:
         """Make the applied state equal to a full read of the prefix taken at ``revision``."""
@@ -210,6 +230,7 @@ class ControlCore:
                 self.counters["refused"] += 1
             return False
         if value is None:
+            self._held.pop(endpoint_id, None)
             if endpoint_id not in self._ours:
                 return False
             self._ours.discard(endpoint_id)
@@ -231,7 +252,42 @@ class ControlCore:
             self.counters["rejected"] += 1
             return False
         endpoint = decoded.endpoint
+        if not self.admits(endpoint):
+            self._held[endpoint_id] = endpoint
+            return self._hold(endpoint_id)
+        self._held.pop(endpoint_id, None)
+        return self._admit(endpoint_id, endpoint)
+
+    def _hold(self, endpoint_id: EndpointId) -> bool:
+        """Take an endpoint of ours out of the fleet while :attr:`admits` refuses it (kept in ``_held``)."""
+        if endpoint_id not in self._ours:
+            return False
+        self._ours.discard(endpoint_id)
+        self.fleet.remove(endpoint_id)
+        log.info("endpoint %s held out of the fleet (not admitted)", endpoint_id)
+        return True
+
+    def readmit(self) -> bool:
+        """Ask :attr:`admits` again about every etcd endpoint (after what it reads changed): those it now
+        refuses leave the fleet, held ones it now admits join. Returns whether the fleet changed."""
+        changed = False
+        for endpoint_id in sorted(self._ours):
+            state = self.fleet.get(endpoint_id)
+            if state is not None and not self.admits(state.endpoint):
+                self._held[endpoint_id] = state.endpoint
+                changed |= self._hold(endpoint_id)
+        for endpoint_id, endpoint in sorted(self._held.items()):
+            if self.admits(endpoint):
+                del self._held[endpoint_id]
+                changed |= self._admit(endpoint_id, endpoint)
+        return changed
+
+    def _admit(self, endpoint_id: EndpointId, endpoint: Endpoint) -> bool:
         holder = self.fleet.by_address(endpoint.address)
+        if holder is not None and holder.id != endpoint_id and self.yields(holder.id):
+            log.info("endpoint %s takes over %s from %s", endpoint_id, endpoint.address, holder.id)
+            self.fleet.remove(holder.id)  # e.g. an InferencePool pod's: the agent's record is richer
+            holder = None
         if holder is not None and holder.id != endpoint_id:
             address = endpoint.address
             log.warning("etcd endpoint %s refused: %s is %s's address", endpoint_id, address, holder.id)

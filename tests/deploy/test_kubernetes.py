@@ -116,7 +116,7 @@ def test_every_object_matches_its_schema(rendered: dict[str, Objects], overlay: 
     kinds = {o["kind"] for o in objects}
     assert kinds >= {
         "InferencePool", "HTTPRoute", "Deployment", "Service", "ConfigMap", "StatefulSet",
-        "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount",
+        "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
     }  # fmt: skip
     validators = {key: crd_validator(name) for key, name in CRDS.items()}
     for obj in objects:
@@ -336,6 +336,15 @@ def test_the_picker_config_serves_the_probes_the_pod_asks(
     raw = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))
     raw["extproc"].update(listen="127.0.0.1:0", health_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
     raw["etcd"]["endpoints"] = ["127.0.0.1:1"]
+    # the in-cluster API is not here: a kubeconfig naming a closed port (the pool is retried meanwhile)
+    kubeconfig = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }  # fmt: skip
+    (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+    raw["inference_pool"]["kubeconfig"] = str(tmp_path / "kubeconfig")
     config, ready = tmp_path / "gateway.json", tmp_path / "ready.json"
     config.write_text(json.dumps(raw))
     argv = [sys.executable, "-m", "extproc.server", "--config", str(config), "--ready-file", str(ready)]
@@ -404,3 +413,55 @@ def test_production_etcd_requires_client_certificates_and_rbac(rendered: dict[st
         for peer in rule["from"]
     ]
     assert job["spec"]["template"]["metadata"]["labels"].items() >= admitted[-1].items()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_picker_may_only_read_its_pool_and_pods(rendered: dict[str, Objects], overlay: str) -> None:
+    """RBAC for [inference_pool]: a namespaced Role granting get/list/watch on pods and inferencepools and
+    nothing else (covering what the watcher asks, extproc.inferencepool.core.API_ACCESS), bound to the
+    picker's ServiceAccount alone; only the picker's pods mount an API token; its config follows the
+    pool the manifests define."""
+    from extproc.inferencepool.core import API_ACCESS
+
+    objects = rendered[overlay]
+    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    epp = find(objects, "Deployment", "kvgate-epp")["spec"]["template"]["spec"]
+    account = epp["serviceAccountName"]
+    assert find(objects, "ServiceAccount", account)["metadata"]["name"] == account
+    (binding,) = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "kvgate-epp",
+    }
+    (subject,) = binding["subjects"]
+    assert (subject["kind"], subject["name"]) == ("ServiceAccount", account)
+    assert subject.get("namespace", binding["metadata"].get("namespace")) == binding["metadata"].get(
+        "namespace"
+    )
+    (role,) = [o for o in objects if o["kind"] == "Role"]
+    assert role["metadata"]["name"] == binding["roleRef"]["name"]
+    assert role["metadata"].get("namespace") == binding["metadata"].get("namespace")
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # read-only
+        assert "resourceNames" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted.keys() == API_ACCESS.keys()
+    for key, verbs in API_ACCESS.items():
+        assert set(verbs) <= granted[key], key
+    # the token: mounted for the picker, for no other workload
+    assert epp["automountServiceAccountToken"] is True
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet", "Job") and obj["metadata"]["name"] != "kvgate-epp":
+            assert obj["spec"]["template"]["spec"].get("automountServiceAccountToken") is False, obj[
+                "metadata"
+            ]
+    gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
+    assert gateway.inference_pool is not None
+    pool = find(objects, "InferencePool", "kvgate-pool")
+    assert gateway.inference_pool.name == pool["metadata"]["name"]
+    assert gateway.inference_pool.namespace in (None, pool["metadata"].get("namespace"))
+    assert gateway.inference_pool.kubeconfig is None  # in-cluster: the mounted token

@@ -1,0 +1,110 @@
+"""Sans-IO: the merge rule of the pool's endpoints with the registered ones (the gateway config's and the
+agents' etcd records), and :class:`PoolSync`, which keeps a :class:`~extproc.fleet.Fleet` equal to it.
+
+The rule: every registered endpoint stays as registered; a pool endpoint joins unless a registered one
+has its address (the same engine: the agent's record, richer -- its feed, KV events, block size, role --
+wins) or its id. And, unless ``agents_outside_pool``, an agent's etcd record is admitted to the fleet only
+at the address of a ready pod of the pool (:meth:`PoolSync.admits`): on Kubernetes the pool says which
+engines serve, the agent says what they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
+from extproc.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+def merge(pool: Mapping[EndpointId, Endpoint], registered: Iterable[Endpoint]) -> dict[EndpointId, Endpoint]:
+    """The fleet of ``registered`` endpoints and ``pool`` endpoints under the rule above."""
+    out = {e.id: e for e in registered}
+    addresses = {e.address for e in out.values()}
+    for endpoint_id, endpoint in pool.items():
+        if endpoint_id in out or endpoint.address in addresses:
+            continue
+        out[endpoint_id] = endpoint
+        addresses.add(endpoint.address)
+    return out
+
+
+class PoolSync:
+    """Puts the pool's endpoints (:meth:`set_pool`) into ``fleet`` beside what other sources registered,
+    under :func:`merge`; :meth:`reconcile` again after those sources changed the fleet (an agent that
+    registers a pod's address takes it over; when it leaves, the pool's endpoint comes back).
+
+    It owns the fleet entries it put there and still hold what it put; an entry another source replaced
+    is no longer its own (:meth:`owns` says which, so the etcd control plane may displace them).
+    """
+
+    def __init__(self, fleet: Fleet, *, agents_outside_pool: bool = False) -> None:
+        self.fleet = fleet
+        self.agents_outside_pool = agents_outside_pool
+        #: Whether an endpoint is drained (etcd ``drain/<id>``: ``ControlCore.draining``), applied when a
+        #: pool endpoint joins; a drain set later reaches it through the control core itself.
+        self.draining: Callable[[EndpointId], bool] = lambda _endpoint_id: False
+        #: The pool has been read at least once (before, :meth:`admits` admits every agent's record).
+        self.known = False
+        self._pool: dict[EndpointId, Endpoint] = {}
+        self._addresses: frozenset[str] = frozenset()
+        self._ours: dict[EndpointId, Endpoint] = {}
+
+    def admits(self, endpoint: Endpoint) -> bool:
+        """Whether an agent's etcd record may be in the fleet: it is at the address of one of the pool's
+        endpoints (a ready pod's target port), or the pool is not known yet, or ``agents_outside_pool``."""
+        return self.agents_outside_pool or not self.known or endpoint.address in self._addresses
+
+    def owns(self, endpoint_id: EndpointId) -> bool:
+        """The fleet's entry ``endpoint_id`` is a pool endpoint this sync put there (and nobody replaced)."""
+        state = self.fleet.get(endpoint_id)
+        return state is not None and self._ours.get(endpoint_id) == state.endpoint
+
+    @property
+    def pool(self) -> Mapping[EndpointId, Endpoint]:
+        """The pool's endpoints, as last set."""
+        return self._pool
+
+    @property
+    def joined(self) -> frozenset[EndpointId]:
+        """The pool endpoints in the fleet now (the others are covered by a registered endpoint)."""
+        return frozenset(i for i in self._ours if self.owns(i))
+
+    def set_pool(self, endpoints: Mapping[EndpointId, Endpoint]) -> bool:
+        """The pool's endpoints are now ``endpoints``; returns whether the fleet changed."""
+        self._pool = dict(endpoints)
+        self._addresses = frozenset(e.address for e in self._pool.values())
+        self.known = True
+        return self.reconcile()
+
+    def reconcile(self) -> bool:
+        """Make the fleet's pool entries those :func:`merge` keeps; returns whether the fleet changed."""
+        for endpoint_id in [i for i in self._ours if not self.owns(i)]:
+            del self._ours[endpoint_id]  # replaced or removed by another source
+        registered = [s.endpoint for s in self.fleet if s.id not in self._ours]
+        merged = merge(self._pool, registered)
+        wanted = {i: e for i, e in merged.items() if self._pool.get(i) is e}
+        changed = False
+        # removals (and moves to another address) first: an address freed here may be taken below
+        for endpoint_id, endpoint in list(self._ours.items()):
+            new = wanted.get(endpoint_id)
+            if new is None or new.address != endpoint.address:
+                del self._ours[endpoint_id]
+                self.fleet.remove(endpoint_id)
+                changed = True
+                if new is None:
+                    log.info("pool endpoint %s (%s) left the fleet", endpoint_id, endpoint.address)
+        for endpoint_id, endpoint in wanted.items():
+            if self._ours.get(endpoint_id) != endpoint:
+                if endpoint_id not in self._ours:
+                    log.info("pool endpoint %s (%s) joined the fleet", endpoint_id, endpoint.address)
+                joined = endpoint_id not in self._ours
+                self.fleet.upsert(endpoint)
+                self._ours[endpoint_id] = endpoint
+                if joined and self.draining(endpoint_id):
+                    self.fleet.set_state(endpoint_id, draining=True)
+                changed = True
+        return changed
