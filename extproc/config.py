@@ -118,8 +118,8 @@ from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.flow.policy import FlowPolicy, parse_flow
-from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
+from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
