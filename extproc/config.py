@@ -74,6 +74,11 @@ Example (TOML)::
     base_s = 2.0                       # picked for base_s x 2^(k-1) s, at most max_s (k: ejections in
     max_s = 30.0                       # a row; forgotten after max_s quiet); extproc/xds/README.md
 
+    [tracing]                          # optional: OpenTelemetry spans over OTLP/gRPC (contracts/tracing.py;
+    enabled = true                     # off by default); Envoy's tracer reports to the same collector
+    sampling_ratio = 0.1               # (kvgate envoy-config --gateway-config, kvgate up)
+    endpoint = "127.0.0.1:4317"
+
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
     default_max_tokens = 1024          # output tokens reserved when a request sets no max_tokens
@@ -101,6 +106,7 @@ from pathlib import Path
 from contracts.config import REQUIRED, Section, all_or_none, choice, hostport, read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, parse_etcd_settings
+from contracts.tracing import TracingSettings, parse_tracing
 from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
@@ -109,6 +115,8 @@ from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
+#: The ``service.name`` of the ext_proc's spans unless ``[tracing] service_name`` says otherwise.
+EXTPROC_SERVICE = "kvgate-extproc"
 #: The identity URI of the bundled Envoy's certificate (``kvgate certs issue --name envoy-edge``).
 ENVOY_IDENTITY = "spiffe://kvgate.local/envoy-edge"
 #: The request body limit (bytes) when no served model's context bounds it, and the most a derived one is.
@@ -303,6 +311,8 @@ class GatewayConfig:
     #: Flow control's embedded default (``[flow]``, ``[objectives.<name>]``), under the policy file and
     #: etcd (:mod:`extproc.flow.policy`).
     flow: FlowPolicy = field(default_factory=FlowPolicy)
+    #: ``[tracing]`` (:mod:`contracts.tracing`): off unless enabled; Envoy traces too when on.
+    tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=EXTPROC_SERVICE))
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -423,12 +433,14 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     to.done()
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
+    tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
         flow=flow,
+        tracing=tracing,
     )  # fmt: skip
 
 

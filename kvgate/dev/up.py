@@ -76,6 +76,7 @@ from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
 from kvgate.envoy.stats import STATS_LISTENER, STATS_PATH
 from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
+from kvgate.envoy.tracing import EnvoyTracing
 
 log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MODEL", "Stack", "StackOptions", "main"]
@@ -358,6 +359,7 @@ class Stack:
             access_log_path=str(self.access_log),
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
             stats_port=0 if opts.envoy_stats else None,
+            tracing=EnvoyTracing.from_settings(parsed.tracing),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
