@@ -59,7 +59,9 @@ def send(stack: Stack, headers: dict[str, str]) -> str:
 
 def request_span(spans: list[ReceivedSpan], request_id: str) -> ReceivedSpan | None:
     found = [
-        s for s in spans if s.name == "extproc.request" and s.attributes.get("kvgate.request_id") == request_id
+        s
+        for s in spans
+        if s.name == "extproc.request" and s.attributes.get("kvgate.request_id") == request_id
     ]
     return found[0] if found else None
 
