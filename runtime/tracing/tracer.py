@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 TRACE_HEADERS = ("traceparent", "tracestate")
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-__all__ = ["TRACE_HEADERS", "Span", "SpanKind", "Tracer", "build"]
+__all__ = [
+    "TRACE_HEADERS", "Span", "SpanKind", "Tracer", "active", "build", "current_headers", "current_span",
+]  # fmt: skip
 
 
 class Tracer:
@@ -72,8 +75,8 @@ class Tracer:
         start_ns: int | None = None,
         attributes: Mapping[str, AttributeValue] | None = None,
     ) -> Span:
-        """A started span (end it with ``span.end()``); ``parent``: a remote context, a span, or none (a
-        new trace, sampled at the ratio). Not made current: callers pass spans explicitly."""
+        """A started span (end it with ``span.end()``); ``parent``: a remote context, a span, or none (the
+        task's current span, see :func:`active`; else a new trace, sampled at the ratio). Not made current."""
         ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
         return self._tracer.start_span(
             name, context=ctx, kind=kind, start_time=start_ns, attributes=attributes
@@ -103,6 +106,26 @@ class Tracer:
             self._provider.shutdown()
         except Exception:  # a collector gone at exit must not fail the daemon's stop
             log.warning("tracing: the last spans could not be exported", exc_info=True)
+
+
+def active(span: Span) -> AbstractContextManager[Span]:
+    """Make ``span`` the current one of this task while in the ``with`` block (not ended on exit): spans
+    started there without a parent, and :func:`current_headers`, name it."""
+    return trace.use_span(span, end_on_exit=False)
+
+
+def current_span() -> Span:
+    """The task's current span (a non-recording one when none is)."""
+    return trace.get_current_span()
+
+
+def current_headers() -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) of the task's current span, for an outgoing call; empty when
+    no span is current (tracing off, or outside a traced request)."""
+    carrier: dict[str, str] = {}
+    if trace.get_current_span().get_span_context().is_valid:
+        _PROPAGATOR.inject(carrier)
+    return carrier
 
 
 def build(settings: TracingSettings) -> Tracer | None:
