@@ -53,7 +53,7 @@ from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
 from contracts.errors import ConfigError
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.config import parse_config
-from kvgate.dev import overlay, stackfile, upcli
+from kvgate.dev import overlay, recipe, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
 from kvgate.dev.etcd import EtcdServer, free_port
 from kvgate.dev.gateway_config import gateway_config, pin_listeners
@@ -396,7 +396,10 @@ class Stack:
             nodes.append([dict(e) for e in opts.attach])
         power: list[list[dict[str, Any]]] = [[] for _ in nodes]
         with_power = (opts.gpus or opts.power_caps_w) and opts.agent_engine == "sim" and not opts.attach
-        for i in range(0 if opts.attach else opts.agents):
+        for table in () if opts.attach else opts.agent_engines:  # --recipe: its tables as given
+            nodes.append([dict(table)])
+            power.append([])
+        for i in range(0 if opts.attach or opts.agent_engines else opts.agents):
             engine = {
                 "id": f"{opts.agent_engine}-{i}",
                 "kind": opts.agent_engine,
@@ -614,34 +617,55 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvgate up: --config: {exc}", file=sys.stderr)
         return 2
-    stack = Stack(
-        StackOptions(
-            replicas=args.replicas,
-            prefill=args.prefill,
-            decode=args.decode,
-            disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
-            extprocs=args.extprocs,
-            fail_open=args.fail_open,
-            envoy_stats=args.envoy_stats,
-            port=args.port,
-            host=args.host,
-            model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
-            endpoints=tuple(args.endpoint),
-            engine=args.engine,
-            model_dir=args.model_dir,
-            chat_template=args.chat_template,
-            workdir=args.workdir,
-            secure=args.secure,
-            client_certs=args.client_certs,
-            auth=StackAuth() if args.auth else None,
-            agents=args.agents,
-            agent_engine=args.agent_engine,
-            gpus=args.gpu or (),
-            power_caps_w=args.power_cap_w or (),
-            kvcached=args.kvcached,
-            overlay=extra,
-        )
+    options: dict[str, Any] = {}
+    if args.recipe is not None:
+        if args.config is not None or args.agents or args.endpoint:
+            print("kvgate up: --recipe goes alone (not with --config, --agents, --endpoint)", file=sys.stderr)
+            return 2
+        try:
+            found = recipe.load(args.recipe)
+            recipe.check_local(found)
+            extra = recipe.gateway_overlay(found, dev_auth=args.auth)
+        except ConfigError as exc:
+            print(f"kvgate up: --recipe: {exc}", file=sys.stderr)
+            return 2
+        except recipe.RecipeUnavailable as exc:
+            print(f"kvgate up: {exc}", file=sys.stderr)
+            return 1
+        tables, agent_options = recipe.local_nodes(found)
+        options = {
+            "agents": len(tables),
+            "agent_engines": tables,
+            "agent_options": agent_options,
+            "model": found.model,
+        }
+    stack_options = StackOptions(
+        replicas=args.replicas,
+        prefill=args.prefill,
+        decode=args.decode,
+        disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
+        extprocs=args.extprocs,
+        fail_open=args.fail_open,
+        envoy_stats=args.envoy_stats,
+        port=args.port,
+        host=args.host,
+        model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
+        endpoints=tuple(args.endpoint),
+        engine=args.engine,
+        model_dir=args.model_dir,
+        chat_template=args.chat_template,
+        workdir=args.workdir,
+        secure=args.secure,
+        client_certs=args.client_certs,
+        auth=StackAuth() if args.auth else None,
+        agents=args.agents,
+        agent_engine=args.agent_engine,
+        gpus=args.gpu or (),
+        power_caps_w=args.power_cap_w or (),
+        kvcached=args.kvcached,
+        overlay=extra,
     )
+    stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
     # While starting, SIGINT and SIGTERM interrupt the start (KeyboardInterrupt: Stack.start stops what
     # it started), even where the shell ignores SIGINT (a background job). The children run in sessions
     # of their own, so a Ctrl-C in the terminal reaches this process only, which stops them in order.

@@ -22,7 +22,7 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -44,13 +44,15 @@ __all__ = [
 class Tracer:
     """Spans of one process (``settings.service_name``), exported to ``settings.endpoint``."""
 
-    def __init__(self, settings: TracingSettings) -> None:
+    def __init__(self, settings: TracingSettings, exporter: SpanExporter | None = None) -> None:
+        """``exporter``: where batches go instead of OTLP/gRPC to ``settings.endpoint`` (benchmarks)."""
         self.settings = settings
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sampling_ratio)),
         )
-        exporter = OTLPSpanExporter(endpoint=f"http://{settings.endpoint}", insecure=True)
+        if exporter is None:
+            exporter = OTLPSpanExporter(endpoint=f"http://{settings.endpoint}", insecure=True)
         self._provider.add_span_processor(
             BatchSpanProcessor(exporter, schedule_delay_millis=settings.flush_interval_s * 1000)
         )
