@@ -17,10 +17,11 @@ Each fleet has engine metrics set on every endpoint and an index pre-filled with
 decision ``Router.finish`` releases the in-flight slot so load state does not drift. One cell is also run
 stage by stage (parse, render, tokenize, digest, lookup, schedule, record) for a breakdown.
 
-    python -m load.bench.decision --out results/decision.json [--quick] [--tracing on]
+    python -m load.bench.decision --out results/decision.json [--quick] [--tracing on|alternate]
 
 ``--tracing on`` traces every decision as the ext_proc traces a sampled request (its span, the phases'
-timeline and their spans, batched to an in-memory exporter); off (the default) is the untraced path.
+timeline and their spans, batched to an in-memory exporter); off (the default) is the untraced path;
+``alternate`` traces every other decision of each cell, so both halves run under the same machine noise.
 """
 
 from __future__ import annotations
@@ -212,13 +213,18 @@ def words_per_token(gateway: Gateway, factory: ChatFactory) -> float:
 
 #: ``--tracing on``: every decision traced (sampled), as the ext_proc traces a request; ``None``: off.
 TRACER: Tracer | None = None
+#: ``--tracing alternate``: odd decisions traced, even ones not (both under the same machine noise).
+ALTERNATE = False
 
 
-def _decide(gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float]) -> int:
-    """One timed decision (parse + decide); returns its nanoseconds. With :data:`TRACER`, also what the
-    ext_proc does for a traced request: its span, a timeline of the phases, their spans, ended."""
+def _decide(
+    gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float], traced: bool = True
+) -> int:
+    """One timed decision (parse + decide); returns its nanoseconds. With :data:`TRACER` (and
+    ``traced``), also what the ext_proc does for a traced request: its span, a timeline of the phases,
+    their spans, ended."""
     router = gateway.router
-    tracer = TRACER
+    tracer = TRACER if traced else None
     started = time.perf_counter_ns()
     if tracer is None:
         decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
@@ -269,14 +275,16 @@ def run_cell(
         raise RuntimeError(f"model {MODEL} is not loaded")
     gc.collect()
     samples_us: list[float] = []
+    traced_us: list[float] = []
     baseline_us: list[float] = []
     tokens: list[float] = []
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
-        elapsed = _decide(gateway, raw, i, clock)
+        traced = not ALTERNATE or i % 2 == 1
+        elapsed = _decide(gateway, raw, i, clock, traced)
         if i < warmup:
             continue
-        samples_us.append(elapsed / 1e3)
+        (traced_us if ALTERNATE and traced else samples_us).append(elapsed / 1e3)
         if i - warmup < max(baseline_iterations, EXACT_COUNTS):  # untimed; interleaved: same machine
             us, n_tokens = _encode_whole_us(assets, raw)
             tokens.append(n_tokens)  # exact (the router estimates when it stops tokenizing early)
@@ -291,6 +299,8 @@ def run_cell(
     }
     if baseline_us:
         cell["baseline_encode_whole_us"] = summary(baseline_us)
+    if traced_us:  # --tracing alternate: latency_us holds the untraced half
+        cell["latency_traced_us"] = summary(traced_us)
     return cell
 
 
@@ -402,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--tracing",
-        choices=["off", "on"],
+        choices=["off", "on", "alternate"],
         default="off",
-        help="on: trace every decision as the ext_proc does (spans batched to an in-memory exporter)",
+        help="on: trace every decision as the ext_proc does (spans batched to an in-memory exporter); "
+        "alternate: every other decision traced, the two halves reported apart (latency_us untraced, "
+        "latency_traced_us traced)",
     )
     parser.add_argument(
         "--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)"
@@ -412,9 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fleets", help="comma-separated fleet sizes (default 4,16,64)")
     add_quiet_arguments(parser, "cell")
     args = parser.parse_args(argv)
-    global TRACER
+    global TRACER, ALTERNATE
     exporter = None
-    if args.tracing == "on":
+    ALTERNATE = args.tracing == "alternate"
+    if args.tracing != "off":
         exporter = InMemorySpanExporter()
         TRACER = Tracer(TracingSettings(True, 1.0, service_name="bench"), exporter=exporter)
     sizes: Sequence[int] = SIZES
