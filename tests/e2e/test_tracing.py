@@ -136,3 +136,34 @@ def test_no_prompt_tokens_or_credentials_in_any_attribute(traced: Stack, collect
         for value in [*span.attributes.values(), *span.resource.values()]:
             # Token ids would be a list of integers; no attribute is a list of numbers.
             assert not (isinstance(value, list) and value and all(isinstance(v, int) for v in value)), span
+
+
+@pytest.fixture(scope="module")
+def traced_pd(collector: Collector, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A prefill/decode fleet of simulators, every request disaggregated, traced."""
+    options = StackOptions(
+        prefill=1,
+        decode=1,
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path_factory.mktemp("traced-pd"),
+        disaggregation={"mode": "disaggregated"},
+        overlay={"tracing": {"enabled": True, "endpoint": collector.endpoint, "flush_interval_s": 0.2}},
+    )
+    with Stack(options) as running:
+        yield running
+
+
+def test_the_prefill_handoff_is_a_span_of_the_request(traced_pd: Stack, collector: Collector) -> None:
+    request_id = send(traced_pd, {})
+
+    def handed_off(spans: list[ReceivedSpan]) -> bool:
+        req = request_span(spans, request_id)
+        return req is not None and any(s.name == "handoff.prefill" and s.parent == req.span_id for s in spans)
+
+    spans = collector.wait_for(handed_off, 30, "the handoff span")
+    req = request_span(spans, request_id)
+    assert req is not None and req.attributes["kvgate.pd.mode"] == "disaggregated"
+    assert req.attributes["kvgate.endpoint"].startswith("decode-")
+    handoff = next(s for s in spans if s.name == "handoff.prefill" and s.parent == req.span_id)
+    assert handoff.kind == 3 and handoff.attributes["kvgate.handoff.outcome"] == "ok"  # CLIENT
