@@ -123,11 +123,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         tracer = self._tracer
-        span: Span | None = None  # the request's span when traced
+        span: Span | None = None  # the request's span when traced (and sampled)
+        unseen = tracer is not None  # the first message decides whether the request is traced
         status = 0  # an immediate response's HTTP status
         try:
             async for msg in request_iterator:
-                if tracer is not None and span is None:
+                if unseen and tracer is not None:
+                    unseen = False
                     span = _request_span(tracer, msg, context, proc)
                 started = time.perf_counter()
                 decided_before = proc.decision is not None

@@ -123,6 +123,13 @@ def test_client_traceparent_keeps_its_trace_id(traced: Stack, collector: Collect
     assert len(envoy_root) == 1 and envoy_root[0].service == "kvgate-envoy"
 
 
+def test_a_client_trace_not_sampled_records_nothing(traced: Stack, collector: Collector) -> None:
+    unsampled = secrets.token_hex(16)
+    send(traced, {"traceparent": f"00-{unsampled}-{secrets.token_hex(8)}-00"})
+    check_trace(collector, send(traced, {}))  # a later, sampled request's trace has arrived
+    assert not [s for s in collector.snapshot() if s.trace_id == unsampled]
+
+
 def test_no_prompt_tokens_or_credentials_in_any_attribute(traced: Stack, collector: Collector) -> None:
     request_id = send(traced, {})
     collector.wait_for(complete(request_id), 30, f"the trace of request {request_id}")
