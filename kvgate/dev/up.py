@@ -268,6 +268,14 @@ class Stack:
             }
             self.engines.append(engine if role == "both" else {**engine, "role": role})
 
+    def _tracing(self) -> dict[str, Any]:
+        """The ``--config`` overlay's ``[tracing]`` for the agents and kvcached daemons too (each keeps
+        its own ``service_name``); empty without one."""
+        raw = self.options.overlay.get("tracing")
+        if not isinstance(raw, dict):
+            return {}
+        return {k: v for k, v in raw.items() if k != "service_name"}
+
     def _pd_policy(self) -> Path:
         """A policy file giving the served model ``StackOptions.disaggregation`` (a disaggregated fleet)."""
         opts = self.options
@@ -432,6 +440,8 @@ class Stack:
             )
             if power[i]:
                 config["power"] = power[i]
+            if self._tracing():
+                config["tracing"] = self._tracing()
             path, ready = self.workdir / f"{node}.json", self.workdir / f"{node}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             self.agent_configs.append(path)
@@ -461,6 +471,8 @@ class Stack:
                 etcd=self.etcd.address,
                 lease_ttl_s=self.options.lease_ttl_s,
             )
+            if self._tracing():
+                config["tracing"] = self._tracing()
             path, ready = self.workdir / f"{name}.json", self.workdir / f"{name}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             configs.append((path, config))

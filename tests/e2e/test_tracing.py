@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -174,3 +175,23 @@ def test_the_prefill_handoff_is_a_span_of_the_request(traced_pd: Stack, collecto
     assert req.attributes["kvgate.endpoint"].startswith("decode-")
     handoff = next(s for s in spans if s.name == "handoff.prefill" and s.parent == req.span_id)
     assert handoff.kind == 3 and handoff.attributes["kvgate.handoff.outcome"] == "ok"  # CLIENT
+
+
+def test_kvgate_up_traces_its_agents_too(collector: Collector, tmp_path: Path) -> None:
+    """``kvgate up --agents`` hands the overlay's ``[tracing]`` to each agent (its own service name)."""
+    options = StackOptions(
+        port=0,
+        agents=1,
+        workdir=tmp_path,
+        overlay={"tracing": {"enabled": True, "endpoint": collector.endpoint, "flush_interval_s": 0.2}},
+    )
+    trace_id = secrets.token_hex(16)
+    with Stack(options) as running:
+        admin = running.agent_status[0]["admin_port"]
+        headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+        assert httpx.post(f"http://127.0.0.1:{admin}/drain", headers=headers, timeout=30).status_code < 500
+        spans = collector.wait_for(
+            lambda spans: any(s.trace_id == trace_id for s in spans), 30, "the agent's span"
+        )
+    span = next(s for s in spans if s.trace_id == trace_id)
+    assert (span.service, span.name) == ("kvgate-agent", "POST /drain")
