@@ -97,6 +97,10 @@ module). Example (every key; the engines show each family of the matrix below)::
     tls = true                        # probe over HTTPS
     api_key_env = "REMOTE_API_KEY"    # env var whose value is sent as a bearer token to the probe
 
+    [tracing]                         # optional (contracts/tracing.py): spans of admin/slot API requests
+    enabled = true
+    endpoint = "127.0.0.1:4317"       # an OTLP/gRPC collector; also sampling_ratio, service_name
+
     [[power]]                         # optional, any number: node power sources (agent/power/config.py
     kind = "dcgm"                     # has every key of each kind: nvml, dcgm, redfish, ipmi)
     url = "http://127.0.0.1:9400/metrics"
@@ -121,7 +125,7 @@ import copy
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -131,10 +135,13 @@ from agent.power.config import PowerConfig, parse_power
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
+from contracts.tracing import TracingSettings, parse_tracing
 from engines.config import KV_OFFLOADS, SMOLLM2, EngineConfig, OffloadConfig, RestartPolicy
 from engines.kinds import ENGINE_KINDS, KINDS, KV_EVENT_KINDS, ROLES, check_combination
 
 #: ``write_policy`` values of ``kv_offload = "hicache"`` (SGLang's ``--hicache-write-policy``).
+#: The ``service.name`` of the agent's spans unless ``[tracing] service_name`` says otherwise.
+AGENT_SERVICE = "kvgate-agent"
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 #: ``[engines.offload]`` key -> the kv_offload values that use it.
@@ -198,6 +205,8 @@ class NodeConfig:
     etcd_raw: Mapping[str, Any] | None = None
     #: The node's power sources (``[[power]]`` tables), read by :mod:`agent.power`.
     power: tuple[PowerConfig, ...] = ()
+    #: ``[tracing]`` (:mod:`contracts.tracing`): spans of the admin and slot API's requests.
+    tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=AGENT_SERVICE))
 
 
 def parse_node_config(raw: object) -> NodeConfig:
@@ -226,6 +235,7 @@ def _parse(raw: object) -> NodeConfig:
         raise AgentConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
     tables = top.array("engines", REQUIRED)
     power = parse_power(top.array("power", []))
+    tracing = parse_tracing(top.raw("tracing"), AGENT_SERVICE)
     top.done()
     if not tables:
         raise AgentConfigError("engines: at least one [[engines]] table is required")
@@ -233,7 +243,7 @@ def _parse(raw: object) -> NodeConfig:
     _unique([e.id for e in engines], "id")
     _unique([f"{e.host}:{e.port}" for e in engines if e.started and e.port], "host:port")
     frozen_etcd = None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw)))
-    return NodeConfig(agent, engines, frozen_etcd, power)
+    return NodeConfig(agent, engines, frozen_etcd, power, tracing)
 
 
 def _agent(raw: object) -> AgentSection:

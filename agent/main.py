@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.admin import client_cert_required, server_context
@@ -80,11 +81,15 @@ from runtime.feed.server import FeedServer
 from runtime.kvcached import KvcachedClient
 from runtime.lifecycle import announce_ready, stop_on_signals, systemd_notify_wanted
 from runtime.tls import ServerTlsFiles
+from runtime.tracing.http import traced
+from runtime.tracing.tracer import build as build_tracer
 
 if TYPE_CHECKING:
     from runtime.watch import PrefixWatcher
 
 log = logging.getLogger(__name__)
+#: Probes and scrapes: never traced.
+UNTRACED_PATHS = ("/healthz", "/readyz", "/metrics", "/status")
 
 TELEMETRY_INTERVAL_S = 0.1
 #: How long start waits for etcd's ``index/block_size`` before starting engines at the current size.
@@ -143,6 +148,8 @@ class Agent:
 
     def __init__(self, config: NodeConfig, *, index_block_size: int | None = None) -> None:
         self.config = config
+        #: Spans of the admin and slot API's requests (``[tracing]``); ``None``: tracing off.
+        self.tracer = build_tracer(config.tracing)
         #: Prometheus metrics read from :meth:`status` at each ``GET /metrics`` (:mod:`agent.metrics`).
         self._registry = agent_registry(self.status)
         self.node = config.agent.id
@@ -238,6 +245,8 @@ class Agent:
         await asyncio.gather(*(e.supervisor.aclose() for e in self.engines.values()), return_exceptions=True)
         await self.telemetry.aclose()
         await self.power.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
         if self._block_size_watch is not None:
             await self._block_size_watch.aclose()
         if self._leased is not None:
@@ -488,7 +497,10 @@ class Agent:
         """Serve the admin API: plaintext, or HTTPS where state changes need a client certificate."""
         tls = self.config.agent.tls
         ssl_context = None if tls is None else server_context(tls)
-        app = web.Application(middlewares=[] if tls is None else [client_cert_required])
+        middlewares: list[Middleware] = [] if tls is None else [client_cert_required]
+        if self.tracer is not None:  # outermost: a refused request is traced too
+            middlewares.insert(0, traced(self.tracer, skip=UNTRACED_PATHS))
+        app = web.Application(middlewares=middlewares)
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),

@@ -84,6 +84,10 @@ Example (TOML)::
     [overload]                         # the ext_proc sheds (503) a request at its headers while
     max_decisions = 256                # this many decisions are in flight (0: no bound); loop lag is
     lag_interval_s = 0.05              # sampled every lag_interval_s (extproc/overload/README.md)
+    [tracing]                          # optional: OpenTelemetry spans over OTLP/gRPC (contracts/tracing.py;
+    enabled = true                     # off by default); Envoy's tracer reports to the same collector
+    sampling_ratio = 0.1               # (kvgate envoy-config --gateway-config, kvgate up)
+    endpoint = "127.0.0.1:4317"
 
     [auth]                             # optional: absent means open (no credentials needed)
     api_keys_file = "api_keys.json"    # hashed API keys (kvgate apikey create --tenant T)
@@ -112,6 +116,7 @@ from pathlib import Path
 from contracts.config import REQUIRED, Section, all_or_none, choice, hostport, read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, parse_etcd_settings
+from contracts.tracing import TracingSettings, parse_tracing
 from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
@@ -123,6 +128,8 @@ from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
+#: The ``service.name`` of the ext_proc's spans unless ``[tracing] service_name`` says otherwise.
+EXTPROC_SERVICE = "kvgate-extproc"
 #: The identity URI of the bundled Envoy's certificate (``kvgate certs issue --name envoy-edge``).
 ENVOY_IDENTITY = "spiffe://kvgate.local/envoy-edge"
 #: The request body limit (bytes) when no served model's context bounds it, and the most a derived one is.
@@ -324,6 +331,8 @@ class GatewayConfig:
     #: The fleet from a Kubernetes InferencePool's pods, merged with etcd's (``None``: not followed;
     #: :mod:`extproc.inferencepool`).
     inference_pool: PoolSettings | None = None
+    #: ``[tracing]`` (:mod:`contracts.tracing`): off unless enabled; Envoy traces too when on.
+    tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=EXTPROC_SERVICE))
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -448,6 +457,7 @@ def parse_config(raw: object) -> GatewayConfig:
     overload = parse_overload(top.table("overload"))
     pool_raw = top.raw("inference_pool")
     pool = None if pool_raw is None else parse_pool_settings(pool_raw, "inference_pool", tuple(names))
+    tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -457,6 +467,7 @@ def parse_config(raw: object) -> GatewayConfig:
         drift=drift,
         overload=overload,
         inference_pool=pool,
+        tracing=tracing,
     )  # fmt: skip
 
 

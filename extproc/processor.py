@@ -100,6 +100,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
 from extproc.cascade.answer import SSE, listed_with
@@ -266,6 +267,10 @@ class StreamProcessor:
         #: What :meth:`prepare` made of the body (or the error it met), for :meth:`handle` to use.
         self._prepared: _Prepared | Exception | None = None
         self.decision: Decision | None = None
+        #: A traced request's phases (the shell sets it before the body comes; ``None``: not traced, and
+        #: nothing is recorded).
+        self.timeline: Timeline | None = None
+        self._held_at = 0
 
     @property
     def receiving(self) -> bool:
@@ -420,6 +425,9 @@ class StreamProcessor:
     def _prepare(self, body: bytes) -> _Prepared:
         """Parse the body of a routed path, apply the model rewrite, render and tokenize the prompt."""
         started = self._clock()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.skip()
         kind = route_kind(self._headers.get(":path", "/"))
         assert kind is not None, "only routed paths are prepared"
         request = parse_body(kind, body)
@@ -431,7 +439,9 @@ class StreamProcessor:
             run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
             if run is not None:
                 request, body = rewrite_model(request, run.model)
-        tokens = self._router.tokens(request, exact_count=self._gate is not None)
+        if timeline is not None:
+            timeline.mark("parse")
+        tokens = self._router.tokens(request, exact_count=self._gate is not None, timeline=timeline)
         return _Prepared(request, body, tokens, self._clock() - started, run)
 
     def _route(self) -> list[pb.ProcessingResponse]:
@@ -476,6 +486,8 @@ class StreamProcessor:
             self.evicted = offer.evicted
             if offer.held is not None:
                 self.held = offer.held
+                if self.timeline is not None:
+                    self._held_at = self.timeline.now()
                 self._waiting = (prepared, started)
                 return self._hold_reply(offer.held)
         return self._decide(prepared, started)
@@ -485,6 +497,8 @@ class StreamProcessor:
         loop, with the fleet's state as it is now)."""
         waiting, self._waiting, self.held = self._waiting, None, None
         assert waiting is not None, "resume() only after a hold"
+        if self.timeline is not None:
+            self.timeline.add("queue_wait", self._held_at, self.timeline.now())
         try:
             return self._decide(*waiting)
         except GatewayError as exc:
@@ -597,6 +611,8 @@ class StreamProcessor:
             pinned = [p.strip() for p in self._headers[CONFORMANCE_HEADER].split(",") if p.strip()]
         now = self._clock()
         budget = None if self._deadline is None else self._deadline - now
+        if self.timeline is not None:
+            self.timeline.skip()
         try:
             self.decision = self._router.decide(
                 request,
@@ -607,6 +623,7 @@ class StreamProcessor:
                 tokens=tokens,
                 admit=self._admit(request.model),
                 ttft_budget_s=budget,
+                timeline=self.timeline,
             )
         except Exception as exc:  # a 429/503/404 or a gateway fault: nothing was used, refund
             self._refund()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -35,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.errors import ConfigError
+from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
 from extproc.cascade.plan import Cascader
@@ -42,6 +44,7 @@ from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
 from extproc.control.policy import Policy, cascade_policy, gateway_policy, pd_policy, routing_policy
 from extproc.control.restore import SlotRestorer
+from extproc.control.restore import plan as restore_plan
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
@@ -70,6 +73,8 @@ from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
 from runtime.lifecycle import announce_ready, stop_on_signals
 from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
+from runtime.tracing.tracer import TRACE_HEADERS, Span, SpanKind, Tracer
+from runtime.tracing.tracer import build as build_tracer
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +107,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         overload: DecisionGate | None = None,
         on_decision: Callable[[Decision], None] | None = None,
         cascade: Cascader | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self._router = router
         self._overload = overload
         self._on_decision = on_decision
+        #: ``None``: tracing off, and no span object is made (:mod:`runtime.tracing`).
+        self._tracer = tracer
         self._disagg = disagg
         self._cascade = cascade
         self._upstream = upstream
@@ -130,8 +138,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         counted = gate is not None  # this stream counts as a decision in flight (extproc/overload)
         if gate is not None:
             gate.enter()
+        tracer = self._tracer
+        span: Span | None = None  # the request's span when traced (and sampled)
+        unseen = tracer is not None  # the first message decides whether the request is traced
+        status = 0  # an immediate response's HTTP status
         try:
             async for msg in request_iterator:
+                if unseen and tracer is not None:
+                    unseen = False
+                    span = _request_span(tracer, msg, context, proc)
                 if counted and msg.HasField("request_headers"):
                     assert gate is not None
                     if msg.request_headers.end_of_stream:  # bodyless (a probe): no decision to make
@@ -140,6 +155,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     elif not gate.admit():  # the fast path: shed before buffering or parsing anything
                         counted = False
                         gate.release()
+                        status = 503
                         self._metrics.requests.labels("503").inc()
                         yield overloaded()
                         return
@@ -183,12 +199,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     responses = await self._step(proc)
                     started += time.perf_counter() - waited
                 if proc.handoff is not None and not proc.handoff.wait:  # SGLang: beside the request
-                    self._send_beside(proc)
+                    self._send_beside(proc, span)
                 if proc.handoff is not None:  # disaggregated: the prefill half first (extproc/disagg)
                     for resp in responses:
                         yield resp
                     waited = time.perf_counter()
-                    responses = await self._prefill(proc)
+                    responses = await self._prefill(proc, span)
                     started += time.perf_counter() - waited
                 if proc.decision is not None and not decided_before:
                     if self._on_decision is not None:
@@ -201,10 +217,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if blocks:
                         self._metrics.prefix_hit_ratio.observe(proc.decision.matched_blocks / blocks)
                     if self._restorer is not None:
-                        await self._restorer.before_routing(proc.decision)
+                        if span is not None:
+                            await self._traced_restore(span, proc.decision)
+                        else:
+                            await self._restorer.before_routing(proc.decision)
                 for resp in responses:
                     if resp.HasField("immediate_response"):
-                        self._metrics.requests.labels(str(resp.immediate_response.status.code)).inc()
+                        status = resp.immediate_response.status.code
+                        self._metrics.requests.labels(str(status)).inc()
                     yield resp
                 decision = proc.decision
                 if large and decision is not None and decision.rest is not None and not decision.recorded:
@@ -222,10 +242,36 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             proc.close()
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
+            if span is not None and tracer is not None:
+                _end_request_span(tracer, span, proc, status)
 
-    def _send_beside(self, proc: StreamProcessor) -> None:
+
+    async def _traced_restore(self, span: Span, decision: Decision) -> None:
+        """The slot restore of a traced request, in a ``slot_restore`` span (when one is asked for) whose
+        ``traceparent`` goes to the agent."""
+        restorer, tracer = self._restorer, self._tracer
+        assert restorer is not None and tracer is not None
+        if restore_plan(decision, restorer.config) is None:
+            return
+        child = tracer.start("slot_restore", parent=span, kind=SpanKind.CLIENT)
+        outcome = await restorer.before_routing(decision, Tracer.headers(child))
+        child.set_attribute("kvgate.restore.outcome", outcome or "none")
+        child.end()
+
+    def _handoff_span(self, proc: StreamProcessor, span: Span | None) -> Span | None:
+        """A traced request's ``handoff.prefill`` span, its ``traceparent`` added to the sub-request."""
+        if span is None or self._tracer is None or proc.handoff is None:
+            return None
+        child = self._tracer.start("handoff.prefill", parent=span, kind=SpanKind.CLIENT)
+        child.set_attribute("kvgate.handoff.address", proc.handoff.address)
+        sub = proc.handoff
+        proc.handoff = dataclasses.replace(sub, headers={**sub.headers, **Tracer.headers(child)})
+        return child
+
+    def _send_beside(self, proc: StreamProcessor, span: Span | None = None) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
         own: the request's stream may end first."""
+        child = self._handoff_span(proc, span)
         sub, proc.handoff = proc.handoff, None
         assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
         upstream = self._upstream
@@ -239,6 +285,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             except UpstreamError as exc:
                 failure = exc.reason
             finally:
+                if child is not None:
+                    _end_handoff(child, failure)
                 proc.prefill_done(failure)
                 self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
                 if failure is not None:
@@ -285,22 +333,76 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 m.cascade_answers.labels(run.virtual, str(run.number), run.model).inc()
         return responses
 
-    async def _prefill(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
+    async def _prefill(self, proc: StreamProcessor, span: Span | None = None) -> list[pb.ProcessingResponse]:
         """Send a disaggregated request's prefill half (:attr:`StreamProcessor.handoff`) and hand the
         outcome back to the processor."""
+        child = self._handoff_span(proc, span)
         sub = proc.handoff
         assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
         started = time.monotonic()
+        failure: str | None = None
         try:
             answer = await self._upstream.send(sub)
         except UpstreamError as exc:
+            failure = exc.reason
             responses = proc.handed_off(None, exc.reason)
         else:
             responses = proc.handed_off(answer.body)
+        if child is not None:
+            _end_handoff(child, failure)
         self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
         if proc.handoff_outcome != "disaggregated":
             self._metrics.pd_fallbacks.labels(proc.handoff_outcome or "error").inc()
         return responses
+
+
+def _request_span(
+    tracer: Tracer, msg: pb.ProcessingRequest, context: grpc.aio.ServicerContext, proc: StreamProcessor
+) -> Span | None:
+    """The request's span (``extproc.request``), its parent the ``traceparent`` Envoy's tracer sent with
+    the gRPC call, else the client's in the request headers, else none (a new trace); and a timeline for
+    the processor's phases when it is sampled. Only the trace headers are read."""
+    carrier = {k: v for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS}
+    if not carrier and msg.HasField("request_headers"):
+        for h in msg.request_headers.headers.headers:
+            key = h.key.lower()
+            if key in TRACE_HEADERS:
+                carrier[key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    span = tracer.start("extproc.request", parent=tracer.extract(carrier), kind=SpanKind.SERVER)
+    if not span.is_recording():
+        return None  # not sampled: nothing more is recorded
+    proc.timeline = Timeline(time.time_ns)
+    return span
+
+
+def _end_request_span(tracer: Tracer, span: Span, proc: StreamProcessor, status: int) -> None:
+    """End a traced request's span: its phases as children, and what was decided (model, endpoint ids,
+    block counts, statuses: never the prompt, its tokens or any header's value)."""
+    timeline = proc.timeline
+    decision = proc.decision
+    if decision is not None:
+        span.set_attribute("kvgate.model", decision.model)
+        span.set_attribute("kvgate.endpoint", str(decision.endpoints[0].id))
+        span.set_attribute("kvgate.matched_blocks", decision.matched_blocks)
+        span.set_attribute("kvgate.prompt_blocks", decision.prompt_blocks)
+        span.set_attribute("kvgate.prompt_tokens", decision.prompt_tokens)
+        if proc.pd is not None:
+            span.set_attribute("kvgate.pd.mode", proc.pd.mode)
+    span.set_attribute("kvgate.request_id", proc.request_id)
+    if status:
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            Tracer.fail(span, "gateway error")
+    if timeline is not None:
+        tracer.emit(timeline, span)
+    span.end()
+
+
+def _end_handoff(span: Span, failure: str | None) -> None:
+    span.set_attribute("kvgate.handoff.outcome", failure or "ok")
+    if failure is not None:
+        Tracer.fail(span, failure)
+    span.end()
 
 
 class Gateway:
@@ -352,6 +454,8 @@ class Gateway:
         #: Virtual models answered by a cascade of served models (:mod:`extproc.cascade`); their gated
         #: steps go through the same upstream client.
         self.cascade = Cascader(cascade_policy(store.policy))
+        #: Spans of traced requests (``[tracing]``); ``None``: tracing off.
+        self.tracer = build_tracer(config.tracing)
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
         self.cluster = Cluster(config, self.fleet, self.index, self.router, store)
         self.cluster.pd_listener = self._apply_pd
@@ -473,6 +577,7 @@ class Gateway:
                 self.decisions,
                 self._on_decision,
                 self.cascade,
+                self.tracer,
             ),
             server,
         )
@@ -625,6 +730,8 @@ class Gateway:
         await self.cluster.aclose()
         await self.restorer.aclose()
         await self.upstream.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
         if self._status_server is not None:
             await asyncio.to_thread(self._status_server.close)
 

@@ -38,6 +38,10 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     node = "node-b"
     address = "10.0.0.8:4433"            # its QUIC host:port
 
+    [tracing]                            # optional (contracts/tracing.py): spans of Get and Contains
+    enabled = true                       # (with a peer fetch's own), the parent from the caller's
+    endpoint = "127.0.0.1:4317"          # traceparent metadata
+
     [etcd]                               # optional: registration + peer discovery (runtime/etcd.py)
     endpoints = ["127.0.0.1:2379"]
 """
@@ -47,7 +51,7 @@ from __future__ import annotations
 import copy
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -55,8 +59,12 @@ from typing import Any
 from contracts.config import REQUIRED, Section, read_tree
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
+from contracts.tracing import TracingSettings, parse_tracing
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX
+
+#: The ``service.name`` of kvcached's spans unless ``[tracing] service_name`` says otherwise.
+KVCACHED_SERVICE = "kvgate-kvcached"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,8 @@ class KvcachedConfig:
     quic: QuicSettings | None = None
     peers: tuple[StaticPeer, ...] = ()
     etcd_raw: Mapping[str, Any] | None = None
+    #: ``[tracing]`` (:mod:`contracts.tracing`): spans of Get and Contains (the fetch path).
+    tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=KVCACHED_SERVICE))
 
 
 def parse_kvcached_config(raw: object) -> KvcachedConfig:
@@ -139,6 +149,7 @@ def _parse(raw: object) -> KvcachedConfig:
         raise KvcachedConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
     quic_raw = top.raw("quic")
     peers_raw = top.array("peers", [])
+    tracing = parse_tracing(top.raw("tracing"), KVCACHED_SERVICE)
     top.done()
 
     node = k.string("node", socket.gethostname())
@@ -164,6 +175,7 @@ def _parse(raw: object) -> KvcachedConfig:
         quic=None if quic_raw is None else _quic(quic_raw),
         peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
         etcd_raw=None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw))),
+        tracing=tracing,
     )
     k.done()
     if cfg.ssd_path is not None and cfg.ssd_bytes < 1:

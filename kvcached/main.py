@@ -45,6 +45,7 @@ from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.lifecycle import announce_ready, stop_on_signals
 from runtime.tls import ServerTlsFiles
+from runtime.tracing.tracer import build as build_tracer
 
 if TYPE_CHECKING:
     from runtime.watch import PrefixWatcher
@@ -74,6 +75,8 @@ class Daemon:
     def __init__(self, config: KvcachedConfig) -> None:
         self.config = config
         self.metrics = KvcachedMetrics()
+        #: Spans of the fetch path (``[tracing]``); ``None``: tracing off.
+        self.tracer = build_tracer(config.tracing)
         self._publisher = FeedPublisher((node_store_endpoint(config.node),))
         self.store: TieredStore | None = None
         self.feed: FeedServer | None = None
@@ -136,6 +139,7 @@ class Daemon:
             peer_client=self.peer_client,
             peers=self.table.quic_addresses,
             peer_timeout_s=(2.0 if cfg.quic is None else cfg.quic.timeout_s) + 1.0,
+            tracer=self.tracer,
         )
         self.api = ApiServer(
             service,
@@ -173,6 +177,8 @@ class Daemon:
         self._publisher.feed = None
         if self.store is not None:
             self.store.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
             self.store = None
 
     def _addr(self, listen: str | None, port: int) -> str | None:

@@ -59,11 +59,22 @@ from kvcached.peers import PeerClient
 from kvcached.tiers import TieredStore
 from runtime.identity import KVCACHED_API, PeerCheck, hop_callers
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
+from runtime.tracing.tracer import TRACE_HEADERS, Span, SpanKind, Tracer, active, current_span
 
 log = logging.getLogger(__name__)
 
 Req = TypeVar("Req", bound=msgspec.Struct)
 _encoder = msgspec.msgpack.Encoder()
+
+
+#: The methods of the fetch path, traced when tracing is on.
+TRACED_METHODS = ("Get", "Contains")
+
+
+def _server_span(tracer: Tracer, name: str, context: Any) -> Span:
+    """A server span for one call, its parent the caller's ``traceparent`` metadata (if any)."""
+    carrier = {k: v for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS}
+    return tracer.start(name, parent=tracer.extract(carrier), kind=SpanKind.SERVER)
 
 
 class KvcachedService:
@@ -79,8 +90,11 @@ class KvcachedService:
         peer_client: PeerClient | None = None,
         peers: Callable[[], Sequence[str]] | None = None,
         peer_timeout_s: float = 2.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self.store = store
+        #: Spans of Get and Contains (the fetch path); ``None``: tracing off.
+        self._tracer = tracer
         self.metrics = metrics if metrics is not None else KvcachedMetrics()
         self.metrics.watch_store(store.stats)
         self._peer_client = peer_client
@@ -109,11 +123,18 @@ class KvcachedService:
         decoder = msgspec.msgpack.Decoder(kind)
         seconds = self.metrics.request_seconds.labels(method)
 
+        tracer = self._tracer if method in TRACED_METHODS else None
+
         async def serve(raw: bytes, context: Any) -> bytes:
             started = time.perf_counter()
             code, message, reply = grpc.StatusCode.OK, "", b""
+            span = None if tracer is None else _server_span(tracer, f"kvcached.{method}", context)
             try:
-                reply = _encoder.encode(await fn(decoder.decode(raw)))
+                if span is None:
+                    reply = _encoder.encode(await fn(decoder.decode(raw)))
+                else:
+                    with active(span):
+                        reply = _encoder.encode(await fn(decoder.decode(raw)))
             except (msgspec.DecodeError, BadRequest) as exc:
                 code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}"
             except KvcachedError as exc:
@@ -121,6 +142,9 @@ class KvcachedService:
                 log.warning("%s failed: %s", method, exc)
             finally:
                 seconds.observe(time.perf_counter() - started)
+                if span is not None:
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    span.end()
             self.metrics.requests.labels(method, code.name).inc()
             if code is not grpc.StatusCode.OK:
                 await context.abort(code, message)
@@ -141,9 +165,17 @@ class KvcachedService:
         data = self.store.get(digest)
         source = tier if data is not None else None
         if data is None and request.peers:
-            data = await self._from_peers(digest)
+            if self._tracer is None:
+                data = await self._from_peers(digest)
+            else:  # a child of the current kvcached.Get span
+                span = self._tracer.start("kvcached.peer_fetch", kind=SpanKind.CLIENT)
+                data = await self._from_peers(digest)
+                span.set_attribute("kvcached.hit", data is not None)
+                span.end()
             source = "peer" if data is not None else None
         self.metrics.get_seconds.labels(source or "miss").observe(time.perf_counter() - started)
+        if self._tracer is not None:
+            current_span().set_attribute("kvcached.source", source or "miss")
         return GetReply(data, source)
 
     async def contains(self, request: ContainsRequest) -> ContainsReply:

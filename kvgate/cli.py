@@ -93,8 +93,8 @@ def _envoy_config(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--gateway-config",
-        help="render its [auth] and [[tenants]] (JWT verification, per-tenant rate limits) and its models' "
-        "idle_timeout_s",
+        help="render its [auth] and [[tenants]] (JWT verification, per-tenant rate limits), its models' "
+        "idle_timeout_s and its [tracing] (Envoy's OpenTelemetry tracer)",
     )
     parser.add_argument(
         "--no-endpoint-header",
@@ -117,16 +117,19 @@ def _envoy_config(argv: list[str]) -> int:
     if args.max_retries < 0 or args.stream_idle_timeout <= 0 or args.trusted_hops < 0:
         parser.error("--max-retries and --trusted-hops must be >= 0 and --stream-idle-timeout > 0")
     auth = None
+    tracing = None
     idle_timeouts: tuple[tuple[str, float], ...] = ()
     if args.gateway_config:
         from pathlib import Path
 
         from extproc.config import load_config
         from kvgate.envoy.auth import EdgeAuth
+        from kvgate.envoy.tracing import EnvoyTracing
 
         try:
             gateway = load_config(Path(args.gateway_config))
             auth, idle_timeouts = EdgeAuth.from_config(gateway), model_idle_timeouts(gateway)
+            tracing = EnvoyTracing.from_settings(gateway.tracing)
         except ConfigError as exc:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
@@ -152,6 +155,7 @@ def _envoy_config(argv: list[str]) -> int:
                 access_log_path=None if args.no_access_log else args.access_log,
                 endpoint_header=not args.no_endpoint_header,
                 trusted_hops=args.trusted_hops,
+                tracing=tracing,
             )
         )
     except ConfigError as exc:  # a combination of flags and config the profile refuses

@@ -30,6 +30,7 @@ from contracts.kvcached import (
     StatsReply,
     StatsRequest,
 )
+from runtime.tracing.tracer import current_headers
 
 Req = TypeVar("Req", bound=msgspec.Struct)
 _encoder = msgspec.msgpack.Encoder()
@@ -73,7 +74,10 @@ class KvcachedClient:
     async def _call(self, method: str, request: msgspec.Struct, reply: type[Req]) -> Req:
         call = self._channel.unary_unary(method)
         try:
-            raw = await call(_encoder.encode(request), timeout=self._timeout_s)
+            # A traced caller's span (the agent's slot restore) goes on as the parent of kvcached's.
+            trace = current_headers()
+            metadata = tuple(trace.items()) if trace else None
+            raw = await call(_encoder.encode(request), timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details() or "invalid argument") from exc

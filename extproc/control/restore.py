@@ -32,7 +32,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -103,13 +103,16 @@ class SlotRestorer:
         self._session: aiohttp.ClientSession | None = None
         self._warned_no_tls = False
 
-    async def before_routing(self, decision: Decision) -> str | None:
-        """Restore into ``decision``'s pick if it pays off; the outcome (``None``: nothing asked)."""
+    async def before_routing(
+        self, decision: Decision, headers: Mapping[str, str] | None = None
+    ) -> str | None:
+        """Restore into ``decision``'s pick if it pays off; the outcome (``None``: nothing asked).
+        ``headers``: sent with the agent's request besides its content type (a trace's ``traceparent``)."""
         wanted = plan(decision, self.config)
         if wanted is None:
             return None
         began = self._clock()
-        outcome = await self.restore(wanted)
+        outcome = await self.restore(wanted, headers)
         seconds = self._clock() - began
         if self._metrics is not None:
             self._metrics.slot_restores.labels(outcome).inc()
@@ -119,20 +122,21 @@ class SlotRestorer:
                 wanted.engine, outcome, len(wanted.digests), seconds * 1000)  # fmt: skip
         return outcome
 
-    async def restore(self, wanted: RestorePlan) -> str:
+    async def restore(self, wanted: RestorePlan, headers: Mapping[str, str] | None = None) -> str:
         """POST ``wanted`` to its agent; one of :data:`OUTCOMES`. Never raises for the agent's failures."""
         if self._tls is None and urlsplit(wanted.url).scheme == "https":
             if not self._warned_no_tls:  # once: every such restore is counted as failed anyway
                 self._warned_no_tls = True
                 log.warning("agents offer https slot restores but [feeds] has no TLS client certificate")
             return "failed"
+        sent = {**(headers or {}), "content-type": "application/json"}
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=True if self._tls is None else self._tls)
             self._session = aiohttp.ClientSession(connector=connector)
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 async with self._session.post(
-                    wanted.url, data=wanted.body(), headers={"content-type": "application/json"}
+                    wanted.url, data=wanted.body(), headers=sent
                 ) as resp:
                     if resp.status == 409:
                         return "busy"

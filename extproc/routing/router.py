@@ -46,6 +46,7 @@ import orjson
 from contracts.digest import ChainCache, Digest, chain_seed
 from contracts.errors import ConfigError
 from contracts.events import EndpointId, node_store_endpoint
+from contracts.tracing import Timeline
 from extproc.errors import NotFound, Unavailable
 from extproc.fleet import EndpointState, Fleet
 from extproc.index.interface import PrefixIndex
@@ -309,7 +310,9 @@ class Router:
         self._node_stores = nodes
         self._store_nodes = {EndpointId(node_store_endpoint(node)): node for node in nodes}
 
-    def tokens(self, request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
+    def tokens(
+        self, request: ParsedRequest, *, exact_count: bool = False, timeline: Timeline | None = None
+    ) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
 
         With ``exact_count`` (token budgets need the real length) the whole prompt is tokenized; when
@@ -319,19 +322,27 @@ class Router:
         window (``max_blocks`` blocks), and the length is estimated. Raises
         :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is known and
         the prompt leaves no room in it for an output token.
+
+        ``timeline`` (a traced request): the phases ``render`` and ``tokenize`` are marked on it (on the
+        lazy path ``tokenize`` includes hashing each block as it completes and asking the index for it).
         """
         block_size = self._policy.block_size
         assets = self.models.find(request.model)
         if assets is None:
-            return self._byte_tokens(request, block_size)
-        found = _token_ids(assets, request, self.max_blocks * block_size, exact_count)
-        if isinstance(found, PrefixCursor):
-            seed = chain_seed(request.model, salt=request.cache_salt)
-            lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
-            lazy.extend(self.index.held)
-            return lazy.tokens()
-        ids, count = found
-        return Tokens(ids, block_size, True, count)
+            tokens = self._byte_tokens(request, block_size)
+        else:
+            found = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            if isinstance(found, PrefixCursor):
+                seed = chain_seed(request.model, salt=request.cache_salt)
+                lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
+                lazy.extend(self.index.held)
+                tokens = lazy.tokens()
+            else:
+                ids, count = found
+                tokens = Tokens(ids, block_size, True, count)
+        if timeline is not None:
+            timeline.mark("tokenize")
+        return tokens
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
@@ -383,6 +394,7 @@ class Router:
         tokens: Tokens | None = None,
         admit: Callable[[EndpointState], bool] | None = None,
         ttft_budget_s: float | None = None,
+        timeline: Timeline | None = None,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
@@ -418,11 +430,15 @@ class Router:
             roomy = [s for s in candidates if admit(s)]
             candidates = roomy or candidates
         if tokens is None:
-            tokens = self.tokens(request)
+            tokens = self.tokens(request, timeline=timeline)
         elif tokens.rest is not None and tokens.rest.extend(self.index.held):
             tokens = tokens.rest.tokens()  # made earlier: the index has since learned the stopping block
+            if timeline is not None:
+                timeline.mark("tokenize")
         lazy = tokens.rest
         digests = self.digests(request, tokens)
+        if timeline is not None:
+            timeline.mark("digest")
         working_set = self.working_set
         state = CycleState(
             prefix_blocks=self.index.match(digests, now),
@@ -432,12 +448,16 @@ class Router:
         state.exact = all(is_precise(c.id) for c in candidates)
         if self.node_stores:
             self._warm(state, candidates, digests)
+        if timeline is not None:
+            timeline.mark("lookup")
         if lazy is not None and (state.prefix_blocks or state.warm_blocks or state.peer_warm_blocks):
             # Some lead exists, so the prefix and kv-tier scorers divide by the window's blocks: hash them
             # all (the leads stay the same: each stops before the first unheld block).
             lazy.finish()
             tokens = lazy.tokens()
             digests = self.digests(request, tokens)
+            if timeline is not None:
+                timeline.mark("digest")
         predictor = self.predictor
         block_size = policy.block_size  # tokens per block, whatever stands in for tokens
         if ttft_budget_s is not None or profile.predicts:
@@ -461,6 +481,8 @@ class Router:
             ttft_budget_s=ttft_budget_s,
         )
         result = profile.schedule(sched, state, candidates, self._rng)
+        if timeline is not None:
+            timeline.mark("schedule")
         if not result.endpoints:
             raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
         primary = result.endpoints[0]
@@ -620,7 +642,7 @@ class Router:
 
 
 def _token_ids(
-    assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool
+    assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
 ) -> tuple[Sequence[int], int] | PrefixCursor:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
@@ -636,6 +658,8 @@ def _token_ids(
             add_generation_prompt=request.add_generation_prompt,
             extra=request.template_kwargs,
         )
+        if timeline is not None:
+            timeline.mark("render")
         special = False
     elif isinstance(request.prompt, str):
         text, special = request.prompt, True

@@ -77,6 +77,9 @@ class StackOptions:
     agents: int = 0
     agent_engine: str = "sim"
     agent_args: tuple[str, ...] = ()
+    #: ``--recipe``: one agent per table, each running that ``[[engines]]`` table (its own ``id``,
+    #: ``kind``, ``model``, settings; ports are picked) instead of ``agent_engine`` (kvgate/dev/recipe.py).
+    agent_engines: tuple[dict[str, Any], ...] = ()
     #: Extra keys of each agent engine's ``[[engines]]`` table (e.g. ``{"parallel": 2}``).
     agent_engine_options: dict[str, Any] = field(default_factory=dict)
     #: ``--gpu`` / ``--power-cap-w`` (``agents`` with the ``sim`` engine): each simulated engine gets a GPU

@@ -56,7 +56,7 @@ from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.config import parse_config
-from kvgate.dev import overlay, stackfile, upcli
+from kvgate.dev import overlay, recipe, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
 from kvgate.dev.etcd import EtcdServer, ServerTls, free_port
 from kvgate.dev.gateway_config import gateway_config, pin_listeners
@@ -79,6 +79,7 @@ from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
 from kvgate.envoy.stats import STATS_LISTENER, STATS_PATH
 from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
+from kvgate.envoy.tracing import EnvoyTracing
 
 log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MODEL", "Stack", "StackOptions", "main"]
@@ -284,6 +285,14 @@ class Stack:
                 engine["bootstrap_port"] = bootstrap
             self.engines.append(engine if role == "both" else {**engine, "role": role})
 
+    def _tracing(self) -> dict[str, Any]:
+        """The ``--config`` overlay's ``[tracing]`` for the agents and kvcached daemons too (each keeps
+        its own ``service_name``); empty without one."""
+        raw = self.options.overlay.get("tracing")
+        if not isinstance(raw, dict):
+            return {}
+        return {k: v for k, v in raw.items() if k != "service_name"}
+
     def _pd_policy(self) -> Path:
         """A policy file giving the served model ``StackOptions.disaggregation`` (a disaggregated fleet)."""
         opts = self.options
@@ -390,6 +399,7 @@ class Stack:
             access_log_path=str(self.access_log),
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
             stats_port=0 if opts.envoy_stats else None,
+            tracing=EnvoyTracing.from_settings(parsed.tracing),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
@@ -429,7 +439,10 @@ class Stack:
             nodes.append([dict(e) for e in opts.attach])
         power: list[list[dict[str, Any]]] = [[] for _ in nodes]
         with_power = (opts.gpus or opts.power_caps_w) and opts.agent_engine == "sim" and not opts.attach
-        for i in range(0 if opts.attach else opts.agents):
+        for table in () if opts.attach else opts.agent_engines:  # --recipe: its tables as given
+            nodes.append([dict(table)])
+            power.append([])
+        for i in range(0 if opts.attach or opts.agent_engines else opts.agents):
             engine = {
                 "id": f"{opts.agent_engine}-{i}",
                 "kind": opts.agent_engine,
@@ -463,6 +476,8 @@ class Stack:
             config["etcd"].update(self.etcd_tls(f"agent-{node}"))
             if power[i]:
                 config["power"] = power[i]
+            if self._tracing():
+                config["tracing"] = self._tracing()
             path, ready = self.workdir / f"{node}.json", self.workdir / f"{node}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             self.agent_configs.append(path)
@@ -493,6 +508,8 @@ class Stack:
                 lease_ttl_s=self.options.lease_ttl_s,
             )
             config["etcd"].update(self.etcd_tls(name))
+            if self._tracing():
+                config["tracing"] = self._tracing()
             path, ready = self.workdir / f"{name}.json", self.workdir / f"{name}.ready.json"
             path.write_text(json.dumps(config, indent=2))
             configs.append((path, config))
@@ -686,36 +703,57 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvgate up: --config: {exc}", file=sys.stderr)
         return 2
-    stack = Stack(
-        StackOptions(
-            replicas=args.replicas,
-            prefill=args.prefill,
-            decode=args.decode,
-            disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
-            pd_protocol=args.pd_protocol,
-            extprocs=args.extprocs,
-            fail_open=args.fail_open,
-            envoy_stats=args.envoy_stats,
-            port=args.port,
-            host=args.host,
-            model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
-            endpoints=tuple(args.endpoint),
-            engine=args.engine,
-            model_dir=args.model_dir,
-            chat_template=args.chat_template,
-            workdir=args.workdir,
-            secure=args.secure,
-            client_certs=args.client_certs,
-            auth=StackAuth() if args.auth else None,
-            agents=args.agents,
-            agent_engine=args.agent_engine,
-            gpus=args.gpu or (),
-            power_caps_w=args.power_cap_w or (),
-            kvcached=args.kvcached,
-            etcd_auth=args.etcd_auth,
-            overlay=extra,
-        )
+    options: dict[str, Any] = {}
+    if args.recipe is not None:
+        if args.config is not None or args.agents or args.endpoint:
+            print("kvgate up: --recipe goes alone (not with --config, --agents, --endpoint)", file=sys.stderr)
+            return 2
+        try:
+            found = recipe.load(args.recipe)
+            recipe.check_local(found)
+            extra = recipe.gateway_overlay(found, dev_auth=args.auth)
+        except ConfigError as exc:
+            print(f"kvgate up: --recipe: {exc}", file=sys.stderr)
+            return 2
+        except recipe.RecipeUnavailable as exc:
+            print(f"kvgate up: {exc}", file=sys.stderr)
+            return 1
+        tables, agent_options = recipe.local_nodes(found)
+        options = {
+            "agents": len(tables),
+            "agent_engines": tables,
+            "agent_options": agent_options,
+            "model": found.model,
+        }
+    stack_options = StackOptions(
+        replicas=args.replicas,
+        prefill=args.prefill,
+        decode=args.decode,
+        disaggregation={"mode": args.pd_mode, "min_uncached_tokens": args.pd_min_uncached_tokens},
+        pd_protocol=args.pd_protocol,
+        extprocs=args.extprocs,
+        fail_open=args.fail_open,
+        envoy_stats=args.envoy_stats,
+        port=args.port,
+        host=args.host,
+        model=args.model if args.model or args.endpoint else DEFAULT_MODEL,
+        endpoints=tuple(args.endpoint),
+        engine=args.engine,
+        model_dir=args.model_dir,
+        chat_template=args.chat_template,
+        workdir=args.workdir,
+        secure=args.secure,
+        client_certs=args.client_certs,
+        auth=StackAuth() if args.auth else None,
+        agents=args.agents,
+        agent_engine=args.agent_engine,
+        gpus=args.gpu or (),
+        power_caps_w=args.power_cap_w or (),
+        kvcached=args.kvcached,
+        etcd_auth=args.etcd_auth,
+        overlay=extra,
     )
+    stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
     # While starting, SIGINT and SIGTERM interrupt the start (KeyboardInterrupt: Stack.start stops what
     # it started), even where the shell ignores SIGINT (a background job). The children run in sessions
     # of their own, so a Ctrl-C in the terminal reaches this process only, which stops them in order.

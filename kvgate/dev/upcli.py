@@ -231,6 +231,14 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         help="require credentials: a dev OIDC issuer (JWTs) and an API key for tenant 'dev'",
     )
     p.add_argument(
+        "--recipe",
+        type=Path,
+        metavar="DIR",
+        help="run a recipe (recipes/<model>/<engine>/<topology>): a local etcd, one agent per [[engines]] "
+        "table of its node*.toml, its gateway.toml merged over the generated config; refused, naming the "
+        "engine, when its engines cannot run here (vLLM, SGLang: a GPU)",
+    )
+    p.add_argument(
         "--config",
         type=Path,
         metavar="FILE",

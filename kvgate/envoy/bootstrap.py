@@ -54,6 +54,7 @@ from contracts.epp import (
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
+from kvgate.envoy import tracing as envoy_tracing
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
 from kvgate.envoy.usage import usage_filter
@@ -188,6 +189,9 @@ class EnvoyParams:
     #: (kvgate/envoy/stats.py), for Prometheus; ``None``: none. Needs ``admin_socket`` or a fixed admin port.
     stats_port: int | None = None
     stats_host: str = "127.0.0.1"
+    #: Envoy's OpenTelemetry tracer (kvgate/envoy/tracing.py; the gateway config's ``[tracing]``);
+    #: ``None``: Envoy traces nothing.
+    tracing: envoy_tracing.EnvoyTracing | None = None
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -394,6 +398,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     if params.completion_log:  # the engine's reused prompt tokens, for the drift alarm (extproc/drift)
         filters: list[dict[str, Any]] = hcm["http_filters"]  # type: ignore[assignment]
         filters.insert(-1, usage_filter())
+    if params.tracing is not None:
+        hcm["tracing"] = envoy_tracing.hcm_tracing(params.tracing)
     extproc_cluster = resilience.extproc_cluster(res, extprocs)
     config: dict[str, Any] = {
         # A node identity: xDS (the ext_procs' EDS) and SDS require one.
@@ -425,6 +431,9 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             ],
         },
     }
+    if params.tracing is not None:
+        config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
+        config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)
     if params.tls is not None:
         config = secure_profile(config, params.tls)
     if params.stats_port is not None:  # plaintext, like the ext_proc's metrics (after TLS: not a peer)

@@ -17,7 +17,11 @@ Each fleet has engine metrics set on every endpoint and an index pre-filled with
 decision ``Router.finish`` releases the in-flight slot so load state does not drift. One cell is also run
 stage by stage (parse, render, tokenize, digest, lookup, schedule, record) for a breakdown.
 
-    python -m load.bench.decision --out results/decision.json [--quick]
+    python -m load.bench.decision --out results/decision.json [--quick] [--tracing on|alternate]
+
+``--tracing on`` traces every decision as the ext_proc traces a sampled request (its span, the phases'
+timeline and their spans, batched to an in-memory exporter); off (the default) is the untraced path;
+``alternate`` traces every other decision of each cell, so both halves run under the same machine noise.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from contracts.digest import Digest
+from contracts.tracing import Timeline, TracingSettings
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from engines.metrics import EngineMetrics
 from extproc.config import parse_config
@@ -44,6 +50,7 @@ from extproc.routing.router import Tokens
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.server import Gateway
 from load.bench import CpuSample, add_quiet_arguments, machine, quietest, revision, summary, write_json
+from runtime.tracing.tracer import SpanKind, Tracer
 
 MODEL = "SmolLM2-135M-Instruct"
 SIZES = (1024, 4096, 16384)
@@ -204,12 +211,40 @@ def words_per_token(gateway: Gateway, factory: ChatFactory) -> float:
     return n_words / tokens
 
 
-def _decide(gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float]) -> int:
-    """One timed decision (parse + decide); returns its nanoseconds."""
+#: ``--tracing on``: every decision traced (sampled), as the ext_proc traces a request; ``None``: off.
+TRACER: Tracer | None = None
+#: ``--tracing alternate``: odd decisions traced, even ones not (both under the same machine noise).
+ALTERNATE = False
+#: What a timed decision is measured with: wall time, or (``--clock cpu``) the thread's CPU time, which
+#: leaves out the time other tenants of a shared machine hold the CPU (not work done by other threads).
+TIMER: Callable[[], int] = time.perf_counter_ns
+
+
+def _decide(
+    gateway: Gateway, raw: bytes, serial: int, clock: Callable[[], float], traced: bool = True
+) -> int:
+    """One timed decision (parse + decide); returns its nanoseconds. With :data:`TRACER` (and
+    ``traced``), also what the ext_proc does for a traced request: its span, a timeline of the phases,
+    their spans, ended."""
     router = gateway.router
-    started = time.perf_counter_ns()
-    decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
-    elapsed = time.perf_counter_ns() - started
+    tracer = TRACER if traced else None
+    started = TIMER()
+    if tracer is None:
+        decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
+    else:
+        span = tracer.start("extproc.request", kind=SpanKind.SERVER)
+        timeline = Timeline(time.time_ns)
+        request = parse_body(Kind.CHAT, raw)
+        timeline.mark("parse")
+        decision = router.decide(request, request_id=f"r{serial}", now=clock(), timeline=timeline)
+        span.set_attribute("kvgate.model", decision.model)
+        span.set_attribute("kvgate.endpoint", str(decision.endpoints[0].id))
+        span.set_attribute("kvgate.matched_blocks", decision.matched_blocks)
+        span.set_attribute("kvgate.prompt_blocks", decision.prompt_blocks)
+        span.set_attribute("kvgate.prompt_tokens", decision.prompt_tokens)
+        tracer.emit(timeline, span)
+        span.end()
+    elapsed = TIMER() - started
     router.commit(decision, clock())  # what the gRPC shell does after sending the reply
     router.finish(decision)
     return elapsed
@@ -243,14 +278,16 @@ def run_cell(
         raise RuntimeError(f"model {MODEL} is not loaded")
     gc.collect()
     samples_us: list[float] = []
+    traced_us: list[float] = []
     baseline_us: list[float] = []
     tokens: list[float] = []
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
-        elapsed = _decide(gateway, raw, i, clock)
+        traced = not ALTERNATE or i % 2 == 1
+        elapsed = _decide(gateway, raw, i, clock, traced)
         if i < warmup:
             continue
-        samples_us.append(elapsed / 1e3)
+        (traced_us if ALTERNATE and traced else samples_us).append(elapsed / 1e3)
         if i - warmup < max(baseline_iterations, EXACT_COUNTS):  # untimed; interleaved: same machine
             us, n_tokens = _encode_whole_us(assets, raw)
             tokens.append(n_tokens)  # exact (the router estimates when it stops tokenizing early)
@@ -265,6 +302,8 @@ def run_cell(
     }
     if baseline_us:
         cell["baseline_encode_whole_us"] = summary(baseline_us)
+    if traced_us:  # --tracing alternate: latency_us holds the untraced half
+        cell["latency_traced_us"] = summary(traced_us)
     return cell
 
 
@@ -374,11 +413,43 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-iterations", type=int, default=100, help="timed whole-prompt encodes per size and turn"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tracing",
+        choices=["off", "on", "alternate"],
+        default="off",
+        help="on: trace every decision as the ext_proc does (spans batched to an in-memory exporter); "
+        "alternate: every other decision traced, the two halves reported apart (latency_us untraced, "
+        "latency_traced_us traced)",
+    )
+    parser.add_argument(
+        "--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)"
+    )
+    parser.add_argument("--fleets", help="comma-separated fleet sizes (default 4,16,64)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time decisions by wall clock (default) or by the thread's CPU time (steadier on a shared "
+        "machine; leaves out work of other threads, such as the span exporter's)",
+    )
     add_quiet_arguments(parser, "cell")
     args = parser.parse_args(argv)
+    global TRACER, ALTERNATE, TIMER
+    TIMER = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    exporter = None
+    ALTERNATE = args.tracing == "alternate"
+    if args.tracing != "off":
+        exporter = InMemorySpanExporter()
+        TRACER = Tracer(TracingSettings(True, 1.0, service_name="bench"), exporter=exporter)
     sizes: Sequence[int] = SIZES
     fleets: Sequence[int] = FLEETS
     breakdown_size = 4096
+    if args.sizes:
+        sizes = tuple(int(x) for x in args.sizes.split(","))
+    if args.fleets:
+        fleets = tuple(int(x) for x in args.fleets.split(","))
+    if breakdown_size not in sizes:
+        breakdown_size = sizes[0]
     if args.quick:
         sizes, fleets, breakdown_size = (1024,), (4,), 1024
         args.iterations, args.first_iterations, args.warmup, args.baseline_iterations = 20, 10, 3, 5
@@ -476,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             "quiet_threshold_cores": args.quiet_threshold,
             "max_attempts": args.max_attempts,
             "seed": args.seed,
+            "tracing": args.tracing,
+            "clock": args.clock,
             "model": MODEL,
             "words_per_token": round(ratio, 3),
             "index_prefill": {
@@ -491,6 +564,10 @@ def main(argv: list[str] | None = None) -> int:
         "other_cpu_cores": cpu.other_cores(CpuSample.take()),
         "wall_s": round(time.monotonic() - started, 1),
     }
+    if TRACER is not None and exporter is not None:
+        TRACER.shutdown()
+        result["spans_exported"] = len(exporter.get_finished_spans())
+        TRACER = None
     write_json(args.out, result)
     return 0
 

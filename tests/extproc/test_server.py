@@ -18,6 +18,7 @@ from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.events import EndpointId
+from contracts.tracing import Timeline
 from extproc.config import parse_config
 from extproc.routing.request import ParsedRequest
 from extproc.routing.router import LazyPrompt, Tokens
@@ -151,9 +152,11 @@ async def test_a_large_body_is_tokenized_off_the_event_loop(
     tokens = gateway.router.tokens
     models_answered = threading.Event()
 
-    def blocking_tokens(request: ParsedRequest, *, exact_count: bool = False) -> Tokens:
+    def blocking_tokens(
+        request: ParsedRequest, *, exact_count: bool = False, timeline: Timeline | None = None
+    ) -> Tokens:
         assert models_answered.wait(10), "GET /v1/models was not answered while the prompt was tokenized"
-        return tokens(request, exact_count=exact_count)
+        return tokens(request, exact_count=exact_count, timeline=timeline)
 
     monkeypatch.setattr(gateway.router, "tokens", blocking_tokens)
     body = chat_body("hello " * 20_000)  # 120 KB: over the 32 KiB offload threshold

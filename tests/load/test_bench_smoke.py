@@ -35,6 +35,19 @@ def test_decision_quick(tmp_path: Path) -> None:
     assert "schedule_4ep_p99_us" in result["goals"]
 
 
+def test_decision_quick_tracing_alternate(tmp_path: Path) -> None:
+    """``--tracing alternate``: every other decision traced (spans to an in-memory exporter), both halves
+    reported; ``--clock cpu`` times them by the thread's CPU time."""
+    out = tmp_path / "decision.json"
+    assert decision.main(["--quick", "--tracing", "alternate", "--clock", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parameters"]["tracing"] == "alternate" and result["parameters"]["clock"] == "cpu"
+    for cell in result["cells"]:
+        assert cell["latency_us"]["n"] > 0 and cell["latency_traced_us"]["n"] > 0
+    assert result["spans_exported"] > 0
+    assert decision.TRACER is None
+
+
 @pytest.mark.e2e
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"

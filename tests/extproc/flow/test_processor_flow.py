@@ -376,3 +376,38 @@ def test_the_router_forgets_what_it_learned_of_an_endpoint_that_leaves(router: R
     assert proc.decision is not None and len(router.predictor) == 1
     router.fleet.remove(proc.decision.endpoints[0].id)
     assert len(router.predictor) == 0
+
+
+def ticking() -> Any:
+    """A nanosecond clock for a timeline: each reading 1,000 ns after the last."""
+    now = [0]
+
+    def read() -> int:
+        now[0] += 1000
+        return now[0]
+
+    return read
+
+
+def test_a_traced_request_records_its_phases_and_its_queue_wait(router: Router) -> None:
+    """Tracing (contracts.tracing.Timeline): the processor and the router mark each phase of a sampled
+    request, flow control's hold included; an untraced one has no timeline."""
+    from contracts.tracing import Timeline
+
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)  # untraced: none of them got a timeline
+    proc = make(router, control)
+    assert proc.timeline is None
+    proc.timeline = Timeline(ticking())
+    send(proc)
+    assert proc.held is not None
+    scrape_idle(router)
+    entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW), NOW)
+    assert entry is not None
+    reply(entry.payload.resume())
+    spans = proc.timeline.spans
+    names = [name for name, _, _ in spans]
+    assert names[:3] == ["parse", "render", "tokenize"]
+    assert {"queue_wait", "digest", "lookup", "schedule"} <= set(names)
+    assert names.index("queue_wait") < names.index("schedule")
+    assert all(end > start for _, start, end in spans)
