@@ -285,6 +285,12 @@ class Router:
         self.max_open = MAX_OPEN_REQUESTS
         #: TTFT per endpoint, learned from the engines' TTFT histograms and this router's requests.
         self.predictor = TTFTPredictor()
+        #: LoRA adapter -> its base model, from the fleet's endpoints (``None``: rebuild at next use).
+        self._adapter_bases: dict[str, str] | None = None
+        fleet.watch(self._fleet_changed)
+
+    def _fleet_changed(self) -> None:
+        self._adapter_bases = None
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -320,16 +326,42 @@ class Router:
         """
         block_size = self._policy.block_size
         assets = self.models.find(request.model)
+        if assets is None:  # a LoRA adapter tokenizes as its base model
+            base = self.adapter_base(request.model)
+            assets = None if base is None else self.models.find(base)
         if assets is None:
             return self._byte_tokens(request, block_size)
         found = _token_ids(assets, request, self.max_blocks * block_size, exact_count)
         if isinstance(found, PrefixCursor):
-            seed = chain_seed(request.model, salt=request.cache_salt)
+            seed = self.seed(request)
             lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
             lazy.extend(self.index.held)
             return lazy.tokens()
         ids, count = found
         return Tokens(ids, block_size, True, count)
+
+    def seed(self, request: ParsedRequest) -> Digest:
+        """The request's chain seed (:func:`contracts.digest.chain_seed`): for a model some endpoint lists
+        as a LoRA adapter (``Endpoint.adapters``), that endpoint's base model with the adapter; else the
+        model itself; with the request's ``cache_salt`` either way. The same fields the agent reads from
+        the engine's events, so a LoRA or salted prompt matches what engines report."""
+        base = self.adapter_base(request.model)
+        if base is None:
+            return chain_seed(request.model, salt=request.cache_salt)
+        return chain_seed(base, lora=request.model, salt=request.cache_salt)
+
+    def adapter_base(self, model: str) -> str | None:
+        """The base model of ``model`` when some endpoint lists it as a LoRA adapter, else ``None``."""
+        bases = self._adapter_bases
+        if bases is None:  # rebuilt after each fleet change (membership goes through Fleet's methods)
+            bases = {}
+            for state in self.fleet:
+                base = state.endpoint.base_model
+                if base is not None:
+                    for adapter in state.endpoint.adapters:
+                        bases.setdefault(adapter, base)
+            self._adapter_bases = bases
+        return bases.get(model)
 
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
@@ -338,7 +370,7 @@ class Router:
         if tokens.chain is not None:
             return list(tokens.chain)
         hashed = tokens.ids[: self.max_blocks * tokens.block_size]
-        seed = chain_seed(request.model, salt=request.cache_salt)
+        seed = self.seed(request)
         return self._chains.digests(seed, hashed, tokens.block_size)
 
     def check_deadline(self, request: ParsedRequest, tokens: Tokens, budget_s: float, now: float) -> None:

@@ -77,6 +77,8 @@ class SimConfig:
     #: GPU power models (:mod:`load.sim.power`), replica ``i`` taking ``power[i % len(power)]``; with one, a
     #: replica serves dcgm-exporter's format at ``/dcgm/metrics``. Empty: no power simulated.
     power: tuple[PowerModel, ...] = ()
+    #: LoRA adapters served by name (vLLM ``--lora-modules``; slots: ``engine.max_loras``).
+    lora_modules: tuple[str, ...] = ()
 
 
 class SimReplica:
@@ -101,7 +103,7 @@ class SimReplica:
         listener = sink(self.kv_events, listener)
         power = config.power[rank % len(config.power)] if config.power else None
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener, power)
-        self.registry, observe_ttft = replica_registry(self.engine, config.model)
+        self.registry, observe_ttft = replica_registry(self.engine, config.model, bool(config.lora_modules))
         self.dcgm = None if power is None else dcgm_registry(self.engine, replica_id, time.monotonic)
         self.driver = EngineDriver(self.engine, observe_ttft)
         self.serving = Serving(
@@ -112,6 +114,7 @@ class SimReplica:
             config.tool_parsing,
             role=config.role,
             engine_id=replica_id,
+            adapters=config.lora_modules,
         )
         #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
         #: held that many seconds before they are served (``/_sim/delay_next``).
@@ -189,7 +192,7 @@ class SimReplica:
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON body, parsed and its ``model`` checked against the served name."""
         body = api.parse_body(await request.read())
-        api.check_model(body, self.config.model)
+        api.check_model(body, self.config.model, self.config.lora_modules)
         return body
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
@@ -242,7 +245,10 @@ class SimReplica:
     async def _models(self, request: web.Request) -> web.Response:
         root = str(self.config.model_dir)
         max_model_len = self.config.engine.max_model_len
-        return _json(responses.models_response(self.config.model, root, max_model_len, self._created))
+        cards = responses.models_response(
+            self.config.model, root, max_model_len, self._created, self.config.lora_modules
+        )
+        return _json(cards)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -511,6 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--power-cap-w",
         help="power caps in W, comma-separated, cycled over replicas (0: none); implies --gpu h100",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="as vLLM: LoRA adapters served by name (a NAME=PATH form is accepted, the path ignored)",
+    )
+    p.add_argument("--max-loras", type=int, default=e.max_loras, help="as vLLM: adapters in GPU slots")
+    p.add_argument(
+        "--lora-load-ms", type=float, default=t.lora_load_s * 1e3, help="cost of loading an adapter (ms)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -528,6 +545,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching,
+        max_loras=args.max_loras,
     )
     timing = TimingModel(
         base_s=args.step_base_ms / 1e3,
@@ -536,6 +554,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         kv_bytes_per_token=args.kv_bytes_per_token,
         link_bytes_per_s=args.link_gbps * 1e9 / 8,
+        lora_load_s=args.lora_load_ms / 1e3,
     )
     kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
     tools = ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser)
@@ -550,6 +569,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tools,
         role=args.role,
         power=power,
+        lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
     )
 
 

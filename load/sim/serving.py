@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from contracts.digest import Digest, chain_seed
 from load.sim import protocol as api
 from load.sim import responses as out
 from load.sim.driver import EngineDriver
@@ -59,6 +60,15 @@ class _Choice:
     echo: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    """What separates a request's KV blocks from others': its chain seed, adapter and cache salt."""
+
+    seed: Digest | None
+    lora: str | None
+    salt: str | None
+
+
 @dataclass(slots=True)
 class _Request:
     """One generate request after validation: its choices keyed by engine request id."""
@@ -84,8 +94,11 @@ class Serving:
         tool_parsing: ToolParsing,
         role: str = "both",
         engine_id: str = "sim",
+        adapters: Sequence[str] = (),
     ) -> None:
         self.model = model
+        #: LoRA adapters served by name (``--lora-modules``).
+        self.adapters = tuple(adapters)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.driver = driver
@@ -175,7 +188,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt], transfer)
+        return await self._run(request, req, [prompt], transfer, self._identity(body))
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -199,7 +212,16 @@ class Serving:
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids, transfer)
+        return await self._run(request, req, ids, transfer, self._identity(body))
+
+    def _identity(self, body: dict[str, Any]) -> _Identity:
+        """The request's LoRA adapter (``model`` naming one) and ``cache_salt``, and the chain seed of
+        both (the base model's name with them, as vLLM's block hash and kvgate's router take them)."""
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.adapters else None
+        raw = body.get("cache_salt")
+        salt = raw if isinstance(raw, str) and raw else None
+        return _Identity(chain_seed(self.model, lora=lora, salt=salt), lora, salt)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -208,8 +230,14 @@ class Serving:
             req.choices[rid] = _Choice(p * n + i, plan, p, echo=echo)
 
     async def _run(
-        self, request: web.Request, req: _Request, prompts: list[list[int]], transfer: Transfer = NONE
+        self,
+        request: web.Request,
+        req: _Request,
+        prompts: list[list[int]],
+        transfer: Transfer = NONE,
+        identity: _Identity | None = None,
     ) -> web.StreamResponse:
+        ident = identity or _Identity(None, None, None)
         remote = transfer.remote_prefill is not None
         if transfer.remote_prefill is not None:
             await self._receive_kv(req.rid, prompts[0], transfer.remote_prefill)
@@ -225,6 +253,9 @@ class Serving:
                 siblings,
                 queue,
                 remote_prefill=remote and p == 0,
+                seed=ident.seed,
+                lora=ident.lora,
+                salt=ident.salt,
             )
         assert queue is not None
         log.debug("%s: %d prompts, %d choices", req.rid, len(prompts), len(ids))
