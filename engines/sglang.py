@@ -63,6 +63,7 @@ KIND = EngineKind(
         "sglang:token_usage",
         "sglang:time_to_first_token_seconds",
         "sglang:generation_tokens_total",
+        lora_slots=("sglang:lora_pool_slots_used", "sglang:lora_pool_slots_total"),
     ),
     health_path="/health",
     metrics_path="/metrics",

@@ -34,6 +34,7 @@ METRICS = MetricNames(
     "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds",
     "vllm:generation_tokens_total",
+    lora_info="vllm:lora_requests_info",
 )
 #: Where KVBM's vLLM connectors live (DynamoConnector, PdConnector).
 KVBM_MODULE = "kvbm.vllm_integration.connector"
