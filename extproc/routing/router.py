@@ -497,6 +497,8 @@ class Router:
         primary.in_flight += 1
         primary.routed_since_scrape += 1
         primary.count_routed(now)
+        if request.model in primary.endpoint.adapters or request.model in primary.lora_recent:
+            primary.saw_adapter(request.model, now)  # the adapter will be loaded there (LoRA affinity)
         self._opened(request_id, primary, now)
         uncached = max(0, tokens.count - state.prefix_blocks.get(primary.id, 0) * block_size)
         predictor.routed(request_id, primary, uncached, now)
