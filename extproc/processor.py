@@ -122,6 +122,7 @@ from extproc.flow.control import (
 from extproc.flow.policy import FlowPolicy
 from extproc.flow.queue import Entry
 from extproc.routing.request import (
+    GENERATIVE_KINDS,
     MODELS_PATH,
     ParsedRequest,
     parse_body,
@@ -572,7 +573,7 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
-        if self._disagg is not None:
+        if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)

@@ -53,7 +53,7 @@ from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import PrefixCursor
 from extproc.routing.length import ContextLimit, Verdict, triage
-from extproc.routing.request import Kind, ParsedRequest
+from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.profile import Profile
@@ -640,7 +640,7 @@ class Router:
         return orjson.dumps({"object": "list", "data": data})
 
     def _byte_tokens(self, request: ParsedRequest, block_size: int) -> Tokens:
-        if request.kind is Kind.CHAT:
+        if request.kind in CHAT_KINDS:
             raw = orjson.dumps([request.messages, request.tools])
         elif isinstance(request.prompt, str):
             raw = request.prompt.encode()
@@ -659,8 +659,9 @@ def _token_ids(
     estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
     context is unknown: the caller tokenizes as far as it needs). Raises ContextLengthExceeded for a
     prompt that leaves no room in the context."""
-    chat = request.kind is Kind.CHAT
-    limit = ContextLimit.of(assets.max_model_len, chat)
+    chat = request.kind in CHAT_KINDS
+    # A pooling request has no output token to leave room for: the engine checks its own length.
+    limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
     if chat:
         text = assets.template.render(
             request.messages,

@@ -21,7 +21,7 @@ import ssl
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -43,6 +43,7 @@ from load.sim.fields import lax_bool, opt, strict_str
 from load.sim.handoff import ROLES
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import dcgm_registry, replica_registry
+from load.sim.pooling import PoolingRoutes
 from load.sim.power import GPU_CLASSES, PowerModel
 from load.sim.serving import Serving, ToolParsing
 from load.sim.timing import TimingModel
@@ -116,6 +117,8 @@ class SimReplica:
             engine_id=replica_id,
             adapters=config.lora_modules,
         )
+        #: Embeddings, responses, score and rerank (load/sim/pooling.py).
+        self.pooling = PoolingRoutes(self.serving)
         #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
         #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
@@ -137,6 +140,13 @@ class SimReplica:
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completion),
+                web.post("/v1/embeddings", self._pooled(self.pooling.embeddings)),
+                web.post("/v1/responses", self._pooled(self.pooling.responses)),
+                *(web.post(p, self._pooled(self.pooling.score)) for p in ("/score", "/v1/score")),
+                *(
+                    web.post(p, self._pooled(self.pooling.rerank))
+                    for p in ("/rerank", "/v1/rerank", "/v2/rerank")
+                ),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.post("/tokenize", self._tokenize),
@@ -210,6 +220,17 @@ class SimReplica:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         await self._injected_fault()
         return await self.serving.completion(request, await self.read_body(request))
+
+    def _pooled(
+        self, handler: Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A pooling route's handler with the body read and checked as chat's (faults injected too)."""
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            await self._injected_fault()
+            return await handler(request, await self.read_body(request))
+
+        return route
 
     async def _injected_fault(self) -> None:
         if self.fail_next > 0:

@@ -61,7 +61,7 @@ class _Choice:
 
 
 @dataclass(frozen=True, slots=True)
-class _Identity:
+class Identity:
     """What separates a request's KV blocks from others': its chain seed, adapter and cache salt."""
 
     seed: Digest | None
@@ -188,7 +188,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt], transfer, self._identity(body))
+        return await self._run(request, req, [prompt], transfer, self.identity(body))
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -212,16 +212,16 @@ class Serving:
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids, transfer, self._identity(body))
+        return await self._run(request, req, ids, transfer, self.identity(body))
 
-    def _identity(self, body: dict[str, Any]) -> _Identity:
+    def identity(self, body: dict[str, Any]) -> Identity:
         """The request's LoRA adapter (``model`` naming one) and ``cache_salt``, and the chain seed of
         both (the base model's name with them, as vLLM's block hash and kvgate's router take them)."""
         model = body.get("model")
         lora = model if isinstance(model, str) and model in self.adapters else None
         raw = body.get("cache_salt")
         salt = raw if isinstance(raw, str) and raw else None
-        return _Identity(chain_seed(self.model, lora=lora, salt=salt), lora, salt)
+        return Identity(chain_seed(self.model, lora=lora, salt=salt), lora, salt)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -235,9 +235,9 @@ class Serving:
         req: _Request,
         prompts: list[list[int]],
         transfer: Transfer = NONE,
-        identity: _Identity | None = None,
+        identity: Identity | None = None,
     ) -> web.StreamResponse:
-        ident = identity or _Identity(None, None, None)
+        ident = identity or Identity(None, None, None)
         remote = transfer.remote_prefill is not None
         if transfer.remote_prefill is not None:
             await self._receive_kv(req.rid, prompts[0], transfer.remote_prefill)
