@@ -32,6 +32,9 @@ def render(ctx: RenderContext) -> Rendered:
     argv = [*program, *ctx.common(model_flag="--model-path")]
     argv += ["--served-model-name", e.model, "--page-size", str(e.block_size)]
     argv += option("--max-running-requests", e.parallel) + option("--context-length", e.context)
+    if e.lora_modules:
+        argv += ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in e.lora_modules)]
+        argv += option("--max-loras-per-batch", e.max_loras)
     if e.metrics:
         argv.append("--enable-metrics")
     if ctx.events_port is not None:

@@ -51,6 +51,9 @@ def render(ctx: RenderContext) -> Rendered:
     argv = [*(e.command or ("vllm", "serve")), *ctx.common(model_flag=None)]
     argv += ["--served-model-name", e.model, "--block-size", str(e.block_size)]
     argv += option("--max-num-seqs", e.parallel) + option("--max-model-len", e.context)
+    if e.lora_modules:
+        argv += ["--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in e.lora_modules)]
+        argv += option("--max-loras", e.max_loras)
     env: dict[str, str] = {}
     transfer = _transfer(e)
     if transfer is not None:
