@@ -54,6 +54,9 @@ class StackOptions:
     model_dir: str | None = None
     engine: str = "vllm"
     sim_args: tuple[str, ...] = ()
+    #: LoRA adapters every engine serves by name (the gateway config's ``endpoints[].adapters``; the
+    #: simulators get ``--lora-modules`` with them).
+    adapters: tuple[str, ...] = ()
     extproc: dict[str, Any] = field(default_factory=dict)
     scheduling: dict[str, Any] | None = None
     scrape: dict[str, Any] = field(default_factory=dict)

@@ -301,6 +301,7 @@ class Stack:
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "hermes",
+            *(("--lora-modules", *opts.adapters) if opts.adapters else ()),
             *opts.sim_args,
         ]
         if self.secure:
