@@ -58,6 +58,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     model = "Qwen/Qwen3-0.6B"
     model_path = "Qwen/Qwen3-0.6B"
     command = ["/opt/vllm/bin/vllm", "serve"]   # replaces the default program ("vllm serve")
+    lora_modules = { sql = "/models/lora/sql" } # vllm/sglang/sim: LoRA adapters by name (registered
+    max_loras = 4                     # as models); slots (vLLM --max-loras, SGLang --max-loras-per-batch)
     role = "prefill"
     kv_offload = "kvbm"
     kv_events = true                  # vllm/sglang/sim: publish KV events (ZMQ ports picked by the agent)
@@ -355,6 +357,8 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
         args=_strings(s.array("args", []), f"{where}.args"),
         env=_pairs(s.table("env")),
         labels=_pairs(s.table("labels")),
+        lora_modules=_pairs(s.table("lora_modules")),
+        max_loras=s.integer("max_loras", None, minimum=1),
         tls=s.flag("tls", False),
         api_key_env=s.string("api_key_env"),
         ready_timeout_s=s.number("ready_timeout_s", 600.0, minimum=0.001),
@@ -362,6 +366,11 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
         offload=_offload(s.table("offload"), f"{where}.offload", role, kv_offload),
     )
     s.done()
+    if engine.lora_modules:
+        if engine.kind in ("llama_cpp", "trtllm"):
+            raise AgentConfigError(f"{where}.lora_modules: kvgate gives no LoRA adapters to kind {kind!r}")
+        if any(name == engine.model for name, _ in engine.lora_modules):
+            raise AgentConfigError(f"{where}.lora_modules: an adapter may not be named as the model")
     return engine
 
 

@@ -176,7 +176,8 @@ def endpoint_for(engine: EngineConfig, launch: EngineLaunch, *, node: str, feed:
     return Endpoint(
         id=EndpointId(engine.id),
         address=launch.address,
-        models=frozenset({engine.model}),
+        models=frozenset({engine.model, *(name for name, _ in engine.lora_modules)}),
+        adapters=frozenset(name for name, _ in engine.lora_modules),
         engine=engine.kind,
         metrics_url=launch.public_metrics_url,
         labels=engine.labels,

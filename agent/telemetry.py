@@ -45,7 +45,7 @@ import aiohttp
 
 from contracts.events import Gpu, Load, Power
 from engines.kinds import metric_names
-from engines.metrics import parse_metrics
+from engines.metrics import LoraState, parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,15 @@ LLAMA_CPP_KV_METRIC = "llamacpp:kv_cache_usage_ratio"
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown), and its
-    counter of output tokens generated since it started (``None``: it exports none)."""
+    """One reading of an engine: requests waiting and running, KV use 0..1 (``None``: unknown), its
+    counter of output tokens generated since it started (``None``: it exports none), and its LoRA
+    adapters (``None``: no LoRA metric)."""
 
     waiting: float
     running: float
     kv_usage: float | None
     generation_tokens: float | None = None
+    lora: LoraState | None = None
 
 
 class TokenRate:
@@ -148,7 +150,7 @@ class EngineScraper:
         if (kv is None or self.on_slots is not None) and self._llama and self.slots_url is not None:
             from_slots = await self._slots_usage(self.slots_url)
             kv = from_slots if kv is None else kv
-        return EngineSample(m.waiting, m.running, kv, m.generation_tokens)
+        return EngineSample(m.waiting, m.running, kv, m.generation_tokens, m.lora)
 
     async def aclose(self) -> None:
         if self._own_session and self._session is not None:
@@ -290,11 +292,21 @@ class LoadChanges:
 
     def __init__(self, heartbeat_s: float) -> None:
         self.heartbeat_s = heartbeat_s
-        self._sent: dict[str, tuple[tuple[float, float, float | None, bool, bool], float]] = {}
+        self._sent: dict[str, tuple[tuple[object, ...], float]] = {}
 
     def offer(self, load: Load, now: float) -> bool:
         """Whether to send ``load`` now (if so, it is remembered as sent)."""
-        key = (load.waiting, load.running, load.kv_usage, load.healthy, load.draining)
+        key = (
+            load.waiting,
+            load.running,
+            load.kv_usage,
+            load.healthy,
+            load.draining,
+            load.lora_running,
+            load.lora_waiting,
+            load.max_lora,
+            load.lora_slots_used,
+        )
         last = self._sent.get(load.endpoint)
         if last is not None and last[0] == key and now - last[1] < self.heartbeat_s:
             return False
@@ -419,6 +431,7 @@ class TelemetryLoop:
                     log.info("engine %s metrics readable again", endpoint)
                 w.failures = 0
                 tps = w.tokens.observe(sample.generation_tokens, now)
+                lora = sample.lora
                 load = Load(
                     endpoint,
                     sample.waiting,
@@ -429,6 +442,10 @@ class TelemetryLoop:
                     gpus=mine,
                     power=power,
                     output_tps=tps,
+                    lora_running=None if lora is None else sorted(lora.running),
+                    lora_waiting=None if lora is None else sorted(lora.waiting),
+                    max_lora=None if lora is None else lora.max_lora,
+                    lora_slots_used=None if lora is None else lora.slots_used,
                 )
             if self._changes.offer(load, now):
                 out.append(load)

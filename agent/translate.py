@@ -2,7 +2,8 @@
 
 An engine names its blocks by its own hashes (``block_hashes``), which kvgate cannot recompute. The
 :class:`Translator` rebuilds kvgate's chained digests (:func:`contracts.digest.block_digests`, seed
-``chain_seed(model, lora=lora_name)``) from the ``token_ids`` each ``BlockStored`` carries, continuing
+``chain_seed(model, lora=lora_name, salt=cache_salt)``, the seed the router computes for the same
+request) from the ``token_ids`` each ``BlockStored`` carries, continuing
 the chain from the parent block's state, and keeps a map engine hash -> that state so a later child
 can continue the chain and a ``BlockRemoved`` can name the digests that left.
 
@@ -18,8 +19,14 @@ hanging from it are skipped in turn; a subscriber that lost events should call :
 ``BlockRemoved`` of unknown hashes is ignored and counted. A digest is removed from a tier when no
 engine block holding it there is left. ``AllBlocksCleared`` clears every tier. Mediums GPU, CPU and
 STORAGE are tiers gpu, cpu and disk. Only KV cache group 0 is translated (hybrid models publish one
-stream per group; the others are counted in ``stats.other_groups``). ``extra_keys`` (multimodal
-hashes, cache salt) are not part of kvgate's digest and are ignored.
+stream per group; the others are counted in ``stats.other_groups``).
+
+LoRA and cache salt (:func:`vllm_salt`): vLLM hashes a block with extra keys ``lora + multimodal +
+cache_salt + prompt_embeds``, the salt on a sequence's first block only, and publishes them per block in
+``extra_keys``. A block with no parent starts a chain: its seed takes the event's ``lora_name`` and the
+salt read from its extra keys; every later block of the chain inherits its parent's seed (the salt is in
+the chain, as in vLLM's hash). Other extra keys (multimodal identifiers, prompt embeddings) are not part
+of kvgate's digest.
 
 Memory is bounded by what the engine holds: a block's state is dropped when it leaves its last tier.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agent.errors import AgentConfigError
 from agent.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, KvEvent
@@ -36,6 +44,23 @@ from contracts.events import Cleared, IndexEvent, Removed, Stored
 
 MEDIUM_TIERS = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 """vLLM ``medium`` -> kvgate tier; a missing medium is GPU."""
+#: Seeds memoised per (adapter, salt), at most (salts may be per user: beyond it seeds are recomputed).
+MAX_SEEDS = 4096
+
+
+def vllm_salt(keys: Sequence[Any] | None, lora: str | None) -> str | None:
+    """The ``cache_salt`` in the extra keys of a sequence's first block, as vLLM builds them: the LoRA key
+    first (the adapter's name; its integer id in older releases) when the request has an adapter, then
+    multimodal keys (``(identifier, offset)`` tuples; bare identifier strings in older releases), then
+    the salt (a string), then prompt-embedding keys (bytes). The salt is the last string after the LoRA
+    key; ``None`` when there is none. A first block holding an older release's multimodal identifiers and
+    no salt would read one of them as the salt: such prompts cannot match kvgate's digests anyway (the
+    router does not hash images)."""
+    if not keys:
+        return None
+    rest = list(keys)[1:] if lora is not None else list(keys)
+    strings = [k for k in rest if isinstance(k, str)]
+    return strings[-1] if strings else None
 
 
 @dataclass(slots=True)
@@ -67,6 +92,8 @@ class _Block:
     before: Digest | None
     """The index digest before the first of ``digests`` (the chain's parent)."""
     digests: tuple[Digest, ...]
+    seed: Digest
+    """The chain's seed (model, adapter, salt of the sequence the block belongs to)."""
     """Index blocks this engine block completes."""
     tiers: set[str]
 
@@ -84,7 +111,7 @@ class Translator:
         self.stats = TranslatorStats()
         self._blocks: dict[EngineHash, _Block] = {}
         self._held: dict[tuple[str, Digest], int] = {}
-        self._seeds: dict[str | None, Digest] = {}
+        self._seeds: dict[tuple[str | None, str | None], Digest] = {}
         self._pad = [0] * block_size
 
     @property
@@ -133,10 +160,13 @@ class Translator:
                 tips[(tier, run[-1])] = run
         return [Stored(self.endpoint, digests, tier, parent) for tier, parent, digests in runs]
 
-    def _seed(self, lora: str | None) -> Digest:
-        seed = self._seeds.get(lora)
+    def _seed(self, lora: str | None, salt: str | None) -> Digest:
+        key = (lora, salt)
+        seed = self._seeds.get(key)
         if seed is None:
-            seed = self._seeds[lora] = chain_seed(self.model, lora=lora)
+            seed = chain_seed(self.model, lora=lora, salt=salt)
+            if len(self._seeds) < MAX_SEEDS:
+                self._seeds[key] = seed
         return seed
 
     def _tier(self, event: BlockStored | BlockRemoved) -> str | None:
@@ -156,16 +186,17 @@ class Translator:
         if ebs <= 0 or len(event.token_ids) != len(event.block_hashes) * ebs:
             self.stats.malformed += 1
             return
-        seed = self._seed(event.lora_name)
         if event.parent_block_hash is None:
             tail: Digest | None = None
             leftover: tuple[int, ...] = ()
+            first_keys = event.extra_keys[0] if event.extra_keys else None
+            seed = self._seed(event.lora_name, vllm_salt(first_keys, event.lora_name))
         else:
             parent = self._blocks.get(event.parent_block_hash)
             if parent is None:
                 self.stats.unknown_parent += 1
                 return
-            tail, leftover = parent.tail, parent.leftover
+            tail, leftover, seed = parent.tail, parent.leftover, parent.seed
         first_before = tail
         new: list[bytes] = []
         tokens, ibs, n = event.token_ids, self.block_size, len(event.block_hashes)
@@ -184,7 +215,7 @@ class Translator:
                 tail = digests[-1]
             block = self._blocks.get(engine_hash)
             if block is None:
-                block = _Block(tail, leftover, before, tuple(digests), set())
+                block = _Block(tail, leftover, before, tuple(digests), seed, set())
                 self._blocks[engine_hash] = block
             if tier not in block.tiers:  # a repeated BlockStored (replay overlap) counts once
                 block.tiers.add(tier)

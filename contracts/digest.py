@@ -29,9 +29,17 @@ if array("I").itemsize != TOKEN_BYTES:  # pragma: no cover - every platform we s
 
 
 def chain_seed(model: str, lora: str | None = None, salt: str | None = None) -> Digest:
-    """The chain seed for a model, optional LoRA adapter and optional cache salt. The material starts
-    with the digest version (:data:`contracts.versions.DIGEST_VERSION`): chains of two versions never
-    share a digest, and readers never compare them (:func:`contracts.versions.digest_matches`)."""
+    """The chain seed for a model, optional LoRA adapter and optional cache salt: the one seed function.
+
+    Every side feeds it the same three fields, as vLLM's block hash does through its extra keys (the
+    adapter's name on every block, the request's ``cache_salt`` on the first; REFERENCE.md section 5):
+    ``model`` the engine's base (served) model name, ``lora`` the adapter's name for a LoRA request (the
+    name clients put in ``model``, vLLM's ``lora_name``), ``salt`` the request's ``cache_salt``. The router
+    resolves an adapter to its base model from the fleet (``Endpoint.adapters``); the agent reads the
+    adapter and salt from each ``BlockStored`` (``lora_name``, ``extra_keys``); the simulator seeds each
+    request itself. The material starts with the digest version (:data:`contracts.versions.DIGEST_VERSION`):
+    chains of two versions never share a digest, and readers never compare them
+    (:func:`contracts.versions.digest_matches`)."""
     material = _SEED_TAG + model.encode() + b"\x00" + (lora or "").encode() + b"\x00" + (salt or "").encode()
     return Digest(blake3(material).digest(DIGEST_BYTES))
 

@@ -146,6 +146,12 @@ class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     gpus: list[Gpu] = msgspec.field(default_factory=list)
     power: list[Power] = msgspec.field(default_factory=list)
     output_tps: float | None = None
+    #: LoRA adapters of the engine's running and waiting requests, its adapter slots and the slots in use
+    #: (``engines.metrics.LoraState``; ``None``: the engine reports none).
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] | None = None
+    max_lora: int | None = None
+    lora_slots_used: int | None = None
 
 
 IndexEvent = Stored | Removed | Cleared

@@ -65,6 +65,10 @@ class EngineConfig:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     labels: tuple[tuple[str, str], ...] = ()
+    #: LoRA adapters served by name: (name, path) (vLLM ``--lora-modules``, SGLang ``--lora-paths``);
+    #: ``max_loras`` adapter slots (``None``: the engine's default).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int | None = None
     tls: bool = False
     api_key_env: str | None = None
     ready_timeout_s: float = 600.0

@@ -37,7 +37,9 @@ class Endpoint:
     ``slot_restore``: the agent's ``http(s)`` URL that restores a prefix from the node's kvcached into the
     engine before a request is sent there (llama.cpp; :mod:`extproc.control.restore`), ``None`` when not
     offered. ``bootstrap_port``: an SGLang prefill server's PD bootstrap port, which its decode partner
-    connects to (``None``: none; :mod:`extproc.disagg`).
+    connects to (``None``: none; :mod:`extproc.disagg`). ``adapters``: the names in ``models`` that are
+    LoRA adapters of the endpoint's base model (the others; vLLM ``--lora-modules``), each routed by name
+    like a model; listing one adds it to ``models``.
     """
 
     id: EndpointId
@@ -54,6 +56,13 @@ class Endpoint:
     capacity_blocks: int | None = None
     slot_restore: str | None = None
     bootstrap_port: int | None = None
+    adapters: frozenset[str] = frozenset()
+
+    @property
+    def base_model(self) -> str | None:
+        """The model the adapters apply to: the first (sorted) of ``models`` that is not an adapter."""
+        bases = self.models - self.adapters
+        return min(bases) if bases else None
 
 
 def parse_endpoint(raw: object, where: str) -> Endpoint:
@@ -66,6 +75,11 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
     models = s.array("models", REQUIRED)
     if not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"{where}.models: expected a non-empty list of model names")
+    adapters = s.array("adapters", [])
+    if not all(isinstance(a, str) and a for a in adapters):
+        raise ConfigError(f"{where}.adapters: expected a list of adapter names")
+    if set(adapters) >= set(models):
+        raise ConfigError(f"{where}.adapters: the base model must be in models and not an adapter")
     engine = choice(s.string("engine", "vllm"), ENGINE_KINDS, f"{where}.engine")
     role = choice(s.string("role", "both"), ROLES, f"{where}.role")
     labels = s.table("labels")
@@ -75,7 +89,7 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
     endpoint = Endpoint(
         id=EndpointId(s.string("id", address)),
         address=address,
-        models=frozenset(models),
+        models=frozenset(models) | frozenset(adapters),
         engine=engine,
         metrics_url=s.string("metrics_url"),
         labels=label_items,
@@ -87,6 +101,7 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
         capacity_blocks=s.integer("capacity_blocks", None, minimum=1),
         slot_restore=_http_url(s.string("slot_restore"), f"{where}.slot_restore"),
         bootstrap_port=s.integer("bootstrap_port", None, minimum=1),
+        adapters=frozenset(adapters),
     )
     if endpoint.bootstrap_port is not None and endpoint.bootstrap_port > 65535:
         raise ConfigError(f"{where}.bootstrap_port: must be a port number, got {endpoint.bootstrap_port}")
@@ -133,6 +148,8 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
         doc["slot_restore"] = endpoint.slot_restore
     if endpoint.bootstrap_port is not None:  # the same
         doc["bootstrap_port"] = endpoint.bootstrap_port
+    if endpoint.adapters:  # the same
+        doc["adapters"] = sorted(endpoint.adapters)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

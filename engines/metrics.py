@@ -10,7 +10,38 @@ engine, and the gateway's CPU is its ceiling.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class LoraState:
+    """An engine's LoRA adapters as its metrics tell them.
+
+    vLLM (``vllm:lora_requests_info``, labels ``running_lora_adapters``, ``waiting_lora_adapters``,
+    ``max_lora``; the series with the latest value, a wall-clock timestamp, wins): ``running`` and
+    ``waiting`` name the adapters of running and of waiting requests, ``max_lora`` the adapter slots
+    (vLLM's ``--max-loras``). The gauge names adapters in use, not every adapter held in a slot
+    (REFERENCE.md section 7): a recent-use signal. SGLang (``sglang:lora_pool_slots_used`` /
+    ``_total``) names no adapter: only ``slots_used`` and ``max_lora`` are set.
+    """
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
+    slots_used: int | None = None
+
+    @property
+    def active(self) -> frozenset[str]:
+        """Adapters with requests (running or waiting)."""
+        return self.running | self.waiting
+
+    @property
+    def free_slots(self) -> int | None:
+        """Adapter slots no adapter in use holds (``None``: unknown)."""
+        if self.max_lora is None:
+            return None
+        used = self.slots_used if self.slots_used is not None else len(self.active)
+        return max(0, self.max_lora - used)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +68,8 @@ class EngineMetrics:
     generation_tokens: float | None = None
     prefix_hits: float | None = None
     prefix_queries: float | None = None
+    #: LoRA adapters (``None``: the engine exports no LoRA metric, or serves none).
+    lora: LoraState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +87,15 @@ class MetricNames:
     #: The prefix cache's counters: prompt tokens hit, prompt tokens queried (``None``: none).
     prefix_hits: str | None = None
     prefix_queries: str | None = None
+    #: vLLM's LoRA info gauge (its labels are read).
+    lora_info: str | None = None
+    #: SGLang's LoRA pool gauges: slots used and slots in all.
+    lora_slots: tuple[str, str] | None = None
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     """Sum each wanted series over its label sets; missing waiting/running read as 0, kv and TTFT as
-    ``None``."""
+    ``None``; the LoRA series as :class:`LoraState` (``None`` without them)."""
     wanted = {names.waiting: 0, names.running: 1}
     if names.kv_usage is not None:
         wanted[names.kv_usage] = 2
@@ -70,13 +107,24 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     if names.prefix_hits is not None and names.prefix_queries is not None:
         wanted[names.prefix_hits] = 6
         wanted[names.prefix_queries] = 7
-    sums = [0.0] * 8
-    seen = [False] * 8
+    if names.lora_slots is not None:
+        wanted[names.lora_slots[0]] = 8
+        wanted[names.lora_slots[1]] = 9
+    lora_info = names.lora_info
+    lora: LoraState | None = None
+    lora_at = -math.inf
+    sums = [0.0] * 10
+    seen = [False] * 10
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         brace = line.find("{")
         end = brace if brace >= 0 else line.find(" ")
+        if lora_info is not None and brace >= 0 and line[:end] == lora_info:
+            found = _lora_info(line, brace)
+            if found is not None and found[0] >= lora_at:
+                lora_at, lora = found
+            continue
         slot = wanted.get(line[:end])
         if slot is None:
             continue
@@ -92,6 +140,9 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     if kv is not None and kv > 1.0:  # some engines export a percentage
         kv = kv / 100.0
     ttft = seen[3] and seen[4]
+    if seen[8] and seen[9]:
+        slots = LoraState(max_lora=int(sums[9]), slots_used=int(sums[8]))
+        lora = slots if lora is None else replace(lora, slots_used=slots.slots_used)
     return EngineMetrics(
         waiting=sums[0],
         running=sums[1],
@@ -102,4 +153,42 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
         generation_tokens=sums[5] if seen[5] else None,
         prefix_hits=sums[6] if seen[6] and seen[7] else None,
         prefix_queries=sums[7] if seen[6] and seen[7] else None,
+        lora=lora,
     )
+
+
+def _lora_info(line: str, brace: int) -> tuple[float, LoraState] | None:
+    """A ``vllm:lora_requests_info{...} value`` line: (value, state); ``None`` when malformed."""
+    close = line.rfind("}")
+    if close < brace:
+        return None
+    try:
+        value = float(line[close + 1 :].split()[0])
+    except (IndexError, ValueError):
+        return None
+    labels: dict[str, str] = {}
+    body = line[brace + 1 : close]
+    i = 0
+    while body[i:].strip(" ,"):  # name="value" pairs; values here hold no escaped quotes (adapter names)
+        eq = body.find("=", i)
+        if eq < 0 or eq + 1 >= len(body) or body[eq + 1] != '"':
+            return None
+        stop = body.find('"', eq + 2)
+        if stop < 0:
+            return None
+        labels[body[i:eq].strip().lstrip(",").strip()] = body[eq + 2 : stop]
+        i = stop + 1
+    try:
+        max_lora = int(labels["max_lora"]) if labels.get("max_lora") else None
+    except ValueError:
+        max_lora = None
+    return value, LoraState(
+        running=_names(labels.get("running_lora_adapters", "")),
+        waiting=_names(labels.get("waiting_lora_adapters", "")),
+        max_lora=max_lora,
+    )
+
+
+def _names(joined: str) -> frozenset[str]:
+    """Comma-separated adapter names (blanks dropped)."""
+    return frozenset(n.strip() for n in joined.split(",") if n.strip())

@@ -32,6 +32,9 @@ def render(ctx: RenderContext) -> Rendered:
     argv = [*program, *ctx.common(model_flag="--model-path")]
     argv += ["--served-model-name", e.model, "--page-size", str(e.block_size)]
     argv += option("--max-running-requests", e.parallel) + option("--context-length", e.context)
+    if e.lora_modules:
+        argv += ["--enable-lora", "--lora-paths", *(f"{n}={p}" for n, p in e.lora_modules)]
+        argv += option("--max-loras-per-batch", e.max_loras)
     if e.metrics:
         argv.append("--enable-metrics")
     if ctx.events_port is not None:
@@ -63,6 +66,7 @@ KIND = EngineKind(
         "sglang:token_usage",
         "sglang:time_to_first_token_seconds",
         "sglang:generation_tokens_total",
+        lora_slots=("sglang:lora_pool_slots_used", "sglang:lora_pool_slots_total"),
     ),
     health_path="/health",
     metrics_path="/metrics",

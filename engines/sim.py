@@ -28,6 +28,9 @@ def render(ctx: RenderContext) -> Rendered:
     argv = [*program, "--model", e.model, "--model-dir", model_dir, "--host", e.host, "--port", str(ctx.port)]
     argv += ["--replica-prefix", e.id, "--block-size", str(e.block_size)]
     argv += option("--max-num-seqs", e.parallel) + option("--max-model-len", e.context)
+    if e.lora_modules:
+        argv += ["--lora-modules", *(f"{n}={p}" for n, p in e.lora_modules)]
+        argv += option("--max-loras", e.max_loras)
     if ctx.events_port is not None:
         argv += ["--kv-events-config", ctx.events_config(vllm_keys=True)]
     if e.role != "both":  # vLLM's kv_transfer_params, both halves (load/sim/handoff.py)

@@ -36,6 +36,7 @@ METRICS = MetricNames(
     "vllm:generation_tokens_total",
     "vllm:prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total",
+    lora_info="vllm:lora_requests_info",
 )
 #: Where KVBM's vLLM connectors live (DynamoConnector, PdConnector).
 KVBM_MODULE = "kvbm.vllm_integration.connector"
@@ -52,6 +53,9 @@ def render(ctx: RenderContext) -> Rendered:
     argv = [*(e.command or ("vllm", "serve")), *ctx.common(model_flag=None)]
     argv += ["--served-model-name", e.model, "--block-size", str(e.block_size)]
     argv += option("--max-num-seqs", e.parallel) + option("--max-model-len", e.context)
+    if e.lora_modules:
+        argv += ["--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in e.lora_modules)]
+        argv += option("--max-loras", e.max_loras)
     env: dict[str, str] = {}
     transfer = _transfer(e)
     if transfer is not None:

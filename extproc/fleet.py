@@ -17,6 +17,8 @@ from engines.metrics import EngineMetrics
 
 ROUTED_HALF_LIFE_S = 30.0
 """Half-life of :meth:`EndpointState.recent_routed` (the ``balance`` filter's window)."""
+MAX_LORA_RECENT = 64
+"""Adapters remembered per endpoint in :attr:`EndpointState.lora_recent` (the oldest are forgotten)."""
 
 
 @dataclass(slots=True)
@@ -68,6 +70,17 @@ class EndpointState:
     #: :class:`extproc.scheduling.energy.EnergyModel` estimates it from the node's watts and output tokens/s
     #: (``None``: not enough telemetry); the ``power`` scorer reads it.
     energy_per_token: float | None = None
+    #: LoRA adapter -> monotonic seconds when it was last known on the endpoint: in a reading's running or
+    #: waiting adapters (:class:`engines.metrics.LoraState`) or routed there (:meth:`saw_adapter`); its
+    #: ``max_lora`` most recent entries approximate the engine's slot table (extproc/scheduling/lora.py).
+    lora_recent: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def saw_adapter(self, adapter: str, now: float) -> None:
+        """``adapter`` is on the endpoint at ``now`` (a reading named it, or a request for it went there)."""
+        recent = self.lora_recent
+        recent[adapter] = max(now, recent.pop(adapter, now))  # re-inserted: the newest last
+        if len(recent) > MAX_LORA_RECENT:
+            del recent[min(recent, key=recent.__getitem__)]
 
     @property
     def net_routed(self) -> int:
@@ -224,6 +237,9 @@ class Fleet:
                 self.restarted(endpoint_id)
                 state.vanished = False
             state.metrics = metrics
+            if metrics.lora is not None:
+                for adapter in metrics.lora.active:
+                    state.saw_adapter(adapter, metrics.at)
             state.healthy = True
             state.consecutive_failures = 0
             counted = state.routed_since_scrape if routed_before is None else routed_before

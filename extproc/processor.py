@@ -138,6 +138,7 @@ from extproc.flow.control import (
 from extproc.flow.policy import FlowPolicy
 from extproc.flow.queue import Entry
 from extproc.routing.request import (
+    GENERATIVE_KINDS,
     MODELS_PATH,
     Kind,
     ParsedRequest,
@@ -641,7 +642,7 @@ class StreamProcessor:
                 doc = orjson.loads(body)  # the body as sent (a model rewrite or an escalation included)
                 doc["priority"] = to_engine.value(self._priority)
                 body = orjson.dumps(doc)
-        if self._disagg is not None:
+        if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)

@@ -240,9 +240,8 @@ async def run_load(sessions: list[Session], route: Route, options: LoadOptions) 
             url = route.pick(session, n)
             try:
                 headers = options.headers(session, n) if options.headers is not None else None
-                answer = await _send(
-                    http, url, request_body(options.model, messages, turn.max_tokens), record, t0, headers
-                )
+                body = request_body(session.model or options.model, messages, turn.max_tokens)
+                answer = await _send(http, url, body, record, t0, headers)
             except asyncio.CancelledError:
                 record.status = "cancelled"
                 raise

@@ -34,7 +34,7 @@ from extproc.admission.keys import ApiKey, KeyFile, looks_like_key
 from extproc.admission.tenants import Tenant, Tenants
 from extproc.admission.usage import Usage
 from extproc.errors import Forbidden, TooManyRequests, Unauthorized
-from extproc.routing.request import ParsedRequest
+from extproc.routing.request import POOLING_KINDS, Kind, ParsedRequest
 
 
 class Settle(Enum):
@@ -247,8 +247,14 @@ class Gate:
 
 def max_output_tokens(request: ParsedRequest) -> int | None:
     """The request's own output limit in tokens (``max_completion_tokens`` or ``max_tokens``, times
-    ``n`` choices), or ``None`` when it sets none."""
+    ``n`` choices; the Responses API's ``max_output_tokens``; 0 for embeddings, score and rerank), or
+    ``None`` when it sets none."""
+    if request.kind in POOLING_KINDS:
+        return 0
     body = request.body
+    if request.kind is Kind.RESPONSES:
+        found = body.get("max_output_tokens")
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
     limit = body.get("max_completion_tokens")
     if limit is None:
         limit = body.get("max_tokens")

@@ -19,7 +19,7 @@ import grpc
 
 from contracts import events as ev
 from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load
-from engines.metrics import EngineMetrics
+from engines.metrics import EngineMetrics, LoraState
 from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.energy import EnergyModel, average_watts, node_watts
 from runtime.feed.client import FeedClient, FeedStats
@@ -220,7 +220,16 @@ class FeedManager:
         state.output_tps = load.output_tps if load.healthy else None
         self._learn_energy(state, now)
         if load.healthy:  # an unhealthy engine's numbers mean nothing
-            self.fleet.record_scrape(endpoint, EngineMetrics(load.waiting, load.running, load.kv_usage, now))
+            lora = None
+            if load.lora_running is not None or load.max_lora is not None or load.lora_slots_used is not None:
+                lora = LoraState(
+                    frozenset(load.lora_running or ()),
+                    frozenset(load.lora_waiting or ()),
+                    load.max_lora,
+                    load.lora_slots_used,
+                )
+            metrics = EngineMetrics(load.waiting, load.running, load.kv_usage, now, lora=lora)
+            self.fleet.record_scrape(endpoint, metrics)
         elif state.healthy:
             log.warning("endpoint %s unhealthy: reported by its agent", endpoint)
         self.fleet.set_state(endpoint, healthy=load.healthy)

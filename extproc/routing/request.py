@@ -39,10 +39,32 @@ from extproc.routing.sampling import check_sampling
 class Kind(Enum):
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDING = "embedding"
+    RESPONSES = "responses"
+    SCORE = "score"
+    RERANK = "rerank"
 
 
-#: Routed API paths (query strings are ignored) -> request kind.
-ROUTES: dict[str, Kind] = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
+#: Kinds whose prompt is a chat (rendered with the model's chat template).
+CHAT_KINDS = frozenset({Kind.CHAT, Kind.RESPONSES})
+#: Kinds a prefill/decode pair can serve (vLLM's ``kv_transfer_params`` ride on these two routes).
+GENERATIVE_KINDS = frozenset({Kind.CHAT, Kind.COMPLETION})
+#: Kinds served by pooling models (no output tokens: no sampling options, no output budget).
+POOLING_KINDS = frozenset({Kind.EMBEDDING, Kind.SCORE, Kind.RERANK})
+
+#: Routed API paths (query strings are ignored) -> request kind: OpenAI's, and vLLM's score/rerank
+#: (``/score``, ``/v1/score``; ``/rerank``, ``/v1/rerank``, ``/v2/rerank``).
+ROUTES: dict[str, Kind] = {
+    "/v1/chat/completions": Kind.CHAT,
+    "/v1/completions": Kind.COMPLETION,
+    "/v1/embeddings": Kind.EMBEDDING,
+    "/v1/responses": Kind.RESPONSES,
+    "/score": Kind.SCORE,
+    "/v1/score": Kind.SCORE,
+    "/rerank": Kind.RERANK,
+    "/v1/rerank": Kind.RERANK,
+    "/v2/rerank": Kind.RERANK,
+}
 MODELS_PATH = "/v1/models"
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
@@ -53,8 +75,11 @@ _SALT_FORBIDDEN = frozenset("@/\\\x00")
 class ParsedRequest:
     """A validated OpenAI request.
 
-    ``messages``/``tools``/``template_kwargs`` are set for chat; ``prompt`` (text or token ids) for
-    completions. ``cache_salt`` (vLLM's per-tenant cache isolation) and ``lora`` separate digest chains.
+    ``messages``/``tools``/``template_kwargs`` are set for chat and responses (``input`` and
+    ``instructions`` as chat messages); ``prompt`` (text or token ids) for completions, and for embeddings
+    (the first ``input``), score (the first query) and rerank (the query), the text the prefix index
+    routes on. ``cache_salt`` (vLLM's per-tenant cache isolation) and the adapter named as ``model``
+    separate digest chains.
     """
 
     kind: Kind
@@ -92,8 +117,12 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string.", param="model")
     stream = _opt(body, "stream", bool, False)
-    check_sampling(body, chat=kind is Kind.CHAT, stream=stream)
     cache_salt = _cache_salt(body)
+    if kind in POOLING_KINDS:
+        return _pooling(kind, body, model, cache_salt)
+    if kind is Kind.RESPONSES:
+        return _responses(body, model, stream, cache_salt)
+    check_sampling(body, chat=kind is Kind.CHAT, stream=stream)
     if kind is Kind.CHAT:
         return _chat(body, model, stream, cache_salt)
     return _completion(body, model, stream, cache_salt)
@@ -194,6 +223,150 @@ def _completion(body: dict[str, Any], model: str, stream: bool, cache_salt: str 
 
 
 _PROMPT = "'prompt' must be a string, token ids, or an array of strings or of token-id arrays."
+
+
+def _pooling(kind: Kind, body: dict[str, Any], model: str, cache_salt: str | None) -> ParsedRequest:
+    """Embeddings (``input``: a string, token ids, or a non-empty array of either), vLLM's score (a query
+    and documents: ``queries``/``documents``, ``data_1``/``data_2`` or ``text_1``/``text_2``, each a string
+    or a non-empty array of strings) and rerank (``query`` a string, ``documents`` a non-empty array of
+    strings or ``{"text": ...}`` objects). Routed on the first input or the query."""
+    if kind is Kind.EMBEDDING:
+        prompt = _first_prompt(body.get("input"), "input")
+    elif kind is Kind.SCORE:
+        pairs = [("queries", "documents"), ("data_1", "data_2"), ("text_1", "text_2")]
+        given = [(a, b) for a, b in pairs if a in body or b in body]
+        if len(given) != 1:
+            raise BadRequest(
+                "A score request needs one pair of 'queries' and 'documents' (or 'text_1' and 'text_2').",
+                param="queries",
+            )
+        first, second = given[0]
+        prompt = _texts(body.get(first), first)
+        _texts(body.get(second), second)
+    else:
+        query = body.get("query")
+        if not isinstance(query, str) or not query:
+            raise BadRequest("'query' must be a non-empty string.", param="query")
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents:
+            raise BadRequest("'documents' must be a non-empty array.", param="documents")
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, str) and not (isinstance(doc, dict) and isinstance(doc.get("text"), str)):
+                raise BadRequest(
+                    f"'documents[{i}]' must be a string or an object with a 'text' string.",
+                    param=f"documents[{i}]",
+                )
+        top_n = body.get("top_n")
+        if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
+            raise BadRequest("'top_n' must be an integer >= 0.", param="top_n")
+        prompt = query
+    return ParsedRequest(
+        kind=kind, model=model, body=body, stream=False, prompt=prompt, cache_salt=cache_salt
+    )
+
+
+def _first_prompt(value: object, key: str) -> str | Sequence[int]:
+    """An embeddings ``input``: its (first) string or token-id array."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and _is_token_ids(value):
+        return [int(t) for t in value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) and v for v in value):
+            return str(value[0])
+        if all(_is_token_ids(v) for v in value):
+            return [int(t) for t in value[0]]
+    raise BadRequest(
+        f"'{key}' must be a non-empty string, token ids, or an array of strings or of token-id arrays.",
+        param=key,
+    )
+
+
+def _texts(value: object, key: str) -> str:
+    """A score side: a non-empty string or a non-empty array of them; the first."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return str(value[0])
+    raise BadRequest(f"'{key}' must be a non-empty string or an array of strings.", param=key)
+
+
+#: Responses API content part types whose ``text`` the chat template sees.
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def _responses(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None) -> ParsedRequest:
+    """OpenAI's Responses API: ``input`` a string (one user message) or an array of message items
+    (``{"role", "content"}``, ``type`` ``"message"`` or absent; content a string or ``input_text`` /
+    ``output_text`` parts), ``instructions`` a system message before them; ``max_output_tokens`` >= 1.
+    Items of other types (function calls and their outputs, reasoning) are passed to the engine and left
+    out of the prompt the gateway routes on."""
+    raw = body.get("input")
+    instructions = _opt(body, "instructions", str, None)
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(raw, str) and raw:
+        messages.append({"role": "user", "content": raw})
+    elif isinstance(raw, list) and raw:
+        for i, item in enumerate(raw):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise BadRequest(f"'{where}' must be an object.", param=where)
+            if item.get("type", "message") != "message":
+                continue
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequest(
+                    f"'{where}.role' must be one of user, assistant, system, developer.",
+                    param=f"{where}.role",
+                )
+            messages.append(
+                {"role": "system" if role == "developer" else role, "content": _item_text(item, where)}
+            )
+    else:
+        raise BadRequest("'input' must be a non-empty string or a non-empty array of items.", param="input")
+    limit = body.get("max_output_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise BadRequest("'max_output_tokens' must be an integer >= 1.", param="max_output_tokens")
+    for key in ("temperature", "top_p"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+            raise BadRequest(f"'{key}' must be a number >= 0.", param=key)
+    _opt(body, "tools", list, None)
+    return ParsedRequest(
+        kind=Kind.RESPONSES,
+        model=model,
+        body=body,
+        stream=stream,
+        messages=messages,
+        tools=None,  # Responses tools are shaped differently from chat's: left to the engine
+        add_generation_prompt=True,
+        cache_salt=cache_salt,
+    )
+
+
+def _item_text(item: Mapping[str, Any], where: str) -> str:
+    """A message item's text: its string content, or its text parts joined."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadRequest(
+                    f"'{where}.content[{j}]' must be an object with a 'type'.", param=f"{where}.content"
+                )
+            if part["type"] in _TEXT_PARTS:
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise BadRequest(
+                        f"'{where}.content[{j}].text' must be a string.", param=f"{where}.content"
+                    )
+                texts.append(text)
+        return "".join(texts)
+    raise BadRequest(f"'{where}.content' must be a string or an array of parts.", param=f"{where}.content")
 
 
 def _is_token_ids(prompt: object) -> bool:

@@ -54,7 +54,7 @@ from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import PrefixCursor
 from extproc.routing.length import ContextLimit, Verdict, triage
-from extproc.routing.request import Kind, ParsedRequest
+from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.profile import Profile
@@ -286,8 +286,14 @@ class Router:
         self.max_open = MAX_OPEN_REQUESTS
         #: TTFT per endpoint, learned from the engines' TTFT histograms and this router's requests.
         self.predictor = TTFTPredictor()
+        #: LoRA adapter -> its base model, from the fleet's endpoints (``None``: rebuild at next use).
+        self._adapter_bases: dict[str, str] | None = None
+        fleet.watch(self._fleet_changed)
+
+    def _fleet_changed(self) -> None:
+        self._adapter_bases = None
         # An endpoint that leaves the fleet takes what was learned of it along (no growth with churn).
-        fleet.watch(lambda: self.predictor.retain({state.id for state in fleet}))
+        self.predictor.retain({state.id for state in self.fleet})
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -328,12 +334,15 @@ class Router:
         """
         block_size = self._policy.block_size
         assets = self.models.find(request.model)
+        if assets is None:  # a LoRA adapter tokenizes as its base model
+            base = self.adapter_base(request.model)
+            assets = None if base is None else self.models.find(base)
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
             found = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
             if isinstance(found, PrefixCursor):
-                seed = chain_seed(request.model, salt=request.cache_salt)
+                seed = self.seed(request)
                 lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
                 lazy.extend(self.index.held)
                 tokens = lazy.tokens()
@@ -344,6 +353,29 @@ class Router:
             timeline.mark("tokenize")
         return tokens
 
+    def seed(self, request: ParsedRequest) -> Digest:
+        """The request's chain seed (:func:`contracts.digest.chain_seed`): for a model some endpoint lists
+        as a LoRA adapter (``Endpoint.adapters``), that endpoint's base model with the adapter; else the
+        model itself; with the request's ``cache_salt`` either way. The same fields the agent reads from
+        the engine's events, so a LoRA or salted prompt matches what engines report."""
+        base = self.adapter_base(request.model)
+        if base is None:
+            return chain_seed(request.model, salt=request.cache_salt)
+        return chain_seed(base, lora=request.model, salt=request.cache_salt)
+
+    def adapter_base(self, model: str) -> str | None:
+        """The base model of ``model`` when some endpoint lists it as a LoRA adapter, else ``None``."""
+        bases = self._adapter_bases
+        if bases is None:  # rebuilt after each fleet change (membership goes through Fleet's methods)
+            bases = {}
+            for state in self.fleet:
+                base = state.endpoint.base_model
+                if base is not None:
+                    for adapter in state.endpoint.adapters:
+                        bases.setdefault(adapter, base)
+            self._adapter_bases = bases
+        return bases.get(model)
+
     def digests(self, request: ParsedRequest, tokens: Tokens) -> list[Digest]:
         """The prompt's chained block digests: only the leading ``max_blocks`` blocks, the only ones that
         can ever match (memoised: a follow-up turn re-hashes only its new blocks). Tokens of the lazy
@@ -351,7 +383,7 @@ class Router:
         if tokens.chain is not None:
             return list(tokens.chain)
         hashed = tokens.ids[: self.max_blocks * tokens.block_size]
-        seed = chain_seed(request.model, salt=request.cache_salt)
+        seed = self.seed(request)
         return self._chains.digests(seed, hashed, tokens.block_size)
 
     def check_deadline(self, request: ParsedRequest, tokens: Tokens, budget_s: float, now: float) -> None:
@@ -489,6 +521,8 @@ class Router:
         primary.in_flight += 1
         primary.routed_since_scrape += 1
         primary.count_routed(now)
+        if request.model in primary.endpoint.adapters or request.model in primary.lora_recent:
+            primary.saw_adapter(request.model, now)  # the adapter will be loaded there (LoRA affinity)
         self._opened(request_id, primary, now)
         uncached = max(0, tokens.count - state.prefix_blocks.get(primary.id, 0) * block_size)
         predictor.routed(request_id, primary, uncached, now)
@@ -630,7 +664,7 @@ class Router:
         return orjson.dumps({"object": "list", "data": data})
 
     def _byte_tokens(self, request: ParsedRequest, block_size: int) -> Tokens:
-        if request.kind is Kind.CHAT:
+        if request.kind in CHAT_KINDS:
             raw = orjson.dumps([request.messages, request.tools])
         elif isinstance(request.prompt, str):
             raw = request.prompt.encode()
@@ -649,8 +683,9 @@ def _token_ids(
     estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
     context is unknown: the caller tokenizes as far as it needs). Raises ContextLengthExceeded for a
     prompt that leaves no room in the context."""
-    chat = request.kind is Kind.CHAT
-    limit = ContextLimit.of(assets.max_model_len, chat)
+    chat = request.kind in CHAT_KINDS
+    # A pooling request has no output token to leave room for: the engine checks its own length.
+    limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
     if chat:
         text = assets.template.render(
             request.messages,

@@ -37,6 +37,7 @@ from extproc.scheduling.filters import (
     SubsetFilter,
 )
 from extproc.scheduling.interface import Filter, Picker, Scorer
+from extproc.scheduling.lora import LoraParams, LoraScorer
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
 from extproc.scheduling.power import PowerCapFilter, PowerCapParams, PowerParams, PowerScorer
 from extproc.scheduling.profile import Profile
@@ -83,6 +84,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "kv-tier": PluginType("scorer", TierScorer, TierParams),
         "ttft": PluginType("scorer", PredictedTTFTScorer),
         "power": PluginType("scorer", PowerScorer, PowerParams),
+        "lora": PluginType("scorer", LoraScorer, LoraParams),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }
 )
@@ -316,6 +318,7 @@ DEFAULT_SCHEDULING: SchedulingConfig = parse_scheduling(
                     {"ref": "in-flight", "weight": 1.0},
                     {"ref": "cache-spread", "weight": 1.0},
                     {"ref": "kv-tier", "weight": 3.0},
+                    {"ref": "lora", "weight": 4.0},
                     {"ref": "max-score"},
                 ],
             }

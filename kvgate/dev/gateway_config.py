@@ -65,7 +65,7 @@ def gateway_config(
     config: dict[str, Any] = {
         "extproc": {**dict.fromkeys(LISTENERS, "127.0.0.1:0"), **opts.extproc},
         "models": model_tables,
-        "endpoints": [] if etcd else [{**e, "models": served[e["id"]]} for e in engines],
+        "endpoints": [] if etcd else [{**e, "models": served[e["id"]], **_adapters(opts)} for e in engines],
     }
     if etcd is not None:
         config["etcd"] = {"endpoints": [etcd]}
@@ -97,3 +97,8 @@ def pin_listeners(path: Path, config: Mapping[str, Any], ports: Mapping[str, int
             host = str(extproc[key]).rpartition(":")[0]
             extproc[key] = f"{host}:{ports[port_name]}"
     path.write_text(json.dumps({**config, "extproc": extproc}, indent=2))
+
+
+def _adapters(opts: StackOptions) -> dict[str, Any]:
+    """An endpoint's ``adapters`` key when the engines serve LoRA adapters."""
+    return {"adapters": list(opts.adapters)} if opts.adapters else {}

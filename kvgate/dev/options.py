@@ -61,6 +61,9 @@ class StackOptions:
     #: Extra ``kvgate sim`` flags of replica ``i`` (after ``sim_args``): e.g. a deliberately wrong
     #: ``--chat-template`` or ``--block-size`` on one replica (the drift alarm's test, extproc/drift).
     replica_args: tuple[tuple[str, ...], ...] = ()
+    #: LoRA adapters every engine serves by name (the gateway config's ``endpoints[].adapters``; the
+    #: simulators get ``--lora-modules`` with them).
+    adapters: tuple[str, ...] = ()
     extproc: dict[str, Any] = field(default_factory=dict)
     scheduling: dict[str, Any] | None = None
     scrape: dict[str, Any] = field(default_factory=dict)

@@ -341,6 +341,7 @@ class Stack:
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "hermes",
+            *(("--lora-modules", *opts.adapters) if opts.adapters else ()),
             *opts.sim_args,
             *(opts.replica_args[index] if index < len(opts.replica_args) else ()),
         ]

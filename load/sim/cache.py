@@ -30,7 +30,14 @@ from contracts.digest import Digest
 class CacheListener(Protocol):
     """Observer of cache contents (the future source of vLLM ``BlockStored``/``BlockRemoved`` events)."""
 
-    def on_stored(self, digests: Sequence[Digest], token_ids: Sequence[int], parent: Digest | None) -> None:
+    def on_stored(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        parent: Digest | None,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         """Consecutive full blocks became cached: their digests, their ``len(digests) * block_size``
         tokens, and the digest of the block before the first (``None`` at the start of a sequence)."""
 
@@ -121,9 +128,17 @@ class PrefixCache:
         self._owners[owner] = _Allocation(blocks, hits)
         return hits
 
-    def commit(self, owner: str, digests: Sequence[Digest], token_ids: Sequence[int]) -> None:
+    def commit(
+        self,
+        owner: str,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         """Register the owner's computed full blocks: ``digests`` is its chain from block 0 and
-        ``token_ids`` its tokens; blocks beyond those already committed are registered.
+        ``token_ids`` its tokens; blocks beyond those already committed are registered. ``lora`` and
+        ``salt``: the owner's adapter and cache salt, for the listener (its events name them).
 
         A digest another block registered meanwhile (two requests computing the same prefix at once)
         leaves this block unregistered, so it is freed rather than cached when the owner ends.
@@ -134,13 +149,13 @@ class PrefixCache:
         for i in range(alloc.committed, end):
             digest = digests[i]
             if digest in self._table:
-                self._announce(digests, token_ids, run_start, i)
+                self._announce(digests, token_ids, run_start, i, lora, salt)
                 run_start = i + 1
                 continue
             block = alloc.blocks[i]
             self._digest[block] = digest
             self._table[digest] = block
-        self._announce(digests, token_ids, run_start, end)
+        self._announce(digests, token_ids, run_start, end, lora, salt)
         alloc.committed = max(alloc.committed, end)
 
     def free(self, owner: str) -> None:
@@ -188,9 +203,17 @@ class PrefixCache:
         evicted.append(digest)
         return block
 
-    def _announce(self, digests: Sequence[Digest], token_ids: Sequence[int], start: int, end: int) -> None:
+    def _announce(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        lora: str | None,
+        salt: str | None,
+    ) -> None:
         if end <= start or self.listener is None:
             return
         bs = self.block_size
         parent = digests[start - 1] if start else None
-        self.listener.on_stored(digests[start:end], token_ids[start * bs : end * bs], parent)
+        self.listener.on_stored(digests[start:end], token_ids[start * bs : end * bs], parent, lora, salt)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from contracts.digest import Digest
 from load.sim.engine import Engine, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -64,15 +65,28 @@ class EngineDriver:
         *,
         remote_prefill: bool = False,
         priority: int = 0,
+        seed: Digest | None = None,
+        lora: str | None = None,
+        salt: str | None = None,
     ) -> asyncio.Queue[TokenEvent]:
         """Queue a request (and the ``siblings`` (id, output) sharing its prefill, see
         :meth:`Engine.add_request`; ``remote_prefill``: its prompt was computed by another replica;
         ``priority``: its scheduling priority, lower first); the
         tokens of all of them arrive on ``queue`` (a new one by default), which is returned, each
-        request's last with ``finished``."""
+        request's last with ``finished``. ``seed``, ``lora``, ``salt``: the request's chain seed, adapter
+        and cache salt (:meth:`Engine.add_request`)."""
         now = asyncio.get_running_loop().time()
         self.engine.add_request(
-            request_id, prompt, output, now, siblings, remote_prefill=remote_prefill, priority=priority
+            request_id,
+            prompt,
+            output,
+            now,
+            siblings,
+            remote_prefill=remote_prefill,
+            priority=priority,
+            seed=seed,
+            lora=lora,
+            salt=salt,
         )
         queue = asyncio.Queue() if queue is None else queue
         for rid in (request_id, *(s for s, _ in siblings)):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from contracts.digest import Digest, block_digests
 from load.sim.cache import CacheListener, PrefixCache
+from load.sim.lora import LoraSlots
 from load.sim.power import EnergyMeter, PowerModel
 from load.sim.timing import TimingModel
 
@@ -59,9 +60,12 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     priority_preemption: bool = False
     priority_preemption_threshold: int = 0
+    #: LoRA adapter slots (vLLM ``--max-loras``; :mod:`load.sim.lora`).
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        sizes = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in (*sizes, "max_loras"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -118,6 +122,7 @@ class _Seq:
     output: Sequence[int]  # every output token this request will produce
     arrival: float
     digests: list[Digest]  # chain digests of the full blocks of ``tokens`` known so far
+    seed: Digest  # the chain's seed (model, adapter, salt)
     num_computed: int = 0  # tokens whose KV is computed (cached ones included)
     num_cached: int = 0
     num_output: int = 0
@@ -126,6 +131,8 @@ class _Seq:
     remote: bool = False  # prefilled elsewhere: the prompt's KV arrives by transfer
     priority: int = 0  # lower first ("priority" scheduling)
     prefill_len: int = 0  # tokens to compute before it decodes: the prompt, or all so far once preempted
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
+    salt: str | None = None  # the request's cache_salt
 
     def __post_init__(self) -> None:
         if not self.prefill_len:
@@ -169,6 +176,8 @@ class Engine:
         #: Energy and draw on the driver's clock (with a power model).
         self.meter = None if power is None else EnergyMeter(power.gpu.idle_w, 0.0)
         self.cache = PrefixCache(config.num_blocks, config.block_size, listener)
+        #: The LoRA adapters in GPU slots.
+        self.loras = LoraSlots(config.max_loras)
         self.stats = EngineStats()
         self._seed = seed
         self._seqs: dict[str, _Seq] = {}
@@ -186,6 +195,13 @@ class Engine:
     def num_waiting(self) -> int:
         """Requests queued for admission."""
         return len(self._waiting)
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """The adapters of running and of waiting requests (each once, sorted): vLLM's
+        ``vllm:lora_requests_info`` labels."""
+        running = sorted({s.lora for s in self._running if s.lora is not None})
+        waiting = sorted({s.lora for s in self._waiting if s.lora is not None})
+        return running, waiting
 
     @property
     def kv_usage(self) -> float:
@@ -206,20 +222,26 @@ class Engine:
         *,
         remote_prefill: bool = False,
         priority: int = 0,
+        seed: Digest | None = None,
+        lora: str | None = None,
+        salt: str | None = None,
     ) -> None:
         """Queue a request that will produce exactly ``output_token_ids``; ``now`` is its arrival.
         ``remote_prefill``: its prompt was computed by another replica; ``priority``: lower first under
-        the "priority" scheduling policy, else ignored (module docstring).
+        the "priority" scheduling policy, else ignored (module docstring). ``seed``: its chain seed
+        (``chain_seed(model, lora, salt)``; ``None``: the engine's), ``lora``/``salt`` its adapter and cache
+        salt as its KV events name them.
 
         ``siblings`` (id, output) are the other choices of an ``n`` > 1 request: they share this
         request's prefill, so they wait until its prompt is computed, then go to the head of the queue
         and take its cached prompt blocks (vLLM's child requests hit the blocks the first one
         allocated); each then decodes as a sequence of its own."""
         seqs = [
-            self._new_seq(rid, prompt_token_ids, out, now)
+            self._new_seq(rid, prompt_token_ids, out, now, seed or self._seed)
             for rid, out in ((request_id, output_token_ids), *siblings)
         ]
         for seq in seqs:
+            seq.lora, seq.salt = lora, salt
             self._seqs[seq.request_id] = seq
             seq.priority = priority
         seqs[0].remote = remote_prefill
@@ -227,7 +249,9 @@ class Engine:
         if len(seqs) > 1:
             self._held[request_id] = seqs[1:]
 
-    def _new_seq(self, request_id: str, prompt: Sequence[int], output: Sequence[int], now: float) -> _Seq:
+    def _new_seq(
+        self, request_id: str, prompt: Sequence[int], output: Sequence[int], now: float, seed: Digest
+    ) -> _Seq:
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt or not output:
@@ -235,8 +259,8 @@ class Engine:
         if len(prompt) + len(output) > self.config.max_model_len:
             raise ValueError("prompt plus output exceed max_model_len")
         tokens = list(prompt)
-        digests = block_digests(self._seed, tokens, self.config.block_size)
-        return _Seq(request_id, len(tokens), tokens, output, now, digests)
+        digests = block_digests(seed, tokens, self.config.block_size)
+        return _Seq(request_id, len(tokens), tokens, output, now, digests, seed)
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and release its blocks; unknown ids are ignored. Siblings
@@ -305,19 +329,28 @@ class Engine:
                 chunk = min(budget, seq.prefill_len - seq.num_computed)
                 prefill.append((seq, chunk))
                 budget -= chunk
+        skipped: list[_Seq] = []  # waiting for a LoRA slot: requests behind them may go first, as in vLLM
+        loaded = 0
         while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
+            busy = {s.lora for s in self._running if s.lora is not None}
+            if seq.lora is not None and not self.loras.can_run(seq.lora, busy):
+                skipped.append(self._waiting.popleft())
+                continue
             if not self._admit(seq):
                 break  # FIFO: the head waits for blocks, and so does everyone behind it
             self._waiting.popleft()
             self._running.append(seq)
+            if seq.lora is not None:
+                loaded += self.loras.use(seq.lora, busy)
             chunk = min(budget, seq.prefill_len - seq.num_computed)
             prefill.append((seq, chunk))
             budget -= chunk
+        self._waiting.extendleft(reversed(skipped))
         if not decode and not prefill:
             return None
         n_prefill = sum(n for _, n in prefill)
-        duration = self.timing.step_s(len(decode), n_prefill)
+        duration = self.timing.step_s(len(decode), n_prefill) + self.timing.lora_s(loaded)
         if self.power is not None and self.meter is not None:
             cfg = self.config
             watts, ratio = self.power.step(
@@ -378,20 +411,20 @@ class Engine:
             self._commit(seq)
         return True
 
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens a request for ``prompt_token_ids`` would find cached now (whole blocks, at most
-        all but the last token, as on admission)."""
+    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int], seed: Digest | None = None) -> int:
+        """Prompt tokens a request for ``prompt_token_ids`` (chain ``seed``, default the engine's) would
+        find cached now (whole blocks, at most all but the last token, as on admission)."""
         if not self.config.enable_prefix_caching:
             return 0
         bs = self.config.block_size
-        digests = block_digests(self._seed, list(prompt_token_ids), bs)
+        digests = block_digests(seed or self._seed, list(prompt_token_ids), bs)
         return self.cache.match(digests[: (len(prompt_token_ids) - 1) // bs]) * bs
 
-    def prompt_blocks(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def prompt_blocks(self, prompt_token_ids: Sequence[int], seed: Digest | None = None) -> list[int]:
         """The cache's block numbers holding the prompt's leading full blocks now (a prefill replica's
         ``remote_block_ids``)."""
         bs = self.config.block_size
-        return self.cache.block_ids(block_digests(self._seed, list(prompt_token_ids), bs))
+        return self.cache.block_ids(block_digests(seed or self._seed, list(prompt_token_ids), bs))
 
     def _sample(self, seq: _Seq, now: float) -> TokenEvent:
         token = seq.output[seq.num_output]
@@ -420,7 +453,7 @@ class Engine:
         if n_full > have:
             parent = seq.digests[-1] if have else None
             seq.digests += block_digests(
-                self._seed, seq.tokens[: n_full * bs], bs, start=have * bs, parent=parent
+                seq.seed, seq.tokens[: n_full * bs], bs, start=have * bs, parent=parent
             )
-        self.cache.commit(seq.request_id, seq.digests[:n_full], seq.tokens)
+        self.cache.commit(seq.request_id, seq.digests[:n_full], seq.tokens, seq.lora, seq.salt)
         seq.num_committed = n_full

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -191,7 +192,14 @@ class KvEventBuffer:
         """The engine hash of the block whose kvgate chain digest is ``digest`` (64-bit, unsigned)."""
         return int.from_bytes(hashlib.blake2b(digest, digest_size=8, key=self._key).digest(), "big")
 
-    def on_stored(self, digests: Sequence[Digest], token_ids: Sequence[int], parent: Digest | None) -> None:
+    def on_stored(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        parent: Digest | None,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         h = self.engine_hash
         self._add(
             _BlockStored(
@@ -199,9 +207,10 @@ class KvEventBuffer:
                 parent_block_hash=None if parent is None else h(parent),
                 token_ids=list(token_ids),
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora_int_id(lora),
                 medium=self.medium,
-                lora_name=None,
+                lora_name=lora,
+                extra_keys=extra_keys(len(digests), parent is None, lora, salt),
                 group_idx=0,
             )
         )
@@ -224,15 +233,41 @@ class KvEventBuffer:
             self.on_pending()
 
 
+def lora_int_id(name: str) -> int:
+    """A stable positive id for an adapter name (vLLM numbers adapters from 1 as they are registered)."""
+    return 1 + zlib.crc32(name.encode()) % 1_000_000
+
+
+def extra_keys(n: int, first: bool, lora: str | None, salt: str | None) -> list[Any] | None:
+    """vLLM's per-block extra keys for ``n`` blocks: the adapter's name on each, the salt on the
+    sequence's first block (``first``: the run starts the sequence); ``None`` when no block has any."""
+    if lora is None and (salt is None or not first):
+        return None
+    keys: list[Any] = []
+    for i in range(n):
+        block = [lora] if lora is not None else []
+        if salt is not None and first and i == 0:
+            block.append(salt)
+        keys.append(tuple(block) if block else None)
+    return keys
+
+
 class TeeListener:
     """Forwards every cache change to several listeners, in order."""
 
     def __init__(self, *listeners: CacheListener) -> None:
         self._listeners = listeners
 
-    def on_stored(self, digests: Sequence[Digest], token_ids: Sequence[int], parent: Digest | None) -> None:
+    def on_stored(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        parent: Digest | None,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         for listener in self._listeners:
-            listener.on_stored(digests, token_ids, parent)
+            listener.on_stored(digests, token_ids, parent, lora, salt)
 
     def on_removed(self, digests: Sequence[Digest]) -> None:
         for listener in self._listeners:

@@ -8,6 +8,7 @@ also has a second registry in dcgm-exporter's format (:class:`DcgmCollector`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -29,10 +30,21 @@ class EngineCollector(Collector):
     load series (a replica in SGLang's disaggregation mode registers with engine kind ``sglang``, whose
     scrapers read those names)."""
 
-    def __init__(self, engine: Engine, model: str, sglang: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        sglang: bool = False,
+        lora: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._engine = engine
         self._labels = (model, "0")
         self._sglang = sglang
+        #: Serving LoRA adapters: export vLLM's ``vllm:lora_requests_info`` (value: ``clock()``, the wall
+        #: time of the reading, as vLLM's).
+        self._lora = lora
+        self._clock = clock
 
     def collect(self) -> Iterable[Metric]:
         engine, stats, labels = self._engine, self._engine.stats, ["model_name", "engine"]
@@ -114,15 +126,29 @@ class EngineCollector(Collector):
         )
         info.add_metric([str(cfg.block_size), str(cfg.num_blocks), str(cfg.enable_prefix_caching), "0"], 1)
         yield info
+        if self._lora:
+            running, waiting = engine.lora_requests()
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            )
+            lora.add_metric([",".join(running), str(cfg.max_loras), ",".join(waiting)], self._clock())
+            yield lora
+            loads = CounterMetricFamily(
+                "kvgate_sim_lora_loads", "LoRA adapters loaded into GPU slots (the simulator's own)."
+            )
+            loads.add_metric([], engine.loras.loads)
+            yield loads
 
 
 def replica_registry(
-    engine: Engine, model: str, sglang: bool = False
+    engine: Engine, model: str, sglang: bool = False, lora: bool = False
 ) -> tuple[CollectorRegistry, Callable[[float], None]]:
-    """A registry exposing ``engine`` as vLLM does (and SGLang, with ``sglang``), and the TTFT observer
-    (seconds) to feed it."""
+    """A registry exposing ``engine`` as vLLM does (and SGLang, with ``sglang``; ``lora``: with vLLM's LoRA
+    metric), and the TTFT observer (seconds) to feed it."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, model, sglang))
+    registry.register(EngineCollector(engine, model, sglang, lora))
     ttft = Histogram(
         "vllm:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,11 +49,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    """404 unless ``model`` is absent, empty or the served name."""
+def check_model(body: dict[str, Any], served: str, adapters: Sequence[str] = ()) -> str | None:
+    """404 unless ``model`` is absent, empty, the served name or a LoRA adapter's; returns the adapter
+    (``None``: the base model)."""
     model = opt(body, "model", strict_str, "")
-    if model and model != served:
+    if model and model != served and model not in adapters:
         raise SimError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", param="model")
+    return model if model and model != served else None
 
 
 @dataclass(frozen=True, slots=True)

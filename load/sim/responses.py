@@ -187,8 +187,11 @@ def usage_chunk(rid: str, obj: str, created: int, model: str, use: dict[str, Any
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def models_response(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
-    """``GET /v1/models``: vLLM's ``ModelCard`` with one default ``ModelPermission``."""
+def models_response(
+    model: str, root: str, max_model_len: int, created: int, adapters: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``GET /v1/models``: vLLM's ``ModelCard`` with one default ``ModelPermission``, then one card per
+    LoRA adapter (``root`` its name here, ``parent`` the base model, as vLLM lists ``--lora-modules``)."""
     permission = {
         "id": f"modelperm-{model}",
         "object": "model_permission",
@@ -213,4 +216,7 @@ def models_response(model: str, root: str, max_model_len: int, created: int) -> 
         "max_model_len": max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [card]}
+    cards = [card]
+    for name in adapters:
+        cards.append({**card, "id": name, "root": name, "parent": model, "permission": [permission]})
+    return {"object": "list", "data": cards}

@@ -21,7 +21,7 @@ import ssl
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -52,6 +52,7 @@ from load.sim.fields import lax_bool, opt, strict_str
 from load.sim.handoff import ROLES
 from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import dcgm_registry, replica_registry
+from load.sim.pooling import PoolingRoutes
 from load.sim.power import GPU_CLASSES, PowerModel
 from load.sim.serving import Serving, SglangPd, ToolParsing
 from load.sim.timing import TimingModel
@@ -90,6 +91,8 @@ class SimConfig:
     #: prefill replica's bootstrap port (replica ``i`` of a process takes ``bootstrap_port + i``; 0: any).
     sglang_pd: SglangPd = field(default_factory=SglangPd)
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    #: LoRA adapters served by name (vLLM ``--lora-modules``; slots: ``engine.max_loras``).
+    lora_modules: tuple[str, ...] = ()
 
 
 class SimReplica:
@@ -116,7 +119,9 @@ class SimReplica:
         power = config.power[rank % len(config.power)] if config.power else None
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener, power)
         sglang = config.sglang_pd.mode != "null"
-        self.registry, observe_ttft = replica_registry(self.engine, config.model, sglang=sglang)
+        self.registry, observe_ttft = replica_registry(
+            self.engine, config.model, sglang=sglang, lora=bool(config.lora_modules)
+        )
         self.dcgm = None if power is None else dcgm_registry(self.engine, replica_id, time.monotonic)
         self.driver = EngineDriver(self.engine, observe_ttft)
         self.serving = Serving(
@@ -128,7 +133,10 @@ class SimReplica:
             role=config.role,
             engine_id=replica_id,
             pd=config.sglang_pd,
+            adapters=config.lora_modules,
         )
+        #: Embeddings, responses, score and rerank (load/sim/pooling.py).
+        self.pooling = PoolingRoutes(self.serving)
         #: Generate requests still to fail with a 500 (the ``/_sim/fail_next`` test hook), and still to be
         #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
@@ -153,6 +161,13 @@ class SimReplica:
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completion),
+                web.post("/v1/embeddings", self._pooled(self.pooling.embeddings)),
+                web.post("/v1/responses", self._pooled(self.pooling.responses)),
+                *(web.post(p, self._pooled(self.pooling.score)) for p in ("/score", "/v1/score")),
+                *(
+                    web.post(p, self._pooled(self.pooling.rerank))
+                    for p in ("/rerank", "/v1/rerank", "/v2/rerank")
+                ),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.post("/tokenize", self._tokenize),
@@ -286,7 +301,7 @@ class SimReplica:
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         """The request's JSON body, parsed and its ``model`` checked against the served name."""
         body = api.parse_body(await request.read())
-        api.check_model(body, self.config.model)
+        api.check_model(body, self.config.model, self.config.lora_modules)
         return body
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
@@ -304,6 +319,17 @@ class SimReplica:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         await self._injected_fault()
         return await self.serving.completion(request, await self.read_body(request))
+
+    def _pooled(
+        self, handler: Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A pooling route's handler with the body read and checked as chat's (faults injected too)."""
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            await self._injected_fault()
+            return await handler(request, await self.read_body(request))
+
+        return route
 
     async def _injected_fault(self) -> None:
         if self.fail_next > 0:
@@ -339,7 +365,10 @@ class SimReplica:
     async def _models(self, request: web.Request) -> web.Response:
         root = str(self.config.model_dir)
         max_model_len = self.config.engine.max_model_len
-        return _json(responses.models_response(self.config.model, root, max_model_len, self._created))
+        cards = responses.models_response(
+            self.config.model, root, max_model_len, self._created, self.config.lora_modules
+        )
+        return _json(cards)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -641,6 +670,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--power-cap-w",
         help="power caps in W, comma-separated, cycled over replicas (0: none); implies --gpu h100",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="as vLLM: LoRA adapters served by name (a NAME=PATH form is accepted, the path ignored)",
+    )
+    p.add_argument("--max-loras", type=int, default=e.max_loras, help="as vLLM: adapters in GPU slots")
+    p.add_argument(
+        "--lora-load-ms", type=float, default=t.lora_load_s * 1e3, help="cost of loading an adapter (ms)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -670,6 +710,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         scheduling_policy=args.scheduling_policy,
         priority_preemption=args.priority_preemption,
         priority_preemption_threshold=args.priority_preemption_threshold,
+        max_loras=args.max_loras,
     )
     timing = TimingModel(
         base_s=args.step_base_ms / 1e3,
@@ -678,6 +719,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         kv_bytes_per_token=args.kv_bytes_per_token,
         link_bytes_per_s=args.link_gbps * 1e9 / 8,
+        lora_load_s=args.lora_load_ms / 1e3,
     )
     kv_events = None if args.kv_events_config is None else KvEventsConfig.from_json(args.kv_events_config)
     tools = ToolParsing(args.enable_auto_tool_choice, args.tool_call_parser)
@@ -694,6 +736,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         power=power,
         sglang_pd=sglang_pd,
         bootstrap_port=args.disaggregation_bootstrap_port,
+        lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
     )
 
 

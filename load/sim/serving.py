@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from contracts.digest import Digest, chain_seed
 from load.sim import protocol as api
 from load.sim import responses as out
 from load.sim.bootstrap import Bootstrap, Handshake, Prefilled, Rooms, read_bootstrap
@@ -90,6 +91,15 @@ class _Choice:
     echo: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What separates a request's KV blocks from others': its chain seed, adapter and cache salt."""
+
+    seed: Digest | None
+    lora: str | None
+    salt: str | None
+
+
 @dataclass(slots=True)
 class _Request:
     """One generate request after validation: its choices keyed by engine request id."""
@@ -118,8 +128,11 @@ class Serving:
         role: str = "both",
         engine_id: str = "sim",
         pd: SglangPd | None = None,
+        adapters: Sequence[str] = (),
     ) -> None:
         self.model = model
+        #: LoRA adapters served by name (``--lora-modules``).
+        self.adapters = tuple(adapters)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.driver = driver
@@ -219,7 +232,7 @@ class Serving:
             for i in range(sampling.n)
         ]
         self._add(req, 0, plans, echo)
-        return await self._run(request, req, [prompt], transfer, bootstrap, priority)
+        return await self._run(request, req, [prompt], transfer, bootstrap, priority, self.identity(body))
 
     async def completion(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """``POST /v1/completions``: every prompt of a batch gets ``n`` choices, indexed
@@ -254,7 +267,16 @@ class Serving:
                 for i in range(sampling.n)
             ]
             self._add(req, p, plans, text if sampling.echo else "")
-        return await self._run(request, req, ids, transfer, bootstrap, priority)
+        return await self._run(request, req, ids, transfer, bootstrap, priority, self.identity(body))
+
+    def identity(self, body: dict[str, Any]) -> Identity:
+        """The request's LoRA adapter (``model`` naming one) and ``cache_salt``, and the chain seed of
+        both (the base model's name with them, as vLLM's block hash and kvgate's router take them)."""
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.adapters else None
+        raw = body.get("cache_salt")
+        salt = raw if isinstance(raw, str) and raw else None
+        return Identity(chain_seed(self.model, lora=lora, salt=salt), lora, salt)
 
     def _add(self, req: _Request, p: int, plans: Sequence[Plan], echo: str) -> None:
         n = len(plans)
@@ -279,15 +301,17 @@ class Serving:
         transfer: Transfer = NONE,
         bootstrap: Bootstrap | None = None,
         priority: int = 0,
+        identity: Identity | None = None,
     ) -> web.StreamResponse:
+        ident = identity or Identity(None, None, None)
         if bootstrap is not None and self.pd.mode == "prefill":
-            return await self._prefill_room(request, req, prompts[0], bootstrap, priority)
+            return await self._prefill_room(request, req, prompts[0], bootstrap, priority, ident)
         remote = transfer.remote_prefill is not None or bootstrap is not None
         if transfer.remote_prefill is not None:
             await self._receive_kv(req.rid, prompts[0], transfer.remote_prefill)
         if bootstrap is not None:
             await self._receive_room(req.rid, prompts[0], bootstrap)
-        return await self._generate(request, req, prompts, transfer, remote, priority=priority)
+        return await self._generate(request, req, prompts, transfer, remote, priority=priority, ident=ident)
 
     async def _generate(
         self,
@@ -298,10 +322,13 @@ class Serving:
         remote: bool = False,
         first: _Tap | None = None,
         priority: int = 0,
+        ident: Identity | None = None,
     ) -> web.StreamResponse:
         """Run the request's prompts on the engine and answer (``remote``: the first prompt's KV came
         from a prefill replica; ``first``: the queue of the first prompt's tokens; ``priority``: the
-        engine's scheduling priority)."""
+        engine's scheduling priority; ``ident``: its adapter, cache salt and chain seed)."""
+        if ident is None:
+            ident = Identity(None, None, None)
         queue: asyncio.Queue[TokenEvent] | None = first
         ids = list(req.choices)
         for p, prompt in enumerate(prompts):
@@ -315,6 +342,9 @@ class Serving:
                 queue,
                 remote_prefill=remote and p == 0,
                 priority=priority,
+                seed=ident.seed,
+                lora=ident.lora,
+                salt=ident.salt,
             )
         assert queue is not None
         log.debug("%s: %d prompts, %d choices", req.rid, len(prompts), len(ids))
@@ -328,7 +358,13 @@ class Serving:
                 self.driver.abort(rid)
 
     async def _prefill_room(
-        self, request: web.Request, req: _Request, prompt: list[int], bootstrap: Bootstrap, priority: int = 0
+        self,
+        request: web.Request,
+        req: _Request,
+        prompt: list[int],
+        bootstrap: Bootstrap,
+        priority: int = 0,
+        ident: Identity | None = None,
     ) -> web.StreamResponse:
         """SGLang's prefill server: wait for the room's decode side, prefill, hand the KV over, answer
         with the one sampled token once the transfer is done (:mod:`load.sim.bootstrap`)."""
@@ -349,7 +385,9 @@ class Serving:
                 sent.append(Prefilled(self.engine_id, len(prompt), tokens))
                 self.rooms.prefilled(room, sent[0])
 
-            response = await self._generate(request, req, [prompt], first=_Tap(computed), priority=priority)
+            response = await self._generate(
+                request, req, [prompt], first=_Tap(computed), priority=priority, ident=ident
+            )
             if sent:  # the sender finishes when the KV has moved
                 await asyncio.sleep(engine.timing.transfer_s(sent[0].tokens))
                 engine.stats.remote_decodes += 1

@@ -26,6 +26,15 @@ decode replica, outside any step (the decode replica's GPU keeps stepping its ot
   Llama-3.1-8B in bf16;
 * ``link_bytes_per_s`` = 50e9: one 400 Gb/s RDMA NIC (NIXL over UCX), so 6,000 tokens take ~16 ms.
 
+A LoRA adapter swapped into a GPU slot (:mod:`load.sim.lora`) adds, once, to the step that admits the
+request needing it::
+
+    step_s += time_scale * lora_load_s * adapters_loaded
+
+* ``lora_load_s`` = 25 ms: a rank-16 adapter of an 8B model (all attention and MLP projections, ~84 MB
+  in bf16) copied from host memory over PCIe Gen5 (~50 GB/s: ~2 ms) plus vLLM's per-adapter setup
+  (building the LoRA layers' weight stacks); an adapter read from disk first costs more (set it higher).
+
 On an aggregated replica a prefill shares steps with the decodes batched with it (the
 ``prefill_s_per_token x n_prefill_tokens`` term lengthens every decoding sequence's step: chunked-prefill
 interference); a decode replica of a pair computes one prompt token per request instead.
@@ -46,11 +55,19 @@ class TimingModel:
     time_scale: float = 1.0
     kv_bytes_per_token: float = 131_072.0
     link_bytes_per_s: float = 50e9
+    lora_load_s: float = 0.025
 
     def __post_init__(self) -> None:
         if self.link_bytes_per_s <= 0:
             raise ValueError("link_bytes_per_s must be > 0")
-        for name in ("base_s", "decode_s_per_seq", "prefill_s_per_token", "time_scale", "kv_bytes_per_token"):
+        for name in (
+            "base_s",
+            "decode_s_per_seq",
+            "prefill_s_per_token",
+            "time_scale",
+            "kv_bytes_per_token",
+            "lora_load_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -58,6 +75,10 @@ class TimingModel:
         """Seconds for a step decoding ``n_decoding`` sequences and prefilling ``n_prefill_tokens``."""
         raw = self.base_s + self.decode_s_per_seq * n_decoding + self.prefill_s_per_token * n_prefill_tokens
         return raw * self.time_scale
+
+    def lora_s(self, loaded: int) -> float:
+        """Seconds a step spends loading ``loaded`` LoRA adapters into GPU slots."""
+        return self.time_scale * self.lora_load_s * loaded
 
     def transfer_s(self, tokens: int) -> float:
         """Seconds to move the KV of ``tokens`` prompt tokens from a prefill replica to a decode replica."""

@@ -48,6 +48,8 @@ class Session:
     system: tuple[Message, ...]
     turns: tuple[Turn, ...]
     keep_history: bool = False
+    #: The ``model`` its requests name (a LoRA adapter, say); ``None``: the run's model.
+    model: str | None = None
 
     @property
     def num_requests(self) -> int:

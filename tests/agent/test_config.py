@@ -511,3 +511,39 @@ def test_power_source_errors(power: dict[str, object], message: str) -> None:
 def test_power_source_names_are_unique() -> None:
     with pytest.raises(AgentConfigError, match="two sources named 'nvml'"):
         parse_node_config(POWER_ENGINE | {"power": [{"kind": "nvml"}, {"kind": "nvml"}]})
+
+
+@pytest.mark.parametrize(
+    ("kind", "flags"),
+    [
+        ("vllm", ["--enable-lora", "--lora-modules", "a=/l/a", "b=/l/b", "--max-loras", "2"]),
+        ("sglang", ["--enable-lora", "--lora-paths", "a=/l/a", "b=/l/b", "--max-loras-per-batch", "2"]),
+    ],
+)
+def test_lora_modules_render_and_register(kind: str, flags: list[str]) -> None:
+    from agent.launch import endpoint_for
+
+    raw = engine_raw(kind, lora_modules={"b": "/l/b", "a": "/l/a"}, max_loras=2, kv_events=False)
+    cfg = parse_node_config(node(raw))
+    (engine,) = cfg.engines
+    launch = render(engine, cfg.agent, port=8000, kv_events_port=None, kv_replay_port=None)
+    argv = list(launch.argv)
+    start = argv.index(flags[0])
+    assert argv[start : start + len(flags)] == flags
+    registered = endpoint_for(engine, launch, node="node-a", feed=None)
+    assert registered.adapters == {"a", "b"} and registered.models == {"m", "a", "b"}
+    assert registered.base_model == "m"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        engine_raw("llama_cpp", lora_modules={"a": "/l/a"}),
+        engine_raw("vllm", lora_modules={"m": "/l/m"}),
+        engine_raw("vllm", lora_modules={"a": "/l/a"}, max_loras=0),
+        engine_raw("vllm", lora_modules={"a": 3}),
+    ],
+)
+def test_bad_lora_modules_are_refused(raw: dict[str, Any]) -> None:
+    with pytest.raises(AgentConfigError):
+        parse_node_config(node(raw))

@@ -46,10 +46,12 @@ def start_agent(
     args: tuple[str, ...] = FAST_SIM,
     lease_ttl_s: int = LEASE_TTL_S,
     drain_timeout_s: float = 10.0,
+    engine_options: dict[str, Any] | None = None,
 ) -> tuple[Child, Path]:
     """Start ``python -m agent.main`` for node ``node-<index>`` supervising simulated engine
-    ``sim-<index>`` (extra sim flags ``args``), written like :class:`kvgate.dev.up.Stack` writes its nodes.
-    Returns the child and its ready-file path (not waited for)."""
+    ``sim-<index>`` (extra sim flags ``args``, extra ``[[engines]]`` keys ``engine_options``), written like
+    :class:`kvgate.dev.up.Stack` writes its nodes. Returns the child and its ready-file path (not waited
+    for)."""
     node = f"node-{index}"
     config = {
         "agent": {
@@ -66,6 +68,7 @@ def start_agent(
                 "model": MODEL,
                 "model_path": str(ensure_model_dir(smollm2_gguf_path())),
                 "args": list(args),
+                **(engine_options or {}),
             }
         ],
     }

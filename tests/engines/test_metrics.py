@@ -101,3 +101,40 @@ def test_prefix_cache_counters_are_read_as_a_pair() -> None:
     alone = parse_metrics('vllm:prefix_cache_hits_total{model_name="m"} 48.0\n', names, 1.0)
     assert (alone.prefix_hits, alone.prefix_queries) == (None, None)
     assert parse_metrics(both, metric_names("sglang"), 1.0).prefix_hits is None
+
+
+def test_vllm_lora_requests_info_the_latest_series_wins() -> None:
+    # As vLLM writes it (multiprocess "livemostrecent": older series may linger; the value is a timestamp).
+    text = (
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1.0e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="alpaca, beta",'
+        'waiting_lora_adapters="gamma"} 1.789828498802105e+09\n'
+        "vllm:num_requests_running 3\n"
+    )
+    m = parse_metrics(text, metric_names("vllm"), 0.0)
+    assert m.running == 3
+    assert m.lora is not None
+    assert m.lora.running == {"alpaca", "beta"} and m.lora.waiting == {"gamma"} and m.lora.max_lora == 2
+    assert m.lora.free_slots == 0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'vllm:lora_requests_info{max_lora="x",running_lora_adapters=""} 1',
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a",} 1',
+        "vllm:lora_requests_info{broken} 1",
+        'vllm:lora_requests_info{max_lora="4"} nan-ish',
+    ],
+)
+def test_odd_lora_lines_never_raise(line: str) -> None:
+    m = parse_metrics(line + "\n", metric_names("vllm"), 0.0)
+    assert m.lora is None or m.lora.running <= {"a"}
+
+
+def test_sglang_lora_pool_slots_and_no_lora_metric() -> None:
+    text = "sglang:lora_pool_slots_used 1\nsglang:lora_pool_slots_total 4\n"
+    lora = parse_metrics(text, metric_names("sglang"), 0.0).lora
+    assert lora is not None and lora.free_slots == 3 and lora.running == frozenset()
+    assert parse_metrics("vllm:num_requests_running 1\n", metric_names("vllm"), 0.0).lora is None

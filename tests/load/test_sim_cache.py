@@ -23,7 +23,14 @@ class Recorder:
         self.removed: list[Digest] = []
         self.cleared = 0
 
-    def on_stored(self, digests: Sequence[Digest], token_ids: Sequence[int], parent: Digest | None) -> None:
+    def on_stored(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        parent: Digest | None,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         self.stored.append((list(digests), list(token_ids), parent))
 
     def on_removed(self, digests: Sequence[Digest]) -> None:

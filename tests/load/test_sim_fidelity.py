@@ -4,6 +4,7 @@ express the request."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -578,9 +579,53 @@ async def test_suffix_is_refused(fleet: SimFleet, http: aiohttp.ClientSession) -
 # -- other routes ---------------------------------------------------------------------------------------
 
 
-async def test_embeddings_are_not_served(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
-    status, got = await post(http, fleet, "/v1/embeddings", {"input": "x"})
+async def test_unknown_routes_are_404(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
+    status, got = await post(http, fleet, "/v1/audio/speech", {"input": "x"})
     assert status == 404 and got["error"]["code"] == 404
+
+
+async def test_embeddings_in_openai_shape(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
+    status, got = await post(http, fleet, "/v1/embeddings", {"input": ["the lazy dog", "a quick fox"]})
+    assert status == 200 and got["object"] == "list" and got["usage"]["prompt_tokens"] > 0
+    first, second = got["data"]
+    assert first["object"] == "embedding" and (first["index"], second["index"]) == (0, 1)
+    assert len(first["embedding"]) == 64 and abs(sum(v * v for v in first["embedding"]) - 1) < 1e-9
+    again = await post(http, fleet, "/v1/embeddings", {"input": "the lazy dog", "dimensions": 8})
+    assert again[0] == 200 and len(again[1]["data"][0]["embedding"]) == 8
+    b64 = await post(http, fleet, "/v1/embeddings", {"input": [1, 2, 3], "encoding_format": "base64"})
+    assert b64[0] == 200 and len(base64.b64decode(b64[1]["data"][0]["embedding"])) == 64 * 4
+    for bad in (
+        {"input": ""},
+        {"input": []},
+        {"input": "x", "dimensions": 0},
+        {"input": "x", "encoding_format": "x"},
+    ):
+        assert (await post(http, fleet, "/v1/embeddings", bad))[0] == 400
+    assert (await post(http, fleet, "/v1/embeddings", {"model": "nope", "input": "x"}))[0] == 404
+
+
+async def test_responses_score_and_rerank(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
+    body = {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        "instructions": "Be brief.",
+    }
+    status, got = await post(http, fleet, "/v1/responses", {**body, "max_output_tokens": 5})
+    assert status == 200 and got["object"] == "response" and got["status"] == "completed"
+    (message,) = got["output"]
+    assert message["type"] == "message" and message["content"][0]["type"] == "output_text"
+    assert got["usage"]["output_tokens"] == 5 and got["usage"]["input_tokens"] > 0
+    assert (await post(http, fleet, "/v1/responses", {"input": "Hi", "stream": True}))[0] == 400
+    assert (await post(http, fleet, "/v1/responses", {"input": []}))[0] == 400
+    status, got = await post(http, fleet, "/v1/score", {"text_1": "q", "text_2": ["a", "b"]})
+    assert status == 200 and [d["index"] for d in got["data"]] == [0, 1]
+    assert all(0 <= d["score"] <= 1 for d in got["data"])
+    assert (await post(http, fleet, "/score", {"text_1": ["q", "r", "s"], "text_2": ["a", "b"]}))[0] == 400
+    status, got = await post(
+        http, fleet, "/rerank", {"query": "q", "documents": ["a", {"text": "b"}, "c"], "top_n": 2}
+    )
+    assert status == 200 and len(got["results"]) == 2
+    assert got["results"][0]["relevance_score"] >= got["results"][1]["relevance_score"]
+    assert (await post(http, fleet, "/v1/rerank", {"query": "q", "documents": []}))[0] == 400
 
 
 async def test_tokenize_and_detokenize(fleet: SimFleet, http: aiohttp.ClientSession) -> None:

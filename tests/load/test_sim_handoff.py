@@ -30,7 +30,14 @@ class Stored:
     def __init__(self) -> None:
         self.blocks = 0
 
-    def on_stored(self, digests: Sequence[Digest], token_ids: Sequence[int], parent: Digest | None) -> None:
+    def on_stored(
+        self,
+        digests: Sequence[Digest],
+        token_ids: Sequence[int],
+        parent: Digest | None,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         self.blocks += len(digests)
 
     def on_removed(self, digests: Sequence[Digest]) -> None: ...

@@ -322,3 +322,21 @@ async def test_energy_per_token_is_learnt_from_the_node_loads(
     agent.publish([Load("e1", 0, 2, 0.2, power=later, output_tps=100.0)])
     await eventually(lambda: mgr.stats.batches == 5)
     assert e1.energy_per_token == 2.0  # 600 W / 300 tokens/s
+
+
+async def test_lora_adapters_reach_the_endpoint_metrics(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """An agent's Load names the engine's adapters (vllm:lora_requests_info): the fleet holds them."""
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    agent.publish(
+        [Load("e1", 1, 2, 0.2, lora_running=["a1"], lora_waiting=["a2"], max_lora=2), Load("e2", 0, 0)]
+    )
+    await eventually(lambda: mgr.stats.batches == 2)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e1.metrics is not None and e1.metrics.lora is not None
+    assert e1.metrics.lora.running == {"a1"} and e1.metrics.lora.waiting == {"a2"}
+    assert e1.metrics.lora.max_lora == 2 and e1.metrics.lora.free_slots == 0
+    assert e2 is not None and e2.metrics is not None and e2.metrics.lora is None

@@ -261,6 +261,7 @@ def test_default_config() -> None:
         ("in-flight", 1.0),
         ("cache-spread", 1.0),
         ("kv-tier", 3.0),
+        ("lora", 4.0),  # scores nothing unless the request names a LoRA adapter
     ]
     assert profile.picker.name == "max-score"
     assert {spec.type for spec in DEFAULT_SCHEDULING.plugins} == set(PLUGIN_TYPES)
