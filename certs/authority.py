@@ -19,6 +19,8 @@ engine         server
 oidc           server (the dev OIDC issuer's JWKS endpoint)
 operator       client (an operator's tools: ``POST /drain`` on an agent)
 client         client (API clients; suffix required: ``client-alice``)
+federation     server + client (a cluster's federation identity, ``federation-<cluster>``: its gateways'
+               summary service and stream, its Envoy's forwarding; extproc/federation)
 =============  =========================================================
 """
 
@@ -43,7 +45,7 @@ BACKDATE = dt.timedelta(minutes=5)
 CA_DAYS = 30
 LEAF_DAYS = 7
 
-_ROLES = ("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "client")
+_ROLES = ("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "federation", "client")
 _NAME = re.compile(rf"^({'|'.join(_ROLES)})(-[a-z0-9][a-z0-9-]{{0,39}})?$")
 
 
