@@ -127,4 +127,3 @@ def read_tree(path: Path | str, what: str) -> object:
         return json.loads(text) if is_json else tomllib.loads(text.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid {'JSON' if is_json else 'TOML'}: {exc}") from exc
-

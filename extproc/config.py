@@ -105,6 +105,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
@@ -303,6 +304,8 @@ class GatewayConfig:
     #: Flow control's embedded default (``[flow]``, ``[objectives.<name>]``), under the policy file and
     #: etcd (:mod:`extproc.flow.policy`).
     flow: FlowPolicy = field(default_factory=FlowPolicy)
+    #: Cross-cluster federation (``[federation]``, :mod:`extproc.federation`; ``None``: none).
+    federation: FederationConfig | None = None
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -423,12 +426,15 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     to.done()
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
+    fed_raw = top.raw("federation")
+    federation = None if fed_raw is None else parse_federation(fed_raw)
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
         flow=flow,
+        federation=federation,
     )  # fmt: skip
 
 

@@ -87,6 +87,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from contracts.federation import HOP_HEADER
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
 from extproc.disagg.errors import HandoffFailed
@@ -102,6 +103,8 @@ from extproc.errors import (
     Unauthorized,
     Unavailable,
 )
+from extproc.federation.forwarding import PEER_ATTRIBUTE, Forward, Forwarder
+from extproc.federation.trust import CLIENT, Inbound
 from extproc.fleet import EndpointState
 from extproc.flow.control import (
     DEADLINE_HEADER,
@@ -197,9 +200,17 @@ class StreamProcessor:
         gate: Gate | None = None,
         flow: FlowControl[StreamProcessor] | None = None,
         disagg: Disaggregator | None = None,
+        federation: Forwarder | None = None,
     ) -> None:
         self._router = router
         self._disagg = disagg
+        #: Cross-cluster forwarding (:mod:`extproc.federation`; ``None``: no ``[federation]``).
+        self._federation = federation
+        #: Who sent the request (a linked cluster's verified identity, else a client).
+        self._came: Inbound = CLIENT
+        #: Where the request is forwarded (``None``: served in this cluster).
+        self.forward: Forward | None = None
+        self._noted = False
         #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
         self.pd: Verdict | None = None
         #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
@@ -297,6 +308,11 @@ class StreamProcessor:
         """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""
         if self.decision is not None and not self.decision.recorded:
             self._router.commit(self.decision, self._clock())
+        if self._federation is not None and self.forward is None and not self._noted:
+            decision = self.decision
+            if decision is not None and decision.recorded and decision.rest is None:
+                self._noted = True
+                self._federation.note(decision.model, decision.digests)
 
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
@@ -342,6 +358,8 @@ class StreamProcessor:
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
+        if self._federation is not None:
+            self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
         path = self._headers.get(":path", "/")
         if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
@@ -572,19 +590,45 @@ class StreamProcessor:
             raise
         decided = self._clock()
         self._phase = Phase.ROUTED
+        if self._federation is not None:
+            self.forward = self._forwarded(self._federation, len(body), decided)
+            if self.forward is not None:
+                return self._replies(request.stream, body, started, decided)
         if self._disagg is not None:
             self.pd = self._disagg.plan(self.decision, decided)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)
         return self._replies(request.stream, body, started, decided)
 
+    def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
+        """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
+        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win.
+        A forwarded request is not recorded at the local pick (it computes nothing)."""
+        decision = self.decision
+        assert decision is not None
+        block_size = self._router.policy.block_size
+        lead = decision.matched_blocks
+        if not federation.worth_hashing(self._came, decision.prompt_blocks, lead, block_size):
+            return None
+        rest = decision.rest
+        if rest is not None:
+            rest.finish()
+        digests = rest.digests if rest is not None else decision.digests
+        forward = federation.route(decision.model, digests, lead, block_size, body_bytes, self._came, now)
+        if forward is not None:
+            decision.recorded = True
+        return forward
+
     def _replies(
         self, stream: bool, body: bytes, started: float, decided: float
     ) -> list[pb.ProcessingResponse]:
-        """The replies that send the decided request, with ``body``, to its pick."""
+        """The replies that send the decided request, with ``body``, to its pick (or, forwarded, to the
+        peer's ingress first and the pick as its fallback)."""
         decision = self.decision
         assert decision is not None, "replies only after a decision"
         destination = decision.destination
+        if self.forward is not None:
+            destination = f"{self.forward.ingress},{destination}"
         pick = decision.endpoints[0]
         set_headers = [
             _header(DESTINATION, destination),
@@ -592,6 +636,8 @@ class StreamProcessor:
             _header(MODEL_HEADER, decision.model),
             *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, stream)),
         ]
+        if self.forward is not None:
+            set_headers.append(_header(HOP_HEADER, self.forward.hop))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
             set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
@@ -925,6 +971,13 @@ def _jwt_metadata(msg: pb.ProcessingRequest) -> tuple[dict[str, object] | None, 
         message = status.struct_value.fields.get("message")
         return None, message.string_value if message is not None else None
     return None, None
+
+
+def _attribute(msg: pb.ProcessingRequest, name: str) -> str | None:
+    """A string request attribute Envoy sent with the headers (``None``: none, or empty)."""
+    attributes = msg.attributes.get(EXTPROC_ATTRIBUTES)
+    value = attributes.fields.get(name) if attributes is not None else None
+    return (value.string_value or None) if value is not None else None
 
 
 def _client_address(msg: pb.ProcessingRequest) -> str | None:

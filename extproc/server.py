@@ -35,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.errors import ConfigError
+from contracts.etcd import FEDERATION
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
@@ -44,6 +45,8 @@ from extproc.control.restore import SlotRestorer
 from extproc.control.scrape import Scraper
 from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
+from extproc.federation.forwarding import Forwarder
+from extproc.federation.shell import FederationCollector, FederationShell
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -95,8 +98,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         dispatcher: Dispatcher[StreamProcessor, list[pb.ProcessingResponse]] | None = None,
         disagg: Disaggregator | None = None,
         upstream: UpstreamClient | None = None,
+        federation: Forwarder | None = None,
     ) -> None:
         self._router = router
+        self._federation = federation
         self._disagg = disagg
         self._upstream = upstream
         #: Prefill halves running beside their routed requests (SGLang), kept until they end.
@@ -112,7 +117,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> AsyncIterator[pb.ProcessingResponse]:
         dispatcher = self._dispatcher
         flow = dispatcher.control if dispatcher is not None else None
-        proc = StreamProcessor(self._router, self._config, time.monotonic, self._gate, flow, self._disagg)
+        proc = StreamProcessor(
+            self._router, self._config, time.monotonic, self._gate, flow, self._disagg, self._federation
+        )
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         try:
             async for msg in request_iterator:
@@ -175,7 +182,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             proc.close()
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
-
 
     def _send_beside(self, proc: StreamProcessor) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
@@ -295,6 +301,12 @@ class Gateway:
         #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
+        #: Cross-cluster federation (``[federation]``; :mod:`extproc.federation`).
+        self.federation = FederationShell(config.federation, self.router) if config.federation else None
+        if self.federation is not None:
+            self.metrics.registry.register(FederationCollector(self.federation))
+            if self.cluster.control is not None:
+                self.cluster.control.core.follow(FEDERATION, self.federation.sink)
         self.health = _HealthServicer()
         #: Envoy's engine cluster (EDS) and the failed tries Envoy reports, which eject endpoints.
         self.eds = EndpointDiscovery(self.fleet, time.monotonic)
@@ -302,6 +314,9 @@ class Gateway:
         self.failed_tries = FailedTries(
             self.fleet, self.ejector, time.monotonic, self._on_ejection, on_completion=self._on_completion
         )
+        if self.federation is not None:
+            fed = self.federation
+            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address)
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
         self.siblings = (
@@ -360,6 +375,7 @@ class Gateway:
                 self.dispatcher,
                 self.disagg,
                 self.upstream,
+                self.federation.forwarder if self.federation is not None else None,
             ),
             server,
         )
@@ -389,6 +405,9 @@ class Gateway:
             self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
             self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
         await self.cluster.start()
+        if self.federation is not None:
+            await self.federation.start()
+            self.ports["federation"] = self.federation.service.port
         self._scraper = Scraper(
             self.fleet,
             interval_s=cfg.scrape.interval_s,
@@ -428,6 +447,8 @@ class Gateway:
         """Envoy's completion log: an engine finished a request (this worker's or another's), so its
         load fell and a held request may go."""
         self.router.completed(done.request_id, time.monotonic())
+        if self.federation is not None:
+            self.federation.completed(done.address, done.status, done.ttfb_s)
         self.dispatcher.kick()
 
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
@@ -471,6 +492,8 @@ class Gateway:
         if self.siblings is not None:
             await self.siblings.aclose()
         await self.cluster.aclose()
+        if self.federation is not None:
+            await self.federation.aclose()
         await self.restorer.aclose()
         await self.upstream.aclose()
         if self._status_server is not None:

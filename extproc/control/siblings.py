@@ -505,7 +505,6 @@ class SiblingBus:
         self._usage_sent = counters
         return encode_usage(self.name, self.started_ns, counters)
 
-
     def _send(self, datagrams: Sequence[bytes]) -> None:
         sock = self._sock
         if sock is None or not datagrams:

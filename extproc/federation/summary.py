@@ -115,7 +115,7 @@ class SummaryBuilder:
             raise ValueError("capacity and bits_per_entry must be >= 1")
         self._capacity = capacity
         self._bits_per_entry = bits_per_entry
-        self._entries: OrderedDict[bytes, str] = OrderedDict()
+        self._entries: OrderedDict[Digest, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -130,12 +130,12 @@ class SummaryBuilder:
             entries.popitem(last=False)
 
     def build(
-        self, block_size: int, loads: dict[str, ModelLoad], held: Callable[[bytes], bool]
+        self, block_size: int, loads: dict[str, ModelLoad], held: Callable[[Digest], bool]
     ) -> list[ModelSummary]:
         """One summary per model of ``loads`` (models without recorded digests get an empty filter);
         digests no longer ``held`` are forgotten."""
-        per_model: dict[str, list[bytes]] = {model: [] for model in loads}
-        gone: list[bytes] = []
+        per_model: dict[str, list[Digest]] = {model: [] for model in loads}
+        gone: list[Digest] = []
         for digest, model in self._entries.items():
             if not held(digest):
                 gone.append(digest)

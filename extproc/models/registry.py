@@ -123,9 +123,7 @@ class ModelRegistry(Mapping[str, ModelAssets]):
             self._models[assets.name] = assets
 
     @classmethod
-    def from_config(
-        cls, sources: Iterable[ModelSource], cache_root: Path | None = None
-    ) -> ModelRegistry:
+    def from_config(cls, sources: Iterable[ModelSource], cache_root: Path | None = None) -> ModelRegistry:
         """Load every configured model; GGUF files are exported once into ``cache_root`` (see
         :func:`engines.gguf.ensure_model_dir`). Raises ConfigError for any unusable model."""
         assets = []

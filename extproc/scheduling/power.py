@@ -139,4 +139,3 @@ class PowerCapFilter:
     ) -> list[EndpointState]:
         kept = [c for c in candidates if not self.over(c)]
         return kept if kept else list(candidates)
-
