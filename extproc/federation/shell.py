@@ -90,6 +90,9 @@ class FederationShell:
         self.follower = SummaryFollower(self.federation, clock=clock)
         self.sink = LinkSink(self.federation, self._links_changed)
         self.outcomes: dict[tuple[str, str], int] = {}
+        #: Told the linked peers' ingresses (``ip:port``) at start and on every link change (the gateway's
+        #: EDS serves them as hosts of Envoy's engine cluster).
+        self.on_ingresses: Callable[[frozenset[str]], None] | None = None
         self._started = False
 
     def report(self) -> Report:
@@ -102,6 +105,11 @@ class FederationShell:
     def _links_changed(self) -> None:
         if self._started:
             self.follower.sync()
+            self._tell_ingresses()
+
+    def _tell_ingresses(self) -> None:
+        if self.on_ingresses is not None:
+            self.on_ingresses(frozenset(link.ingress for link in self.federation.links.links().values()))
 
     def peer_at(self, address: str) -> str | None:
         """The linked cluster whose ingress is ``address`` (``ip:port``)."""
@@ -132,6 +140,7 @@ class FederationShell:
         await self.service.start()
         self._started = True
         self.follower.sync()
+        self._tell_ingresses()
         log.info(
             "federation: cluster %s, summaries on port %d, %d link(s)",
             self.federation.cluster,

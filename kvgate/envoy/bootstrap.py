@@ -49,6 +49,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy import federation as envoy_federation
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
@@ -184,6 +185,9 @@ class EnvoyParams:
     #: (kvgate/envoy/stats.py), for Prometheus; ``None``: none. Needs ``admin_socket`` or a fixed admin port.
     stats_port: int | None = None
     stats_host: str = "127.0.0.1"
+    #: Cross-cluster federation: the listener linked peers forward to and the forwarding transport
+    #: socket (kvgate/envoy/federation.py); ``None``: none.
+    federation: envoy_federation.EnvoyFederation | None = None
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -392,6 +396,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     }
     if params.tls is not None:
         config = secure_profile(config, params.tls)
+    if params.federation is not None:
+        config = envoy_federation.apply(config, params.federation)
     if params.stats_port is not None:  # plaintext, like the ext_proc's metrics (after TLS: not a peer)
         static = config["static_resources"]
         static["listeners"].append(envoy_stats.stats_listener(params.stats_host, params.stats_port))
