@@ -60,6 +60,9 @@ class Forwarder:
         if came.forwarded:
             self.decisions["hop"] += 1
             return False
+        if not self.federation.links.links():
+            self.decisions["no_peer"] += 1
+            return False
         if not self.federation.worth_hashing(prompt_blocks, local_lead, block_size):
             self.decisions["short"] += 1
             return False

@@ -32,12 +32,13 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class PeerStatus:
-    """One peer for metrics and status: summary age (s; ``None``: never had one), its size, whether it
-    is fresh and the peer up, and egress used so far."""
+    """One peer for metrics and status: summary age (s; ``None``: never had one), its size (bytes on the
+    wire, digests summarised), whether it is fresh and the peer up, and egress used so far."""
 
     cluster: str
     summary_age_s: float | None
     summary_bytes: int
+    summary_entries: int
     fresh: bool
     up: bool
     egress_requests: int
@@ -158,6 +159,7 @@ class Federation:
                     cluster=link.cluster,
                     summary_age_s=None if r is None else now - r.at,
                     summary_bytes=0 if r is None else r.size_bytes,
+                    summary_entries=0 if r is None else sum(s.entries for s in r.report.models),
                     fresh=r is not None and now - r.at <= self._ttl(r),
                     up=self.up(link.cluster, now),
                     egress_requests=0 if budget is None else budget[1].requests,

@@ -186,6 +186,9 @@ class FederationCollector(Collector):
         size = GaugeMetricFamily(
             "kvgate_federation_summary_bytes", "Size of the peer's last summary report", labels=["peer"]
         )
+        entries = GaugeMetricFamily(
+            "kvgate_federation_summary_entries", "Prefix digests in the peer's last summary", labels=["peer"]
+        )
         up = GaugeMetricFamily("kvgate_federation_peer_up", "1 when the peer may be chosen", labels=["peer"])
         egress_rq = CounterMetricFamily(
             "kvgate_federation_egress_requests",
@@ -199,7 +202,12 @@ class FederationCollector(Collector):
             if s.summary_age_s is not None:
                 age.add_metric([s.cluster], s.summary_age_s)
             size.add_metric([s.cluster], s.summary_bytes)
+            entries.add_metric([s.cluster], s.summary_entries)
             up.add_metric([s.cluster], 1.0 if s.up and s.fresh else 0.0)
             egress_rq.add_metric([s.cluster], s.egress_requests)
             egress_b.add_metric([s.cluster], s.egress_bytes)
-        yield from (decisions, forwards, outcomes, age, size, up, egress_rq, egress_b)
+        noted = GaugeMetricFamily(
+            "kvgate_federation_noted_digests", "Sampled prefix digests this gateway may publish (before held)"
+        )
+        noted.add_metric([], len(shell.builder))
+        yield from (decisions, forwards, outcomes, age, size, entries, up, egress_rq, egress_b, noted)

@@ -176,6 +176,7 @@ def test_status_reports_age_size_and_egress() -> None:
     f.decide("m", c, 0, BS, 1000, CLIENT, now=1.5)
     (s,) = f.status(now=2.0)
     assert (s.cluster, s.summary_age_s, s.summary_bytes, s.fresh, s.up) == ("b", 1.0, 321, True, True)
+    assert s.summary_entries == 64  # as the report says
     assert (s.egress_requests, s.egress_bytes) == (1, 1000)
 
 
