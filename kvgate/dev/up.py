@@ -364,7 +364,7 @@ class Stack:
             access_log_path=str(self.access_log),
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
             stats_port=0 if opts.envoy_stats else None,
-            federation=_envoy_federation(parsed),
+            federation=_envoy_federation(parsed, opts.federation_delay_ms),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
@@ -604,12 +604,14 @@ class Stack:
         self.stop()
 
 
-def _envoy_federation(parsed: GatewayConfig) -> EnvoyFederation | None:
+def _envoy_federation(parsed: GatewayConfig, delay_ms: float = 0.0) -> EnvoyFederation | None:
     """Envoy's federation listener and forwarding socket, with the gateway's federation certificate."""
     config = parsed.federation
     if config is None or not (config.tls_cert and config.tls_key and config.tls_ca):
         return None
-    return EnvoyFederation(cert=config.tls_cert, key=config.tls_key, ca=config.tls_ca)
+    return EnvoyFederation(
+        cert=config.tls_cert, key=config.tls_key, ca=config.tls_ca, inject_delay_ms=delay_ms
+    )
 
 
 def _numbered(role: str, count: int) -> list[str]:

@@ -47,6 +47,9 @@ class EnvoyFederation:
     ca: str
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    #: Benchmarks only: Envoy's fault filter holds every request arriving on the federation listener this
+    #: long (ms), standing in for the round trip between regions; 0: no fault filter.
+    inject_delay_ms: float = 0.0
 
 
 def _tls_context(fed: EnvoyFederation) -> dict[str, Any]:
@@ -57,6 +60,19 @@ def _tls_context(fed: EnvoyFederation) -> dict[str, Any]:
         "validation_context": {
             "trusted_ca": {"filename": fed.ca},
             "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"prefix": PEER_PREFIX}}],
+        },
+    }
+
+
+def _delay(ms: float) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.fault",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+            "delay": {
+                "fixed_delay": f"{ms / 1000.0:.6f}s",
+                "percentage": {"numerator": 100, "denominator": "HUNDRED"},
+            },
         },
     }
 
@@ -83,6 +99,8 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
     # The federation listener keeps what the linked peer asserts (the ext_proc checks who it is).
     peer_hcm = _hcm(peer_listener)
     peer_hcm["stat_prefix"] = LISTENER
+    if fed.inject_delay_ms > 0:
+        peer_hcm["http_filters"].insert(0, _delay(fed.inject_delay_ms))
     kept = {HOP_HEADER, TENANT_HEADER}
     mutations = peer_hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     mutations[:] = [m for m in mutations if m["remove"] not in kept] + [{"remove": PEER_HEADER}]

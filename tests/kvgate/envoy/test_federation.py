@@ -4,6 +4,7 @@ selected by EDS host metadata, and Envoy itself accepting the result (plain and 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,17 @@ def test_eds_marks_peer_ingresses_for_the_federation_socket() -> None:
     peer_meta = hosts["10.9.0.1:10443"].metadata.filter_metadata[SOCKET_MATCH_NS]
     assert peer_meta.fields[PEER_MATCH_KEY].bool_value is True
     assert SOCKET_MATCH_NS not in hosts["10.0.0.1:8000"].metadata.filter_metadata
+
+
+def test_an_injected_delay_is_a_fault_filter_on_the_federation_listener_only(tmp_path: Path) -> None:
+    cfg = render(EnvoyParams(federation=dataclasses.replace(fed(tmp_path), inject_delay_ms=20)))
+    by_name = listeners(cfg)
+    first = by_name["federation"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+    assert first["name"] == "envoy.filters.http.fault"
+    assert first["typed_config"]["delay"]["fixed_delay"] == "0.020000s"
+    openai = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    assert all(f["name"] != "envoy.filters.http.fault" for f in openai)
+    validate(tmp_path, EnvoyParams(federation=dataclasses.replace(fed(tmp_path), inject_delay_ms=20)))
 
 
 @pytest.mark.parametrize("secure", [False, True])
