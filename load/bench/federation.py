@@ -207,6 +207,17 @@ def _sum(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: st
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
+def _by_label(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, label: str
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (n, labels), v in samples.items():
+        if n == name:
+            key = dict(labels).get(label, "")
+            out[key] = out.get(key, 0.0) + v
+    return dict(sorted(out.items()))
+
+
 def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     """Poll ``condition`` (every 0.1 s) until true; RuntimeError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -313,6 +324,10 @@ def run_target(
             n: _sum(s, "kvgate_federation_egress_requests_total") for n, s in samples.items()
         },
         "egress_bytes": {n: _sum(s, "kvgate_federation_egress_bytes_total") for n, s in samples.items()},
+        # why each request was or was not forwarded, per region (extproc/federation/README.md: reasons)
+        "decisions": {
+            n: _by_label(s, "kvgate_federation_decisions_total", "reason") for n, s in samples.items()
+        },
     }
     if wall > 0:
         row["egress_requests_per_s"] = {n: round(v / wall, 3) for n, v in row["egress_requests"].items()}
