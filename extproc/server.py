@@ -183,6 +183,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             if dispatcher is not None and proc.decision is not None:
                 dispatcher.kick()  # a stream's end frees its in-flight slot
 
+
     def _send_beside(self, proc: StreamProcessor) -> None:
         """Send a prefill half that runs beside its request (:attr:`SubRequest.wait` false) in a task of its
         own: the request's stream may end first."""
