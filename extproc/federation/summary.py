@@ -106,8 +106,8 @@ class SummaryBuilder:
     """The sampled digests this gateway recorded lately, per model (an LRU of ``capacity`` digests), and
     the summaries built from them.
 
-    :meth:`note` takes a routed prompt's chain; :meth:`build` keeps only the digests some endpoint still
-    holds (``held``: the prefix index) and encodes a filter per model.
+    :meth:`note` takes a routed prompt's chain; :meth:`build` encodes a filter per model over the noted
+    digests some endpoint still holds (``held``: the prefix index).
     """
 
     def __init__(self, capacity: int = 65536, bits_per_entry: int = DEFAULT_BITS_PER_ENTRY) -> None:
@@ -132,17 +132,14 @@ class SummaryBuilder:
     def build(
         self, block_size: int, loads: dict[str, ModelLoad], held: Callable[[Digest], bool]
     ) -> list[ModelSummary]:
-        """One summary per model of ``loads`` (models without recorded digests get an empty filter);
-        digests no longer ``held`` are forgotten."""
+        """One summary per model of ``loads`` (models without recorded digests get an empty filter) of the
+        noted digests some endpoint still ``held``. Those not held now are left out of this summary but
+        kept (up to the LRU's capacity): an index resync (a feed's snapshot clears an endpoint before it
+        restates what the engine holds) must not drop a prefix from every later summary."""
         per_model: dict[str, list[Digest]] = {model: [] for model in loads}
-        gone: list[Digest] = []
         for digest, model in self._entries.items():
-            if not held(digest):
-                gone.append(digest)
-            elif model in per_model:
+            if model in per_model and held(digest):
                 per_model[model].append(digest)
-        for digest in gone:
-            del self._entries[digest]
         out: list[ModelSummary] = []
         for model, entries in per_model.items():
             size, hashes = sizing(len(entries), self._bits_per_entry)

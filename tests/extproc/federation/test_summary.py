@@ -98,7 +98,9 @@ def test_builder_keeps_only_held_digests_per_model_and_forgets_the_rest() -> Non
     assert lead(out["m"], c1) == 8 and out["m"].queue_wait_s == 0.1 and out["m"].endpoints == 2
     assert lead(out["other"], c2) == 2
     assert out["idle"].entries == 0
-    assert len(b) == 4 + 2  # the unheld digests were dropped
+    assert len(b) == 4 + 4  # the unheld ones are kept, only left out of this summary
+    everything = {s.model: s for s in b.build(4, loads, lambda d: True)}
+    assert lead(everything["other"], c2) == 8  # held again (an index resync): back in the summary
 
 
 def test_builder_is_bounded() -> None:
