@@ -38,6 +38,13 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     node = "node-b"
     address = "10.0.0.8:4433"            # its QUIC host:port
 
+    [remote]                             # optional: fetch from other clusters' kvcached (kvcached/remote.py)
+    allow = false                        # never, unless true; then only after every local peer missed
+    fetch_bytes_per_s = 100000000        # the cross-cluster budget (bytes/s pulled), required with allow
+    [[remote.peers]]
+    cluster = "eu"
+    address = "10.1.0.8:4433"            # a remote daemon's QUIC host:port
+
     [etcd]                               # optional: registration + peer discovery (runtime/etcd.py)
     endpoints = ["127.0.0.1:2379"]
 """
@@ -57,6 +64,7 @@ from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX
+from kvcached.remote import RemotePeer
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,15 @@ class StaticPeer:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """``[remote]``: whether blocks may come from other clusters, the budget (bytes/s), and their daemons."""
+
+    allow: bool
+    fetch_bytes_per_s: float
+    peers: tuple[RemotePeer, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class KvcachedConfig:
     """A whole kvcached config (see the module docstring for each key's meaning and units).
     ``etcd_raw``: the ``[etcd]`` table as read (read-only), ``None`` when the daemon runs without etcd."""
@@ -110,6 +127,8 @@ class KvcachedConfig:
     quic: QuicSettings | None = None
     peers: tuple[StaticPeer, ...] = ()
     etcd_raw: Mapping[str, Any] | None = None
+    #: ``[remote]``: cross-cluster fetch (``None``: none).
+    remote: RemoteSettings | None = None
 
 
 def parse_kvcached_config(raw: object) -> KvcachedConfig:
@@ -139,6 +158,7 @@ def _parse(raw: object) -> KvcachedConfig:
         raise KvcachedConfigError(f"etcd: expected a table, got {type(etcd_raw).__name__}")
     quic_raw = top.raw("quic")
     peers_raw = top.array("peers", [])
+    remote_raw = top.raw("remote")
     top.done()
 
     node = k.string("node", socket.gethostname())
@@ -164,8 +184,11 @@ def _parse(raw: object) -> KvcachedConfig:
         quic=None if quic_raw is None else _quic(quic_raw),
         peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
         etcd_raw=None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw))),
+        remote=None if remote_raw is None else _remote(remote_raw),
     )
     k.done()
+    if cfg.remote is not None and cfg.remote.allow and cfg.quic is None:
+        raise KvcachedConfigError("remote.allow: needs [quic] (remote blocks come over the peer protocol)")
     if cfg.ssd_path is not None and cfg.ssd_bytes < 1:
         raise KvcachedConfigError("kvcached.ssd_bytes: must be >= 1 when ssd_path is set")
     if cfg.listen_tcp is not None and cfg.tls is None:
@@ -220,6 +243,26 @@ def _peer(raw: object, where: str) -> StaticPeer:
     )
     s.done()
     return peer
+
+
+def _remote(raw: object) -> RemoteSettings:
+    s = Section(raw, "remote")
+    allow = s.flag("allow", False)
+    rate = s.number("fetch_bytes_per_s", REQUIRED if allow else 0.0, minimum=0.0)
+    peers = []
+    for i, p in enumerate(s.array("peers", [])):
+        ps = Section(p, f"remote.peers[{i}]")
+        peers.append(
+            RemotePeer(
+                cluster=_nonempty(ps.string("cluster", REQUIRED), f"remote.peers[{i}].cluster") or "",
+                address=_hostport(ps.string("address", REQUIRED), f"remote.peers[{i}].address") or "",
+            )
+        )
+        ps.done()
+    s.done()
+    if allow and rate <= 0:
+        raise KvcachedConfigError("remote.fetch_bytes_per_s: must be > 0 when allow is true")
+    return RemoteSettings(allow=allow, fetch_bytes_per_s=rate, peers=tuple(peers))
 
 
 def _hostport(value: str | None, where: str) -> str | None:
