@@ -21,6 +21,8 @@ operator       client (an operator's tools: ``POST /drain`` on an agent, ``kvgat
 client         client (API clients; suffix required: ``client-alice``)
 etcd           server + client (an etcd member; it dials itself with it under client-cert auth)
 root           client (etcd's root user: ``kvgate etcd bootstrap``; :mod:`kvgate.etcdsec`)
+federation     server + client (a cluster's federation identity, ``federation-<cluster>``: its gateways'
+               summary service and stream, its Envoy's forwarding; extproc/federation)
 =============  =========================================================
 """
 
@@ -47,6 +49,7 @@ LEAF_DAYS = 7
 
 _ROLES = (
     *("envoy-edge", "extproc", "agent", "kvcached", "engine", "oidc", "operator", "etcd", "root"),
+    "federation",
     "client",
 )
 _NAME = re.compile(rf"^({'|'.join(_ROLES)})(-[a-z0-9][a-z0-9-]{{0,39}})?$")

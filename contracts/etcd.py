@@ -25,6 +25,9 @@ key                    value                                                    
 ``<replica>``          tenant's budget since it started (:func:`encode_usage`),
                        under its lease (:mod:`extproc.admission.shared`)
 ``kvcached/<node>``    a node's tier store (:class:`PeerInfo`), under a lease        kvcached daemons
+``federation/<c>``     JSON link to peer cluster ``<c>``                               ``kvgate policy``
+                       (:mod:`extproc.federation.links`; a bad value is refused,
+                       the link in force stays)
 =====================  ============================================================  ==================
 
 Only :mod:`etcd3aio` (grpc.aio) talks to etcd in kvgate: one etcd client library per process.
@@ -48,6 +51,9 @@ ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
     "kvcached",
 )
 """Key families: the first path segment after the prefix."""
+
+FEDERATION = "federation"
+"""Key family of cross-cluster links (``federation/<cluster>``)."""
 
 USAGE = "usage"
 """Key family of the token counters ext_proc replicas share (``usage/<tenant>/<replica>``)."""

@@ -122,6 +122,7 @@ from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
 from extproc.drift.monitor import DriftPolicy, parse_drift
+from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
 from extproc.overload.gate import OverloadConfig, parse_overload
@@ -333,6 +334,8 @@ class GatewayConfig:
     inference_pool: PoolSettings | None = None
     #: ``[tracing]`` (:mod:`contracts.tracing`): off unless enabled; Envoy traces too when on.
     tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=EXTPROC_SERVICE))
+    #: Cross-cluster federation (``[federation]``, :mod:`extproc.federation`; ``None``: none).
+    federation: FederationConfig | None = None
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -458,6 +461,8 @@ def parse_config(raw: object) -> GatewayConfig:
     pool_raw = top.raw("inference_pool")
     pool = None if pool_raw is None else parse_pool_settings(pool_raw, "inference_pool", tuple(names))
     tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
+    fed_raw = top.raw("federation")
+    federation = None if fed_raw is None else parse_federation(fed_raw)
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -468,6 +473,7 @@ def parse_config(raw: object) -> GatewayConfig:
         overload=overload,
         inference_pool=pool,
         tracing=tracing,
+        federation=federation,
     )  # fmt: skip
 
 

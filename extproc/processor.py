@@ -100,6 +100,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from contracts.federation import HOP_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
@@ -118,6 +119,8 @@ from extproc.errors import (
     Unauthorized,
     Unavailable,
 )
+from extproc.federation.forwarding import PEER_ATTRIBUTE, Forward, Forwarder
+from extproc.federation.trust import CLIENT, Inbound
 from extproc.fleet import EndpointState
 from extproc.flow.control import (
     DEADLINE_HEADER,
@@ -218,6 +221,7 @@ class StreamProcessor:
         flow: FlowControl[StreamProcessor] | None = None,
         disagg: Disaggregator | None = None,
         cascade: Cascader | None = None,
+        federation: Forwarder | None = None,
     ) -> None:
         self._router = router
         self._disagg = disagg
@@ -230,6 +234,13 @@ class StreamProcessor:
         self.answered: Answered | None = None
         #: A gated step in flight: (prepared, started).
         self._stepping: tuple[_Prepared, float] | None = None
+        #: Cross-cluster forwarding (:mod:`extproc.federation`; ``None``: no ``[federation]``).
+        self._federation = federation
+        #: Who sent the request (a linked cluster's verified identity, else a client).
+        self._came: Inbound = CLIENT
+        #: Where the request is forwarded (``None``: served in this cluster).
+        self.forward: Forward | None = None
+        self._noted = False
         #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
         self.pd: Verdict | None = None
         #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
@@ -336,6 +347,11 @@ class StreamProcessor:
         """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""
         if self.decision is not None and not self.decision.recorded:
             self._router.commit(self.decision, self._clock())
+        if self._federation is not None and self.forward is None and not self._noted:
+            decision = self.decision
+            if decision is not None and decision.recorded and decision.rest is None:
+                self._noted = True
+                self._federation.note(decision.model, decision.digests)
 
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
@@ -384,6 +400,8 @@ class StreamProcessor:
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
+        if self._federation is not None:
+            self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
         path = self._headers.get(":path", "/")
         if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
@@ -636,6 +654,10 @@ class StreamProcessor:
         self.run = prepared.run
         if self.run is not None and self.run.gated:
             return self._step(prepared, started)
+        if self._federation is not None:
+            self.forward = self._forwarded(self._federation, len(body), decided)
+            if self.forward is not None:
+                return self._replies(request.stream, body, started, decided)
         if self._flow is not None and self._priority is not None:
             to_engine = self._flow.policy.engine_priority
             if to_engine is not None:  # the band goes on to engines that schedule by priority
@@ -654,13 +676,35 @@ class StreamProcessor:
                 raise Unavailable(message, code="no_prefill_endpoint")
         return self._replies(request.stream, body, started, decided)
 
+    def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
+        """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
+        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win.
+        A forwarded request is not recorded at the local pick (it computes nothing)."""
+        decision = self.decision
+        assert decision is not None
+        block_size = self._router.policy.block_size
+        lead = decision.matched_blocks
+        if not federation.worth_hashing(self._came, decision.prompt_blocks, lead, block_size):
+            return None
+        rest = decision.rest
+        if rest is not None:
+            rest.finish()
+        digests = rest.digests if rest is not None else decision.digests
+        forward = federation.route(decision.model, digests, lead, block_size, body_bytes, self._came, now)
+        if forward is not None:
+            decision.recorded = True
+        return forward
+
     def _replies(
         self, stream: bool, body: bytes, started: float, decided: float
     ) -> list[pb.ProcessingResponse]:
-        """The replies that send the decided request, with ``body``, to its pick."""
+        """The replies that send the decided request, with ``body``, to its pick (or, forwarded, to the
+        peer's ingress first and the pick as its fallback)."""
         decision = self.decision
         assert decision is not None, "replies only after a decision"
         destination = decision.destination
+        if self.forward is not None:
+            destination = f"{self.forward.ingress},{destination}"
         pick = decision.endpoints[0]
         set_headers = [
             _header(DESTINATION, destination),
@@ -668,6 +712,8 @@ class StreamProcessor:
             _header(MODEL_HEADER, decision.model),
             *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, stream)),
         ]
+        if self.forward is not None:
+            set_headers.append(_header(HOP_HEADER, self.forward.hop))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
             set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
@@ -1096,6 +1142,13 @@ def _jwt_metadata(msg: pb.ProcessingRequest) -> tuple[dict[str, object] | None, 
         message = status.struct_value.fields.get("message")
         return None, message.string_value if message is not None else None
     return None, None
+
+
+def _attribute(msg: pb.ProcessingRequest, name: str) -> str | None:
+    """A string request attribute Envoy sent with the headers (``None``: none, or empty)."""
+    attributes = msg.attributes.get(EXTPROC_ATTRIBUTES)
+    value = attributes.fields.get(name) if attributes is not None else None
+    return (value.string_value or None) if value is not None else None
 
 
 def _client_address(msg: pb.ProcessingRequest) -> str | None:

@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.errors import ConfigError
+from contracts.etcd import FEDERATION
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
@@ -50,6 +51,8 @@ from extproc.control.siblings import SiblingBus
 from extproc.disagg.plan import Disaggregator
 from extproc.drift.counters import CounterDrift
 from extproc.drift.monitor import DriftMonitor, DriftView, Key
+from extproc.federation.forwarding import Forwarder
+from extproc.federation.shell import FederationCollector, FederationShell
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.dispatch import Dispatcher
@@ -108,12 +111,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         on_decision: Callable[[Decision], None] | None = None,
         cascade: Cascader | None = None,
         tracer: Tracer | None = None,
+        federation: Forwarder | None = None,
     ) -> None:
         self._router = router
         self._overload = overload
         self._on_decision = on_decision
         #: ``None``: tracing off, and no span object is made (:mod:`runtime.tracing`).
         self._tracer = tracer
+        self._federation = federation
         self._disagg = disagg
         self._cascade = cascade
         self._upstream = upstream
@@ -131,7 +136,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         dispatcher = self._dispatcher
         flow = dispatcher.control if dispatcher is not None else None
         proc = StreamProcessor(
-            self._router, self._config, time.monotonic, self._gate, flow, self._disagg, self._cascade
+            self._router,
+            self._config,
+            time.monotonic,
+            self._gate,
+            flow,
+            self._disagg,
+            self._cascade,
+            self._federation,
         )
         large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
         gate = self._overload
@@ -487,6 +499,12 @@ class Gateway:
         #: llama.cpp slot restores before routing (endpoints whose agent offers them), over mTLS with the
         #: ``[feeds]`` client certificate where agents serve their admin API over HTTPS.
         self.restorer = SlotRestorer(config.slot_restore, self.metrics, tls=_feeds_tls(config))
+        #: Cross-cluster federation (``[federation]``; :mod:`extproc.federation`).
+        self.federation = FederationShell(config.federation, self.router) if config.federation else None
+        if self.federation is not None:
+            self.metrics.registry.register(FederationCollector(self.federation))
+            if self.cluster.control is not None:
+                self.cluster.control.core.follow(FEDERATION, self.federation.sink)
         self.health = _HealthServicer()
         #: The drift alarm: predicted vs engine-reused cached prompt tokens per model and endpoint, fed
         #: by the completion log (:mod:`extproc.drift`).
@@ -507,6 +525,10 @@ class Gateway:
         self.failed_tries = FailedTries(
             self.fleet, self.ejector, time.monotonic, self._on_ejection, on_completion=self._on_completion
         )
+        if self.federation is not None:
+            fed = self.federation
+            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address)
+            fed.on_ingresses = self.eds.set_peers  # peers' ingresses are hosts of Envoy's engine cluster
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
         self.siblings = (
@@ -578,6 +600,7 @@ class Gateway:
                 self._on_decision,
                 self.cascade,
                 self.tracer,
+                self.federation.forwarder if self.federation is not None else None,
             ),
             server,
         )
@@ -608,6 +631,9 @@ class Gateway:
             self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
             self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
         await self.cluster.start()
+        if self.federation is not None:
+            await self.federation.start()
+            self.ports["federation"] = self.federation.service.port
         self._scraper = Scraper(
             self.fleet,
             interval_s=cfg.scrape.interval_s,
@@ -660,6 +686,8 @@ class Gateway:
         alarm."""
         now = time.monotonic()
         self.router.completed(done.request_id, now)
+        if self.federation is not None:
+            self.federation.completed(done.address, done.status, done.ttfb_s)
         self.dispatcher.kick()
         if (
             done.cached_tokens is not None
@@ -728,6 +756,8 @@ class Gateway:
         if self.siblings is not None:
             await self.siblings.aclose()
         await self.cluster.aclose()
+        if self.federation is not None:
+            await self.federation.aclose()
         await self.restorer.aclose()
         await self.upstream.aclose()
         if self.tracer is not None:

@@ -41,6 +41,12 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     [tracing]                            # optional (contracts/tracing.py): spans of Get and Contains
     enabled = true                       # (with a peer fetch's own), the parent from the caller's
     endpoint = "127.0.0.1:4317"          # traceparent metadata
+    [remote]                             # optional: fetch from other clusters' kvcached (kvcached/remote.py)
+    allow = false                        # never, unless true; then only after every local peer missed
+    fetch_bytes_per_s = 100000000        # the cross-cluster budget (bytes/s pulled), required with allow
+    [[remote.peers]]
+    cluster = "eu"
+    address = "10.1.0.8:4433"            # a remote daemon's QUIC host:port
 
     [etcd]                               # optional: registration + peer discovery (runtime/etcd.py)
     endpoints = ["127.0.0.1:2379"]
@@ -62,6 +68,7 @@ from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from contracts.tracing import TracingSettings, parse_tracing
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX
+from kvcached.remote import RemotePeer
 
 #: The ``service.name`` of kvcached's spans unless ``[tracing] service_name`` says otherwise.
 KVCACHED_SERVICE = "kvgate-kvcached"
@@ -99,6 +106,15 @@ class StaticPeer:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """``[remote]``: whether blocks may come from other clusters, the budget (bytes/s), and their daemons."""
+
+    allow: bool
+    fetch_bytes_per_s: float
+    peers: tuple[RemotePeer, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class KvcachedConfig:
     """A whole kvcached config (see the module docstring for each key's meaning and units).
     ``etcd_raw``: the ``[etcd]`` table as read (read-only), ``None`` when the daemon runs without etcd."""
@@ -120,6 +136,8 @@ class KvcachedConfig:
     etcd_raw: Mapping[str, Any] | None = None
     #: ``[tracing]`` (:mod:`contracts.tracing`): spans of Get and Contains (the fetch path).
     tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=KVCACHED_SERVICE))
+    #: ``[remote]``: cross-cluster fetch (``None``: none).
+    remote: RemoteSettings | None = None
 
 
 def parse_kvcached_config(raw: object) -> KvcachedConfig:
@@ -150,6 +168,7 @@ def _parse(raw: object) -> KvcachedConfig:
     quic_raw = top.raw("quic")
     peers_raw = top.array("peers", [])
     tracing = parse_tracing(top.raw("tracing"), KVCACHED_SERVICE)
+    remote_raw = top.raw("remote")
     top.done()
 
     node = k.string("node", socket.gethostname())
@@ -176,8 +195,11 @@ def _parse(raw: object) -> KvcachedConfig:
         peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
         etcd_raw=None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw))),
         tracing=tracing,
+        remote=None if remote_raw is None else _remote(remote_raw),
     )
     k.done()
+    if cfg.remote is not None and cfg.remote.allow and cfg.quic is None:
+        raise KvcachedConfigError("remote.allow: needs [quic] (remote blocks come over the peer protocol)")
     if cfg.ssd_path is not None and cfg.ssd_bytes < 1:
         raise KvcachedConfigError("kvcached.ssd_bytes: must be >= 1 when ssd_path is set")
     if cfg.listen_tcp is not None and cfg.tls is None:
@@ -232,6 +254,26 @@ def _peer(raw: object, where: str) -> StaticPeer:
     )
     s.done()
     return peer
+
+
+def _remote(raw: object) -> RemoteSettings:
+    s = Section(raw, "remote")
+    allow = s.flag("allow", False)
+    rate = s.number("fetch_bytes_per_s", REQUIRED if allow else 0.0, minimum=0.0)
+    peers = []
+    for i, p in enumerate(s.array("peers", [])):
+        ps = Section(p, f"remote.peers[{i}]")
+        peers.append(
+            RemotePeer(
+                cluster=_nonempty(ps.string("cluster", REQUIRED), f"remote.peers[{i}].cluster") or "",
+                address=_hostport(ps.string("address", REQUIRED), f"remote.peers[{i}].address") or "",
+            )
+        )
+        ps.done()
+    s.done()
+    if allow and rate <= 0:
+        raise KvcachedConfigError("remote.fetch_bytes_per_s: must be > 0 when allow is true")
+    return RemoteSettings(allow=allow, fetch_bytes_per_s=rate, peers=tuple(peers))
 
 
 def _hostport(value: str | None, where: str) -> str | None:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from kvcached.errors import KvcachedError
 from kvcached.memory import tune_malloc
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer
+from kvcached.remote import RemoteFetchPolicy
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 from runtime.feed.log import FeedLog
@@ -140,6 +142,8 @@ class Daemon:
             peers=self.table.quic_addresses,
             peer_timeout_s=(2.0 if cfg.quic is None else cfg.quic.timeout_s) + 1.0,
             tracer=self.tracer,
+            remote_peers=() if cfg.remote is None else tuple(p.address for p in cfg.remote.peers),
+            remote=_remote_policy(cfg),
         )
         self.api = ApiServer(
             service,
@@ -258,6 +262,15 @@ class Daemon:
             name="kvcached-peer-watch",
         )
         self.watcher.start()
+
+
+def _remote_policy(cfg: KvcachedConfig) -> RemoteFetchPolicy | None:
+    """Cross-cluster fetch (``[remote]``): budget burst of one second's worth, at least one largest block."""
+    remote = cfg.remote
+    if remote is None:
+        return None
+    burst = max(remote.fetch_bytes_per_s, float(cfg.max_block_bytes))
+    return RemoteFetchPolicy(remote.allow, remote.fetch_bytes_per_s, burst, time.monotonic())
 
 
 async def run(config: KvcachedConfig, ready_file: Path | None) -> int:

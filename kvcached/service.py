@@ -56,6 +56,7 @@ from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import PeerClient
+from kvcached.remote import RemoteFetchPolicy
 from kvcached.tiers import TieredStore
 from runtime.identity import KVCACHED_API, PeerCheck, hop_callers
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
@@ -80,7 +81,9 @@ def _server_span(tracer: Tracer, name: str, context: Any) -> Span:
 class KvcachedService:
     """The API's behaviour over a store; ``peers()`` gives the QUIC addresses to ask on a local miss
     (``None`` or no ``peer_client``: never ask). ``peer_timeout_s``: a fetch that has not finished by
-    then is abandoned (the client's own timeout should fire first)."""
+    then is abandoned (the client's own timeout should fire first). ``remote_peers``: other clusters'
+    daemons (QUIC addresses), asked only after every peer of this cluster missed and only while
+    ``remote`` (:class:`~kvcached.remote.RemoteFetchPolicy`) allows it; ``clock``: monotonic seconds."""
 
     def __init__(
         self,
@@ -91,6 +94,9 @@ class KvcachedService:
         peers: Callable[[], Sequence[str]] | None = None,
         peer_timeout_s: float = 2.0,
         tracer: Tracer | None = None,
+        remote_peers: Sequence[str] = (),
+        remote: RemoteFetchPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         #: Spans of Get and Contains (the fetch path); ``None``: tracing off.
@@ -103,6 +109,11 @@ class KvcachedService:
         self._inflight: dict[bytes, asyncio.Task[bytes | None]] = {}
         #: Peer fetches: hits, misses (no peer had it), unavailable (peer down or timed out), bytes.
         self.peer_counters = {"hits": 0, "misses": 0, "unavailable": 0, "bytes": 0}
+        self._remote_peers = tuple(remote_peers)
+        self._remote = remote
+        self._clock = clock
+        #: Cross-cluster fetches: hits, misses, refused (policy or budget), bytes.
+        self.remote_counters = {"hits": 0, "misses": 0, "refused": 0, "bytes": 0}
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic gRPC handler serving every method (raw bytes in and out)."""
@@ -190,6 +201,8 @@ class KvcachedService:
     async def stats(self, request: StatsRequest) -> StatsReply:
         stats = {k: float(v) for k, v in self.store.stats().items()}
         stats.update({f"peer_{k}": float(v) for k, v in self.peer_counters.items()})
+        if self._remote is not None:
+            stats.update({f"remote_{k}": float(v) for k, v in self.remote_counters.items()})
         return StatsReply(stats)
 
     # -- peers -----------------------------------------------------------------------------------------
@@ -205,26 +218,53 @@ class KvcachedService:
         return await asyncio.shield(task)
 
     async def _fetch_any(self, digest: bytes) -> bytes | None:
-        """Ask every peer at once; the first block wins and is stored in RAM."""
+        """Ask every peer of this cluster at once; the first block wins and is stored in RAM. If none has
+        it, other clusters' daemons, when policy allows (:meth:`_fetch_remote`)."""
         addresses = list(self._peers() if self._peers is not None else ())
-        if not addresses:
+        if addresses:
+            data = await self._first(addresses, digest)
+            if data is not None:
+                self.peer_counters["hits"] += 1
+                self.peer_counters["bytes"] += len(data)
+                self.metrics.peer_fetch_bytes.inc(len(data))
+                self._keep(digest, data)
+                return data
+            self.peer_counters["misses"] += 1
+        return await self._fetch_remote(digest)
+
+    async def _fetch_remote(self, digest: bytes) -> bytes | None:
+        remote = self._remote
+        if remote is None or not self._remote_peers or self._peer_client is None:
             return None
+        if not remote.may_fetch(self._clock()):
+            self.remote_counters["refused"] += 1
+            return None
+        data = await self._first(list(self._remote_peers), digest)
+        if data is None:
+            self.remote_counters["misses"] += 1
+            return None
+        remote.charge(len(data), self._clock())
+        self.remote_counters["hits"] += 1
+        self.remote_counters["bytes"] += len(data)
+        self._keep(digest, data)
+        return data
+
+    def _keep(self, digest: bytes, data: bytes) -> None:
+        with contextlib.suppress(KvcachedError):  # e.g. over our own size limit
+            self.store.put(digest, data)
+
+    async def _first(self, addresses: list[str], digest: bytes) -> bytes | None:
+        """The first block any of ``addresses`` returns (the others are cancelled), or ``None``."""
         tasks = [asyncio.ensure_future(self._fetch_one(address, digest)) for address in addresses]
         try:
             for next_done in asyncio.as_completed(tasks):
                 data = await next_done
                 if data is not None:
-                    self.peer_counters["hits"] += 1
-                    self.peer_counters["bytes"] += len(data)
-                    self.metrics.peer_fetch_bytes.inc(len(data))
-                    with contextlib.suppress(KvcachedError):  # e.g. over our own size limit
-                        self.store.put(digest, data)
                     return data
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        self.peer_counters["misses"] += 1
         return None
 
     async def _fetch_one(self, address: str, digest: bytes) -> bytes | None:

@@ -8,11 +8,14 @@ with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"label
 is not JSON is taken as a string. ``get`` and ``list`` print effective values: the override, else the
 embedded default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``).
 ``tenants/<id>`` (etcd only) sets, gets or unsets one tenant (the ``[[tenants]]`` schema, validated by
-:func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants::
+:func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants.
+``federation/<cluster>`` (etcd only) likewise: one federation link
+(:func:`extproc.federation.links.parse_link`)::
 
     kvgate policy set weights/prefix 3.0 --etcd 10.0.0.5:2379
     kvgate policy set objectives/interactive '{"priority": 1, "ttft_ms": 500}'
     kvgate policy set tenants/acme '{"models": ["*"], "tokens": {"per_minute": 20000}}'
+    kvgate policy set federation/eu '{"ingress": "10.1.0.5:10443", "service": "10.1.0.5:9500", ...}'
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
 
@@ -51,16 +54,17 @@ import etcd3aio
 from contracts.errors import ConfigError
 from contracts.etcd import (
     ENDPOINTS,
+    FEDERATION,
     TENANTS,
     EtcdSettings,
     drain_key,
     encode_value,
     endpoint_id_of,
+    family_key,
     parse_etcd_settings,
     policy_key,
     policy_path,
     split_key,
-    tenant_key,
 )
 from extproc.admission.shared import decode_tenant
 from extproc.control.policy import (
@@ -70,6 +74,7 @@ from extproc.control.policy import (
     load_policy_file,
     write_policy_file,
 )
+from extproc.federation.links import parse_link
 from kvgate.dev.stackfile import StackNotRunning, find_running
 from kvgate.etcdsec import audit
 from runtime.etcd import ETCD_ERRORS, connect, describe_error
@@ -281,15 +286,38 @@ def _tenant_id(args: argparse.Namespace) -> str | None:
     return str(path[len(TENANTS) + 1 :])
 
 
+def _link_name(args: argparse.Namespace) -> str | None:
+    """The cluster when the command's PATH is ``federation/<cluster>``, else ``None``."""
+    path = getattr(args, "path", None)
+    if path is None or not path.startswith(FEDERATION + "/"):
+        return None
+    return str(path[len(FEDERATION) + 1 :])
+
+
+def _check_link(name: str, raw: bytes) -> None:
+    try:
+        parse_link(json.loads(raw), f"{FEDERATION}/{name}", name)
+    except ValueError as exc:
+        raise ConfigError(f"{FEDERATION}/{name}: not a JSON object") from exc
+
+
 async def _tenant_command(
-    args: argparse.Namespace, client: etcd3aio.Etcd3Client, settings: EtcdSettings, tenant_id: str
+    args: argparse.Namespace,
+    client: etcd3aio.Etcd3Client,
+    settings: EtcdSettings,
+    tenant_id: str,
+    family: str = TENANTS,
 ) -> None:
-    """get/set/unset of ``tenants/<id>``; ``set`` validates the tenant before writing it."""
-    key, timeout = tenant_key(settings.prefix, tenant_id), settings.timeout_s
+    """get/set/unset of ``tenants/<id>`` (or ``federation/<cluster>``); ``set`` validates the value
+    before writing it."""
+    key, timeout = family_key(settings.prefix, family, tenant_id), settings.timeout_s
     if args.command == "set":
         raw = _value(args.value)
         try:
-            decode_tenant(tenant_id, raw)
+            if family == TENANTS:
+                decode_tenant(tenant_id, raw)
+            else:
+                _check_link(tenant_id, raw)
         except ConfigError as exc:
             raise _Failed(str(exc), 2) from exc
         await _audited(client, settings, key, raw, "set")
@@ -302,7 +330,8 @@ async def _tenant_command(
     else:
         response = await _kv(client).get(key, timeout=timeout)
         if not response.kvs:
-            raise _Failed(f"{args.path}: no such tenant in etcd (a gateway config's are not shown)", 2)
+            what = "tenant" if family == TENANTS else "link"
+            raise _Failed(f"{args.path}: no such {what} in etcd (a gateway config's are not shown)", 2)
         print(bytes(response.kvs[0].value).decode("utf-8", "replace"))
 
 
@@ -379,6 +408,10 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
         if tenant_id is not None:
             await _tenant_command(args, client, settings, tenant_id)
             return 0
+        link = _link_name(args)
+        if link is not None:
+            await _tenant_command(args, client, settings, link, FEDERATION)
+            return 0
         revision = await _load(client, settings, store)
         if args.command == "list":
             _print_effective(args, store)
@@ -446,12 +479,15 @@ def main(argv: list[str]) -> int:
     try:
         store = _store(args)
         tenant = _tenant_id(args)
-        if args.command in ("get", "set", "unset", "history", "rollback") and tenant is None:
+        link = _link_name(args)
+        if args.command in ("get", "set", "unset", "history", "rollback") and tenant is None and link is None:
             _check_path(store, args.path)
         if getattr(args, "file", None) is not None:
-            if tenant is not None:
+            if tenant is not None or link is not None:
                 raise _Failed(
-                    "tenants/<id> live in etcd (or a gateway config's [[tenants]]), not a policy file", 2
+                    "tenants/<id> and federation/<cluster> live in etcd (or a gateway config), not a"
+                    " policy file",
+                    2,
                 )
             return _file_command(args, store)
         settings = _settings(args)

@@ -195,6 +195,8 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         #: Told of each completion (``None``: completions are read and dropped); may be set after
         #: construction, before the first completion it should hear.
         self.on_completion = on_completion
+        #: Told of every failed try before the fleet lookup (federation: tries to a peer's ingress).
+        self.on_failed_try: Callable[[FailedTry], None] | None = None
         self._closed = asyncio.Event()
 
     async def aclose(self) -> None:
@@ -249,6 +251,8 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 for entry in msg.http_logs.log_entry:
                     failed = failed_try(entry)
                     if failed is not None:
+                        if self.on_failed_try is not None:
+                            self.on_failed_try(failed)
                         self.record(failed)
             elif log_name == COMPLETION_LOG_NAME:
                 for entry in msg.http_logs.log_entry:

@@ -36,6 +36,10 @@ HEALTHY: int = health_check_pb2.HEALTHY
 UNHEALTHY: int = health_check_pb2.UNHEALTHY
 DRAINING: int = health_check_pb2.DRAINING
 
+SOCKET_MATCH_NS = "envoy.transport_socket_match"
+PEER_MATCH_KEY = "kvgate-federation"
+"""EDS host metadata that makes Envoy use the federation transport socket (kvgate/envoy/federation.py)."""
+
 Host = tuple[str, int]
 """``(ip:port, health status)`` of one endpoint as Envoy should see it."""
 
@@ -82,17 +86,20 @@ def assignment(fleet: Fleet, now: float) -> endpoint_pb2.ClusterLoadAssignment:
     return _assignment(hosts(fleet, now))[0]
 
 
-def snapshot(entries: tuple[Host, ...]) -> Snapshot:
-    """The assignment of ``entries`` (from :func:`hosts`) and its version: the first 16 hex digits of the
-    SHA-256 of its deterministic serialization."""
-    cla, skipped = _assignment(entries)
+def snapshot(entries: tuple[Host, ...], peers: frozenset[str] = frozenset()) -> Snapshot:
+    """The assignment of ``entries`` (from :func:`hosts`, and ``peers``: linked clusters' ingresses) and
+    its version: the first 16 hex digits of the SHA-256 of its deterministic serialization."""
+    entries = tuple(sorted({*entries, *((p, HEALTHY) for p in peers)}))
+    cla, skipped = _assignment(entries, peers)
     resource = any_pb2.Any()
     resource.Pack(cla)
     version = hashlib.sha256(cla.SerializeToString(deterministic=True)).hexdigest()[:16]
     return Snapshot(version, resource, skipped)
 
 
-def _assignment(entries: tuple[Host, ...]) -> tuple[endpoint_pb2.ClusterLoadAssignment, tuple[str, ...]]:
+def _assignment(
+    entries: tuple[Host, ...], peers: frozenset[str] = frozenset()
+) -> tuple[endpoint_pb2.ClusterLoadAssignment, tuple[str, ...]]:
     lb_endpoints = []
     skipped = []
     for address, status in entries:
@@ -101,16 +108,17 @@ def _assignment(entries: tuple[Host, ...]) -> tuple[endpoint_pb2.ClusterLoadAssi
             skipped.append(address)
             continue
         ip, port = socket
-        lb_endpoints.append(
-            endpoint_components_pb2.LbEndpoint(
-                endpoint=endpoint_components_pb2.Endpoint(
-                    address=address_pb2.Address(
-                        socket_address=address_pb2.SocketAddress(address=ip, port_value=port)
-                    )
-                ),
-                health_status=status,
-            )
+        host = endpoint_components_pb2.LbEndpoint(
+            endpoint=endpoint_components_pb2.Endpoint(
+                address=address_pb2.Address(
+                    socket_address=address_pb2.SocketAddress(address=ip, port_value=port)
+                )
+            ),
+            health_status=status,
         )
+        if address in peers:  # a linked cluster's ingress: Envoy's federation transport socket
+            host.metadata.filter_metadata[SOCKET_MATCH_NS].fields[PEER_MATCH_KEY].bool_value = True
+        lb_endpoints.append(host)
     cla = endpoint_pb2.ClusterLoadAssignment(
         cluster_name=ENGINES_CLUSTER,
         endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=lb_endpoints)],
@@ -188,6 +196,8 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         self._clock = clock
         now = clock()
         self._hosts = hosts(fleet, now)
+        #: Linked clusters' ingresses (``ip:port``), served as hosts too (:mod:`extproc.federation`).
+        self._peers: frozenset[str] = frozenset()
         #: The assignment being served.
         self.snapshot = snapshot(self._hosts)
         self._wakes: set[asyncio.Event] = set()
@@ -214,6 +224,13 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         for wake in self._wakes:
             wake.set()
 
+    def set_peers(self, peers: frozenset[str]) -> None:
+        """Serve these linked clusters' ingresses as hosts as well (federation forwards pick them)."""
+        if peers != self._peers:
+            self._peers = peers
+            self._hosts = ()  # force a new snapshot
+            self._changed()
+
     def refresh(self) -> None:
         """Recompute the hosts at the clock's now; on a change, a new snapshot and every stream woken."""
         self._scheduled = False
@@ -226,7 +243,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
             return
         self._hosts = entries
         previous = self.snapshot
-        self.snapshot = snapshot(entries)
+        self.snapshot = snapshot(entries, self._peers)
         if self.snapshot.skipped != previous.skipped:
             self._warn_skipped(self.snapshot.skipped)
         log.debug("EDS %s: version %s, %d hosts", ENGINES_CLUSTER, self.snapshot.version, len(entries))

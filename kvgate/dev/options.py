@@ -116,3 +116,6 @@ class StackOptions:
     #: ``--config FILE``: gateway config sections merged over the generated config, last
     #: (:mod:`kvgate.dev.overlay`; keys the launcher sets are refused).
     overlay: dict[str, Any] = field(default_factory=dict)
+    #: Benchmarks: with a ``federation`` overlay, Envoy's federation listener delays every request this
+    #: many ms (its fault filter), standing in for the round trip from the other region.
+    federation_delay_ms: float = 0.0

@@ -55,7 +55,7 @@ from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
-from extproc.config import parse_config
+from extproc.config import GatewayConfig, parse_config
 from kvgate.dev import overlay, recipe, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
 from kvgate.dev.etcd import EtcdServer, ServerTls, free_port
@@ -76,6 +76,8 @@ from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Restartable, Service, Supervisor
 from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
+from kvgate.envoy.federation import LISTENER as FEDERATION_LISTENER
+from kvgate.envoy.federation import EnvoyFederation
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
 from kvgate.envoy.stats import STATS_LISTENER, STATS_PATH
 from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
@@ -129,6 +131,10 @@ class Stack:
         self.admin_url = ""
         #: ``envoy_stats``: Envoy's statistics for Prometheus (``http://127.0.0.1:PORT/stats/prometheus``).
         self.envoy_stats_url = ""
+        #: With a ``[federation]`` section (``overlay``): Envoy's federation listener port (where linked
+        #: peers forward) and the first ext_proc's federation service port (where they get summaries).
+        self.federation_port = 0
+        self.federation_service_port = 0
         #: Secure profile only: the minted files per service (``ca`` of any is the CA clients trust).
         self.certs: dict[str, LeafFiles] = {}
         self.tls: EnvoyTls | None = None
@@ -401,6 +407,7 @@ class Stack:
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
             stats_port=0 if opts.envoy_stats else None,
             tracing=EnvoyTracing.from_settings(parsed.tracing),
+            federation=_envoy_federation(parsed, opts.federation_delay_ms),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
@@ -422,6 +429,16 @@ class Stack:
             )
             pinned = dataclasses.replace(pinned, stats_port=stats)
             self.envoy_stats_url = f"http://127.0.0.1:{stats}{STATS_PATH}"
+        if params.federation is not None:
+            self.federation_port = self.envoy.child.wait_until(
+                lambda: listener_port(self.admin_url, FEDERATION_LISTENER),
+                ENVOY_READY_S,
+                "federation listening",
+            )
+            self.federation_service_port = int(self.extproc_listeners[0].get("federation", 0))
+            pinned = dataclasses.replace(
+                pinned, federation=dataclasses.replace(params.federation, listen_port=self.federation_port)
+            )
         config_path.write_text(render_yaml(pinned))
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
 
@@ -677,6 +694,16 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _envoy_federation(parsed: GatewayConfig, delay_ms: float = 0.0) -> EnvoyFederation | None:
+    """Envoy's federation listener and forwarding socket, with the gateway's federation certificate."""
+    config = parsed.federation
+    if config is None or not (config.tls_cert and config.tls_key and config.tls_ca):
+        return None
+    return EnvoyFederation(
+        cert=config.tls_cert, key=config.tls_key, ca=config.tls_ca, inject_delay_ms=delay_ms
+    )
 
 
 def _numbered(role: str, count: int) -> list[str]:

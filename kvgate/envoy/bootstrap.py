@@ -52,6 +52,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy import federation as envoy_federation
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
@@ -192,6 +193,9 @@ class EnvoyParams:
     #: Envoy's OpenTelemetry tracer (kvgate/envoy/tracing.py; the gateway config's ``[tracing]``);
     #: ``None``: Envoy traces nothing.
     tracing: envoy_tracing.EnvoyTracing | None = None
+    #: Cross-cluster federation: the listener linked peers forward to and the forwarding transport
+    #: socket (kvgate/envoy/federation.py); ``None``: none.
+    federation: envoy_federation.EnvoyFederation | None = None
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -436,6 +440,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)
     if params.tls is not None:
         config = secure_profile(config, params.tls)
+    if params.federation is not None:
+        config = envoy_federation.apply(config, params.federation)
     if params.stats_port is not None:  # plaintext, like the ext_proc's metrics (after TLS: not a peer)
         static = config["static_resources"]
         static["listeners"].append(envoy_stats.stats_listener(params.stats_host, params.stats_port))

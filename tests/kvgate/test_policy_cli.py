@@ -406,6 +406,31 @@ def test_set_get_list_unset_a_tenant(
     assert "no such tenant" in capsys.readouterr().err
 
 
+LINK = (
+    '{"ingress": "10.1.0.5:10443", "service": "10.1.0.5:9500", "identity": "spiffe://kvgate.local/federation-eu",'
+    ' "rtt_ms": 20, "egress_requests_per_s": 10, "egress_bytes_per_s": 1000000}'
+)
+
+
+def test_set_get_unset_a_federation_link_validated_first(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = f"{etcd_settings.prefix}federation/eu"
+    assert main(["set", "federation/eu", LINK, *etcd_args]) == 0
+    capsys.readouterr()
+    assert _read(etcd_settings, key) is not None
+    assert main(["get", "federation/eu", *etcd_args]) == 0
+    assert "10.1.0.5:10443" in capsys.readouterr().out
+    bad = LINK.replace('"rtt_ms": 20', '"rtt_ms": -1')
+    assert main(["set", "federation/eu", bad, *etcd_args]) == 2
+    assert "rtt_ms" in capsys.readouterr().err
+    assert main(["set", "federation/eu", "[1", *etcd_args]) == 2
+    assert b'"rtt_ms":20' in (_read(etcd_settings, key) or b"")  # the good one stays
+    assert main(["unset", "federation/eu", *etcd_args]) == 0
+    assert main(["get", "federation/eu", *etcd_args]) == 2
+    assert "no such link" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("value", "reason"),
     [

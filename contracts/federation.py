@@ -1,0 +1,99 @@
+"""The federation contract: what one kvgate cluster's gateways tell another's, and the headers on the
+forwarded hop (``extproc/federation/README.md`` has the formulas).
+
+A gateway serves :data:`SUBSCRIBE_METHOD` (gRPC server streaming, mTLS both ways): a peer cluster's
+gateway sends one :class:`Hello` naming its cluster and gets a :class:`Report` every refresh interval:
+per model a :class:`ModelSummary` (a Bloom filter over the chain digests its fleet holds at depths
+``2^j`` blocks), its predicted queue wait, and the TTL after which the receiver must ignore it.
+
+Wire: msgpack via msgspec as the (de)serialisers of a generic gRPC method, as :mod:`contracts.events`
+does for index feeds (no protoc pinned to the runtime).
+
+Headers on the forwarded request: :data:`HOP_HEADER` (the forwarding cluster's name: the request was
+forwarded once and is never forwarded again) and :data:`PEER_HEADER` (the forwarding gateway's identity
+URI, written by the receiving Envoy's federation listener from the verified client certificate; every
+client value is stripped first). The tenant (:data:`contracts.epp.TENANT_HEADER`) and the hop are
+believed only when :data:`PEER_HEADER` names a linked cluster's identity.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SUBSCRIBE_METHOD = "/kvgate.federation.v1.Federation/Subscribe"
+"""gRPC method (server streaming): request :class:`Hello`, responses :class:`Report`."""
+
+HOP_HEADER = "x-kvgate-hop"
+"""Request header on a forwarded request: the name of the cluster that forwarded it."""
+PEER_HEADER = "x-kvgate-federation-peer"
+"""Request header the federation listener's Envoy sets from the client certificate's URI SAN."""
+FORWARD_HOST = "x-kvgate-forward-host"
+"""Request header the processor sets when it forwards: the peer's ingress ``host:port`` (for the
+forwarding route's ``Host``/SNI; the destination itself is the ``envoy.lb`` pick)."""
+
+
+class FederationWireError(ValueError):
+    """A message that does not decode or breaks the contract."""
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """The subscriber's cluster name (for logs and metrics; authentication is the mTLS identity)."""
+
+    cluster: str
+
+
+class ModelSummary(msgspec.Struct, array_like=True, frozen=True):
+    """The prefixes one cluster's fleet holds for ``model``: a Bloom filter of ``bits`` (``len(bits) x 8``
+    bits, a power of two) with ``hashes`` probes over ``entries`` chain digests at depths ``2^j`` blocks
+    of ``block_size`` tokens. ``queue_wait_s``: the predicted wait before a new request's prefill starts
+    at the least-waiting endpoint (seconds); ``endpoints``: routable endpoints of the model."""
+
+    model: str
+    block_size: int
+    hashes: int
+    entries: int
+    bits: bytes
+    queue_wait_s: float
+    endpoints: int
+
+
+class Report(msgspec.Struct, frozen=True):
+    """One refresh: ``cluster`` sent it at wall time ``sent_at`` (seconds since the epoch); the receiver
+    drops it ``ttl_s`` after it arrived."""
+
+    cluster: str
+    sent_at: float
+    ttl_s: float
+    models: list[ModelSummary] = msgspec.field(default_factory=list)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_hello = msgspec.msgpack.Decoder(Hello)
+_report = msgspec.msgpack.Decoder(Report)
+
+
+def encode(message: Hello | Report) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_hello(data: bytes) -> Hello:
+    try:
+        return _hello.decode(data)
+    except msgspec.DecodeError as exc:
+        raise FederationWireError(f"bad hello: {exc}") from exc
+
+
+def decode_report(data: bytes) -> Report:
+    """A :class:`Report` whose summaries are well formed (bit array a power of two, 1-32 probes, positive
+    block size and TTL); else :class:`FederationWireError`."""
+    try:
+        report = _report.decode(data)
+    except msgspec.DecodeError as exc:
+        raise FederationWireError(f"bad report: {exc}") from exc
+    if not report.ttl_s > 0:
+        raise FederationWireError("report ttl_s must be > 0")
+    for s in report.models:
+        size = len(s.bits)
+        if size == 0 or size & (size - 1) or not 1 <= s.hashes <= 32 or s.block_size < 1 or s.entries < 0:
+            raise FederationWireError(f"bad summary for model {s.model!r}")
+    return report

@@ -1,0 +1,90 @@
+"""What the stream processor asks of federation for one request (sans IO): who sent it, whether it goes to
+a peer, and, for a request served here, noting its prefix for this cluster's summary.
+
+The processor (:mod:`extproc.processor`) calls :meth:`Forwarder.inbound` with the peer identity Envoy
+reports for the downstream connection (the request attribute :data:`PEER_ATTRIBUTE`, never a header),
+:meth:`Forwarder.worth_hashing` before it hashes a lazy prompt's whole window, :meth:`Forwarder.route`
+after its local decision, and :meth:`Forwarder.note` once a request served here is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from contracts.digest import Digest
+from contracts.federation import PEER_HEADER
+from extproc.federation.peers import Federation
+from extproc.federation.summary import SummaryBuilder
+from extproc.federation.trust import CLIENT, Inbound, inbound
+
+log = logging.getLogger(__name__)
+
+PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
+"""The ext_proc request attribute (Envoy's CEL name) with the downstream client certificate's URI SAN:
+on the federation listener, the forwarding cluster's verified identity."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send the request to ``peer``'s ingress ``ingress`` (``ip:port``, first in the destination list,
+    the local pick after it as the fallback), with the hop header naming this cluster (``hop``)."""
+
+    peer: str
+    ingress: str
+    hop: str
+    lead: int
+
+
+class Forwarder:
+    """The processor's view of the gateway's :class:`Federation` and :class:`SummaryBuilder`.
+    ``decisions`` counts verdict reasons and ``forwards`` forwards per peer (for metrics)."""
+
+    def __init__(self, federation: Federation, builder: SummaryBuilder) -> None:
+        self.federation = federation
+        self.builder = builder
+        self.decisions: Counter[str] = Counter()
+        self.forwards: Counter[str] = Counter()
+
+    def inbound(self, peer_uri: str | None, headers: Mapping[str, str]) -> Inbound:
+        """Who sent the request: a linked cluster only when ``peer_uri`` (from Envoy's attribute) is its
+        identity; the hop and tenant headers then count, else nothing does."""
+        if not peer_uri:
+            return CLIENT
+        return inbound({**headers, PEER_HEADER: peer_uri}, self.federation.links)
+
+    def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
+        """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""
+        if came.forwarded:
+            self.decisions["hop"] += 1
+            return False
+        if not self.federation.links.links():
+            self.decisions["no_peer"] += 1
+            return False
+        if not self.federation.worth_hashing(prompt_blocks, local_lead, block_size):
+            self.decisions["short"] += 1
+            return False
+        return True
+
+    def route(
+        self,
+        model: str,
+        digests: Sequence[Digest],
+        local_lead: int,
+        block_size: int,
+        body_bytes: int,
+        came: Inbound,
+        now: float,
+    ) -> Forward | None:
+        verdict = self.federation.decide(model, digests, local_lead, block_size, body_bytes, came, now)
+        self.decisions[verdict.reason] += 1
+        if verdict.peer is None:
+            return None
+        self.forwards[verdict.peer.cluster] += 1
+        return Forward(verdict.peer.cluster, verdict.peer.ingress, self.federation.cluster, verdict.lead)
+
+    def note(self, model: str, digests: Sequence[Digest]) -> None:
+        """A request served in this cluster: its prefix goes into the next summary."""
+        self.builder.note(model, digests)

@@ -1,0 +1,133 @@
+"""Federation in the Envoy bootstrap (``extproc/federation/README.md``): the forwarding hop and the
+listener peers forward to.
+
+* Forwarding is a host of ``kvgate_engines`` like any endpoint: the ext_proc serves each linked peer's
+  ingress in that cluster's EDS with the metadata ``envoy.transport_socket_match {kvgate-federation:
+  true}`` and puts it first in a forwarded request's destination list, the local pick after it. So a try
+  the peer refuses, resets or answers 503 goes on to the local pick (the cluster's retry policy), and the
+  failed try reaches the ext_procs' failure log (the peer's health). The matching transport socket is
+  mTLS with this cluster's federation certificate (``federation-<cluster>``, its dedicated identity); the
+  peer must chain to ``ca`` and carry a ``spiffe://kvgate.local/federation-`` URI SAN.
+* The federation listener: the OpenAI listener's filter chain again (ext_proc, routes, logs), on its own
+  address, behind TLS that requires a client certificate with such a URI SAN. Envoy hands the verified
+  URI to the ext_proc as the request attribute ``connection.uri_san_peer_certificate``; the ext_proc
+  believes the hop and tenant headers only when it is a linked cluster's identity. This listener keeps
+  the peer's ``x-kvgate-hop`` and ``x-kvgate-tenant``; the OpenAI listener strips both (a client can never
+  make a request look forwarded).
+
+Not covered: ``[auth]`` (a forwarded request carries no credentials, and the peer's gate does not yet
+admit a tenant asserted by a linked cluster: with auth on, the peer answers it 401).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from certs.authority import identity_uri
+from contracts.epp import ENGINES_CLUSTER, TENANT_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER
+
+_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
+MATCH_KEY = "kvgate-federation"
+"""Key of the EDS host metadata (``envoy.transport_socket_match``) that selects the federation socket."""
+LISTENER = "federation"
+PEER_PREFIX = identity_uri("federation-")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyFederation:
+    """``listen_host``/``listen_port``: the federation listener; ``cert``/``key``: this cluster's federation
+    certificate (presented on that listener and to peers when forwarding); ``ca``: the CA peers chain to."""
+
+    cert: str
+    key: str
+    ca: str
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    #: Benchmarks only: Envoy's fault filter holds every request arriving on the federation listener this
+    #: long (ms), standing in for the round trip between regions; 0: no fault filter.
+    inject_delay_ms: float = 0.0
+
+
+def _tls_context(fed: EnvoyFederation) -> dict[str, Any]:
+    return {
+        "tls_certificates": [
+            {"certificate_chain": {"filename": fed.cert}, "private_key": {"filename": fed.key}}
+        ],
+        "validation_context": {
+            "trusted_ca": {"filename": fed.ca},
+            "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"prefix": PEER_PREFIX}}],
+        },
+    }
+
+
+def _delay(ms: float) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.fault",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+            "delay": {
+                "fixed_delay": f"{ms / 1000.0:.6f}s",
+                "percentage": {"numerator": 100, "denominator": "HUNDRED"},
+            },
+        },
+    }
+
+
+def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
+    """``config`` (the rendered bootstrap, modified in place) with the federation listener, the forwarding
+    transport socket and the header rules above."""
+    static = config["static_resources"]
+    openai = next(li for li in static["listeners"] if li["name"] == "openai")
+    hcm = _hcm(openai)
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            typed = f["typed_config"]
+            typed["request_attributes"] = [*typed.get("request_attributes", []), PEER_ATTRIBUTE]
+    peer_listener = copy.deepcopy(openai)
+    # The OpenAI listener: a client's hop or peer header is dropped before any filter.
+    strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    strip.extend({"remove": h} for h in (HOP_HEADER, PEER_HEADER))
+    # The federation listener keeps what the linked peer asserts (the ext_proc checks who it is).
+    peer_hcm = _hcm(peer_listener)
+    peer_hcm["stat_prefix"] = LISTENER
+    if fed.inject_delay_ms > 0:
+        peer_hcm["http_filters"].insert(0, _delay(fed.inject_delay_ms))
+    kept = {HOP_HEADER, TENANT_HEADER}
+    mutations = peer_hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    mutations[:] = [m for m in mutations if m["remove"] not in kept] + [{"remove": PEER_HEADER}]
+    peer_listener["name"] = LISTENER
+    peer_listener["address"] = {"socket_address": {"address": fed.listen_host, "port_value": fed.listen_port}}
+    downstream = {
+        "@type": _TLS + "DownstreamTlsContext",
+        "require_client_certificate": True,
+        "common_tls_context": {"alpn_protocols": ["h2", "http/1.1"], **_tls_context(fed)},
+    }
+    peer_listener["filter_chains"][0]["transport_socket"] = {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": downstream,
+    }
+    static["listeners"].append(peer_listener)
+    engines = next(c for c in static["clusters"] if c["name"] == ENGINES_CLUSTER)
+    engines["transport_socket_matches"] = [
+        {
+            "name": LISTENER,
+            "match": {MATCH_KEY: True},
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": _TLS + "UpstreamTlsContext",
+                    "common_tls_context": _tls_context(fed),
+                },
+            },
+        }
+    ]
+    return config

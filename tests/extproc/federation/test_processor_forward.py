@@ -1,0 +1,170 @@
+"""The stream processor with federation, in memory: a long prompt whose prefix only a peer holds goes to
+the peer's ingress first (the local pick as its fallback) with the hop header; a short one, one from a
+linked peer, or one whose peer summary is missing stays local; a client's forged hop header and peer
+identity change nothing; a request served here is noted for this cluster's summary."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from contracts.digest import Digest
+from contracts.epp import EXTPROC_ATTRIBUTES
+from contracts.events import EndpointId
+from contracts.federation import HOP_HEADER, ModelSummary, Report
+from engines.endpoint import Endpoint
+from extproc.federation.forwarding import PEER_ATTRIBUTE, Forwarder
+from extproc.federation.links import parse_federation
+from extproc.federation.peers import Federation
+from extproc.federation.summary import SummaryBuilder, build_bits, lead, sampled, sizing
+from extproc.fleet import Fleet
+from extproc.index.approximate import ApproximateIndex
+from extproc.models.registry import ModelRegistry
+from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.routing.router import Router, RoutingPolicy
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from tests.extproc.test_processor import body, headers, reply
+
+MODEL = "m"
+LOCAL = "10.0.0.1:8000"
+INGRESS_B = "10.9.0.1:10443"
+LONG = " ".join(f"w{i}" for i in range(3000))  # ~1,000 blocks of 16 bytes (byte fallback)
+SHORT = "hello there"
+B_ID = "spiffe://kvgate.local/federation-b"
+
+
+def router() -> Router:
+    return Router(
+        Fleet([Endpoint(EndpointId("e1"), LOCAL, frozenset({MODEL}), "vllm")]),
+        ModelRegistry([]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+
+
+def forwarder(**kw: Any) -> Forwarder:
+    link = {
+        "cluster": "b",
+        "ingress": INGRESS_B,
+        "service": "10.9.0.1:9500",
+        "identity": B_ID,
+        "rtt_ms": 20,
+        "egress_requests_per_s": 100,
+        "egress_bytes_per_s": 1e9,
+    }
+    config = parse_federation({"cluster": "a", "links": [link], "prefill_s_per_token": 0.0002, **kw})
+    return Forwarder(Federation(config), SummaryBuilder())
+
+
+def request(prompt: str) -> bytes:
+    return orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 5})
+
+
+def chain_of(prompt: str) -> list[Digest]:
+    """The prompt's whole chain as a gateway of the same policy computes it (routed once, recorded)."""
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1.0)
+    proc.handle(headers("/v1/completions"))
+    proc.handle(body(request(prompt)))
+    proc.after_send()
+    assert proc.decision is not None
+    return list(proc.decision.digests)
+
+
+def warm_in_b(fwd: Forwarder, digests: list[Digest], now: float = 1000.0) -> None:
+    entries = sampled(digests)
+    size, k = sizing(len(entries))
+    summary = ModelSummary(MODEL, 16, k, len(entries), build_bits(entries, size, k), 0.0, 1)
+    assert lead(summary, digests) > 0
+    fwd.federation.received(Report("b", 0.0, 3.0, [summary]), now)
+
+
+def send(
+    fwd: Forwarder, prompt: str, *, peer_uri: str | None = None, extra: dict[str, str] | None = None
+) -> tuple[StreamProcessor, Any]:
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    msg = headers("/v1/completions", extra=extra)
+    if peer_uri is not None:
+        msg.attributes[EXTPROC_ATTRIBUTES].fields[PEER_ATTRIBUTE].string_value = peer_uri
+    assert proc.handle(msg) == []
+    out = reply(proc.handle(body(request(prompt))))
+    proc.after_send()
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def long_chain() -> list[Digest]:
+    return chain_of(LONG)
+
+
+def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc, out = send(fwd, LONG)
+    assert out.destination == [INGRESS_B, LOCAL]  # the peer first, the local pick as the fallback
+    assert out.lb["x-gateway-destination-endpoint"] == f"{INGRESS_B},{LOCAL}"
+    assert out.lb["x-kvgate-destination-primary"] == LOCAL  # plain ORIGINAL_DST configs stay local
+    assert out.set_headers[HOP_HEADER] == "a"
+    assert proc.forward is not None and proc.forward.peer == "b"
+    assert fwd.decisions["forward"] == 1 and fwd.forwards["b"] == 1
+    assert len(fwd.builder) == 0  # not noted: this cluster computes nothing of it
+    proc.close()
+
+
+def test_a_short_request_stays_local_and_is_noted() -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, chain_of(LONG))
+    _, out = send(fwd, SHORT)
+    assert out.destination == [LOCAL] and HOP_HEADER not in out.set_headers
+    assert fwd.decisions["short"] == 1
+
+
+def test_an_unshared_long_request_stays_local_and_is_noted(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    other = " ".join(f"z{i}" for i in range(3000))
+    _, out = send(fwd, other)
+    assert out.destination == [LOCAL]
+    assert fwd.decisions["short"] == 1  # the peer's lead is 0
+    assert len(fwd.builder) > 0  # this cluster now holds it: in the next summary
+
+
+def test_a_request_from_the_linked_peer_is_never_forwarded_again(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    _, out = send(fwd, LONG, peer_uri=B_ID, extra={HOP_HEADER: "b"})
+    assert out.destination == [LOCAL]
+    assert fwd.decisions == {"hop": 1}
+
+
+@pytest.mark.parametrize(
+    ("peer_uri", "extra"),
+    [
+        (None, {HOP_HEADER: "b"}),  # a client forging the hop: still forwarded as any client request
+        ("spiffe://kvgate.local/client-mallory", {HOP_HEADER: "b", "x-kvgate-federation-peer": B_ID}),
+    ],
+)
+def test_forged_hop_or_identity_headers_have_no_effect(
+    long_chain: list[Digest], peer_uri: str | None, extra: dict[str, str]
+) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    _, out = send(fwd, LONG, peer_uri=peer_uri, extra=extra)
+    assert out.destination == [INGRESS_B, LOCAL] and out.set_headers[HOP_HEADER] == "a"
+
+
+def test_a_stale_summary_keeps_the_request_local(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain, now=990.0)  # 10 s before the processor's clock: older than the 3 s TTL
+    _, out = send(fwd, LONG)
+    assert out.destination == [LOCAL] and fwd.decisions["no_peer"] == 1
+
+
+def test_without_federation_nothing_changes() -> None:
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0)
+    proc.handle(headers("/v1/completions", extra={HOP_HEADER: "b"}))
+    out = reply(proc.handle(body(request(LONG))))
+    assert out.destination == [LOCAL] and HOP_HEADER not in out.set_headers

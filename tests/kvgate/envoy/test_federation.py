@@ -1,0 +1,93 @@
+"""The federation parts of the Envoy bootstrap: the federation listener (mTLS, peers' identities only,
+keeps the peer's hop and tenant), the OpenAI listener stripping them, the forwarding transport socket
+selected by EDS host metadata, and Envoy itself accepting the result (plain and secure profiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from certs.store import dev_bundle
+from contracts.epp import TENANT_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER
+from extproc.xds.eds import PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
+from kvgate.envoy.bootstrap import EnvoyParams, render
+from kvgate.envoy.federation import EnvoyFederation
+from kvgate.envoy.tls import EnvoyTls, write_sds
+from tests.kvgate.envoy.test_bootstrap import validate
+
+
+def fed(tmp_path: Path) -> EnvoyFederation:
+    bundle = dev_bundle(tmp_path / "fed", ["federation-a"], dt.datetime.now(dt.UTC))
+    leaf = bundle["federation-a"]
+    return EnvoyFederation(cert=str(leaf.cert), key=str(leaf.key), ca=str(leaf.ca), listen_port=10443)
+
+
+def listeners(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {li["name"]: li for li in cfg["static_resources"]["listeners"]}
+
+
+def stripped(listener: dict[str, Any]) -> set[str]:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+
+
+def test_the_rendered_federation_parts(tmp_path: Path) -> None:
+    cfg = render(EnvoyParams(federation=fed(tmp_path)))
+    by_name = listeners(cfg)
+    openai, peer = by_name["openai"], by_name["federation"]
+    assert {HOP_HEADER, PEER_HEADER, TENANT_HEADER} <= stripped(openai)
+    assert HOP_HEADER not in stripped(peer) and TENANT_HEADER not in stripped(peer)
+    tls = peer["filter_chains"][0]["transport_socket"]["typed_config"]
+    assert tls["require_client_certificate"] is True
+    san = tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
+    assert san == [{"san_type": "URI", "matcher": {"prefix": "spiffe://kvgate.local/federation-"}}]
+    assert peer["address"]["socket_address"]["port_value"] == 10443
+    for listener in (openai, peer):
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+        assert ext_proc["typed_config"]["request_attributes"] == ["connection.uri_san_peer_certificate"]
+    engines = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvgate_engines")
+    (match,) = engines["transport_socket_matches"]
+    assert match["match"] == {PEER_MATCH_KEY: True}
+
+
+def test_eds_marks_peer_ingresses_for_the_federation_socket() -> None:
+    snap = snapshot((("10.0.0.1:8000", 1),), frozenset({"10.9.0.1:10443"}))
+    cla = endpoint_pb2.ClusterLoadAssignment()
+    snap.resource.Unpack(cla)
+    hosts = {
+        f"{h.endpoint.address.socket_address.address}:{h.endpoint.address.socket_address.port_value}": h
+        for h in cla.endpoints[0].lb_endpoints
+    }
+    assert set(hosts) == {"10.0.0.1:8000", "10.9.0.1:10443"}
+    peer_meta = hosts["10.9.0.1:10443"].metadata.filter_metadata[SOCKET_MATCH_NS]
+    assert peer_meta.fields[PEER_MATCH_KEY].bool_value is True
+    assert SOCKET_MATCH_NS not in hosts["10.0.0.1:8000"].metadata.filter_metadata
+
+
+def test_an_injected_delay_is_a_fault_filter_on_the_federation_listener_only(tmp_path: Path) -> None:
+    cfg = render(EnvoyParams(federation=dataclasses.replace(fed(tmp_path), inject_delay_ms=20)))
+    by_name = listeners(cfg)
+    first = by_name["federation"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+    assert first["name"] == "envoy.filters.http.fault"
+    assert first["typed_config"]["delay"]["fixed_delay"] == "0.020000s"
+    openai = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    assert all(f["name"] != "envoy.filters.http.fault" for f in openai)
+    validate(tmp_path, EnvoyParams(federation=dataclasses.replace(fed(tmp_path), inject_delay_ms=20)))
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_envoy_accepts_it(tmp_path: Path, secure: bool) -> None:
+    tls = None
+    if secure:
+        certs = tmp_path / "certs"
+        dev_bundle(certs, ["envoy-edge"], dt.datetime.now(dt.UTC))
+        tls = EnvoyTls(certs_dir=str(certs))
+        write_sds(tls)
+    validate(tmp_path, EnvoyParams(tls=tls, federation=fed(tmp_path)))
