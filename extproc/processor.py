@@ -578,7 +578,7 @@ class StreamProcessor:
             if to_engine is not None:  # the band goes on to engines that schedule by priority
                 body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
         if self._disagg is not None:
-            self.pd = self._disagg.plan(self.decision, decided)
+            self.pd = self._disagg.plan(self.decision, decided, self._subset)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)
             if self.pd is not None and not self.pd.alone:  # an SGLang decode server, and no prefill fit
