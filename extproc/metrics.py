@@ -63,22 +63,26 @@ class GatewayMetrics:
         )
         self.pd_prefill_seconds = Histogram(
             "kvgate_pd_prefill_seconds",
-            "Time a disaggregated request waited for its prefill sub-request.",
+            "Gateway-side prefill time: from sending a disaggregated request's prefill sub-request to its "
+            "answer (or failure), per model and outcome (ok, or the failure's reason). vLLM's protocol: the "
+            "time the request waited before Envoy got its decode endpoint. It excludes the KV transfer, "
+            "which the decode engine times after it (the simulator: kvgate_sim_remote_prefill_seconds).",
+            ["model", "outcome"],
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
         self.pd_fallbacks = Counter(
             "kvgate_pd_fallbacks",
-            "Disaggregated requests served aggregated because the prefill failed, by reason (timeout, "
-            "unreachable, status, bad_response).",
-            ["reason"],
+            "Disaggregated requests served aggregated because the prefill failed, per model and reason "
+            "(timeout, unreachable, status, bad_response).",
+            ["model", "reason"],
             registry=self.registry,
         )
         self.pd_prefill_errors = Counter(
             "kvgate_pd_prefill_errors",
-            "SGLang prefill halves that failed, by reason (the decode half was routed with them: no "
-            "fallback).",
-            ["reason"],
+            "SGLang prefill halves that failed, per model and reason (the decode half was routed with them: "
+            "no fallback).",
+            ["model", "reason"],
             registry=self.registry,
         )
         self.cascade_answers = Counter(

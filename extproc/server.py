@@ -287,6 +287,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         sub, proc.handoff = proc.handoff, None
         assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
         upstream = self._upstream
+        model = _model_of(proc)
 
         async def send() -> None:
             started = time.monotonic()
@@ -300,9 +301,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if child is not None:
                     _end_handoff(child, failure)
                 proc.prefill_done(failure)
-                self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self._metrics.pd_prefill_seconds.labels(model, failure or "ok").observe(seconds)
                 if failure is not None:
-                    self._metrics.pd_prefill_errors.labels(failure).inc()
+                    self._metrics.pd_prefill_errors.labels(model, failure).inc()
 
         task = asyncio.create_task(send(), name="kvgate-prefill")
         self._beside.add(task)
@@ -351,6 +353,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         child = self._handoff_span(proc, span)
         sub = proc.handoff
         assert sub is not None and self._upstream is not None, "a handoff needs the upstream client"
+        model = _model_of(proc)
         started = time.monotonic()
         failure: str | None = None
         try:
@@ -362,9 +365,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             responses = proc.handed_off(answer.body)
         if child is not None:
             _end_handoff(child, failure)
-        self._metrics.pd_prefill_seconds.observe(time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self._metrics.pd_prefill_seconds.labels(model, failure or "ok").observe(seconds)
         if proc.handoff_outcome != "disaggregated":
-            self._metrics.pd_fallbacks.labels(proc.handoff_outcome or "error").inc()
+            self._metrics.pd_fallbacks.labels(model, proc.handoff_outcome or "error").inc()
         return responses
 
 
@@ -415,6 +419,11 @@ def _end_handoff(span: Span, failure: str | None) -> None:
     if failure is not None:
         Tracer.fail(span, failure)
     span.end()
+
+
+def _model_of(proc: StreamProcessor) -> str:
+    """The model of a disaggregated request (a metric label)."""
+    return proc.decision.model if proc.decision is not None else ""
 
 
 class Gateway:

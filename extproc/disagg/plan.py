@@ -11,8 +11,8 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    min_uncached_tokens``, but always when the pick is an SGLang server of role ``decode``, which refuses
    a request without a bootstrap room);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
-   endpoints of role ``prefill`` serving ``m`` that the route's labels admit and that speak the decode
-   pick's handoff protocol, with the prefix index's
+   endpoints of role ``prefill`` serving ``m`` that the route's labels admit, that speak the decode
+   pick's handoff protocol and that the request's EPP subset hint (if any) allows, with the prefix index's
    match of the prompt against that pool (its prefix scorer prefers the replica holding the prompt's
    lead), plus whatever load scorers the profile has;
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
@@ -111,9 +111,13 @@ class Disaggregator:
     def apply(self, policy: PdPolicy) -> None:
         self._policy = policy
 
-    def plan(self, decision: Decision, now: float) -> Verdict | None:
+    def plan(
+        self, decision: Decision, now: float, subset: frozenset[str] | None = None
+    ) -> Verdict | None:
         """The verdict for a decided request; ``None`` when its model has no serving spec or an
-        aggregated one (nothing to count)."""
+        aggregated one (nothing to count). ``subset``: the request's EPP subset hint (``ip:port``
+        addresses), which binds the prefill pick as it bound the decode pick (:meth:`Router.decide`):
+        with no prefill endpoint inside it the request is served aggregated (``no_prefill``)."""
         route = self._policy.routes.get(decision.model)
         if route is None or route.spec.mode == "aggregated" or decision.served is None:
             return None
@@ -127,7 +131,7 @@ class Disaggregator:
             return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
-        prefill = self._pick_prefill(decision, route, protocol, now)
+        prefill = self._pick_prefill(decision, route, protocol, now, subset)
         if prefill is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
         prefill.in_flight += 1
@@ -140,7 +144,12 @@ class Disaggregator:
         return Verdict(handoff, "disaggregated")
 
     def _pick_prefill(
-        self, decision: Decision, route: PdRoute, protocol: str, now: float
+        self,
+        decision: Decision,
+        route: PdRoute,
+        protocol: str,
+        now: float,
+        subset: frozenset[str] | None,
     ) -> EndpointState | None:
         model = decision.model
         pool = [
@@ -151,6 +160,7 @@ class Disaggregator:
             and set(route.labels) <= set(s.endpoint.labels)
             and PROTOCOLS.get(s.endpoint.engine) == protocol
             and (protocol != "sglang" or s.endpoint.bootstrap_port is not None)
+            and (subset is None or s.endpoint.address in subset)
         ]
         if not pool:
             return None

@@ -35,7 +35,9 @@ class StackOptions:
 
     replicas: int = 4
     #: ``--prefill N --decode M``: a disaggregated fleet of simulated replicas instead of ``replicas``
-    #: (``prefill-<i>``, ``decode-<i>``), the served model's route set to ``disaggregation``.
+    #: (``prefill-<i>``, ``decode-<i>``), the served model's route set to ``disaggregation``. With
+    #: ``agents`` (= N + M, the ``sim`` engine): node ``node-<i>``'s engine has role ``prefill`` for the
+    #: first N nodes, ``decode`` for the rest, registered in etcd by its agent.
     prefill: int = 0
     decode: int = 0
     disaggregation: dict[str, Any] = field(default_factory=lambda: {"mode": "conditional"})

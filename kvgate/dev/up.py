@@ -215,8 +215,17 @@ class Stack:
         if opts.prefill or opts.decode:
             if opts.prefill < 1 or opts.decode < 1:
                 raise ConfigError("--prefill and --decode go together, each at least 1")
-            if opts.agents or opts.attach or opts.endpoints:
-                raise ConfigError("--prefill/--decode start simulators: not with --agents or --endpoint")
+            if opts.attach or opts.endpoints:
+                raise ConfigError("--prefill/--decode start simulators: not with --attach or --endpoint")
+            if opts.agents and (
+                opts.agents != opts.prefill + opts.decode
+                or opts.agent_engine != "sim"
+                or opts.pd_protocol != "vllm"
+            ):
+                raise ConfigError(
+                    "--agents with --prefill N --decode M: N + M agents, each running one simulated engine "
+                    "of that role (the sim engine, vLLM's protocol)"
+                )
         if opts.pd_protocol not in ("vllm", "sglang"):
             raise ConfigError(f"--pd-protocol: expected vllm or sglang, got {opts.pd_protocol!r}")
         no_engines = opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)
@@ -469,6 +478,8 @@ class Stack:
                 "args": list(opts.agent_args),
                 **opts.agent_engine_options,
             }
+            if opts.prefill:  # --agents P+M --prefill P --decode M: the first P nodes prefill
+                engine["role"] = "prefill" if i < opts.prefill else "decode"
             tables: list[dict[str, Any]] = []
             if with_power:  # the agent must know the exporter's URL, so the engine's port is fixed here
                 engine["port"] = free_port()
@@ -506,8 +517,11 @@ class Stack:
             status = agent.await_ready()
             self.agent_status.append(status)
             path.write_text(json.dumps(pin_agent(config, status), indent=2))
+            roles = {e["id"]: e["role"] for e in config["engines"] if "role" in e}
             for e in status["engines"]:
-                self.engines.append({"id": e["id"], "address": e["address"], "engine": e["kind"]})
+                engine = {"id": e["id"], "address": e["address"], "engine": e["kind"]}
+                role = roles.get(e["id"])
+                self.engines.append(engine if role is None else {**engine, "role": role})
 
     def _start_kvcached(self, nodes: list[str]) -> None:
         """Certificates (agents, daemons, the gateway's feed client), then one kvcached daemon per node,

@@ -99,7 +99,8 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="a disaggregated fleet instead of --replicas: N simulated prefill replicas (with --decode)",
+        help="a disaggregated fleet instead of --replicas: N simulated prefill replicas (with --decode; "
+        "with --agents N+M: the first N agents' engines have role prefill, the other M decode)",
     )
     p.add_argument(
         "--decode",

@@ -3,6 +3,7 @@ interferes with decode, the same number of replicas for every target, one run.
 
     python -m load.bench.disagg --out results/disagg.json          # a few minutes on a 2-core VM
     python -m load.bench.disagg --quick --out /tmp/disagg.json     # seconds; figures mean nothing
+    python -m load.bench.disagg --prefill 5 --decode 3 --max-num-batched-tokens 512 ...  # see --help
 
 Fleet: ``total`` simulated vLLM replicas (``load.sim``, one process each, started by ``kvgate up``'s
 :class:`~kvgate.dev.up.Stack`), the H100/8B step model slowed ``time_scale`` times. Targets, each over a
@@ -319,7 +320,76 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+#: Workload and fleet flags: (flag, DisaggConfig field, type, help). ``--prefill``/``--decode`` set the
+#: split; the aggregated targets get their sum.
+FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--prefill", "prefill", int, "prefill replicas of the P/D targets"),
+    ("--decode", "decode", int, "decode replicas of the P/D targets"),
+    ("--min-uncached-tokens", "min_uncached_tokens", int, "kvgate-conditional's threshold"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "every replica's prompt tokens per step"),
+    ("--output-tokens", "output_tokens", int, "tokens out per request"),
+    ("--prefixes", "prefixes", int, "shared prefixes"),
+    ("--prefix-tokens", "prefix_tokens", int, "tokens per shared prefix"),
+    ("--suffix-min", "suffix_min", int, "shortest unique suffix (tokens)"),
+    ("--suffix-max", "suffix_max", int, "longest unique suffix (tokens)"),
+    ("--time-scale", "time_scale", float, "every simulated step stretched this many times"),
+)
+#: The targets the sweep runs again (the conditional goal's two).
+SWEEP_TARGETS = ("kvgate-aggregated", "kvgate-conditional")
+SWEEP_HELP = (
+    "also the sim-parameter sweep: kvgate-aggregated and kvgate-conditional again with each key parameter "
+    "halved and doubled (prefill rate; the decode step: base and per-sequence cost together; the KV "
+    "link); ranking_holds: conditional ITL p90 below aggregated's"
+)
+
+
+def sweep(config: DisaggConfig, workdir: Path, progress: bool) -> list[dict[str, Any]]:
+    """Each key step-model parameter halved and doubled; the conditional goal's two targets each time
+    (:data:`SWEEP_TARGETS`), their ITL and TTFT p90 ratios, and whether the ranking holds."""
+    variants: list[tuple[str, float, DisaggConfig]] = []
+    for factor in (0.5, 2.0):
+        variants += [
+            (
+                "prefill_tokens_per_s",
+                factor,
+                replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor),
+            ),
+            (
+                "decode_step (step_base_ms, decode_ms_per_seq)",
+                factor,
+                replace(
+                    config,
+                    step_base_ms=config.step_base_ms * factor,
+                    decode_ms_per_seq=config.decode_ms_per_seq * factor,
+                ),
+            ),
+            ("link_gbps", factor, replace(config, link_gbps=config.link_gbps * factor)),
+        ]
+    sessions = make_sessions(config)
+    out = []
+    for i, (param, factor, varied) in enumerate(variants):
+        print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
+        rows = {t: run_target(t, varied, sessions, workdir / f"sweep-{i}", progress) for t in SWEEP_TARGETS}
+        got = goals(rows)
+        itl = got["conditional_itl_p90_over_aggregated"]["value"]
+        ttft = got["conditional_ttft_p90_over_aggregated"]["value"]
+        out.append(
+            {
+                "parameter": param,
+                "factor": factor,
+                "sim_args": list(varied.sim_args()),
+                "conditional_itl_p90_over_aggregated": itl,
+                "conditional_ttft_p90_over_aggregated": ttft,
+                "ranking_holds": itl is not None and itl < 1.0,
+                "goals_met": itl is not None and itl <= 0.5 and ttft is not None and ttft <= 1.2,
+                "targets": rows,
+            }
+        )
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(
         prog="python -m load.bench.disagg", description=(__doc__ or "").split("\n")[0]
     )
@@ -329,13 +399,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, help="seconds of arrivals")
     p.add_argument("--rate", type=float, help="arrivals per second")
     p.add_argument("--seed", type=int, help="workload seed (default 1)")
+    for flag, key, kind, what in FLAGS:
+        p.add_argument(flag, type=kind, dest=key, help=f"{what} (default {getattr(DisaggConfig(), key)})")
+    sweeping = p.add_mutually_exclusive_group()
+    sweeping.add_argument("--sweep", action="store_true", help=SWEEP_HELP)
+    sweeping.add_argument("--sweep-only", action="store_true", help="the sweep alone, without the main run")
+    p.add_argument(
+        "--sweep-duration", type=float, help="seconds of arrivals per sweep run (default --duration)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> DisaggConfig:
+    """The run's :class:`DisaggConfig`: the default (or ``--quick``'s) with the flags given applied; a
+    ``--prefill``/``--decode`` split also sets the aggregated targets' replicas to its sum."""
     config = quick_config() if args.quick else DisaggConfig()
     for key, value in (("duration_s", args.duration), ("rate_req_s", args.rate), ("seed", args.seed)):
         if value is not None:
             config = replace(config, **{key: value})
+    for _, key, _, _ in FLAGS:
+        if getattr(args, key) is not None:
+            config = replace(config, **{key: getattr(args, key)})
+    if args.prefill is not None or args.decode is not None:
+        config = replace(config, total=config.prefill + config.decode)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = config_from(args)
     targets = tuple(args.targets.split(",")) if args.targets else TARGETS
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
@@ -353,10 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
         "requests": len(sessions),
     }
-    rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
-    result["targets"] = rows
-    result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
-    result["goals"] = goals(rows)
+    if not args.sweep_only:
+        rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
+        result["targets"] = rows
+        result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
+        result["goals"] = goals(rows)
+    if args.sweep or args.sweep_only:
+        sweep_config = (
+            config if args.sweep_duration is None else replace(config, duration_s=args.sweep_duration)
+        )
+        result["sweep"] = sweep(sweep_config, workdir / "sweep", not args.no_progress)
+        result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)

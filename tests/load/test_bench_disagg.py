@@ -95,3 +95,14 @@ def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
         disagg.main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_flags_set_the_fleet_split_and_the_workload() -> None:
+    args = disagg.parser().parse_args(
+        ["--prefill", "6", "--decode", "2", "--max-num-batched-tokens", "512", "--output-tokens", "128"]
+    )
+    config = disagg.config_from(args)
+    assert (config.prefill, config.decode, config.total) == (6, 2, 8)
+    assert (config.max_num_batched_tokens, config.output_tokens) == (512, 128)
+    assert "512" in config.sim_args()
+    assert disagg.config_from(disagg.parser().parse_args([])) == disagg.DisaggConfig()

@@ -247,3 +247,27 @@ def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None
     pd.release(verdict.handoff)
     pd.release(verdict.handoff)
     assert heard == ["p0", "released p0"]
+
+
+def test_the_subset_hint_binds_the_prefill_pick_too() -> None:
+    """The EPP subset hint names the endpoints the request may go to: the prefill pick stays inside it as
+    the decode pick does; with no prefill endpoint inside it the request is served aggregated."""
+    endpoints = [endpoint("p0", "prefill"), endpoint("p1", "prefill"), endpoint("d0", "decode")]
+    address = {e.id: e.address for e in endpoints}
+    router, pd = make(endpoints, PdSpec("disaggregated"))
+    for i in range(8):  # p0 would get some of these (the less loaded one) without the hint
+        allowed = frozenset({address[EndpointId("p1")], address[EndpointId("d0")]})
+        verdict = pd.plan(
+            router.decide(request(f"q{i} {LONG}"), request_id=f"r{i}", now=NOW, subset=allowed), NOW, allowed
+        )
+        assert verdict is not None and verdict.handoff is not None
+        assert verdict.handoff.prefill.id == "p1"
+    decode_only = frozenset({address[EndpointId("d0")]})
+    decision = router.decide(request(LONG), request_id="x", now=NOW, subset=decode_only)
+    verdict = pd.plan(decision, NOW, decode_only)
+    assert verdict is not None and (verdict.mode, verdict.reason, verdict.alone) == (
+        "aggregated",
+        "no_prefill",
+        True,
+    )
+    assert pd.plan(decision, NOW) is not None  # no hint: any prefill endpoint may pair

@@ -27,7 +27,7 @@ from tests.extproc.disagg.test_plan import endpoint as plan_endpoint
 from tests.extproc.disagg.test_plan import make as plan_make
 from tests.extproc.disagg.test_plan import request as plan_request
 from tests.extproc.test_epp_conformance import refused
-from tests.extproc.test_processor import body, headers, reply
+from tests.extproc.test_processor import SUBSET_KEY, SUBSET_NS, body, headers, metadata, reply
 
 MODEL = "m"
 PREFILL, DECODE = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -211,3 +211,24 @@ def test_a_pairing_of_a_body_that_is_no_object_releases_its_slot() -> None:
     with pytest.raises(HandoffFailed) as caught:
         Pairing(pd, verdict.handoff, b"[1, 2]", "/v1/completions", None, "r")
     assert caught.value.reason == "bad_request" and verdict.handoff.prefill.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("allowed", "prefilled"),
+    [([PREFILL, DECODE], True), ([DECODE], False)],
+)
+def test_the_subset_metadata_binds_the_prefill_pick(allowed: list[str], prefilled: bool) -> None:
+    """The EPP subset hint (Envoy's metadata, as the conformance tests send it) holds for both halves: a
+    prefill endpoint outside it is never sent the prefill; then the request is served aggregated."""
+    proc, router = make(PdSpec("disaggregated"))
+    hint = metadata(**{SUBSET_NS: {SUBSET_KEY: allowed}})
+    assert proc.handle(headers("/v1/completions", meta=hint)) == []
+    out = proc.handle(body(request()))
+    assert proc.pd is not None
+    if prefilled:
+        assert proc.handoff is not None and proc.handoff.address == PREFILL
+        out = proc.handed_off(ANSWER)
+    else:
+        assert proc.handoff is None and (proc.pd.mode, proc.pd.reason) == ("aggregated", "no_prefill")
+        assert in_flight(router)[PREFILL] == 0
+    assert reply(out).destination == [DECODE]

@@ -126,7 +126,7 @@ async def test_prefilled_then_routed_to_the_decode_endpoint(
     assert asked["kv_transfer_params"]["do_remote_decode"] is True
     assert (asked["stream"], asked["max_tokens"], request_id) == (False, 1, "r1")
     assert sample(gateway, "kvgate_pd_decisions_total", mode="disaggregated", reason="disaggregated") == 1
-    assert sample(gateway, "kvgate_pd_prefill_seconds_count") == 1
+    assert sample(gateway, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome="ok") == 1
     assert sample(gateway, "kvgate_requests_total", outcome="routed") == 1
 
 
@@ -140,7 +140,8 @@ async def test_a_failed_or_late_prefill_is_served_aggregated(
     destination, _, _ = decision(resps[1:])
     assert destination == DECODE
     assert streamed_body(resps[1:]) == payload
-    assert sample(gateway, "kvgate_pd_fallbacks_total", reason=reason) == 1
+    assert sample(gateway, "kvgate_pd_fallbacks_total", model=MODEL, reason=reason) == 1
+    assert sample(gateway, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome=reason) == 1
     assert all(s.in_flight == 0 for s in gateway.fleet if s.endpoint.role == "prefill")
 
 
@@ -163,6 +164,6 @@ async def test_sglang_routes_at_once_and_sends_the_prefill_beside(
     assert (asked["stream"], decode["stream"]) == (False, True)
     prefill_state = next(s for s in sglang.fleet if s.endpoint.role == "prefill")
     await until(lambda: prefill_state.in_flight == 0, 5.0)
-    errors = sample(sglang, "kvgate_pd_prefill_errors_total", reason=failure or "status")
+    errors = sample(sglang, "kvgate_pd_prefill_errors_total", model=MODEL, reason=failure or "status")
     assert errors == (0 if failure is None else 1)
-    assert sample(sglang, "kvgate_pd_prefill_seconds_count") == 1
+    assert sample(sglang, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome=failure or "ok") == 1
