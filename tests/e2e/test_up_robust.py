@@ -269,7 +269,10 @@ async def test_readme_policy_and_drain_commands_find_the_local_stack(
     assert up.field("etcd").startswith("127.0.0.1:")
     status, out = await kvgate(["policy", "list"], env)
     assert status == 0 and "weights/prefix=3.0" in out.splitlines(), out
-    assert await kvgate(["policy", "set", "weights/prefix", "5"], env) == (0, "weights/prefix=5\n")
+    status, out = await kvgate(["policy", "set", "weights/prefix", "5"], env)
+    # stdout: the value written; stderr: its audit line (who, key, revision; never the value)
+    assert status == 0 and out.splitlines()[-1] == "weights/prefix=5", out
+    assert any(line.startswith("audit: by=") and "op=set revision=" in line for line in out.splitlines()), out
     assert await kvgate(["policy", "get", "weights/prefix"], env) == (0, "5.0\n")
     status, out = await kvgate(["drain", "sim-0"], env)
     assert status == 0 and "sim-0 draining" in out, out
