@@ -58,6 +58,12 @@ Example (TOML)::
     [objectives.interactive]           # x-llm-d-inference-objective: interactive (etcd objectives/<name>)
     priority = 1
     ttft_ms = 500
+
+    [[burst]]                          # optional: a hosted endpoint for overflow (extproc/burst/README.md;
+    name = "hosted"                    # budget: policy flow/burst {max_per_minute})
+    host = "api.example.com"           # DNS name: TLS SNI and verified certificate name
+    api_key_file = "/etc/kvgate/hosted.key"   # read by Envoy only
+    models = { "SmolLM2-135M-Instruct" = "hosted-model-name" }
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -121,6 +127,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.burst.core import BurstEndpoint, parse_burst
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
@@ -333,6 +340,8 @@ class GatewayConfig:
     inference_pool: PoolSettings | None = None
     #: ``[tracing]`` (:mod:`contracts.tracing`): off unless enabled; Envoy traces too when on.
     tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=EXTPROC_SERVICE))
+    #: Hosted endpoints overflow may burst to (``[[burst]]``, :mod:`extproc.burst`).
+    burst: tuple[BurstEndpoint, ...] = ()
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -458,6 +467,7 @@ def parse_config(raw: object) -> GatewayConfig:
     pool_raw = top.raw("inference_pool")
     pool = None if pool_raw is None else parse_pool_settings(pool_raw, "inference_pool", tuple(names))
     tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
+    burst = parse_burst(top.raw("burst"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -468,6 +478,7 @@ def parse_config(raw: object) -> GatewayConfig:
         overload=overload,
         inference_pool=pool,
         tracing=tracing,
+        burst=burst,
     )  # fmt: skip
 
 

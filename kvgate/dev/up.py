@@ -400,6 +400,7 @@ class Stack:
             resilience=Resilience(fail_open=opts.fail_open, model_idle_timeouts=model_idle_timeouts(parsed)),
             stats_port=0 if opts.envoy_stats else None,
             tracing=EnvoyTracing.from_settings(parsed.tracing),
+            burst=parsed.burst,
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))

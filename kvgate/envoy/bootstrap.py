@@ -51,7 +51,9 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
@@ -69,6 +71,7 @@ STRIPPED_REQUEST_HEADERS = (
     UPSTREAM_HEADER,
     TENANT_HEADER,
     MODEL_HEADER,
+    BURST_HEADER,
     *ENVOY_CONTROL_HEADERS,
     # Client addresses only Envoy may state (it writes x-forwarded-for from the peer it saw).
     "x-real-ip",
@@ -192,6 +195,8 @@ class EnvoyParams:
     #: Envoy's OpenTelemetry tracer (kvgate/envoy/tracing.py; the gateway config's ``[tracing]``);
     #: ``None``: Envoy traces nothing.
     tracing: envoy_tracing.EnvoyTracing | None = None
+    #: Hosted burst endpoints (``[[burst]]``): a TLS cluster and a route each (kvgate/envoy/burst.py).
+    burst: tuple[BurstEndpoint, ...] = ()
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -382,7 +387,10 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 {
                     "name": "openai",
                     "domains": ["*"],
-                    "routes": [{**r, **route} for r in resilience.routes(res, action)],
+                    "routes": [
+                        {**r, **route}
+                        for r in (*envoy_burst.routes(params.burst), *resilience.routes(res, action))
+                    ],
                 }
             ],
         },
@@ -431,6 +439,12 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             ],
         },
     }
+    if params.burst:
+        static = config["static_resources"]
+        static["clusters"].extend(
+            envoy_burst.cluster(e, params.upstream_connect_timeout_s) for e in params.burst
+        )
+        static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)
