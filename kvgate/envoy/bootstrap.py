@@ -71,11 +71,12 @@ STRIPPED_REQUEST_HEADERS = (
     UPSTREAM_HEADER,
     TENANT_HEADER,
     MODEL_HEADER,
-    BURST_HEADER,
     *ENVOY_CONTROL_HEADERS,
     # Client addresses only Envoy may state (it writes x-forwarded-for from the peer it saw).
     "x-real-ip",
     "forwarded",
+    # The hosted burst endpoint the ext_proc picked (extproc/burst): a client may not choose it.
+    BURST_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
