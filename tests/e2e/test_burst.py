@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import secrets
 import ssl
 import sys
@@ -106,6 +107,16 @@ def seen(b: Burst) -> dict[str, Any]:
     return result
 
 
+def streamed_model(answer: httpx.Response) -> str:
+    """The model an SSE answer names (every chunk the same), checked to end with ``[DONE]``."""
+    assert answer.headers["content-type"].startswith("text/event-stream"), answer.text
+    events = [line[len("data: ") :] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    (model,) = {json.loads(e)["model"] for e in events[:-1]}
+    assert isinstance(model, str)
+    return model
+
+
 def ask(content: str, max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
 
@@ -129,17 +140,20 @@ async def test_overflow_bursts_within_budget_with_the_injected_key(burst: Burst)
         busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 200)))
         await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)  # the one slot is taken
         started = time.monotonic()
-        answers = await asyncio.gather(
+        answers = await asyncio.gather(  # streamed: the hosted answer's SSE comes back through Envoy
             *(
-                client.post("/v1/chat/completions", json=ask(f"over {i}", 4), headers=CLIENT_AUTH)
+                client.post(
+                    "/v1/chat/completions", json={**ask(f"over {i}", 4), "stream": True}, headers=CLIENT_AUTH
+                )
                 for i in range(4)
             )
         )
         elapsed = time.monotonic() - started
         assert (await busy).status_code == 200
     assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
-    hosted = [a for a in answers if a.json()["model"] == HOSTED_MODEL]
-    local = [a for a in answers if a.json()["model"] == MODEL]
+    models = [streamed_model(a) for a in answers]
+    hosted = [a for a, m in zip(answers, models, strict=True) if m == HOSTED_MODEL]
+    local = [a for a, m in zip(answers, models, strict=True) if m == MODEL]
     # The bucket starts full (PER_MINUTE) and refills PER_MINUTE a minute; the rest waited for the replica.
     assert PER_MINUTE <= len(hosted) <= PER_MINUTE + int(elapsed * PER_MINUTE / 60)
     assert len(hosted) + len(local) == 4 and local
