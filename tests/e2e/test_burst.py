@@ -46,6 +46,22 @@ class Burst:
     hosted_address: str
     key: str
     ca: Path
+    #: The ``[[burst]]`` table the stack runs with.
+    endpoint: dict[str, Any]
+
+
+def options(workdir: Path, endpoint: dict[str, Any]) -> StackOptions:
+    """One slow local replica taking one request at a time, and the burst endpoint with its budget."""
+    return StackOptions(
+        replicas=1,
+        port=0,
+        sim_args=("--time-scale", "3"),
+        workdir=workdir,
+        overlay={
+            "flow": {"saturation": {"max_in_flight": 1}, "burst": {"max_per_minute": PER_MINUTE}},
+            "burst": [endpoint],
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +91,10 @@ def burst(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[
             "api_key_file": str(key_file),
             "models": {MODEL: HOSTED_MODEL},
         }
-        options = StackOptions(
-            replicas=1,
-            port=0,
-            sim_args=("--time-scale", "3"),
-            workdir=work / "stack",
-            overlay={
-                "flow": {"saturation": {"max_in_flight": 1}, "burst": {"max_per_minute": PER_MINUTE}},
-                "burst": [endpoint],
-            },
-        )
-        with Stack(options) as running:
-            yield Burst(running, f"https://localhost:{port}", f"127.0.0.1:{port}", key, ca_paths(ca_dir)[0])
+        with Stack(options(work / "stack", endpoint)) as running:
+            yield Burst(
+                running, f"https://localhost:{port}", f"127.0.0.1:{port}", key, ca_paths(ca_dir)[0], endpoint
+            )
     finally:
         hosted.stop()
 
@@ -171,3 +179,24 @@ def test_the_key_is_in_no_log(burst: Burst) -> None:
     for path in Path(burst.stack.workdir).glob("*"):
         if path.is_file():
             assert burst.key.encode() not in path.read_bytes(), path.name
+
+
+async def test_a_hosted_certificate_that_does_not_verify_gets_nothing(
+    burst: Burst, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same hosted endpoint, but the gateway trusts another CA: Envoy refuses the handshake, so the
+    request fails (503, an OpenAI error) and the endpoint sees no request, and so no key."""
+    work = tmp_path_factory.mktemp("untrusted")
+    init_ca(work / "other-ca", datetime.now(UTC))
+    endpoint = {**burst.endpoint, "ca_file": str(ca_paths(work / "other-ca")[0])}
+    before = seen(burst)
+    with Stack(options(work / "stack", endpoint)) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 100)))
+            await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)
+            answer = await client.post("/v1/chat/completions", json=ask("over", 4), headers=CLIENT_AUTH)
+            assert (await busy).status_code == 200
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"]  # Envoy's local reply, as OpenAI JSON
+        assert gateway(stack, "kvgate_burst_requests_total", outcome="sent") == 1
+    assert seen(burst) == before
