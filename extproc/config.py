@@ -58,6 +58,12 @@ Example (TOML)::
     [objectives.interactive]           # x-llm-d-inference-objective: interactive (etcd objectives/<name>)
     priority = 1
     ttft_ms = 500
+
+    [[burst]]                          # optional: a hosted endpoint for overflow (extproc/burst/README.md;
+    name = "hosted"                    # budget: policy flow/burst {max_per_minute})
+    host = "api.example.com"           # DNS name: TLS SNI and verified certificate name
+    api_key_file = "/etc/kvgate/hosted.key"   # read by Envoy only
+    models = { "SmolLM2-135M-Instruct" = "hosted-model-name" }
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -121,6 +127,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.burst.core import BurstEndpoint, parse_burst
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
@@ -336,6 +343,8 @@ class GatewayConfig:
     tracing: TracingSettings = field(default_factory=lambda: TracingSettings(service_name=EXTPROC_SERVICE))
     #: Cross-cluster federation (``[federation]``, :mod:`extproc.federation`; ``None``: none).
     federation: FederationConfig | None = None
+    #: Hosted endpoints overflow may burst to (``[[burst]]``, :mod:`extproc.burst`).
+    burst: tuple[BurstEndpoint, ...] = ()
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -463,6 +472,7 @@ def parse_config(raw: object) -> GatewayConfig:
     tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
     fed_raw = top.raw("federation")
     federation = None if fed_raw is None else parse_federation(fed_raw)
+    burst = parse_burst(top.raw("burst"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -474,6 +484,7 @@ def parse_config(raw: object) -> GatewayConfig:
         inference_pool=pool,
         tracing=tracing,
         federation=federation,
+        burst=burst,
     )  # fmt: skip
 
 

@@ -104,6 +104,7 @@ from contracts.federation import HOP_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.usage import UsageReader
+from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Run
 from extproc.disagg.errors import HandoffFailed
@@ -188,6 +189,8 @@ class ProcessorConfig:
     offload_bytes: int | None = 32 * 1024
     timeouts: TimeoutTable = field(default_factory=TimeoutTable)
     hold_timeout_s: float | None = None
+    #: Hosted endpoints overflow may burst to (:mod:`extproc.burst`; ``None``: none configured).
+    burst: Burster | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,7 +495,12 @@ class StreamProcessor:
                 now = self._clock()
                 space = flow_room(flow.policy, self._router, request.model, now, request.priority)
                 deadline = request.deadline
-                if deadline is not None and deadline > now and not flow.goes(request, space, now):
+                goes = flow.goes(request, space, now)
+                if not goes and self._config.burst is not None and prepared.run is None:
+                    burst = self._burst(self._config.burst, flow.policy, prepared, deadline, now)
+                    if burst is not None:  # the local fleet cannot take it in time: a hosted endpoint does
+                        return burst
+                if deadline is not None and deadline > now and not goes:
                     self._check_deadline(prepared, deadline - now, now)  # it would wait: can it make it?
                 offer = flow.offer(request, self, space, now)
             except GatewayError as exc:
@@ -510,6 +518,62 @@ class StreamProcessor:
                 self._waiting = (prepared, started)
                 return self._hold_reply(offer.held)
         return self._decide(prepared, started)
+
+    def _burst(
+        self, burster: Burster, policy: FlowPolicy, prepared: _Prepared, deadline: float | None, now: float
+    ) -> list[pb.ProcessingResponse] | None:
+        """The replies that send a request flow control would not let go at once to its model's burst
+        endpoint, when the rule of :func:`extproc.burst.core.wants_burst` says so and the endpoint's
+        budget has a token; ``None``: it stays local (queued, or refused, as without burst)."""
+        request = prepared.request
+        target = burster.target(request.model)
+        if target is None or policy.burst_per_minute <= 0:
+            return None
+        budget_s = None if deadline is None else deadline - now
+        miss = False
+        if budget_s is not None:
+            try:
+                self._router.check_deadline(request, prepared.tokens, budget_s, now)
+            except Unattainable:
+                miss = True
+        if not wants_burst(True, budget_s, miss) or not burster.take(target, policy.burst_per_minute, now):
+            return None
+        hosted = target.models[request.model]
+        _, body = rewrite_model(request, hosted)
+        self._phase = Phase.ROUTED
+        set_headers = [
+            _header(BURST_HEADER, target.name),
+            _header("content-length", str(len(body))),
+            *(_header(k, v) for k, v in self._config.timeouts.headers(request.model, request.stream)),
+        ]
+        # Envoy removes them too (route config) and its credential injector overwrites Authorization:
+        # no client credential reaches a hosted endpoint, with or without [auth].
+        mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=list(CLIENT_CREDENTIALS))
+        metadata = Struct()
+        noted = metadata.fields[DECISION_NS].struct_value.fields
+        noted[DECISION_MODEL].string_value = request.model
+        # No endpoint id: the completion log (which follows it) is for local engines only.
+        log.info("request %s: burst to %s (%s)", self.request_id, target.name, request.model)
+        if self._buffered:
+            common = pb.CommonResponse(
+                header_mutation=mutation, body_mutation=pb.BodyMutation(body=body), clear_route_cache=True
+            )
+            return [
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+        out = [
+            pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+                ),
+                dynamic_metadata=metadata,
+            )
+        ]
+        for off in range(0, len(body), MAX_CHUNK):
+            out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
+        return out
 
     def resume(self) -> list[pb.ProcessingResponse]:
         """Route a held request now (flow control dispatched it: the shell calls this once, on the event

@@ -40,6 +40,8 @@ from contracts.etcd import FEDERATION
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
+from extproc.burst.core import Burster
+from extproc.burst.metrics import BurstCollector
 from extproc.cascade.plan import Cascader
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
@@ -256,7 +258,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 dispatcher.kick()  # a stream's end frees its in-flight slot
             if span is not None and tracer is not None:
                 _end_request_span(tracer, span, proc, status)
-
 
     async def _traced_restore(self, span: Span, decision: Decision) -> None:
         """The slot restore of a traced request, in a ``slot_restore`` span (when one is asked for) whose
@@ -497,6 +498,12 @@ class Gateway:
             self.flow, self._flow_space, time.monotonic, self.metrics
         )
         self.cluster.flow_listener = self._apply_flow
+        #: Hosted endpoints overflow bursts to (:mod:`extproc.burst`), budgeted by the policy's flow/burst.
+        self.burst = Burster(config.burst) if config.burst else None
+        if self.burst is not None:
+            self.metrics.registry.register(
+                BurstCollector(self.burst, lambda: self.flow.policy.burst_per_minute)
+            )
         self.fleet.watch(self.dispatcher.kick)
         self.fleet.on_reading = self.dispatcher.kick
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
@@ -583,6 +590,7 @@ class Gateway:
             conformance=cfg.extproc.conformance,
             timeouts=cfg.timeout_table(),
             hold_timeout_s=HOLD_TIMEOUT_S,
+            burst=self.burst,
         )
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.

@@ -30,6 +30,7 @@ def _envoy_config(argv: list[str]) -> int:
     import argparse
 
     from contracts.errors import ConfigError
+    from extproc.burst.core import BurstEndpoint
     from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
     from kvgate.envoy.resilience import Resilience, model_idle_timeouts
     from kvgate.envoy.tls import EnvoyTls, write_sds
@@ -119,6 +120,7 @@ def _envoy_config(argv: list[str]) -> int:
     auth = None
     tracing = None
     idle_timeouts: tuple[tuple[str, float], ...] = ()
+    burst: tuple[BurstEndpoint, ...] = ()
     if args.gateway_config:
         from pathlib import Path
 
@@ -130,6 +132,7 @@ def _envoy_config(argv: list[str]) -> int:
             gateway = load_config(Path(args.gateway_config))
             auth, idle_timeouts = EdgeAuth.from_config(gateway), model_idle_timeouts(gateway)
             tracing = EnvoyTracing.from_settings(gateway.tracing)
+            burst = gateway.burst
         except ConfigError as exc:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
@@ -156,6 +159,7 @@ def _envoy_config(argv: list[str]) -> int:
                 endpoint_header=not args.no_endpoint_header,
                 trusted_hops=args.trusted_hops,
                 tracing=tracing,
+                burst=burst,
             )
         )
     except ConfigError as exc:  # a combination of flags and config the profile refuses

@@ -22,6 +22,8 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
                                into the body's "priority" field for engines that schedule by it
                                (order "low_first": vLLM, value -priority x scale; "high_first": SGLang's
                                default, priority x scale); the client's own "priority" is replaced
+    flow/burst                 {max_per_minute}: each burst endpoint's budget (extproc/burst; default
+                               0: nothing is sent to a burst endpoint)
     objectives/<name>          {priority, ttft_ms, tpot_ms}: a named objective (etcd family objectives/)
 
 A policy file and the gateway config (its embedded default) hold the same paths as tables
@@ -142,6 +144,8 @@ class FlowPolicy:
     fairness: str = "tokens"
     retry_after_s: int = 1
     engine_priority: EnginePriority | None = None
+    #: Requests a minute each burst endpoint may take (``flow/burst``; :mod:`extproc.burst`).
+    burst_per_minute: float = 0.0
     objectives: Mapping[str, Objective] = field(default_factory=lambda: types.MappingProxyType({}))
 
     def limits(self, priority: int) -> BandLimits:
@@ -183,7 +187,7 @@ class FlowPolicy:
 KNOWN_PATHS = (
     "flow/saturation, flow/models/<model>, flow/bands/default, flow/bands/<priority>, "
     "flow/max_queued, flow/max_queued_bytes, flow/sheddable_max_wait_s, flow/waiting_room_s, "
-    "flow/fairness, flow/retry_after_s, flow/engine_priority, objectives/<name>"
+    "flow/fairness, flow/retry_after_s, flow/engine_priority, flow/burst, objectives/<name>"
 )
 
 
@@ -200,6 +204,7 @@ _SCALARS = (
     "fairness",
     "retry_after_s",
     "engine_priority",
+    "burst",
 )
 _FLOW_KEYS = ("saturation", "models", "bands", *_SCALARS)
 
@@ -310,6 +315,10 @@ def _apply(policy: FlowPolicy, path: str, value: object, where: str) -> FlowPoli
         return replace(policy, retry_after_s=int(number(value, where, 1, integer=True)))
     if rest == "engine_priority":
         return replace(policy, engine_priority=parse_engine_priority(value, where))
+    if rest == "burst":
+        table = _table(value, where, ("max_per_minute",))
+        per_minute = number(table.get("max_per_minute"), f"{where}.max_per_minute", 0.0)
+        return replace(policy, burst_per_minute=float(per_minute))
     if value not in FAIRNESS:  # flow/fairness, the last path check_flow_path lets through
         raise ConfigError(f"{where}: expected one of {', '.join(FAIRNESS)}, got {value!r}")
     assert isinstance(value, str)
@@ -462,6 +471,7 @@ def flow_values(policy: FlowPolicy) -> dict[str, object]:
         "flow/fairness": policy.fairness,
         "flow/retry_after_s": policy.retry_after_s,
         "flow/engine_priority": None if policy.engine_priority is None else policy.engine_priority.to_json(),
+        "flow/burst": {"max_per_minute": policy.burst_per_minute},
     }
     for model, own in policy.models.items():
         value: dict[str, object] = sat(own.limits) if own.limits is not None else {}

@@ -417,6 +417,7 @@ class Stack:
             stats_port=0 if opts.envoy_stats else None,
             tracing=EnvoyTracing.from_settings(parsed.tracing),
             federation=_envoy_federation(parsed, opts.federation_delay_ms),
+            burst=parsed.burst,
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))

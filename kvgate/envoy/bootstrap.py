@@ -51,7 +51,9 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from kvgate.envoy import auth as envoy_auth
+from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
@@ -74,6 +76,8 @@ STRIPPED_REQUEST_HEADERS = (
     # Client addresses only Envoy may state (it writes x-forwarded-for from the peer it saw).
     "x-real-ip",
     "forwarded",
+    # The hosted burst endpoint the ext_proc picked (extproc/burst): a client may not choose it.
+    BURST_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
@@ -196,6 +200,8 @@ class EnvoyParams:
     #: Cross-cluster federation: the listener linked peers forward to and the forwarding transport
     #: socket (kvgate/envoy/federation.py); ``None``: none.
     federation: envoy_federation.EnvoyFederation | None = None
+    #: Hosted burst endpoints (``[[burst]]``): a TLS cluster and a route each (kvgate/envoy/burst.py).
+    burst: tuple[BurstEndpoint, ...] = ()
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -386,7 +392,10 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                 {
                     "name": "openai",
                     "domains": ["*"],
-                    "routes": [{**r, **route} for r in resilience.routes(res, action)],
+                    "routes": [
+                        {**r, **route}
+                        for r in (*envoy_burst.routes(params.burst), *resilience.routes(res, action))
+                    ],
                 }
             ],
         },
@@ -435,6 +444,12 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             ],
         },
     }
+    if params.burst:
+        static = config["static_resources"]
+        static["clusters"].extend(
+            envoy_burst.cluster(e, params.upstream_connect_timeout_s) for e in params.burst
+        )
+        static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 import signal
@@ -93,6 +95,9 @@ class SimConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     #: LoRA adapters served by name (vLLM ``--lora-modules``; slots: ``engine.max_loras``).
     lora_modules: tuple[str, ...] = ()
+    #: As vLLM's ``--api-key``: every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
+    #: (401 otherwise); ``None``: none needed.
+    api_key: str | None = None
 
 
 class SimReplica:
@@ -141,6 +146,10 @@ class SimReplica:
         #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
         self.delay_next = (0, 0.0)
+        #: ``/v1`` requests with the right key and without, and a SHA-256 of the last ``Authorization``
+        #: seen (``/_sim/auth``: a test checks which credential arrived without the key being echoed).
+        self.auth_seen = {"accepted": 0, "rejected": 0}
+        self.last_authorization: str | None = None
         self.address = ""
         #: A prefill replica's bootstrap port once it listens (SGLang's PD mode), else ``None``.
         self.bootstrap_port: int | None = None
@@ -155,6 +164,8 @@ class SimReplica:
             await self.kv_events.start()
         checked = ssl_context is not None and ssl_context.verify_mode == ssl.CERT_REQUIRED
         middlewares = [_engine_callers, self._errors] if checked else [self._errors]
+        if self.config.api_key is not None:
+            middlewares.insert(0, self._api_key)
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._tag)
         app.add_routes(
@@ -176,6 +187,7 @@ class SimReplica:
                 web.get("/metrics", self._metrics),
                 web.post("/_sim/fail_next", self._fail_next),
                 web.post("/_sim/delay_next", self._delay_next),
+                web.get("/_sim/auth", self._auth_seen),
                 *compat_routes(self),
             ]
         )
@@ -281,6 +293,23 @@ class SimReplica:
         await self.driver.aclose()
         if self.kv_events is not None:
             await self.kv_events.aclose()
+
+    @web.middleware
+    async def _api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """As vLLM with ``--api-key``: a ``/v1`` request without ``Authorization: Bearer <key>`` gets 401."""
+        if request.path.startswith("/v1"):
+            given = request.headers.get("Authorization")
+            self.last_authorization = None if given is None else hashlib.sha256(given.encode()).hexdigest()
+            key = self.config.api_key
+            if given is None or not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                self.auth_seen["rejected"] += 1
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            self.auth_seen["accepted"] += 1
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def _auth_seen(self, request: web.Request) -> web.Response:
+        return _json({**self.auth_seen, "last_authorization_sha256": self.last_authorization})
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -612,6 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-tokens-per-s", type=float, default=1 / t.prefill_s_per_token, help="prefill speed"
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="as vLLM: /v1 requests must carry 'Authorization: Bearer KEY' (401 otherwise; "
+        "default $VLLM_API_KEY)",
+    )
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate (needs --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument(
@@ -737,6 +772,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         sglang_pd=sglang_pd,
         bootstrap_port=args.disaggregation_bootstrap_port,
         lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
+        api_key=args.api_key,
     )
 
 

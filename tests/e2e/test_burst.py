@@ -1,0 +1,202 @@
+"""End to end, burst to a hosted endpoint: client -> real Envoy -> ext_proc -> one simulated local replica
+(flow control: one request at a time), and a "hosted" OpenAI-compatible endpoint: a simulator serving
+HTTPS on 127.0.0.1 with a certificate for ``localhost`` from a test CA, requiring vLLM's ``--api-key``
+(401 without the right Bearer). A stand-in for a hosted API, which cannot run here; it speaks the same
+wire format. Envoy reaches it by name (STRICT_DNS ``localhost``), verifies its certificate against the test
+CA with SNI ``localhost``, and injects the key from its file; the simulator reports a SHA-256 of the
+Authorization it saw (``/_sim/auth``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import ssl
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from certs.store import ca_paths, init_ca, issue
+from kvgate.dev.procs import Child
+from kvgate.dev.up import Stack, StackOptions
+from tests.e2e.test_disagg import samples
+from tests.polling import until
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+HOSTED_MODEL = "hosted-smol"
+PER_MINUTE = 2
+CLIENT_AUTH = {"authorization": "Bearer client-secret", "x-api-key": "client-key", "cookie": "session=1"}
+
+
+@dataclass
+class Burst:
+    stack: Stack
+    hosted_url: str
+    hosted_address: str
+    key: str
+    ca: Path
+    #: The ``[[burst]]`` table the stack runs with.
+    endpoint: dict[str, Any]
+
+
+def options(workdir: Path, endpoint: dict[str, Any]) -> StackOptions:
+    """One slow local replica taking one request at a time, and the burst endpoint with its budget."""
+    return StackOptions(
+        replicas=1,
+        port=0,
+        sim_args=("--time-scale", "3"),
+        workdir=workdir,
+        overlay={
+            "flow": {"saturation": {"max_in_flight": 1}, "burst": {"max_per_minute": PER_MINUTE}},
+            "burst": [endpoint],
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[Burst]:
+    work = tmp_path_factory.mktemp("burst")
+    ca_dir = work / "ca"
+    now = datetime.now(UTC)
+    init_ca(ca_dir, now)
+    leaf = issue(ca_dir, "engine-hosted", ["DNS:localhost"], now)
+    key = "sk-hosted-" + secrets.token_hex(12)
+    key_file = work / "hosted.key"
+    key_file.write_text(key)
+    key_file.chmod(0o600)
+    ready = work / "hosted.ready.json"
+    argv = [sys.executable, "-m", "load.sim.server", "--model", HOSTED_MODEL, "--model-dir", model_dir]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), "--time-scale", "0.05"]
+    argv += ["--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key)]
+    hosted = Child("hosted", argv, work / "hosted.log", env={"VLLM_API_KEY": key})  # not on the argv
+    try:
+        (replica,) = hosted.wait_for_json_file(ready, 120)
+        port = int(replica["address"].rpartition(":")[2])
+        endpoint = {
+            "name": "hosted",
+            "host": "localhost",
+            "port": port,
+            "ca_file": str(ca_paths(ca_dir)[0]),
+            "api_key_file": str(key_file),
+            "models": {MODEL: HOSTED_MODEL},
+        }
+        with Stack(options(work / "stack", endpoint)) as running:
+            yield Burst(
+                running, f"https://localhost:{port}", f"127.0.0.1:{port}", key, ca_paths(ca_dir)[0], endpoint
+            )
+    finally:
+        hosted.stop()
+
+
+def gateway(stack: Stack, name: str, **labels: str) -> float:
+    assert stack.info is not None and stack.info.metrics_url
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples(stack.info.metrics_url).items() if n == name and want <= set(ls))
+
+
+def seen(b: Burst) -> dict[str, Any]:
+    """What the hosted endpoint saw: requests with the right key, without, and the last Authorization's
+    SHA-256 (read over its own TLS, checked against the test CA)."""
+    verify = ssl.create_default_context(cafile=str(b.ca))
+    got = httpx.get(f"{b.hosted_url}/_sim/auth", verify=verify, timeout=5)
+    assert got.status_code == 200
+    result: dict[str, Any] = got.json()
+    return result
+
+
+def streamed_model(answer: httpx.Response) -> str:
+    """The model an SSE answer names (every chunk the same), checked to end with ``[DONE]``."""
+    assert answer.headers["content-type"].startswith("text/event-stream"), answer.text
+    events = [line[len("data: ") :] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    (model,) = {json.loads(e)["model"] for e in events[:-1]}
+    assert isinstance(model, str)
+    return model
+
+
+def ask(content: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+
+
+async def test_with_room_locally_nothing_goes_to_burst(burst: Burst) -> None:
+    stack = burst.stack
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        for i in range(3):  # one at a time, each once the last one's slot is free again
+            await until(lambda: gateway(stack, "kvgate_endpoint_load") == 0, 20)
+            answer = await client.post("/v1/chat/completions", json=ask(f"room {i}", 4), headers=CLIENT_AUTH)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == MODEL
+    assert seen(burst)["accepted"] == seen(burst)["rejected"] == 0
+    assert gateway(stack, "kvgate_burst_requests_total") == 0
+    assert gateway(stack, "kvgate_burst_budget_left", endpoint="hosted") == PER_MINUTE
+
+
+async def test_overflow_bursts_within_budget_with_the_injected_key(burst: Burst) -> None:
+    stack = burst.stack
+    async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
+        busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 200)))
+        await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)  # the one slot is taken
+        started = time.monotonic()
+        answers = await asyncio.gather(  # streamed: the hosted answer's SSE comes back through Envoy
+            *(
+                client.post(
+                    "/v1/chat/completions", json={**ask(f"over {i}", 4), "stream": True}, headers=CLIENT_AUTH
+                )
+                for i in range(4)
+            )
+        )
+        elapsed = time.monotonic() - started
+        assert (await busy).status_code == 200
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    models = [streamed_model(a) for a in answers]
+    hosted = [a for a, m in zip(answers, models, strict=True) if m == HOSTED_MODEL]
+    local = [a for a, m in zip(answers, models, strict=True) if m == MODEL]
+    # The bucket starts full (PER_MINUTE) and refills PER_MINUTE a minute; the rest waited for the replica.
+    assert PER_MINUTE <= len(hosted) <= PER_MINUTE + int(elapsed * PER_MINUTE / 60)
+    assert len(hosted) + len(local) == 4 and local
+    assert all(a.headers["x-kvgate-endpoint"] == burst.hosted_address for a in hosted)
+    auth = seen(burst)
+    assert auth["rejected"] == 0 and auth["accepted"] == len(hosted)
+    injected = hashlib.sha256(f"Bearer {burst.key}".encode()).hexdigest()
+    assert auth["last_authorization_sha256"] == injected  # Envoy's key, never the client's
+    assert gateway(stack, "kvgate_burst_requests_total", endpoint="hosted", outcome="sent") == len(hosted)
+    assert gateway(stack, "kvgate_burst_requests_total", endpoint="hosted", outcome="no_budget") >= 1
+    assert gateway(stack, "kvgate_burst_budget_left", endpoint="hosted") < 1
+
+
+def test_the_key_is_in_no_log(burst: Burst) -> None:
+    for path in Path(burst.stack.workdir).glob("*"):
+        if path.is_file():
+            assert burst.key.encode() not in path.read_bytes(), path.name
+
+
+async def test_a_hosted_certificate_that_does_not_verify_gets_nothing(
+    burst: Burst, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same hosted endpoint, but the gateway trusts another CA: Envoy refuses the handshake, so the
+    request fails (503, an OpenAI error) and the endpoint sees no request, and so no key."""
+    work = tmp_path_factory.mktemp("untrusted")
+    init_ca(work / "other-ca", datetime.now(UTC))
+    endpoint = {**burst.endpoint, "ca_file": str(ca_paths(work / "other-ca")[0])}
+    before = seen(burst)
+    with Stack(options(work / "stack", endpoint)) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 100)))
+            await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)
+            answer = await client.post("/v1/chat/completions", json=ask("over", 4), headers=CLIENT_AUTH)
+            assert (await busy).status_code == 200
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"]  # Envoy's local reply, as OpenAI JSON
+        assert gateway(stack, "kvgate_burst_requests_total", outcome="sent") == 1
+    assert seen(burst) == before

@@ -1,0 +1,136 @@
+"""Burst inside the stream state machine, in memory (a real Router, Fleet and FlowControl, a fixed
+clock): what goes to the hosted endpoint, what it carries, and what stays local."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc.burst.core import BURST_HEADER, Burster, parse_burst
+from extproc.flow.control import FlowControl
+from extproc.flow.policy import FlowPolicy
+from extproc.models.registry import ModelAssets
+from extproc.processor import ProcessorConfig, StreamProcessor
+from extproc.routing.router import Router
+from tests.extproc.flow.test_processor_flow import POLICY, fill, send, teach
+from tests.extproc.test_processor import (
+    DESTINATION,
+    LIMIT,
+    MODEL,
+    clock,
+    error,
+    make_router,
+    reply,
+    set_headers,
+)
+
+HOSTED = "hosted-model"
+CLIENT = {"authorization": "Bearer client", "x-api-key": "k", "cookie": "c=1"}
+
+
+@pytest.fixture(scope="module")
+def smol(model_dir: str) -> ModelAssets:
+    return ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
+
+
+@pytest.fixture
+def router(smol: ModelAssets) -> Router:
+    return make_router(smol)
+
+
+def burster() -> Burster:
+    raw = {"name": "hosted", "host": "localhost", "api_key_file": "/k", "models": {MODEL: HOSTED}}
+    return Burster(parse_burst([raw]))
+
+
+def make(router: Router, control: FlowControl[StreamProcessor], b: Burster) -> StreamProcessor:
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0, burst=b)
+    return StreamProcessor(router, config, clock, None, control)
+
+
+def burst_reply(out: list[Any]) -> tuple[dict[str, str], list[str], dict[str, Any]]:
+    first, *rest = out
+    assert first.WhichOneof("response") == "request_headers", out
+    mutation = first.request_headers.response.header_mutation
+    assert first.request_headers.response.clear_route_cache
+    body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in rest)
+    return set_headers(mutation), list(mutation.remove_headers), orjson.loads(body)
+
+
+def policy(per_minute: float) -> FlowPolicy:
+    return dataclasses.replace(POLICY, burst_per_minute=per_minute)
+
+
+def test_with_room_nothing_bursts(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    b = burster()
+    proc = make(router, control, b)
+    routed = reply(send(proc, CLIENT))
+    assert BURST_HEADER not in routed.set_headers and proc.decision is not None
+    assert b.counts == {}
+
+
+def test_a_request_that_would_wait_bursts_with_the_hosted_name_and_no_client_credential(
+    router: Router,
+) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(policy(2))
+    b = burster()
+    fill(router, control)
+    load = [s.load for s in router.fleet]
+    sent = []
+    for _ in range(2):
+        proc = make(router, control, b)
+        hs, removed, doc = burst_reply(send(proc, CLIENT))
+        assert hs[BURST_HEADER] == "hosted" and DESTINATION not in hs
+        assert {"authorization", "x-api-key", "cookie", "proxy-authorization", "api-key"} <= set(removed)
+        assert doc["model"] == HOSTED and int(hs["content-length"]) == len(orjson.dumps(doc))
+        assert proc.held is None and proc.decision is None
+        sent.append(proc)
+    assert [s.load for s in router.fleet] == load  # no local engine was charged
+    third = make(router, control, b)  # the budget is spent: queued as without burst
+    send(third, CLIENT)
+    assert third.held is not None and len(control.queues) == 1
+    assert b.counts == {("hosted", "sent"): 2, ("hosted", "no_budget"): 1}
+
+
+def test_no_budget_in_policy_means_no_burst(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(policy(0))
+    b = burster()
+    fill(router, control)
+    proc = make(router, control, b)
+    send(proc)
+    assert proc.held is not None and b.counts == {}
+
+
+def test_a_deadline_bursts_only_when_the_local_fleet_is_predicted_to_miss_it(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    b = burster()
+    for state in router.fleet:
+        if MODEL in state.endpoint.models:
+            teach(router, state.id, seconds_per_token=0.01)
+    fill(router, control)
+    late = make(router, control, b)  # predicted late even routed now: burst, not 429 slo_unattainable
+    hs, _, _ = burst_reply(send(late, {"x-kvgate-deadline-ms": "300"}, content="word " * 400))
+    assert hs[BURST_HEADER] == "hosted" and late.refused is None
+    waits = make(router, control, b)  # the fleet may make it: it waits locally
+    send(waits, {"x-kvgate-deadline-ms": "60000"}, content="word " * 400)
+    assert waits.held is not None
+    assert b.counts == {("hosted", "sent"): 1}
+
+
+def test_a_model_without_a_burst_endpoint_is_refused_as_before(router: Router) -> None:
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    raw = {"name": "other", "host": "localhost", "api_key_file": "/k", "models": {"elsewhere": "x"}}
+    b = Burster(parse_burst([raw]))
+    for state in router.fleet:
+        if MODEL in state.endpoint.models:
+            teach(router, state.id, seconds_per_token=0.01)
+    fill(router, control)
+    status, err, _ = error(
+        send(make(router, control, b), {"x-kvgate-deadline-ms": "300"}, content="word " * 400)
+    )
+    assert (status, err["code"]) == (429, "slo_unattainable")

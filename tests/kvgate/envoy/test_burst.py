@@ -1,0 +1,70 @@
+"""The burst endpoints' Envoy config: a DNS + verified-TLS cluster each, the key injected by Envoy from
+its file (never rendered), a route chosen by the ext_proc's header that a client cannot send."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from contracts.errors import ConfigError
+from extproc.burst.core import BURST_HEADER, parse_burst
+from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
+from kvgate.envoy.burst import SYSTEM_CA_BUNDLE
+from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
+
+KEY = "sk-never-rendered-0123"
+
+
+def params(tmp_path: Path, key: bytes = KEY.encode(), ca: str | None = None) -> EnvoyParams:
+    key_file = tmp_path / "hosted.key"
+    key_file.write_bytes(key)
+    raw = {"name": "hosted", "host": "api.example.com", "api_key_file": str(key_file), "models": {"a": "b"}}
+    if ca is not None:
+        raw["ca_file"] = ca
+    return EnvoyParams(burst=parse_burst([raw]))
+
+
+def test_cluster_route_and_injected_key(tmp_path: Path) -> None:
+    p = params(tmp_path)
+    cfg = render(p)
+    (cluster,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvgate_burst_hosted"]
+    assert cluster["type"] == "STRICT_DNS"
+    tls = cluster["transport_socket"]["typed_config"]
+    assert tls["sni"] == "api.example.com"
+    validation = tls["common_tls_context"]["validation_context"]
+    assert validation["trusted_ca"] == {"filename": SYSTEM_CA_BUNDLE}
+    assert validation["match_typed_subject_alt_names"][0]["matcher"] == {"exact": "api.example.com"}
+    opts = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    injector = opts["http_filters"][0]["typed_config"]
+    assert injector["overwrite"] is True
+    (secret,) = cfg["static_resources"]["secrets"]
+    assert secret["generic_secret"]["secret"] == {"filename": str(tmp_path / "hosted.key")}
+    routes = hcm_of(cfg)["route_config"]["virtual_hosts"][0]["routes"]
+    first = routes[0]
+    assert first["match"]["headers"][0] == {"name": BURST_HEADER, "string_match": {"exact": "hosted"}}
+    assert first["route"]["cluster"] == "kvgate_burst_hosted"
+    assert first["route"]["host_rewrite_literal"] == "api.example.com"
+    assert BURST_HEADER in STRIPPED_REQUEST_HEADERS  # a client cannot pick the burst route
+    assert "authorization" in hcm_of(cfg)["route_config"]["request_headers_to_remove"]
+    assert KEY not in render_yaml(p)
+    validate(tmp_path, p)  # Envoy 1.40 accepts it: credential_injector as an upstream filter
+
+
+def test_without_burst_nothing_changes(tmp_path: Path) -> None:
+    cfg = render(EnvoyParams())
+    assert "secrets" not in cfg["static_resources"]
+    assert not any(c["name"].startswith("kvgate_burst_") for c in cfg["static_resources"]["clusters"])
+
+
+@pytest.mark.parametrize("key", [b"", b"sk-with-newline\n", b"two words"])
+def test_a_key_file_envoy_cannot_send_is_refused(tmp_path: Path, key: bytes) -> None:
+    with pytest.raises(ConfigError, match="api_key_file"):
+        render(params(tmp_path, key))
+
+
+def test_missing_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ca_file"):
+        render(params(tmp_path, ca=str(tmp_path / "missing.pem")))
