@@ -103,6 +103,7 @@ from contracts.epp import (
 from contracts.federation import HOP_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
+from extproc.admission.isolation import isolates, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
@@ -150,6 +151,7 @@ from extproc.routing.request import (
     rewrite_model,
     route_kind,
     unknown_path,
+    with_cache_salt,
 )
 from extproc.routing.router import PREFILL_ROLE, Decision, Router, Tokens, Unattainable
 from extproc.routing.timeouts import TimeoutTable
@@ -456,6 +458,10 @@ class StreamProcessor:
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)
+        principal = self.principal
+        if principal is not None and self._gate is not None and isolates(self._gate.config, principal.tenant):
+            # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
+            request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
         run = None
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
             run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)

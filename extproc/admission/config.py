@@ -50,6 +50,7 @@ def _auth(raw: object) -> AuthConfig:
             burst=s.integer("failed_auth_burst", _AUTH.failed_auth.burst, minimum=1),
         ),
         usage_sync_s=s.number("usage_sync_s", _AUTH.usage_sync_s, minimum=0.01),
+        kv_isolation=_flag(s.raw("kv_isolation"), "auth.kv_isolation", _AUTH.kv_isolation),
     )
     s.done()
     if auth.jwt is None and auth.api_keys_file is None:
@@ -116,9 +117,22 @@ def parse_tenant(raw: object, where: str) -> Tenant:
         rate=_rate(s.raw("rate"), f"{where}.rate"),
         tokens=_tokens(s.raw("tokens"), f"{where}.tokens"),
         objectives=_objectives(s.array("objectives", ["*"]), f"{where}.objectives"),
+        kv_isolation=_optional_flag(s.raw("kv_isolation"), f"{where}.kv_isolation"),
     )
     s.done()
     return tenant
+
+
+def _optional_flag(raw: object, where: str) -> bool | None:
+    """A boolean or absent (``None``); anything else is a :class:`ConfigError` naming ``where``."""
+    if raw is None or isinstance(raw, bool):
+        return raw
+    raise ConfigError(f"{where}: expected true or false, got {raw!r}")
+
+
+def _flag(raw: object, where: str, default: bool) -> bool:
+    value = _optional_flag(raw, where)
+    return default if value is None else value
 
 
 def _objectives(raw: list[object], where: str) -> tuple[str, ...]:

@@ -79,6 +79,9 @@ class AuthConfig:
     settle: Settle = Settle.USAGE
     failed_auth: FailedAuthLimit = field(default_factory=FailedAuthLimit)
     usage_sync_s: float = 0.25
+    #: Each tenant's requests get a cache salt of their own (:mod:`extproc.admission.isolation`), unless the
+    #: tenant's own ``kv_isolation`` says otherwise.
+    kv_isolation: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ A tenant is the unit of scope and quota. The same schema is read from the gatewa
     match = { claims = { tenant = "acme" }, groups = ["acme-engineers"] }
     rate = { requests_per_s = 5, burst = 10 }    # enforced by Envoy local_ratelimit
     tokens = { per_minute = 20000 }              # prompt + completion, enforced by the ext_proc
+    kv_isolation = true                          # its own KV cache (default: [auth] kv_isolation)
 
 Matching a verified JWT: a tenant matches when ANY of its rules holds: one of the listed claims has
 one of the listed values (a list-valued claim matches when it contains one), or the groups claim
@@ -85,6 +86,8 @@ class Tenant:
     rate: RequestRate | None = None
     tokens: TokenLimit | None = None
     objectives: tuple[str, ...] = ("*",)
+    #: Its own KV cache, unshared with other tenants (``None``: ``[auth] kv_isolation`` decides).
+    kv_isolation: bool | None = None
 
     def allows(self, model: str) -> bool:
         """Whether ``model`` is within this tenant's scope."""

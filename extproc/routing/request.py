@@ -404,6 +404,13 @@ def _opt(body: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], defa
     return value
 
 
+def with_cache_salt(request: ParsedRequest, salt: str) -> tuple[ParsedRequest, bytes]:
+    """The request with ``cache_salt`` = ``salt`` (tenant KV isolation, :mod:`extproc.admission.isolation`)
+    and its re-encoded body."""
+    body = {**request.body, "cache_salt": salt}
+    return replace(request, cache_salt=salt, body=body), orjson.dumps(body)
+
+
 def rewrite_model(request: ParsedRequest, model: str) -> tuple[ParsedRequest, bytes]:
     """The request for ``model`` instead (EPP ``x-gateway-model-name-rewrite``) and its re-encoded body."""
     body = {**request.body, "model": model}
