@@ -560,26 +560,7 @@ class StreamProcessor:
         noted[DECISION_MODEL].string_value = request.model
         # No endpoint id: the completion log (which follows it) is for local engines only.
         log.info("request %s: burst to %s (%s)", self.request_id, target.name, request.model)
-        if self._buffered:
-            common = pb.CommonResponse(
-                header_mutation=mutation, body_mutation=pb.BodyMutation(body=body), clear_route_cache=True
-            )
-            return [
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-                )
-            ]
-        out = [
-            pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(
-                    response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-                ),
-                dynamic_metadata=metadata,
-            )
-        ]
-        for off in range(0, len(body), MAX_CHUNK):
-            out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
-        return out
+        return self._sending(mutation, metadata, body)
 
     def resume(self) -> list[pb.ProcessingResponse]:
         """Route a held request now (flow control dispatched it: the shell calls this once, on the event
@@ -806,6 +787,13 @@ class StreamProcessor:
         if self.run is not None:  # an escalated cascade request: Envoy names its step to the client
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
+        return self._sending(mutation, metadata, body)
+
+    def _sending(
+        self, mutation: pb.HeaderMutation, metadata: Struct, body: bytes
+    ) -> list[pb.ProcessingResponse]:
+        """The replies that send the request on with ``mutation``, ``metadata`` and ``body``: one body reply
+        in buffered mode, else the headers reply and the body streamed back in chunks."""
         if self._buffered:
             common = pb.CommonResponse(
                 header_mutation=mutation, body_mutation=pb.BodyMutation(body=body), clear_route_cache=True
