@@ -271,6 +271,8 @@ class StreamProcessor:
         self._priority: int | None = None
         self._arrived = 0.0
         self.principal: Principal | None = None
+        #: The body carries the tenant's cache salt (:mod:`extproc.admission.isolation`).
+        self._isolated = False
         self.ticket: Ticket | None = None
         self._usage: UsageReader | None = None
         self._phase = Phase.HEADERS
@@ -462,6 +464,7 @@ class StreamProcessor:
         if principal is not None and self._gate is not None and isolates(self._gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
             request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
+            self._isolated = True
         run = None
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
             run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
@@ -544,8 +547,10 @@ class StreamProcessor:
                 miss = True
         if not wants_burst(True, budget_s, miss) or not burster.take(target, policy.burst_per_minute, now):
             return None
-        hosted = target.models[request.model]
-        _, body = rewrite_model(request, hosted)
+        doc = {**request.body, "model": target.models[request.model]}
+        if self._isolated:  # the tenant's salt is this fleet's: a hosted endpoint gets none (OpenAI's 400)
+            doc.pop("cache_salt", None)
+        body = orjson.dumps(doc)
         self._phase = Phase.ROUTED
         set_headers = [
             _header(BURST_HEADER, target.name),

@@ -14,15 +14,21 @@ from extproc.admission.config import parse_auth, parse_tenant
 from extproc.admission.gate import AuthConfig, Gate, JwtConfig
 from extproc.admission.isolation import isolates, tenant_salt
 from extproc.admission.tenants import Tenant, Tenants
+from extproc.flow.control import FlowControl
 from extproc.models.registry import ModelAssets
+from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.request import Kind, parse_body
 from extproc.routing.router import Router
+from tests.extproc.burst.test_processor_burst import burst_reply, burster, policy
+from tests.extproc.flow.test_processor_flow import fill
 from tests.extproc.test_processor import (
     ACME,
     KEYS,
+    LIMIT,
     MODEL,
     WIDE,
     chat,
+    clock,
     jwt,
     make_router,
     processor,
@@ -110,3 +116,15 @@ def test_without_isolation_the_clients_salt_goes_through(router: Router) -> None
     gate = Gate(AuthConfig(jwt=IDP, default_max_tokens=100), opted, KEYS)
     body, _ = sent(router, gate, {"sub": "u", "tenant": "acme"})
     assert body["cache_salt"] == tenant_salt("acme", None)
+
+
+def test_a_burst_request_leaves_the_tenants_salt_behind(router: Router) -> None:
+    """The salt is this fleet's: a request sent to a hosted endpoint (burst) carries none (OpenAI's API
+    refuses unknown fields), while the same tenant's local requests keep it."""
+    gate = Gate(AuthConfig(jwt=IDP, default_max_tokens=100, kv_isolation=True), Tenants([ACME, WIDE]), KEYS)
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    fill(router, control)  # every engine at its limit: the next request would wait, so it bursts
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0, burst=burster())
+    proc = StreamProcessor(router, config, clock, gate, control)
+    _, _, body = burst_reply(route(proc, chat(cache_salt="mine"), meta=jwt({"sub": "u", "tenant": "acme"})))
+    assert body["model"] == "hosted-model" and "cache_salt" not in body
