@@ -717,9 +717,8 @@ class StreamProcessor:
         if self._flow is not None and self._priority is not None:
             to_engine = self._flow.policy.engine_priority
             if to_engine is not None:  # the band goes on to engines that schedule by priority
-                doc = orjson.loads(body)  # the body as sent (a model rewrite or an escalation included)
-                doc["priority"] = to_engine.value(self._priority)
-                body = orjson.dumps(doc)
+                # request.body is the body as sent: every rewrite (model, escalation, salt) replaces both
+                body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
             self.pd = self._disagg.plan(self.decision, decided, self._subset)
             if self.pd is not None and self.pd.handoff is not None:

@@ -21,7 +21,9 @@ from extproc.scheduling.predict import CONFIDENT_AFTER
 from tests.extproc.test_processor import (
     LIMIT,
     MODEL,
+    MODEL_REWRITE,
     NOW,
+    OTHER,
     body,
     chat,
     clock,
@@ -411,3 +413,15 @@ def test_a_traced_request_records_its_phases_and_its_queue_wait(router: Router) 
     assert {"queue_wait", "digest", "lookup", "schedule"} <= set(names)
     assert names.index("queue_wait") < names.index("schedule")
     assert all(end > start for _, start, end in spans)
+
+
+def test_engine_priority_keeps_a_model_rewrite(router: Router) -> None:
+    """The priority goes into the body as sent: a rewritten model (EPP x-gateway-model-name-rewrite)
+    stays rewritten."""
+    objectives = {"interactive": INTERACTIVE}
+    policy = FlowPolicy(engine_priority=EnginePriority("low_first", 1), objectives=objectives)
+    control: FlowControl[StreamProcessor] = FlowControl(policy)
+    extra = {"x-llm-d-inference-objective": "interactive", MODEL_REWRITE: OTHER}
+    r = reply(send(make(router, control), extra, model=MODEL))
+    sent = orjson.loads(b"".join(c for c, _ in r.chunks))
+    assert (sent["model"], sent["priority"]) == (OTHER, -1)
