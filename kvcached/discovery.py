@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from contracts.errors import ConfigError
 from contracts.etcd import KVCACHED, Change, PeerInfo, decode_peer, peer_key, split_key
+from contracts.versions import DIGEST_VERSION, digest_matches
 from kvcached.config import StaticPeer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class PeerTable:
         self._etcd: dict[str, PeerInfo] = {}
         self.revision = 0
         self.rejected = 0
+        #: Peers registered under another digest version (left out of :attr:`peers`).
+        self.skewed: set[str] = set()
 
     @property
     def watch_prefix(self) -> str:
@@ -70,6 +73,7 @@ class PeerTable:
             if node is None:
                 continue
             if change.value is None:
+                self.skewed.discard(node)
                 if self._etcd.pop(node, None) is not None:
                     log.info("kvcached peer %s left", node)
             else:
@@ -91,6 +95,20 @@ class PeerTable:
             if last_good is not None:
                 self._etcd[node] = last_good
             return
+        if not digest_matches(info.digest):
+            # Its blocks are keyed by another digest scheme: no digest of ours names one of them.
+            if node not in self.skewed:
+                log.warning(
+                    "version skew: kvcached peer %s keys blocks by digest version %d, ours is %d: "
+                    "not asked for blocks",
+                    node,
+                    info.digest,
+                    DIGEST_VERSION,
+                )
+            self.skewed.add(node)
+            self._etcd.pop(node, None)
+            return
+        self.skewed.discard(node)
         if self._etcd.get(node) != info and node != self.self_node:
             log.info("kvcached peer %s at quic %s", node, info.quic)
         self._etcd[node] = info

@@ -56,7 +56,7 @@ from contracts.etcd import (
     split_key,
 )
 from contracts.events import EndpointId
-from contracts.versions import SkewLog
+from contracts.versions import DIGEST_VERSION, SkewLog, digest_matches
 from engines.endpoint import Endpoint, decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
@@ -313,6 +313,16 @@ class ControlCore:
             log.warning("etcd kvcached/%s ignored: %s", node, exc)
             self.counters["rejected"] += 1
             return False
+        if not digest_matches(info.digest):
+            # Its blocks are keyed under another digest scheme: never matched against this gateway's.
+            self.counters["version_skew"] += 1
+            outcome = f"this gateway's is {DIGEST_VERSION}; its feed is not followed"
+            line = self._skew.note("kvcached digest", node, info.digest, outcome)
+            if line is not None:
+                log.warning("%s", line)
+            had = node in self.kvcached_feeds
+            self.kvcached_feeds.pop(node, None)
+            return had
         self.kvcached_feeds[node] = info.feed
         return True
 
