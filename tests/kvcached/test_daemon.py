@@ -288,6 +288,9 @@ async def test_the_digest_version_travels_in_the_record_and_the_stats(
     core = ControlCore(p, Fleet([]), PolicyStore())
     core.apply([Change(peer_key(p, pair.a.name), raw), Change(peer_key(p, "c"), ahead)], 1)
     assert set(core.kvcached_feeds) == {pair.a.name} and core.counters["version_skew"] == 1
+    assert core.skewed == {("kvcached", "c")}
+    core.apply([Change(peer_key(p, "c"), None)], 2)  # its lease ended: the alarm's gauge drops
+    assert core.skewed == set()
     table = PeerTable(p, pair.b.name)
     table.snapshot([(peer_key(p, pair.a.name), raw), (peer_key(p, "c"), ahead)], 1)
     assert set(table.peers) == {pair.a.name} and table.skewed == {"c"}
