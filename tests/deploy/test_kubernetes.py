@@ -509,7 +509,9 @@ async def test_each_agent_pod_has_an_etcd_identity_of_its_own(
         node = parse_node_config(tomllib.loads(node_text.replace("__POD_IP__", "10.1.2.3")))
         assert node.etcd_raw is not None and node.etcd_raw.get("prefix", "/kvgate/") == secure_etcd.prefix
         (engine,) = node.engines
+        assert node.agent.id == pod  # what the picker's agent_node_is_pod checks against the pool's pod
         keys[pod] = endpoint_key(secure_etcd.prefix, engine.id, node.agent.id)
+    assert gateway.inference_pool is not None and gateway.inference_pool.agent_node_is_pod
 
     p = secure_etcd.prefix
     first, second = pods[:2]
