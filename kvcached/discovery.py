@@ -60,10 +60,13 @@ class PeerTable:
     def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> None:
         """Replace the etcd part with a full range read at ``revision`` (bad values keep the old one)."""
         old, self._etcd = self._etcd, {}
+        present: set[str] = set()
         for key, value in kvs:
             node = self._node(key)
             if node is not None:
+                present.add(node)
                 self._put(node, value, old.get(node))
+        self.skewed &= present
         self.revision = revision
 
     def apply(self, changes: Iterable[Change], revision: int) -> None:
