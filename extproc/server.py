@@ -575,6 +575,7 @@ class Gateway:
         counters = {name: getattr(stats, name) for name in FEED_COUNTERS}
         if self.cluster.control is not None:
             counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
+            counters["version_skew_sources"] = len(self.cluster.control.core.skewed)
         return counters
 
     async def start(self) -> None:
