@@ -3,6 +3,7 @@ a peer, and, for a request served here, noting its prefix for this cluster's sum
 
 The processor (:mod:`extproc.processor`) calls :meth:`Forwarder.inbound` with the peer identity Envoy
 reports for the downstream connection (the request attribute :data:`PEER_ATTRIBUTE`, never a header),
+:meth:`Forwarder.principal` (with ``[auth]``) for a request a linked cluster forwarded,
 :meth:`Forwarder.worth_hashing` before it hashes a lazy prompt's whole window, :meth:`Forwarder.route`
 after its local decision, and :meth:`Forwarder.note` once a request served here is recorded.
 """
@@ -16,8 +17,11 @@ from dataclasses import dataclass
 
 from contracts.digest import Digest
 from contracts.federation import PEER_HEADER
+from extproc.admission.gate import Principal
+from extproc.admission.tenants import Tenants
 from extproc.federation.peers import Federation
 from extproc.federation.summary import SummaryBuilder
+from extproc.federation.tenancy import asserted_principal
 from extproc.federation.trust import CLIENT, Inbound, inbound
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,12 @@ class Forwarder:
         if not peer_uri:
             return CLIENT
         return inbound({**headers, PEER_HEADER: peer_uri}, self.federation.links)
+
+    def principal(self, came: Inbound, tenants: Tenants) -> Principal:
+        """With ``[auth]``: whom a request forwarded by a linked cluster is admitted as (raises 401/403;
+        :mod:`extproc.federation.tenancy`)."""
+        link = self.federation.links.get(came.forwarded_by) if came.forwarded_by else None
+        return asserted_principal(came, link, tenants)
 
     def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""
