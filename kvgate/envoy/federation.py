@@ -108,8 +108,9 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
     strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     strip.extend({"remove": h} for h in (HOP_HEADER, PEER_HEADER, SALTED_HEADER))
     # A peer's refusal of a forwarded request (its trust, tenant, budget or rate) goes on to the local pick.
-    for retry in _engine_retry_policies(hcm):
-        retry["retry_on"] = f"{retry['retry_on']},retriable-headers"
+    for retry in _engine_retry_policies(hcm):  # (routes may share one policy: added once)
+        if "retriable-headers" not in retry["retry_on"].split(","):
+            retry["retry_on"] = f"{retry['retry_on']},retriable-headers"
         retry["retriable_headers"] = [{"name": REFUSED_HEADER, "present_match": True}]
     # The federation listener keeps what the linked peer asserts (the ext_proc checks who it is).
     peer_hcm = _hcm(peer_listener)

@@ -19,7 +19,7 @@ from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED
 from extproc.admission.tenants import RequestRate
 from extproc.xds.eds import PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
 from kvgate.envoy.auth import EdgeAuth
-from kvgate.envoy.bootstrap import EnvoyParams, render
+from kvgate.envoy.bootstrap import CREDENTIAL_HEADERS, EnvoyParams, render
 from kvgate.envoy.federation import EnvoyFederation
 from kvgate.envoy.tls import EnvoyTls, write_sds
 from tests.kvgate.envoy.test_bootstrap import validate
@@ -129,4 +129,7 @@ def test_a_peers_refusal_is_retried_on_the_local_pick_and_its_rate_limit_says_so
     assert REFUSED_HEADER not in {
         h["header"]["key"] for h in public["typed_config"]["response_headers_to_add"]
     }
+    # what goes to a peer's ingress takes the engine route: no credential header ever leaves the cluster
+    route_config = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    assert set(CREDENTIAL_HEADERS) <= set(route_config["request_headers_to_remove"])
     validate(tmp_path, params)
