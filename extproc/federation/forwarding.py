@@ -19,6 +19,7 @@ from contracts.digest import Digest
 from contracts.federation import PEER_HEADER
 from extproc.admission.gate import Principal
 from extproc.admission.tenants import Tenants
+from extproc.errors import GatewayError
 from extproc.federation.peers import Federation
 from extproc.federation.summary import SummaryBuilder
 from extproc.federation.tenancy import asserted_principal
@@ -44,13 +45,16 @@ class Forward:
 
 class Forwarder:
     """The processor's view of the gateway's :class:`Federation` and :class:`SummaryBuilder`.
-    ``decisions`` counts verdict reasons and ``forwards`` forwards per peer (for metrics)."""
+    ``decisions`` counts verdict reasons, ``forwards`` forwards per peer and ``admissions`` the tenants
+    peers asserted here (for metrics)."""
 
     def __init__(self, federation: Federation, builder: SummaryBuilder) -> None:
         self.federation = federation
         self.builder = builder
         self.decisions: Counter[str] = Counter()
         self.forwards: Counter[str] = Counter()
+        #: With ``[auth]``: requests linked peers forwarded here, by (peer, ``admitted`` or refusal code).
+        self.admissions: Counter[tuple[str, str]] = Counter()
 
     def inbound(self, peer_uri: str | None, headers: Mapping[str, str]) -> Inbound:
         """Who sent the request: a linked cluster only when ``peer_uri`` (from Envoy's attribute) is its
@@ -63,7 +67,14 @@ class Forwarder:
         """With ``[auth]``: whom a request forwarded by a linked cluster is admitted as (raises 401/403;
         :mod:`extproc.federation.tenancy`)."""
         link = self.federation.links.get(came.forwarded_by) if came.forwarded_by else None
-        return asserted_principal(came, link, tenants)
+        peer = came.forwarded_by or "-"
+        try:
+            principal = asserted_principal(came, link, tenants)
+        except GatewayError as exc:
+            self.admissions[(peer, exc.code or exc.error_type)] += 1
+            raise
+        self.admissions[(peer, "admitted")] += 1
+        return principal
 
     def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""

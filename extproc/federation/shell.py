@@ -180,6 +180,13 @@ class FederationCollector(Collector):
         )
         for (peer, outcome), n in sorted(shell.outcomes.items()):
             outcomes.add_metric([peer, outcome], n)
+        admissions = CounterMetricFamily(
+            "kvgate_federation_inbound_admissions",
+            "Requests linked peers forwarded here under [auth], by peer and result (admitted or the refusal)",
+            labels=["peer", "result"],
+        )
+        for (peer, result), n in sorted(fwd.admissions.items()):
+            admissions.add_metric([peer, result], n)
         age = GaugeMetricFamily(
             "kvgate_federation_summary_age_seconds", "Age of the peer's last summary", labels=["peer"]
         )
@@ -210,4 +217,16 @@ class FederationCollector(Collector):
             "kvgate_federation_noted_digests", "Sampled prefix digests this gateway may publish (before held)"
         )
         noted.add_metric([], len(shell.builder))
-        yield from (decisions, forwards, outcomes, age, size, entries, up, egress_rq, egress_b, noted)
+        yield from (
+            decisions,
+            forwards,
+            outcomes,
+            admissions,
+            age,
+            size,
+            entries,
+            up,
+            egress_rq,
+            egress_b,
+            noted,
+        )

@@ -160,6 +160,7 @@ def test_a_forwarded_request_is_admitted_as_its_tenant_at_the_peer_and_charged_t
     # B kept A's tenant salt (it is B's own for acme's requests): served from the cache acme warmed in B
     assert cached >= 0.8 * prompt_tokens
     assert metric(b, "kvgate_federation_decisions_total", reason="hop") >= 1
+    assert metric(b, "kvgate_federation_inbound_admissions_total", peer="a", result="admitted") >= 1
     # charged to acme in B (B's gateway publishes its charges to B's etcd): the warm request and this one
     both = charged_b + 2 * prompt_tokens
     poll(lambda: True if usage(b, "acme") >= both else None, 10, "acme's charges in b", interval_s=0.1)
@@ -231,5 +232,9 @@ def test_a_peer_whose_link_does_not_trust_tenants_answers_401_and_a_serves_it(
         endpoint, _, _ = ask(sdk(a, "acme"), prompt)  # never fails because of federation
         assert metric(a, "kvgate_federation_forwards_total", peer="b") == forwards + 1  # it was forwarded
         assert endpoint != ingress(b)  # B refused it; A's Envoy retried it on A's own pick
+        refusals = metric(
+            b, "kvgate_federation_inbound_admissions_total", peer="a", result="federation_untrusted"
+        )
+        assert refusals >= 2  # the direct try above and A's forward
     finally:
         _put(b, "federation/a", _trusting(a, "a", **TRUST))

@@ -144,6 +144,7 @@ def test_a_trusted_peers_tenant_is_admitted_and_charged_here() -> None:
     after = g.budgets.level(ACME, 1000.0)
     assert before is not None and after is not None and after < before  # reserved against acme's budget here
     assert g.budgets.level(GUEST, 1000.0) == before
+    assert fwd.admissions == {("b", "admitted"): 1}  # kvgate_federation_inbound_admissions_total
 
 
 @pytest.mark.parametrize(
@@ -157,13 +158,14 @@ def test_a_trusted_peers_tenant_is_admitted_and_charged_here() -> None:
 def test_a_refused_forward_says_so_for_the_forwarding_clusters_fallback(
     links: list[dict[str, Any]], asserted: str, status: int, code: str
 ) -> None:
-    g = gate()
+    g, fwd = gate(), forwarder(links=links)
     extra = {HOP_HEADER: "b", TENANT_HEADER: asserted}
-    proc, out = peer(forwarder(links=links), g, peer_uri=B_ID, extra=extra, payload=completion())
+    proc, out = peer(fwd, g, peer_uri=B_ID, extra=extra, payload=completion())
     got, err, hs = error(out)
     assert (got, err["code"]) == (status, code)
     assert hs[REFUSED_HEADER] == code  # the forwarding cluster's Envoy retries it on its local pick
     assert g.failures.retry_after_s(None, 1000.0) is None and proc.ticket is None
+    assert fwd.admissions == {("b", code): 1}
 
 
 @pytest.mark.parametrize(
