@@ -16,6 +16,7 @@ Here (the peer) the assertion counts only on a request whose mTLS identity is a 
 
 from __future__ import annotations
 
+from contracts.federation import UNTRUSTED
 from extproc.admission.gate import Principal
 from extproc.admission.tenants import Tenants
 from extproc.errors import Forbidden, Unauthorized
@@ -33,7 +34,7 @@ def asserted_principal(came: Inbound, link: Link | None, tenants: Tenants) -> Pr
     if link is None or not link.trust_tenants:
         raise Unauthorized(
             f"This cluster does not admit tenants asserted by cluster '{cluster}'.",
-            code="federation_untrusted",
+            code=UNTRUSTED,
         )
     asked = came.tenant
     if asked is not None and link.tenants and asked not in link.tenants:

@@ -18,7 +18,8 @@ listener peers forward to.
   peer admits it as the tenant the linked cluster asserts when its link trusts tenants, else refuses it.
   A refusal of a forwarded request (401/403/429 from the peer's ext_proc, or its ``local_ratelimit``)
   carries ``x-kvgate-federation-refused``; this cluster's engine route retries on that header, so the try
-  goes on to the local pick as a 503 would.
+  goes on to the local pick as a 503 would. The failure log also takes 401 tries with that header logged:
+  the ext_procs count a peer's ``federation_untrusted`` (its link trusts no tenant of ours) as its failure.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
 MATCH_KEY = "kvgate-federation"
 """Key of the EDS host metadata (``envoy.transport_socket_match``) that selects the federation socket."""
 LISTENER = "federation"
+_ROUTER = "envoy.filters.http.router"
 PEER_PREFIX = identity_uri("federation-")
 
 
@@ -93,6 +95,20 @@ def _engine_retry_policies(hcm: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _log_untrusted(logger: dict[str, Any]) -> None:
+    """The failure log also takes 401 tries, with the refusal header (the ext_procs keep only a peer's
+    :data:`~contracts.federation.UNTRUSTED`)."""
+    only = logger.get("filter", {}).get("or_filter", {}).get("filters")
+    if only is None:
+        return
+    status = {
+        "comparison": {"op": "EQ", "value": {"default_value": 401, "runtime_key": "kvgate.failed_try.401"}}
+    }
+    if {"status_code_filter": status} not in only:  # (the loggers may share one filter)
+        only.append({"status_code_filter": status})
+    logger["typed_config"]["additional_response_headers_to_log"] = [REFUSED_HEADER]
+
+
 def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
     """``config`` (the rendered bootstrap, modified in place) with the federation listener, the forwarding
     transport socket and the header rules above."""
@@ -112,6 +128,10 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
         if "retriable-headers" not in retry["retry_on"].split(","):
             retry["retry_on"] = f"{retry['retry_on']},retriable-headers"
         retry["retriable_headers"] = [{"name": REFUSED_HEADER, "present_match": True}]
+    # A peer whose link does not trust our tenants (401 UNTRUSTED) reaches the failed-try log (skipped).
+    for f in hcm["http_filters"]:
+        for logger in f["typed_config"].get("upstream_log", []) if f["name"] == _ROUTER else []:
+            _log_untrusted(logger)
     # The federation listener keeps what the linked peer asserts (the ext_proc checks who it is).
     peer_hcm = _hcm(peer_listener)
     peer_hcm["stat_prefix"] = LISTENER

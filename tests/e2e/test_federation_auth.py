@@ -236,5 +236,12 @@ def test_a_peer_whose_link_does_not_trust_tenants_answers_401_and_a_serves_it(
             b, "kvgate_federation_inbound_admissions_total", peer="a", result="federation_untrusted"
         )
         assert refusals >= 2  # the direct try above and A's forward
+        # the refused try reached A's failed-try log: B is skipped a while (a link-wide refusal)
+        refused = {"peer": "b", "outcome": "refused"}
+        poll(
+            lambda: True if metric(a, "kvgate_federation_forward_outcomes_total", **refused) >= 1 else None,
+            5,
+            "refused",
+        )
     finally:
         _put(b, "federation/a", _trusting(a, "a", **TRUST))

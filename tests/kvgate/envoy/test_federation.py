@@ -129,6 +129,18 @@ def test_a_peers_refusal_is_retried_on_the_local_pick_and_its_rate_limit_says_so
     assert REFUSED_HEADER not in {
         h["header"]["key"] for h in public["typed_config"]["response_headers_to_add"]
     }
+    # a peer refusing our tenants altogether reaches the failed-try log (with the refusal's code)
+    router = next(f for f in openai if f["name"] == "envoy.filters.http.router")
+    for logger in router["typed_config"]["upstream_log"]:
+        assert logger["typed_config"]["additional_response_headers_to_log"] == [
+            REFUSED_HEADER
+        ]
+        statuses = [
+            f["status_code_filter"]["comparison"]["value"]["default_value"]
+            for f in logger["filter"]["or_filter"]["filters"]
+            if "status_code_filter" in f
+        ]
+        assert statuses == [503, 401]
     # what goes to a peer's ingress takes the engine route: no credential header ever leaves the cluster
     route_config = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
     assert set(CREDENTIAL_HEADERS) <= set(route_config["request_headers_to_remove"])
