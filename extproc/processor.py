@@ -100,7 +100,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import HOP_HEADER
+from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, tenant_salt
@@ -412,7 +412,10 @@ class StreamProcessor:
         if self._federation is not None:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
         path = self._headers.get(":path", "/")
-        if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
+        if self._gate is not None and self._federation is not None and self._came.forwarded:
+            # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
+            self.principal = self._federation.principal(self._came, self._gate.tenants)
+        elif self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
             self.principal = self._gate.identify(
                 self._headers.get("authorization"),
@@ -462,8 +465,10 @@ class StreamProcessor:
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)
-        principal = self.principal
-        if principal is not None and self._gate is not None and isolates(self._gate.config, principal.tenant):
+        principal, gate = self.principal, self._gate
+        if self._came.salted and principal is not None:  # the forwarding cluster's tenant salt stays
+            self._isolated = True
+        elif principal is not None and gate is not None and isolates(gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
             request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
             self._isolated = True
@@ -771,6 +776,8 @@ class StreamProcessor:
         ]
         if self.forward is not None:
             set_headers.append(_header(HOP_HEADER, self.forward.hop))
+            if self._isolated:  # the peer keeps this tenant salt rather than salting again
+                set_headers.append(_header(SALTED_HEADER, "1"))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
             set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
@@ -1015,6 +1022,8 @@ class StreamProcessor:
         extra = []
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
+        if self._came.forwarded and exc.status in (401, 403, 429):  # the forwarding cluster serves it
+            extra.append(_header(REFUSED_HEADER, exc.code or exc.error_type))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 
 

@@ -543,7 +543,7 @@ class Gateway:
         )
         if self.federation is not None:
             fed = self.federation
-            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address)
+            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address, failed.kind)
             fed.on_ingresses = self.eds.set_peers  # peers' ingresses are hosts of Envoy's engine cluster
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
