@@ -103,7 +103,7 @@ from contracts.epp import (
 from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
-from extproc.admission.isolation import isolates, tenant_salt
+from extproc.admission.isolation import isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
@@ -472,6 +472,12 @@ class StreamProcessor:
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
             request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
             self._isolated = True
+        elif principal is not None and reserved(request.cache_salt):  # it could be an isolated tenant's
+            raise BadRequest(
+                "cache_salt: values starting with 'kvgate-' are reserved for the gateway's tenant isolation",
+                code="reserved_cache_salt",
+                param="cache_salt",
+            )
         run = None
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
             run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
