@@ -64,6 +64,9 @@ Example (TOML)::
     host = "api.example.com"           # DNS name: TLS SNI and verified certificate name
     api_key_file = "/etc/kvgate/hosted.key"   # read by Envoy only
     models = { "SmolLM2-135M-Instruct" = "hosted-model-name" }
+    [burst_credentials.hosted]         # optional: a key etcd burst/<name> records may name (never the key
+    api_key_file = "/etc/kvgate/hosted.key"   # itself in etcd); sent only to these hosts
+    hosts = ["api.example.com"]
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -128,6 +131,7 @@ from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
 from extproc.burst.core import BurstEndpoint, parse_burst
+from extproc.burst.records import BurstCredential, parse_credentials
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
@@ -345,6 +349,8 @@ class GatewayConfig:
     federation: FederationConfig | None = None
     #: Hosted endpoints overflow may burst to (``[[burst]]``, :mod:`extproc.burst`).
     burst: tuple[BurstEndpoint, ...] = ()
+    #: Keys etcd ``burst/<name>`` records may name (``[burst_credentials.<name>]``, extproc/burst/records.py).
+    burst_credentials: tuple[BurstCredential, ...] = ()
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -473,6 +479,7 @@ def parse_config(raw: object) -> GatewayConfig:
     fed_raw = top.raw("federation")
     federation = None if fed_raw is None else parse_federation(fed_raw)
     burst = parse_burst(top.raw("burst"))
+    burst_credentials = parse_credentials(top.raw("burst_credentials"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -485,6 +492,7 @@ def parse_config(raw: object) -> GatewayConfig:
         tracing=tracing,
         federation=federation,
         burst=burst,
+        burst_credentials=burst_credentials,
     )  # fmt: skip
 
 

@@ -553,7 +553,7 @@ class StreamProcessor:
         body = orjson.dumps(doc)
         self._phase = Phase.ROUTED
         set_headers = [
-            _header(BURST_HEADER, target.name),
+            _header(BURST_HEADER, target.header_value),
             _header("content-length", str(len(body))),
             *(_header(k, v) for k, v in self._config.timeouts.headers(request.model, request.stream)),
         ]

@@ -142,6 +142,9 @@ class SotwStream:
     Names other than ``kvgate_engines`` get no resource; no names (a wildcard) get it.
     """
 
+    #: The resource type this stream serves (CDS's subclass: :mod:`extproc.xds.cds`).
+    type_url = TYPE_URL
+
     def __init__(self) -> None:
         self.names: tuple[str, ...] | None = None
         self.nonce = ""
@@ -153,7 +156,7 @@ class SotwStream:
 
     def request(self, req: discovery_pb2.DiscoveryRequest) -> str | None:
         """Take one request; the error detail when it NACKs the last response, else ``None``."""
-        if req.type_url not in ("", TYPE_URL) or req.response_nonce != self.nonce:
+        if req.type_url not in ("", self.type_url) or req.response_nonce != self.nonce:
             return None
         self.names = tuple(req.resource_names)
         self._waiting = True
@@ -163,15 +166,21 @@ class SotwStream:
             self.acked_version = req.version_info
         return None
 
-    def response(self, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
-        """The response to send for ``snap`` now, or ``None``."""
+    def due(self, version: str) -> bool:
+        """Whether a response of ``version`` goes out now; if so, it is taken as sent (a new nonce)."""
         if not self._waiting or self.names is None:
-            return None
-        if snap.version == self.sent_version and self.names == self._sent_names:
-            return None
+            return False
+        if version == self.sent_version and self.names == self._sent_names:
+            return False
         self._responses += 1
         self.nonce = str(self._responses)
-        self.sent_version, self._sent_names, self._waiting = snap.version, self.names, False
+        self.sent_version, self._sent_names, self._waiting = version, self.names, False
+        return True
+
+    def response(self, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
+        """The response to send for ``snap`` now, or ``None``."""
+        if not self.due(snap.version):
+            return None
         wanted = not self.names or ENGINES_CLUSTER in self.names
         return discovery_pb2.DiscoveryResponse(
             version_info=snap.version,

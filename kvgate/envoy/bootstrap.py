@@ -52,6 +52,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
+from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
@@ -202,6 +203,9 @@ class EnvoyParams:
     federation: envoy_federation.EnvoyFederation | None = None
     #: Hosted burst endpoints (``[[burst]]``): a TLS cluster and a route each (kvgate/envoy/burst.py).
     burst: tuple[BurstEndpoint, ...] = ()
+    #: Credentials etcd ``burst/<name>`` records may name (``[burst_credentials]``): a static secret
+    #: each, and the etcd endpoints' clusters over CDS from the ext_procs (kvgate/envoy/burst.py).
+    burst_credentials: tuple[BurstCredential, ...] = ()
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -394,7 +398,11 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                     "domains": ["*"],
                     "routes": [
                         {**r, **route}
-                        for r in (*envoy_burst.routes(params.burst), *resilience.routes(res, action))
+                        for r in (
+                            *envoy_burst.routes(params.burst),
+                            *(envoy_burst.dynamic_routes() if params.burst_credentials else ()),
+                            *resilience.routes(res, action),
+                        )
                     ],
                 }
             ],
@@ -450,6 +458,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             envoy_burst.cluster(e, params.upstream_connect_timeout_s) for e in params.burst
         )
         static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
+    if params.burst_credentials:
+        envoy_burst.apply_credentials(config, params.burst_credentials, res.eds_initial_fetch_s)
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)
