@@ -67,6 +67,9 @@ Example (TOML)::
     [burst_credentials.hosted]         # optional: a key etcd burst/<name> records may name (never the key
     api_key_file = "/etc/kvgate/hosted.key"   # itself in etcd); sent only to these hosts
     hosts = ["api.example.com"]
+    [response_affinity]                # previous_response_id -> the endpoint that produced it (on by
+    max_entries = 50000                #   default; extproc/affinity/README.md)
+    ttl_s = 3600
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -130,6 +133,7 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.affinity.core import AffinityConfig, parse_affinity
 from extproc.burst.core import BurstEndpoint, parse_burst
 from extproc.burst.records import BurstCredential, parse_credentials
 from extproc.drift.monitor import DriftPolicy, parse_drift
@@ -351,6 +355,8 @@ class GatewayConfig:
     burst: tuple[BurstEndpoint, ...] = ()
     #: Keys etcd ``burst/<name>`` records may name (``[burst_credentials.<name>]``, extproc/burst/records.py).
     burst_credentials: tuple[BurstCredential, ...] = ()
+    #: ``previous_response_id`` affinity of the Responses API (``[response_affinity]``, extproc/affinity).
+    response_affinity: AffinityConfig = field(default_factory=AffinityConfig)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -480,6 +486,7 @@ def parse_config(raw: object) -> GatewayConfig:
     federation = None if fed_raw is None else parse_federation(fed_raw)
     burst = parse_burst(top.raw("burst"))
     burst_credentials = parse_credentials(top.raw("burst_credentials"))
+    response_affinity = parse_affinity(top.raw("response_affinity"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -493,6 +500,7 @@ def parse_config(raw: object) -> GatewayConfig:
         federation=federation,
         burst=burst,
         burst_credentials=burst_credentials,
+        response_affinity=response_affinity,
     )  # fmt: skip
 
 

@@ -41,6 +41,8 @@ from contracts.etcd import BURST, FEDERATION
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
+from extproc.affinity.core import ResponseAffinity
+from extproc.affinity.metrics import AffinityCollector
 from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
 from extproc.burst.records import BurstSink, BurstTable
@@ -511,6 +513,12 @@ class Gateway:
                 BurstCollector(self.burst, lambda: self.flow.policy.burst_per_minute, lambda: table.refused)
             )
         self.cds = ClusterDiscovery()
+        #: Responses API follow-ups to the endpoint holding their conversation (:mod:`extproc.affinity`),
+        #: learned from Envoy's completion log.
+        affinity = config.response_affinity
+        self.affinity = ResponseAffinity(affinity) if affinity.enabled else None
+        if self.affinity is not None:
+            self.metrics.registry.register(AffinityCollector(self.affinity))
         if config.burst_credentials and self.cluster.control is not None:
             self.cluster.control.core.follow(BURST, BurstSink(self.burst_table, self._burst_changed))
         self.fleet.watch(self.dispatcher.kick)
@@ -600,6 +608,7 @@ class Gateway:
             timeouts=cfg.timeout_table(),
             hold_timeout_s=HOLD_TIMEOUT_S,
             burst=self.burst,
+            affinity=self.affinity,
         )
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
@@ -716,6 +725,14 @@ class Gateway:
         if self.federation is not None:
             self.federation.completed(done.address, done.status, done.ttfb_s)
         self.dispatcher.kick()
+        if (
+            self.affinity is not None
+            and done.responses_scope is not None
+            and done.response_id is not None
+            and 200 <= done.status < 300
+            and (producer := self.fleet.by_address(done.address)) is not None
+        ):  # the endpoint that produced this Responses API answer (it holds the conversation)
+            self.affinity.learn(done.responses_scope, done.response_id, producer.id, now)
         if (
             done.cached_tokens is not None
             and done.predicted_tokens is not None

@@ -16,13 +16,17 @@ is passed on untouched and carries no count: its usage sits in the last SSE chun
 ``stream_options.include_usage``), which Envoy cannot parse, and reading it in the ext_proc would cost
 one gRPC message per chunk of every stream. An engine that does not report the field (vLLM without
 ``--enable-prompt-tokens-details``) adds nothing: such requests are not compared.
+
+The same filter reads the response's top-level ``id`` into ``kvgate.usage/response_id``: for a Responses
+API request (``/v1/responses``) the completion log then tells the ext_procs which endpoint produced that
+response, for ``previous_response_id`` affinity (:mod:`extproc.affinity`). Streams carry no id here either.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from contracts.epp import USAGE_CACHED, USAGE_NS
+from contracts.epp import USAGE_CACHED, USAGE_NS, USAGE_RESPONSE_ID
 
 _JSON_TO_METADATA = "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata"
 _WITH_MATCHER = "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
@@ -63,7 +67,15 @@ def usage_filter() -> dict[str, Any]:
                                     "key": USAGE_CACHED,
                                     "type": "NUMBER",
                                 },
-                            }
+                            },
+                            {  # the response's id: previous_response_id affinity (extproc/affinity)
+                                "selectors": [{"key": "id"}],
+                                "on_present": {
+                                    "metadata_namespace": USAGE_NS,
+                                    "key": USAGE_RESPONSE_ID,
+                                    "type": "STRING",
+                                },
+                            },
                         ],
                         "allow_content_types": ["application/json"],
                     },
