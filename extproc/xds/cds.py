@@ -30,7 +30,7 @@ from google.protobuf import any_pb2, json_format
 
 from extproc.burst.clusters import cluster, secret_name
 from extproc.burst.core import BurstEndpoint
-from extproc.xds.eds import SotwStream
+from extproc.xds.eds import SotwStream, serve
 
 log = logging.getLogger(__name__)
 
@@ -142,38 +142,8 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        if self._closed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "ext_proc draining")
-        stream = ClusterStream()
-        wake = asyncio.Event()
-        self._wakes.add(wake)
-        reader = asyncio.create_task(self._read(request_iterator, stream, wake, context.peer()))
-        try:
-            while not self._closed:
-                wake.clear()
-                resp = stream.response_for(self.state)
-                if resp is not None:
-                    yield resp
-                if reader.done():
-                    reader.result()
-                    return
-                await wake.wait()
-        finally:
-            self._wakes.discard(wake)
-            reader.cancel()
-
-    @staticmethod
-    async def _read(
-        requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        stream: ClusterStream,
-        wake: asyncio.Event,
-        peer: str,
-    ) -> None:
-        try:
-            async for req in requests:
-                nack = stream.request(req)
-                if nack is not None:
-                    log.error("Envoy %s rejected CDS version %s: %s", peer, stream.sent_version, nack)
-                wake.set()
-        finally:
-            wake.set()
+        async for resp in serve(
+            "CDS", request_iterator, context, ClusterStream(), lambda s: s.response_for(self.state),
+            self._wakes, lambda: self._closed,
+        ):  # fmt: skip
+            yield resp

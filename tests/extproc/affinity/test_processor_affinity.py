@@ -81,3 +81,24 @@ def test_other_routes_carry_no_scope(router: Router) -> None:
         proc.handle(body(orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})))
     )
     assert DECISION_RESPONSES_SCOPE not in got.decision
+
+
+def test_a_tenants_scope_comes_from_its_verified_key(router: Router) -> None:
+    """Under [auth], acme's request is noted in acme's scope and steered by acme's entries only."""
+    from tests.extproc.test_processor import ACME_KEY, make_gate
+
+    affinity = ResponseAffinity()
+    affinity.learn("tenant:acme", "resp_a", "e2", NOW)
+    affinity.learn(OPEN_SCOPE, "resp_open", "e1", NOW)
+    for previous, expected in (("resp_a", "e2"), ("resp_open", None)):
+        config = ProcessorConfig(max_body_bytes=LIMIT, affinity=affinity)
+        proc = StreamProcessor(router, config, clock, make_gate())
+        assert proc.handle(headers("/v1/responses", extra=ACME_KEY)) == []
+        doc = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "previous_response_id": previous}
+        got = reply(proc.handle(body(orjson.dumps(doc))))
+        assert got.decision[DECISION_RESPONSES_SCOPE] == "tenant:acme"
+        assert proc.decision is not None
+        if expected is not None:
+            assert proc.decision.endpoints[0].id == expected
+        router.finish(proc.decision)
+    assert affinity.outcomes == {HIT: 1, UNKNOWN: 1, UNAVAILABLE: 0}  # the open scope's id is not acme's
