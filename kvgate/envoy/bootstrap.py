@@ -61,7 +61,7 @@ from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
-from kvgate.envoy.usage import usage_filter
+from kvgate.envoy.usage import stream_id_filter, usage_filter
 
 #: Headers a client may never set: routing decisions, retries, timeouts and client addresses come from
 #: the ext_proc and this config alone. A client's ``x-forwarded-for`` is dropped too when no proxy in front
@@ -419,6 +419,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     if params.completion_log:  # the engine's reused prompt tokens, for the drift alarm (extproc/drift)
         filters: list[dict[str, Any]] = hcm["http_filters"]  # type: ignore[assignment]
         filters.insert(-1, usage_filter())
+        filters.insert(-1, stream_id_filter())  # a streamed Responses answer's id (extproc/affinity)
     if params.tracing is not None:
         hcm["tracing"] = envoy_tracing.hcm_tracing(params.tracing)
     extproc_cluster = resilience.extproc_cluster(res, extprocs)

@@ -5,6 +5,7 @@ one whose KV (and, with vLLM, response store) holds the conversation, whatever i
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -59,3 +60,34 @@ def test_an_unknown_id_is_scored_as_usual(stack: Stack) -> None:
     post(stack, {"input": "Hi", "previous_response_id": "resp_never_seen_by_this_gateway"})
     assert gateway(stack, "kvgate_response_affinity_requests_total", outcome="unknown") == unknown + 1
     assert gateway(stack, "kvgate_response_affinity_entries") >= 1
+
+
+def events(answer: httpx.Response) -> list[dict[str, Any]]:
+    """The Responses stream's events (OpenAI's SSE: ``event:`` then ``data:`` lines), checked in order."""
+    assert answer.headers["content-type"].startswith("text/event-stream"), answer.text
+    blocks = [b for b in answer.text.split("\n\n") if b.strip()]
+    out = []
+    for i, block in enumerate(blocks):
+        kind, data = block.split("\n")
+        got = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {got['type']}" and got["sequence_number"] == i
+        out.append(got)
+    return out
+
+
+def test_a_streamed_answer_is_learned_too(stack: Stack) -> None:
+    """Envoy's Lua filter reads the id from the stream's first event (``response.created``) and lets the
+    rest pass; the follow-up goes to the replica that streamed it."""
+    producers, followed = [], []
+    for i in range(6):
+        before = learned(stack)
+        first = post(stack, {"input": f"Streamed {i}: {i * 104729} first. " + LONG, "stream": True})
+        stream = events(first)
+        assert stream[0]["type"] == "response.created"
+        assert stream[-1]["type"] == "response.completed"  # the whole stream passed the filter
+        assert stream[-1]["response"]["output"][0]["content"][0]["text"]
+        wait_learned(stack, before + 1)
+        producers.append(first.headers["x-kvgate-endpoint"])
+        nxt = post(stack, {"input": FOLLOW_UP, "previous_response_id": stream[0]["response"]["id"]})
+        followed.append(nxt.headers["x-kvgate-endpoint"])
+    assert followed == producers and len(set(producers)) >= 2, producers
