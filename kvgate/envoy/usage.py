@@ -35,6 +35,8 @@ _WITH_MATCHER = "type.googleapis.com/envoy.extensions.common.matching.v3.Extensi
 _RESPONSE_HEADER = "type.googleapis.com/envoy.type.matcher.v3.HttpResponseHeaderMatchInput"
 _SKIP = "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"
 _LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+_REQUEST_HEADER = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
+RESPONSES_PATH = "/v1/responses"
 #: Bytes of a streamed Responses answer searched for its id (``response.created`` is the first event).
 STREAM_ID_WINDOW = 8192
 #: The id of a streamed Responses answer: the first ``"id": "resp_..."`` (OpenAI's, vLLM's and SGLang's
@@ -129,16 +131,25 @@ end
 def stream_id_filter() -> dict[str, Any]:
     """A Lua filter (placed before the router) for streamed Responses API answers: the response id from
     the first events into ``kvgate.usage/response_id``, as :func:`usage_filter` does for JSON answers.
-    Skipped by a matcher unless the answer is ``text/event-stream``; inside, it acts only on requests the
-    ext_proc marked as Responses API ones (``kvgate.decision/responses_scope``) and reads at most
+    Skipped by a matcher unless the request's path is ``/v1/responses`` and the answer is
+    ``text/event-stream`` (so chat and completion streams never run Lua); inside, it acts only on requests
+    the ext_proc marked as Responses API ones (``kvgate.decision/responses_scope``) and reads at most
     :data:`STREAM_ID_WINDOW` bytes: Lua's ``bodyChunks`` sees each chunk as it passes (nothing is
     buffered), and once the id is found (the first event) the rest of the stream passes untouched."""
     stream = {
-        "input": {
-            "name": "content-type",
-            "typed_config": {"@type": _RESPONSE_HEADER, "header_name": "content-type"},
-        },
-        "value_match": {"prefix": "text/event-stream"},
+        "single_predicate": {
+            "input": {
+                "name": "content-type",
+                "typed_config": {"@type": _RESPONSE_HEADER, "header_name": "content-type"},
+            },
+            "value_match": {"prefix": "text/event-stream"},
+        }
+    }
+    responses_api = {  # chat and completion streams never reach the Lua code
+        "single_predicate": {
+            "input": {"name": "path", "typed_config": {"@type": _REQUEST_HEADER, "header_name": ":path"}},
+            "value_match": {"prefix": RESPONSES_PATH},
+        }
     }
     return {
         "name": "kvgate.responses_stream_id",
@@ -152,7 +163,9 @@ def stream_id_filter() -> dict[str, Any]:
                 "matcher_list": {
                     "matchers": [
                         {
-                            "predicate": {"not_matcher": {"single_predicate": stream}},
+                            "predicate": {
+                                "not_matcher": {"and_matcher": {"predicate": [stream, responses_api]}}
+                            },
                             "on_match": {"action": {"name": "skip", "typed_config": {"@type": _SKIP}}},
                         }
                     ]
