@@ -544,6 +544,8 @@ class StreamProcessor:
         target = burster.target(request.model)
         if target is None or policy.burst_per_minute <= 0:
             return None
+        if request.kind is Kind.RESPONSES and request.body.get("previous_response_id"):
+            return None  # it continues a conversation held here: a hosted endpoint cannot resolve the id
         budget_s = None if deadline is None else deadline - now
         miss = False
         if budget_s is not None:
