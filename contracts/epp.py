@@ -72,6 +72,13 @@ USAGE_CACHED = "cached_tokens"
 """Dynamic metadata namespace and key Envoy's ``json_to_metadata`` filter fills from a JSON response's
 ``usage.prompt_tokens_details.cached_tokens`` (the prompt tokens the engine reused); the completion log
 carries it to the ext_procs (:func:`kvgate.envoy.usage.usage_filter`)."""
+USAGE_RESPONSE_ID = "response_id"
+"""Key (in :data:`USAGE_NS`) Envoy's ``json_to_metadata`` fills with a JSON response's top-level ``id``; for a
+Responses API request the completion log carries it to the ext_procs, which learn which endpoint produced
+that response (:mod:`extproc.affinity`)."""
+DECISION_RESPONSES_SCOPE = "responses_scope"
+"""A Responses API request's affinity scope (its tenant's, or the open gateway's: :mod:`extproc.affinity`);
+present only on such requests, so only their response ids are learned."""
 DECISION_CASCADE_STEP = "cascade_step"
 """A cascade's escalated request (:mod:`extproc.cascade`): the 1-based step it was routed as; the bundled
 Envoy route copies it into the response header :data:`CASCADE_STEP_HEADER`."""

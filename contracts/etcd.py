@@ -29,6 +29,9 @@ key                    value                                                    
 ``federation/<c>``     JSON link to peer cluster ``<c>``                               ``kvgate policy``
                        (:mod:`extproc.federation.links`; a bad value is refused,
                        the link in force stays)
+``burst/<name>``       JSON hosted burst endpoint naming a credential the gateway   ``kvgate policy``
+                       host declares (:mod:`extproc.burst.records`; a bad value is
+                       refused, the endpoint in force stays)
 =====================  ============================================================  ==================
 
 Only :mod:`etcd3aio` (grpc.aio) talks to etcd in kvgate: one etcd client library per process.
@@ -56,6 +59,9 @@ ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
 
 FEDERATION = "federation"
 """Key family of cross-cluster links (``federation/<cluster>``)."""
+
+BURST = "burst"
+"""Key family of hosted burst endpoints (``burst/<name>``, :mod:`extproc.burst.records`)."""
 
 USAGE = "usage"
 """Key family of the token counters ext_proc replicas share (``usage/<tenant>/<replica>``)."""

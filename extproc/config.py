@@ -64,6 +64,12 @@ Example (TOML)::
     host = "api.example.com"           # DNS name: TLS SNI and verified certificate name
     api_key_file = "/etc/kvgate/hosted.key"   # read by Envoy only
     models = { "SmolLM2-135M-Instruct" = "hosted-model-name" }
+    [burst_credentials.hosted]         # optional: a key etcd burst/<name> records may name (never the key
+    api_key_file = "/etc/kvgate/hosted.key"   # itself in etcd); sent only to these hosts
+    hosts = ["api.example.com"]
+    [response_affinity]                # previous_response_id -> the endpoint that produced it (on by
+    max_entries = 50000                #   default; extproc/affinity/README.md)
+    ttl_s = 3600
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -127,7 +133,9 @@ from engines.endpoint import Endpoint, parse_endpoint
 from extproc.admission.config import parse_auth, parse_tenants
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
+from extproc.affinity.core import AffinityConfig, parse_affinity
 from extproc.burst.core import BurstEndpoint, parse_burst
+from extproc.burst.records import BurstCredential, parse_credentials
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
@@ -345,6 +353,10 @@ class GatewayConfig:
     federation: FederationConfig | None = None
     #: Hosted endpoints overflow may burst to (``[[burst]]``, :mod:`extproc.burst`).
     burst: tuple[BurstEndpoint, ...] = ()
+    #: Keys etcd ``burst/<name>`` records may name (``[burst_credentials.<name>]``, extproc/burst/records.py).
+    burst_credentials: tuple[BurstCredential, ...] = ()
+    #: ``previous_response_id`` affinity of the Responses API (``[response_affinity]``, extproc/affinity).
+    response_affinity: AffinityConfig = field(default_factory=AffinityConfig)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -473,6 +485,8 @@ def parse_config(raw: object) -> GatewayConfig:
     fed_raw = top.raw("federation")
     federation = None if fed_raw is None else parse_federation(fed_raw)
     burst = parse_burst(top.raw("burst"))
+    burst_credentials = parse_credentials(top.raw("burst_credentials"))
+    response_affinity = parse_affinity(top.raw("response_affinity"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -485,6 +499,8 @@ def parse_config(raw: object) -> GatewayConfig:
         tracing=tracing,
         federation=federation,
         burst=burst,
+        burst_credentials=burst_credentials,
+        response_affinity=response_affinity,
     )  # fmt: skip
 
 

@@ -80,6 +80,7 @@ from contracts.epp import (
     DECISION_MATCHED_TOKENS,
     DECISION_MODEL,
     DECISION_NS,
+    DECISION_RESPONSES_SCOPE,
     DECISION_US,
     DESTINATION,
     EXTPROC_ATTRIBUTES,
@@ -105,6 +106,7 @@ from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
+from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Run
@@ -193,6 +195,8 @@ class ProcessorConfig:
     hold_timeout_s: float | None = None
     #: Hosted endpoints overflow may burst to (:mod:`extproc.burst`; ``None``: none configured).
     burst: Burster | None = None
+    #: ``previous_response_id`` affinity of the Responses API (:mod:`extproc.affinity`; ``None``: off).
+    affinity: ResponseAffinity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +275,8 @@ class StreamProcessor:
         self._priority: int | None = None
         self._arrived = 0.0
         self.principal: Principal | None = None
+        #: A Responses API request's affinity scope (:mod:`extproc.affinity`), once routed.
+        self._responses_scope: str | None = None
         #: The body carries the tenant's cache salt (:mod:`extproc.admission.isolation`).
         self._isolated = False
         self.ticket: Ticket | None = None
@@ -551,6 +557,8 @@ class StreamProcessor:
         target = burster.target(request.model)
         if target is None or policy.burst_per_minute <= 0:
             return None
+        if request.kind is Kind.RESPONSES and request.body.get("previous_response_id"):
+            return None  # it continues a conversation held here: a hosted endpoint cannot resolve the id
         budget_s = None if deadline is None else deadline - now
         miss = False
         if budget_s is not None:
@@ -566,7 +574,7 @@ class StreamProcessor:
         body = orjson.dumps(doc)
         self._phase = Phase.ROUTED
         set_headers = [
-            _header(BURST_HEADER, target.name),
+            _header(BURST_HEADER, target.header_value),
             _header("content-length", str(len(body))),
             *(_header(k, v) for k, v in self._config.timeouts.headers(request.model, request.stream)),
         ]
@@ -701,6 +709,7 @@ class StreamProcessor:
         budget = None if self._deadline is None else self._deadline - now
         if self.timeline is not None:
             self.timeline.skip()
+        prefer = self._affine(request, now)
         try:
             self.decision = self._router.decide(
                 request,
@@ -712,6 +721,7 @@ class StreamProcessor:
                 admit=self._admit(request.model),
                 ttft_budget_s=budget,
                 timeline=self.timeline,
+                prefer=prefer,
             )
         except Exception as exc:  # a 429/503/404 or a gateway fault: nothing was used, refund
             self._refund()
@@ -719,6 +729,9 @@ class StreamProcessor:
                 raise self._unattainable(request.model, exc) from None
             raise
         decided = self._clock()
+        if prefer is not None and self._config.affinity is not None:
+            hit = self.decision.endpoints[0].id == prefer
+            self._config.affinity.count(HIT if hit else UNAVAILABLE)
         self._phase = Phase.ROUTED
         self.run = prepared.run
         if self.run is not None and self.run.gated:
@@ -743,6 +756,22 @@ class StreamProcessor:
                 message = "No prefill endpoint is ready to pair with the decode endpoint."
                 raise Unavailable(message, code="no_prefill_endpoint")
         return self._replies(request.stream, body, started, decided)
+
+    def _affine(self, request: ParsedRequest, now: float) -> str | None:
+        """A Responses API request's affinity (:mod:`extproc.affinity`): its scope is noted for the
+        completion log (the response id is learned there); with ``previous_response_id``, the endpoint that
+        produced that response in the same scope, else ``None`` (counted ``unknown``)."""
+        affinity = self._config.affinity
+        if affinity is None or request.kind is not Kind.RESPONSES:
+            return None
+        self._responses_scope = scope_of(self.principal.tenant.id if self.principal is not None else None)
+        previous = request.body.get("previous_response_id")
+        if not isinstance(previous, str) or not previous:
+            return None
+        endpoint = affinity.lookup(self._responses_scope, previous, now)
+        if endpoint is None:
+            affinity.count(UNKNOWN)
+        return endpoint
 
     def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
         """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
@@ -805,6 +834,8 @@ class StreamProcessor:
         noted[DECISION_MATCHED_TOKENS].number_value = decision.matched_blocks * self._router.policy.block_size
         if self.run is not None:  # an escalated cascade request: Envoy names its step to the client
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
+        if self._responses_scope is not None:  # its response id is learned from the completion log
+            noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
         mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
         return self._sending(mutation, metadata, body)
 

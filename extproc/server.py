@@ -30,18 +30,22 @@ from pathlib import Path
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.errors import ConfigError
-from contracts.etcd import FEDERATION
+from contracts.etcd import BURST, FEDERATION
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
+from extproc.affinity.core import ResponseAffinity
+from extproc.affinity.metrics import AffinityCollector
 from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
+from extproc.burst.records import BurstSink, BurstTable
 from extproc.cascade.plan import Cascader
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
@@ -73,6 +77,7 @@ from extproc.status.snapshot import Status, snapshot
 from extproc.upstream.client import UpstreamClient
 from extproc.upstream.errors import UpstreamError
 from extproc.xds.als import Completion, FailedTries
+from extproc.xds.cds import ClusterDiscovery
 from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
@@ -499,11 +504,23 @@ class Gateway:
         )
         self.cluster.flow_listener = self._apply_flow
         #: Hosted endpoints overflow bursts to (:mod:`extproc.burst`), budgeted by the policy's flow/burst.
-        self.burst = Burster(config.burst) if config.burst else None
+        self.burst = Burster(config.burst) if config.burst or config.burst_credentials else None
+        #: etcd burst/<name> endpoints (naming the host's [burst_credentials]) and their clusters, served
+        #: to Envoy over CDS (:mod:`extproc.xds.cds`).
+        self.burst_table = table = BurstTable(config.burst, config.burst_credentials)
         if self.burst is not None:
             self.metrics.registry.register(
-                BurstCollector(self.burst, lambda: self.flow.policy.burst_per_minute)
+                BurstCollector(self.burst, lambda: self.flow.policy.burst_per_minute, lambda: table.refused)
             )
+        self.cds = ClusterDiscovery()
+        #: Responses API follow-ups to the endpoint holding their conversation (:mod:`extproc.affinity`),
+        #: learned from Envoy's completion log.
+        affinity = config.response_affinity
+        self.affinity = ResponseAffinity(affinity) if affinity.enabled else None
+        if self.affinity is not None:
+            self.metrics.registry.register(AffinityCollector(self.affinity))
+        if config.burst_credentials and self.cluster.control is not None:
+            self.cluster.control.core.follow(BURST, BurstSink(self.burst_table, self._burst_changed))
         self.fleet.watch(self.dispatcher.kick)
         self.fleet.on_reading = self.dispatcher.kick
         #: Authentication and tenant admission (``None``: no ``[auth]`` section, the gateway is open).
@@ -592,6 +609,7 @@ class Gateway:
             timeouts=cfg.timeout_table(),
             hold_timeout_s=HOLD_TIMEOUT_S,
             burst=self.burst,
+            affinity=self.affinity,
         )
         # Envoy forwards body data in chunks as large as what it has buffered (up to its connection buffer
         # limit), so one message may exceed max_body_bytes; the processor enforces the body limit itself.
@@ -623,6 +641,7 @@ class Gateway:
             server,
         )
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, server)
+        cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(self.cds, server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.failed_tries, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.server_certs is not None:
@@ -708,6 +727,14 @@ class Gateway:
             self.federation.completed(done.address, done.status, done.ttfb_s)
         self.dispatcher.kick()
         if (
+            self.affinity is not None
+            and done.responses_scope is not None
+            and done.response_id is not None
+            and 200 <= done.status < 300
+            and (producer := self.fleet.by_address(done.address)) is not None
+        ):  # the endpoint that produced this Responses API answer (it holds the conversation)
+            self.affinity.learn(done.responses_scope, done.response_id, producer.id, now)
+        if (
             done.cached_tokens is not None
             and done.predicted_tokens is not None
             and done.model is not None
@@ -731,6 +758,14 @@ class Gateway:
     def _apply_pd(self, policy: Policy) -> None:
         self.disagg.apply(pd_policy(policy, max_fallbacks=self.config.extproc.max_fallbacks))
         self.cascade.apply(cascade_policy(policy))
+
+    def _burst_changed(self) -> None:
+        assert self.burst is not None
+        self.burst.endpoints = self.burst_table.endpoints
+        try:
+            self.cds.set(self.burst_table.dynamic())
+        except Exception:  # a cluster the protos cannot hold: Envoy keeps the last ones, the watch goes on
+            log.exception("CDS: the burst clusters could not be built")
 
     def _apply_flow(self, policy: FlowPolicy) -> None:
         self.flow.apply(policy)
@@ -766,6 +801,7 @@ class Gateway:
         for name in HEALTH_SERVICES:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.eds.aclose()
+        await self.cds.aclose()
         await self.failed_tries.aclose()
         if self._scraper is not None:
             await self._scraper.aclose()

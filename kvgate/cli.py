@@ -31,6 +31,7 @@ def _envoy_config(argv: list[str]) -> int:
 
     from contracts.errors import ConfigError
     from extproc.burst.core import BurstEndpoint
+    from extproc.burst.records import BurstCredential
     from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
     from kvgate.envoy.resilience import Resilience, model_idle_timeouts
     from kvgate.envoy.tls import EnvoyTls, write_sds
@@ -121,6 +122,7 @@ def _envoy_config(argv: list[str]) -> int:
     tracing = None
     idle_timeouts: tuple[tuple[str, float], ...] = ()
     burst: tuple[BurstEndpoint, ...] = ()
+    credentials: tuple[BurstCredential, ...] = ()
     if args.gateway_config:
         from pathlib import Path
 
@@ -132,7 +134,7 @@ def _envoy_config(argv: list[str]) -> int:
             gateway = load_config(Path(args.gateway_config))
             auth, idle_timeouts = EdgeAuth.from_config(gateway), model_idle_timeouts(gateway)
             tracing = EnvoyTracing.from_settings(gateway.tracing)
-            burst = gateway.burst
+            burst, credentials = gateway.burst, gateway.burst_credentials
         except ConfigError as exc:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
@@ -160,6 +162,7 @@ def _envoy_config(argv: list[str]) -> int:
                 trusted_hops=args.trusted_hops,
                 tracing=tracing,
                 burst=burst,
+                burst_credentials=credentials,
             )
         )
     except ConfigError as exc:  # a combination of flags and config the profile refuses

@@ -10,12 +10,15 @@ embedded default (the built-in scheduling and flow policy, or those of ``--confi
 ``tenants/<id>`` (etcd only) sets, gets or unsets one tenant (the ``[[tenants]]`` schema, validated by
 :func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants.
 ``federation/<cluster>`` (etcd only) likewise: one federation link
-(:func:`extproc.federation.links.parse_link`)::
+(:func:`extproc.federation.links.parse_link`); ``burst/<name>`` (etcd only): one hosted burst endpoint
+(:func:`extproc.burst.records.check_record`; with ``--config`` its credential must be declared there for
+its host)::
 
     kvgate policy set weights/prefix 3.0 --etcd 10.0.0.5:2379
     kvgate policy set objectives/interactive '{"priority": 1, "ttft_ms": 500}'
     kvgate policy set tenants/acme '{"models": ["*"], "tokens": {"per_minute": 20000}}'
     kvgate policy set federation/eu '{"ingress": "10.1.0.5:10443", "service": "10.1.0.5:9500", ...}'
+    kvgate policy set burst/hosted '{"host": "api.example.com", "credential": "hosted", "models": {...}}'
     kvgate policy list --file policy.toml
     kvgate drain vllm-0
 
@@ -53,6 +56,7 @@ import etcd3aio
 
 from contracts.errors import ConfigError
 from contracts.etcd import (
+    BURST,
     ENDPOINTS,
     FEDERATION,
     TENANTS,
@@ -67,6 +71,7 @@ from contracts.etcd import (
     split_key,
 )
 from extproc.admission.shared import decode_tenant
+from extproc.burst.records import check_record
 from extproc.control.policy import (
     KNOWN_PATHS,
     PolicyStore,
@@ -286,12 +291,36 @@ def _tenant_id(args: argparse.Namespace) -> str | None:
     return str(path[len(TENANTS) + 1 :])
 
 
-def _link_name(args: argparse.Namespace) -> str | None:
-    """The cluster when the command's PATH is ``federation/<cluster>``, else ``None``."""
+def _link_name(args: argparse.Namespace, family: str = FEDERATION) -> str | None:
+    """The cluster when the command's PATH is ``federation/<cluster>`` (the name when ``<family>/<name>``),
+    else ``None``."""
     path = getattr(args, "path", None)
-    if path is None or not path.startswith(FEDERATION + "/"):
+    if path is None or not path.startswith(family + "/"):
         return None
-    return str(path[len(FEDERATION) + 1 :])
+    return str(path[len(family) + 1 :])
+
+
+def _record(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``(family, name)`` when PATH is ``federation/<cluster>`` or ``burst/<name>``, else ``None``."""
+    for family in (FEDERATION, BURST):
+        name = _link_name(args, family)
+        if name is not None:
+            return family, name
+    return None
+
+
+def _checker(args: argparse.Namespace, family: str, name: str) -> Callable[[bytes], object]:
+    """The validation of a ``family/<name>`` value (``set`` and ``rollback``)."""
+    if family == TENANTS:
+        return lambda raw: decode_tenant(name, raw)
+    if family == FEDERATION:
+        return lambda raw: _check_link(name, raw)
+    credentials = None
+    if getattr(args, "config", None) is not None:  # the gateway host's declared credentials
+        from extproc.config import load_config
+
+        credentials = {c.name: c for c in load_config(args.config).burst_credentials}
+    return lambda raw: check_record(raw, name, credentials)
 
 
 def _check_link(name: str, raw: bytes) -> None:
@@ -314,10 +343,7 @@ async def _tenant_command(
     if args.command == "set":
         raw = _value(args.value)
         try:
-            if family == TENANTS:
-                decode_tenant(tenant_id, raw)
-            else:
-                _check_link(tenant_id, raw)
+            _checker(args, family, tenant_id)(raw)
         except ConfigError as exc:
             raise _Failed(str(exc), 2) from exc
         await _audited(client, settings, key, raw, "set")
@@ -326,11 +352,11 @@ async def _tenant_command(
         await _audited(client, settings, key, None, "unset")
         print(f"{args.path} unset")
     elif args.command in ("history", "rollback"):
-        await _revision_command(args, client, settings, key, lambda raw: decode_tenant(tenant_id, raw))
+        await _revision_command(args, client, settings, key, _checker(args, family, tenant_id))
     else:
         response = await _kv(client).get(key, timeout=timeout)
         if not response.kvs:
-            what = "tenant" if family == TENANTS else "link"
+            what = {TENANTS: "tenant", FEDERATION: "link"}.get(family, "burst endpoint")
             raise _Failed(f"{args.path}: no such {what} in etcd (a gateway config's are not shown)", 2)
         print(bytes(response.kvs[0].value).decode("utf-8", "replace"))
 
@@ -408,9 +434,9 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
         if tenant_id is not None:
             await _tenant_command(args, client, settings, tenant_id)
             return 0
-        link = _link_name(args)
-        if link is not None:
-            await _tenant_command(args, client, settings, link, FEDERATION)
+        record = _record(args)
+        if record is not None:
+            await _tenant_command(args, client, settings, record[1], record[0])
             return 0
         revision = await _load(client, settings, store)
         if args.command == "list":
@@ -479,13 +505,14 @@ def main(argv: list[str]) -> int:
     try:
         store = _store(args)
         tenant = _tenant_id(args)
-        link = _link_name(args)
+        link = _record(args)
         if args.command in ("get", "set", "unset", "history", "rollback") and tenant is None and link is None:
             _check_path(store, args.path)
         if getattr(args, "file", None) is not None:
             if tenant is not None or link is not None:
                 raise _Failed(
-                    "tenants/<id> and federation/<cluster> live in etcd (or a gateway config), not a"
+                    "tenants/<id>, federation/<cluster> and burst/<name> live in etcd (or a gateway config),"
+                    " not a"
                     " policy file",
                     2,
                 )

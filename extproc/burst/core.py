@@ -48,10 +48,19 @@ class BurstEndpoint:
     api_key_file: str
     port: int = 443
     ca_file: str | None = None
+    #: The gateway host's credential an etcd record named (:mod:`extproc.burst.records`); ``None``: a
+    #: ``[[burst]]`` endpoint of the gateway config, with its own key file.
+    credential: str | None = None
 
     @property
     def cluster(self) -> str:
         return CLUSTER_PREFIX + self.name
+
+    @property
+    def header_value(self) -> str:
+        """What the ext_proc sets ``x-kvgate-burst`` to: a config endpoint's name (its own route), an etcd
+        one's cluster (the route that takes the cluster from the header, for clusters Envoy got over CDS)."""
+        return self.name if self.credential is None else self.cluster
 
 
 def parse_burst(raw: object, where: str = "burst") -> tuple[BurstEndpoint, ...]:
@@ -75,16 +84,24 @@ def parse_burst(raw: object, where: str = "burst") -> tuple[BurstEndpoint, ...]:
     return out
 
 
-def _endpoint(raw: object, where: str) -> BurstEndpoint:
-    s = Section(raw, where)
+def valid_name(name: str) -> bool:
+    """An endpoint's (or credential's) name: ``[a-z0-9][a-z0-9_-]*``, at most 63 characters."""
+    return bool(_NAME.match(name))
+
+
+def valid_host(host: str) -> bool:
+    """A DNS name (not an IP address): the TLS server name and the certificate name verified."""
+    return bool(_HOST.match(host)) and not host.replace(".", "").isdigit()
+
+
+def parse_endpoint_fields(s: Section, where: str) -> tuple[str, int, dict[str, str]]:
+    """``engine`` (``openai_compat`` only), ``host``, ``port`` and ``models`` of an endpoint's table:
+    shared by ``[[burst]]`` and etcd ``burst/<name>`` records."""
     engine = s.string("engine", "openai_compat")
     if engine != "openai_compat":
         raise ConfigError(f"{where}.engine: a burst endpoint is openai_compat, got {engine!r}")
-    name = s.string("name", REQUIRED)
-    if not _NAME.match(name):
-        raise ConfigError(f"{where}.name: lowercase letters, digits, '-' and '_' (at most 63), got {name!r}")
     host = s.string("host", REQUIRED)
-    if not _HOST.match(host) or host.replace(".", "").isdigit():
+    if not valid_host(host):
         raise ConfigError(f"{where}.host: expected a DNS name (the TLS server name), got {host!r}")
     port = s.integer("port", 443, minimum=1)
     if port > 65535:
@@ -94,6 +111,15 @@ def _endpoint(raw: object, where: str) -> BurstEndpoint:
     models.done()
     if not mapping or not all(k and v for k, v in mapping.items()):
         raise ConfigError(f"{where}.models: a non-empty table of local model name = hosted model name")
+    return host, port, mapping
+
+
+def _endpoint(raw: object, where: str) -> BurstEndpoint:
+    s = Section(raw, where)
+    name = s.string("name", REQUIRED)
+    if not valid_name(name):
+        raise ConfigError(f"{where}.name: lowercase letters, digits, '-' and '_' (at most 63), got {name!r}")
+    host, port, mapping = parse_endpoint_fields(s, where)
     key_file = s.string("api_key_file", REQUIRED)
     ca_file = s.string("ca_file")
     if not key_file or ca_file == "":

@@ -1,5 +1,6 @@
-"""``kvgate_burst_requests_total{endpoint,outcome}`` and ``kvgate_burst_budget_left{endpoint}``, read
-from the :class:`~extproc.burst.core.Burster` when Prometheus scrapes."""
+"""``kvgate_burst_requests_total{endpoint,outcome}``, ``kvgate_burst_budget_left{endpoint}`` and
+``kvgate_burst_records_refused_total`` (etcd records), read from the
+:class:`~extproc.burst.core.Burster` and the record table when Prometheus scrapes."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from extproc.burst.core import NO_BUDGET, SENT, Burster
 class BurstCollector(Collector):
     """The burster's counts and each endpoint's budget left under ``per_minute()`` (the policy now)."""
 
-    def __init__(self, burster: Burster, per_minute: Callable[[], float]) -> None:
+    def __init__(
+        self, burster: Burster, per_minute: Callable[[], float], refused: Callable[[], int] | None = None
+    ) -> None:
         self._burster = burster
         self._per_minute = per_minute
+        self._refused = refused
 
     def collect(self) -> Iterator[Metric]:
         burster = self._burster
@@ -39,3 +43,9 @@ class BurstCollector(Collector):
         for name, tokens in burster.left(self._per_minute(), time.monotonic()).items():
             left.add_metric([name], tokens)
         yield left
+        if self._refused is not None:
+            yield CounterMetricFamily(
+                "kvgate_burst_records_refused",
+                "etcd burst/<name> records refused (the endpoint in force stayed)",
+                value=self._refused(),
+            )

@@ -427,6 +427,7 @@ class Router:
         admit: Callable[[EndpointState], bool] | None = None,
         ttft_budget_s: float | None = None,
         timeline: Timeline | None = None,
+        prefer: str | None = None,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
@@ -438,6 +439,10 @@ class Router:
         are scheduled (a saturated endpoint is never picked while another has room).
         ``ttft_budget_s``: seconds left of the request's TTFT deadline; the candidates' TTFT is then
         predicted (:attr:`predictor`) for the ``slo`` filter.
+        ``prefer``: an endpoint id put first (the others scheduled stay its fallbacks) when it is a candidate
+        (the model's, the route's labels, subset and pinned) and routable now (healthy, not draining, not
+        ejected), whatever flow control's room filter says (``previous_response_id`` affinity:
+        :mod:`extproc.affinity`); else it changes nothing.
         Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready,
         :class:`Unattainable` when every candidate is confidently predicted to miss ``ttft_budget_s``.
         """
@@ -458,6 +463,7 @@ class Router:
             candidates = [s for s in candidates if s.endpoint.address in subset]
         if pinned is not None:
             candidates = [s for s in candidates if _pinned(s.address, pinned)]
+        eligible = candidates
         if admit is not None:  # flow control: only endpoints with room, while some has room
             roomy = [s for s in candidates if admit(s)]
             candidates = roomy or candidates
@@ -515,9 +521,12 @@ class Router:
         result = profile.schedule(sched, state, candidates, self._rng)
         if timeline is not None:
             timeline.mark("schedule")
-        if not result.endpoints:
+        endpoints = list(result.endpoints)
+        if prefer is not None:
+            endpoints = _preferred(endpoints, eligible, prefer, now)
+        if not endpoints:
             raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
-        primary = result.endpoints[0]
+        primary = endpoints[0]
         primary.in_flight += 1
         primary.routed_since_scrape += 1
         primary.count_routed(now)
@@ -529,7 +538,7 @@ class Router:
         return Decision(
             request_id=request_id,
             model=request.model,
-            endpoints=list(result.endpoints),
+            endpoints=endpoints,
             digests=digests,
             prompt_tokens=tokens.count,
             matched_blocks=state.prefix_blocks.get(primary.id, 0),
@@ -720,6 +729,18 @@ def _token_ids(
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
     limit.check(len(ids))
     return ids, count
+
+
+def _preferred(
+    endpoints: list[EndpointState], eligible: Sequence[EndpointState], prefer: str, now: float
+) -> list[EndpointState]:
+    """``endpoints`` with ``prefer`` first when it is eligible and routable at ``now`` (the list keeps its
+    length: the last fallback gives way), else unchanged."""
+    state = next((s for s in eligible if s.id == prefer), None)
+    if state is None or not state.healthy or state.draining or state.ejected(now):
+        return endpoints
+    rest = [s for s in endpoints if s.id != prefer]
+    return [state, *rest][: max(len(endpoints), 1)]
 
 
 def _pinned(address: str, pinned: Sequence[str]) -> bool:

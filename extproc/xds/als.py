@@ -35,9 +35,11 @@ from contracts.epp import (
     DECISION_MATCHED_TOKENS,
     DECISION_MODEL,
     DECISION_NS,
+    DECISION_RESPONSES_SCOPE,
     FAILURE_LOG_NAME,
     USAGE_CACHED,
     USAGE_NS,
+    USAGE_RESPONSE_ID,
 )
 from contracts.federation import REFUSED_HEADER, UNTRUSTED
 from extproc.fleet import Fleet
@@ -93,6 +95,10 @@ class Completion:
     endpoint: str | None = None
     predicted_tokens: int | None = None
     cached_tokens: int | None = None
+    #: A Responses API request's affinity scope (decision metadata) and the response id Envoy read from
+    #: its JSON answer (:mod:`extproc.affinity`); ``None`` otherwise.
+    responses_scope: str | None = None
+    response_id: str | None = None
 
 
 def _upstream(common: accesslog_pb2.AccessLogCommon) -> str | None:
@@ -135,6 +141,8 @@ def completion(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion | None:
         endpoint=_text(decision, DECISION_ENDPOINT),
         predicted_tokens=_count(decision, DECISION_MATCHED_TOKENS),
         cached_tokens=_count(usage, USAGE_CACHED),
+        responses_scope=_text(decision, DECISION_RESPONSES_SCOPE),
+        response_id=_text(usage, USAGE_RESPONSE_ID),
     )
 
 

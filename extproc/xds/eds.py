@@ -18,6 +18,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from envoy.config.core.v3 import address_pb2, health_check_pb2
@@ -30,6 +31,8 @@ from contracts.epp import ENGINES_CLUSTER
 from extproc.fleet import EndpointState, Fleet
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound="SotwStream")
 
 TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 HEALTHY: int = health_check_pb2.HEALTHY
@@ -142,6 +145,9 @@ class SotwStream:
     Names other than ``kvgate_engines`` get no resource; no names (a wildcard) get it.
     """
 
+    #: The resource type this stream serves (CDS's subclass: :mod:`extproc.xds.cds`).
+    type_url = TYPE_URL
+
     def __init__(self) -> None:
         self.names: tuple[str, ...] | None = None
         self.nonce = ""
@@ -153,7 +159,7 @@ class SotwStream:
 
     def request(self, req: discovery_pb2.DiscoveryRequest) -> str | None:
         """Take one request; the error detail when it NACKs the last response, else ``None``."""
-        if req.type_url not in ("", TYPE_URL) or req.response_nonce != self.nonce:
+        if req.type_url not in ("", self.type_url) or req.response_nonce != self.nonce:
             return None
         self.names = tuple(req.resource_names)
         self._waiting = True
@@ -163,15 +169,21 @@ class SotwStream:
             self.acked_version = req.version_info
         return None
 
-    def response(self, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
-        """The response to send for ``snap`` now, or ``None``."""
+    def due(self, version: str) -> bool:
+        """Whether a response of ``version`` goes out now; if so, it is taken as sent (a new nonce)."""
         if not self._waiting or self.names is None:
-            return None
-        if snap.version == self.sent_version and self.names == self._sent_names:
-            return None
+            return False
+        if version == self.sent_version and self.names == self._sent_names:
+            return False
         self._responses += 1
         self.nonce = str(self._responses)
-        self.sent_version, self._sent_names, self._waiting = snap.version, self.names, False
+        self.sent_version, self._sent_names, self._waiting = version, self.names, False
+        return True
+
+    def response(self, snap: Snapshot) -> discovery_pb2.DiscoveryResponse | None:
+        """The response to send for ``snap`` now, or ``None``."""
+        if not self.due(snap.version):
+            return None
         wanted = not self.names or ENGINES_CLUSTER in self.names
         return discovery_pb2.DiscoveryResponse(
             version_info=snap.version,
@@ -277,41 +289,60 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        if self._closed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "ext_proc draining")
-        stream = SotwStream()
-        wake = asyncio.Event()
-        self._wakes.add(wake)
-        peer = context.peer()
-        reader = asyncio.create_task(self._read(request_iterator, stream, wake, peer))
-        try:
-            while not self._closed:
-                wake.clear()
-                resp = stream.response(self.snapshot)
-                if resp is not None:
-                    yield resp
-                if reader.done():
-                    reader.result()  # the stream's end, or its error
-                    return
-                await wake.wait()
-        finally:
-            self._wakes.discard(wake)
-            reader.cancel()
+        async for resp in serve(
+            "EDS", request_iterator, context, SotwStream(), lambda s: s.response(self.snapshot), self._wakes,
+            lambda: self._closed,
+        ):  # fmt: skip
+            yield resp
 
-    @staticmethod
-    async def _read(
-        requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        stream: SotwStream,
-        wake: asyncio.Event,
-        peer: str,
-    ) -> None:
-        try:
-            async for req in requests:
-                if stream.names is None:
-                    log.info("EDS stream from %s (node %s)", peer, req.node.id or "?")
-                nack = stream.request(req)
-                if nack is not None:
-                    log.error("Envoy %s rejected EDS version %s: %s", peer, stream.sent_version, nack)
-                wake.set()
-        finally:
+
+async def serve(
+    kind: str,
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+    context: grpc.aio.ServicerContext,
+    stream: S,
+    respond: Callable[[S], discovery_pb2.DiscoveryResponse | None],
+    wakes: set[asyncio.Event],
+    closed: Callable[[], bool],
+) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+    """One state-of-the-world xDS stream (EDS here, CDS in :mod:`extproc.xds.cds`): ``respond(stream)`` is
+    sent whenever it has something (the last request answered, a new version), woken by the requests
+    read and by the service setting the event it adds to ``wakes``; it ends with the client's stream or
+    when ``closed()`` (``UNAVAILABLE`` from the start)."""
+    if closed():
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "ext_proc draining")
+    wake = asyncio.Event()
+    wakes.add(wake)
+    reader = asyncio.create_task(_read(kind, requests, stream, wake, context.peer()))
+    try:
+        while not closed():
+            wake.clear()
+            resp = respond(stream)
+            if resp is not None:
+                yield resp
+            if reader.done():
+                reader.result()  # the stream's end, or its error
+                return
+            await wake.wait()
+    finally:
+        wakes.discard(wake)
+        reader.cancel()
+
+
+async def _read(
+    kind: str,
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+    stream: SotwStream,
+    wake: asyncio.Event,
+    peer: str,
+) -> None:
+    try:
+        async for req in requests:
+            if stream.names is None:
+                log.info("%s stream from %s (node %s)", kind, peer, req.node.id or "?")
+            nack = stream.request(req)
+            if nack is not None:
+                log.error("Envoy %s rejected %s version %s: %s", peer, kind, stream.sent_version, nack)
             wake.set()
+    finally:
+        wake.set()

@@ -418,6 +418,7 @@ class Stack:
             tracing=EnvoyTracing.from_settings(parsed.tracing),
             federation=_envoy_federation(parsed, opts.federation_delay_ms),
             burst=parsed.burst,
+            burst_credentials=parsed.burst_credentials,
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))

@@ -52,6 +52,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
+from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
@@ -60,7 +61,7 @@ from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, Resilience
 from kvgate.envoy.tls import EnvoyTls, secure_profile
-from kvgate.envoy.usage import usage_filter
+from kvgate.envoy.usage import stream_id_filter, usage_filter
 
 #: Headers a client may never set: routing decisions, retries, timeouts and client addresses come from
 #: the ext_proc and this config alone. A client's ``x-forwarded-for`` is dropped too when no proxy in front
@@ -202,6 +203,9 @@ class EnvoyParams:
     federation: envoy_federation.EnvoyFederation | None = None
     #: Hosted burst endpoints (``[[burst]]``): a TLS cluster and a route each (kvgate/envoy/burst.py).
     burst: tuple[BurstEndpoint, ...] = ()
+    #: Credentials etcd ``burst/<name>`` records may name (``[burst_credentials]``): a static secret
+    #: each, and the etcd endpoints' clusters over CDS from the ext_procs (kvgate/envoy/burst.py).
+    burst_credentials: tuple[BurstCredential, ...] = ()
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -394,7 +398,11 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                     "domains": ["*"],
                     "routes": [
                         {**r, **route}
-                        for r in (*envoy_burst.routes(params.burst), *resilience.routes(res, action))
+                        for r in (
+                            *envoy_burst.routes(params.burst),
+                            *(envoy_burst.dynamic_routes() if params.burst_credentials else ()),
+                            *resilience.routes(res, action),
+                        )
                     ],
                 }
             ],
@@ -411,6 +419,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     if params.completion_log:  # the engine's reused prompt tokens, for the drift alarm (extproc/drift)
         filters: list[dict[str, Any]] = hcm["http_filters"]  # type: ignore[assignment]
         filters.insert(-1, usage_filter())
+        filters.insert(-1, stream_id_filter())  # a streamed Responses answer's id (extproc/affinity)
     if params.tracing is not None:
         hcm["tracing"] = envoy_tracing.hcm_tracing(params.tracing)
     extproc_cluster = resilience.extproc_cluster(res, extprocs)
@@ -450,6 +459,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             envoy_burst.cluster(e, params.upstream_connect_timeout_s) for e in params.burst
         )
         static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
+    if params.burst_credentials:
+        envoy_burst.apply_credentials(config, params.burst_credentials, res.eds_initial_fetch_s)
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)

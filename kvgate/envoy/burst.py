@@ -15,36 +15,32 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from contracts.epp import MODEL_HEADER
+from contracts.epp import EXTPROC_CLUSTER, MODEL_HEADER
 from contracts.errors import ConfigError
-from extproc.burst.core import BURST_HEADER, BurstEndpoint
+from extproc.burst import clusters
+from extproc.burst.core import BURST_HEADER, CLUSTER_PREFIX, BurstEndpoint
+from extproc.burst.records import BurstCredential
 
 #: The system CA bundle (Debian/Ubuntu path) for endpoints without ``ca_file``.
-SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
-_HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-_INJECTOR = "type.googleapis.com/envoy.extensions.filters.http.credential_injector.v3.CredentialInjector"
-_GENERIC = "type.googleapis.com/envoy.extensions.http.injected_credentials.generic.v3.Generic"
-_CODEC = "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+SYSTEM_CA_BUNDLE = clusters.SYSTEM_CA_BUNDLE
 
 
-def secret_name(endpoint: BurstEndpoint) -> str:
-    return f"{endpoint.cluster}_key"
+secret_name = clusters.secret_name
 
 
-def check_files(endpoint: BurstEndpoint) -> None:
+def check_files(endpoint: BurstEndpoint | BurstCredential) -> None:
     """:class:`ConfigError` unless the key file and CA bundle are readable files and the key file holds
-    one header-safe token (its bytes are checked, never logged)."""
+    one header-safe token (its bytes are checked, never logged). Run where Envoy's config is rendered."""
     ca = endpoint.ca_file or SYSTEM_CA_BUNDLE
+    what_ = "burst" if isinstance(endpoint, BurstEndpoint) else "burst credential"
     for what, path in (("api_key_file", endpoint.api_key_file), ("ca_file", ca)):
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise ConfigError(f"burst {endpoint.name}: {what} {path!r} is not a readable file")
+            raise ConfigError(f"{what_} {endpoint.name}: {what} {path!r} is not a readable file")
     with open(endpoint.api_key_file, "rb") as f:  # Envoy sends the file's bytes as they are
         key = f.read()
     if not key or any(c <= 0x20 or c >= 0x7F for c in key):
         raise ConfigError(
-            f"burst {endpoint.name}: api_key_file {endpoint.api_key_file!r} must hold the key alone "
+            f"{what_} {endpoint.name}: api_key_file {endpoint.api_key_file!r} must hold the key alone "
             "(printable ASCII, no spaces, no trailing newline)"
         )
 
@@ -58,59 +54,9 @@ def secrets(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
 
 
 def cluster(endpoint: BurstEndpoint, connect_timeout_s: float) -> dict[str, Any]:
-    """The endpoint's cluster: DNS, verified TLS with SNI, the key injected upstream."""
+    """The endpoint's cluster (:func:`extproc.burst.clusters.cluster`), its files checked first."""
     check_files(endpoint)
-    host = endpoint.host
-    address = {"socket_address": {"address": host, "port_value": endpoint.port}}
-    injector = {
-        "name": "envoy.filters.http.credential_injector",
-        "typed_config": {
-            "@type": _INJECTOR,
-            "overwrite": True,  # a client's Authorization (already removed by the route) never goes on
-            "credential": {
-                "name": "envoy.http.injected_credentials.generic",
-                "typed_config": {
-                    "@type": _GENERIC,
-                    "credential": {"name": secret_name(endpoint)},
-                    "header": "Authorization",
-                    "header_value_prefix": "Bearer ",
-                },
-            },
-        },
-    }
-    return {
-        "name": endpoint.cluster,
-        "type": "STRICT_DNS",
-        "dns_lookup_family": "V4_PREFERRED",
-        "connect_timeout": f"{connect_timeout_s}s",
-        "load_assignment": {
-            "cluster_name": endpoint.cluster,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
-        },
-        "transport_socket": {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": _TLS,
-                "sni": host,
-                "common_tls_context": {
-                    "validation_context": {
-                        "trusted_ca": {"filename": endpoint.ca_file or SYSTEM_CA_BUNDLE},
-                        "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": host}}],
-                    }
-                },
-            },
-        },
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _HTTP_OPTS,
-                "explicit_http_config": {"http_protocol_options": {}},
-                "http_filters": [
-                    injector,
-                    {"name": "envoy.filters.http.upstream_codec", "typed_config": {"@type": _CODEC}},
-                ],
-            }
-        },
-    }
+    return clusters.cluster(endpoint, connect_timeout_s, secret_name(endpoint), SYSTEM_CA_BUNDLE)
 
 
 def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
@@ -124,3 +70,44 @@ def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
         }
         for e in endpoints
     ]
+
+
+def dynamic_routes() -> list[dict[str, Any]]:
+    """The route of etcd's endpoints (after the config's own): ``x-kvgate-burst`` holds the cluster's name
+    (``kvgate_burst_<name>``, a cluster the ext_proc serves over CDS), ``Host`` becomes its DNS name."""
+    return [
+        {
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": BURST_HEADER, "string_match": {"prefix": CLUSTER_PREFIX}}],
+            },
+            "route": {"cluster_header": BURST_HEADER, "timeout": "0s", "auto_host_rewrite": True},
+            "request_headers_to_remove": [BURST_HEADER, MODEL_HEADER],
+        }
+    ]
+
+
+def apply_credentials(
+    config: dict[str, Any], credentials: tuple[BurstCredential, ...], initial_fetch_s: float
+) -> None:
+    """Burst endpoints from etcd (``burst/<name>``): each declared credential a static secret (Envoy reads
+    the key file at start; checked here), and the clusters from the ext_procs over gRPC CDS (the
+    ``kvgate_extproc`` cluster, like the engine cluster's EDS). Their route is :func:`dynamic_routes`."""
+    for c in credentials:
+        check_files(c)
+    static = config["static_resources"]
+    static.setdefault("secrets", []).extend(
+        {"name": c.secret, "generic_secret": {"secret": {"filename": c.api_key_file}}} for c in credentials
+    )
+    config["dynamic_resources"] = {
+        "cds_config": {
+            "resource_api_version": "V3",
+            "initial_fetch_timeout": f"{initial_fetch_s}s",
+            "api_config_source": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": True,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}],
+            },
+        }
+    }

@@ -7,8 +7,10 @@ kvgate routes these paths (by model, prefix-aware) and that an answer of the rig
   deterministic per input (a hash of its token ids), unit length: not semantic.
 - ``POST /v1/responses``: ``input`` (string or message items) and ``instructions`` become a chat,
   generated like ``/v1/chat/completions``; the answer is a Responses object (``output`` one
-  ``message`` with ``output_text``, ``usage.input_tokens``/``output_tokens``). ``stream: true`` is
-  refused (400): the simulator does not write Responses stream events.
+  ``message`` with ``output_text``, ``usage.input_tokens``/``output_tokens``). With ``stream: true`` the
+  same answer comes as Responses stream events (``event: response.created`` ... ``response.completed``,
+  OpenAI's SSE shape, the text in one ``response.output_text.delta``), all written once the answer is
+  generated: the wire format is real, the time to the first event is the whole generation's.
 - ``POST /score``, ``/v1/score`` (vLLM: ``queries``/``documents``, ``data_1``/``data_2`` or
   ``text_1``/``text_2``) and ``POST /rerank``, ``/v1/rerank``, ``/v2/rerank`` (``query``, ``documents``,
   ``top_n``): scores in [0, 1] from a hash of each pair, vLLM's response shapes.
@@ -75,9 +77,7 @@ class PoolingRoutes:
         }
         return _json(out)
 
-    async def responses(self, request: web.Request, body: dict[str, Any]) -> web.Response:
-        if body.get("stream"):
-            raise invalid("stream is not supported by the simulator's /v1/responses", "stream", True)
+    async def responses(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         chat: dict[str, Any] = {"model": body.get("model") or self.serving.model, "messages": _messages(body)}
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
@@ -112,7 +112,9 @@ class PoolingRoutes:
                 "total_tokens": usage["total_tokens"],
             },
         }
-        return _json(out)
+        if not body.get("stream"):
+            return _json(out)
+        return await _response_events(request, out, text)
 
     async def score(self, request: web.Request, body: dict[str, Any]) -> web.Response:
         pairs = [("queries", "documents"), ("data_1", "data_2"), ("text_1", "text_2")]
@@ -259,6 +261,35 @@ def _vector(ids: Sequence[int], dims: int) -> list[float]:
     raw = [math.sin(seed * 0.001 + i * 1.618) for i in range(dims)]
     norm = math.sqrt(sum(v * v for v in raw)) or 1.0
     return [v / norm for v in raw]
+
+
+async def _response_events(request: web.Request, out: dict[str, Any], text: str) -> web.StreamResponse:
+    """``out`` (a completed Responses object) as OpenAI's Responses stream events."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    item = out["output"][0]
+    part = item["content"][0]
+    started = {**out, "status": "in_progress", "output": [], "usage": None}
+    ids = {"item_id": item["id"], "output_index": 0}
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": started}),
+        ("response.in_progress", {"response": started}),
+        (
+            "response.output_item.added",
+            {"output_index": 0, "item": {**item, "status": "in_progress", "content": []}},
+        ),
+        ("response.content_part.added", {**ids, "content_index": 0, "part": {**part, "text": ""}}),
+        ("response.output_text.delta", {**ids, "content_index": 0, "delta": text}),
+        ("response.output_text.done", {**ids, "content_index": 0, "text": text}),
+        ("response.content_part.done", {**ids, "content_index": 0, "part": part}),
+        ("response.output_item.done", {"output_index": 0, "item": item}),
+        ("response.completed", {"response": out}),
+    ]
+    for number, (kind, fields) in enumerate(events):
+        data = orjson.dumps({"type": kind, "sequence_number": number, **fields})
+        await response.write(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+    await response.write_eof()
+    return response
 
 
 def _json(out: dict[str, Any]) -> web.Response:

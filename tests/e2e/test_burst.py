@@ -17,6 +17,7 @@ import ssl
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,9 +65,24 @@ def options(workdir: Path, endpoint: dict[str, Any]) -> StackOptions:
     )
 
 
-@pytest.fixture(scope="module")
-def burst(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[Burst]:
-    work = tmp_path_factory.mktemp("burst")
+@dataclass
+class Hosted:
+    """The stand-in hosted endpoint: its HTTPS port, key (and file) and the CA its certificate chains to."""
+
+    port: int
+    key: str
+    key_file: Path
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"https://localhost:{self.port}"
+
+
+@contextmanager
+def hosted_endpoint(work: Path, model_dir: str) -> Iterator[Hosted]:
+    """A simulator serving HTTPS as ``localhost`` (a test CA) and requiring a fresh key (vLLM's
+    ``--api-key``, passed in its environment, not on the argv)."""
     ca_dir = work / "ca"
     now = datetime.now(UTC)
     init_ca(ca_dir, now)
@@ -79,24 +95,28 @@ def burst(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[
     argv = [sys.executable, "-m", "load.sim.server", "--model", HOSTED_MODEL, "--model-dir", model_dir]
     argv += ["--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), "--time-scale", "0.05"]
     argv += ["--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key)]
-    hosted = Child("hosted", argv, work / "hosted.log", env={"VLLM_API_KEY": key})  # not on the argv
+    hosted = Child("hosted", argv, work / "hosted.log", env={"VLLM_API_KEY": key})
     try:
         (replica,) = hosted.wait_for_json_file(ready, 120)
-        port = int(replica["address"].rpartition(":")[2])
+        yield Hosted(int(replica["address"].rpartition(":")[2]), key, key_file, ca_paths(ca_dir)[0])
+    finally:
+        hosted.stop()
+
+
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[Burst]:
+    work = tmp_path_factory.mktemp("burst")
+    with hosted_endpoint(work, model_dir) as h:
         endpoint = {
             "name": "hosted",
             "host": "localhost",
-            "port": port,
-            "ca_file": str(ca_paths(ca_dir)[0]),
-            "api_key_file": str(key_file),
+            "port": h.port,
+            "ca_file": str(h.ca),
+            "api_key_file": str(h.key_file),
             "models": {MODEL: HOSTED_MODEL},
         }
         with Stack(options(work / "stack", endpoint)) as running:
-            yield Burst(
-                running, f"https://localhost:{port}", f"127.0.0.1:{port}", key, ca_paths(ca_dir)[0], endpoint
-            )
-    finally:
-        hosted.stop()
+            yield Burst(running, h.url, f"127.0.0.1:{h.port}", h.key, h.ca, endpoint)
 
 
 def gateway(stack: Stack, name: str, **labels: str) -> float:

@@ -614,7 +614,16 @@ async def test_responses_score_and_rerank(fleet: SimFleet, http: aiohttp.ClientS
     (message,) = got["output"]
     assert message["type"] == "message" and message["content"][0]["type"] == "output_text"
     assert got["usage"]["output_tokens"] == 5 and got["usage"]["input_tokens"] > 0
-    assert (await post(http, fleet, "/v1/responses", {"input": "Hi", "stream": True}))[0] == 400
+    streamed = {"input": "Hi", "stream": True, "max_output_tokens": 3}
+    async with http.post(f"http://{fleet.addresses[0]}/v1/responses", json=streamed) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        blocks = [b.split("\n") for b in (await resp.text()).split("\n\n") if b]
+    kinds = [kind.removeprefix("event: ") for kind, _ in blocks]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    datas = [json.loads(data.removeprefix("data: ")) for _, data in blocks]
+    assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
+    assert datas[0]["response"]["id"] == datas[-1]["response"]["id"]
+    assert datas[-1]["response"]["usage"]["output_tokens"] == 3
     assert (await post(http, fleet, "/v1/responses", {"input": []}))[0] == 400
     status, got = await post(http, fleet, "/v1/score", {"text_1": "q", "text_2": ["a", "b"]})
     assert status == 200 and [d["index"] for d in got["data"]] == [0, 1]

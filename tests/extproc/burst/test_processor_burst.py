@@ -134,3 +134,19 @@ def test_a_model_without_a_burst_endpoint_is_refused_as_before(router: Router) -
         send(make(router, control, b), {"x-kvgate-deadline-ms": "300"}, content="word " * 400)
     )
     assert (status, err["code"]) == (429, "slo_unattainable")
+
+
+def test_a_responses_follow_up_never_bursts(router: Router) -> None:
+    """It continues a conversation a local engine holds (previous_response_id): the hosted endpoint could
+    not resolve the id, so it waits for the local fleet (a first Responses request may burst)."""
+    from tests.extproc.test_processor import body, headers
+
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    b = burster()
+    fill(router, control)
+    for doc, bursts in (({"previous_response_id": "resp_1"}, False), ({}, True)):
+        proc = make(router, control, b)
+        assert proc.handle(headers("/v1/responses")) == []
+        out = proc.handle(body(orjson.dumps({"model": MODEL, "input": "next", **doc})))
+        assert (proc.held is None) is bursts, out
+    assert b.counts == {("hosted", "sent"): 1}

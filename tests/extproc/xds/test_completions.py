@@ -102,6 +102,18 @@ def test_completion_reads_the_drift_alarm_metadata(
     assert (done_.model, done_.endpoint, done_.predicted_tokens, done_.cached_tokens) == expected
 
 
+def test_completion_reads_a_responses_requests_scope_and_response_id() -> None:
+    """extproc/affinity learns from these two: the decision's scope, json_to_metadata's response id."""
+    fields = {
+        "kvgate_decision": {"responses_scope": "tenant:acme"},
+        "kvgate_usage": {"response_id": "resp_1"},
+    }
+    got = completion(with_metadata(done(), **fields))
+    assert got is not None and (got.responses_scope, got.response_id) == ("tenant:acme", "resp_1")
+    plain = completion(with_metadata(done(), kvgate_usage={"response_id": "chatcmpl-1"}))
+    assert plain is not None and plain.responses_scope is None  # not a Responses API request: not learned
+
+
 async def test_every_completion_reaches_the_callback_and_failures_still_eject() -> None:
     """Completions of the completion log reach ``on_completion`` (for any address: a capacity signal even
     when another replica routed it); the failure log's entries eject and are no completions; other

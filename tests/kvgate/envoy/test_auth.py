@@ -48,6 +48,7 @@ def test_open_gateway_is_unchanged_but_strips_the_tenant_header() -> None:
     assert [f["name"] for f in hcm(config)["http_filters"]] == [
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.json_to_metadata",  # the engine's cached tokens, for the drift alarm
+        "kvgate.responses_stream_id",  # a streamed Responses answer's id (extproc/affinity)
         "envoy.filters.http.router",
     ]
     assert EdgeAuth.from_config(parse_config({})) is None
@@ -66,6 +67,7 @@ def test_filter_chain_order_and_jwt_provider() -> None:
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.local_ratelimit",
         "envoy.filters.http.json_to_metadata",
+        "kvgate.responses_stream_id",
         "envoy.filters.http.router",
     ]
     jwt = filters[0]["typed_config"]
@@ -112,6 +114,7 @@ def test_api_keys_only_and_reservation_mode() -> None:
     assert [f["name"] for f in filters] == [
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.json_to_metadata",
+        "kvgate.responses_stream_id",
         "envoy.filters.http.router",
     ]
     ext_proc = filters[0]["typed_config"]

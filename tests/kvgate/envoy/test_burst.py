@@ -9,6 +9,7 @@ import pytest
 
 from contracts.errors import ConfigError
 from extproc.burst.core import BURST_HEADER, parse_burst
+from extproc.burst.records import parse_credentials
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
 from kvgate.envoy.burst import SYSTEM_CA_BUNDLE
 from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
@@ -68,3 +69,28 @@ def test_a_key_file_envoy_cannot_send_is_refused(tmp_path: Path, key: bytes) -> 
 def test_missing_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ca_file"):
         render(params(tmp_path, ca=str(tmp_path / "missing.pem")))
+
+
+def test_declared_credentials_give_static_secrets_cds_and_the_cluster_header_route(tmp_path: Path) -> None:
+    """etcd's endpoints (burst/<name>): a static secret per declared credential, CDS from the ext_proc,
+    and one route taking the cluster from the ext_proc's header (only ``kvgate_burst_*`` values)."""
+    key_file = tmp_path / "openai.key"
+    key_file.write_bytes(KEY.encode())
+    (cred,) = parse_credentials({"openai": {"api_key_file": str(key_file), "hosts": ["api.example.com"]}})
+    p = EnvoyParams(burst_credentials=(cred,))
+    cfg = render(p)
+    (secret,) = cfg["static_resources"]["secrets"]
+    assert secret == {
+        "name": "kvgate_burst_credential_openai",
+        "generic_secret": {"secret": {"filename": str(key_file)}},
+    }
+    cds = cfg["dynamic_resources"]["cds_config"]["api_config_source"]
+    assert cds["grpc_services"] == [{"envoy_grpc": {"cluster_name": "kvgate_extproc"}}]
+    route = hcm_of(cfg)["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert route["match"]["headers"] == [{"name": BURST_HEADER, "string_match": {"prefix": "kvgate_burst_"}}]
+    assert route["route"]["cluster_header"] == BURST_HEADER and route["route"]["auto_host_rewrite"] is True
+    assert KEY not in render_yaml(p)
+    validate(tmp_path, p)
+    key_file.write_bytes(b"")  # a key Envoy cannot send is refused here too
+    with pytest.raises(ConfigError, match="api_key_file"):
+        render(p)

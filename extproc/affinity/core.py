@@ -1,0 +1,108 @@
+"""Which endpoint produced which Responses API response, per tenant: a bounded LRU with a TTL.
+
+Pure: every method takes ``now`` (seconds, monotonic). The shell learns an entry from Envoy's completion
+log (:meth:`ResponseAffinity.learn`) and the processor asks for a follow-up's endpoint
+(:meth:`ResponseAffinity.lookup`). Keys are ``(scope, response_id)``: the scope is the tenant (under
+``[auth]``) or the open gateway's one scope, so a tenant's lookup never sees another tenant's ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from contracts.config import Section
+from contracts.errors import ConfigError
+
+#: Outcomes of a follow-up (``kvgate_response_affinity_requests_total{outcome}``).
+HIT, UNKNOWN, UNAVAILABLE = "hit", "unknown", "unavailable"
+#: Why an entry left (``kvgate_response_affinity_evicted_total{reason}``).
+LRU, TTL = "lru", "ttl"
+#: The scope of requests without a tenant (no ``[auth]``); tenants' are ``tenant:<id>``.
+OPEN_SCOPE = "open"
+#: The longest response id kept (OpenAI's and vLLM's are ``resp_`` + 32 to 48 characters).
+MAX_ID = 256
+
+
+def scope_of(tenant: str | None) -> str:
+    """The key space of a request: its tenant's own, else the open gateway's."""
+    return OPEN_SCOPE if tenant is None else f"tenant:{tenant}"
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    """``[response_affinity]``: ``enabled``; at most ``max_entries`` ids kept (least recently used leave
+    first); each kept ``ttl_s`` seconds from when it was learned or last used."""
+
+    enabled: bool = True
+    max_entries: int = 50_000
+    ttl_s: float = 3600.0
+
+
+def parse_affinity(raw: object, where: str = "response_affinity") -> AffinityConfig:
+    if raw is None:
+        return AffinityConfig()
+    s = Section(raw, where)
+    d = AffinityConfig()
+    config = AffinityConfig(
+        enabled=s.flag("enabled", d.enabled),
+        max_entries=s.integer("max_entries", d.max_entries, minimum=1),
+        ttl_s=s.number("ttl_s", d.ttl_s),
+    )
+    s.done()
+    if config.ttl_s <= 0:
+        raise ConfigError(f"{where}.ttl_s: must be > 0, got {config.ttl_s}")
+    return config
+
+
+@dataclass(slots=True)
+class ResponseAffinity:
+    """``(scope, response_id) -> (endpoint id, expires)``, most recently used last."""
+
+    config: AffinityConfig = field(default_factory=AffinityConfig)
+    entries: OrderedDict[tuple[str, str], tuple[str, float]] = field(default_factory=OrderedDict)
+    learned: int = 0
+    evicted: dict[str, int] = field(default_factory=lambda: {LRU: 0, TTL: 0})
+    outcomes: dict[str, int] = field(default_factory=lambda: {HIT: 0, UNKNOWN: 0, UNAVAILABLE: 0})
+
+    def learn(self, scope: str, response_id: str, endpoint: str, now: float) -> bool:
+        """``endpoint`` produced ``response_id`` for ``scope``; ``False`` when not kept (an id too long or
+        empty)."""
+        if not response_id or len(response_id) > MAX_ID:
+            return False
+        key = (scope, response_id)
+        self.entries[key] = (endpoint, now + self.config.ttl_s)
+        self.entries.move_to_end(key)
+        self.learned += 1
+        self._expire(now)
+        while len(self.entries) > self.config.max_entries:
+            self.entries.popitem(last=False)
+            self.evicted[LRU] += 1
+        return True
+
+    def lookup(self, scope: str, response_id: str, now: float) -> str | None:
+        """The endpoint that produced ``response_id`` in ``scope`` (its TTL renewed), else ``None``."""
+        key = (scope, response_id)
+        got = self.entries.get(key)
+        if got is None:
+            return None
+        endpoint, expires = got
+        if expires <= now:
+            del self.entries[key]
+            self.evicted[TTL] += 1
+            return None
+        self.entries[key] = (endpoint, now + self.config.ttl_s)
+        self.entries.move_to_end(key)
+        return endpoint
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+
+    def _expire(self, now: float) -> None:
+        """Drop expired entries from the least recently used end (amortized O(1) per learn)."""
+        while self.entries:
+            key, (_, expires) = next(iter(self.entries.items()))
+            if expires > now:
+                return
+            del self.entries[key]
+            self.evicted[TTL] += 1
