@@ -52,9 +52,11 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
+from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
+from kvgate.envoy import migration as envoy_migration
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
@@ -78,6 +80,9 @@ STRIPPED_REQUEST_HEADERS = (
     "forwarded",
     # The hosted burst endpoint the ext_proc picked (extproc/burst): a client may not choose it.
     BURST_HEADER,
+    # The migration proxy's hosts and limit (kvgate/envoy/migration.py): Envoy writes them per route.
+    UPSTREAMS_HEADER,
+    LIMIT_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
@@ -202,6 +207,9 @@ class EnvoyParams:
     federation: envoy_federation.EnvoyFederation | None = None
     #: Hosted burst endpoints (``[[burst]]``): a TLS cluster and a route each (kvgate/envoy/burst.py).
     burst: tuple[BurstEndpoint, ...] = ()
+    #: In-flight migration: opted-in models' requests through the migration proxy
+    #: (kvgate/envoy/migration.py); ``None``: no model is opted in.
+    migration: envoy_migration.EnvoyMigration | None = None
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -394,7 +402,11 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                     "domains": ["*"],
                     "routes": [
                         {**r, **route}
-                        for r in (*envoy_burst.routes(params.burst), *resilience.routes(res, action))
+                        for r in (
+                            *envoy_burst.routes(params.burst),
+                            *envoy_migration.routes(params.migration),
+                            *resilience.routes(res, action),
+                        )
                     ],
                 }
             ],
@@ -450,6 +462,12 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             envoy_burst.cluster(e, params.upstream_connect_timeout_s) for e in params.burst
         )
         static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
+    if params.migration is not None:
+        config["static_resources"]["clusters"].append(
+            envoy_migration.cluster(
+                params.migration, params.upstream_connect_timeout_s, params.buffer_limit_bytes
+            )
+        )
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)
