@@ -36,16 +36,15 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from contracts.epp import MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER
 from extproc.migration.continuation import CHAT_PATH, continuation, migratable, stream_body
 from extproc.migration.splice import Splicer
 from runtime.lifecycle import announce_ready, stop_on_signals
 
 log = logging.getLogger(__name__)
 
-UPSTREAMS_HEADER = "x-kvgate-migrate-upstreams"
-"""Request header Envoy writes from the decision's ``envoy.lb`` list: the hosts a request may use."""
-LIMIT_HEADER = "x-kvgate-migration-limit"
-"""Request header Envoy writes per route: the model's ``migration_limit``."""
+UPSTREAMS_HEADER = MIGRATE_UPSTREAMS_HEADER
+LIMIT_HEADER = MIGRATION_LIMIT_HEADER
 DEFAULT_LIMIT = 3
 
 #: Not forwarded to an engine: hop-by-hop headers, the body's length (recomputed) and the proxy's own.

@@ -43,6 +43,8 @@ from contracts.epp import (
     ENGINES_CLUSTER,
     EXTPROC_CLUSTER,
     LB_NS,
+    MIGRATE_UPSTREAMS_HEADER,
+    MIGRATION_LIMIT_HEADER,
     MODEL_HEADER,
     PRIMARY,
     REJECTED_KEY,
@@ -52,7 +54,6 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
-from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
@@ -81,8 +82,8 @@ STRIPPED_REQUEST_HEADERS = (
     # The hosted burst endpoint the ext_proc picked (extproc/burst): a client may not choose it.
     BURST_HEADER,
     # The migration proxy's hosts and limit (kvgate/envoy/migration.py): Envoy writes them per route.
-    UPSTREAMS_HEADER,
-    LIMIT_HEADER,
+    MIGRATE_UPSTREAMS_HEADER,
+    MIGRATION_LIMIT_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine

@@ -4,9 +4,9 @@ migration proxy; every other model's stream goes straight from engine to client 
 * a route per opted-in model, matched on the model header the ext_proc sets after its decision (the
   route is chosen again after the ext_proc's reply), to the ``kvgate_migration`` cluster (the proxy on
   loopback), with no retries (the proxy walks the fallbacks itself);
-* on that route Envoy writes :data:`~extproc.migration.proxy.UPSTREAMS_HEADER` from the decision's
+* on that route Envoy writes :data:`~contracts.epp.MIGRATE_UPSTREAMS_HEADER` from the decision's
   ``envoy.lb`` metadata (only the ext_proc writes it; a client's copy of the header is stripped before
-  any filter) and :data:`~extproc.migration.proxy.LIMIT_HEADER` with the model's ``migration_limit``.
+  any filter) and :data:`~contracts.epp.MIGRATION_LIMIT_HEADER` with the model's ``migration_limit``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.epp import DESTINATION, LB_NS, MODEL_HEADER
+from contracts.epp import DESTINATION, LB_NS, MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER, MODEL_HEADER
 from extproc.config import GatewayConfig
-from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
 
 CLUSTER = "kvgate_migration"
 
@@ -54,13 +53,13 @@ def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
                 "request_headers_to_add": [
                     {
                         "header": {
-                            "key": UPSTREAMS_HEADER,
+                            "key": MIGRATE_UPSTREAMS_HEADER,
                             "value": f"%DYNAMIC_METADATA({LB_NS}:{DESTINATION})%",
                         },
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                     },
                     {
-                        "header": {"key": LIMIT_HEADER, "value": str(limit)},
+                        "header": {"key": MIGRATION_LIMIT_HEADER, "value": str(limit)},
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                     },
                 ],
