@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from contracts.epp import MODEL_HEADER
 from contracts.errors import ConfigError
 from extproc.config import parse_config
 from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
+from kvgate.cli import main as kvgate
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render
 from kvgate.envoy.migration import CLUSTER, EnvoyMigration, migrating_models
 from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
@@ -59,3 +61,16 @@ def test_models_opt_in_and_are_validated() -> None:
     ):
         with pytest.raises(ConfigError, match="migration"):
             parse_config({"models": [model(**bad)]})
+
+
+def test_envoy_config_renders_the_opted_in_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text('[[models]]\nname = "m"\ngguf = "smollm2"\nmigration = true\n')
+    argv = ["envoy-config", "--gateway-config", str(gateway)]
+    assert kvgate(argv) == 2  # where the proxy listens must be said
+    assert "--migration-proxy" in capsys.readouterr().err
+    assert kvgate([*argv, "--migration-proxy", "127.0.0.1:9010"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == CLUSTER]
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 9010}
