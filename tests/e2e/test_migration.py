@@ -25,8 +25,9 @@ from tests.e2e.test_flow import metric
 from tests.polling import poll
 
 MODEL = "SmolLM2-135M-Instruct"
-#: 4x the documented H100 step time: ~25 ms a token, so a 48-token answer streams for over a second.
-SLOW_SIM = ("--time-scale", "4")
+#: 8x the documented H100 step time: ~50 ms a token, so a 48-token answer streams for over 2 s and the
+#: kill (after KILL_AFTER tokens reached the client) lands mid-stream even on a loaded machine.
+SLOW_SIM = ("--time-scale", "8")
 MAX_TOKENS = 48
 #: Tokens the client reads before the serving replica is killed.
 KILL_AFTER = 6
@@ -161,8 +162,9 @@ def test_a_completion_stream_is_one_well_formed_sse_stream(migrating: Stack) -> 
 
 def test_without_migration_the_stream_is_lost_as_before(plain: Stack) -> None:
     assert plain.migration is None
-    with pytest.raises((openai.APIError, httpx.HTTPError)):
+    try:
         _, _, finish, usage, killed = chat_stream(plain, kill=True)
-        # Without an error, the stream must at least have ended short of a finished answer.
-        assert killed is not None and (finish is None or usage is None), "the stream survived"
-        raise httpx.RemoteProtocolError("ended early")
+    except (openai.APIError, httpx.HTTPError):
+        return  # the stream broke under the client: lost, as before
+    assert killed is not None
+    assert finish is None or usage is None, "the stream survived its engine without migration"
