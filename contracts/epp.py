@@ -104,3 +104,8 @@ the bundled Envoy config routes on it to the model's own stream idle timeout, an
 COMPLETION_LOG_NAME = "kvgate-completions"
 """Log name of the gRPC access-log entries Envoy sends the ext_procs, one per request the ext_proc routed
 (``kvgate.decision`` metadata present), after its response is complete: the completion signal."""
+MIGRATE_UPSTREAMS_HEADER = "x-kvgate-migrate-upstreams"
+"""Request header Envoy writes on an opted-in model's route to the migration proxy (extproc/migration) from
+the decision's ``envoy.lb`` list: the hosts the proxy may use, pick first (clients' copies stripped)."""
+MIGRATION_LIMIT_HEADER = "x-kvgate-migration-limit"
+"""Request header Envoy writes on that route: the model's ``migration_limit`` (clients' copies stripped)."""

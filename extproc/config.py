@@ -22,6 +22,8 @@ Example (TOML)::
     first_byte_timeout_s = 20
     idle_timeout_s = 120               # optional: Envoy ends this model's streams silent this long
                                        # (kvgate envoy-config --gateway-config renders it; default: 300)
+    migration = false                  # optional: a stream whose engine dies goes on elsewhere
+    migration_limit = 3                # (extproc/migration: through the migration proxy)
 
     [timeouts]                         # how long Envoy waits for an engine (extproc/routing/timeouts.py)
     request_s = 1800                   # the whole response, retries included; 0: none
@@ -291,6 +293,10 @@ class EjectionConfig:
     max_s: float = 30.0
 
 
+#: The most further tries a model may allow a request (``[[models]] migration_limit``).
+MAX_MIGRATION_LIMIT = 16
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A served model: where its tokenizer and chat template come from, and its context length.
@@ -314,6 +320,11 @@ class ModelConfig:
     #: Envoy's stream idle timeout for this model's requests (``None``: the listener's); rendered into
     #: the Envoy config (:mod:`kvgate.envoy.resilience`), not used by the ext_proc.
     idle_timeout_s: float | None = None
+    #: In-flight migration (:mod:`extproc.migration`): this model's requests go through the migration
+    #: proxy, and a stream whose engine fails continues on the decision's next host, at most
+    #: ``migration_limit`` times per request.
+    migration: bool = False
+    migration_limit: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,8 +554,14 @@ def _model(raw: object, where: str) -> ModelConfig:
         request_timeout_s=s.number("request_timeout_s", None, minimum=0.0),
         first_byte_timeout_s=s.number("first_byte_timeout_s", None, minimum=0.0),
         idle_timeout_s=s.number("idle_timeout_s", None, minimum=0.001),
+        migration=s.flag("migration", False),
+        migration_limit=s.integer("migration_limit", 3, minimum=1),
     )
     s.done()
+    if model.migration_limit > MAX_MIGRATION_LIMIT:
+        raise ConfigError(
+            f"{where}.migration_limit: must be <= {MAX_MIGRATION_LIMIT}, got {model.migration_limit}"
+        )
     if (model.model_dir is None) == (model.gguf is None):
         raise ConfigError(f"{where}: set exactly one of model_dir or gguf")
     return model

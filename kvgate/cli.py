@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from extproc.config import GatewayConfig
+    from kvgate.envoy.migration import EnvoyMigration
 
 USAGE = """usage: kvgate COMMAND [ARGS]
 
@@ -24,6 +29,24 @@ commands:
   status          a gateway's fleet, index, policy in force and queues: `kvgate status [--url URL] [--json]`
   kvcached        run the node's tiered KV block store (--config kvcached.toml)
 """
+
+
+def _migration(gateway: GatewayConfig, proxy: str | None) -> EnvoyMigration | None:
+    """The migration routes of ``gateway``'s opted-in models to the proxy at ``proxy`` (``host:port``)."""
+    from contracts.errors import ConfigError
+    from kvgate.envoy.migration import EnvoyMigration, migrating_models
+
+    models = migrating_models(gateway)
+    if not models:
+        return None
+    if proxy is None:
+        names = ", ".join(m[0] for m in models)
+        raise ConfigError(f"models {names} have migration = true: give --migration-proxy HOST:PORT")
+    try:
+        host, port = _hostport(proxy)
+    except ValueError as exc:
+        raise ConfigError(f"--migration-proxy: expected HOST:PORT, got {proxy!r}") from exc
+    return EnvoyMigration(host, port, models)
 
 
 def _envoy_config(argv: list[str]) -> int:
@@ -99,6 +122,12 @@ def _envoy_config(argv: list[str]) -> int:
         "idle_timeout_s and its [tracing] (Envoy's OpenTelemetry tracer)",
     )
     parser.add_argument(
+        "--migration-proxy",
+        metavar="HOST:PORT",
+        help="with --gateway-config: where the migration proxy (python -m extproc.migration.proxy) listens, "
+        "for the models with migration = true (required when one has it)",
+    )
+    parser.add_argument(
         "--no-endpoint-header",
         action="store_true",
         help="do not tell clients which engine served them (the x-kvgate-endpoint response header)",
@@ -123,6 +152,7 @@ def _envoy_config(argv: list[str]) -> int:
     idle_timeouts: tuple[tuple[str, float], ...] = ()
     burst: tuple[BurstEndpoint, ...] = ()
     credentials: tuple[BurstCredential, ...] = ()
+    migration = None
     if args.gateway_config:
         from pathlib import Path
 
@@ -135,6 +165,7 @@ def _envoy_config(argv: list[str]) -> int:
             auth, idle_timeouts = EdgeAuth.from_config(gateway), model_idle_timeouts(gateway)
             tracing = EnvoyTracing.from_settings(gateway.tracing)
             burst, credentials = gateway.burst, gateway.burst_credentials
+            migration = _migration(gateway, args.migration_proxy)
         except ConfigError as exc:
             print(f"kvgate envoy-config: {exc}", file=sys.stderr)
             return 2
@@ -163,6 +194,7 @@ def _envoy_config(argv: list[str]) -> int:
                 tracing=tracing,
                 burst=burst,
                 burst_credentials=credentials,
+                migration=migration,
             )
         )
     except ConfigError as exc:  # a combination of flags and config the profile refuses

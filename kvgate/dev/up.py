@@ -78,6 +78,7 @@ from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from kvgate.envoy.federation import LISTENER as FEDERATION_LISTENER
 from kvgate.envoy.federation import EnvoyFederation
+from kvgate.envoy.migration import EnvoyMigration, migrating_models
 from kvgate.envoy.resilience import Resilience, model_idle_timeouts
 from kvgate.envoy.stats import STATS_LISTENER, STATS_PATH
 from kvgate.envoy.tls import CLIENTS_DIR, EnvoyTls, write_sds
@@ -119,6 +120,9 @@ class Stack:
         #: Every child in start order (Envoy last); ``sims``, ``extprocs`` and ``agents`` are among them.
         self.children: list[Service[Any]] = []
         self.sims: list[Service[Any]] = []
+        #: The migration proxy (extproc/migration), when some model has ``migration = true``.
+        self.migration: Service[Any] | None = None
+        self.migration_ports: dict[str, int] = {}
         self.engines: list[dict[str, str]] = []
         self.extprocs: list[Service[Any]] = []
         #: Each ext_proc's bound ports (``extproc``, ``health``, ``metrics``), in ``extprocs`` order.
@@ -419,6 +423,7 @@ class Stack:
             federation=_envoy_federation(parsed, opts.federation_delay_ms),
             burst=parsed.burst,
             burst_credentials=parsed.burst_credentials,
+            migration=self._start_migration(parsed),
         )
         config_path, admin_path = self.workdir / "envoy.yaml", self.workdir / "envoy.admin"
         config_path.write_text(render_yaml(params))
@@ -452,6 +457,32 @@ class Stack:
             )
         config_path.write_text(render_yaml(pinned))
         self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
+
+    def _start_migration(self, parsed: GatewayConfig) -> EnvoyMigration | None:
+        """The migration proxy on loopback when some ``[[models]]`` has ``migration = true``; its port is
+        then pinned for its restarts."""
+        models = migrating_models(parsed)
+        if not models:
+            return None
+        ready = self.workdir / "migration.ready.json"
+
+        def argv(port: int) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "extproc.migration.proxy",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--metrics-listen",
+                f"127.0.0.1:{self.migration_ports.get('metrics', 0)}",
+                "--ready-file",
+                str(ready),
+            ]
+
+        self.migration = self._spawn("migration", argv(0), ready, EXTPROC_READY_S)
+        self.migration_ports = {k: int(v) for k, v in self.migration.await_ready().items() if k != "pid"}
+        self.migration.argv = argv(self.migration_ports["proxy"])
+        return EnvoyMigration("127.0.0.1", self.migration_ports["proxy"], models)
 
     def _start_agents(self, model_dir: str) -> None:
         """A local etcd, then one node agent per engine; waits until every agent's engine is ready. Each

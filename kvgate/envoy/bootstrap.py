@@ -43,6 +43,8 @@ from contracts.epp import (
     ENGINES_CLUSTER,
     EXTPROC_CLUSTER,
     LB_NS,
+    MIGRATE_UPSTREAMS_HEADER,
+    MIGRATION_LIMIT_HEADER,
     MODEL_HEADER,
     PRIMARY,
     REJECTED_KEY,
@@ -56,6 +58,7 @@ from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
 from kvgate.envoy import burst as envoy_burst
 from kvgate.envoy import federation as envoy_federation
+from kvgate.envoy import migration as envoy_migration
 from kvgate.envoy import resilience
 from kvgate.envoy import stats as envoy_stats
 from kvgate.envoy import tracing as envoy_tracing
@@ -79,6 +82,9 @@ STRIPPED_REQUEST_HEADERS = (
     "forwarded",
     # The hosted burst endpoint the ext_proc picked (extproc/burst): a client may not choose it.
     BURST_HEADER,
+    # The migration proxy's hosts and limit (kvgate/envoy/migration.py): Envoy writes them per route.
+    MIGRATE_UPSTREAMS_HEADER,
+    MIGRATION_LIMIT_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
@@ -206,6 +212,9 @@ class EnvoyParams:
     #: Credentials etcd ``burst/<name>`` records may name (``[burst_credentials]``): a static secret
     #: each, and the etcd endpoints' clusters over CDS from the ext_procs (kvgate/envoy/burst.py).
     burst_credentials: tuple[BurstCredential, ...] = ()
+    #: In-flight migration: opted-in models' requests through the migration proxy
+    #: (kvgate/envoy/migration.py); ``None``: no model is opted in.
+    migration: envoy_migration.EnvoyMigration | None = None
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -401,6 +410,7 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                         for r in (
                             *envoy_burst.routes(params.burst),
                             *(envoy_burst.dynamic_routes() if params.burst_credentials else ()),
+                            *envoy_migration.routes(params.migration),
                             *resilience.routes(res, action),
                         )
                     ],
@@ -461,6 +471,12 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         static.setdefault("secrets", []).extend(envoy_burst.secrets(params.burst))
     if params.burst_credentials:
         envoy_burst.apply_credentials(config, params.burst_credentials, res.eds_initial_fetch_s)
+    if params.migration is not None:
+        config["static_resources"]["clusters"].append(
+            envoy_migration.cluster(
+                params.migration, params.upstream_connect_timeout_s, params.buffer_limit_bytes
+            )
+        )
     if params.tracing is not None:
         config["static_resources"]["clusters"].append(envoy_tracing.collector_cluster(params.tracing))
         config["layered_runtime"] = envoy_tracing.runtime_layer(params.tracing)

@@ -1,0 +1,101 @@
+"""Envoy's side of in-flight migration (extproc/migration): opted-in models' requests go through the
+migration proxy; every other model's stream goes straight from engine to client as before.
+
+* a route per opted-in model, matched on the model header the ext_proc sets after its decision (the
+  route is chosen again after the ext_proc's reply), to the ``kvgate_migration`` cluster (the proxy on
+  loopback), with no retries (the proxy walks the fallbacks itself);
+* on that route Envoy writes :data:`~contracts.epp.MIGRATE_UPSTREAMS_HEADER` from the decision's
+  ``envoy.lb`` metadata (only the ext_proc writes it; a client's copy of the header is stripped before
+  any filter) and :data:`~contracts.epp.MIGRATION_LIMIT_HEADER` with the model's ``migration_limit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from contracts.epp import DESTINATION, LB_NS, MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER, MODEL_HEADER
+from extproc.config import GatewayConfig
+
+CLUSTER = "kvgate_migration"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyMigration:
+    """The proxy's address and the opted-in models: (name, migration_limit, idle timeout or ``None``)."""
+
+    host: str
+    port: int
+    models: tuple[tuple[str, int, float | None], ...]
+
+
+def migrating_models(config: GatewayConfig) -> tuple[tuple[str, int, float | None], ...]:
+    """The ``[[models]]`` of a gateway config with ``migration = true``."""
+    return tuple((m.name, m.migration_limit, m.idle_timeout_s) for m in config.models if m.migration)
+
+
+def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
+    if migration is None:
+        return []
+    out = []
+    for model, limit, idle in migration.models:
+        action: dict[str, Any] = {"cluster": CLUSTER, "timeout": "0s"}
+        if idle is not None:
+            action["idle_timeout"] = f"{idle}s"
+        out.append(
+            {
+                "match": {
+                    "prefix": "/",
+                    "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
+                },
+                "route": action,
+                "request_headers_to_remove": [MODEL_HEADER],
+                "request_headers_to_add": [
+                    {
+                        "header": {
+                            "key": MIGRATE_UPSTREAMS_HEADER,
+                            "value": f"%DYNAMIC_METADATA({LB_NS}:{DESTINATION})%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    },
+                    {
+                        "header": {"key": MIGRATION_LIMIT_HEADER, "value": str(limit)},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    },
+                ],
+            }
+        )
+    return out
+
+
+def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: int) -> dict[str, Any]:
+    return {
+        "name": CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": f"{connect_timeout_s}s",
+        "per_connection_buffer_limit_bytes": buffer_limit,
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": migration.host,
+                                        "port_value": migration.port,
+                                    }
+                                }
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }

@@ -1,0 +1,96 @@
+"""The migration proxy against real simulator replicas (in process, 127.0.0.1:0), without Envoy: the
+hosts it may use come only from the header Envoy writes; failed tries before any byte go to the next."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER, MigrationProxy
+from load.sim.server import SimConfig, SimFleet
+from load.sim.timing import TimingModel
+from tests.e2e.test_flow import metric
+
+MODEL = "SmolLM2-135M-Instruct"
+CLOSED = "127.0.0.1:1"  # nothing listens there: a refused connection
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    config = SimConfig(MODEL, ensure_model_dir(smollm2_gguf_path()), timing=TimingModel(time_scale=0.01))
+    async with SimFleet(config, 2) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[tuple[MigrationProxy, aiohttp.ClientSession]]:
+    p = MigrationProxy()
+    await p.start(("127.0.0.1", 0), ("127.0.0.1", 0))
+    async with aiohttp.ClientSession() as http:
+        yield p, http
+    await p.aclose()
+
+
+async def post(
+    proxy: tuple[MigrationProxy, aiohttp.ClientSession],
+    hosts: list[str],
+    body: dict[str, Any],
+    **headers: str,
+) -> tuple[int, bytes]:
+    p, http = proxy
+    sent = {UPSTREAMS_HEADER: ",".join(hosts), **headers} if hosts else headers
+    url = f"http://127.0.0.1:{p.ports['proxy']}/v1/chat/completions"
+    async with http.post(url, data=orjson.dumps(body), headers=sent) as response:
+        return response.status, await response.read()
+
+
+async def migrations(proxy: tuple[MigrationProxy, aiohttp.ClientSession], outcome: str) -> float:
+    p, http = proxy
+    async with http.get(f"http://127.0.0.1:{p.ports['metrics']}/metrics") as response:
+        return metric(await response.text(), "kvgate_migrations_total", model=MODEL, outcome=outcome)
+
+
+async def test_no_hosts_is_503(proxy: tuple[MigrationProxy, aiohttp.ClientSession]) -> None:
+    status, body = await post(proxy, [], CHAT)
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "no_endpoint"
+
+
+async def test_a_whole_request_is_reissued_to_the_next_host(
+    fleet: SimFleet, proxy: tuple[MigrationProxy, aiohttp.ClientSession]
+) -> None:
+    first, second = fleet.addresses
+    async with aiohttp.ClientSession() as http, http.post(f"http://{first}/_sim/fail_next?n=1"):
+        pass
+    status, body = await post(proxy, [first, second], CHAT)
+    assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 8
+    assert await migrations(proxy, "reissued") == 1
+
+
+async def test_a_refused_stream_is_reissued_and_complete(
+    fleet: SimFleet, proxy: tuple[MigrationProxy, aiohttp.ClientSession]
+) -> None:
+    status, body = await post(proxy, [CLOSED, fleet.addresses[0]], {**CHAT, "stream": True})
+    events = [e[6:] for e in body.split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    assert all(b"usage" not in e for e in events)  # the proxy's own usage request stays hidden
+    assert await migrations(proxy, "reissued") == 1
+
+
+async def test_the_limit_bounds_the_tries(proxy: tuple[MigrationProxy, aiohttp.ClientSession]) -> None:
+    status, _ = await post(proxy, [CLOSED, CLOSED, CLOSED], {**CHAT, "stream": True}, **{LIMIT_HEADER: "1"})
+    assert status == 503
+    assert await migrations(proxy, "lost") == 1
+
+
+async def test_a_client_error_passes_through(
+    fleet: SimFleet, proxy: tuple[MigrationProxy, aiohttp.ClientSession]
+) -> None:
+    status, body = await post(proxy, fleet.addresses, {"model": MODEL, "stream": True, "messages": "x"})
+    assert status == 400 and "error" in orjson.loads(body)
+    assert await migrations(proxy, "reissued") == 0
