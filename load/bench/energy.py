@@ -38,11 +38,10 @@ from contracts.digest import block_digests, chain_seed
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
-from extproc.control.policy import PolicyStore
 from extproc.fleet import EndpointState
 from extproc.scheduling.energy import EnergyModel
 from extproc.scheduling.interface import CycleState, SchedulingRequest
-from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 from load.bench import machine, revision
 from load.sim.engine import Engine, EngineConfig, Step
 from load.sim.power import GPU_CLASSES, PowerModel, describe
@@ -108,6 +107,24 @@ class Outcome:
     output_tokens: int = 0
 
 
+def scheduling(power_weight: float | None) -> dict[str, Any]:
+    """The default scheduling section as a dict: with the ``power`` scorer at ``power_weight`` (the
+    ``power-cap`` filter kept), or (``None``) without the scorer and without the ``power-cap`` filter
+    (kvgate before issue 20)."""
+    profile = DEFAULT_SCHEDULING.profiles[0]
+    refs: list[dict[str, Any]] = []
+    for r in profile.plugins:
+        if r.ref == "power-cap" and power_weight is None:
+            continue
+        if r.ref == "max-score" and power_weight is not None:
+            refs.append({"ref": "power", "weight": power_weight})
+        refs.append({"ref": r.ref} if r.weight is None else {"ref": r.ref, "weight": r.weight})
+    return {
+        "plugins": [{"type": p.type, "name": p.name} for p in DEFAULT_SCHEDULING.plugins],
+        "profiles": [{"name": profile.name, "plugins": refs}],
+    }
+
+
 def power_models(config: Config) -> dict[str, PowerModel]:
     """Each replica's power model (its id: ``<gpu>-<i>``), the config's scales applied."""
     models = {}
@@ -171,13 +188,8 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
         if t >= config.duration_s:
             break
         arrivals.append(t)
-    store = PolicyStore(DEFAULT_SCHEDULING)
-    if target == "kvgate-power":
-        store.put("weights/power", json.dumps(config.power_weight).encode())
-    else:
-        store.put("plugins/power-cap/throttled", b"false")
-        store.put("plugins/power-cap/cap_margin", b"0")
-    profile = build_profile(store.policy.scheduling)
+    weight = config.power_weight if target == "kvgate-power" else None
+    profile = build_profile(parse_scheduling(scheduling(weight)))
     pick_rng, energy_model, outcome = random.Random(config.seed), EnergyModel(), Outcome()
     events: list[tuple[float, int, int]] = [(a, 0, i) for i, a in enumerate(arrivals)]  # (time, kind, index)
     events += [(float(s), 1, -1) for s in range(1, int(config.duration_s * 3))]  # telemetry every second

@@ -53,14 +53,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
-from extproc.scheduling.registry import DEFAULT_SCHEDULING
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import Stack
 from load.bench import machine, peers, percentile, revision
 from load.bench import targets as tg
 from load.bench.energy import Config as SimTimeConfig
-from load.bench.energy import power_models
+from load.bench.energy import power_models, scheduling
 from load.client import FixedRoute, LoadOptions, RunResult, run_load
 from load.sim.power import describe
 from load.sim.server import DCGM_PATH
@@ -98,23 +97,6 @@ def quick_config() -> StackConfig:
     return replace(
         StackConfig(), gpus=("h100", "a100"), caps_w=(0.0, 250.0), loads_rps=(2.0,), duration_s=4.0, output=16
     )
-
-
-def scheduling(power_weight: float | None) -> dict[str, Any]:
-    """The default scheduling section as a dict: with the ``power`` scorer at ``power_weight`` (the
-    ``power-cap`` filter kept), or (``None``) without the scorer and without the ``power-cap`` filter."""
-    profile = DEFAULT_SCHEDULING.profiles[0]
-    refs: list[dict[str, Any]] = []
-    for r in profile.plugins:
-        if r.ref == "power-cap" and power_weight is None:
-            continue
-        if r.ref == "max-score" and power_weight is not None:
-            refs.append({"ref": "power", "weight": power_weight})
-        refs.append({"ref": r.ref} if r.weight is None else {"ref": r.ref, "weight": r.weight})
-    return {
-        "plugins": [{"type": p.type, "name": p.name} for p in DEFAULT_SCHEDULING.plugins],
-        "profiles": [{"name": profile.name, "plugins": refs}],
-    }
 
 
 def start_stack(config: StackConfig, power_weight: float | None, workdir: Path) -> Stack:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from load.bench import energy_stack
+from load.bench import energy, energy_stack
 
 
 @pytest.mark.e2e
@@ -33,8 +33,8 @@ def test_energy_stack_quick(tmp_path: Path) -> None:
 
 
 def test_scheduling_sections() -> None:
-    with_power = energy_stack.scheduling(2.0)["profiles"][0]["plugins"]
-    without = energy_stack.scheduling(None)["profiles"][0]["plugins"]
+    with_power = energy.scheduling(2.0)["profiles"][0]["plugins"]
+    without = energy.scheduling(None)["profiles"][0]["plugins"]
     assert {"ref": "power", "weight": 2.0} in with_power and {"ref": "power-cap"} in with_power
     assert not any(r["ref"] in ("power", "power-cap") for r in without)
     assert with_power[-1] == without[-1] == {"ref": "max-score"}
