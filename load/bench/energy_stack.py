@@ -309,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--power-weight", type=float, default=StackConfig().power_weight, help="kvgate-power's")
     p.add_argument("--duration", type=float, help="seconds of arrivals per cell")
+    p.add_argument("--loads", help="comma-separated requests/s (default 5,20)")
     p.add_argument("--workdir", type=Path, default=Path("results/energy-stack-work"), help="logs, configs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -316,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = replace(config, power_weight=args.power_weight)
     if args.duration:
         config = replace(config, duration_s=args.duration)
+    if args.loads:
+        config = replace(config, loads_rps=tuple(float(x) for x in args.loads.split(",")))
     names = [t for t in args.targets.split(",") if t]
     unknown = set(names) - set(TARGETS)
     if unknown:
