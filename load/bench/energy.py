@@ -16,8 +16,17 @@ plus ``question_tokens`` of its own, ``output_tokens`` out, Poisson arrivals. Fi
 energy per output token (J/token: every replica's energy over the run, idle included, over the output
 tokens), TTFT p90, output tokens/s, time at the power cap (replica-seconds the cap held the clocks down).
 
-    python -m load.bench.energy --out results/energy.json        # ~1 min on a 2-core VM
+Targets: ``kvgate-power`` (the default profile plus the ``power`` scorer at ``power_weight``), ``kvgate``
+(the default profile without the ``power`` scorer and the ``power-cap`` filter: kvgate before issue 20),
+round robin, least loaded (running + waiting); with ``--references`` two bounds that know the power model
+(:data:`REFERENCES`). ``--sweep`` runs the four targets again with each key parameter of the simulator
+halved and doubled (:data:`SWEEP`) and reports per variant the goals' ratios and whether the routers' J/token
+order holds. The result carries the power model's parameters and their sources (``power_model``).
+
+    python -m load.bench.energy --references --sweep --out results/energy.json   # ~1 min CPU
     python -m load.bench.energy --quick                          # seconds; the figures mean nothing
+
+The full-stack counterpart (agents, feeds, Envoy, the peer router) is :mod:`load.bench.energy_stack`.
 """
 
 from __future__ import annotations
