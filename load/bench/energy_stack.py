@@ -2,7 +2,7 @@
 simulated engines run by node agents, at two loads, energy read from the engines' dcgm-exporter endpoints.
 
     python -m load.bench.energy_stack --out results/energy-stack.json     # ~12 min on a 2-core VM
-    python -m load.bench.energy_stack --quick --out /tmp/energy-stack.json  # ~1 min; figures mean nothing
+    python -m load.bench.energy_stack --quick --out /tmp/energy-stack.json  # 1-2 min; figures mean nothing
 
 Fleet: ``kvgate up --agents 4 --gpu h100,h100,a100,a100 --power-cap-w 0,450,0,250`` as a
 :class:`kvgate.dev.up.Stack`: a local etcd, four node agents each supervising one simulated engine
