@@ -89,9 +89,9 @@ class Config:
     power_weight: float = 1.0
     block_size: int = 16
     seed: int = 7
-    #: The simulator's key parameters, as multiples of their defaults (the sweep halves and doubles each):
-    #: every GPU's idle draw, the decode floor (0.35), the A100's speed (the gap between the efficiency
-    #: classes), the power caps, the decode step (base and per-sequence cost), the prefill time per token.
+    #: The simulator's key parameters (the sweep halves and doubles each): as multiples of their defaults,
+    #: every GPU's idle draw, the A100's speed (the gap between the efficiency classes), the power caps,
+    #: the decode step (base and per-sequence cost) and the prefill time per token; ``floor`` itself.
     idle_scale: float = 1.0
     floor: float = 0.35
     a100_speed_scale: float = 1.0
