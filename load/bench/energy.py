@@ -16,8 +16,17 @@ plus ``question_tokens`` of its own, ``output_tokens`` out, Poisson arrivals. Fi
 energy per output token (J/token: every replica's energy over the run, idle included, over the output
 tokens), TTFT p90, output tokens/s, time at the power cap (replica-seconds the cap held the clocks down).
 
-    python -m load.bench.energy --out results/energy.json        # ~1 min on a 2-core VM
+Targets: ``kvgate-power`` (the default profile plus the ``power`` scorer at ``power_weight``), ``kvgate``
+(the default profile without the ``power`` scorer and the ``power-cap`` filter: kvgate before issue 20),
+round robin, least loaded (running + waiting); with ``--references`` two bounds that know the power model
+(:data:`REFERENCES`). ``--sweep`` runs the four targets again with each key parameter of the simulator
+halved and doubled (:data:`SWEEP`) and reports per variant the goals' ratios and whether the routers' J/token
+order holds. The result carries the power model's parameters and their sources (``power_model``).
+
+    python -m load.bench.energy --references --sweep --out results/energy.json   # ~1 min CPU
     python -m load.bench.energy --quick                          # seconds; the figures mean nothing
+
+The full-stack counterpart (agents, feeds, Envoy, the peer router) is :mod:`load.bench.energy_stack`.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,18 +47,31 @@ from contracts.digest import block_digests, chain_seed
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
-from extproc.control.policy import PolicyStore
 from extproc.fleet import EndpointState
 from extproc.scheduling.energy import EnergyModel
 from extproc.scheduling.interface import CycleState, SchedulingRequest
-from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 from load.bench import machine, revision
 from load.sim.engine import Engine, EngineConfig, Step
-from load.sim.power import GPU_CLASSES, PowerModel
+from load.sim.power import GPU_CLASSES, PowerModel, describe
 from load.sim.timing import TimingModel
 
 MODEL = "bench"
 TARGETS = ("kvgate-power", "kvgate", "round-robin", "least-loaded")
+#: Reference points, not routers (they know the power model): ``pack`` sends each request to the most
+#: efficient GPU at full load (the capped A100, capped H100, A100, H100) that runs fewer than
+#: ``max_num_seqs`` requests; ``kvgate-efficient-two`` is kvgate's default profile over the two capped
+#: replicas only (the other two idle). They bound what consolidation can save in this model.
+REFERENCES = ("pack", "kvgate-efficient-two")
+#: The sweep's variants: a Config field and the factors applied to its default.
+SWEEP = (
+    ("idle_scale", (0.5, 2.0)),
+    ("floor", (0.5, 2.0)),
+    ("a100_speed_scale", (0.5, 2.0)),
+    ("cap_scale", (0.5, 2.0)),
+    ("step_scale", (0.5, 2.0)),
+    ("prefill_scale", (0.5, 2.0)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +89,15 @@ class Config:
     power_weight: float = 1.0
     block_size: int = 16
     seed: int = 7
+    #: The simulator's key parameters (the sweep halves and doubles each): as multiples of their defaults,
+    #: every GPU's idle draw, the A100's speed (the gap between the efficiency classes), the power caps,
+    #: the decode step (base and per-sequence cost) and the prefill time per token; ``floor`` itself.
+    idle_scale: float = 1.0
+    floor: float = 0.35
+    a100_speed_scale: float = 1.0
+    cap_scale: float = 1.0
+    step_scale: float = 1.0
+    prefill_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -85,14 +116,51 @@ class Outcome:
     output_tokens: int = 0
 
 
+def scheduling(power_weight: float | None) -> dict[str, Any]:
+    """The default scheduling section as a dict: with the ``power`` scorer at ``power_weight`` (the
+    ``power-cap`` filter kept), or (``None``) without the scorer and without the ``power-cap`` filter
+    (kvgate before issue 20)."""
+    profile = DEFAULT_SCHEDULING.profiles[0]
+    refs: list[dict[str, Any]] = []
+    for r in profile.plugins:
+        if r.ref == "power-cap" and power_weight is None:
+            continue
+        if r.ref == "max-score" and power_weight is not None:
+            refs.append({"ref": "power", "weight": power_weight})
+        refs.append({"ref": r.ref} if r.weight is None else {"ref": r.ref, "weight": r.weight})
+    return {
+        "plugins": [{"type": p.type, "name": p.name} for p in DEFAULT_SCHEDULING.plugins],
+        "profiles": [{"name": profile.name, "plugins": refs}],
+    }
+
+
+def power_models(config: Config) -> dict[str, PowerModel]:
+    """Each replica's power model (its id: ``<gpu>-<i>``), the config's scales applied."""
+    models = {}
+    for i, (name, cap) in enumerate(zip(config.gpus, config.caps_w, strict=True)):
+        gpu = GPU_CLASSES[name]
+        speed = gpu.speed * (config.a100_speed_scale if name == "a100" else 1.0)
+        gpu = replace(gpu, idle_w=gpu.idle_w * config.idle_scale, speed=speed)
+        models[f"{name}-{i}"] = PowerModel(gpu, None if cap is None else cap * config.cap_scale, config.floor)
+    return models
+
+
+def timing(config: Config) -> TimingModel:
+    t = TimingModel()
+    return replace(
+        t,
+        base_s=t.base_s * config.step_scale,
+        decode_s_per_seq=t.decode_s_per_seq * config.step_scale,
+        prefill_s_per_token=t.prefill_s_per_token * config.prefill_scale,
+    )
+
+
 def _fleet(config: Config) -> list[Replica]:
     replicas = []
-    for i, (gpu, cap) in enumerate(zip(config.gpus, config.caps_w, strict=True)):
+    for i, power in enumerate(power_models(config).values()):
+        gpu = config.gpus[i]
         engine = Engine(
-            EngineConfig(block_size=config.block_size),
-            TimingModel(),
-            chain_seed(MODEL),
-            power=PowerModel(GPU_CLASSES[gpu], cap),
+            EngineConfig(block_size=config.block_size), timing(config), chain_seed(MODEL), power=power
         )
         ep = Endpoint(EndpointId(f"{gpu}-{i}"), f"127.0.0.1:{9000 + i}", frozenset({MODEL}), node=f"node-{i}")
         replicas.append(Replica(engine, EndpointState(ep)))
@@ -129,13 +197,8 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
         if t >= config.duration_s:
             break
         arrivals.append(t)
-    store = PolicyStore(DEFAULT_SCHEDULING)
-    if target == "kvgate-power":
-        store.put("weights/power", json.dumps(config.power_weight).encode())
-    else:
-        store.put("plugins/power-cap/throttled", b"false")
-        store.put("plugins/power-cap/cap_margin", b"0")
-    profile = build_profile(store.policy.scheduling)
+    weight = config.power_weight if target == "kvgate-power" else None
+    profile = build_profile(parse_scheduling(scheduling(weight)))
     pick_rng, energy_model, outcome = random.Random(config.seed), EnergyModel(), Outcome()
     events: list[tuple[float, int, int]] = [(a, 0, i) for i, a in enumerate(arrivals)]  # (time, kind, index)
     events += [(float(s), 1, -1) for s in range(1, int(config.duration_s * 3))]  # telemetry every second
@@ -206,42 +269,118 @@ def _route(
     if target == "least-loaded":
         loads = [r.engine.num_running + r.engine.num_waiting for r in replicas]
         return loads.index(min(loads))
+    if target == "pack":
+        return _pack(replicas)
     digests = block_digests(seed, prompt, block_size)
     for r in replicas:  # a fresh scrape
         e = r.engine
         r.state.metrics = EngineMetrics(float(e.num_waiting), float(e.num_running), e.kv_usage, now)
+    candidates = list(replicas)
+    if target == "kvgate-efficient-two":
+        candidates = [r for r in replicas if r.engine.power is not None and r.engine.power.cap_w is not None]
     state = CycleState(
-        prefix_blocks={r.state.id: r.engine.cache.match(digests) for r in replicas}, exact=True
+        prefix_blocks={r.state.id: r.engine.cache.match(digests) for r in candidates}, exact=True
     )
     request = SchedulingRequest(f"r{n}", MODEL, digests, len(prompt), now)
-    result = profile.schedule(request, state, [r.state for r in replicas], rng)
+    result = profile.schedule(request, state, [r.state for r in candidates], rng)
     picked = result.endpoints[0].id
     return next(i for i, r in enumerate(replicas) if r.state.id == picked)
 
 
-def run(config: Config, targets: Sequence[str] = TARGETS) -> dict[str, Any]:
-    started = time.monotonic()
-    cells = [run_one(config, target, rps) for rps in config.loads_rps for target in targets]
+def _pack(replicas: Sequence[Replica]) -> int:
+    """The ``pack`` reference: the GPU with the lowest watts per unit of speed at full load (capped)
+    that runs fewer than ``max_num_seqs`` requests, else the least loaded."""
+
+    def full_load_w_per_speed(r: Replica) -> float:
+        power = r.engine.power
+        assert power is not None
+        watts, ratio = power.step(1, 0, 1, 1)
+        return watts / (power.gpu.speed * ratio)
+
+    loads = [r.engine.num_running + r.engine.num_waiting for r in replicas]
+    for i in sorted(range(len(replicas)), key=lambda i: full_load_w_per_speed(replicas[i])):
+        if loads[i] < replicas[i].engine.config.max_num_seqs:
+            return i
+    return loads.index(min(loads))
+
+
+def goals(cells: Sequence[Mapping[str, Any]], loads: Sequence[float]) -> dict[str, Any]:
+    """Per load, the issue's three ratios (kvgate-power against round robin and against kvgate) and
+    whether each goal is met, and whether kvgate-power has the lowest J/token of the routers."""
     summary: dict[str, Any] = {}
-    for rps in config.loads_rps:
-        by = {c["target"]: c for c in cells if c["load_rps"] == rps}
-        if "kvgate-power" in by and "round-robin" in by and "kvgate" in by:
-            power, rr, plain = by["kvgate-power"], by["round-robin"], by["kvgate"]
-            summary[str(rps)] = {
-                "j_per_token_vs_round_robin": rr["joules_per_token"] / power["joules_per_token"],
-                "j_per_token_vs_kvgate": plain["joules_per_token"] / power["joules_per_token"],
-                "ttft_p90_vs_kvgate": (power["ttft_p90_s"] or 0) / max(plain["ttft_p90_s"] or 1e-9, 1e-9),
-                "time_at_cap_cut": 1 - power["time_at_cap_s"] / max(plain["time_at_cap_s"], 1e-9),
-            }
-    return {
+    for rps in loads:
+        by = {c["target"]: c for c in cells if c["load_rps"] == rps and "joules_per_token" in c}
+        if not {"kvgate-power", "round-robin", "kvgate"} <= by.keys():
+            continue
+        power, rr, plain = by["kvgate-power"], by["round-robin"], by["kvgate"]
+        vs_rr = rr["joules_per_token"] / power["joules_per_token"]
+        ttft = (power["ttft_p90_s"] or 0) / max(plain["ttft_p90_s"] or 1e-9, 1e-9)
+        cut_plain = 1 - power["time_at_cap_s"] / max(plain["time_at_cap_s"], 1e-9)
+        cut_rr = 1 - power["time_at_cap_s"] / max(rr["time_at_cap_s"], 1e-9)
+        routers = [t for t in by if t not in REFERENCES]
+        summary[str(rps)] = {
+            "j_per_token_vs_round_robin": vs_rr,
+            "j_per_token_vs_kvgate": plain["joules_per_token"] / power["joules_per_token"],
+            "ttft_p90_vs_kvgate": ttft,
+            "time_at_cap_cut": cut_plain,
+            "time_at_cap_cut_vs_round_robin": cut_rr,
+            "met": {"j_per_token": vs_rr >= 1.5, "ttft_p90": ttft <= 1.1, "time_at_cap": cut_plain >= 0.9},
+            "lowest_j_per_token": min(routers, key=lambda t: by[t]["joules_per_token"]),
+            "j_per_token_order": sorted(routers, key=lambda t: by[t]["joules_per_token"]),
+        }
+    return summary
+
+
+def sweep(config: Config, targets: Sequence[str]) -> list[dict[str, Any]]:
+    """Each key parameter halved and doubled (:data:`SWEEP`), every target at every load: the goals'
+    ratios per variant and whether the base run's J/token order of the routers holds."""
+    base = run_variant(config, targets)
+    rows = []
+    for name, factors in SWEEP:
+        for factor in factors:
+            varied = replace(config, **{name: getattr(config, name) * factor})
+            got = run_variant(varied, targets)
+            row: dict[str, Any] = {"parameter": name, "factor": factor, "value": getattr(varied, name)}
+            for load, s in got.items():
+                row[load] = {
+                    **{
+                        k: s[k]
+                        for k in ("j_per_token_vs_round_robin", "ttft_p90_vs_kvgate", "time_at_cap_cut")
+                    },
+                    "met": s["met"],
+                    "j_per_token_order": s["j_per_token_order"],
+                    "order_holds": s["j_per_token_order"] == base[load]["j_per_token_order"],
+                    "kvgate_power_lowest": s["lowest_j_per_token"] == "kvgate-power",
+                }
+            rows.append(row)
+    return rows
+
+
+def run_variant(config: Config, targets: Sequence[str]) -> dict[str, Any]:
+    cells = [run_one(config, target, rps) for rps in config.loads_rps for target in targets]
+    return goals(cells, config.loads_rps)
+
+
+def run(
+    config: Config, targets: Sequence[str] = TARGETS, references: bool = False, with_sweep: bool = False
+) -> dict[str, Any]:
+    started = time.monotonic()
+    names = [*targets, *(REFERENCES if references else ())]
+    cells = [run_one(config, target, rps) for rps in config.loads_rps for target in names]
+    result: dict[str, Any] = {
         "benchmark": "energy",
         "machine": machine(),
         "revision": revision(),
         "config": asdict(config),
+        "power_model": describe(power_models(config)),
+        "timing_model": asdict(timing(config)),
         "cells": cells,
-        "summary": summary,
-        "wall_s": time.monotonic() - started,
+        "summary": goals(cells, config.loads_rps),
     }
+    if with_sweep:
+        result["sweep"] = sweep(config, [t for t in targets if t not in REFERENCES])
+    result["wall_s"] = time.monotonic() - started
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,11 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--power-weight", type=float, default=Config().power_weight, help="kvgate-power's weights/power"
     )
+    p.add_argument("--references", action="store_true", help=f"also run {', '.join(REFERENCES)} (bounds)")
+    p.add_argument("--sweep", action="store_true", help="halve and double each key sim parameter")
     args = p.parse_args(argv)
     config = Config(power_weight=args.power_weight)
     if args.quick:
         config = replace(config, duration_s=10.0, loads_rps=(2.0,))
-    result = run(config, [t for t in args.targets.split(",") if t])
+    result = run(config, [t for t in args.targets.split(",") if t], args.references, args.sweep)
     result["command"] = " ".join(
         ["python -m load.bench.energy", *(argv if argv is not None else sys.argv[1:])]
     )
@@ -271,6 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"at cap {c['time_at_cap_s']:.1f} s  shares {c['share_per_replica']}"
         )
     print(json.dumps(result["summary"], indent=2))
+    for row in result.get("sweep", ()):
+        for load in (str(r) for r in config.loads_rps):
+            g = row.get(load)
+            if g:
+                print(
+                    f"sweep {row['parameter']} x{row['factor']:g} @ {load} req/s: J/token vs RR "
+                    f"{g['j_per_token_vs_round_robin']:.2f}, TTFT vs kvgate {g['ttft_p90_vs_kvgate']:.2f}, "
+                    f"cap cut {g['time_at_cap_cut']:.2f}, order {','.join(g['j_per_token_order'])}"
+                )
     return 0
 
 

@@ -177,7 +177,8 @@ class DcgmCollector(Collector):
     """What a dcgm-exporter on the replica's GPU would serve (its field names, labels and units; the
     engine's :mod:`load.sim.power` model): ``DCGM_FI_DEV_POWER_USAGE`` (W, the draw now),
     ``DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` (mJ), ``DCGM_FI_DEV_POWER_MGMT_LIMIT`` (W),
-    ``DCGM_FI_DEV_SM_CLOCK`` (MHz), ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS`` and ``DCGM_FI_DEV_GPU_TEMP`` (C: 30
+    ``DCGM_FI_DEV_SM_CLOCK`` (MHz), ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``, ``DCGM_FI_DEV_POWER_VIOLATION``
+    (us the power cap held the clocks down, a counter) and ``DCGM_FI_DEV_GPU_TEMP`` (C: 30
     plus 50 x draw / TDP, a placeholder, not a thermal model). ``clock``: the driver's clock (seconds)."""
 
     def __init__(self, engine: Engine, hostname: str, clock: Callable[[], float], gpu_index: int = 0) -> None:
@@ -219,6 +220,13 @@ class DcgmCollector(Collector):
         )
         energy.add_metric(self._labels, meter.energy_j(now) * 1000.0)
         yield energy
+        violation = CounterMetricFamily(
+            "DCGM_FI_DEV_POWER_VIOLATION",
+            "Throttling duration due to power constraints (in us).",
+            labels=labels,
+        )
+        violation.add_metric(self._labels, meter.capped_s * 1e6)
+        yield violation
 
 
 def dcgm_registry(engine: Engine, hostname: str, clock: Callable[[], float]) -> CollectorRegistry:

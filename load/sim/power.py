@@ -129,3 +129,40 @@ class EnergyMeter:
         if now > self._since:
             self._energy_j += self._watts * (now - self._since)
             self._since = now
+
+
+#: Where each number of the model comes from (the result JSON of a benchmark carries it). ``assumed``:
+#: no published figure; the benchmarks sweep these by 2x.
+SOURCES = {
+    "h100.max_w": "NVIDIA H100 Tensor Core GPU data sheet: H100 SXM5 max TDP 700 W",
+    "h100.bandwidth": "NVIDIA H100 data sheet: H100 SXM5 memory bandwidth 3.35 TB/s (speed 1.0)",
+    "a100.max_w": "NVIDIA A100 Tensor Core GPU data sheet: A100 80GB SXM max TDP 400 W",
+    "a100.bandwidth": "NVIDIA A100 data sheet: A100 80GB SXM 2,039 GB/s (speed 2.04 / 3.35 = 0.61)",
+    "l40s.max_w": "NVIDIA L40S data sheet: max power 350 W",
+    "l40s.bandwidth": "NVIDIA L40S data sheet: 864 GB/s (speed 0.26)",
+    "shape": "Patel et al., Splitwise, ISCA 2024: prompt phase near TDP, token phase well below it on "
+    "H100/A100 (the shape only; not calibrated to its curves)",
+    "cap": "CMOS dynamic power P ~ C V^2 f with V ~ f, so ~ f^3 (clock ratio under a cap)",
+    "idle_w": "assumed (tens of watts, what nvidia-smi shows for such idle boards); not measured",
+    "floor": "assumed (a lone decode step reads every weight: 0.35 of the dynamic range); not measured",
+}
+
+
+def describe(models: dict[str, PowerModel]) -> dict[str, object]:
+    """The power model's parameters per replica and their :data:`SOURCES` (for a result JSON)."""
+    return {
+        "replicas": {
+            name: {
+                "gpu": m.gpu.name,
+                "idle_w": m.gpu.idle_w,
+                "max_w": m.gpu.max_w,
+                "speed": m.gpu.speed,
+                "cap_w": m.cap_w,
+                "floor": m.floor,
+            }
+            for name, m in models.items()
+        },
+        "step_watts": "idle_w + (max_w - idle_w) x (floor + (1 - floor) x f), f = batch share",
+        "cap_clock_ratio": "((cap_w - idle_w) / (P - idle_w)) ** (1/3)",
+        "sources": dict(SOURCES),
+    }

@@ -123,6 +123,7 @@ async def test_replicas_serve_dcgm_format_that_the_agent_reads(fleet: SimFleet) 
         ):
             text = await resp.text()
         assert 'modelName="NVIDIA A100-SXM4-80GB"' in text and parse_dcgm(text).watts is not None
+        assert "DCGM_FI_DEV_POWER_VIOLATION" in text  # us capped, a counter
     finally:
         await h100.aclose()
         await a100.aclose()
