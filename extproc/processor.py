@@ -366,7 +366,9 @@ class StreamProcessor:
             self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
         if self.decision is not None:
-            self._router.commit(self.decision, self._clock())
+            # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
+            # answer is out, before the shell's generator resumes to call after_send).
+            self.after_send()
             self._router.finish(self.decision)
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
                 self._router.completed(self.decision.request_id, self._clock())
