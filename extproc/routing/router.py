@@ -457,7 +457,7 @@ class Router:
         if subset is not None:  # the protocol's MUST, whatever filters the profile lists
             candidates = [s for s in candidates if s.endpoint.address in subset]
         if pinned is not None:
-            candidates = [s for s in candidates if _pinned(s.address, pinned)]
+            candidates = [s for s in candidates if is_pinned(s.address, pinned)]
         if admit is not None:  # flow control: only endpoints with room, while some has room
             roomy = [s for s in candidates if admit(s)]
             candidates = roomy or candidates
@@ -722,6 +722,7 @@ def _token_ids(
     return ids, count
 
 
-def _pinned(address: str, pinned: Sequence[str]) -> bool:
+def is_pinned(address: str, pinned: Sequence[str]) -> bool:
+    """Whether the conformance pin ``pinned`` (``ip`` or ``ip:port`` entries) names ``address``."""
     host = address.rpartition(":")[0]
     return any(p in (address, host) for p in pinned)
