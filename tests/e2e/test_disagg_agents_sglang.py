@@ -14,7 +14,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
 from contracts.etcd import EtcdSettings, endpoint_key
@@ -22,8 +21,8 @@ from kvgate.dev.procs import http_get
 from kvgate.dev.up import Stack, StackOptions
 from runtime.etcd import connect
 from tests.e2e.conftest import FAST_SIM
-from tests.e2e.test_disagg import LONG, MODEL, THRESHOLD, gateway_counter, unique
-from tests.e2e.test_disagg_agents import endpoints, engine_counter
+from tests.e2e.test_disagg import THRESHOLD, gateway_counter
+from tests.e2e.test_disagg_agents import ask_long, endpoints, engine_counter
 from tests.polling import poll
 
 pytestmark = pytest.mark.e2e
@@ -102,17 +101,7 @@ def test_a_long_request_is_prefilled_and_decoded_through_a_bootstrap_room(stack:
     prefilled = engine_counter(stack, "sim-0", "kvgate_sim_remote_decodes_total")
     received = engine_counter(stack, "sim-1", "kvgate_sim_remote_prefills_total")
     paired = gateway_counter(stack, "kvgate_pd_decisions_total", mode="disaggregated")
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
-    messages: Any = [{"role": "system", "content": LONG}, {"role": "user", "content": unique(50 + stream)}]
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=5, stream=stream
-    )
-    if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
-    else:
-        text = raw.parse().choices[0].message.content or ""
-    assert text
-    assert raw.headers["x-kvgate-replica"].startswith("sim-1")  # the decode engine streamed it
+    assert ask_long(stack, 50 + stream, stream).startswith("sim-1")  # the decode engine streamed it
     assert engine_counter(stack, "sim-1", "kvgate_sim_remote_prefills_total") == received + 1
     assert engine_counter(stack, "sim-1", "kvgate_sim_remote_prefill_tokens_total") > THRESHOLD
     # the prefill engine's hand-over counter rises once its transfer is done
