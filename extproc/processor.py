@@ -746,7 +746,7 @@ class StreamProcessor:
                 # request.body is the body as sent: every rewrite (model, escalation, salt) replaces both
                 body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
-            self.pd = self._disagg.plan(self.decision, decided, self._subset)
+            self.pd = self._disagg.plan(self.decision, decided, self._subset, pinned)
             if self.pd is not None and self.pd.handoff is not None:
                 return self._pair(self.pd.handoff, prepared, started, decided)
             if self.pd is not None and not self.pd.alone:  # an SGLang decode server, and no prefill fit

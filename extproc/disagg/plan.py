@@ -12,9 +12,10 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    a request without a bootstrap room);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
    endpoints of role ``prefill`` serving ``m`` that the route's labels admit, that speak the decode
-   pick's handoff protocol and that the request's EPP subset hint (if any) allows, with the prefix index's
-   match of the prompt against that pool (its prefix scorer prefers the replica holding the prompt's
-   lead), plus whatever load scorers the profile has;
+   pick's handoff protocol and that the request's EPP subset hint (if any) allows, narrowed further by the
+   conformance pin when it names any prefill endpoint of ``m`` (:meth:`Disaggregator.plan`), with the
+   prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
+   the prompt's lead), plus whatever load scorers the profile has;
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
    to the prefill endpoint that computed it.
@@ -28,14 +29,14 @@ from __future__ import annotations
 
 import random
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from contracts.events import EndpointId
 from extproc.disagg.policy import PdSpec
 from extproc.disagg.protocol import MAX_ROOM
 from extproc.fleet import EndpointState
-from extproc.routing.router import Decision, Router
+from extproc.routing.router import Decision, Router, is_pinned
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
 
@@ -112,12 +113,23 @@ class Disaggregator:
         self._policy = policy
 
     def plan(
-        self, decision: Decision, now: float, subset: frozenset[str] | None = None
+        self,
+        decision: Decision,
+        now: float,
+        subset: frozenset[str] | None = None,
+        pinned: Sequence[str] | None = None,
     ) -> Verdict | None:
         """The verdict for a decided request; ``None`` when its model has no serving spec or an
         aggregated one (nothing to count). ``subset``: the request's EPP subset hint (``ip:port``
         addresses), which binds the prefill pick as it bound the decode pick (:meth:`Router.decide`):
-        with no prefill endpoint inside it the request is served aggregated (``no_prefill``)."""
+        with no prefill endpoint inside it the request is served aggregated (``no_prefill``).
+
+        ``pinned``: the conformance pin (``ip`` or ``ip:port`` entries), which bound the decode pick (the
+        endpoint that serves the request and is reported as served). It binds the prefill pick only when
+        it names some prefill endpoint of the model: then the prefill pick is one of those (none of them
+        fit, e.g. of another protocol or outside the subset: ``no_prefill``); a pin naming only decode
+        endpoints leaves the prefill pick to the prefill profile, so the pinned request is paired as an
+        unpinned one would be."""
         route = self._policy.routes.get(decision.model)
         if route is None or route.spec.mode == "aggregated" or decision.served is None:
             return None
@@ -131,7 +143,7 @@ class Disaggregator:
             return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
-        prefill = self._pick_prefill(decision, route, protocol, now, subset)
+        prefill = self._pick_prefill(decision, route, protocol, now, subset, pinned)
         if prefill is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
         prefill.in_flight += 1
@@ -150,11 +162,18 @@ class Disaggregator:
         protocol: str,
         now: float,
         subset: frozenset[str] | None,
+        pinned: Sequence[str] | None = None,
     ) -> EndpointState | None:
         model = decision.model
+        fleet: Iterable[EndpointState] = self._router.fleet
+        if pinned is not None and any(
+            s.endpoint.role == "prefill" and model in s.endpoint.models and is_pinned(s.address, pinned)
+            for s in fleet
+        ):
+            fleet = [s for s in fleet if is_pinned(s.address, pinned)]
         pool = [
             s
-            for s in self._router.fleet
+            for s in fleet
             if s.endpoint.role == "prefill"
             and model in s.endpoint.models
             and set(route.labels) <= set(s.endpoint.labels)

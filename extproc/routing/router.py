@@ -462,7 +462,7 @@ class Router:
         if subset is not None:  # the protocol's MUST, whatever filters the profile lists
             candidates = [s for s in candidates if s.endpoint.address in subset]
         if pinned is not None:
-            candidates = [s for s in candidates if _pinned(s.address, pinned)]
+            candidates = [s for s in candidates if is_pinned(s.address, pinned)]
         eligible = candidates
         if admit is not None:  # flow control: only endpoints with room, while some has room
             roomy = [s for s in candidates if admit(s)]
@@ -743,6 +743,7 @@ def _preferred(
     return [state, *rest][: max(len(endpoints), 1)]
 
 
-def _pinned(address: str, pinned: Sequence[str]) -> bool:
+def is_pinned(address: str, pinned: Sequence[str]) -> bool:
+    """Whether the conformance pin ``pinned`` (``ip`` or ``ip:port`` entries) names ``address``."""
     host = address.rpartition(":")[0]
     return any(p in (address, host) for p in pinned)

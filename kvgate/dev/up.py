@@ -221,14 +221,10 @@ class Stack:
                 raise ConfigError("--prefill and --decode go together, each at least 1")
             if opts.attach or opts.endpoints:
                 raise ConfigError("--prefill/--decode start simulators: not with --attach or --endpoint")
-            if opts.agents and (
-                opts.agents != opts.prefill + opts.decode
-                or opts.agent_engine != "sim"
-                or opts.pd_protocol != "vllm"
-            ):
+            if opts.agents and (opts.agents != opts.prefill + opts.decode or opts.agent_engine != "sim"):
                 raise ConfigError(
                     "--agents with --prefill N --decode M: N + M agents, each running one simulated engine "
-                    "of that role (the sim engine, vLLM's protocol)"
+                    "of that role (the sim engine; with --pd-protocol sglang started as SGLang)"
                 )
         if opts.pd_protocol not in ("vllm", "sglang"):
             raise ConfigError(f"--pd-protocol: expected vllm or sglang, got {opts.pd_protocol!r}")
@@ -513,6 +509,13 @@ class Stack:
             }
             if opts.prefill:  # --agents P+M --prefill P --decode M: the first P nodes prefill
                 engine["role"] = "prefill" if i < opts.prefill else "decode"
+                if opts.pd_protocol == "sglang":  # an SGLang engine to the agent, the simulator behind it
+                    engine.update(
+                        kind="sglang",
+                        kv_offload="nixl",
+                        command=[sys.executable, "-m", "load.sim.sglang_launch"],
+                        args=[*engine["args"], "--replica-prefix", engine["id"]],
+                    )
             tables: list[dict[str, Any]] = []
             if with_power:  # the agent must know the exporter's URL, so the engine's port is fixed here
                 engine["port"] = free_port()

@@ -121,7 +121,8 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         choices=["vllm", "sglang"],
         default="vllm",
         help="with --prefill/--decode: the replicas speak vLLM's kv_transfer_params (default) or SGLang's "
-        "bootstrap protocol (registered as SGLang engines; an SGLang decode replica is always paired)",
+        "bootstrap protocol (registered as SGLang engines; an SGLang decode replica is always paired; with "
+        "--agents each agent runs an engine of kind sglang, the simulator behind it)",
     )
     p.add_argument(
         "--pd-min-uncached-tokens",

@@ -4,6 +4,7 @@ interferes with decode, the same number of replicas for every target, one run.
     python -m load.bench.disagg --out results/disagg.json          # a few minutes on a 2-core VM
     python -m load.bench.disagg --quick --out /tmp/disagg.json     # seconds; figures mean nothing
     python -m load.bench.disagg --prefill 5 --decode 3 --max-num-batched-tokens 512 ...  # see --help
+    python -m load.bench.disagg --repeats 3 ...   # each target 3 times, interleaved; medians per metric
 
 Fleet: ``total`` simulated vLLM replicas (``load.sim``, one process each, started by ``kvgate up``'s
 :class:`~kvgate.dev.up.Stack`), the H100/8B step model slowed ``time_scale`` times. Targets, each over a
@@ -32,6 +33,13 @@ Goals (``goals``): conditional ITL p90 <= 0.5 x aggregated with TTFT p90 <= 1.2 
 disaggregated TTFT p90 <= 0.6 x sglang-router's PD mode, both over the SGLang-protocol fleet
 (``kvgate-disaggregated-sglang`` / ``sglang-router-pd``: the same engine protocol; the ratio of the vLLM
 protocol's ``kvgate-disaggregated`` is reported beside it).
+
+``--repeats N`` runs every target ``N`` times, interleaved (round 1 runs each target once, then round 2,
+...: a slow spell of the shared machine hits every target alike). Each target's row is then the median of
+its runs, metric by metric (``median_row``: every number in it, each percentile of TTFT and ITL
+separately; ``errors``/``replicas`` summed over the runs), with the runs themselves under ``runs``; the goals
+are judged on those medians, and ``goals_per_repeat`` holds each round's own ratios (their spread is the
+run-to-run noise). The sweep repeats each variant's two targets the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import asyncio
 import logging
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -270,6 +279,55 @@ def run_target(
     return row
 
 
+def run_targets(
+    targets: Sequence[str],
+    config: DisaggConfig,
+    sessions: list[Session],
+    workdir: Path,
+    progress: bool,
+    repeats: int = 1,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, dict[str, Any]]]]:
+    """``targets`` run ``repeats`` times, interleaved (each round runs every target once, each on a fresh
+    fleet); each target's row (:func:`median_row` of its runs when ``repeats`` > 1) and every round's
+    rows."""
+    if repeats == 1:
+        rows = {t: run_target(t, config, sessions, workdir, progress) for t in targets}
+        return rows, [rows]
+    rounds = []
+    for r in range(repeats):
+        print(f"round {r + 1}/{repeats}", file=sys.stderr, flush=True)
+        rounds.append({t: run_target(t, config, sessions, workdir / f"round-{r}", progress) for t in targets})
+    return {t: median_row([got[t] for got in rounds]) for t in targets}, rounds
+
+
+def median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One target's runs as one row: every number the median of the runs that ran (nested dicts key by
+    key: ``ttft_ms.p90`` is the median of the runs' p90s, not a pooled percentile); ``errors`` and
+    ``replicas`` summed; ``runs`` the rows themselves. Skipped when every run was."""
+    ran = [r for r in runs if "skipped" not in r]
+    if not ran:
+        return {**runs[0], "runs": list(runs)}
+    row: dict[str, Any] = _median_of(ran)
+    for key in ("errors", "replicas"):
+        total: dict[str, int] = {}
+        for r in ran:
+            for k, v in r.get(key, {}).items():
+                total[k] = total.get(k, 0) + v
+        row[key] = dict(sorted(total.items()))
+    row["repeats"] = len(ran)
+    row["runs"] = list(runs)
+    return row
+
+
+def _median_of(values: Sequence[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _median_of([v[k] for v in values if k in v]) for k in first}
+    if isinstance(first, bool) or not isinstance(first, int | float):
+        return first
+    return round(statistics.median(values), 3)
+
+
 def _goal(value: float | None, goal: str, met: bool | None, **extra: Any) -> dict[str, Any]:
     return {"value": value, "goal": goal, "met": met, **extra}
 
@@ -343,9 +401,10 @@ SWEEP_HELP = (
 )
 
 
-def sweep(config: DisaggConfig, workdir: Path, progress: bool) -> list[dict[str, Any]]:
+def sweep(config: DisaggConfig, workdir: Path, progress: bool, repeats: int = 1) -> list[dict[str, Any]]:
     """Each key step-model parameter halved and doubled; the conditional goal's two targets each time
-    (:data:`SWEEP_TARGETS`), their ITL and TTFT p90 ratios, and whether the ranking holds."""
+    (:data:`SWEEP_TARGETS`, ``repeats`` times interleaved: medians), their ITL and TTFT p90 ratios, and
+    whether the ranking holds."""
     variants: list[tuple[str, float, DisaggConfig]] = []
     for factor in (0.5, 2.0):
         variants += [
@@ -369,7 +428,7 @@ def sweep(config: DisaggConfig, workdir: Path, progress: bool) -> list[dict[str,
     out = []
     for i, (param, factor, varied) in enumerate(variants):
         print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
-        rows = {t: run_target(t, varied, sessions, workdir / f"sweep-{i}", progress) for t in SWEEP_TARGETS}
+        rows, rounds = run_targets(SWEEP_TARGETS, varied, sessions, workdir / f"sweep-{i}", progress, repeats)
         got = goals(rows)
         itl = got["conditional_itl_p90_over_aggregated"]["value"]
         ttft = got["conditional_ttft_p90_over_aggregated"]["value"]
@@ -382,10 +441,16 @@ def sweep(config: DisaggConfig, workdir: Path, progress: bool) -> list[dict[str,
                 "conditional_ttft_p90_over_aggregated": ttft,
                 "ranking_holds": itl is not None and itl < 1.0,
                 "goals_met": itl is not None and itl <= 0.5 and ttft is not None and ttft <= 1.2,
+                **({"goals_per_repeat": [_ratios(goals(r)) for r in rounds]} if repeats > 1 else {}),
                 "targets": rows,
             }
         )
     return out
+
+
+def _ratios(got: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """A goals dict's values alone (one round's ratios)."""
+    return {k: v["value"] for k, v in got.items()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -406,6 +471,13 @@ def parser() -> argparse.ArgumentParser:
     sweeping.add_argument("--sweep-only", action="store_true", help="the sweep alone, without the main run")
     p.add_argument(
         "--sweep-duration", type=float, help="seconds of arrivals per sweep run (default --duration)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every target (and sweep variant) N times, interleaved; rows and goals are medians"
+        " (default 1)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -435,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown targets: {', '.join(unknown)}")
+    if args.repeats < 1:
+        p.error("--repeats: expected at least 1")
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
     started = time.monotonic()
     sessions = make_sessions(config)
@@ -449,15 +523,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests": len(sessions),
     }
     if not args.sweep_only:
-        rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
+        rows, rounds = run_targets(targets, config, sessions, workdir, not args.no_progress, args.repeats)
+        result["repeats"] = args.repeats
         result["targets"] = rows
         result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
         result["goals"] = goals(rows)
+        if args.repeats > 1:
+            result["goals_per_repeat"] = [_ratios(goals(r)) for r in rounds]
     if args.sweep or args.sweep_only:
         sweep_config = (
             config if args.sweep_duration is None else replace(config, duration_s=args.sweep_duration)
         )
-        result["sweep"] = sweep(sweep_config, workdir / "sweep", not args.no_progress)
+        result["sweep"] = sweep(sweep_config, workdir / "sweep", not args.no_progress, args.repeats)
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, result)

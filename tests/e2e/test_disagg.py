@@ -328,7 +328,7 @@ def test_a_failing_prefill_replica_still_serves_the_request_aggregated(stack: St
         {"decode": 2},
         {"prefill": 1, "decode": 1, "endpoints": ("http://127.0.0.1:1",)},
         {"prefill": 1, "decode": 1, "agents": 3},  # --agents N+M only
-        {"prefill": 1, "decode": 1, "agents": 2, "pd_protocol": "sglang"},  # agents: vLLM's protocol
+        {"prefill": 1, "decode": 1, "agents": 2, "agent_engine": "llama_cpp"},  # agents: the sim engine
     ],
 )
 def test_prefill_and_decode_go_together(options: dict[str, object], tmp_path: Path) -> None:

@@ -52,6 +52,22 @@ def engine_counter(stack: Stack, engine_id: str, name: str) -> float:
     return sum(v for (n, _), v in samples(url).items() if n == name)
 
 
+def ask_long(stack: Stack, salt: int, stream: bool) -> str:
+    """A chat request with the long system prompt (and a unique user turn) through the OpenAI SDK; the
+    replica that answered (``x-kvgate-replica``), once the answer's text is read in full."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    messages: Any = [{"role": "system", "content": LONG}, {"role": "user", "content": unique(salt)}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=stream
+    )
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    else:
+        text = raw.parse().choices[0].message.content or ""
+    assert text
+    return raw.headers["x-kvgate-replica"]
+
+
 def test_the_agents_register_their_engines_roles_in_etcd(stack: Stack) -> None:
     assert {e["id"]: e.get("role") for e in stack.engines} == {"sim-0": "prefill", "sim-1": "decode"}
     seen = endpoints(stack)
@@ -67,17 +83,7 @@ def test_a_long_request_is_prefilled_and_decoded_on_the_pair(stack: Stack, strea
     received = engine_counter(stack, "sim-1", "kvgate_sim_remote_prefills_total")
     paired = gateway_counter(stack, "kvgate_pd_decisions_total", mode="disaggregated")
     timed = gateway_counter(stack, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome="ok")
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
-    messages: Any = [{"role": "system", "content": LONG}, {"role": "user", "content": unique(int(stream))}]
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=5, stream=stream
-    )
-    if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
-    else:
-        text = raw.parse().choices[0].message.content or ""
-    assert text
-    assert raw.headers["x-kvgate-replica"].startswith("sim-1")  # the decode engine streamed it
+    assert ask_long(stack, int(stream), stream).startswith("sim-1")  # the decode engine streamed it
     assert engine_counter(stack, "sim-0", "kvgate_sim_remote_decodes_total") == prefilled + 1
     assert engine_counter(stack, "sim-1", "kvgate_sim_remote_prefills_total") == received + 1
     assert engine_counter(stack, "sim-1", "kvgate_sim_remote_prefill_tokens_total") > THRESHOLD

@@ -106,3 +106,42 @@ def test_flags_set_the_fleet_split_and_the_workload() -> None:
     assert (config.max_num_batched_tokens, config.output_tokens) == (512, 128)
     assert "512" in config.sim_args()
     assert disagg.config_from(disagg.parser().parse_args([])) == disagg.DisaggConfig()
+
+
+def test_repeats_take_the_median_of_each_metric() -> None:
+    def run(ttft: float, itl: float, errors: dict[str, int]) -> dict[str, object]:
+        return {
+            "target": "kvgate-aggregated",
+            "served": 10,
+            "errors": errors,
+            "replicas": {"sim-0": 10},
+            "ttft_ms": {"n": 10, "p50": ttft / 2, "p90": ttft},
+            "itl_ms": {"n": 90, "p90": itl},
+        }
+
+    row = disagg.median_row([run(300, 40, {}), run(100, 10, {"503": 1}), run(200, 90, {"503": 2})])
+    assert row["target"] == "kvgate-aggregated" and row["repeats"] == 3 and len(row["runs"]) == 3
+    assert (row["ttft_ms"]["p90"], row["ttft_ms"]["p50"], row["itl_ms"]["p90"]) == (200, 100, 40)
+    assert (row["errors"], row["replicas"]) == ({"503": 3}, {"sim-0": 30})
+    skipped = {"target": "x", "skipped": "no wheel"}
+    assert disagg.median_row([skipped, skipped])["skipped"] == "no wheel"
+    assert disagg.median_row([skipped, run(100, 10, {})])["repeats"] == 1
+
+
+def test_repeats_interleave_the_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    order: list[str] = []
+
+    def fake(name: str, config: object, sessions: object, workdir: Path, progress: bool) -> dict[str, object]:
+        order.append(f"{name}@{workdir.name}")
+        p90 = {"kvgate-aggregated": 100.0, "kvgate-conditional": 110.0 + len(order)}[name]
+        return {"target": name, "ttft_ms": {"n": 1, "p90": p90}, "itl_ms": {"n": 1, "p90": 10.0}}
+
+    monkeypatch.setattr(disagg, "run_target", fake)
+    rows, rounds = disagg.run_targets(
+        disagg.SWEEP_TARGETS, disagg.quick_config(), [], tmp_path, False, repeats=3
+    )
+    assert order == [f"{t}@round-{r}" for r in range(3) for t in disagg.SWEEP_TARGETS]
+    assert len(rounds) == 3 and rows["kvgate-conditional"]["ttft_ms"]["p90"] == 114.0  # 112, 114, 116
+    assert disagg.goals(rows)["conditional_ttft_p90_over_aggregated"]["value"] == 1.14
+    with pytest.raises(SystemExit):
+        disagg.main(["--repeats", "0"])

@@ -271,3 +271,49 @@ def test_the_subset_hint_binds_the_prefill_pick_too() -> None:
         True,
     )
     assert pd.plan(decision, NOW) is not None  # no hint: any prefill endpoint may pair
+
+
+def test_the_conformance_pin_binds_the_prefill_pick_when_it_names_one() -> None:
+    """The pin (``test-epp-endpoint-selection``) binds the decode pick (the endpoint reported as served);
+    it binds the prefill pick when it names a prefill endpoint of the model (``ip`` or ``ip:port``), and
+    leaves it to the prefill profile when it names none."""
+    endpoints = [
+        endpoint("p0", "prefill"),
+        endpoint("p1", "prefill"),
+        endpoint("p2", "prefill", engine="sglang", bootstrap_port=8998),
+        endpoint("d0", "decode"),
+        endpoint("d1", "decode"),
+    ]
+    address = {e.id: e.address for e in endpoints}
+    router, pd = make(endpoints, PdSpec("disaggregated"))
+
+    def plan(pin: list[str], rid: str, subset: frozenset[str] | None = None) -> tuple[str, str | None]:
+        decision = router.decide(request(f"{rid} {LONG}"), request_id=rid, now=NOW, subset=subset, pinned=pin)
+        verdict = pd.plan(decision, NOW, subset, pin)
+        assert verdict is not None and decision.served is not None
+        if verdict.handoff is not None:
+            verdict.handoff.prefill.in_flight = 0  # as if answered: the least loaded would alternate
+            return decision.served.id, verdict.handoff.prefill.id
+        assert verdict.reason == "no_prefill"
+        return decision.served.id, None
+
+    p1, d0 = address[EndpointId("p1")], address[EndpointId("d0")]
+    assert {plan([p1, d0], f"a{i}") for i in range(6)} == {("d0", "p1")}
+    host_only = p1.rpartition(":")[0]
+    assert {plan([host_only, d0], f"b{i}") for i in range(6)} == {("d0", "p1")}
+    # a pin naming no prefill endpoint: the decode pick is pinned, the prefill pick is the profile's (on a
+    # fresh fleet, with the slots held, the least loaded alternates over the vLLM-protocol pool)
+    fresh, free = make(endpoints, PdSpec("disaggregated"))
+    picks = set()
+    for i in range(6):
+        decision = fresh.decide(request(f"c{i} {LONG}"), request_id=f"c{i}", now=NOW, pinned=[d0])
+        verdict = free.plan(decision, NOW, None, [d0])
+        assert decision.served is not None and decision.served.id == "d0"
+        assert verdict is not None and verdict.handoff is not None
+        picks.add(verdict.handoff.prefill.id)
+    assert picks == {"p0", "p1"}
+    # it names a prefill endpoint that cannot pair (another protocol; outside the subset): aggregated
+    assert plan([address[EndpointId("p2")], d0], "d") == ("d0", None)
+    assert plan([p1, d0], "e", subset=frozenset({d0, address[EndpointId("p0")]})) == ("d0", None)
+    with pytest.raises(Unavailable):  # a pin naming only prefill endpoints leaves nothing to serve it
+        router.decide(request(LONG), request_id="f", now=NOW, pinned=[p1])

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from contracts.epp import CONFORMANCE_HEADER
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.disagg.errors import HandoffFailed
@@ -30,18 +31,24 @@ from tests.extproc.test_epp_conformance import refused
 from tests.extproc.test_processor import SUBSET_KEY, SUBSET_NS, body, headers, metadata, reply
 
 MODEL = "m"
-PREFILL, DECODE = "10.0.0.1:8000", "10.0.0.2:8000"
+PREFILL, DECODE, PREFILL2 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 LONG = " ".join(f"w{i}" for i in range(3000))  # ~4,000 tokens by the byte fallback
 
 
 def make(
-    spec: PdSpec, hold_timeout_s: float | None = 600.0, engine: str = "vllm", bootstrap: bool = True
+    spec: PdSpec,
+    hold_timeout_s: float | None = 600.0,
+    engine: str = "vllm",
+    bootstrap: bool = True,
+    conformance: bool = False,
 ) -> tuple[StreamProcessor, Router]:
     port = 8998 if engine == "sglang" and bootstrap else None
     endpoints = [
         Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), engine, role="prefill", bootstrap_port=port),
         Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode"),
     ]
+    if conformance:  # a second prefill endpoint, for the pin to choose between
+        endpoints.append(Endpoint(EndpointId("p2"), PREFILL2, frozenset({MODEL}), engine, role="prefill"))
     router = Router(
         Fleet(endpoints),
         ModelRegistry([]),
@@ -51,7 +58,7 @@ def make(
     )
     route = PdRoute(spec, build_profile(DEFAULT_SCHEDULING))
     pd = Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
-    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s)
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s, conformance=conformance)
     return StreamProcessor(router, config, lambda: 1000.0, disagg=pd), router
 
 
@@ -232,3 +239,27 @@ def test_the_subset_metadata_binds_the_prefill_pick(allowed: list[str], prefille
         assert proc.handoff is None and (proc.pd.mode, proc.pd.reason) == ("aggregated", "no_prefill")
         assert in_flight(router)[PREFILL] == 0
     assert reply(out).destination == [DECODE]
+
+
+@pytest.mark.parametrize(
+    ("pin", "prefills"),
+    [
+        (f"{PREFILL2}, {DECODE}", {PREFILL2}),  # it names a prefill endpoint: the prefill pick is it
+        ("10.0.0.3,10.0.0.2", {PREFILL2}),  # ip entries
+        (DECODE, {PREFILL, PREFILL2}),  # it names none: the prefill profile picks (least loaded)
+    ],
+)
+def test_the_conformance_pin_header_binds_the_pair(pin: str, prefills: set[str]) -> None:
+    """``test-epp-endpoint-selection`` (conformance mode) binds the decode pick, and the prefill pick when
+    it names a prefill endpoint (extproc/disagg/README.md)."""
+    seen = set()
+    for i in range(4):  # the prefill slots stay held (no answer yet): the least loaded alternates
+        proc, router = make(PdSpec("disaggregated"), conformance=True)
+        for s in router.fleet:
+            s.in_flight = {PREFILL: i % 2, PREFILL2: 1 - i % 2}.get(s.address, 0)
+        assert proc.handle(headers("/v1/completions", extra={CONFORMANCE_HEADER: pin})) == []
+        proc.handle(body(request()))
+        assert proc.handoff is not None
+        seen.add(proc.handoff.address)
+        assert reply(proc.handed_off(ANSWER)).destination == [DECODE]
+    assert seen == prefills
