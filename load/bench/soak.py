@@ -225,9 +225,7 @@ async def _one(
     started = time.monotonic()
     status: int | str
     try:
-        async with session.post(
-            url + path, data=body, headers={"content-type": "application/json"}
-        ) as resp:
+        async with session.post(url + path, data=body, headers={"content-type": "application/json"}) as resp:
             status = resp.status
             data = await resp.read()
             if status == 200 and stream and b"data: [DONE]" not in data:
