@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_args=("--time-scale", str(args.time_scale)),
         workdir=workdir,
     )
-    started = time.time()
+    started, measured_revision = time.time(), revision()  # the tree measured, before anything changes it
     with Stack(options) as stack:
         asyncio.run(_ready(stack.url, 120.0))
         sampler = Sampler(roots_of(stack), args.interval)
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "soak",
         "command": " ".join(["python -m load.bench.soak", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine(),
-        "revision": revision(),
+        "revision": measured_revision,
         "started_unix": round(started),
         "parameters": {
             "duration_s": args.duration,
