@@ -28,6 +28,7 @@ from contracts.events import (
     SequenceTracker,
     Verdict,
     decode_batch_skewed,
+    decode_subscribe,
 )
 from engines.endpoint import Endpoint
 from extproc.control.feeds import FeedManager, _Feed
@@ -154,3 +155,14 @@ def test_feed_bytes_are_decoded_applied_and_routing_goes_on(messages: tuple[byte
         assert 400 <= exc.status < 600
         return
     assert decision.endpoints
+
+
+@FUZZ
+@given(raw=st.binary(max_size=48) | json_values(6).map(msgspec.msgpack.encode))
+def test_subscribe_requests_decode_or_are_refused(raw: bytes) -> None:
+    """The other direction: what a subscriber sends an agent's feed server."""
+    try:
+        request = decode_subscribe(raw)
+    except EventError:
+        return
+    assert isinstance(request.subscriber, str)
