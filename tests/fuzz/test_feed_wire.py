@@ -130,9 +130,15 @@ NAN_LOAD = msgspec.msgpack.encode(
 )
 
 
+#: Found by this fuzzer: a string that is not UTF-8 raised UnicodeDecodeError, not EventError (msgspec
+#: passes it up as it is; contracts.errors.MSGPACK_ERRORS).
+NOT_UTF8 = b"\x94\xa2\x80\x80\x01\x01\x90"
+
+
 @FUZZ
 @given(messages=messages)
 @example(messages=(NAN_LOAD,))
+@example(messages=(NOT_UTF8,))
 def test_feed_bytes_are_decoded_applied_and_routing_goes_on(messages: tuple[bytes, ...]) -> None:
     manager, router = _gateway()
     feed, tracker = _Feed(manager, FEED), SequenceTracker()
@@ -159,6 +165,7 @@ def test_feed_bytes_are_decoded_applied_and_routing_goes_on(messages: tuple[byte
 
 @FUZZ
 @given(raw=st.binary(max_size=48) | json_values(6).map(msgspec.msgpack.encode))
+@example(raw=b"\x81\xaasubscriber\xa1\x80")
 def test_subscribe_requests_decode_or_are_refused(raw: bytes) -> None:
     """The other direction: what a subscriber sends an agent's feed server."""
     try:

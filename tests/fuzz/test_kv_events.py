@@ -95,6 +95,9 @@ def test_any_frames_decode_or_are_refused(frames: list[bytes]) -> None:
 @given(batches=st.lists(payloads(), min_size=1, max_size=5))
 @example(batches=[msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [-1, 2, 3, 4], 4]]])])
 @example(batches=[msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [2**32, 2, 3, 4], 4]]])])
+# a lora_name that is not UTF-8: UnicodeDecodeError escaped the decoder (and would end the subscriber)
+@example(batches=[msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [1] * 4, 4, None, None, "x"]]])
+                  .replace(b"\xa1x", b"\xa1\x80")])  # fmt: skip
 def test_decoded_batches_translate(batches: list[bytes]) -> None:
     translator = Translator("e1", "m", BLOCK)
     items = []

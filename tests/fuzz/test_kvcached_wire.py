@@ -165,6 +165,7 @@ def api_messages(draw: st.DrawFn) -> bytes:
 @given(method=st.sampled_from(METHODS), raw=api_messages())
 @example(method=PUT, raw=msgspec.msgpack.encode({"digest": b"\x01" * 16, "data": b"x" * (MAX_BLOCK + 1)}))
 @example(method=CONTAINS, raw=msgspec.msgpack.encode({"digests": [b"\x01" * 3]}))
+@example(method=GET, raw=b"\x81\xa1\x80\xc4\x01\x00")  # a key that is not UTF-8
 def test_api_answers_any_message(channel: grpc.Channel, method: str, raw: bytes) -> None:
     call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
     try:
