@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = asyncio.run(run_load(stack.url, args.duration, args.rate, args.concurrency, args.seed))
         finally:
             sampler.stop()
+    shutil.rmtree(workdir, ignore_errors=True)  # kept (logs, etcd, kvcached's SSD tier) only on failure
     processes = [judge(s, warmup, args.window) for s in sampler.series.values()]
     measured = [p for p in processes if p["rss_kib"]["growth"] is not None]
     worst = max(measured, key=lambda p: p["rss_kib"]["growth"], default=None)
