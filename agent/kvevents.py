@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from agent.errors import AgentError
+from contracts.errors import MSGPACK_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -151,11 +152,11 @@ def _canonical(event: KvEvent | _ArrayEvent) -> KvEvent:
 
 def decode_payload(payload: bytes, seq: int = 0) -> KvBatch:
     """The batch in a payload frame; :class:`KvEventDecodeError` when it is none of vLLM's encodings."""
-    first: msgspec.DecodeError | None = None
+    first: Exception | None = None
     for decoder in _DECODERS:
         try:
             raw = decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+        except MSGPACK_ERRORS as exc:
             first = first or exc
             continue
         events = raw.events

@@ -39,7 +39,7 @@ from typing import Any
 
 from agent.errors import AgentConfigError
 from agent.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, KvEvent
-from contracts.digest import Digest, block_digests, chain_seed
+from contracts.digest import MAX_TOKEN_ID, Digest, block_digests, chain_seed
 from contracts.events import Cleared, IndexEvent, Removed, Stored
 
 MEDIUM_TIERS = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
@@ -77,7 +77,8 @@ class TranslatorStats:
     unknown_medium: int = 0
     """Events with a medium that has no kvgate tier."""
     malformed: int = 0
-    """``BlockStored`` events whose token count is not ``len(block_hashes) * block_size``."""
+    """``BlockStored`` events whose token count is not ``len(block_hashes) * block_size``, or with a token id
+    outside 0..2^32 - 1 (:data:`contracts.digest.MAX_TOKEN_ID`)."""
     clears: int = 0
 
 
@@ -183,7 +184,12 @@ class Translator:
         if tier is None:
             return
         ebs = event.block_size
-        if ebs <= 0 or len(event.token_ids) != len(event.block_hashes) * ebs:
+        ids = event.token_ids
+        if (
+            ebs <= 0
+            or len(ids) != len(event.block_hashes) * ebs
+            or (ids and not 0 <= min(ids) <= max(ids) <= MAX_TOKEN_ID)
+        ):
             self.stats.malformed += 1
             return
         if event.parent_block_hash is None:

@@ -21,6 +21,9 @@ from contracts.versions import DIGEST_VERSION
 Digest = NewType("Digest", bytes)
 DIGEST_BYTES = 16
 TOKEN_BYTES = 4
+#: The largest token id a digest can hold (``TOKEN_BYTES`` unsigned): readers refuse larger ones (a client's
+#: prompt: 400; an engine's event: malformed) before hashing, since :func:`pack_tokens` cannot pack them.
+MAX_TOKEN_ID = (1 << (8 * TOKEN_BYTES)) - 1
 
 _SEED_TAG = f"kvgate-v{DIGEST_VERSION}\x00".encode()
 
@@ -45,7 +48,8 @@ def chain_seed(model: str, lora: str | None = None, salt: str | None = None) -> 
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as fixed-width little-endian uint32 bytes."""
+    """Tokens as fixed-width little-endian uint32 bytes (each 0..:data:`MAX_TOKEN_ID`; OverflowError
+    otherwise)."""
     packed = array("I", tokens)
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         packed.byteswap()

@@ -36,6 +36,7 @@ from typing import NewType
 import msgspec
 
 from contracts.digest import DIGEST_BYTES
+from contracts.errors import MSGPACK_ERRORS
 from contracts.versions import DIGEST_VERSION, FEED_VERSION, LEGACY_VERSION, Skew, digest_matches, skew
 
 TIERS = ("gpu", "cpu", "disk", "ram", "ssd")
@@ -206,7 +207,7 @@ def decode_batch(data: bytes) -> Batch:
     """A batch from wire bytes, checked against the contract; :class:`EventError` if malformed."""
     try:
         batch = _batch_decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except MSGPACK_ERRORS as exc:
         raise EventError(f"undecodable index event batch: {exc}") from exc
     check_batch(batch)
     return batch
@@ -260,7 +261,7 @@ def decode_batch_skewed(data: bytes) -> Batch:
     except EventError as strict:
         try:
             envelope = _envelope_decoder.decode(data)
-        except msgspec.DecodeError:
+        except MSGPACK_ERRORS:
             raise strict from None
         if skew(envelope.version, FEED_VERSION) is Skew.OK:
             raise
@@ -273,7 +274,7 @@ def _lenient(envelope: _Envelope) -> Batch:
     for raw in envelope.events:
         try:
             event = _load_decoder.decode(raw)
-        except msgspec.DecodeError:
+        except MSGPACK_ERRORS:
             continue
         events.append(event)
     batch = Batch(
@@ -294,7 +295,7 @@ def _lenient(envelope: _Envelope) -> Batch:
 def decode_subscribe(data: bytes) -> Subscribe:
     try:
         return _subscribe_decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except MSGPACK_ERRORS as exc:
         raise EventError(f"undecodable subscribe request: {exc}") from exc
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import msgspec
 
+from contracts.errors import MSGPACK_ERRORS
+
 SUBSCRIBE_METHOD = "/kvgate.federation.v1.Federation/Subscribe"
 """gRPC method (server streaming): request :class:`Hello`, responses :class:`Report`."""
 
@@ -90,7 +92,7 @@ def encode(message: Hello | Report) -> bytes:
 def decode_hello(data: bytes) -> Hello:
     try:
         return _hello.decode(data)
-    except msgspec.DecodeError as exc:
+    except MSGPACK_ERRORS as exc:
         raise FederationWireError(f"bad hello: {exc}") from exc
 
 
@@ -99,7 +101,7 @@ def decode_report(data: bytes) -> Report:
     block size and TTL); else :class:`FederationWireError`."""
     try:
         report = _report.decode(data)
-    except msgspec.DecodeError as exc:
+    except MSGPACK_ERRORS as exc:
         raise FederationWireError(f"bad report: {exc}") from exc
     if not report.ttl_s > 0:
         raise FederationWireError("report ttl_s must be > 0")

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import msgspec
 
+from contracts.errors import MSGPACK_ERRORS
 from contracts.kvcached import (
     MAX_BLOCK_BYTES_DEFAULT,
     MESSAGE_SLACK,
@@ -147,7 +148,7 @@ class KvcachedService:
                 else:
                     with active(span):
                         reply = _encoder.encode(await fn(decoder.decode(raw)))
-            except (msgspec.DecodeError, BadRequest) as exc:
+            except (*MSGPACK_ERRORS, BadRequest) as exc:
                 code, message = grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}"
             except KvcachedError as exc:
                 code, message = grpc.StatusCode.INTERNAL, f"{method}: {exc}"

@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from contracts.digest import MAX_TOKEN_ID
 from extproc.errors import BadRequest, NotFound
 from extproc.routing.sampling import check_sampling
 
@@ -370,11 +371,12 @@ def _item_text(item: Mapping[str, Any], where: str) -> str:
 
 
 def _is_token_ids(prompt: object) -> bool:
-    """Whether ``prompt`` is a non-empty array of token ids (integers >= 0)."""
+    """Whether ``prompt`` is a non-empty array of token ids (integers 0..2^32 - 1: no vocabulary is larger,
+    and the digest chain packs each in 32 bits, :data:`contracts.digest.MAX_TOKEN_ID`)."""
     return (
         isinstance(prompt, list)
         and bool(prompt)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in prompt)
     )
 
 

@@ -72,7 +72,7 @@ def test_completion_prompts(prompt: object, expected: object) -> None:
     assert req.prompt == expected
 
 
-@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], [-1], [True], {"a": 1}])
+@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], [-1], [True], {"a": 1}, [2**32], [[1], [2**32]]])
 def test_completion_rejections(prompt: object) -> None:
     with pytest.raises(BadRequest):
         parse_body(Kind.COMPLETION, orjson.dumps({"model": "m", "prompt": prompt}))
