@@ -407,6 +407,8 @@ def _median(values: Sequence[Any]) -> Any:
     ordered = sorted(values)
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    if isinstance(median, float) and all(isinstance(v, int) for v in values) and median.is_integer():
+        return int(median)  # counts stay counts
     return round(median, 3) if isinstance(median, float) else median
 
 

@@ -80,3 +80,4 @@ def test_repeats_are_summarised_by_per_figure_medians() -> None:
     assert fed["egress_requests_per_s"] == {"a": 2.0, "b": 0.0}
     two = federation.median_rows(repeats[:2])
     assert two[1]["ttft_ms"]["cross"]["p90"] == 200  # an even count: the middle two's mean
+    assert type(federation.median_rows([[{"target": "t", "errors": 0}]] * 2)[0]["errors"]) is int
