@@ -207,6 +207,11 @@ class FederationCollector(Collector):
             "kvgate_federation_summary_entries", "Prefix digests in the peer's last summary", labels=["peer"]
         )
         up = GaugeMetricFamily("kvgate_federation_peer_up", "1 when the peer may be chosen", labels=["peer"])
+        wait = GaugeMetricFamily(
+            "kvgate_federation_peer_queue_wait_seconds",
+            "Largest queue wait the peer's last summary published (over its models)",
+            labels=["peer"],
+        )
         egress_rq = CounterMetricFamily(
             "kvgate_federation_egress_requests",
             "Requests forwarded within the egress budget",
@@ -221,6 +226,7 @@ class FederationCollector(Collector):
             size.add_metric([s.cluster], s.summary_bytes)
             entries.add_metric([s.cluster], s.summary_entries)
             up.add_metric([s.cluster], 1.0 if s.up and s.fresh else 0.0)
+            wait.add_metric([s.cluster], s.queue_wait_s)
             egress_rq.add_metric([s.cluster], s.egress_requests)
             egress_b.add_metric([s.cluster], s.egress_bytes)
         noted = GaugeMetricFamily(
@@ -236,6 +242,7 @@ class FederationCollector(Collector):
             size,
             entries,
             up,
+            wait,
             egress_rq,
             egress_b,
             noted,

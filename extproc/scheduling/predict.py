@@ -170,7 +170,8 @@ class TTFTPredictor:
         slope) + uncached_r``, then ``W(now) = max(0, W - (now - at_last) / slope)``; or the engine's
         waiting requests (last reading) times their mean uncached tokens, whichever is more. Unlike
         :meth:`ahead`, a request whose prefill is done by ``now`` at that rate counts nothing, whatever
-        its predicted first token. ``slope <= 0``: nothing waits."""
+        its predicted first token; the engine's reading drains the same way from the time it was taken.
+        ``slope <= 0``: nothing waits."""
         if slope <= 0.0:
             return 0.0
         work = 0.0
@@ -187,7 +188,8 @@ class TTFTPredictor:
         metrics = state.metrics
         if metrics is None or metrics.waiting <= 0:
             return work
-        return max(work, metrics.waiting * self._mean_tokens.get(state.id, 0.0))
+        queued = metrics.waiting * self._mean_tokens.get(state.id, 0.0)
+        return max(work, queued - max(0.0, now - metrics.at) / slope)
 
     def confident(self, endpoint: EndpointId) -> bool:
         """Whether ``endpoint``'s line rests on at least :data:`CONFIDENT_AFTER` observations."""

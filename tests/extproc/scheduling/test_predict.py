@@ -240,9 +240,11 @@ def test_the_backlog_counts_the_engine_queue_when_it_holds_more() -> None:
     p = TTFTPredictor()
     a = state("a", waiting=3)
     p.routed("r1", a, 800, 0.0)
-    assert p.backlog(a, 10.0, 1e-4) == pytest.approx(3 * 800)  # 3 waiting (others' too) x 800
-    a.metrics = EngineMetrics(0, 0, 0.1, 0.0)
+    assert p.backlog(a, 0.0, 1e-4) == pytest.approx(3 * 800)  # 3 waiting (others' too) x 800
+    assert p.backlog(a, 0.1, 1e-4) == pytest.approx(3 * 800 - 1000)  # the reading drains since it was taken
     assert p.backlog(a, 10.0, 1e-4) == 0
+    a.metrics = EngineMetrics(0, 0, 0.1, 0.0)
+    assert p.backlog(a, 0.0, 1e-4) == pytest.approx(800)  # own request only
 
 
 def test_the_fitted_slope_is_none_while_the_prior_stands() -> None:
