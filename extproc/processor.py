@@ -776,7 +776,8 @@ class StreamProcessor:
     def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
         """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
         pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win.
-        A forwarded request is not recorded at the local pick (it computes nothing)."""
+        A forwarded request is not recorded at the local pick and not counted ahead there in the TTFT
+        predictor (it computes nothing here)."""
         decision = self.decision
         assert decision is not None
         block_size = self._router.policy.block_size
@@ -790,6 +791,7 @@ class StreamProcessor:
         forward = federation.route(decision.model, digests, lead, block_size, body_bytes, self._came, now)
         if forward is not None:
             decision.recorded = True
+            self._router.predictor.forget(decision.request_id)
         return forward
 
     def _replies(

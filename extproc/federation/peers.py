@@ -33,7 +33,8 @@ class Received:
 @dataclass(frozen=True, slots=True)
 class PeerStatus:
     """One peer for metrics and status: summary age (s; ``None``: never had one), its size (bytes on the
-    wire, digests summarised), whether it is fresh and the peer up, and egress used so far."""
+    wire, digests summarised, the largest queue wait it published over its models), whether it is fresh
+    and the peer up, and egress used so far."""
 
     cluster: str
     summary_age_s: float | None
@@ -43,6 +44,7 @@ class PeerStatus:
     up: bool
     egress_requests: int
     egress_bytes: int
+    queue_wait_s: float = 0.0
 
 
 class Federation:
@@ -164,6 +166,9 @@ class Federation:
                     up=self.up(link.cluster, now),
                     egress_requests=0 if budget is None else budget[1].requests,
                     egress_bytes=0 if budget is None else budget[1].bytes,
+                    queue_wait_s=0.0
+                    if r is None
+                    else max((m.queue_wait_s for m in r.report.models), default=0.0),
                 )
             )
         return out

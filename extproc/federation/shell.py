@@ -26,10 +26,13 @@ log = logging.getLogger(__name__)
 PREFILL_ROLE = "prefill"
 
 
-def model_loads(router: Router, now: float) -> dict[str, ModelLoad]:
+def model_loads(router: Router, now: float, prefill_s_per_token: float) -> dict[str, ModelLoad]:
     """Per model the fleet serves: routable endpoints (healthy, not draining, not ejected, not prefill-only)
     and the predicted wait before a new request's prefill starts at the least-waiting one: ``min over e of
-    slope_e x prefill tokens ahead at e`` (:class:`~extproc.scheduling.predict.TTFTPredictor`)."""
+    slope_e x backlog_e`` (README.md, "Queue wait"), ``slope_e`` the endpoint's fitted TTFT slope
+    (:class:`~extproc.scheduling.predict.TTFTPredictor`), or ``prefill_s_per_token`` (this cluster's
+    configured prefill rate) while it has none, and ``backlog_e`` the prefill tokens still to compute
+    there (:meth:`~extproc.scheduling.predict.TTFTPredictor.backlog`). An idle fleet waits 0."""
     predictor = router.predictor
     out: dict[str, ModelLoad] = {}
     serving: dict[str, list[EndpointState]] = {}
@@ -38,10 +41,16 @@ def model_loads(router: Router, now: float) -> dict[str, ModelLoad]:
             continue
         for model in state.endpoint.models:
             serving.setdefault(model, []).append(state)
+
+    def wait(state: EndpointState) -> float:
+        slope = predictor.fitted_slope(state.id)
+        slope = prefill_s_per_token if slope is None else slope
+        return slope * predictor.backlog(state, now, slope)
+
     for model in router.fleet.models():
         states = serving.get(model, [])
-        wait = min((predictor.line(s.id)[0] * predictor.ahead(s, now) for s in states), default=0.0)
-        out[model] = ModelLoad(queue_wait_s=max(0.0, wait), endpoints=len(states))
+        least = min(map(wait, states), default=0.0)
+        out[model] = ModelLoad(queue_wait_s=max(0.0, least), endpoints=len(states))
     return out
 
 
@@ -99,7 +108,8 @@ class FederationShell:
         """This cluster's report now: per model, the summary of what its fleet still holds and its load."""
         router = self._router
         now = self._clock()
-        summaries = self.builder.build(router.policy.block_size, model_loads(router, now), router.index.held)
+        loads = model_loads(router, now, self.federation.config.prefill_s_per_token)
+        summaries = self.builder.build(router.policy.block_size, loads, router.index.held)
         return Report(self.federation.cluster, time.time(), self.federation.config.ttl_s, summaries)
 
     def _links_changed(self) -> None:
@@ -197,6 +207,11 @@ class FederationCollector(Collector):
             "kvgate_federation_summary_entries", "Prefix digests in the peer's last summary", labels=["peer"]
         )
         up = GaugeMetricFamily("kvgate_federation_peer_up", "1 when the peer may be chosen", labels=["peer"])
+        wait = GaugeMetricFamily(
+            "kvgate_federation_peer_queue_wait_seconds",
+            "Largest queue wait the peer's last summary published (over its models)",
+            labels=["peer"],
+        )
         egress_rq = CounterMetricFamily(
             "kvgate_federation_egress_requests",
             "Requests forwarded within the egress budget",
@@ -211,6 +226,7 @@ class FederationCollector(Collector):
             size.add_metric([s.cluster], s.summary_bytes)
             entries.add_metric([s.cluster], s.summary_entries)
             up.add_metric([s.cluster], 1.0 if s.up and s.fresh else 0.0)
+            wait.add_metric([s.cluster], s.queue_wait_s)
             egress_rq.add_metric([s.cluster], s.egress_requests)
             egress_b.add_metric([s.cluster], s.egress_bytes)
         noted = GaugeMetricFamily(
@@ -226,6 +242,7 @@ class FederationCollector(Collector):
             size,
             entries,
             up,
+            wait,
             egress_rq,
             egress_b,
             noted,

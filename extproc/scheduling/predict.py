@@ -74,6 +74,15 @@ class Fit:
         self.sxy = self.sxy * d + x * y
         self.count += 1
 
+    def own_slope(self) -> bool:
+        """Whether :meth:`line`'s slope comes from the observations (at least 3, ``x`` spread at least
+        :data:`MIN_SPREAD_TOKENS`, a rising fit) rather than the prior."""
+        if self.count < 3:
+            return False
+        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mean_x * mean_x
+        return var >= MIN_SPREAD_TOKENS * MIN_SPREAD_TOKENS and self.sxy / self.sw - mean_x * mean_y > 0.0
+
     def line(self, prior_slope: float, prior_base: float) -> tuple[float, float]:
         """``(slope, base)``: the fitted line when the observations' ``x`` spread at least
         :data:`MIN_SPREAD_TOKENS` (and the fit rises); else the prior slope through the observations'
@@ -145,6 +154,42 @@ class TTFTPredictor:
         if fit is None:
             return self._prior_slope, self._prior_base
         return fit.line(self._prior_slope, self._prior_base)
+
+    def fitted_slope(self, endpoint: EndpointId) -> float | None:
+        """``endpoint``'s slope (s/token) when its own observations fit it; ``None`` while it is the
+        prior's."""
+        fit = self._fits.get(endpoint)
+        if fit is None or not fit.own_slope():
+            return None
+        return fit.line(self._prior_slope, self._prior_base)[0]
+
+    def backlog(self, state: EndpointState, now: float, slope: float) -> float:
+        """Prefill tokens still to compute at the endpoint before a request arriving ``now`` could start
+        its own, draining at ``1 / slope`` tokens/s (a work-conserving queue): over this gateway's
+        requests routed there and not yet completed, oldest first, ``W <- max(0, W - (at_r - at_prev) /
+        slope) + uncached_r``, then ``W(now) = max(0, W - (now - at_last) / slope)``; or the engine's
+        waiting requests (last reading) times their mean uncached tokens, whichever is more. Unlike
+        :meth:`ahead`, a request whose prefill is done by ``now`` at that rate counts nothing, whatever
+        its predicted first token; the engine's reading drains the same way from the time it was taken.
+        ``slope <= 0``: nothing waits."""
+        if slope <= 0.0:
+            return 0.0
+        work = 0.0
+        routed = self._at.get(state.id)
+        if routed:
+            last: float | None = None
+            for r in sorted(routed.values(), key=lambda r: r.at):
+                if last is not None:
+                    work = max(0.0, work - (r.at - last) / slope)
+                work += r.tokens
+                last = r.at
+            if last is not None:
+                work = max(0.0, work - (now - last) / slope)
+        metrics = state.metrics
+        if metrics is None or metrics.waiting <= 0:
+            return work
+        queued = metrics.waiting * self._mean_tokens.get(state.id, 0.0)
+        return max(work, queued - max(0.0, now - metrics.at) / slope)
 
     def confident(self, endpoint: EndpointId) -> bool:
         """Whether ``endpoint``'s line rests on at least :data:`CONFIDENT_AFTER` observations."""

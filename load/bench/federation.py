@@ -1,5 +1,5 @@
 """Cross-cluster federation (issue 22): two simulated regions, a shared-prefix workload whose groups are
-homed in one region or the other, federated kvgate against the same clusters isolated, one run.
+homed in one region or the other, federated kvgate against the same clusters isolated.
 
     python -m load.bench.federation --out results/federation.json      # several minutes on a 2-core VM
     python -m load.bench.federation --quick --out /tmp/federation.json  # a smoke run; figures mean nothing
@@ -22,6 +22,10 @@ prefix + a unique suffix (``suffix_tokens``), the rest unshared prompts of the s
 target: TTFT p50/p90/p99 (ms) of cross-region shared requests (sent to the region that is not the group's
 home), same-region shared, and unshared; forwards and egress (requests, bytes) per region from the
 gateways' metrics, against the egress budget.
+
+With ``--repeats N`` every target runs N times, interleaved (all targets, then all again), each on fresh
+stacks; ``targets`` holds per-figure medians over the repeats (a percentile's median, not a pooled
+percentile), ``goals`` are judged on them, and ``repeats`` keeps each repeat's rows and goals.
 
 Goals (``goals``): cross-region shared TTFT p90 at 20 ms at least 2x better than isolated; unshared TTFT
 p90 never more than 5 % worse than isolated (at every RTT); egress within budget.
@@ -342,6 +346,10 @@ def run_target(
         "decisions": {
             n: _by_label(s, "kvgate_federation_decisions_total", "reason") for n, s in samples.items()
         },
+        # what became of the forwards, per region (Envoy's logs: served, slow, unreachable, ...)
+        "forward_outcomes": {
+            n: _by_label(s, "kvgate_federation_forward_outcomes_total", "outcome") for n, s in samples.items()
+        },
     }
     if wall > 0:
         row["egress_requests_per_s"] = {n: round(v / wall, 3) for n, v in row["egress_requests"].items()}
@@ -385,6 +393,35 @@ def goals(rows: list[dict[str, Any]], config: FederationBenchConfig) -> dict[str
     return out
 
 
+def _median(values: Sequence[Any]) -> Any:
+    """The median of numbers (the mean of the middle two for an even count; ``None`` if any is
+    ``None``); of mappings, per key present in every one; of anything else, the first."""
+    first = values[0]
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(v, dict) and k in v for v in values)]
+        return {k: _median([v[k] for v in values]) for k in keys}
+    if isinstance(first, bool) or not isinstance(first, int | float):
+        return first
+    if any(not isinstance(v, int | float) for v in values):
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    if isinstance(median, float) and all(isinstance(v, int) for v in values) and median.is_integer():
+        return int(median)  # counts stay counts
+    return round(median, 3) if isinstance(median, float) else median
+
+
+def median_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per target (in the first repeat's order), the median of each figure over the repeats that ran it."""
+    names = [row["target"] for row in repeats[0]]
+    out = []
+    for name in names:
+        rows = [row for rows in repeats for row in rows if row["target"] == name]
+        out.append({**_median(rows), "repeats": len(rows)})
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m load.bench.federation", description=(__doc__ or "").split("\n")[0]
@@ -395,6 +432,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, help="arrivals per second")
     p.add_argument("--seed", type=int, help="workload seed (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every target, interleaved (isolated, federated, ..., then again); the table and the"
+        " goals are per-figure medians, each repeat's rows are kept under 'repeats'",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = quick_config() if args.quick else FederationBenchConfig()
@@ -419,13 +463,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kinds": {k: sum(r.kind == k for r in requests) for k in ("cross", "local", "unshared")},
     }
     progress = not args.no_progress
-    rows = [run_target("isolated", None, config, warm, requests, workdir, leaves, progress)]
-    for rtt in config.rtts_ms:
-        rows.append(
-            run_target(f"federated-{int(rtt)}ms", rtt, config, warm, requests, workdir, leaves, progress)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    targets: list[tuple[str, float | None]] = [("isolated", None)]
+    targets += [(f"federated-{int(rtt)}ms", rtt) for rtt in config.rtts_ms]
+    repeats: list[list[dict[str, Any]]] = []
+    for i in range(args.repeats):
+        work = workdir if args.repeats == 1 else workdir / f"repeat-{i + 1}"
+        repeats.append(
+            [run_target(n, rtt, config, warm, requests, work, leaves, progress) for n, rtt in targets]
         )
-    result["targets"] = rows
-    result["goals"] = goals(rows, config)
+    if args.repeats == 1:
+        result["targets"] = repeats[0]
+    else:
+        result["targets"] = median_rows(repeats)
+        result["repeats"] = [{"targets": rows, "goals": goals(rows, config)} for rows in repeats]
+    result["goals"] = goals(result["targets"], config)
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -64,3 +64,20 @@ def test_federation_quick(tmp_path: Path) -> None:
     assert {"benchmark", "command", "machine", "revision", "config", "targets", "goals"} <= set(result)
     assert [t["target"] for t in result["targets"]] == ["isolated", "federated-20ms"]
     assert all(t["errors"] == 0 for t in result["targets"])
+
+
+def test_repeats_are_summarised_by_per_figure_medians() -> None:
+    repeats = [
+        [row("isolated", None, 400, 100, 0), row("federated-20ms", 20, 150, 104, 1.0)],
+        [row("isolated", None, 300, 120, 0), row("federated-20ms", 20, 250, 90, 3.0)],
+        [row("isolated", None, 350, 110, 0), row("federated-20ms", 20, 100, 95, 2.0)],
+    ]
+    medians = federation.median_rows(repeats)
+    assert [m["target"] for m in medians] == ["isolated", "federated-20ms"]
+    iso, fed = medians
+    assert iso["ttft_ms"]["cross"]["p90"] == 350 and iso["rtt_ms"] is None and iso["repeats"] == 3
+    assert fed["ttft_ms"]["cross"]["p90"] == 150 and fed["ttft_ms"]["unshared"]["p90"] == 95
+    assert fed["egress_requests_per_s"] == {"a": 2.0, "b": 0.0}
+    two = federation.median_rows(repeats[:2])
+    assert two[1]["ttft_ms"]["cross"]["p90"] == 200  # an even count: the middle two's mean
+    assert type(federation.median_rows([[{"target": "t", "errors": 0}]] * 2)[0]["errors"]) is int

@@ -172,9 +172,10 @@ def test_worth_hashing_prefilters_short_prompts() -> None:
 def test_status_reports_age_size_and_egress() -> None:
     f = fed(link("b"))
     c = chain(64)
-    f.received(report("b", c), now=1.0, size_bytes=321)
+    f.received(report("b", c, wait_s=0.25), now=1.0, size_bytes=321)
     f.decide("m", c, 0, BS, 1000, CLIENT, now=1.5)
     (s,) = f.status(now=2.0)
+    assert s.queue_wait_s == 0.25  # the wait its summary published
     assert (s.cluster, s.summary_age_s, s.summary_bytes, s.fresh, s.up) == ("b", 1.0, 321, True, True)
     assert s.summary_entries == 64  # as the report says
     assert (s.egress_requests, s.egress_bytes) == (1, 1000)

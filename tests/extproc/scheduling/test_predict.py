@@ -216,3 +216,52 @@ def test_an_endpoint_that_leaves_the_fleet_is_forgotten() -> None:
     assert p.line("a") == (PRIOR_SLOPE, PRIOR_BASE_S) and p.ahead(a, 0.0) == 0
     assert len(p) == 3 and p.line("b") != (PRIOR_SLOPE, PRIOR_BASE_S)
 
+
+def test_the_backlog_drains_at_the_slope_so_a_finished_prefill_counts_nothing() -> None:
+    p = TTFTPredictor()
+    a = state("a")
+    slope = 1e-4  # 10,000 tokens/s
+    assert p.backlog(a, 0.0, slope) == 0  # idle: nothing to wait for
+    p.routed("r1", a, 5000, 0.0)
+    assert p.backlog(a, 0.0, slope) == pytest.approx(5000)
+    assert p.backlog(a, 0.1, slope) == pytest.approx(4000)  # 1,000 tokens computed since
+    assert p.backlog(a, 0.6, slope) == 0  # its prefill is done (the entry stays until its completion)
+    p.routed("r2", a, 1000, 0.2)  # queued behind r1's remaining 3,000
+    assert p.backlog(a, 0.2, slope) == pytest.approx(4000)
+    assert p.backlog(a, 0.3, slope) == pytest.approx(3000)
+    p.routed("r3", a, 500, 1.0)  # after an idle gap: only its own tokens
+    assert p.backlog(a, 1.0, slope) == pytest.approx(500)
+    assert p.backlog(a, 1.0, 2e-4) == pytest.approx(1000 + 500)  # at half the rate 1,000 of r1, r2 remain
+    assert p.backlog(a, 1.0, 0.0) == 0  # an infinitely fast one
+    assert p.backlog(state("b"), 0.0, slope) == 0
+
+
+def test_the_backlog_counts_the_engine_queue_when_it_holds_more() -> None:
+    p = TTFTPredictor()
+    a = state("a", waiting=3)
+    p.routed("r1", a, 800, 0.0)
+    assert p.backlog(a, 0.0, 1e-4) == pytest.approx(3 * 800)  # 3 waiting (others' too) x 800
+    assert p.backlog(a, 0.1, 1e-4) == pytest.approx(3 * 800 - 1000)  # the reading drains since it was taken
+    assert p.backlog(a, 10.0, 1e-4) == 0
+    a.metrics = EngineMetrics(0, 0, 0.1, 0.0)
+    assert p.backlog(a, 0.0, 1e-4) == pytest.approx(800)  # own request only
+
+
+def test_the_fitted_slope_is_none_while_the_prior_stands() -> None:
+    p = TTFTPredictor()
+    a = state("a")
+    assert p.fitted_slope("a") is None
+    total = count = 0.0
+    for i in range(4):
+        reading(a, at=10.0 * i, total=total, count=count)
+        p.routed(f"r{i}", a, 1000 * (i % 4 + 1), 10.0 * i)
+        if i < 3:
+            assert p.fitted_slope("a") is None  # fewer than 3 observations: the prior's slope
+        total, count = total + 0.05 + 0.0004 * 1000 * (i % 4 + 1), count + 1
+    reading(a, at=40.0, total=total, count=count)
+    p.predict(a, 0, 40.0)
+    assert p.fitted_slope("a") == pytest.approx(0.0004, rel=1e-6)
+    fit = Fit()
+    for x in (1000, 2000, 3000):
+        fit.add(x, 0.5)  # flat: the prior slope stays
+    assert not fit.own_slope()
