@@ -1012,7 +1012,8 @@ class StreamProcessor:
         if self.ticket is not None and self._gate is not None:
             self._track_usage(response, self._gate, self.ticket)
         set_headers = []
-        if self.decision is not None and served:
+        forwarded = self.forward is not None and served == self.forward.ingress  # a peer's, not ours
+        if self.decision is not None and served and not forwarded:
             self._router.served(self.decision, served, self._clock())
             if self._config.conformance:
                 set_headers.append(_header(CONFORMANCE_SERVED, served))

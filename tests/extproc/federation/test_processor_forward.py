@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from contracts.digest import Digest
-from contracts.epp import EXTPROC_ATTRIBUTES
+from contracts.epp import EXTPROC_ATTRIBUTES, UPSTREAM_HEADER
 from contracts.events import EndpointId
 from contracts.federation import HOP_HEADER, ModelSummary, Report
 from engines.endpoint import Endpoint
@@ -26,7 +26,7 @@ from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
-from tests.extproc.test_processor import body, headers, reply
+from tests.extproc.test_processor import body, headers, reply, response_headers
 
 MODEL = "m"
 LOCAL = "10.0.0.1:8000"
@@ -111,6 +111,23 @@ def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Diges
     assert proc.forward is not None and proc.forward.peer == "b"
     assert fwd.decisions["forward"] == 1 and fwd.forwards["b"] == 1
     assert len(fwd.builder) == 0  # not noted: this cluster computes nothing of it
+    proc.close()
+
+
+def test_a_forward_served_by_the_peer_is_no_unknown_address(
+    long_chain: list[Digest], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Envoy reads back the peer's ingress as the served host: not a fleet endpoint, no bookkeeping
+    moves and nothing is logged as an unknown address."""
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc, _ = send(fwd, LONG)
+    assert proc.decision is not None
+    before = proc.decision.served
+    with caplog.at_level("WARNING"):
+        proc.handle(response_headers(extra={UPSTREAM_HEADER: INGRESS_B}))
+    assert proc.decision.served is before
+    assert "unknown address" not in caplog.text
     proc.close()
 
 
