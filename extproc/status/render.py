@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 
+from extproc.status.combine import Combined
 from extproc.status.snapshot import DriftStatus, EndpointStatus, Status
 
 FLEET_COLUMNS = (
@@ -156,6 +157,43 @@ def render_text(status: Status, source: str) -> str:
         ]
     out += ["", "POLICY", *_table(("path", "value", "override"), policy_rows(status))]
     out += [f"refused: {path}: {reason}" for path, reason in status.policy.rejected.items()]
+    return "\n".join(out) + "\n"
+
+
+VIEW_COLUMNS = ("ext_proc", "at", "ready", "in flight", "queued", "blocks", "feeds", "error")
+
+
+def view_rows(combined: Combined) -> list[list[str]]:
+    """One row of :data:`VIEW_COLUMNS` per view combined (or that gave none)."""
+    return [
+        [v.source, "-", "-", "-", "-", "-", "-", v.error]
+        if v.error
+        else [
+            v.source,
+            time.strftime("%H:%M:%S", time.gmtime(v.at)),
+            f"{v.ready}/{v.endpoints}",
+            str(v.in_flight),
+            str(v.queued),
+            str(v.blocks),
+            f"{v.feeds_connected}/{v.feeds}",
+            "-",
+        ]
+        for v in combined.views
+    ]
+
+
+def combined_title(combined: Combined) -> str:
+    answered = sum(not v.error for v in combined.views)
+    return f"{answered}/{len(combined.views)} ext_procs combined"
+
+
+def render_combined_text(combined: Combined) -> str:
+    """``kvgate status`` with several ext_procs: each one's summary, what they disagree on, then the
+    combined tables (:mod:`extproc.status.combine`)."""
+    out = [combined_title(combined), *_table(VIEW_COLUMNS, view_rows(combined))]
+    out += [f"DISAGREE: {d}" for d in combined.disagreements]
+    if combined.status is not None:
+        out += ["", render_text(combined.status, combined_title(combined)).rstrip("\n")]
     return "\n".join(out) + "\n"
 
 
