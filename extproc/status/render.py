@@ -222,8 +222,25 @@ def _html_table(header: Sequence[str], rows: list[str], empty: str) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def render_html(status: Status, refresh_s: int = 2) -> str:
-    """The status page: a self-contained HTML document that reloads itself every ``refresh_s`` seconds."""
+def _views_html(combined: Combined) -> str:
+    rows = [
+        f'<tr class="{"lost" if v.error else "ready"}">{_cells(row, frozenset({2, 3, 4, 5, 6}))}</tr>'
+        for v, row in zip(combined.views, view_rows(combined), strict=True)
+    ]
+    notes = "".join(f'<p class="draining">disagree: {html.escape(d)}</p>' for d in combined.disagreements)
+    return (
+        f"<h2>Ext_procs: {html.escape(combined_title(combined))}</h2>\n"
+        f"{_html_table(VIEW_COLUMNS, rows, 'no ext_proc')}\n{notes}"
+    )
+
+
+def render_html(status: Status, refresh_s: int = 2, combined: Combined | None = None) -> str:
+    """The status page: a self-contained HTML document that reloads itself every ``refresh_s`` seconds.
+    With ``combined`` (this worker's view and its siblings', :mod:`extproc.status.combine`): each
+    one's summary and what they disagree on, then the combined tables."""
+    views = ""
+    if combined is not None and combined.status is not None:
+        status, views = combined.status, _views_html(combined)
     ready = sum(e.state == "ready" for e in status.endpoints)
     numeric = frozenset({5, 6, 7, 8, 10})
     fleet = []
@@ -265,6 +282,7 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
 <p class="muted">{html.escape(_when(status.at))}; refreshes every {int(refresh_s)} s;
 <a href="status.json">JSON</a></p>
 {warnings}
+{views}
 <h2>Fleet: {ready}/{len(status.endpoints)} endpoints ready</h2>
 <p>models: {html.escape(", ".join(status.models) or "-")}</p>
 {_html_table(FLEET_COLUMNS, fleet, "no endpoints")}

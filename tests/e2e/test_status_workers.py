@@ -80,7 +80,7 @@ async def test_the_combined_json_adds_up_both_workers(
     argv = ["--url", a, "--url", b + "/status", "--json"]
     assert await asyncio.to_thread(status_main, argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert sorted(doc["gateways"]) == [a, b] and doc["failed"] == {}
+    assert sorted(doc["gateways"]) == sorted([a, b]) and doc["failed"] == {}
     combined = {e["id"]: e for e in doc["combined"]["endpoints"]}
     assert sorted(combined) == sorted(e["id"] for e in stack.engines)
     for endpoint_id, endpoint in combined.items():
@@ -141,3 +141,15 @@ async def test_an_unreachable_worker_is_shown_and_exits_1(
     captured = capsys.readouterr()
     assert captured.out.startswith("1/2 ext_procs combined\n") and "FLEET" in captured.out
     assert f"kvgate status: {closed}/status.json: unreachable" in captured.err
+
+
+async def test_each_workers_page_shows_the_host_combined(stack: Stack, routed: None) -> None:
+    """The workers share ``kvgate up``'s siblings directory, so each one's /status page reads the other's
+    view and shows both and the combined fleet (extproc/status/peers.py); its JSON stays its own."""
+    for i, url in enumerate(urls(stack)):
+        async with httpx.AsyncClient(timeout=30) as client:
+            page = (await client.get(url + "/status")).text
+        assert "2/2 ext_procs combined" in page, page[:2000]
+        assert f"extproc-{i} (this page)" in page and f"<td>extproc-{1 - i}</td>" in page
+        for engine in stack.engines:
+            assert f'id="endpoint-{engine["id"]}"' in page
