@@ -63,6 +63,11 @@ EMPTY_HERE = {
     "kvcached_request_seconds": "agents call kvcached's API only to save and restore llama.cpp slots",
     "kvcached_get_seconds": "agents call kvcached's API only to save and restore llama.cpp slots",
     "kvcached_peer_fetch_seconds": "a peer fetch follows a local Get miss (llama.cpp slot restores only)",
+    "kvgate_pd_decisions": "no model here disaggregates (no prefill endpoint): the recipes' vLLM and SGLang "
+    "disaggregated stacks need GPUs",
+    "kvgate_pd_prefill_seconds": "no model here disaggregates (no prefill endpoint)",
+    "kvgate_pd_fallbacks": "no model here disaggregates (no prefill endpoint)",
+    "kvgate_pd_prefill_errors": "no model here disaggregates (no prefill endpoint)",
     "kvgate_ttft_prediction_error_seconds": "a prediction is scored once an engine's TTFT histogram window "
     "closes with requests the predictor saw; a short burst may not close one",
 }
