@@ -78,7 +78,7 @@ from engines.config import EngineConfig
 from engines.endpoint import encode_endpoint
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
-from runtime.kvcached import KvcachedClient
+from runtime.kvcached import DigestCheckedStore, KvcachedClient
 from runtime.lifecycle import announce_ready, stop_on_signals, systemd_notify_wanted
 from runtime.tls import ServerTlsFiles
 from runtime.tracing.http import traced
@@ -515,7 +515,8 @@ class Agent:
                 self.config.agent.kvcached,
                 max_message_bytes=self.config.agent.kvcached_max_block_bytes + MESSAGE_SLACK,
             )
-            self.slots = SlotAdmin(self, self._kvcached)
+            # Refused while the daemon keys blocks by another digest version (logged once).
+            self.slots = SlotAdmin(self, DigestCheckedStore(self._kvcached))
             app.add_routes(self.slots.routes())
         self._admin = web.AppRunner(app, access_log=None)
         await self._admin.setup()

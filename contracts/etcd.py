@@ -24,7 +24,8 @@ key                    value                                                    
 ``usage/<tenant>/``    JSON integer: the tokens one ext_proc replica charged the     ext_proc replicas
 ``<replica>``          tenant's budget since it started (:func:`encode_usage`),
                        under its lease (:mod:`extproc.admission.shared`)
-``kvcached/<node>``    a node's tier store (:class:`PeerInfo`), under a lease        kvcached daemons
+``kvcached/<node>``    a node's tier store (:class:`PeerInfo`, with the digest       kvcached daemons
+                       version of its blocks' keys), under a lease
 ``federation/<c>``     JSON link to peer cluster ``<c>``                               ``kvgate policy``
                        (:mod:`extproc.federation.links`; a bad value is refused,
                        the link in force stays)
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from contracts.config import Section, all_or_none, hostport
 from contracts.errors import ConfigError
+from contracts.versions import DIGEST_VERSION, LEGACY_VERSION
 
 ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
     "endpoints",
@@ -242,12 +244,16 @@ def decode_usage(value: bytes) -> int:
 @dataclass(frozen=True, slots=True)
 class PeerInfo:
     """One kvcached daemon as registered: node id, local gRPC API (TCP, mTLS; ``None``: unix only),
-    QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``."""
+    QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``; ``digest``: the
+    digest version (:data:`contracts.versions.DIGEST_VERSION`) the daemon keys its blocks and feed by
+    (a record without it is version 1). Readers of another digest version neither follow its feed nor
+    fetch from it: its digests never name their blocks (:func:`contracts.versions.digest_matches`)."""
 
     node: str
     grpc: str | None
     quic: str | None
     feed: str | None
+    digest: int = DIGEST_VERSION
 
 
 def peer_key(prefix: str, node: str) -> str:
@@ -257,7 +263,7 @@ def peer_key(prefix: str, node: str) -> str:
 
 def encode_peer(info: PeerInfo) -> bytes:
     """The JSON value of ``kvcached/<node>`` (sorted keys, compact)."""
-    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed}
+    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed, "digest": info.digest}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -270,7 +276,7 @@ def decode_peer(node: str, value: bytes) -> PeerInfo:
         raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: expected a JSON object")
-    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed"})
+    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed", "digest"})
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     if doc.get("node") != node:
@@ -281,7 +287,10 @@ def decode_peer(node: str, value: bytes) -> PeerInfo:
         if v is not None and not _is_hostport(v):
             raise ConfigError(f"{where}.{name}: expected host:port or null, got {v!r}")
         fields[name] = v
-    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"])
+    digest = doc.get("digest", LEGACY_VERSION)
+    if not isinstance(digest, int) or isinstance(digest, bool) or digest < 1:
+        raise ConfigError(f"{where}.digest: expected a version >= 1, got {digest!r}")
+    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"], digest)
 
 
 def _is_hostport(value: object) -> bool:

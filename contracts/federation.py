@@ -27,6 +27,17 @@ HOP_HEADER = "x-kvgate-hop"
 """Request header on a forwarded request: the name of the cluster that forwarded it."""
 PEER_HEADER = "x-kvgate-federation-peer"
 """Request header the federation listener's Envoy sets from the client certificate's URI SAN."""
+SALTED_HEADER = "x-kvgate-kv-salted"
+"""Request header on a forwarded request (value ``1``): the forwarding cluster replaced the body's
+``cache_salt`` with the asserted tenant's (tenant KV isolation); the receiving cluster keeps it as is.
+Believed, as the tenant, only from a linked identity."""
+REFUSED_HEADER = "x-kvgate-federation-refused"
+"""Response header on a forwarded request the receiving cluster refused (401, 403, 429: the hop's trust,
+the asserted tenant, its budget or rate there), with the refusal's code: the forwarding cluster's Envoy
+retries such an answer on its local pick, so a request never fails because a peer refused it."""
+UNTRUSTED = "federation_untrusted"
+"""The :data:`REFUSED_HEADER` code (with 401) of a link that does not trust tenants at all: the forwarding
+cluster's failed-try log takes it as the peer's failure (skipped a while), unlike a refusal of one tenant."""
 FORWARD_HOST = "x-kvgate-forward-host"
 """Request header the processor sets when it forwards: the peer's ingress ``host:port`` (for the
 forwarding route's ``Host``/SNI; the destination itself is the ``envoy.lb`` pick)."""

@@ -82,6 +82,9 @@ class StatsRequest(msgspec.Struct, frozen=True):
 
 class StatsReply(msgspec.Struct, frozen=True):
     stats: dict[str, float]
+    #: The digest version the daemon keys blocks by (:data:`contracts.versions.DIGEST_VERSION`); a daemon
+    #: from before the field answers without it: version 1. (msgpack maps: an older client ignores it.)
+    digest: int = 1
 
 
 class KvcachedError(Exception):

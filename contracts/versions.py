@@ -5,6 +5,8 @@ Three things carry a version (``contracts/README.md`` has the table and the upgr
 * :data:`DIGEST_VERSION`: the digest chain's seed material (:func:`contracts.digest.chain_seed`). Two
   digests are compared only when both sides hash under the same digest version: a different one (older or
   newer) means the endpoint's reported KV is treated as absent, never matched against this side's digests.
+  kvcached daemons state theirs too (record ``kvcached/<node>`` and Stats ``digest``): gateways, peers
+  and agents of another digest version do not use their blocks.
 * :data:`FEED_VERSION`: the index-event feed (:class:`contracts.events.Batch`, field ``version``).
 * :data:`RECORD_VERSION`: the JSON records machines write into etcd (``endpoints/<node>/<id>``, field
   ``schema``; :mod:`engines.endpoint`).

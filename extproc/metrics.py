@@ -207,7 +207,8 @@ class GatewayMetrics:
 
     def watch_feeds(self, counters: Callable[[], Mapping[str, int]]) -> None:
         """Export ``kvgate_feed_<name>_total`` for :data:`FEED_COUNTERS` from ``counters()`` (the feed
-        clients' shared stats) at every scrape; a name it lacks reads 0."""
+        clients' shared stats) at every scrape, and the gauge ``kvgate_version_skew_sources`` from its
+        ``version_skew_sources``; a name it lacks reads 0."""
         self.registry.register(_FeedCollector(counters))
 
     def watch_pool(self, counters: Callable[[], Mapping[str, int]]) -> None:
@@ -459,6 +460,12 @@ class _FeedCollector(Collector):
             yield CounterMetricFamily(
                 f"kvgate_feed_{name}", f"Feed clients' {name} since start.", value=values.get(name, 0)
             )
+        yield GaugeMetricFamily(
+            "kvgate_version_skew_sources",
+            "etcd records (endpoints, kvcached daemons) read now at a version this gateway does not use "
+            "as written (contracts/README.md).",
+            value=values.get("version_skew_sources", 0),
+        )
 
 
 class _PoolCollector(Collector):

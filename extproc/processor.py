@@ -100,10 +100,10 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import HOP_HEADER
+from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
-from extproc.admission.isolation import isolates, tenant_salt
+from extproc.admission.isolation import isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
@@ -366,7 +366,9 @@ class StreamProcessor:
             self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
         if self.decision is not None:
-            self._router.commit(self.decision, self._clock())
+            # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
+            # answer is out, before the shell's generator resumes to call after_send).
+            self.after_send()
             self._router.finish(self.decision)
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
                 self._router.completed(self.decision.request_id, self._clock())
@@ -410,7 +412,10 @@ class StreamProcessor:
         if self._federation is not None:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
         path = self._headers.get(":path", "/")
-        if self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
+        if self._gate is not None and self._federation is not None and self._came.forwarded:
+            # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
+            self.principal = self._federation.principal(self._came, self._gate.tenants)
+        elif self._gate is not None and not _is_probe(path):  # probes need no credentials (as vLLM's)
             claims, failure = _jwt_metadata(msg)
             self.principal = self._gate.identify(
                 self._headers.get("authorization"),
@@ -460,11 +465,19 @@ class StreamProcessor:
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)
-        principal = self.principal
-        if principal is not None and self._gate is not None and isolates(self._gate.config, principal.tenant):
+        principal, gate = self.principal, self._gate
+        if self._came.salted and principal is not None:  # the forwarding cluster's tenant salt stays
+            self._isolated = True
+        elif principal is not None and gate is not None and isolates(gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
             request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
             self._isolated = True
+        elif principal is not None and reserved(request.cache_salt):  # it could be an isolated tenant's
+            raise BadRequest(
+                "cache_salt: values starting with 'kvgate-' are reserved for the gateway's tenant isolation",
+                code="reserved_cache_salt",
+                param="cache_salt",
+            )
         run = None
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
             run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
@@ -769,6 +782,8 @@ class StreamProcessor:
         ]
         if self.forward is not None:
             set_headers.append(_header(HOP_HEADER, self.forward.hop))
+            if self._isolated:  # the peer keeps this tenant salt rather than salting again
+                set_headers.append(_header(SALTED_HEADER, "1"))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
             set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
@@ -1013,6 +1028,8 @@ class StreamProcessor:
         extra = []
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
+        if self._came.forwarded and exc.status in (401, 403, 429):  # the forwarding cluster serves it
+            extra.append(_header(REFUSED_HEADER, exc.code or exc.error_type))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 
 

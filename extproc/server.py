@@ -544,7 +544,7 @@ class Gateway:
         )
         if self.federation is not None:
             fed = self.federation
-            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address)
+            self.failed_tries.on_failed_try = lambda failed: fed.failed_try(failed.address, failed.kind)
             fed.on_ingresses = self.eds.set_peers  # peers' ingresses are hosts of Envoy's engine cluster
         #: In-flight counts and decisions shared with the other workers of this host (``None``: no
         #: ``[extproc] siblings_dir``).
@@ -576,6 +576,7 @@ class Gateway:
         counters = {name: getattr(stats, name) for name in FEED_COUNTERS}
         if self.cluster.control is not None:
             counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
+            counters["version_skew_sources"] = len(self.cluster.control.core.skewed)
         return counters
 
     async def start(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from contracts.errors import ConfigError
 from contracts.etcd import KVCACHED, Change, PeerInfo, decode_peer, peer_key, split_key
+from contracts.versions import DIGEST_VERSION, digest_matches
 from kvcached.config import StaticPeer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class PeerTable:
         self._etcd: dict[str, PeerInfo] = {}
         self.revision = 0
         self.rejected = 0
+        #: Peers registered under another digest version (left out of :attr:`peers`).
+        self.skewed: set[str] = set()
 
     @property
     def watch_prefix(self) -> str:
@@ -57,10 +60,13 @@ class PeerTable:
     def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> None:
         """Replace the etcd part with a full range read at ``revision`` (bad values keep the old one)."""
         old, self._etcd = self._etcd, {}
+        present: set[str] = set()
         for key, value in kvs:
             node = self._node(key)
             if node is not None:
+                present.add(node)
                 self._put(node, value, old.get(node))
+        self.skewed &= present
         self.revision = revision
 
     def apply(self, changes: Iterable[Change], revision: int) -> None:
@@ -70,6 +76,7 @@ class PeerTable:
             if node is None:
                 continue
             if change.value is None:
+                self.skewed.discard(node)
                 if self._etcd.pop(node, None) is not None:
                     log.info("kvcached peer %s left", node)
             else:
@@ -91,6 +98,20 @@ class PeerTable:
             if last_good is not None:
                 self._etcd[node] = last_good
             return
+        if not digest_matches(info.digest):
+            # Its blocks are keyed by another digest scheme: no digest of ours names one of them.
+            if node not in self.skewed:
+                log.warning(
+                    "version skew: kvcached peer %s keys blocks by digest version %d, ours is %d: "
+                    "not asked for blocks",
+                    node,
+                    info.digest,
+                    DIGEST_VERSION,
+                )
+            self.skewed.add(node)
+            self._etcd.pop(node, None)
+            return
+        self.skewed.discard(node)
         if self._etcd.get(node) != info and node != self.self_node:
             log.info("kvcached peer %s at quic %s", node, info.quic)
         self._etcd[node] = info

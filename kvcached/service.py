@@ -51,6 +51,7 @@ from contracts.kvcached import (
     StatsReply,
     StatsRequest,
 )
+from contracts.versions import DIGEST_VERSION
 from kvcached.block import check_digest
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
@@ -203,7 +204,7 @@ class KvcachedService:
         stats.update({f"peer_{k}": float(v) for k, v in self.peer_counters.items()})
         if self._remote is not None:
             stats.update({f"remote_{k}": float(v) for k, v in self.remote_counters.items()})
-        return StatsReply(stats)
+        return StatsReply(stats, DIGEST_VERSION)
 
     # -- peers -----------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -30,9 +31,11 @@ from contracts.kvcached import (
     StatsReply,
     StatsRequest,
 )
+from contracts.versions import DIGEST_VERSION, digest_matches
 from runtime.tracing.tracer import current_headers
 
 Req = TypeVar("Req", bound=msgspec.Struct)
+log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -108,7 +111,52 @@ class KvcachedClient:
         return (await self._call(DELETE, DeleteRequest(digest), DeleteReply)).deleted
 
     async def stats(self) -> dict[str, float]:
-        return (await self._call(STATS, StatsRequest(), StatsReply)).stats
+        return (await self.stats_reply()).stats
+
+    async def stats_reply(self) -> StatsReply:
+        """The daemon's counters and the digest version it keys blocks by."""
+        return await self._call(STATS, StatsRequest(), StatsReply)
 
     async def aclose(self) -> None:
         await self._channel.close()
+
+
+class DigestCheckedStore:
+    """The block operations of ``client``, refused while its daemon keys blocks by another digest
+    version than this process (:data:`contracts.versions.DIGEST_VERSION`): blocks put under one scheme's
+    digests are never found under the other's, and the daemon's feed would announce them under its own
+    version. The daemon's version is asked once (its Stats) before the first operation, and again after a
+    failed ask; a mismatch raises :class:`KvcachedError` on every operation, logged once as a version
+    skew (``skewed`` says so)."""
+
+    def __init__(self, client: KvcachedClient) -> None:
+        self.client = client
+        self.daemon_digest: int | None = None
+        self.skewed = False
+
+    async def _checked(self) -> None:
+        if self.daemon_digest is None:
+            self.daemon_digest = (await self.client.stats_reply()).digest
+            if not digest_matches(self.daemon_digest):
+                self.skewed = True
+                log.error("version skew: %s", self._refusal())
+        if self.skewed:
+            raise KvcachedError(self._refusal())
+
+    def _refusal(self) -> str:
+        return (
+            f"kvcached keys blocks by digest version {self.daemon_digest}, this process's is "
+            f"{DIGEST_VERSION}: its blocks are not used"
+        )
+
+    async def put(self, digest: bytes, data: bytes) -> str | None:
+        await self._checked()
+        return await self.client.put(digest, data)
+
+    async def get(self, digest: bytes) -> bytes | None:
+        await self._checked()
+        return await self.client.get(digest)
+
+    async def contains(self, digests: Sequence[bytes]) -> list[bool]:
+        await self._checked()
+        return await self.client.contains(digests)

@@ -60,7 +60,7 @@ async def etcd_client(etcd_settings: EtcdSettings) -> AsyncIterator[etcd3aio.Etc
 # -- an etcd with client-certificate auth and kvgate's RBAC (kvgate.etcdsec) ---------------------------
 
 #: The identities the secure etcd knows: a gateway, an operator, two agents, a node's kvcached, and the
-#: shared agent identity of the Kubernetes manifests.
+#: shared agent identity (for agents whose names are not known in advance).
 SECURE_IDENTITIES = ("extproc", "operator-alice", "agent-node-a", "agent-node-b", "kvcached-node-a", "agent")
 
 
@@ -102,3 +102,4 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd
         report = asyncio.run(bootstrap(secure.settings("root"), list(SECURE_IDENTITIES)))
         assert "auth enabled" in report.changes
         yield secure
+

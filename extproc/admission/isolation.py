@@ -12,8 +12,12 @@ With isolation on for a tenant, the gateway replaces every request's ``cache_sal
 
 where ``client`` is the request's own ``cache_salt`` ("" when absent). So a client's own salt still
 separates its requests within its tenant, and no client can reach another tenant's salt: the tenant id it
-is mixed with comes from its verified credentials, never from the request. The result is 39 characters of
-``[a-z0-9-]``, within vLLM's rules for the field (1-128 characters, none of ``@ / \\`` or NUL).
+is mixed with comes from its verified credentials, never from the request. The formula has no secret, so a
+client of a tenant *without* isolation could send ``tenant_salt("acme", "")`` as its own ``cache_salt`` and
+share acme's blocks: with ``[auth]``, a client salt that starts with :data:`PREFIX` is refused (400
+``reserved_cache_salt``) unless the gateway replaces it anyway (its tenant is isolated). The result is
+39 characters of ``[a-z0-9-]``, within vLLM's rules for the field (1-128 characters, none of
+``@ / \\`` or NUL).
 
 Where the engine does not honour ``cache_salt`` (llama.cpp, engines without it) the routing still
 follows the salt, but the engine's cache is shared: isolation is the engine's to enforce.
@@ -42,3 +46,9 @@ def tenant_salt(tenant_id: str, client_salt: str | None) -> str:
     h.update(b"\x00")
     h.update((client_salt or "").encode())
     return PREFIX + h.hexdigest()
+
+
+def reserved(client_salt: str | None) -> bool:
+    """Whether a client's ``cache_salt`` is in the gateway's namespace (:data:`PREFIX`): refused from a
+    tenant the gateway does not salt, since it could name an isolated tenant's salt."""
+    return client_salt is not None and client_salt.startswith(PREFIX)

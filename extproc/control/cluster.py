@@ -106,7 +106,11 @@ class Cluster:
         if config.inference_pool is not None:
             from extproc.inferencepool.watch import PoolWatcher  # here: the API client takes 0.7 s to import
 
-            self.pool = PoolSync(fleet, agents_outside_pool=config.inference_pool.agents_outside_pool)
+            self.pool = PoolSync(
+                fleet,
+                agents_outside_pool=config.inference_pool.agents_outside_pool,
+                agent_node_is_pod=config.inference_pool.agent_node_is_pod,
+            )
             self.pool_watcher = PoolWatcher(config.inference_pool, self._pool_view)
         if config.etcd is not None:
             self.control = ControlPlane(

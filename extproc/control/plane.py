@@ -56,7 +56,7 @@ from contracts.etcd import (
     split_key,
 )
 from contracts.events import EndpointId
-from contracts.versions import SkewLog
+from contracts.versions import DIGEST_VERSION, SkewLog, digest_matches
 from engines.endpoint import Endpoint, decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
@@ -113,6 +113,9 @@ class ControlCore:
             ("syncs", "changes", "rejected", "refused", "ignored", "version_skew"), 0
         )
         self._skew = SkewLog()
+        #: The records read now at another version (``("endpoint" | "kvcached", name)``): a gauge, so that
+        #: the skew alarm lasts as long as the skew, not only while the counter moves.
+        self.skewed: set[tuple[str, str]] = set()
         self._endpoint_keys: dict[EndpointId, str] = {}  # id -> the key name that describes it now
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
@@ -231,6 +234,7 @@ class ControlCore:
             return False
         if value is None:
             self._held.pop(endpoint_id, None)
+            self.skewed.discard(("endpoint", endpoint_id))
             if endpoint_id not in self._ours:
                 return False
             self._ours.discard(endpoint_id)
@@ -244,7 +248,10 @@ class ControlCore:
             log.warning("etcd endpoint refused, keeping %s: %s", kept, exc)
             self.counters["rejected"] += 1
             return False
-        if decoded.skew is not None:
+        if decoded.skew is None:
+            self.skewed.discard(("endpoint", endpoint_id))
+        else:
+            self.skewed.add(("endpoint", endpoint_id))
             self.counters["version_skew"] += 1
             if self._skew.note("endpoint record", endpoint_id, decoded.skew, decoded.skew) is not None:
                 log.warning("version skew: %s", decoded.skew)
@@ -306,6 +313,7 @@ class ControlCore:
     def _kvcached(self, node: str, value: bytes | None) -> bool:
         """A node's kvcached came, changed or went: its feed joins or leaves the set gateways follow."""
         if value is None:
+            self.skewed.discard(("kvcached", node))
             return self.kvcached_feeds.pop(node, None) is not None
         try:
             info = decode_peer(node, value)
@@ -313,6 +321,18 @@ class ControlCore:
             log.warning("etcd kvcached/%s ignored: %s", node, exc)
             self.counters["rejected"] += 1
             return False
+        if not digest_matches(info.digest):
+            # Its blocks are keyed under another digest scheme: never matched against this gateway's.
+            self.counters["version_skew"] += 1
+            self.skewed.add(("kvcached", node))
+            outcome = f"this gateway's is {DIGEST_VERSION}; its feed is not followed"
+            line = self._skew.note("kvcached digest", node, info.digest, outcome)
+            if line is not None:
+                log.warning("%s", line)
+            had = node in self.kvcached_feeds
+            self.kvcached_feeds.pop(node, None)
+            return had
+        self.skewed.discard(("kvcached", node))
         self.kvcached_feeds[node] = info.feed
         return True
 

@@ -3,6 +3,7 @@ a peer, and, for a request served here, noting its prefix for this cluster's sum
 
 The processor (:mod:`extproc.processor`) calls :meth:`Forwarder.inbound` with the peer identity Envoy
 reports for the downstream connection (the request attribute :data:`PEER_ATTRIBUTE`, never a header),
+:meth:`Forwarder.principal` (with ``[auth]``) for a request a linked cluster forwarded,
 :meth:`Forwarder.worth_hashing` before it hashes a lazy prompt's whole window, :meth:`Forwarder.route`
 after its local decision, and :meth:`Forwarder.note` once a request served here is recorded.
 """
@@ -16,8 +17,12 @@ from dataclasses import dataclass
 
 from contracts.digest import Digest
 from contracts.federation import PEER_HEADER
+from extproc.admission.gate import Principal
+from extproc.admission.tenants import Tenants
+from extproc.errors import GatewayError
 from extproc.federation.peers import Federation
 from extproc.federation.summary import SummaryBuilder
+from extproc.federation.tenancy import asserted_principal
 from extproc.federation.trust import CLIENT, Inbound, inbound
 
 log = logging.getLogger(__name__)
@@ -40,13 +45,16 @@ class Forward:
 
 class Forwarder:
     """The processor's view of the gateway's :class:`Federation` and :class:`SummaryBuilder`.
-    ``decisions`` counts verdict reasons and ``forwards`` forwards per peer (for metrics)."""
+    ``decisions`` counts verdict reasons, ``forwards`` forwards per peer and ``admissions`` the tenants
+    peers asserted here (for metrics)."""
 
     def __init__(self, federation: Federation, builder: SummaryBuilder) -> None:
         self.federation = federation
         self.builder = builder
         self.decisions: Counter[str] = Counter()
         self.forwards: Counter[str] = Counter()
+        #: With ``[auth]``: requests linked peers forwarded here, by (peer, ``admitted`` or refusal code).
+        self.admissions: Counter[tuple[str, str]] = Counter()
 
     def inbound(self, peer_uri: str | None, headers: Mapping[str, str]) -> Inbound:
         """Who sent the request: a linked cluster only when ``peer_uri`` (from Envoy's attribute) is its
@@ -54,6 +62,19 @@ class Forwarder:
         if not peer_uri:
             return CLIENT
         return inbound({**headers, PEER_HEADER: peer_uri}, self.federation.links)
+
+    def principal(self, came: Inbound, tenants: Tenants) -> Principal:
+        """With ``[auth]``: whom a request forwarded by a linked cluster is admitted as (raises 401/403;
+        :mod:`extproc.federation.tenancy`)."""
+        link = self.federation.links.get(came.forwarded_by) if came.forwarded_by else None
+        peer = came.forwarded_by or "-"
+        try:
+            principal = asserted_principal(came, link, tenants)
+        except GatewayError as exc:
+            self.admissions[(peer, exc.code or exc.error_type)] += 1
+            raise
+        self.admissions[(peer, "admitted")] += 1
+        return principal
 
     def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""

@@ -12,6 +12,7 @@ class Outcome(enum.Enum):
     STATUS = "status"  # the peer answered 5xx
     UNREACHABLE = "unreachable"  # connect failure, reset, TLS refused
     SLOW = "slow"  # no answer within slow_s
+    REFUSED = "refused"  # 401: the peer's link does not trust this cluster's tenants (with [auth])
 
 
 class PeerHealth:

@@ -6,7 +6,9 @@ A link names a peer cluster: its Envoy ingress (``ingress``, where forwarded req
 gateways' federation service (``service``, where summaries come from), the identity URI its gateways and
 its Envoy present (``identity``: the only caller whose hop and tenant headers this cluster believes, and
 the name the federation service's certificate must carry), the round trip (``rtt_ms``) and the egress
-budget (``egress_requests_per_s``, ``egress_bytes_per_s``: what this cluster may forward to it).
+budget (``egress_requests_per_s``, ``egress_bytes_per_s``: what this cluster may forward to it), and, with
+``[auth]``, whether the tenant it asserts on what it forwards here is believed (``trust_tenants``,
+``tenants``, ``default_tenant``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from contracts.config import REQUIRED, Section, all_or_none, hostport
 from contracts.errors import ConfigError
+from extproc.admission.tenants import TENANT_ID
 
 _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 MAX_RTT_MS = 10_000.0
@@ -33,6 +36,13 @@ class Link:
     rtt_ms: float
     egress_requests_per_s: float
     egress_bytes_per_s: float
+    #: With ``[auth]``: requests this peer forwards are admitted as the tenant it asserts (``README.md``:
+    #: tenants across clusters); off, they carry no credentials and are answered 401.
+    trust_tenants: bool = False
+    #: The asserted tenants believed (empty: any); another is refused 403 ``tenant_not_trusted``.
+    tenants: tuple[str, ...] = ()
+    #: The tenant an asserted tenant unknown here (or none asserted) is admitted as (``None``: 403).
+    default_tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +96,27 @@ def parse_link(raw: object, where: str, name: str | None = None) -> Link:
         rtt_ms=s.number("rtt_ms", REQUIRED, minimum=0.0),
         egress_requests_per_s=s.number("egress_requests_per_s", REQUIRED, minimum=0.0),
         egress_bytes_per_s=s.number("egress_bytes_per_s", REQUIRED, minimum=0.0),
+        trust_tenants=s.flag("trust_tenants", False),
+        tenants=_tenant_ids(s.array("tenants", []), f"{where}.tenants"),
+        default_tenant=s.string("default_tenant"),
     )
     s.done()
     if link.rtt_ms > MAX_RTT_MS:
         raise ConfigError(f"{where}.rtt_ms: must be <= {MAX_RTT_MS}, got {link.rtt_ms}")
+    if link.default_tenant is not None:
+        _tenant_ids([link.default_tenant], f"{where}.default_tenant")
+    if (link.tenants or link.default_tenant is not None) and not link.trust_tenants:
+        raise ConfigError(f"{where}: tenants and default_tenant need trust_tenants = true")
     return link
+
+
+def _tenant_ids(raw: list[object], where: str) -> tuple[str, ...]:
+    for value in raw:
+        if not isinstance(value, str) or TENANT_ID.fullmatch(value) is None:
+            raise ConfigError(
+                f"{where}: tenant ids of 1-64 [A-Za-z0-9._-] starting alphanumeric, got {value!r}"
+            )
+    return tuple(str(v) for v in raw)
 
 
 _D = FederationConfig(cluster="-")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from contracts.federation import Report
+from contracts.federation import UNTRUSTED, Report
 from extproc.federation.exchange import SummaryFollower, SummaryService
 from extproc.federation.forwarding import Forwarder
 from extproc.federation.health import Outcome, outcome_of
@@ -118,12 +118,12 @@ class FederationShell:
                 return link.cluster
         return None
 
-    def failed_try(self, address: str) -> None:
-        """Envoy's failed-try log: a try to a peer's ingress failed (unreachable, reset or 5xx); Envoy went
-        on to the local pick."""
+    def failed_try(self, address: str, kind: str = "") -> None:
+        """Envoy's failed-try log: a try to a peer's ingress failed (unreachable, reset or 5xx; or, ``kind``
+        :data:`~contracts.federation.UNTRUSTED`, refused as untrusted); Envoy went on to the local pick."""
         peer = self.peer_at(address)
         if peer is not None:
-            self._outcome(peer, Outcome.UNREACHABLE)
+            self._outcome(peer, Outcome.REFUSED if kind == UNTRUSTED else Outcome.UNREACHABLE)
 
     def completed(self, address: str, status: int, ttfb_s: float | None) -> None:
         """Envoy's completion log: a request ended at ``address``; a peer's ingress gets its outcome."""
@@ -180,6 +180,13 @@ class FederationCollector(Collector):
         )
         for (peer, outcome), n in sorted(shell.outcomes.items()):
             outcomes.add_metric([peer, outcome], n)
+        admissions = CounterMetricFamily(
+            "kvgate_federation_inbound_admissions",
+            "Requests linked peers forwarded here under [auth], by peer and result (admitted or the refusal)",
+            labels=["peer", "result"],
+        )
+        for (peer, result), n in sorted(fwd.admissions.items()):
+            admissions.add_metric([peer, result], n)
         age = GaugeMetricFamily(
             "kvgate_federation_summary_age_seconds", "Age of the peer's last summary", labels=["peer"]
         )
@@ -210,4 +217,16 @@ class FederationCollector(Collector):
             "kvgate_federation_noted_digests", "Sampled prefix digests this gateway may publish (before held)"
         )
         noted.add_metric([], len(shell.builder))
-        yield from (decisions, forwards, outcomes, age, size, entries, up, egress_rq, egress_b, noted)
+        yield from (
+            decisions,
+            forwards,
+            outcomes,
+            admissions,
+            age,
+            size,
+            entries,
+            up,
+            egress_rq,
+            egress_b,
+            noted,
+        )

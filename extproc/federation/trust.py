@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER, SALTED_HEADER
 from extproc.federation.links import LinkTable
 
 FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
@@ -23,10 +23,12 @@ FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """``forwarded_by``: the linked cluster that forwarded the request (``None``: a client's request);
-    ``tenant``: the tenant that cluster asserts (``None``: none, or not believed)."""
+    ``tenant``: the tenant that cluster asserts (``None``: none, or not believed); ``salted``: that
+    cluster gave the body its tenant's cache salt (kept as is here)."""
 
     forwarded_by: str | None = None
     tenant: str | None = None
+    salted: bool = False
 
     @property
     def forwarded(self) -> bool:
@@ -45,4 +47,4 @@ def inbound(headers: Mapping[str, str], links: LinkTable) -> Inbound:
     if link is None:
         return CLIENT
     tenant = headers.get(TENANT_HEADER) or None
-    return Inbound(forwarded_by=link.cluster, tenant=tenant)
+    return Inbound(forwarded_by=link.cluster, tenant=tenant, salted=headers.get(SALTED_HEADER) == "1")

@@ -14,6 +14,9 @@
     max_backoff_s = 30.0           # longest wait between reconnections
     agents_outside_pool = false    # true: also route to agents' etcd endpoints that are no ready pod
                                    # of the pool (default: held out until one is)
+    agent_node_is_pod = false      # true: an agent's record at a pod's address is admitted only if its
+                                   # node id is that pod's name (agents named after their pods, each
+                                   # with its own etcd identity: no agent can claim another pod's engine)
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class PoolSettings:
     timeout_s: float = 10.0
     max_backoff_s: float = 30.0
     agents_outside_pool: bool = False
+    agent_node_is_pod: bool = False
 
 
 def parse_pool_settings(raw: object, where: str, default_models: tuple[str, ...]) -> PoolSettings:
@@ -83,6 +87,7 @@ def parse_pool_settings(raw: object, where: str, default_models: tuple[str, ...]
         timeout_s=s.number("timeout_s", 10.0, minimum=0.001),
         max_backoff_s=s.number("max_backoff_s", 30.0, minimum=0.001),
         agents_outside_pool=s.flag("agents_outside_pool", False),
+        agent_node_is_pod=s.flag("agent_node_is_pod", False),
     )
     s.done()
     return settings

@@ -5,7 +5,9 @@ The rule: every registered endpoint stays as registered; a pool endpoint joins u
 has its address (the same engine: the agent's record, richer -- its feed, KV events, block size, role --
 wins) or its id. And, unless ``agents_outside_pool``, an agent's etcd record is admitted to the fleet only
 at the address of a ready pod of the pool (:meth:`PoolSync.admits`): on Kubernetes the pool says which
-engines serve, the agent says what they hold.
+engines serve, the agent says what they hold. With ``agent_node_is_pod``, a record at a pod's address is
+admitted only if its node (the agent's etcd identity confines it to ``endpoints/<node>/``) is that pod's
+name: an agent cannot claim another pod's engine (deploy/README.md, "Agent identities").
 """
 
 from __future__ import annotations
@@ -41,22 +43,41 @@ class PoolSync:
     is no longer its own (:meth:`owns` says which, so the etcd control plane may displace them).
     """
 
-    def __init__(self, fleet: Fleet, *, agents_outside_pool: bool = False) -> None:
+    def __init__(
+        self, fleet: Fleet, *, agents_outside_pool: bool = False, agent_node_is_pod: bool = False
+    ) -> None:
         self.fleet = fleet
         self.agents_outside_pool = agents_outside_pool
+        self.agent_node_is_pod = agent_node_is_pod
+        #: (endpoint id, address) of records refused for naming another pod (each logged once).
+        self.refused_claims: set[tuple[EndpointId, str]] = set()
         #: Whether an endpoint is drained (etcd ``drain/<id>``: ``ControlCore.draining``), applied when a
         #: pool endpoint joins; a drain set later reaches it through the control core itself.
         self.draining: Callable[[EndpointId], bool] = lambda _endpoint_id: False
         #: The pool has been read at least once (before, :meth:`admits` admits every agent's record).
         self.known = False
         self._pool: dict[EndpointId, Endpoint] = {}
-        self._addresses: frozenset[str] = frozenset()
+        self._pods: dict[str, str] = {}  # address -> the name of the pod serving it
         self._ours: dict[EndpointId, Endpoint] = {}
 
     def admits(self, endpoint: Endpoint) -> bool:
         """Whether an agent's etcd record may be in the fleet: it is at the address of one of the pool's
-        endpoints (a ready pod's target port), or the pool is not known yet, or ``agents_outside_pool``."""
-        return self.agents_outside_pool or not self.known or endpoint.address in self._addresses
+        endpoints (a ready pod's target port), or the pool is not known yet, or ``agents_outside_pool``;
+        and, with ``agent_node_is_pod``, not at the address of a pod its node does not name."""
+        pod = self._pods.get(endpoint.address)
+        if self.agent_node_is_pod and pod is not None and endpoint.node != pod:
+            claim = (endpoint.id, endpoint.address)
+            if claim not in self.refused_claims:
+                self.refused_claims.add(claim)
+                log.warning(
+                    "endpoint %s of node %s refused: %s is pod %s's address",
+                    endpoint.id,
+                    endpoint.node,
+                    endpoint.address,
+                    pod,
+                )
+            return False
+        return self.agents_outside_pool or not self.known or pod is not None
 
     def owns(self, endpoint_id: EndpointId) -> bool:
         """The fleet's entry ``endpoint_id`` is a pool endpoint this sync put there (and nobody replaced)."""
@@ -76,7 +97,8 @@ class PoolSync:
     def set_pool(self, endpoints: Mapping[EndpointId, Endpoint]) -> bool:
         """The pool's endpoints are now ``endpoints``; returns whether the fleet changed."""
         self._pool = dict(endpoints)
-        self._addresses = frozenset(e.address for e in self._pool.values())
+        # a pool endpoint's id is its pod's name, with ":<port>" when the pool has several target ports
+        self._pods = {e.address: str(i).partition(":")[0] for i, e in self._pool.items()}
         self.known = True
         return self.reconcile()
 

@@ -39,6 +39,7 @@ from contracts.epp import (
     USAGE_CACHED,
     USAGE_NS,
 )
+from contracts.federation import REFUSED_HEADER, UNTRUSTED
 from extproc.fleet import Fleet
 from extproc.xds.ejection import Ejection, Ejector
 
@@ -59,6 +60,9 @@ order a kind is chosen when several are set; the kind is the field's name."""
 REFUSED_STATUS = 503
 REFUSED_KIND = "http_503"
 """The kind of a try the engine answered with 503 (draining, overloaded) and no failure flag."""
+UNTRUSTED_KIND = UNTRUSTED
+"""The kind of a forwarded try a peer cluster refused with 401 :data:`~contracts.federation.UNTRUSTED`
+(``extproc/federation/README.md``: its link does not trust this cluster's tenants)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +161,7 @@ def _count(fields: Mapping[str, Value] | None, key: str) -> int | None:
 
 def failed_try(entry: accesslog_pb2.HTTPAccessLogEntry) -> FailedTry | None:
     """The failed try ``entry`` records, or ``None`` (no upstream socket address, or neither a failure
-    flag of :data:`FAILURE_FLAGS` nor a 503 response)."""
+    flag of :data:`FAILURE_FLAGS` nor a 503 response nor a peer's 401 :data:`UNTRUSTED_KIND`)."""
     common = entry.common_properties
     address = _upstream(common)
     if address is None:
@@ -168,6 +172,11 @@ def failed_try(entry: accesslog_pb2.HTTPAccessLogEntry) -> FailedTry | None:
             return FailedTry(address, name)
     if entry.response.response_code.value == REFUSED_STATUS:
         return FailedTry(address, REFUSED_KIND)
+    if (
+        entry.response.response_code.value == 401
+        and entry.response.response_headers.get(REFUSED_HEADER) == UNTRUSTED
+    ):
+        return FailedTry(address, UNTRUSTED_KIND)  # a linked peer that does not trust our tenants
     return None
 
 

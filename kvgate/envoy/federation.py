@@ -12,11 +12,14 @@ listener peers forward to.
   address, behind TLS that requires a client certificate with such a URI SAN. Envoy hands the verified
   URI to the ext_proc as the request attribute ``connection.uri_san_peer_certificate``; the ext_proc
   believes the hop and tenant headers only when it is a linked cluster's identity. This listener keeps
-  the peer's ``x-kvgate-hop`` and ``x-kvgate-tenant``; the OpenAI listener strips both (a client can never
-  make a request look forwarded).
-
-Not covered: ``[auth]`` (a forwarded request carries no credentials, and the peer's gate does not yet
-admit a tenant asserted by a linked cluster: with auth on, the peer answers it 401).
+  the peer's ``x-kvgate-hop``, ``x-kvgate-tenant`` and ``x-kvgate-kv-salted``; the OpenAI listener strips
+  them all (a client can never make a request look forwarded, nor assert a tenant or a salt).
+* ``[auth]``: a forwarded request carries no credentials (the ext_proc and the router remove them); the
+  peer admits it as the tenant the linked cluster asserts when its link trusts tenants, else refuses it.
+  A refusal of a forwarded request (401/403/429 from the peer's ext_proc, or its ``local_ratelimit``)
+  carries ``x-kvgate-federation-refused``; this cluster's engine route retries on that header, so the try
+  goes on to the local pick as a 503 would. The failure log also takes 401 tries with that header logged:
+  the ext_procs count a peer's ``federation_untrusted`` (its link trusts no tenant of ours) as its failure.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from typing import Any
 
 from certs.authority import identity_uri
 from contracts.epp import ENGINES_CLUSTER, TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
 PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
 MATCH_KEY = "kvgate-federation"
 """Key of the EDS host metadata (``envoy.transport_socket_match``) that selects the federation socket."""
 LISTENER = "federation"
+_ROUTER = "envoy.filters.http.router"
 PEER_PREFIX = identity_uri("federation-")
 
 
@@ -82,6 +86,29 @@ def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
     return hcm
 
 
+def _engine_retry_policies(hcm: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        route["route"]["retry_policy"]
+        for vhost in hcm["route_config"]["virtual_hosts"]
+        for route in vhost["routes"]
+        if route.get("route", {}).get("cluster") == ENGINES_CLUSTER and "retry_policy" in route["route"]
+    ]
+
+
+def _log_untrusted(logger: dict[str, Any]) -> None:
+    """The failure log also takes 401 tries, with the refusal header (the ext_procs keep only a peer's
+    :data:`~contracts.federation.UNTRUSTED`)."""
+    only = logger.get("filter", {}).get("or_filter", {}).get("filters")
+    if only is None:
+        return
+    status = {
+        "comparison": {"op": "EQ", "value": {"default_value": 401, "runtime_key": "kvgate.failed_try.401"}}
+    }
+    if {"status_code_filter": status} not in only:  # (the loggers may share one filter)
+        only.append({"status_code_filter": status})
+    logger["typed_config"]["additional_response_headers_to_log"] = [REFUSED_HEADER]
+
+
 def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
     """``config`` (the rendered bootstrap, modified in place) with the federation listener, the forwarding
     transport socket and the header rules above."""
@@ -93,14 +120,31 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
             typed = f["typed_config"]
             typed["request_attributes"] = [*typed.get("request_attributes", []), PEER_ATTRIBUTE]
     peer_listener = copy.deepcopy(openai)
-    # The OpenAI listener: a client's hop or peer header is dropped before any filter.
+    # The OpenAI listener: a client's hop, peer or salted header is dropped before any filter.
     strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    strip.extend({"remove": h} for h in (HOP_HEADER, PEER_HEADER))
+    strip.extend({"remove": h} for h in (HOP_HEADER, PEER_HEADER, SALTED_HEADER))
+    # A peer's refusal of a forwarded request (its trust, tenant, budget or rate) goes on to the local pick.
+    for retry in _engine_retry_policies(hcm):  # (routes may share one policy: added once)
+        if "retriable-headers" not in retry["retry_on"].split(","):
+            retry["retry_on"] = f"{retry['retry_on']},retriable-headers"
+        retry["retriable_headers"] = [{"name": REFUSED_HEADER, "present_match": True}]
+    # A peer whose link does not trust our tenants (401 UNTRUSTED) reaches the failed-try log (skipped).
+    for f in hcm["http_filters"]:
+        for logger in f["typed_config"].get("upstream_log", []) if f["name"] == _ROUTER else []:
+            _log_untrusted(logger)
     # The federation listener keeps what the linked peer asserts (the ext_proc checks who it is).
     peer_hcm = _hcm(peer_listener)
     peer_hcm["stat_prefix"] = LISTENER
     if fed.inject_delay_ms > 0:
         peer_hcm["http_filters"].insert(0, _delay(fed.inject_delay_ms))
+    for f in peer_hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.local_ratelimit":  # a tenant over its rate here: refused
+            f["typed_config"]["response_headers_to_add"].append(
+                {
+                    "header": {"key": REFUSED_HEADER, "value": "rate_limited"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            )
     kept = {HOP_HEADER, TENANT_HEADER}
     mutations = peer_hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     mutations[:] = [m for m in mutations if m["remove"] not in kept] + [{"remove": PEER_HEADER}]

@@ -22,10 +22,10 @@ identity (CN)      etcd role                  permissions
 So an agent writes only under its own ``endpoints/<node>/`` (a node id must be a certificate suffix:
 lowercase letters, digits, ``-``), a gateway writes nothing but its usage counters, and only operators
 change policy, routes, objectives, tenants and drains (each change with its audit record,
-:mod:`kvgate.etcdsec.audit`). The shared ``agent`` identity (one certificate for every agent, as the
-Kubernetes manifests use: a Deployment's pod names, hence node ids, are not known when users are made)
-keeps agents out of policy but lets one agent write another's endpoints: per-node identities need a
-certificate and a user per node.
+:mod:`kvgate.etcdsec.audit`). The shared ``agent`` identity (one certificate for every agent, for
+installations whose node ids are not known when users are made) keeps agents out of policy but lets one
+agent write another's endpoints: per-node identities need a certificate and a user per node (the
+Kubernetes production overlay gives each StatefulSet pod ``agent-<pod name>``, deploy/README.md).
 """
 
 from __future__ import annotations

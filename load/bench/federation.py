@@ -218,18 +218,31 @@ def _by_label(
     return dict(sorted(out.items()))
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    """Poll ``condition`` (every 0.1 s) until true; RuntimeError after ``timeout_s``."""
+_DIAGNOSTICS = (
+    "kvgate_federation_peer_up",
+    "kvgate_federation_noted_digests",
+    "kvgate_federation_summary_entries",
+    "kvgate_index_blocks",
+)
+
+
+def _wait(condition: Callable[[], bool], stacks: dict[str, Stack], timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` (every 0.1 s) until true; RuntimeError after ``timeout_s``, naming what each
+    region's metrics said then."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise RuntimeError("the regions did not exchange summaries in time")
+            seen = {
+                region: {name: _sum(samples, name) for name in _DIAGNOSTICS}
+                for region, samples in ((r, _metrics(s)) for r, s in stacks.items())
+            }
+            raise RuntimeError(f"the regions did not exchange summaries in time: {seen}")
         time.sleep(0.1)
 
 
 def _wait_linked(stacks: dict[str, Stack]) -> None:
     """Until each region holds a fresh summary of the other."""
-    _wait(lambda: all(_sum(_metrics(s), "kvgate_federation_peer_up") >= 1 for s in stacks.values()))
+    _wait(lambda: all(_sum(_metrics(s), "kvgate_federation_peer_up") >= 1 for s in stacks.values()), stacks)
 
 
 def _start(
@@ -290,7 +303,8 @@ def run_target(
             _wait(
                 lambda: all(
                     _sum(_metrics(s), "kvgate_federation_summary_entries") > 0 for s in stacks.values()
-                )
+                ),
+                stacks,
             )
         route = RegionRoute(urls, {r.session.id: r.region for r in requests})
         options = LoadOptions(

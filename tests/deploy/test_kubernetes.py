@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import jsonschema
@@ -30,6 +30,12 @@ from agent.config import parse_node_config
 from extproc.config import parse_config
 from kvgate.dev.procs import Child
 from tests.deploy.prom import DEPLOY
+from tests.etcd_access import may_put
+
+if TYPE_CHECKING:
+    from tests.etcd_fixtures import SecureEtcd
+
+pytest_plugins = ("tests.etcd_fixtures",)
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 K8S_VERSION = "1.37.0"
@@ -39,14 +45,48 @@ CRDS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.json",
 }
 OVERLAYS = ("base", "overlays/dev", "overlays/production")
+#: How each workload runs (the model servers are a StatefulSet: their pod names, hence their agents' etcd
+#: identities, are known in advance).
+KIND = {"kvgate-epp": "Deployment", "kvgate-model-server": "StatefulSet"}
 POD = {"__POD_NAME__": "kvgate-model-server-0", "__POD_IP__": "10.1.2.3"}
 
 Objects = list[dict[str, Any]]
 
+#: cert-manager's Issuer, only as the production overlay uses it (a CA issuer): written by hand from
+#: cert-manager's v1 API (``spec.ca.secretName``: a kubernetes.io/tls Secret in the Issuer's namespace),
+#: not cert-manager's CRD schema, which tests/data/k8s does not keep.
+ISSUER_CA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Issuer"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}},
+            "additionalProperties": False,
+        },
+        "spec": {
+            "type": "object",
+            "required": ["ca"],
+            "properties": {
+                "ca": {
+                    "type": "object",
+                    "required": ["secretName"],
+                    "properties": {"secretName": {"type": "string", "minLength": 1}},
+                    "additionalProperties": False,
+                }
+            },
+            "additionalProperties": False,
+        },
+    },
+    "additionalProperties": False,
+}
+
 
 CERTS = {  # the production overlay's certs/: kvgate certs issue --name NAME [--san ...]
     "extproc": [],
-    "agent": ["--san", "DNS:agent"],
     "etcd": ["--san", "DNS:etcd-client", "--san", "DNS:*.etcd"],
     "root": [],
 }
@@ -133,6 +173,7 @@ def test_every_object_matches_its_schema(rendered: dict[str, Objects], overlay: 
         "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
     }  # fmt: skip
     validators = {key: crd_validator(name) for key, name in CRDS.items()}
+    validators[("cert-manager.io/v1", "Issuer")] = jsonschema.Draft7Validator(ISSUER_CA)
     for obj in objects:
         key = (obj["apiVersion"], obj["kind"])
         where = f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
@@ -175,7 +216,7 @@ def test_pool_route_picker_and_servers_fit_together(rendered: dict[str, Objects]
     epp = find(objects, "Deployment", "kvgate-epp")
     pod_labels = epp["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    servers = find(objects, "Deployment", "kvgate-model-server")
+    servers = find(objects, "StatefulSet", "kvgate-model-server")
     assert (
         pool["spec"]["selector"]["matchLabels"].items()
         <= servers["spec"]["template"]["metadata"]["labels"].items()
@@ -225,7 +266,7 @@ def test_probes_name_ports_the_configs_listen_on(rendered: dict[str, Objects], o
         },
     }
     for name, ports in listening.items():
-        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        spec = find(objects, KIND[name], name)["spec"]["template"]["spec"]
         declared = {p["name"]: p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
         for container in spec["containers"]:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -247,50 +288,49 @@ def config_file(objects: Objects, configmap: str, key: str) -> str:
 
 
 def test_production_mounts_the_certificates_its_configs_name(rendered: dict[str, Objects]) -> None:
+    """The picker's files come from the Secret kvgate-certs; each model-server pod's from its own
+    csi-driver volume (cert-manager), whose file names are the ones node.toml reads."""
     objects = rendered["overlays/production"]
     secret = find(objects, "Secret", "kvgate-certs")
-    assert set(secret["data"]) == {
-        "ca.pem",
-        "extproc.pem",
-        "extproc.key",
-        "agent.pem",
-        "agent.key",
-    }  # no ca.key
+    assert set(secret["data"]) == {"ca.pem", "extproc.pem", "extproc.key"}  # no ca.key, no agent's key
     assert all(base64.b64decode(v).startswith(b"-----BEGIN ") for v in secret["data"].values())
     gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
     node = parse_node_config(tomllib.loads(config_file(objects, "kvgate-agent", "node.toml")))
     assert gateway.feeds.server_name == "agent" and node.agent.tls is not None
     assert gateway.etcd is not None and node.etcd_raw is not None
-    etcd_files = [gateway.etcd.tls_ca, gateway.etcd.tls_cert, gateway.etcd.tls_key]
-    agent_etcd = [node.etcd_raw["tls_ca"], node.etcd_raw["tls_cert"], node.etcd_raw["tls_key"]]
-    wanted = {
-        ("kvgate-epp", "epp"): [
-            gateway.feeds.tls_ca,
-            gateway.feeds.tls_cert,
-            gateway.feeds.tls_key,
-            *etcd_files,
-        ],
-        ("kvgate-model-server", "agent"): [
-            node.agent.tls.cert,
-            node.agent.tls.key,
-            node.agent.tls.client_ca,
-            *agent_etcd,
-        ],
+    epp = find(objects, "Deployment", "kvgate-epp")["spec"]["template"]["spec"]
+    name = secret["metadata"]["name"]
+    (volume,) = [v for v in epp["volumes"] if v.get("secret", {}).get("secretName") == name]
+    (container,) = [c for c in epp["containers"] if c["name"] == "epp"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    files = {f"{mount['mountPath']}/{item['path']}" for item in volume["secret"]["items"]}
+    wanted = [gateway.feeds.tls_ca, gateway.feeds.tls_cert, gateway.feeds.tls_key]
+    assert {*wanted, gateway.etcd.tls_ca, gateway.etcd.tls_cert, gateway.etcd.tls_key} <= files
+
+    servers = find(objects, "StatefulSet", "kvgate-model-server")["spec"]["template"]["spec"]
+    (agent,) = [c for c in servers["containers"] if c["name"] == "agent"]
+    (csi,) = [v for v in servers["volumes"] if "csi" in v]
+    assert csi["csi"]["driver"] == "csi.cert-manager.io" and csi["csi"]["readOnly"] is True
+    (mount,) = [m for m in agent["volumeMounts"] if m["name"] == csi["name"]]
+    attributes = csi["csi"]["volumeAttributes"]
+    files = {
+        f"{mount['mountPath']}/{attributes[f'csi.cert-manager.io/{key}']}"
+        for key in ("ca-file", "certificate-file", "privatekey-file")
     }
-    for (deployment, container_name), paths in wanted.items():
-        spec = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
-        (volume,) = [
-            v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]
-        ]
-        (container,) = [c for c in spec["containers"] if c["name"] == container_name]
-        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-        files = {f"{mount['mountPath']}/{item['path']}" for item in volume["secret"]["items"]}
-        assert set(paths) <= files, (deployment, paths, files)
-    agent = [
-        c
-        for c in find(objects, "Deployment", "kvgate-model-server")["spec"]["template"]["spec"]["containers"]
-    ]
-    assert agent[1]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    etcd = node.etcd_raw
+    assert {node.agent.tls.cert, node.agent.tls.key, node.agent.tls.client_ca} == files
+    assert {etcd["tls_ca"], etcd["tls_cert"], etcd["tls_key"]} == files
+    assert int(attributes["csi.cert-manager.io/fs-group"]) == agent["securityContext"]["runAsGroup"]
+    issuer = find(objects, "Issuer", attributes["csi.cert-manager.io/issuer-name"])
+    assert attributes["csi.cert-manager.io/issuer-kind"] == issuer["kind"] == "Issuer"
+    ca = find(objects, "Secret", issuer["spec"]["ca"]["secretName"])
+    assert ca["metadata"]["name"] == issuer["spec"]["ca"]["secretName"]  # no hash suffix: the CRD names it
+    assert ca["type"] == "kubernetes.io/tls" and set(ca["data"]) == {"tls.crt", "tls.key"}
+    for obj in objects:  # the CA's key is cert-manager's alone
+        if obj["kind"] in ("Deployment", "StatefulSet", "Job"):
+            volumes = obj["spec"]["template"]["spec"].get("volumes", [])
+            assert ca["metadata"]["name"] not in [v.get("secret", {}).get("secretName") for v in volumes]
+    assert agent["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert find(objects, "StatefulSet", "etcd")["spec"]["replicas"] == 3
 
 
@@ -329,7 +369,7 @@ def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects]
     state_dir = parse_node_config(tomllib.loads(node_text)).agent.state_dir
     writes = {"epp": ["KVGATE_CACHE"], "agent": [state_dir], "agent-config": ["/run/kvgate"]}
     for name in ("kvgate-epp", "kvgate-model-server"):
-        spec = find(objects, "Deployment", name)["spec"]["template"]["spec"]
+        spec = find(objects, KIND[name], name)["spec"]["template"]["spec"]
         for container in [*spec.get("initContainers", []), *spec["containers"]]:
             if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
                 continue
@@ -427,6 +467,81 @@ def test_production_etcd_requires_client_certificates_and_rbac(rendered: dict[st
         for peer in rule["from"]
     ]
     assert job["spec"]["template"]["metadata"]["labels"].items() >= admitted[-1].items()
+
+
+async def test_each_agent_pod_has_an_etcd_identity_of_its_own(
+    rendered: dict[str, Objects], secure_etcd: SecureEtcd
+) -> None:
+    """The production overlay's identity scheme against a real etcd with TLS client-certificate auth: the
+    bootstrap Job's own arguments run by ``kvgate etcd bootstrap``; for two pods of the StatefulSet, the
+    certificate its csi-driver volume asks for (the attributes with ``${POD_NAME}`` replaced, as the
+    driver does; minted here by ``kvgate certs``, since no cert-manager runs here); each pod's agent
+    registers where node.toml (rendered for that pod) makes it write, and cannot write the other pod's
+    endpoints, the flat layout or policy."""
+    import asyncio
+    import datetime as dt
+
+    from cryptography import x509
+
+    from certs.authority import identity_uri
+    from certs.store import issue
+    from contracts.etcd import endpoint_key
+    from kvgate.etcdsec.cli import main as etcd_main
+    from runtime.etcd import LeasedKeys, connect
+
+    objects = rendered["overlays/production"]
+    servers = find(objects, "StatefulSet", "kvgate-model-server")
+    (csi,) = [v["csi"] for v in servers["spec"]["template"]["spec"]["volumes"] if "csi" in v]
+    attributes = csi["volumeAttributes"]
+    (boot,) = find(objects, "Job", "kvgate-etcd-bootstrap")["spec"]["template"]["spec"]["containers"]
+    identities = [a.partition("=")[2] for a in boot["args"] if a.startswith("--identity=")]
+    pods = [f"{servers['metadata']['name']}-{i}" for i in range(servers["spec"]["replicas"])]
+    assert len(pods) >= 2 and "agent" not in identities  # no shared identity any more
+
+    root = secure_etcd.settings("root")
+    assert root.tls_ca and root.tls_cert and root.tls_key
+    args = [a for a in boot["args"][1:] if not a.startswith(("--etcd=", "--tls-"))]
+    args += ["--etcd", secure_etcd.server.address, "--tls-ca", root.tls_ca]
+    args += ["--tls-cert", root.tls_cert, "--tls-key", root.tls_key]
+    assert await asyncio.to_thread(etcd_main, args) == 0  # the CLI runs its own event loop
+
+    gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
+    keys = {}
+    for pod in pods:
+        wanted = {k: v.replace("${POD_NAME}", pod) for k, v in attributes.items()}
+        name = wanted["csi.cert-manager.io/common-name"]
+        assert name == f"agent-{pod}" and name in identities, (name, identities)
+        dns = wanted["csi.cert-manager.io/dns-names"].split(",")
+        assert gateway.feeds.server_name in dns  # the name pickers check on the feed
+        leaf = issue(secure_etcd.certs, name, [f"DNS:{d}" for d in dns if d != name], dt.datetime.now(dt.UTC))
+        cert = x509.load_pem_x509_certificate(leaf.cert.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sorted(san.get_values_for_type(x509.DNSName)) == sorted(dns)
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+        assert uris == wanted["csi.cert-manager.io/uri-sans"].split(",") == [identity_uri(name)]
+        node_text = config_file(objects, "kvgate-agent", "node.toml").replace("__POD_NAME__", pod)
+        node = parse_node_config(tomllib.loads(node_text.replace("__POD_IP__", "10.1.2.3")))
+        assert node.etcd_raw is not None and node.etcd_raw.get("prefix", "/kvgate/") == secure_etcd.prefix
+        (engine,) = node.engines
+        assert node.agent.id == pod  # what the picker's agent_node_is_pod checks against the pool's pod
+        keys[pod] = endpoint_key(secure_etcd.prefix, engine.id, node.agent.id)
+    assert gateway.inference_pool is not None and gateway.inference_pool.agent_node_is_pod
+
+    p = secure_etcd.prefix
+    first, second = pods[:2]
+    mine = secure_etcd.settings(f"agent-{first}")
+    client = await connect(mine)
+    try:  # what the agent does: its endpoint under a lease, revoked at the end
+        leased = LeasedKeys(client, 5)
+        assert await leased.start({keys[first]: b"{}"})
+        await leased.aclose()
+    finally:
+        await client.close()
+    assert not await may_put(mine, keys[second], b"{}")  # the other pod's endpoint
+    assert not await may_put(mine, endpoint_key(p, second), b"{}")  # the flat layout
+    for family in ("policy/weights/prefix", "tenants/acme", "models/m", "drain/x"):
+        assert not await may_put(mine, p + family, b"1"), family
+    assert await may_put(secure_etcd.settings(f"agent-{second}"), keys[second], b"{}")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from certs.store import LeafFiles, dev_bundle
 from contracts.etcd import EtcdSettings
+from kvgate.dev.auth import StackAuth
 from kvgate.dev.procs import http_get
 from kvgate.dev.up import Stack, StackOptions
 from runtime.etcd import connect
@@ -35,7 +36,7 @@ SHARED = "Federated clusters forward a request to the cluster whose fleet holds 
 SHORT = "Hi."
 
 
-def _stack(workdir: Path, name: str, leaf: LeafFiles) -> Stack:
+def _stack(workdir: Path, name: str, leaf: LeafFiles, auth: StackAuth | None = None) -> Stack:
     section = {
         "cluster": name,
         "tls_cert": str(leaf.cert),
@@ -55,6 +56,7 @@ def _stack(workdir: Path, name: str, leaf: LeafFiles) -> Stack:
         sim_args=FAST_SIM,
         agent_args=FAST_SIM,
         workdir=workdir,
+        auth=auth,
         overlay={"federation": section},
     )
     return Stack(options).start()

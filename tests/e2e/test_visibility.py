@@ -133,7 +133,7 @@ async def test_responses_name_the_engine_and_the_log_holds_the_decision(stack: S
     assert served[0][1] == served[1][1]
     # the first found at most the chat template's default system prompt; the second all of its prompt.
     # The first stopped hashing at its first block nobody held (the lazy path), so its prompt_blocks is
-    # estimated from the prompt's characters (docs/ARCHITECTURE.md); the second, led everywhere, hashed
+    # estimated from the prompt's characters (extproc/README.md); the second, led everywhere, hashed
     # its whole prompt and counts it exactly.
     blocks = second["prompt_blocks"]
     assert first["matched_blocks"] < blocks

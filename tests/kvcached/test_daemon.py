@@ -260,6 +260,56 @@ async def test_registration_appears_in_etcd(pair: Pair, etcd: etcd3aio.Etcd3Clie
         assert node.status["registered"] is True and info.quic is not None
 
 
+async def test_the_digest_version_travels_in_the_record_and_the_stats(
+    pair: Pair,
+    etcd: etcd3aio.Etcd3Client,
+    clients: tuple[KvcachedClient, KvcachedClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real daemon says which digest version keys its blocks: in its etcd record (a gateway of that
+    version follows its feed, one a version apart does not and counts the skew; a peer a version apart
+    is not asked for blocks) and in its Stats (an agent's store of another version refuses it)."""
+    from contracts.kvcached import KvcachedError as ClientError
+    from contracts.versions import DIGEST_VERSION
+    from extproc.control.plane import ControlCore
+    from extproc.control.policy import PolicyStore
+    from extproc.fleet import Fleet
+    from runtime.kvcached import DigestCheckedStore
+
+    assert etcd.kv is not None
+    p = pair.settings.prefix
+    resp = await etcd.kv.get(peer_key(p, pair.a.name))
+    raw = bytes(resp.kvs[0].value)
+    assert json.loads(raw)["digest"] == DIGEST_VERSION == decode_peer(pair.a.name, raw).digest
+    ahead = json.dumps(json.loads(raw) | {"node": "c", "digest": DIGEST_VERSION + 1}).encode()
+    legacy = {k: v for k, v in json.loads(raw).items() if k != "digest"} | {"node": "d"}
+    assert decode_peer("d", json.dumps(legacy).encode()).digest == 1  # a record from before the field
+
+    core = ControlCore(p, Fleet([]), PolicyStore())
+    core.apply([Change(peer_key(p, pair.a.name), raw), Change(peer_key(p, "c"), ahead)], 1)
+    assert set(core.kvcached_feeds) == {pair.a.name} and core.counters["version_skew"] == 1
+    assert core.skewed == {("kvcached", "c")}
+    core.apply([Change(peer_key(p, "c"), None)], 2)  # its lease ended: the alarm's gauge drops
+    assert core.skewed == set()
+    table = PeerTable(p, pair.b.name)
+    table.snapshot([(peer_key(p, pair.a.name), raw), (peer_key(p, "c"), ahead)], 1)
+    assert set(table.peers) == {pair.a.name} and table.skewed == {"c"}
+
+    a, _ = clients
+    assert (await a.stats_reply()).digest == DIGEST_VERSION
+    store = DigestCheckedStore(a)
+    await store.put(digest(9001), b"slot")
+    assert await store.get(digest(9001)) == b"slot" and not store.skewed
+    # An agent of the next digest version: every block operation refused, nothing read.
+    monkeypatch.setattr("runtime.kvcached.digest_matches", lambda v: v == DIGEST_VERSION + 1)
+    newer = DigestCheckedStore(a)
+    with pytest.raises(ClientError, match="digest version"):
+        await newer.get(digest(9001))
+    with pytest.raises(ClientError, match="digest version"):
+        await newer.contains([digest(9001)])
+    assert newer.skewed and newer.daemon_digest == DIGEST_VERSION
+
+
 async def test_feed_reports_stored_ram_and_demotion(pair: Pair, clients: tuple[KvcachedClient, ...]) -> None:
     a, _ = clients
     leaf = pair.gateway_leaf
@@ -411,3 +461,4 @@ async def test_peer_down_is_a_timely_miss(
     assert await b.get(digest(201)) is None
     assert time.monotonic() - started < 1.0  # no peer left to ask
     assert json.loads(json.dumps(await b.stats()))["peer_unavailable"] >= 1
+

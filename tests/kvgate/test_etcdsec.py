@@ -16,26 +16,12 @@ from kvgate.etcdsec.cli import bootstrap
 from kvgate.etcdsec.cli import main as etcd_main
 from kvgate.policy_cli import main as policy_main
 from runtime.etcd import ETCD_ERRORS, LeasedKeys, connect
+from tests.etcd_access import may_put as _put
 
 if TYPE_CHECKING:
     from tests.etcd_fixtures import SecureEtcd
 
 pytest_plugins = ("tests.etcd_fixtures",)
-
-
-async def _put(settings: EtcdSettings, key: str, value: bytes) -> bool:
-    """Whether ``settings``' identity may put ``key`` (etcd answers permission denied otherwise)."""
-    client = await connect(settings)
-    try:
-        assert client.kv is not None
-        try:
-            await client.kv.put(key, value, timeout=5.0, max_attempts=1)
-        except ETCD_ERRORS as exc:
-            assert "permission denied" in str(exc).lower() or "PERMISSION_DENIED" in str(exc), exc
-            return False
-        return True
-    finally:
-        await client.close()
 
 
 async def _get(settings: EtcdSettings, key: str) -> bytes | None:

@@ -118,6 +118,23 @@ def test_without_isolation_the_clients_salt_goes_through(router: Router) -> None
     assert body["cache_salt"] == tenant_salt("acme", None)
 
 
+def test_a_tenant_without_isolation_cannot_send_an_isolated_tenants_salt(router: Router) -> None:
+    """The salt formula has no secret: a client of a tenant the gateway does not salt may not use the
+    gateway's namespace (it could name acme's salt and share acme's blocks); an isolated tenant's client
+    may (its salt is mixed with its own tenant anyway)."""
+    opted = Tenants([dataclasses.replace(ACME, kv_isolation=True), WIDE])
+    gate = Gate(AuthConfig(jwt=IDP, default_max_tokens=100), opted, KEYS)
+    forged = tenant_salt("acme", None)
+    proc = processor(router, gate)
+    out = route(proc, chat(cache_salt=forged), meta=jwt({"sub": "v", "groups": ["wide"]}))
+    assert out[0].immediate_response.status.code == 400
+    error = orjson.loads(out[0].immediate_response.body)["error"]
+    assert error["code"] == "reserved_cache_salt" and error["param"] == "cache_salt"
+    assert proc.decision is None
+    body, _ = sent(router, gate, {"sub": "u", "tenant": "acme"}, cache_salt=forged)
+    assert body["cache_salt"] == tenant_salt("acme", forged) != forged
+
+
 def test_a_burst_request_leaves_the_tenants_salt_behind(router: Router) -> None:
     """The salt is this fleet's: a request sent to a hosted endpoint (burst) carries none (OpenAI's API
     refuses unknown fields), while the same tenant's local requests keep it."""

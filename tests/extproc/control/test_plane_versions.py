@@ -90,6 +90,14 @@ def test_a_newer_record_is_routed_by_load_only_and_counted() -> None:
     assert state is not None and state.endpoint.address == ahead.address
     assert not state.endpoint.kv_events  # its KV data is absent: no precise index entries for it
     assert core.counters["version_skew"] == 1 and core.counters["rejected"] == 0
+    assert core.skewed == {("endpoint", "ahead-0")}  # the gauge: as long as the record stays skewed
+    core.apply([Change(endpoint_key(P, "ahead-0", "node-a"), _newer(ahead))], 2)  # the same value again
+    assert core.skewed == {("endpoint", "ahead-0")}
+    core.apply([Change(endpoint_key(P, "ahead-0", "node-a"), encode_endpoint(ahead))], 3)  # downgraded
+    assert core.skewed == set() and core.counters["version_skew"] == 1
+    core.apply([Change(endpoint_key(P, "ahead-0", "node-a"), _newer(ahead))], 4)
+    core.apply([Change(endpoint_key(P, "ahead-0", "node-a"), None)], 5)  # its lease ended
+    assert core.skewed == set()
 
 
 def test_a_record_in_another_agents_prefix_is_refused() -> None:

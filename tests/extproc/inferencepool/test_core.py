@@ -277,6 +277,37 @@ def test_agents_records_are_admitted_only_at_a_ready_pods_address() -> None:
     assert open_sync.admits(outsider)
 
 
+
+def test_with_agent_node_is_pod_an_agent_cannot_claim_another_pods_engine() -> None:
+    """Each agent writes only endpoints/<its pod>/ (its etcd identity), but chooses the record inside:
+    agent-a registering pod-b's address (under any id) is held out, and pod-b's own agent is admitted."""
+    fleet = Fleet()
+    sync = PoolSync(fleet, agent_node_is_pod=True)
+    core = ControlCore("/kvgate/", fleet, PolicyStore({}))
+    core.yields, core.admits = sync.owns, sync.admits
+    pod_a, pod_b = _ep("pod-a", "10.0.0.1:8000"), _ep("pod-b", "10.0.0.2:8000")
+    sync.set_pool({pod_a.id: pod_a, pod_b.id: pod_b})
+    claim = Endpoint(EndpointId("pod-b"), pod_b.address, frozenset({"m"}), node="pod-a", feed="10.0.0.1:9500")
+    core.apply([Change("/kvgate/endpoints/pod-a/pod-b", encode_endpoint(claim))], 1)
+    sync.reconcile()
+    assert fleet.get(EndpointId("pod-b")).endpoint == pod_b  # type: ignore[union-attr]  # still the pod's
+    assert sync.refused_claims == {(EndpointId("pod-b"), pod_b.address)}
+    own = Endpoint(EndpointId("pod-b"), pod_b.address, frozenset({"m"}), node="pod-b", feed="10.0.0.2:9500")
+    core.apply([Change("/kvgate/endpoints/pod-a/pod-b", None)], 2)
+    core.apply([Change("/kvgate/endpoints/pod-b/pod-b", encode_endpoint(own))], 3)
+    assert fleet.get(EndpointId("pod-b")).endpoint == own  # type: ignore[union-attr]
+    # several target ports: the pod's endpoints are <pod>:<port>, and the pod is still named
+    ports = PoolSync(Fleet(), agent_node_is_pod=True)
+    on_port = _ep("pod-c:8001", "10.0.0.3:8001")
+    ports.set_pool({on_port.id: on_port})
+    mine = Endpoint(EndpointId("x"), on_port.address, frozenset({"m"}), node="pod-c")
+    assert ports.admits(mine) and not ports.admits(Endpoint(mine.id, mine.address, mine.models, node="pod-d"))
+    # without the flag (agents named otherwise): any agent at a ready pod's address
+    plain = PoolSync(Fleet())
+    plain.set_pool({pod_b.id: pod_b})
+    assert plain.admits(claim)
+
+
 def test_a_drain_reaches_pool_endpoints_present_and_to_come() -> None:
     fleet = Fleet()
     sync = PoolSync(fleet)

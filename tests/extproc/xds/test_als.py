@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.epp import FAILURE_LOG_NAME
 from contracts.events import EndpointId
+from contracts.federation import REFUSED_HEADER, UNTRUSTED
 from extproc.server import EXT_PROC_SERVICE, Gateway
 from extproc.xds.als import FAILURE_FLAGS, FailedTry, failed_try
 from tests.extproc.test_server import body_msgs, chat_body, decision, headers_msg, run
@@ -42,6 +43,13 @@ def entry(
 UF, UT = "upstream_connection_failure", "upstream_request_timeout"
 
 
+def refused(code: str) -> al.HTTPAccessLogEntry:
+    """A forwarded try a peer cluster refused with 401 and its refusal header."""
+    out = entry(status=401)
+    out.response.response_headers[REFUSED_HEADER] = code
+    return out
+
+
 @pytest.mark.parametrize("flag", FAILURE_FLAGS)
 def test_each_failure_flag_is_its_kind(flag: str) -> None:
     assert failed_try(entry(flags=[flag])) == FailedTry("10.0.0.1:8000", flag)
@@ -55,6 +63,9 @@ def test_each_failure_flag_is_its_kind(flag: str) -> None:
         # A flag names the kind even when Envoy also has a 503 (its own, for that try).
         (entry(flags=[UT], status=503), FailedTry("10.0.0.1:8000", UT)),
         (entry(flags=["upstream_remote_reset", UF]), FailedTry("10.0.0.1:8000", UF)),
+        (refused(UNTRUSTED), FailedTry("10.0.0.1:8000", "federation_untrusted")),  # a peer's link: no trust
+        (refused("tenant_not_trusted"), None),  # one tenant refused: not the peer's failure
+        (entry(status=401), None),  # an engine's own 401
         (entry(status=200), None),
         (entry(status=500), None),
         (entry(flags=["downstream_connection_termination"]), None),

@@ -1,5 +1,6 @@
 """The federation parts of the Envoy bootstrap: the federation listener (mTLS, peers' identities only,
-keeps the peer's hop and tenant), the OpenAI listener stripping them, the forwarding transport socket
+keeps the peer's hop, tenant and salted flag), the OpenAI listener stripping them, a peer's refusal
+retried on the local pick, the forwarding transport socket
 selected by EDS host metadata, and Envoy itself accepting the result (plain and secure profiles)."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from certs.store import dev_bundle
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
+from extproc.admission.tenants import RequestRate
 from extproc.xds.eds import PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
-from kvgate.envoy.bootstrap import EnvoyParams, render
+from kvgate.envoy.auth import EdgeAuth
+from kvgate.envoy.bootstrap import CREDENTIAL_HEADERS, EnvoyParams, render
 from kvgate.envoy.federation import EnvoyFederation
 from kvgate.envoy.tls import EnvoyTls, write_sds
 from tests.kvgate.envoy.test_bootstrap import validate
@@ -41,8 +44,9 @@ def test_the_rendered_federation_parts(tmp_path: Path) -> None:
     cfg = render(EnvoyParams(federation=fed(tmp_path)))
     by_name = listeners(cfg)
     openai, peer = by_name["openai"], by_name["federation"]
-    assert {HOP_HEADER, PEER_HEADER, TENANT_HEADER} <= stripped(openai)
-    assert HOP_HEADER not in stripped(peer) and TENANT_HEADER not in stripped(peer)
+    assert {HOP_HEADER, PEER_HEADER, TENANT_HEADER, SALTED_HEADER} <= stripped(openai)
+    assert not {HOP_HEADER, TENANT_HEADER, SALTED_HEADER} & stripped(peer)
+    assert PEER_HEADER in stripped(peer)
     tls = peer["filter_chains"][0]["transport_socket"]["typed_config"]
     assert tls["require_client_certificate"] is True
     san = tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
@@ -91,3 +95,53 @@ def test_envoy_accepts_it(tmp_path: Path, secure: bool) -> None:
         tls = EnvoyTls(certs_dir=str(certs))
         write_sds(tls)
     validate(tmp_path, EnvoyParams(tls=tls, federation=fed(tmp_path)))
+
+
+def _retry(listener: dict[str, Any]) -> dict[str, Any]:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (route,) = [
+        r
+        for v in hcm["route_config"]["virtual_hosts"]
+        for r in v["routes"]
+        if "retry_policy" in r.get("route", {})
+    ]
+    policy: dict[str, Any] = route["route"]["retry_policy"]
+    return policy
+
+
+def test_a_peers_refusal_is_retried_on_the_local_pick_and_its_rate_limit_says_so(tmp_path: Path) -> None:
+    """With ``[auth]``: the OpenAI listener's engine route retries on the refusal header (the try goes on to
+    the local pick); the federation listener's per-tenant rate limit marks its 429 as a refusal."""
+    edge = EdgeAuth(jwt=None, rates=(("acme", RequestRate(5.0, 5)),), read_usage=False)
+    params = EnvoyParams(auth=edge, federation=fed(tmp_path))
+    by_name = listeners(render(params))
+    retry = _retry(by_name["openai"])
+    assert {"retriable-status-codes", "retriable-headers"} <= set(retry["retry_on"].split(","))
+    assert retry["retriable_headers"] == [{"name": REFUSED_HEADER, "present_match": True}]
+    hcm = by_name["federation"]["filter_chains"][0]["filters"][0]["typed_config"]
+    (limit,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.local_ratelimit"]
+    added = {
+        h["header"]["key"]: h["header"]["value"] for h in limit["typed_config"]["response_headers_to_add"]
+    }
+    assert added[REFUSED_HEADER] == "rate_limited"
+    openai = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    (public,) = [f for f in openai if f["name"] == "envoy.filters.http.local_ratelimit"]
+    assert REFUSED_HEADER not in {
+        h["header"]["key"] for h in public["typed_config"]["response_headers_to_add"]
+    }
+    # a peer refusing our tenants altogether reaches the failed-try log (with the refusal's code)
+    router = next(f for f in openai if f["name"] == "envoy.filters.http.router")
+    for logger in router["typed_config"]["upstream_log"]:
+        assert logger["typed_config"]["additional_response_headers_to_log"] == [
+            REFUSED_HEADER
+        ]
+        statuses = [
+            f["status_code_filter"]["comparison"]["value"]["default_value"]
+            for f in logger["filter"]["or_filter"]["filters"]
+            if "status_code_filter" in f
+        ]
+        assert statuses == [503, 401]
+    # what goes to a peer's ingress takes the engine route: no credential header ever leaves the cluster
+    route_config = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    assert set(CREDENTIAL_HEADERS) <= set(route_config["request_headers_to_remove"])
+    validate(tmp_path, params)
