@@ -32,6 +32,7 @@ from tests.deploy.test_kubernetes import (  # the same checks, on the chart's ob
     find,
     kustomize,
     mint_certs,
+    test_each_agent_pod_has_an_etcd_identity_of_its_own,
     test_every_object_matches_its_schema,
     test_network_policies_deny_by_default_and_admit_each_service_port,
     test_pool_route_picker_and_servers_fit_together,
@@ -43,6 +44,8 @@ from tests.deploy.test_kubernetes import (  # the same checks, on the chart's ob
     test_the_picker_may_only_read_its_pool_and_pods,
 )
 
+pytest_plugins = ("tests.etcd_fixtures",)  # secure_etcd, for the per-pod identity check
+
 CHART = DEPLOY / "helm" / "kvgate"
 #: Each Kustomize overlay's counterpart: (values file under the chart, namespace).
 PROFILES = {
@@ -51,10 +54,12 @@ PROFILES = {
     "overlays/production": ("ci/production-values.yaml", "kvgate"),
 }
 HELM_LABELS = ("app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "helm.sh/chart")
-CERT_FILES = ("ca.pem", "extproc.pem", "extproc.key", "agent.pem", "agent.key", "etcd.pem", "etcd.key")
+#: The secure profile's files (--set-file): agents get theirs per pod from cert-manager, signed with ca.key.
+CERT_FILES = ("ca.pem", "ca.key", "extproc.pem", "extproc.key", "etcd.pem", "etcd.key")
 CERT_FILES += ("root.pem", "root.key")
 
 REEXPORTED = (
+    test_each_agent_pod_has_an_etcd_identity_of_its_own,
     test_every_object_matches_its_schema,
     test_network_policies_deny_by_default_and_admit_each_service_port,
     test_pool_route_picker_and_servers_fit_together,
@@ -209,6 +214,30 @@ def test_values_schema_types_every_key_and_refuses_bad_values() -> None:
         render({"secure": {"enabled": True}})
     with pytest.raises(helm.HelmError, match=r"etcd\.endpoints"):
         render({"etcd": {"enabled": False}})
+    certs = {f: f"-----BEGIN {f}-----\n" for f in CERT_FILES}
+    with pytest.raises(helm.HelmError, match=r"secure\.certs\.ca\.key"):
+        render({"secure": {"enabled": True, "certs": {**certs, "ca.key": ""}}})
+
+
+def test_the_bootstrap_job_makes_one_etcd_user_per_model_server_ordinal() -> None:
+    """``secure.agentOrdinals`` users agent-kvgate-model-server-0 .. N-1 (after ``secure.etcdIdentities``),
+    one per StatefulSet pod name; more model-server replicas than ordinals is refused, since a pod past
+    the last one would have no etcd user and could not register."""
+    certs = {f: f"-----BEGIN {f}-----\n" for f in CERT_FILES}
+    values: dict[str, Any] = {
+        "modelServer": {"replicas": 3},
+        "secure": {"enabled": True, "certs": certs, "agentOrdinals": 3},
+    }
+    objects = render(values)
+    (boot,) = find(objects, "Job", "kvgate-etcd-bootstrap")["spec"]["template"]["spec"]["containers"]
+    identities = [a.partition("=")[2] for a in boot["args"] if a.startswith("--identity=")]
+    servers = find(objects, "StatefulSet", "kvgate-model-server")
+    pods = [f"{servers['metadata']['name']}-{i}" for i in range(servers["spec"]["replicas"])]
+    assert identities == ["extproc", "operator", *(f"agent-{pod}" for pod in pods)]
+    values["modelServer"]["replicas"] = 4
+    with pytest.raises(helm.HelmError, match=r"secure\.agentOrdinals"):
+        render(values)
+    assert not [o for o in render({"modelServer": {"replicas": 40}}) if o["kind"] in ("Job", "Issuer")]
 
 
 def leaves(node: Any, prefix: str = "") -> set[str]:
@@ -263,6 +292,7 @@ def test_external_etcd_and_fail_open_are_choices() -> None:
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"} == {
         "kvgate-certs",
         "kvgate-etcd-root",
+        "kvgate-agent-issuer",
     }
     assert (
         base64.b64decode(find(objects, "Secret", "kvgate-certs")["data"]["ca.pem"])

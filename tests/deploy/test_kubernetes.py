@@ -64,7 +64,11 @@ ISSUER_CA = {
         "metadata": {
             "type": "object",
             "required": ["name"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}},
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
             "additionalProperties": False,
         },
         "spec": {
