@@ -18,7 +18,8 @@
   NVML path with a fake ``pynvml`` module put in ``sys.modules`` (no GPU on CI).
 - :class:`LoadChanges` (sans-IO) decides what to send: a ``Load`` whose routing signals (waiting,
   running, KV use, healthy, draining) changed, or any ``Load`` whose endpoint has sent nothing for
-  ``heartbeat_s`` (GPU telemetry alone does not trigger a send: it rides along).
+  ``heartbeat_s`` (GPU telemetry and the engine's prefix-cache counters, for the gateway's drift alarm,
+  do not trigger a send: they ride along).
 - :class:`TelemetryLoop` polls every watched engine (and the GPUs) each ``interval_s`` and hands the
   ``Load`` events to send to a callback (the feed's ``publish``). ``heartbeat_s`` must stay below the
   gateway's ``scrape.stale_after_s``, or an idle engine's load expires there between heartbeats. An
@@ -64,6 +65,9 @@ class EngineSample:
     kv_usage: float | None
     generation_tokens: float | None = None
     lora: LoraState | None = None
+    #: The prefix cache's counters (prompt tokens hit, looked up; ``None``: the engine exports none).
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 class TokenRate:
@@ -150,7 +154,9 @@ class EngineScraper:
         if (kv is None or self.on_slots is not None) and self._llama and self.slots_url is not None:
             from_slots = await self._slots_usage(self.slots_url)
             kv = from_slots if kv is None else kv
-        return EngineSample(m.waiting, m.running, kv, m.generation_tokens, m.lora)
+        return EngineSample(
+            m.waiting, m.running, kv, m.generation_tokens, m.lora, m.prefix_hits, m.prefix_queries
+        )
 
     async def aclose(self) -> None:
         if self._own_session and self._session is not None:
@@ -446,6 +452,8 @@ class TelemetryLoop:
                     lora_waiting=None if lora is None else sorted(lora.waiting),
                     max_lora=None if lora is None else lora.max_lora,
                     lora_slots_used=None if lora is None else lora.slots_used,
+                    prefix_hits=sample.prefix_hits,
+                    prefix_queries=sample.prefix_queries,
                 )
             if self._changes.offer(load, now):
                 out.append(load)

@@ -152,6 +152,12 @@ class Load(msgspec.Struct, tag="load", array_like=True, frozen=True):
     lora_waiting: list[str] | None = None
     max_lora: int | None = None
     lora_slots_used: int | None = None
+    #: The engine's prefix-cache counters since it started: prompt tokens found in its prefix cache and
+    #: prompt tokens looked up there (vLLM's ``prefix_cache_hits``/``_queries``, the simulator's; the drift
+    #: alarm's counter source, :mod:`extproc.drift.counters`). ``None``: the engine exports none, or an
+    #: agent older than the fields.
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 IndexEvent = Stored | Removed | Cleared

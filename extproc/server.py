@@ -744,7 +744,7 @@ class Gateway:
     def _on_scrape_round(self) -> None:
         self.dispatcher.kick()
         now = time.monotonic()
-        for state in self.fleet:  # engines' prefix-cache counters against what was routed there
+        for state in self.fleet:  # engines' prefix-cache counters (scraped or in an agent's Load) vs routed
             m = state.metrics
             if m is not None and m.prefix_hits is not None and m.prefix_queries is not None:
                 _log_drift(self.counter_drift.reading(state.id, m.prefix_hits, m.prefix_queries, m.at, now))

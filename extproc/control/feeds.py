@@ -228,7 +228,16 @@ class FeedManager:
                     load.max_lora,
                     load.lora_slots_used,
                 )
-            metrics = EngineMetrics(load.waiting, load.running, load.kv_usage, now, lora=lora)
+            counted = load.prefix_hits is not None and load.prefix_queries is not None
+            metrics = EngineMetrics(
+                load.waiting,
+                load.running,
+                load.kv_usage,
+                now,
+                prefix_hits=load.prefix_hits if counted else None,  # the drift alarm's counters
+                prefix_queries=load.prefix_queries if counted else None,
+                lora=lora,
+            )
             self.fleet.record_scrape(endpoint, metrics)
         elif state.healthy:
             log.warning("endpoint %s unhealthy: reported by its agent", endpoint)

@@ -92,6 +92,10 @@ async def test_scrape_a_real_simulator(sim: SimFleet) -> None:
         await scraper.aclose()
 
 
+#: An idle simulator's prefix-cache counters, as its loads carry them.
+IDLE = {"prefix_hits": 0.0, "prefix_queries": 0.0}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -370,7 +374,7 @@ async def test_loop_runs_until_closed(sim: SimFleet) -> None:
         await eventually(heartbeats)
         # output_tps: 0.0 once a 1 s window has passed (an idle engine), None before
         assert all(
-            batch in ([Load("sim-0", 0, 0, 0.0)], [Load("sim-0", 0, 0, 0.0, output_tps=0.0)])
+            batch in ([Load("sim-0", 0, 0, 0.0, **IDLE)], [Load("sim-0", 0, 0, 0.0, output_tps=0.0, **IDLE)])
             for batch in emitted
         )
     finally:
@@ -464,3 +468,27 @@ async def test_output_tokens_per_second_from_a_real_simulator(sim: SimFleet) -> 
         assert (await loop.tick())[0].output_tps == 3.5  # 7 tokens over 2 s of the loop's clock
     finally:
         await loop.aclose()
+
+
+async def test_prefix_cache_counters_ride_along_from_a_real_simulator(sim: SimFleet) -> None:
+    """The simulator's vllm:prefix_cache_hits_total / _queries_total reach the load (for the gateway's drift
+    alarm), and a second request with the same prompt counts hits; the counters alone trigger no send."""
+    now = [0.0]
+    emitted: list[list[Load]] = []
+    loop = TelemetryLoop(0.1, emitted.append, heartbeat_s=10.0, clock=lambda: now[0])
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    try:
+        (first,) = await loop.tick()
+        assert (first.prefix_hits, first.prefix_queries) == (0.0, 0.0)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "the quick brown fox jumps " * 12, "max_tokens": 1}
+            for _ in range(2):
+                async with http.post(f"http://{sim.addresses[0]}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        assert await loop.tick() == []  # waiting and running unchanged: nothing to send before the heartbeat
+        now[0] = 10.0
+        (load,) = await loop.tick()
+    finally:
+        await loop.aclose()
+    assert load.prefix_queries is not None and load.prefix_hits is not None
+    assert load.prefix_queries > 0 and 0 < load.prefix_hits < load.prefix_queries

@@ -1,5 +1,5 @@
-"""The feed's ``Load`` grows compatibly: power readings added at the end decode both ways between an
-agent and a gateway of different versions."""
+"""The feed's ``Load`` grows compatibly: power readings and prefix-cache counters added at the end decode
+both ways between an agent and a gateway of different versions."""
 
 from __future__ import annotations
 
@@ -42,3 +42,44 @@ def test_an_old_receiver_ignores_power() -> None:
     assert old.events[0] == OldLoad("e0", 1.0, 2.0, 0.5)
     again = decode_batch(new).events[0]
     assert isinstance(again, Load) and again.power == [power]
+
+
+class LoraLoad(msgspec.Struct, tag="load", array_like=True, frozen=True):
+    """``Load`` as it was before the prefix-cache counters (issue 28, the drift alarm)."""
+
+    endpoint: str
+    waiting: float
+    running: float
+    kv_usage: float | None = None
+    healthy: bool = True
+    draining: bool = False
+    gpus: list[Gpu] = msgspec.field(default_factory=list)
+    power: list[Power] = msgspec.field(default_factory=list)
+    output_tps: float | None = None
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] | None = None
+    max_lora: int | None = None
+    lora_slots_used: int | None = None
+
+
+class LoraBatch(msgspec.Struct, array_like=True, frozen=True):
+    source: str
+    epoch: int
+    seq: int
+    events: list[LoraLoad]
+    snapshot: bool = False
+    ts: float = 0.0
+
+
+def test_prefix_cache_counters_decode_both_ways() -> None:
+    """A gateway older than the counters ignores them; a newer one reads ``None`` from an older agent."""
+    new = encode(
+        Batch("node-a", 1, 1, [Load("e0", 1.0, 2.0, 0.5, max_lora=2, prefix_hits=5.0, prefix_queries=8.0)])
+    )
+    assert msgspec.msgpack.decode(new, type=LoraBatch).events[0] == LoraLoad("e0", 1.0, 2.0, 0.5, max_lora=2)
+    again = decode_batch(new).events[0]
+    assert isinstance(again, Load) and (again.prefix_hits, again.prefix_queries) == (5.0, 8.0)
+    old = msgspec.msgpack.encode(LoraBatch("node-a", 1, 1, [LoraLoad("e0", 1.0, 2.0, 0.5, max_lora=2)]))
+    load = decode_batch(old).events[0]
+    assert isinstance(load, Load) and load.max_lora == 2
+    assert (load.prefix_hits, load.prefix_queries) == (None, None)

@@ -201,3 +201,25 @@ def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [binary("promtool"), *args], capture_output=True, text=True, timeout=60, check=False
     )
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    """prometheus-adapter's rules for the picker's autoscaler (deploy/kubernetes/components/
+    picker-autoscaling/adapter-rules.yaml)."""
+    path = DEPLOY / "kubernetes" / "components" / "picker-autoscaling" / "adapter-rules.yaml"
+    rules: list[dict[str, Any]] = yaml.safe_load(path.read_text())["rules"]
+    return rules
+
+
+def adapter_query(rule: Mapping[str, Any], series: str, namespace: str, pods: Sequence[str]) -> str:
+    """A rule's ``metricsQuery`` as prometheus-adapter renders it for an HPA's Pods metric (a Go template
+    with ``<<`` ``>>`` delimiters: the series, the namespace and the pods asked about, grouped by pod)."""
+    query = str(rule["metricsQuery"])
+    for key, value in (
+        ("<<.Series>>", series),
+        ("<<.LabelMatchers>>", f'namespace="{namespace}",pod=~"{"|".join(pods)}"'),
+        ("<<.GroupBy>>", "pod"),
+    ):
+        query = query.replace(key, value)
+    assert "<<" not in query and ">>" not in query, query
+    return query

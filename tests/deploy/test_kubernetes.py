@@ -4,7 +4,10 @@ strict: an unknown field fails), ``InferencePool`` and ``HTTPRoute`` against the
 tests/data/k8s (sources in its README; unknown fields fail too). Then what the schemas cannot say: the
 pool names the picker's Service and port, the route reaches the pool, selectors and probe ports match,
 each ConfigMap's TOML is accepted by the loader its daemon uses, and the production overlay's Secret
-(minted here with ``kvgate certs``) is mounted where its config reads it.
+(minted here with ``kvgate certs``) is mounted where its config reads it. The picker's autoscaler (the
+component picker-autoscaling, in overlays/production-autoscaling): its prometheus-adapter rules against
+the adapter's config format, their PromQL through ``promtool``, their series against the ext_proc's own
+metrics, and the HPA's metrics against the names the rules serve.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent.config import parse_node_config
 from extproc.config import parse_config
 from kvgate.dev.procs import Child
-from tests.deploy.prom import DEPLOY
+from tests.deploy.prom import DEPLOY, adapter_query, run_promtool
 from tests.etcd_access import may_put
 
 if TYPE_CHECKING:
@@ -44,7 +48,7 @@ CRDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.json",
 }
-OVERLAYS = ("base", "overlays/dev", "overlays/production")
+OVERLAYS = ("base", "overlays/dev", "overlays/production", "overlays/production-autoscaling")
 #: How each workload runs (the model servers are a StatefulSet: their pod names, hence their agents' etcd
 #: identities, are known in advance).
 KIND = {"kvgate-epp": "Deployment", "kvgate-model-server": "StatefulSet"}
@@ -84,6 +88,61 @@ ISSUER_CA = {
             },
             "additionalProperties": False,
         },
+    },
+    "additionalProperties": False,
+}
+
+
+#: prometheus-adapter's config file (``MetricsDiscoveryConfig``), the part the component uses, written by
+#: hand from kubernetes-sigs/prometheus-adapter ``pkg/config/config.go`` (its YAML is read with
+#: ``yaml.UnmarshalStrict``, ``pkg/config/loader.go``: an unknown field fails, as here).
+_RESOURCE = {
+    "type": "object",
+    "required": ["resource"],
+    "properties": {"group": {"type": "string"}, "resource": {"type": "string", "minLength": 1}},
+    "additionalProperties": False,
+}
+ADAPTER_CONFIG = {
+    "type": "object",
+    "required": ["rules"],
+    "properties": {
+        "rules": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["seriesQuery", "resources", "name", "metricsQuery"],
+                "properties": {
+                    "seriesQuery": {"type": "string", "minLength": 1},
+                    "seriesFilters": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"is": {"type": "string"}, "isNot": {"type": "string"}},
+                            "additionalProperties": False,
+                        },
+                    },
+                    "resources": {
+                        "type": "object",
+                        "properties": {
+                            "template": {"type": "string"},
+                            "overrides": {"type": "object", "additionalProperties": _RESOURCE},
+                        },
+                        "additionalProperties": False,
+                    },
+                    "name": {
+                        "type": "object",
+                        "properties": {"matches": {"type": "string"}, "as": {"type": "string"}},
+                        "additionalProperties": False,
+                    },
+                    "metricsQuery": {"type": "string", "minLength": 1},
+                    "labelValueReplacements": {"type": "array"},
+                },
+                "additionalProperties": False,
+            },
+        },
+        "externalRules": {"type": "array"},
+        "resourceRules": {"type": "object"},
     },
     "additionalProperties": False,
 }
@@ -204,6 +263,19 @@ def test_schemas_refuse_what_they_should(rendered: dict[str, Objects]) -> None:
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy2"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    hpa = copy.deepcopy(
+        find(rendered["overlays/production-autoscaling"], "HorizontalPodAutoscaler", "kvgate")
+    )
+    hpa["spec"]["metrics"][0]["pods"]["target"]["averageUtilisation"] = 50
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    rules = yaml.safe_load(
+        find(rendered["overlays/production-autoscaling"], "ConfigMap", "kvgate-adapter")["data"][
+            "config.yaml"
+        ]
+    )
+    rules["rules"][0]["metricQuery"] = rules["rules"][0].pop("metricsQuery")
+    assert list(jsonschema.Draft7Validator(ADAPTER_CONFIG).iter_errors(rules))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -598,3 +670,82 @@ def test_the_picker_may_only_read_its_pool_and_pods(rendered: dict[str, Objects]
     assert gateway.inference_pool.name == pool["metadata"]["name"]
     assert gateway.inference_pool.namespace in (None, pool["metadata"].get("namespace"))
     assert gateway.inference_pool.kubeconfig is None  # in-cluster: the mounted token
+
+
+def adapter_rules(objects: Objects) -> list[dict[str, Any]]:
+    """The prometheus-adapter rules of the component's ConfigMap (its ``config.yaml``), validated."""
+    config = yaml.safe_load(find(objects, "ConfigMap", "kvgate-adapter-rules")["data"]["config.yaml"])
+    errors = [e.message for e in jsonschema.Draft7Validator(ADAPTER_CONFIG).iter_errors(config)]
+    assert not errors, errors
+    rules: list[dict[str, Any]] = config["rules"]
+    return rules
+
+
+def extproc_series() -> set[str]:
+    """The series names of the ext_proc's overload metrics, as its /metrics exposes them."""
+    from prometheus_client import generate_latest
+
+    from extproc.fleet import Fleet
+    from extproc.metrics import GatewayMetrics
+    from extproc.overload.gate import DecisionGate, LagMeter
+
+    metrics = GatewayMetrics(Fleet())
+    metrics.watch_overload(DecisionGate(256), LagMeter(10.0))
+    metrics.loop_lag.observe(0.01)
+    text = generate_latest(metrics.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_the_picker_autoscaler_scales_on_what_the_adapter_serves(
+    rendered: dict[str, Objects], tmp_path: Path
+) -> None:
+    """overlays/production-autoscaling: an autoscaling/v2 HPA (schema-checked with every object) owns the
+    picker Deployment's replica count from the production overlay's three up; each of its Pods metrics is
+    served by one prometheus-adapter rule (the adapter's config format, strictly) over a series the
+    ext_proc exports, per namespace and pod, with a query Prometheus parses (promtool)."""
+    objects = rendered["overlays/production-autoscaling"]
+    production = find(rendered["overlays/production"], "Deployment", "kvgate-epp")
+    deployment = find(objects, "Deployment", "kvgate-epp")
+    assert "replicas" not in deployment["spec"]  # an apply would set the HPA's count back
+    assert {k: v for k, v in deployment["spec"].items() if k != "replicas"} == {
+        k: v for k, v in production["spec"].items() if k != "replicas"
+    }
+    hpa = find(objects, "HorizontalPodAutoscaler", "kvgate-epp")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "kvgate-epp",
+    }
+    assert hpa["spec"]["minReplicas"] == production["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+    pdb = find(objects, "PodDisruptionBudget", "kvgate-epp")
+    assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]
+    wanted = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
+    assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])
+    assert wanted == {
+        "kvgate_extproc_saturation": {"type": "AverageValue", "averageValue": "500m"},
+        "kvgate_extproc_loop_lag_p99_seconds": {"type": "AverageValue", "averageValue": "25m"},
+    }  # the targets extproc/overload/README.md names: saturation 0.5, loop-lag p99 25 ms
+    config = find(objects, "ConfigMap", "kvgate-adapter-rules")
+    assert config["metadata"]["name"] == "kvgate-adapter-rules"  # no hash: the adapter's chart names it
+    exported = extproc_series()
+    served: dict[str, str] = {}
+    queries = []
+    for rule in adapter_rules(objects):
+        series = rule["seriesQuery"].split("{")[0]
+        assert series in exported, f"{series}: not an ext_proc series"
+        assert 'namespace!=""' in rule["seriesQuery"] and 'pod!=""' in rule["seriesQuery"]
+        assert rule["resources"] == {
+            "overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        }
+        name = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("$", "\\"), series)
+        assert re.fullmatch(rule["name"]["matches"], series) and name not in served
+        served[name] = series
+        query = adapter_query(rule, series, "kvgate", ["kvgate-epp-0", "kvgate-epp-1"])
+        queries.append({"record": f"adapter:{name}", "expr": query})
+    assert set(served) == set(wanted)
+    rules = tmp_path / "adapter-queries.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "adapter", "rules": queries}]}))
+    checked = run_promtool("check", "rules", str(rules))
+    assert checked.returncode == 0, checked.stdout + checked.stderr

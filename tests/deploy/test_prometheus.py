@@ -42,6 +42,8 @@ from kvgate.dev.up import Stack, StackOptions
 from tests.deploy.prom import (
     DEPLOY,
     Prometheus,
+    adapter_query,
+    adapter_rules,
     alert_rules,
     dashboards,
     family,
@@ -138,10 +140,15 @@ def scrape_jobs(stack: Stack) -> list[dict[str, Any]]:
     engines = [str(e["address"]) for status in stack.agent_status for e in status["engines"]]
     assert stack.envoy_stats_url.startswith("http://")
     envoy = stack.envoy_stats_url.removeprefix("http://").split("/", 1)[0]
+    extproc = scrape_job("kvgate-extproc", "/metrics", [])
+    # Each ext_proc as Kubernetes service discovery labels a picker pod (prometheus-adapter maps the
+    # `namespace` and `pod` labels to the HPA's pods: deploy/kubernetes/components/picker-autoscaling).
+    extproc["static_configs"] = [
+        {"targets": [f"127.0.0.1:{p['metrics']}"], "labels": {"namespace": NAMESPACE, "pod": pod}}
+        for p, pod in zip(stack.extproc_listeners, picker_pods(stack), strict=True)
+    ]
     return [
-        scrape_job(
-            "kvgate-extproc", "/metrics", [f"127.0.0.1:{p['metrics']}" for p in stack.extproc_listeners]
-        ),
+        extproc,
         scrape_job("envoy", "/stats/prometheus", [envoy]),
         scrape_job(
             "kvgate-agent",
@@ -152,6 +159,13 @@ def scrape_jobs(stack: Stack) -> list[dict[str, Any]]:
         scrape_job("kvcached", "/metrics", [f"127.0.0.1:{d['metrics_port']}" for d in stack.kvcached]),
         scrape_job("engines", "/metrics", engines),
     ]
+
+
+NAMESPACE = "kvgate"
+
+
+def picker_pods(stack: Stack) -> list[str]:
+    return [f"kvgate-epp-{i}" for i in range(len(stack.extproc_listeners))]
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +326,26 @@ def test_kvgate_up_envoy_stats_flag(tmp_path: Path) -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_the_picker_autoscaler_reads_a_number_per_pod(stack: Stack, prometheus: Prometheus) -> None:
+    """The prometheus-adapter rules of the picker's HPA, as the adapter runs them: each rule's
+    ``seriesQuery`` finds the series of every picker pod, and its ``metricsQuery`` (rendered for the
+    HPA's namespace and pods) returns one number per pod (tests/deploy/test_kubernetes.py checks the
+    rules' format and the HPA that names them)."""
+    pods = picker_pods(stack)
+    rules = adapter_rules()
+    assert rules
+    for rule in rules:
+        series = prometheus.api("series", **{"match[]": rule["seriesQuery"]})
+        assert {s["pod"] for s in series} == set(pods) and {s["namespace"] for s in series} == {NAMESPACE}
+        name = rule["seriesQuery"].split("{")[0]
+        query = adapter_query(rule, name, NAMESPACE, pods)
+
+        def per_pod(query: str = query) -> dict[str, float] | None:
+            found = {s["metric"].get("pod", ""): float(s["value"][1]) for s in prometheus.query(query)}
+            ok = set(found) == set(pods) and all(not math.isnan(v) for v in found.values())
+            return found if ok else None
+
+        values = poll(per_pod, 60, f"a number per pod from {query}")
+        assert all(v >= 0 for v in values.values()), (query, values)

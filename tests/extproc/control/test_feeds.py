@@ -340,3 +340,20 @@ async def test_lora_adapters_reach_the_endpoint_metrics(
     assert e1.metrics.lora.running == {"a1"} and e1.metrics.lora.waiting == {"a2"}
     assert e1.metrics.lora.max_lora == 2 and e1.metrics.lora.free_slots == 0
     assert e2 is not None and e2.metrics is not None and e2.metrics.lora is None
+
+
+async def test_prefix_cache_counters_reach_the_endpoint_metrics(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """An agent's Load carries the engine's prefix-cache counters (the drift alarm's counter source); a
+    Load without them (an older agent, an engine that exports none) leaves them unknown."""
+    mgr, _, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    agent.publish([Load("e1", 0, 1, 0.2, prefix_hits=96.0, prefix_queries=160.0), Load("e2", 0, 0)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    e1, e2 = fleet.get(E1), fleet.get(E2)
+    assert e1 is not None and e1.metrics is not None
+    assert (e1.metrics.prefix_hits, e1.metrics.prefix_queries) == (96.0, 160.0)
+    assert e2 is not None and e2.metrics is not None
+    assert (e2.metrics.prefix_hits, e2.metrics.prefix_queries) == (None, None)
