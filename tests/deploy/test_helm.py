@@ -2,11 +2,14 @@
 library by the ``helm-python-sdk`` wheel: no ``helm`` binary is packaged for PyPI, npm or Debian) and held
 to the Kustomize tree: with its defaults the chart renders exactly the objects of deploy/kubernetes/base,
 with ci/dev-values.yaml those of overlays/dev, with ci/production-values.yaml (and the certificates passed
-as values, as ``--set-file`` does) those of overlays/production, up to Helm's own labels, its checksum
-annotations and Kustomize's hash suffixes. Then every check tests/deploy/test_kubernetes.py makes of the
-Kustomize objects (schemas, how the parts fit, a real ``kvgate extproc`` on the picker's ConfigMap) runs
-again on the chart's, by the same test functions; and values.schema.json, the README's values table and
-the external-etcd and FailOpen choices are checked."""
+as values, as ``--set-file`` does) those of overlays/production, and with
+ci/production-autoscaling-values.yaml layered on those (``-f a -f b``) those of
+overlays/production-autoscaling, up to Helm's own labels, its checksum annotations and Kustomize's hash
+suffixes. Then every check tests/deploy/test_kubernetes.py makes of the Kustomize objects (schemas, how
+the parts fit, a real ``kvgate extproc`` on the picker's ConfigMap, the agents' etcd identities against a
+real etcd, the autoscaler's adapter rules) runs again on the chart's, by the same test functions; and
+values.schema.json, the README's values table, the agent ordinals and the external-etcd and FailOpen
+choices are checked."""
 
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from tests.deploy.test_kubernetes import (  # the same checks, on the chart's ob
     test_production_etcd_requires_client_certificates_and_rbac,
     test_production_mounts_the_certificates_its_configs_name,
     test_read_only_containers_write_only_to_volumes,
+    test_the_picker_autoscaler_scales_on_what_the_adapter_serves,
     test_the_picker_config_serves_the_probes_the_pod_asks,
     test_the_picker_may_only_read_its_pool_and_pods,
 )
@@ -47,11 +51,14 @@ from tests.deploy.test_kubernetes import (  # the same checks, on the chart's ob
 pytest_plugins = ("tests.etcd_fixtures",)  # secure_etcd, for the per-pod identity check
 
 CHART = DEPLOY / "helm" / "kvgate"
-#: Each Kustomize overlay's counterpart: (values file under the chart, namespace).
-PROFILES = {
-    "base": (None, "default"),
-    "overlays/dev": ("ci/dev-values.yaml", "kvgate-dev"),
-    "overlays/production": ("ci/production-values.yaml", "kvgate"),
+#: Each Kustomize overlay's counterpart: (values files under the chart, layered as ``helm -f a -f b``
+#: does, as the overlay builds on others; namespace).
+PRODUCTION = ("ci/production-values.yaml",)
+PROFILES: dict[str, tuple[tuple[str, ...], str]] = {
+    "base": ((), "default"),
+    "overlays/dev": (("ci/dev-values.yaml",), "kvgate-dev"),
+    "overlays/production": (PRODUCTION, "kvgate"),
+    "overlays/production-autoscaling": ((*PRODUCTION, "ci/production-autoscaling-values.yaml"), "kvgate"),
 }
 HELM_LABELS = ("app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "helm.sh/chart")
 #: The secure profile's files (--set-file): agents get theirs per pod from cert-manager, signed with ca.key.
@@ -67,16 +74,26 @@ REEXPORTED = (
     test_production_etcd_requires_client_certificates_and_rbac,
     test_production_mounts_the_certificates_its_configs_name,
     test_read_only_containers_write_only_to_volumes,
+    test_the_picker_autoscaler_scales_on_what_the_adapter_serves,
     test_the_picker_config_serves_the_probes_the_pod_asks,
     test_the_picker_may_only_read_its_pool_and_pods,
 )
 
 
-def values_file(name: str | None) -> dict[str, Any]:
-    if name is None:
-        return {}
-    loaded: dict[str, Any] = yaml.safe_load((CHART / name).read_text())
-    return loaded
+def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, maps merged key by key (what Helm does with several values files)."""
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        out[key] = merged(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return out
+
+
+def values_file(names: tuple[str, ...]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in names:
+        values = merged(values, yaml.safe_load((CHART / name).read_text()))
+    return values
 
 
 def render(values: dict[str, Any], namespace: str = "kvgate") -> Objects:
@@ -98,8 +115,8 @@ def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Objec
     certs = tree / "overlays" / "production" / "certs"
     mint_certs(certs)
     out: dict[str, dict[str, Objects]] = {"kustomize": kustomize(tree), "helm": {}}
-    for overlay, (name, namespace) in PROFILES.items():
-        values = values_file(name)
+    for overlay, (names, namespace) in PROFILES.items():
+        values = values_file(names)
         if values.get("secure", {}).get("enabled"):
             values["secure"]["certs"] = {f: (certs / f).read_text() for f in CERT_FILES}  # --set-file
         out["helm"][overlay] = render(values, namespace)
@@ -112,11 +129,20 @@ def rendered(trees: dict[str, dict[str, Objects]]) -> dict[str, Objects]:
     return trees["helm"]
 
 
+def parsed(key: str, text: str) -> Any:
+    """A ConfigMap's TOML or YAML file as data (the two renders' comments differ), else its text."""
+    if key.endswith(".toml"):
+        return tomllib.loads(text)
+    if key.endswith((".yaml", ".yml")):
+        return yaml.safe_load(text)
+    return text
+
+
 def normalized(objects: Objects, source: str, overlay: str) -> dict[tuple[str, str], Any]:
     """Objects by (kind, name), with what differs by tool alone taken out: Kustomize's hash suffixes on
     generated ConfigMaps and Secrets (and every reference to them), Helm's labels and checksum
-    annotations; the TOML in ConfigMaps parsed (comments differ); no namespaces for the base, which has
-    none in Kustomize."""
+    annotations; the TOML and YAML in ConfigMaps parsed (comments differ); no namespaces for the base,
+    which has none in Kustomize."""
     objects = copy.deepcopy(objects)
     renames: dict[str, str] = {}
     if source == "kustomize":
@@ -152,7 +178,7 @@ def normalized(objects: Objects, source: str, overlay: str) -> dict[tuple[str, s
         if obj["kind"] == "Secret":  # Kustomize folds long base64 lines
             obj["data"] = {k: base64.b64decode(v) for k, v in obj["data"].items()}
         if obj["kind"] == "ConfigMap":
-            obj["data"] = {k: tomllib.loads(v) if k.endswith(".toml") else v for k, v in obj["data"].items()}
+            obj["data"] = {k: parsed(k, v) for k, v in obj["data"].items()}
         key = (obj["kind"], obj["metadata"]["name"])
         assert key not in out, key
         out[key] = obj
@@ -180,8 +206,8 @@ def test_helm_lint_finds_nothing(tmp_path: Path) -> None:
     """``helm lint --strict`` (its Kubernetes version checks included) on every profile."""
     certs = tmp_path / "certs"
     mint_certs(certs)
-    for overlay, (name, namespace) in PROFILES.items():
-        values = values_file(name)
+    for overlay, (names, namespace) in PROFILES.items():
+        values = values_file(names)
         if values.get("secure", {}).get("enabled"):
             values["secure"]["certs"] = {f: (certs / f).read_text() for f in CERT_FILES}
         report = helm.lint(CHART, values, strict=True, namespace=namespace, kube_version="v1.37.0")
@@ -193,19 +219,21 @@ def test_helm_lint_finds_nothing(tmp_path: Path) -> None:
 def test_values_schema_types_every_key_and_refuses_bad_values() -> None:
     """values.schema.json (which Helm applies on install, upgrade, template and lint) accepts the defaults
     and each profile, and refuses a failure mode the Inference Extension lacks, a misspelt key, a
-    negative replica count, and a secure profile missing a certificate (that one by the template)."""
+    negative replica count, an autoscaling target that is no quantity, and (by the templates) a secure
+    profile missing a certificate, no etcd endpoints, an HPA whose maximum is below its minimum."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     jsonschema.Draft7Validator.check_schema(schema)
     jsonschema.validate(defaults, schema)
-    for name, _ in PROFILES.values():
-        jsonschema.validate(values_file(name), schema)
+    for names, _ in PROFILES.values():
+        jsonschema.validate(values_file(names), schema)
     bad: list[dict[str, Any]] = [
         {"epp": {"failureMode": "FailSometimes"}},
         {"epp": {"replicas": -1}},
         {"epp": {"replica": 3}},
         {"etcdd": {"enabled": False}},
         {"etcd": {"enabled": False, "endpoints": ["no port"]}},
+        {"epp": {"autoscaling": {"enabled": True, "targetSaturation": "half"}}},
     ]
     for values in bad:
         with pytest.raises(helm.HelmValuesError, match="schema"):
@@ -214,6 +242,8 @@ def test_values_schema_types_every_key_and_refuses_bad_values() -> None:
         render({"secure": {"enabled": True}})
     with pytest.raises(helm.HelmError, match=r"etcd\.endpoints"):
         render({"etcd": {"enabled": False}})
+    with pytest.raises(helm.HelmError, match=r"epp\.autoscaling\.maxReplicas"):
+        render({"epp": {"replicas": 4, "autoscaling": {"enabled": True, "maxReplicas": 3}}})
     certs = {f: f"-----BEGIN {f}-----\n" for f in CERT_FILES}
     with pytest.raises(helm.HelmError, match=r"secure\.certs\.ca\.key"):
         render({"secure": {"enabled": True, "certs": {**certs, "ca.key": ""}}})
