@@ -41,7 +41,15 @@ from dataclasses import dataclass
 
 from contracts.config import Section, all_or_none, hostport
 from contracts.errors import ConfigError
-from contracts.versions import DIGEST_VERSION, LEGACY_VERSION
+from contracts.versions import (
+    DIGEST_VERSION,
+    KVCACHED_RECORD_VERSION,
+    LEGACY_VERSION,
+    Skew,
+    describe,
+    digest_matches,
+    skew,
+)
 
 ENDPOINTS, DRAIN, POLICY, MODELS, OBJECTIVES, TENANTS, KVCACHED = (
     "endpoints",
@@ -247,13 +255,16 @@ class PeerInfo:
     QUIC peer address (``None``: serves no peers) and index feed, each ``host:port``; ``digest``: the
     digest version (:data:`contracts.versions.DIGEST_VERSION`) the daemon keys its blocks and feed by
     (a record without it is version 1). Readers of another digest version neither follow its feed nor
-    fetch from it: its digests never name their blocks (:func:`contracts.versions.digest_matches`)."""
+    fetch from it: its digests never name their blocks (:func:`contracts.versions.digest_matches`).
+    ``schema``: the record's version (:data:`contracts.versions.KVCACHED_RECORD_VERSION`; without the
+    field 1), read under the rule of :mod:`contracts.versions` (:func:`peer_skew`)."""
 
     node: str
     grpc: str | None
     quic: str | None
     feed: str | None
     digest: int = DIGEST_VERSION
+    schema: int = KVCACHED_RECORD_VERSION
 
 
 def peer_key(prefix: str, node: str) -> str:
@@ -262,13 +273,25 @@ def peer_key(prefix: str, node: str) -> str:
 
 
 def encode_peer(info: PeerInfo) -> bytes:
-    """The JSON value of ``kvcached/<node>`` (sorted keys, compact)."""
-    doc = {"node": info.node, "grpc": info.grpc, "quic": info.quic, "feed": info.feed, "digest": info.digest}
+    """The JSON value of ``kvcached/<node>`` (sorted keys, compact; ``schema``: this version's)."""
+    doc = {
+        "node": info.node,
+        "grpc": info.grpc,
+        "quic": info.quic,
+        "feed": info.feed,
+        "digest": info.digest,
+        "schema": KVCACHED_RECORD_VERSION,
+    }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+_PEER_FIELDS = frozenset({"node", "grpc", "quic", "feed", "digest", "schema"})
+
+
 def decode_peer(node: str, value: bytes) -> PeerInfo:
-    """Validate a ``kvcached/<node>`` value; :class:`ConfigError` names the field and the reason."""
+    """Validate a ``kvcached/<node>`` value; :class:`ConfigError` names the field and the reason. A
+    ``schema`` this reader reads (N - 1, N) is read strictly (an unknown field fails); a newer one
+    leniently (its unknown fields ignored), and :func:`peer_skew` then tells the reader not to use it."""
     where = f"{KVCACHED}/{node}"
     try:
         doc = json.loads(value)
@@ -276,8 +299,11 @@ def decode_peer(node: str, value: bytes) -> PeerInfo:
         raise ConfigError(f"{where}: not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: expected a JSON object")
-    unknown = sorted(set(doc) - {"node", "grpc", "quic", "feed", "digest"})
-    if unknown:
+    schema = doc.get("schema", LEGACY_VERSION)
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+        raise ConfigError(f"{where}.schema: expected a version >= 1, got {schema!r}")
+    unknown = sorted(set(doc) - _PEER_FIELDS)
+    if unknown and skew(schema, KVCACHED_RECORD_VERSION) is not Skew.NEWER:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     if doc.get("node") != node:
         raise ConfigError(f"{where}.node: {doc.get('node')!r} does not match the key")
@@ -290,7 +316,19 @@ def decode_peer(node: str, value: bytes) -> PeerInfo:
     digest = doc.get("digest", LEGACY_VERSION)
     if not isinstance(digest, int) or isinstance(digest, bool) or digest < 1:
         raise ConfigError(f"{where}.digest: expected a version >= 1, got {digest!r}")
-    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"], digest)
+    return PeerInfo(node, fields["grpc"], fields["quic"], fields["feed"], digest, schema)
+
+
+def peer_skew(info: PeerInfo) -> tuple[str, int, str] | None:
+    """Why a reader of this version must not use a daemon's record (neither follow its feed nor fetch its
+    blocks): ``(what, version, outcome)`` for :class:`contracts.versions.SkewLog`, or ``None`` when it
+    may. A record schema other than N - 1 or N (newer: its fields may mean something else; older than
+    N - 1: refused), or a digest version other than this process's (its digests never name our blocks)."""
+    if skew(info.schema, KVCACHED_RECORD_VERSION) is not Skew.OK:
+        return "kvcached record", info.schema, describe(info.schema, KVCACHED_RECORD_VERSION)
+    if not digest_matches(info.digest):
+        return "kvcached digest", info.digest, f"this process's is {DIGEST_VERSION}"
+    return None
 
 
 def _is_hostport(value: object) -> bool:

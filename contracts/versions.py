@@ -1,6 +1,6 @@
 """Versions of what kvgate processes exchange, and the one compatibility rule every reader applies.
 
-Three things carry a version (``contracts/README.md`` has the table and the upgrade order):
+Four things carry a version (``contracts/README.md`` has the table and the upgrade order):
 
 * :data:`DIGEST_VERSION`: the digest chain's seed material (:func:`contracts.digest.chain_seed`). Two
   digests are compared only when both sides hash under the same digest version: a different one (older or
@@ -10,6 +10,8 @@ Three things carry a version (``contracts/README.md`` has the table and the upgr
 * :data:`FEED_VERSION`: the index-event feed (:class:`contracts.events.Batch`, field ``version``).
 * :data:`RECORD_VERSION`: the JSON records machines write into etcd (``endpoints/<node>/<id>``, field
   ``schema``; :mod:`engines.endpoint`).
+* :data:`KVCACHED_RECORD_VERSION`: the kvcached daemons' records (``kvcached/<node>``, field ``schema``;
+  :func:`contracts.etcd.peer_skew`).
 
 Rule (feed and records): a reader of version ``N`` accepts ``N - 1`` and ``N`` (:attr:`Skew.OK`). A
 newer version (:attr:`Skew.NEWER`) is read leniently: only what the reader knows is kept, and the KV
@@ -34,6 +36,8 @@ DIGEST_VERSION = 1
 FEED_VERSION = 2
 #: The version of the JSON records agents write into etcd (records without ``schema`` are version 1).
 RECORD_VERSION = 2
+#: The version of the ``kvcached/<node>`` records kvcached daemons write (records without ``schema``: 1).
+KVCACHED_RECORD_VERSION = 2
 #: The version a value has when it carries none: what kvgate wrote before versions existed.
 LEGACY_VERSION = 1
 

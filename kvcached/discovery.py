@@ -20,8 +20,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from contracts.errors import ConfigError
-from contracts.etcd import KVCACHED, Change, PeerInfo, decode_peer, peer_key, split_key
-from contracts.versions import DIGEST_VERSION, digest_matches
+from contracts.etcd import KVCACHED, Change, PeerInfo, decode_peer, peer_key, peer_skew, split_key
 from kvcached.config import StaticPeer
 
 log = logging.getLogger(__name__)
@@ -98,15 +97,17 @@ class PeerTable:
             if last_good is not None:
                 self._etcd[node] = last_good
             return
-        if not digest_matches(info.digest):
-            # Its blocks are keyed by another digest scheme: no digest of ours names one of them.
+        skewed = peer_skew(info)
+        if skewed is not None:
+            # Another record schema, or blocks keyed by another digest scheme: not asked for blocks.
             if node not in self.skewed:
+                what, version, why = skewed
                 log.warning(
-                    "version skew: kvcached peer %s keys blocks by digest version %d, ours is %d: "
-                    "not asked for blocks",
+                    "version skew: %s of peer %s is version %d: %s; not asked for blocks",
+                    what,
                     node,
-                    info.digest,
-                    DIGEST_VERSION,
+                    version,
+                    why,
                 )
             self.skewed.add(node)
             self._etcd.pop(node, None)

@@ -52,11 +52,12 @@ from contracts.etcd import (
     EtcdSettings,
     decode_peer,
     endpoint_id_of,
+    peer_skew,
     policy_path,
     split_key,
 )
 from contracts.events import EndpointId
-from contracts.versions import DIGEST_VERSION, SkewLog, digest_matches
+from contracts.versions import SkewLog
 from engines.endpoint import Endpoint, decode_record
 from extproc.control.policy import Policy, PolicyStore
 from extproc.fleet import Fleet
@@ -321,12 +322,13 @@ class ControlCore:
             log.warning("etcd kvcached/%s ignored: %s", node, exc)
             self.counters["rejected"] += 1
             return False
-        if not digest_matches(info.digest):
-            # Its blocks are keyed under another digest scheme: never matched against this gateway's.
+        skewed = peer_skew(info)
+        if skewed is not None:
+            # Another record schema, or blocks keyed under another digest scheme: never followed.
             self.counters["version_skew"] += 1
             self.skewed.add(("kvcached", node))
-            outcome = f"this gateway's is {DIGEST_VERSION}; its feed is not followed"
-            line = self._skew.note("kvcached digest", node, info.digest, outcome)
+            what, version, why = skewed
+            line = self._skew.note(what, node, version, f"{why}; its feed is not followed")
             if line is not None:
                 log.warning("%s", line)
             had = node in self.kvcached_feeds

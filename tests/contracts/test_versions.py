@@ -1,6 +1,6 @@
-"""contracts.versions: the compatibility rule, and how a feed batch and an endpoint record of an older and
-a newer version are read (in memory; tests/extproc/control/test_plane_versions.py reads them from a real
-etcd and over a real gRPC feed)."""
+"""contracts.versions: the compatibility rule, and how a feed batch, an endpoint record and a kvcached
+record of an older and a newer version are read (in memory; tests/extproc/control/test_plane_versions.py
+reads them from a real etcd and over a real gRPC feed, tests/kvcached/test_daemon.py a real daemon's)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from blake3 import blake3
 
 from contracts.digest import DIGEST_BYTES, chain_seed
 from contracts.errors import ConfigError
+from contracts.etcd import PeerInfo, decode_peer, encode_peer, peer_skew
 from contracts.events import Batch, Cleared, Load, Stored, batch_skew, decode_batch_skewed, encode
 from contracts.versions import (
     DIGEST_VERSION,
     FEED_VERSION,
+    KVCACHED_RECORD_VERSION,
     RECORD_VERSION,
     Skew,
     SkewLog,
@@ -188,3 +190,62 @@ def test_records_that_do_not_match_their_key_or_version_rules_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         decode_record(name, value)
+
+
+# -- kvcached/<node> records ----------------------------------------------------------------------------
+
+PEER = PeerInfo("node-a", "10.0.0.7:7300", "10.0.0.7:4433", "10.0.0.7:7301")
+
+
+def _peer(**changes: object) -> bytes:
+    doc = json.loads(encode_peer(PEER)) | changes
+    return json.dumps({k: v for k, v in doc.items() if v is not ...}).encode()
+
+
+def test_a_kvcached_record_carries_its_schema_and_round_trips() -> None:
+    raw = encode_peer(PEER)
+    assert json.loads(raw)["schema"] == KVCACHED_RECORD_VERSION == 2
+    assert decode_peer("node-a", raw) == PEER and peer_skew(PEER) is None
+
+
+def test_a_kvcached_record_of_the_previous_version_is_used() -> None:
+    """What daemons wrote before the field (and before ``digest``): version 1, read as written."""
+    legacy = decode_peer("node-a", _peer(schema=..., digest=...))
+    assert (legacy.schema, legacy.digest, legacy.quic) == (1, 1, PEER.quic)
+    assert peer_skew(legacy) is None
+
+
+def test_a_newer_kvcached_record_is_read_and_not_used() -> None:
+    """Read leniently (its new field ignored, its node still named), then neither followed nor asked for
+    blocks: its fields may mean something this reader does not know."""
+    newer = decode_peer("node-a", _peer(schema=KVCACHED_RECORD_VERSION + 1, tiers=["ram", "cxl"]))
+    assert newer.schema == KVCACHED_RECORD_VERSION + 1 and newer.feed == PEER.feed
+    skewed = peer_skew(newer)
+    assert skewed is not None and skewed[:2] == ("kvcached record", KVCACHED_RECORD_VERSION + 1)
+    assert "newer" in skewed[2]
+
+
+def test_a_kvcached_record_of_another_digest_version_is_not_used() -> None:
+    skewed = peer_skew(decode_peer("node-a", _peer(digest=DIGEST_VERSION + 1)))
+    assert skewed is not None and skewed[:2] == ("kvcached digest", DIGEST_VERSION + 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (_peer(tiers=["ram"]), "unknown key"),  # the current version is read strictly
+        (_peer(schema=0), "schema: expected a version >= 1"),
+        (_peer(schema=True), "schema: expected a version >= 1"),
+        (_peer(schema=KVCACHED_RECORD_VERSION + 1, quic="nope"), "quic: expected host:port"),
+    ],
+)
+def test_kvcached_records_that_break_the_rules_are_refused(value: bytes, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        decode_peer("node-a", value)
+
+
+def test_a_kvcached_record_too_old_for_this_reader_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the schema is 3, a version-1 record (older than N - 1) is refused."""
+    monkeypatch.setattr("contracts.etcd.KVCACHED_RECORD_VERSION", 3)
+    skewed = peer_skew(decode_peer("node-a", _peer(schema=...)))
+    assert skewed is not None and skewed[1] == 1 and "refused" in skewed[2]

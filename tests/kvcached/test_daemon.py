@@ -268,9 +268,11 @@ async def test_the_digest_version_travels_in_the_record_and_the_stats(
 ) -> None:
     """A real daemon says which digest version keys its blocks: in its etcd record (a gateway of that
     version follows its feed, one a version apart does not and counts the skew; a peer a version apart
-    is not asked for blocks) and in its Stats (an agent's store of another version refuses it)."""
+    is not asked for blocks) and in its Stats (an agent's store of another version refuses it). Its
+    record's schema version is read by the same rule: a record from before the fields is followed, one
+    of the next schema is read leniently and neither followed nor asked (a skew, not a rejection)."""
     from contracts.kvcached import KvcachedError as ClientError
-    from contracts.versions import DIGEST_VERSION
+    from contracts.versions import DIGEST_VERSION, KVCACHED_RECORD_VERSION
     from extproc.control.plane import ControlCore
     from extproc.control.policy import PolicyStore
     from extproc.fleet import Fleet
@@ -281,19 +283,24 @@ async def test_the_digest_version_travels_in_the_record_and_the_stats(
     resp = await etcd.kv.get(peer_key(p, pair.a.name))
     raw = bytes(resp.kvs[0].value)
     assert json.loads(raw)["digest"] == DIGEST_VERSION == decode_peer(pair.a.name, raw).digest
+    assert json.loads(raw)["schema"] == KVCACHED_RECORD_VERSION == decode_peer(pair.a.name, raw).schema
     ahead = json.dumps(json.loads(raw) | {"node": "c", "digest": DIGEST_VERSION + 1}).encode()
-    legacy = {k: v for k, v in json.loads(raw).items() if k != "digest"} | {"node": "d"}
-    assert decode_peer("d", json.dumps(legacy).encode()).digest == 1  # a record from before the field
+    legacy = {k: v for k, v in json.loads(raw).items() if k not in ("digest", "schema")} | {"node": "d"}
+    assert decode_peer("d", json.dumps(legacy).encode()).digest == 1  # a record from before the fields
+    # A daemon of the next record schema, with a field this version does not know: read, not used.
+    newer = json.loads(raw) | {"node": "e", "schema": KVCACHED_RECORD_VERSION + 1, "tiers": ["ram"]}
+    schema_ahead = json.dumps(newer).encode()
 
     core = ControlCore(p, Fleet([]), PolicyStore())
-    core.apply([Change(peer_key(p, pair.a.name), raw), Change(peer_key(p, "c"), ahead)], 1)
-    assert set(core.kvcached_feeds) == {pair.a.name} and core.counters["version_skew"] == 1
-    assert core.skewed == {("kvcached", "c")}
-    core.apply([Change(peer_key(p, "c"), None)], 2)  # its lease ended: the alarm's gauge drops
-    assert core.skewed == set()
+    changes = [(pair.a.name, raw), ("c", ahead), ("d", json.dumps(legacy).encode()), ("e", schema_ahead)]
+    core.apply([Change(peer_key(p, node), value) for node, value in changes], 1)
+    assert set(core.kvcached_feeds) == {pair.a.name, "d"} and core.counters["version_skew"] == 2
+    assert core.skewed == {("kvcached", "c"), ("kvcached", "e")} and core.counters["rejected"] == 0
+    core.apply([Change(peer_key(p, "c"), None), Change(peer_key(p, "e"), None)], 2)  # leases ended
+    assert core.skewed == set()  # the alarm's gauge drops
     table = PeerTable(p, pair.b.name)
-    table.snapshot([(peer_key(p, pair.a.name), raw), (peer_key(p, "c"), ahead)], 1)
-    assert set(table.peers) == {pair.a.name} and table.skewed == {"c"}
+    table.snapshot([(peer_key(p, node), value) for node, value in changes], 1)
+    assert set(table.peers) == {pair.a.name, "d"} and table.skewed == {"c", "e"} and table.rejected == 0
 
     a, _ = clients
     assert (await a.stats_reply()).digest == DIGEST_VERSION
@@ -461,4 +468,3 @@ async def test_peer_down_is_a_timely_miss(
     assert await b.get(digest(201)) is None
     assert time.monotonic() - started < 1.0  # no peer left to ask
     assert json.loads(json.dumps(await b.stats()))["peer_unavailable"] >= 1
-
