@@ -73,6 +73,7 @@ from extproc.overload.gate import DecisionGate, LagMeter
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
 from extproc.routing.router import Decision, Router
 from extproc.status.http import StatusServer
+from extproc.status.peers import StatusPeers
 from extproc.status.snapshot import Status, snapshot
 from extproc.upstream.client import UpstreamClient
 from extproc.upstream.errors import UpstreamError
@@ -665,7 +666,11 @@ class Gateway:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._lag_task = asyncio.create_task(self._measure_lag(), name="kvgate-loop-lag")
         if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
-            self._status_server = StatusServer(self.metrics.registry, self.status, asyncio.get_running_loop())
+            siblings = self.siblings
+            status_peers = None if siblings is None else StatusPeers(siblings.directory, siblings.name)
+            self._status_server = StatusServer(
+                self.metrics.registry, self.status, asyncio.get_running_loop(), peers=status_peers
+            )  # with siblings: the page combines the host's workers (extproc/status/peers.py)
             self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
         await self.cluster.start()
         if self.federation is not None:

@@ -12,6 +12,10 @@ The server runs on its own thread (as prometheus_client's does), but the gateway
 its event loop: each status request asks the loop for a snapshot (``take``, run there between two
 callbacks, so it sees a consistent state) and waits at most ``timeout_s`` for it (then 503); the
 JSON and HTML are made on the server's thread from the frozen snapshot.
+
+With ``peers`` (a host's workers sharing a siblings directory, :mod:`extproc.status.peers`), the server
+announces its URL there, and the HTML page shows this worker's view combined with every sibling's
+(read from their ``/status.json`` on that request's thread); ``/status.json`` stays this worker's own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from extproc.status.combine import combine
+from extproc.status.peers import StatusPeers, announced_url
 from extproc.status.render import render_html
 from extproc.status.snapshot import Status, encode
 
@@ -66,8 +72,10 @@ class StatusServer:
         *,
         refresh_s: int = 2,
         timeout_s: float = 5.0,
+        peers: StatusPeers | None = None,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
+        self._peers = peers
         self._take, self._loop = take, loop
         self._refresh_s, self._timeout_s = refresh_s, timeout_s
         self._httpd: WSGIServer | None = None
@@ -81,10 +89,15 @@ class StatusServer:
         self._httpd = make_server(host, int(port), self._app, server_class, handler_class=_Quiet)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvgate-status", daemon=True)
         self._thread.start()
-        return int(self._httpd.server_port)
+        bound = int(self._httpd.server_port)
+        if self._peers is not None:
+            self._peers.announce(announced_url(listen, bound))
+        return bound
 
     def close(self) -> None:
         """Stop serving (blocks until the server's loop notices, at most half a second)."""
+        if self._peers is not None:
+            self._peers.withdraw()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -135,6 +148,11 @@ class StatusServer:
             return _answer(start_response, "500 Internal Server Error", b"status failed\n", "text/plain")
         if path == "/status.json":
             body, kind = encode(status), "application/json"
+        elif self._peers is not None and method == "GET":
+            views, failed = self._peers.fetch()
+            combined = combine([(f"{self._peers.name} (this page)", status), *views], failed)
+            page = render_html(status, self._refresh_s, combined=combined if views or failed else None)
+            body, kind = page.encode(), "text/html; charset=utf-8"
         else:
             body, kind = render_html(status, self._refresh_s).encode(), "text/html; charset=utf-8"
         return _answer(start_response, "200 OK", b"" if method == "HEAD" else body, kind, length=len(body))

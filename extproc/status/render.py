@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 
+from extproc.status.combine import Combined
 from extproc.status.snapshot import DriftStatus, EndpointStatus, Status
 
 FLEET_COLUMNS = (
@@ -159,6 +160,43 @@ def render_text(status: Status, source: str) -> str:
     return "\n".join(out) + "\n"
 
 
+VIEW_COLUMNS = ("ext_proc", "at", "ready", "in flight", "queued", "blocks", "feeds", "error")
+
+
+def view_rows(combined: Combined) -> list[list[str]]:
+    """One row of :data:`VIEW_COLUMNS` per view combined (or that gave none)."""
+    return [
+        [v.source, "-", "-", "-", "-", "-", "-", v.error]
+        if v.error
+        else [
+            v.source,
+            time.strftime("%H:%M:%S", time.gmtime(v.at)),
+            f"{v.ready}/{v.endpoints}",
+            str(v.in_flight),
+            str(v.queued),
+            str(v.blocks),
+            f"{v.feeds_connected}/{v.feeds}",
+            "-",
+        ]
+        for v in combined.views
+    ]
+
+
+def combined_title(combined: Combined) -> str:
+    answered = sum(not v.error for v in combined.views)
+    return f"{answered}/{len(combined.views)} ext_procs combined"
+
+
+def render_combined_text(combined: Combined) -> str:
+    """``kvgate status`` with several ext_procs: each one's summary, what they disagree on, then the
+    combined tables (:mod:`extproc.status.combine`)."""
+    out = [combined_title(combined), *_table(VIEW_COLUMNS, view_rows(combined))]
+    out += [f"DISAGREE: {d}" for d in combined.disagreements]
+    if combined.status is not None:
+        out += ["", render_text(combined.status, combined_title(combined)).rstrip("\n")]
+    return "\n".join(out) + "\n"
+
+
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:16px;color:#111;background:#fff}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 6px}
@@ -184,8 +222,25 @@ def _html_table(header: Sequence[str], rows: list[str], empty: str) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def render_html(status: Status, refresh_s: int = 2) -> str:
-    """The status page: a self-contained HTML document that reloads itself every ``refresh_s`` seconds."""
+def _views_html(combined: Combined) -> str:
+    rows = [
+        f'<tr class="{"lost" if v.error else "ready"}">{_cells(row, frozenset({2, 3, 4, 5, 6}))}</tr>'
+        for v, row in zip(combined.views, view_rows(combined), strict=True)
+    ]
+    notes = "".join(f'<p class="draining">disagree: {html.escape(d)}</p>' for d in combined.disagreements)
+    return (
+        f"<h2>Ext_procs: {html.escape(combined_title(combined))}</h2>\n"
+        f"{_html_table(VIEW_COLUMNS, rows, 'no ext_proc')}\n{notes}"
+    )
+
+
+def render_html(status: Status, refresh_s: int = 2, combined: Combined | None = None) -> str:
+    """The status page: a self-contained HTML document that reloads itself every ``refresh_s`` seconds.
+    With ``combined`` (this worker's view and its siblings', :mod:`extproc.status.combine`): each
+    one's summary and what they disagree on, then the combined tables."""
+    views = ""
+    if combined is not None and combined.status is not None:
+        status, views = combined.status, _views_html(combined)
     ready = sum(e.state == "ready" for e in status.endpoints)
     numeric = frozenset({5, 6, 7, 8, 10})
     fleet = []
@@ -227,6 +282,7 @@ def render_html(status: Status, refresh_s: int = 2) -> str:
 <p class="muted">{html.escape(_when(status.at))}; refreshes every {int(refresh_s)} s;
 <a href="status.json">JSON</a></p>
 {warnings}
+{views}
 <h2>Fleet: {ready}/{len(status.endpoints)} endpoints ready</h2>
 <p>models: {html.escape(", ".join(status.models) or "-")}</p>
 {_html_table(FLEET_COLUMNS, fleet, "no endpoints")}

