@@ -131,23 +131,6 @@ def read_dcgm(address: str) -> tuple[float, float]:
     return energy_j, violation_s
 
 
-def reset_caches(addresses: Sequence[str], timeout_s: float = 60.0) -> None:
-    """Drop every engine's cached prefixes (retried while requests still hold blocks)."""
-    deadline = time.monotonic() + timeout_s
-    for address in addresses:
-        while True:
-            req = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not reset the prefix cache of {address}")
-            time.sleep(0.2)
-
-
 def make_sessions(config: StackConfig, text: TokenText, rps: float) -> list[Session]:
     shape = SharedPrefix(config.groups, config.prefix, config.users, config.question, config.output)
     arrivals = poisson_arrivals(rps, config.duration_s, random.Random(f"{config.seed}-{rps}"))
@@ -158,7 +141,7 @@ def measure(
     name: str, url: str, addresses: Sequence[str], sessions: list[Session], config: StackConfig, rps: float
 ) -> dict[str, Any]:
     """One cell: counters before, the load, counters after (module docstring)."""
-    reset_caches(addresses)
+    tg.reset_caches(addresses, timeout_s=60.0)
     before = [read_dcgm(a) for a in addresses]
     load_before = os.getloadavg()[0]
     options = LoadOptions(DEFAULT_MODEL, duration_s=config.duration_s, drain_s=config.drain_s, progress=False)

@@ -110,19 +110,7 @@ class Fleet:
 
     def reset(self, timeout_s: float = 30.0) -> None:
         """Drop every replica's cached prefixes (waits while requests still hold blocks)."""
-        deadline = time.monotonic() + timeout_s
-        for address in self.addresses:
-            while True:
-                req = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
-                try:
-                    with urllib.request.urlopen(req, timeout=5) as resp:
-                        if resp.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"could not reset the prefix cache of {address}")
-                time.sleep(0.2)
+        reset_caches(self.addresses, timeout_s)
 
     def stop(self) -> None:
         self.child.stop()
@@ -178,6 +166,24 @@ class Running:
             child.stop()
         if self._stack is not None:
             self._stack.stop()
+
+
+def reset_caches(addresses: Sequence[str], timeout_s: float = 30.0) -> None:
+    """Drop the cached prefixes of every engine at ``addresses`` (``POST /reset_prefix_cache``, retried
+    every 0.2 s while requests still hold blocks); RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        while True:
+            req = urllib.request.Request(f"http://{address}/reset_prefix_cache", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not reset the prefix cache of {address}")
+            time.sleep(0.2)
 
 
 def start(
