@@ -139,13 +139,18 @@ def cached(resp: httpx.Response) -> int:
 
 
 def warm_in_b(a: Stack, b: Stack, prompt: str) -> None:
-    """Serve ``prompt`` in B, then wait until A's copy of B's summary holds it and says B waits for
-    nothing (the warm request's prefill, priced at the links' 2 ms a token, is no longer queued there)."""
-    before = metric(a, "kvgate_federation_summary_entries", peer="b")
+    """Serve ``prompt`` in B, then wait until A's copy of B's summary holds it (every digest B noted so far,
+    this prompt's included: a count merely above the one before could be an earlier request's summary
+    arriving late) and says B waits for nothing (the warm request's prefill, priced at the links' 2 ms a
+    token, is no longer queued there: else A may keep the next request local, ``no_gain``)."""
+    noted = metric(b, "kvgate_federation_noted_digests")
     chat(b, prompt)
+    after = poll(
+        lambda: v if (v := metric(b, "kvgate_federation_noted_digests")) > noted else None, 20, "noted in b"
+    )
 
     def ready() -> bool | None:
-        held = metric(a, "kvgate_federation_summary_entries", peer="b") > before
+        held = metric(a, "kvgate_federation_summary_entries", peer="b") >= after
         return (
             True if held and metric(a, "kvgate_federation_peer_queue_wait_seconds", peer="b") == 0 else None
         )

@@ -110,14 +110,23 @@ def ask(client: openai.OpenAI, prompt: str, **kw: Any) -> tuple[str, int, int]:
 
 
 def warm_in_b(a: Stack, b: Stack, tenant: str, prompt: str) -> None:
-    """``tenant`` serves ``prompt`` in B (B's own token), then A's copy of B's summary holds it."""
-    before = metric(a, "kvgate_federation_summary_entries", peer="b")
+    """Serve ``prompt`` in B, then wait until A's copy of B's summary holds it (every digest B noted so far,
+    this prompt's included: a count merely above the one before could be an earlier request's summary
+    arriving late) and says B waits for nothing (the warm request's prefill, priced at the links' 2 ms a
+    token, is no longer queued there: else A may keep the next request local, ``no_gain``)."""
+    noted = metric(b, "kvgate_federation_noted_digests")
     ask(sdk(b, tenant), prompt)
-    poll(
-        lambda: True if metric(a, "kvgate_federation_summary_entries", peer="b") > before else None,
-        20,
-        "summary",
+    after = poll(
+        lambda: v if (v := metric(b, "kvgate_federation_noted_digests")) > noted else None, 20, "noted in b"
     )
+
+    def ready() -> bool | None:
+        held = metric(a, "kvgate_federation_summary_entries", peer="b") >= after
+        return (
+            True if held and metric(a, "kvgate_federation_peer_queue_wait_seconds", peer="b") == 0 else None
+        )
+
+    poll(ready, 20, "summary")
 
 
 def usage(stack: Stack, tenant: str) -> int:
@@ -230,7 +239,8 @@ def test_a_peer_whose_link_does_not_trust_tenants_answers_401_and_a_serves_it(
         assert refused.headers[REFUSED_HEADER] == "federation_untrusted"
         forwards = metric(a, "kvgate_federation_forwards_total", peer="b")
         endpoint, _, _ = ask(sdk(a, "acme"), prompt)  # never fails because of federation
-        assert metric(a, "kvgate_federation_forwards_total", peer="b") == forwards + 1  # it was forwarded
+        # it was forwarded
+        assert metric(a, "kvgate_federation_forwards_total", peer="b") == forwards + 1
         assert endpoint != ingress(b)  # B refused it; A's Envoy retried it on A's own pick
         refusals = metric(
             b, "kvgate_federation_inbound_admissions_total", peer="a", result="federation_untrusted"

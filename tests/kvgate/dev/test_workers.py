@@ -37,4 +37,11 @@ async def test_config_workers_start_that_many_ext_procs_that_find_each_other(tmp
             return "heard from extproc-1" in text["extproc-0"] and "heard from extproc-0" in text["extproc-1"]
 
         await until(met, 10.0)
-        assert sorted(p.name for p in siblings.iterdir()) == ["extproc-0.sock", "extproc-1.sock"]
+        # each worker's datagram socket, and the status URL it announces (extproc/status/peers.py)
+        assert sorted(p.name for p in siblings.glob("*.sock")) == ["extproc-0.sock", "extproc-1.sock"]
+        assert {p.name for p in siblings.iterdir()} <= {
+            "extproc-0.sock",
+            "extproc-1.sock",
+            "extproc-0.status",
+            "extproc-1.status",
+        }
