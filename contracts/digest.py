@@ -104,6 +104,11 @@ class ChainCache:
         self.hits = 0
         self.misses = 0
 
+    @property
+    def max_entries(self) -> int:
+        """The bound of each generation."""
+        return self._max
+
     def digests(self, seed: Digest, tokens: Sequence[int], block_size: int) -> list[Digest]:
         """The same as ``block_digests(seed, tokens, block_size)``."""
         if block_size <= 0:

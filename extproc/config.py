@@ -40,6 +40,11 @@ Example (TOML)::
     mode = "precise"                   # engine KV events where agents stream them; or "approximate"
     speculative_ttl_s = 10.0           # a decision counts this long for an event-fed endpoint
     working_set_s = 20.0               # cache-spread: blocks routed to an endpoint this long ago count
+    # capacity_blocks = 200000         # bounds of the ext_proc's caches (defaults shown): blocks learned
+    # chain_memo_entries = 200000      # per endpoint from decisions; digest chain memo (x2 generations)
+    # [tokenizer]                      # each model's tokenizer segment cache (extproc/models/tokenizer.py)
+    # segment_cache_entries = 100000   # least recently used segments evicted past either bound
+    # segment_cache_tokens = 4000000
 
     [etcd]                             # optional: fleet (agents' endpoints/), drain/, policy/, models/,
                                        # objectives/
@@ -142,6 +147,7 @@ from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
+from extproc.models.tokenizer import CacheLimits
 from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
@@ -254,6 +260,9 @@ class IndexConfig:
     mode: str = "precise"
     speculative_ttl_s: float = 10.0
     working_set_s: float = 20.0
+    #: Entries per generation of the router's digest chain memo (:class:`contracts.digest.ChainCache`,
+    #: two generations, about 200 bytes an entry).
+    chain_memo_entries: int = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +377,8 @@ class GatewayConfig:
     burst_credentials: tuple[BurstCredential, ...] = ()
     #: ``previous_response_id`` affinity of the Responses API (``[response_affinity]``, extproc/affinity).
     response_affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    #: Bounds of each model's tokenizer segment cache (``[tokenizer]``, :mod:`extproc.models.tokenizer`).
+    tokenizer: CacheLimits = field(default_factory=CacheLimits)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -384,6 +395,7 @@ class GatewayConfig:
 
 
 _EX, _SC, _IX, _SR, _TO = ExtprocConfig(), ScrapeConfig(), IndexConfig(), SlotRestoreConfig(), Timeouts()
+_TK = CacheLimits()
 #: Longest ``slot_restore.timeout_s`` accepted (s): a request never waits longer for a restore.
 MAX_RESTORE_TIMEOUT_S = 60.0
 _EJ = EjectionConfig()
@@ -438,8 +450,15 @@ def parse_config(raw: object) -> GatewayConfig:
         mode=choice(ix.string("mode", _IX.mode), INDEX_MODES, "index.mode"),
         speculative_ttl_s=ix.number("speculative_ttl_s", _IX.speculative_ttl_s, minimum=0.001),
         working_set_s=ix.number("working_set_s", _IX.working_set_s, minimum=0.0),
+        chain_memo_entries=ix.integer("chain_memo_entries", _IX.chain_memo_entries, minimum=1),
     )
     ix.done()
+    tk = top.table("tokenizer")
+    tokenizer = CacheLimits(
+        max_entries=tk.integer("segment_cache_entries", _TK.max_entries, minimum=1),
+        max_tokens=tk.integer("segment_cache_tokens", _TK.max_tokens, minimum=1),
+    )
+    tk.done()
     fd = top.table("feeds")
     feeds = FeedsConfig(
         tls_ca=fd.string("tls_ca"),
@@ -503,6 +522,7 @@ def parse_config(raw: object) -> GatewayConfig:
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
         slot_restore, timeouts,
         ejection=ejection,
+        tokenizer=tokenizer,
         flow=flow,
         drift=drift,
         overload=overload,

@@ -442,7 +442,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, worker: str | None = None) -> None:
         self.config = config
         self.fleet = Fleet(config.endpoints)
-        self.models = ModelRegistry.from_config(config.models)
+        self.models = ModelRegistry.from_config(config.models, cache_limits=config.tokenizer)
         #: The request body limit in force: ``[extproc] max_body_bytes``, else from the models' contexts.
         self.max_body_bytes = _max_body_bytes(config, self.models)
         max_fallbacks = config.extproc.max_fallbacks
@@ -466,6 +466,7 @@ class Gateway:
             self.index,
             routing_policy(store.policy, max_fallbacks=max_fallbacks),
             max_blocks=config.index.max_match_blocks,
+            chain_memo_entries=config.index.chain_memo_entries,
             rng=random.Random(),
             working_set=(
                 WorkingSet(config.index.working_set_s, config.index.max_match_blocks)

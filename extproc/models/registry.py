@@ -123,9 +123,15 @@ class ModelRegistry(Mapping[str, ModelAssets]):
             self._models[assets.name] = assets
 
     @classmethod
-    def from_config(cls, sources: Iterable[ModelSource], cache_root: Path | None = None) -> ModelRegistry:
+    def from_config(
+        cls,
+        sources: Iterable[ModelSource],
+        cache_root: Path | None = None,
+        cache_limits: CacheLimits | None = None,
+    ) -> ModelRegistry:
         """Load every configured model; GGUF files are exported once into ``cache_root`` (see
-        :func:`engines.gguf.ensure_model_dir`). Raises ConfigError for any unusable model."""
+        :func:`engines.gguf.ensure_model_dir`). ``cache_limits``: each model's tokenizer segment cache
+        bounds (``[tokenizer]``; default :class:`CacheLimits`). Raises ConfigError for any unusable model."""
         assets = []
         for source in sources:
             if source.model_dir is not None:
@@ -140,7 +146,11 @@ class ModelRegistry(Mapping[str, ModelAssets]):
                 raise ConfigError(f"model {source.name}: set model_dir or gguf")
             assets.append(
                 ModelAssets.load(
-                    source.name, model_dir, source.chat_template, max_model_len=source.max_model_len
+                    source.name,
+                    model_dir,
+                    source.chat_template,
+                    cache_limits=cache_limits,
+                    max_model_len=source.max_model_len,
                 )
             )
         return cls(assets)

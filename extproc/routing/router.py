@@ -265,6 +265,7 @@ class Router:
         max_blocks: int = 256,
         rng: random.Random | None = None,
         working_set: WorkingSet | None = None,
+        chain_memo_entries: int = 200_000,
     ) -> None:
         self.fleet = fleet
         self.models = models
@@ -275,7 +276,7 @@ class Router:
         #: What ``cache-spread`` reads (``CycleState.cached_blocks``): the blocks routed to each endpoint
         #: lately; ``None``: the index's occupancy instead.
         self.working_set = working_set
-        self._chains = ChainCache()
+        self._chains = ChainCache(chain_memo_entries)  # ``[index] chain_memo_entries``
         self._node_stores: frozenset[str] = frozenset()
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
         #: Told of each record and release (``None``: nobody listens).

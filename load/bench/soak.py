@@ -10,7 +10,9 @@ long system prompts (prefix reuse), each with a unique suffix.
 
 Each engine's KV cache is kept small (``--kv-blocks``, 1,024 blocks) so that it, and the state mirroring
 it in the agents and the gateway, is full within about the warm-up: a bounded cache still filling would
-read as growth. Growth is judged after a warm-up (``--warmup``, default 20 % of the duration): per
+read as growth. The ext_proc's own bounded caches (tokenizer segments, digest chain memo, the index's
+blocks per endpoint) are kept small for the same reason (``--ext-caches small``, the default here;
+:data:`SMALL_EXT_CACHES`). Growth is judged after a warm-up (``--warmup``, default 20 % of the duration): per
 process, the median of the last ``--window`` samples over the median of the first ``--window`` samples
 after the warm-up, minus one
 (the goal: below 5 % for RSS; file descriptors are also given as a difference in count). The series are in
@@ -55,6 +57,15 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") // 1024
 #: request), so that growth after it is not a cache still filling. The simulator's own 28,000 blocks take
 #: this load about half an hour to fill (``--kv-blocks 0``).
 KV_BLOCKS = 1024
+#: ``--ext-caches small``: the ext_proc's bounded caches, made small for the same reason (at the default
+#: rate each request adds about one tokenizer segment, its unique number, and ~3 new blocks to the digest
+#: memo and to the index's blocks of the endpoint it went to), so that they are full within the warm-up.
+#: The defaults (``--ext-caches default``: 100,000 segments, 200,000 memo entries a generation, 200,000
+#: blocks per endpoint) take this load hours to fill.
+SMALL_EXT_CACHES: dict[str, dict[str, int]] = {
+    "index": {"capacity_blocks": 512, "chain_memo_entries": 1024},
+    "tokenizer": {"segment_cache_entries": 512, "segment_cache_tokens": 16_384},
+}
 
 
 # --- sampling /proc ----------------------------------------------------------------------------------------
@@ -329,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         default=KV_BLOCKS,
         help="each simulated engine's KV capacity in blocks (0: the simulator's default, 28,000)",
     )
+    parser.add_argument(
+        "--ext-caches",
+        choices=("small", "default"),
+        default="small",
+        help="the ext_proc's cache bounds: small (full within the warm-up) or the gateway's defaults",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="seconds; the figures mean nothing")
     parser.add_argument("--out", type=Path, required=True)
@@ -348,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             *(("--kv-blocks", str(args.kv_blocks)) if args.kv_blocks else ()),
         ),
         workdir=workdir,
+        index=dict(SMALL_EXT_CACHES["index"]) if args.ext_caches == "small" else {},
+        overlay=({"tokenizer": dict(SMALL_EXT_CACHES["tokenizer"])} if args.ext_caches == "small" else {}),
     )
     started, measured_revision = time.time(), revision()  # the tree measured, before anything changes it
     with Stack(options) as stack:
@@ -389,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             "agents": args.agents,
             "time_scale": args.time_scale,
             "kv_blocks": args.kv_blocks,
+            "ext_caches": SMALL_EXT_CACHES if args.ext_caches == "small" else "default",
             "mix": MIX,
             "seed": args.seed,
         },

@@ -18,6 +18,7 @@ from extproc.config import (
     parse_config,
 )
 from extproc.flow.policy import FlowPolicy, Objective, Saturation
+from extproc.models.tokenizer import CacheLimits
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
 
@@ -43,6 +44,11 @@ def test_defaults_and_endpoint() -> None:
         ({"index": {"block_size": 0}}, "index.block_size"),
         ({"index": {"block_size": True}}, "got bool"),
         ({"index": {"working_set_s": -1}}, "index.working_set_s: must be a finite number >= 0"),
+        ({"index": {"capacity_blocks": 0}}, "index.capacity_blocks: must be >= 1"),
+        ({"index": {"chain_memo_entries": 0}}, "index.chain_memo_entries: must be >= 1"),
+        ({"tokenizer": {"segment_cache_entries": 0}}, "tokenizer.segment_cache_entries: must be >= 1"),
+        ({"tokenizer": {"segment_cache_tokens": "many"}}, "tokenizer.segment_cache_tokens: expected int"),
+        ({"tokenizer": {"max_entries": 5}}, "tokenizer: unknown key(s) max_entries"),
         ({"endpoints": [{**ENDPOINT, "engine": "tgi"}]}, "endpoints[0].engine"),
         ({"endpoints": [{**ENDPOINT, "models": []}]}, "endpoints[0].models"),
         ({"endpoints": [ENDPOINT, ENDPOINT]}, "duplicate id"),
@@ -84,6 +90,21 @@ def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     assert message in str(err.value)
+
+
+def test_cache_bounds_default_and_configured() -> None:
+    """The ext_proc's bounded caches keep their documented defaults unless configured."""
+    default = parse_config({})
+    assert default.index.capacity_blocks == 200_000 and default.index.chain_memo_entries == 200_000
+    assert default.tokenizer == CacheLimits(max_entries=100_000, max_tokens=4_000_000) == CacheLimits()
+    small = parse_config(
+        {
+            "index": {"capacity_blocks": 512, "chain_memo_entries": 1024},
+            "tokenizer": {"segment_cache_entries": 256, "segment_cache_tokens": 4096},
+        }
+    )
+    assert small.index.capacity_blocks == 512 and small.index.chain_memo_entries == 1024
+    assert small.tokenizer == CacheLimits(max_entries=256, max_tokens=4096)
 
 
 def test_flow_and_objectives_sections() -> None:

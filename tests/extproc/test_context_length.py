@@ -18,7 +18,7 @@ import pytest
 
 from extproc.config import DEFAULT_MAX_BODY_BYTES, parse_config
 from extproc.models.registry import ModelAssets
-from extproc.models.tokenizer import SegmentTokenizer
+from extproc.models.tokenizer import CacheLimits, SegmentTokenizer
 from extproc.routing.router import Router
 from extproc.server import Gateway
 from tests.extproc.test_processor import (
@@ -227,3 +227,16 @@ def test_body_limit_follows_the_models_context(model_dir: str) -> None:
     assert Gateway(parse_config(bytes_routed)).max_body_bytes == DEFAULT_MAX_BODY_BYTES
     no_models = {"endpoints": [{"id": "e0", "address": ADDRESSES[0], "models": [OTHER]}]}
     assert Gateway(parse_config(no_models)).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+
+
+def test_gateway_applies_the_configured_cache_bounds(model_dir: str) -> None:
+    """``[tokenizer]`` and ``[index] chain_memo_entries`` reach the caches they bound."""
+    raw = gateway_config(model_dir)
+    raw["index"] = {"chain_memo_entries": 1024}
+    raw["tokenizer"] = {"segment_cache_entries": 256, "segment_cache_tokens": 4096}
+    gw = Gateway(parse_config(raw))
+    assert gw.models[MODEL].tokenizer.limits == CacheLimits(max_entries=256, max_tokens=4096)
+    assert gw.router._chains.max_entries == 1024
+    default = Gateway(parse_config(gateway_config(model_dir)))
+    assert default.models[MODEL].tokenizer.limits == CacheLimits()
+    assert default.router._chains.max_entries == 200_000
