@@ -30,6 +30,7 @@ digests into ``bytes`` objects with no per-field copying.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import NewType
 
@@ -297,6 +298,19 @@ def decode_subscribe(data: bytes) -> Subscribe:
         return _subscribe_decoder.decode(data)
     except MSGPACK_ERRORS as exc:
         raise EventError(f"undecodable subscribe request: {exc}") from exc
+
+
+def load_problem(load: Load) -> str | None:
+    """Why a receiver must not apply ``load`` (``None``: it may): ``waiting`` and ``running`` must be
+    finite and >= 0, ``kv_usage`` finite (msgspec's types let NaN and infinities through; applied as is,
+    a NaN queue compares false with every bound, so filters and scorers would read it as idle). Not a
+    batch error: the batch's other events stay usable."""
+    for name, value in (("waiting", load.waiting), ("running", load.running)):
+        if not math.isfinite(value) or value < 0:
+            return f"{name} {value!r} is not a finite count >= 0"
+    if load.kv_usage is not None and not math.isfinite(load.kv_usage):
+        return f"kv_usage {load.kv_usage!r} is not finite"
+    return None
 
 
 def check_batch(batch: Batch) -> None:

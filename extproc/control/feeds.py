@@ -80,7 +80,8 @@ class FeedManager:
     """One :class:`FeedClient` per feed address, applying what they receive.
 
     Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
-    feed spoke of); each ``Load`` updates the fleet: its metrics (``at`` = ``clock()``, monotonic
+    feed spoke of); each ``Load`` (one :func:`contracts.events.load_problem` refuses is counted in
+    ``stats.malformed`` and skipped) updates the fleet: its metrics (``at`` = ``clock()``, monotonic
     seconds), ``healthy``, and ``draining`` (set from the agent; cleared only if the agent had set it,
     so a drain ordered elsewhere stays), its node's power readings (:meth:`Fleet.record_power`); GPU
     telemetry is kept in :attr:`gpus`. A lost feed marks its
@@ -130,6 +131,8 @@ class FeedManager:
         #: Endpoints their agent cleared (outside a snapshot) since their last healthy ``Load``.
         self._emptied: set[EndpointId] = set()
         self._closing: set[asyncio.Task[None]] = set()
+        #: Endpoints a refused ``Load`` was logged for (once each; every one is counted).
+        self._malformed_logged: set[EndpointId] = set()
 
     def sync(self) -> None:
         """Follow the fleet: :meth:`set_addresses` with every ``Endpoint.feed`` it names."""
@@ -197,7 +200,14 @@ class FeedManager:
             endpoint = EndpointId(event.endpoint)
             feed.endpoints.add(endpoint)
             if isinstance(event, Load):
-                self._apply_load(endpoint, event, now)
+                problem = ev.load_problem(event)
+                if problem is None:
+                    self._apply_load(endpoint, event, now)
+                else:  # refused: the endpoint keeps its last good load (and ages like a silent one)
+                    self.stats.malformed += 1
+                    if endpoint not in self._malformed_logged and len(self._malformed_logged) < 1024:
+                        self._malformed_logged.add(endpoint)
+                        log.warning("feed %s: refused a load of %s: %s", feed.address, endpoint, problem)
                 continue
             if isinstance(event, Cleared) and event.tier is None and not batch.snapshot:
                 self._emptied.add(endpoint)

@@ -86,6 +86,9 @@ class FeedStats:
     reconnects: int = 0
     #: Batches of a feed or digest version this receiver does not read (delivered without KV data).
     version_skew: int = 0
+    #: Events the receiver refused although they decoded (a ``Load`` with a NaN, infinite or negative
+    #: queue: :func:`contracts.events.load_problem`); the rest of their batch is applied.
+    malformed: int = 0
     staleness_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     on_staleness: Callable[[float], object] | None = None
 

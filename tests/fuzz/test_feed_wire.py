@@ -6,7 +6,8 @@ its gRPC response deserializer), checked for sequence (:class:`SequenceTracker`)
 Property: any bytes give a :class:`Batch` or an :class:`EventError`; any decodable batch is applied
 without an exception (one would make the client drop the subscription and resync, over and over, for
 as long as the agent kept sending it); and a request is then routed or refused with the gateway's typed
-error, whatever loads (NaN, infinities, negatives) the feed reported.
+error, whatever loads (NaN, infinities, negatives) the feed reported; such a load is refused (counted
+malformed), so the fleet never holds a NaN, infinite or negative queue.
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ messages = st.integers(1, 6).flatmap(lambda n: st.tuples(*(wire(seq) for seq in 
 NAN_LOAD = msgspec.msgpack.encode(
     ["node-a", 1, 1, [["load", "e1", math.nan, math.inf, -math.inf, True, False]], True, math.nan]
 )
+#: A good load, then NaN and infinite queues for the same endpoint: refused (counted malformed), the
+#: good one stays in force (it was applied as is before, a NaN queue reading as idle).
+GOOD_THEN_NAN = msgspec.msgpack.encode(
+    ["node-a", 1, 1, [["load", "e1", 3.0, 1.0, 0.5, True, False], ["load", "e1", math.nan, 0.0],
+                      ["load", "e1", 0.0, -math.inf, 0.2]], True]
+)  # fmt: skip
 
 
 #: Found by this fuzzer: a string that is not UTF-8 raised UnicodeDecodeError, not EventError (msgspec
@@ -139,6 +146,7 @@ NOT_UTF8 = b"\x94\xa2\x80\x80\x01\x01\x90"
 @given(messages=messages)
 @example(messages=(NAN_LOAD,))
 @example(messages=(NOT_UTF8,))
+@example(messages=(GOOD_THEN_NAN,))
 def test_feed_bytes_are_decoded_applied_and_routing_goes_on(messages: tuple[bytes, ...]) -> None:
     manager, router = _gateway()
     feed, tracker = _Feed(manager, FEED), SequenceTracker()
@@ -154,6 +162,10 @@ def test_feed_bytes_are_decoded_applied_and_routing_goes_on(messages: tuple[byte
         if verdict is Verdict.RESET:
             feed.on_reset(batch.source, frozenset(EndpointId(e.endpoint) for e in batch.events))
         feed.on_batch(batch)
+    for state in manager.fleet:  # no NaN, infinite or negative queue is ever applied
+        if state.metrics is not None:
+            assert all(math.isfinite(v) and v >= 0 for v in (state.metrics.waiting, state.metrics.running))
+            assert state.metrics.kv_usage is None or math.isfinite(state.metrics.kv_usage)
     request = ParsedRequest(Kind.COMPLETION, "m", {"model": "m", "prompt": [1] * 64}, False, prompt=[1] * 64)
     try:
         decision = router.decide(request, request_id="r1", now=100.0)

@@ -3,6 +3,7 @@ applied to a fake index and a real Fleet; lost and restored feeds."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,7 @@ from contracts.events import (
     Power,
     Removed,
     Stored,
+    load_problem,
 )
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
@@ -357,3 +359,35 @@ async def test_prefix_cache_counters_reach_the_endpoint_metrics(
     assert (e1.metrics.prefix_hits, e1.metrics.prefix_queries) == (96.0, 160.0)
     assert e2 is not None and e2.metrics is not None
     assert (e2.metrics.prefix_hits, e2.metrics.prefix_queries) == (None, None)
+
+
+async def test_loads_with_nan_infinite_or_negative_queues_are_refused_and_counted(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """A NaN queue compares false with every bound (it would read as idle): such a load is refused,
+    counted malformed, and the endpoint keeps its last good load; the batch's other events apply."""
+    mgr, index, fleet = manager
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+    agent.publish([Load("e1", 4, 2, 0.5)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    bad = [
+        Load("e1", math.nan, 0, 0.1),
+        Load("e1", 0, math.inf, 0.1),
+        Load("e1", -math.inf, 0, 0.1),
+        Load("e1", -1, 0, 0.1),
+        Load("e1", 0, 0, math.nan),
+        Load("e1", 0, 0, 0.1, healthy=False, draining=True),  # the one good load of the batch
+    ]
+    for i, load in enumerate(bad[:-1]):
+        assert load_problem(load) is not None, i
+    assert load_problem(bad[-1]) is None
+    agent.publish([*bad[:-1], Stored("e1", [D3]), Load("e2", math.nan, math.nan, None), bad[-1]])
+    await eventually(lambda: mgr.stats.batches == 3)
+    assert mgr.stats.malformed == 6
+    assert index.applied[-1] == ([Stored("e1", [D3])], 100.0)
+    state, e2 = fleet.get(E1), fleet.get(E2)
+    assert state is not None and state.metrics is not None and e2 is not None
+    assert (state.metrics.waiting, state.metrics.running) == (4, 2)  # the last good load's
+    assert not state.healthy and state.draining  # from the good load after them
+    assert e2.metrics is None  # never had a good load
