@@ -67,6 +67,7 @@ from agent.launch import endpoint_for
 from agent.metrics import agent_registry
 from agent.power.sources import build_monitor
 from agent.slot_api import RESTORE_CHAIN_PATH, RestoreStats, SlotAdmin
+from agent.supervised import RestartPolicy, supervise
 from agent.supervisor import EngineState, EngineSupervisor
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, TelemetryLoop
 from agent.translate import Translator
@@ -188,6 +189,10 @@ class Agent:
         #: The slot routes and per-engine slot caches (with ``[agent] kvcached``).
         self.slots: SlotAdmin | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Failures of supervised tasks by (engine, task, exception type): ``kvgate_agent_task_failures``.
+        self.task_failures: dict[tuple[str, str, str], int] = {}
+        #: When a supervised task that failed runs again (:mod:`agent.supervised`; tests shorten it).
+        self.task_restarts = RestartPolicy()
         self.stop_requested = asyncio.Event()
         self._registered = asyncio.Event()
 
@@ -391,7 +396,10 @@ class Agent:
     async def _follow_kv_events(self, eng: _Engine) -> None:
         """Subscribe to a ready engine's KV events (those that publish them), replaying from its first
         batch, translated in blocks of :attr:`index_block_size` (the engine's previous translator is kept
-        across a restart: it was reset when the engine went away). Callers hold ``eng.kv_lock``."""
+        across a restart: it was reset when the engine went away). The pump is supervised
+        (:func:`agent.supervised.supervise`): a failure is counted, what the translator held is cleared
+        on the feed, and a new subscription replays what the engine still buffers. Callers hold
+        ``eng.kv_lock``."""
         launch = eng.supervisor.launch
         assert launch is not None
         if not launch.speaks_kv_events or launch.kv_events_endpoint is None:
@@ -399,6 +407,25 @@ class Agent:
         await self._stop_feed(eng)
         cfg = eng.config
         translator = eng.translator or Translator(cfg.id, cfg.model, self.index_block_size)
+        eng.translator = translator
+        await self._subscribe(eng)
+        eng.pump = asyncio.create_task(
+            supervise(
+                f"kv-{cfg.id}",
+                functools.partial(self._pump_once, eng, translator),
+                count=functools.partial(self._count_failure, cfg.id, "kv_events"),
+                on_failure=functools.partial(self._pump_failed, eng, translator),
+                policy=self.task_restarts,
+            ),
+            name=f"kv-{cfg.id}",
+        )
+
+    async def _subscribe(self, eng: _Engine) -> KvEventSubscriber | None:
+        """A started subscription to the engine's KV events, catching up from its replay buffer, held in
+        ``eng.subscriber``; ``None`` when the engine publishes none now (it went away)."""
+        launch = eng.supervisor.launch
+        if launch is None or not launch.speaks_kv_events or launch.kv_events_endpoint is None:
+            return None
         subscriber = KvEventSubscriber(
             SubscriberConfig(
                 launch.kv_events_endpoint,
@@ -407,9 +434,27 @@ class Agent:
                 catch_up=True,
             )
         )
+        eng.subscriber = subscriber  # first: _stop_feed closes it, whatever happens next
         await subscriber.start()
-        eng.translator, eng.subscriber = translator, subscriber
-        eng.pump = asyncio.create_task(self._pump(eng, subscriber, translator), name=f"kv-{cfg.id}")
+        return subscriber
+
+    async def _pump_once(self, eng: _Engine, translator: Translator) -> None:
+        """One supervised run of the pump, on the current subscription or a new one."""
+        subscriber = eng.subscriber or await self._subscribe(eng)
+        if subscriber is not None:
+            await self._pump(eng, subscriber, translator)
+
+    async def _pump_failed(self, eng: _Engine, translator: Translator) -> None:
+        """After a failed pump: close its subscription and clear what the translator held on the feed
+        (batches may have been lost); the next run subscribes again and replays."""
+        subscriber, eng.subscriber = eng.subscriber, None
+        if subscriber is not None:
+            await subscriber.aclose()
+        self.feed.publish(translator.reset())
+
+    def _count_failure(self, engine: str, task: str, error: str) -> None:
+        key = (engine, task, error)
+        self.task_failures[key] = self.task_failures.get(key, 0) + 1
 
     def _start_autosave(self, eng: _Engine) -> None:
         """Automatic slot saves for a llama.cpp engine (once per engine: they survive its restarts)."""
@@ -555,6 +600,10 @@ class Agent:
             "admin_port": self.admin_port,
             "feed_seq": self.feed_log.seq,
             "power": [state.as_dict() for state in self.power.states],
+            "task_failures": [
+                {"engine": engine, "task": task, "error": error, "count": n}
+                for (engine, task, error), n in sorted(self.task_failures.items())
+            ],
             "engines": [
                 {
                     "id": e.config.id,
@@ -595,8 +644,9 @@ async def _wait_idle(in_flight: object, timeout_s: float, poll_s: float = 0.1) -
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("agent task %s failed", task.get_name(), exc_info=task.exception())
+    exc = None if task.cancelled() else task.exception()
+    if exc is not None:  # the type only: a message or traceback may quote an engine's payload
+        log.error("agent task %s failed (%s)", task.get_name(), type(exc).__name__)
 
 
 def _join(host: str, port: int) -> str:

@@ -8,8 +8,10 @@ state, 0 for the others: ``starting``, ``ready``, ``unhealthy``, ``restarting``,
 ``kvgate_agent_kv_subscriber_<name>_total`` (batches received, replayed, duplicates, losses reported,
 undecodable, replay requests and timeouts) and ``kvgate_agent_kv_translator_<name>_total`` (engine
 blocks stored and removed, unknown parents (gaps), unknown removals, other KV groups, unknown media,
-malformed events, clears). Per agent: ``kvgate_agent_feed_seq``, the sequence number of the last
-event on its index-event feed.
+malformed events, clears); ``kvgate_agent_task_failures_total{engine,task,error}``: unexpected
+exceptions, by type, that ended a supervised task (``task="kv_events"``: the KV event pump and its ZMQ
+subscriber), each restarted (:mod:`agent.supervised`). Per agent: ``kvgate_agent_feed_seq``, the
+sequence number of the last event on its index-event feed.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def families(status: Mapping[str, Any]) -> Iterator[Metric]:
     yield registered
     yield restarts
     yield from counters.values()
+    failures = CounterMetricFamily(
+        "kvgate_agent_task_failures",
+        "Unexpected exceptions that ended a supervised agent task (it was restarted), by exception type.",
+        labels=["engine", "task", "error"],
+    )
+    for row in status.get("task_failures", []):
+        failures.add_metric([str(row["engine"]), str(row["task"]), str(row["error"])], float(row["count"]))
+    yield failures
     yield GaugeMetricFamily(
         "kvgate_agent_feed_seq",
         "Sequence number of the last event on the agent's feed.",
