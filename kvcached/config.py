@@ -16,6 +16,8 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     ram_bytes = 1073741824               # RAM tier budget
     ssd_path = "/var/lib/kvgate/kvcached"   # RocksDB directory of the SSD tier (absent = RAM only)
     ssd_bytes = 68719476736              # SSD tier budget
+    write_through = false                # each put also written to the SSD before it is acknowledged
+                                         # (a kill -9 then loses nothing acknowledged; needs ssd_path)
     max_block_bytes = 67108864           # largest block accepted (default 64 MiB)
     lease_ttl_s = 5                      # etcd lease TTL of kvcached/<node> (whole seconds >= 2)
 
@@ -130,6 +132,7 @@ class KvcachedConfig:
     ssd_bytes: int = 0
     max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT
     lease_ttl_s: int = 5
+    write_through: bool = False
     tls: TlsFiles | None = None
     quic: QuicSettings | None = None
     peers: tuple[StaticPeer, ...] = ()
@@ -190,6 +193,7 @@ def _parse(raw: object) -> KvcachedConfig:
         ssd_bytes=ssd_bytes,
         max_block_bytes=k.integer("max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1),
         lease_ttl_s=k.integer("lease_ttl_s", 5, minimum=2),
+        write_through=k.flag("write_through", False),
         tls=tls,
         quic=None if quic_raw is None else _quic(quic_raw),
         peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
@@ -200,6 +204,8 @@ def _parse(raw: object) -> KvcachedConfig:
     k.done()
     if cfg.remote is not None and cfg.remote.allow and cfg.quic is None:
         raise KvcachedConfigError("remote.allow: needs [quic] (remote blocks come over the peer protocol)")
+    if cfg.write_through and cfg.ssd_path is None:
+        raise KvcachedConfigError("kvcached.write_through: needs an SSD tier (ssd_path)")
     if cfg.ssd_path is not None and cfg.ssd_bytes < 1:
         raise KvcachedConfigError("kvcached.ssd_bytes: must be >= 1 when ssd_path is set")
     if cfg.listen_tcp is not None and cfg.tls is None:

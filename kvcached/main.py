@@ -108,6 +108,7 @@ class Daemon:
             cfg.ssd_bytes,
             max_block_bytes=cfg.max_block_bytes,
             listener=self._publisher,
+            write_through=cfg.write_through,
         )
         await self.feed.start()
         if cfg.tls is not None:

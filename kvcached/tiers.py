@@ -6,7 +6,9 @@ in front of the SSD, ...). Every policy between tiers lives here; a tier only ke
 Movement, for tiers ``0..n-1``:
 
 * ``put`` stores into the fastest tier that fits the block (a block larger than the RAM budget goes
-  straight to the SSD); none fits: :class:`BadRequest`.
+  straight to the SSD); none fits: :class:`BadRequest`. With ``write_through``, also into the next
+  slower tier that fits it, before ``put`` returns (the SSD: a ``kill -9`` then loses no acknowledged
+  block; one RocksDB write per put, and a later RAM eviction costs no write).
 * Evictions from tier ``i`` are *demoted*: each is written into the next slower tier that fits it,
   unless that tier already holds it (with two tiers: into the SSD unless it holds the block). At the last
   tier, or with no tier below that fits, they are dropped.
@@ -67,6 +69,8 @@ class TieredStore:
     _listener: StoreListener | None
     _counts: dict[str, dict[str, int]]
     max_block_bytes: int
+    #: Each put is also written into the next slower tier that fits it (see the module docstring).
+    write_through: bool
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class TieredStore:
         *,
         max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT,
         listener: StoreListener | None = None,
+        write_through: bool = False,
     ) -> None:
         if ram_bytes < 0 or ssd_bytes < 0:
             raise KvcachedConfigError("ram_bytes and ssd_bytes must be >= 0")
@@ -84,6 +89,7 @@ class TieredStore:
         if ssd_path is not None:
             chain.append(SsdTier(ssd_path, ssd_bytes))
         self._setup(chain, max_block_bytes, listener, absent=() if ssd_path is not None else (TIER_SSD,))
+        self.write_through = write_through
 
     @classmethod
     def of(
@@ -97,6 +103,7 @@ class TieredStore:
         :class:`KvcachedConfigError` for an empty chain or two tiers of one name."""
         store = cls.__new__(cls)
         store._setup(list(tiers), max_block_bytes, listener, absent=())
+        store.write_through = False
         return store
 
     def _setup(
@@ -145,6 +152,10 @@ class TieredStore:
         for i, tier in enumerate(self._tiers):
             if tier.fits(len(data)):
                 self._store(i, [(digest, data)], data_checksum=summed)
+                if self.write_through:
+                    j = self._fastest_fitting(len(data), range(i + 1, len(self._tiers)))
+                    if j is not None and digest not in self._tiers[j]:
+                        self._store(j, [(digest, data)], data_checksum=summed)
                 return
         raise BadRequest(f"block of {len(data)} bytes is larger than every tier's budget")
 

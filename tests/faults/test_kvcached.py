@@ -8,6 +8,9 @@ daemon serves every acknowledged block except those held only in RAM at the kill
 ``ram_bytes / block size`` of them, and never a torn or corrupt one. Here the SSD tier is larger than
 everything written, so nothing leaves it for its budget.
 
+With ``write_through = true`` every put is also in the SSD tier before it is acknowledged, and nothing
+acknowledged is lost: the first test runs both ways.
+
 1. ``test_kill_9_under_load``: writers put new blocks and readers get acknowledged ones (each checked
    byte for byte) on the daemon's unix socket, without pause; the daemon is killed and restarted while
    they run. Asserted: nothing corrupt is ever served; no call hangs (every call is bounded by the client's
@@ -252,12 +255,13 @@ def daemons() -> Iterator[list[Daemon]]:
         daemon.stop()
 
 
-async def test_kill_9_under_load(tmp_path: Path, daemons: list[Daemon]) -> None:
+@pytest.mark.parametrize("write_through", [False, True], ids=["ram-ack", "write-through"])
+async def test_kill_9_under_load(tmp_path: Path, daemons: list[Daemon], write_through: bool) -> None:
     daemon = start(
         tmp_path,
         "a",
         f'ram_bytes = {RAM_BLOCKS * BLOCK}\nssd_path = "{tmp_path / "a-ssd"}"\n'
-        f"ssd_bytes = {256 * 1024 * 1024}\n",
+        f"ssd_bytes = {256 * 1024 * 1024}\nwrite_through = {str(write_through).lower()}\n",
     )
     daemons.append(daemon)
     client = KvcachedClient(f"unix:{daemon.sock}", timeout_s=CLIENT_TIMEOUT_S)
@@ -315,16 +319,16 @@ async def test_kill_9_under_load(tmp_path: Path, daemons: list[Daemon]) -> None:
         await client.aclose()
 
     row = record.row(
-        "kvcached kill -9",
+        "kvcached kill -9" + (" (write_through)" if write_through else ""),
         acknowledged=len(acked),
         lost_with_ram=len(lost),
         ram_capacity_blocks=RAM_BLOCKS,
         corrupt=len(corrupt),
     )
-    report(row, "kvcached-kill9")
+    report(row, "kvcached-kill9" + ("-write-through" if write_through else ""))
     assert not corrupt and stats["ssd_corrupt"] == 0
     assert record.count("hung") == 0
-    assert len(lost) <= RAM_BLOCKS, row  # only what RAM alone held at the kill
+    assert len(lost) <= (0 if write_through else RAM_BLOCKS), row  # only what RAM alone held at the kill
     assert len(acked) > 2 * RAM_BLOCKS, row  # the SSD tier was reached before the kill
     # A miss is a lost block (after the kill), never an acknowledged block the daemon still holds.
     assert all(started >= record.killed_at and i in lost for i, started in misses), (misses, lost)

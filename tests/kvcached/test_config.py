@@ -37,6 +37,7 @@ def test_docstring_example_parses() -> None:
     assert cfg.ssd_path == Path("/var/lib/kvgate/kvcached")
     assert cfg.ssd_bytes == 64 << 30
     assert cfg.max_block_bytes == 64 << 20
+    assert cfg.write_through is False
     assert cfg.tls == TlsFiles(
         Path("/etc/kvgate/kvcached.pem"), Path("/etc/kvgate/kvcached.key"), Path("/etc/kvgate/ca.pem")
     )
@@ -69,6 +70,8 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s"}, "quic": {}}, "quic: peer fetch is mTLS only"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "feed_listen": "nope"}}, "kvcached.feed_listen"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "ssd_path": "/x"}}, "kvcached.ssd_bytes"),
+        ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "write_through": True}}, "needs an SSD tier"),
+        ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "write_through": 1}}, "expected bool"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "node": "a/b"}}, "kvcached.node"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": {"cert": "c"}}}, "kvcached.tls: set all"),
         (

@@ -138,6 +138,30 @@ def test_survives_reopen(tmp_path: Path) -> None:
         again.close()
 
 
+def test_write_through_puts_into_both_tiers_so_a_reopen_loses_nothing(tmp_path: Path, rec: Recorder) -> None:
+    """Without write-through a block only in RAM is gone after a restart (a cache: kvcached/README.md,
+    Durability); with it every acknowledged block is in the SSD tier already."""
+    for write_through in (False, True):
+        path = tmp_path / f"ssd-{write_through}"
+        store = TieredStore(3 * BLOCK, path, 100 * RECORD, listener=rec, write_through=write_through)
+        rec.take()
+        for i in range(5):
+            store.put(d(i), data(i))
+        if write_through:
+            assert store.held() == {TIER_RAM: [d(2), d(3), d(4)], TIER_SSD: [d(i) for i in range(5)]}
+            assert store.stats()["ram_demotions"] == 0  # RAM's evictions were on the SSD already
+            assert ("stored", TIER_SSD, [d(4)]) in rec.take()
+        else:
+            assert store.held() == {TIER_RAM: [d(2), d(3), d(4)], TIER_SSD: [d(0), d(1)]}
+        store.close()  # RAM is not written down at a stop either
+        again = TieredStore(3 * BLOCK, path, 100 * RECORD)
+        try:
+            kept = [i for i in range(5) if again.get(d(i)) == data(i)]
+            assert kept == ([0, 1, 2, 3, 4] if write_through else [0, 1])
+        finally:
+            again.close()
+
+
 def test_reopen_with_smaller_budget_trims_oldest(tmp_path: Path) -> None:
     store = TieredStore(0, tmp_path / "ssd", 10 * RECORD)
     for i in range(6):
