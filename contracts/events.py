@@ -303,8 +303,8 @@ def decode_subscribe(data: bytes) -> Subscribe:
 def load_problem(load: Load) -> str | None:
     """Why a receiver must not apply ``load`` (``None``: it may): ``waiting`` and ``running`` must be
     finite and >= 0, ``kv_usage`` finite (msgspec's types let NaN and infinities through; applied as is,
-    a NaN queue compares false with every bound, so filters and scorers would read it as idle). Not a
-    batch error: the batch's other events stay usable."""
+    every comparison with a NaN is false, so what filters and scorers make of it depends on how each one
+    compares). Not a batch error: the batch's other events stay usable."""
     for name, value in (("waiting", load.waiting), ("running", load.running)):
         if not math.isfinite(value) or value < 0:
             return f"{name} {value!r} is not a finite count >= 0"

@@ -35,3 +35,4 @@ def test_soak_quick(tmp_path: Path) -> None:
     assert set(load["sent"]) == set(soak.KINDS) and sum(load["sent"].values()) > 0
     assert sum(load["ok"].values()) > 0
     assert set(result["goals"]) == {"rss_growth_below", "worst_rss_growth", "worst_process", "met"}
+    assert result["parameters"]["ext_caches"] == soak.SMALL_EXT_CACHES  # the ext_proc's small bounds
