@@ -54,7 +54,7 @@ from runtime.kvcached import KvcachedClient
 
 BLOCK = 4096
 RAM_BLOCKS = 16
-CLIENT_TIMEOUT_S = 2.0
+CLIENT_TIMEOUT_S = 5.0
 #: A call still running this long past the client's own timeout is counted hung.
 HANG_SLACK_S = 10.0
 QUIC_TIMEOUT_S = 1.0
@@ -373,7 +373,7 @@ async def test_peer_killed_under_fetch_load(tmp_path: Path, daemons: list[Daemon
     client = KvcachedClient(f"unix:{a.sock}", timeout_s=CLIENT_TIMEOUT_S + 5)
     record, wrong, slow = Record(), [], []
     rng = random.Random(os.getpid())
-    bound_s = QUIC_TIMEOUT_S + 1.0 + 3.0  # A's peer timeout, plus slack for a loaded machine
+    bound_s = QUIC_TIMEOUT_S + 1.0 + 5.0  # A's peer timeout, plus slack for a loaded machine
 
     async def fetch(i: int) -> str:
         started = time.monotonic()
