@@ -60,6 +60,11 @@ class KvcachedClient:
         options: list[tuple[str, str | int]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A restarted daemon is reached again within a second of being up: the node's own daemon is
+            # cheap to redial, and gRPC's default back-off (1 s, x1.6, up to 120 s) kept clients away
+            # ~1.6 s after a restart under load (tests/faults/test_kvcached.py).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
