@@ -147,7 +147,6 @@ from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
-from extproc.models.tokenizer import CacheLimits
 from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
@@ -266,6 +265,16 @@ class IndexConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """``[tokenizer]``: the bounds of each model's tokenizer segment cache
+    (``extproc.models.tokenizer.CacheLimits``, whose defaults these are): least recently used segments are
+    evicted past ``segment_cache_entries`` segments or ``segment_cache_tokens`` token ids held."""
+
+    segment_cache_entries: int = 100_000
+    segment_cache_tokens: int = 4_000_000
+
+
+@dataclass(frozen=True, slots=True)
 class FeedsConfig:
     """Index-event feeds from node agents: optional mTLS (all three PEM paths or none): the CA that
     agents' certificates chain to, and this gateway's client certificate and key. The same files serve
@@ -378,7 +387,7 @@ class GatewayConfig:
     #: ``previous_response_id`` affinity of the Responses API (``[response_affinity]``, extproc/affinity).
     response_affinity: AffinityConfig = field(default_factory=AffinityConfig)
     #: Bounds of each model's tokenizer segment cache (``[tokenizer]``, :mod:`extproc.models.tokenizer`).
-    tokenizer: CacheLimits = field(default_factory=CacheLimits)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
     def timeout_table(self) -> TimeoutTable:
         """The per-model bounds the processor sets on each routed request."""
@@ -395,7 +404,7 @@ class GatewayConfig:
 
 
 _EX, _SC, _IX, _SR, _TO = ExtprocConfig(), ScrapeConfig(), IndexConfig(), SlotRestoreConfig(), Timeouts()
-_TK = CacheLimits()
+_TK = TokenizerConfig()
 #: Longest ``slot_restore.timeout_s`` accepted (s): a request never waits longer for a restore.
 MAX_RESTORE_TIMEOUT_S = 60.0
 _EJ = EjectionConfig()
@@ -454,9 +463,9 @@ def parse_config(raw: object) -> GatewayConfig:
     )
     ix.done()
     tk = top.table("tokenizer")
-    tokenizer = CacheLimits(
-        max_entries=tk.integer("segment_cache_entries", _TK.max_entries, minimum=1),
-        max_tokens=tk.integer("segment_cache_tokens", _TK.max_tokens, minimum=1),
+    tokenizer = TokenizerConfig(
+        segment_cache_entries=tk.integer("segment_cache_entries", _TK.segment_cache_entries, minimum=1),
+        segment_cache_tokens=tk.integer("segment_cache_tokens", _TK.segment_cache_tokens, minimum=1),
     )
     tk.done()
     fd = top.table("feeds")

@@ -69,6 +69,7 @@ from extproc.index.precise import PreciseIndex
 from extproc.index.working_set import WorkingSet
 from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 from extproc.models.registry import ModelRegistry
+from extproc.models.tokenizer import CacheLimits
 from extproc.overload.gate import DecisionGate, LagMeter
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
 from extproc.routing.router import Decision, Router
@@ -442,7 +443,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig, worker: str | None = None) -> None:
         self.config = config
         self.fleet = Fleet(config.endpoints)
-        self.models = ModelRegistry.from_config(config.models, cache_limits=config.tokenizer)
+        limits = CacheLimits(config.tokenizer.segment_cache_entries, config.tokenizer.segment_cache_tokens)
+        self.models = ModelRegistry.from_config(config.models, cache_limits=limits)
         #: The request body limit in force: ``[extproc] max_body_bytes``, else from the models' contexts.
         self.max_body_bytes = _max_body_bytes(config, self.models)
         max_fallbacks = config.extproc.max_fallbacks

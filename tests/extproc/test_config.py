@@ -13,6 +13,7 @@ from extproc.config import (
     DEFAULT_MAX_BODY_BYTES,
     ModelConfig,
     SlotRestoreConfig,
+    TokenizerConfig,
     default_max_body_bytes,
     load_config,
     parse_config,
@@ -96,7 +97,15 @@ def test_cache_bounds_default_and_configured() -> None:
     """The ext_proc's bounded caches keep their documented defaults unless configured."""
     default = parse_config({})
     assert default.index.capacity_blocks == 200_000 and default.index.chain_memo_entries == 200_000
-    assert default.tokenizer == CacheLimits(max_entries=100_000, max_tokens=4_000_000) == CacheLimits()
+    limits = CacheLimits()  # the tokenizer's own defaults
+    assert (
+        (default.tokenizer.segment_cache_entries, default.tokenizer.segment_cache_tokens)
+        == (
+            limits.max_entries,
+            limits.max_tokens,
+        )
+        == (100_000, 4_000_000)
+    )
     small = parse_config(
         {
             "index": {"capacity_blocks": 512, "chain_memo_entries": 1024},
@@ -104,7 +113,7 @@ def test_cache_bounds_default_and_configured() -> None:
         }
     )
     assert small.index.capacity_blocks == 512 and small.index.chain_memo_entries == 1024
-    assert small.tokenizer == CacheLimits(max_entries=256, max_tokens=4096)
+    assert small.tokenizer == TokenizerConfig(segment_cache_entries=256, segment_cache_tokens=4096)
 
 
 def test_flow_and_objectives_sections() -> None:
