@@ -42,10 +42,10 @@ from typing import Any
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
-from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
+from kvgate.dev.up import DEFAULT_MODEL
 from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
 from load.bench import targets as tg
-from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
+from load.client import LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
 
@@ -142,24 +142,6 @@ def make_sessions(config: LoraConfig) -> list[Session]:
     return sessions
 
 
-def _start(name: str, config: LoraConfig, fleet: tg.Fleet, workdir: Path) -> tg.Running:
-    urls = [f"http://{a}" for a in fleet.addresses]
-    if name == "kvgate":
-        options = StackOptions(
-            port=0,
-            model=DEFAULT_MODEL,
-            endpoints=tuple(urls),
-            engine="vllm",
-            model_dir=str(ensure_model_dir(smollm2_gguf_path())),
-            adapters=config.adapter_names,
-            workdir=workdir,
-        )
-        stack = Stack(options)
-        stack.start()
-        return tg.Running(FixedRoute(stack.url), stack=stack)
-    return tg.start(name, fleet, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir)
-
-
 def adapter_loads(addresses: Sequence[str]) -> int:
     """Adapters the replicas loaded so far (``kvgate_sim_lora_loads_total``, summed)."""
     total = 0.0
@@ -197,10 +179,13 @@ def run_target(
     """A fresh fleet, target ``name`` over it, ``sessions`` sent; its row (``skipped`` if it cannot run)."""
     started = time.monotonic()
     spec = tg.FleetSpec(config.replicas, config.kv_blocks, config.max_model_len, config.sim_args())
-    fleet = tg.Fleet(spec, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir / name / "fleet")
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    fleet = tg.Fleet(spec, DEFAULT_MODEL, model_dir, workdir / name / "fleet")
     try:
         try:
-            running = _start(name, config, fleet, workdir / name)
+            running = tg.start(
+                name, fleet, DEFAULT_MODEL, model_dir, workdir / name, adapters=config.adapter_names
+            )
         except (tg.TargetUnavailable, ChildFailed) as exc:
             reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             log.warning("%s: skipped: %s", name, reason)
