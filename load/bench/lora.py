@@ -31,19 +31,17 @@ import argparse
 import asyncio
 import logging
 import random
-import shlex
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL
-from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
+from load.bench import TIMING_SOURCES, chosen_targets, finish, opening, summary
 from load.bench import targets as tg
 from load.client import LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -247,31 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, value in (("duration_s", args.duration), ("rate_req_s", args.rate), ("seed", args.seed)):
         if value is not None:
             config = replace(config, **{key: value})
-    targets = tuple(args.targets.split(",")) if args.targets else TARGETS
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets: {', '.join(unknown)}")
+    targets = chosen_targets(p, args.targets, TARGETS)
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
     started = time.monotonic()
     sessions = make_sessions(config)
-    result: dict[str, Any] = {
-        "benchmark": "lora",
-        "command": "python -m load.bench.lora " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": machine(),
-        "revision": revision(),
-        "config": asdict(config),
-        "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
-        "requests": len(sessions),
-    }
+    result = opening("lora", argv, args.quick, config, SIM_SOURCES, len(sessions))
     rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
     result["targets"] = rows
     result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
     result["goals"] = goals(rows)
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":
