@@ -31,3 +31,16 @@ def poll(probe: Callable[[], T | None], timeout_s: float, what: str, interval_s:
         if time.monotonic() > deadline:
             raise AssertionError(f"not {what} within {timeout_s:g} s")
         time.sleep(interval_s)
+
+
+async def poll_async(
+    probe: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.01
+) -> T:
+    """:func:`poll` in a coroutine: ``probe`` runs on the event loop, which runs in between (the feeds,
+    servers and clients the test started in-process); its first value that is not ``None``."""
+    deadline = time.monotonic() + timeout_s
+    while (value := probe()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout_s:g} s")
+        await asyncio.sleep(interval_s)
+    return value

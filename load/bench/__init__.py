@@ -3,7 +3,8 @@
 ``decision``: the routing core's decision latency in-process. ``overhead``: Envoy + ext_proc latency and
 CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes their results with the
 commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
-the CPU time of the processes measured.
+the CPU time of the processes measured, and for the benchmarks over a simulated fleet their ``--targets``
+choice and the opening and end of their result.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import hashlib
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,52 @@ def idle_cpu(pids: Mapping[str, Pids], seconds: float) -> dict[str, float]:
     time.sleep(seconds)  # a measurement window, not a wait for readiness
     wall = time.monotonic() - started
     return {name: round((cpu_seconds(pid) - before[name]) / wall * 1e3, 2) for name, pid in pids.items()}
+
+
+# --- what the simulated-fleet benchmarks (lora, disagg, federation, ...) share ---------------------------
+
+
+def chosen_targets(
+    parser: argparse.ArgumentParser, value: str | None, known: Sequence[str]
+) -> tuple[str, ...]:
+    """``--targets``: the comma-separated subset ``value`` of ``known`` (all of them when not given); a
+    name not in ``known`` is a usage error (``parser`` exits)."""
+    targets = tuple(value.split(",")) if value else tuple(known)
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        parser.error(f"unknown targets: {', '.join(unknown)}")
+    return targets
+
+
+def opening(
+    benchmark: str,
+    argv: Sequence[str] | None,
+    quick: bool,
+    config: Any,
+    sources: Mapping[str, str],
+    requests: int,
+) -> dict[str, Any]:
+    """The first fields of a simulated-fleet benchmark's result: ``benchmark`` (``load.bench.NAME``), the
+    command as typed (``argv``; ``None``: this process's), ``quick``, the machine and the revision, the
+    ``config`` (a dataclass with ``sim_args()``), the simulator's arguments beside the ``sources`` of their
+    values, and the ``requests`` of the workload."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m load.bench.{benchmark} " + shlex.join(args),
+        "quick": quick,
+        "machine": machine(),
+        "revision": revision(),
+        "config": asdict(config),
+        "sim": {"args": list(config.sim_args()), "sources": sources},
+        "requests": requests,
+    }
+
+
+def finish(result: dict[str, Any], out: Path, started: float) -> int:
+    """Add the run's ``wall_s`` (since the monotonic ``started``) to ``result``, write it to ``out`` and
+    say so on stderr; the command's exit status (0)."""
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    write_json(out, result)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

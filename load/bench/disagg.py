@@ -48,18 +48,17 @@ import argparse
 import asyncio
 import logging
 import random
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, machine, peers, revision, summary, write_json
+from load.bench import TIMING_SOURCES, chosen_targets, finish, opening, peers, summary
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -503,25 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = config_from(args)
-    targets = tuple(args.targets.split(",")) if args.targets else TARGETS
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets: {', '.join(unknown)}")
+    targets = chosen_targets(p, args.targets, TARGETS)
     if args.repeats < 1:
         p.error("--repeats: expected at least 1")
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
     started = time.monotonic()
     sessions = make_sessions(config)
-    result: dict[str, Any] = {
-        "benchmark": "disagg",
-        "command": "python -m load.bench.disagg " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": machine(),
-        "revision": revision(),
-        "config": asdict(config),
-        "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
-        "requests": len(sessions),
-    }
+    result = opening("disagg", argv, args.quick, config, SIM_SOURCES, len(sessions))
     if not args.sweep_only:
         rows, rounds = run_targets(targets, config, sessions, workdir, not args.no_progress, args.repeats)
         result["repeats"] = args.repeats
@@ -536,10 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         result["sweep"] = sweep(sweep_config, workdir / "sweep", not args.no_progress, args.repeats)
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":

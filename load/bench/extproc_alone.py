@@ -345,6 +345,24 @@ def _kill_and_tail(proc: subprocess.Popen[bytes]) -> str:
     return err.decode(errors="replace")[-2000:]
 
 
+def timed(got: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The clients' results (:func:`run_clients`) over the timed window: ``outcomes`` (counts by
+    outcome), ``served`` and ``not_served``, ``rps`` (served streams per second, summed over the
+    clients) and the served streams' ``stream_us`` and ``answer_us``."""
+    outcomes: dict[str, int] = {}
+    for client in got:
+        for outcome, n in client["outcomes"]["timed"].items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + n
+    return {
+        "outcomes": outcomes,
+        "served": outcomes.get(SERVED, 0),
+        "not_served": sum(n for k, n in outcomes.items() if k != SERVED),
+        "rps": sum(len(c["stream_us"]) / c["timed_wall_s"] for c in got if c["timed_wall_s"] > 0),
+        "stream_us": [x for c in got for x in c["stream_us"]],
+        "answer_us": [x for c in got for x in c["answer_us"]],
+    }
+
+
 # --- the processes measured ---------------------------------------------------------------------------
 
 
@@ -373,6 +391,34 @@ def start_sims(workdir: Path, replicas: int, model_dir: str) -> tuple[Child, lis
         child.stop()
         raise
     return child, [str(r["address"]) for r in records]
+
+
+def start_fleet(workdir: Path, replicas: int) -> tuple[Child, list[str], dict[str, Any]]:
+    """``replicas`` simulated replicas (:func:`start_sims`) and a gateway config over them, static
+    endpoints whose metrics the ext_procs scrape: the simulator child, the replicas' addresses, the
+    config (for :func:`start_extprocs`)."""
+    model_dir = str(ensure_model_dir(smollm2_gguf_path()))
+    sim, addresses = start_sims(workdir, replicas, model_dir)
+    engines = [
+        {"id": f"sim-{i}", "address": a, "engine": "sim", "metrics_url": f"http://{a}/metrics"}
+        for i, a in enumerate(addresses)
+    ]
+    try:
+        config = gateway_config(
+            StackOptions(replicas=replicas),
+            models=[DEFAULT_MODEL],
+            served={e["id"]: [DEFAULT_MODEL] for e in engines},
+            engines=engines,
+            smollm2_dir=model_dir,
+            etcd=None,
+            certs={},
+            feeds_tls=False,
+            secure=False,
+        )
+    except BaseException:
+        sim.stop()
+        raise
+    return sim, addresses, config
 
 
 def start_extprocs(
@@ -430,26 +476,13 @@ def measure_round(
     span = time.monotonic() - started
     used = cpu_seconds(pids) - cpu0
     other = machine0.other_cores(CpuSample.take(), used + cpu_seconds(sim_pid) - sim0)
-    outcomes: dict[str, int] = {}
-    streams = 0
-    for client in got:
-        for phase in ("warmup", "timed"):
-            for outcome, n in client["outcomes"][phase].items():
-                streams += n
-                if phase == "timed":
-                    outcomes[outcome] = outcomes.get(outcome, 0) + n
-    stream_us = [x for c in got for x in c["stream_us"]]
-    answer_us = [x for c in got for x in c["answer_us"]]
+    window = timed(got)
+    streams = sum(n for c in got for phase in ("warmup", "timed") for n in c["outcomes"][phase].values())
     client_cpu = sum(c["cpu_s"] for c in got)
     net = max(0.0, used - idle_ms_per_s / 1e3 * span)
     return {
-        "stream_us": stream_us,
-        "answer_us": answer_us,
-        "stream_latency_us": summary(stream_us),
-        "rps": sum(len(c["stream_us"]) / c["timed_wall_s"] for c in got if c["timed_wall_s"] > 0),
-        "outcomes": outcomes,
-        "served": outcomes.get(SERVED, 0),
-        "not_served": sum(n for k, n in outcomes.items() if k != SERVED),
+        **window,
+        "stream_latency_us": summary(window["stream_us"]),
         "streams": streams,
         "span_s": span,
         "extproc_cpu_s": used,
@@ -546,24 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        model_dir = str(ensure_model_dir(smollm2_gguf_path()))
-        sim, replicas = start_sims(workdir, args.replicas, model_dir)
+        sim, replicas, config = start_fleet(workdir, args.replicas)
         stack.callback(sim.stop)
-        engines = [
-            {"id": f"sim-{i}", "address": a, "engine": "sim", "metrics_url": f"http://{a}/metrics"}
-            for i, a in enumerate(replicas)
-        ]
-        config = gateway_config(
-            StackOptions(replicas=args.replicas),
-            models=[DEFAULT_MODEL],
-            served={e["id"]: [DEFAULT_MODEL] for e in engines},
-            engines=engines,
-            smollm2_dir=model_dir,
-            etcd=None,
-            certs={},
-            feeds_tls=False,
-            secure=False,
-        )
         for r in range(args.rounds):
             order = workers[r % len(workers) :] + workers[: r % len(workers)]
             for n in order:

@@ -39,11 +39,9 @@ import datetime as dt
 import json
 import logging
 import random
-import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,7 @@ from certs.store import LeafFiles, dev_bundle
 from contracts.etcd import EtcdSettings
 from kvgate.dev.procs import http_get
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
+from load.bench import TIMING_SOURCES, finish, opening, summary
 from load.client import LoadOptions, RequestRecord, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
@@ -450,18 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     leaves = dev_bundle(workdir / "pki", [f"federation-{r}" for r in REGIONS], dt.datetime.now(dt.UTC))
     started = time.monotonic()
     warm, requests = make_workload(config)
-    result: dict[str, Any] = {
-        "benchmark": "federation",
-        "command": "python -m load.bench.federation "
-        + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": machine(),
-        "revision": revision(),
-        "config": asdict(config),
-        "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
-        "requests": len(requests),
-        "kinds": {k: sum(r.kind == k for r in requests) for k in ("cross", "local", "unshared")},
-    }
+    result = opening("federation", argv, args.quick, config, SIM_SOURCES, len(requests))
+    result["kinds"] = {k: sum(r.kind == k for r in requests) for k in ("cross", "local", "unshared")}
     progress = not args.no_progress
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -479,10 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["targets"] = median_rows(repeats)
         result["repeats"] = [{"targets": rows, "goals": goals(rows, config)} for rows in repeats]
     result["goals"] = goals(result["targets"], config)
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":

@@ -31,21 +31,19 @@ import argparse
 import asyncio
 import logging
 import random
-import shlex
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
-from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
+from kvgate.dev.up import DEFAULT_MODEL
+from load.bench import TIMING_SOURCES, chosen_targets, finish, opening, summary
 from load.bench import targets as tg
-from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
+from load.client import LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
 
@@ -142,24 +140,6 @@ def make_sessions(config: LoraConfig) -> list[Session]:
     return sessions
 
 
-def _start(name: str, config: LoraConfig, fleet: tg.Fleet, workdir: Path) -> tg.Running:
-    urls = [f"http://{a}" for a in fleet.addresses]
-    if name == "kvgate":
-        options = StackOptions(
-            port=0,
-            model=DEFAULT_MODEL,
-            endpoints=tuple(urls),
-            engine="vllm",
-            model_dir=str(ensure_model_dir(smollm2_gguf_path())),
-            adapters=config.adapter_names,
-            workdir=workdir,
-        )
-        stack = Stack(options)
-        stack.start()
-        return tg.Running(FixedRoute(stack.url), stack=stack)
-    return tg.start(name, fleet, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir)
-
-
 def adapter_loads(addresses: Sequence[str]) -> int:
     """Adapters the replicas loaded so far (``kvgate_sim_lora_loads_total``, summed)."""
     total = 0.0
@@ -197,10 +177,13 @@ def run_target(
     """A fresh fleet, target ``name`` over it, ``sessions`` sent; its row (``skipped`` if it cannot run)."""
     started = time.monotonic()
     spec = tg.FleetSpec(config.replicas, config.kv_blocks, config.max_model_len, config.sim_args())
-    fleet = tg.Fleet(spec, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir / name / "fleet")
+    model_dir = ensure_model_dir(smollm2_gguf_path())
+    fleet = tg.Fleet(spec, DEFAULT_MODEL, model_dir, workdir / name / "fleet")
     try:
         try:
-            running = _start(name, config, fleet, workdir / name)
+            running = tg.start(
+                name, fleet, DEFAULT_MODEL, model_dir, workdir / name, adapters=config.adapter_names
+            )
         except (tg.TargetUnavailable, ChildFailed) as exc:
             reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
             log.warning("%s: skipped: %s", name, reason)
@@ -262,31 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, value in (("duration_s", args.duration), ("rate_req_s", args.rate), ("seed", args.seed)):
         if value is not None:
             config = replace(config, **{key: value})
-    targets = tuple(args.targets.split(",")) if args.targets else TARGETS
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets: {', '.join(unknown)}")
+    targets = chosen_targets(p, args.targets, TARGETS)
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
     started = time.monotonic()
     sessions = make_sessions(config)
-    result: dict[str, Any] = {
-        "benchmark": "lora",
-        "command": "python -m load.bench.lora " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": machine(),
-        "revision": revision(),
-        "config": asdict(config),
-        "sim": {"args": list(config.sim_args()), "sources": SIM_SOURCES},
-        "requests": len(sessions),
-    }
+    result = opening("lora", argv, args.quick, config, SIM_SOURCES, len(sessions))
     rows = {t: run_target(t, config, sessions, workdir, not args.no_progress) for t in targets}
     result["targets"] = rows
     result["skipped"] = {t: r["skipped"] for t, r in rows.items() if "skipped" in r}
     result["goals"] = goals(rows)
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":

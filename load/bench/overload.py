@@ -24,13 +24,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from engines.gguf import ensure_model_dir, smollm2_gguf_path
-from kvgate.dev.gateway_config import gateway_config
-from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from load.bench import machine, revision, summary, write_json
-from load.bench.extproc_alone import SERVED, run_clients, start_extprocs, start_sims
+from load.bench.extproc_alone import run_clients, start_extprocs, start_fleet, timed
 
-_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+_SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -78,24 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        model_dir = str(ensure_model_dir(smollm2_gguf_path()))
-        sim, replicas = start_sims(workdir, args.replicas, model_dir)
+        sim, replicas, base = start_fleet(workdir, args.replicas)
         stack.callback(sim.stop)
-        engines = [
-            {"id": f"sim-{i}", "address": a, "engine": "sim", "metrics_url": f"http://{a}/metrics"}
-            for i, a in enumerate(replicas)
-        ]
-        base = gateway_config(
-            StackOptions(replicas=args.replicas),
-            models=[DEFAULT_MODEL],
-            served={e["id"]: [DEFAULT_MODEL] for e in engines},
-            engines=engines,
-            smollm2_dir=model_dir,
-            etcd=None,
-            certs={},
-            feeds_tls=False,
-            secure=False,
-        )
         for bound in bounds:
             config = {**base, "overload": {"max_decisions": bound}}
             extprocs, targets = start_extprocs(workdir, config, 1, None)
@@ -108,18 +89,15 @@ def main(argv: list[str] | None = None) -> int:
                         targets, replicas, level, args.clients, 1, args.warmup_s, args.duration_s, False
                     )
                     after = scrape(metrics)
-                    outcomes: dict[str, int] = {}
-                    for client in got:
-                        for outcome, n in client["outcomes"]["timed"].items():
-                            outcomes[outcome] = outcomes.get(outcome, 0) + n
-                    latency = summary([x for c in got for x in c["stream_us"]])
+                    window = timed(got)
+                    latency = summary(window["stream_us"])
                     run = {
                         "max_decisions": bound,
                         "concurrency": level,
-                        "rps": round(sum(len(c["stream_us"]) / c["timed_wall_s"] for c in got), 1),
-                        "served": outcomes.get(SERVED, 0),
-                        "not_served": sum(n for k, n in outcomes.items() if k != SERVED),
-                        "outcomes": outcomes,
+                        "rps": round(window["rps"], 1),
+                        "served": window["served"],
+                        "not_served": window["not_served"],
+                        "outcomes": window["outcomes"],
                         "stream_us": latency,
                         "loop_lag_p99_s": lag_p99(before, after),
                         "loop_lag_peak_s": after.get("kvgate_extproc_loop_lag_peak_seconds{}"),

@@ -193,9 +193,12 @@ def start(
     model_dir: Path,
     workdir: Path,
     scheduling: dict[str, Any] | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> Running:
     """Start target ``name`` over ``fleet``; raises :class:`TargetUnavailable` with the reason.
-    ``scheduling`` replaces kvgate's default scheduling section (plugins + profiles) when given."""
+    ``scheduling`` replaces kvgate's default scheduling section (plugins + profiles) when given;
+    ``adapters``: the LoRA adapters the replicas serve by name, which ``kvgate`` routes (its static
+    endpoints name them)."""
     workdir.mkdir(parents=True, exist_ok=True)
     urls = [f"http://{a}" for a in fleet.addresses]
     if name in ("kvgate", "kvgate-precise"):
@@ -208,6 +211,7 @@ def start(
                 model_dir=str(model_dir),
                 index={"mode": "approximate"},
                 scheduling=scheduling,
+                adapters=adapters,
                 workdir=workdir,
             )
         else:  # a node agent attached to the replicas streams their KV events and load; fleet in etcd

@@ -1,8 +1,14 @@
 from __future__ import annotations
 
 import http.server
+import os
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +66,59 @@ def spy() -> Iterator[Spy]:
     yield server
     server.shutdown()
     server.server_close()
+
+
+class Launched:
+    """A ``kvgate up`` subprocess (:func:`launched_up`) and the lines it printed until it was up."""
+
+    def __init__(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
+        self.proc = proc
+        self.lines = lines
+
+    @property
+    def banner(self) -> str:
+        """The line "kvgate is up: URL  (...)" (``""``: the launcher exited before it printed it)."""
+        return next((line for line in self.lines if line.startswith("kvgate is up: ")), "")
+
+    @property
+    def base_url(self) -> str:
+        return self.banner.split()[3]
+
+    def stop(self) -> int:
+        """Ctrl-C, as a user stops it; its exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+
+@contextmanager
+def launched_up(args: Sequence[str], workdir: Path, until: str = "kvgate is up: ") -> Iterator[Launched]:
+    """``kvgate up ARGS --workdir WORKDIR`` as a user runs it (``python -m kvgate.cli``), its stack.json
+    pointer under ``WORKDIR/state`` (never the user's). Readiness: the launcher prints its banner once
+    Envoy listens; this yields once it printed a line starting with ``until`` (or exited first: then
+    :attr:`Launched.banner` is empty). At the end a launcher still running gets Ctrl-C (SIGINT), as a
+    user stops it, so that it stops its children, and is killed by its PID if it has not ended in 30 s."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", "up", *args, "--workdir", str(workdir)],
+        env={**os.environ, "KVGATE_STATE_DIR": str(workdir / "state")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(until):
+                break
+        yield Launched(proc, lines)
+    finally:
+        if proc.poll() is None:  # a failed assertion: stop it as a user would, so it stops its children
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

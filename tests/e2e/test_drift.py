@@ -19,6 +19,9 @@ import asyncio
 import json
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -41,18 +44,25 @@ REVERSED_TEMPLATE = (
 MIN_SAMPLES = 8
 
 
+@contextmanager
+def drift_stack(workdir: Path, **fleet: Any) -> Iterator[Stack]:
+    """A stack over ``fleet`` (:class:`StackOptions` fields) whose ext_proc takes the conformance header
+    (requests pinned to one replica) and runs the drift alarm with ``window = 32, min_samples =
+    MIN_SAMPLES``."""
+    overlay = {"drift": {"window": 32, "min_samples": MIN_SAMPLES}}
+    options = StackOptions(port=0, workdir=workdir, extproc={"conformance": True}, overlay=overlay, **fleet)
+    with Stack(options) as running:
+        yield running
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackOptions(
+    with drift_stack(
+        tmp_path_factory.mktemp("drift-stack"),
         replicas=3,
-        port=0,
         sim_args=FAST_SIM,
         replica_args=((), *(("--chat-template", REVERSED_TEMPLATE),) * 2),
-        workdir=tmp_path_factory.mktemp("drift-stack"),
-        extproc={"conformance": True},
-        overlay={"drift": {"window": 32, "min_samples": MIN_SAMPLES}},
-    )
-    with Stack(options) as running:
+    ) as running:
         yield running
 
 
@@ -183,16 +193,22 @@ async def test_a_large_json_answer_passes_untouched_and_is_not_compared(stack: S
     assert after.observed == (before.observed if before else 0) + 1
 
 
-async def test_streams_trip_the_alarm_from_the_engine_counters(stack: Stack) -> None:
+async def streams_trip_the_counters_alarm(stack: Stack, endpoint: str) -> None:
+    """``MIN_SAMPLES`` streams to the mis-templated ``endpoint`` leave its ``counters`` alarm untripped
+    (the first predicts nothing), one more trips it; no ``responses`` drift (no stream carries a count)."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
         for i in range(MIN_SAMPLES):
-            await ask(client, stack, "sim-2", i, stream=True)
-        before = await observed(stack, "sim-2", MIN_SAMPLES, source="counters")
+            await ask(client, stack, endpoint, i, stream=True)
+        before = await observed(stack, endpoint, MIN_SAMPLES, source="counters")
         assert before.samples == MIN_SAMPLES - 1 and not before.tripped and before.error == 1.0
-        await ask(client, stack, "sim-2", MIN_SAMPLES, stream=True)
-        after = await observed(stack, "sim-2", MIN_SAMPLES + 1, source="counters")
+        await ask(client, stack, endpoint, MIN_SAMPLES, stream=True)
+        after = await observed(stack, endpoint, MIN_SAMPLES + 1, source="counters")
     assert after.tripped and after.model == MODEL
-    assert drift(stack, "sim-2") is None  # streams: no answer carried a count
+    assert drift(stack, endpoint) is None  # streams: no answer carried a count
+
+
+async def test_streams_trip_the_alarm_from_the_engine_counters(stack: Stack) -> None:
+    await streams_trip_the_counters_alarm(stack, "sim-2")
 
 
 async def test_the_correct_endpoint_counters_never_trip(stack: Stack) -> None:

@@ -20,8 +20,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate.dev.up import Stack, StackOptions
-from tests.e2e.test_drift import MIN_SAMPLES, MODEL, REVERSED_TEMPLATE, ask, drift, observed
+from kvgate.dev.up import Stack
+from tests.e2e.test_drift import (
+    MIN_SAMPLES,
+    MODEL,
+    REVERSED_TEMPLATE,
+    ask,
+    drift_stack,
+    observed,
+    streams_trip_the_counters_alarm,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,15 +47,11 @@ def engine(i: int, *args: str) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackOptions(
+    with drift_stack(
+        tmp_path_factory.mktemp("drift-agents"),
         agents=2,
         agent_engines=(engine(0), engine(1, "--chat-template", REVERSED_TEMPLATE)),
-        port=0,
-        workdir=tmp_path_factory.mktemp("drift-agents"),
-        extproc={"conformance": True},
-        overlay={"drift": {"window": 32, "min_samples": MIN_SAMPLES}},
-    )
-    with Stack(options) as running:
+    ) as running:
         yield running
 
 
@@ -58,15 +62,7 @@ def test_the_engines_are_agent_fed(stack: Stack) -> None:
 
 
 async def test_streams_to_a_mistemplated_agent_fed_engine_trip_the_alarm(stack: Stack) -> None:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-        for i in range(MIN_SAMPLES):
-            await ask(client, stack, "sim-1", i, stream=True)
-        before = await observed(stack, "sim-1", MIN_SAMPLES, source="counters")
-        assert before.samples == MIN_SAMPLES - 1 and not before.tripped and before.error == 1.0
-        await ask(client, stack, "sim-1", MIN_SAMPLES, stream=True)
-        after = await observed(stack, "sim-1", MIN_SAMPLES + 1, source="counters")
-    assert after.tripped and after.model == MODEL
-    assert drift(stack, "sim-1") is None  # streams: no answer carried a count
+    await streams_trip_the_counters_alarm(stack, "sim-1")
 
 
 async def test_the_correct_agent_fed_engine_never_trips(stack: Stack) -> None:

@@ -8,12 +8,10 @@ the gateway's decisions are then read from its router, as Envoy would get them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import orjson
@@ -25,20 +23,11 @@ from extproc.server import Gateway
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
 from load.sim.timing import TimingModel
+from tests.polling import poll_async
 
 pytestmark = pytest.mark.e2e
-T = TypeVar("T")
 BASE = "smol"
 ADAPTERS = ("a1", "a2", "a3", "a4")
-
-
-async def until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while (value := probe()) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s:g} s")
-        await asyncio.sleep(0.01)
-    return value
 
 
 @pytest.fixture
@@ -130,10 +119,12 @@ async def test_adapters_go_where_loaded_and_new_ones_where_a_slot_is_free(
             running(client, r0.address, "a2"),
             running(client, r1.address, "a3"),
         ):
-            await until(
+            await poll_async(
                 lambda: adapters_seen(gateway, r0.id) == {"a1", "a2"} or None, 5, "r0's adapters scraped"
             )
-            await until(lambda: adapters_seen(gateway, r1.id) == {"a3"} or None, 5, "r1's adapters scraped")
+            await poll_async(
+                lambda: adapters_seen(gateway, r1.id) == {"a3"} or None, 5, "r1's adapters scraped"
+            )
             # Requests for a loaded adapter go where it is, though that replica is the busier one.
             assert [pick(gateway, a) for a in ("a1", "a2", "a3", "a1")] == [r0.id, r0.id, r1.id, r0.id]
             # A new adapter goes to the replica with a free slot (r0's are both busy).
@@ -141,7 +132,7 @@ async def test_adapters_go_where_loaded_and_new_ones_where_a_slot_is_free(
             metrics = (await client.get(f"http://{r0.address}/metrics")).text
             assert 'running_lora_adapters="a1,a2"' in metrics and 'max_lora="2"' in metrics
         # Requests over: a1 and a2 still sit in r0's slots (vLLM's LRU), a3 and a4 in r1's.
-        await until(lambda: adapters_seen(gateway, r0.id) == frozenset() or None, 5, "r0 idle")
+        await poll_async(lambda: adapters_seen(gateway, r0.id) == frozenset() or None, 5, "r0 idle")
         assert pick(gateway, "a2") == r0.id
         assert pick(gateway, "a4") == r1.id
         # The simulator counted each adapter's load once.

@@ -9,11 +9,9 @@ learns comes from the events and loads alone.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import orjson
@@ -27,9 +25,9 @@ from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_agents import MODEL, start_agent
+from tests.polling import poll_async
 
 pytestmark = pytest.mark.e2e
-T = TypeVar("T")
 ADAPTERS = {"a1": "/lora/a1", "a2": "/lora/a2", "a3": "/lora/a3"}
 TEXT = "Adapters and salts keep their own blocks, and the gateway must know which engine holds them. " * 6
 
@@ -72,7 +70,7 @@ async def gateway(engines: tuple[str, dict[str, str]]) -> AsyncIterator[Gateway]
     gw = Gateway(config)
     await gw.start()
     try:
-        await until(lambda: _attached(gw, len(addresses)) or None, 10, "both feeds attached")
+        await poll_async(lambda: _attached(gw, len(addresses)) or None, 10, "both feeds attached")
         yield gw
     finally:
         await gw.aclose(grace_s=0.1)
@@ -81,15 +79,6 @@ async def gateway(engines: tuple[str, dict[str, str]]) -> AsyncIterator[Gateway]
 def _attached(gateway: Gateway, n: int) -> bool:
     clients = gateway.cluster.feeds.clients
     return len(clients) == n and all(c.connected for c in clients.values())
-
-
-async def until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while (value := probe()) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s:g} s")
-        await asyncio.sleep(0.01)
-    return value
 
 
 def body(
@@ -126,10 +115,10 @@ async def test_lora_and_salted_prompts_match_the_engine_that_holds_them(
         for address, request in ((addresses["sim-0"], lora), (addresses["sim-1"], salted)):
             resp = await client.post(f"http://{address}/v1/chat/completions", json=request)
             assert resp.status_code == 200, resp.text
-    await until(
+    await poll_async(
         lambda: pick(gateway, lora) if pick(gateway, lora)[1] > 4 else None, 5, "the LoRA prompt indexed"
     )
-    await until(
+    await poll_async(
         lambda: pick(gateway, salted) if pick(gateway, salted)[1] > 4 else None, 5, "the salted prompt"
     )
     assert pick(gateway, lora)[0] == "sim-0" and pick(gateway, salted)[0] == "sim-1"
@@ -156,7 +145,7 @@ async def test_the_engines_adapters_reach_the_gateway_on_the_agents_feed(
             lora = None if state.metrics is None else state.metrics.lora
             return lora.running if lora is not None and lora.running else None
 
-        assert await until(running, 5, "the adapter in the agent's load") == {"a2"}
+        assert await poll_async(running, 5, "the adapter in the agent's load") == {"a2"}
         assert (
             state.metrics is not None and state.metrics.lora is not None and state.metrics.lora.max_lora == 2
         )

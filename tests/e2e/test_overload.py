@@ -11,7 +11,8 @@ the count returns to 0. The loop-lag histogram is exported.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import httpx
@@ -98,24 +99,53 @@ async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answe
     assert "kvgate_extproc_loop_lag_peak_seconds" in text and "kvgate_extproc_saturation" in text
 
 
+async def until_metrics(
+    scraper: httpx.AsyncClient, condition: Callable[[str], bool], what: str, timeout_s: float = 60
+) -> None:
+    """Scrape the ext_proc's metrics (``scraper``'s ``/metrics``) every 10 ms until ``condition`` holds of
+    them; fails after ``timeout_s`` seconds naming ``what`` was awaited and the last scrape's request and
+    flow figures."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(text := (await scraper.get("/metrics")).text):
+        if time.monotonic() > deadline:
+            seen = [
+                line for line in text.splitlines() if line.startswith(("kvgate_requests", "kvgate_flow_"))
+            ]
+            raise AssertionError(f"not {what} within {timeout_s:g} s; last seen: {seen}")
+        await asyncio.sleep(0.01)
+
+
+def queued_at_least(n: int) -> Callable[[str], bool]:
+    return lambda text: metric(text, "kvgate_flow_queued") >= n
+
+
 async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: Stack) -> None:
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=1500)))
-        await asyncio.sleep(0)
+    # One client scrapes throughout: a new client per scrape costs ~19 ms of CPU (its SSL context), so
+    # polling every 10 ms with one took about a core from the gateway on a 2-core machine.
+    scraper = httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.extproc_ports['metrics']}", timeout=10)
+    async with scraper, httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        routed = metric((await scraper.get("/metrics")).text, "kvgate_requests_total", outcome="routed")
+        # The long request keeps the engine's one slot while three short ones are held: ~9 s of output at
+        # this time scale (1,500 tokens, ~4.5 s, ended before the third was held on a loaded machine).
+        busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=3000)))
+        # The engine has its one request before another is sent: one sent beside it may reach the ext_proc
+        # first, and then the long one is held only for the short one's few ms, and none after it is.
+        await until_metrics(
+            scraper,
+            lambda text: metric(text, "kvgate_requests_total", outcome="routed") > routed,
+            "the long request routed",
+        )
+        routed_at = time.monotonic()
         waiting = []
-        for _ in range(3):  # one at a time: each is held (the engine has its one request), none is shed
+        for n in (1, 2, 3):  # one at a time: each is held (the engine has its one request), none is shed
             waiting.append(asyncio.create_task(client.post("/v1/chat/completions", json=body())))
-            queued = len(waiting)
-
-            async def held(n: int = queued) -> bool:
-                text = await metrics(stack)
-                return metric(text, "kvgate_flow_queued") >= n
-
-            for _ in range(1000):
-                if await held():
-                    break
-                await asyncio.sleep(0.01)
-            assert await held() and await in_flight(stack) == 0
+            await until_metrics(scraper, queued_at_least(n), f"{n} held")
+            # A later scrape: the one above may have run (on the metrics thread) between the request's
+            # queueing and the end of its decision, a few statements apart on the event loop.
+            text = (await scraper.get("/metrics")).text
+            since = f"{time.monotonic() - routed_at:.1f} s after the long one was routed ({busy.done()=})"
+            assert metric(text, "kvgate_flow_queued") >= n, since
+            assert metric(text, "kvgate_extproc_decisions_in_flight") == 0, since
         answers = await asyncio.gather(busy, *waiting)
     assert [r.status_code for r in answers] == [200] * 4
 

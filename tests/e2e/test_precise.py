@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import orjson
@@ -31,9 +31,9 @@ from kvgate.dev.procs import Child
 from runtime.etcd import connect
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_agents import MODEL, start_agent
+from tests.polling import poll_async
 
 pytestmark = pytest.mark.e2e
-T = TypeVar("T")
 LONG = "The precise index knows what each engine holds because the engine says so in its events. " * 6
 #: Blocks of sim-1's KV cache: a handful of prompts evict the oldest by LRU.
 SMALL_KV_BLOCKS = 48
@@ -95,7 +95,9 @@ async def gateways(fleet: Fleet) -> AsyncIterator[list[Gateway]]:
         for gateway in gateways:
             await gateway.start()
             started.append(gateway)
-        await until(lambda: all(_attached(g, fleet) for g in gateways) or None, 10, "both feeds attached")
+        await poll_async(
+            lambda: all(_attached(g, fleet) for g in gateways) or None, 10, "both feeds attached"
+        )
         yield gateways
     finally:
         for gateway in started:
@@ -105,18 +107,6 @@ async def gateways(fleet: Fleet) -> AsyncIterator[list[Gateway]]:
 def _attached(gateway: Gateway, fleet: Fleet) -> bool:
     clients = gateway.cluster.feeds.clients
     return len(clients) == len(fleet.engines) and all(c.connected for c in clients.values())
-
-
-async def until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``probe`` every 10 ms (letting the loop run the feeds) until it returns a value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s:g} s")
-        await asyncio.sleep(0.01)
 
 
 def fresh_prompt(tag: str) -> str:
@@ -177,14 +167,14 @@ async def test_both_gateways_learn_and_forget_from_events(fleet: Fleet, gateways
     assert n_blocks >= 4
     async with httpx.AsyncClient(timeout=30) as client:
         await send(client, fleet.engines["sim-0"], prompt)
-        await until(lambda: everywhere(gateways, prompt, "sim-0", n_blocks), 2, "the prompt indexed")
+        await poll_async(lambda: everywhere(gateways, prompt, "sim-0", n_blocks), 2, "the prompt indexed")
         assert matches(gateways, prompt)[0] == {EndpointId("sim-0"): n_blocks}  # and nowhere else
         for gateway in gateways:
             assert pick(gateway, prompt) == ("sim-0", n_blocks)
 
         # Eviction by reset: the engine reports its cache cleared.
         await post(client, f"http://{fleet.engines['sim-0']}/reset_prefix_cache")
-        await until(lambda: everywhere(gateways, prompt, "sim-0", 0), 2, "the reset seen")
+        await poll_async(lambda: everywhere(gateways, prompt, "sim-0", 0), 2, "the reset seen")
         for gateway in gateways:
             assert pick(gateway, prompt)[1] == 0
 
@@ -199,11 +189,15 @@ async def test_lru_eviction_reaches_both_gateways(fleet: Fleet, gateways: list[G
     assert 0 < shared < len(chain)
     async with httpx.AsyncClient(timeout=30) as client:
         await send(client, fleet.engines["sim-1"], first)
-        await until(lambda: everywhere(gateways, first, "sim-1", len(chain)), 2, "the first prompt indexed")
+        await poll_async(
+            lambda: everywhere(gateways, first, "sim-1", len(chain)), 2, "the first prompt indexed"
+        )
         for filler in fillers:
             await send(client, fleet.engines["sim-1"], filler)
-        await until(lambda: everywhere(gateways, first, "sim-1", shared), 2, "the eviction seen")
-        await until(lambda: everywhere(gateways, fillers[-1], "sim-1", None), 2, "the last filler indexed")
+        await poll_async(lambda: everywhere(gateways, first, "sim-1", shared), 2, "the eviction seen")
+        await poll_async(
+            lambda: everywhere(gateways, fillers[-1], "sim-1", None), 2, "the last filler indexed"
+        )
 
 
 def shared_blocks(a: list[Digest], b: list[Digest]) -> int:
@@ -256,7 +250,7 @@ async def test_speculative_entries_do_not_mask_eviction(fleet: Fleet, gateways: 
     async with httpx.AsyncClient(timeout=30) as client:
         await post(client, f"http://{fleet.engines[chosen]}/reset_prefix_cache")
     started = time.monotonic()
-    await until(lambda: everywhere(gateways, prompt, chosen, 0), 2, "the speculation dropped")
+    await poll_async(lambda: everywhere(gateways, prompt, chosen, 0), 2, "the speculation dropped")
     assert time.monotonic() - started < SPECULATIVE_TTL_S
     assert pick(gateway, prompt) != (chosen, n_blocks)
 
@@ -292,19 +286,25 @@ async def test_a_new_index_block_size_reaches_agents_and_gateways_live(
         try:
             await send(client, fleet.engines["sim-0"], before)
             n16 = len(digests(gateways[0], before))
-            await until(lambda: everywhere(gateways, before, "sim-0", n16), 2, "indexed in 16-token blocks")
+            await poll_async(
+                lambda: everywhere(gateways, before, "sim-0", n16), 2, "indexed in 16-token blocks"
+            )
             await etcd.kv.put(key, encode_value(32))
-            await until(lambda: all(g.router.policy.block_size == 32 for g in gateways) or None, 5, "at 32")
+            await poll_async(
+                lambda: all(g.router.policy.block_size == 32 for g in gateways) or None, 5, "at 32"
+            )
             await until_agents(client, fleet, 32, 5)
             n32 = len(digests(gateways[0], before))
             assert n32 == n16 // 2 > 0
-            await until(lambda: everywhere(gateways, before, "sim-0", n32), 5, "the held prefix in 32s")
+            await poll_async(lambda: everywhere(gateways, before, "sim-0", n32), 5, "the held prefix in 32s")
             after = fresh_prompt("after the change")
             await send(client, fleet.engines["sim-0"], after)
             n_after = len(digests(gateways[0], after))
-            await until(lambda: everywhere(gateways, after, "sim-0", n_after), 5, "a new prompt at 32")
+            await poll_async(lambda: everywhere(gateways, after, "sim-0", n_after), 5, "a new prompt at 32")
         finally:
             await etcd.kv.delete(key)
-            await until(lambda: all(g.router.policy.block_size == 16 for g in gateways) or None, 5, "back")
+            await poll_async(
+                lambda: all(g.router.policy.block_size == 16 for g in gateways) or None, 5, "back"
+            )
             await until_agents(client, fleet, 16, 5)
             await etcd.close()

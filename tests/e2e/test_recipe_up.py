@@ -4,38 +4,23 @@ on the recipe's gateway config and Envoy; one chat request through it, then Ctrl
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
+
+from tests.e2e.conftest import launched_up
 
 pytestmark = pytest.mark.e2e
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2" / "llamacpp" / "aggregated"
 
 
 def test_up_runs_the_llama_cpp_recipe(tmp_path: Path) -> None:
-    argv = ["up", "--recipe", str(RECIPE), "--port", "0", "--workdir", str(tmp_path)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgate.cli", *argv],
-        env={**os.environ, "KVGATE_STATE_DIR": str(tmp_path / "state")},  # not the user's stack.json
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        banner = ""
-        for line in proc.stdout:  # readiness: the launcher prints its URL once Envoy listens
-            if line.startswith("kvgate is up: "):
-                banner = line
-                break
+    with launched_up(["--recipe", str(RECIPE), "--port", "0"], tmp_path) as up:
+        banner = up.banner
         assert banner, "kvgate up exited before it was up"
         assert "llama-0=" in banner and "llama-1=" in banner  # the recipe's engine ids
-        client = openai.OpenAI(base_url=banner.split()[3], api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "Hi"}],
@@ -46,11 +31,4 @@ def test_up_runs_the_llama_cpp_recipe(tmp_path: Path) -> None:
         # The recipe's gateway config is in force: its model entry (the GGUF) and its context bound.
         gateway = (tmp_path / "gateway.json").read_text()
         assert '"gguf": "smollm2"' in gateway and '"max_model_len": 2048' in gateway
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        assert up.stop() == 0

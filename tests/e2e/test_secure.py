@@ -5,11 +5,8 @@ restarts, and ``kvgate up --secure`` as a user runs it."""
 from __future__ import annotations
 
 import datetime as dt
-import signal
 import socket
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
 from kvgate.dev.up import Stack, StackOptions
-from tests.e2e.conftest import FAST_SIM
+from tests.e2e.conftest import FAST_SIM, launched_up
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -212,21 +209,10 @@ def test_kvgate_up_secure_cli(tmp_path: Path) -> None:
     """`kvgate up --secure --auth`: prints the https URL, the CA path and an https dev OIDC issuer; a
     token from that issuer (trusting the CA) is accepted by Envoy, whose JWKS cluster fetched the keys
     over TLS verified against the same CA (issue 26.5), and an SDK trusting that CA completes."""
-    argv = ["up", "--secure", "--auth", "--port", "0", "--replicas", "1", "--workdir", str(tmp_path)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgate.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:  # readiness: the banner is printed once Envoy listens
-            lines.append(line)
-            if line.startswith("  try: "):
-                break
-        banner = next((line for line in lines if line.startswith("kvgate is up: ")), "")
+    with launched_up(
+        ["--secure", "--auth", "--port", "0", "--replicas", "1"], tmp_path, until="  try: "
+    ) as up:
+        lines, banner = up.lines, up.banner
         assert banner, "".join(lines)
         (ca_line,) = [line for line in lines if line.startswith("  CA certificate for clients: ")]
         base, ca = banner.split()[3], ca_line.split(": ", 1)[1].strip()
@@ -248,15 +234,4 @@ def test_kvgate_up_secure_cli(tmp_path: Path) -> None:
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
             )
         assert reply.choices[0].message.content
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:  # a failed assertion: stop it as a user would, so it stops its children
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        assert up.stop() == 0

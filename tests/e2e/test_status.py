@@ -128,23 +128,35 @@ async def test_kvgate_status_prints_the_tables(
     assert sorted(e["id"] for e in doc["endpoints"]) == sorted(e["id"] for e in stack.engines)
 
 
-async def test_kvgate_status_finds_the_local_stack(
-    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No ``--url``: the running ``kvgate up``'s published ``stack.json``; the command as users run it."""
-    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
-    assert stack.publish() == tmp_path / "stack.json"
+def publish(stack: Stack, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stack`` publishes its ``stack.json`` in ``state_dir``, where ``kvgate`` commands look
+    (``KVGATE_STATE_DIR``)."""
+    monkeypatch.setenv(STATE_DIR_ENV, str(state_dir))
+    assert stack.publish() == state_dir / "stack.json"
+
+
+async def kvgate_status(*args: str) -> str:
+    """What ``kvgate status ARGS`` prints, run as users run it; it must exit 0."""
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "kvgate.cli", "status"],
+        [sys.executable, "-m", "kvgate.cli", "status", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"gateway {base(stack)} at ")
-    assert all(engine["id"] in done.stdout for engine in stack.engines)
+    return done.stdout
+
+
+async def test_kvgate_status_finds_the_local_stack(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``--url``: the running ``kvgate up``'s published ``stack.json``; the command as users run it."""
+    publish(stack, tmp_path, monkeypatch)
+    out = await kvgate_status()
+    assert out.startswith(f"gateway {base(stack)} at ")
+    assert all(engine["id"] in out for engine in stack.engines)
 
 
 async def test_kvgate_status_refuses_what_is_not_a_status(

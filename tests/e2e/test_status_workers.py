@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,12 +15,11 @@ import httpx
 import pytest
 
 from extproc.status.snapshot import decode
-from kvgate.dev.stackfile import STATE_DIR_ENV
 from kvgate.dev.up import Stack, StackOptions
 from kvgate.status_cli import main as status_main
+from tests.e2e.test_status import kvgate_status, publish
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = "You are a careful assistant for the kvgate workers' status test. " * 8
 
@@ -97,18 +94,8 @@ async def test_kvgate_status_combines_the_local_stacks_workers(
     stack: Stack, routed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No ``--url``: every ext_proc the running ``kvgate up`` published; the command as users run it."""
-    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
-    assert stack.publish() == tmp_path / "stack.json"
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "kvgate.cli", "status"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    publish(stack, tmp_path, monkeypatch)
+    lines = (await kvgate_status()).splitlines()
     assert lines[0] == "2/2 ext_procs combined"
     for url in urls(stack):
         row = next(line for line in lines if line.startswith(url + " "))
@@ -117,18 +104,8 @@ async def test_kvgate_status_combines_the_local_stacks_workers(
     for engine in stack.engines:
         row = next(line for line in lines if line.startswith(engine["id"] + " ")).split()
         assert row[1:5] == [engine["address"], MODEL, "both", "ready"]
-    each = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "kvgate.cli", "status", "--each"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert each.returncode == 0, each.stderr
-    assert [line.split()[1] for line in each.stdout.splitlines() if line.startswith("gateway ")] == urls(
-        stack
-    )
+    each = await kvgate_status("--each")
+    assert [line.split()[1] for line in each.splitlines() if line.startswith("gateway ")] == urls(stack)
 
 
 async def test_an_unreachable_worker_is_shown_and_exits_1(

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -13,57 +10,25 @@ import openai
 import pytest
 
 from kvgate.dev.up import Stack, StackOptions
-from tests.e2e.conftest import FAST_SIM
+from tests.e2e.conftest import FAST_SIM, launched_up
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def test_up_serves_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvgate.cli",
-            "up",
-            "--port",
-            "0",
-            "--replicas",
-            "2",
-            "--workdir",
-            str(tmp_path),
-        ],
-        env={**os.environ, "KVGATE_STATE_DIR": str(tmp_path / "state")},  # not the user's stack.json
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        banner = ""
-        for line in proc.stdout:  # readiness: the launcher prints its URL once Envoy listens
-            if line.startswith("kvgate is up: "):
-                banner = line
-                break
-        assert banner, "kvgate up exited before it was up"
-        base = banner.split()[3]
-        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    with launched_up(["--port", "0", "--replicas", "2"], tmp_path) as up:
+        assert up.banner, "kvgate up exited before it was up"
+        client = openai.OpenAI(base_url=up.base_url, api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )
         assert reply.choices[0].message.content
-        children = [int(p) for p in _child_pids(proc.pid)]
+        children = [int(p) for p in _child_pids(up.proc.pid)]
         assert len(children) == 4  # two simulators (one process per replica), the ext_proc, Envoy
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert up.stop() == 0
         for pid in children:
             assert not _alive(pid), f"child {pid} survived Ctrl-C"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_fronts_existing_engines(stack: Stack, tmp_path: Path) -> None:
