@@ -44,8 +44,10 @@ DISPATCH_S = 0.2
 FAST_RESTART = Backoff(initial_s=0.1, max_s=1.0, stable_s=30.0)
 #: Simulators 20x faster than the H100 timing model (routing and wire behaviour, not latency).
 FAST_SIM = ("--time-scale", "0.05")
-#: At the model's own speed: a 32-token stream lasts ~0.2 s, so a kill finds streams in flight.
-MIGRATING_SIM = ("--time-scale", "1")
+#: 4x slower than the H100 timing model: a 48-token stream lasts over 1 s, so a kill of an engine that
+#: runs a request finds a stream in flight.
+STREAMING_SIM = ("--time-scale", "4")
+STREAM_TOKENS = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,17 +92,15 @@ def sims_options(workdir: Any, extprocs: int = 2) -> StackOptions:
     )
 
 
-def migrating_options(workdir: Any) -> StackOptions:
-    """Three simulators, the model opted in to in-flight migration (``migration = true``)."""
+def streaming_options(workdir: Any, migration: bool = True) -> StackOptions:
+    """Three slower simulators (long streams), the model opted in to in-flight migration or not."""
+    model = {"name": MODEL, "gguf": "smollm2", "idle_timeout_s": IDLE_S, "migration": migration}
     return StackOptions(
         replicas=3,
         port=0,
-        sim_args=MIGRATING_SIM,
+        sim_args=STREAMING_SIM,
         workdir=workdir,
-        overlay={
-            "timeouts": {"request_s": REQUEST_S, "first_byte_s": FIRST_BYTE_S},
-            "models": [{"name": MODEL, "gguf": "smollm2", "idle_timeout_s": IDLE_S, "migration": True}],
-        },
+        overlay={"timeouts": {"request_s": REQUEST_S, "first_byte_s": FIRST_BYTE_S}, "models": [model]},
     )
 
 
@@ -359,11 +359,20 @@ async def reset_engine(stack: Stack, w: Windows, resets: int = 2, after: int = 2
 # --- in-flight migration -----------------------------------------------------------------------------------
 
 
-async def kill_migrating_engine(stack: Stack, w: Windows) -> FaultRun:
-    """SIGKILL the simulator serving streams of an opted-in model, while it runs one."""
-    async with load(stack, max_tokens=32) as steady:
+def _migrated(stack: Stack) -> dict[str, float]:
+    if stack.migration is None:
+        return {}
+    return {
+        o: proxy_metric(stack, "kvgate_migrations_total", outcome=o) for o in ("resumed", "reissued", "lost")
+    }
+
+
+async def kill_streaming_engine(stack: Stack, w: Windows) -> FaultRun:
+    """SIGKILL a simulator while it runs a request (long streams: one is in flight), with or without
+    migration (``stack.migration``)."""
+    async with load(stack, max_tokens=STREAM_TOKENS) as steady:
         await window(w.warm)
-        resumed_before = proxy_metric(stack, "kvgate_migrations_total", outcome="resumed")
+        migrated_before = _migrated(stack)
         victim: Service[Any] | None = None
 
         def serving() -> bool:
@@ -383,14 +392,14 @@ async def kill_migrating_engine(stack: Stack, w: Windows) -> FaultRun:
         sim = victim
         back = await watch(lambda: sim.pid != old_pid and all(healthy(stack, name)), RESTART_S)
         await window(w.after)
-    resumed = proxy_metric(stack, "kvgate_migrations_total", outcome="resumed") - resumed_before
+    migrated = {k: v - migrated_before[k] for k, v in _migrated(stack).items()}
     return _run(
-        "SIGKILL engine mid-stream, migration on",
+        f"SIGKILL engine mid-stream, migration {'on' if stack.migration else 'off'}",
         steady,
         killed,
         back,
         detected=detected,
-        resumed=resumed,
+        migrated=migrated,
         address=sim_address(stack, name),
     )
 
@@ -398,7 +407,7 @@ async def kill_migrating_engine(stack: Stack, w: Windows) -> FaultRun:
 async def reset_migrating_engine(stack: Stack, w: Windows, resets: int = 2, after: int = 2) -> FaultRun:
     """An engine of an opted-in model resets its connections mid-stream: the proxy continues each stream
     elsewhere, and the gateway must still learn of the failed tries (eject the engine)."""
-    async with load(stack, max_tokens=32) as steady:
+    async with load(stack, max_tokens=STREAM_TOKENS) as steady:
         await window(w.warm)
         victim = busiest(stack, steady)
         # With migration, x-kvgate-endpoint names the proxy: the engine that serves is the one running.

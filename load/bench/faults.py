@@ -1,11 +1,12 @@
 """Fault injection as a benchmark (issue 24 part 4): the fault suite's scenarios (``load/faults.py``, the
 same ones ``tests/faults`` asserts on) with longer load windows, one JSON record.
 
-Three stacks (:class:`kvgate.dev.up.Stack`, supervised as ``kvgate up`` runs them), one at a time:
-four simulators and two ext_procs; three simulators serving a model with ``migration = true``; three
-node agents with a local etcd. Under each, :class:`~load.steady.SteadyLoad` (4 clients, every other
-request streamed) runs ``--warm`` seconds, then one fault is injected, and the load goes on until full
-service is back and ``--after`` seconds more. Per fault: requests sent, succeeded, failed by status
+Four stacks (:class:`kvgate.dev.up.Stack`, supervised as ``kvgate up`` runs them), one at a time:
+four simulators and two ext_procs; three slower simulators (long streams) serving a model with
+``migration = true``, and the same without it; three node agents with a local etcd. Under each,
+:class:`~load.steady.SteadyLoad` (4 clients, every other request streamed) runs ``--warm`` seconds,
+then one fault is injected, and the load goes on until full service is back and ``--after`` seconds
+more. Per fault: requests sent, succeeded, failed by status
 (``200 cut``: a stream cut after its 200; ``no response``), hung (longer than every configured bound
 plus slack), seconds to full service, and the scenario's facts (detection time, tries Envoy sent to the
 failed engine after detection, migrations, ejections).
@@ -45,11 +46,15 @@ PLAN: dict[str, tuple[Callable[[Path], StackOptions], dict[str, Scenario]]] = {
         },
     ),
     "migrating": (
-        faults.migrating_options,
+        faults.streaming_options,
         {
-            "kill-engine-migration": faults.kill_migrating_engine,
+            "kill-engine-migration": faults.kill_streaming_engine,
             "reset-engine-migration": faults.reset_migrating_engine,
         },
+    ),
+    "plain": (
+        lambda workdir: faults.streaming_options(workdir, migration=False),
+        {"kill-engine-no-migration": faults.kill_streaming_engine},
     ),
     "agents": (faults.agents_options, {"kill-agent": faults.kill_agent, "kill-etcd": faults.kill_etcd}),
 }

@@ -30,7 +30,7 @@ from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from load.bench import machine, revision, summary, write_json
 from load.bench.extproc_alone import SERVED, run_clients, start_extprocs, start_sims
 
-_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+_SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 
 
 def scrape(url: str) -> dict[str, float]:
