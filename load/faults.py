@@ -237,7 +237,7 @@ async def kill_engine(stack: Stack, w: Windows) -> FaultRun:
         await window(max(w.after, ROTATION_S))
     served = [o for o in steady.between(back, back + ROTATION_S) if o.endpoint == address and o.ok]
     return _run(
-        "SIGKILL engine (mid-stream)",
+        "SIGKILL engine running a request (short answers)",
         steady,
         killed,
         back,
