@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from contracts.epp import MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER
 from extproc.migration.continuation import CHAT_PATH, continuation, migratable, stream_body
+from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureReports
 from extproc.migration.splice import Splicer
 from runtime.lifecycle import announce_ready, stop_on_signals
 
@@ -72,7 +73,12 @@ class _ClientGone(Exception):
 
 
 class _TryFailed(Exception):
-    """One try failed on the engine's side (its reason: a metric label and a log word)."""
+    """One try failed on the engine's side (its reason: a metric label and a log word; ``status``: the
+    engine's 5xx, if that was it)."""
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class Metrics:
@@ -97,8 +103,10 @@ class Metrics:
 class MigrationProxy:
     """The aiohttp shell around the sans-IO core (module docstring)."""
 
-    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, reports: FailureReports | None = None) -> None:
         self.metrics = Metrics()
+        #: Where failed tries are reported (every ext_proc; :mod:`extproc.migration.report`).
+        self.reports = reports or FailureReports(())
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
@@ -131,6 +139,19 @@ class MigrationProxy:
             await runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        await self.reports.aclose()
+
+    def _report(self, host: str, failure: BaseException) -> None:
+        """Tell the ext_procs of one failed try to ``host``, as Envoy's upstream log would."""
+        if isinstance(failure, _TryFailed):
+            if failure.status is not None:
+                self.reports.failed(host, status=failure.status)
+            else:
+                self.reports.failed(host, REMOTE_RESET)
+        elif isinstance(failure, aiohttp.ClientConnectorError | asyncio.TimeoutError):
+            self.reports.failed(host, CONNECT_FAILURE)
+        else:
+            self.reports.failed(host, REMOTE_RESET)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
@@ -182,8 +203,10 @@ class MigrationProxy:
                     if up.status < 500:
                         break
                     log.info("try %d at %s: HTTP %d", n, host, up.status)
+                    self._report(host, _TryFailed("5xx", up.status))
             except _TRY_ERRORS as exc:
                 log.info("try %d at %s failed: %s", n, host, type(exc).__name__)
+                self._report(host, exc)
                 last = None
         else:
             n = len(hosts)
@@ -223,7 +246,7 @@ class MigrationProxy:
                     f"http://{host}{path}", data=sent, headers=headers, timeout=self._timeout()
                 ) as up:
                     if up.status >= 500:
-                        raise _TryFailed(f"HTTP {up.status}")
+                        raise _TryFailed(f"HTTP {up.status}", up.status)
                     if up.status != 200:
                         data = await up.read()
                         if response is None:
@@ -254,6 +277,7 @@ class MigrationProxy:
                 outcome = "client_gone"
                 break
             except (_TryFailed, *_TRY_ERRORS) as exc:
+                self._report(host, exc)
                 log.info(
                     "try %d at %s failed: %s",
                     n,
@@ -332,8 +356,10 @@ def _hostport(value: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-async def serve(listen: str, metrics: str | None, ready_file: Path | None) -> int:
-    proxy = MigrationProxy()
+async def serve(
+    listen: str, metrics: str | None, ready_file: Path | None, failure_log: Sequence[str] = ()
+) -> int:
+    proxy = MigrationProxy(reports=FailureReports(failure_log))
     await proxy.start(_hostport(listen), _hostport(metrics) if metrics else None)
     stop = asyncio.Event()
     stop_on_signals(stop)
@@ -353,9 +379,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--listen", default="127.0.0.1:9010", help="host:port Envoy sends opted-in models to")
     parser.add_argument("--metrics-listen", default=None, help="host:port of /metrics (Prometheus)")
     parser.add_argument("--ready-file", type=Path, help="write the bound ports here (JSON) once serving")
+    parser.add_argument(
+        "--failure-log",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an ext_proc's gRPC port, told of each failed try (repeat for every ext_proc; report.py)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return uvloop.run(serve(args.listen, args.metrics_listen, args.ready_file))
+    return uvloop.run(serve(args.listen, args.metrics_listen, args.ready_file, args.failure_log))
 
 
 if __name__ == "__main__":

@@ -473,6 +473,9 @@ class Stack:
                 f"127.0.0.1:{self.migration_ports.get('metrics', 0)}",
                 "--ready-file",
                 str(ready),
+                # Each failed try reaches every ext_proc, as Envoy's upstream log (plain gRPC: the proxy
+                # itself speaks plain HTTP to engines, so it runs outside --secure's mTLS profile).
+                *(f"--failure-log=127.0.0.1:{p['extproc']}" for p in self.extproc_listeners),
             ]
 
         self.migration = self._spawn("migration", argv(0), ready, EXTPROC_READY_S)

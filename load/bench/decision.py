@@ -421,9 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "alternate: every other decision traced, the two halves reported apart (latency_us untraced, "
         "latency_traced_us traced)",
     )
-    parser.add_argument(
-        "--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)"
-    )
+    parser.add_argument("--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)")
     parser.add_argument("--fleets", help="comma-separated fleet sizes (default 4,16,64)")
     parser.add_argument(
         "--clock",

@@ -56,6 +56,7 @@ from load.sim.kvevents import KvEventPublisher, KvEventsConfig, sink
 from load.sim.metrics import dcgm_registry, replica_registry
 from load.sim.pooling import PoolingRoutes
 from load.sim.power import GPU_CLASSES, PowerModel
+from load.sim.reset import RESET_AFTER, reset_connection
 from load.sim.serving import Serving, SglangPd, ToolParsing
 from load.sim.timing import TimingModel
 from load.sim.tokenizer import SimTokenizer, load_tokenizer
@@ -146,6 +147,9 @@ class SimReplica:
         #: held that many seconds before they are served (``/_sim/delay_next``).
         self.fail_next = 0
         self.delay_next = (0, 0.0)
+        #: Generate requests still to be answered with a TCP reset, and after how many SSE events
+        #: (``/_sim/reset_next``, :mod:`load.sim.reset`).
+        self.reset_next = (0, 0)
         #: ``/v1`` requests with the right key and without, and a SHA-256 of the last ``Authorization``
         #: seen (``/_sim/auth``: a test checks which credential arrived without the key being echoed).
         self.auth_seen = {"accepted": 0, "rejected": 0}
@@ -187,6 +191,7 @@ class SimReplica:
                 web.get("/metrics", self._metrics),
                 web.post("/_sim/fail_next", self._fail_next),
                 web.post("/_sim/delay_next", self._delay_next),
+                web.post("/_sim/reset_next", self._reset_next),
                 web.get("/_sim/auth", self._auth_seen),
                 *compat_routes(self),
             ]
@@ -343,11 +348,30 @@ class SimReplica:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         await self._injected_fault()
-        return await self.serving.chat(request, await self.read_body(request))
+        body = await self.read_body(request)
+        if self._reset_now(request, body):
+            return web.StreamResponse()
+        return await self.serving.chat(request, body)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         await self._injected_fault()
-        return await self.serving.completion(request, await self.read_body(request))
+        body = await self.read_body(request)
+        if self._reset_now(request, body):
+            return web.StreamResponse()
+        return await self.serving.completion(request, body)
+
+    def _reset_now(self, request: web.Request, body: dict[str, Any]) -> bool:
+        """A request chosen by ``/_sim/reset_next``: reset its connection now (``True``: the handler
+        returns without answering), or mark it to be reset after its ``after``-th SSE event."""
+        n, after = self.reset_next
+        if n <= 0:
+            return False
+        self.reset_next = (n - 1, after)
+        if after > 0 and body.get("stream") is True:
+            request[RESET_AFTER] = after
+            return False
+        reset_connection(request)
+        return True
 
     def _pooled(
         self, handler: Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -379,6 +403,18 @@ class SimReplica:
             raise SimError(400, "'n' must be a non-negative integer and 's' seconds in [0, 3600]", param="n")
         self.delay_next = (n, seconds)
         return _json({"delaying": n, "seconds": seconds})
+
+    async def _reset_next(self, request: web.Request) -> web.Response:
+        """Test hook: the next ``n`` chat or completion requests get a TCP reset, before any response byte
+        (``after=0``) or, for a stream, after its ``after``-th SSE event (:mod:`load.sim.reset`)."""
+        try:
+            n, after = int(request.query.get("n", "1")), int(request.query.get("after", "0"))
+        except ValueError:
+            n, after = -1, 0
+        if n < 0 or after < 0:
+            raise SimError(400, "'n' and 'after' must be non-negative integers", param="n")
+        self.reset_next = (n, after)
+        return _json({"resetting": n, "after": after})
 
     async def _fail_next(self, request: web.Request) -> web.Response:
         """Test hook: the next ``n`` chat or completion requests fail with a 500."""

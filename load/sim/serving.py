@@ -33,6 +33,7 @@ from load.sim.errors import SimError, invalid, refused
 from load.sim.fields import lax_int, opt, strict_str
 from load.sim.handoff import NONE, Transfer, prefill_params, read_transfer
 from load.sim.output import Plan, plan_choice
+from load.sim.reset import RESET_AFTER, reset_connection
 from load.sim.tokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
@@ -548,6 +549,8 @@ class Serving:
         cached = 0
         left = len(req.choices)
         first = True
+        reset_after = request.get(RESET_AFTER)  # /_sim/reset_next: a TCP reset after that many events
+        events_sent = 0
         try:
             while left:
                 events = [await queue.get()]
@@ -567,6 +570,10 @@ class Serving:
                     body = self._delta(req, choice, len(tokens))
                     use = out.usage(n_prompt, choice.sent, cached) if sampling.continuous_usage else None
                     await _sse(response, out.chunk(req.rid, obj, created, self.model, body, use))
+                    events_sent += 1
+                    if reset_after is not None and events_sent >= reset_after:
+                        reset_connection(request)
+                        return response
             if sampling.include_usage:
                 total = sum(c.sent for c in req.choices.values())
                 await _sse(

@@ -1,4 +1,5 @@
-"""A small steady load through the gateway, every request's outcome recorded: the fault tests' yardstick.
+"""A small steady load through the gateway, every request's outcome recorded: the fault suite's yardstick
+(``load/faults.py``, ``tests/faults``, ``load/bench/faults.py``).
 
 ``clients`` concurrent loops, each sending one chat completion after another (every other one streamed),
 all sharing a system prompt, until stopped. A request *succeeded* when it got a 200 and, for a stream,
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -79,3 +82,41 @@ class SteadyLoad:
     def between(self, start: float, end: float) -> list[Outcome]:
         """Requests that started in ``[start, end)`` (monotonic seconds)."""
         return [o for o in self.outcomes if start <= o.started < end]
+
+
+def failure_kind(o: Outcome) -> str:
+    """How a request failed, for the records: its HTTP status, ``200 cut`` (a 200 whose stream or body
+    ended early), or ``no response`` (the connection failed or the client timed out before any status)."""
+    if o.status is None:
+        return "no response"
+    return "200 cut" if o.status == 200 else str(o.status)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRecord:
+    """One fault's count: requests ``sent`` under it, ``succeeded``, ``failed`` by :func:`failure_kind`,
+    ``hung`` (took longer than every configured bound plus slack, whatever their end), and
+    ``recovery_s``: seconds from the fault until full service returned (the process back, every engine
+    eligible again in every ext_proc)."""
+
+    fault: str
+    sent: int
+    succeeded: int
+    failed: dict[str, int]
+    hung: int
+    recovery_s: float
+
+    @classmethod
+    def of(cls, fault: str, outcomes: list[Outcome], hang_s: float, recovery_s: float) -> FaultRecord:
+        failed = Counter(failure_kind(o) for o in outcomes if not o.ok)
+        return cls(
+            fault,
+            len(outcomes),
+            sum(o.ok for o in outcomes),
+            dict(sorted(failed.items())),
+            sum(o.ended - o.started > hang_s for o in outcomes),
+            round(recovery_s, 3),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
