@@ -16,6 +16,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -445,6 +447,57 @@ async def kill_agent(stack: Stack, w: Windows, index: int = 1) -> FaultRun:
         back = await watch(lambda: all_healthy(stack), RESTART_S)
         await window(w.after)
     return _run("SIGKILL agent", steady, killed, back)
+
+
+async def _kvgate(*argv: str) -> None:
+    """``kvgate ARGV`` as an operator runs it (in a thread: the load shares this event loop)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "kvgate.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, (argv, done.stdout, done.stderr)
+
+
+async def drain_engine(stack: Stack, w: Windows) -> FaultRun:
+    """``kvgate drain`` the busiest engine through etcd under load, then ``kvgate drain --undo``: once
+    every ext_proc shows it draining, Envoy sends it no new try; nothing fails (its requests in flight
+    finish); the undo puts it back in rotation."""
+    assert stack.etcd is not None
+    etcd = ("--etcd", stack.etcd.address)
+    async with load(stack) as steady:
+        await window(w.warm)
+        served = Counter(o.endpoint for o in steady.outcomes if o.ok)
+        engine = max(stack.engines, key=lambda e: served[e["address"]])
+        name, address = str(engine["id"]), str(engine["address"])
+        drained = time.monotonic()
+        await _kvgate("drain", name, *etcd)
+        written = time.monotonic()  # the command wrote the drain to etcd and returned
+        detected = await watch(lambda: not any(healthy(stack, name)), DETECT_S)
+        await window(DISPATCH_S)  # decisions made just before the drain showed reach Envoy
+        tries_at_detection = envoy_counter(stack, address, "rq_total")
+        await window(w.stopped)
+        tries_after = envoy_counter(stack, address, "rq_total") - tries_at_detection
+        await _kvgate("drain", name, "--undo", *etcd)
+        undone = time.monotonic()
+        back = await watch(lambda: all(healthy(stack, name)), ROTATION_S)
+        await window(w.after)
+    return _run(
+        "kvgate drain engine, then --undo",
+        steady,
+        drained,
+        back,
+        written=written,
+        detected=detected,
+        undone=undone,
+        back=back,
+        address=address,
+        victim=name,
+        after_detection=tries_after,
+    )
 
 
 async def kill_etcd(stack: Stack, w: Windows) -> FaultRun:

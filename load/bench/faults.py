@@ -56,7 +56,10 @@ PLAN: dict[str, tuple[Callable[[Path], StackOptions], dict[str, Scenario]]] = {
         lambda workdir: faults.streaming_options(workdir, migration=False),
         {"kill-engine-no-migration": faults.kill_streaming_engine},
     ),
-    "agents": (faults.agents_options, {"kill-agent": faults.kill_agent, "kill-etcd": faults.kill_etcd}),
+    "agents": (
+        faults.agents_options,
+        {"kill-agent": faults.kill_agent, "kill-etcd": faults.kill_etcd, "drain": faults.drain_engine},
+    ),
 }
 QUICK = ("kill-engine", "kill-etcd")
 

@@ -1,6 +1,7 @@
-"""Faults of the control plane under steady load: a node agent and etcd SIGKILLed and restarted (three
-agents, one simulated engine each, a local etcd). Requests do not depend on either: only requests in
-flight on the killed agent's engine (its child) may fail, none for etcd."""
+"""Faults of the control plane under steady load: a node agent and etcd SIGKILLed and restarted, and an
+engine drained by an operator (three agents, one simulated engine each, a local etcd). Requests do not
+depend on etcd or an agent: only requests in flight on the killed agent's engine (its child) may fail,
+none for etcd or a drain; a drained engine gets no new try once the gateway shows the drain."""
 
 from __future__ import annotations
 
@@ -34,4 +35,12 @@ async def test_a_killed_agent_costs_only_its_engines_requests_and_comes_back(
 async def test_a_killed_etcd_changes_nothing_for_requests_and_comes_back(agents: Stack, note: Any) -> None:
     run: FaultRun = note(await faults.kill_etcd(agents, W))
     assert not run.failures(), run.failures()
+    assert run.record.hung == 0 and run.record.sent > 10
+
+
+async def test_a_drained_engine_gets_no_new_request_and_loses_none(agents: Stack, note: Any) -> None:
+    run: FaultRun = note(await faults.drain_engine(agents, W))
+    assert not run.failures(), run.failures()
+    assert run.facts["detected"] - run.facts["written"] < faults.DETECT_S
+    assert run.facts["after_detection"] == 0, run.facts
     assert run.record.hung == 0 and run.record.sent > 10
