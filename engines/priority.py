@@ -2,8 +2,9 @@
 the command line it runs with (what a node agent registers as the endpoint's ``priority_order``).
 
 - vLLM (and the simulator, which takes vLLM's flag): ``--scheduling-policy priority``. The waiting queue
-  is ordered by ``(priority, arrival)``, the **lower** value first (``low_first``). Without it a non-zero
-  ``priority`` is refused with 400 ("Priority scheduling is not enabled").
+  is ordered by ``(priority, arrival)``, the **lower** value first (``low_first``). Without it the
+  field does not order anything (vLLM's V0 engine refused a non-zero one: "Priority scheduling is not
+  enabled").
 - SGLang: ``--enable-priority-scheduling`` orders by the **higher** value first (``high_first``);
   with ``--schedule-low-priority-values-first`` as well, the lower first (``low_first``). Without
   ``--enable-priority-scheduling`` the field is ignored (refused only with

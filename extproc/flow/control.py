@@ -108,8 +108,8 @@ def body_priority(
     The band is written when every one of them is told in the same order (:meth:`EnginePriority.order_for`;
     one body goes to whichever Envoy reaches). Otherwise nothing is written, and a client's own field is
     removed if any of them would schedule by it, so no client jumps an engine's queue on its own say; a
-    client's field to engines that ignore it (or refuse it, as vLLM without priority scheduling does) is
-    left as it came."""
+    client's field to engines that ignore it (or refuse it, as vLLM's V0 engine without priority
+    scheduling did) is left as it came."""
     orders = {None if to_engine is None else to_engine.order_for(d) for d in declared}
     if to_engine is not None and band is not None and len(orders) == 1 and None not in orders:
         return BodyPriority(to_engine.value(band, next(iter(orders))))

@@ -109,8 +109,8 @@ class EnginePriority:
     ``--priority-scheduling-preemption-threshold``, 10 by default).
 
     An endpoint's own ``priority_order`` (its record, :mod:`engines.priority`) says which it is; ``order``
-    is assumed for an endpoint that declares none (``None``, the default: such an endpoint is not told,
-    since vLLM without ``--scheduling-policy priority`` refuses a non-zero ``priority`` with 400)."""
+    is assumed for an endpoint that declares none (``None``, the default: such an endpoint is not told; an
+    order assumed wrongly would invert the bands)."""
 
     order: str | None = None
     scale: int = 1

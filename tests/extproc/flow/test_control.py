@@ -230,7 +230,7 @@ def test_room_mixes_endpoints_by_their_own_order() -> None:
         (EnginePriority(), 1, ["low_first", None], False, BodyPriority(None)),
         (EnginePriority(), 1, ["low_first", None], True, BodyPriority(None, drop=True)),
         # an endpoint that declares nothing is told only under an assumed order
-        (EnginePriority(), 1, [None], True, BodyPriority(None)),  # left as it came (vLLM fcfs: its 400)
+        (EnginePriority(), 1, [None], True, BodyPriority(None)),  # left as it came (nothing acts on it there)
         (EnginePriority("high_first", 10), 1, [None], True, BodyPriority(10)),
         (EnginePriority("high_first", 10), 1, ["low_first"], False, BodyPriority(-10)),  # declared wins
         # flow/engine_priority off, or no band: a client never jumps a priority engine's queue itself
