@@ -22,6 +22,7 @@ from engines.endpoint import Endpoint
 from engines.errors import ArtifactNotFound
 from engines.kind import KV_EVENTS_TOPIC, ModelExport, RenderContext, host_port, local_host
 from engines.kinds import KINDS, check_combination
+from engines.priority import priority_order
 
 #: Metrics path of every remote engine, whatever its kind (a remote trtllm serves /prometheus/metrics:
 #: set ``metrics = false`` for it; kept as it was so that existing configs behave the same).
@@ -188,4 +189,6 @@ def endpoint_for(engine: EngineConfig, launch: EngineLaunch, *, node: str, feed:
         block_size=engine.block_size,
         # An SGLang prefill server's side port is its PD bootstrap server (engines/sglang.py).
         bootstrap_port=launch.side_port if engine.kind == "sglang" and engine.role == "prefill" else None,
+        # Read from the command line it runs with: what the engine does with a body's priority field.
+        priority_order=priority_order(engine.kind, launch.argv),
     )

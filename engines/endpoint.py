@@ -18,6 +18,7 @@ from contracts.etcd import ENDPOINTS
 from contracts.events import EndpointId
 from contracts.versions import DIGEST_VERSION, LEGACY_VERSION, RECORD_VERSION, Skew, describe, skew
 from engines.kinds import ENGINE_KINDS, ROLES
+from engines.priority import PRIORITY_ORDERS
 
 #: Fields of a record that say how to read it, not what the endpoint is (:mod:`contracts.versions`).
 VERSION_FIELDS = ("schema", "digest")
@@ -39,7 +40,9 @@ class Endpoint:
     offered. ``bootstrap_port``: an SGLang prefill server's PD bootstrap port, which its decode partner
     connects to (``None``: none; :mod:`extproc.disagg`). ``adapters``: the names in ``models`` that are
     LoRA adapters of the endpoint's base model (the others; vLLM ``--lora-modules``), each routed by name
-    like a model; listing one adds it to ``models``.
+    like a model; listing one adds it to ``models``. ``priority_order``: the engine schedules by the body's
+    ``priority`` field, ``low_first`` (vLLM ``--scheduling-policy priority``) or ``high_first`` (SGLang
+    ``--enable-priority-scheduling``; :mod:`engines.priority`), ``None``: it does not (or did not say).
     """
 
     id: EndpointId
@@ -57,6 +60,7 @@ class Endpoint:
     slot_restore: str | None = None
     bootstrap_port: int | None = None
     adapters: frozenset[str] = frozenset()
+    priority_order: str | None = None
 
     @property
     def base_model(self) -> str | None:
@@ -86,6 +90,7 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
     label_items = tuple(sorted((k, labels.string(k, REQUIRED)) for k in labels.names()))
     labels.done()
     feed = s.string("feed")
+    order = s.string("priority_order")
     endpoint = Endpoint(
         id=EndpointId(s.string("id", address)),
         address=address,
@@ -102,6 +107,7 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
         slot_restore=_http_url(s.string("slot_restore"), f"{where}.slot_restore"),
         bootstrap_port=s.integer("bootstrap_port", None, minimum=1),
         adapters=frozenset(adapters),
+        priority_order=None if order is None else choice(order, PRIORITY_ORDERS, f"{where}.priority_order"),
     )
     if endpoint.bootstrap_port is not None and endpoint.bootstrap_port > 65535:
         raise ConfigError(f"{where}.bootstrap_port: must be a port number, got {endpoint.bootstrap_port}")
@@ -150,6 +156,8 @@ def encode_endpoint(endpoint: Endpoint) -> bytes:
         doc["bootstrap_port"] = endpoint.bootstrap_port
     if endpoint.adapters:  # the same
         doc["adapters"] = sorted(endpoint.adapters)
+    if endpoint.priority_order is not None:  # the same
+        doc["priority_order"] = endpoint.priority_order
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

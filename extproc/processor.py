@@ -139,6 +139,7 @@ from extproc.flow.control import (
     FlowControl,
     FlowRequest,
     Room,
+    body_priority,
     room,
     saturated,
 )
@@ -692,10 +693,12 @@ class StreamProcessor:
         if flow is None or not flow.policy.holds:
             return None
         policy = flow.policy
-        headroom = policy.headroom(self._priority)
+        priority = self._priority
 
         def has_room(state: EndpointState) -> bool:
-            return not saturated(policy.saturation_for(model, state.endpoint.role), state, headroom)
+            endpoint = state.endpoint
+            headroom = policy.headroom_at(priority, endpoint.priority_order)
+            return not saturated(policy.saturation_for(model, endpoint.role), state, headroom)
 
         return has_room
 
@@ -740,11 +743,19 @@ class StreamProcessor:
             self.forward = self._forwarded(self._federation, len(body), decided)
             if self.forward is not None:
                 return self._replies(request.stream, body, started, decided)
-        if self._flow is not None and self._priority is not None:
-            to_engine = self._flow.policy.engine_priority
-            if to_engine is not None:  # the band goes on to engines that schedule by priority
-                # request.body is the body as sent: every rewrite (model, escalation, salt) replaces both
-                body = orjson.dumps({**request.body, "priority": to_engine.value(self._priority)})
+        # The band goes on to engines that schedule by priority; a client's own priority never does
+        # (request.body is the body as sent: every rewrite (model, escalation, salt) replaces both).
+        to_engine = self._flow.policy.engine_priority if self._flow is not None else None
+        sent = body_priority(
+            to_engine,
+            self._priority,
+            [s.endpoint.priority_order for s in self.decision.endpoints],
+            "priority" in request.body,
+        )
+        if sent.value is not None:
+            body = orjson.dumps({**request.body, "priority": sent.value})
+        elif sent.drop:
+            body = orjson.dumps({k: v for k, v in request.body.items() if k != "priority"})
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
             self.pd = self._disagg.plan(self.decision, decided, self._subset, pinned)
             if self.pd is not None and self.pd.handoff is not None:

@@ -23,14 +23,14 @@ deadline bounds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
 from extproc.errors import GatewayError, TooManyRequests, Unavailable
 from extproc.fleet import EndpointState
-from extproc.flow.policy import FlowPolicy, Saturation
+from extproc.flow.policy import EnginePriority, FlowPolicy, Saturation
 from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE, Entry, FlowQueues
 
 T = TypeVar("T")
@@ -75,16 +75,46 @@ def room(
     priority: int | None = None,
 ) -> Room:
     """Whether ``model`` can take a request of band ``priority`` now among ``states`` (those the model's
-    route admits), under the limits less the band's headroom (``None``: the full limits)."""
-    headroom = policy.headroom(priority)
+    route admits), under the limits less the band's headroom at each (``None``: the full limits;
+    :meth:`FlowPolicy.headroom_at`: a band past the limits only where the engine is told it)."""
     found = Room.NONE
     for state in states:
         if model not in state.endpoint.models or not state.healthy or state.draining or state.ejected(now):
             continue
-        if not saturated(policy.saturation_for(model, state.endpoint.role), state, headroom):
+        endpoint = state.endpoint
+        headroom = policy.headroom_at(priority, endpoint.priority_order)
+        if not saturated(policy.saturation_for(model, endpoint.role), state, headroom):
             return Room.OPEN
         found = Room.FULL
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class BodyPriority:
+    """What becomes of a routed body's ``priority`` field (:func:`body_priority`): ``value`` is written
+    (``None``: nothing written); with ``drop`` the client's own field is removed."""
+
+    value: int | None = None
+    drop: bool = False
+
+
+def body_priority(
+    to_engine: EnginePriority | None, band: int | None, declared: Sequence[str | None], client_sent: bool
+) -> BodyPriority:
+    """The body's ``priority`` for a request of ``band`` (``None``: flow control gave it none) routed to
+    endpoints (the pick, then Envoy's fallbacks) whose records declare ``declared`` priority orders,
+    under ``flow/engine_priority`` ``to_engine``; ``client_sent``: the client's body has a ``priority``.
+
+    The band is written when every one of them is told in the same order (:meth:`EnginePriority.order_for`;
+    one body goes to whichever Envoy reaches). Otherwise nothing is written, and a client's own field is
+    removed if any of them would schedule by it, so no client jumps an engine's queue on its own say; a
+    client's field to engines that ignore it (or refuse it, as vLLM's V0 engine without priority
+    scheduling did) is left as it came."""
+    orders = {None if to_engine is None else to_engine.order_for(d) for d in declared}
+    if to_engine is not None and band is not None and len(orders) == 1 and None not in orders:
+        return BodyPriority(to_engine.value(band, next(iter(orders))))
+    trusting = any(d is not None for d in declared) or any(o is not None for o in orders)
+    return BodyPriority(None, drop=client_sent and trusting)
 
 
 @dataclass(frozen=True, slots=True)

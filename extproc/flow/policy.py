@@ -19,9 +19,11 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
     flow/fairness              "tokens" (prompt + output tokens) or "requests": what a flow's share counts
     flow/retry_after_s         the Retry-After of a 429 from flow control (integer seconds >= 1)
     flow/engine_priority       {order, scale} or null (default): write each routed request's priority
-                               into the body's "priority" field for engines that schedule by it
-                               (order "low_first": vLLM, value -priority x scale; "high_first": SGLang's
-                               default, priority x scale); the client's own "priority" is replaced
+                               into the body's "priority" field for engines that schedule by it: those
+                               whose endpoint record declares a priority_order, and with "order" set,
+                               every other endpoint too as if it declared that order ("low_first": vLLM,
+                               value -priority x scale; "high_first": SGLang's default, priority x
+                               scale); the client's own "priority" is replaced or removed
     flow/burst                 {max_per_minute}: each burst endpoint's budget (extproc/burst; default
                                0: nothing is sent to a burst endpoint)
     objectives/<name>          {priority, ttft_ms, tpot_ms}: a named objective (etcd family objectives/)
@@ -50,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from contracts.errors import ConfigError
+from engines.priority import PRIORITY_ORDERS
 
 FAIRNESS = ("tokens", "requests")
 ROLES = ("both", "prefill", "decode")
@@ -94,7 +97,7 @@ class BandLimits:
     headroom: float = 0.0
 
 
-ENGINE_PRIORITY_ORDERS = ("low_first", "high_first")
+ENGINE_PRIORITY_ORDERS = PRIORITY_ORDERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +106,24 @@ class EnginePriority:
     ``-priority x scale`` for ``low_first`` engines (vLLM's ``--scheduling-policy priority``, SGLang's
     ``--schedule-low-priority-values-first``), ``priority x scale`` for ``high_first`` (SGLang's
     default). ``scale`` spreads bands apart (SGLang preempts only past a difference of its
-    ``--priority-scheduling-preemption-threshold``, 10 by default)."""
+    ``--priority-scheduling-preemption-threshold``, 10 by default).
 
-    order: str = "low_first"
+    An endpoint's own ``priority_order`` (its record, :mod:`engines.priority`) says which it is; ``order``
+    is assumed for an endpoint that declares none (``None``, the default: such an endpoint is not told; an
+    order assumed wrongly would invert the bands)."""
+
+    order: str | None = None
     scale: int = 1
 
-    def value(self, priority: int) -> int:
-        return priority * self.scale if self.order == "high_first" else -priority * self.scale
+    def order_for(self, declared: str | None) -> str | None:
+        """The order an endpoint declaring ``declared`` is told in (``None``: it is not told)."""
+        return declared if declared is not None else self.order
+
+    def value(self, priority: int, order: str | None = None) -> int:
+        """The body's ``priority`` for band ``priority`` at an engine of ``order`` (``None``: ``self.order``,
+        else ``low_first``)."""
+        order = order or self.order or "low_first"
+        return priority * self.scale if order == "high_first" else -priority * self.scale
 
     def to_json(self) -> dict[str, object]:
         return {"order": self.order, "scale": self.scale}
@@ -160,6 +174,16 @@ class FlowPolicy:
         """The share of each saturation limit ``priority``'s band leaves free (``None``: 0, the full
         limits)."""
         return 0.0 if priority is None else self.band_limits.get(priority, self.bands).headroom
+
+    def headroom_at(self, priority: int | None, declared: str | None) -> float:
+        """:meth:`headroom` at an endpoint whose record declares ``declared`` (its ``priority_order``): a
+        negative headroom (a band going past the limits) holds only where the engine is told the band
+        (``flow/engine_priority`` on and :meth:`EnginePriority.order_for` an order), and is 0 elsewhere: an
+        engine that does not schedule by priority would queue the band behind the work already there."""
+        share = self.headroom(priority)
+        if share < 0 and (self.engine_priority is None or self.engine_priority.order_for(declared) is None):
+            return 0.0
+        return share
 
     def saturation_for(self, model: str, role: str) -> Saturation:
         """The limits of ``(model, role)``: the model's role's, else the model's, else the default."""
@@ -421,11 +445,11 @@ def parse_engine_priority(value: object, where: str) -> EnginePriority | None:
     if value is None:
         return None
     table = _table(value, where, ("order", "scale"))
-    order = table.get("order", "low_first")
-    if order not in ENGINE_PRIORITY_ORDERS:
+    order = table.get("order")
+    if order is not None and order not in ENGINE_PRIORITY_ORDERS:
         orders = ", ".join(ENGINE_PRIORITY_ORDERS)
         raise ConfigError(f"{where}.order: expected one of {orders}, got {order!r}")
-    assert isinstance(order, str)
+    assert order is None or isinstance(order, str)
     scale = int(number(table.get("scale", 1), f"{where}.scale", 1, integer=True))
     return EnginePriority(order, scale)
 

@@ -55,6 +55,7 @@ from certs.store import LOCAL_SANS, LeafFiles, dev_bundle
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
+from engines.priority import priority_order
 from extproc.config import GatewayConfig, parse_config
 from kvgate.dev import overlay, recipe, stackfile, upcli
 from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
@@ -298,6 +299,9 @@ class Stack:
             }
             if bootstrap is not None:
                 engine["bootstrap_port"] = bootstrap
+            order = priority_order("sim", opts.sim_args)  # the simulator takes vLLM's flag
+            if order is not None:
+                engine["priority_order"] = order
             self.engines.append(engine if role == "both" else {**engine, "role": role})
 
     def _tracing(self) -> dict[str, Any]:

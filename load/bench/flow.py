@@ -5,6 +5,8 @@
     python -m load.bench.flow --sweep-only --out results/flow-sweep.json  # the sweep alone
     python -m load.bench.flow --quick --out /tmp/flow.json       # seconds; figures mean nothing
     python -m load.bench.flow --engine-priority --sweep --out results/flow.json  # engines preempt by priority
+    python -m load.bench.flow --targets kvgate-flow,kvgate-flow-priority,kvgate-no-flow --out results/f.json
+                                                   # + kvgate-flow-priority: vLLM's priority scheduling
 
 Fleet: ``replicas`` simulated vLLM replicas (``load.sim``, one process) running the H100/8B step model
 slowed ``time_scale`` times, each running at most ``max_num_seqs`` sequences (the rest wait in the
@@ -49,7 +51,17 @@ simulator's ``--scheduling-policy priority --priority-preemption``, every target
 writes each request's band into its body (``flow/engine_priority``), lets batch fill every slot (headroom
 0 unless ``--batch-headroom`` is given) and lets interactive go past the limit (headroom
 ``-interactive_overcommit``); the other targets send no priority, so the engines serve them first come,
-first served.
+first served. ``--vllm-priority`` makes those engines schedule as vLLM's v1 scheduler does instead
+(``--scheduling-policy priority`` alone: the queue ordered by ``(priority, arrival)``, no preemption for a
+waiting request: an interactive arrival waits for the next free slot, ahead of every queued batch one).
+
+Target ``kvgate-flow-priority`` (not among the defaults; name it in ``--targets``): ``kvgate-flow``'s
+settings, but the fleet's engines schedule by priority as vLLM does (every target then runs over that
+fleet; requests without a ``priority`` are all 0 there, so the others are served first come, first served
+as before), the gateway writes each request's band into its body (``flow/engine_priority``, the engines'
+order ``low_first``), batch fills every slot (headroom ``priority_batch_headroom``, 0) and interactive
+may go past the limit into the engine's queue (headroom ``-interactive_overcommit``). Its goals are
+reported beside the others (``goals_priority``: the same goals with it in ``kvgate-flow``'s place).
 
 Goals (``goals``, each ``{value, goal, met}``): interactive goodput >= 0.95 with flow control and < 0.5
 without; total output tok/s with flow control >= 0.95 x without; Jain's index with flow control >= 0.95;
@@ -86,7 +98,9 @@ from load.workloads.session import Session, Turn, closed_arrivals, poisson_arriv
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("kvgate-flow", "kvgate-no-flow", "round-robin", "sglang-router", "vllm-router")
+DEFAULT_TARGETS = ("kvgate-flow", "kvgate-no-flow", "round-robin", "sglang-router", "vllm-router")
+PRIORITY_TARGET = "kvgate-flow-priority"
+TARGETS = (*DEFAULT_TARGETS, PRIORITY_TARGET)
 SWEEP_TARGETS = ("kvgate-flow", "kvgate-no-flow", "round-robin")
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
@@ -106,6 +120,11 @@ SIM_SOURCES = {
     " lower priority when the batch is full (SGLang's --enable-priority-scheduling: schedule_policy.py"
     " preempt_to_schedule, threshold 0 here); a preempted request recomputes from its last cached full block"
     " (load/sim/engine.py)",
+    "engine_preemption": "false (--vllm-priority, or the fleet of kvgate-flow-priority without"
+    " --engine-priority): the engines schedule as vLLM's v1 scheduler: the waiting queue a heap by"
+    " (priority, arrival) (vllm/v1/core/sched/request_queue.py PriorityRequestQueue), a waiting request"
+    " admitted only into a free slot, preemption only when KV blocks run out (vllm/v1/core/sched/scheduler.py"
+    " schedule(); this simulator reserves a request's blocks on admission, so never)",
 }
 
 
@@ -143,12 +162,20 @@ class FlowConfig:
     #: go past the in-flight limit by ``interactive_overcommit`` (a negative headroom).
     engine_priority: bool = False
     interactive_overcommit: float = 0.5
+    #: The engines of a priority fleet also preempt for a full batch (SGLang); False: vLLM's v1 scheduler.
+    engine_preemption: bool = True
+    #: The kvgate-flow-priority target's batch headroom.
+    priority_batch_headroom: float = 0.0
     seed: int = 1
 
-    def sim_args(self) -> tuple[str, ...]:
+    def sim_args(self, priority_fleet: bool = False) -> tuple[str, ...]:
+        """The simulator's flags; with ``engine_priority`` or ``priority_fleet`` its engines schedule by
+        priority (and preempt, with ``engine_preemption``)."""
         priority: tuple[str, ...] = ()
-        if self.engine_priority:
-            priority = ("--scheduling-policy", "priority", "--priority-preemption")
+        if self.engine_priority or priority_fleet:
+            priority = ("--scheduling-policy", "priority")
+            if self.engine_preemption:
+                priority += ("--priority-preemption",)
         return (
             "--time-scale", str(self.time_scale),
             "--max-num-seqs", str(self.max_num_seqs),
@@ -191,12 +218,19 @@ def quick_config() -> FlowConfig:
     )
 
 
-def flow_overlay(config: FlowConfig, limits: bool) -> dict[str, Any]:
+def flow_overlay(config: FlowConfig, limits: bool, engine_priority: bool | None = None) -> dict[str, Any]:
     """The gateway config laid over ``kvgate up``'s: the two objectives (an unknown objective is a 400),
     and with ``limits`` flow control: the interactive TTFT target (a deadline: predicted or past, a 429
     ``slo_unattainable``) and the ``[flow]`` settings (per engine at most ``max_num_seqs`` in flight;
     batch band bounds and headroom). Without ``limits`` the objectives carry no deadline, so nothing is
-    held or shed."""
+    held or shed. ``engine_priority`` (``None``: ``config.engine_priority``): the band goes to the engines
+    (whose order, ``low_first``, the overlay states: the bench's endpoints are given by URL and declare
+    none), interactive may go past the limit, and batch keeps ``priority_batch_headroom`` (with
+    ``config.engine_priority``: ``batch_headroom``)."""
+    telling = config.engine_priority if engine_priority is None else engine_priority
+    headroom = config.batch_headroom
+    if telling and not config.engine_priority:
+        headroom = config.priority_batch_headroom
     interactive: dict[str, Any] = {"priority": 1}
     if limits:
         interactive["ttft_ms"] = config.ttft_ms
@@ -208,12 +242,12 @@ def flow_overlay(config: FlowConfig, limits: bool) -> dict[str, Any]:
                 "0": {
                     "max_requests": config.batch_max_requests,
                     "max_wait_s": config.batch_max_wait_s,
-                    "headroom": config.batch_headroom,
+                    "headroom": headroom,
                 }
             },
             "fairness": "tokens",
         }
-        if config.engine_priority:
+        if telling:
             overlay["flow"]["bands"]["1"] = {"headroom": -config.interactive_overcommit}
             overlay["flow"]["engine_priority"] = {"order": "low_first", "scale": 1}
     return overlay
@@ -294,7 +328,7 @@ def measure_capacity(config: FlowConfig, fleet: tg.Fleet, workdir: Path) -> dict
 
 def _start(name: str, config: FlowConfig, fleet: tg.Fleet, workdir: Path) -> tg.Running:
     model_dir = ensure_model_dir(smollm2_gguf_path())
-    if name in ("kvgate-flow", "kvgate-no-flow"):
+    if name in ("kvgate-flow", "kvgate-no-flow", PRIORITY_TARGET):
         options = StackOptions(
             port=0,
             model=DEFAULT_MODEL,
@@ -302,7 +336,11 @@ def _start(name: str, config: FlowConfig, fleet: tg.Fleet, workdir: Path) -> tg.
             engine="vllm",
             model_dir=str(model_dir),
             index={"mode": "approximate"},
-            overlay=flow_overlay(config, limits=name == "kvgate-flow"),
+            overlay=flow_overlay(
+                config,
+                limits=name != "kvgate-no-flow",
+                engine_priority=True if name == PRIORITY_TARGET else None,
+            ),
             workdir=workdir,
         )
         stack = Stack(options)
@@ -468,7 +506,8 @@ def run_target(
 
 def run_fleet(config: FlowConfig, targets: Sequence[str], workdir: Path, progress: bool) -> dict[str, Any]:
     """Start the fleet, measure its capacity, run every target at ``multiplier`` x capacity."""
-    spec = tg.FleetSpec(config.replicas, config.kv_blocks, config.max_model_len, config.sim_args())
+    sim_args = config.sim_args(priority_fleet=PRIORITY_TARGET in targets)
+    spec = tg.FleetSpec(config.replicas, config.kv_blocks, config.max_model_len, sim_args)
     fleet = tg.Fleet(spec, DEFAULT_MODEL, ensure_model_dir(smollm2_gguf_path()), workdir / "fleet")
     try:
         capacity = measure_capacity(config, fleet, workdir / "capacity")
@@ -477,6 +516,7 @@ def run_fleet(config: FlowConfig, targets: Sequence[str], workdir: Path, progres
     finally:
         fleet.stop()
     return {
+        "sim_args": list(sim_args),
         "capacity": capacity,
         "arrival_req_s": round(config.multiplier * capacity["measured_req_s"], 3),
         "requests": len(sessions),
@@ -488,9 +528,9 @@ def _goal(value: float, goal: str, met: bool) -> dict[str, Any]:
     return {"value": value, "goal": goal, "met": met}
 
 
-def goals(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Issue 17's goals from the kvgate-flow and kvgate-no-flow rows (every run target for ``lost``)."""
-    flow, plain = targets.get("kvgate-flow", {}), targets.get("kvgate-no-flow", {})
+def goals(targets: Mapping[str, Mapping[str, Any]], flow_target: str = "kvgate-flow") -> dict[str, Any]:
+    """Issue 17's goals from the ``flow_target`` and kvgate-no-flow rows (every run target for ``lost``)."""
+    flow, plain = targets.get(flow_target, {}), targets.get("kvgate-no-flow", {})
     out: dict[str, Any] = {}
     if "classes" in flow:
         g = flow["classes"]["interactive"]["goodput"]
@@ -508,8 +548,11 @@ def goals(targets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def sweep(config: FlowConfig, workdir: Path, progress: bool) -> list[dict[str, Any]]:
-    """Each key parameter halved and doubled; kvgate-flow, kvgate-no-flow and round robin each time."""
+def sweep(
+    config: FlowConfig, workdir: Path, progress: bool, extra: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Each key parameter halved and doubled; kvgate-flow, kvgate-no-flow and round robin each time (and
+    ``extra`` targets)."""
     variants: list[tuple[str, float, FlowConfig]] = []
     for factor in (0.5, 2.0):
         variants += [
@@ -532,7 +575,7 @@ def sweep(config: FlowConfig, workdir: Path, progress: bool) -> list[dict[str, A
     out = []
     for i, (param, factor, varied) in enumerate(variants):
         print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
-        got = run_fleet(varied, SWEEP_TARGETS, workdir / f"sweep-{i}", progress)
+        got = run_fleet(varied, (*SWEEP_TARGETS, *extra), workdir / f"sweep-{i}", progress)
         rows = got["targets"]
         goodput = {t: rows[t]["classes"]["interactive"]["goodput"] for t in rows if "classes" in rows[t]}
         out.append(
@@ -547,6 +590,14 @@ def sweep(config: FlowConfig, workdir: Path, progress: bool) -> list[dict[str, A
                 "jain": {t: rows[t]["fairness"]["jain"] for t in rows if "classes" in rows[t]},
                 "lost": {t: rows[t]["lost"] for t in rows if "classes" in rows[t]},
                 "ranking_holds": goodput.get("kvgate-flow", -1.0) >= goodput.get("kvgate-no-flow", 2.0),
+                **(
+                    {
+                        "ranking_holds_priority": goodput.get(PRIORITY_TARGET, -1.0)
+                        >= goodput.get("kvgate-no-flow", 2.0)
+                    }
+                    if PRIORITY_TARGET in extra
+                    else {}
+                ),
                 "targets": rows,
             }
         )
@@ -563,6 +614,7 @@ def _sim_params(config: FlowConfig) -> dict[str, Any]:
         "prefill_tokens_per_s",
         "multiplier",
         "engine_priority",
+        "engine_preemption",
     )
     return {k: getattr(config, k) for k in keys}
 
@@ -592,6 +644,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="engines preempt by priority and kvgate-flow passes the band (batch headroom 0 unless given)",
     )
+    p.add_argument(
+        "--vllm-priority",
+        action="store_true",
+        help="a priority fleet's engines schedule as vLLM's v1 scheduler (no preemption for a waiting one)",
+    )
+    p.add_argument(
+        "--priority-batch-headroom",
+        type=float,
+        help=f"{PRIORITY_TARGET}'s batch headroom (default 0: batch fills every slot)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -602,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("replicas", args.replicas),
         ("seed", args.seed),
         ("batch_headroom", args.batch_headroom),
+        ("priority_batch_headroom", args.priority_batch_headroom),
     ):
         if value is not None:
             config = replace(config, **{key: value})
@@ -609,7 +672,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = replace(config, engine_priority=True)
         if args.batch_headroom is None:
             config = replace(config, batch_headroom=0.0)
-    targets = tuple(args.targets.split(",")) if args.targets else TARGETS
+    if args.vllm_priority:
+        config = replace(config, engine_preemption=False)
+    targets = tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS
     if args.quick and not args.targets:
         targets = ("kvgate-flow", "kvgate-no-flow", "round-robin")
     if args.no_peers:
@@ -630,14 +695,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sim": {"parameters": _sim_params(config), "sources": SIM_SOURCES},
         "kvgate_flow_overlay": flow_overlay(config, limits=True),
         "kvgate_no_flow_overlay": flow_overlay(config, limits=False),
+        "kvgate_flow_priority_overlay": flow_overlay(config, limits=True, engine_priority=True),
     }
     if not args.sweep_only:
         main_run = run_fleet(config, targets, workdir / "main", not args.no_progress)
         result.update(main_run)
         result["skipped"] = {t: r["skipped"] for t, r in main_run["targets"].items() if "skipped" in r}
         result["goals"] = goals(main_run["targets"])
+        if PRIORITY_TARGET in main_run["targets"]:
+            result["goals_priority"] = goals(main_run["targets"], PRIORITY_TARGET)
     if args.sweep or args.sweep_only:
-        result["sweep"] = sweep(config, workdir / "sweep", not args.no_progress)
+        extra = (PRIORITY_TARGET,) if PRIORITY_TARGET in targets else ()
+        result["sweep"] = sweep(config, workdir / "sweep", not args.no_progress, extra)
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, result)

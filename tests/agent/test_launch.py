@@ -302,6 +302,28 @@ def test_an_sglang_prefill_server_registers_its_bootstrap_port() -> None:
     assert launch_of(engine("sglang", "prefill", "nixl")).side_port is not None
 
 
+@pytest.mark.parametrize(
+    ("kind", "args", "expected"),
+    [
+        ("vllm", (), None),
+        ("vllm", ("--scheduling-policy", "priority"), "low_first"),
+        ("sim", ("--scheduling-policy", "priority"), "low_first"),
+        ("sglang", ("--enable-priority-scheduling",), "high_first"),
+        ("sglang", ("--enable-priority-scheduling", "--schedule-low-priority-values-first"), "low_first"),
+        ("llama_cpp", (), None),
+    ],
+)
+def test_an_engine_registers_whether_it_schedules_by_priority(
+    kind: str, args: tuple[str, ...], expected: str | None
+) -> None:
+    """The endpoint record's priority_order comes from the command line the engine runs with (its extra
+    args), so a gateway tells the band only to engines that act on it."""
+    e = engine(kind, args=args)
+    launch = launch_of(e)
+    assert set(args) <= set(launch.argv)
+    assert endpoint_for(e, launch, node="n", feed=None).priority_order == expected
+
+
 def test_missing_artifacts_are_engine_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     import engines.gguf
 

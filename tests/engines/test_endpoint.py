@@ -109,3 +109,14 @@ def test_decode_refuses(value: bytes, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         decode_endpoint("node1-gpu0", value)
     assert str(info.value).startswith("endpoints/node1-gpu0")
+
+
+def test_codec_priority_order_round_trip() -> None:
+    for order in ("low_first", "high_first"):
+        endpoint = dataclasses.replace(FULL, priority_order=order)
+        value = encode_endpoint(endpoint)
+        assert json.loads(value)["priority_order"] == order
+        assert decode_endpoint(endpoint.id, value) == endpoint
+    assert "priority_order" not in json.loads(encode_endpoint(FULL))  # absent when not declared
+    with pytest.raises(ConfigError, match="priority_order: expected one of low_first, high_first"):
+        decode_endpoint(FULL.id, _with(priority_order="fcfs"))

@@ -122,6 +122,24 @@ def test_flow_overlay_sets_limits_and_deadlines_only_for_the_flow_target() -> No
     assert "flow" not in without
 
 
+def test_the_priority_target_tells_engines_the_band_and_lets_batch_fill_every_slot() -> None:
+    """kvgate-flow-priority: batch headroom ``priority_batch_headroom`` (0), interactive past the limit,
+    the band written in the engines' order; kvgate-flow keeps its kept slot. The fleet schedules by
+    priority (as vLLM: no preemption flag with ``engine_preemption`` off) only when the target runs."""
+    config = flow.FlowConfig(engine_preemption=False)
+    told = flow.flow_overlay(config, True, engine_priority=True)["flow"]
+    assert told["bands"]["0"]["headroom"] == 0.0
+    assert told["bands"]["1"] == {"headroom": -config.interactive_overcommit}
+    assert told["engine_priority"] == {"order": "low_first", "scale": 1}
+    kept = flow.flow_overlay(config, True)["flow"]
+    assert kept["bands"]["0"]["headroom"] == config.batch_headroom and "engine_priority" not in kept
+    assert "--scheduling-policy" not in config.sim_args()
+    fleet = config.sim_args(priority_fleet=True)
+    assert fleet[fleet.index("--scheduling-policy") + 1] == "priority"
+    assert "--priority-preemption" not in fleet
+    assert "--priority-preemption" in flow.FlowConfig().sim_args(priority_fleet=True)
+
+
 @pytest.mark.e2e
 def test_flow_quick(tmp_path: Path) -> None:
     out = tmp_path / "flow.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 
@@ -11,8 +12,8 @@ from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.errors import TooManyRequests, Unavailable
 from extproc.fleet import EndpointState
-from extproc.flow.control import FlowControl, FlowRequest, Room, room, saturated
-from extproc.flow.policy import BandLimits, FlowPolicy, ModelSaturation, Saturation
+from extproc.flow.control import BodyPriority, FlowControl, FlowRequest, Room, body_priority, room, saturated
+from extproc.flow.policy import BandLimits, EnginePriority, FlowPolicy, ModelSaturation, Saturation
 from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE
 
 M = "m"
@@ -31,12 +32,13 @@ def state(
     running: float | None = None,
     waiting: float = 0.0,
     kv: float | None = None,
+    order: str | None = None,
 ) -> EndpointState:
     """An endpoint's state; ``running`` ``None``: no metrics (never scraped, or stale)."""
     metrics = (
         None if running is None else EngineMetrics(waiting=waiting, running=running, kv_usage=kv, at=0.0)
     )
-    ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models), role=role)
+    ep = Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset(models), role=role, priority_order=order)
     return EndpointState(
         ep,
         healthy=healthy,
@@ -176,6 +178,77 @@ HEADROOM = FlowPolicy(
 )
 def test_room_per_band(in_flight: int, priority: int | None, expected: Room) -> None:
     assert room(HEADROOM, M, [state(in_flight=in_flight)], now=0.0, priority=priority) is expected
+
+
+# --- engines that schedule by priority --------------------------------------------------------------------
+
+#: Batch (0) fills every slot; interactive (1) may go to 1.5x the limit, where the engine is told its band.
+PAST = FlowPolicy(
+    saturation=Saturation(max_in_flight=8),
+    band_limits=types.MappingProxyType({1: BandLimits(headroom=-0.5)}),
+    engine_priority=EnginePriority(),
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "order", "in_flight", "priority", "expected"),
+    [
+        (PAST, "low_first", 11, 1, Room.OPEN),  # 11 < 1.5 x 8 at an engine that orders by priority
+        (PAST, "low_first", 12, 1, Room.FULL),  # bounded: 1.5 x 8
+        (PAST, "high_first", 11, 1, Room.OPEN),
+        (PAST, "low_first", 8, 0, Room.FULL),  # batch: the limit itself
+        (PAST, None, 8, 1, Room.FULL),  # an engine that does not say: no going past the limit
+        (PAST, None, 7, 1, Room.OPEN),
+        # flow/engine_priority off: the engine is never told the band, so nobody goes past the limit
+        (replace(PAST, engine_priority=None), "low_first", 8, 1, Room.FULL),
+        # an order assumed for every endpoint (the operator's word for engines that declare none)
+        (replace(PAST, engine_priority=EnginePriority("low_first")), None, 11, 1, Room.OPEN),
+    ],
+)
+def test_a_band_goes_past_the_limits_only_where_the_engine_is_told_it(
+    policy: FlowPolicy, order: str | None, in_flight: int, priority: int, expected: Room
+) -> None:
+    assert room(policy, M, [state(in_flight=in_flight, order=order)], now=0.0, priority=priority) is expected
+
+
+def test_room_mixes_endpoints_by_their_own_order() -> None:
+    fcfs, ordered = state(1, in_flight=9), state(2, in_flight=9, order="low_first")
+    assert room(PAST, M, [fcfs], now=0.0, priority=1) is Room.FULL
+    assert room(PAST, M, [fcfs, ordered], now=0.0, priority=1) is Room.OPEN
+
+
+@pytest.mark.parametrize(
+    ("to_engine", "band", "declared", "client_sent", "expected"),
+    [
+        # vLLM's order: lower first, so the band is negated; SGLang's default: the band itself x scale
+        (EnginePriority(), 1, ["low_first"], False, BodyPriority(-1)),
+        (EnginePriority(scale=10), 1, ["high_first"], True, BodyPriority(10)),  # the client's replaced
+        (EnginePriority(), 0, ["low_first", "low_first"], True, BodyPriority(0)),
+        (EnginePriority(), -1, ["low_first"], False, BodyPriority(1)),  # sheddable: after batch
+        # one body goes to whichever of pick and fallbacks Envoy reaches: all must read it alike
+        (EnginePriority(), 1, ["low_first", "high_first"], True, BodyPriority(None, drop=True)),
+        (EnginePriority(), 1, ["low_first", None], False, BodyPriority(None)),
+        (EnginePriority(), 1, ["low_first", None], True, BodyPriority(None, drop=True)),
+        # an endpoint that declares nothing is told only under an assumed order
+        (EnginePriority(), 1, [None], True, BodyPriority(None)),  # left as it came (nothing acts on it there)
+        (EnginePriority("high_first", 10), 1, [None], True, BodyPriority(10)),
+        (EnginePriority("high_first", 10), 1, ["low_first"], False, BodyPriority(-10)),  # declared wins
+        # flow/engine_priority off, or no band: a client never jumps a priority engine's queue itself
+        (None, 1, ["low_first"], True, BodyPriority(None, drop=True)),
+        (None, None, ["high_first"], True, BodyPriority(None, drop=True)),
+        (None, None, ["high_first"], False, BodyPriority(None)),
+        (None, None, [None], True, BodyPriority(None)),
+        (EnginePriority(), None, ["low_first"], True, BodyPriority(None, drop=True)),
+    ],
+)
+def test_body_priority(
+    to_engine: EnginePriority | None,
+    band: int | None,
+    declared: list[str | None],
+    client_sent: bool,
+    expected: BodyPriority,
+) -> None:
+    assert body_priority(to_engine, band, declared, client_sent) == expected
 
 
 def test_room_of_a_model_without_its_own_limits_uses_the_default() -> None:

@@ -425,3 +425,71 @@ def test_engine_priority_keeps_a_model_rewrite(router: Router) -> None:
     r = reply(send(make(router, control), extra, model=MODEL))
     sent = orjson.loads(b"".join(c for c, _ in r.chunks))
     assert (sent["model"], sent["priority"]) == (OTHER, -1)
+
+
+def declare(router: Router, order: str | None, model: str = MODEL) -> None:
+    """Every endpoint of ``model`` registers again, declaring it schedules by priority in ``order``."""
+    import dataclasses
+
+    for state in list(router.fleet):
+        if model in state.endpoint.models:
+            router.fleet.upsert(dataclasses.replace(state.endpoint, priority_order=order))
+
+
+def routed_body(r: Any) -> dict[str, Any]:
+    parsed: dict[str, Any] = orjson.loads(b"".join(c for c, _ in r.chunks))
+    return parsed
+
+
+@pytest.mark.parametrize(("order", "expected"), [("low_first", -1), ("high_first", 1)])
+def test_an_endpoint_that_declares_priority_scheduling_is_told_the_band_in_its_own_order(
+    router: Router, order: str, expected: int
+) -> None:
+    """flow/engine_priority without an assumed order: only endpoints whose record declares a
+    priority_order get the field, each in the order it declared; the client's own is replaced."""
+    policy = FlowPolicy(engine_priority=EnginePriority(), objectives={"interactive": INTERACTIVE})
+    control: FlowControl[StreamProcessor] = FlowControl(policy)
+    extra = {"x-llm-d-inference-objective": "interactive"}
+    assert "priority" not in routed_body(reply(send(make(router, control), extra)))  # none declared
+    declare(router, order)
+    assert routed_body(reply(send(make(router, control), extra, priority=-99)))["priority"] == expected
+
+
+def test_a_clients_priority_never_reaches_an_engine_that_schedules_by_it(router: Router) -> None:
+    """Without flow control (or with flow/engine_priority off) nothing is written, and a client's own
+    priority is removed where the engine would act on it: no client jumps an engine's queue itself. To
+    an engine that ignores the field it goes as it came."""
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0)
+    assert routed_body(reply(send(StreamProcessor(router, config, clock), priority=-99)))["priority"] == -99
+    declare(router, "low_first")
+    r = reply(send(StreamProcessor(router, config, clock), priority=-99))
+    assert "priority" not in routed_body(r)
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)  # flow control on, engine_priority off
+    r = reply(send(make(router, control), {"x-llm-d-inference-objective": "interactive"}, priority=-99))
+    assert "priority" not in routed_body(r)
+
+
+def test_a_band_goes_past_the_limits_only_at_engines_told_its_band(router: Router) -> None:
+    """Interactive's negative headroom lets it past a full fleet only where the engine schedules by
+    priority (declared); at engines that do not say, it waits for a slot like any band."""
+    policy = FlowPolicy(
+        saturation=Saturation(max_in_flight=1),
+        band_limits={1: BandLimits(headroom=-1)},
+        engine_priority=EnginePriority(),
+        objectives={o.name: o for o in (INTERACTIVE, BATCH)},
+    )
+    control: FlowControl[StreamProcessor] = FlowControl(policy)
+    for _ in range(3):
+        reply(send(make(router, control), {"x-llm-d-inference-objective": "batch"}))
+    held = make(router, control)
+    send(held, {"x-llm-d-inference-objective": "interactive"})
+    assert held.held is not None  # no endpoint declares priority scheduling: it waits
+    declare(router, "low_first")  # the engines register again, now scheduling by priority
+    space = flow_room(policy, router, MODEL, NOW, 1)
+    assert space is Room.OPEN
+    entry = control.next(MODEL, space, NOW)
+    assert entry is not None and entry.payload is held
+    assert routed_body(reply(held.resume()))["priority"] == -1
+    urgent = make(router, control)  # and so does the next one, at once
+    r = reply(send(urgent, {"x-llm-d-inference-objective": "interactive"}))
+    assert urgent.held is None and routed_body(r)["priority"] == -1
