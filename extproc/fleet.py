@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
+from extproc.scheduling.energy import PowerCurve
 
 ROUTED_HALF_LIFE_S = 30.0
 """Half-life of :meth:`EndpointState.recent_routed` (the ``balance`` filter's window)."""
@@ -70,6 +71,10 @@ class EndpointState:
     #: :class:`extproc.scheduling.energy.EnergyModel` estimates it from the node's watts and output tokens/s
     #: (``None``: not enough telemetry); the ``power`` scorer reads it.
     energy_per_token: float | None = None
+    #: The node's power curve (idle draw, wake-up draw, J/token when busy, one sequence's tokens/s) from the
+    #: same telemetry (:meth:`extproc.scheduling.energy.EnergyModel.curve`; ``None``: not enough); the
+    #: ``marginal-energy`` scorer reads it.
+    power_curve: PowerCurve | None = None
     #: LoRA adapter -> monotonic seconds when it was last known on the endpoint: in a reading's running or
     #: waiting adapters (:class:`engines.metrics.LoraState`) or routed there (:meth:`saw_adapter`); its
     #: ``max_lora`` most recent entries approximate the engine's slot table (extproc/scheduling/lora.py).
@@ -282,4 +287,4 @@ class Fleet:
             if state.metrics is not None and now - state.metrics.at > stale_after:
                 state.metrics = None
             if state.power and now - state.power_at > stale_after:
-                state.power, state.energy_per_token = (), None
+                state.power, state.energy_per_token, state.power_curve = (), None, None
