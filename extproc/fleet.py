@@ -14,12 +14,35 @@ from dataclasses import dataclass, field
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
-from extproc.scheduling.energy import PowerCurve
 
 ROUTED_HALF_LIFE_S = 30.0
 """Half-life of :meth:`EndpointState.recent_routed` (the ``balance`` filter's window)."""
 MAX_LORA_RECENT = 64
 """Adapters remembered per endpoint in :attr:`EndpointState.lora_recent` (the oldest are forgotten)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PowerCurve:
+    """One node's fitted power curve (:meth:`extproc.scheduling.energy.EnergyModel.curve`; kept here, with
+    the state that holds it): ``idle_w`` (W, no work), ``wake_w`` (W an active GPU draws above idle before
+    any token: busy intercept - idle), ``k`` (J per output token on a busy node: the busy line's slope),
+    ``seq_tps`` (output tokens/s of one sequence there; ``None``: unknown, then ``busy_tps``, the busy
+    readings' mean tokens/s, stands in, which understates the wake cost per token)."""
+
+    idle_w: float
+    wake_w: float
+    k: float
+    seq_tps: float | None
+    busy_tps: float
+
+    def cost(self, busy: bool) -> float:
+        """Marginal energy per output token (J/token) of one more request on the node:
+        ``(P(with) - P(without)) x t / tokens`` with ``t = tokens / seq_tps``. Busy: ``k``; idle:
+        ``k + wake_w / seq_tps`` (the request pays for waking the GPU for as long as it runs)."""
+        if busy:
+            return self.k
+        rate = self.seq_tps if self.seq_tps is not None else self.busy_tps
+        return self.k + self.wake_w / max(rate, 1e-9)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.events import Power
+from extproc.fleet import PowerCurve
+
+__all__ = ["KIND_ORDER", "CapLatch", "EnergyModel", "PowerCurve", "average_watts", "node_watts"]
 
 #: The order in which a node's power sources are trusted for its watts.
 KIND_ORDER = ("dcgm", "nvml", "redfish", "ipmi")
@@ -72,29 +75,6 @@ class _Fit:
     tt: float = 0.0
     tp: float = 0.0
     last_reading: float = -math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class PowerCurve:
-    """One node's fitted power curve (module docstring): ``idle_w`` (W, no work), ``wake_w`` (W an active
-    GPU draws above idle before any token: busy intercept - idle), ``k`` (J per output token on a busy
-    node: the busy line's slope), ``seq_tps`` (output tokens/s of one sequence there; ``None``: unknown,
-    then the busy readings' mean tokens/s stands in, which understates the wake cost per token)."""
-
-    idle_w: float
-    wake_w: float
-    k: float
-    seq_tps: float | None
-    busy_tps: float
-
-    def cost(self, busy: bool) -> float:
-        """Marginal energy per output token (J/token) of one more request on the node:
-        ``(P(with) - P(without)) x t / tokens`` with ``t = tokens / seq_tps``. Busy: ``k``; idle:
-        ``k + wake_w / seq_tps`` (the request pays for waking the GPU for as long as it runs)."""
-        if busy:
-            return self.k
-        rate = self.seq_tps if self.seq_tps is not None else self.busy_tps
-        return self.k + self.wake_w / max(rate, 1e-9)
 
 
 @dataclass(slots=True)
