@@ -269,3 +269,13 @@ def test_the_busy_replica_takes_the_work_within_the_ttft_target() -> None:
     assert plain.schedule(REQUEST, within, [busy, idle], rng).endpoints[0].id == "e2"
     assert energy.schedule(REQUEST, within, [busy, idle], rng).endpoints[0].id == "e1"
     assert energy.schedule(REQUEST, beyond, [busy, idle], rng).endpoints[0].id == "e2"
+
+
+def test_a_marginal_energy_weight_in_the_policy_turns_it_on() -> None:
+    from extproc.control.policy import PolicyStore
+
+    store = PolicyStore(DEFAULT_SCHEDULING)
+    assert not build_profile(store.policy.scheduling).predicts  # off by default
+    policy = store.put("weights/marginal-energy", b"4")
+    assert policy is not None and build_profile(policy.scheduling).predicts
+    assert store.put("plugins/marginal-energy/ttft_target_s", b"0") is None  # refused, the last good stays
