@@ -35,14 +35,16 @@ class PowerCurve:
     seq_tps: float | None
     busy_tps: float
 
-    def cost(self, busy: bool) -> float:
-        """Marginal energy per output token (J/token) of one more request on the node:
-        ``(P(with) - P(without)) x t / tokens`` with ``t = tokens / seq_tps``. Busy: ``k``; idle:
-        ``k + wake_w / seq_tps`` (the request pays for waking the GPU for as long as it runs)."""
-        if busy:
-            return self.k
+    def cost(self, running: float) -> float:
+        """Marginal energy per output token (J/token) of one more request on a node running ``running``
+        requests: ``(P(with) - P(without)) x t / tokens``. The request runs ``t = tokens / seq_tps``
+        seconds; the GPU is awake anyway until its running requests end, which for ``n`` requests with
+        remaining times spread evenly over ``[0, t]`` is ``t x n / (n + 1)`` on average, so the request
+        keeps it awake ``t / (n + 1)`` longer: ``k + wake_w / (seq_tps x (n + 1))``. Idle (``n = 0``): the
+        whole wake-up, ``k + wake_w / seq_tps``; a busy node tends to ``k``."""
         rate = self.seq_tps if self.seq_tps is not None else self.busy_tps
-        return self.k + self.wake_w / max(rate, 1e-9)
+        n = max(0.0, running) if math.isfinite(running) else 0.0
+        return self.k + self.wake_w / (max(rate, 1e-9) * (n + 1.0))
 
 
 @dataclass(slots=True)

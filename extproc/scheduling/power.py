@@ -82,11 +82,12 @@ class PowerScorer:
         return scores
 
 
-def busy(candidate: EndpointState) -> bool:
-    """Whether the endpoint runs work now: this gateway's requests in flight there, or its engine's last
-    reading says it runs or queues requests."""
+def running(candidate: EndpointState) -> float:
+    """Requests the endpoint runs now: its engine's last reading (running + waiting), or this gateway's
+    requests in flight there when more (or when there is no reading)."""
     m = candidate.metrics
-    return candidate.in_flight > 0 or (m is not None and (m.running > 0 or m.waiting > 0))
+    engine = 0.0 if m is None else max(0.0, m.running) + max(0.0, m.waiting)
+    return max(engine if math.isfinite(engine) else 0.0, float(candidate.in_flight))
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ class MarginalEnergyScorer:
     """``score = min_c cost(c) / cost(id)`` over the candidates with room (formulas in README.md):
 
     - ``cost(c)``: J per output token this request adds on ``c``'s node (:meth:`PowerCurve.cost`): the busy
-      slope ``k`` on a node already running work, ``k + wake_w / seq_tps`` on an idle one;
+      slope ``k`` plus the wake-up draw for the time the request keeps the GPU awake beyond its running
+      requests, ``k + wake_w / (seq_tps x (n + 1))`` with ``n`` requests running there;
     - room: predicted TTFT within the target (or, without a prediction, no more than ``max_waiting``
       queued); a candidate without room scores 0, and when none has room every candidate scores 0.5
       (the latency scorers spread the work);
@@ -165,7 +167,7 @@ class MarginalEnergyScorer:
         costs: dict[EndpointId, float] = {}
         for c in roomy:
             if c.power_curve is not None:
-                cost = c.power_curve.cost(busy(c))
+                cost = c.power_curve.cost(running(c))
                 if math.isfinite(cost) and cost > 0:
                     costs[c.id] = cost
         best = min(costs.values()) if costs else 0.0

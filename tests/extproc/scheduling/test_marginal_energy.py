@@ -59,8 +59,9 @@ def test_the_curve_separates_idle_draw_wake_up_and_busy_slope() -> None:
     assert curve.wake_w == pytest.approx(220.0)
     assert curve.k == pytest.approx(0.05)
     assert curve.seq_tps == pytest.approx(150.0)
-    assert curve.cost(busy=True) == pytest.approx(0.05)
-    assert curve.cost(busy=False) == pytest.approx(0.05 + 220.0 / 150.0)
+    assert curve.cost(running=0) == pytest.approx(0.05 + 220.0 / 150.0)  # the whole wake-up
+    assert curve.cost(running=9) == pytest.approx(0.05 + 220.0 / 1500.0)  # awake 1/10 of it longer
+    assert curve.cost(running=1e9) == pytest.approx(0.05)  # the busy slope
     # the straight line over every reading puts the step from idle into its slope
     marginal = model.marginal("a")
     assert marginal is not None and marginal > 0.1
@@ -108,31 +109,40 @@ def test_power_curve_fallbacks(
 
 def test_cost_without_one_sequence_speed_uses_the_busy_mean() -> None:
     curve = PowerCurve(idle_w=55.0, wake_w=120.0, k=0.05, seq_tps=None, busy_tps=400.0)
-    assert curve.cost(busy=False) == pytest.approx(0.05 + 120.0 / 400.0)
+    assert curve.cost(running=0) == pytest.approx(0.05 + 120.0 / 400.0)
+    assert curve.cost(running=float("nan")) == pytest.approx(0.05 + 120.0 / 400.0)
 
 
 BUSY, IDLE = dict(running=4.0), dict(running=0.0)
 CHEAP = PowerCurve(idle_w=55.0, wake_w=120.0, k=0.04, seq_tps=100.0, busy_tps=400.0)
+C_BUSY, C_IDLE, C_CHEAP = 0.05 + 220.0 / (150.0 * 5), 0.05 + 220.0 / 150.0, 0.04 + 120.0 / (100.0 * 5)
 
 
 @pytest.mark.parametrize(
     ("candidates", "predicted", "params", "expected"),
     [
-        # busy and idle, same curve: the busy one costs k, the idle one k + 220 / 150 (past the scale: 0)
+        # busy (4 running) and idle, same curve: k + 220 / (150 x 5) against k + 220 / 150 (past the scale)
         ([state(1, **BUSY), state(2, **IDLE)], {}, MarginalEnergyParams(), {"e1": 1.0, "e2": 0.0}),
         # a wider scale: 1 - (cost - best) / scale
         (
             [state(1, **BUSY), state(2, **IDLE)],
             {},
             MarginalEnergyParams(scale_j=2.0),
-            {"e1": 1.0, "e2": pytest.approx(1.0 - (220.0 / 150.0) / 2.0)},
+            {"e1": 1.0, "e2": pytest.approx(1.0 - (C_IDLE - C_BUSY) / 2.0)},
         ),
-        # two busy nodes: only their slopes differ (0.05 against 0.04)
+        # two busy nodes, different curves: the difference of their costs
         (
             [state(1, **BUSY), state(2, curve=CHEAP, **BUSY)],
             {},
             MarginalEnergyParams(),
-            {"e1": pytest.approx(0.99), "e2": 1.0},
+            {"e1": pytest.approx(1.0 - (C_BUSY - C_CHEAP)), "e2": 1.0},
+        ),
+        # the same curve, 1 and 9 running: the fuller one keeps the GPU awake anyway (consolidation)
+        (
+            [state(1, running=1.0), state(2, running=9.0)],
+            {},
+            MarginalEnergyParams(),
+            {"e1": pytest.approx(1.0 - (220.0 / 300.0 - 220.0 / 1500.0)), "e2": 1.0},
         ),
         # the busy one is predicted past the target (and past 1.25x the best): no room, the idle one wins
         (
