@@ -307,13 +307,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--power-weight", type=float, default=StackConfig().power_weight, help="kvgate-power's")
     p.add_argument("--power-scorer", default=StackConfig().power_scorer, choices=("marginal-energy", "power"))
+    p.add_argument("--ttft-target", type=float, help="marginal-energy's ttft_target_s (default: its own)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per cell")
     p.add_argument("--loads", help="comma-separated requests/s (default 5,20)")
     p.add_argument("--workdir", type=Path, default=Path("results/energy-stack-work"), help="logs, configs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = quick_config() if args.quick else StackConfig()
-    config = replace(config, power_weight=args.power_weight, power_scorer=args.power_scorer)
+    config = replace(
+        config, power_weight=args.power_weight, power_scorer=args.power_scorer, ttft_target_s=args.ttft_target
+    )
     if args.duration:
         config = replace(config, duration_s=args.duration)
     if args.loads:
