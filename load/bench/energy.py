@@ -93,7 +93,7 @@ class Config:
     power_scorer: str = "marginal-energy"
     #: ``marginal-energy``'s ``ttft_target_s``, ``ttft_ratio`` and ``scale_j`` (``None``: its defaults).
     #: The target is an SLO input: here about 1.6x kvgate's TTFT p90 in this simulation (0.031 s at 5
-    #: req/s), as the full-stack benchmark's 0.25 s is about 1.5x kvgate's there.
+    #: req/s); the full-stack benchmark uses the scorer's default 0.25 s (BENCHMARKS.md has both).
     ttft_target_s: float | None = 0.05
     ttft_ratio: float | None = None
     scale_j: float | None = None

@@ -91,8 +91,8 @@ class StackConfig:
     question: int = 128
     output: int = 256
     power_weight: float = 4.0
-    #: kvgate-power's energy scorer, its ``ttft_target_s`` (``None``: the scorer's default, 0.25 s, about
-    #: 1.5x kvgate's TTFT p90 on this stack) and the ``power-cap`` filter's ``throttled``
+    #: kvgate-power's energy scorer, its ``ttft_target_s`` (``None``: the scorer's default, 0.25 s; kvgate's
+    #: own TTFT p90 here was 0.04-0.17 s, by machine load) and the ``power-cap`` filter's ``throttled``
     #: (:class:`load.bench.energy.Config` says why off).
     power_scorer: str = "marginal-energy"
     ttft_target_s: float | None = None
