@@ -21,6 +21,32 @@ MAX_LORA_RECENT = 64
 """Adapters remembered per endpoint in :attr:`EndpointState.lora_recent` (the oldest are forgotten)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PowerCurve:
+    """One node's fitted power curve (:meth:`extproc.scheduling.energy.EnergyModel.curve`; kept here, with
+    the state that holds it): ``idle_w`` (W, no work), ``wake_w`` (W an active GPU draws above idle before
+    any token: busy intercept - idle), ``k`` (J per output token on a busy node: the busy line's slope),
+    ``seq_tps`` (output tokens/s of one sequence there; ``None``: unknown, then ``busy_tps``, the busy
+    readings' mean tokens/s, stands in, which understates the wake cost per token)."""
+
+    idle_w: float
+    wake_w: float
+    k: float
+    seq_tps: float | None
+    busy_tps: float
+
+    def cost(self, running: float) -> float:
+        """Marginal energy per output token (J/token) of one more request on a node running ``running``
+        requests: ``(P(with) - P(without)) x t / tokens``. The request runs ``t = tokens / seq_tps``
+        seconds; the GPU is awake anyway until its running requests end, which for ``n`` requests with
+        remaining times spread evenly over ``[0, t]`` is ``t x n / (n + 1)`` on average, so the request
+        keeps it awake ``t / (n + 1)`` longer: ``k + wake_w / (seq_tps x (n + 1))``. Idle (``n = 0``): the
+        whole wake-up, ``k + wake_w / seq_tps``; a busy node tends to ``k``."""
+        rate = self.seq_tps if self.seq_tps is not None else self.busy_tps
+        n = max(0.0, running) if math.isfinite(running) else 0.0
+        return self.k + self.wake_w / (max(rate, 1e-9) * (n + 1.0))
+
+
 @dataclass(slots=True)
 class EndpointState:
     """Live state of an endpoint as the scheduler sees it.
@@ -70,6 +96,10 @@ class EndpointState:
     #: :class:`extproc.scheduling.energy.EnergyModel` estimates it from the node's watts and output tokens/s
     #: (``None``: not enough telemetry); the ``power`` scorer reads it.
     energy_per_token: float | None = None
+    #: The node's power curve (idle draw, wake-up draw, J/token when busy, one sequence's tokens/s) from the
+    #: same telemetry (:meth:`extproc.scheduling.energy.EnergyModel.curve`; ``None``: not enough); the
+    #: ``marginal-energy`` scorer reads it.
+    power_curve: PowerCurve | None = None
     #: LoRA adapter -> monotonic seconds when it was last known on the endpoint: in a reading's running or
     #: waiting adapters (:class:`engines.metrics.LoraState`) or routed there (:meth:`saw_adapter`); its
     #: ``max_lora`` most recent entries approximate the engine's slot table (extproc/scheduling/lora.py).
@@ -282,4 +312,4 @@ class Fleet:
             if state.metrics is not None and now - state.metrics.at > stale_after:
                 state.metrics = None
             if state.power and now - state.power_at > stale_after:
-                state.power, state.energy_per_token = (), None
+                state.power, state.energy_per_token, state.power_curve = (), None, None

@@ -275,10 +275,13 @@ class FeedManager:
         if not rates or watts is None:
             return
         tps = sum(rates)
-        self.energy.observe(node, watts, tps, now, reading_at=reading.at)
-        estimate = self.energy.marginal(node, watts, tps)
+        running = [s.metrics.running for s in states if s.metrics is not None]
+        self.energy.observe(
+            node, watts, tps, now, reading_at=reading.at, running=sum(running) if running else None
+        )
+        estimate, curve = self.energy.marginal(node, watts, tps), self.energy.curve(node)
         for s in states:
-            s.energy_per_token = estimate
+            s.energy_per_token, s.power_curve = estimate, curve
 
     def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
         endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}

@@ -39,7 +39,14 @@ from extproc.scheduling.filters import (
 from extproc.scheduling.interface import Filter, Picker, Scorer
 from extproc.scheduling.lora import LoraParams, LoraScorer
 from extproc.scheduling.picker import MaxScoreParams, MaxScorePicker
-from extproc.scheduling.power import PowerCapFilter, PowerCapParams, PowerParams, PowerScorer
+from extproc.scheduling.power import (
+    MarginalEnergyParams,
+    MarginalEnergyScorer,
+    PowerCapFilter,
+    PowerCapParams,
+    PowerParams,
+    PowerScorer,
+)
 from extproc.scheduling.profile import Profile
 from extproc.scheduling.scorers import (
     CacheSpreadScorer,
@@ -84,6 +91,7 @@ PLUGIN_TYPES: Mapping[str, PluginType] = types.MappingProxyType(
         "kv-tier": PluginType("scorer", TierScorer, TierParams),
         "ttft": PluginType("scorer", PredictedTTFTScorer),
         "power": PluginType("scorer", PowerScorer, PowerParams),
+        "marginal-energy": PluginType("scorer", MarginalEnergyScorer, MarginalEnergyParams),
         "lora": PluginType("scorer", LoraScorer, LoraParams),
         "max-score": PluginType("picker", MaxScorePicker, MaxScoreParams),
     }

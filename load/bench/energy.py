@@ -50,6 +50,7 @@ from engines.metrics import EngineMetrics
 from extproc.fleet import EndpointState
 from extproc.scheduling.energy import EnergyModel
 from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 from load.bench import machine, revision
 from load.sim.engine import Engine, EngineConfig, Step
@@ -86,7 +87,20 @@ class Config:
     prefix_tokens: int = 1024
     question_tokens: int = 128
     output_tokens: int = 256
-    power_weight: float = 1.0
+    power_weight: float = 4.0
+    #: kvgate-power's energy scorer: ``marginal-energy`` (busy increment or idle wake-up, consolidating
+    #: within the TTFT target) or ``power`` (the straight-line J/token fit x headroom).
+    power_scorer: str = "marginal-energy"
+    #: ``marginal-energy``'s ``ttft_target_s``, ``ttft_ratio`` and ``scale_j`` (``None``: its defaults).
+    #: The target is an SLO input: here about 1.6x kvgate's TTFT p90 in this simulation (0.031 s at 5
+    #: req/s); the full-stack benchmark uses the scorer's default 0.25 s (BENCHMARKS.md has both).
+    ttft_target_s: float | None = 0.05
+    ttft_ratio: float | None = None
+    scale_j: float | None = None
+    #: kvgate-power's ``power-cap`` filter ``throttled`` param: ``False`` acts on watts against the cap
+    #: only (with its hysteresis), not on the clocks-throttled bit, which one capped prefill step sets for
+    #: a whole 1-second reading (BENCHMARKS.md: with it, the capped GPUs dropped out at 5 req/s).
+    cap_throttled: bool = False
     block_size: int = 16
     seed: int = 7
     #: The simulator's key parameters (the sweep halves and doubles each): as multiples of their defaults,
@@ -108,6 +122,10 @@ class Replica:
     energy_j: float = 0.0
     tokens: int = 0
     capped_s: float = 0.0
+    #: The engine's time-to-first-token histogram (sum of seconds, count), as a scrape reads it.
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    ttfts: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,22 +134,53 @@ class Outcome:
     output_tokens: int = 0
 
 
-def scheduling(power_weight: float | None) -> dict[str, Any]:
-    """The default scheduling section as a dict: with the ``power`` scorer at ``power_weight`` (the
-    ``power-cap`` filter kept), or (``None``) without the scorer and without the ``power-cap`` filter
-    (kvgate before issue 20)."""
+def scheduling(
+    power_weight: float | None,
+    scorer: str = "power",
+    params: Mapping[str, Any] | None = None,
+    cap_params: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The default scheduling section as a dict: with the ``scorer`` (``power`` or ``marginal-energy``)
+    at ``power_weight`` (the ``power-cap`` filter kept), or (``None``) without the scorer and without the
+    ``power-cap`` filter (kvgate before issue 20). ``params``: the scorer's params; ``cap_params``: the
+    ``power-cap`` filter's."""
     profile = DEFAULT_SCHEDULING.profiles[0]
     refs: list[dict[str, Any]] = []
     for r in profile.plugins:
         if r.ref == "power-cap" and power_weight is None:
             continue
         if r.ref == "max-score" and power_weight is not None:
-            refs.append({"ref": "power", "weight": power_weight})
+            refs.append({"ref": scorer, "weight": power_weight})
         refs.append({"ref": r.ref} if r.weight is None else {"ref": r.ref, "weight": r.weight})
+    plugins: list[dict[str, Any]] = []
+    for p in DEFAULT_SCHEDULING.plugins:
+        entry: dict[str, Any] = {"type": p.type, "name": p.name}
+        if p.name == scorer and params:
+            entry["params"] = dict(params)
+        if p.name == "power-cap" and cap_params:
+            entry["params"] = dict(cap_params)
+        plugins.append(entry)
     return {
-        "plugins": [{"type": p.type, "name": p.name} for p in DEFAULT_SCHEDULING.plugins],
+        "plugins": plugins,
         "profiles": [{"name": profile.name, "plugins": refs}],
     }
+
+
+def power_scheduling(config: Config, weight: float | None) -> dict[str, Any]:
+    """kvgate-power's scheduling section (``weight``) or kvgate's (``None``) from the config's scorer,
+    its params and the ``power-cap`` filter's ``throttled``."""
+    if config.power_scorer != "marginal-energy":
+        return scheduling(weight, config.power_scorer, None, {"throttled": config.cap_throttled})
+    params = {
+        k: v
+        for k, v in (
+            ("ttft_target_s", config.ttft_target_s),
+            ("ttft_ratio", config.ttft_ratio),
+            ("scale_j", config.scale_j),
+        )
+        if v is not None
+    }
+    return scheduling(weight, config.power_scorer, params, {"throttled": config.cap_throttled})
 
 
 def power_models(config: Config) -> dict[str, PowerModel]:
@@ -180,8 +229,9 @@ def _telemetry(replicas: Sequence[Replica], model: EnergyModel, now: float, peri
         reading = Power("dcgm", "dcgm", watts=watts, limit_w=power.limit_w, throttled=throttled, at=now)
         node = r.state.endpoint.node or r.state.id
         r.state.power, r.state.output_tps = (reading,), tps
-        model.observe(node, watts, tps, now, reading_at=now)
+        model.observe(node, watts, tps, now, reading_at=now, running=float(r.engine.num_running))
         r.state.energy_per_token = model.marginal(node, watts, tps)
+        r.state.power_curve = model.curve(node)
 
 
 def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
@@ -198,8 +248,9 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
             break
         arrivals.append(t)
     weight = config.power_weight if target == "kvgate-power" else None
-    profile = build_profile(parse_scheduling(scheduling(weight)))
+    profile = build_profile(parse_scheduling(power_scheduling(config, weight)))
     pick_rng, energy_model, outcome = random.Random(config.seed), EnergyModel(), Outcome()
+    predictor = TTFTPredictor()
     events: list[tuple[float, int, int]] = [(a, 0, i) for i, a in enumerate(arrivals)]  # (time, kind, index)
     events += [(float(s), 1, -1) for s in range(1, int(config.duration_s * 3))]  # telemetry every second
     heapq.heapify(events)
@@ -221,6 +272,9 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
                 outcome.output_tokens += len(ev.token_ids)
                 if ev.ttft_s is not None:
                     outcome.ttfts.append(ev.ttft_s)
+                    r.ttft_sum += ev.ttft_s
+                    r.ttft_count += 1
+                    r.ttfts.append(ev.ttft_s)
             ended = max(ended, now)
         else:  # an arrival
             prompt = [
@@ -228,7 +282,9 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
                 *(rng.randrange(1000, 30000) for _ in range(config.question_tokens)),
             ]
             n = next(order)
-            index = _route(target, replicas, profile, prompt, seed, config.block_size, now, n, pick_rng)
+            index = _route(
+                target, replicas, profile, prompt, seed, config.block_size, now, n, pick_rng, predictor
+            )
             replicas[index].engine.add_request(f"r{n}", prompt, [7] * config.output_tokens, now)
         r = replicas[index]
         if r.step is None:
@@ -250,7 +306,13 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
         "output_tokens_per_s": outcome.output_tokens / max(ended, 1e-9),
         "time_at_cap_s": capped,
         "share_per_replica": [r.engine.stats.requests_finished for r in replicas],
+        "ttft_p90_per_replica_s": [_p90(r.ttfts) for r in replicas],
     }
+
+
+def _p90(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else None
 
 
 def _route(
@@ -263,6 +325,7 @@ def _route(
     now: float,
     n: int,
     rng: random.Random,
+    predictor: TTFTPredictor,
 ) -> int:
     if target == "round-robin":
         return n % len(replicas)
@@ -274,17 +337,26 @@ def _route(
     digests = block_digests(seed, prompt, block_size)
     for r in replicas:  # a fresh scrape
         e = r.engine
-        r.state.metrics = EngineMetrics(float(e.num_waiting), float(e.num_running), e.kv_usage, now)
+        r.state.metrics = EngineMetrics(
+            float(e.num_waiting), float(e.num_running), e.kv_usage, now, r.ttft_sum, float(r.ttft_count)
+        )
     candidates = list(replicas)
     if target == "kvgate-efficient-two":
         candidates = [r for r in replicas if r.engine.power is not None and r.engine.power.cap_w is not None]
-    state = CycleState(
-        prefix_blocks={r.state.id: r.engine.cache.match(digests) for r in candidates}, exact=True
+    matched = {r.state.id: r.engine.cache.match(digests) for r in candidates}
+    uncached = {k: max(0, len(prompt) - v * block_size) for k, v in matched.items()}
+    predicted = (
+        {r.state.id: predictor.predict(r.state, uncached[r.state.id], now) for r in candidates}
+        if profile.predicts
+        else {}
     )
+    state = CycleState(prefix_blocks=matched, exact=True, predicted_ttft=predicted)
     request = SchedulingRequest(f"r{n}", MODEL, digests, len(prompt), now)
     result = profile.schedule(request, state, [r.state for r in candidates], rng)
-    picked = result.endpoints[0].id
-    return next(i for i, r in enumerate(replicas) if r.state.id == picked)
+    picked = result.endpoints[0]
+    if profile.predicts:
+        predictor.routed(f"r{n}", picked, uncached[picked.id], now)
+    return next(i for i, r in enumerate(replicas) if r.state.id == picked.id)
 
 
 def _pack(replicas: Sequence[Replica]) -> int:
@@ -391,10 +463,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--power-weight", type=float, default=Config().power_weight, help="kvgate-power's weights/power"
     )
+    p.add_argument(
+        "--power-scorer",
+        default=Config().power_scorer,
+        choices=("marginal-energy", "power"),
+        help="kvgate-power's energy scorer",
+    )
+    p.add_argument("--ttft-target", type=float, help="marginal-energy's ttft_target_s (default: its own)")
     p.add_argument("--references", action="store_true", help=f"also run {', '.join(REFERENCES)} (bounds)")
     p.add_argument("--sweep", action="store_true", help="halve and double each key sim parameter")
     args = p.parse_args(argv)
-    config = Config(power_weight=args.power_weight)
+    config = Config(power_weight=args.power_weight, power_scorer=args.power_scorer)
+    if args.ttft_target is not None:
+        config = replace(config, ttft_target_s=args.ttft_target)
     if args.quick:
         config = replace(config, duration_s=10.0, loads_rps=(2.0,))
     result = run(config, [t for t in args.targets.split(",") if t], args.references, args.sweep)

@@ -324,6 +324,10 @@ async def test_energy_per_token_is_learnt_from_the_node_loads(
     agent.publish([Load("e1", 0, 2, 0.2, power=later, output_tps=100.0)])
     await eventually(lambda: mgr.stats.batches == 5)
     assert e1.energy_per_token == 2.0  # 600 W / 300 tokens/s
+    # the same readings give the node's power curve (the marginal-energy scorer's): busy readings only
+    # so far, at 100-300 tokens/s with 2 requests running on each engine
+    assert e1.power_curve is not None and e1.power_curve is e2.power_curve
+    assert e1.power_curve.seq_tps is not None and e1.power_curve.seq_tps > 0
 
 
 async def test_lora_adapters_reach_the_endpoint_metrics(
