@@ -175,7 +175,8 @@ class FlowConfig:
         if self.engine_priority or priority_fleet:
             priority = ("--scheduling-policy", "priority")
             if self.engine_preemption:
-                priority += ("--priority-preemption",)
+                threshold = str(SGLANG_PREEMPTION_THRESHOLD)
+                priority += ("--priority-preemption", "--priority-preemption-threshold", threshold)
         return (
             "--time-scale", str(self.time_scale),
             "--max-num-seqs", str(self.max_num_seqs),
@@ -199,6 +200,13 @@ class FlowConfig:
         )
         step_s = self.time_scale * step_ms / 1e3
         return self.replicas * n / (out * step_s)
+
+
+#: SGLang's ``--priority-scheduling-preemption-threshold`` default (``server_args.py``): a waiting request
+#: preempts a running one only when their priorities differ by more than this. The preempting fleet runs
+#: with it, and kvgate-flow spreads the bands past it (``flow/engine_priority`` ``scale``), as an operator
+#: of SGLang engines with default flags would.
+SGLANG_PREEMPTION_THRESHOLD = 10
 
 
 def quick_config() -> FlowConfig:
@@ -249,7 +257,9 @@ def flow_overlay(config: FlowConfig, limits: bool, engine_priority: bool | None 
         }
         if telling:
             overlay["flow"]["bands"]["1"] = {"headroom": -config.interactive_overcommit}
-            overlay["flow"]["engine_priority"] = {"order": "low_first", "scale": 1}
+            # SGLang preempts only for a priority more than its threshold apart: bands spread past it.
+            scale = SGLANG_PREEMPTION_THRESHOLD + 1 if config.engine_preemption else 1
+            overlay["flow"]["engine_priority"] = {"order": "low_first", "scale": scale}
     return overlay
 
 

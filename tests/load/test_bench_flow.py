@@ -137,7 +137,13 @@ def test_the_priority_target_tells_engines_the_band_and_lets_batch_fill_every_sl
     fleet = config.sim_args(priority_fleet=True)
     assert fleet[fleet.index("--scheduling-policy") + 1] == "priority"
     assert "--priority-preemption" not in fleet
-    assert "--priority-preemption" in flow.FlowConfig().sim_args(priority_fleet=True)
+    preempting = flow.FlowConfig().sim_args(priority_fleet=True)
+    assert "--priority-preemption" in preempting
+    # SGLang's default threshold on the fleet, the bands spread past it by the gateway.
+    threshold = int(preempting[preempting.index("--priority-preemption-threshold") + 1])
+    assert threshold == flow.SGLANG_PREEMPTION_THRESHOLD == 10
+    spread = flow.flow_overlay(flow.FlowConfig(engine_priority=True), True)["flow"]["engine_priority"]
+    assert spread == {"order": "low_first", "scale": threshold + 1}
 
 
 @pytest.mark.e2e
