@@ -300,3 +300,18 @@ def test_preroute_learns_from_the_gate_and_sends_what_it_would_escalate_straight
     other = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.95))
     cascader.apply(CascadePolicy(types.MappingProxyType({"auto": other})))
     assert cascader.priors["auto"] is not prior and cascader.priors["auto"].verdicts == 0
+
+
+@pytest.mark.parametrize(
+    ("got", "failure", "counted"),
+    [(answer(-2.0), None, 1), (answer(-0.1), None, 1), (None, "timeout", 0), (b"<html>", None, 0)],
+)
+def test_preroute_learns_only_from_verdicts_on_the_threshold(
+    got: bytes | None, failure: str | None, counted: int
+) -> None:
+    spec = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec())
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
+    proc, _ = make(spec, cascader=cascader)
+    start(proc, request())
+    proc.stepped(got, failure)
+    assert cascader.priors["auto"].verdicts == counted
