@@ -82,6 +82,13 @@ SIM_SOURCES = {
     " measurement: real small models lose some of it to launch overheads that do not shrink",
     "time_scale": "every step stretched this many times (both models alike, so the cost ratio holds) so 2"
     " CPU cores can drive the fleet, Envoy and the ext_proc",
+    "published_sources": "H100 SXM5: 3.35 TB/s HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet,"
+    " https://www.nvidia.com/en-us/data-center/h100/); Llama-3.1-8B: 8.03 B parameters, 16.1 GB in bf16"
+    " (Meta's model card, https://huggingface.co/meta-llama/Llama-3.1-8B); Llama-3.2-1B: 1.23 B"
+    " parameters, 2.47 GB in bf16 (https://huggingface.co/meta-llama/Llama-3.2-1B). Derived: step_base_ms"
+    " = 16.1 GB / 3.35 TB/s = 4.8 ms + launch overhead (6 used); prefill = 2 x 8.03 GFLOP a token at 30 %"
+    " of 989 TFLOPS = 18,500 tokens/s (20,000 used); the weight-bytes ratio 16.1 / 2.47 = 6.5 (cost_ratio"
+    " 8 used: the sweep's 0.5x, 4, brackets it)",
     "logprobs": "the simulator's sampled-token logprobs follow [easy] / [hard] in the prompt"
     " (load/sim/README.md, Confidence): a stand-in for a real model's confidence",
 }
