@@ -11,7 +11,8 @@ counts the verdicts on requests carrying it, ``n_f``, and how many escalated, ``
     p(x) = max of r_f over the features f of x with n_f >= min_seen     (0 when none has)
 
 A request goes straight to the last step when ``p(x) >= above``: some feature of it has been seen at least
-``min_seen`` times and nearly always escalated (``above`` 0.9 needs ``n_f >= 8`` escalations in a row).
+``min_seen`` times and nearly always escalated (with the defaults, ``min_seen`` 10 and ``above`` 0.9: 10
+verdicts all escalated, 11/12; or 19 of 20, 29 of 30).
 One in ``round(1 / explore)`` of those (deterministic) still takes the small step, so the learner keeps
 getting verdicts for the kind of request it skips: with ``explore`` 0 a feature once learnt hard stays so.
 The rule is deliberately conservative: a feature shared by easy and hard requests never reaches ``above``,
