@@ -32,7 +32,9 @@ latency of escalated requests is the cascade's hard-request TTFT less all-large'
 buffered small step they wait for first.
 
 With ``--preroute`` the cascade learns online which requests its gate escalates and sends those straight to
-``large`` (``extproc/cascade/prior.py``); the run reports how many it sent (``preroutes``).
+``large`` (``extproc/cascade/prior.py``); the run reports how many it sent (``preroutes``). ``--warm S``
+sends S seconds of the same workload (other prompts) to each target first, unmeasured: the learner's steady
+state instead of its cold start.
 
 The JSON's ``cost_model`` holds the arithmetic (``extproc/cascade/cost.py``): both cost readings (per token,
 busy time) for a perfect escalator, the buffered gate, a ``first_k`` gate and this run's policy, the
@@ -116,6 +118,8 @@ class CascadeConfig:
     output_tokens: int = 64
     seed: int = 1
     preroute: bool = False
+    #: Seconds of warm-up arrivals (the same rate and mix, other prompts) sent first and not measured.
+    warm_s: float = 0.0
 
     def sim_args(self, model: str) -> tuple[str, ...]:
         """The simulator's timing flags for ``model`` (``small``: every cost divided by the ratio)."""
@@ -183,6 +187,14 @@ def make_requests(config: CascadeConfig) -> list[Request]:
         words = " ".join(f"r{i}w{j}" for j in range(max(1, config.prompt_tokens // 5)))
         out.append(Request(t, hard, f"[{'hard' if hard else 'easy'}] Question {i}: {words}"))
         i += 1
+
+
+def warm_requests(config: CascadeConfig) -> list[Request]:
+    """The warm-up phase: ``warm_s`` seconds of the workload under another seed, its prompts marked apart
+    (no prefix shared with the measured ones)."""
+    warm = replace(config, duration_s=config.warm_s, seed=config.seed + 1_000)
+    marked = "Warm-up question"
+    return [replace(r, prompt=r.prompt.replace("Question", marked, 1)) for r in make_requests(warm)]
 
 
 @dataclass(slots=True)
@@ -332,14 +344,16 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
             overlay={"policy": {"file": str(policy)}},
         )
         with Stack(options) as stack:
-            before = _busy(stack)
             url = f"{stack.url}/v1/chat/completions"
             target_model = "large" if name == "all-large" else "auto"
+            if config.warm_s > 0:  # a warm-up phase, not measured (the preroute learner learns in it)
+                asyncio.run(run_load(url, target_model, warm_requests(config), config))
+            before, preroutes_before = _busy(stack), _preroutes(stack)
             t0 = time.monotonic()
             records = asyncio.run(run_load(url, target_model, requests, config))
             wall = time.monotonic() - t0
             after = _busy(stack)
-            preroutes = _preroutes(stack)
+            preroutes = _preroutes(stack) - preroutes_before
     finally:
         for child in sims:
             child.stop()
@@ -473,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--small-replicas", type=int, help="small replicas of the cascade (default 1)")
     p.add_argument("--large-replicas", type=int, help="large replicas of the cascade (default 1)")
+    p.add_argument("--warm", type=float, help="seconds of unmeasured warm-up arrivals first (default 0)")
     p.add_argument(
         "--preroute", action="store_true", help="learn which requests escalate; send those straight to large"
     )
@@ -491,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("small_replicas", args.small_replicas),
         ("large_replicas", args.large_replicas),
         ("preroute", args.preroute or None),
+        ("warm_s", args.warm),
     ):
         if value is not None:
             config = replace(config, **{key: value})

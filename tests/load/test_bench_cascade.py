@@ -106,3 +106,12 @@ def test_quick_run_writes_both_targets(tmp_path: Path) -> None:
     assert rows["cascade"]["work_engine_s"] > 0 and "work_per_request_over_all_large" in doc["goals"]
     assert "cost_per_request_over_all_large" in doc["goals"]
     assert "per_token_cost_over_all_large" in doc["goals"] and doc["cost_model"]["ratios"]["perfect"]
+
+
+def test_the_warm_up_phase_has_the_same_mix_and_other_prompts() -> None:
+    config = cascade.CascadeConfig(warm_s=40.0)
+    warm, measured = cascade.warm_requests(config), cascade.make_requests(config)
+    assert warm == cascade.warm_requests(config) and all(0 < r.at < 40 for r in warm)
+    assert 0.2 < sum(r.hard for r in warm) / len(warm) < 0.4
+    assert not {r.prompt for r in warm} & {r.prompt for r in measured}
+    assert all(r.prompt.split()[1] == "Warm-up" for r in warm)
