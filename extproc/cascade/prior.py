@@ -3,9 +3,13 @@
 A request the gate escalates costs the small step's work for nothing and waits for it. The gateway learns,
 online and from nothing but the gate's own verdicts, which kinds of request it escalates. A request's
 features are the first :data:`MAX_WORDS` whitespace-separated words of its last user message (or prompt),
-lower-cased, each hashed with CRC-32 into one of :data:`SLOTS` slots, plus a length bucket. Each slot ``f``
-counts the verdicts on requests carrying it, ``n_f``, and how many escalated, ``e_f`` (both halved when
-``n_f`` reaches :data:`CAP`, so old verdicts fade). A feature's escalation rate, and a request's::
+lower-cased, each hashed with CRC-32, plus a length bucket. Two tables of :data:`SLOTS` counters each
+(a count-min sketch) count, per feature ``f``, the verdicts on requests carrying it, ``n_f``, and how many
+escalated, ``e_f``: ``f`` updates slot ``low 16 bits of its hash`` of the first and ``high 16 bits`` of the
+second, and its counts are the smaller of the two slots' (a word that shares one slot with another, e.g.
+``r32w48`` and ``[hard]`` in their low bits, is not confused with it unless it shares both). A slot's
+counts are halved when they reach :data:`CAP`, so old verdicts fade. A feature's escalation rate, and a
+request's::
 
     r_f  = (e_f + 1) / (n_f + 2)                       (Laplace's rule: 1/2 before any verdict)
     p(x) = max of r_f over the features f of x with n_f >= min_seen     (0 when none has)
@@ -106,12 +110,15 @@ def request_text(client: Mapping[str, Any], *, chat: bool) -> str:
 
 
 def features(text: str) -> tuple[int, ...]:
-    """Hashed feature slots of ``text`` (module docstring), distinct, the length bucket last."""
+    """The 32-bit hashes of ``text``'s features (module docstring), distinct, sorted."""
     words = text.lower().split(maxsplit=MAX_WORDS)[:MAX_WORDS]
-    slots = {zlib.crc32(w.encode()) & (SLOTS - 1) for w in words}
-    bucket = min(16, len(text).bit_length())
-    slots.add(zlib.crc32(b"\x00len:%d" % bucket) & (SLOTS - 1))
-    return tuple(sorted(slots))
+    hashes = {zlib.crc32(w.encode()) for w in words}
+    hashes.add(zlib.crc32(b"\x00len:%d" % min(16, len(text).bit_length())))
+    return tuple(sorted(hashes))
+
+
+def _slots(f: int) -> tuple[int, int]:
+    return f & (SLOTS - 1), (f >> BITS) & (SLOTS - 1)
 
 
 class EscalationPrior:
@@ -119,16 +126,24 @@ class EscalationPrior:
 
     def __init__(self, spec: PrerouteSpec) -> None:
         self.spec = spec
-        self.seen = array("d", bytes(8 * SLOTS))
-        self.escalated = array("d", bytes(8 * SLOTS))
+        self.seen = (array("d", bytes(8 * SLOTS)), array("d", bytes(8 * SLOTS)))
+        self.escalated = (array("d", bytes(8 * SLOTS)), array("d", bytes(8 * SLOTS)))
         self.verdicts = 0
         self.skips = 0
         self._would_skip = 0
 
+    def counts(self, f: int) -> tuple[float, float]:
+        """``(n_f, e_f)`` of feature ``f``: the smaller of its two slots' counts."""
+        a, b = _slots(f)
+        return min(self.seen[0][a], self.seen[1][b]), min(self.escalated[0][a], self.escalated[1][b])
+
     def p(self, x: tuple[int, ...]) -> float:
         """Predicted probability that the gate escalates a request with features ``x``."""
-        least = self.spec.min_seen
-        rates = [(self.escalated[f] + 1) / (n + 2) for f in x if (n := self.seen[f]) >= least]
+        least, rates = self.spec.min_seen, []
+        for f in x:
+            n, e = self.counts(f)
+            if n >= least:
+                rates.append((e + 1) / (n + 2))
         return max(rates, default=0.0)
 
     def skip(self, x: tuple[int, ...]) -> bool:
@@ -145,10 +160,12 @@ class EscalationPrior:
     def learn(self, x: tuple[int, ...], escalated: bool) -> None:
         """One gate verdict on a request with features ``x``."""
         for f in x:
-            if self.seen[f] >= CAP:
-                self.seen[f] /= 2
-                self.escalated[f] /= 2
-            self.seen[f] += 1
-            if escalated:
-                self.escalated[f] += 1
+            for table, slot in enumerate(_slots(f)):
+                seen, esc = self.seen[table], self.escalated[table]
+                if seen[slot] >= CAP:
+                    seen[slot] /= 2
+                    esc[slot] /= 2
+                seen[slot] += 1
+                if escalated:
+                    esc[slot] += 1
         self.verdicts += 1
