@@ -94,6 +94,13 @@ class GatewayMetrics:
             ["model", "step", "step_model"],
             registry=registry,
         )
+        self.cascade_preroutes = Counter(
+            "kvgate_cascade_preroutes",
+            "Requests for a cascade's virtual model sent straight to its last step (preroute: the gate was"
+            " predicted to escalate them).",
+            ["model"],
+            registry=registry,
+        )
         self.cascade_gate = Histogram(
             "kvgate_cascade_gate_stat",
             "The logprob gate's statistic (nats) of each gated cascade step's answer.",

@@ -920,6 +920,8 @@ class StreamProcessor:
             self.decision = None
         try:
             answered = run.judge(answer, failure)
+            if self._cascade is not None:
+                self._cascade.learn(run)
             if answered is not None:
                 self.answered = answered
                 self._phase = Phase.DONE

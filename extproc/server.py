@@ -230,6 +230,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if proc.decision is not None and not decided_before:
                     if self._on_decision is not None:
                         self._on_decision(proc.decision)
+                    run = proc.run
+                    if run is not None and run.preskipped:  # a cascade's last step, no gated step before
+                        self._metrics.cascade_preroutes.labels(run.virtual).inc()
+                        self._metrics.cascade_answers.labels(run.virtual, str(run.number), run.model).inc()
                     if proc.pd is not None:
                         self._metrics.pd_decisions.labels(proc.pd.mode, proc.pd.reason).inc()
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)

@@ -5,7 +5,9 @@ swapped whole when a policy is put in force. :class:`Run` is one request for a v
 step the processor routes the step's body (:meth:`Run.body`) KV-aware among the step model's endpoints and
 the shell sends it; :meth:`Run.judge` takes the answer (or the reason there was none) and says whether it
 goes to the client (:class:`Answered`) or the request moves on to the next step (:meth:`Run.escalate`).
-The last step is never gated: its request goes through Envoy as any other.
+The last step is never gated: its request goes through Envoy as any other. A cascade with ``preroute``
+(:mod:`extproc.cascade.prior`) may start a run at its last step (:attr:`Run.preskipped`), and learns from
+every verdict of its first step (:meth:`Cascader.learn`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import orjson
 
 from extproc.cascade.answer import client_answer, step_body
 from extproc.cascade.gate import Verdict, judge
+from extproc.cascade.prior import EscalationPrior, features, request_text
 from extproc.cascade.spec import CascadeSpec
 from extproc.cascade.stream import StepStream
 
@@ -37,10 +40,24 @@ class Cascader:
     """The cascades in force (:meth:`apply` swaps them whole; a request keeps the spec it started with)."""
 
     def __init__(self, policy: CascadePolicy | None = None) -> None:
-        self.policy = policy or CascadePolicy()
+        self.policy = CascadePolicy()
+        #: Per virtual model with ``preroute``: its learner (kept across policies while its first step and
+        #: ``preroute`` stay the same).
+        self.priors: dict[str, EscalationPrior] = {}
+        self.apply(policy or CascadePolicy())
 
     def apply(self, policy: CascadePolicy) -> None:
-        self.policy = policy
+        priors: dict[str, EscalationPrior] = {}
+        for name, spec in policy.cascades.items():
+            if spec.preroute is None:
+                continue
+            old, before = self.priors.get(name), self.policy.cascades.get(name)
+            kept = old is not None and before is not None and before.steps[0] == spec.steps[0]
+            if old is not None and kept and old.spec == spec.preroute:
+                priors[name] = old
+            else:
+                priors[name] = EscalationPrior(spec.preroute)
+        self.policy, self.priors = policy, priors
 
     def lookup(self, model: str) -> CascadeSpec | None:
         return self.policy.cascades.get(model)
@@ -54,7 +71,25 @@ class Cascader:
     def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
         """A run for a request naming ``model`` (``None``: not a virtual model)."""
         spec = self.lookup(model)
-        return None if spec is None else Run(spec, model, client, chat, now)
+        if spec is None:
+            return None
+        run = Run(spec, model, client, chat, now)
+        prior = self.priors.get(model)
+        if prior is not None:
+            run.features = features(request_text(client, chat=chat))
+            if prior.skip(run.features):
+                run.step, run.preskipped = len(spec.steps) - 1, True
+        return run
+
+    def learn(self, run: Run) -> None:
+        """``run``'s first step was judged: its verdict (a statistic against the threshold; not a failed
+        step) teaches its cascade's learner."""
+        prior = self.priors.get(run.virtual)
+        if prior is None or run.features is None or len(run.verdicts) != 1:
+            return
+        verdict = run.verdicts[0][1]
+        if verdict.stat is not None:
+            prior.learn(run.features, not verdict.passed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +118,10 @@ class Run:
     verdicts: list[tuple[str, Verdict]] = field(default_factory=list)
     #: The current step read as a stream (a ``first_k`` gate), else ``None``.
     stream: StepStream | None = None
+    #: The request's hashed features, when its cascade learns (``preroute``).
+    features: tuple[int, ...] | None = None
+    #: Sent straight to the last step (``preroute``): no gated step ran.
+    preskipped: bool = False
 
     @property
     def model(self) -> str:

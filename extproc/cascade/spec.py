@@ -8,7 +8,9 @@
 gated. ``gate``: ``logprob`` (the only gate). ``threshold``: a log-probability in nats (finite, <= 0); a
 step's answer passes when its statistic is at least this. ``stat``: ``mean``, ``min`` or ``first_k`` (then
 ``k``, an integer >= 1, is required; elsewhere it is refused). ``timeout_s``: the bound on each gated
-step's sub-request (past it the request escalates), in (0, 600].
+step's sub-request (past it the request escalates), in (0, 600]. ``preroute`` (optional, an object, see
+:mod:`extproc.cascade.prior`): requests the gateway predicts the gate would escalate go straight to the
+last step.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contracts.errors import ConfigError
+from extproc.cascade.prior import PrerouteSpec, parse_preroute
 
 GATES = ("logprob",)
 STATS = ("mean", "min", "first_k")
 MAX_STEPS = 4
 DEFAULT_TIMEOUT_S = 30.0
-_KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s")
+_KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s", "preroute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,7 @@ class CascadeSpec:
     k: int | None = None
     gate: str = "logprob"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    preroute: PrerouteSpec | None = None
 
     def __post_init__(self) -> None:
         if not 2 <= len(self.steps) <= MAX_STEPS:
@@ -65,6 +69,8 @@ class CascadeSpec:
         }
         if self.k is not None:
             doc["k"] = self.k
+        if self.preroute is not None:
+            doc["preroute"] = self.preroute.to_json()
         return doc
 
 
@@ -95,8 +101,10 @@ def parse_cascade(value: object, where: str, name: str) -> CascadeSpec:
         raise ConfigError(f"{where}.stat: expected one of {', '.join(STATS)}, got {stat!r}")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
         raise ConfigError(f"{where}.k: expected an integer, got {k!r}")
+    raw = value.get("preroute")
+    preroute = None if raw is None else parse_preroute(raw, f"{where}.preroute")
     try:
-        return CascadeSpec(tuple(steps), threshold, stat, k, gate, timeout)
+        return CascadeSpec(tuple(steps), threshold, stat, k, gate, timeout, preroute)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 

@@ -31,6 +31,15 @@ amortizes; the per-step ``step_base_ms`` is what batching shares); the share ans
 latency of escalated requests is the cascade's hard-request TTFT less all-large's (p50 and p90): the
 buffered small step they wait for first.
 
+With ``--preroute`` the cascade learns online which requests its gate escalates and sends those straight to
+``large`` (``extproc/cascade/prior.py``); the run reports how many it sent (``preroutes``). ``--warm S``
+sends S seconds of the same workload (other prompts) to each target first, unmeasured: the learner's steady
+state instead of its cold start.
+
+The JSON's ``cost_model`` holds the arithmetic (``extproc/cascade/cost.py``): both cost readings (per token,
+busy time) for a perfect escalator, the buffered gate, a ``first_k`` gate and this run's policy, the
+parameters with their sources, and a sweep halving and doubling each.
+
 Goal: cascade cost per request <= 0.5 x all-large at the configured threshold.
 """
 
@@ -52,6 +61,7 @@ from typing import Any
 import aiohttp
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
+from extproc.cascade.cost import BUFFERED, PERFECT, Costs, Policy, busy_ratio, first_k, sweep, token_ratio
 from kvgate.dev.procs import Child, http_get
 from kvgate.dev.up import Stack, StackOptions
 from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
@@ -74,6 +84,13 @@ SIM_SOURCES = {
     " measurement: real small models lose some of it to launch overheads that do not shrink",
     "time_scale": "every step stretched this many times (both models alike, so the cost ratio holds) so 2"
     " CPU cores can drive the fleet, Envoy and the ext_proc",
+    "published_sources": "H100 SXM5: 3.35 TB/s HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet,"
+    " https://www.nvidia.com/en-us/data-center/h100/); Llama-3.1-8B: 8.03 B parameters, 16.1 GB in bf16"
+    " (Meta's model card, https://huggingface.co/meta-llama/Llama-3.1-8B); Llama-3.2-1B: 1.23 B"
+    " parameters, 2.47 GB in bf16 (https://huggingface.co/meta-llama/Llama-3.2-1B). Derived: step_base_ms"
+    " = 16.1 GB / 3.35 TB/s = 4.8 ms + launch overhead (6 used); prefill = 2 x 8.03 GFLOP a token at 30 %"
+    " of 989 TFLOPS = 18,500 tokens/s (20,000 used); the weight-bytes ratio 16.1 / 2.47 = 6.5 (cost_ratio"
+    " 8 used: the sweep's 0.5x, 4, brackets it)",
     "logprobs": "the simulator's sampled-token logprobs follow [easy] / [hard] in the prompt"
     " (load/sim/README.md, Confidence): a stand-in for a real model's confidence",
 }
@@ -100,6 +117,9 @@ class CascadeConfig:
     prompt_tokens: int = 256
     output_tokens: int = 64
     seed: int = 1
+    preroute: bool = False
+    #: Seconds of warm-up arrivals (the same rate and mix, other prompts) sent first and not measured.
+    warm_s: float = 0.0
 
     def sim_args(self, model: str) -> tuple[str, ...]:
         """The simulator's timing flags for ``model`` (``small``: every cost divided by the ratio)."""
@@ -116,7 +136,26 @@ class CascadeConfig:
         spec: dict[str, Any] = {"steps": ["small", "large"], "threshold": self.threshold, "stat": self.stat}
         if self.k is not None:
             spec["k"] = self.k
+        if self.preroute:
+            spec["preroute"] = {}  # the defaults: above 0.9, min_seen 10, explore 0.1
         return {"models": {"auto": {"cascade": spec}}}
+
+    def costs(self, prompt_tokens: float) -> Costs:
+        """The cost model's parameters for this workload (``prompt_tokens``: as the engines counted them)."""
+        return Costs(
+            base_s=self.step_base_ms / 1e3,
+            decode_s=self.decode_ms_per_seq / 1e3,
+            prefill_s_per_token=1 / self.prefill_tokens_per_s,
+            ratio=self.cost_ratio,
+            prompt_tokens=prompt_tokens,
+            output_tokens=self.output_tokens,
+            hard_share=self.hard_share,
+            time_scale=self.time_scale,
+            lam=self.rate_req_s,
+            all_large_replicas=self.all_large_replicas,
+            small_replicas=self.small_replicas,
+            large_replicas=self.large_replicas,
+        )
 
 
 def quick_config() -> CascadeConfig:
@@ -148,6 +187,14 @@ def make_requests(config: CascadeConfig) -> list[Request]:
         words = " ".join(f"r{i}w{j}" for j in range(max(1, config.prompt_tokens // 5)))
         out.append(Request(t, hard, f"[{'hard' if hard else 'easy'}] Question {i}: {words}"))
         i += 1
+
+
+def warm_requests(config: CascadeConfig) -> list[Request]:
+    """The warm-up phase: ``warm_s`` seconds of the workload under another seed, its prompts marked apart
+    (no prefix shared with the measured ones)."""
+    warm = replace(config, duration_s=config.warm_s, seed=config.seed + 1_000)
+    marked = "Warm-up question"
+    return [replace(r, prompt=r.prompt.replace("Question", marked, 1)) for r in make_requests(warm)]
 
 
 @dataclass(slots=True)
@@ -207,24 +254,34 @@ async def run_load(url: str, model: str, requests: Sequence[Request], config: Ca
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def work_seconds(config: CascadeConfig, records: Sequence[Record], target: str) -> float:
+def work_seconds(
+    config: CascadeConfig, records: Sequence[Record], target: str, *, preroutes: int = 0, lone: bool = False
+) -> float:
     """The batch-independent engine-seconds of ``records`` (module docstring): prompt tokens at the
     model's prefill rate plus output tokens at its per-sequence decode cost, time scale applied; in the
     cascade an escalated (hard) request pays the small model's (with a ``first_k`` gate only its first
     ``k`` output tokens) and then the large model's (no prefix cache is counted: an upper bound on the
-    prompt part)."""
+    prompt part). ``lone``: the per-token reading instead (``extproc/cascade/cost.py`` ``C(P, n)``: the
+    step base counted once per output token, as a lone request pays it); ``preroutes`` hard requests
+    paid no small step (which of them does not matter: every request of the workload has nearly the
+    same token counts)."""
     scale = config.time_scale
 
     def cost(model: str, r: Record, tokens: int) -> float:
         div = config.cost_ratio if model == "small" else 1.0
         prefill = r.prompt_tokens / (config.prefill_tokens_per_s * div)
         decode = tokens * config.decode_ms_per_seq / div / 1e3
-        return scale * (prefill + decode)
+        base = config.step_base_ms / div / 1e3 * tokens if lone else 0.0
+        return scale * (prefill + decode + base)
 
     if target == "all-large":
         return sum(cost("large", r, r.completion_tokens) for r in records)
-    total = 0.0
+    total, skipped = 0.0, preroutes
     for r in records:
+        if r.step == "2" and skipped > 0:
+            skipped -= 1
+            total += cost("large", r, r.completion_tokens)
+            continue
         small = r.completion_tokens
         if r.step == "2" and config.stat == "first_k" and config.k is not None:
             small = min(small, config.k)  # cut after k tokens (a few more run before the engine notices)
@@ -240,6 +297,15 @@ def _busy(stack: Stack) -> dict[str, float]:
         text = got[1].decode() if got is not None and got[0] == 200 else ""
         out[engine["address"]] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(BUSY))
     return out
+
+
+def _preroutes(stack: Stack) -> int:
+    """Requests the ext_proc sent straight to the last step (``kvgate_cascade_preroutes_total``)."""
+    port = stack.extproc_ports.get("metrics")
+    got = None if port is None else http_get(f"http://127.0.0.1:{port}/metrics", timeout_s=5.0)
+    text = got[1].decode() if got is not None and got[0] == 200 else ""
+    name = "kvgate_cascade_preroutes_total"
+    return int(sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name)))
 
 
 def _ms(values: Sequence[float]) -> dict[str, float | int]:
@@ -278,13 +344,16 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
             overlay={"policy": {"file": str(policy)}},
         )
         with Stack(options) as stack:
-            before = _busy(stack)
             url = f"{stack.url}/v1/chat/completions"
             target_model = "large" if name == "all-large" else "auto"
+            if config.warm_s > 0:  # a warm-up phase, not measured (the preroute learner learns in it)
+                asyncio.run(run_load(url, target_model, warm_requests(config), config))
+            before, preroutes_before = _busy(stack), _preroutes(stack)
             t0 = time.monotonic()
             records = asyncio.run(run_load(url, target_model, requests, config))
             wall = time.monotonic() - t0
             after = _busy(stack)
+            preroutes = _preroutes(stack) - preroutes_before
     finally:
         for child in sims:
             child.stop()
@@ -298,6 +367,7 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
         steps[key] = steps.get(key, 0) + 1
     total_busy = sum(busy.values())
     work = work_seconds(config, ok, name)
+    lone = work_seconds(config, ok, name, preroutes=preroutes, lone=True)
     return {
         "target": name,
         "sent": len(records),
@@ -312,6 +382,9 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
         "answered_by_step": dict(sorted(steps.items())),
         "small_share": round(steps.get("1", 0) / len(ok), 3) if ok and name == "cascade" else 0.0,
         "models": sorted({r.model or "?" for r in ok}),
+        "preroutes": preroutes,
+        "lone_engine_s": round(lone, 3),
+        "lone_per_request_engine_s": round(lone / len(ok), 5) if ok else None,
         "ttft_ms": {
             "all": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
             "easy": _ms([r.ttft_s for r in ok if r.ttft_s is not None and not r.hard]),
@@ -319,6 +392,7 @@ def run_target(name: str, config: CascadeConfig, requests: list[Request], workdi
         },
         "latency_ms": _ms([r.total_s for r in ok]),
         "completion_tokens": sum(r.completion_tokens for r in ok),
+        "prompt_tokens_mean": round(sum(r.prompt_tokens for r in ok) / len(ok), 1) if ok else None,
         "target_wall_s": round(time.monotonic() - started, 1),
     }
 
@@ -351,7 +425,48 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             label = "escalated" if kind == "hard" else "small_answered"
             penalty[f"{label}_ttft_{pct}_added_ms"] = None if x is None or y is None else round(x - y, 1)
     out["ttft_penalty"] = penalty
+    la, lc = large.get("lone_per_request_engine_s"), cascade.get("lone_per_request_engine_s")
+    out["per_token_cost_over_all_large"] = {
+        "value": round(lc / la, 3) if la and lc is not None else None,
+        "goal": "<= 0.5 (the per-token reading of the same goal: reported beside it, not instead of it)",
+        "met": None if not la or lc is None else lc / la <= 0.5,
+    }
     return out
+
+
+def cost_model(config: CascadeConfig, rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The arithmetic (``extproc/cascade/cost.py``) at this run's parameters: both readings for a perfect
+    escalator, the buffered gate, a first_k gate and this run's policy (its measured preroute recall), and
+    the sweep."""
+    cascade = rows.get("cascade", {})
+    costs = config.costs(cascade.get("prompt_tokens_mean") or config.prompt_tokens * 1.32)
+    hard = max(1.0, costs.hard_share * (cascade.get("served") or 0))
+    recall = min(1.0, (cascade.get("preroutes") or 0) / hard)
+    run = Policy(recall=recall, cut_at=config.k if config.stat == "first_k" else None)
+    policies = {"perfect": PERFECT, "buffered": BUFFERED, "first_k_4": first_k(4), "this_run": run}
+
+    def both(c: Costs) -> dict[str, dict[str, float]]:
+        return {
+            name: {"per_token": round(token_ratio(c, p), 3), "busy_time": round(busy_ratio(c, p), 3)}
+            for name, p in policies.items()
+        }
+
+    return {
+        "formulas": "extproc/cascade/README.md, 'What a cascade can save'",
+        "params": asdict(costs),
+        "sources": {
+            **SIM_SOURCES,
+            "prompt_tokens": "the engines' usage.prompt_tokens, mean over the cascade's requests",
+            "hard_share": "the workload's share of [hard] prompts (the gate escalates exactly those)",
+            "lam": "the workload's arrival rate (requests/s)",
+        },
+        "this_run_policy": {"recall": round(recall, 3), "cut_at": run.cut_at},
+        "ratios": both(costs),
+        "sweep": [
+            {"param": name, "factor": f, "value": getattr(c, name), "ratios": both(c)}
+            for name, f, c in sweep(costs)
+        ],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -372,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--small-replicas", type=int, help="small replicas of the cascade (default 1)")
     p.add_argument("--large-replicas", type=int, help="large replicas of the cascade (default 1)")
+    p.add_argument("--warm", type=float, help="seconds of unmeasured warm-up arrivals first (default 0)")
+    p.add_argument(
+        "--preroute", action="store_true", help="learn which requests escalate; send those straight to large"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = quick_config() if args.quick else CascadeConfig()
@@ -386,6 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("all_large_replicas", args.all_large_replicas),
         ("small_replicas", args.small_replicas),
         ("large_replicas", args.large_replicas),
+        ("preroute", args.preroute or None),
+        ("warm_s", args.warm),
     ):
         if value is not None:
             config = replace(config, **{key: value})
@@ -412,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = {t: run_target(t, config, requests, workdir / t) for t in TARGETS}
     result["targets"] = rows
     result["goals"] = goals(rows)
+    result["cost_model"] = cost_model(config, rows)
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -29,6 +29,13 @@ POLICY = {
         "early": {
             "cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat": "first_k", "k": 4}
         },
+        "learnt": {
+            "cascade": {
+                "steps": ["small", "large"],
+                "threshold": THRESHOLD,
+                "preroute": {"above": 0.7, "min_seen": 2, "explore": 0},
+            }
+        },
     }
 }
 STEP = "x-kvgate-cascade-step"
@@ -187,7 +194,7 @@ def test_completions_api(cascade: Stack) -> None:
 
 
 def test_the_virtual_models_are_listed(cascade: Stack) -> None:
-    assert [m.id for m in client(cascade).models.list()] == ["large", "small", "auto", "early"]
+    assert [m.id for m in client(cascade).models.list()] == ["large", "small", "auto", "early", "learnt"]
 
 
 def test_a_served_model_is_not_cascaded(cascade: Stack) -> None:
@@ -236,3 +243,27 @@ def test_first_k_passes_a_confident_answer_whole(cascade: Stack) -> None:
     assert raw.headers[STEP] == "1" and done.model == "small"
     assert done.usage is not None and done.usage.completion_tokens == 8 and done.choices[0].message.content
     assert done.choices[0].logprobs is None
+
+
+def test_preroute_sends_what_the_gate_escalated_straight_to_the_large_step(cascade: Stack) -> None:
+    """``preroute``: after two hard requests escalated by the gate, the third goes straight to ``large``
+    (the small engines generate nothing for it); an easy one still takes the small step."""
+    smalls = [e["address"] for e in cascade.engines if cascade.served[e["id"]] == ["small"]]
+    sdk = client(cascade)
+    for n in ("one", "two"):  # 39 characters each: the same length bucket as the third
+        raw = sdk.chat.completions.with_raw_response.create(
+            **{**ask(f"[hard] an uncertain question number {n}"), "model": "learnt"}
+        )
+        assert raw.headers[STEP] == "2"
+    assert gateway(cascade, "kvgate_cascade_preroutes_total", model="learnt") == 0
+    before = generated(cascade)
+    raw = sdk.chat.completions.with_raw_response.create(
+        **{**ask("[hard] an uncertain question number six"), "model": "learnt"}
+    )
+    assert raw.headers[STEP] == "2" and raw.parse().model == "large"
+    after = generated(cascade)
+    assert all(after[a] == before[a] for a in smalls)  # no small step ran
+    assert gateway(cascade, "kvgate_cascade_preroutes_total", model="learnt") == 1
+    assert gateway(cascade, "kvgate_cascade_answers_total", model="learnt", step="2") == 3
+    easy = sdk.chat.completions.with_raw_response.create(**{**ask("[easy] hello"), "model": "learnt"})
+    assert easy.headers[STEP] == "1" and easy.parse().model == "small"

@@ -47,6 +47,31 @@ def test_work_counts_both_steps_of_an_escalated_request() -> None:
     assert cascade.work_seconds(config, [easy, hard], "cascade") == pytest.approx(2 * large / 8 + large)
 
 
+def test_the_per_token_reading_counts_the_step_base_and_preroutes_skip_the_small_step() -> None:
+    config = cascade.CascadeConfig(time_scale=1.0, stat="first_k", k=4)
+    easy = cascade.Record(False, prompt_tokens=2000, completion_tokens=100, step="1")
+    hard = cascade.Record(True, prompt_tokens=2000, completion_tokens=100, step="2")
+    large = 2000 / 20_000 + 100 * (0.15e-3 + 6e-3)
+    small_cut = (2000 / 20_000 + 4 * (0.15e-3 + 6e-3)) / 8
+    assert cascade.work_seconds(config, [hard], "all-large", lone=True) == pytest.approx(large)
+    got = cascade.work_seconds(config, [easy, hard, hard], "cascade", lone=True)
+    assert got == pytest.approx(large / 8 + 2 * (small_cut + large))
+    skipped = cascade.work_seconds(config, [easy, hard, hard], "cascade", lone=True, preroutes=1)
+    assert skipped == pytest.approx(large / 8 + small_cut + 2 * large)
+
+
+def test_the_cost_model_section_uses_the_runs_parameters_and_recall() -> None:
+    config = cascade.CascadeConfig(stat="first_k", k=4, preroute=True)
+    assert config.policy()["models"]["auto"]["cascade"]["preroute"] == {}
+    rows = {"cascade": {"served": 100, "preroutes": 15, "prompt_tokens_mean": 339.0}}
+    got = cascade.cost_model(config, rows)
+    assert got["this_run_policy"] == {"recall": 0.5, "cut_at": 4}
+    assert got["params"]["prompt_tokens"] == 339.0 and got["params"]["lam"] == 3.0
+    assert got["ratios"]["perfect"]["per_token"] == pytest.approx(0.3 + 0.7 / 8, abs=1e-3)
+    assert got["ratios"]["perfect"]["busy_time"] > 0.6  # out of reach at the default load (README)
+    assert len(got["sweep"]) == 16 and "published_sources" in got["sources"]
+
+
 def test_goal_and_penalty() -> None:
     def row(cost: float, hard: float, easy: float) -> dict[str, object]:
         return {
@@ -80,3 +105,13 @@ def test_quick_run_writes_both_targets(tmp_path: Path) -> None:
     }
     assert rows["cascade"]["work_engine_s"] > 0 and "work_per_request_over_all_large" in doc["goals"]
     assert "cost_per_request_over_all_large" in doc["goals"]
+    assert "per_token_cost_over_all_large" in doc["goals"] and doc["cost_model"]["ratios"]["perfect"]
+
+
+def test_the_warm_up_phase_has_the_same_mix_and_other_prompts() -> None:
+    config = cascade.CascadeConfig(warm_s=40.0)
+    warm, measured = cascade.warm_requests(config), cascade.make_requests(config)
+    assert warm == cascade.warm_requests(config) and all(0 < r.at < 40 for r in warm)
+    assert 0.2 < sum(r.hard for r in warm) / len(warm) < 0.4
+    assert not {r.prompt for r in warm} & {r.prompt for r in measured}
+    assert all(r.prompt.split()[1] == "Warm-up" for r in warm)

@@ -17,6 +17,7 @@ from contracts.epp import CASCADE_STEP_HEADER, DECISION_CASCADE_STEP
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.cascade.plan import CascadePolicy, Cascader
+from extproc.cascade.prior import PrerouteSpec
 from extproc.cascade.spec import CascadeSpec
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
@@ -29,7 +30,9 @@ from tests.extproc.test_processor import ACME_KEY, body, headers, make_gate, rep
 SMALL, MID, LARGE = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 
-def make(spec: CascadeSpec, hold_timeout_s: float | None = 600.0) -> tuple[StreamProcessor, Router]:
+def make(
+    spec: CascadeSpec, hold_timeout_s: float | None = 600.0, cascader: Cascader | None = None
+) -> tuple[StreamProcessor, Router]:
     endpoints = [
         Endpoint(EndpointId("s"), SMALL, frozenset({"small"}), "vllm"),
         Endpoint(EndpointId("m"), MID, frozenset({"mid"}), "vllm"),
@@ -42,7 +45,7 @@ def make(spec: CascadeSpec, hold_timeout_s: float | None = 600.0) -> tuple[Strea
         RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
         rng=random.Random(0),
     )
-    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
+    cascader = cascader or Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
     config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s)
     return StreamProcessor(router, config, lambda: 1000.0, cascade=cascader), router
 
@@ -264,3 +267,51 @@ def test_models_lists_virtual_models_whose_steps_are_served() -> None:
     status, _, text, _ = immediate(proc.handle(headers("/v1/models", "GET", end=True)))
     ids = [m["id"] for m in orjson.loads(text)["data"]]
     assert status == 200 and ids == ["large", "mid", "small", "auto"]
+
+
+
+def test_preroute_learns_from_the_gate_and_sends_what_it_would_escalate_straight_to_the_last_step() -> None:
+    spec = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.9, min_seen=4, explore=0.0))
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
+
+    def ask(text: str) -> tuple[StreamProcessor, list[pb.ProcessingResponse]]:
+        proc, _ = make(spec, cascader=cascader)
+        return proc, start(proc, request(messages=[{"role": "user", "content": text}]))
+
+    for i in range(40):  # hard ones escalate, easy ones pass: the gate's verdicts teach the learner
+        hard = i % 3 == 0
+        proc, _ = ask(f"[{'hard' if hard else 'easy'}] question {i}")
+        if proc.cascade_step is not None:
+            proc.stepped(answer(-2.0) if hard else answer(-0.1))
+        else:
+            assert hard  # an easy request is never skipped here
+        proc.close()
+    prior = cascader.priors["auto"]
+    assert prior.verdicts >= 4
+    proc, out = ask("[hard] question 99")
+    assert proc.cascade_step is None and proc.run is not None and proc.run.preskipped
+    decided = reply(out)
+    assert decided.destination == [LARGE] and decided.decision[DECISION_CASCADE_STEP] == "2"
+    assert orjson.loads(decided.body)["model"] == "large"
+    easy, _ = ask("[easy] question 100")
+    assert easy.cascade_step is not None and easy.cascade_step.address == SMALL  # small first, as before
+    cascader.apply(CascadePolicy(types.MappingProxyType({"auto": spec})))
+    assert cascader.priors["auto"] is prior  # the same preroute: what was learnt stays
+    other = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.95))
+    cascader.apply(CascadePolicy(types.MappingProxyType({"auto": other})))
+    assert cascader.priors["auto"] is not prior and cascader.priors["auto"].verdicts == 0
+
+
+@pytest.mark.parametrize(
+    ("got", "failure", "counted"),
+    [(answer(-2.0), None, 1), (answer(-0.1), None, 1), (None, "timeout", 0), (b"<html>", None, 0)],
+)
+def test_preroute_learns_only_from_verdicts_on_the_threshold(
+    got: bytes | None, failure: str | None, counted: int
+) -> None:
+    spec = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec())
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))
+    proc, _ = make(spec, cascader=cascader)
+    start(proc, request())
+    proc.stepped(got, failure)
+    assert cascader.priors["auto"].verdicts == counted
