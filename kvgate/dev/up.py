@@ -477,9 +477,13 @@ class Stack:
                 f"127.0.0.1:{self.migration_ports.get('metrics', 0)}",
                 "--ready-file",
                 str(ready),
-                # Each failed try reaches every ext_proc, as Envoy's upstream log (plain gRPC: the proxy
-                # itself speaks plain HTTP to engines, so it runs outside --secure's mTLS profile).
-                *(f"--failure-log=127.0.0.1:{p['extproc']}" for p in self.extproc_listeners),
+                # Each failed try reaches every ext_proc, as Envoy's upstream log. Plain gRPC: the proxy
+                # speaks plain HTTP to engines, outside --secure's mTLS profile, so with --secure it sends
+                # no reports (an ext_proc there takes mTLS only; extproc/migration/README.md).
+                *(
+                    f"--failure-log=127.0.0.1:{p['extproc']}"
+                    for p in ([] if self.secure else self.extproc_listeners)
+                ),
             ]
 
         self.migration = self._spawn("migration", argv(0), ready, EXTPROC_READY_S)
