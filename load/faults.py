@@ -251,11 +251,12 @@ async def kill_engine(stack: Stack, w: Windows) -> FaultRun:
     )
 
 
-async def kill_extproc(stack: Stack, w: Windows, index: int = 0) -> FaultRun:
-    """SIGKILL one ext_proc replica; Envoy's health check moves its decisions to the others."""
-    victim = stack.extprocs[index]
+async def _kill_and_restart(
+    stack: Stack, w: Windows, victim: Service[Any]
+) -> tuple[SteadyLoad, float, float]:
+    """Under load: SIGKILL ``victim``, wait for the supervisor's new process and for full service; the
+    load, the kill's and full service's monotonic times."""
     old_pid = victim.pid
-    others = {s.name: s.pid for s in stack.extprocs if s is not victim}
     async with load(stack) as steady:
         await window(w.warm)
         killed = time.monotonic()
@@ -263,6 +264,14 @@ async def kill_extproc(stack: Stack, w: Windows, index: int = 0) -> FaultRun:
         await watch(lambda: victim.pid != old_pid and victim.returncode is None, RESTART_S)
         back = await watch(lambda: all_healthy(stack), RESTART_S)
         await window(w.after)
+    return steady, killed, back
+
+
+async def kill_extproc(stack: Stack, w: Windows, index: int = 0) -> FaultRun:
+    """SIGKILL one ext_proc replica; Envoy's health check moves its decisions to the others."""
+    victim = stack.extprocs[index]
+    others = {s.name: s.pid for s in stack.extprocs if s is not victim}
+    steady, killed, back = await _kill_and_restart(stack, w, victim)
     survivors_kept = all(s.pid == others[s.name] for s in stack.extprocs if s is not victim)
     return _run(
         f"SIGKILL ext_proc ({len(stack.extprocs)} workers)", steady, killed, back, others=survivors_kept
@@ -437,15 +446,7 @@ async def reset_migrating_engine(stack: Stack, w: Windows, resets: int = 2, afte
 
 async def kill_agent(stack: Stack, w: Windows, index: int = 1) -> FaultRun:
     """SIGKILL one node agent (its engine is its child: a new one starts with it)."""
-    victim = stack.agents[index]
-    old_pid = victim.pid
-    async with load(stack) as steady:
-        await window(w.warm)
-        killed = time.monotonic()
-        os.kill(old_pid, signal.SIGKILL)
-        await watch(lambda: victim.pid != old_pid and victim.returncode is None, RESTART_S)
-        back = await watch(lambda: all_healthy(stack), RESTART_S)
-        await window(w.after)
+    steady, killed, back = await _kill_and_restart(stack, w, stack.agents[index])
     return _run("SIGKILL agent", steady, killed, back)
 
 
