@@ -77,6 +77,8 @@ async def test_a_stopped_engine_is_bounded_detected_and_back_after_continue(sims
     # Envoy's timeout (504, OpenAI JSON), or a stream the engine had begun, cut at the request's bound.
     assert all(o.status == 504 or (o.stream and o.status == 200) for o in failed), failed
     assert f["back"] - f["resumed"] < ROTATION_S and f["pid_kept"]
+    # Back in rotation: the resumed engine serves again.
+    assert any(o.endpoint == f["address"] and o.ok and o.started >= f["back"] for o in run.outcomes)
     # A try sent to it after it stopped timed out and ejected it in every ext_proc.
     if f["timed_out_tries"]:
         assert all(n >= 1 for n in f["ejections"]), f["ejections"]
@@ -102,6 +104,10 @@ async def test_an_engine_resetting_connections_is_ejected_and_costs_only_cut_str
     assert all(o.endpoint == run.facts["address"] for o in failed), failed
     assert len(failed) <= 2 and run.record.hung == 0
     assert all(n >= 1 for n in run.facts["ejections"]), run.facts["ejections"]
+
+
+def test_the_stack_files_name_the_current_processes(sims: Stack) -> None:
+    assert sims.info is not None and Path(sims.workdir / "stack.json").exists()
 
 
 async def test_fail_open_serves_without_any_ext_proc(tmp_path: Path) -> None:
