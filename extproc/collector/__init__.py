@@ -19,7 +19,7 @@ Rule, at each :meth:`after_request`, with ``(c0, c1, c2) = gc.get_count()`` and 
 ``(t0, t1, t2) = (700, 10, 10)``: nothing while ``c0 < t0``; else collect generation 2 if ``c1 >= t1``
 and ``c2 >= t2``, generation 1 if ``c1 >= t1``, else generation 0. CPython's own rule, less its
 "long-lived pending > 25 % of long-lived" test before a full collection (not readable from Python): a
-full collection comes every ``t1 * t2`` = 100 young ones, over the heap made since the freeze.
+full collection comes every ``(t1 + 1) * (t2 + 1)`` = 121 collections, over the heap made since the freeze.
 
 Memory: objects alive at start-up are never examined by the cyclic collector again (a cycle among them
 that becomes garbage is not freed; reference counting still frees everything else). Between requests
