@@ -13,6 +13,7 @@ Example (TOML)::
     # max_body_bytes = 5029888         # 413 beyond; default: from the models' contexts (see ExtprocConfig)
     # workers = 2                      # ext_procs a launcher runs on this config (kvgate up --extprocs)
     # siblings_dir = "/run/kvgate/siblings"  # workers on one host share in-flight counts and decisions
+    # gc = "deferred"                  # Python's GC after answers, not inside decisions; or "python"
 
     [[models]]
     name = "SmolLM2-135M-Instruct"
@@ -143,6 +144,7 @@ from extproc.admission.tenants import Tenant
 from extproc.affinity.core import AffinityConfig, parse_affinity
 from extproc.burst.core import BurstEndpoint, parse_burst
 from extproc.burst.records import BurstCredential, parse_credentials
+from extproc.collector import MODES
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
@@ -218,6 +220,10 @@ class ExtprocConfig:
     #: others; ``None``: this worker shares nothing (workers then diverge until their feeds and scrapes
     #: catch up).
     siblings_dir: str | None = None
+    #: Python's cyclic garbage collection (:mod:`extproc.collector`): ``"deferred"`` runs it after a
+    #: request's answer is sent, start-up objects frozen; ``"python"``: CPython's own, inside whatever
+    #: allocates (a decision, ~1.5 ms now and then).
+    gc: str = "deferred"
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,6 +437,7 @@ def parse_config(raw: object) -> GatewayConfig:
         tls_allowed_peers=_peers(ex.array("tls_allowed_peers", list(_EX.tls_allowed_peers))),
         workers=ex.integer("workers", _EX.workers, minimum=1),
         siblings_dir=ex.string("siblings_dir"),
+        gc=choice(ex.string("gc", _EX.gc), MODES, "extproc.gc"),
     )
     ex.done()
     if extproc.siblings_dir == "":

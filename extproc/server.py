@@ -47,6 +47,7 @@ from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
 from extproc.burst.records import BurstSink, BurstTable
 from extproc.cascade.plan import Cascader
+from extproc.collector import Collector
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
 from extproc.control.cluster import Cluster
 from extproc.control.policy import Policy, cascade_policy, gateway_policy, pd_policy, routing_policy
@@ -121,8 +122,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         cascade: Cascader | None = None,
         tracer: Tracer | None = None,
         federation: Forwarder | None = None,
+        after_request: Callable[[], object] | None = None,
     ) -> None:
         self._router = router
+        #: Run once a stream's deferred bookkeeping is done (:meth:`Collector.after_request`).
+        self._after_request = after_request
         self._overload = overload
         self._on_decision = on_decision
         #: ``None``: tracing off, and no span object is made (:mod:`runtime.tracing`).
@@ -257,6 +261,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     # prompt's off the event loop, as its start was (preparable).
                     await asyncio.to_thread(decision.rest.finish)
                 proc.after_send()
+                if self._after_request is not None:
+                    self._after_request()
         finally:
             if counted and gate is not None:
                 gate.release()
@@ -446,6 +452,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, worker: str | None = None) -> None:
         self.config = config
+        #: Python's GC after answers (``[extproc] gc``); :func:`serve` starts it, process-wide.
+        self.collector = Collector()
         self.fleet = Fleet(config.endpoints)
         limits = CacheLimits(config.tokenizer.segment_cache_entries, config.tokenizer.segment_cache_tokens)
         self.models = ModelRegistry.from_config(config.models, cache_limits=limits)
@@ -645,6 +653,7 @@ class Gateway:
                 self.cascade,
                 self.tracer,
                 self.federation.forwarder if self.federation is not None else None,
+                self.collector.after_request,
             ),
             server,
         )
@@ -911,6 +920,8 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 async def serve(config: GatewayConfig, ready_file: Path | None = None, worker: str | None = None) -> int:
     gateway = Gateway(config, worker)
     await gateway.start()
+    if config.extproc.gc == "deferred":  # process-wide: only here, not for a Gateway embedded in tests
+        gateway.collector.start()
     announce_ready(ready_file, {**gateway.ports, "pid": os.getpid()})
     stop = asyncio.Event()
     stop_on_signals(stop)

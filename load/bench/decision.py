@@ -18,6 +18,13 @@ decision ``Router.finish`` releases the in-flight slot so load state does not dr
 stage by stage (parse, render, tokenize, digest, lookup, schedule, record) for a breakdown.
 
     python -m load.bench.decision --out results/decision.json [--quick] [--tracing on|alternate]
+        [--gc python|deferred|alternate]
+
+``--gc`` (default ``python``: CPython's collector as it is) ``deferred`` runs the ext_proc's
+:class:`extproc.collector.Collector` as ``kvgate extproc`` does (started once the fleets are built, a
+collection when due after each decision's deferred record); ``alternate`` runs each cell twice, the
+collector off then on, for a before/after under the same machine noise. Each cell reports the
+collections that began inside its timed decisions (``gc_in_decisions``: count and pause p50/max).
 
 ``--tracing on`` traces every decision as the ext_proc traces a sampled request (its span, the phases'
 timeline and their spans, batched to an in-memory exporter); off (the default) is the untraced path;
@@ -43,6 +50,7 @@ from contracts.digest import Digest
 from contracts.tracing import Timeline, TracingSettings
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from engines.metrics import EngineMetrics
+from extproc.collector import Collector
 from extproc.config import parse_config
 from extproc.models.registry import ModelAssets
 from extproc.routing.request import Kind, ParsedRequest, parse_body
@@ -218,6 +226,22 @@ ALTERNATE = False
 #: What a timed decision is measured with: wall time, or (``--clock cpu``) the thread's CPU time, which
 #: leaves out the time other tenants of a shared machine hold the CPU (not work done by other threads).
 TIMER: Callable[[], int] = time.perf_counter_ns
+#: ``--gc deferred``: the ext_proc's collector, started; run after each decision's deferred record.
+COLLECTOR: Collector | None = None
+#: Pauses (ns) of collections that began inside a timed decision, per generation (:func:`_gc_watch`).
+_IN_DECISION = False
+_GC_PAUSES: list[tuple[int, int]] = []
+_gc_started = 0
+
+
+def _gc_watch(phase: str, info: dict[str, Any]) -> None:
+    """``gc.callbacks`` hook: records the pause of each collection that starts inside a timed decision."""
+    global _gc_started
+    if phase == "start":
+        _gc_started = time.perf_counter_ns() if _IN_DECISION else 0
+    elif _gc_started:
+        _GC_PAUSES.append((int(info["generation"]), time.perf_counter_ns() - _gc_started))
+        _gc_started = 0
 
 
 def _decide(
@@ -226,8 +250,10 @@ def _decide(
     """One timed decision (parse + decide); returns its nanoseconds. With :data:`TRACER` (and
     ``traced``), also what the ext_proc does for a traced request: its span, a timeline of the phases,
     their spans, ended."""
+    global _IN_DECISION
     router = gateway.router
     tracer = TRACER if traced else None
+    _IN_DECISION = True
     started = TIMER()
     if tracer is None:
         decision = router.decide(parse_body(Kind.CHAT, raw), request_id=f"r{serial}", now=clock())
@@ -245,8 +271,11 @@ def _decide(
         tracer.emit(timeline, span)
         span.end()
     elapsed = TIMER() - started
+    _IN_DECISION = False
     router.commit(decision, clock())  # what the gRPC shell does after sending the reply
     router.finish(decision)
+    if COLLECTOR is not None:
+        COLLECTOR.after_request()  # as the shell does once the stream's bookkeeping is done
     return elapsed
 
 
@@ -284,6 +313,8 @@ def run_cell(
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
         traced = not ALTERNATE or i % 2 == 1
+        if i == warmup:
+            _GC_PAUSES.clear()
         elapsed = _decide(gateway, raw, i, clock, traced)
         if i < warmup:
             continue
@@ -299,12 +330,40 @@ def run_cell(
         "body_bytes_p50": sorted(len(b) for b in bodies)[len(bodies) // 2],
         "latency_us": summary(samples_us),
         "other_cpu_cores": cpu.other_cores(CpuSample.take()),
+        "gc": "deferred" if COLLECTOR is not None else "python",
+        "gc_in_decisions": _gc_summary(),
     }
     if baseline_us:
         cell["baseline_encode_whole_us"] = summary(baseline_us)
     if traced_us:  # --tracing alternate: latency_us holds the untraced half
         cell["latency_traced_us"] = summary(traced_us)
     return cell
+
+
+def _set_gc(mode: str) -> None:
+    """``python``: CPython's collector; ``deferred``: :data:`COLLECTOR` started (collect, freeze, backstop
+    threshold), as ``kvgate extproc`` starts it once its gateway is built."""
+    global COLLECTOR
+    if mode == "deferred" and COLLECTOR is None:
+        COLLECTOR = Collector()
+        COLLECTOR.start()
+    elif mode == "python" and COLLECTOR is not None:
+        COLLECTOR.stop()
+        COLLECTOR = None
+
+
+def _gc_summary() -> dict[str, Any]:
+    """Collections that began inside the cell's timed decisions: count and pause (us) per generation."""
+    out: dict[str, Any] = {}
+    for generation in (0, 1, 2):
+        pauses = sorted(ns / 1e3 for g, ns in _GC_PAUSES if g == generation)
+        if pauses:
+            out[f"gen{generation}"] = {
+                "n": len(pauses),
+                "pause_p50_us": round(pauses[len(pauses) // 2], 1),
+                "pause_max_us": round(pauses[-1], 1),
+            }
+    return out
 
 
 def _encode_whole_us(assets: ModelAssets, raw: bytes) -> tuple[float, int]:
@@ -430,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         help="time decisions by wall clock (default) or by the thread's CPU time (steadier on a shared "
         "machine; leaves out work of other threads, such as the span exporter's)",
     )
+    parser.add_argument(
+        "--gc",
+        choices=["python", "deferred", "alternate"],
+        default="python",
+        help="python: CPython's collector as it is; deferred: the ext_proc's collector "
+        "(extproc.collector); alternate: each cell twice, python then deferred",
+    )
     add_quiet_arguments(parser, "cell")
     args = parser.parse_args(argv)
     global TRACER, ALTERNATE, TIMER
@@ -462,39 +528,43 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
     breakdowns: list[dict[str, Any]] = []
     ratio = 0.0
+    gc_modes = ("python", "deferred") if args.gc == "alternate" else (args.gc,)
+    gc.callbacks.append(_gc_watch)
     for n_endpoints in fleets:
         gateway = build_gateway(n_endpoints, model_dir, rng, clock())
         if not ratio:
             ratio = words_per_token(gateway, factory)
         for size in sizes:
             for turn in TURNS:
-                iterations = args.iterations if turn == "follow_up" else args.first_iterations
-                baseline = args.baseline_iterations if n_endpoints == fleets[0] else 0
-                cell = quietest(
-                    partial(
-                        run_cell,
-                        gateway,
-                        factory,
-                        round(size * ratio),
-                        turn,
-                        iterations,
-                        args.warmup,
-                        clock,
-                        baseline,
-                    ),
-                    args.quiet_threshold,
-                    args.max_attempts,
-                    args.quiet_wait_s,
-                )
-                cells.append({"target_tokens": size, "endpoints": n_endpoints, **cell})
-                lat = cell["latency_us"]
-                print(
-                    f"{size:>6} tok {n_endpoints:>3} ep {turn:<9} "
-                    f"tokens~{cell['prompt_tokens']['p50']:>6.0f} "
-                    f"p50 {lat['p50']:>9.1f} p90 {lat['p90']:>9.1f} p99 {lat['p99']:>9.1f} us "
-                    f"(other tenants {cell['other_cpu_cores']:.2f} cores)",
-                    file=sys.stderr,
-                )
+                for gc_mode in gc_modes:
+                    iterations = args.iterations if turn == "follow_up" else args.first_iterations
+                    baseline = args.baseline_iterations if n_endpoints == fleets[0] else 0
+                    _set_gc(gc_mode)
+                    cell = quietest(
+                        partial(
+                            run_cell,
+                            gateway,
+                            factory,
+                            round(size * ratio),
+                            turn,
+                            iterations,
+                            args.warmup,
+                            clock,
+                            baseline,
+                        ),
+                        args.quiet_threshold,
+                        args.max_attempts,
+                        args.quiet_wait_s,
+                    )
+                    cells.append({"target_tokens": size, "endpoints": n_endpoints, **cell})
+                    lat = cell["latency_us"]
+                    print(
+                        f"{size:>6} tok {n_endpoints:>3} ep {turn:<9} gc {gc_mode:<8} "
+                        f"tokens~{cell['prompt_tokens']['p50']:>6.0f} "
+                        f"p50 {lat['p50']:>9.1f} p90 {lat['p90']:>9.1f} p99 {lat['p99']:>9.1f} us "
+                        f"(other tenants {cell['other_cpu_cores']:.2f} cores)",
+                        file=sys.stderr,
+                    )
             if size == breakdown_size:
                 parts = quietest(
                     partial(
@@ -547,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "tracing": args.tracing,
             "clock": args.clock,
+            "gc": args.gc,
             "model": MODEL,
             "words_per_token": round(ratio, 3),
             "index_prefill": {
@@ -566,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         TRACER.shutdown()
         result["spans_exported"] = len(exporter.get_finished_spans())
         TRACER = None
+    _set_gc("python")
+    gc.callbacks.remove(_gc_watch)
     write_json(args.out, result)
     return 0
 

@@ -27,6 +27,8 @@ ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {
 def test_defaults_and_endpoint() -> None:
     config = parse_config({"endpoints": [ENDPOINT], "models": [{"name": "m", "gguf": "smollm2"}]})
     assert config.extproc.listen == "127.0.0.1:9002" and config.index.block_size == 16
+    assert config.extproc.gc == "deferred"
+    assert parse_config({"extproc": {"gc": "python"}}).extproc.gc == "python"
     assert config.index.working_set_s == 20.0
     assert parse_config({"index": {"working_set_s": 0}}).index.working_set_s == 0.0  # off: occupancy
     (endpoint,) = config.endpoints
@@ -41,6 +43,7 @@ def test_defaults_and_endpoint() -> None:
         ({"extproc": {"listen": "nohost"}}, "extproc.listen"),
         ({"extproc": {"max_body_bytes": "big"}}, "extproc.max_body_bytes: expected int"),
         ({"extproc": {"conformance": 1}}, "expected bool"),
+        ({"extproc": {"gc": "off"}}, "extproc.gc: expected one of deferred, python, got 'off'"),
         ({"scrape": {"interval_s": -1}}, "scrape.interval_s"),
         ({"index": {"block_size": 0}}, "index.block_size"),
         ({"index": {"block_size": True}}, "got bool"),

@@ -349,3 +349,18 @@ async def test_model_name_rewrite(gateway: Gateway) -> None:
     body = streamed_body(resps)
     assert destination == "127.0.0.9:8000"
     assert orjson.loads(body)["model"] == "other-model" and hs["content-length"] == str(len(body))
+
+
+async def test_garbage_collection_runs_after_the_answer(gateway: Gateway) -> None:
+    """With the collector started (as ``kvgate extproc`` starts it, [extproc] gc = "deferred"), a
+    collection that is due runs once the stream's bookkeeping is done (extproc/collector)."""
+    collector = gateway.collector
+    collector.start()
+    try:
+        kept: list[list[object]] = [[] for _ in range(2 * 700)]  # survivors: past CPython's young threshold
+        resps = await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(chat_body("hi " * 20))])
+        assert decision(resps)[0]
+        assert sum(collector.collections) >= 1
+        del kept
+    finally:
+        collector.stop()
