@@ -4,7 +4,7 @@
 CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes their results with the
 commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
 the CPU time of the processes measured, and for the benchmarks over a simulated fleet their ``--targets``
-choice and the opening and end of their result.
+choice and the opening (``header``, ``opening``) and end (``finish``) of their result.
 """
 
 from __future__ import annotations
@@ -220,18 +220,10 @@ def chosen_targets(
     return targets
 
 
-def opening(
-    benchmark: str,
-    argv: Sequence[str] | None,
-    quick: bool,
-    config: Any,
-    sources: Mapping[str, str],
-    requests: int,
-) -> dict[str, Any]:
+def header(benchmark: str, argv: Sequence[str] | None, quick: bool, config: Any) -> dict[str, Any]:
     """The first fields of a simulated-fleet benchmark's result: ``benchmark`` (``load.bench.NAME``), the
-    command as typed (``argv``; ``None``: this process's), ``quick``, the machine and the revision, the
-    ``config`` (a dataclass with ``sim_args()``), the simulator's arguments beside the ``sources`` of their
-    values, and the ``requests`` of the workload."""
+    command as typed (``argv``; ``None``: this process's), ``quick``, the machine and the revision, and
+    the ``config`` (a dataclass)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return {
         "benchmark": benchmark,
@@ -240,6 +232,21 @@ def opening(
         "machine": machine(),
         "revision": revision(),
         "config": asdict(config),
+    }
+
+
+def opening(
+    benchmark: str,
+    argv: Sequence[str] | None,
+    quick: bool,
+    config: Any,
+    sources: Mapping[str, str],
+    requests: int,
+) -> dict[str, Any]:
+    """:func:`header`, then the simulator's arguments (``config.sim_args()``) beside the ``sources`` of
+    their values, and the ``requests`` of the workload."""
+    return {
+        **header(benchmark, argv, quick, config),
         "sim": {"args": list(config.sim_args()), "sources": sources},
         "requests": requests,
     }

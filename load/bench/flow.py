@@ -79,18 +79,17 @@ import argparse
 import asyncio
 import logging
 import random
-import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, CpuSample, machine, revision, summary, write_json
+from load.bench import TIMING_SOURCES, CpuSample, chosen_targets, finish, header, summary
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -684,24 +683,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = replace(config, batch_headroom=0.0)
     if args.vllm_priority:
         config = replace(config, engine_preemption=False)
-    targets = tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS
-    if args.quick and not args.targets:
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    if args.targets:
+        targets = chosen_targets(p, args.targets, TARGETS)
+    elif args.quick:
         targets = ("kvgate-flow", "kvgate-no-flow", "round-robin")
     if args.no_peers:
         targets = tuple(t for t in targets if t not in ("sglang-router", "vllm-router"))
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets: {', '.join(unknown)}")
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
-    info, rev = machine(), revision()
+    result = header("flow", argv, args.quick, config)
     started = time.monotonic()
-    result: dict[str, Any] = {
-        "benchmark": "flow",
-        "command": "python -m load.bench.flow " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": info,
-        "revision": rev,
-        "config": asdict(config),
+    result |= {
         "sim": {"parameters": _sim_params(config), "sources": SIM_SOURCES},
         "kvgate_flow_overlay": flow_overlay(config, limits=True),
         "kvgate_no_flow_overlay": flow_overlay(config, limits=False),
@@ -718,10 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = (PRIORITY_TARGET,) if PRIORITY_TARGET in targets else ()
         result["sweep"] = sweep(config, workdir / "sweep", not args.no_progress, extra)
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":
