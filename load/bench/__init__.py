@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import platform
 import resource
@@ -18,12 +19,20 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    Config = TypeVar("Config", bound=DataclassInstance)
+else:
+    Config = TypeVar("Config")
 
 PERCENTILES = (50, 90, 99)
 #: Where the simulator's step-model values come from, the part every simulator benchmark shares (each adds
@@ -259,3 +268,43 @@ def finish(result: dict[str, Any], out: Path, started: float) -> int:
     write_json(out, result)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def counts(values: Iterable[str]) -> dict[str, int]:
+    """How many times each of ``values`` occurs, keys in order (statuses, error codes, replicas)."""
+    return dict(sorted(Counter(values).items()))
+
+
+def skipped(name: str, exc: BaseException, log: logging.Logger, **row: Any) -> dict[str, Any]:
+    """The row of target ``name`` that could not start: ``row``, then ``skipped``, the first line of
+    ``exc`` (300 characters at most; its type where it says nothing), also warned on ``log``."""
+    reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    log.warning("%s: skipped: %s", name, reason)
+    return {"target": name, **row, "skipped": reason}
+
+
+def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
+    """A sweep's fleets: each key step-model parameter of ``config`` halved, then each doubled: the
+    prefill rate, the decode step (base and per-sequence cost together), and the field ``last``; each
+    as (what varied, factor, config)."""
+    variants: list[tuple[str, float, Config]] = []
+    for factor in (0.5, 2.0):
+        c: Any = config
+        variants += [
+            (
+                "prefill_tokens_per_s",
+                factor,
+                replace(config, prefill_tokens_per_s=c.prefill_tokens_per_s * factor),
+            ),
+            (
+                "decode_step (step_base_ms, decode_ms_per_seq)",
+                factor,
+                replace(
+                    config,
+                    step_base_ms=c.step_base_ms * factor,
+                    decode_ms_per_seq=c.decode_ms_per_seq * factor,
+                ),
+            ),
+            (last, factor, replace(config, **{last: getattr(config, last) * factor})),
+        ]
+    return variants

@@ -89,7 +89,17 @@ from typing import Any
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, CpuSample, chosen_targets, finish, header, summary
+from load.bench import (
+    TIMING_SOURCES,
+    CpuSample,
+    chosen_targets,
+    counts,
+    finish,
+    header,
+    skipped,
+    step_variants,
+    summary,
+)
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -366,13 +376,6 @@ def _ttft_ms(samples: Sequence[float]) -> dict[str, float | int]:
     return summary([s * 1e3 for s in samples])
 
 
-def _counts(values: Sequence[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return dict(sorted(out.items()))
-
-
 def class_metrics(
     records: Sequence[RequestRecord], klass: str, wall_s: float, ttft_ms: float
 ) -> dict[str, Any]:
@@ -390,9 +393,9 @@ def class_metrics(
         "goodput": round(good / len(records), 4) if records else float("nan"),
         "ttft_ms": _ttft_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 1) if wall_s > 0 else 0.0,
-        "shed": _counts([r.error_code or "none" for r in shed]),
+        "shed": counts([r.error_code or "none" for r in shed]),
         "shed_total": len(shed),
-        "errors": _counts([r.status for r in other]),
+        "errors": counts([r.status for r in other]),
         "lost": len(other),
     }
 
@@ -444,7 +447,7 @@ def fairness(
         "served_tokens": served,
         "demand_tokens": asked,
         "max_min_share_tokens": dict(zip(BATCH_FLOWS, [round(s, 1) for s in shares], strict=True)),
-        "shed_by_flow": {f: _counts(codes) for f, codes in shed.items()},
+        "shed_by_flow": {f: counts(codes) for f, codes in shed.items()},
         "jain": jain(normalized),
         "jain_raw": jain([float(served[f]) for f in BATCH_FLOWS]),
     }
@@ -483,9 +486,7 @@ def run_target(
     try:
         running = _start(name, config, fleet, workdir / name)
     except (tg.TargetUnavailable, ChildFailed) as exc:
-        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        log.warning("%s: skipped: %s", name, reason)
-        return {"target": name, "skipped": reason}
+        return skipped(name, exc, log)
     before = CpuSample.take()
     options = LoadOptions(
         DEFAULT_MODEL,
@@ -562,25 +563,7 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """Each key parameter halved and doubled; kvgate-flow, kvgate-no-flow and round robin each time (and
     ``extra`` targets)."""
-    variants: list[tuple[str, float, FlowConfig]] = []
-    for factor in (0.5, 2.0):
-        variants += [
-            (
-                "prefill_tokens_per_s",
-                factor,
-                replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor),
-            ),
-            (
-                "decode_step (step_base_ms, decode_ms_per_seq)",
-                factor,
-                replace(
-                    config,
-                    step_base_ms=config.step_base_ms * factor,
-                    decode_ms_per_seq=config.decode_ms_per_seq * factor,
-                ),
-            ),
-            ("multiplier", factor, replace(config, multiplier=config.multiplier * factor)),
-        ]
+    variants = step_variants(config, "multiplier")
     out = []
     for i, (param, factor, varied) in enumerate(variants):
         print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
