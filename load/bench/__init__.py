@@ -4,7 +4,9 @@
 CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes their results with the
 commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
 the CPU time of the processes measured, and for the benchmarks over a simulated fleet their ``--targets``
-choice and the opening (``header``, ``opening``) and end (``finish``) of their result.
+choice, the opening (``header``, ``opening``) and end (``finish``) of their result, the row of a target
+that cannot start (``skipped``), tallies (``counts``) and a sweep's halved and doubled fleets
+(``step_variants``).
 """
 
 from __future__ import annotations

@@ -163,11 +163,11 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
     assert gateway_counter(stack, "kvgate_pd_decisions_total", mode="disaggregated") >= 1
 
 
-def test_streamed_disaggregated(stack: Stack) -> None:
-    before = remote(stack)
+def stream_long(stack: Stack, n: int) -> None:
+    """A streamed chat of the long prompt with question ``n``: text, and usage counting its 8 tokens."""
     stream = client(stack).chat.completions.create(
         model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(2)}],
+        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(n)}],
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},
@@ -176,6 +176,11 @@ def test_streamed_disaggregated(stack: Stack) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = [c.usage for c in chunks if c.usage is not None]
     assert text and usage and usage[-1].completion_tokens == 8
+
+
+def test_streamed_disaggregated(stack: Stack) -> None:
+    before = remote(stack)
+    stream_long(stack, 2)
     moved = delta(before, remote(stack))
     assert moved.pop("decode-0") == 1 and list(moved.values()) == [1]
 

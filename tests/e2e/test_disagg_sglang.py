@@ -35,6 +35,7 @@ from tests.e2e.test_disagg import (
     gateway_counter,
     log_text,
     stored_blocks,
+    stream_long,
     unique,
 )
 from tests.polling import poll
@@ -131,17 +132,7 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
 
 def test_streamed_disaggregated(stack: Stack) -> None:
     before = remote(stack)
-    stream = client(stack).chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(102)}],
-        max_tokens=8,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    usage = [c.usage for c in chunks if c.usage is not None]
-    assert text and usage and usage[-1].completion_tokens == 8
+    stream_long(stack, 102)
     _, moved = moved_to(stack, before)
     assert moved["decode-0"] == 1
 
