@@ -342,6 +342,17 @@ def test_prefill_and_decode_go_together(options: dict[str, object], tmp_path: Pa
     assert not list(tmp_path.glob("*.log")), "nothing was started"
 
 
+def chat_over_mtls(secure: Stack) -> None:
+    """A chat through the ``--secure`` stack's edge (its CA trusted), served by the decode replica."""
+    ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
+    with httpx.Client(verify=ctx, timeout=30) as http:
+        sdk = openai.OpenAI(base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http)
+        raw = sdk.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
+        )
+    assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+
+
 def test_the_prefill_sub_request_speaks_mtls_to_engines(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``--secure``: engines accept only certificates of engine callers; the ext_proc's prefill request
     uses its client certificate (the scraper's files), so the pair still works."""
@@ -355,15 +366,7 @@ def test_the_prefill_sub_request_speaks_mtls_to_engines(tmp_path_factory: pytest
         disaggregation={"mode": "disaggregated"},
     )
     with Stack(options) as secure:
-        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
-        with httpx.Client(verify=ctx, timeout=30) as http:
-            sdk = openai.OpenAI(
-                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-            raw = sdk.chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
-            )
-        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        chat_over_mtls(secure)
         assert gateway_counter(secure, "kvgate_pd_decisions_total", mode="disaggregated") == 1
         assert gateway_counter(secure, "kvgate_pd_fallbacks_total") == 0
         assert "prefilled by engine prefill-0" in log_text(secure, "decode-0")

@@ -13,11 +13,9 @@ already waits on the room, and it refuses requests without one. The last tests s
 from __future__ import annotations
 
 import json
-import ssl
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -28,6 +26,7 @@ from tests.e2e.test_disagg import (
     LONG,
     MODEL,
     THRESHOLD,
+    chat_over_mtls,
     client,
     delta,
     engine_counter,
@@ -237,14 +236,6 @@ def test_an_mtls_fleet_pairs_too(tmp_path_factory: pytest.TempPathFactory) -> No
         disaggregation={"mode": "disaggregated"},
     )
     with Stack(options) as secure:
-        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
-        with httpx.Client(verify=ctx, timeout=30) as http:
-            sdk = openai.OpenAI(
-                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-            raw = sdk.chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
-            )
-        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        chat_over_mtls(secure)
         assert "prefilled by engine prefill-0 (bootstrap room" in log_text(secure, "decode-0")
         assert gateway_counter(secure, "kvgate_pd_prefill_errors_total") == 0
