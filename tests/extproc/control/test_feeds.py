@@ -127,7 +127,7 @@ async def test_snapshot_clears_every_endpoint_the_feed_spoke_of(
 ) -> None:
     mgr, index, _ = manager
     address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     agent.publish([Stored("e9", [D1])])  # an endpoint the fleet does not list (yet)
     await eventually(lambda: mgr.stats.batches == 2)
     # The agent restarts on the same port and no longer serves e9.
@@ -175,8 +175,7 @@ async def test_set_addresses_stops_removed_feeds_and_clears_their_endpoints(
     agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
 ) -> None:
     mgr, index, _ = manager
-    address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     agent.publish([Stored("e1", [D1])])
     await eventually(lambda: mgr.stats.batches == 2)
     mgr.set_addresses(set())
@@ -258,7 +257,7 @@ async def test_snapshot_does_not_count_as_a_restart(
     """A resubscription's snapshot clears every endpoint of the feed; their engines did not restart."""
     mgr, _, fleet = manager
     address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     e1 = fleet.get(E1)
     assert e1 is not None
     e1.count_routed(NOW, 300.0)
