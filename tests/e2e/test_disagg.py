@@ -133,20 +133,25 @@ def test_the_fleet_has_roles(stack: Stack) -> None:
     }
 
 
+def ask_long(stack: Stack, n: int) -> None:
+    """A chat of the long prompt with question ``n``: 6 tokens of answer, from the decode replica."""
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(n)}],
+        max_tokens=6,
+    )
+    done = raw.parse()
+    assert raw.headers["x-kvgate-replica"] == "decode-0"
+    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+
+
 def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_decode_replica(
     stack: Stack,
 ) -> None:
     before = remote(stack)
     generated = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
     stored = {r: stored_blocks(stack, r) for r in before}
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(1)}],
-        max_tokens=6,
-    )
-    done = raw.parse()
-    assert raw.headers["x-kvgate-replica"] == "decode-0"
-    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+    ask_long(stack, 1)
     moved = delta(before, remote(stack))
     assert moved.pop("decode-0") == 1
     assert list(moved.values()) == [1], moved  # exactly one prefill replica computed the prompt

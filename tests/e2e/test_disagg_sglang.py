@@ -26,6 +26,7 @@ from tests.e2e.test_disagg import (
     LONG,
     MODEL,
     THRESHOLD,
+    ask_long,
     chat_over_mtls,
     client,
     delta,
@@ -105,14 +106,7 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
     prompts = {r: prompt_tokens(stack, r) for r in (*PREFILLS, "decode-0")}
     generated = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
     stored = {r: stored_blocks(stack, r) for r in before}
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(101)}],
-        max_tokens=6,
-    )
-    done = raw.parse()
-    assert raw.headers["x-kvgate-replica"] == "decode-0"
-    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+    ask_long(stack, 101)
     prefill, moved = moved_to(stack, before)
     assert moved == {prefill: 1, "decode-0": 1}
     # the prefill replica computed the prompt, the decode replica only received it
