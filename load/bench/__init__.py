@@ -4,13 +4,16 @@
 CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes their results with the
 commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
 the CPU time of the processes measured, and for the benchmarks over a simulated fleet their ``--targets``
-choice and the opening and end of their result.
+choice, the opening (``header``, ``opening``) and end (``finish``) of their result, the row of a target
+that cannot start (``skipped``), tallies (``counts``) and a sweep's halved and doubled fleets
+(``step_variants``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import platform
 import resource
@@ -18,12 +21,20 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    Config = TypeVar("Config", bound=DataclassInstance)
+else:
+    Config = TypeVar("Config")
 
 PERCENTILES = (50, 90, 99)
 #: Where the simulator's step-model values come from, the part every simulator benchmark shares (each adds
@@ -220,18 +231,10 @@ def chosen_targets(
     return targets
 
 
-def opening(
-    benchmark: str,
-    argv: Sequence[str] | None,
-    quick: bool,
-    config: Any,
-    sources: Mapping[str, str],
-    requests: int,
-) -> dict[str, Any]:
+def header(benchmark: str, argv: Sequence[str] | None, quick: bool, config: Any) -> dict[str, Any]:
     """The first fields of a simulated-fleet benchmark's result: ``benchmark`` (``load.bench.NAME``), the
-    command as typed (``argv``; ``None``: this process's), ``quick``, the machine and the revision, the
-    ``config`` (a dataclass with ``sim_args()``), the simulator's arguments beside the ``sources`` of their
-    values, and the ``requests`` of the workload."""
+    command as typed (``argv``; ``None``: this process's), ``quick``, the machine and the revision, and
+    the ``config`` (a dataclass)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return {
         "benchmark": benchmark,
@@ -240,6 +243,21 @@ def opening(
         "machine": machine(),
         "revision": revision(),
         "config": asdict(config),
+    }
+
+
+def opening(
+    benchmark: str,
+    argv: Sequence[str] | None,
+    quick: bool,
+    config: Any,
+    sources: Mapping[str, str],
+    requests: int,
+) -> dict[str, Any]:
+    """:func:`header`, then the simulator's arguments (``config.sim_args()``) beside the ``sources`` of
+    their values, and the ``requests`` of the workload."""
+    return {
+        **header(benchmark, argv, quick, config),
         "sim": {"args": list(config.sim_args()), "sources": sources},
         "requests": requests,
     }
@@ -252,3 +270,43 @@ def finish(result: dict[str, Any], out: Path, started: float) -> int:
     write_json(out, result)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def counts(values: Iterable[str]) -> dict[str, int]:
+    """How many times each of ``values`` occurs, keys in order (statuses, error codes, replicas)."""
+    return dict(sorted(Counter(values).items()))
+
+
+def skipped(name: str, exc: BaseException, log: logging.Logger, **row: Any) -> dict[str, Any]:
+    """The row of target ``name`` that could not start: ``row``, then ``skipped``, the first line of
+    ``exc`` (300 characters at most; its type where it says nothing), also warned on ``log``."""
+    reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    log.warning("%s: skipped: %s", name, reason)
+    return {"target": name, **row, "skipped": reason}
+
+
+def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
+    """A sweep's fleets: each key step-model parameter of ``config`` halved, then each doubled: the
+    prefill rate, the decode step (base and per-sequence cost together), and the field ``last``; each
+    as (what varied, factor, config)."""
+    variants: list[tuple[str, float, Config]] = []
+    for factor in (0.5, 2.0):
+        c: Any = config
+        variants += [
+            (
+                "prefill_tokens_per_s",
+                factor,
+                replace(config, prefill_tokens_per_s=c.prefill_tokens_per_s * factor),
+            ),
+            (
+                "decode_step (step_base_ms, decode_ms_per_seq)",
+                factor,
+                replace(
+                    config,
+                    step_base_ms=c.step_base_ms * factor,
+                    decode_ms_per_seq=c.decode_ms_per_seq * factor,
+                ),
+            ),
+            (last, factor, replace(config, **{last: getattr(config, last) * factor})),
+        ]
+    return variants

@@ -50,7 +50,6 @@ import asyncio
 import json
 import logging
 import random
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -64,7 +63,7 @@ from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from extproc.cascade.cost import BUFFERED, PERFECT, Costs, Policy, busy_ratio, first_k, sweep, token_ratio
 from kvgate.dev.procs import Child, http_get
 from kvgate.dev.up import Stack, StackOptions
-from load.bench import TIMING_SOURCES, machine, revision, summary, write_json
+from load.bench import TIMING_SOURCES, finish, header, summary
 
 log = logging.getLogger(__name__)
 
@@ -513,13 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
     started = time.monotonic()
     requests = make_requests(config)
-    result: dict[str, Any] = {
-        "benchmark": "cascade",
-        "command": "python -m load.bench.cascade " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": machine(),
-        "revision": revision(),
-        "config": asdict(config),
+    result = header("cascade", argv, args.quick, config)
+    result |= {
         "policy": config.policy(),
         "sim": {
             "args": {m: list(config.sim_args(m)) for m in ("small", "large")},
@@ -534,10 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["targets"] = rows
     result["goals"] = goals(rows)
     result["cost_model"] = cost_model(config, rows)
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,17 @@ from typing import Any
 
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, chosen_targets, finish, opening, peers, summary
+from load.bench import (
+    TIMING_SOURCES,
+    chosen_targets,
+    counts,
+    finish,
+    opening,
+    peers,
+    skipped,
+    step_variants,
+    summary,
+)
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -229,30 +239,19 @@ def target_metrics(result: RunResult, sent: int) -> dict[str, Any]:
     """One target's figures (see the module docstring)."""
     records: Sequence[RequestRecord] = result.records
     ok = [r for r in records if r.ok]
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[r.status] = errors.get(r.status, 0) + 1
     wall = result.wall_s
     return {
         "sent": sent,
         "served": len(ok),
-        "errors": dict(sorted(errors.items())),
+        "errors": counts(r.status for r in records if not r.ok),
         "lost": sent - len(ok),
         "wall_s": round(wall, 2),
         "ttft_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": _ms([g for r in ok for g in r.chunk_gaps_s]),
         "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall, 1) if wall > 0 else 0.0,
         "prompt_tokens_mean": round(sum(r.prompt_tokens for r in ok) / len(ok), 1) if ok else float("nan"),
-        "replicas": dict(sorted(_count(r.replica or "?" for r in ok).items())),
+        "replicas": counts(r.replica or "?" for r in ok),
     }
-
-
-def _count(values: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
 
 
 def run_target(
@@ -263,9 +262,7 @@ def run_target(
     try:
         running = _start(name, config, workdir / name)
     except (tg.TargetUnavailable, ChildFailed) as exc:
-        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        log.warning("%s: skipped: %s", name, reason)
-        return {"target": name, "skipped": reason}
+        return skipped(name, exc, log)
     options = LoadOptions(
         DEFAULT_MODEL, duration_s=config.duration_s, drain_s=config.drain_s, progress=progress
     )
@@ -404,25 +401,7 @@ def sweep(config: DisaggConfig, workdir: Path, progress: bool, repeats: int = 1)
     """Each key step-model parameter halved and doubled; the conditional goal's two targets each time
     (:data:`SWEEP_TARGETS`, ``repeats`` times interleaved: medians), their ITL and TTFT p90 ratios, and
     whether the ranking holds."""
-    variants: list[tuple[str, float, DisaggConfig]] = []
-    for factor in (0.5, 2.0):
-        variants += [
-            (
-                "prefill_tokens_per_s",
-                factor,
-                replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor),
-            ),
-            (
-                "decode_step (step_base_ms, decode_ms_per_seq)",
-                factor,
-                replace(
-                    config,
-                    step_base_ms=config.step_base_ms * factor,
-                    decode_ms_per_seq=config.decode_ms_per_seq * factor,
-                ),
-            ),
-            ("link_gbps", factor, replace(config, link_gbps=config.link_gbps * factor)),
-        ]
+    variants = step_variants(config, "link_gbps")
     sessions = make_sessions(config)
     out = []
     for i, (param, factor, varied) in enumerate(variants):

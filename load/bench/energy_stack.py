@@ -57,7 +57,7 @@ from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import Stack
-from load.bench import machine, peers, percentile, revision
+from load.bench import machine, peers, percentile, revision, skipped
 from load.bench import targets as tg
 from load.bench.energy import Config as SimTimeConfig
 from load.bench.energy import power_models, power_scheduling
@@ -191,12 +191,6 @@ def measure(
     return row
 
 
-def _skipped(name: str, rps: float, exc: BaseException) -> dict[str, Any]:
-    reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    log.warning("%s: skipped: %s", name, reason)
-    return {"target": name, "load_rps": rps, "skipped": reason}
-
-
 def run_load_level(
     config: StackConfig, rps: float, names: Sequence[str], text: TokenText, workdir: Path
 ) -> list[dict[str, Any]]:
@@ -238,7 +232,7 @@ def run_load_level(
                     raise tg.TargetUnavailable(f"unknown target {name!r}")
                 rows.append(measure(name, url, addresses, sessions, config, rps))
             except (tg.TargetUnavailable, peers.PeerUnavailable, ChildFailed) as exc:
-                rows.append(_skipped(name, rps, exc))
+                rows.append(skipped(name, exc, log, load_rps=rps))
             finally:
                 if running is not None:
                     running.stop()

@@ -79,18 +79,27 @@ import argparse
 import asyncio
 import logging
 import random
-import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, CpuSample, machine, revision, summary, write_json
+from load.bench import (
+    TIMING_SOURCES,
+    CpuSample,
+    chosen_targets,
+    counts,
+    finish,
+    header,
+    skipped,
+    step_variants,
+    summary,
+)
 from load.bench import targets as tg
 from load.client import FixedRoute, LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -367,13 +376,6 @@ def _ttft_ms(samples: Sequence[float]) -> dict[str, float | int]:
     return summary([s * 1e3 for s in samples])
 
 
-def _counts(values: Sequence[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return dict(sorted(out.items()))
-
-
 def class_metrics(
     records: Sequence[RequestRecord], klass: str, wall_s: float, ttft_ms: float
 ) -> dict[str, Any]:
@@ -391,9 +393,9 @@ def class_metrics(
         "goodput": round(good / len(records), 4) if records else float("nan"),
         "ttft_ms": _ttft_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 1) if wall_s > 0 else 0.0,
-        "shed": _counts([r.error_code or "none" for r in shed]),
+        "shed": counts([r.error_code or "none" for r in shed]),
         "shed_total": len(shed),
-        "errors": _counts([r.status for r in other]),
+        "errors": counts([r.status for r in other]),
         "lost": len(other),
     }
 
@@ -445,7 +447,7 @@ def fairness(
         "served_tokens": served,
         "demand_tokens": asked,
         "max_min_share_tokens": dict(zip(BATCH_FLOWS, [round(s, 1) for s in shares], strict=True)),
-        "shed_by_flow": {f: _counts(codes) for f, codes in shed.items()},
+        "shed_by_flow": {f: counts(codes) for f, codes in shed.items()},
         "jain": jain(normalized),
         "jain_raw": jain([float(served[f]) for f in BATCH_FLOWS]),
     }
@@ -484,9 +486,7 @@ def run_target(
     try:
         running = _start(name, config, fleet, workdir / name)
     except (tg.TargetUnavailable, ChildFailed) as exc:
-        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        log.warning("%s: skipped: %s", name, reason)
-        return {"target": name, "skipped": reason}
+        return skipped(name, exc, log)
     before = CpuSample.take()
     options = LoadOptions(
         DEFAULT_MODEL,
@@ -563,25 +563,7 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """Each key parameter halved and doubled; kvgate-flow, kvgate-no-flow and round robin each time (and
     ``extra`` targets)."""
-    variants: list[tuple[str, float, FlowConfig]] = []
-    for factor in (0.5, 2.0):
-        variants += [
-            (
-                "prefill_tokens_per_s",
-                factor,
-                replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor),
-            ),
-            (
-                "decode_step (step_base_ms, decode_ms_per_seq)",
-                factor,
-                replace(
-                    config,
-                    step_base_ms=config.step_base_ms * factor,
-                    decode_ms_per_seq=config.decode_ms_per_seq * factor,
-                ),
-            ),
-            ("multiplier", factor, replace(config, multiplier=config.multiplier * factor)),
-        ]
+    variants = step_variants(config, "multiplier")
     out = []
     for i, (param, factor, varied) in enumerate(variants):
         print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
@@ -684,24 +666,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = replace(config, batch_headroom=0.0)
     if args.vllm_priority:
         config = replace(config, engine_preemption=False)
-    targets = tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS
-    if args.quick and not args.targets:
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    if args.targets:
+        targets = chosen_targets(p, args.targets, TARGETS)
+    elif args.quick:
         targets = ("kvgate-flow", "kvgate-no-flow", "round-robin")
     if args.no_peers:
         targets = tuple(t for t in targets if t not in ("sglang-router", "vllm-router"))
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets: {', '.join(unknown)}")
     workdir = args.out.resolve().parent / f"{args.out.stem}-work"
-    info, rev = machine(), revision()
+    result = header("flow", argv, args.quick, config)
     started = time.monotonic()
-    result: dict[str, Any] = {
-        "benchmark": "flow",
-        "command": "python -m load.bench.flow " + shlex.join(list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick,
-        "machine": info,
-        "revision": rev,
-        "config": asdict(config),
+    result |= {
         "sim": {"parameters": _sim_params(config), "sources": SIM_SOURCES},
         "kvgate_flow_overlay": flow_overlay(config, limits=True),
         "kvgate_no_flow_overlay": flow_overlay(config, limits=False),
@@ -718,10 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = (PRIORITY_TARGET,) if PRIORITY_TARGET in targets else ()
         result["sweep"] = sweep(config, workdir / "sweep", not args.no_progress, extra)
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    write_json(args.out, result)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return finish(result, args.out, started)
 
 
 if __name__ == "__main__":

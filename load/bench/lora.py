@@ -41,7 +41,7 @@ from typing import Any
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL
-from load.bench import TIMING_SOURCES, chosen_targets, finish, opening, summary
+from load.bench import TIMING_SOURCES, chosen_targets, counts, finish, opening, skipped, summary
 from load.bench import targets as tg
 from load.client import LoadOptions, RequestRecord, RunResult, run_load
 from load.workloads import smollm2_text
@@ -154,15 +154,11 @@ def adapter_loads(addresses: Sequence[str]) -> int:
 def target_metrics(result: RunResult, sent: int, loads: int) -> dict[str, Any]:
     records: Sequence[RequestRecord] = result.records
     ok = [r for r in records if r.ok]
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[r.status] = errors.get(r.status, 0) + 1
     wall = result.wall_s
     return {
         "sent": sent,
         "served": len(ok),
-        "errors": dict(sorted(errors.items())),
+        "errors": counts(r.status for r in records if not r.ok),
         "adapter_loads": loads,
         "adapter_loads_per_1000": round(1000 * loads / len(ok), 1) if ok else None,
         "wall_s": round(wall, 2),
@@ -185,9 +181,7 @@ def run_target(
                 name, fleet, DEFAULT_MODEL, model_dir, workdir / name, adapters=config.adapter_names
             )
         except (tg.TargetUnavailable, ChildFailed) as exc:
-            reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-            log.warning("%s: skipped: %s", name, reason)
-            return {"target": name, "skipped": reason}
+            return skipped(name, exc, log)
         options = LoadOptions(
             DEFAULT_MODEL, duration_s=config.duration_s, drain_s=config.drain_s, progress=progress
         )

@@ -5,7 +5,6 @@ turns them into Load events only when they change (plus heartbeats)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import sys
@@ -18,19 +17,15 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from agent.telemetry import EngineScraper, EngineStatus, GpuTelemetry, LoadChanges, TelemetryLoop, TokenRate
 from contracts.events import Gpu, Load
 from load.sim.engine import EngineConfig
 from load.sim.server import SimConfig, SimFleet
+from tests.load.test_sim_server import model_dir as model_dir  # the tiny tokenizer fixture
 from tests.polling import until
 
 MODEL = "tiny-chat"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 async def eventually(cond: Callable[[], Any], within_s: float = 5.0) -> None:
@@ -39,25 +34,6 @@ async def eventually(cond: Callable[[], Any], within_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny byte-level BPE tokenizer with ChatML special tokens, saved the Hugging Face way."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture

@@ -133,20 +133,25 @@ def test_the_fleet_has_roles(stack: Stack) -> None:
     }
 
 
+def ask_long(stack: Stack, n: int) -> None:
+    """A chat of the long prompt with question ``n``: 6 tokens of answer, from the decode replica."""
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(n)}],
+        max_tokens=6,
+    )
+    done = raw.parse()
+    assert raw.headers["x-kvgate-replica"] == "decode-0"
+    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+
+
 def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_decode_replica(
     stack: Stack,
 ) -> None:
     before = remote(stack)
     generated = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
     stored = {r: stored_blocks(stack, r) for r in before}
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(1)}],
-        max_tokens=6,
-    )
-    done = raw.parse()
-    assert raw.headers["x-kvgate-replica"] == "decode-0"
-    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+    ask_long(stack, 1)
     moved = delta(before, remote(stack))
     assert moved.pop("decode-0") == 1
     assert list(moved.values()) == [1], moved  # exactly one prefill replica computed the prompt
@@ -163,11 +168,11 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
     assert gateway_counter(stack, "kvgate_pd_decisions_total", mode="disaggregated") >= 1
 
 
-def test_streamed_disaggregated(stack: Stack) -> None:
-    before = remote(stack)
+def stream_long(stack: Stack, n: int) -> None:
+    """A streamed chat of the long prompt with question ``n``: text, and usage counting its 8 tokens."""
     stream = client(stack).chat.completions.create(
         model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(2)}],
+        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(n)}],
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},
@@ -176,6 +181,11 @@ def test_streamed_disaggregated(stack: Stack) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = [c.usage for c in chunks if c.usage is not None]
     assert text and usage and usage[-1].completion_tokens == 8
+
+
+def test_streamed_disaggregated(stack: Stack) -> None:
+    before = remote(stack)
+    stream_long(stack, 2)
     moved = delta(before, remote(stack))
     assert moved.pop("decode-0") == 1 and list(moved.values()) == [1]
 
@@ -337,6 +347,17 @@ def test_prefill_and_decode_go_together(options: dict[str, object], tmp_path: Pa
     assert not list(tmp_path.glob("*.log")), "nothing was started"
 
 
+def chat_over_mtls(secure: Stack) -> None:
+    """A chat through the ``--secure`` stack's edge (its CA trusted), served by the decode replica."""
+    ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
+    with httpx.Client(verify=ctx, timeout=30) as http:
+        sdk = openai.OpenAI(base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http)
+        raw = sdk.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
+        )
+    assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+
+
 def test_the_prefill_sub_request_speaks_mtls_to_engines(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``--secure``: engines accept only certificates of engine callers; the ext_proc's prefill request
     uses its client certificate (the scraper's files), so the pair still works."""
@@ -350,15 +371,7 @@ def test_the_prefill_sub_request_speaks_mtls_to_engines(tmp_path_factory: pytest
         disaggregation={"mode": "disaggregated"},
     )
     with Stack(options) as secure:
-        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
-        with httpx.Client(verify=ctx, timeout=30) as http:
-            sdk = openai.OpenAI(
-                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-            raw = sdk.chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
-            )
-        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        chat_over_mtls(secure)
         assert gateway_counter(secure, "kvgate_pd_decisions_total", mode="disaggregated") == 1
         assert gateway_counter(secure, "kvgate_pd_fallbacks_total") == 0
         assert "prefilled by engine prefill-0" in log_text(secure, "decode-0")

@@ -13,11 +13,9 @@ already waits on the room, and it refuses requests without one. The last tests s
 from __future__ import annotations
 
 import json
-import ssl
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -28,6 +26,8 @@ from tests.e2e.test_disagg import (
     LONG,
     MODEL,
     THRESHOLD,
+    ask_long,
+    chat_over_mtls,
     client,
     delta,
     engine_counter,
@@ -35,6 +35,7 @@ from tests.e2e.test_disagg import (
     gateway_counter,
     log_text,
     stored_blocks,
+    stream_long,
     unique,
 )
 from tests.polling import poll
@@ -105,14 +106,7 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
     prompts = {r: prompt_tokens(stack, r) for r in (*PREFILLS, "decode-0")}
     generated = engine_counter(stack, "decode-0", "vllm:generation_tokens_total")
     stored = {r: stored_blocks(stack, r) for r in before}
-    raw = client(stack).chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(101)}],
-        max_tokens=6,
-    )
-    done = raw.parse()
-    assert raw.headers["x-kvgate-replica"] == "decode-0"
-    assert done.usage is not None and done.usage.completion_tokens == 6 and done.choices[0].message.content
+    ask_long(stack, 101)
     prefill, moved = moved_to(stack, before)
     assert moved == {prefill: 1, "decode-0": 1}
     # the prefill replica computed the prompt, the decode replica only received it
@@ -131,17 +125,7 @@ def test_a_long_request_is_prefilled_on_a_prefill_replica_and_decoded_on_the_dec
 
 def test_streamed_disaggregated(stack: Stack) -> None:
     before = remote(stack)
-    stream = client(stack).chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": unique(102)}],
-        max_tokens=8,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    usage = [c.usage for c in chunks if c.usage is not None]
-    assert text and usage and usage[-1].completion_tokens == 8
+    stream_long(stack, 102)
     _, moved = moved_to(stack, before)
     assert moved["decode-0"] == 1
 
@@ -246,14 +230,6 @@ def test_an_mtls_fleet_pairs_too(tmp_path_factory: pytest.TempPathFactory) -> No
         disaggregation={"mode": "disaggregated"},
     )
     with Stack(options) as secure:
-        ctx = ssl.create_default_context(cafile=str(secure.certs["envoy-edge"].ca))
-        with httpx.Client(verify=ctx, timeout=30) as http:
-            sdk = openai.OpenAI(
-                base_url=f"{secure.url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-            raw = sdk.chat.completions.with_raw_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi over mTLS"}], max_tokens=3
-            )
-        assert raw.headers["x-kvgate-replica"] == "decode-0" and raw.parse().usage is not None
+        chat_over_mtls(secure)
         assert "prefilled by engine prefill-0 (bootstrap room" in log_text(secure, "decode-0")
         assert gateway_counter(secure, "kvgate_pd_prefill_errors_total") == 0

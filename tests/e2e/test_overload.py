@@ -43,9 +43,34 @@ def body(max_tokens: int = 2) -> dict[str, object]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": max_tokens}
 
 
-async def metrics(stack: Stack) -> str:
-    async with httpx.AsyncClient(timeout=10) as client:
-        return (await client.get(f"http://127.0.0.1:{stack.extproc_ports['metrics']}/metrics")).text
+@pytest.fixture
+async def scraper(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    """One client for a test's scrapes of the ext_proc's metrics: a new client per scrape costs ~19 ms of
+    CPU (its SSL context), so polling every 10 ms with one took about a core from the gateway on a 2-core
+    machine."""
+    url = f"http://127.0.0.1:{stack.extproc_ports['metrics']}"
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        yield client
+
+
+async def metrics(scraper: httpx.AsyncClient) -> str:
+    return (await scraper.get("/metrics")).text
+
+
+async def until_metrics(
+    scraper: httpx.AsyncClient, condition: Callable[[str], bool], what: str, timeout_s: float = 60
+) -> None:
+    """Scrape the ext_proc's metrics (``scraper``'s ``/metrics``) every 10 ms until ``condition`` holds of
+    them; fails after ``timeout_s`` seconds naming ``what`` was awaited and the last scrape's request and
+    flow figures."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(text := await metrics(scraper)):
+        if time.monotonic() > deadline:
+            seen = [
+                line for line in text.splitlines() if line.startswith(("kvgate_requests", "kvgate_flow_"))
+            ]
+            raise AssertionError(f"not {what} within {timeout_s:g} s; last seen: {seen}")
+        await asyncio.sleep(0.01)
 
 
 async def grpc_health(stack: Stack) -> int:
@@ -62,11 +87,13 @@ def assert_shed(resp: httpx.Response) -> None:
     assert error["code"] == "gateway_overloaded" and error["message"]
 
 
-async def in_flight(stack: Stack) -> float:
-    return metric(await metrics(stack), "kvgate_extproc_decisions_in_flight")
+async def in_flight(scraper: httpx.AsyncClient) -> float:
+    return metric(await metrics(scraper), "kvgate_extproc_decisions_in_flight")
 
 
-async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answers(stack: Stack) -> None:
+async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answers(
+    stack: Stack, scraper: httpx.AsyncClient
+) -> None:
     release = asyncio.Event()
 
     async def slow() -> AsyncIterator[bytes]:
@@ -78,11 +105,12 @@ async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answe
         held = asyncio.create_task(
             client.post("/v1/chat/completions", content=slow(), headers={"content-type": "application/json"})
         )
-        for _ in range(1000):  # the slow request's headers reached the ext_proc: one decision in flight
-            if await in_flight(stack) == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert await in_flight(stack) == 1
+        await until_metrics(  # the slow request's headers reached the ext_proc: one decision in flight
+            scraper,
+            lambda text: metric(text, "kvgate_extproc_decisions_in_flight") == 1,
+            "one decision in flight",
+        )
+        assert await in_flight(scraper) == 1
         burst = await asyncio.gather(*(client.post("/v1/chat/completions", json=body()) for _ in range(20)))
         for resp in burst:
             assert_shed(resp)
@@ -91,7 +119,7 @@ async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answe
         release.set()
         assert (await held).status_code == 200
         assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
-    text = await metrics(stack)
+    text = await metrics(scraper)
     assert metric(text, "kvgate_extproc_overload_sheds_total") >= 20
     assert metric(text, "kvgate_extproc_decisions_in_flight") == 0
     assert metric(text, "kvgate_extproc_decision_limit") == 1
@@ -99,32 +127,15 @@ async def test_a_held_back_body_fills_the_bound_and_a_burst_is_shed_health_answe
     assert "kvgate_extproc_loop_lag_peak_seconds" in text and "kvgate_extproc_saturation" in text
 
 
-async def until_metrics(
-    scraper: httpx.AsyncClient, condition: Callable[[str], bool], what: str, timeout_s: float = 60
-) -> None:
-    """Scrape the ext_proc's metrics (``scraper``'s ``/metrics``) every 10 ms until ``condition`` holds of
-    them; fails after ``timeout_s`` seconds naming ``what`` was awaited and the last scrape's request and
-    flow figures."""
-    deadline = time.monotonic() + timeout_s
-    while not condition(text := (await scraper.get("/metrics")).text):
-        if time.monotonic() > deadline:
-            seen = [
-                line for line in text.splitlines() if line.startswith(("kvgate_requests", "kvgate_flow_"))
-            ]
-            raise AssertionError(f"not {what} within {timeout_s:g} s; last seen: {seen}")
-        await asyncio.sleep(0.01)
-
-
 def queued_at_least(n: int) -> Callable[[str], bool]:
     return lambda text: metric(text, "kvgate_flow_queued") >= n
 
 
-async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: Stack) -> None:
-    # One client scrapes throughout: a new client per scrape costs ~19 ms of CPU (its SSL context), so
-    # polling every 10 ms with one took about a core from the gateway on a 2-core machine.
-    scraper = httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.extproc_ports['metrics']}", timeout=10)
-    async with scraper, httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        routed = metric((await scraper.get("/metrics")).text, "kvgate_requests_total", outcome="routed")
+async def test_requests_flow_control_holds_are_not_decisions_in_flight(
+    stack: Stack, scraper: httpx.AsyncClient
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        routed = metric(await metrics(scraper), "kvgate_requests_total", outcome="routed")
         # The long request keeps the engine's one slot while three short ones are held: ~9 s of output at
         # this time scale (1,500 tokens, ~4.5 s, ended before the third was held on a loaded machine).
         busy = asyncio.create_task(client.post("/v1/chat/completions", json=body(max_tokens=3000)))
@@ -142,7 +153,7 @@ async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: St
             await until_metrics(scraper, queued_at_least(n), f"{n} held")
             # A later scrape: the one above may have run (on the metrics thread) between the request's
             # queueing and the end of its decision, a few statements apart on the event loop.
-            text = (await scraper.get("/metrics")).text
+            text = await metrics(scraper)
             since = f"{time.monotonic() - routed_at:.1f} s after the long one was routed ({busy.done()=})"
             assert metric(text, "kvgate_flow_queued") >= n, since
             assert metric(text, "kvgate_extproc_decisions_in_flight") == 0, since
@@ -150,7 +161,9 @@ async def test_requests_flow_control_holds_are_not_decisions_in_flight(stack: St
     assert [r.status_code for r in answers] == [200] * 4
 
 
-async def test_a_burst_gets_only_answers_or_overload_503s_and_the_count_returns_to_zero(stack: Stack) -> None:
+async def test_a_burst_gets_only_answers_or_overload_503s_and_the_count_returns_to_zero(
+    stack: Stack, scraper: httpx.AsyncClient
+) -> None:
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
         answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=body()) for _ in range(48)))
         health = await grpc_health(stack)
@@ -158,4 +171,4 @@ async def test_a_burst_gets_only_answers_or_overload_503s_and_the_count_returns_
         if resp.status_code != 200:
             assert_shed(resp)
     assert health == health_pb2.HealthCheckResponse.SERVING
-    assert await in_flight(stack) == 0
+    assert await in_flight(scraper) == 0

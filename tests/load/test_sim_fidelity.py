@@ -19,9 +19,9 @@ from load.sim.engine import Engine, EngineConfig
 from load.sim.server import SimConfig, SimFleet, main
 from load.sim.serving import ToolParsing
 from load.sim.timing import TimingModel
-from tests.load.test_sim_server import MESSAGES, MODEL, model_dir
+from tests.load.test_sim_server import MESSAGES, MODEL, config, model_dir
 
-__all__ = ["model_dir"]  # the fixture, shared with test_sim_server
+__all__ = ["config", "model_dir"]  # the fixtures, shared with test_sim_server
 
 WEATHER: Any = {
     "type": "function",
@@ -36,13 +36,6 @@ WEATHER: Any = {
     },
 }
 CLOCK: Any = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
-
-
-@pytest.fixture
-def config(model_dir: Path) -> SimConfig:
-    return SimConfig(
-        MODEL, model_dir, timing=TimingModel(time_scale=0.01), engine=EngineConfig(max_model_len=512)
-    )
 
 
 @pytest.fixture

@@ -81,12 +81,17 @@ async def manager(agent: FeedServer) -> AsyncIterator[tuple[FeedManager, FakeInd
     await mgr.aclose()
 
 
+async def connected(agent: FeedServer, mgr: FeedManager) -> None:
+    """Wait for the manager's feed client of ``agent`` to connect."""
+    client = mgr.clients[f"127.0.0.1:{agent.port}"]
+    await eventually(lambda: client.connected)
+
+
 async def test_manager_applies_index_events_and_loads(
     agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
 ) -> None:
     mgr, index, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     gpu = Gpu(0, "NVIDIA H100", power_w=350.0)
     agent.publish([Stored("e1", [D1, D2]), Load("e1", 2, 3, 0.5, gpus=[gpu]), Removed("e1", [D2])])
     await eventually(lambda: mgr.stats.batches == 2)
@@ -122,7 +127,7 @@ async def test_snapshot_clears_every_endpoint_the_feed_spoke_of(
 ) -> None:
     mgr, index, _ = manager
     address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     agent.publish([Stored("e9", [D1])])  # an endpoint the fleet does not list (yet)
     await eventually(lambda: mgr.stats.batches == 2)
     # The agent restarts on the same port and no longer serves e9.
@@ -170,8 +175,7 @@ async def test_set_addresses_stops_removed_feeds_and_clears_their_endpoints(
     agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
 ) -> None:
     mgr, index, _ = manager
-    address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     agent.publish([Stored("e1", [D1])])
     await eventually(lambda: mgr.stats.batches == 2)
     mgr.set_addresses(set())
@@ -207,7 +211,7 @@ async def test_engine_restarted_by_its_agent_is_picked_again_at_once(
     the ``balance`` filter kept all of them and the prefix scorer chose a holder, request after request
     (until that share had decayed: 21 s in the issue's measurement)."""
     mgr, _, fleet = manager
-    await eventually(lambda: mgr.clients[f"127.0.0.1:{agent.port}"].connected)
+    await connected(agent, mgr)
     e1, e2 = fleet.get(E1), fleet.get(E2)
     assert e1 is not None and e2 is not None
     e1.count_routed(NOW, 300.0)  # before the crash
@@ -231,7 +235,7 @@ async def test_engine_back_with_its_cache_keeps_its_routed_share(
     """Unhealthy then healthy without a ``Cleared`` (a hang that ended), or a ``Cleared`` while healthy
     (KV events lost, the engine still runs): the engine still holds its cache, its share stays."""
     mgr, _, fleet = manager
-    await eventually(lambda: mgr.clients[f"127.0.0.1:{agent.port}"].connected)
+    await connected(agent, mgr)
     e1, e2 = fleet.get(E1), fleet.get(E2)
     assert e1 is not None and e2 is not None
     e1.count_routed(NOW, 300.0)
@@ -253,7 +257,7 @@ async def test_snapshot_does_not_count_as_a_restart(
     """A resubscription's snapshot clears every endpoint of the feed; their engines did not restart."""
     mgr, _, fleet = manager
     address = f"127.0.0.1:{agent.port}"
-    await eventually(lambda: mgr.clients[address].connected)
+    await connected(agent, mgr)
     e1 = fleet.get(E1)
     assert e1 is not None
     e1.count_routed(NOW, 300.0)
@@ -277,8 +281,7 @@ async def test_power_readings_reach_the_endpoint_state(
     agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
 ) -> None:
     mgr, _, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     power = [
         Power("dcgm", "dcgm", watts=612.0, limit_w=700.0, at=5.0),
         Power("bmc", "ipmi", at=5.0, error="x"),
@@ -296,8 +299,7 @@ async def test_energy_per_token_is_learnt_from_the_node_loads(
     """e1 and e2 share node-a: its watts over the sum of their output tokens/s (one load level so far:
     the average energy per token); the same reading on both loads counts once."""
     mgr, _, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     power = [Power("dcgm", "dcgm", watts=600.0, at=5.0)]
     agent.publish(
         [
@@ -335,8 +337,7 @@ async def test_lora_adapters_reach_the_endpoint_metrics(
 ) -> None:
     """An agent's Load names the engine's adapters (vllm:lora_requests_info): the fleet holds them."""
     mgr, _, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     agent.publish(
         [Load("e1", 1, 2, 0.2, lora_running=["a1"], lora_waiting=["a2"], max_lora=2), Load("e2", 0, 0)]
     )
@@ -354,8 +355,7 @@ async def test_prefix_cache_counters_reach_the_endpoint_metrics(
     """An agent's Load carries the engine's prefix-cache counters (the drift alarm's counter source); a
     Load without them (an older agent, an engine that exports none) leaves them unknown."""
     mgr, _, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     agent.publish([Load("e1", 0, 1, 0.2, prefix_hits=96.0, prefix_queries=160.0), Load("e2", 0, 0)])
     await eventually(lambda: mgr.stats.batches == 2)
     e1, e2 = fleet.get(E1), fleet.get(E2)
@@ -371,8 +371,7 @@ async def test_loads_with_nan_infinite_or_negative_queues_are_refused_and_counte
     """A NaN queue compares false with every bound (it would read as idle): such a load is refused,
     counted malformed, and the endpoint keeps its last good load; the batch's other events apply."""
     mgr, index, fleet = manager
-    client = mgr.clients[f"127.0.0.1:{agent.port}"]
-    await eventually(lambda: client.connected)
+    await connected(agent, mgr)
     agent.publish([Load("e1", 4, 2, 0.5)])
     await eventually(lambda: mgr.stats.batches == 2)
     bad = [
