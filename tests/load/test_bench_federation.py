@@ -81,3 +81,108 @@ def test_repeats_are_summarised_by_per_figure_medians() -> None:
     two = federation.median_rows(repeats[:2])
     assert two[1]["ttft_ms"]["cross"]["p90"] == 200  # an even count: the middle two's mean
     assert type(federation.median_rows([[{"target": "t", "errors": 0}]] * 2)[0]["errors"]) is int
+
+
+def _req(rid: str, region: str, kind: str, key: str) -> federation.Request:
+    from load.workloads.session import Session
+
+    return federation.Request(region, kind, Session(rid, key, 0.0, (), ()))
+
+
+def _rec(rid: str, key: str, sent: float, ttft: float, prompt: int, cached: int, replica: str) -> Any:
+    from load.client import RequestRecord
+
+    return RequestRecord(
+        rid,
+        0,
+        key,
+        sent,
+        status="ok",
+        ttft_s=ttft,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        replica=replica,
+    )
+
+
+def test_request_rows_name_the_serving_region() -> None:
+    requests = [
+        _req("c1", "a", "cross", "g1"),
+        _req("c2", "b", "cross", "g0"),
+        _req("u", "a", "unshared", "u"),
+    ]
+    records = [
+        _rec("c1", "g1", 1.0, 0.1, 4080, 4016, "sim-0"),
+        _rec("c2", "g0", 2.0, 0.1, 4080, 4016, "sim-1"),
+        _rec("u", "u", 3.0, 0.2, 4080, 16, "sim-0"),
+    ]
+    isolated = {r["id"]: r["served"] for r in federation.request_rows(records, requests, None)}
+    assert isolated == {"c1": "a", "c2": "b", "u": "a"}
+    # a forwarded every cross request it got (so c1 went to g1's home, b); b did not (c2 unknown)
+    federated = {
+        r["id"]: r["served"] for r in federation.request_rows(records, requests, {"a": True, "b": False})
+    }
+    assert federated == {"c1": "b", "c2": None, "u": "a"}
+
+
+def test_a_request_is_behind_an_uncached_prefill_on_its_replica_only() -> None:
+    def row(
+        rid: str, served: str | None, replica: str, sent: float, ttft: float, uncached: int
+    ) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "served": served,
+            "replica": replica,
+            "sent_ms": sent,
+            "ttft_ms": ttft,
+            "prompt_tokens": 4080,
+            "cached_tokens": 4080 - uncached,
+        }
+
+    rows = [
+        row("unshared", "b", "sim-0", 1000.0, 210.0, 4064),  # prefills 1,000-1,210 ms on b's sim-0
+        row("hit", "b", "sim-0", 1100.0, 250.0, 64),  # waits on it
+        row("other-replica", "b", "sim-1", 1100.0, 80.0, 64),
+        row("other-region", "a", "sim-0", 1100.0, 80.0, 64),  # the same replica id in the other region
+        row("after", "b", "sim-0", 1300.0, 60.0, 64),  # sent after the prefill's first token
+        row("small-neighbour", "b", "sim-1", 1150.0, 40.0, 500),  # under PREFILL_NEIGHBOUR_TOKENS
+        row("unknown", None, "sim-0", 1100.0, 250.0, 64),
+    ]
+    federation.mark_behind(rows)
+    behind = {r["id"]: r["behind"] for r in rows}
+    assert behind == {
+        "unshared": [],  # the hit's prefill overlaps too, but 64 tokens is under the threshold
+        "hit": ["unshared"],
+        "other-replica": [],
+        "other-region": [],
+        "after": [],
+        "small-neighbour": [],
+        "unknown": None,
+    }
+
+
+def test_the_clear_cross_p90_is_reported_beside_the_goal_and_requests_stay_per_repeat() -> None:
+    iso, fed = row("isolated", None, 400, 100, 0), row("federated-20ms", 20, 250, 100, 1.0)
+    iso["ttft_ms"]["cross_clear"] = {"n": 1, "p90": 300}
+    fed["ttft_ms"]["cross_clear"] = {"n": 1, "p90": 100}
+    got = federation.goals([iso, fed], federation.FederationBenchConfig())
+    assert got["cross_shared_ttft_p90_isolated_over_federated_20ms"]["met"] is False  # the goal as defined
+    assert got["cross_clear_ttft_p90_isolated_over_federated_20ms"] == {
+        "value": 3.0,
+        "goal": "report",
+        "met": None,
+    }
+    fed["requests"], fed["cross_behind"] = [{"id": "r1"}], [{"id": "r1"}]
+    (_, median) = federation.median_rows([[iso, fed]])
+    assert "requests" not in median and "cross_behind" not in median
+
+
+def test_decision_times_from_the_histogram() -> None:
+    name = "kvgate_decision_seconds"
+    samples = {
+        (f"{name}_count", ()): 4.0,
+        (f"{name}_sum", ()): 0.02,
+        (f"{name}_bucket", (("le", "0.01"),)): 3.0,
+        (f"{name}_bucket", (("le", "0.05"),)): 4.0,
+    }
+    assert federation.decision_times(samples) == {"count": 4.0, "mean_ms": 5.0, "over_10ms": 1.0}
