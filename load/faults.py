@@ -95,8 +95,11 @@ def sims_options(workdir: Any, extprocs: int = 2) -> StackOptions:
 
 
 def streaming_options(workdir: Any, migration: bool = True) -> StackOptions:
-    """Three slower simulators (long streams), the model opted in to in-flight migration or not."""
-    model = {"name": MODEL, "gguf": "smollm2", "idle_timeout_s": IDLE_S, "migration": migration}
+    """Three slower simulators (long streams), the model opted in to in-flight migration or not. Its idle
+    bound is the request bound: a non-streamed answer that migrates is re-issued whole on another engine
+    and stays silent until it is done, up to twice its usual time (``extproc/migration/README.md``); the
+    plain stack keeps the same bounds, for the comparison."""
+    model = {"name": MODEL, "gguf": "smollm2", "idle_timeout_s": REQUEST_S, "migration": migration}
     return StackOptions(
         replicas=3,
         port=0,
