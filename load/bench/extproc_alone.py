@@ -80,6 +80,9 @@ CONVERSATIONS = 64
 """Distinct short chats the clients cycle through (so the index holds several prefixes)."""
 SERVED = "served"
 """The outcome of a stream whose answer named a replica; every other outcome is not served."""
+ANSWERED_BEFORE_BODY = "answered_before_body"
+"""The outcome of a stream that the server ended before the client wrote its body: answered at the
+headers (a shed), the answer lost to the race of the client's write with the end of the call."""
 
 
 def chat_body(conversation: int) -> bytes:
@@ -157,7 +160,13 @@ async def _one(
     try:
         headers, last = request_messages(body, request_id)
         await call.write(headers)
-        await call.write(last)
+        try:
+            await call.write(last)
+        except grpc.aio.AioRpcError:
+            # The call ended before its body could be written: only an answer at the headers (an overload
+            # shed, an immediate 503) ends it there, and gRPC then reports the late write as INTERNAL.
+            now = time.perf_counter_ns()
+            return ANSWERED_BEFORE_BODY, now - started, now - started
         sent = time.perf_counter_ns()
         first = await call.read()
         answered = time.perf_counter_ns()
