@@ -390,6 +390,8 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
 )
 #: The targets the sweep runs again (the conditional goal's two).
 SWEEP_TARGETS = ("kvgate-aggregated", "kvgate-conditional")
+#: What ``--sweep-peers`` adds: the peer goal's two (kvgate's and sglang-router's PD modes, one fleet).
+SWEEP_PEERS = ("kvgate-disaggregated-sglang", "sglang-router-pd")
 SWEEP_HELP = (
     "also the sim-parameter sweep: kvgate-aggregated and kvgate-conditional again with each key parameter "
     "halved and doubled (prefill rate; the decode step: base and per-sequence cost together; the KV "
@@ -397,19 +399,24 @@ SWEEP_HELP = (
 )
 
 
-def sweep(config: DisaggConfig, workdir: Path, progress: bool, repeats: int = 1) -> list[dict[str, Any]]:
+def sweep(
+    config: DisaggConfig, workdir: Path, progress: bool, repeats: int = 1, peers: bool = False
+) -> list[dict[str, Any]]:
     """Each key step-model parameter halved and doubled; the conditional goal's two targets each time
     (:data:`SWEEP_TARGETS`, ``repeats`` times interleaved: medians), their ITL and TTFT p90 ratios, and
-    whether the ranking holds."""
+    whether the ranking holds. With ``peers`` also :data:`SWEEP_PEERS`, kvgate's PD TTFT p90 over
+    sglang-router's, and whether kvgate's stays below (``peer_ranking_holds``)."""
     variants = step_variants(config, "link_gbps")
     sessions = make_sessions(config)
+    targets = SWEEP_TARGETS + (SWEEP_PEERS if peers else ())
     out = []
     for i, (param, factor, varied) in enumerate(variants):
         print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
-        rows, rounds = run_targets(SWEEP_TARGETS, varied, sessions, workdir / f"sweep-{i}", progress, repeats)
+        rows, rounds = run_targets(targets, varied, sessions, workdir / f"sweep-{i}", progress, repeats)
         got = goals(rows)
         itl = got["conditional_itl_p90_over_aggregated"]["value"]
         ttft = got["conditional_ttft_p90_over_aggregated"]["value"]
+        peer = got["disaggregated_ttft_p90_over_sglang_pd"]["value"]
         out.append(
             {
                 "parameter": param,
@@ -419,6 +426,15 @@ def sweep(config: DisaggConfig, workdir: Path, progress: bool, repeats: int = 1)
                 "conditional_ttft_p90_over_aggregated": ttft,
                 "ranking_holds": itl is not None and itl < 1.0,
                 "goals_met": itl is not None and itl <= 0.5 and ttft is not None and ttft <= 1.2,
+                **(
+                    {
+                        "disaggregated_ttft_p90_over_sglang_pd": peer,
+                        "peer_ranking_holds": peer is not None and peer < 1.0,
+                        "peer_goal_met": peer is not None and peer <= 0.6,
+                    }
+                    if peers
+                    else {}
+                ),
                 **({"goals_per_repeat": [_ratios(goals(r)) for r in rounds]} if repeats > 1 else {}),
                 "targets": rows,
             }
@@ -447,6 +463,11 @@ def parser() -> argparse.ArgumentParser:
     sweeping = p.add_mutually_exclusive_group()
     sweeping.add_argument("--sweep", action="store_true", help=SWEEP_HELP)
     sweeping.add_argument("--sweep-only", action="store_true", help="the sweep alone, without the main run")
+    p.add_argument(
+        "--sweep-peers",
+        action="store_true",
+        help="the sweep also runs kvgate-disaggregated-sglang and sglang-router-pd (the peer goal's ranking)",
+    )
     p.add_argument(
         "--sweep-duration", type=float, help="seconds of arrivals per sweep run (default --duration)"
     )
@@ -500,8 +521,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep_config = (
             config if args.sweep_duration is None else replace(config, duration_s=args.sweep_duration)
         )
-        result["sweep"] = sweep(sweep_config, workdir / "sweep", not args.no_progress, args.repeats)
+        result["sweep"] = sweep(
+            sweep_config, workdir / "sweep", not args.no_progress, args.repeats, args.sweep_peers
+        )
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
+        if args.sweep_peers:
+            result["sweep_peer_ranking_holds_all"] = all(v["peer_ranking_holds"] for v in result["sweep"])
     return finish(result, args.out, started)
 
 

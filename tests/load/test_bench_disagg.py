@@ -145,3 +145,29 @@ def test_repeats_interleave_the_targets(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert disagg.goals(rows)["conditional_ttft_p90_over_aggregated"]["value"] == 1.14
     with pytest.raises(SystemExit):
         disagg.main(["--repeats", "0"])
+
+
+def test_the_sweep_with_peers_judges_the_peer_ranking(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    p90s = {
+        "kvgate-aggregated": (100.0, 120.0),
+        "kvgate-conditional": (110.0, 40.0),
+        "kvgate-disaggregated-sglang": (150.0, 40.0),
+        "sglang-router-pd": (300.0, 40.0),
+    }
+    ran: list[str] = []
+
+    def fake(name: str, config: object, sessions: object, workdir: Path, progress: bool) -> dict[str, object]:
+        ran.append(name)
+        ttft, itl = p90s[name]
+        return {"target": name, "ttft_ms": {"n": 1, "p90": ttft}, "itl_ms": {"n": 1, "p90": itl}}
+
+    monkeypatch.setattr(disagg, "run_target", fake)
+    out = disagg.sweep(disagg.quick_config(), tmp_path, False, peers=True)
+    assert len(out) == 6 and set(ran) == set(disagg.SWEEP_TARGETS + disagg.SWEEP_PEERS)
+    assert all(v["peer_ranking_holds"] and v["peer_goal_met"] for v in out)
+    assert {v["disaggregated_ttft_p90_over_sglang_pd"] for v in out} == {0.5}
+    ran.clear()
+    assert "peer_ranking_holds" not in disagg.sweep(disagg.quick_config(), tmp_path, False)[0]
+    assert set(ran) == set(disagg.SWEEP_TARGETS)
