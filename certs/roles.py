@@ -22,7 +22,8 @@ hop (key)           server                                         caller roles
                                                                    is guarded by its file mode)
 ``extproc``         the ext_proc gRPC port                         envoy-edge (the ext_proc itself
                                                                    reads ``[extproc]
-                                                                   tls_allowed_peers``)
+                                                                   tls_allowed_peers``; the migration
+                                                                   proxy presents envoy-edge too)
 ==================  =============================================  ===================================
 
 Pure: no IO, no clock.

@@ -30,7 +30,10 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class Costs:
-    """The cost model's parameters (seconds at time scale 1; ``lam`` requests per second)."""
+    """The cost model's parameters (seconds at time scale 1; ``lam`` requests per second).
+
+    The defaults repeat the simulator's (``load/sim/timing.py``, which extproc may not import) and the
+    cascade benchmark's; tests/extproc/cascade/test_cost.py pins them equal."""
 
     base_s: float = 0.006
     decode_s: float = 0.00015

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,10 +38,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from contracts.epp import MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER
+from contracts.errors import ConfigError
 from extproc.migration.continuation import CHAT_PATH, continuation, migratable, stream_body
 from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureReports
 from extproc.migration.splice import Splicer
 from runtime.lifecycle import announce_ready, stop_on_signals
+from runtime.tls import ClientTlsFiles, channel_credentials, client_context
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +106,26 @@ class Metrics:
 class MigrationProxy:
     """The aiohttp shell around the sans-IO core (module docstring)."""
 
-    def __init__(self, connect_timeout_s: float = 2.0, reports: FailureReports | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float = 2.0,
+        reports: FailureReports | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.metrics = Metrics()
         #: Where failed tries are reported (every ext_proc; :mod:`extproc.migration.report`).
         self.reports = reports or FailureReports(())
+        #: The engines speak HTTPS (mTLS, the secure profile) when set: this context verifies them and
+        #: presents the proxy's client certificate.
+        self._tls = tls
+        self._scheme = "https" if tls is not None else "http"
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
         self.ports: dict[str, int] = {}
 
     async def start(self, listen: tuple[str, int], metrics: tuple[str, int] | None) -> None:
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=self._tls or True)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -196,7 +208,11 @@ class MigrationProxy:
                 self.metrics.tries.labels(model, "whole").inc()
             try:
                 async with self._session.request(
-                    request.method, f"http://{host}{path}", data=raw, headers=headers, timeout=self._timeout()
+                    request.method,
+                    f"{self._scheme}://{host}{path}",
+                    data=raw,
+                    headers=headers,
+                    timeout=self._timeout(),
                 ) as up:
                     data = await up.read()
                     last = (up.status, data, up.headers.get("content-type", "application/json"))
@@ -243,7 +259,7 @@ class MigrationProxy:
         for n, host in enumerate(hosts):
             try:
                 async with self._session.post(
-                    f"http://{host}{path}", data=sent, headers=headers, timeout=self._timeout()
+                    f"{self._scheme}://{host}{path}", data=sent, headers=headers, timeout=self._timeout()
                 ) as up:
                     if up.status >= 500:
                         raise _TryFailed(f"HTTP {up.status}", up.status)
@@ -357,9 +373,24 @@ def _hostport(value: str) -> tuple[str, int]:
 
 
 async def serve(
-    listen: str, metrics: str | None, ready_file: Path | None, failure_log: Sequence[str] = ()
+    listen: str,
+    metrics: str | None,
+    ready_file: Path | None,
+    failure_log: Sequence[str] = (),
+    tls: ClientTlsFiles | None = None,
 ) -> int:
-    proxy = MigrationProxy(reports=FailureReports(failure_log))
+    """Serve until SIGTERM/SIGINT; with ``tls`` the engines and the ext_procs' access-log services are
+    called over mTLS with that client identity (:class:`ConfigError` if its files are unusable)."""
+    if tls is None:
+        proxy = MigrationProxy(reports=FailureReports(failure_log))
+    else:
+        try:
+            credentials = channel_credentials(tls)
+        except OSError as exc:
+            raise ConfigError(f"migration TLS: cannot load certificates: {exc}") from exc
+        proxy = MigrationProxy(
+            reports=FailureReports(failure_log, credentials), tls=client_context(tls, where="migration")
+        )
     await proxy.start(_hostport(listen), _hostport(metrics) if metrics else None)
     stop = asyncio.Event()
     stop_on_signals(stop)
@@ -386,9 +417,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="HOST:PORT",
         help="an ext_proc's gRPC port, told of each failed try (repeat for every ext_proc; report.py)",
     )
+    parser.add_argument("--tls-ca", type=Path, help="CA bundle (PEM) engines' and ext_procs' certs chain to")
+    parser.add_argument("--tls-cert", type=Path, help="the proxy's client certificate (PEM), for mTLS")
+    parser.add_argument("--tls-key", type=Path, help="its private key (PEM)")
     args = parser.parse_args(argv)
+    given = (args.tls_ca, args.tls_cert, args.tls_key)
+    if any(given) and not all(given):
+        parser.error("--tls-ca, --tls-cert and --tls-key go together")
+    tls = ClientTlsFiles(args.tls_ca, args.tls_cert, args.tls_key) if all(given) else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return uvloop.run(serve(args.listen, args.metrics_listen, args.ready_file, args.failure_log))
+    try:
+        return uvloop.run(serve(args.listen, args.metrics_listen, args.ready_file, args.failure_log, tls))
+    except ConfigError as exc:
+        print(f"migration proxy: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ each failed try to each ext_proc's gRPC access-log service (the ext_proc port,
 failure as Envoy's response flag (``upstream_connection_failure``: refused or unreachable;
 ``upstream_remote_reset``: reset, closed, or a stream ended before ``[DONE]``) or the engine's status
 (a 503 ejects, as from Envoy; another 5xx does not). The ext_procs apply it exactly as Envoy's entries
-(:class:`extproc.xds.als.FailedTries`). Sending is fire-and-forget with a short deadline: a report lost
+(:class:`extproc.xds.als.FailedTries`). With the secure profile the reports go over mTLS under the
+identity the proxy is started with (``kvgate up --secure``: Envoy's, the one caller an ext_proc port
+admits; README.md). Sending is fire-and-forget with a short deadline: a report lost
 to a restarting ext_proc costs one ejection there, never a request.
 """
 
@@ -55,10 +57,12 @@ def message(entries: Sequence[accesslog_pb2.HTTPAccessLogEntry]) -> als_pb2.Stre
 
 
 class FailureReports:
-    """Reports failed tries to the ext_procs at ``targets`` (``host:port`` of each one's gRPC port)."""
+    """Reports failed tries to the ext_procs at ``targets`` (``host:port`` of each one's gRPC port); over
+    mTLS with ``credentials`` (an ext_proc with ``[extproc] tls_*`` takes nothing else), else plain."""
 
-    def __init__(self, targets: Sequence[str]) -> None:
+    def __init__(self, targets: Sequence[str], credentials: grpc.ChannelCredentials | None = None) -> None:
         self._targets = list(targets)
+        self._credentials = credentials
         self._channels: list[grpc.aio.Channel] = []
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -71,11 +75,16 @@ class FailureReports:
         except ValueError:
             return  # not ip:port: nothing an ext_proc could match
         if not self._channels:
-            self._channels = [grpc.aio.insecure_channel(t) for t in self._targets]
+            self._channels = [self._channel(t) for t in self._targets]
         for target, channel in zip(self._targets, self._channels, strict=True):
             task = asyncio.create_task(self._send(target, channel, one))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(target)
+        return grpc.aio.secure_channel(target, self._credentials)
 
     async def _send(
         self, target: str, channel: grpc.aio.Channel, one: accesslog_pb2.HTTPAccessLogEntry

@@ -477,19 +477,21 @@ class Stack:
                 f"127.0.0.1:{self.migration_ports.get('metrics', 0)}",
                 "--ready-file",
                 str(ready),
-                # Each failed try reaches every ext_proc, as Envoy's upstream log. Plain gRPC: the proxy
-                # speaks plain HTTP to engines, outside --secure's mTLS profile, so with --secure it sends
-                # no reports (an ext_proc there takes mTLS only; extproc/migration/README.md).
-                *(
-                    f"--failure-log=127.0.0.1:{p['extproc']}"
-                    for p in ([] if self.secure else self.extproc_listeners)
-                ),
+                # Each failed try reaches every ext_proc, as Envoy's upstream log.
+                *(f"--failure-log=127.0.0.1:{p['extproc']}" for p in self.extproc_listeners),
+                # --secure: mTLS to the engines and the ext_procs under Envoy's identity, the one both
+                # admit (the proxy is Envoy's upstream; extproc/migration/README.md).
+                *(self._migration_tls() if self.secure else []),
             ]
 
         self.migration = self._spawn("migration", argv(0), ready, EXTPROC_READY_S)
         self.migration_ports = {k: int(v) for k, v in self.migration.await_ready().items() if k != "pid"}
         self.migration.argv = argv(self.migration_ports["proxy"])
         return EnvoyMigration("127.0.0.1", self.migration_ports["proxy"], models)
+
+    def _migration_tls(self) -> list[str]:
+        envoy = self.certs["envoy-edge"]
+        return ["--tls-ca", str(envoy.ca), "--tls-cert", str(envoy.cert), "--tls-key", str(envoy.key)]
 
     def _start_agents(self, model_dir: str) -> None:
         """A local etcd, then one node agent per engine; waits until every agent's engine is ready. Each

@@ -12,8 +12,6 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from agent.kvevents import (
     AllBlocksCleared,
@@ -38,6 +36,7 @@ from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventsConfig
 from load.sim.server import SimConfig, SimFleet, SimReplica
 from load.sim.timing import TimingModel
+from tests.agent.conftest import FakeEngine
 from tests.load.test_sim_server import MODEL
 from tests.load.test_sim_server import model_dir as model_dir  # the tiny tokenizer fixture
 
@@ -181,49 +180,15 @@ class Collector:
         await self.subscriber.aclose()
 
 
-CLEARED = pack([1.5, [{"type": "AllBlocksCleared"}], 0])
-
-
-class FakeEngine:
-    """A PUB socket (and a ROUTER that never answers) standing in for an engine."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.bind("tcp://127.0.0.1:0")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:0")
-        self.seq = 0
-
-    def endpoints(self) -> tuple[str, str]:
-        """The PUB and ROUTER addresses."""
-        return self.pub.getsockopt_string(zmq.LAST_ENDPOINT), self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def send(self, seq: int, payload: bytes = CLEARED) -> None:
-        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-
-    async def joined(self, collector: Collector) -> int:
-        """Publish numbered batches until the subscriber has one; the next seq to publish."""
-        deadline = time.monotonic() + 10
-        while collector.items.empty():
-            assert time.monotonic() < deadline
-            self.send(self.seq)
-            self.seq += 1
-            await asyncio.sleep(0.02)  # pacing the handshake batches; the loop condition is the check
-        await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == self.seq - 1)
-        return self.seq
-
-    def close(self) -> None:
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine()
-    yield engine
-    engine.close()
+async def joined(engine: FakeEngine, collector: Collector) -> int:
+    """Publish numbered batches until the subscriber has one; the next seq to publish."""
+    deadline = time.monotonic() + 10
+    while collector.items.empty():
+        assert time.monotonic() < deadline
+        engine.send()
+        await asyncio.sleep(0.02)  # pacing the handshake batches; the loop condition is the check
+    await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == engine.seq - 1)
+    return engine.seq
 
 
 async def subscribe(config: SubscriberConfig) -> Collector:
@@ -232,17 +197,17 @@ async def subscribe(config: SubscriberConfig) -> Collector:
     return Collector(subscriber)
 
 
-async def test_gap_without_replay_restart_and_undecodable_are_reported(fake: FakeEngine) -> None:
-    pub, _ = fake.endpoints()
+async def test_gap_without_replay_restart_and_undecodable_are_reported(fake_engine: FakeEngine) -> None:
+    pub, _ = fake_engine.endpoints()
     collector = await subscribe(SubscriberConfig(pub))
     try:
-        n = await fake.joined(collector)
-        fake.send(n + 2)  # n, n + 1 never sent
+        n = await joined(fake_engine, collector)
+        fake_engine.send(n + 2)  # n, n + 1 never sent
         assert await collector.next() == EventsLost(n, n + 2, "gap")
         assert (await collector.next()).seq == n + 2  # type: ignore[union-attr]
-        fake.send(n + 3, b"\xc1")
+        fake_engine.send(n + 3, b"\xc1")
         assert await collector.next() == EventsLost(n + 3, n + 4, "undecodable")
-        fake.send(0)  # the engine restarted
+        fake_engine.send(0)  # the engine restarted
         assert await collector.next() == EventsLost(None, 0, "restart")
         batch = await collector.next()
         assert isinstance(batch, KvBatch) and batch.seq == 0 and batch.events == [AllBlocksCleared()]
@@ -252,12 +217,12 @@ async def test_gap_without_replay_restart_and_undecodable_are_reported(fake: Fak
         await collector.close()
 
 
-async def test_replay_that_does_not_answer_reports_the_gap(fake: FakeEngine) -> None:
-    pub, replay = fake.endpoints()
+async def test_replay_that_does_not_answer_reports_the_gap(fake_engine: FakeEngine) -> None:
+    pub, replay = fake_engine.endpoints()
     collector = await subscribe(SubscriberConfig(pub, replay, replay_timeout_s=0.2))
     try:
-        n = await fake.joined(collector)
-        fake.send(n + 1)
+        n = await joined(fake_engine, collector)
+        fake_engine.send(n + 1)
         assert await collector.next() == EventsLost(n, n + 1, "gap")
         assert (await collector.next()).seq == n + 1  # type: ignore[union-attr]
         assert collector.subscriber.stats.replay_timeouts == 1
@@ -433,8 +398,8 @@ async def test_gap_beyond_the_replay_buffer_is_reported(model_dir: Path, http: a
             await collector.close()
 
 
-async def test_aclose_ends_an_iteration_waiting_for_a_batch(fake: FakeEngine) -> None:
-    pub, _ = fake.endpoints()
+async def test_aclose_ends_an_iteration_waiting_for_a_batch(fake_engine: FakeEngine) -> None:
+    pub, _ = fake_engine.endpoints()
     subscriber = KvEventSubscriber(SubscriberConfig(pub))
     await subscriber.start()
     items = [item async for item in _close_soon(subscriber)]

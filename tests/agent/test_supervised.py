@@ -5,17 +5,13 @@ ZMQ PUB socket and replay ROUTER standing in for the engine)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-import zmq
-import zmq.asyncio
 
 import agent.main as agent_main
 from agent.config import AgentSection, NodeConfig, parse_node_config
@@ -24,7 +20,7 @@ from agent.main import Agent, _Engine
 from agent.supervised import RestartPolicy, supervise
 from agent.supervisor import EngineSupervisor
 from contracts.events import Cleared, Event
-from tests.agent.test_kvevents import CLEARED
+from tests.agent.conftest import FakeEngine
 
 SECRET = "prompt tokens 101 102 103"  # what an exception's message may carry: never logged
 
@@ -118,51 +114,8 @@ async def test_cancellation_ends_the_supervision_even_during_a_backoff() -> None
 # --- in process: the agent's KV event pump --------------------------------------------------------------
 
 
-class Engine:
-    """A PUB socket and a ROUTER that answers every replay request with an empty replay (the end
-    marker), standing in for an engine's KV event sockets."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.bind("tcp://127.0.0.1:0")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:0")
-        self.replays = 0
-        self.seq = 0
-        self._task = asyncio.create_task(self._answer())
-
-    async def _answer(self) -> None:
-        while True:
-            frames = await self.router.recv_multipart()
-            self.replays += 1
-            await self.router.send_multipart([frames[0], b"", (-1).to_bytes(8, "big", signed=True), b""])
-
-    def endpoints(self) -> tuple[str, str]:
-        return self.pub.getsockopt_string(zmq.LAST_ENDPOINT), self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def send(self) -> None:
-        self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), CLEARED])
-        self.seq += 1
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[Engine]:
-    fake = Engine()
-    yield fake
-    await fake.close()
-
-
 async def test_an_agent_whose_kv_pump_fails_counts_it_and_follows_the_engine_again(
-    tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = Agent(NodeConfig(AgentSection(id="node-a", state_dir=str(tmp_path)), ()), index_block_size=16)
     agent.task_restarts = RestartPolicy(base_s=0.05, max_s=0.05)
@@ -178,7 +131,8 @@ async def test_an_agent_whose_kv_pump_fails_counts_it_and_follows_the_engine_aga
         return real(*args, **kwargs)
 
     monkeypatch.setattr(agent_main, "feed_batches", flaky)
-    pub, router = engine.endpoints()
+    fake_engine.answer_replays()
+    pub, router = fake_engine.endpoints()
     config = parse_node_config(
         {
             "agent": {"id": "node-a"},
@@ -198,10 +152,10 @@ async def test_an_agent_whose_kv_pump_fails_counts_it_and_follows_the_engine_aga
             while not (agent.task_failures and eng.subscriber is not first and calls["n"] >= 4):
                 assert time.monotonic() < deadline, (agent.task_failures, calls)
                 assert eng.pump is not None and not eng.pump.done()
-                engine.send()
+                fake_engine.send()
                 await asyncio.sleep(0.02)  # pacing the engine's batches; the loop condition is the check
             assert agent.task_failures == {("e1", "kv_events", "RuntimeError"): 1}
-            assert engine.replays >= 2  # the new subscription caught up from the replay socket
+            assert fake_engine.replays >= 2  # the new subscription caught up from the replay socket
             assert any(e == Cleared("e1", None) for events in published for e in events)
             status = agent.status()["task_failures"]
             assert status == [{"engine": "e1", "task": "kv_events", "error": "RuntimeError", "count": 1}]

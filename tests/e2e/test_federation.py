@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,13 +138,14 @@ def cached(resp: httpx.Response) -> int:
     return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def warm_in_b(a: Stack, b: Stack, prompt: str) -> None:
-    """Serve ``prompt`` in B, then wait until A's copy of B's summary holds it (every digest B noted so far,
-    this prompt's included: a count merely above the one before could be an earlier request's summary
-    arriving late) and says B waits for nothing (the warm request's prefill, priced at the links' 2 ms a
-    token, is no longer queued there: else A may keep the next request local, ``no_gain``)."""
+def warm_in_b(a: Stack, b: Stack, serve: Callable[[], object]) -> None:
+    """Serve a prompt in B (``serve`` sends it there), then wait until A's copy of B's summary holds it
+    (every digest B noted so far, this prompt's included: a count merely above the one before could be an
+    earlier request's summary arriving late) and says B waits for nothing (the warm request's prefill,
+    priced at the links' 2 ms a token, is no longer queued there: else A may keep the next request local,
+    ``no_gain``). Shared by tests/e2e/test_federation_auth.py."""
     noted = metric(b, "kvgate_federation_noted_digests")
-    chat(b, prompt)
+    serve()
     after = poll(
         lambda: v if (v := metric(b, "kvgate_federation_noted_digests")) > noted else None, 20, "noted in b"
     )
@@ -172,7 +173,7 @@ def test_a_long_prefix_warm_only_in_b_is_forwarded_and_served_from_bs_cache(
         "b's summaries at a",
     )
     prompt = f"1 {SHARED}"
-    warm_in_b(a, b, prompt)
+    warm_in_b(a, b, lambda: chat(b, prompt))
     resp = chat(a, prompt)
     assert resp.headers["x-kvgate-endpoint"] == ingress(b)  # A's Envoy sent it to B's federation listener
     prompt_tokens = int(resp.json()["usage"]["prompt_tokens"])
@@ -197,7 +198,7 @@ def test_short_or_unshared_requests_stay_local(clusters: tuple[Stack, Stack]) ->
 def test_forged_hop_peer_or_tenant_headers_have_no_effect(clusters: tuple[Stack, Stack]) -> None:
     a, b = clusters
     prompt = f"3 {SHARED}"
-    warm_in_b(a, b, prompt)
+    warm_in_b(a, b, lambda: chat(b, prompt))
     forged = {
         "x-kvgate-hop": "b",
         "x-kvgate-federation-peer": "spiffe://kvgate.local/federation-b",
@@ -223,7 +224,7 @@ def test_a_forward_to_an_unreachable_ingress_falls_back_to_the_local_pick(
     sends the try on to A's own pick (the request succeeds), and the failed try marks B down at A."""
     a, b = clusters
     prompt = f"5 {SHARED}"
-    warm_in_b(a, b, prompt)
+    warm_in_b(a, b, lambda: chat(b, prompt))
     assert b.envoy is not None
     b.envoy.stop()
     forwards = metric(a, "kvgate_federation_forwards_total", peer="b")

@@ -31,7 +31,7 @@ from kvgate.dev.auth import StackAuth
 from kvgate.dev.up import Stack
 from runtime.etcd import connect
 from tests.e2e.test_auth import token
-from tests.e2e.test_federation import MODEL, SHARED, _link, _put, _stack, ingress, metric
+from tests.e2e.test_federation import MODEL, SHARED, _link, _put, _stack, ingress, metric, warm_in_b
 from tests.polling import poll
 
 pytestmark = pytest.mark.e2e
@@ -109,26 +109,6 @@ def ask(client: openai.OpenAI, prompt: str, **kw: Any) -> tuple[str, int, int]:
     )
 
 
-def warm_in_b(a: Stack, b: Stack, tenant: str, prompt: str) -> None:
-    """Serve ``prompt`` in B, then wait until A's copy of B's summary holds it (every digest B noted so far,
-    this prompt's included: a count merely above the one before could be an earlier request's summary
-    arriving late) and says B waits for nothing (the warm request's prefill, priced at the links' 2 ms a
-    token, is no longer queued there: else A may keep the next request local, ``no_gain``)."""
-    noted = metric(b, "kvgate_federation_noted_digests")
-    ask(sdk(b, tenant), prompt)
-    after = poll(
-        lambda: v if (v := metric(b, "kvgate_federation_noted_digests")) > noted else None, 20, "noted in b"
-    )
-
-    def ready() -> bool | None:
-        held = metric(a, "kvgate_federation_summary_entries", peer="b") >= after
-        return (
-            True if held and metric(a, "kvgate_federation_peer_queue_wait_seconds", peer="b") == 0 else None
-        )
-
-    poll(ready, 20, "summary")
-
-
 def usage(stack: Stack, tenant: str) -> int:
     """What ``stack``'s gateways charged ``tenant`` (its etcd ``usage/<tenant>/<replica>`` counters)."""
     assert stack.etcd is not None
@@ -163,7 +143,7 @@ def test_a_forwarded_request_is_admitted_as_its_tenant_at_the_peer_and_charged_t
     a, b = clusters
     prompt = f"acme 1 {SHARED}"
     charged_b, beta_b = usage(b, "acme"), usage(b, "beta")
-    warm_in_b(a, b, "acme", prompt)
+    warm_in_b(a, b, lambda: ask(sdk(b, "acme"), prompt))
     endpoint, prompt_tokens, cached = ask(sdk(a, "acme"), prompt)
     assert endpoint == ingress(b)  # forwarded to B's federation listener, admitted there (no 401)
     # B kept A's tenant salt (it is B's own for acme's requests): served from the cache acme warmed in B
@@ -181,7 +161,7 @@ def test_another_tenants_warm_prefix_is_not_anothers_across_clusters(clusters: t
     so A has no reason to forward it (and B would not hit beta's cache if it did)."""
     a, b = clusters
     prompt = f"beta 2 {SHARED}"
-    warm_in_b(a, b, "beta", prompt)
+    warm_in_b(a, b, lambda: ask(sdk(b, "beta"), prompt))
     endpoint, _, cached = ask(sdk(a, "acme"), prompt)
     assert endpoint != ingress(b) and cached == 0
 
@@ -225,7 +205,7 @@ def test_a_peer_whose_link_does_not_trust_tenants_answers_401_and_a_serves_it(
 ) -> None:
     a, b = clusters
     prompt = f"acme 4 {SHARED}"
-    warm_in_b(a, b, "acme", prompt)
+    warm_in_b(a, b, lambda: ask(sdk(b, "acme"), prompt))
     _put(b, "federation/a", _link(a, "a"))  # the link without trust_tenants
     asserted = {"x-kvgate-tenant": "acme", "x-kvgate-hop": "a"}
     try:

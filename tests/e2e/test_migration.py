@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,8 @@ import orjson
 import pytest
 
 from kvgate.dev.up import Stack, StackOptions
+from load.faults import ejections
+from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_flow import metric
 from tests.polling import poll
 
@@ -170,3 +173,41 @@ def test_without_migration_the_stream_is_lost_as_before(plain: Stack) -> None:
         return  # the stream broke under the client: lost, as before
     assert killed is not None
     assert finish is None or usage is None, "the stream survived its engine without migration"
+
+
+def ejected_everywhere(stack: Stack) -> bool | None:
+    """Whether every ext_proc has ejected some engine (any kind) at least once."""
+    per_extproc = [ejections(stack, str(e["id"])) for e in stack.engines]
+    return all(sum(counts) >= 1 for counts in zip(*per_extproc, strict=True)) or None
+
+
+def test_with_secure_the_proxy_reaches_engines_and_reports_to_the_ext_procs_over_mtls(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``kvgate up --secure``: engines and ext_procs take mTLS only; the proxy serves an opted-in model's
+    streams from them (under Envoy's identity) and its failed tries still eject the engine at every
+    ext_proc."""
+    options = StackOptions(
+        replicas=2,
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path_factory.mktemp("secure-migrating"),
+        overlay={"models": [{"name": MODEL, "gguf": "smollm2", "migration": True}]},
+        secure=True,
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    with Stack(options) as stack:
+        ca = str(stack.certs["envoy-edge"].ca)
+        caller = stack.certs["extproc"]  # an engine caller's identity, for the simulator's control routes
+        control = ssl.create_default_context(cafile=ca)
+        control.load_cert_chain(caller.cert, caller.key)
+        with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=30) as http:
+            done = http.post(f"{stack.url}/v1/chat/completions", json=body)
+            assert done.status_code == 200 and done.text.rstrip().endswith("data: [DONE]"), done.text
+            assert not ejected_everywhere(stack)
+            with httpx.Client(verify=control, timeout=10) as sims:
+                for engine in stack.engines:  # every engine resets its next stream after 2 events
+                    url = f"https://{engine['address']}/_sim/reset_next"
+                    assert sims.post(url, params={"n": 1, "after": 2}).status_code == 200
+            http.post(f"{stack.url}/v1/chat/completions", json=body)  # its tries reset: reported
+        poll(lambda: ejected_everywhere(stack), 20, "an ejection at every ext_proc")

@@ -103,8 +103,8 @@ async def test_kvgate_status_combines_the_local_stacks_workers(
         assert row.split()[2] == "2/2"  # ready endpoints of known, as that worker sees them
     assert any(line.startswith("gateway 2/2 ext_procs combined at ") for line in lines)
     for engine in stack.engines:
-        row = next(line for line in lines if line.startswith(engine["id"] + " ")).split()
-        assert row[1:5] == [engine["address"], MODEL, "both", "ready"]
+        cells = next(line for line in lines if line.startswith(engine["id"] + " ")).split()
+        assert cells[1:5] == [engine["address"], MODEL, "both", "ready"]
     each = await kvgate_status("--each")
     assert [line.split()[1] for line in each.splitlines() if line.startswith("gateway ")] == urls(stack)
 

@@ -90,3 +90,24 @@ def test_sweep_halves_and_doubles_each_parameter() -> None:
     assert ("ratio", 0.5) in got and ("lam", 2.0) in got and ("hard_share", 2.0) in got
     assert len(got) == 16
     assert all(c.hard_share <= 1 for _, _, c in sweep(Costs(hard_share=0.8)))
+
+
+def test_the_defaults_are_the_simulators_and_the_benchmarks() -> None:
+    # extproc may not import the simulator (docs/ARCHITECTURE.md's room map), so Costs repeats its
+    # defaults; this pins the copies together: a change to load/sim/timing.py or to the cascade
+    # benchmark's configuration without the other fails here.
+    from load.bench.cascade import CascadeConfig
+    from load.sim.timing import TimingModel
+
+    sim = TimingModel()
+    assert (C.base_s, C.decode_s, C.prefill_s_per_token) == pytest.approx(
+        (sim.base_s, sim.decode_s_per_seq, sim.prefill_s_per_token), rel=1e-12
+    )
+    bench = CascadeConfig()
+    assert (bench.step_base_ms / 1e3, bench.decode_ms_per_seq / 1e3, 1 / bench.prefill_tokens_per_s) == (
+        pytest.approx((sim.base_s, sim.decode_s_per_seq, sim.prefill_s_per_token), rel=1e-12)
+    )
+    # 339: the default prompt as the engines count it (extproc/cascade/README.md)
+    derived = bench.costs(C.prompt_tokens)
+    for name in C.__slots__:
+        assert getattr(derived, name) == pytest.approx(getattr(C, name), rel=1e-12), name
