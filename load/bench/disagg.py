@@ -97,7 +97,8 @@ SIM_SOURCES = {
     "kv_bytes_per_token": "131,072 B: K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes (Llama-3.1-8B"
     " bf16; load/sim/README.md, Prefill/decode disaggregation)",
     "link_gbps": "400 Gb/s: one RDMA NIC's line rate (NIXL over UCX), not a measured NIXL throughput"
-    " (load/sim/README.md)",
+    " (load/sim/README.md; NVIDIA ConnectX-7 datasheet: up to 400 Gb/s InfiniBand/Ethernet,"
+    " https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
     "time_scale": "every step (and transfer) stretched this many times so 2 CPU cores can drive the fleet"
     " and a router",
     "max_num_seqs": "the engine's running-batch limit (vLLM --max-num-seqs)",
