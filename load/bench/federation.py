@@ -60,7 +60,7 @@ from certs.store import LeafFiles, dev_bundle
 from contracts.etcd import EtcdSettings
 from kvgate.dev.procs import http_get
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, finish, opening, summary
+from load.bench import TIMING_SOURCES, finish, opening, step_variants, summary
 from load.client import LoadOptions, RequestRecord, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
@@ -85,6 +85,10 @@ class FederationBenchConfig:
     rtts_ms: tuple[float, ...] = (20.0, 80.0)
     time_scale: float = 1.0
     prefill_tokens_per_s: float = 20_000.0
+    step_base_ms: float = 6.0
+    decode_ms_per_seq: float = 0.15
+    #: Every link's injected round trip is ``rtts_ms`` times this (the sweep's third parameter).
+    rtt_scale: float = 1.0
     egress_requests_per_s: float = 20.0
     egress_bytes_per_s: float = 2_000_000.0
     groups: int = 8
@@ -101,6 +105,8 @@ class FederationBenchConfig:
         return (
             "--time-scale", str(self.time_scale),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            "--step-base-ms", str(self.step_base_ms),
+            "--decode-ms-per-seq", str(self.decode_ms_per_seq),
             "--max-model-len", "8192",
             "--log-level", "WARNING",
         )  # fmt: skip
@@ -531,6 +537,48 @@ def median_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
     return out
 
 
+def sweep(
+    config: FederationBenchConfig,
+    warm: list[tuple[str, Session]],
+    requests: list[Request],
+    workdir: Path,
+    leaves: dict[str, LeafFiles],
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """Each key parameter halved, then doubled (the prefill rate, the decode step, the injected round trip:
+    :func:`load.bench.step_variants`); each variant runs ``isolated`` and one federated target at the first
+    round trip (20 ms by default) scaled. ``ranking_holds``: federated cross-region shared TTFT p90 below
+    isolated's; the goal ratios beside it."""
+    out = []
+    for i, (param, factor, varied) in enumerate(step_variants(config, "rtt_scale")):
+        rtt = varied.rtts_ms[0] * varied.rtt_scale
+        log.warning("sweep: %s x%g", param, factor)
+        work = workdir / f"sweep-{i}"
+        rows = [
+            run_target("isolated", None, varied, warm, requests, work, leaves, progress),
+            run_target(f"federated-{rtt:g}ms", rtt, varied, warm, requests, work, leaves, progress),
+        ]
+        iso, fed = rows
+        cross_i, cross_f = _p90(iso, "cross"), _p90(fed, "cross")
+        un_i, un_f = _p90(iso, "unshared"), _p90(fed, "unshared")
+        speedup = round(cross_i / cross_f, 3) if cross_i and cross_f else None
+        out.append(
+            {
+                "parameter": param,
+                "factor": factor,
+                "rtt_ms": rtt,
+                "sim_args": list(varied.sim_args()),
+                "cross_shared_ttft_p90_isolated_over_federated": speedup,
+                "unshared_ttft_p90_federated_over_isolated": (
+                    round(un_f / un_i, 3) if un_i and un_f else None
+                ),
+                "ranking_holds": speedup is not None and speedup > 1.0,
+                "targets": [{k: v for k, v in r.items() if k != "requests"} for r in rows],
+            }
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m load.bench.federation", description=(__doc__ or "").split("\n")[0]
@@ -548,6 +596,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="runs of every target, interleaved (isolated, federated, ..., then again); the table and the"
         " goals are per-figure medians, each repeat's rows are kept under 'repeats'",
     )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="after the run, each key parameter halved and doubled (prefill rate, decode step, round trip),"
+        " isolated and federated at the first round trip each time; 'ranking_holds': federated cross p90"
+        " below isolated's",
+    )
+    p.add_argument("--sweep-only", action="store_true", help="the sweep alone, without the main run")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = quick_config() if args.quick else FederationBenchConfig()
@@ -565,19 +621,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     targets: list[tuple[str, float | None]] = [("isolated", None)]
-    targets += [(f"federated-{int(rtt)}ms", rtt) for rtt in config.rtts_ms]
-    repeats: list[list[dict[str, Any]]] = []
-    for i in range(args.repeats):
-        work = workdir if args.repeats == 1 else workdir / f"repeat-{i + 1}"
-        repeats.append(
-            [run_target(n, rtt, config, warm, requests, work, leaves, progress) for n, rtt in targets]
-        )
-    if args.repeats == 1:
-        result["targets"] = repeats[0]
-    else:
-        result["targets"] = median_rows(repeats)
-        result["repeats"] = [{"targets": rows, "goals": goals(rows, config)} for rows in repeats]
-    result["goals"] = goals(result["targets"], config)
+    targets += [(f"federated-{int(rtt)}ms", rtt * config.rtt_scale) for rtt in config.rtts_ms]
+    if not args.sweep_only:
+        repeats: list[list[dict[str, Any]]] = []
+        for i in range(args.repeats):
+            work = workdir if args.repeats == 1 else workdir / f"repeat-{i + 1}"
+            repeats.append(
+                [run_target(n, rtt, config, warm, requests, work, leaves, progress) for n, rtt in targets]
+            )
+        if args.repeats == 1:
+            result["targets"] = repeats[0]
+        else:
+            result["targets"] = median_rows(repeats)
+            result["repeats"] = [{"targets": rows, "goals": goals(rows, config)} for rows in repeats]
+        result["goals"] = goals(result["targets"], config)
+    if args.sweep or args.sweep_only:
+        result["sweep"] = sweep(config, warm, requests, workdir, leaves, progress)
+        result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
     return finish(result, args.out, started)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from load.bench import federation
+from load.bench.federation import FederationBenchConfig
 
 
 def test_the_workload_splits_groups_across_regions() -> None:
@@ -186,3 +187,33 @@ def test_decision_times_from_the_histogram() -> None:
         (f"{name}_bucket", (("le", "0.05"),)): 4.0,
     }
     assert federation.decision_times(samples) == {"count": 4.0, "mean_ms": 5.0, "over_10ms": 1.0}
+
+
+def test_the_sweep_varies_each_key_parameter_and_judges_the_ranking(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ran: list[tuple[str, float | None, FederationBenchConfig]] = []
+
+    def fake(name: str, rtt: float | None, config: FederationBenchConfig, *_: object) -> dict[str, object]:
+        ran.append((name, rtt, config))
+        cross = 400.0 if rtt is None else 150.0
+        return {
+            "target": name,
+            "rtt_ms": rtt,
+            "ttft_ms": {"cross": {"n": 5, "p90": cross}, "unshared": {"n": 5, "p90": 100.0}},
+            "requests": [],
+        }
+
+    monkeypatch.setattr(federation, "run_target", fake)
+    out = federation.sweep(FederationBenchConfig(), [], [], tmp_path, {}, False)
+    assert [(v["parameter"].split()[0], v["factor"]) for v in out] == [
+        ("prefill_tokens_per_s", 0.5), ("decode_step", 0.5), ("rtt_scale", 0.5),
+        ("prefill_tokens_per_s", 2.0), ("decode_step", 2.0), ("rtt_scale", 2.0),
+    ]  # fmt: skip
+    assert [r[1] for r in ran] == [None, 20.0, None, 20.0, None, 10.0, None, 20.0, None, 20.0, None, 40.0]
+    assert "--prefill-tokens-per-s" in out[0]["sim_args"] and "10000.0" in out[0]["sim_args"]
+    assert "3.0" in out[1]["sim_args"] and "0.075" in out[1]["sim_args"]
+    assert all(v["ranking_holds"] for v in out)
+    assert out[0]["cross_shared_ttft_p90_isolated_over_federated"] == 2.667
+    assert out[0]["unshared_ttft_p90_federated_over_isolated"] == 1.0
+    assert all("requests" not in row for v in out for row in v["targets"])
