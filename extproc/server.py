@@ -146,9 +146,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> None:
-        # A coroutine that reads and writes through the context, not an async generator over
-        # request_iterator: grpc.aio's generator path costs more per message (issue 27.3, BENCHMARKS.md).
+    ) -> AsyncIterator[pb.ProcessingResponse]:
         dispatcher = self._dispatcher
         flow = dispatcher.control if dispatcher is not None else None
         proc = StreamProcessor(
@@ -171,7 +169,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         unseen = tracer is not None  # the first message decides whether the request is traced
         status = 0  # an immediate response's HTTP status
         try:
-            while (msg := await context.read()) is not grpc.aio.EOF:
+            async for msg in request_iterator:
                 if unseen and tracer is not None:
                     unseen = False
                     span = _request_span(tracer, msg, context, proc)
@@ -185,7 +183,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         gate.release()
                         status = 503
                         self._metrics.requests.labels("503").inc()
-                        await context.write(overloaded())
+                        yield overloaded()
                         return
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
@@ -214,7 +212,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     # replies come when the dispatcher routes or sheds the request.
                     future = dispatcher.wait(proc.held)
                     for resp in responses:
-                        await context.write(resp)
+                        yield resp
                     responses = await future
                     if proc.refused is not None:  # shed when dispatched (a deadline predicted missed)
                         self._metrics.flow_sheds.labels(proc.refused).inc()
@@ -222,7 +220,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     started = time.perf_counter()  # the decision's time, not the wait
                 while proc.cascade_step is not None:  # a cascade's gated step first (extproc/cascade)
                     for resp in responses:
-                        await context.write(resp)
+                        yield resp
                     waited = time.perf_counter()
                     responses = await self._step(proc)
                     started += time.perf_counter() - waited
@@ -230,7 +228,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     self._send_beside(proc, span)
                 if proc.handoff is not None:  # disaggregated: the prefill half first (extproc/disagg)
                     for resp in responses:
-                        await context.write(resp)
+                        yield resp
                     waited = time.perf_counter()
                     responses = await self._prefill(proc, span)
                     started += time.perf_counter() - waited
@@ -257,7 +255,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if resp.HasField("immediate_response"):
                         status = resp.immediate_response.status.code
                         self._metrics.requests.labels(str(status)).inc()
-                    await context.write(resp)
+                    yield resp
                 decision = proc.decision
                 if large and decision is not None and decision.rest is not None and not decision.recorded:
                     # The answer is out; the rest of the window is hashed for the index record: a long
@@ -636,8 +634,6 @@ class Gateway:
         options = [
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
-            # gRPC core's hint: measured 0.02-0.04 ms less CPU a stream here (issue 27.3, BENCHMARKS.md)
-            ("grpc.optimization_target", "throughput"),
         ]
         # With TLS, only the allowed identities (Envoy's) may call: a certificate of another role chains
         # to the same CA, and a caller here could forge jwt_authn metadata or failed tries.

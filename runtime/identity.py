@@ -9,7 +9,6 @@ gRPC servers with :class:`PeerCheck`, aiohttp servers with :func:`peercert_uris`
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
@@ -93,22 +92,14 @@ class PeerCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             streamed_in = handler.stream_stream is not None
             inner_stream = handler.stream_stream if streamed_in else handler.unary_stream
 
-            wrap_stream = (
-                grpc.stream_stream_rpc_method_handler if streamed_in else grpc.unary_stream_rpc_method_handler
-            )
-            if not inspect.isasyncgenfunction(inner_stream):  # it writes through the context itself
-
-                async def writing(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    await self._require(context)
-                    return await inner_stream(request, context)
-
-                return wrap_stream(writing, *codec)
-
             async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await self._require(context)
                 async for response in inner_stream(request, context):
                     yield response
 
+            wrap_stream = (
+                grpc.stream_stream_rpc_method_handler if streamed_in else grpc.unary_stream_rpc_method_handler
+            )
             return wrap_stream(streaming, *codec)
         streamed = handler.stream_unary is not None
         inner = handler.stream_unary if streamed else handler.unary_unary

@@ -2,10 +2,8 @@
 
     python -m load.bench.empty_extproc --port 0 --ready-file F --upstream 127.0.0.1:PORT
 
-A grpc.aio server on uvloop, its ``Process`` reading and writing through the gRPC context with
-``grpc.optimization_target = "throughput"`` (as kvgate's ext_proc runs), with the services the bundled
-Envoy bootstrap (:func:`kvgate.envoy.bootstrap.render`) calls on its ext_proc cluster, doing nothing
-beyond the protocol:
+A grpc.aio server on uvloop (as kvgate's ext_proc runs) with the services the bundled Envoy bootstrap
+(:func:`kvgate.envoy.bootstrap.render`) calls on its ext_proc cluster, doing nothing beyond the protocol:
 
 * ``envoy.service.ext_proc.v3.ExternalProcessor/Process``: each message gets the minimal valid reply for
   its phase, in the pattern kvgate's processor (:mod:`extproc.processor`) uses. FULL_DUPLEX_STREAMED
@@ -147,16 +145,15 @@ class EmptyProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> None:
-        # Read and written through the context, as kvgate's ext_proc does (extproc/server.py).
+    ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = EmptyStream(self._upstream)
-        while (msg := await context.read()) is not grpc.aio.EOF:
+        async for msg in request_iterator:
             try:
                 replies = stream.handle(msg)
             except UnexpectedMessage as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             for reply in replies:
-                await context.write(reply)
+                yield reply
 
 
 class OneEndpoint(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type: ignore[misc]
@@ -192,7 +189,6 @@ async def start_server(upstream: str, port: int = 0) -> tuple[grpc.aio.Server, i
     options = [
         ("grpc.max_receive_message_length", MESSAGE_LIMIT),
         ("grpc.max_send_message_length", MESSAGE_LIMIT),
-        ("grpc.optimization_target", "throughput"),  # as kvgate's ext_proc server
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(EmptyProcessor(upstream), server)
