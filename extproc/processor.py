@@ -55,7 +55,7 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -575,19 +575,18 @@ class StreamProcessor:
         body = orjson.dumps(doc)
         self._phase = Phase.ROUTED
         set_headers = [
-            _header(BURST_HEADER, target.header_value),
-            _header("content-length", str(len(body))),
-            *(_header(k, v) for k, v in self._config.timeouts.headers(request.model, request.stream)),
+            (BURST_HEADER, target.header_value),
+            ("content-length", str(len(body))),
+            *self._config.timeouts.headers(request.model, request.stream),
         ]
         # Envoy removes them too (route config) and its credential injector overwrites Authorization:
         # no client credential reaches a hosted endpoint, with or without [auth].
-        mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=list(CLIENT_CREDENTIALS))
-        metadata = Struct()
+        out, metadata = self._sending(set_headers, CLIENT_CREDENTIALS, body)
         noted = metadata.fields[DECISION_NS].struct_value.fields
         noted[DECISION_MODEL].string_value = request.model
         # No endpoint id: the completion log (which follows it) is for local engines only.
         log.info("request %s: burst to %s (%s)", self.request_id, target.name, request.model)
-        return self._sending(mutation, metadata, body)
+        return out
 
     def resume(self) -> list[pb.ProcessingResponse]:
         """Route a held request now (flow control dispatched it: the shell calls this once, on the event
@@ -817,24 +816,24 @@ class StreamProcessor:
             destination = f"{self.forward.ingress},{destination}"
         pick = decision.endpoints[0]
         set_headers = [
-            _header(DESTINATION, destination),
-            _header("content-length", str(len(body))),
-            _header(MODEL_HEADER, decision.model),
-            *(_header(k, v) for k, v in self._config.timeouts.headers(decision.model, stream)),
+            (DESTINATION, destination),
+            ("content-length", str(len(body))),
+            (MODEL_HEADER, decision.model),
+            *self._config.timeouts.headers(decision.model, stream),
         ]
         if self.forward is not None:
-            set_headers.append(_header(HOP_HEADER, self.forward.hop))
+            set_headers.append((HOP_HEADER, self.forward.hop))
             if self._isolated:  # the peer keeps this tenant salt rather than salting again
-                set_headers.append(_header(SALTED_HEADER, "1"))
+                set_headers.append((SALTED_HEADER, "1"))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - decided) * 1000))
-            set_headers.append(_header(TTFT_DEADLINE_UPSTREAM, str(left_ms)))
-        remove_headers: list[str] = []
+            set_headers.append((TTFT_DEADLINE_UPSTREAM, str(left_ms)))
+        remove_headers: tuple[str, ...] = ()
         if self.principal is not None:
-            set_headers.append(_header(TENANT_HEADER, self.principal.tenant.id))
-            remove_headers.append("authorization")  # the gateway consumed it; engines never see it
+            set_headers.append((TENANT_HEADER, self.principal.tenant.id))
+            remove_headers = ("authorization",)  # the gateway consumed it; engines never see it
+        out, metadata = self._sending(set_headers, remove_headers, body)
         # Field by field: Struct.update walks a dict in Python, several times slower.
-        metadata = Struct()
         lb = metadata.fields[LB_NS].struct_value.fields
         lb[DESTINATION].string_value = destination
         lb[PRIMARY].string_value = pick.address
@@ -849,36 +848,30 @@ class StreamProcessor:
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         if self._responses_scope is not None:  # its response id is learned from the completion log
             noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
-        mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
-        return self._sending(mutation, metadata, body)
+        return out
 
     def _sending(
-        self, mutation: pb.HeaderMutation, metadata: Struct, body: bytes
-    ) -> list[pb.ProcessingResponse]:
-        """The replies that send the request on with ``mutation``, ``metadata`` and ``body``: one body reply
-        in buffered mode, else the headers reply and the body streamed back in chunks."""
+        self, set_headers: Iterable[tuple[str, str]], remove_headers: Iterable[str], body: bytes
+    ) -> tuple[list[pb.ProcessingResponse], Struct]:
+        """The replies that send the request on with ``set_headers`` set, ``remove_headers`` removed and
+        ``body``: one body reply in buffered mode, else the headers reply and the body streamed back in
+        chunks; and the dynamic metadata of the reply that routes, for the caller to fill. Built in place:
+        a sub-message passed to a constructor is copied (about 4x the time for a routing reply)."""
+        first = pb.ProcessingResponse()
         if self._buffered:
-            common = pb.CommonResponse(
-                header_mutation=mutation, body_mutation=pb.BodyMutation(body=body), clear_route_cache=True
-            )
-            return [
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-                )
-            ]
-        out = [
-            pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(
-                    response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-                ),
-                dynamic_metadata=metadata,
-            )
-        ]
-        if not body:
-            out.append(_body_chunk(b"", True))
-        for off in range(0, len(body), MAX_CHUNK):
-            out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
-        return out
+            common = first.request_body.response
+            common.body_mutation.body = body
+        else:
+            common = first.request_headers.response
+        common.clear_route_cache = True
+        _mutate(common.header_mutation, set_headers, remove_headers)
+        out = [first]
+        if not self._buffered:
+            if not body:
+                out.append(_body_chunk(b"", True))
+            for off in range(0, len(body), MAX_CHUNK):
+                out.append(_body_chunk(body[off : off + MAX_CHUNK], off + MAX_CHUNK >= len(body)))
+        return out, first.dynamic_metadata
 
     def _step(self, prepared: _Prepared, started: float) -> list[pb.ProcessingResponse]:
         """A gated cascade step (:mod:`extproc.cascade`): its body, for the shell to send to the pick
@@ -1096,16 +1089,27 @@ def _header(key: str, value: str) -> HeaderValueOption:
     )
 
 
+def _mutate(
+    mutation: pb.HeaderMutation, set_headers: Iterable[tuple[str, str]], remove_headers: Iterable[str]
+) -> None:
+    """Fill ``mutation`` in place (as :func:`_header` each, without copying sub-messages)."""
+    added = mutation.set_headers
+    for key, value in set_headers:
+        option = added.add(append_action=_OVERWRITE)
+        option.header.key = key
+        option.header.raw_value = value.encode()
+    mutation.remove_headers.extend(remove_headers)
+
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
 def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                body_mutation=pb.BodyMutation(
-                    streamed_response=pb.StreamedBodyResponse(body=data, end_of_stream=end_of_stream)
-                )
-            )
-        )
-    )
+    reply = pb.ProcessingResponse()
+    streamed = reply.request_body.response.body_mutation.streamed_response
+    streamed.body = data
+    streamed.end_of_stream = end_of_stream
+    return reply
 
 
 def _immediate(

@@ -139,6 +139,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._beside: set[asyncio.Task[None]] = set()
         self._config = config
         self._metrics = metrics
+        self._routed = metrics.requests.labels("routed")  # bound once: labels() is a locked dict lookup
         self._gate = gate
         self._restorer = restorer
         self._dispatcher = dispatcher
@@ -241,7 +242,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if proc.pd is not None:
                         self._metrics.pd_decisions.labels(proc.pd.mode, proc.pd.reason).inc()
                     self._metrics.decision_seconds.observe(time.perf_counter() - started)
-                    self._metrics.requests.labels("routed").inc()
+                    self._routed.inc()
                     blocks = proc.decision.prompt_blocks
                     if blocks:
                         self._metrics.prefix_hit_ratio.observe(proc.decision.matched_blocks / blocks)

@@ -24,10 +24,12 @@ Pure: ``now`` (monotonic seconds) is a parameter; no IO.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
@@ -109,6 +111,21 @@ class _Routed:
     tokens: int
     first_token_at: float
     at: float
+    #: Counted in its endpoint's :class:`_Ahead` sum (its first token not yet due at the last look).
+    ahead: bool = False
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """An endpoint's routed requests whose predicted first token was still to come at ``seen`` (the latest
+    ``now`` asked about): their uncached tokens summed, and a heap by first token to drop them as ``now``
+    passes it (a request forgotten meanwhile is skipped when it comes up). So :meth:`TTFTPredictor.ahead`
+    costs what fell due since the last call, not a walk over every request routed there and not yet
+    completed."""
+
+    tokens: int = 0
+    seen: float = -math.inf
+    heap: list[tuple[float, int, _Routed]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,6 +161,8 @@ class TTFTPredictor:
         self._mean_tokens: dict[EndpointId, float] = {}
         self._routed: OrderedDict[str, _Routed] = OrderedDict()
         self._at: dict[EndpointId, dict[str, _Routed]] = {}
+        self._ahead: dict[EndpointId, _Ahead] = {}
+        self._order = itertools.count()  # heap ties: first tokens predicted for the same instant
         self._windows: dict[EndpointId, _Window] = {}
         #: Hears each observation (``None``: nobody; the gateway's metrics compare the two).
         self.listener: Callable[[Observation], None] | None = None
@@ -201,9 +220,19 @@ class TTFTPredictor:
         this gateway's requests there whose predicted first token is after ``now``, or the engine's
         waiting requests (last reading) times their mean uncached tokens, whichever is more."""
         mine = 0
-        routed = self._at.get(state.id)
-        if routed:
-            for r in routed.values():
+        pending = self._ahead.get(state.id)
+        if pending is not None and now >= pending.seen:
+            heap = pending.heap
+            while heap and heap[0][0] <= now:  # due by now: no longer ahead
+                r = heapq.heappop(heap)[2]
+                if r.ahead:
+                    r.ahead = False
+                    pending.tokens -= r.tokens
+            pending.seen = now
+            mine = pending.tokens
+        elif pending is not None:  # asked about an earlier instant: the requests routed there, one by one
+            routed = self._at.get(state.id)
+            for r in routed.values() if routed else ():
                 if r.first_token_at > now:
                     mine += r.tokens
         metrics = state.metrics
@@ -230,6 +259,13 @@ class TTFTPredictor:
         entry = _Routed(state.id, uncached, now + predicted, now)
         self._routed[request_id] = entry
         self._at.setdefault(state.id, {})[request_id] = entry
+        pending = self._ahead.get(state.id)
+        if pending is None:
+            pending = self._ahead[state.id] = _Ahead()
+        if entry.first_token_at > pending.seen:  # else already due: never counted
+            entry.ahead = True
+            pending.tokens += uncached
+            heapq.heappush(pending.heap, (entry.first_token_at, next(self._order), entry))
         window = self._windows.get(state.id)
         if window is not None:
             window.x_sum += x
@@ -278,16 +314,20 @@ class TTFTPredictor:
             at = self._at.get(entry.endpoint)
             if at is not None:
                 at.pop(request_id, None)
+            if entry.ahead:
+                entry.ahead = False
+                self._ahead[entry.endpoint].tokens -= entry.tokens
         return entry
 
     def retain(self, endpoints: Container[EndpointId]) -> None:
         """Forget every endpoint not in ``endpoints`` (it left the fleet): its line, window, mean and the
         requests routed there."""
-        known = {*self._fits, *self._mean_tokens, *self._at, *self._windows}
+        known = {*self._fits, *self._mean_tokens, *self._at, *self._ahead, *self._windows}
         for gone in [e for e in known if e not in endpoints]:
             self._fits.pop(gone, None)
             self._mean_tokens.pop(gone, None)
             self._windows.pop(gone, None)
+            self._ahead.pop(gone, None)
             for request_id in self._at.pop(gone, {}):
                 self._routed.pop(request_id, None)
 

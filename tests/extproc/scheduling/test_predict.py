@@ -5,6 +5,8 @@ ahead, what a window of the engine's TTFT histogram teaches and what not; the ``
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
@@ -265,3 +267,45 @@ def test_the_fitted_slope_is_none_while_the_prior_stands() -> None:
     for x in (1000, 2000, 3000):
         fit.add(x, 0.5)  # flat: the prior slope stays
     assert not fit.own_slope()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["route", "forget", "ahead", "move"]),
+            st.integers(0, 7),  # request id
+            st.sampled_from("ab"),  # endpoint
+            st.integers(0, 5_000),  # uncached tokens
+            st.floats(-0.5, 2.0),  # step of the clock (backwards at times)
+        ),
+        max_size=60,
+    )
+)
+def test_ahead_kept_incrementally_equals_a_walk_over_the_routed_requests(
+    ops: list[tuple[str, int, str, int, float]],
+) -> None:
+    """:meth:`TTFTPredictor.ahead` keeps a running sum (and a heap by first token); whatever the order
+    of routes, forgets, moves and clocks (an earlier ``now`` too), it says what a walk over every
+    request routed to the endpoint and not forgotten says."""
+    p = TTFTPredictor()
+    states = {"a": state("a"), "b": state("b")}
+    live: dict[str, tuple[str, int, float]] = {}  # request id -> (endpoint, tokens, first token at)
+    now = 0.0
+    for op, rid, name, tokens, step in ops:
+        now += step
+        s, request_id = states[name], f"r{rid}"
+        if op == "route":
+            predicted = p.routed(request_id, s, tokens, now)
+            live[request_id] = (name, tokens, now + predicted)
+        elif op == "forget":
+            p.forget(request_id)
+            live.pop(request_id, None)
+        elif op == "move" and request_id in live:
+            old = live[request_id]
+            p.moved(request_id, s, now)
+            if old[0] != name:
+                live[request_id] = (name, old[1], p._routed[request_id].first_token_at)
+        for e, es in states.items():
+            walked = sum(t for (n, t, first) in live.values() if n == e and first > now)
+            assert p.ahead(es, now) == float(walked)
