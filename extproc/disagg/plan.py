@@ -15,7 +15,10 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    pick's handoff protocol and that the request's EPP subset hint (if any) allows, narrowed further by the
    conformance pin when it names any prefill endpoint of ``m`` (:meth:`Disaggregator.plan`), with the
    prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
-   the prompt's lead), plus whatever load scorers the profile has;
+   the prompt's lead), plus whatever load scorers the profile has; with no ``prefill_profile`` the
+   profile only breaks ties and the pick is the endpoint with the least prefill work: the uncached tokens
+   of this gateway's prefill sub-requests still running there plus what this prompt lacks there
+   (README.md, "The pair");
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
    to the prefill endpoint that computed it.
