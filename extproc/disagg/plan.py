@@ -15,7 +15,10 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    pick's handoff protocol and that the request's EPP subset hint (if any) allows, narrowed further by the
    conformance pin when it names any prefill endpoint of ``m`` (:meth:`Disaggregator.plan`), with the
    prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
-   the prompt's lead), plus whatever load scorers the profile has;
+   the prompt's lead), plus whatever load scorers the profile has; with no ``prefill_profile`` the
+   profile only breaks ties and the pick is the endpoint with the least prefill work: the uncached tokens
+   of this gateway's prefill sub-requests still running there plus what this prompt lacks there
+   (README.md, "The pair");
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
    to the prefill endpoint that computed it.
@@ -76,6 +79,8 @@ class Handoff:
     timeout_s: float
     room: int | None = None
     released: bool = False
+    #: The prompt tokens the prefill pick lacked (counted in its queued prefill work until released).
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,8 @@ class Disaggregator:
         self._router = router
         self._policy = policy or PdPolicy()
         self._rng = rng or random.Random()
+        #: Prefill endpoint id -> uncached prompt tokens of its prefill sub-requests still running.
+        self._queued: dict[EndpointId, int] = {}
 
     @property
     def policy(self) -> PdPolicy:
@@ -143,15 +150,24 @@ class Disaggregator:
             return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
-        prefill = self._pick_prefill(decision, route, protocol, now, subset, pinned)
-        if prefill is None:
+        picked = self._pick_prefill(decision, route, protocol, now, subset, pinned)
+        if picked is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
+        prefill, work = picked
+        self._queued[prefill.id] = self._queued.get(prefill.id, 0) + work
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
         prefill.count_routed(now)
         room = self._rng.randrange(MAX_ROOM + 1) if protocol == "sglang" else None
         handoff = Handoff(
-            decision.request_id, prefill, decode, protocol, uncached, route.spec.prefill_timeout_s, room
+            decision.request_id,
+            prefill,
+            decode,
+            protocol,
+            uncached,
+            route.spec.prefill_timeout_s,
+            room,
+            prefill_tokens=work,
         )
         return Verdict(handoff, "disaggregated")
 
@@ -163,7 +179,8 @@ class Disaggregator:
         now: float,
         subset: frozenset[str] | None,
         pinned: Sequence[str] | None = None,
-    ) -> EndpointState | None:
+    ) -> tuple[EndpointState, int] | None:
+        """The prefill pick and the uncached prompt tokens it will compute (``None``: none fit)."""
         model = decision.model
         fleet: Iterable[EndpointState] = self._router.fleet
         if pinned is not None and any(
@@ -206,15 +223,36 @@ class Disaggregator:
         result = route.prefill.schedule(request, state, pool, self._rng)
         if not result.endpoints:
             return None
+        block_size = self._router.policy.block_size
+        prompt = decision.prompt_tokens
+
+        def uncached(s: EndpointState) -> int:
+            return max(0, prompt - state.prefix_blocks.get(s.id, 0) * block_size)
+
         pick = result.endpoints[0]
+        if route.spec.prefill_profile is None:
+            # Least prefill work (README.md, "The pair"): the tokens queued on the endpoint by this
+            # gateway's running prefill sub-requests plus what this prompt lacks there; ties (and the
+            # endpoints the profile ranked) keep the profile's order.
+            rank = {s.id: i for i, s in enumerate(result.endpoints)}
+            fit = [s for s in pool if s.id in rank or not s.ejected(now)]
+            pick = min(
+                fit,
+                key=lambda s: (self._queued.get(s.id, 0) + uncached(s), rank.get(s.id, len(rank))),
+            )
         self._router.record(pick.id, digests, now)
-        return pick
+        return pick, uncached(pick)
 
     def release(self, handoff: Handoff) -> None:
         """The prefill sub-request ended (answered, failed or abandoned): its in-flight slot is free."""
         if not handoff.released:
             handoff.released = True
             handoff.prefill.in_flight = max(0, handoff.prefill.in_flight - 1)
+            left = self._queued.get(handoff.prefill.id, 0) - handoff.prefill_tokens
+            if left > 0:
+                self._queued[handoff.prefill.id] = left
+            else:
+                self._queued.pop(handoff.prefill.id, None)
             listener = self._router.listener
             if listener is not None:  # the sibling workers share in-flight counts
                 listener.released(handoff.prefill.id)

@@ -137,6 +137,27 @@ def test_a_repeated_long_prefix_goes_to_the_prefill_endpoint_that_holds_it() -> 
     assert cold.handoff.prefill.id != picks[0], "a cold prompt goes to a less loaded prefill endpoint"
 
 
+def test_the_prefill_pick_weighs_the_prefill_work_queued_by_running_sub_requests() -> None:
+    """The prefix holder computing a long prefill already: a repeat of its prefix costs more there
+    (queued tokens + the uncached rest) than whole on an idle prefill endpoint; once that prefill ends,
+    the repeat goes back to the holder."""
+    prefill = [endpoint(f"p{i}", "prefill") for i in range(2)]
+    router, pd = make([*prefill, endpoint("d0", "decode")], PdSpec("disaggregated"))
+    first = pd.plan(decide(router, request(LONG + " question 0"), "r0"), NOW)
+    assert first is not None and first.handoff is not None
+    holder = first.handoff.prefill.id
+    assert first.handoff.prefill_tokens >= 1_600  # cold: the whole prompt
+    busy = pd.plan(decide(router, request(LONG + " question 1"), "r1"), NOW)
+    assert busy is not None and busy.handoff is not None
+    assert busy.handoff.prefill.id != holder, "the holder's queued prefill outweighs the prefix it saves"
+    pd.release(first.handoff)
+    pd.release(busy.handoff)
+    again = pd.plan(decide(router, request(LONG + " question 2"), "r2"), NOW)
+    assert again is not None and again.handoff is not None
+    assert again.handoff.prefill.id in {holder, busy.handoff.prefill.id}  # both hold it now
+    assert again.handoff.prefill_tokens < 100, "the prefix is not computed again"
+
+
 def test_no_prefill_endpoint_fits() -> None:
     router, pd = make(
         [endpoint("p0", "prefill", labels={"pool": "b"}), endpoint("d0", "decode", labels={"pool": "a"})],
