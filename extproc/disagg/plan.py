@@ -232,10 +232,11 @@ class Disaggregator:
         pick = result.endpoints[0]
         if route.spec.prefill_profile is None:
             # Least prefill work (README.md, "The pair"): the tokens queued on the endpoint by this
-            # gateway's running prefill sub-requests plus what this prompt lacks there; ties (and the
-            # endpoints the profile ranked) keep the profile's order.
+            # gateway's running prefill sub-requests plus what this prompt lacks there, among the
+            # endpoints the profile's filters kept (``scores``: every survivor, the pick's list cut at
+            # the fallback limit); ties keep the profile's order.
             rank = {s.id: i for i, s in enumerate(result.endpoints)}
-            fit = [s for s in pool if s.id in rank or not s.ejected(now)]
+            fit = [s for s in pool if s.id in result.scores] or [pick]
             pick = min(
                 fit,
                 key=lambda s: (self._queued.get(s.id, 0) + uncached(s), rank.get(s.id, len(rank))),

@@ -158,6 +158,21 @@ def test_the_prefill_pick_weighs_the_prefill_work_queued_by_running_sub_requests
     assert again.handoff.prefill_tokens < 100, "the prefix is not computed again"
 
 
+def test_the_least_work_pick_never_takes_an_endpoint_the_filters_removed() -> None:
+    """An unhealthy prefill endpoint has no queued work, but the profile's filters removed it: the busy
+    healthy one is still the pick."""
+    prefill = [endpoint(f"p{i}", "prefill") for i in range(2)]
+    router, pd = make([*prefill, endpoint("d0", "decode")], PdSpec("disaggregated"))
+    for state in router.fleet:
+        if state.endpoint.id.endswith("p1"):
+            state.healthy = False
+    first = pd.plan(decide(router, request(LONG + " question 0"), "r0"), NOW)
+    assert first is not None and first.handoff is not None
+    busy = pd.plan(decide(router, request("a different long prompt " * 300), "r1"), NOW)
+    assert busy is not None and busy.handoff is not None
+    assert busy.handoff.prefill.id == first.handoff.prefill.id and busy.handoff.prefill.healthy
+
+
 def test_no_prefill_endpoint_fits() -> None:
     router, pd = make(
         [endpoint("p0", "prefill", labels={"pool": "b"}), endpoint("d0", "decode", labels={"pool": "a"})],
