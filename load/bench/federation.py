@@ -537,14 +537,11 @@ def median_rows(repeats: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
     return out
 
 
-def sweep(
-    config: FederationBenchConfig,
-    warm: list[tuple[str, Session]],
-    requests: list[Request],
-    workdir: Path,
-    leaves: dict[str, LeafFiles],
-    progress: bool,
-) -> list[dict[str, Any]]:
+#: Runs one target: (name, round trip or ``None`` for isolated, config, workdir) -> its row.
+RunTarget = Callable[[str, float | None, FederationBenchConfig, Path], dict[str, Any]]
+
+
+def sweep(config: FederationBenchConfig, workdir: Path, run: RunTarget) -> list[dict[str, Any]]:
     """Each key parameter halved, then doubled (the prefill rate, the decode step, the injected round trip:
     :func:`load.bench.step_variants`); each variant runs ``isolated`` and one federated target at the first
     round trip (20 ms by default) scaled. ``ranking_holds``: federated cross-region shared TTFT p90 below
@@ -554,10 +551,7 @@ def sweep(
         rtt = varied.rtts_ms[0] * varied.rtt_scale
         log.warning("sweep: %s x%g", param, factor)
         work = workdir / f"sweep-{i}"
-        rows = [
-            run_target("isolated", None, varied, warm, requests, work, leaves, progress),
-            run_target(f"federated-{rtt:g}ms", rtt, varied, warm, requests, work, leaves, progress),
-        ]
+        rows = [run("isolated", None, varied, work), run(f"federated-{rtt:g}ms", rtt, varied, work)]
         iso, fed = rows
         cross_i, cross_f = _p90(iso, "cross"), _p90(fed, "cross")
         un_i, un_f = _p90(iso, "unshared"), _p90(fed, "unshared")
@@ -636,7 +630,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["repeats"] = [{"targets": rows, "goals": goals(rows, config)} for rows in repeats]
         result["goals"] = goals(result["targets"], config)
     if args.sweep or args.sweep_only:
-        result["sweep"] = sweep(config, warm, requests, workdir, leaves, progress)
+        result["sweep"] = sweep(
+            config,
+            workdir,
+            lambda name, rtt, varied, work: run_target(
+                name, rtt, varied, warm, requests, work, leaves, progress
+            ),
+        )
         result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
     return finish(result, args.out, started)
 

@@ -189,12 +189,10 @@ def test_decision_times_from_the_histogram() -> None:
     assert federation.decision_times(samples) == {"count": 4.0, "mean_ms": 5.0, "over_10ms": 1.0}
 
 
-def test_the_sweep_varies_each_key_parameter_and_judges_the_ranking(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_sweep_varies_each_key_parameter_and_judges_the_ranking(tmp_path: Path) -> None:
     ran: list[tuple[str, float | None, FederationBenchConfig]] = []
 
-    def fake(name: str, rtt: float | None, config: FederationBenchConfig, *_: object) -> dict[str, object]:
+    def fake(name: str, rtt: float | None, config: FederationBenchConfig, work: Path) -> dict[str, Any]:
         ran.append((name, rtt, config))
         cross = 400.0 if rtt is None else 150.0
         return {
@@ -204,8 +202,7 @@ def test_the_sweep_varies_each_key_parameter_and_judges_the_ranking(
             "requests": [],
         }
 
-    monkeypatch.setattr(federation, "run_target", fake)
-    out = federation.sweep(FederationBenchConfig(), [], [], tmp_path, {}, False)
+    out = federation.sweep(FederationBenchConfig(), tmp_path, fake)
     assert [(v["parameter"].split()[0], v["factor"]) for v in out] == [
         ("prefill_tokens_per_s", 0.5), ("decode_step", 0.5), ("rtt_scale", 0.5),
         ("prefill_tokens_per_s", 2.0), ("decode_step", 2.0), ("rtt_scale", 2.0),
