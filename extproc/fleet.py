@@ -127,10 +127,11 @@ class EndpointState:
         (the counts run from the last scrape, or from the start when there was none: then ``net`` is
         exactly the requests routed there and not yet complete)."""
         metrics = self.metrics
-        net = self.net_routed + self.sibling_routed
+        net = self.routed_since_scrape - self.completed_since_scrape + self.sibling_routed
         if metrics is None:
             return float(max(self.in_flight + self.sibling_in_flight, net, 0))
-        return float(max(0, metrics.running + metrics.waiting + net))
+        load = metrics.running + metrics.waiting + net
+        return float(load) if load > 0 else 0.0  # read per candidate by several plugins: no max() call
 
     def recent_routed(self, now: float) -> float:
         """Requests this gateway routed here lately: each counts ``2 ** (-age / ROUTED_HALF_LIFE_S)``, so

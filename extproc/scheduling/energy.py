@@ -214,10 +214,16 @@ class CapLatch:
     ``stay``); it changes only when the readings' time ``at`` is newer than the last one it saw, so asking
     again about the same readings gives the same answer. Pure bookkeeping, no clock."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("_over", "_state")
 
     def __init__(self) -> None:
         self._state: dict[str, tuple[float, bool]] = {}
+        self._over: set[str] = set()
+
+    @property
+    def holding(self) -> bool:
+        """Whether some key is latched over."""
+        return bool(self._over)
 
     def update(self, key: str, at: float, *, enter: bool, stay: bool) -> bool:
         """The latched state for readings taken at ``at``: ``enter`` (over the entry threshold) and
@@ -227,7 +233,12 @@ class CapLatch:
             return seen[1]
         over = enter or (stay and seen is not None and seen[1])
         self._state[key] = (at, over)
+        if over:
+            self._over.add(key)
+        else:
+            self._over.discard(key)
         return over
 
     def forget(self, key: str) -> None:
         self._state.pop(key, None)
+        self._over.discard(key)

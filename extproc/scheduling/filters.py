@@ -132,41 +132,54 @@ class LoadThresholdFilter:
         self.name = name
         self.params = params or LoadThresholdParams()
 
+    def limits(self, mean_in_flight: float = 0.0, mean_waiting: float = 0.0) -> tuple[float, float]:
+        """The in-flight and waiting figures above which an endpoint is overloaded, for these means over
+        the candidates (each limit of :class:`LoadThresholdParams` that is set, the lowest applying)."""
+        p = self.params
+        in_flight = math.inf if p.max_in_flight is None else float(p.max_in_flight)
+        if p.max_in_flight_ratio is not None:
+            in_flight = min(in_flight, p.max_in_flight_ratio * mean_in_flight + p.in_flight_slack)
+        waiting = p.max_waiting
+        if p.max_waiting_ratio is not None:
+            waiting = max(waiting, p.max_waiting_ratio * mean_waiting + p.waiting_slack)
+        return in_flight, waiting
+
     def overloaded(
         self, candidate: EndpointState, mean_in_flight: float = 0.0, mean_waiting: float = 0.0
     ) -> bool:
         """Whether ``candidate`` is over one of the limits (the means: over the candidates)."""
-        p = self.params
-        if p.max_in_flight is not None and candidate.load > p.max_in_flight:
-            return True
-        if (
-            p.max_in_flight_ratio is not None
-            and candidate.load > p.max_in_flight_ratio * mean_in_flight + p.in_flight_slack
-        ):
+        max_in_flight, max_waiting = self.limits(mean_in_flight, mean_waiting)
+        return self._over(candidate, candidate.load, max_in_flight, max_waiting)
+
+    def _over(self, candidate: EndpointState, load: float, max_in_flight: float, max_waiting: float) -> bool:
+        if load > max_in_flight:
             return True
         metrics = candidate.metrics
         if metrics is None:
             return False
-        if metrics.waiting > p.max_waiting and (
-            p.max_waiting_ratio is None
-            or metrics.waiting > p.max_waiting_ratio * mean_waiting + p.waiting_slack
-        ):
+        if metrics.waiting > max_waiting:
             return True
-        return (
-            p.max_kv_usage is not None and metrics.kv_usage is not None and metrics.kv_usage > p.max_kv_usage
-        )
+        max_kv_usage = self.params.max_kv_usage
+        return max_kv_usage is not None and metrics.kv_usage is not None and metrics.kv_usage > max_kv_usage
 
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
-        mean = sum(c.load for c in candidates) / len(candidates) if candidates else 0.0
+        loads = [c.load for c in candidates]  # a property: read once per candidate
+        mean = sum(loads) / len(loads) if loads else 0.0
         waiting = [
             c.metrics.waiting
             for c in candidates
             if c.metrics is not None and math.isfinite(c.metrics.waiting)
         ]
         mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
-        kept = [c for c in candidates if not self.overloaded(c, mean, mean_waiting)]
+        max_in_flight, max_waiting = self.limits(mean, mean_waiting)
+        over = self._over
+        kept = [
+            c
+            for c, load in zip(candidates, loads, strict=True)
+            if not over(c, load, max_in_flight, max_waiting)
+        ]
         return kept if kept else list(candidates)
 
 

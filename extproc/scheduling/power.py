@@ -255,5 +255,9 @@ class PowerCapFilter:
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
+        if not self.latch.holding and not any(c.power for c in candidates):
+            # No readings and nothing latched over: no candidate is over (the usual fleet without power
+            # telemetry; what :meth:`over` would say for each, without walking them).
+            return list(candidates)
         kept = [c for c in candidates if not self.over(c)]
         return kept if kept else list(candidates)

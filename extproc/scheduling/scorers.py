@@ -25,13 +25,14 @@ def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> di
     past ``saturation``, the scale grows with it and relative load still ranks the candidates.
     Endpoints absent from ``values`` are left out (score 0).
     """
-    values = {endpoint: v for endpoint, v in values.items() if math.isfinite(v)}  # non-finite: missing
+    isfinite = math.isfinite
+    values = {endpoint: v for endpoint, v in values.items() if isfinite(v)}  # non-finite: missing
     if not values:
         return {}
     scale = max(saturation, max(values.values()))
     if scale <= 0:
         return dict.fromkeys(values, 1.0)
-    return {endpoint: 1.0 - max(0.0, v) / scale for endpoint, v in values.items()}
+    return {endpoint: 1.0 - (v if v > 0.0 else 0.0) / scale for endpoint, v in values.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +95,8 @@ class QueueScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        waiting: dict[EndpointId, float] = {}
-        for c in candidates:
-            metrics = c.metrics
-            if metrics is not None and math.isfinite(metrics.waiting):
-                waiting[c.id] = metrics.waiting
-        return lower_is_better(waiting, self.params.saturation)
+        waiting = {c.id: metrics.waiting for c in candidates if (metrics := c.metrics) is not None}
+        return lower_is_better(waiting, self.params.saturation)  # drops the non-finite ones
 
 
 class KVUtilizationScorer:
@@ -157,8 +154,10 @@ class CacheSpreadScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        blocks = state.cached_blocks
-        cached = {c.id: max(0, blocks.get(c.id, 0)) for c in candidates}
+        get = state.cached_blocks.get
+        cached = {
+            endpoint: n if (n := get(endpoint, 0)) > 0 else 0 for endpoint in (c.id for c in candidates)
+        }
         most = max(cached.values(), default=0)
         if most <= 0:
             return dict.fromkeys(cached, 1.0)

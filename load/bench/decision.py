@@ -56,6 +56,7 @@ from extproc.models.registry import ModelAssets
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.routing.router import Tokens
 from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.profile import Profile
 from extproc.server import Gateway
 from load.bench import CpuSample, add_quiet_arguments, machine, quietest, revision, summary, write_json
 from runtime.tracing.tracer import SpanKind, Tracer
@@ -391,7 +392,8 @@ def run_breakdown(
 
     Same work and side effects as :meth:`Router.decide` (in-flight +1, speculative record), split at
     the stage boundaries; ``schedule`` is :meth:`Profile.schedule` (filters + scorers + picker) alone,
-    and ``plugins_ns`` its own per-plugin timings.
+    untimed as on the request path, and ``plugins_us`` the per-plugin timings of a second, ``timed`` run
+    of the same cycle outside the stages.
     """
     router = gateway.router
     assets = gateway.models.find(MODEL)
@@ -405,6 +407,7 @@ def run_breakdown(
     plugins: dict[str, list[float]] = {}
     candidates_all = list(gateway.fleet)
     profile, block_size = router.policy.profile, router.policy.block_size
+    timed = Profile(profile.name, profile.filters, profile.scorers, profile.picker, timed=True)
     gc.collect()
     cpu = CpuSample.take()
     for i, raw in enumerate(bodies):
@@ -444,11 +447,12 @@ def run_breakdown(
         primary.in_flight -= 1
         if i < warmup:
             continue
+        plugin_ns = timed.schedule(sched, state, candidates, random.Random(i)).timings_ns
         for name, start, end in zip(STAGES, marks[:-1], marks[1:], strict=True):
             stages[name].append((end - start) / 1e3)
         # "total" is what the request waits for: the record is deferred until after the reply is sent.
         stages["total"].append((marks[-2] - marks[0]) / 1e3)
-        for plugin, ns in result.timings_ns.items():
+        for plugin, ns in plugin_ns.items():
             plugins.setdefault(plugin, []).append(ns / 1e3)
     return {
         "other_cpu_cores": cpu.other_cores(CpuSample.take()),

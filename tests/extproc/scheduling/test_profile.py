@@ -196,9 +196,12 @@ def test_zero_weight_scorer_is_skipped() -> None:
     assert "off" not in result.timings_ns and result.scores == {"e0": 0.0, "e1": 0.0, "e2": 0.0}
 
 
-def test_every_plugin_is_timed() -> None:
-    profile = Profile("p", [ModelFilter()], [(FixedScorer("s", {}), 1.0)], MaxScorePicker(), clock=Ticks())
+def test_every_plugin_is_timed_when_asked() -> None:
+    plugins = ([ModelFilter()], [(FixedScorer("s", {}), 1.0)], MaxScorePicker())
+    profile = Profile("p", *plugins, clock=Ticks(), timed=True)
     assert run(profile).timings_ns == {"model": 10, "s": 10, "max-score": 10}
+    ticks = Ticks()
+    assert run(Profile("p", *plugins, clock=ticks)).timings_ns == {} and ticks.t == 0  # never read
 
 
 def test_no_candidates_left_is_an_empty_result_naming_the_filter() -> None:

@@ -1,0 +1,308 @@
+"""The scheduling cycle's fast paths change no decision (issue 27).
+
+:meth:`Profile.schedule` skips the clock unless ``timed``, adds scores in one pass and skips scorers that
+scored nothing; ``power-cap`` skips a fleet with no readings and nothing latched; ``load-threshold`` reads
+each candidate's load once and compares with precomputed limits; three scorers and
+:attr:`EndpointState.load` were rewritten for speed. Here the straightforward evaluation (the code as it
+was before those changes, plugin by plugin) runs beside the profile on random fleets and states, and both
+must give the same ``endpoints``, ``scores`` and ``rejected_by``, exactly (same floats, same tie
+shuffles), cycle after cycle (``power-cap`` keeps a latch between cycles).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from contracts.digest import Digest
+from contracts.events import EndpointId, Power
+from engines.endpoint import Endpoint
+from engines.metrics import EngineMetrics, LoraState
+from extproc.fleet import EndpointState
+from extproc.scheduling.filters import LoadThresholdFilter
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.power import PowerCapFilter
+from extproc.scheduling.profile import Profile, ScheduleResult
+from extproc.scheduling.registry import PLUGIN_TYPES, build_profile, parse_scheduling
+
+MODEL = "m"
+ADAPTER = "a1"
+
+
+# --- the straightforward evaluation --------------------------------------------------------------
+
+
+def plain_load(c: EndpointState) -> float:
+    metrics = c.metrics
+    net = c.net_routed + c.sibling_routed
+    if metrics is None:
+        return float(max(c.in_flight + c.sibling_in_flight, net, 0))
+    return float(max(0, metrics.running + metrics.waiting + net))
+
+
+def plain_lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> dict[EndpointId, float]:
+    values = {endpoint: v for endpoint, v in values.items() if math.isfinite(v)}
+    if not values:
+        return {}
+    scale = max(saturation, max(values.values()))
+    if scale <= 0:
+        return dict.fromkeys(values, 1.0)
+    return {endpoint: 1.0 - max(0.0, v) / scale for endpoint, v in values.items()}
+
+
+def plain_load_threshold(plugin: LoadThresholdFilter, cands: Sequence[EndpointState]) -> list[EndpointState]:
+    p = plugin.params
+    mean = sum(plain_load(c) for c in cands) / len(cands) if cands else 0.0
+    waiting = [c.metrics.waiting for c in cands if c.metrics is not None and math.isfinite(c.metrics.waiting)]
+    mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
+
+    def overloaded(c: EndpointState) -> bool:
+        if p.max_in_flight is not None and plain_load(c) > p.max_in_flight:
+            return True
+        if (
+            p.max_in_flight_ratio is not None
+            and plain_load(c) > p.max_in_flight_ratio * mean + p.in_flight_slack
+        ):
+            return True
+        m = c.metrics
+        if m is None:
+            return False
+        if m.waiting > p.max_waiting and (
+            p.max_waiting_ratio is None or m.waiting > p.max_waiting_ratio * mean_waiting + p.waiting_slack
+        ):
+            return True
+        return p.max_kv_usage is not None and m.kv_usage is not None and m.kv_usage > p.max_kv_usage
+
+    kept = [c for c in cands if not overloaded(c)]
+    return kept or list(cands)
+
+
+def plain_power_cap(plugin: PowerCapFilter, cands: Sequence[EndpointState]) -> list[EndpointState]:
+    kept = [c for c in cands if not plugin.over(c)]  # every candidate asked, latch updated for each
+    return kept or list(cands)
+
+
+def plain_queue(cands: Sequence[EndpointState], saturation: float) -> dict[EndpointId, float]:
+    waiting: dict[EndpointId, float] = {}
+    for c in cands:
+        if c.metrics is not None and math.isfinite(c.metrics.waiting):
+            waiting[c.id] = c.metrics.waiting
+    return plain_lower_is_better(waiting, saturation)
+
+
+def plain_cache_spread(state: CycleState, cands: Sequence[EndpointState]) -> dict[EndpointId, float]:
+    cached = {c.id: max(0, state.cached_blocks.get(c.id, 0)) for c in cands}
+    most = max(cached.values(), default=0)
+    if most <= 0:
+        return dict.fromkeys(cached, 1.0)
+    return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}
+
+
+def plain_schedule(
+    profile: Profile,
+    request: SchedulingRequest,
+    state: CycleState,
+    candidates: Sequence[EndpointState],
+    rng: random.Random,
+    limit: int | None,
+) -> ScheduleResult:
+    """Profile.schedule as it was: every plugin run, every score added candidate by candidate."""
+    if not candidates:
+        return ScheduleResult(())
+
+    def run_filter(plugin: Any, cands: Sequence[EndpointState]) -> list[EndpointState]:
+        if isinstance(plugin, LoadThresholdFilter):
+            return plain_load_threshold(plugin, cands)
+        if isinstance(plugin, PowerCapFilter):
+            return plain_power_cap(plugin, cands)
+        return list(plugin.filter(request, state, cands))
+
+    current: Sequence[EndpointState] = candidates
+    spare: list[EndpointState] = []
+    for plugin in profile.filters:
+        kept = run_filter(plugin, current)
+        if getattr(plugin, "soft", False):
+            passed = {c.id for c in kept}
+            spare.extend(c for c in current if c.id not in passed)
+        elif spare:
+            spare = run_filter(plugin, spare)
+        current = kept
+        if not current:
+            return ScheduleResult((), rejected_by=plugin.name)
+    ids = [c.id for c in current]
+    totals = [0.0] * len(ids)
+    for scorer, weight in profile.scorers:
+        kind = scorer.name
+        raw: Mapping[EndpointId, float]
+        if kind == "queue":
+            raw = plain_queue(current, scorer.params.saturation)  # type: ignore[attr-defined]
+        elif kind == "in-flight":
+            raw = plain_lower_is_better({c.id: plain_load(c) for c in current}, scorer.params.saturation)  # type: ignore[attr-defined]
+        elif kind == "cache-spread":
+            raw = plain_cache_spread(state, current)
+        else:
+            raw = scorer.score(request, state, current)
+        for i, endpoint in enumerate(ids):
+            value = raw.get(endpoint, 0.0)
+            if value > 0.0:
+                totals[i] += weight * (value if value < 1.0 else 1.0)
+    ordered = profile.picker.pick(list(zip(current, totals, strict=True)), rng)
+    if spare and (limit is None or len(ordered) < limit):
+        ordered = [*ordered, *sorted(spare, key=plain_load)]
+    return ScheduleResult(tuple(ordered[:limit]), dict(zip(ids, totals, strict=True)))
+
+
+# --- random fleets and states ---------------------------------------------------------------------
+
+
+def maybe(rng: random.Random, value: Callable[[], Any], p: float = 0.5) -> Any:
+    return value() if rng.random() < p else None
+
+
+def odd_float(rng: random.Random, high: float) -> float:
+    """Mostly ordinary, sometimes a tie with 0, an integer, or not finite."""
+    roll = rng.random()
+    if roll < 0.05:
+        return math.nan
+    if roll < 0.08:
+        return math.inf
+    if roll < 0.25:
+        return float(rng.randint(0, int(high)))
+    return rng.uniform(0.0, high)
+
+
+def make_state(rng: random.Random, i: int, now: float, wall: float) -> EndpointState:
+    adapters = frozenset({ADAPTER}) if rng.random() < 0.3 else frozenset()
+    endpoint = Endpoint(
+        EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset({MODEL}) | adapters, adapters=adapters
+    )
+    s = EndpointState(endpoint)
+    s.healthy = rng.random() < 0.9
+    s.draining = rng.random() < 0.05
+    s.ejected_until = now + 1.0 if rng.random() < 0.05 else 0.0
+    s.in_flight = rng.randint(0, 6)
+    s.routed_since_scrape = rng.randint(0, 6)
+    s.completed_since_scrape = rng.randint(0, 6)
+    s.sibling_in_flight = rng.randint(0, 2)
+    s.sibling_routed = rng.randint(-2, 2)
+    if rng.random() < 0.85:
+        lora = maybe(
+            rng,
+            lambda: LoraState(
+                running=frozenset({ADAPTER}) if rng.random() < 0.3 else frozenset(),
+                max_lora=rng.randint(0, 3),
+            ),
+            0.2,
+        )
+        s.metrics = EngineMetrics(
+            waiting=odd_float(rng, 20),
+            running=odd_float(rng, 40),
+            kv_usage=maybe(rng, lambda: rng.uniform(0.0, 1.0), 0.8),
+            at=now - 0.1,
+            lora=lora,
+        )
+    if rng.random() < 0.3:
+        s.routed_decayed, s.routed_at = rng.uniform(0.0, 20.0), now - rng.uniform(0.0, 5.0)
+    if rng.random() < 0.3:
+        s.lora_recent = {ADAPTER: now - 1.0}
+    if rng.random() < 0.4:
+        s.power = tuple(
+            Power(
+                "gpu",
+                "nvml",
+                watts=rng.uniform(200.0, 420.0),
+                limit_w=maybe(rng, lambda: 400.0, 0.8),
+                temperature_c=rng.uniform(40.0, 90.0),
+                throttled=rng.random() < 0.1,
+                at=wall,
+                error="" if rng.random() < 0.9 else "timeout",
+            )
+            for _ in range(rng.randint(1, 2))
+        )
+    return s
+
+
+def random_config(rng: random.Random) -> Any:
+    load_threshold = {
+        "max_waiting": rng.choice([0.0, 2.0, 8.0]),
+        "max_in_flight": rng.choice([None, 3, 10]),
+        "max_in_flight_ratio": rng.choice([None, 1.0, 1.5]),
+        "in_flight_slack": rng.choice([0.0, 2.0]),
+        "max_waiting_ratio": rng.choice([None, 1.5]),
+        "max_kv_usage": rng.choice([None, 0.5, 0.95]),
+    }
+    params: dict[str, dict[str, object]] = {
+        "load-threshold": load_threshold,
+        "power-cap": {"leave_margin": rng.choice([None, 0.1]), "max_temperature_c": rng.choice([None, 80.0])},
+        "max-score": {"max_fallbacks": rng.randint(0, 4)},
+    }
+    order = ["model", "healthy", "subset", "slo", "power-cap", "load-threshold", "balance"]
+    weights = {
+        "prefix": 3.0,
+        "queue": 2.0,
+        "in-flight": 1.0,
+        "cache-spread": 1.0,
+        "kv-tier": 3.0,
+        "lora": 4.0,
+    }
+    refs: list[dict[str, object]] = [{"ref": name} for name in order]
+    refs += [{"ref": name, "weight": rng.choice([weight, 0.0, 1.0])} for name, weight in weights.items()]
+    refs.append({"ref": "max-score"})
+    return parse_scheduling(
+        {
+            "plugins": [{"type": t, **({"params": params[t]} if t in params else {})} for t in PLUGIN_TYPES],
+            "profiles": [{"name": "p", "plugins": refs}],
+        }
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_profile_decides_as_the_straightforward_evaluation(seed: int) -> None:
+    rng = random.Random(seed)
+    config = random_config(rng)
+    limit = rng.choice([None, 1, 3])
+    max_fallbacks = None if limit is None else limit - 1
+    fast, plain = (
+        build_profile(config, max_fallbacks=max_fallbacks),
+        build_profile(config, max_fallbacks=max_fallbacks),
+    )
+    n = rng.randint(1, 12)
+    now, wall = 100.0, 1.8e9
+    for cycle in range(3):  # power-cap's latch carries over
+        now, wall = now + 1.0, wall + rng.choice([0.0, 1.0])
+        fleet = [make_state(rng, i, now, wall) for i in range(n)]
+        digests = [Digest(bytes([b]) * 16) for b in range(rng.randint(0, 20))]
+        ids = [s.id for s in fleet]
+        state = CycleState(
+            prefix_blocks={e: rng.randint(0, len(digests)) for e in ids if rng.random() < 0.5},
+            cached_blocks={e: rng.randint(-1, 50) for e in ids if rng.random() < 0.7},
+            warm_blocks={e: rng.randint(0, 20) for e in ids if rng.random() < 0.2},
+            peer_warm_blocks=rng.choice([0, 0, 5]),
+            exact=rng.random() < 0.5,
+            predicted_ttft={e: rng.uniform(0.0, 2.0) for e in ids if rng.random() < 0.5},
+        )
+        addresses = [s.endpoint.address for s in fleet]
+        subset = frozenset(a for a in addresses if rng.random() < 0.7) if rng.random() < 0.2 else None
+        request = SchedulingRequest(
+            request_id=f"r{cycle}",
+            model=rng.choice([MODEL, ADAPTER]),
+            digests=digests,
+            prompt_tokens=16 * len(digests),
+            now=now,
+            subset=subset,
+            ttft_budget_s=maybe(rng, lambda: rng.uniform(0.0, 2.0), 0.3),
+        )
+        tie_seed = rng.randrange(2**32)
+        got = fast.schedule(request, state, fleet, random.Random(tie_seed))
+        want = plain_schedule(plain, request, state, fleet, random.Random(tie_seed), limit)
+        assert [s.id for s in got.endpoints] == [s.id for s in want.endpoints]
+        assert got.scores == want.scores
+        assert got.rejected_by == want.rejected_by
+        for s in fleet:  # the load fast path is the property's own formula
+            assert s.load == plain_load(s)
