@@ -6,7 +6,6 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
@@ -27,6 +26,11 @@ class MaxScoreParams:
             raise ValueError(f"epsilon must be finite and >= 0, got {self.epsilon!r}")
 
 
+def _key(pair: tuple[EndpointState, float]) -> float:
+    score = pair[1]
+    return score if score == score else -math.inf  # NaN sorts last
+
+
 class MaxScorePicker:
     """Highest total score first; ties broken uniformly at random with the caller's ``rng``.
 
@@ -44,21 +48,19 @@ class MaxScorePicker:
     def pick(self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random) -> list[EndpointState]:
         limit = 1 + self.params.max_fallbacks
         epsilon = self.params.epsilon
-        # The sort key once per candidate, NaN last; the sort is stable, so ties keep the given order.
-        order = [(score if score == score else -math.inf, endpoint) for endpoint, score in scored]
-        order.sort(key=itemgetter(0), reverse=True)
+        order = sorted(scored, key=_key, reverse=True)
         out: list[EndpointState] = []
         seen: set[EndpointId] = set()
         i, n = 0, len(order)
         while i < n and len(out) < limit:
-            best = order[i][0]
+            best = _key(order[i])
             j = i + 1
-            while j < n and best - order[j][0] <= epsilon:
+            while j < n and best - _key(order[j]) <= epsilon:
                 j += 1
             group = order[i:j]
             if len(group) > 1:
                 rng.shuffle(group)
-            for _score, endpoint in group:
+            for endpoint, _score in group:
                 if endpoint.id not in seen and len(out) < limit:
                     seen.add(endpoint.id)
                     out.append(endpoint)

@@ -154,7 +154,7 @@ class Profile:
             raw = scorer.score(request, state, current)
             if timings is not None:
                 timings[scorer.name] = clock() - started
-            if any(raw.values()):  # all 0 or nothing scored: every candidate adds 0
+            if raw:  # nothing scored: every candidate adds 0
                 # Clamp to [0, 1] (negatives and NaN count as 0), weigh, add: in the candidates' order.
                 totals = [
                     total + weight * (value if value < 1.0 else 1.0) if value > 0.0 else total

@@ -1,13 +1,12 @@
 """The scheduling cycle's fast paths change no decision (issue 27).
 
-:meth:`Profile.schedule` reads no clock unless ``timed``, adds scores in one pass and skips a scorer
-that scored 0 everywhere; ``power-cap`` skips a fleet with no readings and nothing latched;
-``load-threshold`` reads each candidate's load once and compares it with precomputed limits; the picker
-computes its sort key once per candidate; three scorers and :attr:`EndpointState.load` were rewritten
-for speed. Here the straightforward evaluation (the code as it was before those changes, plugin by
-plugin) runs beside the profile on random fleets and states, and both must give the same ``endpoints``,
-``scores`` and ``rejected_by``, exactly (same floats, same tie shuffles), cycle after cycle
-(``power-cap`` keeps a latch between cycles).
+:meth:`Profile.schedule` skips the clock unless ``timed``, adds scores in one pass and skips scorers that
+scored nothing; ``power-cap`` skips a fleet with no readings and nothing latched; ``load-threshold`` reads
+each candidate's load once and compares with precomputed limits; three scorers and
+:attr:`EndpointState.load` were rewritten for speed. Here the straightforward evaluation (the code as it
+was before those changes, plugin by plugin) runs beside the profile on random fleets and states, and both
+must give the same ``endpoints``, ``scores`` and ``rejected_by``, exactly (same floats, same tie
+shuffles), cycle after cycle (``power-cap`` keeps a latch between cycles).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from engines.metrics import EngineMetrics, LoraState
 from extproc.fleet import EndpointState
 from extproc.scheduling.filters import LoadThresholdFilter
 from extproc.scheduling.interface import CycleState, SchedulingRequest
-from extproc.scheduling.picker import MaxScorePicker
 from extproc.scheduling.power import PowerCapFilter
 from extproc.scheduling.profile import Profile, ScheduleResult
 from extproc.scheduling.registry import PLUGIN_TYPES, build_profile, parse_scheduling
@@ -105,33 +103,6 @@ def plain_cache_spread(state: CycleState, cands: Sequence[EndpointState]) -> dic
     return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}
 
 
-def plain_pick(
-    picker: MaxScorePicker, scored: Sequence[tuple[EndpointState, float]], rng: random.Random
-) -> list[EndpointState]:
-    def key(pair: tuple[EndpointState, float]) -> float:
-        return pair[1] if pair[1] == pair[1] else -math.inf
-
-    limit, epsilon = 1 + picker.params.max_fallbacks, picker.params.epsilon
-    order = sorted(scored, key=key, reverse=True)
-    out: list[EndpointState] = []
-    seen: set[EndpointId] = set()
-    i, n = 0, len(order)
-    while i < n and len(out) < limit:
-        best = key(order[i])
-        j = i + 1
-        while j < n and best - key(order[j]) <= epsilon:
-            j += 1
-        group = order[i:j]
-        if len(group) > 1:
-            rng.shuffle(group)
-        for endpoint, _score in group:
-            if endpoint.id not in seen and len(out) < limit:
-                seen.add(endpoint.id)
-                out.append(endpoint)
-        i = j
-    return out
-
-
 def plain_schedule(
     profile: Profile,
     request: SchedulingRequest,
@@ -180,8 +151,7 @@ def plain_schedule(
             value = raw.get(endpoint, 0.0)
             if value > 0.0:
                 totals[i] += weight * (value if value < 1.0 else 1.0)
-    assert isinstance(profile.picker, MaxScorePicker)
-    ordered = plain_pick(profile.picker, list(zip(current, totals, strict=True)), rng)
+    ordered = profile.picker.pick(list(zip(current, totals, strict=True)), rng)
     if spare and (limit is None or len(ordered) < limit):
         ordered = [*ordered, *sorted(spare, key=plain_load)]
     return ScheduleResult(tuple(ordered[:limit]), dict(zip(ids, totals, strict=True)))
