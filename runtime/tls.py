@@ -230,7 +230,9 @@ class ReloadingClientCerts:
             context = client_context(ClientTlsFiles(ca, cert, key), where=self._where)
             if self._stat() != before:
                 return (), None, "files changed while being read"
-        except (ConfigError, OSError) as exc:
+        except ConfigError as exc:  # its message names ``where`` already: the cause alone
+            return before, None, str(exc.__cause__ or exc)
+        except OSError as exc:
             return before, None, str(exc)
         if self._prepare is not None:
             context = self._prepare(context)
