@@ -26,6 +26,11 @@ hop (key)           server                                         caller roles
                                                                    proxy presents envoy-edge too)
 ==================  =============================================  ===================================
 
+The other direction, who may *serve* a hop, is :data:`SERVERS`: a client that dials a hop checks the
+server's certificate names one of those roles, not only that it chains to the CA and matches the address
+(Envoy: ``combined_validation_context``'s URI SAN matcher, ``kvgate/envoy/tls.py``; the migration proxy:
+:func:`runtime.identity.check_server_role` at the handshake). Only the hops some client checks are listed.
+
 Pure: no IO, no clock.
 """
 
@@ -57,6 +62,9 @@ CALLERS: Mapping[str, frozenset[str]] = MappingProxyType(
     }
 )
 
+#: Hop -> the roles that may serve it, for the clients that check the server's role (module docstring).
+SERVERS: Mapping[str, frozenset[str]] = MappingProxyType({ENGINE: frozenset({"engine"})})
+
 _PREFIX = f"spiffe://{TRUST_DOMAIN}/"
 _NAME_CHARS = re.compile(r"[a-z0-9-]+")
 
@@ -79,4 +87,11 @@ def permits(hop: str, peer_uris: Iterable[str]) -> bool:
     """Whether a peer whose certificate carries the URI SANs ``peer_uris`` may call ``hop`` (a key of
     :data:`CALLERS`; ``KeyError`` otherwise): true when one of them names an allowed role."""
     allowed = CALLERS[hop]
+    return any(role_of_uri(uri) in allowed for uri in peer_uris)
+
+
+def serves(hop: str, peer_uris: Iterable[str]) -> bool:
+    """Whether a server whose certificate carries the URI SANs ``peer_uris`` may serve ``hop`` (a key of
+    :data:`SERVERS`; ``KeyError`` otherwise): true when one of them names an allowed role."""
+    allowed = SERVERS[hop]
     return any(role_of_uri(uri) in allowed for uri in peer_uris)

@@ -589,6 +589,7 @@ class Gateway:
                 flow=self.dispatcher,  # strict priority across the workers: each one's queued tops
                 # token budgets across the workers (with etcd, usage/ carries them to every replica)
                 usage=shared.usage if shared is not None and self.cluster.usage is None else None,
+                prefill=self.disagg,  # P/D's least-work prefill pick sees the siblings' queued prefills
             )
             if config.extproc.siblings_dir
             else None

@@ -4,18 +4,33 @@ from identities not allowed (:mod:`certs.roles` holds the who-may-call-whom matr
 A certificate that chains to the dev CA proves only that its holder is *some* kvgate service; the servers
 that require client certificates also check the role in its ``spiffe://kvgate.local/<name>`` URI SAN:
 gRPC servers with :class:`PeerCheck`, aiohttp servers with :func:`peercert_uris` on the transport's
-``peercert``, the QUIC peer server with :func:`certificate_uris` on the verified certificate.
+``peercert``, the QUIC peer server with :func:`certificate_uris` on the verified certificate. A Python
+client that must know whom it reached (the migration proxy towards engines) installs
+:func:`check_server_role` on its ``ssl.SSLContext``: the server's role is checked at the handshake,
+before a byte of the request is sent.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any
 
 import grpc
 from cryptography import x509
 
-from certs.roles import AGENT_ADMIN, CALLERS, ENGINE, FEED, KVCACHED_API, KVCACHED_PEERS, permits
+from certs.roles import (
+    AGENT_ADMIN,
+    CALLERS,
+    ENGINE,
+    FEED,
+    KVCACHED_API,
+    KVCACHED_PEERS,
+    SERVERS,
+    permits,
+    role_of_uri,
+    serves,
+)
 
 __all__ = [
     "AGENT_ADMIN",
@@ -25,6 +40,7 @@ __all__ = [
     "KVCACHED_PEERS",
     "PeerCheck",
     "certificate_uris",
+    "check_server_role",
     "hop_callers",
     "peercert_uris",
     "permits",
@@ -45,6 +61,30 @@ def peercert_uris(peercert: Mapping[str, Any] | None) -> list[str]:
     if not peercert:
         return []
     return [value for kind, value in peercert.get("subjectAltName", ()) if kind == "URI"]
+
+
+def check_server_role(context: ssl.SSLContext, hop: str) -> ssl.SSLContext:
+    """``context`` (returned, changed in place) refusing, at the end of each client handshake, a server
+    whose certificate names no role that may serve ``hop`` (:data:`certs.roles.SERVERS`; ``KeyError``
+    for a hop it does not name). The refusal is an ``ssl.SSLCertVerificationError`` naming the roles
+    found and the one expected, raised where the chain's own verification errors are, so callers treat
+    it as any failed handshake (aiohttp: ``ClientConnectorCertificateError``); nothing was sent yet.
+    Works with asyncio's and uvloop's TLS, which both drive ``SSLContext.sslobject_class``."""
+    expected = SERVERS[hop]
+
+    class _RoleChecked(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            super().do_handshake()  # SSLWantRead/WriteError until it completes: no check before
+            uris = peercert_uris(self.getpeercert())
+            if not serves(hop, uris):
+                found = sorted({role_of_uri(u) or "?" for u in uris}) or ["none"]
+                raise ssl.SSLCertVerificationError(
+                    f"the server's certificate names role {'/'.join(found)}, "
+                    f"not one that serves {hop} ({', '.join(sorted(expected))})"
+                )
+
+    context.sslobject_class = _RoleChecked
+    return context
 
 
 def certificate_uris(cert: x509.Certificate) -> list[str]:

@@ -7,6 +7,12 @@ gRPC calls it before every new TLS handshake; it compares the files' (inode, siz
 served last and re-reads only when one changed. A new certificate is adopted only once its key matches
 and both parse, so a rotation caught half way (new key, old certificate) keeps the current pair in force
 until the other file lands. Established connections keep the certificate they were opened with.
+
+:class:`ReloadingClientCerts` is the same for a client (the migration proxy): each ``context()`` /
+``credentials()`` call stats its three files and rebuilds the ``ssl.SSLContext`` and the gRPC channel
+credentials only when one changed and the new pair is consistent; a caller that passes the current context
+per request (aiohttp keys pooled connections by it) opens new connections with the new certificate while
+pooled ones finish with the old.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,3 +148,95 @@ def channel_credentials(files: ClientTlsFiles) -> grpc.ChannelCredentials:
         private_key=files.key.read_bytes() if files.key else None,
         certificate_chain=files.cert.read_bytes() if files.cert else None,
     )
+
+
+class ReloadingClientCerts:
+    """A client's TLS material that follows file rotation (module doc): ``files`` needs all three of
+    ``ca``, ``cert`` and ``key``; ``prepare`` is applied to every context built (e.g. a server-role check,
+    :func:`runtime.identity.check_server_role`). Construction raises :class:`ConfigError` (naming
+    ``where``) if the files are unusable; later failures are logged (file names only) and leave the
+    current material in force. Not thread-safe: call from one event loop."""
+
+    def __init__(
+        self,
+        files: ClientTlsFiles,
+        *,
+        where: str,
+        prepare: Callable[[ssl.SSLContext], ssl.SSLContext] | None = None,
+    ) -> None:
+        if files.ca is None or files.cert is None or files.key is None:
+            raise ConfigError(f"{where} TLS: a CA, a certificate and a key are needed")
+        self._paths = (files.ca, files.cert, files.key)
+        self._where = where
+        self._prepare = prepare
+        signature, loaded, error = self._load()
+        if loaded is None:
+            raise ConfigError(f"{where} TLS: {error}")
+        self._signature: _Signature = signature
+        self._rejected: _Signature | None = None
+        self._context, self._credentials = loaded
+        #: How many times new material was adopted (also a generation number: it changes with it).
+        self.reloads = 0
+
+    def context(self) -> ssl.SSLContext:
+        """The current client context (re-read first if the files changed)."""
+        self._refresh()
+        return self._context
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The current gRPC channel credentials, same identity and CA (re-read first if changed)."""
+        self._refresh()
+        return self._credentials
+
+    def _stat(self) -> _Signature:
+        out = []
+        for path in self._paths:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+    def _refresh(self) -> None:
+        try:
+            current = self._stat()
+        except OSError:
+            return
+        if current in (self._signature, self._rejected):
+            return
+        signature, loaded, error = self._load()
+        if loaded is None:
+            self._rejected = signature  # logged once per bad state, retried when the files change
+            log.warning("%s TLS: keeping the current certificate: %s", self._where, error)
+            return
+        self._signature = signature
+        self._context, self._credentials = loaded
+        self.reloads += 1
+        log.info("%s TLS: certificate reloaded from %s", self._where, self._paths[1])
+
+    def _load(self) -> tuple[_Signature, tuple[ssl.SSLContext, grpc.ChannelCredentials] | None, str]:
+        """Like :meth:`ReloadingServerCerts._load`: a read during which a file changed is discarded."""
+        ca, cert, key = self._paths
+        try:
+            before = self._stat()
+            ca_pem, cert_pem, key_pem = ca.read_bytes(), cert.read_bytes(), key.read_bytes()
+        except OSError as exc:
+            return (), None, f"cannot read {exc.filename}: {exc.strerror}"
+        try:
+            if not key_matches(load_cert_pem(cert_pem, str(cert)), load_key_pem(key_pem, str(key))):
+                return before, None, f"{key} does not match {cert}"
+            load_cert_pem(ca_pem, str(ca))
+        except CertError as exc:
+            return before, None, str(exc)
+        try:  # ssl reads the files itself: the stat after tells whether it read what was checked
+            context = client_context(ClientTlsFiles(ca, cert, key), where=self._where)
+            if self._stat() != before:
+                return (), None, "files changed while being read"
+        except ConfigError as exc:  # its message names ``where`` already: the cause alone
+            return before, None, str(exc.__cause__ or exc)
+        except OSError as exc:
+            return before, None, str(exc)
+        if self._prepare is not None:
+            context = self._prepare(context)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
+        )
+        return before, (context, credentials), ""

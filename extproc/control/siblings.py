@@ -34,6 +34,13 @@ shared here, so every worker schedules on what the whole host routed:
   that message, at most a heartbeat, is not charged); every later change, a tenant it names later, and
   everything of a sibling that started after the receiver are charged; a restarted worker is a new
   replica (a new start), so its counter starting again from 0 is no refund.
+- **prefill work** (with P/D, :mod:`extproc.disagg`): the sender's ABSOLUTE queued prefill tokens per
+  prefill endpoint (:meth:`~extproc.disagg.plan.Disaggregator.queued`: the uncached prompt tokens of its
+  prefill sub-requests still running there; an endpoint left out has none), sent with the loads when
+  they changed since the last send and with every heartbeat. The receiver keeps them per sibling,
+  forgets them with the sibling's loads, and writes the sums into the disaggregator's
+  ``sibling_queued``, which its least-work prefill pick adds to its own (extproc/disagg/README.md, "The
+  pair"): two workers no longer both pick the idle prefill replica for two long prompts.
 
 Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
 mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
@@ -42,15 +49,18 @@ absolute, so the next one repairs it; a dropped decision is one the sibling does
 that went away is skipped until it binds again. Workers on other hosts share only through feeds and etcd.
 
 Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`encode_usage` /
-:func:`decode`): a header ``magic "KVS2", kind (1 learned, 2 loads, 3 usage), sender length`` and the
-sender's name; learned: records of ``endpoint length, digest count, endpoint, 16-byte digests``; loads:
-a flag byte (1: the first datagram of a snapshot, which replaces the sender's counts and queued tops), a
-count of queued tops (0 after the first datagram) and that many ``model length, priority (signed),
-model``, then entries ``endpoint length, in_flight, net routed (signed), endpoint``; usage: the sender's
-start (nanoseconds since the epoch, 64 bits), then entries ``tenant length, counter (signed 64 bits),
-tenant``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join. ``KVS2``
-added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop each other's datagrams (so share
-nothing) until both run the same version; a worker built before kind 3 drops those datagrams alone.
+:func:`encode_prefill` / :func:`decode`): a header ``magic "KVS2", kind (1 learned, 2 loads, 3 usage,
+4 prefill), sender length`` and the sender's name; learned: records of ``endpoint length, digest count,
+endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram of a snapshot, which replaces the
+sender's counts and queued tops), a count of queued tops (0 after the first datagram) and that many
+``model length, priority (signed), model``, then entries ``endpoint length, in_flight, net routed
+(signed), endpoint``; usage: the sender's start (nanoseconds since the epoch, 64 bits), then entries
+``tenant length, counter (signed 64 bits), tenant``; prefill: a flag byte (1: the first datagram of a
+snapshot, which replaces the sender's), then entries ``endpoint length, tokens (unsigned 32 bits),
+endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
+``KVS2`` added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop each other's datagrams (so
+share nothing) until both run the same version; a worker built before kind 3 (or 4) drops those
+datagrams alone (and so does not see that sender's prefill work).
 """
 
 from __future__ import annotations
@@ -77,7 +87,7 @@ from extproc.routing.router import Router
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVS2"
-LEARNED, LOADS, USAGE = 1, 2, 3
+LEARNED, LOADS, USAGE, PREFILL = 1, 2, 3, 4
 #: Largest datagram sent (bytes): far below Linux's Unix datagram limit (the socket's send buffer).
 MAX_DATAGRAM = 60_000
 #: Changed loads and new records wait this long (s) to share one send per sibling.
@@ -103,6 +113,7 @@ _TOPS = struct.Struct("!H")
 _TOP = struct.Struct("!Hi")
 _STARTED = struct.Struct("!Q")
 _COUNTER = struct.Struct("!Hq")
+_TOKENS = struct.Struct("!HI")
 _MIN_COUNTER, _MAX_COUNTER = -(2**63), 2**63 - 1
 
 
@@ -138,6 +149,25 @@ class Usage:
     sender: str
     started_ns: int
     counters: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """A sibling's queued prefill tokens per endpoint; ``replace``: the first datagram of a snapshot
+    (endpoints absent from the snapshot have none)."""
+
+    sender: str
+    replace: bool
+    tokens: dict[EndpointId, int]
+
+
+class SiblingPrefill(Protocol):
+    """This worker's P/D planner as the bus sees it (:class:`~extproc.disagg.plan.Disaggregator`): its
+    own queued prefill tokens to send, and where the siblings' sums go."""
+
+    sibling_queued: Mapping[EndpointId, int]
+
+    def queued(self) -> dict[EndpointId, int]: ...
 
 
 class SiblingUsage(Protocol):
@@ -256,11 +286,32 @@ def encode_usage(
     return out
 
 
+def encode_prefill(sender: str, tokens: Mapping[EndpointId, int], limit: int = MAX_DATAGRAM) -> list[bytes]:
+    """A snapshot of queued prefill ``tokens`` per endpoint in datagrams of at most ``limit`` bytes (at
+    least one, the first flagged to replace the sender's; an empty snapshot says none is queued).
+    Counts are clamped to 32 bits."""
+    head = _header(PREFILL, sender)
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    size = len(head) + _FLAGS.size
+    for endpoint, count in tokens.items():
+        eid = endpoint.encode()
+        entry = _TOKENS.pack(len(eid), min(max(count, 0), _MAX_COUNT)) + eid
+        if size + len(entry) > limit and parts:
+            out.append(head + _FLAGS.pack(not out) + b"".join(parts))
+            parts, size = [], len(head) + _FLAGS.size
+        parts.append(entry)
+        size += len(entry)
+    if parts or not out:
+        out.append(head + _FLAGS.pack(not out) + b"".join(parts))
+    return out
+
+
 def _loads_datagram(head: bytes, tops: Sequence[bytes], entries: Sequence[bytes], *, first: bool) -> bytes:
     return head + _FLAGS.pack(first) + _TOPS.pack(len(tops)) + b"".join(tops) + b"".join(entries)
 
 
-def decode(data: bytes) -> Learned | Loads | Usage:
+def decode(data: bytes) -> Learned | Loads | Usage | Prefill:
     """The message in ``data``; :class:`MessageError` for anything else (truncated, another version)."""
     try:
         magic, kind, name_len = _HEAD.unpack_from(data)
@@ -317,6 +368,18 @@ def decode(data: bytes) -> Learned | Loads | Usage:
                 counters[data[at : at + name_len].decode()] = counter
                 at += name_len
             return Usage(sender, started_ns, counters)
+        if kind == PREFILL:
+            (flags,) = _FLAGS.unpack_from(data, at)
+            at += _FLAGS.size
+            tokens: dict[EndpointId, int] = {}
+            while at < len(data):
+                eid_len, count = _TOKENS.unpack_from(data, at)
+                at += _TOKENS.size
+                if at + eid_len > len(data):
+                    raise MessageError("truncated prefill entry")
+                tokens[EndpointId(data[at : at + eid_len].decode())] = count
+                at += eid_len
+            return Prefill(sender, bool(flags & 1), tokens)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MessageError(f"malformed sibling message: {exc}") from exc
     raise MessageError(f"unknown message kind {kind}")
@@ -334,6 +397,7 @@ class SiblingLoads:
     def __init__(self, expire_s: float = EXPIRE_S) -> None:
         self.expire_s = expire_s
         self._counts: dict[str, dict[EndpointId, tuple[int, int]]] = {}
+        self._prefill: dict[str, dict[EndpointId, int]] = {}
         self._heard: dict[str, float] = {}
 
     @property
@@ -351,12 +415,33 @@ class SiblingLoads:
             self._counts[message.sender].update(message.counts)
         return new
 
+    def apply_prefill(self, message: Prefill, now: float) -> None:
+        """Take a sibling's queued prefill tokens heard at ``now`` (a snapshot's first datagram replaces
+        what it said before, a later one adds to it). Heard-from time is the loads' (sent together):
+        prefill work alone does not keep a sibling alive."""
+        if message.replace or message.sender not in self._prefill:
+            self._prefill[message.sender] = dict(message.tokens)
+        else:
+            self._prefill[message.sender].update(message.tokens)
+        self._heard.setdefault(message.sender, now)
+        self._counts.setdefault(message.sender, {})
+
     def expire(self, now: float) -> list[str]:
         """Forget siblings silent for more than ``expire_s``; their names."""
         gone = [s for s, at in self._heard.items() if now - at > self.expire_s]
         for sender in gone:
             del self._heard[sender], self._counts[sender]
+            self._prefill.pop(sender, None)
         return gone
+
+    def prefill_totals(self) -> dict[EndpointId, int]:
+        """Per endpoint, the siblings' queued prefill tokens summed (endpoints with none left out)."""
+        out: dict[EndpointId, int] = {}
+        for tokens in self._prefill.values():
+            for endpoint, count in tokens.items():
+                if count:
+                    out[endpoint] = out.get(endpoint, 0) + count
+        return out
 
     def totals(self) -> dict[EndpointId, tuple[int, int]]:
         """Per endpoint, the siblings' ``(in_flight, net routed)`` summed."""
@@ -390,6 +475,7 @@ class SiblingBus:
         *,
         flow: SiblingFlow | None = None,
         usage: SiblingUsage | None = None,
+        prefill: SiblingPrefill | None = None,
         clock: Callable[[], float] = time.monotonic,
         coalesce_s: float = COALESCE_S,
         heartbeat_s: float = HEARTBEAT_S,
@@ -407,6 +493,8 @@ class SiblingBus:
         self._usage_sent: dict[str, int] = {}
         self._usage_beat = True
         self._usage_known: set[str] = set()  # sibling replicas (name@start) heard from
+        self._prefill = prefill
+        self._prefill_sent: dict[EndpointId, int] = {}
         #: This process's start (ns since the epoch): siblings tell its usage counters from a restarted
         #: worker's of the same name by it.
         self.started_ns = time.time_ns()
@@ -489,9 +577,21 @@ class SiblingBus:
             self._loads_changed = False
             tops = self._flow.queued_tops() if self._flow is not None else None
             datagrams += encode_loads(self.name, local_loads(self._router.fleet), tops=tops)
+            datagrams += self._prefill_due(force=self._usage_beat)
         datagrams += self._usage_due(force=self._usage_beat)
         self._usage_beat = False
         self._send(datagrams)
+
+    def _prefill_due(self, *, force: bool) -> list[bytes]:
+        """The queued prefill tokens to send: when they changed since the last send (plans and releases
+        change the loads too, so they are looked at with them), and with every heartbeat."""
+        if self._prefill is None:
+            return []
+        tokens = self._prefill.queued()
+        if tokens == self._prefill_sent and not force:
+            return []
+        self._prefill_sent = tokens
+        return encode_prefill(self.name, tokens)
 
     def _usage_due(self, *, force: bool) -> list[bytes]:
         """The usage datagrams to send: all counters when one changed since the last send (sent with the
@@ -543,6 +643,7 @@ class SiblingBus:
                     self._flow.sibling_gone(sender)
             if gone:
                 self.loads.write(self._router.fleet)
+                self._write_prefill()
             self._loads_changed = True
             self._usage_beat = True  # the heartbeat repeats the counters (a dropped datagram heals)
             if self._flush_handle is None:
@@ -554,7 +655,7 @@ class SiblingBus:
         sock = self._sock
         if sock is None:
             return
-        loads_changed = False
+        loads_changed = prefill_changed = False
         reports: list[tuple[str, dict[str, int], float]] = []
         for _ in range(READ_BATCH):
             try:
@@ -572,6 +673,9 @@ class SiblingBus:
                 self.learn(message, self._clock())
             elif isinstance(message, Usage):
                 self.charge(message, self._clock())
+            elif isinstance(message, Prefill):
+                self.loads.apply_prefill(message, self._clock())
+                prefill_changed = True
             else:
                 now = self._clock()
                 if self.loads.apply(message, now):
@@ -579,12 +683,18 @@ class SiblingBus:
                 loads_changed = True
                 if message.replace:
                     reports.append((message.sender, message.tops, now + self.loads.expire_s))
+        if prefill_changed:
+            self._write_prefill()
         if loads_changed:
             self.loads.write(self._router.fleet)
             if self._flow is not None:
                 for sender, tops, until in reports:
                     self._flow.sibling_heard(sender, tops, until)
                 self._flow.kick()  # a sibling's counts fell: a held request may fit now
+
+    def _write_prefill(self) -> None:
+        if self._prefill is not None:
+            self._prefill.sibling_queued = self.loads.prefill_totals()
 
     def charge(self, message: Usage, now: float) -> None:
         """Hand a sibling's token counters to this worker's ledger (the module docstring: the counters of

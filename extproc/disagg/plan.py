@@ -17,7 +17,8 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
    the prompt's lead), plus whatever load scorers the profile has; with no ``prefill_profile`` the
    profile only breaks ties and the pick is the endpoint with the least prefill work: the uncached tokens
-   of this gateway's prefill sub-requests still running there plus what this prompt lacks there
+   of the prefill sub-requests still running there (this worker's, and its sibling workers' as they
+   last reported them, :attr:`Disaggregator.sibling_queued`) plus what this prompt lacks there
    (README.md, "The pair");
 4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
    digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
@@ -111,6 +112,9 @@ class Disaggregator:
         self._rng = rng or random.Random()
         #: Prefill endpoint id -> uncached prompt tokens of its prefill sub-requests still running.
         self._queued: dict[EndpointId, int] = {}
+        #: The same, summed over this host's sibling workers as they last reported it (written by
+        #: :class:`~extproc.control.siblings.SiblingBus`; empty without siblings).
+        self.sibling_queued: Mapping[EndpointId, int] = types.MappingProxyType({})
 
     @property
     def policy(self) -> PdPolicy:
@@ -118,6 +122,10 @@ class Disaggregator:
 
     def apply(self, policy: PdPolicy) -> None:
         self._policy = policy
+
+    def queued(self) -> dict[EndpointId, int]:
+        """This worker's own queued prefill tokens per endpoint (what the sibling workers are sent)."""
+        return dict(self._queued)
 
     def plan(
         self,
@@ -232,14 +240,19 @@ class Disaggregator:
         pick = result.endpoints[0]
         if route.spec.prefill_profile is None:
             # Least prefill work (README.md, "The pair"): the tokens queued on the endpoint by this
-            # gateway's running prefill sub-requests plus what this prompt lacks there, among the
+            # host's running prefill sub-requests (this worker's and its siblings') plus what this
+            # prompt lacks there, among the
             # endpoints the profile's filters kept (``scores``: every survivor, the pick's list cut at
             # the fallback limit); ties keep the profile's order.
             rank = {s.id: i for i, s in enumerate(result.endpoints)}
             fit = [s for s in pool if s.id in result.scores] or [pick]
+            own, siblings = self._queued, self.sibling_queued
             pick = min(
                 fit,
-                key=lambda s: (self._queued.get(s.id, 0) + uncached(s), rank.get(s.id, len(rank))),
+                key=lambda s: (
+                    own.get(s.id, 0) + siblings.get(s.id, 0) + uncached(s),
+                    rank.get(s.id, len(rank)),
+                ),
             )
         self._router.record(pick.id, digests, now)
         return pick, uncached(pick)

@@ -6,6 +6,7 @@ block size::
     lead_p    = deepest sampled depth of the prompt's chain in p's summary (blocks, a lower bound)
     saving_p  = (lead_p - lead_local) x block_size x prefill_s_per_token          seconds of prefill saved
     cost_p    = rtt_p + queue_wait_p                                               seconds added
+    queue_wait_p = max(0, published_wait_p - age_p)     the summary's wait, drained since it arrived
     net_p     = saving_p - cost_p - margin_s
 
 The request goes to the peer with the largest ``net_p > 0`` whose egress budget takes one request and the
@@ -26,11 +27,13 @@ from extproc.federation.summary import lead
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A peer as the decision sees it: its link, its fresh summary of the model (``None``: none fresh),
-    and whether it is up."""
+    whether it is up, and the summary's age (seconds since it arrived: its queue wait has drained by as
+    much since, README.md "The decision")."""
 
     link: Link
     summary: ModelSummary | None
     up: bool
+    age_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,13 @@ class Gain:
     net_s: float
 
 
+def queue_wait(summary: ModelSummary, age_s: float) -> float:
+    """The peer's queue wait ``age_s`` seconds after its summary arrived: the published wait less the
+    time since, never below 0 (its model drains the backlog at one second of wait per second; README.md,
+    "The decision")."""
+    return max(0.0, summary.queue_wait_s - max(0.0, age_s))
+
+
 def gains(
     digests: Sequence[Digest],
     local_lead: int,
@@ -77,7 +87,7 @@ def gains(
             reason = SHORT if reason == NO_PEER else reason
             continue
         saving = (peer_lead - local_lead) * block_size * prefill_s_per_token
-        net = saving - (c.link.rtt_ms / 1000.0 + s.queue_wait_s) - margin_s
+        net = saving - (c.link.rtt_ms / 1000.0 + queue_wait(s, c.age_s)) - margin_s
         if net <= 0:
             reason = NO_GAIN
             continue

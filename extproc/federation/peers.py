@@ -106,10 +106,13 @@ class Federation:
     # -- the decision ---------------------------------------------------------------------------------
 
     def candidates(self, model: str, now: float) -> list[Candidate]:
-        return [
-            Candidate(link, self.summary(link.cluster, model, now), self.up(link.cluster, now))
-            for link in self.links.links().values()
-        ]
+        out: list[Candidate] = []
+        for link in self.links.links().values():
+            r = self._received.get(link.cluster)
+            age = 0.0 if r is None else now - r.at
+            summary = self.summary(link.cluster, model, now)
+            out.append(Candidate(link, summary, self.up(link.cluster, now), age))
+        return out
 
     def worth_hashing(self, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether the prompt is long enough that some link could win (so the shell may skip hashing the

@@ -42,8 +42,9 @@ from contracts.errors import ConfigError
 from extproc.migration.continuation import CHAT_PATH, continuation, migratable, stream_body
 from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureReports
 from extproc.migration.splice import Splicer
+from runtime.identity import ENGINE, check_server_role
 from runtime.lifecycle import announce_ready, stop_on_signals
-from runtime.tls import ClientTlsFiles, channel_credentials, client_context
+from runtime.tls import ClientTlsFiles, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +111,14 @@ class MigrationProxy:
         self,
         connect_timeout_s: float = 2.0,
         reports: FailureReports | None = None,
-        tls: ssl.SSLContext | None = None,
+        tls: ReloadingClientCerts | None = None,
     ) -> None:
         self.metrics = Metrics()
         #: Where failed tries are reported (every ext_proc; :mod:`extproc.migration.report`).
         self.reports = reports or FailureReports(())
-        #: The engines speak HTTPS (mTLS, the secure profile) when set: this context verifies them and
-        #: presents the proxy's client certificate.
+        #: The engines speak HTTPS (mTLS, the secure profile) when set: its current context (re-read on
+        #: rotation, per request) verifies them, their role included (:func:`engine_tls`), and presents
+        #: the proxy's client certificate.
         self._tls = tls
         self._scheme = "https" if tls is not None else "http"
         self._connect_timeout_s = connect_timeout_s
@@ -125,7 +127,7 @@ class MigrationProxy:
         self.ports: dict[str, int] = {}
 
     async def start(self, listen: tuple[str, int], metrics: tuple[str, int] | None) -> None:
-        connector = aiohttp.TCPConnector(limit=0, force_close=False, ssl=self._tls or True)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -213,6 +215,7 @@ class MigrationProxy:
                     data=raw,
                     headers=headers,
                     timeout=self._timeout(),
+                    ssl=self._ssl(),
                 ) as up:
                     data = await up.read()
                     last = (up.status, data, up.headers.get("content-type", "application/json"))
@@ -221,7 +224,7 @@ class MigrationProxy:
                     log.info("try %d at %s: HTTP %d", n, host, up.status)
                     self._report(host, _TryFailed("5xx", up.status))
             except _TRY_ERRORS as exc:
-                log.info("try %d at %s failed: %s", n, host, type(exc).__name__)
+                log.info("try %d at %s failed: %s", n, host, _why(exc))
                 self._report(host, exc)
                 last = None
         else:
@@ -259,7 +262,11 @@ class MigrationProxy:
         for n, host in enumerate(hosts):
             try:
                 async with self._session.post(
-                    f"{self._scheme}://{host}{path}", data=sent, headers=headers, timeout=self._timeout()
+                    f"{self._scheme}://{host}{path}",
+                    data=sent,
+                    headers=headers,
+                    timeout=self._timeout(),
+                    ssl=self._ssl(),
                 ) as up:
                     if up.status >= 500:
                         raise _TryFailed(f"HTTP {up.status}", up.status)
@@ -294,12 +301,7 @@ class MigrationProxy:
                 break
             except (_TryFailed, *_TRY_ERRORS) as exc:
                 self._report(host, exc)
-                log.info(
-                    "try %d at %s failed: %s",
-                    n,
-                    host,
-                    exc if isinstance(exc, _TryFailed) else type(exc).__name__,
-                )
+                log.info("try %d at %s failed: %s", n, host, _why(exc))
             # This try failed: what the next one sends.
             if n + 1 >= len(hosts):
                 outcome = "lost"
@@ -344,6 +346,11 @@ class MigrationProxy:
                 await response.write_eof()
         return response
 
+    def _ssl(self) -> ssl.SSLContext | bool:
+        """The context of a try's connection: the current one, so a rotated certificate is used by new
+        connections (aiohttp pools connections per context) while pooled ones finish with the old."""
+        return True if self._tls is None else self._tls.context()
+
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s)
 
@@ -360,6 +367,23 @@ async def _write_quiet(response: web.StreamResponse | None, data: bytes) -> None
         return
     with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
         await response.write(data)
+
+
+def _why(exc: BaseException) -> str:
+    """A failed try's reason for the log: the exception's kind, and a certificate refusal's own words
+    (the chain's verifier or the role check name no request data)."""
+    if isinstance(exc, _TryFailed):
+        return str(exc)
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"certificate refused: {exc.certificate_error}"
+    return type(exc).__name__
+
+
+def engine_tls(files: ClientTlsFiles) -> ReloadingClientCerts:
+    """The proxy's client TLS towards engines and ext_procs: ``files`` re-read on rotation, and an
+    engine's certificate must name the engine role (:data:`certs.roles.SERVERS`) besides chaining to the
+    CA and matching the address; :class:`ConfigError` if the files are unusable."""
+    return ReloadingClientCerts(files, where="migration", prepare=lambda c: check_server_role(c, ENGINE))
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -380,17 +404,13 @@ async def serve(
     tls: ClientTlsFiles | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; with ``tls`` the engines and the ext_procs' access-log services are
-    called over mTLS with that client identity (:class:`ConfigError` if its files are unusable)."""
+    called over mTLS with that client identity, re-read on rotation, and an engine must present the
+    engine role (:func:`engine_tls`; :class:`ConfigError` if the files are unusable)."""
     if tls is None:
         proxy = MigrationProxy(reports=FailureReports(failure_log))
     else:
-        try:
-            credentials = channel_credentials(tls)
-        except OSError as exc:
-            raise ConfigError(f"migration TLS: cannot load certificates: {exc}") from exc
-        proxy = MigrationProxy(
-            reports=FailureReports(failure_log, credentials), tls=client_context(tls, where="migration")
-        )
+        certs = engine_tls(tls)
+        proxy = MigrationProxy(reports=FailureReports(failure_log, certs), tls=certs)
     await proxy.start(_hostport(listen), _hostport(metrics) if metrics else None)
     stop = asyncio.Event()
     stop_on_signals(stop)

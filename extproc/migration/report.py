@@ -12,8 +12,11 @@ failure as Envoy's response flag (``upstream_connection_failure``: refused or un
 (a 503 ejects, as from Envoy; another 5xx does not). The ext_procs apply it exactly as Envoy's entries
 (:class:`extproc.xds.als.FailedTries`). With the secure profile the reports go over mTLS under the
 identity the proxy is started with (``kvgate up --secure``: Envoy's, the one caller an ext_proc port
-admits; README.md). Sending is fire-and-forget with a short deadline: a report lost
-to a restarting ext_proc costs one ejection there, never a request.
+admits; README.md); given as :class:`~runtime.tls.ReloadingClientCerts`, a rotated certificate is taken
+up by the next report (new channels; the old ones close once their reports are sent). The ext_proc's
+role is not checked on this hop (gRPC's Python client has no hook for it; the chain and address are).
+Sending is fire-and-forget with a short deadline: a report lost to a restarting ext_proc costs one
+ejection there, never a request.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from contracts.epp import FAILURE_LOG_NAME
+from runtime.tls import ReloadingClientCerts
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +62,19 @@ def message(entries: Sequence[accesslog_pb2.HTTPAccessLogEntry]) -> als_pb2.Stre
 
 class FailureReports:
     """Reports failed tries to the ext_procs at ``targets`` (``host:port`` of each one's gRPC port); over
-    mTLS with ``credentials`` (an ext_proc with ``[extproc] tls_*`` takes nothing else), else plain."""
+    mTLS with ``credentials`` (an ext_proc with ``[extproc] tls_*`` takes nothing else; fixed, or
+    following rotation), else plain."""
 
-    def __init__(self, targets: Sequence[str], credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        credentials: grpc.ChannelCredentials | ReloadingClientCerts | None = None,
+    ) -> None:
         self._targets = list(targets)
         self._credentials = credentials
         self._channels: list[grpc.aio.Channel] = []
+        #: The :attr:`ReloadingClientCerts.reloads` the channels were opened with.
+        self._generation = 0
         self._pending: set[asyncio.Task[None]] = set()
 
     def failed(self, host: str, flag: str | None = None, status: int | None = None) -> None:
@@ -74,6 +85,13 @@ class FailureReports:
             one = entry(host, flag, status)
         except ValueError:
             return  # not ip:port: nothing an ext_proc could match
+        credentials = self._credentials
+        if isinstance(credentials, ReloadingClientCerts):
+            credentials.credentials()  # re-reads rotated files
+            if self._channels and credentials.reloads != self._generation:
+                self._retire(self._channels)
+                self._channels = []
+            self._generation = credentials.reloads
         if not self._channels:
             self._channels = [self._channel(t) for t in self._targets]
         for target, channel in zip(self._targets, self._channels, strict=True):
@@ -82,9 +100,23 @@ class FailureReports:
             task.add_done_callback(self._pending.discard)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
-        if self._credentials is None:
+        credentials = self._credentials
+        if credentials is None:
             return grpc.aio.insecure_channel(target)
-        return grpc.aio.secure_channel(target, self._credentials)
+        if isinstance(credentials, ReloadingClientCerts):
+            credentials = credentials.credentials()
+        return grpc.aio.secure_channel(target, credentials)
+
+    def _retire(self, channels: list[grpc.aio.Channel]) -> None:
+        """Close channels opened with a rotated-out certificate once their reports are sent."""
+
+        async def close() -> None:
+            for channel in channels:
+                await channel.close(grace=DEADLINE_S)
+
+        task = asyncio.create_task(close())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _send(
         self, target: str, channel: grpc.aio.Channel, one: accesslog_pb2.HTTPAccessLogEntry

@@ -20,13 +20,17 @@ from extproc.control.siblings import (
     Learned,
     Loads,
     MessageError,
+    Prefill,
     SiblingBus,
     SiblingLoads,
     decode,
     encode_learned,
     encode_loads,
+    encode_prefill,
     local_loads,
 )
+from extproc.disagg.plan import Disaggregator, Handoff, PdPolicy, PdRoute
+from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.working_set import WorkingSet
@@ -120,6 +124,7 @@ def test_loads_snapshots_replace_on_their_first_datagram_only() -> None:
         encode_loads("w", {E0: (1, 1)})[0][:-1],  # an endpoint cut short
         encode_learned("w", [(E0, digests(2))])[0][:-3],  # a digest cut short
         b"KVS1\x09\x01a",  # unknown kind
+        encode_prefill("w", {E0: 7})[0][:-1],  # a prefill entry cut short
     ],
 )
 def test_malformed_datagrams_are_message_errors(data: bytes) -> None:
@@ -249,3 +254,97 @@ def test_loads_carry_the_net_routed_count_negative_too() -> None:
     assert mirrored is not None and (mirrored.sibling_in_flight, mirrored.sibling_routed) == (1, -1)
     mirrored.metrics = EngineMetrics(running=3, waiting=0, kv_usage=0.0, at=0.0)
     assert mirrored.load == 2.0
+
+
+# --- P/D prefill work -------------------------------------------------------------------------------------
+
+
+def test_prefill_snapshots_round_trip_split_and_replace_on_their_first_datagram() -> None:
+    tokens = {EndpointId(f"prefill-{i}"): 1000 * i for i in range(1, 40)}
+    (whole,) = encode_prefill("w-1", tokens)
+    assert decode(whole) == Prefill("w-1", True, tokens)
+    parts = [decode(d) for d in encode_prefill("w-1", tokens, limit=120)]
+    assert len(parts) > 1 and all(isinstance(p, Prefill) for p in parts)
+    assert [p.replace for p in parts] == [True] + [False] * (len(parts) - 1)  # type: ignore[union-attr]
+    assert [decode(d) for d in encode_prefill("w-1", {})] == [Prefill("w-1", True, {})]  # none queued
+    (clamped,) = encode_prefill("w", {E0: 2**40, E1: -5})
+    assert decode(clamped) == Prefill("w", True, {E0: 2**32 - 1, E1: 0})
+    loads = SiblingLoads(expire_s=3.0)
+    loads.apply(Loads("a", True, {}), now=0.0)
+    loads.apply_prefill(Prefill("a", True, {E0: 500, E1: 20}), now=0.0)
+    loads.apply_prefill(Prefill("a", True, {E0: 300}), now=0.5)  # a snapshot: e1 has none now
+    loads.apply(Loads("b", True, {}), now=1.0)
+    loads.apply_prefill(Prefill("b", True, {E0: 100}), now=1.0)
+    loads.apply_prefill(Prefill("b", False, {E1: 40}), now=1.0)  # a later datagram of b's snapshot
+    assert loads.prefill_totals() == {E0: 400, E1: 40}
+    assert loads.expire(now=3.6) == ["a"] and loads.prefill_totals() == {E0: 100, E1: 40}
+    assert loads.expire(now=4.1) == ["b"] and loads.prefill_totals() == {}
+
+
+def pd_worker() -> tuple[Router, Disaggregator]:
+    """One ext_proc worker's router and P/D planner over two prefill endpoints and one decode endpoint,
+    with no ``prefill_profile``: the least-work prefill pick (extproc/disagg/README.md, "The pair")."""
+    endpoints = [
+        Endpoint(EndpointId(name), f"127.0.0.{i + 1}:1", frozenset({MODEL}), engine="vllm", role=role)
+        for i, (name, role) in enumerate((("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")))
+    ]
+    r = Router(
+        Fleet(endpoints),
+        ModelRegistry([]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        rng=random.Random(0),
+    )
+    route = PdRoute(PdSpec("disaggregated"), build_profile(DEFAULT_SCHEDULING))
+    return r, Disaggregator(r, PdPolicy({MODEL: route}), random.Random(0))
+
+
+async def test_two_workers_least_work_prefill_picks_count_each_others_queued_prefills(tmp_path: Path) -> None:
+    """Worker b has two short prefills running on p1 (more requests in flight there), worker a one long
+    prefill on p0 (fewer requests, far more tokens). b's next long prompt goes to p1, the endpoint with
+    less prefill work host-wide; without a's report it would have gone to p0, idle as far as b knew."""
+    directory = tmp_path / "sib"
+    (ra, pa), (rb, pb) = pd_worker(), pd_worker()
+    buses = [
+        SiblingBus(directory, name, r, prefill=pd, heartbeat_s=0.05, expire_s=0.5)
+        for name, r, pd in (("w-a", ra, pa), ("w-b", rb, pb))
+    ]
+    for bus in buses:
+        bus.start()
+    try:
+        await until(lambda: buses[0].loads.senders == ["w-b"] and buses[1].loads.senders == ["w-a"], 5.0)
+
+        def plan(r: Router, pd: Disaggregator, prompt: str, rid: str, only: str | None = None) -> Handoff:
+            req = parse_body(
+                Kind.COMPLETION, orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8})
+            )
+            subset = None if only is None else frozenset({only})
+            verdict = pd.plan(r.decide(req, request_id=rid, now=1.0), 1.0, subset=subset)
+            assert verdict is not None and verdict.handoff is not None
+            return verdict.handoff
+
+        p0, p1 = "127.0.0.1:1", "127.0.0.2:1"
+        shorts = [plan(rb, pb, f"short question {i} " * 60, f"b{i}", only=p1) for i in range(2)]
+        long_a = plan(ra, pa, "".join(f"word{i} " for i in range(1000)), "a0", only=p0)
+        queued_b = sum(h.prefill_tokens for h in shorts)
+        queued_a = long_a.prefill_tokens
+        assert queued_a > queued_b > 0
+        await until(lambda: pb.sibling_queued == {EndpointId("p0"): queued_a}, 5.0)
+        assert pa.sibling_queued == {EndpointId("p1"): queued_b}  # and a hears b's
+        mirrored = rb.fleet.get(EndpointId("p0"))
+        assert mirrored is not None
+        await until(lambda: mirrored.sibling_in_flight == 1, 5.0)
+        cold = plan(rb, pb, "another long document " * 400, "b2")
+        assert cold.prefill.id == "p1"
+        pb.release(cold)
+        # The same pick with a's report left out: p0 looks idle.
+        saved, pb.sibling_queued = pb.sibling_queued, {}
+        assert plan(rb, pb, "yet another long document " * 400, "b3").prefill.id == "p0"
+        pb.sibling_queued = saved
+        pa.release(long_a)
+        await until(lambda: pb.sibling_queued == {}, 5.0)
+        await buses[1].aclose()  # b stops: a forgets b's queued prefills with its loads
+        await until(lambda: pa.sibling_queued == {}, 5.0)
+    finally:
+        for bus in buses:
+            await bus.aclose()

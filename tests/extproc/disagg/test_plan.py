@@ -158,6 +158,22 @@ def test_the_prefill_pick_weighs_the_prefill_work_queued_by_running_sub_requests
     assert again.handoff.prefill_tokens < 100, "the prefix is not computed again"
 
 
+def test_the_least_work_pick_adds_the_sibling_workers_queued_prefill_work() -> None:
+    """``sibling_queued`` (what the sibling workers of this host report, extproc/control/siblings.py)
+    counts as this worker's own: an endpoint idle here but busy at a sibling is passed over."""
+    prefill = [endpoint(f"p{i}", "prefill") for i in range(2)]
+    router, pd = make([*prefill, endpoint("d0", "decode")], PdSpec("disaggregated"))
+    alone = pd.plan(decide(router, request(LONG + " question 0"), "r0"), NOW)
+    assert alone is not None and alone.handoff is not None
+    idle_here = alone.handoff.prefill.id
+    pd.release(alone.handoff)
+    pd.sibling_queued = {idle_here: 10_000}  # a sibling's long prefills running there
+    other = pd.plan(decide(router, request(LONG + " question 1"), "r1"), NOW)
+    assert other is not None and other.handoff is not None
+    assert other.handoff.prefill.id != idle_here, "the prefix it holds saves less than the sibling's work"
+    assert pd.queued() == {other.handoff.prefill.id: other.handoff.prefill_tokens}  # own work only
+
+
 def test_the_least_work_pick_never_takes_an_endpoint_the_filters_removed() -> None:
     """An unhealthy prefill endpoint has no queued work, but the profile's filters removed it: the busy
     healthy one is still the pick."""

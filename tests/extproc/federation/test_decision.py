@@ -10,7 +10,7 @@ from contracts.digest import Digest, block_digests, chain_seed
 from contracts.epp import TENANT_HEADER
 from contracts.federation import HOP_HEADER, PEER_HEADER, ModelSummary, Report
 from extproc.federation.budget import EgressBudget, TokenBucket
-from extproc.federation.decision import BUDGET, FORWARD, HOP, NO_GAIN, NO_PEER, SHORT
+from extproc.federation.decision import BUDGET, FORWARD, HOP, NO_GAIN, NO_PEER, SHORT, queue_wait
 from extproc.federation.health import Outcome, PeerHealth, outcome_of
 from extproc.federation.links import parse_federation
 from extproc.federation.peers import Federation
@@ -82,6 +82,26 @@ def test_the_inequality(peer_blocks: int, local_lead: int, rtt_ms: float, wait_s
     c = chain(64)
     f.received(report("b", c[:peer_blocks], wait_s), now=0.0)
     assert f.decide("m", c, local_lead, BS, 100, CLIENT, now=0.0).reason == reason
+
+
+def test_a_published_queue_wait_drains_with_the_summarys_age() -> None:
+    """The peer's wait at ``now`` is ``max(0, published - (now - arrival))``: its backlog drains one second
+    of wait per second (README.md, "The decision"). 8 blocks save 128 ms against 20 ms rtt, 10 ms margin
+    and a published 200 ms wait: local on arrival, still at 100 ms of age (28 - 30 ms), forwarded at
+    150 ms (net 48 ms); a new summary publishing the same wait starts again from it."""
+    f = fed(link("b"))
+    c = chain(8)
+    f.received(report("b", c, wait_s=0.2), now=10.0)
+    assert f.decide("m", c, 0, BS, 100, CLIENT, now=10.0).reason == NO_GAIN
+    assert f.decide("m", c, 0, BS, 100, CLIENT, now=10.1).reason == NO_GAIN
+    v = f.decide("m", c, 0, BS, 100, CLIENT, now=10.15)
+    assert v.reason == FORWARD and v.net_s == pytest.approx(0.128 - 0.02 - 0.05 - 0.01)
+    f.received(report("b", c, wait_s=0.2), now=10.2)
+    assert f.decide("m", c, 0, BS, 100, CLIENT, now=10.2).reason == NO_GAIN
+    # Never below 0: an old wait adds nothing, and the TTL (3 s) still ends the summary.
+    assert f.decide("m", c, 0, BS, 100, CLIENT, now=12.0).net_s == pytest.approx(0.128 - 0.02 - 0.01)
+    assert f.decide("m", c, 0, BS, 100, CLIENT, now=13.3).reason == NO_PEER
+    assert queue_wait(report("b", c, wait_s=0.2).models[0], -1.0) == 0.2  # a clock step back: no growth
 
 
 def test_the_best_net_gain_wins_and_budget_falls_to_the_next() -> None:

@@ -18,7 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from certs.store import LeafFiles, dev_bundle
 from contracts.epp import FAILURE_LOG_NAME
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
-from extproc.migration.proxy import MigrationProxy
+from extproc.migration.proxy import MigrationProxy, engine_tls
 from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureReports, entry
 from extproc.xds.als import FailedTry, failed_try
 from load.sim.server import SimConfig, SimFleet, server_tls
@@ -136,9 +136,8 @@ async def test_the_secure_proxy_continues_on_mtls_engines_and_reports_over_mtls(
     config = SimConfig(MODEL, ensure_model_dir(smollm2_gguf_path()), timing=TimingModel(time_scale=0.01))
     rec, target = mtls_recorder
     envoy = client_files(certs["envoy-edge"])
-    p = MigrationProxy(
-        reports=FailureReports([target], channel_credentials(envoy)), tls=client_context(envoy, where="test")
-    )
+    tls = engine_tls(envoy)
+    p = MigrationProxy(reports=FailureReports([target], tls), tls=tls)
     async with SimFleet(config, 2, ssl_context=server_tls(engine.cert, engine.key, engine.ca)) as tls_fleet:
         await p.start(("127.0.0.1", 0), ("127.0.0.1", 0))
         try:
