@@ -74,6 +74,8 @@ MAX_OPEN_REQUESTS = 65_536
 OPEN_TTL_S = 900.0
 #: The role of endpoints that only compute prompts for a decode endpoint (:mod:`extproc.disagg`).
 PREFILL_ROLE = "prefill"
+#: Prompts a model's learned tokens-per-byte ratio averages over, about (:meth:`Router.ratio`).
+RATIO_MEMORY = 32
 
 
 class Unattainable(Exception):
@@ -98,7 +100,10 @@ class Decision:
     :meth:`Router.commit` then hashes the rest of the window before recording, and ``digests`` becomes
     the whole window's chain. ``prompt_blocks``: the prompt's full blocks within the window (``max_blocks``
     at most), what hit ratios divide by: ``len(digests)``, or with ``rest`` set an estimate from the
-    prompt's estimated length.
+    prompt's estimated length. ``scored_blocks``: what the ``prefix`` and ``kv-tier`` scorers divided by
+    (:meth:`Router.scored_blocks`). ``prompt_bytes`` and ``counted``: the rendered prompt's UTF-8 bytes
+    and whether ``prompt_tokens`` is its exact length (:attr:`Tokens.counted`), from which
+    :meth:`Router.commit` learns the model's tokens-per-byte ratio.
     """
 
     request_id: str
@@ -113,6 +118,9 @@ class Decision:
     recorded: bool = field(default=False)
     rest: LazyPrompt | None = None
     prompt_blocks: int = 0
+    scored_blocks: int = 0
+    prompt_bytes: int = 0
+    counted: bool = False
 
     @property
     def destination(self) -> str:
@@ -163,6 +171,11 @@ class Tokens:
     request the tokens were made for, is ``rest.digests``); ``None`` when ``ids`` cover the digest
     window or the whole prompt. ``chain``: the digests already hashed for these ids by the lazy path
     (what :meth:`Router.digests` returns then, instead of hashing again); ``None`` otherwise.
+    ``estimated``: the prompt's length in tokens estimated from its rendered UTF-8 bytes (``nbytes``) at
+    the model's tokens-per-byte ratio (:meth:`Router.ratio`): a function of the prompt alone, the same
+    however far it was tokenized, which the ``prefix`` and ``kv-tier`` scorers' denominator is taken
+    from (:meth:`Router.decide`); ``None``: use ``count``. ``counted``: ``count`` is the exact length of
+    the whole prompt (it was tokenized to its end).
     """
 
     ids: Sequence[int]
@@ -171,6 +184,9 @@ class Tokens:
     count: int
     rest: LazyPrompt | None = None
     chain: Sequence[Digest] | None = None
+    estimated: int | None = None
+    nbytes: int = 0
+    counted: bool = False
 
 
 class LazyPrompt:
@@ -181,10 +197,18 @@ class LazyPrompt:
     of the full chain. Not thread-safe: one request uses it at a time.
     """
 
-    __slots__ = ("_chains", "block_size", "cursor", "digests", "seed", "window")
+    __slots__ = ("_chains", "block_size", "cursor", "digests", "estimated", "nbytes", "seed", "window")
 
     def __init__(
-        self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, chains: ChainCache
+        self,
+        cursor: PrefixCursor,
+        seed: Digest,
+        block_size: int,
+        window: int,
+        chains: ChainCache,
+        *,
+        estimated: int | None = None,
+        nbytes: int = 0,
     ) -> None:
         self.cursor = cursor
         self.seed = seed
@@ -192,6 +216,9 @@ class LazyPrompt:
         self.window = window
         self._chains = chains
         self.digests: list[Digest] = []
+        #: :attr:`Tokens.estimated` and :attr:`Tokens.nbytes` of the prompt (fixed when it is made).
+        self.estimated = estimated
+        self.nbytes = nbytes
 
     @property
     def complete(self) -> bool:
@@ -224,7 +251,17 @@ class LazyPrompt:
         :attr:`complete`, this prompt as ``rest``."""
         cursor = self.cursor
         rest = None if self.complete else self
-        return Tokens(list(cursor.ids), self.block_size, True, cursor.estimate(), rest, list(self.digests))
+        return Tokens(
+            list(cursor.ids),
+            self.block_size,
+            True,
+            cursor.estimate(),
+            rest,
+            list(self.digests),
+            self.estimated,
+            self.nbytes,
+            cursor.done,
+        )
 
     def _hash_step(self) -> None:
         """Tokenizer steps until a block completes (or the prompt ends), then the digests of the blocks
@@ -277,6 +314,8 @@ class Router:
         #: lately; ``None``: the index's occupancy instead.
         self.working_set = working_set
         self._chains = ChainCache(chain_memo_entries)  # ``[index] chain_memo_entries``
+        #: Model name -> learned tokens per byte (:meth:`ratio`).
+        self._ratios: dict[str, float] = {}
         self._node_stores: frozenset[str] = frozenset()
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
         #: Told of each record and release (``None``: nobody listens).
@@ -341,18 +380,46 @@ class Router:
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
-            found = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            found, nbytes = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
             if isinstance(found, PrefixCursor):
                 seed = self.seed(request)
-                lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
+                lazy = LazyPrompt(
+                    found,
+                    seed,
+                    block_size,
+                    self.max_blocks,
+                    self._chains,
+                    estimated=estimated,
+                    nbytes=nbytes or 0,
+                )
                 lazy.extend(self.index.held)
                 tokens = lazy.tokens()
             else:
-                ids, count = found
-                tokens = Tokens(ids, block_size, True, count)
+                ids, count = found  # exact: a prompt that fits is counted to its end (_token_ids)
+                if estimated is None:
+                    estimated = count
+                tokens = Tokens(ids, block_size, True, count, None, None, estimated, nbytes or 0, True)
         if timeline is not None:
             timeline.mark("tokenize")
         return tokens
+
+    def ratio(self, assets: ModelAssets) -> float:
+        """Tokens per UTF-8 byte of ``assets``'s prompts: learned from the prompts this router tokenized to
+        their end (:meth:`commit`, after each answer: an average over about the last
+        :data:`RATIO_MEMORY` of them), starting from the calibrated :attr:`ModelAssets.tokens_per_byte`."""
+        return self._ratios.get(assets.name, assets.tokens_per_byte)
+
+    def _learn(self, model: str, tokens: int, nbytes: int) -> None:
+        """A prompt for ``model`` was ``tokens`` tokens in ``nbytes`` bytes: move its ratio towards it."""
+        assets = self.models.find(model)
+        if assets is None:  # a LoRA adapter tokenizes as its base model
+            base = self.adapter_base(model)
+            assets = None if base is None else self.models.find(base)
+        if assets is None or nbytes <= 0 or tokens <= 0:
+            return
+        ratio = self.ratio(assets)
+        self._ratios[assets.name] = ratio + (tokens / nbytes - ratio) / RATIO_MEMORY
 
     def seed(self, request: ParsedRequest) -> Digest:
         """The request's chain seed (:func:`contracts.digest.chain_seed`): for a model some endpoint lists
@@ -474,7 +541,6 @@ class Router:
             tokens = tokens.rest.tokens()  # made earlier: the index has since learned the stopping block
             if timeline is not None:
                 timeline.mark("tokenize")
-        lazy = tokens.rest
         digests = self.digests(request, tokens)
         if timeline is not None:
             timeline.mark("digest")
@@ -489,16 +555,9 @@ class Router:
             self._warm(state, candidates, digests)
         if timeline is not None:
             timeline.mark("lookup")
-        if lazy is not None and (state.prefix_blocks or state.warm_blocks or state.peer_warm_blocks):
-            # Some lead exists, so the prefix and kv-tier scorers divide by the window's blocks: hash them
-            # all (the leads stay the same: each stops before the first unheld block).
-            lazy.finish()
-            tokens = lazy.tokens()
-            digests = self.digests(request, tokens)
-            if timeline is not None:
-                timeline.mark("digest")
         predictor = self.predictor
         block_size = policy.block_size  # tokens per block, whatever stands in for tokens
+        scored_blocks = self.scored_blocks(tokens, digests, state)
         if ttft_budget_s is not None or profile.predicts:
             matched = state.prefix_blocks
             predicted = {
@@ -518,6 +577,7 @@ class Router:
             now=now,
             subset=subset,
             ttft_budget_s=ttft_budget_s,
+            prompt_blocks=scored_blocks,
         )
         result = profile.schedule(sched, state, candidates, self._rng)
         if timeline is not None:
@@ -551,7 +611,33 @@ class Router:
                 if tokens.rest is None
                 else max(len(digests), min(self.max_blocks, tokens.count // tokens.block_size))
             ),
+            scored_blocks=scored_blocks,
+            prompt_bytes=tokens.nbytes,
+            counted=tokens.counted,
         )
+
+    def scored_blocks(self, tokens: Tokens, digests: Sequence[Digest], state: CycleState) -> int:
+        """The prompt's blocks as the ``prefix`` and ``kv-tier`` scorers divide by
+        (``SchedulingRequest.prompt_blocks``), the same whether ``tokens`` stop at the first block nobody
+        holds (the lazy path) or cover the window: with ``lead`` the longest lead anywhere (GPU or either
+        kvcached tier) and ``T`` the window's blocks,
+
+        - ``T`` when some lead covers the whole window (a full hit scores 1); the lazy path then reached
+          the window's end, since every block was held;
+        - else ``max(min(max_blocks, estimated // block_size), lead + 1)``: the estimate from the
+          prompt's bytes (:attr:`Tokens.estimated`), never below one block past the longest lead, so
+          every score stays below 1. No lead reaches the lazy path's stopping block, so neither figure
+          depends on how far it tokenized.
+        """
+        lead = max(
+            max(state.prefix_blocks.values(), default=0),
+            max(state.warm_blocks.values(), default=0),
+            state.peer_warm_blocks,
+        )
+        if tokens.rest is None and lead >= len(digests):
+            return len(digests)
+        estimated = tokens.count if tokens.estimated is None else tokens.estimated
+        return max(min(self.max_blocks, estimated // tokens.block_size), lead + 1)
 
     def _warm(
         self, state: CycleState, candidates: Sequence[EndpointState], digests: Sequence[Digest]
@@ -573,7 +659,14 @@ class Router:
         """
         if not decision.recorded and decision.served is not None:
             decision.recorded = True
-            self._record(decision.served.id, self._window(decision), now)
+            rest = decision.rest
+            window = self._window(decision)
+            self._record(decision.served.id, window, now)
+            counted = decision.prompt_tokens if decision.counted else None
+            if rest is not None and rest.cursor.done:  # the window held the whole prompt
+                counted = len(rest.cursor.ids)
+            if counted is not None and decision.prompt_bytes:
+                self._learn(decision.model, counted, decision.prompt_bytes)
 
     def served(self, decision: Decision, address: str, now: float) -> None:
         """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
@@ -687,12 +780,13 @@ class Router:
 
 def _token_ids(
     assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
-) -> tuple[Sequence[int], int] | PrefixCursor:
+) -> tuple[tuple[Sequence[int], int] | PrefixCursor, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
     estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
-    context is unknown: the caller tokenizes as far as it needs). Raises ContextLengthExceeded for a
-    prompt that leaves no room in the context."""
+    context is unknown: the caller tokenizes as far as it needs). With it, the rendered prompt's UTF-8
+    bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for a prompt that leaves no
+    room in the context."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
@@ -712,7 +806,8 @@ def _token_ids(
         ids = list(request.prompt or ())
         if limit is not None:
             limit.check(len(ids))
-        return ids, len(ids)
+        return (ids, len(ids)), None
+    nbytes = len(text.encode("utf-8", "surrogatepass"))
     tokenizer = assets.tokenizer
     counting = False
     if limit is not None:
@@ -722,14 +817,14 @@ def _token_ids(
         counting = found is Verdict.COUNT
     if exact_count and not counting:
         ids = tokenizer.encode(text, add_special_tokens=special)
-        return ids, len(ids)
+        return (ids, len(ids)), nbytes
     if limit is None or not counting:
-        return tokenizer.cursor(text, add_special_tokens=special)
+        return tokenizer.cursor(text, add_special_tokens=special), nbytes
     # Counting the leading allowed + 1 tokens also gives the exact length of every prompt that fits.
     needed = max(window, limit.allowed + 1)
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
     limit.check(len(ids))
-    return ids, count
+    return (ids, count), nbytes
 
 
 def _preferred(
