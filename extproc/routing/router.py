@@ -9,21 +9,37 @@ Tokenize only what can match: digests are chained, so once a block is held by no
 (:meth:`~extproc.index.interface.PrefixIndex.held`), no later block can be. :meth:`Router.tokens`
 tokenizes piece by piece (long pieces in chunks, :class:`~extproc.models.tokenizer.PrefixCursor`) and
 hashes each block as soon as it is complete, stopping at the first one nobody holds
-(:class:`LazyPrompt`). The index match over that prefix equals the match over the whole window. The rest
-of the window is tokenized only when something needs it: :meth:`Router.decide` when some endpoint or
-node store holds a lead (the ``prefix`` and ``kv-tier`` scorers divide by the prompt's blocks in the
-window, so the pick needs their exact number), and :meth:`Router.commit` (off the request's critical
-path) to record the whole window, so the index learns exactly what it learned before.
+(:class:`LazyPrompt`). The index match over that prefix equals the match over the whole window, and so
+does every lead (GPU or kvcached), so a follow-up turn (its history held, its new reply and message not)
+stops one block into its new text. The rest of the window is tokenized only when something needs it,
+after the answer where it can: :meth:`Router.commit` (off the request's critical path; the gRPC shell
+finishes a large body's in a worker thread) records the whole window, so the index learns exactly what it
+learned before.
 
-Which prompt length each consumer uses (:attr:`Tokens.count`):
+Which prompt length each consumer uses:
 
 - token budgets (admission, ``exact_count``): the exact count, the whole prompt tokenized;
 - the context-length check: exact as far as it needs (:mod:`extproc.routing.length`: a byte bound, or the
   leading ``allowed + 1`` tokens counted);
-- ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens``: exact when the whole prompt was
-  tokenized, else estimated from the characters left at the tokenized part's characters-per-token ratio
-  (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt past the digest window, or one whose
-  tokenization stopped at the first unheld block).
+- the ``prefix`` and ``kv-tier`` scorers' denominator (``SchedulingRequest.prompt_blocks``,
+  :meth:`Router.scored_blocks`): the window's exact blocks when a lead covers it all, else the blocks
+  estimated from the rendered prompt's UTF-8 bytes at the model's tokens-per-byte ratio
+  (:attr:`Tokens.estimated`, :meth:`Router.ratio`), at least one past the longest lead: a function of
+  the prompt, the index and the learned ratio, never of how far the prompt was tokenized, so the pick is
+  the one full tokenization would make (``tests/extproc/routing/test_lazy_tokens.py``);
+- ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens`` (:attr:`Tokens.count`; the TTFT
+  predictor, the SLO check, disaggregation's uncached tokens ``prompt_tokens - matched x block_size``):
+  exact when the whole prompt was tokenized, else estimated from the characters left at the tokenized
+  part's characters-per-token ratio (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt
+  past the digest window, or one whose tokenization stopped at the first unheld block);
+- ``Decision.prompt_blocks`` (the prefix hit-ratio metric, the access log's ``blocks``, federation's
+  ``worth_hashing``): ``len(digests)``, or with ``rest`` set the larger of that and ``prompt_tokens``'s
+  blocks;
+- work that needs the whole window's chain gets it by finishing ``rest``: the speculative index record
+  and federation's ``note`` after the answer; federation's forward (when ``worth_hashing`` says a peer
+  could win) and disaggregation's prefill pick (:mod:`extproc.disagg.plan`, which records the window at
+  the prefill endpoint) before it; the slot restore (:mod:`extproc.control.restore`) needs only the
+  blocks up to its lead, which the digests always reach.
 
 What it decides by (the scheduling profile, per-model routes and the index block size) is one frozen
 :class:`RoutingPolicy`, swapped as a whole by :meth:`Router.apply` when the policy in force changes
