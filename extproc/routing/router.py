@@ -241,17 +241,18 @@ class LazyPrompt:
         """Whether ``digests`` is the whole window's chain (the window is full or the prompt ends)."""
         return len(self.digests) >= self.window or self.cursor.done
 
-    def extend(self, held: Callable[[Digest], bool]) -> bool:
-        """Tokenize and hash on until a digest ``held`` says nobody holds is in ``digests`` (from the
-        last one known on), or :attr:`complete`. Every digest before that one is held, so the index
-        match over ``digests`` equals the match over the whole chain. Returns whether it hashed more."""
+    def extend(self, unheld: Callable[[Sequence[Digest], int], int]) -> bool:
+        """Tokenize and hash on until a digest nobody holds is in ``digests`` (from the last one known
+        on; ``unheld(digests, start)``: the index of the first such from ``start``, else
+        ``len(digests)``, :meth:`~extproc.index.interface.PrefixIndex.unheld`), or :attr:`complete`.
+        Every digest before that one is held, so the index match over ``digests`` equals the match over
+        the whole chain. Returns whether it hashed more."""
         start = max(len(self.digests) - 1, 0)  # those before were held when hashed
         before = len(self.digests)
         while True:
             digests = self.digests
-            for i in range(start, len(digests)):
-                if not held(digests[i]):
-                    return len(digests) > before
+            if unheld(digests, start) < len(digests):
+                return len(digests) > before
             start = len(digests)
             if self.complete:
                 return len(digests) > before
@@ -409,7 +410,7 @@ class Router:
                     estimated=estimated,
                     nbytes=nbytes or 0,
                 )
-                lazy.extend(self.index.held)
+                lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
             else:
                 ids, count = found  # exact: a prompt that fits is counted to its end (_token_ids)
@@ -553,7 +554,7 @@ class Router:
             candidates = roomy or candidates
         if tokens is None:
             tokens = self.tokens(request, timeline=timeline)
-        elif tokens.rest is not None and tokens.rest.extend(self.index.held):
+        elif tokens.rest is not None and tokens.rest.extend(self.index.unheld):
             tokens = tokens.rest.tokens()  # made earlier: the index has since learned the stopping block
             if timeline is not None:
                 timeline.mark("tokenize")

@@ -428,7 +428,7 @@ def run_breakdown(
             router._chains,  # the router's own chain memo, as Router.tokens passes it
             estimated=round(len(text.encode()) * router.ratio(assets)),
         )
-        lazy.extend(router.index.held)
+        lazy.extend(router.index.unheld)
         tokens = lazy.tokens()
         marks.append(time.perf_counter_ns())
         digests = router.digests(request, tokens)

@@ -256,6 +256,32 @@ def test_held_on_each_index_kind() -> None:
     assert hybrid.held(a) and hybrid.held(b) and not hybrid.held(c)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=12), st.integers(0, 12))
+def test_unheld_is_the_first_digest_held_says_nobody_holds(where: list[int], start: int) -> None:
+    """``unheld(chain, start)`` (one call on the lazy path) agrees with ``held`` asked block by block:
+    each block of the chain held by nobody (0), an approximate endpoint (1), a precise one (2) or a node
+    store (3), in any mix."""
+    chain = [Digest(bytes([i]) * 16) for i in range(len(where))]
+    approximate, precise, hybrid = ApproximateIndex(), PreciseIndex(), HybridIndex()
+    store = EndpointId(node_store_endpoint("n1"))
+    hybrid.set_precise(ENDPOINTS[1], True)
+    hybrid.set_precise(store, True)
+    for digest, kind in zip(chain, where, strict=True):
+        if kind == 1:
+            approximate.record(ENDPOINTS[0], [digest], 0.0)
+            hybrid.record(ENDPOINTS[0], [digest], 0.0)
+        elif kind == 2:
+            precise.apply([Stored(ENDPOINTS[1], [digest], "gpu")], 0.0)
+            hybrid.apply([Stored(ENDPOINTS[1], [digest], "gpu")], 0.0)
+        elif kind == 3:
+            precise.apply([Stored(store, [digest], "ssd")], 0.0)
+            hybrid.apply([Stored(store, [digest], "ssd")], 0.0)
+    for index in (approximate, precise, hybrid):
+        first = next((i for i in range(start, len(chain)) if not index.held(chain[i])), len(chain))
+        assert index.unheld(chain, start) == first
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
