@@ -209,7 +209,7 @@ class Disaggregator:
         if not pool:
             return None
         rest = decision.rest
-        if rest is not None:  # the lazy path stopped early: the prefix scorer divides by the window
+        if rest is not None:  # the lazy path stopped early: the prefill endpoint records the whole window
             rest.finish()
         digests = list(rest.digests) if rest is not None else list(decision.digests)
         index = self._router.index

@@ -175,6 +175,14 @@ class ApproximateIndex:
         :meth:`~extproc.index.interface.PrefixIndex.held`). One dict lookup."""
         return digest in self._where
 
+    def unheld(self, digests: Sequence[Digest], start: int) -> int:
+        """The first of ``digests[start:]`` without an entry (:meth:`held`), else ``len(digests)``."""
+        where = self._where
+        for i in range(start, len(digests)):
+            if digests[i] not in where:
+                return i
+        return len(digests)
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Remember that ``endpoint`` holds the chain ``digests`` (from block 0) until ``now + ttl_s``.
 

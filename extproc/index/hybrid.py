@@ -103,6 +103,21 @@ class HybridIndex:
         """Whether either index may hold ``digest`` (node stores live in the precise one)."""
         return self.precise.held(digest) or self.approximate.held(digest)
 
+    def unheld(self, digests: Sequence[Digest], start: int) -> int:
+        """The first of ``digests[start:]`` neither index holds, else ``len(digests)``: runs of blocks
+        each index holds, taken in turn."""
+        n = len(digests)
+        i = start
+        while i < n:
+            i = self.approximate.unheld(digests, i)
+            if i == n:
+                return n
+            j = self.precise.unheld(digests, i)
+            if j == i:
+                return i
+            i = j
+        return n
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         if endpoint in self._precise_ids:
             self.precise.record(endpoint, digests, now)

@@ -49,6 +49,12 @@ class PrefixIndex(Protocol):
         """
         ...
 
+    def unheld(self, digests: Sequence[Digest], start: int) -> int:
+        """The index of the first of ``digests[start:]`` that :meth:`held` says nobody holds, else
+        ``len(digests)``: the same answer as calling :meth:`held` on each in turn, in one call (the lazy
+        path checks every block of a follow-up's held history)."""
+        ...
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Note that ``endpoint`` was sent the chain ``digests`` (from block 0) at ``now``."""
         ...

@@ -306,6 +306,15 @@ class PreciseIndex:
             return True
         return any(digest in table for table in self._node.values())
 
+    def unheld(self, digests: Sequence[Digest], start: int) -> int:
+        """The first of ``digests[start:]`` that :meth:`held` says nobody holds, else ``len(digests)``."""
+        held, nodes = self._held, tuple(self._node.values())
+        for i in range(start, len(digests)):
+            digest = digests[i]
+            if digest not in held and not any(digest in table for table in nodes):
+                return i
+        return len(digests)
+
     def holders(self, digest: Digest, now: float) -> list[EndpointId]:
         """Endpoints holding ``digest`` in an engine tier or live speculatively (inspection, tests)."""
         result: dict[EndpointId, int] = {}

@@ -17,6 +17,7 @@ from contracts.errors import ConfigError
 from engines.gguf import GGUFExportError, ensure_model_dir, smollm2_gguf_path
 from extproc.errors import NotFound
 from extproc.models.context import MAX_CONTEXT, read_max_model_len
+from extproc.models.ratio import tokens_per_byte
 from extproc.models.template import ChatTemplate
 from extproc.models.tokenizer import CacheLimits, SegmentTokenizer
 
@@ -54,12 +55,15 @@ class ModelAssets:
 
     ``max_model_len``: the context length in tokens (prompt plus output) that over-long prompts are
     refused by (:mod:`extproc.routing.length`); ``None``: unknown, nothing is refused for length.
+    ``tokens_per_byte``: the tokenizer's tokens per UTF-8 byte on a calibration text
+    (:mod:`extproc.models.ratio`), where the router's length estimates start from.
     """
 
     name: str
     template: ChatTemplate
     tokenizer: SegmentTokenizer
     max_model_len: int | None = None
+    tokens_per_byte: float = 0.25
 
     @classmethod
     def load(
@@ -102,7 +106,13 @@ class ModelAssets:
             template.content_format,
             "unknown" if max_model_len is None else f"{max_model_len} tokens",
         )
-        return cls(name=name, template=template, tokenizer=tokenizer, max_model_len=max_model_len)
+        return cls(
+            name=name,
+            template=template,
+            tokenizer=tokenizer,
+            max_model_len=max_model_len,
+            tokens_per_byte=tokens_per_byte(tokenizer),
+        )
 
 
 class ModelRegistry(Mapping[str, ModelAssets]):

@@ -9,21 +9,37 @@ Tokenize only what can match: digests are chained, so once a block is held by no
 (:meth:`~extproc.index.interface.PrefixIndex.held`), no later block can be. :meth:`Router.tokens`
 tokenizes piece by piece (long pieces in chunks, :class:`~extproc.models.tokenizer.PrefixCursor`) and
 hashes each block as soon as it is complete, stopping at the first one nobody holds
-(:class:`LazyPrompt`). The index match over that prefix equals the match over the whole window. The rest
-of the window is tokenized only when something needs it: :meth:`Router.decide` when some endpoint or
-node store holds a lead (the ``prefix`` and ``kv-tier`` scorers divide by the prompt's blocks in the
-window, so the pick needs their exact number), and :meth:`Router.commit` (off the request's critical
-path) to record the whole window, so the index learns exactly what it learned before.
+(:class:`LazyPrompt`). The index match over that prefix equals the match over the whole window, and so
+does every lead (GPU or kvcached), so a follow-up turn (its history held, its new reply and message not)
+stops one block into its new text. The rest of the window is tokenized only when something needs it,
+after the answer where it can: :meth:`Router.commit` (off the request's critical path; the gRPC shell
+finishes a large body's in a worker thread) records the whole window, so the index learns exactly what it
+learned before.
 
-Which prompt length each consumer uses (:attr:`Tokens.count`):
+Which prompt length each consumer uses:
 
 - token budgets (admission, ``exact_count``): the exact count, the whole prompt tokenized;
 - the context-length check: exact as far as it needs (:mod:`extproc.routing.length`: a byte bound, or the
   leading ``allowed + 1`` tokens counted);
-- ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens``: exact when the whole prompt was
-  tokenized, else estimated from the characters left at the tokenized part's characters-per-token ratio
-  (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt past the digest window, or one whose
-  tokenization stopped at the first unheld block).
+- the ``prefix`` and ``kv-tier`` scorers' denominator (``SchedulingRequest.prompt_blocks``,
+  :meth:`Router.scored_blocks`): the window's exact blocks when a lead covers it all, else the blocks
+  estimated from the rendered prompt's UTF-8 bytes at the model's tokens-per-byte ratio
+  (:attr:`Tokens.estimated`, :meth:`Router.ratio`), at least one past the longest lead: a function of
+  the prompt, the index and the learned ratio, never of how far the prompt was tokenized, so the pick is
+  the one full tokenization would make (``tests/extproc/routing/test_lazy_tokens.py``);
+- ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens`` (:attr:`Tokens.count`; the TTFT
+  predictor, the SLO check, disaggregation's uncached tokens ``prompt_tokens - matched x block_size``):
+  exact when the whole prompt was tokenized, else estimated from the characters left at the tokenized
+  part's characters-per-token ratio (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt
+  past the digest window, or one whose tokenization stopped at the first unheld block);
+- ``Decision.prompt_blocks`` (the prefix hit-ratio metric, the access log's ``blocks``, federation's
+  ``worth_hashing``): ``len(digests)``, or with ``rest`` set the larger of that and ``prompt_tokens``'s
+  blocks;
+- work that needs the whole window's chain gets it by finishing ``rest``: the speculative index record
+  and federation's ``note`` after the answer; federation's forward (when ``worth_hashing`` says a peer
+  could win) and disaggregation's prefill pick (:mod:`extproc.disagg.plan`, which records the window at
+  the prefill endpoint) before it; the slot restore (:mod:`extproc.control.restore`) needs only the
+  blocks up to its lead, which the digests always reach.
 
 What it decides by (the scheduling profile, per-model routes and the index block size) is one frozen
 :class:`RoutingPolicy`, swapped as a whole by :meth:`Router.apply` when the policy in force changes
@@ -74,6 +90,8 @@ MAX_OPEN_REQUESTS = 65_536
 OPEN_TTL_S = 900.0
 #: The role of endpoints that only compute prompts for a decode endpoint (:mod:`extproc.disagg`).
 PREFILL_ROLE = "prefill"
+#: Prompts a model's learned tokens-per-byte ratio averages over, about (:meth:`Router.ratio`).
+RATIO_MEMORY = 32
 
 
 class Unattainable(Exception):
@@ -98,7 +116,10 @@ class Decision:
     :meth:`Router.commit` then hashes the rest of the window before recording, and ``digests`` becomes
     the whole window's chain. ``prompt_blocks``: the prompt's full blocks within the window (``max_blocks``
     at most), what hit ratios divide by: ``len(digests)``, or with ``rest`` set an estimate from the
-    prompt's estimated length.
+    prompt's estimated length. ``scored_blocks``: what the ``prefix`` and ``kv-tier`` scorers divided by
+    (:meth:`Router.scored_blocks`). ``prompt_bytes`` and ``counted``: the rendered prompt's UTF-8 bytes
+    and whether ``prompt_tokens`` is its exact length (:attr:`Tokens.counted`), from which
+    :meth:`Router.commit` learns the model's tokens-per-byte ratio.
     """
 
     request_id: str
@@ -113,6 +134,9 @@ class Decision:
     recorded: bool = field(default=False)
     rest: LazyPrompt | None = None
     prompt_blocks: int = 0
+    scored_blocks: int = 0
+    prompt_bytes: int = 0
+    counted: bool = False
 
     @property
     def destination(self) -> str:
@@ -163,6 +187,11 @@ class Tokens:
     request the tokens were made for, is ``rest.digests``); ``None`` when ``ids`` cover the digest
     window or the whole prompt. ``chain``: the digests already hashed for these ids by the lazy path
     (what :meth:`Router.digests` returns then, instead of hashing again); ``None`` otherwise.
+    ``estimated``: the prompt's length in tokens estimated from its rendered UTF-8 bytes (``nbytes``) at
+    the model's tokens-per-byte ratio (:meth:`Router.ratio`): a function of the prompt alone, the same
+    however far it was tokenized, which the ``prefix`` and ``kv-tier`` scorers' denominator is taken
+    from (:meth:`Router.decide`); ``None``: use ``count``. ``counted``: ``count`` is the exact length of
+    the whole prompt (it was tokenized to its end).
     """
 
     ids: Sequence[int]
@@ -171,6 +200,9 @@ class Tokens:
     count: int
     rest: LazyPrompt | None = None
     chain: Sequence[Digest] | None = None
+    estimated: int | None = None
+    nbytes: int = 0
+    counted: bool = False
 
 
 class LazyPrompt:
@@ -181,10 +213,18 @@ class LazyPrompt:
     of the full chain. Not thread-safe: one request uses it at a time.
     """
 
-    __slots__ = ("_chains", "block_size", "cursor", "digests", "seed", "window")
+    __slots__ = ("_chains", "block_size", "cursor", "digests", "estimated", "nbytes", "seed", "window")
 
     def __init__(
-        self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, chains: ChainCache
+        self,
+        cursor: PrefixCursor,
+        seed: Digest,
+        block_size: int,
+        window: int,
+        chains: ChainCache,
+        *,
+        estimated: int | None = None,
+        nbytes: int = 0,
     ) -> None:
         self.cursor = cursor
         self.seed = seed
@@ -192,23 +232,27 @@ class LazyPrompt:
         self.window = window
         self._chains = chains
         self.digests: list[Digest] = []
+        #: :attr:`Tokens.estimated` and :attr:`Tokens.nbytes` of the prompt (fixed when it is made).
+        self.estimated = estimated
+        self.nbytes = nbytes
 
     @property
     def complete(self) -> bool:
         """Whether ``digests`` is the whole window's chain (the window is full or the prompt ends)."""
         return len(self.digests) >= self.window or self.cursor.done
 
-    def extend(self, held: Callable[[Digest], bool]) -> bool:
-        """Tokenize and hash on until a digest ``held`` says nobody holds is in ``digests`` (from the
-        last one known on), or :attr:`complete`. Every digest before that one is held, so the index
-        match over ``digests`` equals the match over the whole chain. Returns whether it hashed more."""
+    def extend(self, unheld: Callable[[Sequence[Digest], int], int]) -> bool:
+        """Tokenize and hash on until a digest nobody holds is in ``digests`` (from the last one known
+        on; ``unheld(digests, start)``: the index of the first such from ``start``, else
+        ``len(digests)``, :meth:`~extproc.index.interface.PrefixIndex.unheld`), or :attr:`complete`.
+        Every digest before that one is held, so the index match over ``digests`` equals the match over
+        the whole chain. Returns whether it hashed more."""
         start = max(len(self.digests) - 1, 0)  # those before were held when hashed
         before = len(self.digests)
         while True:
             digests = self.digests
-            for i in range(start, len(digests)):
-                if not held(digests[i]):
-                    return len(digests) > before
+            if unheld(digests, start) < len(digests):
+                return len(digests) > before
             start = len(digests)
             if self.complete:
                 return len(digests) > before
@@ -224,7 +268,17 @@ class LazyPrompt:
         :attr:`complete`, this prompt as ``rest``."""
         cursor = self.cursor
         rest = None if self.complete else self
-        return Tokens(list(cursor.ids), self.block_size, True, cursor.estimate(), rest, list(self.digests))
+        return Tokens(
+            list(cursor.ids),
+            self.block_size,
+            True,
+            cursor.estimate(),
+            rest,
+            list(self.digests),
+            self.estimated,
+            self.nbytes,
+            cursor.done,
+        )
 
     def _hash_step(self) -> None:
         """Tokenizer steps until a block completes (or the prompt ends), then the digests of the blocks
@@ -277,6 +331,8 @@ class Router:
         #: lately; ``None``: the index's occupancy instead.
         self.working_set = working_set
         self._chains = ChainCache(chain_memo_entries)  # ``[index] chain_memo_entries``
+        #: Model name -> learned tokens per byte (:meth:`ratio`).
+        self._ratios: dict[str, float] = {}
         self._node_stores: frozenset[str] = frozenset()
         self._store_nodes: dict[EndpointId, str] = {}  # each node store's index id -> its node
         #: Told of each record and release (``None``: nobody listens).
@@ -341,18 +397,46 @@ class Router:
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
-            found = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            found, nbytes = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
             if isinstance(found, PrefixCursor):
                 seed = self.seed(request)
-                lazy = LazyPrompt(found, seed, block_size, self.max_blocks, self._chains)
-                lazy.extend(self.index.held)
+                lazy = LazyPrompt(
+                    found,
+                    seed,
+                    block_size,
+                    self.max_blocks,
+                    self._chains,
+                    estimated=estimated,
+                    nbytes=nbytes or 0,
+                )
+                lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
             else:
-                ids, count = found
-                tokens = Tokens(ids, block_size, True, count)
+                ids, count = found  # exact: a prompt that fits is counted to its end (_token_ids)
+                if estimated is None:
+                    estimated = count
+                tokens = Tokens(ids, block_size, True, count, None, None, estimated, nbytes or 0, True)
         if timeline is not None:
             timeline.mark("tokenize")
         return tokens
+
+    def ratio(self, assets: ModelAssets) -> float:
+        """Tokens per UTF-8 byte of ``assets``'s prompts: learned from the prompts this router tokenized to
+        their end (:meth:`commit`, after each answer: an average over about the last
+        :data:`RATIO_MEMORY` of them), starting from the calibrated :attr:`ModelAssets.tokens_per_byte`."""
+        return self._ratios.get(assets.name, assets.tokens_per_byte)
+
+    def _learn(self, model: str, tokens: int, nbytes: int) -> None:
+        """A prompt for ``model`` was ``tokens`` tokens in ``nbytes`` bytes: move its ratio towards it."""
+        assets = self.models.find(model)
+        if assets is None:  # a LoRA adapter tokenizes as its base model
+            base = self.adapter_base(model)
+            assets = None if base is None else self.models.find(base)
+        if assets is None or nbytes <= 0 or tokens <= 0:
+            return
+        ratio = self.ratio(assets)
+        self._ratios[assets.name] = ratio + (tokens / nbytes - ratio) / RATIO_MEMORY
 
     def seed(self, request: ParsedRequest) -> Digest:
         """The request's chain seed (:func:`contracts.digest.chain_seed`): for a model some endpoint lists
@@ -470,11 +554,10 @@ class Router:
             candidates = roomy or candidates
         if tokens is None:
             tokens = self.tokens(request, timeline=timeline)
-        elif tokens.rest is not None and tokens.rest.extend(self.index.held):
+        elif tokens.rest is not None and tokens.rest.extend(self.index.unheld):
             tokens = tokens.rest.tokens()  # made earlier: the index has since learned the stopping block
             if timeline is not None:
                 timeline.mark("tokenize")
-        lazy = tokens.rest
         digests = self.digests(request, tokens)
         if timeline is not None:
             timeline.mark("digest")
@@ -489,16 +572,9 @@ class Router:
             self._warm(state, candidates, digests)
         if timeline is not None:
             timeline.mark("lookup")
-        if lazy is not None and (state.prefix_blocks or state.warm_blocks or state.peer_warm_blocks):
-            # Some lead exists, so the prefix and kv-tier scorers divide by the window's blocks: hash them
-            # all (the leads stay the same: each stops before the first unheld block).
-            lazy.finish()
-            tokens = lazy.tokens()
-            digests = self.digests(request, tokens)
-            if timeline is not None:
-                timeline.mark("digest")
         predictor = self.predictor
         block_size = policy.block_size  # tokens per block, whatever stands in for tokens
+        scored_blocks = self.scored_blocks(tokens, digests, state)
         if ttft_budget_s is not None or profile.predicts:
             matched = state.prefix_blocks
             predicted = {
@@ -518,6 +594,7 @@ class Router:
             now=now,
             subset=subset,
             ttft_budget_s=ttft_budget_s,
+            prompt_blocks=scored_blocks,
         )
         result = profile.schedule(sched, state, candidates, self._rng)
         if timeline is not None:
@@ -551,7 +628,33 @@ class Router:
                 if tokens.rest is None
                 else max(len(digests), min(self.max_blocks, tokens.count // tokens.block_size))
             ),
+            scored_blocks=scored_blocks,
+            prompt_bytes=tokens.nbytes,
+            counted=tokens.counted,
         )
+
+    def scored_blocks(self, tokens: Tokens, digests: Sequence[Digest], state: CycleState) -> int:
+        """The prompt's blocks as the ``prefix`` and ``kv-tier`` scorers divide by
+        (``SchedulingRequest.prompt_blocks``), the same whether ``tokens`` stop at the first block nobody
+        holds (the lazy path) or cover the window: with ``lead`` the longest lead anywhere (GPU or either
+        kvcached tier) and ``T`` the window's blocks,
+
+        - ``T`` when some lead covers the whole window (a full hit scores 1); the lazy path then reached
+          the window's end, since every block was held;
+        - else ``max(min(max_blocks, estimated // block_size), lead + 1)``: the estimate from the
+          prompt's bytes (:attr:`Tokens.estimated`), never below one block past the longest lead, so
+          every score stays below 1. No lead reaches the lazy path's stopping block, so neither figure
+          depends on how far it tokenized.
+        """
+        lead = max(
+            max(state.prefix_blocks.values(), default=0),
+            max(state.warm_blocks.values(), default=0),
+            state.peer_warm_blocks,
+        )
+        if tokens.rest is None and lead >= len(digests):
+            return len(digests)
+        estimated = tokens.count if tokens.estimated is None else tokens.estimated
+        return max(min(self.max_blocks, estimated // tokens.block_size), lead + 1)
 
     def _warm(
         self, state: CycleState, candidates: Sequence[EndpointState], digests: Sequence[Digest]
@@ -573,7 +676,14 @@ class Router:
         """
         if not decision.recorded and decision.served is not None:
             decision.recorded = True
-            self._record(decision.served.id, self._window(decision), now)
+            rest = decision.rest
+            window = self._window(decision)
+            self._record(decision.served.id, window, now)
+            counted = decision.prompt_tokens if decision.counted else None
+            if rest is not None and rest.cursor.done:  # the window held the whole prompt
+                counted = len(rest.cursor.ids)
+            if counted is not None and decision.prompt_bytes:
+                self._learn(decision.model, counted, decision.prompt_bytes)
 
     def served(self, decision: Decision, address: str, now: float) -> None:
         """Envoy reports where the request really went; move the bookkeeping if it was a fallback."""
@@ -687,12 +797,13 @@ class Router:
 
 def _token_ids(
     assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
-) -> tuple[Sequence[int], int] | PrefixCursor:
+) -> tuple[tuple[Sequence[int], int] | PrefixCursor, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
     estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
-    context is unknown: the caller tokenizes as far as it needs). Raises ContextLengthExceeded for a
-    prompt that leaves no room in the context."""
+    context is unknown: the caller tokenizes as far as it needs). With it, the rendered prompt's UTF-8
+    bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for a prompt that leaves no
+    room in the context."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
@@ -712,7 +823,8 @@ def _token_ids(
         ids = list(request.prompt or ())
         if limit is not None:
             limit.check(len(ids))
-        return ids, len(ids)
+        return (ids, len(ids)), None
+    nbytes = len(text.encode("utf-8", "surrogatepass"))
     tokenizer = assets.tokenizer
     counting = False
     if limit is not None:
@@ -722,14 +834,14 @@ def _token_ids(
         counting = found is Verdict.COUNT
     if exact_count and not counting:
         ids = tokenizer.encode(text, add_special_tokens=special)
-        return ids, len(ids)
+        return (ids, len(ids)), nbytes
     if limit is None or not counting:
-        return tokenizer.cursor(text, add_special_tokens=special)
+        return tokenizer.cursor(text, add_special_tokens=special), nbytes
     # Counting the leading allowed + 1 tokens also gives the exact length of every prompt that fits.
     needed = max(window, limit.allowed + 1)
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
     limit.check(len(ids))
-    return ids, count
+    return (ids, count), nbytes
 
 
 def _preferred(

@@ -30,7 +30,9 @@ class SchedulingRequest:
     ``digests``: the chained block digests of the prompt (full blocks only). ``prompt_tokens``: the prompt
     length in tokens. ``subset``: the ``ip:port`` addresses the gateway allows (EPP subset hint), or
     ``None`` for no restriction. ``now``: monotonic seconds. ``ttft_budget_s``: seconds left of the
-    request's TTFT deadline (flow control's), ``None`` without one.
+    request's TTFT deadline (flow control's), ``None`` without one. ``prompt_blocks``: the prompt's blocks
+    as the ``prefix`` and ``kv-tier`` scorers divide by (the router's estimate, the same whether or not it
+    tokenized the whole prompt: ``Router.scored_blocks``); ``None``: ``len(digests)`` (:attr:`blocks`).
     """
 
     request_id: str
@@ -42,6 +44,12 @@ class SchedulingRequest:
     objective: str | None = None
     fairness_id: str | None = None
     ttft_budget_s: float | None = None
+    prompt_blocks: int | None = None
+
+    @property
+    def blocks(self) -> int:
+        """The prompt's blocks the scorers divide by: ``prompt_blocks``, else ``len(digests)``."""
+        return len(self.digests) if self.prompt_blocks is None else self.prompt_blocks
 
 
 @dataclass(slots=True)

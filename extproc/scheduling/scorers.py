@@ -61,8 +61,10 @@ class PrefixParams:
 class PrefixScorer:
     """Share of the request's blocks already cached as a leading prefix on the endpoint.
 
-    ``matched / min(total, max_blocks)`` where ``matched`` is ``state.prefix_blocks[endpoint]`` and
-    ``total`` is the number of full blocks of the prompt; 0 when the prompt has no full block.
+    ``min(matched, t) / t`` with ``t = min(total, max_blocks)``, where ``matched`` is
+    ``state.prefix_blocks[endpoint]`` and ``total`` the prompt's full blocks as the router counts them
+    for scoring (``SchedulingRequest.blocks``: an estimate unless a lead covers the whole window, README.md);
+    0 when the prompt has no full block.
     """
 
     __slots__ = ("name", "params")
@@ -74,7 +76,7 @@ class PrefixScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        total = min(len(request.digests), self.params.max_blocks)
+        total = min(request.blocks, self.params.max_blocks)
         if total <= 0:
             return {}
         matched = state.prefix_blocks
@@ -180,8 +182,9 @@ class TierParams:
 class TierScorer:
     """Blocks a prefix cache outside the GPU saves: below GPU-resident, above nothing.
 
-    With ``n`` = the request's blocks, ``g`` = ``state.prefix_blocks`` (on the endpoint), ``w`` =
-    ``state.warm_blocks`` (its node's kvcached) and ``p`` = ``state.peer_warm_blocks`` (any node's kvcached):
+    With ``n`` = the request's blocks (``SchedulingRequest.blocks``, as for ``prefix``), ``g`` =
+    ``state.prefix_blocks`` (on the endpoint), ``w`` = ``state.warm_blocks`` (its node's kvcached) and
+    ``p`` = ``state.peer_warm_blocks`` (any node's kvcached):
     ``(local * max(0, w - g) + peer * max(0, p - max(g, w))) / n``, in ``[0, local]``. No kvcached: 0.
     """
 
@@ -194,7 +197,7 @@ class TierScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        n = len(request.digests)
+        n = request.blocks
         peer_blocks = state.peer_warm_blocks
         if n == 0 or (peer_blocks <= 0 and not state.warm_blocks):
             return dict.fromkeys((c.id for c in candidates), 0.0)

@@ -54,7 +54,7 @@ from extproc.collector import Collector
 from extproc.config import parse_config
 from extproc.models.registry import ModelAssets
 from extproc.routing.request import Kind, ParsedRequest, parse_body
-from extproc.routing.router import Tokens
+from extproc.routing.router import LazyPrompt
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
 from extproc.server import Gateway
@@ -421,13 +421,20 @@ def run_breakdown(
             extra=request.template_kwargs,
         )
         marks.append(time.perf_counter_ns())
-        # As Router.tokens does for a follow-up whose history is held (a lead anywhere makes it hash the
-        # whole digest window) without token budgets: only as far as the window reaches.
-        ids, count = assets.tokenizer.encode_prefix(
-            text, add_special_tokens=False, limit=router.max_blocks * block_size
+        # As Router.tokens does without token budgets: tokenize and hash block by block up to the first
+        # block nobody holds (the follow-up's new reply), estimating the length from the bytes.
+        lazy = LazyPrompt(
+            assets.tokenizer.cursor(text, add_special_tokens=False),
+            router.seed(request),
+            block_size,
+            router.max_blocks,
+            router._chains,  # the router's own chain memo, as Router.tokens passes it
+            estimated=round(len(text.encode()) * router.ratio(assets)),
         )
+        lazy.extend(router.index.unheld)
+        tokens = lazy.tokens()
         marks.append(time.perf_counter_ns())
-        digests = router.digests(request, Tokens(ids, block_size, True, count))
+        digests = router.digests(request, tokens)
         marks.append(time.perf_counter_ns())
         now = clock()
         state = CycleState(
@@ -436,13 +443,19 @@ def run_breakdown(
         marks.append(time.perf_counter_ns())
         candidates = [s for s in candidates_all if request.model in s.endpoint.models]
         sched = SchedulingRequest(
-            request_id=f"b{i}", model=request.model, digests=digests, prompt_tokens=count, now=now
+            request_id=f"b{i}",
+            model=request.model,
+            digests=digests,
+            prompt_tokens=tokens.count,
+            now=now,
+            prompt_blocks=router.scored_blocks(tokens, digests, state),
         )
         result = profile.schedule(sched, state, candidates, random.Random(i))
         marks.append(time.perf_counter_ns())
         primary = result.endpoints[0]
         primary.in_flight += 1
-        router.index.record(primary.id, digests, now)
+        lazy.finish()  # the deferred record hashes the rest of the window first (Router.commit)
+        router.index.record(primary.id, lazy.digests, now)
         marks.append(time.perf_counter_ns())
         primary.in_flight -= 1
         if i < warmup:

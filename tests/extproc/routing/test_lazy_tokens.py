@@ -3,13 +3,16 @@
 The router tokenizes piece by piece (long pieces in chunks), hashes each block as soon as it is complete
 and stops at the first block no endpoint nor node store holds (``PrefixIndex.held``). Its tokens and
 digests must be a prefix of the full ones reaching one block past the longest held prefix (or the window's
-end), and the index match (hence the pick) must be the same.
+end), and the index match, the scorers' denominator (``Router.scored_blocks``), the scores and the pick
+must be the same as with the whole prompt tokenized.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +21,7 @@ from hypothesis import strategies as st
 from contracts.digest import Digest
 from contracts.events import EndpointId, Stored, node_store_endpoint
 from engines.endpoint import Endpoint
-from extproc.fleet import Fleet
+from extproc.fleet import EndpointState, Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.hybrid import HybridIndex
 from extproc.index.interface import PrefixIndex
@@ -26,7 +29,9 @@ from extproc.index.precise import PreciseIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import SegmentTokenizer
 from extproc.routing.request import Kind, ParsedRequest, parse_body
-from extproc.routing.router import Router, RoutingPolicy
+from extproc.routing.router import Decision, Router, RoutingPolicy
+from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.profile import ScheduleResult
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 
 MODEL = "m"
@@ -37,9 +42,36 @@ CODE = "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n"
 
 def make_router(model_dir: str, index: PrefixIndex, max_blocks: int = 64) -> Router:
     assets = ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
-    fleet = Fleet([Endpoint(e, f"127.0.0.{i + 1}:1", frozenset({MODEL})) for i, e in enumerate(ENDPOINTS)])
+    # e0 sits on node n1, whose kvcached the hybrid index may follow (a warm lead for kv-tier).
+    fleet = Fleet(
+        [
+            Endpoint(e, f"127.0.0.{i + 1}:1", frozenset({MODEL}), node="n1" if i == 0 else None)
+            for i, e in enumerate(ENDPOINTS)
+        ]
+    )
     policy = RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16)
     return Router(fleet, ModelRegistry([assets]), index, policy, max_blocks=max_blocks, rng=random.Random(0))
+
+
+def scored(router: Router) -> list[tuple[SchedulingRequest, dict[EndpointId, float]]]:
+    """Every schedule ``router``'s profile runs from now on: its request and its candidates' totals."""
+    seen: list[tuple[SchedulingRequest, dict[EndpointId, float]]] = []
+    profile = router.policy.profile
+    schedule = profile.schedule
+
+    def spy(
+        request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState], rng: Any
+    ) -> ScheduleResult:
+        result = schedule(request, state, candidates, rng)
+        seen.append((request, dict(result.scores)))
+        return result
+
+    profile.schedule = spy  # type: ignore[method-assign]
+    return seen
+
+
+def picks(decision: Decision) -> list[str]:
+    return [s.id for s in decision.endpoints]
 
 
 def text_of(rng: random.Random, words: int) -> str:
@@ -83,6 +115,9 @@ def test_lazy_path_is_a_prefix_and_matches_the_same(
         for endpoint in ENDPOINTS:
             index.set_precise(endpoint, rng.random() < 0.7)
     r = make_router(model_dir, index)
+    whole = make_router(model_dir, index)  # the same index, every prompt tokenized whole
+    if precise:
+        r.node_stores = whole.node_stores = frozenset({"n1"})
     history = chat(rng, turns)
     earlier = [history[: rng.randint(1, turns)] for _ in range(2)]
     # The index holds prefixes of earlier turns of this chat (and of the chat itself, sometimes).
@@ -105,9 +140,17 @@ def test_lazy_path_is_a_prefix_and_matches_the_same(
     assert index.match(lazy_digests, 1.0) == index.match(full_digests, 1.0)
     stores = [EndpointId(node_store_endpoint("n1"))]
     assert index.node_leads(stores, lazy_digests) == index.node_leads(stores, full_digests)
-    # The decision matches as on the full chain and records the whole window.
-    decision = r.decide(request, request_id="x", now=1.0, tokens=lazy)
+    # The decision is the one made on the whole prompt (same denominator, scores and pick) and records
+    # the whole window.
+    lazy_scores, full_scores = scored(r), scored(whole)
+    decision = r.decide(request, request_id="x", now=1.0, tokens=r.tokens(request))
+    reference = whole.decide(request, request_id="x", now=1.0, tokens=whole.tokens(request, exact_count=True))
     assert decision.matched_blocks == index.match(full_digests, 1.0).get(decision.endpoints[0].id, 0)
+    assert decision.scored_blocks == reference.scored_blocks
+    assert [scores for _, scores in lazy_scores] == [scores for _, scores in full_scores]
+    assert picks(decision) == picks(reference)
+    assert decision.matched_blocks == reference.matched_blocks
+    assert decision.kv_lead_blocks == reference.kv_lead_blocks
     r.commit(decision, 1.0)
     assert decision.digests == full_digests and decision.rest is None
 
@@ -132,18 +175,62 @@ def test_a_first_turn_stops_at_its_first_block(model_dir: str) -> None:
     assert again.rest is None and r.digests(request, again) == decision.digests
 
 
-def test_decide_hashes_the_window_when_a_lead_exists(model_dir: str) -> None:
-    """The prefix scorer divides by the window's blocks, so a lead makes decide hash them all."""
+def test_a_follow_up_stops_at_its_first_unheld_block(model_dir: str, monkeypatch: Any) -> None:
+    """A follow-up's history is held, its new turn is not: decide tokenizes up to the first block nobody
+    holds (a chunk of the new reply), not the rest of the window; its scorers divide by the estimate
+    from the prompt's bytes; the commit then hashes and records the whole window, as before."""
     r = make_router(model_dir, ApproximateIndex(), max_blocks=256)
     base = [{"role": "user", "content": " ".join(f"w{i}" for i in range(500))}]
     first = r.decide(request_of(base), request_id="a", now=0.0)
     r.commit(first, 0.0)
-    follow = request_of([*base, {"role": "assistant", "content": "new " * 400}])
-    lazy = r.tokens(follow)
-    assert lazy.rest is not None  # stopped in the unseen reply
-    decision = r.decide(follow, request_id="b", now=1.0, tokens=lazy)
-    assert decision.digests == r.digests(follow, r.tokens(follow, exact_count=True))[:256]
-    assert decision.rest is None and decision.matched_blocks == len(first.digests)
+    held = len(first.digests)
+    follow = request_of([*base, {"role": "assistant", "content": " ".join(f"new{i}" for i in range(400))}])
+    full = r.digests(follow, r.tokens(follow, exact_count=True))
+    assert len(full) > held + 50  # the new reply is many blocks long
+    tokenizer = r.models.find(MODEL).tokenizer  # type: ignore[union-attr]
+    tokenizer.clear_cache()
+    r.tokens(request_of(base))  # the history's pieces cached again, as a follow-up finds them
+    made: list[int] = []  # ids the tokenizer backend produced during the follow-up's decision
+    for name in ("_tokenize", "_chunk"):
+        original = getattr(tokenizer, name)
+
+        def counting(arg: Any, original: Any = original) -> Any:
+            out = original(arg)
+            made.append(sum(len(v) for v in out.values()) if isinstance(out, dict) else len(out))
+            return out
+
+        monkeypatch.setattr(tokenizer, name, counting)
+    decision = r.decide(follow, request_id="b", now=1.0)
+    monkeypatch.undo()
+    assert decision.rest is not None  # stopped in the unseen reply
+    assert held < len(decision.digests) <= held + 8
+    assert 0 < sum(made) < 150  # the first chunk of the reply, not its ~1,000 tokens
+    assert decision.matched_blocks == held
+    estimate = r.tokens(follow, exact_count=True).estimated
+    assert estimate is not None
+    assert decision.scored_blocks == max(min(256, estimate // 16), held + 1)
+    r.commit(decision, 1.0)
+    assert decision.rest is None and decision.digests == full[:256]
+
+
+def test_a_full_hit_scores_one_and_the_ratio_is_learned(model_dir: str) -> None:
+    """A prompt some endpoint holds whole is scored on its exact blocks (prefix score 1 there), whatever
+    the estimate; prompts tokenized to their end teach the router the model's tokens per byte."""
+    r = make_router(model_dir, ApproximateIndex(), max_blocks=256)
+    assets = r.models.find(MODEL)
+    assert assets is not None and 0.1 < assets.tokens_per_byte < 0.5
+    request = request_of([{"role": "user", "content": " ".join(f"w{i}" for i in range(300))}])
+    first = r.decide(request, request_id="a", now=0.0)
+    assert first.rest is not None and first.scored_blocks >= 1
+    r.commit(first, 0.0)
+    tokens = r.tokens(request, exact_count=True)
+    exact = tokens.count / tokens.nbytes
+    learned = r.ratio(assets)
+    assert abs(learned - exact) < abs(assets.tokens_per_byte - exact)  # one prompt moved it towards it
+    seen = scored(r)
+    again = r.decide(request, request_id="b", now=1.0)
+    assert again.rest is None and again.scored_blocks == len(first.digests) == again.matched_blocks
+    assert seen[0][0].blocks == len(first.digests)
 
 
 def test_held_on_each_index_kind() -> None:
@@ -167,6 +254,32 @@ def test_held_on_each_index_kind() -> None:
     hybrid.set_precise(EndpointId(store), True)
     hybrid.apply([Stored(store, [b], "ram")], 0.0)
     assert hybrid.held(a) and hybrid.held(b) and not hybrid.held(c)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=12), st.integers(0, 12))
+def test_unheld_is_the_first_digest_held_says_nobody_holds(where: list[int], start: int) -> None:
+    """``unheld(chain, start)`` (one call on the lazy path) agrees with ``held`` asked block by block:
+    each block of the chain held by nobody (0), an approximate endpoint (1), a precise one (2) or a node
+    store (3), in any mix."""
+    chain = [Digest(bytes([i]) * 16) for i in range(len(where))]
+    approximate, precise, hybrid = ApproximateIndex(), PreciseIndex(), HybridIndex()
+    store = EndpointId(node_store_endpoint("n1"))
+    hybrid.set_precise(ENDPOINTS[1], True)
+    hybrid.set_precise(store, True)
+    for digest, kind in zip(chain, where, strict=True):
+        if kind == 1:
+            approximate.record(ENDPOINTS[0], [digest], 0.0)
+            hybrid.record(ENDPOINTS[0], [digest], 0.0)
+        elif kind == 2:
+            precise.apply([Stored(ENDPOINTS[1], [digest], "gpu")], 0.0)
+            hybrid.apply([Stored(ENDPOINTS[1], [digest], "gpu")], 0.0)
+        elif kind == 3:
+            precise.apply([Stored(store, [digest], "ssd")], 0.0)
+            hybrid.apply([Stored(store, [digest], "ssd")], 0.0)
+    for index in (approximate, precise, hybrid):
+        first = next((i for i in range(start, len(chain)) if not index.held(chain[i])), len(chain))
+        assert index.unheld(chain, start) == first
 
 
 @settings(max_examples=200, deadline=None)
