@@ -150,6 +150,14 @@ class Disaggregator:
             return None
         decode = decision.served
         block_size = self._router.policy.block_size
+        rest = decision.rest
+        if rest is not None:
+            # The lazy path stopped at the first unheld block, so ``prompt_tokens`` is an estimate from
+            # characters (a follow-up's new turn at its history's ratio). Whether to disaggregate turns on
+            # the uncached count, so count the window exactly first, as before the lazy path stopped early
+            # for follow-ups; the prefill pick records this window anyway.
+            rest.finish()
+            decision.prompt_tokens = rest.cursor.estimate()  # exact unless the prompt outruns the window
         uncached = max(0, decision.prompt_tokens - decision.matched_blocks * block_size)
         protocol = PROTOCOLS.get(decode.endpoint.engine)
         # An SGLang decode server refuses a request without a bootstrap room (400): it cannot serve alone.

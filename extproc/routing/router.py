@@ -28,10 +28,13 @@ Which prompt length each consumer uses:
   the prompt, the index and the learned ratio, never of how far the prompt was tokenized, so the pick is
   the one full tokenization would make (``tests/extproc/routing/test_lazy_tokens.py``);
 - ``SchedulingRequest.prompt_tokens`` and ``Decision.prompt_tokens`` (:attr:`Tokens.count`; the TTFT
-  predictor, the SLO check, disaggregation's uncached tokens ``prompt_tokens - matched x block_size``):
-  exact when the whole prompt was tokenized, else estimated from the characters left at the tokenized
-  part's characters-per-token ratio (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt
-  past the digest window, or one whose tokenization stopped at the first unheld block);
+  predictor, the SLO check): exact when the whole prompt was tokenized, else estimated from the
+  characters left at the tokenized part's characters-per-token ratio
+  (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt past the digest window, or one whose
+  tokenization stopped at the first unheld block). Disaggregation's uncached tokens (``prompt_tokens -
+  matched x block_size``, its conditional threshold) finish ``rest`` first and so count the window
+  exactly (:meth:`extproc.disagg.plan.Disaggregator.plan`): a follow-up's new turn may be far denser in
+  tokens than its history;
 - ``Decision.prompt_blocks`` (the prefix hit-ratio metric, the access log's ``blocks``, federation's
   ``worth_hashing``): ``len(digests)``, or with ``rest`` set the larger of that and ``prompt_tokens``'s
   blocks;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import types
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 import pytest
@@ -19,7 +20,7 @@ from extproc.errors import Unavailable
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.working_set import WorkingSet
-from extproc.models.registry import ModelRegistry
+from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.routing.router import Decision, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
@@ -369,3 +370,39 @@ def test_the_conformance_pin_binds_the_prefill_pick_when_it_names_one() -> None:
     assert plan([p1, d0], "e", subset=frozenset({d0, address[EndpointId("p0")]})) == ("d0", None)
     with pytest.raises(Unavailable):  # a pin naming only prefill endpoints leaves nothing to serve it
         router.decide(request(LONG), request_id="f", now=NOW, pinned=[p1])
+
+
+def test_a_follow_ups_uncached_count_is_exact_when_the_lazy_path_stopped_early(model_dir: str) -> None:
+    """A follow-up's decide stops tokenizing at its first unheld block, where ``prompt_tokens`` is only an
+    estimate at the history's characters-per-token ratio; a new turn much denser in tokens (here ~5 tokens
+    a word against ~1.3 in the history) is then underestimated several times over. The conditional
+    verdict counts the window exactly first: the dense turn is disaggregated, with its exact uncached
+    count."""
+    assets = ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
+    router = Router(
+        Fleet([endpoint("p0", "prefill"), endpoint("d0", "decode")]),
+        ModelRegistry([assets]),
+        ApproximateIndex(),
+        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+        max_blocks=256,
+        rng=random.Random(0),
+    )
+    route = PdRoute(PdSpec("conditional", 256), build_profile(DEFAULT_SCHEDULING), ())
+    pd = Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
+    history = "Disaggregated serving computes the prompt on one replica and decodes on another. " * 20
+
+    def chat(*turns: str) -> ParsedRequest:
+        messages = [{"role": "system", "content": history}, *({"role": "user", "content": t} for t in turns)]
+        return parse_body(Kind.CHAT, orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 8}))
+
+    first = decide(router, chat("hello"), "r1")
+    router.commit(first, NOW)  # d0 holds the history (speculatively)
+    dense = chat(" ".join(f"q2x{j}" for j in range(60)))
+    follow = decide(router, dense, "r2")
+    assert follow.rest is not None  # stopped in the dense turn: prompt_tokens is an estimate
+    exact = len(router.tokens(dense, exact_count=True).ids)
+    verdict = pd.plan(follow, NOW)
+    assert verdict is not None and verdict.reason == "disaggregated"
+    assert verdict.handoff is not None
+    assert follow.prompt_tokens == exact
+    assert verdict.handoff.uncached_tokens == exact - follow.matched_blocks * 16 >= 256
