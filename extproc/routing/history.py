@@ -23,9 +23,13 @@ Exact (the lazy path's invariants hold and it ends in the state the unmemoised p
 - it is used only when every digest it carries is held now (``PrefixIndex.unheld`` from 0), else the
   unmemoised path would have stopped earlier: the prompt is then tokenized from its start as before.
 
-The ids and marks are kept in arrays, not tuples: a state is made after every answer, and thousands of
-young 4k-item tuples made Python's collector traverse them (measured: twice the gen-0 collections in the
-decision bench's follow-up cells, each twice as long, the p99 of ~1k follow-ups doubled).
+The ids and marks are kept in arrays, which the garbage collector does not traverse: in tuples, the young
+4k-item tuples made each of CPython's young collections in the decision bench's ~4k follow-up cells about
+twice as long (BENCHMARKS.md). Each remembered state still leaves a few tracked objects (the state, its
+pieces and digests tuples), so young collections run more often (about twice in those cells): with
+``[extproc] gc = "python"`` some land inside decisions; the default ``deferred`` runs them after answers.
+The memo is per process: with ``[extproc] workers`` above 1, a turn routed by another worker than the
+previous one walks its history as before.
 
 Bound: least recently used states are dropped past ``max_entries`` states or ``max_units`` characters
 plus token ids held (each state holds its pieces' text, its ids and its digests: about 1 byte a
@@ -35,6 +39,7 @@ key; a tokenizer reloaded is a different key (held by identity), a policy's new 
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -62,14 +67,15 @@ class _State:
 
 
 class HistoryMemo:
-    """Bounded LRU of lazy-path states at piece boundaries (see the module docstring). Not thread-safe:
-    the router's thread uses it."""
+    """Bounded LRU of lazy-path states at piece boundaries (see the module docstring). Thread-safe (a
+    large body is tokenized in a worker thread while the loop commits others)."""
 
     def __init__(self, max_entries: int = 4096, max_units: int = 64_000_000) -> None:
         self.max_entries = max_entries
         self.max_units = max_units
         self._states: OrderedDict[int, _State] = OrderedDict()
         self._units = 0
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -109,6 +115,20 @@ class HistoryMemo:
         pieces = cursor.pieces
         tokenizer = cursor.tokenizer
         hashes = self._hashes(self._head(tokenizer, seed, block_size, window), pieces)
+        with self._lock:
+            return self._resume(cursor, pieces, hashes, seed, block_size, window, unheld)
+
+    def _resume(
+        self,
+        cursor: PrefixCursor,
+        pieces: Sequence[str | int],
+        hashes: list[int],
+        seed: Digest,
+        block_size: int,
+        window: int,
+        unheld: Callable[[Sequence[Digest], int], int],
+    ) -> tuple[Digest, ...] | None:
+        tokenizer = cursor.tokenizer
         states = self._states
         for k in range(len(pieces), 0, -1):
             state = states.get(hashes[k])
@@ -151,9 +171,10 @@ class HistoryMemo:
         if blocks > len(digests):
             return
         key = self._hashes(self._head(cursor.tokenizer, seed, block_size, window), pieces[:k])[k]
-        if key in self._states:
-            self._states.move_to_end(key)
-            return
+        with self._lock:
+            if key in self._states:
+                self._states.move_to_end(key)
+                return
         chars = sum(len(p) for p in pieces[:k] if isinstance(p, str))
         state = _State(
             cursor.tokenizer,
@@ -168,12 +189,16 @@ class HistoryMemo:
         )
         if state.units > self.max_units:
             return
-        self._states[key] = state
-        self._units += state.units
-        while len(self._states) > self.max_entries or self._units > self.max_units:
-            _, old = self._states.popitem(last=False)
-            self._units -= old.units
+        with self._lock:
+            if key in self._states:
+                return
+            self._states[key] = state
+            self._units += state.units
+            while len(self._states) > self.max_entries or self._units > self.max_units:
+                _, old = self._states.popitem(last=False)
+                self._units -= old.units
 
     def clear(self) -> None:
-        self._states.clear()
-        self._units = 0
+        with self._lock:
+            self._states.clear()
+            self._units = 0
