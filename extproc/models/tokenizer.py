@@ -332,6 +332,7 @@ class PrefixCursor:
         "_suffix",
         "_tok",
         "ids",
+        "marks",
     )
 
     def __init__(
@@ -354,6 +355,8 @@ class PrefixCursor:
         self._chars = 0  # characters of ordinary pieces tokenized so far
         #: The ids so far (read-only for callers).
         self.ids = ids
+        #: ``len(ids)`` after each piece tokenized so far (read-only; :mod:`extproc.routing.history`).
+        self.marks: list[int] = []
         if not pieces:
             self._finish()
 
@@ -407,6 +410,30 @@ class PrefixCursor:
         self._chars += len(piece) - offset
         self._next_piece()
 
+    @property
+    def pieces(self) -> list[str | int]:
+        """The text cut at added tokens (:meth:`SegmentTokenizer.split`; read-only)."""
+        return self._pieces
+
+    @property
+    def tokenizer(self) -> SegmentTokenizer:
+        """The tokenizer this cursor steps with."""
+        return self._tok
+
+    def resume(self, k: int, ids: Iterable[int], marks: Iterable[int], chars: int) -> None:
+        """Put a fresh cursor (nothing stepped) where it would be after its first ``k`` pieces: ``ids``
+        must be exactly their tokenization (with the prefix the cursor started with), ``marks`` the ids
+        after each and ``chars`` their ordinary characters (:class:`~extproc.routing.history.HistoryMemo`
+        checks the pieces are the ones these were remembered for)."""
+        if self._next or self._offset or self.done or not 0 < k <= len(self._pieces):
+            raise ValueError("resume needs a fresh cursor and a boundary within its pieces")
+        self.ids[:] = ids
+        self.marks[:] = marks
+        self._chars = chars
+        self._next = k
+        if k == len(self._pieces):
+            self._finish()
+
     def estimate(self) -> int:
         """The text's length in tokens: exact when :attr:`done`, else the ids so far plus the added tokens
         left, the post-processor's suffix, and the characters left at the ratio of ids so far to
@@ -420,6 +447,7 @@ class PrefixCursor:
         return len(self.ids) + specials + round(rest_chars * per_char) + len(self._suffix)
 
     def _next_piece(self) -> None:
+        self.marks.append(len(self.ids))
         self._next += 1
         self._offset = 0
         self._partial = []

@@ -16,6 +16,11 @@ after the answer where it can: :meth:`Router.commit` (off the request's critical
 finishes a large body's in a worker thread) records the whole window, so the index learns exactly what it
 learned before.
 
+A follow-up does not walk its held history either: the commit remembers the lazy path's state at the
+previous prompt's last turn boundary (:class:`~extproc.routing.history.HistoryMemo`), and the next turn,
+whose rendered prompt starts with those pieces, resumes there when every digest of it is still held
+(:meth:`LazyPrompt.resume`): the same ids, digests and decision as the walk.
+
 Which prompt length each consumer uses:
 
 - token budgets (admission, ``exact_count``): the exact count, the whole prompt tokenized;
@@ -72,6 +77,7 @@ from extproc.index.interface import PrefixIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import PrefixCursor
+from extproc.routing.history import HistoryMemo
 from extproc.routing.length import ContextLimit, Verdict, triage
 from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
@@ -216,7 +222,17 @@ class LazyPrompt:
     of the full chain. Not thread-safe: one request uses it at a time.
     """
 
-    __slots__ = ("_chains", "block_size", "cursor", "digests", "estimated", "nbytes", "seed", "window")
+    __slots__ = (
+        "_chains",
+        "block_size",
+        "cursor",
+        "digests",
+        "estimated",
+        "history",
+        "nbytes",
+        "seed",
+        "window",
+    )
 
     def __init__(
         self,
@@ -228,6 +244,7 @@ class LazyPrompt:
         *,
         estimated: int | None = None,
         nbytes: int = 0,
+        history: HistoryMemo | None = None,
     ) -> None:
         self.cursor = cursor
         self.seed = seed
@@ -238,6 +255,24 @@ class LazyPrompt:
         #: :attr:`Tokens.estimated` and :attr:`Tokens.nbytes` of the prompt (fixed when it is made).
         self.estimated = estimated
         self.nbytes = nbytes
+        #: Where a chat prompt's state is resumed from and remembered (:mod:`extproc.routing.history`).
+        self.history = history
+
+    def resume(self, unheld: Callable[[Sequence[Digest], int], int]) -> bool:
+        """Start a fresh prompt at the longest boundary :attr:`history` remembers for it whose digests
+        are all held (the state the walk there would reach); returns whether it did."""
+        if self.history is None or self.digests:
+            return False
+        digests = self.history.resume(self.cursor, self.seed, self.block_size, self.window, unheld)
+        if digests is None:
+            return False
+        self.digests = list(digests)
+        return True
+
+    def remember(self) -> None:
+        """Remember this prompt's state at its last boundary for the next turn (after :meth:`finish`)."""
+        if self.history is not None:
+            self.history.remember(self.cursor, self.seed, self.block_size, self.window, self.digests)
 
     @property
     def complete(self) -> bool:
@@ -323,6 +358,7 @@ class Router:
         rng: random.Random | None = None,
         working_set: WorkingSet | None = None,
         chain_memo_entries: int = 200_000,
+        history: HistoryMemo | None = None,
     ) -> None:
         self.fleet = fleet
         self.models = models
@@ -334,6 +370,8 @@ class Router:
         #: lately; ``None``: the index's occupancy instead.
         self.working_set = working_set
         self._chains = ChainCache(chain_memo_entries)  # ``[index] chain_memo_entries``
+        #: Chat prompts' lazy-path states at turn boundaries (:mod:`extproc.routing.history`).
+        self.history = history if history is not None else HistoryMemo()
         #: Model name -> learned tokens per byte (:meth:`ratio`).
         self._ratios: dict[str, float] = {}
         self._node_stores: frozenset[str] = frozenset()
@@ -412,7 +450,9 @@ class Router:
                     self._chains,
                     estimated=estimated,
                     nbytes=nbytes or 0,
+                    history=self.history if request.kind in CHAT_KINDS else None,
                 )
+                lazy.resume(self.index.unheld)
                 lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
             else:
@@ -721,6 +761,7 @@ class Router:
         rest = decision.rest
         if rest is not None:
             rest.finish()
+            rest.remember()
             decision.digests = list(rest.digests)
             decision.rest = None
         return decision.digests

@@ -421,8 +421,9 @@ def run_breakdown(
             extra=request.template_kwargs,
         )
         marks.append(time.perf_counter_ns())
-        # As Router.tokens does without token budgets: tokenize and hash block by block up to the first
-        # block nobody holds (the follow-up's new reply), estimating the length from the bytes.
+        # As Router.tokens does without token budgets: resume at the previous turn's boundary, then
+        # tokenize and hash block by block up to the first block nobody holds (the follow-up's new
+        # reply), estimating the length from the bytes.
         lazy = LazyPrompt(
             assets.tokenizer.cursor(text, add_special_tokens=False),
             router.seed(request),
@@ -430,7 +431,9 @@ def run_breakdown(
             router.max_blocks,
             router._chains,  # the router's own chain memo, as Router.tokens passes it
             estimated=round(len(text.encode()) * router.ratio(assets)),
+            history=router.history,  # resumed at the previous turn's boundary, as Router.tokens does
         )
+        lazy.resume(router.index.unheld)
         lazy.extend(router.index.unheld)
         tokens = lazy.tokens()
         marks.append(time.perf_counter_ns())
@@ -455,6 +458,7 @@ def run_breakdown(
         primary = result.endpoints[0]
         primary.in_flight += 1
         lazy.finish()  # the deferred record hashes the rest of the window first (Router.commit)
+        lazy.remember()
         router.index.record(primary.id, lazy.digests, now)
         marks.append(time.perf_counter_ns())
         primary.in_flight -= 1
