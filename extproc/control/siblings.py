@@ -73,10 +73,10 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from contracts.digest import DIGEST_BYTES, Digest
 from contracts.errors import ConfigError
@@ -347,42 +347,38 @@ def decode(data: bytes) -> Learned | Loads | Usage | Prefill:
                     raise MessageError("truncated queued top")
                 tops[data[at : at + name_len].decode()] = priority
                 at += name_len
-            counts: dict[EndpointId, tuple[int, int]] = {}
-            while at < len(data):
-                eid_len, in_flight, routed = _ENTRY.unpack_from(data, at)
-                at += _ENTRY.size
-                if at + eid_len > len(data):
-                    raise MessageError("truncated entry")
-                counts[EndpointId(data[at : at + eid_len].decode())] = (in_flight, routed)
-                at += eid_len
+            counts = {
+                EndpointId(name): (in_flight, routed)
+                for name, (in_flight, routed) in _named(data, at, _ENTRY, "entry")
+            }
             return Loads(sender, bool(flags & 1), counts, tops)
         if kind == USAGE:
             (started_ns,) = _STARTED.unpack_from(data, at)
             at += _STARTED.size
-            counters: dict[str, int] = {}
-            while at < len(data):
-                name_len, counter = _COUNTER.unpack_from(data, at)
-                at += _COUNTER.size
-                if at + name_len > len(data):
-                    raise MessageError("truncated usage entry")
-                counters[data[at : at + name_len].decode()] = counter
-                at += name_len
+            counters = {name: counter for name, (counter,) in _named(data, at, _COUNTER, "usage entry")}
             return Usage(sender, started_ns, counters)
         if kind == PREFILL:
             (flags,) = _FLAGS.unpack_from(data, at)
             at += _FLAGS.size
-            tokens: dict[EndpointId, int] = {}
-            while at < len(data):
-                eid_len, count = _TOKENS.unpack_from(data, at)
-                at += _TOKENS.size
-                if at + eid_len > len(data):
-                    raise MessageError("truncated prefill entry")
-                tokens[EndpointId(data[at : at + eid_len].decode())] = count
-                at += eid_len
+            entries = _named(data, at, _TOKENS, "prefill entry")
+            tokens = {EndpointId(name): count for name, (count,) in entries}
             return Prefill(sender, bool(flags & 1), tokens)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MessageError(f"malformed sibling message: {exc}") from exc
     raise MessageError(f"unknown message kind {kind}")
+
+
+def _named(data: bytes, at: int, entry: struct.Struct, what: str) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """The entries from ``at`` to the end of ``data``: each ``entry`` (its first field the name's length,
+    then the values) followed by the UTF-8 name; ``MessageError`` when a name runs past the end (the
+    caller turns ``struct.error`` and ``UnicodeDecodeError`` into one too)."""
+    while at < len(data):
+        name_len, *values = entry.unpack_from(data, at)
+        at += entry.size
+        if at + name_len > len(data):
+            raise MessageError(f"truncated {what}")
+        yield data[at : at + name_len].decode(), tuple(values)
+        at += name_len
 
 
 def local_loads(fleet: Fleet) -> dict[EndpointId, tuple[int, int]]:
