@@ -8,7 +8,8 @@ served last and re-reads only when one changed. A new certificate is adopted onl
 and both parse, so a rotation caught half way (new key, old certificate) keeps the current pair in force
 until the other file lands. Established connections keep the certificate they were opened with.
 
-:class:`ReloadingClientCerts` is the same for a client (the migration proxy): each ``context()`` /
+:class:`ReloadingClientCerts` is the same for a client (the migration proxy; the scraper and the
+ext_proc's engine requests through :func:`client_tls`): each ``context()`` /
 ``credentials()`` call stats its three files and rebuilds the ``ssl.SSLContext`` and the gRPC channel
 credentials only when one changed and the new pair is consistent; a caller that passes the current context
 per request (aiohttp keys pooled connections by it) opens new connections with the new certificate while
@@ -240,3 +241,21 @@ class ReloadingClientCerts:
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
         )
         return before, (context, credentials), ""
+
+
+#: A client's TLS setting as its users take it: a fixed context, or one that follows rotation.
+ClientTls = ssl.SSLContext | ReloadingClientCerts
+
+
+def client_tls(files: ClientTlsFiles, *, where: str) -> ClientTls:
+    """The client TLS of ``files``: a :class:`ReloadingClientCerts` when all three files are given (the
+    certificate follows rotation), else a fixed :func:`client_context` (CA only, or the system CAs)."""
+    if files.ca is not None and files.cert is not None and files.key is not None:
+        return ReloadingClientCerts(files, where=where)
+    return client_context(files, where=where)
+
+
+def current_context(tls: ClientTls) -> ssl.SSLContext:
+    """The context to open the next connection with (re-read first where it follows rotation)."""
+    return tls.context() if isinstance(tls, ReloadingClientCerts) else tls
+
