@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import random
-import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -90,7 +89,6 @@ from runtime.tls import (
     ClientTlsFiles,
     ReloadingServerCerts,
     ServerTlsFiles,
-    client_context,
     client_tls,
 )
 from runtime.tracing.tracer import TRACE_HEADERS, Span, SpanKind, Tracer
@@ -899,13 +897,14 @@ def _scrape_tls(cfg: GatewayConfig) -> ClientTls | None:
     return client_tls(files, where="scrape")
 
 
-def _feeds_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
-    """The client context towards agents (``[feeds]`` TLS files; ``None`` without them)."""
+def _feeds_tls(cfg: GatewayConfig) -> ClientTls | None:
+    """The client TLS towards agents' admin APIs (``[feeds]`` TLS files, following rotation; ``None``
+    without them)."""
     fd = cfg.feeds
     if not (fd.tls_ca and fd.tls_cert and fd.tls_key):
         return None
     files = ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
-    return client_context(files, where="feeds")
+    return client_tls(files, where="feeds")
 
 
 class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]

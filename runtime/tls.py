@@ -8,8 +8,8 @@ served last and re-reads only when one changed. A new certificate is adopted onl
 and both parse, so a rotation caught half way (new key, old certificate) keeps the current pair in force
 until the other file lands. Established connections keep the certificate they were opened with.
 
-:class:`ReloadingClientCerts` is the same for a client (the migration proxy; the scraper and the
-ext_proc's engine requests through :func:`client_tls`): each ``context()`` /
+:class:`ReloadingClientCerts` is the same for a client (the migration proxy; the scraper, the
+ext_proc's engine requests and the slot restorer through :func:`client_tls`): each ``context()`` /
 ``credentials()`` call stats its three files and rebuilds the ``ssl.SSLContext`` and the gRPC channel
 credentials only when one changed and the new pair is consistent; a caller that passes the current context
 per request (aiohttp keys pooled connections by it) opens new connections with the new certificate while
