@@ -16,13 +16,16 @@ Gateways present their ``[feeds]`` client certificate, an ``extproc`` identity
 (:mod:`extproc.control.restore`). An operator's ``POST /drain`` needs an ``operator-NAME`` certificate
 from the same CA (``kvgate certs issue --dir D --name operator-alice``), e.g. ``curl --cacert ca.pem
 --cert operator-alice.pem --key operator-alice.key -X POST https://<advertise>:<admin port>/drain``; an
-API client's (``client-NAME``) or another service's certificate is refused. The files are read when the
-listener starts: rotating them needs an agent restart (the feed follows rotation).
+API client's (``client-NAME``) or another service's certificate is refused. The listener follows
+certificate rotation as the feed does (:func:`reloading_server_context`, a
+:class:`runtime.tls.ReloadingServerContext`): each new handshake stats the three files and is served the
+current pair, re-read when one changed and adopted only once the key matches the certificate.
 """
 
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -30,6 +33,7 @@ from aiohttp.typedefs import Handler
 from agent.config import TLSFiles
 from agent.errors import AgentConfigError
 from runtime.identity import AGENT_ADMIN, peercert_uris, permits
+from runtime.tls import ReloadingServerContext, ServerTlsFiles
 
 #: Methods that only read: served to clients without a certificate.
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -64,6 +68,20 @@ def server_context(files: TLSFiles) -> ssl.SSLContext:
         raise AgentConfigError(f"agent.tls: cannot load the admin listener's certificates: {exc}") from exc
     ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
+
+
+def reloading_server_context(files: TLSFiles) -> ReloadingServerContext:
+    """:func:`server_context` that follows rotation: serve ``.context`` (module docstring);
+    :class:`AgentConfigError` if the files are unusable at start."""
+
+    def build(f: ServerTlsFiles) -> ssl.SSLContext:
+        return server_context(TLSFiles(str(f.cert), str(f.key), str(f.client_ca)))
+
+    paths = ServerTlsFiles(Path(files.cert), Path(files.key), Path(files.client_ca))
+    try:
+        return ReloadingServerContext(paths, build, where="agent.tls")
+    except OSError as exc:
+        raise AgentConfigError(f"agent.tls: cannot read the admin listener's certificates: {exc}") from exc
 
 
 def client_identity(request: web.Request) -> list[str] | None:

@@ -56,7 +56,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from agent.admin import client_cert_required, server_context
+from agent.admin import client_cert_required, reloading_server_context
 from agent.autosave import SlotAutoSaver
 from agent.blocksize import DEFAULT_INDEX_BLOCK_SIZE, IndexBlockSize
 from agent.blocksize import PATH as BLOCK_SIZE_PATH
@@ -541,7 +541,7 @@ class Agent:
     async def _start_admin(self) -> None:
         """Serve the admin API: plaintext, or HTTPS where state changes need a client certificate."""
         tls = self.config.agent.tls
-        ssl_context = None if tls is None else server_context(tls)
+        ssl_context = None if tls is None else reloading_server_context(tls).context  # follows rotation
         middlewares: list[Middleware] = [] if tls is None else [client_cert_required]
         if self.tracer is not None:  # outermost: a refused request is traced too
             middlewares.insert(0, traced(self.tracer, skip=UNTRACED_PATHS))

@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import random
-import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -85,7 +84,13 @@ from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
 from runtime.lifecycle import announce_ready, stop_on_signals
-from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, client_context
+from runtime.tls import (
+    ClientTls,
+    ClientTlsFiles,
+    ReloadingServerCerts,
+    ServerTlsFiles,
+    client_tls,
+)
 from runtime.tracing.tracer import TRACE_HEADERS, Span, SpanKind, Tracer
 from runtime.tracing.tracer import build as build_tracer
 
@@ -879,26 +884,27 @@ def _max_body_bytes(cfg: GatewayConfig, models: ModelRegistry) -> int:
     return default_max_body_bytes(windows)
 
 
-def _scrape_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
+def _scrape_tls(cfg: GatewayConfig) -> ClientTls | None:
+    """The client TLS towards engines (``[scrape]`` TLS files; with all three, it follows rotation)."""
     sc = cfg.scrape
     if not (sc.tls_ca or sc.tls_cert):
         return None
-    return client_context(
-        ClientTlsFiles(
-            ca=Path(sc.tls_ca) if sc.tls_ca else None,
-            cert=Path(sc.tls_cert) if sc.tls_cert else None,
-            key=Path(sc.tls_key) if sc.tls_key else None,
-        )
+    files = ClientTlsFiles(
+        ca=Path(sc.tls_ca) if sc.tls_ca else None,
+        cert=Path(sc.tls_cert) if sc.tls_cert else None,
+        key=Path(sc.tls_key) if sc.tls_key else None,
     )
+    return client_tls(files, where="scrape")
 
 
-def _feeds_tls(cfg: GatewayConfig) -> ssl.SSLContext | None:
-    """The client context towards agents (``[feeds]`` TLS files; ``None`` without them)."""
+def _feeds_tls(cfg: GatewayConfig) -> ClientTls | None:
+    """The client TLS towards agents' admin APIs (``[feeds]`` TLS files, following rotation; ``None``
+    without them)."""
     fd = cfg.feeds
     if not (fd.tls_ca and fd.tls_cert and fd.tls_key):
         return None
     files = ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
-    return client_context(files, where="feeds")
+    return client_tls(files, where="feeds")
 
 
 class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]

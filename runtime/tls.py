@@ -8,11 +8,16 @@ served last and re-reads only when one changed. A new certificate is adopted onl
 and both parse, so a rotation caught half way (new key, old certificate) keeps the current pair in force
 until the other file lands. Established connections keep the certificate they were opened with.
 
-:class:`ReloadingClientCerts` is the same for a client (the migration proxy): each ``context()`` /
+:class:`ReloadingClientCerts` is the same for a client (the migration proxy; the scraper, the
+ext_proc's engine requests and the slot restorer through :func:`client_tls`): each ``context()`` /
 ``credentials()`` call stats its three files and rebuilds the ``ssl.SSLContext`` and the gRPC channel
 credentials only when one changed and the new pair is consistent; a caller that passes the current context
 per request (aiohttp keys pooled connections by it) opens new connections with the new certificate while
 pooled ones finish with the old.
+
+:class:`ReloadingServerContext` is the rule of :class:`ReloadingServerCerts` for an ``ssl.SSLContext``
+listener (the agent's admin API, :mod:`agent.admin`): its ``sni_callback``, run at every ClientHello,
+stats the files and hands the handshake the current context.
 """
 
 from __future__ import annotations
@@ -240,3 +245,88 @@ class ReloadingClientCerts:
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
         )
         return before, (context, credentials), ""
+
+
+#: A client's TLS setting as its users take it: a fixed context, or one that follows rotation.
+ClientTls = ssl.SSLContext | ReloadingClientCerts
+
+
+def client_tls(files: ClientTlsFiles, *, where: str) -> ClientTls:
+    """The client TLS of ``files``: a :class:`ReloadingClientCerts` when all three files are given (the
+    certificate follows rotation), else a fixed :func:`client_context` (CA only, or the system CAs)."""
+    if files.ca is not None and files.cert is not None and files.key is not None:
+        return ReloadingClientCerts(files, where=where)
+    return client_context(files, where=where)
+
+
+def current_context(tls: ClientTls) -> ssl.SSLContext:
+    """The context to open the next connection with (re-read first where it follows rotation)."""
+    return tls.context() if isinstance(tls, ReloadingClientCerts) else tls
+
+
+class ReloadingServerContext:
+    """An ``ssl.SSLContext`` TLS listener (aiohttp) whose certificate follows file rotation, the rule of
+    :class:`ReloadingServerCerts`: ``build(files)`` makes a context from the files (verify mode, client
+    CA); the listener keeps :attr:`context`, whose ``sni_callback`` (called by OpenSSL at every
+    ClientHello, with or without SNI) stats the three files, rebuilds when one changed and the key
+    matches the certificate, and hands the handshake the current context. A half-done rotation keeps the
+    current pair; established connections keep theirs. Construction raises what ``build`` raises for
+    unusable files. Not thread-safe: one event loop."""
+
+    def __init__(
+        self, files: ServerTlsFiles, build: Callable[[ServerTlsFiles], ssl.SSLContext], *, where: str
+    ) -> None:
+        self._files = files
+        self._build = build
+        self._where = where
+        try:  # stat'ed first: a rotation during the build is caught by the first handshake
+            before = self._stat()
+        except OSError:
+            before = ()  # ``build`` says what is wrong
+        #: The listener's context (give it to the server); also the one in force until a rotation.
+        self.context = build(files)
+        self._signature: _Signature = before
+        self.context.sni_callback = self._on_hello
+        self._current = self.context
+        self._rejected: _Signature | None = None
+        #: How many times a new certificate was adopted.
+        self.reloads = 0
+
+    def _stat(self) -> _Signature:
+        out = []
+        for path in (self._files.cert, self._files.key, self._files.client_ca):
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+    def _on_hello(
+        self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, listener: ssl.SSLContext
+    ) -> None:
+        self._refresh()
+        if self._current is not self.context:
+            conn.context = self._current
+
+    def _refresh(self) -> None:
+        try:
+            current = self._stat()
+        except OSError:
+            return
+        if current in (self._signature, self._rejected):
+            return
+        f = self._files
+        try:
+            cert, key = f.cert.read_bytes(), f.key.read_bytes()
+            if not key_matches(load_cert_pem(cert, str(f.cert)), load_key_pem(key, str(f.key))):
+                raise CertError(f"{f.key} does not match {f.cert}")
+            context = self._build(f)  # ssl reads the files itself: the stat after tells whether it read those
+            if self._stat() != current:
+                return  # a rotation under way: the next handshake tries again
+        # Any unusable state keeps the pair in force: raising here would fail the handshake.
+        except Exception as exc:
+            self._rejected = current  # logged once per bad state, retried when the files change
+            log.warning("%s TLS: keeping the current certificate: %s", self._where, exc)
+            return
+        self._signature = current
+        self._current = context
+        self.reloads += 1
+        log.info("%s TLS: certificate reloaded from %s", self._where, f.cert)

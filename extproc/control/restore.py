@@ -22,15 +22,16 @@ The hop follows the agent: ``http://`` where the agent runs without ``[agent.tls
 admin API to a management network); ``https://`` in the secure profile, where the agent requires a
 client certificate for every ``POST`` (:mod:`agent.admin`) and the restorer presents the ext_proc's
 ``[feeds]`` client certificate and verifies the agent's against ``[feeds] tls_ca`` (``tls``, built by
-:mod:`extproc.server`). A gateway without ``[feeds]`` TLS does not try an ``https`` URL: the restore
-counts as ``failed`` (the request is routed as usual). Requests carry digests only, never tokens.
+:mod:`extproc.server`: a :class:`~runtime.tls.ReloadingClientCerts`, asked per restore, so a rotated
+certificate is presented by the next new connection; pooled ones finish with the old). A gateway
+without ``[feeds]`` TLS does not try an ``https`` URL: the restore counts as ``failed`` (the request is
+routed as usual). Requests carry digests only, never tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from contracts.events import EndpointId
 from extproc.config import SlotRestoreConfig
 from extproc.metrics import GatewayMetrics
 from extproc.routing.router import Decision
+from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class SlotRestorer:
         config: SlotRestoreConfig,
         metrics: GatewayMetrics | None = None,
         *,
-        tls: ssl.SSLContext | None = None,
+        tls: ClientTls | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
@@ -131,12 +133,12 @@ class SlotRestorer:
             return "failed"
         sent = {**(headers or {}), "content-type": "application/json"}
         if self._session is None:
-            connector = aiohttp.TCPConnector(ssl=True if self._tls is None else self._tls)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession()
         try:
             async with asyncio.timeout(self.config.timeout_s):
+                tls = True if self._tls is None else current_context(self._tls)
                 async with self._session.post(
-                    wanted.url, data=wanted.body(), headers=sent
+                    wanted.url, data=wanted.body(), headers=sent, ssl=tls
                 ) as resp:
                     if resp.status == 409:
                         return "busy"

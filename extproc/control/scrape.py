@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import Callable
 
 import aiohttp
@@ -25,6 +24,7 @@ from contracts.events import EndpointId
 from engines.kinds import metric_names
 from engines.metrics import parse_metrics
 from extproc.fleet import EndpointState, Fleet
+from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,9 @@ class Scraper:
 
     Started with :meth:`start`, stopped with :meth:`aclose`. ``on_round`` is called after each round
     (used for readiness). ``tls``: how ``https`` metrics URLs are verified and which client
-    certificate is presented (default: system CAs, no client certificate).
+    certificate is presented (default: system CAs, no client certificate); a
+    :class:`~runtime.tls.ReloadingClientCerts` is asked per scrape, so a rotated certificate is presented
+    by the next new connection (aiohttp pools connections per context; open ones finish with the old).
     """
 
     def __init__(
@@ -47,7 +49,7 @@ class Scraper:
         unhealthy_after: int,
         clock: Callable[[], float],
         on_round: Callable[[], None] | None = None,
-        tls: ssl.SSLContext | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self._fleet = fleet
         self._interval = interval_s
@@ -56,7 +58,7 @@ class Scraper:
         self._clock = clock
         self._on_round = on_round
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._tls: ssl.SSLContext | bool = tls if tls is not None else True
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         #: The scrape loop of each endpoint with a ``metrics_url`` (while started).
@@ -124,11 +126,12 @@ class Scraper:
             # aiohttp, not httpx: measured 0.2 ms of CPU per scrape against 0.96 ms (the scraper shares the
             # event loop, and the core, with request handling).
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ssl=self._tls)
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
             )
         routed_before = state.routed_since_scrape  # what the engine's answer will already include
         try:
-            async with self._session.get(url, raise_for_status=True) as resp:
+            tls = True if self._tls is None else current_context(self._tls)
+            async with self._session.get(url, raise_for_status=True, ssl=tls) as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(

@@ -14,7 +14,8 @@ failure as Envoy's response flag (``upstream_connection_failure``: refused or un
 identity the proxy is started with (``kvgate up --secure``: Envoy's, the one caller an ext_proc port
 admits; README.md); given as :class:`~runtime.tls.ReloadingClientCerts`, a rotated certificate is taken
 up by the next report (new channels; the old ones close once their reports are sent). The ext_proc's
-role is not checked on this hop (gRPC's Python client has no hook for it; the chain and address are).
+role is not checked on this hop (the chain and address are; gRPC's Python client cannot check a URI SAN,
+only an exact DNS name through ``grpc.ssl_target_name_override``: README.md, "Whom it reached").
 Sending is fire-and-forget with a short deadline: a report lost to a restarting ext_proc costs one
 ejection there, never a request.
 """

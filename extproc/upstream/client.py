@@ -5,8 +5,9 @@ today; burst and migration are meant to use it too).
 raises an :class:`~extproc.upstream.errors.UpstreamError`. One aiohttp session (connection pool) per
 client, made on first use on the running loop and closed by :meth:`aclose`; every call has its own total
 timeout; with an ``ssl.SSLContext`` it speaks HTTPS (the scraper's engine-side client certificate gives
-mTLS). It never logs a body, a header value or a URL query: only the address, the path, the status and
-the time.
+mTLS; a :class:`~runtime.tls.ReloadingClientCerts` is asked per request, so a rotated certificate
+reaches the next new connection). It never logs a body, a header value or a URL query: only the
+address, the path, the status and the time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import aiohttp
 
 from extproc.upstream.errors import Unreachable, UpstreamError, UpstreamStatus, UpstreamTimeout
 from extproc.upstream.request import SubRequest
+from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class UpstreamClient:
     """Posts JSON to engines (module docstring). ``tls``: the client context for ``https`` (``None``:
     plain ``http``); ``connect_timeout_s`` bounds the connection alone."""
 
-    def __init__(self, tls: ssl.SSLContext | None = None, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, tls: ClientTls | None = None, connect_timeout_s: float = 2.0) -> None:
         self._tls = tls
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -49,10 +51,14 @@ class UpstreamClient:
     def scheme(self) -> str:
         return "https" if self._tls is not None else "http"
 
+    def _ssl(self) -> ssl.SSLContext | bool:
+        """The context for the next connection (the current certificate where it follows rotation)."""
+        return False if self._tls is None else current_context(self._tls)
+
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No pool cap (aiohttp's default is 100): the requests held by the gateway bound the calls.
-            connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else False, limit=0)
+            connector = aiohttp.TCPConnector(ssl=False, limit=0)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
         return self._session
 
@@ -73,7 +79,9 @@ class UpstreamClient:
         sent = {"content-type": "application/json", **(headers or {})}
         started = time.monotonic()
         try:
-            async with self._client().post(url, data=body, headers=sent, timeout=timeout) as response:
+            async with self._client().post(
+                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl()
+            ) as response:
                 data = await response.content.read(MAX_ANSWER_BYTES)
                 status = response.status
         except TimeoutError as exc:
@@ -107,7 +115,9 @@ class UpstreamClient:
         read = 0
         cut = False
         try:
-            async with self._client().post(url, data=body, headers=sent, timeout=timeout) as response:
+            async with self._client().post(
+                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl()
+            ) as response:
                 status = response.status
                 if 200 <= status < 300:
                     async for line in response.content:

@@ -7,7 +7,9 @@ plaintext and open, as before."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import os
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,14 +18,18 @@ from typing import Any
 
 import aiohttp
 import pytest
+import uvloop
 
 from agent.admin import server_context
 from agent.config import AgentSection, NodeConfig, TLSFiles, parse_node_config
 from agent.errors import AgentConfigError
 from agent.main import Agent
 from agent.slot_api import RESTORE_CHAIN_PATH
-from certs.store import LeafFiles, dev_bundle
+from certs.authority import identity_uri
+from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
 from engines.config import EngineConfig
+from runtime.identity import peercert_uris
+from tests.extproc.migration.test_identity import copy_of
 
 #: Every state-changing route of an agent with ``[agent] kvcached``.
 POSTS = ("/drain", "/slots/save", "/slots/restore", RESTORE_CHAIN_PATH)
@@ -221,3 +227,48 @@ async def test_without_tls_the_admin_api_is_plaintext_and_open(tmp_path: Path) -
 def test_unusable_certificate_files_are_a_config_error(tmp_path: Path, pki: Pki) -> None:
     with pytest.raises(AgentConfigError, match=r"agent\.tls: cannot load"):
         server_context(TLSFiles(str(pki.agent.cert), str(tmp_path / "missing.key"), str(pki.agent.ca)))
+
+
+async def served_identity(port: int, pki: Pki) -> list[str]:
+    """The identity URIs of the certificate the admin listener serves to a new connection."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client(pki, pki.gateway))
+    try:
+        return peercert_uris(writer.get_extra_info("peercert"))
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_rotated_admin_certificate_is_served_to_the_next_connection(
+    tmp_path: Path, pki: Pki, loop: str
+) -> None:
+    """The admin listener follows rotation (``runtime.tls.ReloadingServerContext``), under asyncio and
+    uvloop (``kvgate agent`` runs under uvloop): a half-done rotation (new key, old certificate) keeps the
+    pair in force, the completed one is served to the next connection, and the POST check still holds."""
+    mine = copy_of(pki.agent, tmp_path)
+    assert mine.cert is not None and mine.key is not None and mine.ca is not None
+    files = TLSFiles(str(mine.cert), str(mine.key), str(mine.ca))
+
+    async def main() -> None:
+        agent = await running(tmp_path, files)
+        try:
+            port = agent.admin_port
+            assert await served_identity(port, pki) == [identity_uri("agent-node-a")]
+            fresh = issue(mine.ca.parent, f"agent-node-a-{loop}", LOCAL_SANS, dt.datetime.now(dt.UTC))
+            os.replace(fresh.key, mine.key)  # the key landed, the certificate not yet
+            assert await served_identity(port, pki) == [identity_uri("agent-node-a")]
+            os.replace(fresh.cert, mine.cert)
+            assert await served_identity(port, pki) == [identity_uri(f"agent-node-a-{loop}")]
+            base = f"https://127.0.0.1:{port}"
+            status, _ = await call("POST", f"{base}/drain", client(pki, pki.wrong["kvcached"]))
+            assert status == 403
+            status, _ = await call("GET", f"{base}/healthz", client(pki, None))
+            assert status == 200
+        finally:
+            await agent.aclose()
+
+    if loop == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

@@ -33,7 +33,8 @@ from extproc.models.registry import ModelRegistry
 from extproc.routing.request import Kind, parse_body
 from extproc.routing.router import Decision, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
-from runtime.tls import ClientTlsFiles, client_context
+from runtime.tls import ClientTlsFiles, ReloadingClientCerts, client_context, client_tls
+from tests.extproc.migration.test_identity import copy_of, rotate
 
 URL = "http://127.0.0.1:1/slots/restore-chain"
 CHAIN = [Digest(bytes([i]) * 16) for i in range(100)]
@@ -246,3 +247,28 @@ async def test_server_certificate_from_another_ca_is_refused(
 def test_unusable_feeds_files_name_the_section(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="feeds TLS: cannot load certificates"):
         client_context(ClientTlsFiles(ca=tmp_path / "missing.pem"), where="feeds")
+
+
+async def test_a_rotated_feeds_certificate_is_presented_by_the_next_connection(tmp_path: Path) -> None:
+    """The restorer follows ``[feeds]`` rotation (``runtime.tls.ReloadingClientCerts``): rotated to an
+    identity that may not change agent state (another agent's), the next restore gets the agent's 403
+    (``failed``); rotated back to a gateway's, the next one is restored, without a restart."""
+    bundle = dev_bundle(tmp_path / "pki", ["agent-node-1", "extproc"], dt.datetime.now(dt.UTC))
+    agent = bundle["agent-node-1"]
+    mine = copy_of(bundle["extproc"], tmp_path)
+    tls = client_tls(mine, where="feeds")
+    assert isinstance(tls, ReloadingClientCerts)
+    stand_in = Agent()
+    runner, url = await serve(stand_in, TLSFiles(str(agent.cert), str(agent.key), str(agent.ca)))
+    restorer = SlotRestorer(SlotRestoreConfig(timeout_s=10.0), tls=tls)
+    try:
+        assert await restorer.before_routing(decision(matched=0, lead=64, url=url)) == "restored"
+        rotate(mine, "agent-node-2")
+        assert await restorer.before_routing(decision(matched=0, lead=64, url=url)) == "failed"  # 403
+        assert len(stand_in.seen) == 1 and tls.reloads == 1
+        rotate(mine, "extproc-2")
+        assert await restorer.before_routing(decision(matched=0, lead=64, url=url)) == "restored"
+        assert len(stand_in.seen) == 2 and tls.reloads == 2
+    finally:
+        await restorer.aclose()
+        await runner.cleanup()

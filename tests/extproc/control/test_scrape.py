@@ -7,14 +7,20 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from certs.store import LeafFiles
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.control.scrape import Scraper
 from extproc.fleet import EndpointState, Fleet
+from load.sim.server import SimFleet, server_tls
+from runtime.tls import ReloadingClientCerts, client_tls
+from tests.extproc.migration.test_identity import copy_of, rotate, sim_config
+from tests.extproc.migration.test_report import certs  # noqa: F401 (fixture)
 from tests.polling import until
 
 METRICS = "vllm:num_requests_waiting 2\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0.5\n"
@@ -218,3 +224,40 @@ async def test_endpoints_joining_and_leaving_the_fleet_are_followed(engine: Engi
     finally:
         await scrapes.aclose()
         await other.aclose()
+
+
+async def test_a_rotated_scrape_certificate_is_presented_by_the_next_connection(
+    certs: dict[str, LeafFiles],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """``[scrape]`` with a CA, a certificate and a key follows rotation (``ReloadingClientCerts``): rotated
+    to an identity engines refuse (operator), the next scrape gets the simulator's 403; rotated back to
+    one they take, the next scrape succeeds, without a restart."""
+    mine = copy_of(certs["extproc"], tmp_path)
+    tls = client_tls(mine, where="scrape")
+    assert isinstance(tls, ReloadingClientCerts)
+    engine = certs["engine"]
+    async with SimFleet(sim_config(), 1, ssl_context=server_tls(engine.cert, engine.key, engine.ca)) as sims:
+        (address,) = sims.addresses
+        ep = Endpoint(EndpointId("e"), address, frozenset({"m"}), metrics_url=f"https://{address}/metrics")
+        fleet = Fleet([ep])
+        scrapes = Scraper(
+            fleet,
+            interval_s=1.0,
+            timeout_s=10.0,
+            stale_after_s=60.0,
+            unhealthy_after=3,
+            clock=time.monotonic,
+            tls=tls,
+        )
+        try:
+            await scrapes.scrape_once()
+            assert state(fleet, "e").consecutive_failures == 0 and state(fleet, "e").metrics is not None
+            rotate(mine, "operator")
+            await scrapes.scrape_once()
+            assert state(fleet, "e").consecutive_failures == 1 and tls.reloads == 1
+            rotate(mine, "extproc-2")
+            await scrapes.scrape_once()
+            assert state(fleet, "e").consecutive_failures == 0 and tls.reloads == 2
+        finally:
+            await scrapes.aclose()
