@@ -42,6 +42,26 @@ log = logging.getLogger(__name__)
 _Signature = tuple[tuple[int, int, int], ...]
 
 
+def _changed(stat: Callable[[], _Signature], *known: _Signature | None) -> _Signature | None:
+    """The files' signature (``stat``) when it is none of ``known`` (the one in force, the one last
+    rejected); ``None`` when it is one of them or a file cannot be stat'ed (a rotation under way)."""
+    try:
+        current = stat()
+    except OSError:
+        return None
+    return None if current in known else current
+
+
+def _signature(*paths: Path) -> _Signature:
+    """What the reloaders compare to see whether a file changed: inode, size and mtime of each path
+    (``OSError`` when one is missing)."""
+    out = []
+    for path in paths:
+        st = os.stat(path)
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTlsFiles:
     """PEM files of a TLS server that requires client certificates: its certificate chain, its private
@@ -95,11 +115,7 @@ class ReloadingServerCerts:
         return grpc.dynamic_ssl_server_credentials(self.initial, self, require_client_authentication=True)
 
     def _stat(self) -> _Signature:
-        out = []
-        for path in (self._files.cert, self._files.key, self._files.client_ca):
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+        return _signature(self._files.cert, self._files.key, self._files.client_ca)
 
     def _load(self) -> tuple[_Signature, Any, str]:
         """``(signature, configuration, "")`` of a consistent read, or ``(signature, None, reason)``.
@@ -194,18 +210,11 @@ class ReloadingClientCerts:
         return self._credentials
 
     def _stat(self) -> _Signature:
-        out = []
-        for path in self._paths:
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+        return _signature(*self._paths)
 
     def _refresh(self) -> None:
-        try:
-            current = self._stat()
-        except OSError:
-            return
-        if current in (self._signature, self._rejected):
+        current = _changed(self._stat, self._signature, self._rejected)
+        if current is None:
             return
         signature, loaded, error = self._load()
         if loaded is None:
@@ -293,11 +302,7 @@ class ReloadingServerContext:
         self.reloads = 0
 
     def _stat(self) -> _Signature:
-        out = []
-        for path in (self._files.cert, self._files.key, self._files.client_ca):
-            st = os.stat(path)
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+        return _signature(self._files.cert, self._files.key, self._files.client_ca)
 
     def _on_hello(
         self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, listener: ssl.SSLContext
@@ -307,11 +312,8 @@ class ReloadingServerContext:
             conn.context = self._current
 
     def _refresh(self) -> None:
-        try:
-            current = self._stat()
-        except OSError:
-            return
-        if current in (self._signature, self._rejected):
+        current = _changed(self._stat, self._signature, self._rejected)
+        if current is None:
             return
         f = self._files
         try:
