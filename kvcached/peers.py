@@ -55,6 +55,7 @@ from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import HEADER_BYTES, check_digest, encode_record, verify_record
 from kvcached.datagrams import HANDSHAKE_DATAGRAM_MAX, grow_datagrams
@@ -73,6 +74,7 @@ from kvcached.wire import (
     max_request_bytes,
 )
 from runtime.identity import KVCACHED_PEERS, certificate_uris, permits
+from runtime.tls import ClientTlsFiles, Pem, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,17 @@ class BlockSource(Protocol):
     def get(self, digest: bytes) -> bytes | None: ...
 
 
+def _material(*, cert: Path, key: Path, ca: Path) -> ReloadingClientCerts:
+    """The peer TLS files, followed through rotation (:class:`runtime.tls.ReloadingClientCerts`: stat on
+    use; a new pair is adopted only when its key matches its certificate)."""
+    try:
+        return ReloadingClientCerts(ClientTlsFiles(ca, cert, key), where="kvcached peers")
+    except ConfigError as exc:
+        raise KvcachedConfigError(f"cannot load peer TLS files ({cert}, {key}, {ca}): {exc}") from exc
+
+
 def _configuration(
-    *, is_client: bool, cert: Path, key: Path, ca: Path, max_datagram_size: int = DATAGRAM_BYTES_DEFAULT
+    *, is_client: bool, pem: Pem, max_datagram_size: int = DATAGRAM_BYTES_DEFAULT
 ) -> QuicConfiguration:
     if not DATAGRAM_BYTES_DEFAULT <= max_datagram_size <= DATAGRAM_BYTES_MAX:
         raise KvcachedConfigError(
@@ -117,12 +128,14 @@ def _configuration(
         verify_mode=ssl.CERT_REQUIRED,
         max_data=CONNECTION_WINDOW_BYTES,
         max_stream_data=STREAM_WINDOW_BYTES,
+        cadata=pem.ca,
     )
-    try:
-        config.load_cert_chain(cert, key)
-        config.load_verify_locations(cadata=ca.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise KvcachedConfigError(f"cannot load peer TLS files ({cert}, {key}, {ca}): {exc}") from exc
+    try:  # what QuicConfiguration.load_cert_chain does with files, from the checked bytes
+        chain = tls.load_pem_x509_certificates(pem.cert)
+        config.certificate, config.certificate_chain = chain[0], chain[1:]
+        config.private_key = tls.load_pem_private_key(pem.key)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise KvcachedConfigError(f"cannot load peer TLS material: {exc}") from exc
     return config
 
 
@@ -135,14 +148,23 @@ class _AccessDenied(tls.Alert):
 
 
 def _require_client_cert(
-    quic: QuicConnection, ca_data: bytes, on_verified: Callable[[], None], on_rejected: Callable[[str], None]
+    quic: QuicConnection,
+    config: QuicConfiguration,
+    on_verified: Callable[[], None],
+    on_rejected: Callable[[str], None],
 ) -> None:
-    """Make the server connection ``quic`` demand and verify a client certificate (module docstring)."""
+    """Make the server connection ``quic`` demand and verify a client certificate (module docstring);
+    it presents ``config``'s certificate and verifies clients against ``config``'s CA (the material in
+    force when the connection arrived)."""
     initialize = quic._initialize
+    assert config.cadata is not None
+    ca_data = config.cadata
 
     def hooked_initialize(peer_cid: bytes) -> None:
         initialize(peer_cid)
         ctx = quic.tls
+        ctx.certificate, ctx.certificate_chain = config.certificate, config.certificate_chain
+        ctx.certificate_private_key = config.private_key
         ctx._request_client_certificate = True
         handle_certificate = ctx._server_handle_certificate
         handle_verify = ctx._server_handle_certificate_verify
@@ -209,7 +231,7 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._terminated = False
         bound = server.max_concurrent_streams
         quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
-        _require_client_cert(quic, server.ca_data, self._mark_authenticated, self._count_rejected)
+        _require_client_cert(quic, server.configuration(), self._mark_authenticated, self._count_rejected)
 
     def _mark_authenticated(self) -> None:
         self._authenticated = True
@@ -360,14 +382,12 @@ class PeerServer:
         self.store = store
         self.max_concurrent_streams = max_concurrent_streams
         self._host, self._port = host, port
+        self._tls = _material(cert=cert, key=key, ca=ca)
         self._config = _configuration(
-            is_client=False, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
+            is_client=False, pem=self._tls.pem(), max_datagram_size=max_datagram_size
         )
+        self._generation = self._tls.reloads
         self.max_datagram_size = max_datagram_size
-        try:
-            self.ca_data = ca.read_bytes()
-        except OSError as exc:
-            raise KvcachedConfigError(f"cannot read CA {ca}: {exc.strerror}") from exc
         # Bursts of up to 50 ms of the rate (at least one chunk), so pacing stays smooth.
         self._bucket = (
             TokenBucket(egress_bytes_per_s, max(egress_bytes_per_s * 0.05, CHUNK_BYTES))
@@ -391,6 +411,15 @@ class PeerServer:
         sockname: tuple[Any, ...] = transport.get_extra_info("sockname")
         log.info("peer server listening on udp %s:%d", self._host, sockname[1])
         return int(sockname[1])
+
+    def configuration(self) -> QuicConfiguration:
+        """The TLS material for a new connection: the files are stat'ed, and a rotated certificate (whose
+        key matches) is presented from then on; connections under way keep theirs."""
+        pem = self._tls.pem()
+        if self._tls.reloads != self._generation:
+            self._config = _configuration(is_client=False, pem=pem, max_datagram_size=self.max_datagram_size)
+            self._generation = self._tls.reloads
+        return self._config
 
     def _protocol(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerProtocol:
         protocol = _ServerProtocol(quic, stream_handler, server=self)
@@ -519,11 +548,9 @@ class PeerClient:
             raise KvcachedConfigError(
                 "timeout_s must be positive, max_in_flight and max_block_bytes at least 1"
             )
-        self._new_config = partial(
-            _configuration, is_client=True, cert=cert, key=key, ca=ca, max_datagram_size=max_datagram_size
-        )
-        self._new_config()  # fail early on bad files or settings
+        self._tls = _material(cert=cert, key=key, ca=ca)
         self.max_datagram_size = max_datagram_size
+        self._new_config()  # fail early on bad settings
         self.timeout_s = timeout_s
         self.max_record_bytes = max_block_bytes + RECORD_OVERHEAD_MAX
         """Largest record a peer may send (this daemon's ``max_block_bytes``): a larger frame is refused."""
@@ -561,6 +588,11 @@ class PeerClient:
                 self.fetched_blocks += 1
                 self.fetched_bytes += len(out[digest])
         return out
+
+    def _new_config(self) -> QuicConfiguration:
+        """A configuration for a new connection, from the files in force (a rotated certificate is
+        presented by the next connection; kept connections keep theirs)."""
+        return _configuration(is_client=True, pem=self._tls.pem(), max_datagram_size=self.max_datagram_size)
 
     async def _link(self, address: str, host: str, port: int) -> _Link:
         lock = self._dialing.setdefault(address, asyncio.Lock())

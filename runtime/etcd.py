@@ -13,11 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import etcd3aio
+import etcd3aio.connections
 import grpc
 import grpc.aio
 
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings
+from runtime.tls import ClientTlsFiles, ReloadingClientCerts, RotatingChannel
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,32 @@ def _pem(path: str | None, what: str) -> bytes | None:
         raise ConfigError(f"etcd {what} {path}: {exc.strerror}") from exc
 
 
+class _RotatingConnections(etcd3aio.connections.ConnectionManager):
+    """etcd3aio's channel maker, making a :class:`~runtime.tls.RotatingChannel` instead: every etcd call
+    (a KV call, a lease keepalive, a watch stream, also one etcd3aio retries) made after the client
+    certificate rotated goes on a connection that presents the new one, whose CN etcd reads as the user;
+    streams under way keep theirs."""
+
+    def __init__(self, endpoints: list[str], tls: ReloadingClientCerts) -> None:
+        super().__init__(endpoints)
+        self.tls = tls
+
+    def get_channel(
+        self,
+        ca_cert: bytes | None = None,
+        cert_key: bytes | None = None,
+        cert_chain: bytes | None = None,
+        tls_server_name: str | None = None,
+    ) -> grpc.aio.Channel:
+        options = list(self.grpc_options)
+        if tls_server_name is not None:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        return RotatingChannel(self.target, self.tls, options)
+
+
 async def connect(settings: EtcdSettings) -> etcd3aio.Etcd3Client:
     """An etcd client with its channel open (no call made yet: an unreachable etcd fails later calls).
+    With a CA, a certificate and a key, the certificate follows rotation (:class:`_RotatingConnections`).
 
     The caller owns it and closes it with ``await client.close()``."""
     client = etcd3aio.Etcd3Client(
@@ -46,6 +72,11 @@ async def connect(settings: EtcdSettings) -> etcd3aio.Etcd3Client:
         cert_chain=_pem(settings.tls_cert, "tls_cert"),
         cert_key=_pem(settings.tls_key, "tls_key"),
     )
+    if settings.tls_ca is not None and settings.tls_cert is not None and settings.tls_key is not None:
+        files = ClientTlsFiles(Path(settings.tls_ca), Path(settings.tls_cert), Path(settings.tls_key))
+        client._manager = _RotatingConnections(
+            list(settings.endpoints), ReloadingClientCerts(files, where="etcd")
+        )
     # gRPC waits up to 120 s between reconnection attempts by default; etcd3aio builds its channel from
     # these options (no public knob), so cap the wait: a gateway or agent is back soon after etcd is.
     client._manager.grpc_options += _RECONNECT_OPTIONS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import msgspec
@@ -32,6 +32,7 @@ from contracts.kvcached import (
     StatsRequest,
 )
 from contracts.versions import DIGEST_VERSION, digest_matches
+from runtime.tls import ClientTlsFiles, ReloadingClientCerts, channel_credentials, secure_channel
 from runtime.tracing.tracer import current_headers
 
 Req = TypeVar("Req", bound=msgspec.Struct)
@@ -41,7 +42,8 @@ _encoder = msgspec.msgpack.Encoder()
 
 class KvcachedClient:
     """An asyncio client of the local API. ``target``: ``unix:/path/to.sock`` or ``host:port`` (TCP,
-    which needs ``ca``, ``cert`` and ``key``: the daemon requires a client certificate).
+    which needs ``ca``, ``cert`` and ``key``: the daemon requires a client certificate; the certificate
+    follows rotation of the files, :class:`~runtime.tls.ReloadingClientCerts`).
     ``server_name`` overrides the name checked against the daemon's certificate. ``timeout_s``: the
     deadline of each call (``None``: none). Errors: :class:`BadRequest` for ``INVALID_ARGUMENT`` (the
     message is the daemon's reason), :class:`KvcachedError` for any other failure."""
@@ -68,13 +70,16 @@ class KvcachedClient:
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        if ca is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=ca.read_bytes(),
-                private_key=None if key is None else key.read_bytes(),
-                certificate_chain=None if cert is None else cert.read_bytes(),
+        self._channel: Any
+        if ca is not None and cert is not None and key is not None:
+            # The certificate follows rotation: each call after one is made on a channel that presents
+            # the new pair (runtime.tls.RotatingChannel); calls under way finish on theirs.
+            tls = ReloadingClientCerts(ClientTlsFiles(ca, cert, key), where="kvcached client")
+            self._channel = secure_channel(target, tls, options)
+        elif ca is not None:  # no certificate of its own: the daemon refuses it (tests use that)
+            self._channel = grpc.aio.secure_channel(
+                target, channel_credentials(ClientTlsFiles(ca)), options=options
             )
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._timeout_s = timeout_s

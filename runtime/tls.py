@@ -18,20 +18,39 @@ pooled ones finish with the old.
 :class:`ReloadingServerContext` is the rule of :class:`ReloadingServerCerts` for an ``ssl.SSLContext``
 listener (the agent's admin API, :mod:`agent.admin`): its ``sni_callback``, run at every ClientHello,
 stats the files and hands the handshake the current context.
+
+:class:`RotatingChannel` makes a long-lived ``grpc.aio`` client channel follow a
+:class:`ReloadingClientCerts` (the ext_proc's feed channels, federation's subscriptions, the kvcached
+TCP API client, the etcd clients, :func:`secure_channel`). gRPC's Python client has no certificate
+fetcher: ``grpc.dynamic_ssl_server_credentials`` exists for servers only, a channel's credentials are
+fixed when it is created, and it reconnects with them (the C core's certificate providers are not
+exposed; ``grpc.experimental``'s custom signer replaces the signature, not the certificate). So the
+channel is rebuilt: every new call (a unary call, a stream) stats the files through
+:meth:`ReloadingClientCerts.credentials` and, when new material was adopted, is placed on a fresh
+``grpc.aio`` channel made with it. Calls already running stay on the channel they started on (a healthy
+feed or watch stream is not cut); a replaced channel is closed once its last call has ended. Timers are
+not needed: a connection's certificate matters only at its handshake, and every handshake after a
+rotation belongs to a call made after it (a stream broken by the peer ends, and its retry is a new
+call). Callers keep one object with the ``grpc.aio.Channel`` methods they use (``unary_unary`` ...
+``close``); stubs made from it once (etcd3aio's) follow too, since each multi-callable looks the channel
+up per call. :meth:`ReloadingClientCerts.pem` hands the validated PEM bytes to clients that are neither
+``ssl`` nor gRPC (kvcached's QUIC peers, :mod:`kvcached.peers`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
+import grpc.aio
 
 from certs.authority import key_matches, load_cert_pem, load_key_pem
 from certs.errors import CertError
@@ -150,6 +169,14 @@ class ClientTlsFiles:
     key: Path | None = None
 
 
+class Pem(NamedTuple):
+    """A consistent set of PEM bytes: the CA bundle, the certificate chain and its private key."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
 def client_context(files: ClientTlsFiles, *, where: str = "scrape") -> ssl.SSLContext:
     """An ``ssl.SSLContext`` verifying servers (hostname included) and presenting the client cert;
     :class:`ConfigError` (naming the config section ``where``) if the files are unusable."""
@@ -195,7 +222,7 @@ class ReloadingClientCerts:
             raise ConfigError(f"{where} TLS: {error}")
         self._signature: _Signature = signature
         self._rejected: _Signature | None = None
-        self._context, self._credentials = loaded
+        self._context, self._credentials, self._pem = loaded
         #: How many times new material was adopted (also a generation number: it changes with it).
         self.reloads = 0
 
@@ -208,6 +235,11 @@ class ReloadingClientCerts:
         """The current gRPC channel credentials, same identity and CA (re-read first if changed)."""
         self._refresh()
         return self._credentials
+
+    def pem(self) -> Pem:
+        """The current CA, certificate and key bytes, checked to match (re-read first if changed)."""
+        self._refresh()
+        return self._pem
 
     def _stat(self) -> _Signature:
         return _signature(*self._paths)
@@ -222,11 +254,11 @@ class ReloadingClientCerts:
             log.warning("%s TLS: keeping the current certificate: %s", self._where, error)
             return
         self._signature = signature
-        self._context, self._credentials = loaded
+        self._context, self._credentials, self._pem = loaded
         self.reloads += 1
         log.info("%s TLS: certificate reloaded from %s", self._where, self._paths[1])
 
-    def _load(self) -> tuple[_Signature, tuple[ssl.SSLContext, grpc.ChannelCredentials] | None, str]:
+    def _load(self) -> tuple[_Signature, tuple[ssl.SSLContext, grpc.ChannelCredentials, Pem] | None, str]:
         """Like :meth:`ReloadingServerCerts._load`: a read during which a file changed is discarded."""
         ca, cert, key = self._paths
         try:
@@ -253,7 +285,7 @@ class ReloadingClientCerts:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
         )
-        return before, (context, credentials), ""
+        return before, (context, credentials, Pem(ca_pem, cert_pem, key_pem)), ""
 
 
 #: A client's TLS setting as its users take it: a fixed context, or one that follows rotation.
@@ -332,3 +364,126 @@ class ReloadingServerContext:
         self._current = context
         self.reloads += 1
         log.info("%s TLS: certificate reloaded from %s", self._where, f.cert)
+
+
+#: gRPC channel options, as ``grpc.aio.secure_channel`` takes them.
+ChannelOptions = Sequence[tuple[str, Any]]
+
+
+class RotatingChannel:
+    """A ``grpc.aio`` client channel to ``target`` whose client certificate follows ``tls`` (module doc):
+    each new call runs on a channel made with the material in force when it started; a channel whose
+    material was replaced is closed once its last call has ended. Offers the ``grpc.aio.Channel`` methods
+    (``unary_unary`` ... ``close``, ``async with``). One event loop."""
+
+    def __init__(self, target: str, tls: ReloadingClientCerts, options: ChannelOptions = ()) -> None:
+        self._target, self._tls, self._options = target, tls, list(options)
+        self._channel: Any = grpc.aio.secure_channel(target, tls.credentials(), options=self._options)
+        self._generation = tls.reloads
+        self._calls: dict[Any, int] = {}  # channel -> calls running on it (the current one or retired)
+        self._closing: set[Any] = set()  # tasks closing retired channels
+        self._closed = False
+        #: How many times the channel was replaced after a rotation.
+        self.rebuilds = 0
+
+    def current(self) -> Any:
+        """The channel for the next call (rebuilt first if ``tls`` adopted new material)."""
+        credentials = self._tls.credentials()
+        if self._tls.reloads != self._generation:
+            old = self._channel
+            self._channel = grpc.aio.secure_channel(self._target, credentials, options=self._options)
+            self._generation = self._tls.reloads
+            self.rebuilds += 1
+            if not self._calls.get(old):
+                self._close_later(old)
+        return self._channel
+
+    def _track(self, channel: Any, call: Any) -> Any:
+        self._calls[channel] = self._calls.get(channel, 0) + 1
+        call.add_done_callback(lambda _call: self._ended(channel))
+        return call
+
+    def _ended(self, channel: Any) -> None:
+        left = self._calls.get(channel, 0) - 1
+        if left > 0:
+            self._calls[channel] = left
+            return
+        self._calls.pop(channel, None)
+        if channel is not self._channel and not self._closed:
+            self._close_later(channel)
+
+    def _close_later(self, channel: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(channel.close())
+        except RuntimeError:  # no loop (interpreter shutting down): gRPC frees it with the object
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _method(self, kind: str, method: str, *args: Any, **kwargs: Any) -> _RotatingMethod:
+        return _RotatingMethod(self, kind, method, args, kwargs)
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> _RotatingMethod:
+        return self._method("unary_unary", method, *args, **kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _RotatingMethod:
+        return self._method("unary_stream", method, *args, **kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _RotatingMethod:
+        return self._method("stream_unary", method, *args, **kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _RotatingMethod:
+        return self._method("stream_stream", method, *args, **kwargs)
+
+    def get_state(self, try_to_connect: bool = False) -> Any:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: Any) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close every channel (running calls are cancelled after ``grace`` seconds)."""
+        self._closed = True
+        channels = {self._channel, *self._calls}
+        self._calls.clear()
+        for channel in channels:
+            await channel.close(grace)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def __aenter__(self) -> RotatingChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _RotatingMethod:
+    """A multi-callable of :class:`RotatingChannel`: each call goes on the channel current then."""
+
+    def __init__(
+        self, owner: RotatingChannel, kind: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self._owner, self._kind, self._method, self._args, self._kwargs = owner, kind, method, args, kwargs
+        self._bound: tuple[Any, Any] | None = None  # (channel, its multi-callable)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current()
+        bound = self._bound
+        if bound is None or bound[0] is not channel:
+            made = getattr(channel, self._kind)(self._method, *self._args, **self._kwargs)
+            bound = self._bound = (channel, made)
+        return self._owner._track(channel, bound[1](*args, **kwargs))
+
+
+def secure_channel(
+    target: str, tls: grpc.ChannelCredentials | ReloadingClientCerts, options: ChannelOptions = ()
+) -> Any:
+    """A ``grpc.aio`` channel to ``target`` over TLS: fixed ``tls`` credentials, or a
+    :class:`RotatingChannel` that follows a :class:`ReloadingClientCerts`."""
+    if isinstance(tls, ReloadingClientCerts):
+        return RotatingChannel(target, tls, options)
+    return grpc.aio.secure_channel(target, tls, options=list(options))

@@ -45,7 +45,7 @@ from extproc.index.hybrid import HybridIndex
 from extproc.inferencepool.core import PoolView
 from extproc.inferencepool.merge import PoolSync
 from extproc.routing.router import Router
-from runtime.tls import ClientTlsFiles, channel_credentials
+from runtime.tls import ClientTlsFiles, ReloadingClientCerts
 
 if TYPE_CHECKING:
     from extproc.inferencepool.watch import PoolWatcher
@@ -86,9 +86,10 @@ class Cluster:
         self.apply_policy(self.store.policy)
         fd = config.feeds
         credentials = None
-        if fd.tls_ca and fd.tls_cert and fd.tls_key:
-            credentials = channel_credentials(
-                ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key))
+        if fd.tls_ca and fd.tls_cert and fd.tls_key:  # each new subscription presents the current pair
+            credentials = ReloadingClientCerts(
+                ClientTlsFiles(ca=Path(fd.tls_ca), cert=Path(fd.tls_cert), key=Path(fd.tls_key)),
+                where="feeds",
             )
         self.feeds = FeedManager(
             index,

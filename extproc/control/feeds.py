@@ -23,6 +23,7 @@ from engines.metrics import EngineMetrics, LoraState
 from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.energy import EnergyModel, average_watts, node_watts
 from runtime.feed.client import FeedClient, FeedStats
+from runtime.tls import ReloadingClientCerts
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class FeedManager:
         fleet: Fleet,
         *,
         subscriber: str,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | ReloadingClientCerts | None = None,
         server_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,

@@ -6,7 +6,10 @@ Wire: :data:`contracts.federation.SUBSCRIBE_METHOD` (server streaming, msgpack).
 ``[federation] tls_*`` the service requires a client certificate chaining to ``tls_ca`` whose URI SAN is
 a linked cluster's ``identity`` (anything else: ``PERMISSION_DENIED`` before a report is sent), and the
 follower presents this cluster's certificate and verifies the peer's against ``tls_ca`` (chain and
-address; gRPC's Python client offers no hook to check the server's URI SAN as well). Without ``tls_*``
+address; gRPC's Python client offers no hook to check the server's URI SAN as well). Both follow
+rotation of the ``tls_*`` files: the service through :class:`~runtime.tls.ReloadingServerCerts`, the
+follower through :class:`~runtime.tls.ReloadingClientCerts` (each new subscription, a running one keeps
+its connection). Without ``tls_*``
 (local experiments only) both sides talk plaintext and any caller gets reports.
 """
 
@@ -34,7 +37,13 @@ from extproc.federation.health import Outcome
 from extproc.federation.links import FederationConfig, Link
 from extproc.federation.peers import Federation
 from runtime.identity import PeerCheck
-from runtime.tls import ClientTlsFiles, ReloadingServerCerts, ServerTlsFiles, channel_credentials
+from runtime.tls import (
+    ClientTlsFiles,
+    ReloadingClientCerts,
+    ReloadingServerCerts,
+    ServerTlsFiles,
+    secure_channel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +144,8 @@ class SummaryFollower:
         self._federation = federation
         self._clock = clock
         files = client_files(federation.config)
-        self._credentials = channel_credentials(files) if files is not None else None
+        # Each subscription presents the certificate in force when it starts (runtime.tls.RotatingChannel).
+        self._tls = ReloadingClientCerts(files, where="federation") if files is not None else None
         self._tasks: dict[str, tuple[Link, asyncio.Task[None]]] = {}
         self.reports = 0
 
@@ -154,8 +164,8 @@ class SummaryFollower:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         options = [("grpc.max_receive_message_length", MAX_REPORT_BYTES)]
-        if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=options)
+        if self._tls is not None:
+            return secure_channel(address, self._tls, options)
         return grpc.aio.insecure_channel(address, options=options)
 
     async def _follow(self, link: Link) -> None:

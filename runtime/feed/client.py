@@ -31,6 +31,7 @@ import grpc
 from contracts import events as ev
 from contracts.events import EPOCH_HEADER, Batch, EndpointId, SequenceTracker, Verdict
 from contracts.versions import DIGEST_VERSION, FEED_VERSION, Skew, SkewLog, describe
+from runtime.tls import ReloadingClientCerts, secure_channel
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class FeedClient:
     """One subscription to the feed at ``address`` (``host:port``), reporting to ``handler``.
 
     ``tracker``: the position to resume from (default: none, so the first batch is a snapshot).
-    ``credentials``: TLS (``None``: plaintext); ``server_name`` overrides the name checked against the
+    ``credentials``: TLS (``None``: plaintext; a :class:`~runtime.tls.ReloadingClientCerts`: each new
+    subscription presents the certificate in force, :class:`~runtime.tls.RotatingChannel`, while a running
+    stream keeps its connection); ``server_name`` overrides the name checked against the
     agent's certificate. ``connect_timeout_s``: how long a subscription may take to be attached.
     ``wall``: wall clock for staleness (seconds since the epoch).
     """
@@ -122,7 +125,7 @@ class FeedClient:
         subscriber: str,
         tracker: SequenceTracker | None = None,
         stats: FeedStats | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | ReloadingClientCerts | None = None,
         server_name: str | None = None,
         backoff: Backoff | None = None,
         connect_timeout_s: float = 5.0,
@@ -156,7 +159,7 @@ class FeedClient:
 
     def _open(self) -> Any:
         if self._credentials is not None:
-            return grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+            return secure_channel(self.address, self._credentials, self._options)
         return grpc.aio.insecure_channel(self.address, options=self._options)
 
     async def _run(self) -> None:
