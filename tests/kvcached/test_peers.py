@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import os
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from aioquic.quic.configuration import QuicConfiguration
+from cryptography import x509
 
-from certs.store import LeafFiles, dev_bundle
+from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
 from kvcached import peers
 from kvcached.block import HEADER_BYTES, decode_record, encode_record, verify_record
 from kvcached.errors import BadRequest, KvcachedConfigError, PeerUnavailable
@@ -471,3 +473,69 @@ async def test_server_closing_mid_response_is_a_prompt_miss(pki: Pki) -> None:
     finally:
         await client.aclose()
         await server.aclose()
+
+
+def serial(path: Path) -> int:
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+def peer_serial(quic: object) -> int:
+    """The serial of the certificate the other side presented on a connection (``QuicConnection``)."""
+    cert = quic.tls._peer_certificate  # type: ignore[attr-defined]
+    assert cert is not None
+    return int(cert.serial_number)
+
+
+def own_copy(leaf: LeafFiles, where: Path) -> tuple[LeafFiles, Path]:
+    """``leaf``'s certificate and key copied under ``where``, and a copy of its CA directory's CA (so that
+    rotating never touches the module's files)."""
+    where.mkdir()
+    for name in ("ca.pem", "ca.key"):
+        shutil.copy(leaf.ca.parent / name, where / name)
+    shutil.copy(leaf.cert, where / "mine.pem")
+    shutil.copy(leaf.key, where / "mine.key")
+    return LeafFiles(leaf.name, where / "mine.pem", where / "mine.key", leaf.ca), where
+
+
+async def test_rotated_certificates_are_presented_by_the_next_connection(pki: Pki, tmp_path: Path) -> None:
+    """Peer TLS follows rotation on both sides (``runtime.tls.ReloadingClientCerts``, stat per new
+    connection): kept connections go on with the certificate they were opened with; a new one presents
+    the rotated certificate; a key whose certificate has not landed yet keeps the pair in force."""
+    store = DictStore({digest(1): b"one"})
+    client_leaf, client_ca = own_copy(pki.b, tmp_path / "client")
+    server_leaf, server_ca = own_copy(pki.a, tmp_path / "server")
+    first = server_for(store, server_leaf)
+    second = server_for(store, pki.a)
+    client = client_for(client_leaf)
+    other = client_for(pki.b)
+    try:
+        first_at = f"127.0.0.1:{await first.start()}"
+        second_at = f"127.0.0.1:{await second.start()}"
+        assert await client.fetch(first_at, [digest(1)]) == {digest(1): b"one"}
+        # The client rotates: its kept connection goes on, a new one presents the new certificate.
+        fresh = issue(client_ca, "kvcached-b", LOCAL_SANS, dt.datetime.now(dt.UTC))
+        os.replace(fresh.key, client_leaf.key)
+        os.replace(fresh.cert, client_leaf.cert)
+        assert await client.fetch(first_at, [digest(1)]) == {digest(1): b"one"}
+        assert len(first._protocols) == 1
+        assert await client.fetch(second_at, [digest(1)]) == {digest(1): b"one"}
+        (on_second,) = second._protocols
+        assert peer_serial(on_second._quic) == serial(client_leaf.cert) != serial(pki.b.cert)
+        # The server rotates, key first: until its certificate lands, new connections get the old pair.
+        fresh = issue(server_ca, "kvcached-a", LOCAL_SANS, dt.datetime.now(dt.UTC))
+        old = serial(server_leaf.cert)
+        os.replace(fresh.key, server_leaf.key)
+        assert await other.fetch(first_at, [digest(1)]) == {digest(1): b"one"}
+        assert peer_serial(other._links[first_at].protocol._quic) == old
+        os.replace(fresh.cert, server_leaf.cert)
+        await other.aclose()  # its next fetch dials again
+        assert await other.fetch(first_at, [digest(1)]) == {digest(1): b"one"}
+        assert peer_serial(other._links[first_at].protocol._quic) == serial(server_leaf.cert) != old
+        # The client's connection opened before the server rotated is still served.
+        assert await client.fetch(first_at, [digest(1)]) == {digest(1): b"one"}
+        assert peer_serial(client._links[first_at].protocol._quic) == old
+    finally:
+        for c in (client, other):
+            await c.aclose()
+        for s in (first, second):
+            await s.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from certs.store import LeafFiles, dev_bundle
+from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
 from contracts.kvcached import GET, PUT
 from kvcached.block import checksum
 from kvcached.config import TlsFiles
@@ -22,6 +23,7 @@ from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
 from runtime.kvcached import KvcachedClient
+from tests.extproc.migration.test_identity import copy_of, rotate
 
 MAX_BLOCK = 64 * 1024
 
@@ -215,3 +217,25 @@ async def test_a_hanging_peer_is_a_timely_miss() -> None:
     assert (await service.get(GetRequest(digest(1)))).data is None
     assert loop.time() - started < 1.0
     store.close()
+
+
+async def test_a_rotated_client_certificate_is_presented_by_the_next_call(api: Api, tmp_path: Path) -> None:
+    """The TCP client follows rotation (``runtime.tls.RotatingChannel``): a key without its certificate
+    yet keeps the pair in force; rotated to a role the API refuses, the next call is refused; rotated
+    back to an agent's, the next call is served, without a new client."""
+    mine = copy_of(api.leaves["agent-a"], tmp_path)
+    assert mine.ca is not None and mine.cert is not None and mine.key is not None
+    target = f"127.0.0.1:{api.server.tcp_port}"
+    client = KvcachedClient(target, ca=mine.ca, cert=mine.cert, key=mine.key, timeout_s=5.0)
+    try:
+        await client.put(digest(9), b"nine")
+        fresh = issue(mine.ca.parent, "extproc-2", LOCAL_SANS, dt.datetime.now(dt.UTC))
+        os.replace(fresh.key, mine.key)  # half done: the key landed, its certificate not yet
+        assert await client.get(digest(9)) == b"nine"
+        os.replace(fresh.cert, mine.cert)  # now an ext_proc's: the TCP API refuses that role
+        with pytest.raises(KvcachedError, match="PERMISSION_DENIED"):
+            await client.get(digest(9))
+        rotate(mine, "agent-b")
+        assert await client.get(digest(9)) == b"nine"
+    finally:
+        await client.aclose()

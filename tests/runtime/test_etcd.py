@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import etcd3aio
 import pytest
 
+from certs.store import LeafFiles
 from contracts.errors import ConfigError
 from contracts.etcd import (
     EtcdSettings,
 )
 from kvgate.dev.etcd import TEST_TTL_S, EtcdServer, ServerTls
 from runtime.etcd import ETCD_ERRORS, LeasedKeys, connect
+from runtime.tls import ClientTlsFiles
+from tests.etcd_access import may_put
+from tests.extproc.migration.test_identity import copy_of
+from tests.polling import until
+
+if TYPE_CHECKING:
+    from tests.etcd_fixtures import SecureEtcd
 
 pytest_plugins = ("tests.etcd_fixtures",)
 
@@ -173,3 +186,59 @@ async def test_connect_with_mutual_tls(tmp_path: Path) -> None:
                 await _value(anonymous, "/kvgate/endpoints/tls")
         finally:
             await anonymous.close()
+
+
+def _swap_in(cert: Path, key: Path, into: ClientTlsFiles) -> None:
+    """Rotate ``into`` to another identity's pair: copies renamed into place, key first (as ``kvgate
+    certs issue`` writes them)."""
+    assert into.cert is not None and into.key is not None
+    for source, target in ((key, into.key), (cert, into.cert)):
+        shutil.copy(source, target.with_suffix(".new"))
+        os.replace(target.with_suffix(".new"), target)
+
+
+async def test_a_rotated_client_certificate_is_the_next_calls_etcd_user(
+    secure_etcd: SecureEtcd, tmp_path: Path
+) -> None:
+    """etcd reads the user from the client certificate's CN. Rotated from ``agent-node-a`` to
+    ``agent-node-b``, the same client's next puts are node-b's (node-a's prefix is refused), while the
+    watch opened before the rotation keeps its stream (runtime.tls.RotatingChannel)."""
+    p = secure_etcd.prefix
+    original = secure_etcd.settings("agent-node-a")
+    other = secure_etcd.settings("agent-node-b")
+    assert original.tls_cert and original.tls_key and original.tls_ca and other.tls_cert and other.tls_key
+    mine = copy_of(
+        LeafFiles("agent-node-a", Path(original.tls_cert), Path(original.tls_key), Path(original.tls_ca)),
+        tmp_path,
+    )
+    client = await connect(replace(original, tls_cert=str(mine.cert), tls_key=str(mine.key)))
+    seen: list[bytes] = []
+
+    async def follow(revision: int) -> None:
+        assert client.watch is not None
+        mine_prefix = f"{p}endpoints/node-a/"
+        watch = client.watch.watch(
+            mine_prefix, etcd3aio.prefix_range_end(mine_prefix), start_revision=revision
+        )
+        async for response in watch:
+            seen.extend(bytes(event.kv.key) for event in response.events)
+
+    task: asyncio.Task[None] | None = None
+    try:
+        assert client.kv is not None
+        put = await client.kv.put(f"{p}endpoints/node-a/before", b"1", timeout=5.0)
+        task = asyncio.create_task(follow(put.header.revision))
+        await until(lambda: len(seen) == 1, 10.0)  # the watch is attached
+        _swap_in(Path(other.tls_cert), Path(other.tls_key), mine)
+        with pytest.raises(ETCD_ERRORS, match=r"(?i)permission denied"):
+            await client.kv.put(f"{p}endpoints/node-a/after", b"2", timeout=5.0, max_attempts=1)
+        await client.kv.put(f"{p}endpoints/node-b/after", b"2", timeout=5.0)
+        assert await may_put(original, f"{p}endpoints/node-a/watched", b"3")  # node-a's own client
+        await until(lambda: len(seen) == 2, 10.0)  # the stream opened before the rotation goes on
+        assert seen == [f"{p}endpoints/node-a/before".encode(), f"{p}endpoints/node-a/watched".encode()]
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await client.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from extproc.federation.peers import Federation
 from extproc.federation.summary import ModelLoad, SummaryBuilder
 from extproc.federation.trust import CLIENT
 from runtime.tls import ClientTlsFiles, channel_credentials
+from tests.extproc.migration.test_identity import copy_of, rotate
 from tests.polling import until
 
 BS = 16
@@ -158,3 +160,36 @@ async def test_an_identity_not_linked_gets_no_summary(
     address = f"127.0.0.1:{b.service.port}"
     assert await report_status(address, pki[who]) == grpc.StatusCode.PERMISSION_DENIED
     assert await report_status(address, pki["federation-a"]) == grpc.StatusCode.OK
+
+
+async def test_a_rotated_follower_certificate_is_presented_by_the_next_subscription(
+    pki: dict[str, LeafFiles], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The follower's ``tls_*`` files follow rotation (``runtime.tls.ReloadingClientCerts``): its running
+    subscription keeps going; after the peer restarts, the next subscription presents the new
+    certificate: a cluster b does not link is refused, a renewed one of the linked identity is served."""
+    b = await start(section("b", pki["federation-b"], []))
+    files = copy_of(pki["federation-a"], tmp_path)
+    assert files.cert is not None and files.key is not None
+    mine = LeafFiles("federation-a", files.cert, files.key, pki["federation-a"].ca)
+    a = await start(section("a", mine, [link("b", b.service.port)]))
+    b.fed.links.put("a", encode_link(link("a", a.service.port)))
+    port = b.service.port
+    a.follower.sync()
+    try:
+        await until(lambda: a.follower.reports >= 1, 10.0)
+        rotate(files, "federation-c")  # an identity b does not link
+        seen = a.follower.reports
+        await until(lambda: a.follower.reports > seen, 10.0)  # the subscription under way goes on
+        await b.follower.aclose()
+        await b.service.aclose(grace_s=0)
+        caplog.set_level(logging.WARNING, logger="extproc.federation.exchange")
+        b = await start(section("b", pki["federation-b"], [link("a", a.service.port)], port=port))
+        await until(lambda: "PERMISSION_DENIED" in caplog.text, 10.0)
+        seen = a.follower.reports
+        rotate(files, "federation-a")  # renewed: the identity b links
+        await until(lambda: a.follower.reports > seen, 15.0)
+    finally:
+        for side in (a, b):
+            await side.follower.aclose()
+            await side.service.aclose()

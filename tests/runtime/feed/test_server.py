@@ -24,12 +24,20 @@ from contracts.events import (
     Load,
     SequenceTracker,
     Stored,
+    decode_batch,
     encode,
 )
 from runtime.feed.client import FeedClient
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
-from runtime.tls import ClientTlsFiles, ServerTlsFiles, channel_credentials
+from runtime.tls import (
+    ClientTlsFiles,
+    ReloadingClientCerts,
+    RotatingChannel,
+    ServerTlsFiles,
+    channel_credentials,
+)
+from tests.extproc.migration.test_identity import copy_of, rotate
 
 D1, D2, D3 = (bytes([i]) * 16 for i in (1, 2, 3))
 
@@ -365,4 +373,75 @@ async def test_mtls_refuses_a_client_certificate_from_another_ca(tmp_path: Path)
         assert await subscribe_status(srv, files) == grpc.StatusCode.UNAVAILABLE
         assert srv.subscriptions == 0
     finally:
+        await srv.aclose()
+
+
+async def test_a_rotated_client_certificate_is_presented_by_the_next_subscription(tmp_path: Path) -> None:
+    """A feed client with a :class:`~runtime.tls.ReloadingClientCerts` (the ext_proc's ``[feeds]``
+    files) keeps its running stream through a rotation and presents the new certificate when it
+    subscribes again: rotated to a role the agent refuses, the agent's restart leaves it refused;
+    rotated back to an ext_proc's, its next retry is attached, without a new client."""
+    bundle = dev_bundle(tmp_path / "pki", ["agent", "extproc"], dt.datetime.now(dt.UTC))
+    agent = bundle["agent"]
+    files = ServerTlsFiles(agent.cert, agent.key, agent.ca)
+    mine = copy_of(bundle["extproc"], tmp_path)
+    tls = ReloadingClientCerts(mine, where="feeds")
+    srv = FeedServer(FeedLog("node-a"), Held(), tls=files)
+    await srv.start()
+    port = srv.port
+    rec = Recorder()
+    client = await started(addr(srv), rec, credentials=tls)
+    try:
+        srv.publish([stored("e1", D1)])
+        await eventually(lambda: rec.seqs() == [1, 2])
+        rotate(mine, "operator-ops")  # may not subscribe
+        srv.publish([stored("e1", D2)])  # the stream under way is not cut
+        await eventually(lambda: rec.seqs() == [1, 2, 3])
+        assert client.connected and tls.reloads == 0  # nothing new was opened yet
+        await srv.aclose()
+        await eventually(lambda: rec.lost == [f"127.0.0.1:{port}"])
+        srv = FeedServer(FeedLog("node-a"), Held(), listen=f"127.0.0.1:{port}", tls=files)
+        await srv.start()
+        await eventually(lambda: "PERMISSION_DENIED" in client.last_error, 10.0)
+        assert not client.connected and rec.restored == [] and tls.reloads == 1
+        rotate(mine, "extproc-2")
+        await eventually(lambda: client.connected, 10.0)
+        assert rec.restored == [f"127.0.0.1:{port}"] and tls.reloads == 2
+    finally:
+        await client.aclose()
+        await srv.aclose()
+
+
+async def test_a_rotating_channel_moves_new_calls_and_closes_the_old_channel_after_its_last(
+    tmp_path: Path,
+) -> None:
+    """``runtime.tls.RotatingChannel``: after a rotation a new call goes on a new channel (the agent
+    sees two subscriptions); the stream opened before keeps its channel until it ends, then that channel
+    is closed."""
+    bundle = dev_bundle(tmp_path / "pki", ["agent", "extproc"], dt.datetime.now(dt.UTC))
+    agent = bundle["agent"]
+    srv = FeedServer(FeedLog("node-a"), Held(), tls=ServerTlsFiles(agent.cert, agent.key, agent.ca))
+    await srv.start()
+    mine = copy_of(bundle["extproc"], tmp_path)
+    channel = RotatingChannel(addr(srv), ReloadingClientCerts(mine, where="feeds"))
+    subscribe = channel.unary_stream(SUBSCRIBE_METHOD, request_serializer=encode, response_deserializer=None)
+    try:
+        first = subscribe(SequenceTracker().request("first"))
+        assert (await first.initial_metadata()) is not None
+        old = channel.current()
+        rotate(mine, "extproc-2")
+        second = subscribe(SequenceTracker().request("second"))
+        assert (await second.initial_metadata()) is not None
+        assert channel.rebuilds == 1 and channel.current() is not old
+        await eventually(lambda: srv.subscriptions == 2)
+        srv.publish([stored("e1", D1)])
+        for call in (first, second):  # both streams carry the snapshot, then the batch: none was cut
+            got = [decode_batch(await call.read()) for _ in range(2)]
+            assert [b.snapshot for b in got] == [True, False] and got[1].events == [stored("e1", D1)]
+        first.cancel()
+        await eventually(lambda: old.get_state() is grpc.ChannelConnectivity.SHUTDOWN)
+        assert channel.current().get_state() is not grpc.ChannelConnectivity.SHUTDOWN
+        second.cancel()
+    finally:
+        await channel.close()
         await srv.aclose()
