@@ -31,7 +31,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from contracts.epp import FAILURE_LOG_NAME
-from runtime.tls import ReloadingClientCerts
+from runtime.tls import ReloadingClientCerts, secure_channel
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,6 @@ class FailureReports:
         self._targets = list(targets)
         self._credentials = credentials
         self._channels: list[grpc.aio.Channel] = []
-        #: The :attr:`ReloadingClientCerts.reloads` the channels were opened with.
-        self._generation = 0
         self._pending: set[asyncio.Task[None]] = set()
 
     def failed(self, host: str, flag: str | None = None, status: int | None = None) -> None:
@@ -86,13 +84,6 @@ class FailureReports:
             one = entry(host, flag, status)
         except ValueError:
             return  # not ip:port: nothing an ext_proc could match
-        credentials = self._credentials
-        if isinstance(credentials, ReloadingClientCerts):
-            credentials.credentials()  # re-reads rotated files
-            if self._channels and credentials.reloads != self._generation:
-                self._retire(self._channels)
-                self._channels = []
-            self._generation = credentials.reloads
         if not self._channels:
             self._channels = [self._channel(t) for t in self._targets]
         for target, channel in zip(self._targets, self._channels, strict=True):
@@ -101,23 +92,11 @@ class FailureReports:
             task.add_done_callback(self._pending.discard)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
-        credentials = self._credentials
-        if credentials is None:
+        if self._credentials is None:
             return grpc.aio.insecure_channel(target)
-        if isinstance(credentials, ReloadingClientCerts):
-            credentials = credentials.credentials()
-        return grpc.aio.secure_channel(target, credentials)
-
-    def _retire(self, channels: list[grpc.aio.Channel]) -> None:
-        """Close channels opened with a rotated-out certificate once their reports are sent."""
-
-        async def close() -> None:
-            for channel in channels:
-                await channel.close(grace=DEADLINE_S)
-
-        task = asyncio.create_task(close())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        # Following rotation: each report after one goes on a channel with the new certificate, and
+        # the replaced channel closes once its reports are sent (runtime.tls.RotatingChannel).
+        return secure_channel(target, self._credentials)
 
     async def _send(
         self, target: str, channel: grpc.aio.Channel, one: accesslog_pb2.HTTPAccessLogEntry
