@@ -1,6 +1,6 @@
-"""TLS material of the ext_proc process: gRPC server credentials that follow file rotation, and the
-client contexts the metrics scraper uses towards engines that require client certificates and the slot
-restorer towards agents' admin APIs (:mod:`extproc.control.restore`).
+"""TLS material that follows file rotation, for every daemon: gRPC server credentials, ``ssl`` server
+contexts, and client contexts, credentials and channels (the ext_proc's scraper, slot restorer
+(:mod:`extproc.control.restore`) and feeds; federation; the migration proxy; the kvcached clients; etcd).
 
 :class:`ReloadingServerCerts` is the certificate fetcher of ``grpc.dynamic_ssl_server_credentials``:
 gRPC calls it before every new TLS handshake; it compares the files' (inode, size, mtime) with what it
