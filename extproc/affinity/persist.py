@@ -149,7 +149,10 @@ class AffinityState:
         #: Snapshots written, and files that could not be read (``load``) or written (``save``).
         self.saves = 0
         self.errors = {"load": 0, "save": 0}
+        #: ``affinity.changes`` as last written (or loaded); ``None``: write at the next round.
         self._saved_changes: int | None = None
+        #: Set by :meth:`load`: a table that never read its file never writes over it.
+        self._loaded = False
         self._issued = 0
         self._written = 0
         self._lock = threading.Lock()
@@ -162,16 +165,19 @@ class AffinityState:
     async def load(self) -> int:
         """Restore the last run's entries (:meth:`ResponseAffinity.restore`); how many were kept. Never
         raises for a bad file: it is logged and the table starts empty."""
+        self._loaded = True
         try:
             records = await asyncio.to_thread(read, self.path, self.max_bytes)
-        except StateError as exc:
+        except StateError as exc:  # replaced by the next snapshot
             self.errors["load"] += 1
             log.warning("response affinity: ignoring %s (%s); starting with an empty table", self.path, exc)
             return 0
         if records is None:
             log.info("response affinity: no snapshot at %s yet; starting with an empty table", self.path)
+            self._saved_changes = self.affinity.changes  # nothing to write until something is learned
             return 0
         kept = self.affinity.restore(records, self._clock(), self._wall(), self._fleet())
+        self._saved_changes = self.affinity.changes  # the file holds it already
         log.info("response affinity: %d of %d entries restored from %s", kept, len(records), self.path)
         return kept
 
@@ -188,7 +194,7 @@ class AffinityState:
         (logged; the next round tries again)."""
         a = self.affinity
         changes = a.changes
-        if changes == self._saved_changes:
+        if not self._loaded or changes == self._saved_changes:
             return False
         items = list(a.entries.items())  # the only part on the event loop: a shallow copy
         now, wall, fleet = self._clock(), self._wall(), dict(self._fleet())

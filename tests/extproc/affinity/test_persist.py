@@ -36,14 +36,23 @@ def state(
     return AffinityState(affinity, path, 30.0, lambda: got, lambda: clocks.mono, lambda: clocks.wall)
 
 
+async def started(affinity: ResponseAffinity, path: Path, clocks: Clocks) -> AffinityState:
+    """A process's state once started: its file (none yet) read first, as the gateway does."""
+    kept = state(affinity, path, clocks)
+    assert await kept.load() == 0
+    return kept
+
+
 async def test_a_restarted_table_answers_as_before_in_the_same_use_order(tmp_path: Path) -> None:
     path = state_path(tmp_path / "state", "extproc-0")
     before, clocks = ResponseAffinity(), Clocks(100.0, 1_000_000.0)
+    kept = await started(before, path, clocks)
+    assert not await kept.save()  # nothing learned: nothing written
     before.learn("open", "resp_a", "e0", clocks.mono)
     before.learn("tenant:acme", "resp_b", "e1", clocks.mono)
     before.learn("open", "resp_c", "e1", clocks.mono)
     assert before.lookup("open", "resp_a", clocks.mono) == "e0"  # used last now
-    assert await state(before, path, clocks).save()
+    assert await kept.save()
 
     after, later = ResponseAffinity(), Clocks(7.0, clocks.wall + 60)  # a new process: monotonic restarts
     assert await state(after, path, later).load() == 3
@@ -57,10 +66,11 @@ async def test_a_restarted_table_answers_as_before_in_the_same_use_order(tmp_pat
 async def test_the_ttl_counts_in_wall_time_across_the_restart(tmp_path: Path) -> None:
     path = tmp_path / "a.json"
     before, clocks = ResponseAffinity(AffinityConfig(ttl_s=100.0)), Clocks(5000.0, 1_000_000.0)
+    kept = await started(before, path, clocks)
     before.learn("open", "resp_old", "e0", clocks.mono)
     clocks.tick(60)
     before.learn("open", "resp_new", "e1", clocks.mono)
-    assert await state(before, path, clocks).save()
+    assert await kept.save()
 
     after, down = ResponseAffinity(AffinityConfig(ttl_s=100.0)), Clocks(3.0, clocks.wall + 50)  # 50 s down
     assert await state(after, path, down).load() == 1  # resp_old: 110 s since its last use
@@ -76,9 +86,10 @@ async def test_the_ttl_counts_in_wall_time_across_the_restart(tmp_path: Path) ->
 async def test_only_the_most_recent_max_entries_are_loaded(tmp_path: Path) -> None:
     path = tmp_path / "a.json"
     before, clocks = ResponseAffinity(), Clocks(0.0, 1_000_000.0)
+    kept = await started(before, path, clocks)
     for i in range(10):
         before.learn("open", f"resp_{i}", "e0", clocks.mono)
-    assert await state(before, path, clocks).save()
+    assert await kept.save()
     after = ResponseAffinity(AffinityConfig(max_entries=4))
     assert await state(after, path, clocks).load() == 4
     assert [r for _, r in after.entries] == ["resp_6", "resp_7", "resp_8", "resp_9"]
@@ -89,9 +100,10 @@ async def test_an_endpoint_now_at_another_address_loses_its_entries(tmp_path: Pa
     know yet (etcd names it later) keeps its entries."""
     path = tmp_path / "a.json"
     before, clocks = ResponseAffinity(), Clocks(0.0, 1_000_000.0)
+    kept = await started(before, path, clocks)
     before.learn("open", "resp_0", "e0", clocks.mono)
     before.learn("open", "resp_1", "e1", clocks.mono)
-    assert await state(before, path, clocks).save()
+    assert await kept.save()
     after = ResponseAffinity()
     assert await state(after, path, clocks, {"e0": "10.0.0.9:8000"}).load() == 1
     assert list(after.entries) == [("open", "resp_1")]
@@ -147,7 +159,7 @@ async def test_the_file_is_private_and_written_whole(tmp_path: Path) -> None:
     directory = tmp_path / "state"
     path = state_path(directory, "extproc-0")
     affinity, clocks = ResponseAffinity(), Clocks(0.0, 1e9)
-    kept = state(affinity, path, clocks)
+    kept = await started(affinity, path, clocks)
     affinity.learn("open", "resp_a", "e0", 0.0)
     old = os.umask(0)  # even under a permissive umask
     try:
@@ -169,8 +181,10 @@ async def test_a_failed_write_is_counted_not_raised(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     affinity = ResponseAffinity()
-    affinity.learn("open", "resp_a", "e0", 0.0)
     kept = state(affinity, blocker / "a.json", Clocks(0.0, 1e9))
+    assert not await kept.save() and kept.saves == 0  # never loaded: never writes over a file it did not read
+    assert await kept.load() == 0 and kept.errors["load"] == 1  # its directory is a file
+    affinity.learn("open", "resp_a", "e0", 0.0)
     assert not await kept.save() and kept.errors["save"] == 1
     await kept.aclose()  # tries once more at shutdown, quietly
     assert kept.errors["save"] == 2
