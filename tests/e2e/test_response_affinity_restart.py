@@ -21,6 +21,7 @@ from extproc.affinity.persist import read
 from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_burst import gateway
+from tests.e2e.test_disagg import samples
 from tests.e2e.test_gateway import LONG
 from tests.e2e.test_response_affinity import FOLLOW_UP, post, wait_learned
 from tests.polling import poll
@@ -126,3 +127,38 @@ def test_a_killed_extproc_keeps_what_its_last_timed_snapshot_held(stack: Stack) 
     nxt = post(stack, {"input": FOLLOW_UP, "previous_response_id": rid})
     assert nxt.headers["x-kvgate-endpoint"] == first.headers["x-kvgate-endpoint"]
     assert gateway(stack, "kvgate_response_affinity_requests_total", outcome="hit") == hits + 1
+
+
+def test_each_worker_keeps_its_own_file(tmp_path: Path) -> None:
+    """``[extproc] workers = 2``: each worker learns every answer (Envoy's completion log goes to both) and
+    writes ``affinity-extproc-<i>.json``; one restarted alone reloads its own."""
+    options = StackOptions(
+        replicas=2,
+        port=0,
+        sim_args=FAST_SIM,
+        workdir=tmp_path,
+        extprocs=2,
+        overlay={"response_affinity": {"snapshot_interval_s": 0.2}},
+    )
+    with Stack(options) as stack:
+        metrics = [f"http://127.0.0.1:{p['metrics']}/metrics" for p in stack.extproc_listeners]
+
+        def learned_by_both() -> bool | None:
+            got = [samples(m).get(("kvgate_response_affinity_learned_total", ()), 0.0) for m in metrics]
+            return True if min(got) >= 1 else None
+
+        rid = post(stack, {"input": "Two workers: " + LONG}).json()["id"]
+        poll(learned_by_both, 20, "the answer learned by both workers", interval_s=0.05)
+        files = [tmp_path / "affinity" / f"affinity-{e.name}.json" for e in stack.extprocs]
+        assert [e.name for e in stack.extprocs] == ["extproc-0", "extproc-1"]
+
+        def both_written() -> bool | None:
+            return True if all((read(f, 1 << 24) or []) for f in files) else None
+
+        poll(both_written, 30, "both workers' snapshots", interval_s=0.05)
+        assert all(any(r[1] == rid for r in read(f, 1 << 24) or []) for f in files)
+        worker = stack.extprocs[1]
+        assert worker.stop() == 0
+        worker.spawn()
+        worker.await_ready()
+        assert samples(metrics[1])[("kvgate_response_affinity_restored_total", ())] == 1
