@@ -4,13 +4,15 @@ Pure: every method takes ``now`` (seconds, monotonic). The shell learns an entry
 log (:meth:`ResponseAffinity.learn`) and the processor asks for a follow-up's endpoint
 (:meth:`ResponseAffinity.lookup`). Keys are ``(scope, response_id)``: the scope is the tenant (under
 ``[auth]``) or the open gateway's one scope, so a tenant's lookup never sees another tenant's ids.
+Across a restart the shell (:mod:`extproc.affinity.persist`) writes :func:`to_records` (expiry in
+wall-clock time) and gives them back to :meth:`ResponseAffinity.restore` (both clocks passed in).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from contracts.config import Section
@@ -159,7 +161,7 @@ class ResponseAffinity:
 
 
 def to_records(
-    items: Sequence[tuple[tuple[str, str], tuple[str, float]]],
+    items: Iterable[tuple[tuple[str, str], tuple[str, float]]],
     now: float,
     wall: float,
     fleet: Mapping[str, str],

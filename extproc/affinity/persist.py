@@ -196,7 +196,7 @@ class AffinityState:
         changes = a.changes
         if not self._loaded or changes == self._saved_changes:
             return False
-        items = list(a.entries.items())  # the only part on the event loop: a shallow copy
+        items = a.entries.copy()  # the only part on the event loop: a shallow copy (~10 ms at 50,000)
         now, wall, fleet = self._clock(), self._wall(), dict(self._fleet())
         self._issued += 1
         try:
@@ -214,12 +214,12 @@ class AffinityState:
     def _write(
         self,
         issued: int,
-        items: list[tuple[tuple[str, str], tuple[str, float]]],
+        items: Mapping[tuple[str, str], tuple[str, float]],
         now: float,
         wall: float,
         fleet: Mapping[str, str],
     ) -> None:
-        data = encode(to_records(items, now, wall, fleet), wall)
+        data = encode(to_records(items.items(), now, wall, fleet), wall)
         with self._lock:  # a write cut short by shutdown's cancellation never lands after a newer one
             if issued < self._written:
                 return
