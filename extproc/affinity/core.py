@@ -41,7 +41,8 @@ def scope_of(tenant: str | None) -> str:
 @dataclass(frozen=True, slots=True)
 class AffinityConfig:
     """``[response_affinity]``: ``enabled``; at most ``max_entries`` ids kept (least recently used leave
-    first); each kept ``ttl_s`` seconds from when it was learned or last used."""
+    first); each kept ``ttl_s`` seconds from when it was learned or last used; kept across restarts in
+    ``state_dir`` (a file per worker, written every ``snapshot_interval_s`` when changed: README.md)."""
 
     enabled: bool = True
     max_entries: int = 50_000
