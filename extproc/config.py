@@ -78,6 +78,8 @@ Example (TOML)::
     [response_affinity]                # previous_response_id -> the endpoint that produced it (on by
     max_entries = 50000                #   default; extproc/affinity/README.md)
     ttl_s = 3600
+    state_dir = "/var/lib/kvgate/affinity"   # optional: kept across restarts, a file per worker
+    snapshot_interval_s = 30                 #   (kvgate up: WORKDIR/affinity; "" or absent: not kept)
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"

@@ -42,6 +42,7 @@ from extproc.admission.gate import Gate, build_gate
 from extproc.admission.shared import SharedAdmission
 from extproc.affinity.core import ResponseAffinity
 from extproc.affinity.metrics import AffinityCollector
+from extproc.affinity.persist import AffinityState, state_path
 from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
 from extproc.burst.records import BurstSink, BurstTable
@@ -539,8 +540,19 @@ class Gateway:
         #: learned from Envoy's completion log.
         affinity = config.response_affinity
         self.affinity = ResponseAffinity(affinity) if affinity.enabled else None
+        #: Its snapshot file, kept across restarts (``state_dir``; ``None``: not kept).
+        self.affinity_state = (
+            AffinityState(
+                self.affinity,
+                state_path(affinity.state_dir, worker or "extproc"),
+                affinity.snapshot_interval_s,
+                lambda: {e.id: e.address for e in self.fleet},
+            )
+            if self.affinity is not None and affinity.state_dir is not None
+            else None
+        )
         if self.affinity is not None:
-            self.metrics.registry.register(AffinityCollector(self.affinity))
+            self.metrics.registry.register(AffinityCollector(self.affinity, self.affinity_state))
         if config.burst_credentials and self.cluster.control is not None:
             self.cluster.control.core.follow(BURST, BurstSink(self.burst_table, self._burst_changed))
         self.fleet.watch(self.dispatcher.kick)
@@ -680,6 +692,9 @@ class Gateway:
         self._servers = [server, health_server]
         for name in READY_SERVICES:  # known from the first probe on; SERVING from the first scrape round
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.affinity_state is not None:  # the last run's table, before the first request
+            await self.affinity_state.load()
+            self.affinity_state.start()
         if self.siblings is not None:
             self.siblings.start()
         self.eds.start()
@@ -834,6 +849,8 @@ class Gateway:
         if self._scraper is not None:
             await self._scraper.aclose()
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        if self.affinity_state is not None:  # after the last completion-log entry: the table, a last time
+            await self.affinity_state.aclose()
         self.dispatcher.close()
         if self.siblings is not None:
             await self.siblings.aclose()

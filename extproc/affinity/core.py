@@ -4,11 +4,15 @@ Pure: every method takes ``now`` (seconds, monotonic). The shell learns an entry
 log (:meth:`ResponseAffinity.learn`) and the processor asks for a follow-up's endpoint
 (:meth:`ResponseAffinity.lookup`). Keys are ``(scope, response_id)``: the scope is the tenant (under
 ``[auth]``) or the open gateway's one scope, so a tenant's lookup never sees another tenant's ids.
+Across a restart the shell (:mod:`extproc.affinity.persist`) writes :func:`to_records` (expiry in
+wall-clock time) and gives them back to :meth:`ResponseAffinity.restore` (both clocks passed in).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from contracts.config import Section
@@ -23,6 +27,11 @@ OPEN_SCOPE = "open"
 #: The longest response id kept (OpenAI's and vLLM's are ``resp_`` + 32 to 48 characters).
 MAX_ID = 256
 
+#: One entry as kept across restarts (:mod:`extproc.affinity.persist`): ``(scope, response id, endpoint
+#: id, endpoint address, expires)``, ``expires`` in wall-clock seconds (monotonic time does not survive a
+#: restart); the address is ``""`` when the endpoint was not in the fleet at the snapshot.
+Record = tuple[str, str, str, str, float]
+
 
 def scope_of(tenant: str | None) -> str:
     """The key space of a request: its tenant's own, else the open gateway's."""
@@ -32,11 +41,16 @@ def scope_of(tenant: str | None) -> str:
 @dataclass(frozen=True, slots=True)
 class AffinityConfig:
     """``[response_affinity]``: ``enabled``; at most ``max_entries`` ids kept (least recently used leave
-    first); each kept ``ttl_s`` seconds from when it was learned or last used."""
+    first); each kept ``ttl_s`` seconds from when it was learned or last used; kept across restarts in
+    ``state_dir`` (a file per worker, written every ``snapshot_interval_s`` when changed: README.md)."""
 
     enabled: bool = True
     max_entries: int = 50_000
     ttl_s: float = 3600.0
+    #: Where each worker keeps its table across restarts (``affinity-<worker>.json``); ``None``: not kept.
+    state_dir: str | None = None
+    #: How often a changed table is written there (and once more at a graceful shutdown).
+    snapshot_interval_s: float = 30.0
 
 
 def parse_affinity(raw: object, where: str = "response_affinity") -> AffinityConfig:
@@ -48,10 +62,16 @@ def parse_affinity(raw: object, where: str = "response_affinity") -> AffinityCon
         enabled=s.flag("enabled", d.enabled),
         max_entries=s.integer("max_entries", d.max_entries, minimum=1),
         ttl_s=s.number("ttl_s", d.ttl_s),
+        state_dir=s.string("state_dir", d.state_dir) or None,  # "": not kept (overrides `kvgate up`'s)
+        snapshot_interval_s=s.number("snapshot_interval_s", d.snapshot_interval_s),
     )
     s.done()
     if config.ttl_s <= 0:
         raise ConfigError(f"{where}.ttl_s: must be > 0, got {config.ttl_s}")
+    if config.snapshot_interval_s <= 0:
+        raise ConfigError(f"{where}.snapshot_interval_s: must be > 0, got {config.snapshot_interval_s}")
+    if config.state_dir is not None and "\0" in config.state_dir:
+        raise ConfigError(f"{where}.state_dir: not a path (a NUL character)")
     return config
 
 
@@ -64,6 +84,10 @@ class ResponseAffinity:
     learned: int = 0
     evicted: dict[str, int] = field(default_factory=lambda: {LRU: 0, TTL: 0})
     outcomes: dict[str, int] = field(default_factory=lambda: {HIT: 0, UNKNOWN: 0, UNAVAILABLE: 0})
+    #: Entries taken from the last run's snapshot (:meth:`restore`).
+    restored: int = 0
+    #: Bumped on every change (learned, renewed, dropped): a snapshot is written only when it moved.
+    changes: int = 0
 
     def learn(self, scope: str, response_id: str, endpoint: str, now: float) -> bool:
         """``endpoint`` produced ``response_id`` for ``scope``; ``False`` when not kept (an id too long or
@@ -74,6 +98,7 @@ class ResponseAffinity:
         self.entries[key] = (endpoint, now + self.config.ttl_s)
         self.entries.move_to_end(key)
         self.learned += 1
+        self.changes += 1
         self._expire(now)
         while len(self.entries) > self.config.max_entries:
             self.entries.popitem(last=False)
@@ -90,9 +115,11 @@ class ResponseAffinity:
         if expires <= now:
             del self.entries[key]
             self.evicted[TTL] += 1
+            self.changes += 1
             return None
         self.entries[key] = (endpoint, now + self.config.ttl_s)
         self.entries.move_to_end(key)
+        self.changes += 1
         return endpoint
 
     def count(self, outcome: str) -> None:
@@ -106,3 +133,45 @@ class ResponseAffinity:
                 return
             del self.entries[key]
             self.evicted[TTL] += 1
+            self.changes += 1
+
+    def restore(self, records: Iterable[Record], now: float, wall: float, fleet: Mapping[str, str]) -> int:
+        """Take a snapshot's ``records`` (least recently used first) at monotonic ``now`` and wall-clock
+        ``wall``; how many were kept. An entry is dropped when it expired in wall time, when its id is
+        empty or too long, or when ``fleet`` (endpoint id -> address now) has its endpoint at another
+        address (a replaced engine: its response store went with it; an endpoint not in ``fleet`` is kept,
+        as etcd may name it later). Each keeps its remaining TTL (at most ``ttl_s``); only the
+        ``max_entries`` most recent stay."""
+        kept = 0
+        for scope, response_id, endpoint, address, expires in records:
+            left = min(expires - wall, self.config.ttl_s)
+            if left <= 0 or not math.isfinite(left) or not response_id or len(response_id) > MAX_ID:
+                continue
+            now_at = fleet.get(endpoint)
+            if address and now_at is not None and now_at != address:
+                continue
+            key = (scope, response_id)
+            self.entries[key] = (endpoint, now + left)
+            self.entries.move_to_end(key)
+            kept += 1
+        while len(self.entries) > self.config.max_entries:
+            self.entries.popitem(last=False)
+        kept = min(kept, len(self.entries))
+        self.restored += kept
+        return kept
+
+
+def to_records(
+    items: Iterable[tuple[tuple[str, str], tuple[str, float]]],
+    now: float,
+    wall: float,
+    fleet: Mapping[str, str],
+) -> list[Record]:
+    """A copy of :attr:`ResponseAffinity.entries`' items (least recently used first) as :data:`Record` s:
+    the expiry moved from monotonic ``now`` to wall-clock ``wall``, the address from ``fleet`` (endpoint id
+    -> address; ``""`` when absent); the expired left out."""
+    return [
+        (scope, response_id, endpoint, fleet.get(endpoint, ""), wall + (expires - now))
+        for (scope, response_id), (endpoint, expires) in items
+        if expires > now
+    ]

@@ -9,11 +9,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from extproc.affinity.core import ResponseAffinity
+from extproc.affinity.persist import AffinityState
 
 
 class AffinityCollector(Collector):
-    def __init__(self, affinity: ResponseAffinity) -> None:
+    def __init__(self, affinity: ResponseAffinity, state: AffinityState | None = None) -> None:
         self._affinity = affinity
+        self._state = state
 
     def collect(self) -> Iterator[Metric]:
         a = self._affinity
@@ -41,3 +43,24 @@ class AffinityCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_response_affinity_entries", "Response ids kept now", value=len(a.entries)
         )
+        state = self._state
+        if state is None:
+            return
+        yield CounterMetricFamily(
+            "kvgate_response_affinity_restored",
+            "Entries taken at start from the last run's snapshot (state_dir)",
+            value=a.restored,
+        )
+        yield CounterMetricFamily(
+            "kvgate_response_affinity_snapshots",
+            "Snapshots of the table written to state_dir",
+            value=state.saves,
+        )
+        errors = CounterMetricFamily(
+            "kvgate_response_affinity_state_errors",
+            "Snapshot files that could not be read at start (ignored: an empty table) or written, by op",
+            labels=["op"],
+        )
+        for op, n in sorted(state.errors.items()):
+            errors.add_metric([op], n)
+        yield errors

@@ -381,6 +381,12 @@ class Stack:
         if workers > 1 and parsed.extproc.siblings_dir is None:
             siblings = str(self._siblings_dir(workers))
             config = {**config, "extproc": {**config["extproc"], "siblings_dir": siblings}}
+        affinity = config.get("response_affinity", {})
+        if "state_dir" not in affinity:  # previous_response_id affinity kept across ext_proc restarts
+            config = {
+                **config,
+                "response_affinity": {**affinity, "state_dir": str(self.workdir / "affinity")},
+            }
         edge_auth = EdgeAuth.from_config(parsed)
         if edge_auth is not None and self.auth is not None and self.auth.ca_file is not None:
             # The dev issuer's JWKS over HTTPS, verified against the stack's CA.
