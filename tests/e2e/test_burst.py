@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from certs.store import ca_paths, init_ca, issue
+from extproc.status.snapshot import decode
 from kvgate.dev.procs import Child
 from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.test_disagg import samples
@@ -125,6 +126,18 @@ def gateway(stack: Stack, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples(stack.info.metrics_url).items() if n == name and want <= set(ls))
 
 
+def free(stack: Stack) -> bool:
+    """Whether flow control sees the replica's one slot free: the scheduler's load estimate is 0 and the
+    gateway has heard every completion from Envoy (its ``outstanding`` count, which the in-flight limit
+    never counts fewer than). A scrape can bring the load to 0 between an answer and its completion log
+    (flushed every 20 ms; later on a loaded machine): the next request would then still find the slot
+    taken, be queued, and burst."""
+    if gateway(stack, "kvgate_endpoint_load") != 0:
+        return False
+    got = httpx.get(f"http://127.0.0.1:{stack.extproc_ports['metrics']}/status.json", timeout=10)
+    return got.status_code == 200 and all(e.outstanding == 0 for e in decode(got.content).endpoints)
+
+
 def seen(b: Burst) -> dict[str, Any]:
     """What the hosted endpoint saw: requests with the right key, without, and the last Authorization's
     SHA-256 (read over its own TLS, checked against the test CA)."""
@@ -153,7 +166,7 @@ async def test_with_room_locally_nothing_goes_to_burst(burst: Burst) -> None:
     stack = burst.stack
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
         for i in range(3):  # one at a time, each once the last one's slot is free again
-            await until(lambda: gateway(stack, "kvgate_endpoint_load") == 0, 20)
+            await until(lambda: free(stack), 20)
             answer = await client.post("/v1/chat/completions", json=ask(f"room {i}", 4), headers=CLIENT_AUTH)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model"] == MODEL
@@ -165,6 +178,7 @@ async def test_with_room_locally_nothing_goes_to_burst(burst: Burst) -> None:
 async def test_overflow_bursts_within_budget_with_the_injected_key(burst: Burst) -> None:
     stack = burst.stack
     async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
+        await until(lambda: free(stack), 20)  # else the long request itself may be queued and burst
         busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 200)))
         await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)  # the one slot is taken
         started = time.monotonic()
