@@ -259,6 +259,11 @@ class SegmentTokenizer:
             return PrefixCursor(self, pieces, [], (), chunkable=plan.chunkable)
         return PrefixCursor(self, pieces, list(plan.prefix), plan.suffix, chunkable=plan.chunkable)
 
+    def holds(self, piece: str) -> bool:
+        """Whether ``piece``'s ids are in the segment cache (refreshed as a hit would be): a
+        :class:`PrefixCursor` then takes it whole in one step."""
+        return self._cached(piece) is not None
+
     def _cached(self, piece: str) -> tuple[int, ...] | None:
         with self._lock:
             ids = self._cache.get(piece)
@@ -401,6 +406,23 @@ class PrefixCursor:
                 self._offset = end
                 self._chunk *= 2
                 return
+        self._end(piece)
+
+    def end_piece(self) -> None:
+        """Tokenize the rest of the piece in progress in one call and cache the piece whole (as
+        :meth:`step` does with its last chunk); nothing at a piece boundary or when :attr:`done`."""
+        if self._offset and not self.done:
+            piece = self._pieces[self._next]
+            assert isinstance(piece, str)  # only an ordinary piece is chunked
+            self._end(piece)
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether no piece is part-way tokenized (every id so far belongs to whole pieces)."""
+        return self._offset == 0
+
+    def _end(self, piece: str) -> None:
+        tok, offset = self._tok, self._offset
         if offset == 0:
             self.ids.extend(tok._tokenize([piece])[piece])
         else:

@@ -41,12 +41,18 @@ from __future__ import annotations
 
 import threading
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from contracts.digest import Digest
 from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
+
+MAX_PIECE_CHARS = 65_536
+"""The longest piece (characters, ~16k tokens of English: ~10 ms of tokenizing once, after the answer)
+in which a full window ends that :meth:`HistoryMemo.settle` tokenizes to its end so that the full
+window's state can be kept; a longer one keeps the last boundary before the window is full."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +76,19 @@ class HistoryMemo:
     """Bounded LRU of lazy-path states at piece boundaries (see the module docstring). Thread-safe (a
     large body is tokenized in a worker thread while the loop commits others)."""
 
-    def __init__(self, max_entries: int = 4096, max_units: int = 64_000_000) -> None:
+    def __init__(
+        self, max_entries: int = 4096, max_units: int = 64_000_000, max_piece_chars: int = MAX_PIECE_CHARS
+    ) -> None:
         self.max_entries = max_entries
         self.max_units = max_units
+        #: The longest piece in which a full window ends that :meth:`settle` tokenizes to its end.
+        self.max_piece_chars = max_piece_chars
         self._states: OrderedDict[int, _State] = OrderedDict()
         self._units = 0
         self._lock = threading.Lock()
         self.hits = 0
+        #: Hits on a full window's state (a follow-up then tokenizes nothing).
+        self.full_hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
@@ -144,31 +156,73 @@ class HistoryMemo:
             ):
                 continue
             digests = state.digests
+            last = state.pieces[-1]
+            if len(digests) >= window and isinstance(last, str) and not tokenizer.holds(last):
+                continue  # a full window's state is where the walk stops only with its last piece cached
             if unheld(digests, 0) != len(digests):
                 break
             states.move_to_end(hashes[k])
             cursor.resume(k, state.ids, state.marks, state.chars)
             self.hits += 1
+            self.full_hits += len(digests) >= window
             return digests
         self.misses += 1
         return None
+
+    def settle(self, cursor: PrefixCursor, block_size: int, window: int, digests: Sequence[Digest]) -> None:
+        """Tokenize the rest of the piece in which a full window ended, when :meth:`remember` would keep
+        the full window's state after it (the work :meth:`remember` does first; a caller runs it off the
+        event loop for a large prompt)."""
+        found = self._boundary(cursor, block_size, window, len(digests))
+        if found is not None and found[1] and len(cursor.marks) < found[0]:
+            cursor.end_piece()
+
+    def _boundary(
+        self, cursor: PrefixCursor, block_size: int, window: int, hashed: int
+    ) -> tuple[int, bool] | None:
+        """``(k, full)``: the boundary :meth:`remember` keeps for ``cursor`` with ``hashed`` digests, the
+        last one a follow-up shares (``k < len(pieces)``, after an added token) at most:
+
+        - ``full``: the window is full (``hashed >= window``) and the piece in which it filled, ``k - 1``,
+          is shared and at most :attr:`max_piece_chars` long: the boundary right after it;
+        - else the last shared boundary before the window is full (its ids fewer than the window's).
+        """
+        pieces, marks = cursor.pieces, cursor.marks
+        last = len(pieces) - 1
+        while last > 0 and not isinstance(pieces[last - 1], int):
+            last -= 1
+        if last <= 0:
+            return None
+        limit = window * block_size
+        if hashed >= window:
+            j = bisect_left(marks, limit)  # the piece in which the window filled (in progress: len(marks))
+            if j < last:
+                piece = pieces[j]
+                if j < len(marks) or (
+                    not cursor.at_boundary and isinstance(piece, str) and len(piece) <= self.max_piece_chars
+                ):
+                    return j + 1, True
+        k = min(len(marks), last)
+        while k > 0 and (not isinstance(pieces[k - 1], int) or marks[k - 1] >= limit):
+            k -= 1
+        return (k, False) if k else None
 
     def remember(
         self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, digests: Sequence[Digest]
     ) -> None:
         """Remember ``cursor``'s state (a chat prompt's, tokenized at least as far as ``digests``, its
-        window's chain so far) at its last piece boundary that follows an added token and comes before
-        the window is full."""
+        window's chain so far) at the boundary :meth:`_boundary` picks, after :meth:`settle`."""
+        self.settle(cursor, block_size, window, digests)
+        found = self._boundary(cursor, block_size, window, len(digests))
+        if found is None:
+            return
+        k, full = found
         pieces, marks = cursor.pieces, cursor.marks
-        limit = window * block_size
-        k = len(marks)
-        while k > 0 and (not isinstance(pieces[k - 1], int) or marks[k - 1] >= limit or k == len(pieces)):
-            k -= 1
-        if k == 0:
+        if len(marks) < k:
             return
         n = marks[k - 1]
-        blocks = n // block_size
-        if blocks > len(digests):
+        blocks = window if full else n // block_size
+        if blocks > len(digests) or n < blocks * block_size:
             return
         key = self._hashes(self._head(cursor.tokenizer, seed, block_size, window), pieces[:k])[k]
         with self._lock:
