@@ -3,23 +3,36 @@ prompt reached a boundary (issue 27.1).
 
 A follow-up's rendered prompt starts with the previous turn's, up to the previous generation prompt's
 last added token (``<|im_start|>`` before ``assistant``). :class:`HistoryMemo` remembers, for a chat
-prompt's pieces up to such a boundary (:meth:`~extproc.models.tokenizer.SegmentTokenizer.split`: the
-text cut at added tokens, pieces the tokenizer treats independently), the state the lazy path
-(:class:`~extproc.routing.router.LazyPrompt`) has there: the ids (exactly the tokenization of those
-pieces), the ids after each piece, the characters of ordinary pieces, and the chain digests of the
-complete blocks within the window. The next turn looks its own pieces' prefixes up (one rolling hash
-per piece, longest first), checks the hit exactly, and starts its cursor there instead of stepping over
-the history's cached pieces and hashing its blocks.
+prompt's pieces up to a boundary the follow-up shares
+(:meth:`~extproc.models.tokenizer.SegmentTokenizer.split`: the text cut at added tokens, pieces the
+tokenizer treats independently), the state the lazy path (:class:`~extproc.routing.router.LazyPrompt`)
+has there: the ids (exactly the tokenization of those pieces), the ids after each piece, the characters
+of ordinary pieces and the count of added tokens, and the chain digests of the complete blocks within
+the window. The next turn looks its own pieces' prefixes up (one rolling hash per piece, longest first),
+checks the hit exactly, and starts its cursor there instead of stepping over the history's cached pieces
+and hashing its blocks. The boundary kept (:meth:`HistoryMemo._boundary`), with ``P`` the pieces and
+``k`` at most the last index after an added token below ``len(P)`` (what the follow-up shares):
+
+- where the window is full and it filled within those shared pieces: right after the piece ``P[j]`` in
+  which it filled; the commit first tokenizes ``P[j]`` to its end (:meth:`HistoryMemo.settle`; at most
+  :data:`MAX_PIECE_CHARS`), which also caches it whole. The state's digests are the whole window, so the
+  follow-up tokenizes nothing;
+- else the last shared boundary before the window is full.
 
 Exact (the lazy path's invariants hold and it ends in the state the unmemoised path ends in):
 
 - the key is the piece sequence itself (plus the tokenizer, chain seed, block size and window),
   compared for equality on a hit, never just a hash: the ids of equal pieces are equal (the segment
   path's own invariant: ``encode(text) == concat(ids of its pieces)``);
-- a state is remembered only where the window is not yet full (fewer than ``window`` digests), so the
-  unmemoised path, which stops only at the window's end or a block nobody holds, passes through that
-  boundary with exactly those ids and digests (at a piece boundary its digests are always every complete
-  block: it hashes whenever a block completes);
+- a state before the window is full: the unmemoised path, which stops only at the window's end or a
+  block nobody holds, passes through that boundary with exactly those ids and digests (at a piece
+  boundary its digests are always every complete block: it hashes whenever a block completes);
+- a full window's state (``window`` digests, after ``P[j]``): the unmemoised path reaches ``P[j]`` with
+  the window not yet full and, ``P[j]`` being cached (an added token needs no cache), takes it in one
+  step, completes the window and stops right there, with those ids, marks, characters and digests, so
+  with the same length estimate too. It is used only while the segment cache holds ``P[j]``
+  (:meth:`~extproc.models.tokenizer.SegmentTokenizer.holds`); else a shorter state is looked for (the
+  walk would then chunk ``P[j]`` and stop inside it);
 - it is used only when every digest it carries is held now (``PrefixIndex.unheld`` from 0), else the
   unmemoised path would have stopped earlier: the prompt is then tokenized from its start as before.
 
@@ -65,6 +78,7 @@ class _State:
     ids: array[int]
     marks: array[int]
     chars: int
+    specials: int
     digests: tuple[Digest, ...]
 
     @property
@@ -162,7 +176,7 @@ class HistoryMemo:
             if unheld(digests, 0) != len(digests):
                 break
             states.move_to_end(hashes[k])
-            cursor.resume(k, state.ids, state.marks, state.chars)
+            cursor.resume(k, state.ids, state.marks, state.chars, state.specials)
             self.hits += 1
             self.full_hits += len(digests) >= window
             return digests
@@ -230,15 +244,17 @@ class HistoryMemo:
                 self._states.move_to_end(key)
                 return
         chars = sum(len(p) for p in pieces[:k] if isinstance(p, str))
+        specials = sum(1 for p in pieces[:k] if isinstance(p, int))
         state = _State(
             cursor.tokenizer,
             seed,
             block_size,
             window,
             tuple(pieces[:k]),
-            array("q", cursor.ids[:n]),
+            cursor.ids[:n],
             array("q", marks[:k]),
             chars,
+            specials,
             tuple(digests[:blocks]),
         )
         if state.units > self.max_units:

@@ -316,7 +316,7 @@ class LazyPrompt:
         cursor = self.cursor
         rest = None if self.complete else self
         return Tokens(
-            list(cursor.ids),
+            cursor.ids[:],  # an array's copy: one buffer copy
             self.block_size,
             True,
             cursor.estimate(),
