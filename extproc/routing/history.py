@@ -198,7 +198,8 @@ class HistoryMemo:
         last one a follow-up shares (``k < len(pieces)``, after an added token) at most:
 
         - ``full``: the window is full (``hashed >= window``) and the piece in which it filled, ``k - 1``,
-          is shared and at most :attr:`max_piece_chars` long: the boundary right after it;
+          is shared and either tokenized whole already or at most :attr:`max_piece_chars` long: the
+          boundary right after it;
         - else the last shared boundary before the window is full (its ids fewer than the window's).
         """
         pieces, marks = cursor.pieces, cursor.marks
