@@ -264,9 +264,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     yield resp
                 decision = proc.decision
                 if large and decision is not None and decision.rest is not None and not decision.recorded:
-                    # The answer is out; the rest of the window is hashed for the index record: a long
-                    # prompt's off the event loop, as its start was (preparable).
-                    await asyncio.to_thread(decision.rest.finish)
+                    # The answer is out; the rest of the window is hashed for the index record (and the
+                    # piece it ends in tokenized for the next turn): a long prompt's off the event loop,
+                    # as its start was (preparable).
+                    await asyncio.to_thread(decision.rest.settle)
                 proc.after_send()
                 if self._after_request is not None:
                     self._after_request()

@@ -34,6 +34,7 @@ import json
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -181,16 +182,27 @@ class SegmentTokenizer:
 
         Raises RuntimeError when the tokenizer has no exact segment path (see :attr:`fallback_reason`).
         """
+        return self._split(text)[0]
+
+    def _split(self, text: str) -> tuple[list[str | int], tuple[int, int]]:
+        """:meth:`split`, and how many of its pieces are added tokens and how many characters its
+        ordinary pieces hold (the text's, less its added tokens': the pieces partition it)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"segment splitting is not exact for this tokenizer: {self.fallback_reason}")
-        pieces = _cut(text, plan.raw, plan.ids)
+        pieces, specials, special_chars = _cut(text, plan.raw, plan.ids)
         if plan.normalized is None:
-            return pieces
+            return pieces, (specials, len(text) - special_chars)
         out: list[str | int] = []
         for piece in pieces:
-            out.extend(_cut(piece, plan.normalized, plan.ids) if isinstance(piece, str) else (piece,))
-        return out
+            if isinstance(piece, str):
+                cut, found, found_chars = _cut(piece, plan.normalized, plan.ids)
+                out.extend(cut)
+                specials += found
+                special_chars += found_chars
+            else:
+                out.append(piece)
+        return out, (specials, len(text) - special_chars)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``, equal to :meth:`encode_whole`, reusing cached pieces."""
@@ -254,10 +266,17 @@ class SegmentTokenizer:
         plan = self._plan
         if plan is None:
             return PrefixCursor(self, [], self.encode_whole(text, add_special_tokens), (), chunkable=False)
-        pieces = self.split(text)
+        pieces, totals = self._split(text)
         if not add_special_tokens:
-            return PrefixCursor(self, pieces, [], (), chunkable=plan.chunkable)
-        return PrefixCursor(self, pieces, list(plan.prefix), plan.suffix, chunkable=plan.chunkable)
+            return PrefixCursor(self, pieces, [], (), chunkable=plan.chunkable, totals=totals)
+        return PrefixCursor(
+            self, pieces, list(plan.prefix), plan.suffix, chunkable=plan.chunkable, totals=totals
+        )
+
+    def holds(self, piece: str) -> bool:
+        """Whether ``piece``'s ids are in the segment cache (refreshed as a hit would be): a
+        :class:`PrefixCursor` then takes it whole in one step."""
+        return self._cached(piece) is not None
 
     def _cached(self, piece: str) -> tuple[int, ...] | None:
         with self._lock:
@@ -329,6 +348,8 @@ class PrefixCursor:
         "_offset",
         "_partial",
         "_pieces",
+        "_rest_chars",
+        "_rest_specials",
         "_suffix",
         "_tok",
         "ids",
@@ -339,10 +360,11 @@ class PrefixCursor:
         self,
         tokenizer: SegmentTokenizer,
         pieces: list[str | int],
-        ids: list[int],
+        ids: Iterable[int],
         suffix: tuple[int, ...],
         *,
         chunkable: bool,
+        totals: tuple[int, int] | None = None,
     ) -> None:
         self._tok = tokenizer
         self._pieces = pieces
@@ -353,8 +375,15 @@ class PrefixCursor:
         self._partial: list[int] = []  # ids of those characters
         self._chunk = FIRST_CHUNK_CHARS
         self._chars = 0  # characters of ordinary pieces tokenized so far
-        #: The ids so far (read-only for callers).
-        self.ids = ids
+        if totals is None:
+            totals = (
+                sum(1 for p in pieces if isinstance(p, int)),
+                sum(len(p) for p in pieces if isinstance(p, str)),
+            )
+        self._rest_specials = totals[0]  # added tokens not yet taken
+        self._rest_chars = totals[1]  # characters of ordinary pieces (all of them: less _chars left)
+        #: The ids so far (read-only for callers; an array: a resumed history is copied in, not boxed).
+        self.ids: array[int] = array("q", ids)
         #: ``len(ids)`` after each piece tokenized so far (read-only; :mod:`extproc.routing.history`).
         self.marks: list[int] = []
         if not pieces:
@@ -379,6 +408,7 @@ class PrefixCursor:
         piece = self._pieces[self._next]
         if isinstance(piece, int):
             self.ids.append(piece)
+            self._rest_specials -= 1
             self._next_piece()
             return
         tok = self._tok
@@ -401,6 +431,23 @@ class PrefixCursor:
                 self._offset = end
                 self._chunk *= 2
                 return
+        self._end(piece)
+
+    def end_piece(self) -> None:
+        """Tokenize the rest of the piece in progress in one call and cache the piece whole (as
+        :meth:`step` does with its last chunk); nothing at a piece boundary or when :attr:`done`."""
+        if self._offset and not self.done:
+            piece = self._pieces[self._next]
+            assert isinstance(piece, str)  # only an ordinary piece is chunked
+            self._end(piece)
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether no piece is part-way tokenized (every id so far belongs to whole pieces)."""
+        return self._offset == 0
+
+    def _end(self, piece: str) -> None:
+        tok, offset = self._tok, self._offset
         if offset == 0:
             self.ids.extend(tok._tokenize([piece])[piece])
         else:
@@ -420,16 +467,18 @@ class PrefixCursor:
         """The tokenizer this cursor steps with."""
         return self._tok
 
-    def resume(self, k: int, ids: Iterable[int], marks: Iterable[int], chars: int) -> None:
+    def resume(self, k: int, ids: array[int], marks: Iterable[int], chars: int, specials: int) -> None:
         """Put a fresh cursor (nothing stepped) where it would be after its first ``k`` pieces: ``ids``
         must be exactly their tokenization (with the prefix the cursor started with), ``marks`` the ids
-        after each and ``chars`` their ordinary characters (:class:`~extproc.routing.history.HistoryMemo`
-        checks the pieces are the ones these were remembered for)."""
+        after each, ``chars`` their ordinary characters and ``specials`` how many of them are added
+        tokens (:class:`~extproc.routing.history.HistoryMemo` checks the pieces are the ones these were
+        remembered for)."""
         if self._next or self._offset or self.done or not 0 < k <= len(self._pieces):
             raise ValueError("resume needs a fresh cursor and a boundary within its pieces")
-        self.ids[:] = ids
+        self.ids = array("q", ids)  # one copy of the buffer (an "q" array), no int objects made
         self.marks[:] = marks
         self._chars = chars
+        self._rest_specials -= specials
         self._next = k
         if k == len(self._pieces):
             self._finish()
@@ -440,11 +489,9 @@ class PrefixCursor:
         characters tokenized so far (0.25 a character before any)."""
         if self.done:
             return len(self.ids)
-        rest = self._pieces[self._next :]
-        specials = sum(1 for p in rest if isinstance(p, int))
-        rest_chars = sum(len(p) for p in rest if isinstance(p, str)) - self._offset
+        rest_chars = self._rest_chars - self._chars  # those of the pieces left, less the chunks taken
         per_char = (len(self.ids) / self._chars) if self._chars else 0.25
-        return len(self.ids) + specials + round(rest_chars * per_char) + len(self._suffix)
+        return len(self.ids) + self._rest_specials + round(rest_chars * per_char) + len(self._suffix)
 
     def _next_piece(self) -> None:
         self.marks.append(len(self.ids))
@@ -460,19 +507,26 @@ class PrefixCursor:
         self._next = len(self._pieces) + 1
 
 
-def _cut(text: str, pattern: re.Pattern[str] | None, ids: dict[str, int]) -> list[str | int]:
+def _cut(
+    text: str, pattern: re.Pattern[str] | None, ids: dict[str, int]
+) -> tuple[list[str | int], int, int]:
+    """``text`` cut at ``pattern``'s matches (added tokens, as their ids), how many matched and their
+    characters."""
     if pattern is None:
-        return [text] if text else []
+        return ([text] if text else []), 0, 0
     out: list[str | int] = []
-    start = 0
+    start = found = chars = 0
     for match in pattern.finditer(text):
-        if match.start() > start:
-            out.append(text[start : match.start()])
+        begin, end = match.span()
+        if begin > start:
+            out.append(text[start:begin])
         out.append(ids[match.group()])
-        start = match.end()
+        found += 1
+        chars += end - begin
+        start = end
     if start < len(text):
         out.append(text[start:])
-    return out
+    return out, found, chars
 
 
 def _alternation(tokens: Iterable[str]) -> re.Pattern[str] | None:

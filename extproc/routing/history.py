@@ -3,23 +3,36 @@ prompt reached a boundary (issue 27.1).
 
 A follow-up's rendered prompt starts with the previous turn's, up to the previous generation prompt's
 last added token (``<|im_start|>`` before ``assistant``). :class:`HistoryMemo` remembers, for a chat
-prompt's pieces up to such a boundary (:meth:`~extproc.models.tokenizer.SegmentTokenizer.split`: the
-text cut at added tokens, pieces the tokenizer treats independently), the state the lazy path
-(:class:`~extproc.routing.router.LazyPrompt`) has there: the ids (exactly the tokenization of those
-pieces), the ids after each piece, the characters of ordinary pieces, and the chain digests of the
-complete blocks within the window. The next turn looks its own pieces' prefixes up (one rolling hash
-per piece, longest first), checks the hit exactly, and starts its cursor there instead of stepping over
-the history's cached pieces and hashing its blocks.
+prompt's pieces up to a boundary the follow-up shares
+(:meth:`~extproc.models.tokenizer.SegmentTokenizer.split`: the text cut at added tokens, pieces the
+tokenizer treats independently), the state the lazy path (:class:`~extproc.routing.router.LazyPrompt`)
+has there: the ids (exactly the tokenization of those pieces), the ids after each piece, the characters
+of ordinary pieces and the count of added tokens, and the chain digests of the complete blocks within
+the window. The next turn looks its own pieces' prefixes up (one rolling hash per piece, longest first),
+checks the hit exactly, and starts its cursor there instead of stepping over the history's cached pieces
+and hashing its blocks. The boundary kept (:meth:`HistoryMemo._boundary`), with ``P`` the pieces and
+``k`` at most the last index after an added token below ``len(P)`` (what the follow-up shares):
+
+- where the window is full and it filled within those shared pieces: right after the piece ``P[j]`` in
+  which it filled; the commit first tokenizes ``P[j]`` to its end (:meth:`HistoryMemo.settle`; at most
+  :data:`MAX_PIECE_CHARS`), which also caches it whole. The state's digests are the whole window, so the
+  follow-up tokenizes nothing;
+- else the last shared boundary before the window is full.
 
 Exact (the lazy path's invariants hold and it ends in the state the unmemoised path ends in):
 
 - the key is the piece sequence itself (plus the tokenizer, chain seed, block size and window),
   compared for equality on a hit, never just a hash: the ids of equal pieces are equal (the segment
   path's own invariant: ``encode(text) == concat(ids of its pieces)``);
-- a state is remembered only where the window is not yet full (fewer than ``window`` digests), so the
-  unmemoised path, which stops only at the window's end or a block nobody holds, passes through that
-  boundary with exactly those ids and digests (at a piece boundary its digests are always every complete
-  block: it hashes whenever a block completes);
+- a state before the window is full: the unmemoised path, which stops only at the window's end or a
+  block nobody holds, passes through that boundary with exactly those ids and digests (at a piece
+  boundary its digests are always every complete block: it hashes whenever a block completes);
+- a full window's state (``window`` digests, after ``P[j]``): the unmemoised path reaches ``P[j]`` with
+  the window not yet full and, ``P[j]`` being cached (an added token needs no cache), takes it in one
+  step, completes the window and stops right there, with those ids, marks, characters and digests, so
+  with the same length estimate too. It is used only while the segment cache holds ``P[j]``
+  (:meth:`~extproc.models.tokenizer.SegmentTokenizer.holds`); else a shorter state is looked for (the
+  walk would then chunk ``P[j]`` and stop inside it);
 - it is used only when every digest it carries is held now (``PrefixIndex.unheld`` from 0), else the
   unmemoised path would have stopped earlier: the prompt is then tokenized from its start as before.
 
@@ -41,12 +54,18 @@ from __future__ import annotations
 
 import threading
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from contracts.digest import Digest
 from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
+
+MAX_PIECE_CHARS = 65_536
+"""The longest piece (characters, ~16k tokens of English: ~10 ms of tokenizing once, after the answer)
+in which a full window ends that :meth:`HistoryMemo.settle` tokenizes to its end so that the full
+window's state can be kept; a longer one keeps the last boundary before the window is full."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +78,7 @@ class _State:
     ids: array[int]
     marks: array[int]
     chars: int
+    specials: int
     digests: tuple[Digest, ...]
 
     @property
@@ -70,13 +90,19 @@ class HistoryMemo:
     """Bounded LRU of lazy-path states at piece boundaries (see the module docstring). Thread-safe (a
     large body is tokenized in a worker thread while the loop commits others)."""
 
-    def __init__(self, max_entries: int = 4096, max_units: int = 64_000_000) -> None:
+    def __init__(
+        self, max_entries: int = 4096, max_units: int = 64_000_000, max_piece_chars: int = MAX_PIECE_CHARS
+    ) -> None:
         self.max_entries = max_entries
         self.max_units = max_units
+        #: The longest piece in which a full window ends that :meth:`settle` tokenizes to its end.
+        self.max_piece_chars = max_piece_chars
         self._states: OrderedDict[int, _State] = OrderedDict()
         self._units = 0
         self._lock = threading.Lock()
         self.hits = 0
+        #: Hits on a full window's state (a follow-up then tokenizes nothing).
+        self.full_hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
@@ -144,31 +170,74 @@ class HistoryMemo:
             ):
                 continue
             digests = state.digests
+            last = state.pieces[-1]
+            if len(digests) >= window and isinstance(last, str) and not tokenizer.holds(last):
+                continue  # a full window's state is where the walk stops only with its last piece cached
             if unheld(digests, 0) != len(digests):
                 break
             states.move_to_end(hashes[k])
-            cursor.resume(k, state.ids, state.marks, state.chars)
+            cursor.resume(k, state.ids, state.marks, state.chars, state.specials)
             self.hits += 1
+            self.full_hits += len(digests) >= window
             return digests
         self.misses += 1
         return None
+
+    def settle(self, cursor: PrefixCursor, block_size: int, window: int, digests: Sequence[Digest]) -> None:
+        """Tokenize the rest of the piece in which a full window ended, when :meth:`remember` would keep
+        the full window's state after it (the work :meth:`remember` does first; a caller runs it off the
+        event loop for a large prompt)."""
+        found = self._boundary(cursor, block_size, window, len(digests))
+        if found is not None and found[1] and len(cursor.marks) < found[0]:
+            cursor.end_piece()
+
+    def _boundary(
+        self, cursor: PrefixCursor, block_size: int, window: int, hashed: int
+    ) -> tuple[int, bool] | None:
+        """``(k, full)``: the boundary :meth:`remember` keeps for ``cursor`` with ``hashed`` digests, the
+        last one a follow-up shares (``k < len(pieces)``, after an added token) at most:
+
+        - ``full``: the window is full (``hashed >= window``) and the piece in which it filled, ``k - 1``,
+          is shared and either tokenized whole already or at most :attr:`max_piece_chars` long: the
+          boundary right after it;
+        - else the last shared boundary before the window is full (its ids fewer than the window's).
+        """
+        pieces, marks = cursor.pieces, cursor.marks
+        last = len(pieces) - 1
+        while last > 0 and not isinstance(pieces[last - 1], int):
+            last -= 1
+        if last <= 0:
+            return None
+        limit = window * block_size
+        if hashed >= window:
+            j = bisect_left(marks, limit)  # the piece in which the window filled (in progress: len(marks))
+            if j < last:
+                piece = pieces[j]
+                if j < len(marks) or (
+                    not cursor.at_boundary and isinstance(piece, str) and len(piece) <= self.max_piece_chars
+                ):
+                    return j + 1, True
+        k = min(len(marks), last)
+        while k > 0 and (not isinstance(pieces[k - 1], int) or marks[k - 1] >= limit):
+            k -= 1
+        return (k, False) if k else None
 
     def remember(
         self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, digests: Sequence[Digest]
     ) -> None:
         """Remember ``cursor``'s state (a chat prompt's, tokenized at least as far as ``digests``, its
-        window's chain so far) at its last piece boundary that follows an added token and comes before
-        the window is full."""
+        window's chain so far) at the boundary :meth:`_boundary` picks, after :meth:`settle`."""
+        self.settle(cursor, block_size, window, digests)
+        found = self._boundary(cursor, block_size, window, len(digests))
+        if found is None:
+            return
+        k, full = found
         pieces, marks = cursor.pieces, cursor.marks
-        limit = window * block_size
-        k = len(marks)
-        while k > 0 and (not isinstance(pieces[k - 1], int) or marks[k - 1] >= limit or k == len(pieces)):
-            k -= 1
-        if k == 0:
+        if len(marks) < k:
             return
         n = marks[k - 1]
-        blocks = n // block_size
-        if blocks > len(digests):
+        blocks = window if full else n // block_size
+        if blocks > len(digests) or n < blocks * block_size:
             return
         key = self._hashes(self._head(cursor.tokenizer, seed, block_size, window), pieces[:k])[k]
         with self._lock:
@@ -176,15 +245,17 @@ class HistoryMemo:
                 self._states.move_to_end(key)
                 return
         chars = sum(len(p) for p in pieces[:k] if isinstance(p, str))
+        specials = sum(1 for p in pieces[:k] if isinstance(p, int))
         state = _State(
             cursor.tokenizer,
             seed,
             block_size,
             window,
             tuple(pieces[:k]),
-            array("q", cursor.ids[:n]),
+            cursor.ids[:n],
             array("q", marks[:k]),
             chars,
+            specials,
             tuple(digests[:blocks]),
         )
         if state.units > self.max_units:

@@ -269,8 +269,17 @@ class LazyPrompt:
         self.digests = list(digests)
         return True
 
+    def settle(self) -> None:
+        """:meth:`finish`, then the work :meth:`remember` starts with (:meth:`HistoryMemo.settle`: the
+        piece in which a full window ended, tokenized to its end): what a large prompt's commit does off
+        the event loop."""
+        self.finish()
+        if self.history is not None:
+            self.history.settle(self.cursor, self.block_size, self.window, self.digests)
+
     def remember(self) -> None:
-        """Remember this prompt's state at its last boundary for the next turn (after :meth:`finish`)."""
+        """Remember this prompt's state for the next turn (after :meth:`finish`): at the boundary after
+        the piece in which a full window ended, else at its last boundary before the window is full."""
         if self.history is not None:
             self.history.remember(self.cursor, self.seed, self.block_size, self.window, self.digests)
 
@@ -307,7 +316,7 @@ class LazyPrompt:
         cursor = self.cursor
         rest = None if self.complete else self
         return Tokens(
-            list(cursor.ids),
+            cursor.ids[:],  # an array's copy: one buffer copy
             self.block_size,
             True,
             cursor.estimate(),

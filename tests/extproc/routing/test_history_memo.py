@@ -3,13 +3,16 @@
 The memoised path must end exactly where the unmemoised lazy path ends: the same ids and digests (so
 still prefixes of the full tokenization and chain), the same estimate, and the same decision, on random
 multi-turn chats whose messages hold whitespace runs, newlines and added-token text at the boundaries,
-while endpoints drop what they held between turns.
+while endpoints drop what they held between turns. Their histories often outgrow the 48-block window, so
+a follow-up also resumes at a full window's state (the boundary after the piece in which the window
+ended: it then tokenizes nothing) and must end where the walk over the cached pieces ends.
 """
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -123,3 +126,47 @@ def test_the_memo_is_bounded(model_dir: str) -> None:
     )
     r.commit(d, 0.0)
     assert r.history.units <= units // 2
+
+
+def test_a_full_window_resumes_without_tokenizing(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A history longer than the window: the commit tokenizes the piece in which the window ended to its
+    end and keeps the full window's state, so the follow-up tokenizes nothing and ends where the walk
+    over the cached pieces ends; without that piece cached, the walk is taken."""
+    memo, plain = twin(model_dir)  # a 48-block window
+    tokenizer = memo.models.find(MODEL).tokenizer  # type: ignore[union-attr]
+    rng = random.Random(11)
+    first = [message(rng, "user"), message(rng, "assistant"), message(rng, "user")]
+    while len(tokenizer.encode(str(first), False)) < 3 * 48 * 16:
+        first.append(message(rng, "user"))
+    decision = memo.decide(request_of(first), request_id="a", now=0.0)
+    memo.commit(decision, 0.0)
+    plain.index.record(decision.endpoints[0].id, decision.digests, 0.0)
+    calls: list[int] = []
+    for name in ("_chunk", "_tokenize"):
+        original = getattr(tokenizer, name)
+        monkeypatch.setattr(tokenizer, name, lambda x, f=original: calls.append(1) or f(x))
+    follow = request_of([*first, message(rng, "assistant"), message(rng, "user")])
+    a = memo.tokens(follow)
+    assert (memo.history.full_hits, calls) == (1, [])
+    assert a.rest is None and len(a.chain or ()) == 48
+    b = plain.tokens(follow)  # the walk: every history piece is cached, the window ends in one of them
+    assert calls == [] and plain.history.hits == 0
+    assert list(a.ids) == list(b.ids) and a.chain == b.chain
+    assert (a.count, a.estimated, a.counted) == (b.count, b.estimated, b.counted)
+    tokenizer.clear_cache()
+    c = memo.tokens(follow)
+    assert memo.history.full_hits == 1 and calls  # the walk, from the last boundary before the window
+    assert list(c.ids) == list(b.ids[: len(c.ids)]) and c.chain == b.chain
+
+
+def test_a_long_piece_keeps_the_boundary_before_the_window(model_dir: str) -> None:
+    """Past ``max_piece_chars`` the piece in which the window ended is not tokenized to its end: the
+    state kept is the last boundary before the window is full."""
+    r = make_router(model_dir, ApproximateIndex(), max_blocks=8)
+    r.history = HistoryMemo(max_piece_chars=100)
+    rng = random.Random(5)
+    chat = [message(rng, "user"), {"role": "user", "content": text_of(rng, 400)}]
+    d = r.decide(request_of(chat), request_id="a", now=0.0)
+    r.commit(d, 0.0)
+    r.tokens(request_of([*chat, message(rng, "assistant"), message(rng, "user")]))
+    assert r.history.full_hits == 0

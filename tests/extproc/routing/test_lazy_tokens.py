@@ -27,7 +27,7 @@ from extproc.index.hybrid import HybridIndex
 from extproc.index.interface import PrefixIndex
 from extproc.index.precise import PreciseIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
-from extproc.models.tokenizer import SegmentTokenizer
+from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
 from extproc.routing.request import Kind, ParsedRequest, parse_body
 from extproc.routing.router import Decision, Router, RoutingPolicy
 from extproc.scheduling.interface import CycleState, SchedulingRequest
@@ -283,6 +283,16 @@ def test_unheld_is_the_first_digest_held_says_nobody_holds(where: list[int], sta
 
 
 @settings(max_examples=200, deadline=None)
+
+def estimate_by_pieces(cursor: PrefixCursor) -> int:
+    """:meth:`PrefixCursor.estimate` from its definition: the ids so far, the added tokens and the
+    characters left (at the ids-per-character ratio so far), the suffix (the cursor keeps running totals)."""
+    rest = cursor.pieces[cursor._next :]
+    specials = sum(1 for p in rest if isinstance(p, int))
+    chars = sum(len(p) for p in rest if isinstance(p, str)) - cursor._offset
+    per_char = len(cursor.ids) / cursor._chars if cursor._chars else 0.25
+    return len(cursor.ids) + specials + round(chars * per_char) + len(cursor._suffix)
+
 @given(
     st.lists(
         st.sampled_from(
@@ -317,9 +327,10 @@ def test_chunked_pieces_are_prefixes_of_the_whole(smollm2_dir: Path, parts: list
     whole = tokenizer.encode_whole(text, add_special_tokens=False)
     cursor = tokenizer.cursor(text, add_special_tokens=False)
     while not cursor.done:
+        assert cursor.estimate() == estimate_by_pieces(cursor)
         cursor.step()
-        assert cursor.ids == whole[: len(cursor.ids)]
-    assert cursor.ids == whole and cursor.estimate() == len(whole)
+        assert list(cursor.ids) == whole[: len(cursor.ids)]
+    assert list(cursor.ids) == whole and cursor.estimate() == len(whole)
     assert tokenizer.encode(text, add_special_tokens=False) == whole  # a piece finished in chunks is cached
 
 
