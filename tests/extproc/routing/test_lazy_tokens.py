@@ -282,8 +282,6 @@ def test_unheld_is_the_first_digest_held_says_nobody_holds(where: list[int], sta
         assert index.unheld(chain, start) == first
 
 
-@settings(max_examples=200, deadline=None)
-
 def estimate_by_pieces(cursor: PrefixCursor) -> int:
     """:meth:`PrefixCursor.estimate` from its definition: the ids so far, the added tokens and the
     characters left (at the ids-per-character ratio so far), the suffix (the cursor keeps running totals)."""
@@ -293,6 +291,8 @@ def estimate_by_pieces(cursor: PrefixCursor) -> int:
     per_char = len(cursor.ids) / cursor._chars if cursor._chars else 0.25
     return len(cursor.ids) + specials + round(chars * per_char) + len(cursor._suffix)
 
+
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.sampled_from(
