@@ -162,6 +162,9 @@ is a function, method, class, code, frame, traceback, generator or coroutine (th
 ``type(obj)`` (builtins cannot; ``Namespace.__getattribute__`` hands ``__class__`` to ``object``), so
 every ``isinstance`` jinja2 asks (its ABC checks included) answers by the type alone."""
 _MAX_VERDICTS = 4096
+_DICT_ATTRIBUTES = frozenset(dir({}))
+"""The names ``getattr`` finds on an exact ``dict`` (its type's and ``object``'s: a dict has no instance
+``__dict__`` and no ``__getattr__``); any other name raises AttributeError."""
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -176,12 +179,22 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     registered with any ABC, so a registration can never leave a stale verdict); any other object, or a
     name that is not an exact ``str``, is judged by jinja2 every time. The memo holds at most
     :data:`_MAX_VERDICTS` verdicts (names come from template source, rarely from data; it is emptied when
-    full).
+    full). ``message.role`` on a dict goes straight to the item (:meth:`getattr`), as jinja2 ends up doing.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._verdicts: dict[tuple[object, type, str], bool] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        """``obj.attribute`` in a template; for an exact dict and a name that is not a dict attribute
+        (``message.role``) the item, without first raising and catching AttributeError as jinja2 does."""
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         kind = type(obj)

@@ -170,3 +170,39 @@ def test_safe_attributes_still_render() -> None:
     messages = [{"role": "user", "content": " a "}, {"role": "assistant", "content": "b"}]
     for _ in range(2):
         assert template.render(messages) == "1:A:22:B:2|2|['a']"
+
+
+def test_dict_attribute_access_is_jinja2s() -> None:
+    """``message.role`` on a dict: the item when the name is no dict attribute, else what jinja2 gives."""
+    ours, theirs = make_environment(), ImmutableSandboxedEnvironment()
+    message = {"role": "user", "content": "c", "items": "shadowed", "_x": 1, "__class__": 2, "": 3}
+    names = ["role", "content", "missing", "items", "keys", "get", "pop", "update", "_x", "__class__", ""]
+    for obj in (message, {}, collections.OrderedDict(message)):
+        for name in names:
+            got, expected = ours.getattr(obj, name), theirs.getattr(obj, name)
+            assert type(got) is type(expected), (obj, name)
+            if isinstance(expected, jinja2.runtime.Undefined):
+                assert (got._undefined_name, got._undefined_hint) == (  # type: ignore[attr-defined]
+                    expected._undefined_name,  # type: ignore[attr-defined]
+                    expected._undefined_hint,  # type: ignore[attr-defined]
+                )
+            elif callable(expected):
+                assert got == expected
+            else:
+                assert got is expected
+
+
+def test_attribute_style_templates_render_like_jinja2() -> None:
+    source = (
+        "{%- for message in messages %}{%- if message.role == 'user' or not loop.first %}"
+        "{{- '<|' + message.role + '|>' + message.content.strip() + (message.name or '') + '\\n' }}"
+        "{%- else %}{{- message.content + message.missing | default('-') }}{%- endif %}{%- endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": " s "},
+        {"role": "user", "content": " u ", "name": "n"},
+        {"role": "assistant", "content": "a"},
+    ]
+    template = ChatTemplate(source)
+    expected = ImmutableSandboxedEnvironment().from_string(source).render(messages=messages)
+    assert template.render(messages) == expected == " s -<|user|>un\n<|assistant|>a\n"
