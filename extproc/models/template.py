@@ -16,6 +16,13 @@ vLLM's chat path has two steps, both reproduced here without importing either pr
    ``tools``, ``documents``, ``add_generation_prompt``, the named special tokens and extra kwargs.
 
 Only text content is supported: image, audio and other media parts are a BadRequest here.
+
+Cost (a long chat is rendered on every request): the common message ``{"role": str, "content": str}``
+is normalized on a fast path that gives exactly the general path's dict; the sandbox (:class:`_Sandbox`)
+remembers jinja2's verdict on an attribute per ``(type, name)`` for the types where that verdict depends on
+nothing else, and reads ``message.role`` on a dict as the item without raising AttributeError first.
+Rendered text and the sandbox's refusals are jinja2's own (``tests/extproc/models/test_template*.py``);
+``python -m load.bench.render`` times each stage.
 """
 
 from __future__ import annotations
