@@ -16,10 +16,18 @@ vLLM's chat path has two steps, both reproduced here without importing either pr
    ``tools``, ``documents``, ``add_generation_prompt``, the named special tokens and extra kwargs.
 
 Only text content is supported: image, audio and other media parts are a BadRequest here.
+
+Cost (a long chat is rendered on every request): the common message ``{"role": str, "content": str}``
+is normalized on a fast path that gives exactly the general path's dict; the sandbox (:class:`_Sandbox`)
+remembers jinja2's verdict on an attribute per ``(type, name)`` for the types where that verdict depends on
+nothing else, and reads ``message.role`` on a dict as the item without raising AttributeError first.
+Rendered text and the sandbox's refusals are jinja2's own (``tests/extproc/models/test_template*.py``);
+``python -m load.bench.render`` times each stage.
 """
 
 from __future__ import annotations
 
+import abc
 import copy
 import json
 import logging
@@ -30,6 +38,7 @@ from typing import Any, Literal, NamedTuple
 
 import jinja2
 import jinja2.ext
+import jinja2.runtime
 import jinja2.utils
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -139,11 +148,79 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_VERDICT_TYPES: frozenset[type] = frozenset(
+    {
+        str,
+        dict,
+        list,
+        tuple,
+        int,
+        float,
+        bool,
+        type(None),
+        jinja2.runtime.LoopContext,
+        jinja2.utils.Namespace,
+        _TemplateNamespace,
+    }
+)
+"""Exact types whose sandbox verdict on an attribute is a function of (type, name, ``abc`` registry): none
+is a function, method, class, code, frame, traceback, generator or coroutine (the only instances
+``is_internal_attribute`` looks past the name for), and none can make ``obj.__class__`` differ from
+``type(obj)`` (builtins cannot; ``Namespace.__getattribute__`` hands ``__class__`` to ``object``), so
+every ``isinstance`` jinja2 asks (its ABC checks included) answers by the type alone."""
+_MAX_VERDICTS = 4096
+_DICT_ATTRIBUTES = frozenset(dir({}))
+"""The names ``getattr`` finds on an exact ``dict`` (its type's and ``object``'s: a dict has no instance
+``__dict__`` and no ``__getattr__``); any other name raises AttributeError."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, its attribute verdicts remembered per ``(type, name)``.
+
+    jinja2 judges each attribute access a template makes (``loop.first``, ``message.content.strip``) with
+    ``is_safe_attribute``: underscore names, internal attributes of functions/classes/frames, and methods
+    that mutate a list, dict, set or deque are refused; the attribute's ``value`` is not looked at. That
+    takes ~1 us (four ABC ``isinstance`` checks) and a chat template makes one or more per message. For
+    objects of :data:`_VERDICT_TYPES` the verdict depends only on the type, the name and the ABC registry,
+    so it is asked once and remembered under ``abc.get_cache_token()`` (which changes whenever a class is
+    registered with any ABC, so a registration can never leave a stale verdict); any other object, or a
+    name that is not an exact ``str``, is judged by jinja2 every time. The memo holds at most
+    :data:`_MAX_VERDICTS` verdicts (names come from template source, rarely from data; it is emptied when
+    full). ``message.role`` on a dict goes straight to the item (:meth:`getattr`), as jinja2 ends up doing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verdicts: dict[tuple[object, type, str], bool] = {}
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        """``obj.attribute`` in a template; for an exact dict and a name that is not a dict attribute
+        (``message.role``) the item, without first raising and catching AttributeError as jinja2 does."""
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        kind = type(obj)
+        if kind not in _VERDICT_TYPES or type(attr) is not str:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (abc.get_cache_token(), kind, attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) >= _MAX_VERDICTS:
+                self._verdicts.clear()
+            self._verdicts[key] = verdict
+        return verdict
+
+
 def make_environment() -> ImmutableSandboxedEnvironment:
-    """A jinja2 environment configured like transformers' chat template environment."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    """A jinja2 environment configured like transformers' chat template environment (its sandbox's
+    attribute verdicts remembered per type and name: :class:`_Sandbox`)."""
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -201,36 +278,51 @@ def normalize_messages(messages: Any, content_format: ContentFormat) -> list[dic
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty array", param="messages")
-    out = []
+    openai = content_format == "openai"
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string `role`", param="messages")
-        role: str = message["role"]
-        content = _content(message.get("content"), content_format, i)
-        result: dict[str, Any] = {"role": role, "content": content}
-        if role == "assistant":
-            if message.get("tool_calls") is not None:
-                result["tool_calls"] = _tool_calls(message["tool_calls"], i)
-            if message.get("reasoning") is not None:
-                result["reasoning"] = result["reasoning_content"] = message["reasoning"]
-        elif role == "tool":
-            if "tool_call_id" in message:
-                result["tool_call_id"] = message["tool_call_id"]
-            if isinstance(content, list) and all(p.get("type") == "text" for p in content):
-                result["content"] = "\n".join(p["text"] for p in content)
-        for key in ("name", "task"):
-            if isinstance(message.get(key), str):
-                result[key] = message[key]
-        if role == "developer":
-            result["tools"] = message.get("tools")
-        if result.get("tool_calls") == []:
-            del result["tool_calls"]
-        result = {k: v for k, v in result.items() if v is not None}  # transformers drops None values
-        reasoning = next((result[k] for k in _REASONING_FIELDS if k in result), None)
-        if reasoning is not None:
-            result = {"thinking": reasoning, **result, "reasoning_content": reasoning}
-        out.append(result)
+        # The common message, exactly {"role": str, "content": str} (as JSON decodes it), comes out as
+        # the general path below makes it: its content as is, or one text part ("openai"; a tool
+        # message's parts are joined back into the string).
+        if type(message) is dict and len(message) == 2:
+            role, content = message.get("role"), message.get("content")
+            if type(role) is str and type(content) is str:
+                text: Any = [{"type": "text", "text": content}] if openai and role != "tool" else content
+                out.append({"role": role, "content": text})
+                continue
+        out.append(_normalize_message(message, content_format, i))
     return out
+
+
+def _normalize_message(message: Any, content_format: ContentFormat, i: int) -> dict[str, Any]:
+    """One message of :func:`normalize_messages`, whatever its keys and content."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"messages[{i}] must be an object with a string `role`", param="messages")
+    role: str = message["role"]
+    content = _content(message.get("content"), content_format, i)
+    result: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        if message.get("tool_calls") is not None:
+            result["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        if message.get("reasoning") is not None:
+            result["reasoning"] = result["reasoning_content"] = message["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in message:
+            result["tool_call_id"] = message["tool_call_id"]
+        if isinstance(content, list) and all(p.get("type") == "text" for p in content):
+            result["content"] = "\n".join(p["text"] for p in content)
+    for key in ("name", "task"):
+        if isinstance(message.get(key), str):
+            result[key] = message[key]
+    if role == "developer":
+        result["tools"] = message.get("tools")
+    if result.get("tool_calls") == []:
+        del result["tool_calls"]
+    result = {k: v for k, v in result.items() if v is not None}  # transformers drops None values
+    reasoning = next((result[k] for k in _REASONING_FIELDS if k in result), None)
+    if reasoning is not None:
+        result = {"thinking": reasoning, **result, "reasoning_content": reasoning}
+    return result
 
 
 def _content(content: Any, content_format: ContentFormat, index: int) -> str | list[dict[str, str]]:

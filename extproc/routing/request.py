@@ -134,6 +134,8 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array.", param="messages")
     for i, message in enumerate(messages):
+        if type(message) is dict and type(message.get("role")) is str and type(message.get("content")) is str:
+            continue  # the common message passes every check below
         if not isinstance(message, dict):
             raise BadRequest(f"'messages[{i}]' must be an object.", param=f"messages[{i}]")
         if not isinstance(message.get("role"), str):

@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
 from extproc.models.template import (
     ChatTemplate,
     TemplateError,
+    _normalize_message,
     detect_content_format,
     make_environment,
     normalize_messages,
@@ -277,6 +280,51 @@ def test_normalize_messages_like_vllm() -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"}]},
         {"role": "tool", "content": "x\ny"},
     ]
+
+
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
+_ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer", "function"]) | _TEXT
+_PART = st.one_of(
+    _TEXT,
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text", "output_text"]), "text": _TEXT}),
+    st.fixed_dictionaries({"type": st.just("refusal"), "refusal": _TEXT}),
+)
+_VALUE = st.one_of(st.none(), _TEXT, st.integers(), st.lists(_PART, max_size=3))
+_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": _ROLES, "content": _TEXT}),  # the common message (the fast path)
+    st.fixed_dictionaries(
+        {"role": _ROLES},
+        optional={
+            "content": st.one_of(st.none(), _TEXT, st.lists(_PART, max_size=3)),
+            "name": _VALUE,
+            "task": _VALUE,
+            "tool_call_id": _VALUE,
+            "reasoning": _VALUE,
+            "tools": st.none() | st.lists(st.fixed_dictionaries({"type": st.just("function")}), max_size=2),
+            "tool_calls": st.none()
+            | st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries({"arguments": _TEXT})})),
+        },
+    ),
+    st.dictionaries(st.sampled_from(["role", "content", "x"]), _VALUE, max_size=2),  # some malformed
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=st.lists(_MESSAGE, min_size=1, max_size=6), openai=st.booleans())
+def test_normalize_messages_fast_path_is_the_general_path(messages: list[Any], openai: bool) -> None:
+    """The fast path for ``{"role": str, "content": str}`` gives what the general path gives, and the
+    same BadRequest when any message is malformed."""
+    fmt: Any = "openai" if openai else "string"
+    try:
+        expected = [_normalize_message(m, fmt, i) for i, m in enumerate(messages)]
+    except BadRequest as exc:
+        with pytest.raises(BadRequest) as info:
+            normalize_messages(messages, fmt)
+        assert (info.value.message, info.value.param) == (exc.message, exc.param)
+        return
+    got = normalize_messages(messages, fmt)
+    assert got == expected
+    assert [list(m) for m in got] == [list(m) for m in expected]  # key order too (templates may loop)
 
 
 @pytest.mark.parametrize(

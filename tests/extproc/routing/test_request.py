@@ -46,6 +46,19 @@ def test_chat_ok() -> None:
         (orjson.dumps({"model": "m", "messages": [{"content": "x"}]}), "role"),
         (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}), "content"),
         (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [1]}]}), "parts"),
+        (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "ok"}, 1]}), "messages[1]"),
+        (
+            orjson.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "user"}, {}]}
+            ),
+            "messages[2].role",
+        ),
+        (
+            orjson.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "u", "content": 5}]}
+            ),
+            "messages[1].content",
+        ),
         (chat(stream="yes"), "stream"),
         (chat(max_tokens="10"), "max_tokens"),
         (chat(max_tokens=True), "max_tokens"),
