@@ -29,7 +29,7 @@ from extproc.control.siblings import (
     encode_prefill,
     local_loads,
 )
-from extproc.disagg.plan import Disaggregator, Handoff, PdPolicy, PdRoute
+from extproc.disagg.plan import Disaggregator, Handoff
 from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
@@ -38,6 +38,8 @@ from extproc.models.registry import ModelRegistry
 from extproc.routing.request import Kind, parse_body
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
+from tests.extproc.disagg.test_plan import endpoint as pd_endpoint
+from tests.extproc.disagg.test_plan import make as make_pd
 from tests.polling import until
 
 MODEL = "m"
@@ -284,19 +286,8 @@ def test_prefill_snapshots_round_trip_split_and_replace_on_their_first_datagram(
 def pd_worker() -> tuple[Router, Disaggregator]:
     """One ext_proc worker's router and P/D planner over two prefill endpoints and one decode endpoint,
     with no ``prefill_profile``: the least-work prefill pick (extproc/disagg/README.md, "The pair")."""
-    endpoints = [
-        Endpoint(EndpointId(name), f"127.0.0.{i + 1}:1", frozenset({MODEL}), engine="vllm", role=role)
-        for i, (name, role) in enumerate((("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")))
-    ]
-    r = Router(
-        Fleet(endpoints),
-        ModelRegistry([]),
-        ApproximateIndex(),
-        RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
-        rng=random.Random(0),
-    )
-    route = PdRoute(PdSpec("disaggregated"), build_profile(DEFAULT_SCHEDULING))
-    return r, Disaggregator(r, PdPolicy({MODEL: route}), random.Random(0))
+    roles = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    return make_pd([pd_endpoint(name, role) for name, role in roles], PdSpec("disaggregated"))
 
 
 async def test_two_workers_least_work_prefill_picks_count_each_others_queued_prefills(tmp_path: Path) -> None:
@@ -323,7 +314,7 @@ async def test_two_workers_least_work_prefill_picks_count_each_others_queued_pre
             assert verdict is not None and verdict.handoff is not None
             return verdict.handoff
 
-        p0, p1 = "127.0.0.1:1", "127.0.0.2:1"
+        p0, p1 = (pd_endpoint(name, "prefill").address for name in ("p0", "p1"))
         shorts = [plan(rb, pb, f"short question {i} " * 60, f"b{i}", only=p1) for i in range(2)]
         long_a = plan(ra, pa, "".join(f"word{i} " for i in range(1000)), "a0", only=p0)
         queued_b = sum(h.prefill_tokens for h in shorts)
