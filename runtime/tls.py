@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import grpc
 import grpc.aio
@@ -57,6 +57,8 @@ from certs.errors import CertError
 from contracts.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _Signature = tuple[tuple[int, int, int], ...]
 
@@ -81,6 +83,59 @@ def _signature(*paths: Path) -> _Signature:
     return tuple(out)
 
 
+def _read_checked(cert: Path, key: Path, ca: Path | None = None) -> tuple[bytes, bytes, bytes | None]:
+    """The PEM bytes of ``cert``, ``key`` (and ``ca``), read once; :class:`CertError` when one does not
+    parse or the key does not match the certificate, ``OSError`` when one cannot be read."""
+    cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
+    ca_pem = ca.read_bytes() if ca is not None else None
+    if not key_matches(load_cert_pem(cert_pem, str(cert)), load_key_pem(key_pem, str(key))):
+        raise CertError(f"{key} does not match {cert}")
+    if ca is not None and ca_pem is not None:
+        load_cert_pem(ca_pem, str(ca))
+    return cert_pem, key_pem, ca_pem
+
+
+class _Reloader(Generic[T]):
+    """The rule every reloader here follows (module doc): on use, the files' signature is compared with
+    the one in force and the one last rejected (:func:`_changed`); on a change, :meth:`_load` reads and
+    checks them, and what it made is adopted only when consistent (the key matches the certificate, no
+    file changed while read). Otherwise the material in force stays, and the failure is logged once per
+    bad state (file names only) and retried when the files change again. A subclass sets
+    ``_signature`` from its first load."""
+
+    _signature: _Signature
+
+    def __init__(self, paths: tuple[Path, ...], cert: Path, where: str) -> None:
+        self._paths = paths
+        self._cert = cert
+        self._where = where
+        self._rejected: _Signature | None = None
+        #: How many times new material was adopted (also a generation number: it changes with it).
+        self.reloads = 0
+
+    def _stat(self) -> _Signature:
+        return _signature(*self._paths)
+
+    def _load(self) -> tuple[_Signature, T | None, str]:
+        """``(signature, material, "")`` of a consistent read, or ``(signature, None, reason)``
+        (``signature`` ``()`` when the files could not be read or changed while being read: retried)."""
+        raise NotImplementedError
+
+    def _reload(self) -> T | None:
+        """New material when the files changed and are usable (now in force), else ``None``."""
+        if _changed(self._stat, self._signature, self._rejected) is None:
+            return None
+        signature, loaded, error = self._load()
+        if loaded is None:
+            self._rejected = signature
+            log.warning("%s TLS: keeping the current certificate: %s", self._where, error)
+            return None
+        self._signature = signature
+        self.reloads += 1
+        log.info("%s TLS: certificate reloaded from %s", self._where, self._cert)
+        return loaded
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTlsFiles:
     """PEM files of a TLS server that requires client certificates: its certificate chain, its private
@@ -91,7 +146,7 @@ class ServerTlsFiles:
     client_ca: Path
 
 
-class ReloadingServerCerts:
+class ReloadingServerCerts(_Reloader[Any]):
     """Certificate configuration fetcher for ``grpc.dynamic_ssl_server_credentials`` (see module doc).
 
     Construction reads the files once and raises :class:`ConfigError` if they are unusable; later
@@ -99,61 +154,35 @@ class ReloadingServerCerts:
     """
 
     def __init__(self, files: ServerTlsFiles) -> None:
+        super().__init__((files.cert, files.key, files.client_ca), files.cert, "extproc")
         self._files = files
         self._lock = threading.Lock()
         signature, config, error = self._load()
         if config is None:
             raise ConfigError(f"extproc TLS: {error}")
-        self._signature: _Signature = signature
-        self._rejected: _Signature | None = None
+        self._signature = signature
         self.initial: Any = config
-        #: How many times a new certificate was adopted.
-        self.reloads = 0
 
     def __call__(self) -> Any:
         """A new ``ServerCertificateConfiguration`` if the files changed and are valid, else ``None``."""
         with self._lock:  # gRPC may call from several handshake threads at once
-            try:
-                current = self._stat()
-            except OSError:
-                return None
-            if current in (self._signature, self._rejected):
-                return None
-            signature, config, error = self._load()
-            if config is None:
-                self._rejected = signature  # logged once per bad state, retried when the files change
-                log.warning("extproc TLS: keeping the current certificate: %s", error)
-                return None
-            self._signature = signature
-            self.reloads += 1
-            log.info("extproc TLS: certificate reloaded from %s", self._files.cert)
-            return config
+            return self._reload()
 
     def credentials(self) -> grpc.ServerCredentials:
         """Server credentials that require a client certificate and follow the files."""
         return grpc.dynamic_ssl_server_credentials(self.initial, self, require_client_authentication=True)
 
-    def _stat(self) -> _Signature:
-        return _signature(self._files.cert, self._files.key, self._files.client_ca)
-
     def _load(self) -> tuple[_Signature, Any, str]:
-        """``(signature, configuration, "")`` of a consistent read, or ``(signature, None, reason)``.
-
-        The files are stat'ed before and after reading; a change in between means a rotation was under
-        way, and the read is discarded (the next handshake tries again).
-        """
+        """The files are stat'ed before and after reading; a change in between means a rotation was under
+        way, and the read is discarded (the next handshake tries again)."""
         f = self._files
         try:
             before = self._stat()
-            cert, key, ca = f.cert.read_bytes(), f.key.read_bytes(), f.client_ca.read_bytes()
+            cert, key, ca = _read_checked(f.cert, f.key, f.client_ca)
             if self._stat() != before:
                 return (), None, "files changed while being read"
         except OSError as exc:
             return (), None, f"cannot read {exc.filename}: {exc.strerror}"
-        try:
-            if not key_matches(load_cert_pem(cert, str(f.cert)), load_key_pem(key, str(f.key))):
-                return before, None, f"{f.key} does not match {f.cert}"
-            load_cert_pem(ca, str(f.client_ca))
         except CertError as exc:
             return before, None, str(exc)
         return before, grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca), ""
@@ -198,7 +227,7 @@ def channel_credentials(files: ClientTlsFiles) -> grpc.ChannelCredentials:
     )
 
 
-class ReloadingClientCerts:
+class ReloadingClientCerts(_Reloader[tuple[ssl.SSLContext, grpc.ChannelCredentials, Pem]]):
     """A client's TLS material that follows file rotation (module doc): ``files`` needs all three of
     ``ca``, ``cert`` and ``key``; ``prepare`` is applied to every context built (e.g. a server-role check,
     :func:`runtime.identity.check_server_role`). Construction raises :class:`ConfigError` (naming
@@ -214,17 +243,13 @@ class ReloadingClientCerts:
     ) -> None:
         if files.ca is None or files.cert is None or files.key is None:
             raise ConfigError(f"{where} TLS: a CA, a certificate and a key are needed")
-        self._paths = (files.ca, files.cert, files.key)
-        self._where = where
+        super().__init__((files.ca, files.cert, files.key), files.cert, where)
         self._prepare = prepare
         signature, loaded, error = self._load()
         if loaded is None:
             raise ConfigError(f"{where} TLS: {error}")
-        self._signature: _Signature = signature
-        self._rejected: _Signature | None = None
+        self._signature = signature
         self._context, self._credentials, self._pem = loaded
-        #: How many times new material was adopted (also a generation number: it changes with it).
-        self.reloads = 0
 
     def context(self) -> ssl.SSLContext:
         """The current client context (re-read first if the files changed)."""
@@ -241,37 +266,22 @@ class ReloadingClientCerts:
         self._refresh()
         return self._pem
 
-    def _stat(self) -> _Signature:
-        return _signature(*self._paths)
-
     def _refresh(self) -> None:
-        current = _changed(self._stat, self._signature, self._rejected)
-        if current is None:
-            return
-        signature, loaded, error = self._load()
-        if loaded is None:
-            self._rejected = signature  # logged once per bad state, retried when the files change
-            log.warning("%s TLS: keeping the current certificate: %s", self._where, error)
-            return
-        self._signature = signature
-        self._context, self._credentials, self._pem = loaded
-        self.reloads += 1
-        log.info("%s TLS: certificate reloaded from %s", self._where, self._paths[1])
+        loaded = self._reload()
+        if loaded is not None:
+            self._context, self._credentials, self._pem = loaded
 
     def _load(self) -> tuple[_Signature, tuple[ssl.SSLContext, grpc.ChannelCredentials, Pem] | None, str]:
         """Like :meth:`ReloadingServerCerts._load`: a read during which a file changed is discarded."""
         ca, cert, key = self._paths
         try:
             before = self._stat()
-            ca_pem, cert_pem, key_pem = ca.read_bytes(), cert.read_bytes(), key.read_bytes()
+            cert_pem, key_pem, ca_pem = _read_checked(cert, key, ca)
         except OSError as exc:
             return (), None, f"cannot read {exc.filename}: {exc.strerror}"
-        try:
-            if not key_matches(load_cert_pem(cert_pem, str(cert)), load_key_pem(key_pem, str(key))):
-                return before, None, f"{key} does not match {cert}"
-            load_cert_pem(ca_pem, str(ca))
         except CertError as exc:
             return before, None, str(exc)
+        assert ca_pem is not None
         try:  # ssl reads the files itself: the stat after tells whether it read what was checked
             context = client_context(ClientTlsFiles(ca, cert, key), where=self._where)
             if self._stat() != before:
@@ -305,7 +315,7 @@ def current_context(tls: ClientTls) -> ssl.SSLContext:
     return tls.context() if isinstance(tls, ReloadingClientCerts) else tls
 
 
-class ReloadingServerContext:
+class ReloadingServerContext(_Reloader[ssl.SSLContext]):
     """An ``ssl.SSLContext`` TLS listener (aiohttp) whose certificate follows file rotation, the rule of
     :class:`ReloadingServerCerts`: ``build(files)`` makes a context from the files (verify mode, client
     CA); the listener keeps :attr:`context`, whose ``sni_callback`` (called by OpenSSL at every
@@ -317,53 +327,43 @@ class ReloadingServerContext:
     def __init__(
         self, files: ServerTlsFiles, build: Callable[[ServerTlsFiles], ssl.SSLContext], *, where: str
     ) -> None:
+        super().__init__((files.cert, files.key, files.client_ca), files.cert, where)
         self._files = files
         self._build = build
-        self._where = where
         try:  # stat'ed first: a rotation during the build is caught by the first handshake
             before = self._stat()
         except OSError:
             before = ()  # ``build`` says what is wrong
         #: The listener's context (give it to the server); also the one in force until a rotation.
         self.context = build(files)
-        self._signature: _Signature = before
+        self._signature = before
         self.context.sni_callback = self._on_hello
         self._current = self.context
-        self._rejected: _Signature | None = None
-        #: How many times a new certificate was adopted.
-        self.reloads = 0
-
-    def _stat(self) -> _Signature:
-        return _signature(self._files.cert, self._files.key, self._files.client_ca)
 
     def _on_hello(
         self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, listener: ssl.SSLContext
     ) -> None:
-        self._refresh()
+        loaded = self._reload()
+        if loaded is not None:
+            self._current = loaded
         if self._current is not self.context:
             conn.context = self._current
 
-    def _refresh(self) -> None:
-        current = _changed(self._stat, self._signature, self._rejected)
-        if current is None:
-            return
+    def _load(self) -> tuple[_Signature, ssl.SSLContext | None, str]:
         f = self._files
         try:
-            cert, key = f.cert.read_bytes(), f.key.read_bytes()
-            if not key_matches(load_cert_pem(cert, str(f.cert)), load_key_pem(key, str(f.key))):
-                raise CertError(f"{f.key} does not match {f.cert}")
-            context = self._build(f)  # ssl reads the files itself: the stat after tells whether it read those
-            if self._stat() != current:
-                return  # a rotation under way: the next handshake tries again
+            before = self._stat()
+        except OSError as exc:
+            return (), None, f"cannot read {exc.filename}: {exc.strerror}"
         # Any unusable state keeps the pair in force: raising here would fail the handshake.
+        try:
+            _read_checked(f.cert, f.key)
+            context = self._build(f)  # ssl reads the files itself: the stat after tells whether it read those
+            if self._stat() != before:
+                return (), None, "files changed while being read"  # the next handshake tries again
         except Exception as exc:
-            self._rejected = current  # logged once per bad state, retried when the files change
-            log.warning("%s TLS: keeping the current certificate: %s", self._where, exc)
-            return
-        self._signature = current
-        self._current = context
-        self.reloads += 1
-        log.info("%s TLS: certificate reloaded from %s", self._where, f.cert)
+            return before, None, str(exc)
+        return before, context, ""
 
 
 #: gRPC channel options, as ``grpc.aio.secure_channel`` takes them.
