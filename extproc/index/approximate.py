@@ -55,7 +55,7 @@ class ApproximateIndex:
     :meth:`record` (the recorded endpoint and one other in turn), or by an explicit :meth:`sweep`.
     """
 
-    __slots__ = ("_capacity", "_cursor", "_lru", "_max_match", "_ring", "_ttl", "_where")
+    __slots__ = ("_capacity", "_cursor", "_generation", "_lru", "_max_match", "_ring", "_ttl", "_where")
 
     def __init__(
         self,
@@ -74,11 +74,19 @@ class ApproximateIndex:
         self._where: dict[Digest, _Holders] = {}
         self._ring: list[EndpointId] = []  # endpoints in sweep order
         self._cursor = 0
+        self._generation = 0  # digests that left ``_where`` (:attr:`generation`)
 
     @property
     def max_match_blocks(self) -> int:
         """Leading blocks considered by :meth:`match` and :meth:`record`."""
         return self._max_match
+
+    @property
+    def generation(self) -> int:
+        """How many times a digest left ``_where`` (:meth:`held` turned false): an LRU eviction, a sweep or
+        :meth:`drop_endpoint` that removed its last holder (see
+        :attr:`~extproc.index.interface.PrefixIndex.generation`)."""
+        return self._generation
 
     def match(self, digests: Sequence[Digest], now: float) -> dict[EndpointId, int]:
         """Leading blocks of ``digests`` each endpoint holds, unexpired at ``now``.
@@ -251,8 +259,10 @@ class ApproximateIndex:
                 where[digest] = next(iter(holders))
             elif not holders:  # pragma: no cover - a dict always has two holders or more
                 del where[digest]
+                self._generation += 1
         elif holders == endpoint:
             del where[digest]
+            self._generation += 1
 
     def is_precise(self, endpoint: EndpointId) -> bool:
         """Never: every entry here is learned from routing decisions."""

@@ -54,6 +54,12 @@ class HybridIndex:
     def max_match_blocks(self) -> int:
         return self.precise.max_match_blocks
 
+    @property
+    def generation(self) -> int:
+        """Both indexes' :attr:`~extproc.index.interface.PrefixIndex.generation` added: it grows when
+        either's does (a :meth:`set_precise` move drops the endpoint from the other one)."""
+        return self.precise.generation + self.approximate.generation
+
     def set_precise(self, endpoint: EndpointId, precise: bool) -> None:
         """Make ``endpoint`` precise (fed by events) or approximate; a move forgets its old entries.
         Without ``events`` every endpoint stays approximate."""

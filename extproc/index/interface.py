@@ -55,6 +55,19 @@ class PrefixIndex(Protocol):
         path checks every block of a follow-up's held history)."""
         ...
 
+    @property
+    def generation(self) -> int:
+        """A count that grows whenever a digest :meth:`held` said was held may have stopped being so (an
+        eviction, a removal or clear, an expiry swept, an endpoint dropped), and only then: while it reads
+        the same as at an earlier read, every digest held then is still held (a record only adds). The
+        history memo skips re-checking a remembered chain with it (:mod:`extproc.routing.history`)."""
+        ...
+
+    @property
+    def max_match_blocks(self) -> int:
+        """Leading blocks considered by :meth:`match` and :meth:`record` (a record holds at most these)."""
+        ...
+
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Note that ``endpoint`` was sent the chain ``digests`` (from block 0) at ``now``."""
         ...

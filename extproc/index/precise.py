@@ -75,12 +75,14 @@ def _check_ttl(value: float) -> float:
     return float(value)
 
 
-def _clear(table: dict[bytes, int], digest: bytes, mask: int, bit: int) -> None:
-    """Unset ``bit`` (set in ``mask``, the current value) for ``digest``; drop the entry when empty."""
+def _clear(table: dict[bytes, int], digest: bytes, mask: int, bit: int) -> int:
+    """Unset ``bit`` (set in ``mask``, the current value) for ``digest``; drop the entry when empty.
+    Returns 1 when it dropped it (what :attr:`PreciseIndex.generation` counts), else 0."""
     if mask == bit:
         del table[digest]
-    else:
-        table[digest] = mask ^ bit
+        return 1
+    table[digest] = mask ^ bit
+    return 0
 
 
 class PreciseIndex:
@@ -94,6 +96,7 @@ class PreciseIndex:
         "_bits",
         "_counts",
         "_free",
+        "_generation",
         "_held",
         "_ids",
         "_max_match",
@@ -132,6 +135,7 @@ class PreciseIndex:
         self._node_counts: dict[str, dict[int, int]] = {tier: {} for tier in _NODE}
         self._queue: list[_Expiry] = []  # a heap
         self._serial = itertools.count()
+        self._generation = 0  # entries dropped from ``_held`` or a node table (:attr:`generation`)
 
     @property
     def max_match_blocks(self) -> int:
@@ -148,6 +152,13 @@ class PreciseIndex:
         self._ttl = _check_ttl(value)
 
     # -- reads ---------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """How many times a digest's entry left ``_held`` or a node tier's table (a ``Removed``, a
+        ``Cleared``, a speculative entry expired, an endpoint cleared or dropped): :meth:`held` may have
+        turned false only when it grew (see :attr:`~extproc.index.interface.PrefixIndex.generation`)."""
+        return self._generation
 
     def match(self, digests: Sequence[Digest], now: float) -> dict[EndpointId, int]:
         """Leading blocks of ``digests`` each endpoint holds in an engine tier or speculatively (live at
@@ -465,17 +476,17 @@ class PreciseIndex:
             if not mask & bit:
                 continue
             if mine and mine.pop(digest, None) is not None:  # speculative: the eviction stops it
-                _clear(held, digest, mask, bit)
+                self._generation += _clear(held, digest, mask, bit)
                 continue
             tiers = split.get(digest) if split else None
             if tiers is None:
                 if k == 0:
-                    _clear(held, digest, mask, bit)
+                    self._generation += _clear(held, digest, mask, bit)
                     removed += 1
                 continue
             tiers[k] &= ~bit
             if not (tiers[0] | tiers[1] | tiers[2]) & bit:
-                _clear(held, digest, mask, bit)
+                self._generation += _clear(held, digest, mask, bit)
                 removed += 1
             if not tiers[1] | tiers[2]:
                 del split[digest]
@@ -494,7 +505,7 @@ class PreciseIndex:
                 table[digest] = mask | bit if mask else bit
                 changed += 1
             elif not add and mask & bit:
-                _clear(table, digest, mask, bit)
+                self._generation += _clear(table, digest, mask, bit)
                 changed += 1
         if changed:
             counts = self._node_counts[tier]
@@ -508,7 +519,7 @@ class PreciseIndex:
         if engine:
             mine = self._spec_by_slot[slot]
             for digest in mine:
-                _clear(held, digest, held[digest], bit)
+                self._generation += _clear(held, digest, held[digest], bit)
             self._spec_by_slot[slot] = {}  # queued expiries of the old entries now find nothing to do
         if engine and self._counts[slot]:
             removed = 0
@@ -523,14 +534,14 @@ class PreciseIndex:
                         continue
                 elif 0 not in engine:
                     continue
-                _clear(held, digest, held[digest], bit)
+                self._generation += _clear(held, digest, held[digest], bit)
                 removed += 1
             self._counts[slot] -= removed
         for tier in node:
             table = self._node[tier]
             self._node_counts[tier].pop(slot, None)
             for digest in [d for d, mask in table.items() if mask & bit]:
-                _clear(table, digest, table[digest], bit)
+                self._generation += _clear(table, digest, table[digest], bit)
 
     def clear_endpoint(self, endpoint: EndpointId) -> None:
         """Forget everything ``endpoint`` holds, every tier and speculative, keeping its slot (a
@@ -566,4 +577,4 @@ class PreciseIndex:
             for digest in digests:
                 if mine.get(digest) == expiry:  # not refreshed, confirmed or removed since
                     del mine[digest]
-                    _clear(held, digest, held[digest], bit)
+                    self._generation += _clear(held, digest, held[digest], bit)

@@ -138,6 +138,15 @@ class SegmentTokenizer:
             None if isinstance(edges, str) else byte_bounds(spec, len(edges[0]) + len(edges[1]))
         )
         self.fallback_reason = None if isinstance(plan_or_reason, _Plan) else plan_or_reason
+        self._added_chars: dict[int, int] = {}
+        self._reach: int | None = None
+        if self._plan is not None and self._plan.normalized is None:
+            lengths: dict[int, set[int]] = {}
+            for content, token_id in self._plan.ids.items():
+                lengths.setdefault(token_id, set()).add(len(content))
+            if all(len(n) == 1 for n in lengths.values()):
+                self._added_chars = {token_id: n.pop() for token_id, n in lengths.items()}
+                self._reach = max(self._added_chars.values(), default=1)
         if self.fallback_reason is not None:
             logger.warning(
                 "tokenizer %s: segment tokenization disabled (%s); every prompt is tokenized whole",
@@ -203,6 +212,33 @@ class SegmentTokenizer:
             else:
                 out.append(piece)
         return out, (specials, len(text) - special_chars)
+
+    @property
+    def reach(self) -> int | None:
+        """How far (characters) the added-token scan of one position reads: the longest added token.
+        ``None`` when a text's cut cannot be taken up from a position within it (no exact segment path,
+        or added tokens matched inside pieces after normalization, or one id for texts of two lengths):
+        :mod:`extproc.routing.history` then finds a follow-up's state by its pieces only."""
+        return self._reach
+
+    def piece_chars(self, piece: str | int) -> int:
+        """Characters of ``piece`` in the text (an added token's own text); only when :attr:`reach` is
+        set."""
+        return len(piece) if isinstance(piece, str) else self._added_chars[piece]
+
+    def cut_from(self, text: str, start: int) -> tuple[list[str | int], int, int]:
+        """:meth:`split` of ``text[start:]``, the added tokens in it and their characters; only when
+        :attr:`reach` is set. It is the rest of ``split(text)`` when ``start`` is a boundary of it."""
+        plan = self._plan
+        assert plan is not None and plan.normalized is None
+        return _cut(text, plan.raw, plan.ids, start)
+
+    def cursor_over(self, pieces: list[str | int], totals: tuple[int, int]) -> PrefixCursor:
+        """:meth:`cursor` (``add_special_tokens=False``) over a text whose :meth:`split` is ``pieces``
+        (``totals``: its added tokens, its ordinary pieces' characters), the caller vouching for them."""
+        plan = self._plan
+        assert plan is not None
+        return PrefixCursor(self, pieces, [], (), chunkable=plan.chunkable, totals=totals)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``, equal to :meth:`encode_whole`, reusing cached pieces."""
@@ -508,15 +544,16 @@ class PrefixCursor:
 
 
 def _cut(
-    text: str, pattern: re.Pattern[str] | None, ids: dict[str, int]
+    text: str, pattern: re.Pattern[str] | None, ids: dict[str, int], start: int = 0
 ) -> tuple[list[str | int], int, int]:
-    """``text`` cut at ``pattern``'s matches (added tokens, as their ids), how many matched and their
-    characters."""
+    """``text[start:]`` cut at ``pattern``'s matches (added tokens, as their ids), how many matched and
+    their characters. The regex has no anchors or lookbehind, so from a position the scan of the whole
+    text tries (a piece boundary) this is the rest of the whole text's cut."""
     if pattern is None:
-        return ([text] if text else []), 0, 0
+        return ([text[start:]] if len(text) > start else []), 0, 0
     out: list[str | int] = []
-    start = found = chars = 0
-    for match in pattern.finditer(text):
+    found = chars = 0
+    for match in pattern.finditer(text, start):
         begin, end = match.span()
         if begin > start:
             out.append(text[start:begin])

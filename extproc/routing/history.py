@@ -35,6 +35,29 @@ Exact (the lazy path's invariants hold and it ends in the state the unmemoised p
   walk would then chunk ``P[j]`` and stop inside it);
 - it is used only when every digest it carries is held now (``PrefixIndex.unheld`` from 0), else the
   unmemoised path would have stopped earlier: the prompt is then tokenized from its start as before.
+  That check is skipped when the index's :attr:`~extproc.index.interface.PrefixIndex.generation` reads
+  as it did when the state's digests were last known held (a record only adds; every path that can
+  make a digest unheld, an eviction, ``Removed``, ``Cleared``, an expiry swept, an endpoint cleared or
+  dropped, moves it): at the resume that checked them, or at the commit that remembered the state when
+  the record there removed nothing (its digests, a prefix of the chain just recorded and no longer than
+  the index's ``max_match_blocks``, are then all held).
+
+Found by text (:meth:`HistoryMemo.open`): a state also keeps its pieces' text ``P`` (the rendered
+prompt's first ``L`` characters), in one sorted list per tokenizer, seed, block size and window. A
+follow-up's text ``T`` is looked up by bisection: the greatest kept text ``<= T`` is the longest kept
+prefix of ``T`` when it is one (a longer one would lie between them), confirmed with ``startswith`` (a
+memcmp). Then only ``T``'s rest is cut at added tokens, from ``b``, the start of the state's piece ``i``,
+the last one right after an added token with ``b <= L - m + 1`` or at an added token with ``b <= L -
+m`` (or 0; ``m``: the longest added token, :attr:`~extproc.models.tokenizer.SegmentTokenizer.reach`).
+The scan of ``T`` tries a position by reading at most ``m`` characters, so up to ``b`` it reads only
+``T[:L] == P``: it finds the previous text's added tokens there, the one ending or starting at ``b``
+included, so ``T``'s pieces before ``b`` are the state's and its cut from ``b`` on is ``T[b:]``'s own
+(the regex has no anchors or lookbehind). The state
+is used when those pieces from ``i`` to its end are its own (a longer added token may now match
+across ``L``); else, or for a tokenizer without :attr:`reach`, the pieces are cut whole and hashed as
+above. The state found is the one the piece lookup would find (the longest kept prefix), so the
+result is the same; the lookup costs a bisection and a memcmp instead of cutting and hashing the
+whole text.
 
 The ids and marks are kept in arrays, which the garbage collector does not traverse: in tuples, the young
 4k-item tuples made each of CPython's young collections in the decision bench's ~4k follow-up cells about
@@ -54,13 +77,17 @@ from __future__ import annotations
 
 import threading
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from contracts.digest import Digest
 from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
+
+MAX_PARENTS = 4
+"""Ancestors of a sibling branch :meth:`HistoryMemo.open` tries at most before cutting the text whole."""
 
 MAX_PIECE_CHARS = 65_536
 """The longest piece (characters, ~16k tokens of English: ~10 ms of tokenizing once, after the answer)
@@ -68,7 +95,20 @@ in which a full window ends that :meth:`HistoryMemo.settle` tokenizes to its end
 window's state can be kept; a longer one keeps the last boundary before the window is full."""
 
 
-@dataclass(frozen=True, slots=True)
+class Holdings(Protocol):
+    """What the memo asks the index (:class:`~extproc.index.interface.PrefixIndex` has both)."""
+
+    def unheld(self, digests: Sequence[Digest], start: int) -> int:
+        """:meth:`~extproc.index.interface.PrefixIndex.unheld`."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """:attr:`~extproc.index.interface.PrefixIndex.generation`."""
+        ...
+
+
+@dataclass(slots=True)
 class _State:
     tokenizer: SegmentTokenizer
     seed: Digest
@@ -80,10 +120,26 @@ class _State:
     chars: int
     specials: int
     digests: tuple[Digest, ...]
+    key: int
+    #: The pieces' text (``None``: not known, found by its pieces only) and where a follow-up's text is
+    #: cut from: piece ``cut``, at character ``cut_at``, with ``cut_specials`` added tokens and
+    #: ``cut_chars`` ordinary characters before it.
+    text: str | None = None
+    cut: int = 0
+    cut_at: int = 0
+    cut_specials: int = 0
+    cut_chars: int = 0
+    #: The index's generation when every digest was last known held (-1: never).
+    checked: int = -1
+    #: The key of the state the prompt remembered here was resumed from (``None``: none), a prefix of it.
+    parent: int | None = None
 
     @property
     def units(self) -> int:
-        return self.chars + len(self.ids)
+        return self.chars + len(self.ids) + (len(self.text) if self.text is not None else 0)
+
+
+_Head = tuple[int, Digest, int, int]
 
 
 class HistoryMemo:
@@ -98,11 +154,17 @@ class HistoryMemo:
         #: The longest piece in which a full window ends that :meth:`settle` tokenizes to its end.
         self.max_piece_chars = max_piece_chars
         self._states: OrderedDict[int, _State] = OrderedDict()
+        #: Per tokenizer (by identity), seed, block size and window: the kept texts, sorted, and their
+        #: states' keys in the same order.
+        self._texts: dict[_Head, tuple[list[str], list[int]]] = {}
         self._units = 0
         self._lock = threading.Lock()
         self.hits = 0
         #: Hits on a full window's state (a follow-up then tokenizes nothing).
         self.full_hits = 0
+        #: Hits found by text (:meth:`open`), and resumes that skipped the held check (generation).
+        self.text_hits = 0
+        self.unchecked = 0
         self.misses = 0
 
     def __len__(self) -> int:
@@ -127,22 +189,103 @@ class HistoryMemo:
     def _head(tokenizer: SegmentTokenizer, seed: Digest, block_size: int, window: int) -> int:
         return hash((id(tokenizer), seed, block_size, window))
 
-    def resume(
+    def open(
         self,
-        cursor: PrefixCursor,
+        tokenizer: SegmentTokenizer,
+        text: str,
         seed: Digest,
         block_size: int,
         window: int,
-        unheld: Callable[[Sequence[Digest], int], int],
-    ) -> tuple[Digest, ...] | None:
+        index: Holdings,
+    ) -> tuple[PrefixCursor, tuple[Digest, ...] | None, int] | None:
+        """A cursor over the chat prompt ``text`` (no special tokens added) without cutting the text
+        whole, found by text (see the module docstring): with the digests of the state it was moved to,
+        or ``None`` when that state's digests are not all held (the cursor then fresh, as
+        :meth:`resume` leaves it), and that state's key. ``None`` when no kept text is a prefix of
+        ``text`` that can be taken up (the caller cuts the text whole and calls :meth:`resume`).
+
+        The greatest kept text ``<= text`` may be a sibling branch (another reply to the same history):
+        then the states its prompt was resumed from (:attr:`_State.parent`, a few) are tried."""
+        if tokenizer.reach is None:
+            return None
+        with self._lock:
+            kept = self._texts.get((id(tokenizer), seed, block_size, window))
+            if kept is None:
+                return None
+            texts, keys = kept
+            at = bisect_right(texts, text)
+            if not at:
+                return None
+            state = self._states.get(keys[at - 1])
+            for _ in range(MAX_PARENTS):
+                if state is None or state.text is None or text.startswith(state.text):
+                    break
+                state = None if state.parent is None else self._states.get(state.parent)
+        if (
+            state is None
+            or state.text is None
+            or not text.startswith(state.text)
+            or state.tokenizer is not tokenizer
+            or state.seed != seed
+            or state.block_size != block_size
+            or state.window != window
+            or state.text is None
+        ):
+            return None
+        cut, k = state.cut, len(state.pieces)
+        tail, specials, special_chars = tokenizer.cut_from(text, state.cut_at)
+        if len(tail) < k - cut or any(a != b for a, b in zip(tail, state.pieces[cut:k], strict=False)):
+            return None  # an added token now matches across the kept text's end
+        digests = state.digests
+        last = state.pieces[-1]
+        if len(digests) >= window and isinstance(last, str) and not tokenizer.holds(last):
+            return None  # a full window's state without its last piece cached: the walk finds another
+        pieces = list(state.pieces[:cut])
+        pieces += tail
+        totals = (
+            state.cut_specials + specials,
+            state.cut_chars + len(text) - state.cut_at - special_chars,
+        )
+        cursor = tokenizer.cursor_over(pieces, totals)
+        with self._lock:
+            if not self._held(state, index):
+                self.misses += 1
+                return cursor, None, state.key
+            if state.key in self._states:
+                self._states.move_to_end(state.key)
+            self.text_hits += 1
+            self._hit(state)
+        cursor.resume(k, state.ids, state.marks, state.chars, state.specials)
+        return cursor, digests, state.key
+
+    def _held(self, state: _State, index: Holdings) -> bool:
+        """Whether every digest of ``state`` is held (not asked again while the generation stands)."""
+        generation = index.generation
+        if state.checked == generation:
+            self.unchecked += 1
+            return True
+        digests = state.digests
+        if index.unheld(digests, 0) != len(digests):
+            return False
+        state.checked = generation
+        return True
+
+    def _hit(self, state: _State) -> None:
+        self.hits += 1
+        self.full_hits += len(state.digests) >= state.window
+
+    def resume(
+        self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, index: Holdings
+    ) -> tuple[tuple[Digest, ...], int] | None:
         """Move a fresh ``cursor`` to the longest remembered boundary of its pieces whose digests are
-        all held (``unheld``: :meth:`~extproc.index.interface.PrefixIndex.unheld`) and return those
-        digests; ``None`` (cursor untouched) when there is none."""
+        all held (``index``: :meth:`~extproc.index.interface.PrefixIndex.unheld` and
+        :attr:`~extproc.index.interface.PrefixIndex.generation`) and return those digests and the
+        state's key; ``None`` (cursor untouched) when there is none."""
         pieces = cursor.pieces
         tokenizer = cursor.tokenizer
         hashes = self._hashes(self._head(tokenizer, seed, block_size, window), pieces)
         with self._lock:
-            return self._resume(cursor, pieces, hashes, seed, block_size, window, unheld)
+            return self._resume(cursor, pieces, hashes, seed, block_size, window, index)
 
     def _resume(
         self,
@@ -152,8 +295,8 @@ class HistoryMemo:
         seed: Digest,
         block_size: int,
         window: int,
-        unheld: Callable[[Sequence[Digest], int], int],
-    ) -> tuple[Digest, ...] | None:
+        index: Holdings,
+    ) -> tuple[tuple[Digest, ...], int] | None:
         tokenizer = cursor.tokenizer
         states = self._states
         for k in range(len(pieces), 0, -1):
@@ -173,13 +316,12 @@ class HistoryMemo:
             last = state.pieces[-1]
             if len(digests) >= window and isinstance(last, str) and not tokenizer.holds(last):
                 continue  # a full window's state is where the walk stops only with its last piece cached
-            if unheld(digests, 0) != len(digests):
+            if not self._held(state, index):
                 break
             states.move_to_end(hashes[k])
             cursor.resume(k, state.ids, state.marks, state.chars, state.specials)
-            self.hits += 1
-            self.full_hits += len(digests) >= window
-            return digests
+            self._hit(state)
+            return digests, state.key
         self.misses += 1
         return None
 
@@ -223,10 +365,23 @@ class HistoryMemo:
         return (k, False) if k else None
 
     def remember(
-        self, cursor: PrefixCursor, seed: Digest, block_size: int, window: int, digests: Sequence[Digest]
+        self,
+        cursor: PrefixCursor,
+        seed: Digest,
+        block_size: int,
+        window: int,
+        digests: Sequence[Digest],
+        *,
+        text: str | None = None,
+        held: tuple[int, int] | None = None,
+        parent: int | None = None,
     ) -> None:
         """Remember ``cursor``'s state (a chat prompt's, tokenized at least as far as ``digests``, its
-        window's chain so far) at the boundary :meth:`_boundary` picks, after :meth:`settle`."""
+        window's chain so far) at the boundary :meth:`_boundary` picks, after :meth:`settle`. ``text``:
+        the prompt's text (the state is then found by text too, :meth:`open`); ``held``:
+        ``(generation, n)``, the first ``n`` of ``digests`` known held at that index generation (a
+        state within them skips its next held check while the generation stands); ``parent``: the key of
+        the state the prompt was resumed from (:meth:`open` tries it for a sibling branch)."""
         self.settle(cursor, block_size, window, digests)
         found = self._boundary(cursor, block_size, window, len(digests))
         if found is None:
@@ -239,15 +394,20 @@ class HistoryMemo:
         blocks = window if full else n // block_size
         if blocks > len(digests) or n < blocks * block_size:
             return
+        checked = held[0] if held is not None and blocks <= held[1] else -1
         key = self._hashes(self._head(cursor.tokenizer, seed, block_size, window), pieces[:k])[k]
         with self._lock:
-            if key in self._states:
+            known = self._states.get(key)
+            if known is not None:
                 self._states.move_to_end(key)
+                if checked >= 0:
+                    known.checked = checked
                 return
+        tokenizer = cursor.tokenizer
         chars = sum(len(p) for p in pieces[:k] if isinstance(p, str))
         specials = sum(1 for p in pieces[:k] if isinstance(p, int))
         state = _State(
-            cursor.tokenizer,
+            tokenizer,
             seed,
             block_size,
             window,
@@ -257,7 +417,13 @@ class HistoryMemo:
             chars,
             specials,
             tuple(digests[:blocks]),
+            key,
+            checked=checked,
+            parent=parent if parent != key else None,
         )
+        reach = tokenizer.reach
+        if text is not None and reach is not None:
+            _place(state, text, reach)
         if state.units > self.max_units:
             return
         with self._lock:
@@ -265,11 +431,60 @@ class HistoryMemo:
                 return
             self._states[key] = state
             self._units += state.units
+            if state.text is not None:
+                texts, keys = self._texts.setdefault((id(tokenizer), seed, block_size, window), ([], []))
+                at = bisect_right(texts, state.text)
+                texts.insert(at, state.text)
+                keys.insert(at, key)
             while len(self._states) > self.max_entries or self._units > self.max_units:
                 _, old = self._states.popitem(last=False)
-                self._units -= old.units
+                self._forget(old)
+
+    def _forget(self, state: _State) -> None:
+        """Take a state dropped from ``_states`` out of the text lists and the units; the lock is held."""
+        self._units -= state.units
+        if state.text is None:
+            return
+        head = (id(state.tokenizer), state.seed, state.block_size, state.window)
+        kept = self._texts.get(head)
+        if kept is None:
+            return
+        texts, keys = kept
+        at = bisect_left(texts, state.text)
+        while at < len(texts) and texts[at] == state.text:
+            if keys[at] == state.key:
+                del texts[at], keys[at]
+                break
+            at += 1
+        if not texts:
+            del self._texts[head]
 
     def clear(self) -> None:
         with self._lock:
             self._states.clear()
+            self._texts.clear()
             self._units = 0
+
+
+def _place(state: _State, text: str, reach: int) -> None:
+    """Set ``state``'s text (``text``'s first characters, up to its pieces' end) and where a follow-up's
+    text is cut from (see the module docstring)."""
+    tokenizer = state.tokenizer
+    pieces = state.pieces
+    starts = [0]
+    for piece in pieces:
+        starts.append(starts[-1] + tokenizer.piece_chars(piece))
+    end = starts[-1]
+    if end > len(text):
+        return
+    cut = len(pieces)
+    while cut and not (
+        (isinstance(pieces[cut - 1], int) and starts[cut] <= end - reach + 1)
+        or (cut < len(pieces) and isinstance(pieces[cut], int) and starts[cut] <= end - reach)
+    ):
+        cut -= 1
+    state.text = text[:end]
+    state.cut = cut
+    state.cut_at = starts[cut]
+    state.cut_specials = sum(1 for p in pieces[:cut] if isinstance(p, int))
+    state.cut_chars = sum(len(p) for p in pieces[:cut] if isinstance(p, str))

@@ -63,7 +63,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import orjson
 
@@ -76,8 +76,8 @@ from extproc.fleet import EndpointState, Fleet
 from extproc.index.interface import PrefixIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
-from extproc.models.tokenizer import PrefixCursor
-from extproc.routing.history import HistoryMemo
+from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
+from extproc.routing.history import HistoryMemo, Holdings
 from extproc.routing.length import ContextLimit, Verdict, triage
 from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
@@ -230,7 +230,9 @@ class LazyPrompt:
         "estimated",
         "history",
         "nbytes",
+        "origin",
         "seed",
+        "text",
         "window",
     )
 
@@ -257,16 +259,57 @@ class LazyPrompt:
         self.nbytes = nbytes
         #: Where a chat prompt's state is resumed from and remembered (:mod:`extproc.routing.history`).
         self.history = history
+        #: The prompt's text when known (a chat prompt's: its state is then remembered by text too).
+        self.text: str | None = None
+        #: The key of the remembered state this prompt was resumed from (or found unheld), if any.
+        self.origin: int | None = None
 
-    def resume(self, unheld: Callable[[Sequence[Digest], int], int]) -> bool:
+    @classmethod
+    def open(
+        cls,
+        tokenizer: SegmentTokenizer,
+        text: str,
+        special: bool,
+        seed: Digest,
+        block_size: int,
+        window: int,
+        chains: ChainCache,
+        index: Holdings,
+        *,
+        estimated: int | None = None,
+        nbytes: int = 0,
+        history: HistoryMemo | None = None,
+    ) -> LazyPrompt:
+        """A lazy prompt over ``text`` (``special``: with the post-processor's tokens) resumed at the
+        longest boundary ``history`` remembers for it whose digests are all held: found by its text
+        (:meth:`HistoryMemo.open`, cutting only the text after it) or else by its pieces (the text cut
+        whole, :meth:`resume`)."""
+        opened = None
+        if history is not None and not special:
+            opened = history.open(tokenizer, text, seed, block_size, window, index)
+        cursor = tokenizer.cursor(text, add_special_tokens=special) if opened is None else opened[0]
+        lazy = cls(
+            cursor, seed, block_size, window, chains, estimated=estimated, nbytes=nbytes, history=history
+        )
+        lazy.text = text
+        if opened is None:
+            lazy.resume(index)
+            return lazy
+        found, lazy.origin = opened[1], opened[2]
+        if found is not None:
+            lazy.digests = list(found)
+        return lazy
+
+    def resume(self, index: Holdings) -> bool:
         """Start a fresh prompt at the longest boundary :attr:`history` remembers for it whose digests
         are all held (the state the walk there would reach); returns whether it did."""
         if self.history is None or self.digests:
             return False
-        digests = self.history.resume(self.cursor, self.seed, self.block_size, self.window, unheld)
-        if digests is None:
+        found = self.history.resume(self.cursor, self.seed, self.block_size, self.window, index)
+        if found is None:
             return False
-        self.digests = list(digests)
+        self.digests = list(found[0])
+        self.origin = found[1]
         return True
 
     def settle(self) -> None:
@@ -277,11 +320,22 @@ class LazyPrompt:
         if self.history is not None:
             self.history.settle(self.cursor, self.block_size, self.window, self.digests)
 
-    def remember(self) -> None:
+    def remember(self, held: tuple[int, int] | None = None) -> None:
         """Remember this prompt's state for the next turn (after :meth:`finish`): at the boundary after
-        the piece in which a full window ended, else at its last boundary before the window is full."""
+        the piece in which a full window ended, else at its last boundary before the window is full.
+        ``held``: ``(generation, n)``, the first ``n`` digests known held at that index generation
+        (:meth:`HistoryMemo.remember`)."""
         if self.history is not None:
-            self.history.remember(self.cursor, self.seed, self.block_size, self.window, self.digests)
+            self.history.remember(
+                self.cursor,
+                self.seed,
+                self.block_size,
+                self.window,
+                self.digests,
+                text=self.text,
+                held=held,
+                parent=self.origin,
+            )
 
     @property
     def complete(self) -> bool:
@@ -449,19 +503,20 @@ class Router:
         else:
             found, nbytes = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
             estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
-            if isinstance(found, PrefixCursor):
-                seed = self.seed(request)
-                lazy = LazyPrompt(
-                    found,
-                    seed,
+            if isinstance(found, _Pending):
+                lazy = LazyPrompt.open(
+                    assets.tokenizer,
+                    found.text,
+                    found.special,
+                    self.seed(request),
                     block_size,
                     self.max_blocks,
                     self._chains,
+                    self.index,
                     estimated=estimated,
                     nbytes=nbytes or 0,
                     history=self.history if request.kind in CHAT_KINDS else None,
                 )
-                lazy.resume(self.index.unheld)
                 lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
             else:
@@ -729,8 +784,7 @@ class Router:
         if not decision.recorded and decision.served is not None:
             decision.recorded = True
             rest = decision.rest
-            window = self._window(decision)
-            self._record(decision.served.id, window, now)
+            self._record_window(decision, decision.served.id, now)
             counted = decision.prompt_tokens if decision.counted else None
             if rest is not None and rest.cursor.done:  # the window held the whole prompt
                 counted = len(rest.cursor.ids)
@@ -762,18 +816,24 @@ class Router:
         self.predictor.moved(decision.request_id, state, now)
         decision.served = state
         decision.recorded = True
-        self._record(state.id, self._window(decision), now)
+        self._record_window(decision, state.id, now)
 
-    @staticmethod
-    def _window(decision: Decision) -> Sequence[Digest]:
-        """The decision's digests over the whole window (hashing the rest of a lazy prompt first)."""
+    def _record_window(self, decision: Decision, endpoint: EndpointId, now: float) -> None:
+        """Record the decision's digests over the whole window at ``endpoint`` (hashing the rest of a lazy
+        prompt first, then remembering its state for the next turn: its digests known held when the
+        record made nothing unheld, :mod:`extproc.routing.history`)."""
         rest = decision.rest
         if rest is not None:
             rest.finish()
-            rest.remember()
             decision.digests = list(rest.digests)
             decision.rest = None
-        return decision.digests
+        index = self.index
+        before = index.generation
+        self._record(endpoint, decision.digests, now)
+        if rest is not None:
+            after = index.generation
+            held = min(len(decision.digests), index.max_match_blocks)
+            rest.remember((after, held) if after == before else None)
 
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Record that ``endpoint`` computes ``digests`` for a request it was picked for outside
@@ -848,15 +908,22 @@ class Router:
         return Tokens(array("B", raw[: self.max_blocks * block]), block, False, len(raw) // BYTES_PER_TOKEN)
 
 
+class _Pending(NamedTuple):
+    """A prompt's text left to tokenize lazily (``special``: with the post-processor's tokens)."""
+
+    text: str
+    special: bool
+
+
 def _token_ids(
     assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
-) -> tuple[tuple[Sequence[int], int] | PrefixCursor, int | None]:
+) -> tuple[tuple[Sequence[int], int] | _Pending, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
-    estimated); else a cursor over the prompt with nothing tokenized (the prompt fits the context or the
-    context is unknown: the caller tokenizes as far as it needs). With it, the rendered prompt's UTF-8
-    bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for a prompt that leaves no
-    room in the context."""
+    estimated); else the prompt's text, nothing tokenized (the prompt fits the context or the context
+    is unknown: the caller tokenizes as far as it needs, :meth:`LazyPrompt.open`). With it, the
+    rendered prompt's UTF-8 bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for
+    a prompt that leaves no room in the context."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
@@ -889,7 +956,7 @@ def _token_ids(
         ids = tokenizer.encode(text, add_special_tokens=special)
         return (ids, len(ids)), nbytes
     if limit is None or not counting:
-        return tokenizer.cursor(text, add_special_tokens=special), nbytes
+        return _Pending(text, special), nbytes
     # Counting the leading allowed + 1 tokens also gives the exact length of every prompt that fits.
     needed = max(window, limit.allowed + 1)
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)

@@ -424,16 +424,18 @@ def run_breakdown(
         # As Router.tokens does without token budgets: resume at the previous turn's boundary, then
         # tokenize and hash block by block up to the first block nobody holds (the follow-up's new
         # reply), estimating the length from the bytes.
-        lazy = LazyPrompt(
-            assets.tokenizer.cursor(text, add_special_tokens=False),
+        lazy = LazyPrompt.open(
+            assets.tokenizer,
+            text,
+            False,
             router.seed(request),
             block_size,
             router.max_blocks,
             router._chains,  # the router's own chain memo, as Router.tokens passes it
+            router.index,
             estimated=round(len(text.encode()) * router.ratio(assets)),
             history=router.history,  # resumed at the previous turn's boundary, as Router.tokens does
         )
-        lazy.resume(router.index.unheld)
         lazy.extend(router.index.unheld)
         tokens = lazy.tokens()
         marks.append(time.perf_counter_ns())
@@ -458,8 +460,10 @@ def run_breakdown(
         primary = result.endpoints[0]
         primary.in_flight += 1
         lazy.finish()  # the deferred record hashes the rest of the window first (Router.commit)
-        lazy.remember()
+        generation = router.index.generation
         router.index.record(primary.id, lazy.digests, now)
+        held = min(len(lazy.digests), router.index.max_match_blocks)
+        lazy.remember((generation, held) if router.index.generation == generation else None)
         marks.append(time.perf_counter_ns())
         primary.in_flight -= 1
         if i < warmup:
