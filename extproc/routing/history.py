@@ -42,8 +42,9 @@ Exact (the lazy path's invariants hold and it ends in the state the unmemoised p
   the record there removed nothing (its digests, a prefix of the chain just recorded and no longer than
   the index's ``max_match_blocks``, are then all held).
 
-Found by text (:meth:`HistoryMemo.open`): a state also keeps its pieces' text ``P`` (the rendered
-prompt's first ``L`` characters), in one sorted list per tokenizer, seed, block size and window. A
+Found by text (:meth:`HistoryMemo.open`): a state also keeps ``P``, the rendered prompt's first ``L``
+characters up to the last boundary a follow-up shares (its pieces, then for a full window's state the
+shared pieces after them, kept too), in one sorted list per tokenizer, seed, block size and window. A
 follow-up's text ``T`` is looked up by bisection: the greatest kept text ``<= T`` is the longest kept
 prefix of ``T`` when it is one (a longer one would lie between them), confirmed with ``startswith`` (a
 memcmp). Then only ``T``'s rest is cut at added tokens, from ``b``, the start of the state's piece ``i``,
@@ -121,10 +122,12 @@ class _State:
     specials: int
     digests: tuple[Digest, ...]
     key: int
-    #: The pieces' text (``None``: not known, found by its pieces only) and where a follow-up's text is
-    #: cut from: piece ``cut``, at character ``cut_at``, with ``cut_specials`` added tokens and
-    #: ``cut_chars`` ordinary characters before it.
+    #: The text kept (``None``: not known, found by its pieces only): that of ``pieces`` and ``shared``,
+    #: the pieces after them up to the last boundary a follow-up shares (a full window's state ends
+    #: before it); where a follow-up's text is cut from: piece ``cut`` of those, at character
+    #: ``cut_at``, with ``cut_specials`` added tokens and ``cut_chars`` ordinary characters before it.
     text: str | None = None
+    shared: tuple[str | int, ...] = ()
     cut: int = 0
     cut_at: int = 0
     cut_specials: int = 0
@@ -136,7 +139,8 @@ class _State:
 
     @property
     def units(self) -> int:
-        return self.chars + len(self.ids) + (len(self.text) if self.text is not None else 0)
+        kept = 0 if self.text is None else 2 * len(self.text) - self.chars  # the text and ``shared``
+        return self.chars + len(self.ids) + kept
 
 
 _Head = tuple[int, Digest, int, int]
@@ -233,14 +237,15 @@ class HistoryMemo:
         ):
             return None
         cut, k = state.cut, len(state.pieces)
+        known = state.pieces + state.shared if state.shared else state.pieces
         tail, specials, special_chars = tokenizer.cut_from(text, state.cut_at)
-        if len(tail) < k - cut or any(a != b for a, b in zip(tail, state.pieces[cut:k], strict=False)):
+        if len(tail) < len(known) - cut or any(a != b for a, b in zip(tail, known[cut:], strict=False)):
             return None  # an added token now matches across the kept text's end
         digests = state.digests
         last = state.pieces[-1]
         if len(digests) >= window and isinstance(last, str) and not tokenizer.holds(last):
             return None  # a full window's state without its last piece cached: the walk finds another
-        pieces = list(state.pieces[:cut])
+        pieces = list(known[:cut])
         pieces += tail
         totals = (
             state.cut_specials + specials,
@@ -423,7 +428,10 @@ class HistoryMemo:
         )
         reach = tokenizer.reach
         if text is not None and reach is not None:
-            _place(state, text, reach)
+            shared = len(pieces) - 1  # the last boundary a follow-up shares (after an added token)
+            while shared > k and not isinstance(pieces[shared - 1], int):
+                shared -= 1
+            _place(state, text, reach, tuple(pieces[k:shared]))
         if state.units > self.max_units:
             return
         with self._lock:
@@ -466,11 +474,12 @@ class HistoryMemo:
             self._units = 0
 
 
-def _place(state: _State, text: str, reach: int) -> None:
-    """Set ``state``'s text (``text``'s first characters, up to its pieces' end) and where a follow-up's
-    text is cut from (see the module docstring)."""
+def _place(state: _State, text: str, reach: int, shared: tuple[str | int, ...]) -> None:
+    """Set ``state``'s text (``text``'s first characters, up to the end of its pieces and ``shared``,
+    the pieces after them that a follow-up shares) and where a follow-up's text is cut from (see the
+    module docstring)."""
     tokenizer = state.tokenizer
-    pieces = state.pieces
+    pieces = state.pieces + shared
     starts = [0]
     for piece in pieces:
         starts.append(starts[-1] + tokenizer.piece_chars(piece))
@@ -484,6 +493,7 @@ def _place(state: _State, text: str, reach: int) -> None:
     ):
         cut -= 1
     state.text = text[:end]
+    state.shared = shared
     state.cut = cut
     state.cut_at = starts[cut]
     state.cut_specials = sum(1 for p in pieces[:cut] if isinstance(p, int))
