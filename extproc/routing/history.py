@@ -69,9 +69,11 @@ The memo is per process: with ``[extproc] workers`` above 1, a turn routed by an
 previous one walks its history as before.
 
 Bound: least recently used states are dropped past ``max_entries`` states or ``max_units`` characters
-plus token ids held (each state holds its pieces' text, its ids and its digests: about 1 byte a
-character plus 8 bytes an id and ~50 a digest). Nothing needs invalidating: a state is a function of its
-key; a tokenizer reloaded is a different key (held by identity), a policy's new block size too.
+plus token ids held (each state holds its pieces' text, the text kept for :meth:`HistoryMemo.open`, its
+ids and its digests: about 1 byte a character plus 8 bytes an id and ~50 a digest). Nothing needs
+invalidating: a state is a function of its key; a tokenizer reloaded is a different key (held by
+identity), a policy's new block size too. Keeping a state's text costs the commit ~15 us at ~4k tokens
+(its pieces' offsets, a copy of the text, an insertion into the sorted list).
 """
 
 from __future__ import annotations
