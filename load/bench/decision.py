@@ -227,6 +227,10 @@ ALTERNATE = False
 #: What a timed decision is measured with: wall time, or (``--clock cpu``) the thread's CPU time, which
 #: leaves out the time other tenants of a shared machine hold the CPU (not work done by other threads).
 TIMER: Callable[[], int] = time.perf_counter_ns
+#: ``--interleave-baseline``: the whole encodes run between timed decisions (:func:`run_cell`).
+INTERLEAVE = False
+#: ``--evict-mb N``: N MiB written after every decision, so each starts with cold caches (:func:`run_cell`).
+EVICT_MB = 0
 #: ``--gc deferred``: the ext_proc's collector, started; run after each decision's deferred record.
 COLLECTOR: Collector | None = None
 #: Pauses (ns) of collections that began inside a timed decision, per generation (:func:`_gc_watch`).
@@ -292,9 +296,14 @@ def run_cell(
 ) -> dict[str, Any]:
     """Time ``warmup + iterations`` decisions of one cell; statistics over the last ``iterations``.
 
-    With ``baseline_iterations``, the first that many timed decisions are each followed by the baseline
-    on the same request: its rendered prompt tokenized whole by ``tokenizers``
-    (:meth:`SegmentTokenizer.encode_whole`), the tokenization alone of a router without a segment cache.
+    With ``baseline_iterations``, the baseline on the first that many requests: the rendered prompt
+    tokenized whole by ``tokenizers`` (:meth:`SegmentTokenizer.encode_whole`), the tokenization alone of
+    a router without a segment cache; it and the exact lengths (:data:`EXACT_COUNTS`) run after the timed
+    loop, untimed. With :data:`INTERLEAVE` they run inside it, each after its request's decision (the
+    method before 2026-11-28): a whole encode of a long prompt evicts the decision's working set from the
+    CPU caches, so the decision after it takes 2-3x as long, and those decisions (10 % of a follow-up cell
+    at the first fleet) set its p90 and p99. With :data:`EVICT_MB`, that many MiB of memory are written
+    after every decision (untimed), so every timed decision starts with cold caches.
     """
     if turn == "first":
         bodies = [body(factory.conversation(target_words)) for _ in range(warmup + iterations)]
@@ -320,11 +329,13 @@ def run_cell(
         if i < warmup:
             continue
         (traced_us if ALTERNATE and traced else samples_us).append(elapsed / 1e3)
-        if i - warmup < max(baseline_iterations, EXACT_COUNTS):  # untimed; interleaved: same machine
-            us, n_tokens = _encode_whole_us(assets, raw)
-            tokens.append(n_tokens)  # exact (the router estimates when it stops tokenizing early)
-            if i - warmup < baseline_iterations:
-                baseline_us.append(us)
+        if INTERLEAVE and i - warmup < max(baseline_iterations, EXACT_COUNTS):
+            _baseline(assets, raw, i - warmup < baseline_iterations, tokens, baseline_us)
+        if EVICT_MB:
+            _evict(EVICT_MB)
+    if not INTERLEAVE:  # untimed, after the timed loop: the same machine a few seconds later
+        for raw in bodies[warmup : warmup + max(baseline_iterations, EXACT_COUNTS)]:
+            _baseline(assets, raw, len(baseline_us) < baseline_iterations, tokens, baseline_us)
     cell: dict[str, Any] = {
         "turn": turn,
         "prompt_tokens": summary(tokens, 0),
@@ -365,6 +376,24 @@ def _gc_summary() -> dict[str, Any]:
                 "pause_max_us": round(pauses[-1], 1),
             }
     return out
+
+
+def _baseline(
+    assets: ModelAssets, raw: bytes, timed: bool, tokens: list[float], baseline_us: list[float]
+) -> None:
+    """The request's exact length in tokens into ``tokens`` (the router estimates when it stops
+    tokenizing early) and, when ``timed``, its whole encode's microseconds into ``baseline_us``."""
+    us, n_tokens = _encode_whole_us(assets, raw)
+    tokens.append(n_tokens)
+    if timed:
+        baseline_us.append(us)
+
+
+def _evict(mib: int) -> None:
+    """Write ``mib`` MiB of fresh memory, a byte per page: the CPU caches lose what the next decision
+    would find in them (as after another request's work on the same core)."""
+    buffer = bytearray(mib << 20)
+    buffer[::4096] = b"\x01" * len(range(0, len(buffer), 4096))
 
 
 def _encode_whole_us(assets: ModelAssets, raw: bytes) -> tuple[float, int]:
@@ -521,9 +550,24 @@ def main(argv: list[str] | None = None) -> int:
         help="python: CPython's collector as it is; deferred: the ext_proc's collector "
         "(extproc.collector); alternate: each cell twice, python then deferred",
     )
+    parser.add_argument(
+        "--interleave-baseline",
+        action="store_true",
+        help="run the untimed whole-prompt encodes between the timed decisions, each after its request's "
+        "(the method of the records before 2026-11-28; it evicts the next decision's caches), instead of "
+        "after the timed loop",
+    )
+    parser.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="write this many MiB of memory after every decision (untimed): each decision starts with "
+        "cold CPU caches (0: off)",
+    )
     add_quiet_arguments(parser, "cell")
     args = parser.parse_args(argv)
-    global TRACER, ALTERNATE, TIMER
+    global TRACER, ALTERNATE, TIMER, INTERLEAVE, EVICT_MB
+    INTERLEAVE, EVICT_MB = args.interleave_baseline, max(0, args.evict_mb)
     TIMER = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     exporter = None
     ALTERNATE = args.tracing == "alternate"
@@ -637,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
             "iterations_first": args.first_iterations,
             "warmup": args.warmup,
             "iterations_baseline": args.baseline_iterations,
+            "baseline": "interleaved" if INTERLEAVE else "after the timed loop",
+            "evict_mib_between_decisions": EVICT_MB,
             "quiet_threshold_cores": args.quiet_threshold,
             "max_attempts": args.max_attempts,
             "seed": args.seed,

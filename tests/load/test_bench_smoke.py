@@ -48,6 +48,23 @@ def test_decision_quick_tracing_alternate(tmp_path: Path) -> None:
     assert decision.TRACER is None
 
 
+def test_decision_quick_interleaved_and_cold(tmp_path: Path) -> None:
+    """``--interleave-baseline`` (the whole encodes between timed decisions, the earlier method) and
+    ``--evict-mb`` (cold caches before every decision) run and are recorded; the exact lengths are
+    measured either way."""
+    out = tmp_path / "decision.json"
+    assert decision.main(["--quick", "--interleave-baseline", "--evict-mb", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parameters"]["baseline"] == "interleaved"
+    assert result["parameters"]["evict_mib_between_decisions"] == 1
+    for cell in result["cells"]:
+        assert cell["latency_us"]["n"] > 0 and cell["prompt_tokens"]["n"] > 0
+    assert decision.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parameters"]["baseline"] == "after the timed loop"
+    assert all(cell["prompt_tokens"]["n"] > 0 for cell in result["cells"])
+
+
 @pytest.mark.e2e
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
