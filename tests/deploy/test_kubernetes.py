@@ -437,13 +437,21 @@ def test_network_policies_deny_by_default_and_admit_each_service_port(
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects], overlay: str) -> None:
     """Where the root filesystem is read-only, what the daemons write is a mounted volume: the GGUF
-    tokenizer cache (KVGATE_CACHE), the agent's state_dir and its rendered config."""
+    tokenizer cache (KVGATE_CACHE) and the picker's affinity state_dir, the agent's state_dir and its
+    rendered config."""
     objects = rendered[overlay]
+    gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
+    affinity_dir = gateway.response_affinity.state_dir
+    assert affinity_dir, "the picker keeps previous_response_id affinity across a container restart"
     node_text = config_file(objects, "kvgate-agent", "node.toml")
     for placeholder, value in POD.items():
         node_text = node_text.replace(placeholder, value)
     state_dir = parse_node_config(tomllib.loads(node_text)).agent.state_dir
-    writes = {"epp": ["KVGATE_CACHE"], "agent": [state_dir], "agent-config": ["/run/kvgate"]}
+    writes = {
+        "epp": ["KVGATE_CACHE", str(affinity_dir)],
+        "agent": [state_dir],
+        "agent-config": ["/run/kvgate"],
+    }
     for name in ("kvgate-epp", "kvgate-model-server"):
         spec = find(objects, KIND[name], name)["spec"]["template"]["spec"]
         for container in [*spec.get("initContainers", []), *spec["containers"]]:
@@ -460,12 +468,14 @@ def test_the_picker_config_serves_the_probes_the_pod_asks(
     rendered: dict[str, Objects], tmp_path: Path
 ) -> None:
     """The base's picker ConfigMap run by a real ``kvgate extproc`` (listen addresses moved to loopback
-    port 0, etcd to a closed port): the gRPC health services the pod's probes name answer on the health
-    listener: ``liveness`` SERVING, ``readiness`` NOT_SERVING while no model server is known."""
+    port 0, etcd to a closed port, the affinity state to a temporary directory): the gRPC health services
+    the pod's probes name answer on the health listener: ``liveness`` SERVING, ``readiness`` NOT_SERVING
+    while no model server is known."""
     objects = rendered["base"]
     raw = tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml"))
     raw["extproc"].update(listen="127.0.0.1:0", health_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
     raw["etcd"]["endpoints"] = ["127.0.0.1:1"]
+    raw["response_affinity"]["state_dir"] = str(tmp_path / "affinity")  # not the pod's volume on this host
     # the in-cluster API is not here: a kubeconfig naming a closed port (the pool is retried meanwhile)
     kubeconfig = {
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
