@@ -40,11 +40,13 @@ import jinja2
 import jinja2.ext
 import jinja2.runtime
 import jinja2.utils
+import orjson
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
+from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, render_parts, simple
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +376,8 @@ class _Variant(NamedTuple):
     source: str
     compiled: jinja2.Template
     content_format: ContentFormat
+    split: Split | None  # message-separable (:mod:`extproc.models.render_memo`), else ``None``
+    which: int  # 0: the default template, 1: ``tool_use``
 
 
 class ChatTemplate:
@@ -387,21 +391,33 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         tool_use: str | None = None,
         content_format: ContentFormat | None = None,
+        memo: bool = True,
     ) -> None:
         """Compile ``source`` (ConfigError if it is not jinja2); ``content_format`` overrides detection
-        (vLLM's ``--chat-template-content-format``)."""
+        (vLLM's ``--chat-template-content-format``); ``memo=False``: every render is whole (the reference
+        the render memo is tested against)."""
+        self._memoize = memo
         self._env = make_environment()
         self.special_tokens = dict(special_tokens or {})
-        self._default = self._compile(source, content_format)
-        self._tool_use = None if tool_use is None else self._compile(tool_use, content_format)
+        self._default = self._compile(source, content_format, 0)
+        self._tool_use = None if tool_use is None else self._compile(tool_use, content_format, 1)
         self.source, self.content_format = source, self._default.content_format
+        #: Renders up to the end of the messages loop, for follow-up turns (separable templates only).
+        self.memo = RenderMemo()
 
-    def _compile(self, source: str, content_format: ContentFormat | None) -> _Variant:
+    def _compile(self, source: str, content_format: ContentFormat | None, index: int) -> _Variant:
         try:
             compiled = self._env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"chat template is not jinja2 (line {exc.lineno}: {exc.message})") from exc
-        return _Variant(source, compiled, content_format or detect_content_format(self._env, source))
+        fmt = content_format or detect_content_format(self._env, source)
+        split = analyse(self._env, source) if self._memoize else None
+        return _Variant(source, compiled, fmt, split, index)
+
+    @property
+    def separable(self) -> bool:
+        """Whether follow-up turns render only their new messages (:mod:`extproc.models.render_memo`)."""
+        return self._default.split is not None
 
     @classmethod
     def from_model_dir(cls, path: Path, override: str | Path | None = None) -> ChatTemplate:
@@ -458,6 +474,21 @@ class ChatTemplate:
         add_generation_prompt = bool(variables.pop("add_generation_prompt", add_generation_prompt))
         continue_final_message = bool(variables.pop("continue_final_message", continue_final_message))
         variant = self._tool_use if tools is not None and self._tool_use is not None else self._default
+        split = variant.split
+        if (
+            split is not None
+            and not continue_final_message
+            and not variables
+            and documents is None
+            and simple(messages)
+        ):
+            try:
+                tools_key = None if tools is None else orjson.dumps(tools)
+            except orjson.JSONEncodeError:
+                pass
+            else:
+                context = (variant.which, add_generation_prompt, tools_key)
+                return self._render_split(variant, split, context, messages, tools, add_generation_prompt)
         chat = normalize_messages(messages, variant.content_format)
         final = ""
         if continue_final_message:
@@ -483,6 +514,49 @@ class ChatTemplate:
                 text[:cut] if text[cut : cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
             )
         return text
+
+    def _render_split(
+        self,
+        variant: _Variant,
+        split: Split,
+        context: tuple[Any, ...],
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """:meth:`render` of a separable template (``messages`` all ``{role, content}`` strings, no
+        extra variables): from the remembered render of an earlier turn when there is one, else whole;
+        the render up to the loop's end is remembered for the next turn."""
+        fmt = variant.content_format
+        variables: dict[str, Any] = {
+            **self.special_tokens,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        found = self.memo.find(context, messages, split.reach)
+        try:
+            if found is None:
+                variables["messages"] = normalize_messages(messages, fmt)
+                upto, post = render_parts(split.marked, variables)
+            else:
+                done, head = found
+                variables["messages"] = (
+                    normalize_messages(messages[: split.reach], fmt) if split.reach else []
+                )
+                variables[TAIL] = normalize_messages(messages[done:], fmt)
+                variables[OFFSET] = done
+                rest, post = render_parts(split.tail, variables)
+                upto = head + rest
+        except _RaisedByTemplate as exc:
+            raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
+        except BadRequest:
+            raise
+        except Exception as exc:  # any failure inside the template is the request's fault, never ours
+            raise TemplateError(f"chat template failed on these messages ({type(exc).__name__})") from exc
+        if len(messages) >= split.reach:
+            self.memo.remember(context, messages, upto)
+        return upto + post
 
 
 def _tag_final_message(chat: list[dict[str, Any]], source: str, add_generation_prompt: bool) -> str:
