@@ -54,6 +54,7 @@ TAIL = "kvgate_tail__"
 OFFSET = "kvgate_offset__"
 MARK = "kvgate_mark__"
 _RESERVED = frozenset({TAIL, OFFSET, MARK})
+_SENTINEL = "".join(["\x00kvgate", " mark\x00"])  # built at run time: an object of its own
 #: Globals whose value carries state between calls or reads the clock.
 _IMPURE_NAMES = frozenset({"strftime_now", "namespace", "cycler", "joiner", "lipsum", "self", "caller"})
 _PURE_FILTERS = frozenset(jinja2.filters.FILTERS) - {"random"} | {"tojson"}
@@ -249,7 +250,7 @@ def _split(env: jinja2.Environment, tree: nodes.Template) -> Split:
     for found in tree.find_all(nodes.Name):
         if found.name in _RESERVED:
             raise NotSeparable("the template names a reserved variable")
-    mark = nodes.Output([nodes.Call(nodes.Name(MARK, "load"), [], [], None, None)])
+    mark = nodes.Output([nodes.Name(MARK, "load")])
     marked = nodes.Template([*pre, loop, mark, *post])
     tail_loop = nodes.For(
         nodes.Name(loop.target.name, "store"),
@@ -317,26 +318,25 @@ def _offset(node: nodes.Node, outer: bool) -> nodes.Node:
 
 
 def render_parts(template: jinja2.Template, variables: dict[str, Any]) -> tuple[str, str]:
-    """Render a :class:`Split` template: (the text before the mark, the text after it)."""
-    parts: list[str] = []
-    marks: list[int] = []
-
-    def mark() -> str:
-        marks.append(len(parts))
-        return ""
-
-    context = template.new_context({**variables, MARK: mark})
+    """Render a :class:`Split` template: (the text before the mark, the text after it). The mark is
+    :data:`_SENTINEL` itself (jinja2 outputs a variable as ``str(value)``, which is the same object for
+    an exact ``str``), found by identity: no text a template makes can be it."""
+    variables[MARK] = _SENTINEL
     try:
-        for chunk in template.root_render_func(context):
-            parts.append(chunk)
+        parts = list(template.root_render_func(template.new_context(variables)))
     except Exception:
         template.environment.handle_exception()
-    at = marks[0] if marks else len(parts)
-    return "".join(parts[:at]), "".join(parts[at:])
+    for at in range(len(parts) - 1, -1, -1):
+        if parts[at] is _SENTINEL:
+            return "".join(parts[:at]), "".join(parts[at + 1 :])
+    raise AssertionError("the mark was not rendered")  # pragma: no cover - it is at the top level
+
+
+Pairs = tuple[tuple[str, str], ...]
 
 
 class _Entry(NamedTuple):
-    pairs: tuple[tuple[str, str], ...]
+    pairs: Pairs
     text: str  # pre and the loop over ``pairs``: the render up to the mark
 
 
@@ -352,61 +352,68 @@ class RenderMemo:
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
+        #: Renders made from a remembered one (counted by the caller, once it used it).
         self.hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, context: Key, messages: Sequence[dict[str, Any]], reach: int) -> tuple[int, str] | None:
+    def find(self, context: Key, messages: Sequence[Any], reach: int) -> tuple[int, Pairs, str] | None:
         """The longest remembered prefix ``P`` of ``messages`` (``len(P) >= max(reach, 1)``, shorter than
-        ``messages``, at most :data:`MAX_LOOKBACK` back) equal to them message by message: its length
-        and text."""
+        ``messages``, at most :data:`MAX_LOOKBACK` back) equal to them message by message, each of them
+        exactly ``{"role": str, "content": str}``: its length, pairs and text."""
         n = len(messages)
         lowest = max(reach, 1, n - MAX_LOOKBACK)
         entries = self._entries
         for j in range(n - 1, lowest - 1, -1):
             last = messages[j - 1]
-            entry = entries.get((context, j, last["role"], last["content"]))
+            if type(last) is not dict or type(last.get("content")) is not str:
+                continue
+            key = (context, j, last.get("role"), last["content"])
+            entry = entries.get(key)
             if entry is None:
                 continue
             for (role, content), message in zip(entry.pairs, messages, strict=False):
-                if message["content"] != content or message["role"] != role:
+                if type(message) is not dict or len(message) != 2:
+                    break
+                got, said = message.get("content"), message.get("role")
+                if type(got) is not str or type(said) is not str or got != content or said != role:
                     break
             else:
                 with self._lock:
-                    if (context, j, last["role"], last["content"]) in entries:
-                        entries.move_to_end((context, j, last["role"], last["content"]))
-                self.hits += 1
-                return j, entry.text
+                    if key in entries:
+                        entries.move_to_end(key)
+                return j, entry.pairs, entry.text
         return None
 
-    def remember(self, context: Key, messages: Sequence[dict[str, Any]], text: str) -> None:
-        """Remember ``text`` (the render of ``messages`` up to the mark)."""
-        last = messages[-1]
-        key = (context, len(messages), last["role"], last["content"])
-        entry = _Entry(tuple([(m["role"], m["content"]) for m in messages]), text)
+    def remember(self, context: Key, pairs: Pairs, text: str) -> None:
+        """Remember ``text``: the render up to the mark of the messages ``pairs`` (role, content)."""
         size = len(text)
-        if size > self.max_chars:
+        if size > self.max_chars or not pairs:
             return
+        key = (context, len(pairs), *pairs[-1])
         with self._lock:
             entries = self._entries
             old = entries.pop(key, None)
             if old is not None:
                 self._chars -= len(old.text)
-            entries[key] = entry
+            entries[key] = _Entry(pairs, text)
             self._chars += size
             while len(entries) > self.max_entries or self._chars > self.max_chars:
                 _, dropped = entries.popitem(last=False)
                 self._chars -= len(dropped.text)
 
 
-def simple(messages: Any) -> bool:
-    """Whether every message is exactly ``{"role": str, "content": str}``."""
-    if type(messages) is not list or not messages:
-        return False
-    for message in messages:
+def pairs_of(messages: Sequence[Any], start: int = 0) -> Pairs | None:
+    """``(role, content)`` of each message from ``start``, or ``None`` unless each is exactly
+    ``{"role": str, "content": str}``."""
+    out = []
+    for i in range(start, len(messages)):
+        message = messages[i]
         if type(message) is not dict or len(message) != 2:
-            return False
-        if type(message.get("role")) is not str or type(message.get("content")) is not str:
-            return False
-    return True
+            return None
+        role, content = message.get("role"), message.get("content")
+        if type(role) is not str or type(content) is not str:
+            return None
+        out.append((role, content))
+    return tuple(out)

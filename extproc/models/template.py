@@ -46,7 +46,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
-from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, render_parts, simple
+from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, pairs_of, render_parts
 
 logger = logging.getLogger(__name__)
 
@@ -480,7 +480,8 @@ class ChatTemplate:
             and not continue_final_message
             and not variables
             and documents is None
-            and simple(messages)
+            and type(messages) is list
+            and messages
         ):
             try:
                 tools_key = None if tools is None else orjson.dumps(tools)
@@ -488,7 +489,9 @@ class ChatTemplate:
                 pass
             else:
                 context = (variant.which, add_generation_prompt, tools_key)
-                return self._render_split(variant, split, context, messages, tools, add_generation_prompt)
+                text = self._render_split(variant, split, context, messages, tools, add_generation_prompt)
+                if text is not None:
+                    return text
         chat = normalize_messages(messages, variant.content_format)
         final = ""
         if continue_final_message:
@@ -520,13 +523,14 @@ class ChatTemplate:
         variant: _Variant,
         split: Split,
         context: tuple[Any, ...],
-        messages: list[dict[str, Any]],
+        messages: list[Any],
         tools: list[Any] | None,
         add_generation_prompt: bool,
-    ) -> str:
+    ) -> str | None:
         """:meth:`render` of a separable template (``messages`` all ``{role, content}`` strings, no
         extra variables): from the remembered render of an earlier turn when there is one, else whole;
-        the render up to the loop's end is remembered for the next turn."""
+        the render up to the loop's end is remembered for the next turn. ``None`` when some message is
+        not exactly ``{"role": str, "content": str}`` (the caller renders it whole)."""
         fmt = variant.content_format
         variables: dict[str, Any] = {
             **self.special_tokens,
@@ -535,27 +539,30 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         found = self.memo.find(context, messages, split.reach)
+        done = 0 if found is None else found[0]
+        new = pairs_of(messages, done)
+        if new is None:
+            return None  # not all {role, content} strings: rendered whole
         try:
             if found is None:
                 variables["messages"] = normalize_messages(messages, fmt)
                 upto, post = render_parts(split.marked, variables)
+                pairs = new
             else:
-                done, head = found
-                variables["messages"] = (
-                    normalize_messages(messages[: split.reach], fmt) if split.reach else []
-                )
+                _, before, head = found
+                self.memo.hits += 1
+                reach = split.reach
+                variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
                 variables[TAIL] = normalize_messages(messages[done:], fmt)
                 variables[OFFSET] = done
                 rest, post = render_parts(split.tail, variables)
-                upto = head + rest
+                upto, pairs = head + rest, before + new
         except _RaisedByTemplate as exc:
             raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
-        except BadRequest:
-            raise
         except Exception as exc:  # any failure inside the template is the request's fault, never ours
             raise TemplateError(f"chat template failed on these messages ({type(exc).__name__})") from exc
-        if len(messages) >= split.reach:
-            self.memo.remember(context, messages, upto)
+        if len(pairs) >= split.reach:
+            self.memo.remember(context, pairs, upto)
         return upto + post
 
 
