@@ -34,7 +34,14 @@ comparing ``role`` and ``content`` of each is comparing the messages the templat
 ``chat_template_kwargs``, ``documents`` or ``continue_final_message``; ``tools`` are compared by their
 JSON encoding (which tells ``1``, ``1.0`` and ``true`` apart). Each remembered ``P`` is checked message
 by message against the request's before it is used. The memo is bounded (entries and characters, least
-recently used first out).
+recently used first out: at most 512 entries and 16M characters of text, plus the message strings they
+keep alive).
+
+Outside the class, so rendered whole on every turn: Qwen2.5's template (it reads the previous message at
+the computed index ``messages[loop.index0 - 1]``, which wraps to the last message at index 0), Qwen3's
+(a ``namespace`` carried across a reversed walk of the messages), Llama 3.1+'s (``messages[1:]``), and
+any template with ``loop.last`` or a look at ``messages[-1]``. Each could be admitted only with a proof
+of its own (that the wrap-around is never read, say); none is attempted here.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Cost (a long chat is rendered on every request): the common message ``{"role": s
 is normalized on a fast path that gives exactly the general path's dict; the sandbox (:class:`_Sandbox`)
 remembers jinja2's verdict on an attribute per ``(type, name)`` for the types where that verdict depends on
 nothing else, and reads ``message.role`` on a dict as the item without raising AttributeError first.
+A follow-up turn of a *message-separable* template (SmolLM2's, Llama 3.0's, Mistral's: decided from the
+compiled template, :mod:`extproc.models.render_memo`) renders only its new messages after the previous
+turn's remembered render, byte for byte the whole render (``tests/extproc/models/test_render_memo.py``).
 Rendered text and the sandbox's refusals are jinja2's own (``tests/extproc/models/test_template*.py``);
 ``python -m load.bench.render`` times each stage.
 """
