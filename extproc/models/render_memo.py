@@ -86,8 +86,9 @@ _PLAIN_EXPRESSIONS: tuple[type[nodes.Node], ...] = (
     nodes.Getitem,
     nodes.Slice,
 )
-MAX_LOOKBACK = 8
-"""Prefix lengths tried for a request of ``n`` messages: ``n - 1`` down to ``n - MAX_LOOKBACK``."""
+MAX_LOOKBACK = 4
+"""Prefix lengths tried for a request of ``n`` messages: ``n - 1`` down to ``n - MAX_LOOKBACK`` (a
+follow-up adds the reply and a user message: ``n - 2``; each try costs a look-up on a first turn)."""
 
 
 class NotSeparable(Exception):
@@ -324,10 +325,10 @@ def _offset(node: nodes.Node, outer: bool) -> nodes.Node:
     return copy
 
 
-def render_parts(template: jinja2.Template, variables: dict[str, Any]) -> tuple[str, str]:
-    """Render a :class:`Split` template: (the text before the mark, the text after it). The mark is
-    :data:`_SENTINEL` itself (jinja2 outputs a variable as ``str(value)``, which is the same object for
-    an exact ``str``), found by identity: no text a template makes can be it."""
+def render_parts(template: jinja2.Template, variables: dict[str, Any]) -> tuple[str, int]:
+    """Render a :class:`Split` template: its text and where the mark was in it (the characters before).
+    The mark is :data:`_SENTINEL` itself (jinja2 outputs a variable as ``str(value)``, which is the same
+    object for an exact ``str``), found by identity: no text a template makes can be it."""
     variables[MARK] = _SENTINEL
     try:
         parts = list(template.root_render_func(template.new_context(variables)))
@@ -335,7 +336,10 @@ def render_parts(template: jinja2.Template, variables: dict[str, Any]) -> tuple[
         template.environment.handle_exception()
     for at in range(len(parts) - 1, -1, -1):
         if parts[at] is _SENTINEL:
-            return "".join(parts[:at]), "".join(parts[at + 1 :])
+            after = sum(map(len, parts[at + 1 :]))
+            del parts[at]
+            text = "".join(parts)
+            return text, len(text) - after
     raise AssertionError("the mark was not rendered")  # pragma: no cover - it is at the top level
 
 
@@ -344,10 +348,17 @@ Pairs = tuple[tuple[str, str], ...]
 
 class _Entry(NamedTuple):
     pairs: Pairs
-    text: str  # pre and the loop over ``pairs``: the render up to the mark
+    text: str  # the whole render of ``pairs``
+    cut: int  # where its mark was: pre and the loop over ``pairs`` end there
 
 
 Key = tuple[Any, ...]
+TAIL_KEY = 32
+"""Characters of the last message's end in a memo key (the whole message is compared before use)."""
+
+
+def _key(context: Key, count: int, role: object, content: str) -> Key:
+    return (context, count, role, len(content), content[-TAIL_KEY:])
 
 
 class RenderMemo:
@@ -365,10 +376,10 @@ class RenderMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, context: Key, messages: Sequence[Any], reach: int) -> tuple[int, Pairs, str] | None:
+    def find(self, context: Key, messages: Sequence[Any], reach: int) -> tuple[int, _Entry] | None:
         """The longest remembered prefix ``P`` of ``messages`` (``len(P) >= max(reach, 1)``, shorter than
         ``messages``, at most :data:`MAX_LOOKBACK` back) equal to them message by message, each of them
-        exactly ``{"role": str, "content": str}``: its length, pairs and text."""
+        exactly ``{"role": str, "content": str}``: its length and entry."""
         n = len(messages)
         lowest = max(reach, 1, n - MAX_LOOKBACK)
         entries = self._entries
@@ -376,7 +387,8 @@ class RenderMemo:
             last = messages[j - 1]
             if type(last) is not dict or type(last.get("content")) is not str:
                 continue
-            key = (context, j, last.get("role"), last["content"])
+            content = last["content"]
+            key = (context, j, last.get("role"), len(content), content[-TAIL_KEY:])
             entry = entries.get(key)
             if entry is None:
                 continue
@@ -390,31 +402,33 @@ class RenderMemo:
                 with self._lock:
                     if key in entries:
                         entries.move_to_end(key)
-                return j, entry.pairs, entry.text
+                return j, entry
         return None
 
-    def remember(self, context: Key, pairs: Pairs, text: str) -> None:
-        """Remember ``text``: the render up to the mark of the messages ``pairs`` (role, content)."""
+    def remember(self, context: Key, pairs: Pairs, text: str, cut: int) -> None:
+        """Remember ``text``, the render of the messages ``pairs`` (role, content), its mark at ``cut``."""
         size = len(text)
         if size > self.max_chars or not pairs:
             return
-        key = (context, len(pairs), *pairs[-1])
+        key = _key(context, len(pairs), *pairs[-1])
         with self._lock:
             entries = self._entries
             old = entries.pop(key, None)
             if old is not None:
                 self._chars -= len(old.text)
-            entries[key] = _Entry(pairs, text)
+            entries[key] = _Entry(pairs, text, cut)
             self._chars += size
             while len(entries) > self.max_entries or self._chars > self.max_chars:
                 _, dropped = entries.popitem(last=False)
                 self._chars -= len(dropped.text)
 
 
-def pairs_of(messages: Sequence[Any], start: int = 0) -> Pairs | None:
-    """``(role, content)`` of each message from ``start``, or ``None`` unless each is exactly
-    ``{"role": str, "content": str}``."""
-    out = []
+def plain(messages: Sequence[Any], start: int, openai: bool) -> tuple[Pairs, list[dict[str, Any]]] | None:
+    """For the messages from ``start``: their ``(role, content)`` and what
+    :func:`~extproc.models.template.normalize_messages` makes of them (its fast path, written out here
+    to walk them once); ``None`` unless each is exactly ``{"role": str, "content": str}``."""
+    pairs = []
+    chat: list[dict[str, Any]] = []
     for i in range(start, len(messages)):
         message = messages[i]
         if type(message) is not dict or len(message) != 2:
@@ -422,5 +436,7 @@ def pairs_of(messages: Sequence[Any], start: int = 0) -> Pairs | None:
         role, content = message.get("role"), message.get("content")
         if type(role) is not str or type(content) is not str:
             return None
-        out.append((role, content))
-    return tuple(out)
+        pairs.append((role, content))
+        text: Any = [{"type": "text", "text": content}] if openai and role != "tool" else content
+        chat.append({"role": role, "content": text})
+    return tuple(pairs), chat

@@ -49,7 +49,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
-from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, pairs_of, render_parts
+from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, plain, render_parts
 
 logger = logging.getLogger(__name__)
 
@@ -543,30 +543,32 @@ class ChatTemplate:
         }
         found = self.memo.find(context, messages, split.reach)
         done = 0 if found is None else found[0]
-        new = pairs_of(messages, done)
+        new = plain(messages, done, variant.content_format == "openai")
         if new is None:
             return None  # not all {role, content} strings: rendered whole
         try:
             if found is None:
-                variables["messages"] = normalize_messages(messages, fmt)
-                upto, post = render_parts(split.marked, variables)
-                pairs = new
+                variables["messages"] = new[1]
+                text, cut = render_parts(split.marked, variables)
+                pairs = new[0]
             else:
-                _, before, head = found
+                entry = found[1]
                 self.memo.hits += 1
                 reach = split.reach
                 variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
-                variables[TAIL] = normalize_messages(messages[done:], fmt)
+                variables[TAIL] = new[1]
                 variables[OFFSET] = done
-                rest, post = render_parts(split.tail, variables)
-                upto, pairs = head + rest, before + new
+                rest, rest_cut = render_parts(split.tail, variables)
+                text = entry.text[: entry.cut]
+                text += rest
+                cut, pairs = entry.cut + rest_cut, entry.pairs + new[0]
         except _RaisedByTemplate as exc:
             raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
         except Exception as exc:  # any failure inside the template is the request's fault, never ours
             raise TemplateError(f"chat template failed on these messages ({type(exc).__name__})") from exc
         if len(pairs) >= split.reach:
-            self.memo.remember(context, pairs, upto)
-        return upto + post
+            self.memo.remember(context, pairs, text, cut)
+        return text
 
 
 def _tag_final_message(chat: list[dict[str, Any]], source: str, add_generation_prompt: bool) -> str:

@@ -216,9 +216,9 @@ def test_other_requests_are_rendered_whole() -> None:
 def test_the_memo_is_bounded() -> None:
     memo = RenderMemo(entries=3, chars=100)
     for i in range(10):
-        memo.remember((0,), (("user", str(i)),), "x" * 10)
+        memo.remember((0,), (("user", str(i)),), "x" * 10, 5)
     assert len(memo) == 3
-    memo.remember((0,), (("user", "big"),), "x" * 95)
+    memo.remember((0,), (("user", "big"),), "x" * 95, 5)
     assert len(memo) == 1
-    memo.remember((0,), (("user", "huge"),), "x" * 101)  # never kept
+    memo.remember((0,), (("user", "huge"),), "x" * 101, 5)  # never kept
     assert len(memo) == 1
