@@ -61,11 +61,13 @@ TAIL = "kvgate_tail__"
 OFFSET = "kvgate_offset__"
 MARK = "kvgate_mark__"
 _RESERVED = frozenset({TAIL, OFFSET, MARK})
+#: Names no assignment or loop target may take (``loop``: its reads are rewritten as the loop object's).
+_SHADOWED = _RESERVED | {"loop"}
 _SENTINEL = "".join(["\x00kvgate", " mark\x00"])  # built at run time: an object of its own
 #: Globals whose value carries state between calls or reads the clock.
 _IMPURE_NAMES = frozenset({"strftime_now", "namespace", "cycler", "joiner", "lipsum", "self", "caller"})
 _PURE_FILTERS = frozenset(jinja2.filters.FILTERS) - {"random"} | {"tojson"}
-_PURE_TESTS = frozenset(jinja2.tests.TESTS)
+_PURE_TESTS = frozenset(jinja2.tests.TESTS) - {"sameas"}  # identity: of objects each path makes
 _LOOP_ATTRIBUTES = frozenset({"first", "index", "index0"})
 #: Expression node types whose value depends only on their children (and the sandbox's fixed rules).
 _PLAIN_EXPRESSIONS: tuple[type[nodes.Node], ...] = (
@@ -129,7 +131,7 @@ class _Checker:
             self.statements(node.elif_, outer_loop, loop_bound)
             self.statements(node.else_, outer_loop, loop_bound)
         elif isinstance(node, nodes.Assign):
-            if not isinstance(node.target, nodes.Name) or node.target.name in self.lists | _RESERVED:
+            if not isinstance(node.target, nodes.Name) or node.target.name in self.lists | _SHADOWED:
                 raise NotSeparable("an assignment to something other than a plain new name")
             self.expression(node.node, outer_loop, loop_bound)
         elif isinstance(node, nodes.For):  # a loop nested in the body, or in pre/post
@@ -154,7 +156,7 @@ class _Checker:
         names = [node] if isinstance(node, nodes.Name) else getattr(node, "items", None)
         if not names or not all(isinstance(n, nodes.Name) for n in names):
             raise NotSeparable("a loop target that is not names")
-        if any(n.name in self.lists | _RESERVED for n in names):
+        if any(n.name in self.lists | _SHADOWED for n in names):
             raise NotSeparable("a loop target shadowing messages")
 
     def expression(self, node: nodes.Node, outer_loop: bool, loop_bound: bool) -> None:
@@ -245,8 +247,8 @@ def _split(env: jinja2.Environment, tree: nodes.Template) -> Split:
             lists.add(node.target.name)
     checker = _Checker(lists)
     for node in pre:
-        if isinstance(node, nodes.Assign) and isinstance(node.node, nodes.Name) and node.node.name in lists:
-            continue  # the alias itself
+        if isinstance(node, nodes.Assign) and _is_name(node.node, {"messages"}):
+            continue  # an alias itself (its target is a plain name: the alias scan above)
         checker.statement(node, False, False)
     if loop.recursive or loop.test is not None or loop.else_:
         raise NotSeparable("the messages loop is recursive, filtered or has an else")

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contracts.errors import ConfigError
 from extproc.errors import BadRequest
 from extproc.models.render_memo import RenderMemo
 from extproc.models.template import ChatTemplate
@@ -93,6 +94,10 @@ NOT_SEPARABLE = {
     "cycle": "{% for m in messages %}{{ loop.cycle('a', 'b') }}{% endfor %}",
     "whole messages": "{% for m in messages %}{{ m.content }}{% endfor %}{{ messages | tojson }}",
     "loop object": "{% for m in messages %}{{ loop }}{% endfor %}",
+    "alias of an alias": (
+        "{% set a = messages %}{% set b = a %}{% for m in a %}{{ b | length }}{{ m.content }}{% endfor %}"
+    ),
+    "identity": "{% for m in messages %}{{ m is sameas messages[0] }}{% endfor %}",
 }
 
 
@@ -110,6 +115,19 @@ def test_templates_outside_the_class_are_rendered_whole(name: str) -> None:
         with contextlib.suppress(BadRequest):
             template.render(turn)
     assert len(template.memo) == 0
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for m in messages %}{% set loop = 1 %}{{ loop.first }}{% endfor %}",
+        "{% for m in messages %}{% for loop in [1] %}{% endfor %}{{ loop.index }}{% endfor %}",
+    ],
+)
+def test_jinja2_itself_refuses_to_rebind_loop(source: str) -> None:
+    """The rewrite of ``loop.first`` / ``loop.index0`` relies on ``loop`` naming the loop object."""
+    with pytest.raises(ConfigError):
+        ChatTemplate(source)
 
 
 def test_the_repository_templates(smollm2_dir: Path, tools_template_path: Path) -> None:
