@@ -31,11 +31,13 @@ What makes a template separable (anything else: every render is whole, as before
 
 The memo is consulted only when every message is the common ``{"role": str, "content": str}`` (so
 comparing ``role`` and ``content`` of each is comparing the messages the template sees), without
-``chat_template_kwargs``, ``documents`` or ``continue_final_message``; ``tools`` are compared by their
-JSON encoding (which tells ``1``, ``1.0`` and ``true`` apart). Each remembered ``P`` is checked message
-by message against the request's before it is used. The memo is bounded (entries and characters, least
-recently used first out: at most 512 entries and 16M characters of text, plus the message strings they
-keep alive).
+``tools``, ``chat_template_kwargs``, ``documents`` or ``continue_final_message`` (what else the template
+sees is then fixed: the template's special tokens and ``add_generation_prompt``, part of the key; tools
+would need a type-exact comparison of arbitrary values: a tuple and a list, or ``1`` and ``True``, render
+apart but compare or encode alike, so requests with tools render whole). Each remembered ``P`` is
+checked message by message against the request's before it is used. The memo is bounded (entries and
+characters, least recently used first out: at most 512 entries and 16M characters of text, plus the
+message strings they keep alive).
 
 Outside the class, so rendered whole on every turn: Qwen2.5's template (it reads the previous message at
 the computed index ``messages[loop.index0 - 1]``, which wraps to the last message at index 0), Qwen3's

@@ -43,7 +43,6 @@ import jinja2
 import jinja2.ext
 import jinja2.runtime
 import jinja2.utils
-import orjson
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -483,18 +482,14 @@ class ChatTemplate:
             and not continue_final_message
             and not variables
             and documents is None
+            and tools is None
             and type(messages) is list
             and messages
         ):
-            try:
-                tools_key = None if tools is None else orjson.dumps(tools)
-            except orjson.JSONEncodeError:
-                pass
-            else:
-                context = (variant.which, add_generation_prompt, tools_key)
-                text = self._render_split(variant, split, context, messages, tools, add_generation_prompt)
-                if text is not None:
-                    return text
+            context = (variant.which, add_generation_prompt)
+            text = self._render_split(variant, split, context, messages, add_generation_prompt)
+            if text is not None:
+                return text
         chat = normalize_messages(messages, variant.content_format)
         final = ""
         if continue_final_message:
@@ -527,7 +522,6 @@ class ChatTemplate:
         split: Split,
         context: tuple[Any, ...],
         messages: list[Any],
-        tools: list[Any] | None,
         add_generation_prompt: bool,
     ) -> str | None:
         """:meth:`render` of a separable template (``messages`` all ``{role, content}`` strings, no
@@ -537,7 +531,7 @@ class ChatTemplate:
         fmt = variant.content_format
         variables: dict[str, Any] = {
             **self.special_tokens,
-            "tools": tools,
+            "tools": None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
