@@ -5,6 +5,7 @@ split."""
 from __future__ import annotations
 
 import contextlib
+import random
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,22 @@ def test_the_memo_is_bounded() -> None:
     assert len(memo) == 1
     memo.remember((0,), (("user", "huge"),), "x" * 101, 5)  # never kept
     assert len(memo) == 1
+
+
+def test_a_router_tokenizes_follow_ups_as_the_whole_render(model_dir: str) -> None:
+    """Through the router (SmolLM2's own template, its real tokenizer): every turn of a conversation,
+    each parsed afresh, tokenizes to the ids of the whole render."""
+    from extproc.index.approximate import ApproximateIndex
+    from tests.extproc.routing.test_lazy_tokens import MODEL, chat, make_router, request_of
+
+    router = make_router(model_dir, ApproximateIndex())
+    assets = router.models.find(MODEL)
+    assert assets is not None and assets.template.separable
+    whole = ChatTemplate(assets.template.source, special_tokens=assets.template.special_tokens, memo=False)
+    conversation = chat(random.Random(7), 9)
+    for turn in range(1, len(conversation) + 1, 2):
+        request = request_of(conversation[:turn])
+        text = whole.render(request.messages, add_generation_prompt=True)
+        expected = assets.tokenizer.encode(text, add_special_tokens=False)
+        assert list(router.tokens(request, exact_count=True).ids) == expected
+    assert assets.template.memo.hits == 4
