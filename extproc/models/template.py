@@ -543,19 +543,24 @@ class ChatTemplate:
         try:
             if found is None:
                 variables["messages"] = new[1]
-                text, cut = render_parts(split.marked, variables)
+                whole = render_parts(split.marked, variables)
+                if whole is None:
+                    return None
+                text, cut = whole
                 pairs = new[0]
             else:
                 entry = found[1]
-                self.memo.hits += 1
                 reach = split.reach
                 variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
                 variables[TAIL] = new[1]
                 variables[OFFSET] = done
-                rest, rest_cut = render_parts(split.tail, variables)
+                tail = render_parts(split.tail, variables)
+                if tail is None:
+                    return None
+                self.memo.hits += 1
                 text = entry.text[: entry.cut]
-                text += rest
-                cut, pairs = entry.cut + rest_cut, entry.pairs + new[0]
+                text += tail[0]
+                cut, pairs = entry.cut + tail[1], entry.pairs + new[0]
         except _RaisedByTemplate as exc:
             raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
         except Exception as exc:  # any failure inside the template is the request's fault, never ours
