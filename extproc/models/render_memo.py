@@ -29,6 +29,10 @@ What makes a template separable (anything else: every render is whole, as before
 * nothing impure: no ``strftime_now``, no ``random`` filter; filters and tests are jinja2's built-ins
   and ``tojson``; calls are methods of values (immutable in the sandbox) or ``raise_exception``.
 
+A small chat (at most 4 messages and 4096 content characters, ``SMALL_CHAT_CHARS`` in
+:mod:`extproc.models.template`) is rendered whole and not remembered: there the memo's fixed cost
+(a look-up, a remembered entry: ~3 us) is what a follow-up of it would save.
+
 The memo is consulted only when every message is the common ``{"role": str, "content": str}`` (so
 comparing ``role`` and ``content`` of each is comparing the messages the template sees), without
 ``tools``, ``chat_template_kwargs``, ``documents`` or ``continue_final_message`` (what else the template

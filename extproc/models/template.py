@@ -485,6 +485,7 @@ class ChatTemplate:
             and tools is None
             and type(messages) is list
             and messages
+            and not _small(messages)
         ):
             context = (variant.which, add_generation_prompt)
             text = self._render_split(variant, split, context, messages, add_generation_prompt)
@@ -568,6 +569,24 @@ class ChatTemplate:
         if len(pairs) >= split.reach:
             self.memo.remember(context, pairs, text, cut)
         return text
+
+
+SMALL_CHAT_CHARS = 4096
+"""A chat of at most 4 messages and fewer content characters than this (about 1k tokens) renders whole
+and is not remembered: the memo's fixed cost (~3 us) would match what a follow-up of it saves."""
+
+
+def _small(messages: list[Any]) -> bool:
+    """Whether ``messages`` is a small chat (:data:`SMALL_CHAT_CHARS`): at most 4 messages, their string
+    contents shorter than that together."""
+    if len(messages) > 4:
+        return False
+    total = 0
+    for message in messages:
+        content = message.get("content") if type(message) is dict else None
+        if type(content) is str:
+            total += len(content)
+    return total < SMALL_CHAT_CHARS
 
 
 def _tag_final_message(chat: list[dict[str, Any]], source: str, add_generation_prompt: bool) -> str:

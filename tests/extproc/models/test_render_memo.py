@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
+from extproc.models import template as template_module
 from extproc.models.render_memo import RenderMemo
 from extproc.models.template import ChatTemplate
 
@@ -100,6 +102,25 @@ NOT_SEPARABLE = {
     ),
     "identity": "{% for m in messages %}{{ m is sameas messages[0] }}{% endfor %}",
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _small_chats_too() -> Iterator[None]:
+    """Small chats use the memo here too (by default they render whole: test_small_chats_render_whole)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(template_module, "SMALL_CHAT_CHARS", 0)
+        yield
+
+
+def test_small_chats_render_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template_module, "SMALL_CHAT_CHARS", 4096)
+    template = ChatTemplate(SMOLLM2, special_tokens=SPECIAL)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 4000}]
+    template.render(chat)
+    assert len(template.memo) == 0  # 4 messages or fewer, under 4096 characters: not remembered
+    chat = [*chat, {"role": "user", "content": "y" * 100}]
+    template.render(chat)
+    assert len(template.memo) == 1  # over 4096 characters
 
 
 def test_separable_templates_are_recognised() -> None:
