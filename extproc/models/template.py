@@ -21,6 +21,9 @@ Cost (a long chat is rendered on every request): the common message ``{"role": s
 is normalized on a fast path that gives exactly the general path's dict; the sandbox (:class:`_Sandbox`)
 remembers jinja2's verdict on an attribute per ``(type, name)`` for the types where that verdict depends on
 nothing else, and reads ``message.role`` on a dict as the item without raising AttributeError first.
+A follow-up turn of a *message-separable* template (SmolLM2's, Llama 3.0's, Mistral's: decided from the
+compiled template, :mod:`extproc.models.render_memo`) renders only its new messages after the previous
+turn's remembered render, byte for byte the whole render (``tests/extproc/models/test_render_memo.py``).
 Rendered text and the sandbox's refusals are jinja2's own (``tests/extproc/models/test_template*.py``);
 ``python -m load.bench.render`` times each stage.
 """
@@ -45,6 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
+from extproc.models.render_memo import OFFSET, TAIL, RenderMemo, Split, analyse, plain, render_parts
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +378,8 @@ class _Variant(NamedTuple):
     source: str
     compiled: jinja2.Template
     content_format: ContentFormat
+    split: Split | None  # message-separable (:mod:`extproc.models.render_memo`), else ``None``
+    which: int  # 0: the default template, 1: ``tool_use``
 
 
 class ChatTemplate:
@@ -387,21 +393,33 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         tool_use: str | None = None,
         content_format: ContentFormat | None = None,
+        memo: bool = True,
     ) -> None:
         """Compile ``source`` (ConfigError if it is not jinja2); ``content_format`` overrides detection
-        (vLLM's ``--chat-template-content-format``)."""
+        (vLLM's ``--chat-template-content-format``); ``memo=False``: every render is whole (the reference
+        the render memo is tested against)."""
+        self._memoize = memo
         self._env = make_environment()
         self.special_tokens = dict(special_tokens or {})
-        self._default = self._compile(source, content_format)
-        self._tool_use = None if tool_use is None else self._compile(tool_use, content_format)
+        self._default = self._compile(source, content_format, 0)
+        self._tool_use = None if tool_use is None else self._compile(tool_use, content_format, 1)
         self.source, self.content_format = source, self._default.content_format
+        #: Renders up to the end of the messages loop, for follow-up turns (separable templates only).
+        self.memo = RenderMemo()
 
-    def _compile(self, source: str, content_format: ContentFormat | None) -> _Variant:
+    def _compile(self, source: str, content_format: ContentFormat | None, index: int) -> _Variant:
         try:
             compiled = self._env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"chat template is not jinja2 (line {exc.lineno}: {exc.message})") from exc
-        return _Variant(source, compiled, content_format or detect_content_format(self._env, source))
+        fmt = content_format or detect_content_format(self._env, source)
+        split = analyse(self._env, source) if self._memoize else None
+        return _Variant(source, compiled, fmt, split, index)
+
+    @property
+    def separable(self) -> bool:
+        """Whether follow-up turns render only their new messages (:mod:`extproc.models.render_memo`)."""
+        return self._default.split is not None
 
     @classmethod
     def from_model_dir(cls, path: Path, override: str | Path | None = None) -> ChatTemplate:
@@ -458,6 +476,21 @@ class ChatTemplate:
         add_generation_prompt = bool(variables.pop("add_generation_prompt", add_generation_prompt))
         continue_final_message = bool(variables.pop("continue_final_message", continue_final_message))
         variant = self._tool_use if tools is not None and self._tool_use is not None else self._default
+        split = variant.split
+        if (
+            split is not None
+            and not continue_final_message
+            and not variables
+            and documents is None
+            and tools is None
+            and type(messages) is list
+            and messages
+            and not _small(messages)
+        ):
+            context = (variant.which, add_generation_prompt)
+            text = self._render_split(variant, split, context, messages, add_generation_prompt)
+            if text is not None:
+                return text
         chat = normalize_messages(messages, variant.content_format)
         final = ""
         if continue_final_message:
@@ -483,6 +516,77 @@ class ChatTemplate:
                 text[:cut] if text[cut : cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
             )
         return text
+
+    def _render_split(
+        self,
+        variant: _Variant,
+        split: Split,
+        context: tuple[Any, ...],
+        messages: list[Any],
+        add_generation_prompt: bool,
+    ) -> str | None:
+        """:meth:`render` of a separable template (``messages`` all ``{role, content}`` strings, no
+        extra variables): from the remembered render of an earlier turn when there is one, else whole;
+        the render up to the loop's end is remembered for the next turn. ``None`` when some message is
+        not exactly ``{"role": str, "content": str}`` (the caller renders it whole)."""
+        fmt = variant.content_format
+        variables: dict[str, Any] = {
+            **self.special_tokens,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        found = self.memo.find(context, messages, split.reach)
+        done = 0 if found is None else found[0]
+        new = plain(messages, done, variant.content_format == "openai")
+        if new is None:
+            return None  # not all {role, content} strings: rendered whole
+        try:
+            if found is None:
+                variables["messages"] = new[1]
+                whole = render_parts(split.marked, variables)
+                if whole is None:
+                    return None
+                text, cut = whole
+                pairs = new[0]
+            else:
+                entry = found[1]
+                reach = split.reach
+                variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
+                variables[TAIL] = new[1]
+                variables[OFFSET] = done
+                tail = render_parts(split.tail, variables)
+                if tail is None:
+                    return None
+                self.memo.hits += 1
+                text = entry.text[: entry.cut]
+                text += tail[0]
+                cut, pairs = entry.cut + tail[1], entry.pairs + new[0]
+        except _RaisedByTemplate as exc:
+            raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
+        except Exception as exc:  # any failure inside the template is the request's fault, never ours
+            raise TemplateError(f"chat template failed on these messages ({type(exc).__name__})") from exc
+        if len(pairs) >= split.reach:
+            self.memo.remember(context, pairs, text, cut)
+        return text
+
+
+SMALL_CHAT_CHARS = 4096
+"""A chat of at most 4 messages and fewer content characters than this (about 1k tokens) renders whole
+and is not remembered: the memo's fixed cost (~3 us) would match what a follow-up of it saves."""
+
+
+def _small(messages: list[Any]) -> bool:
+    """Whether ``messages`` is a small chat (:data:`SMALL_CHAT_CHARS`): at most 4 messages, their string
+    contents shorter than that together."""
+    if len(messages) > 4:
+        return False
+    total = 0
+    for message in messages:
+        content = message.get("content") if type(message) is dict else None
+        if type(content) is str:
+            total += len(content)
+    return total < SMALL_CHAT_CHARS
 
 
 def _tag_final_message(chat: list[dict[str, Any]], source: str, add_generation_prompt: bool) -> str:

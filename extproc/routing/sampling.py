@@ -59,7 +59,7 @@ GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__
 class _Sampling:
     """The typed values that ``SamplingParams`` checks (``None``: absent). ``limit``: the output limit vLLM
     uses (``None``: the rest of the context), named ``limit_key``; ``echo_only``: a completion that echoes

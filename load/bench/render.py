@@ -11,7 +11,10 @@ chats a size:
   item access, ``loop.first``), normalization included;
 * ``render_attribute_style``: the same with a Qwen-style template (``message.role``, ``message.content``,
   ``.strip()``, ``loop.first``: one sandboxed attribute access or more a message);
-* ``split``: :meth:`SegmentTokenizer.split` of the rendered prompt (cut at added tokens).
+* ``split``: :meth:`SegmentTokenizer.split` of the rendered prompt (cut at added tokens);
+* ``render_follow_up``: the next turn of those chats (a new reply and user message, parsed afresh each
+  time), rendered from the memo of the chat's own render (:mod:`extproc.models.render_memo`), and
+  ``render_follow_up_whole`` the same requests rendered whole (the template with ``memo=False``).
 
     python -m load.bench.render --out results/render.json [--quick] [--iterations N]
 """
@@ -47,7 +50,16 @@ ATTRIBUTE_STYLE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 """A Qwen2.5-style template: messages read as attributes, as many hub templates do."""
-STAGES = ("parse", "orjson_loads", "normalize", "render", "render_attribute_style", "split")
+STAGES = (
+    "parse",
+    "orjson_loads",
+    "normalize",
+    "render",
+    "render_attribute_style",
+    "split",
+    "render_follow_up",
+    "render_follow_up_whole",
+)
 
 
 def _render(template: ChatTemplate, request: ParsedRequest) -> str:
@@ -60,12 +72,20 @@ def _render(template: ChatTemplate, request: ParsedRequest) -> str:
 
 
 def run_cell(
-    assets: ModelAssets, attribute_style: ChatTemplate, raws: list[bytes], iterations: int, warmup: int
+    assets: ModelAssets,
+    attribute_style: ChatTemplate,
+    raws: list[bytes],
+    iterations: int,
+    warmup: int,
+    follow_ups: list[bytes] | None = None,
 ) -> dict[str, Any]:
-    """Each stage timed ``iterations`` times over ``raws`` (after ``warmup`` untimed), one stage at a time."""
+    """Each stage timed ``iterations`` times over ``raws`` (after ``warmup`` untimed), one stage at a time;
+    ``follow_ups``: the next turns of ``raws`` (``follow_ups[i]`` continues ``raws[i % len(raws)]``)."""
     requests = [parse_body(Kind.CHAT, raw) for raw in raws]
     texts = [_render(assets.template, r) for r in requests]
     fmt = assets.template.content_format
+    whole = ChatTemplate(assets.template.source, special_tokens=assets.template.special_tokens, memo=False)
+    nexts = [parse_body(Kind.CHAT, raw) for raw in follow_ups or raws]
     stages: dict[str, Callable[[int], object]] = {
         "parse": lambda i: parse_body(Kind.CHAT, raws[i % len(raws)]),
         "orjson_loads": lambda i: orjson.loads(raws[i % len(raws)]),
@@ -73,6 +93,8 @@ def run_cell(
         "render": lambda i: _render(assets.template, requests[i % len(raws)]),
         "render_attribute_style": lambda i: _render(attribute_style, requests[i % len(raws)]),
         "split": lambda i: assets.tokenizer.split(texts[i % len(raws)]),
+        "render_follow_up": lambda i: _render(assets.template, nexts[i % len(nexts)]),
+        "render_follow_up_whole": lambda i: _render(whole, nexts[i % len(nexts)]),
     }
     out: dict[str, Any] = {}
     cpu = CpuSample.take()
@@ -111,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     assets = ModelAssets.load(MODEL, ensure_model_dir(smollm2_gguf_path()))
     attribute_style = ChatTemplate(ATTRIBUTE_STYLE, special_tokens=assets.template.special_tokens)
     factory = ChatFactory(args.seed)
+    turns = ChatFactory(args.seed + 1)  # the follow-ups' own: the chats stay those of earlier runs
     sample = factory.conversation(3000)
     words = sum(m["content"].count(" ") + 1 for m in sample)
     ratio = words / len(
@@ -120,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         chats = [factory.conversation(round(size * ratio)) for _ in range(CHATS_PER_SIZE)]
         raws = [body(chat) for chat in chats]
+        follow_ups = [body(chats[i % len(chats)] + turns.follow_up()) for i in range(args.iterations)]
         tokens = [
             len(
                 assets.tokenizer.encode_whole(
@@ -129,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in chats
         ]
         cell = quietest(
-            partial(run_cell, assets, attribute_style, raws, args.iterations, args.warmup),
+            partial(run_cell, assets, attribute_style, raws, args.iterations, args.warmup, follow_ups),
             args.quiet_threshold,
             args.max_attempts,
             args.quiet_wait_s,
