@@ -131,7 +131,8 @@ class EndpointState:
         if metrics is None:
             return float(max(self.in_flight + self.sibling_in_flight, net, 0))
         load = metrics.running + metrics.waiting + net
-        return float(load) if load > 0 else 0.0  # read per candidate by several plugins: no max() call
+        # Read per candidate by several plugins: no max() nor float() call (``+ 0.0``: the same float).
+        return load + 0.0 if load > 0 else 0.0
 
     def recent_routed(self, now: float) -> float:
         """Requests this gateway routed here lately: each counts ``2 ** (-age / ROUTED_HALF_LIFE_S)``, so

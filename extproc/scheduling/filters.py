@@ -167,19 +167,28 @@ class LoadThresholdFilter:
     ) -> list[EndpointState]:
         loads = [c.load for c in candidates]  # a property: read once per candidate
         mean = sum(loads) / len(loads) if loads else 0.0
+        isfinite = math.isfinite
         waiting = [
-            c.metrics.waiting
-            for c in candidates
-            if c.metrics is not None and math.isfinite(c.metrics.waiting)
+            w for c in candidates if (metrics := c.metrics) is not None and isfinite(w := metrics.waiting)
         ]
         mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
         max_in_flight, max_waiting = self.limits(mean, mean_waiting)
-        over = self._over
-        kept = [
-            c
-            for c, load in zip(candidates, loads, strict=True)
-            if not over(c, load, max_in_flight, max_waiting)
-        ]
+        max_kv_usage = self.params.max_kv_usage
+        kept: list[EndpointState] = []
+        for c, load in zip(candidates, loads, strict=True):  # _over, inlined
+            if load > max_in_flight:
+                continue
+            metrics = c.metrics
+            if metrics is not None:
+                if metrics.waiting > max_waiting:
+                    continue
+                if (
+                    max_kv_usage is not None
+                    and metrics.kv_usage is not None
+                    and metrics.kv_usage > max_kv_usage
+                ):
+                    continue
+            kept.append(c)
         return kept if kept else list(candidates)
 
 

@@ -80,13 +80,14 @@ class LoraScorer:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
         adapter = request.model
-        if not any(_knows(c, adapter) for c in candidates):
+        # Does any candidate know the adapter? Walked for every request, and most name a base model.
+        for c in candidates:
+            if adapter in c.endpoint.adapters or adapter in c.lora_recent:
+                break
+            metrics = c.metrics
+            if metrics is not None and (lora := metrics.lora) is not None and adapter in lora.active:
+                break
+        else:
             return {}  # a base model, or an adapter no endpoint has declared or reported
-        return {c.id: lora_score(c, adapter, self.params) for c in candidates}
-
-
-def _knows(state: EndpointState, adapter: str) -> bool:
-    if adapter in state.endpoint.adapters or adapter in state.lora_recent:
-        return True
-    lora = None if state.metrics is None else state.metrics.lora
-    return lora is not None and adapter in lora.active
+        params = self.params
+        return {c.endpoint.id: lora_score(c, adapter, params) for c in candidates}

@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
@@ -24,6 +25,9 @@ class MaxScoreParams:
             raise ValueError(f"max_fallbacks must be >= 0, got {self.max_fallbacks!r}")
         if not 0 <= self.epsilon < math.inf:
             raise ValueError(f"epsilon must be finite and >= 0, got {self.epsilon!r}")
+
+
+_by_score = itemgetter(1)
 
 
 def _key(pair: tuple[EndpointState, float]) -> float:
@@ -48,21 +52,27 @@ class MaxScorePicker:
     def pick(self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random) -> list[EndpointState]:
         limit = 1 + self.params.max_fallbacks
         epsilon = self.params.epsilon
-        order = sorted(scored, key=_key, reverse=True)
+        if any(map(math.isnan, map(_by_score, scored))):  # NaN sorts last, as -inf
+            order = sorted(scored, key=_key, reverse=True)
+            keys = [_key(pair) for pair in order]
+        else:  # the same order and keys without a call per candidate
+            order = sorted(scored, key=_by_score, reverse=True)
+            keys = [score for _, score in order]
         out: list[EndpointState] = []
         seen: set[EndpointId] = set()
         i, n = 0, len(order)
         while i < n and len(out) < limit:
-            best = _key(order[i])
+            best = keys[i]
             j = i + 1
-            while j < n and best - _key(order[j]) <= epsilon:
+            while j < n and best - keys[j] <= epsilon:
                 j += 1
             group = order[i:j]
             if len(group) > 1:
                 rng.shuffle(group)
-            for endpoint, _score in group:
-                if endpoint.id not in seen and len(out) < limit:
-                    seen.add(endpoint.id)
+            for endpoint, _ in group:
+                endpoint_id = endpoint.endpoint.id
+                if endpoint_id not in seen and len(out) < limit:
+                    seen.add(endpoint_id)
                     out.append(endpoint)
             i = j
         return out

@@ -135,8 +135,8 @@ class Profile:
             kept = plugin.filter(request, state, current)
             if soft:
                 if len(kept) < len(current):
-                    passed = {c.id for c in kept}
-                    spare.extend(c for c in current if c.id not in passed)
+                    passed = {c.endpoint.id for c in kept}
+                    spare.extend(c for c in current if c.endpoint.id not in passed)
             elif spare:
                 spare = plugin.filter(request, state, spare)
             current = kept
@@ -145,7 +145,7 @@ class Profile:
             if not current:
                 return ScheduleResult((), timings_ns=timings or {}, rejected_by=plugin.name)
 
-        ids = [c.id for c in current]
+        ids = [c.endpoint.id for c in current]  # ``endpoint.id``: a slot read, ``id`` a property call
         totals = [0.0] * len(ids)
         per_scorer: dict[str, Mapping[EndpointId, float]] = {}
         for scorer, weight in self.scorers:
@@ -156,9 +156,16 @@ class Profile:
                 timings[scorer.name] = clock() - started
             if raw:  # nothing scored: every candidate adds 0
                 # Clamp to [0, 1] (negatives and NaN count as 0), weigh, add: in the candidates' order.
+                # A scorer that scored every candidate, in their order (the usual: a dict built by walking
+                # them), gives its values in that order as they are, without a lookup per candidate.
+                values = (
+                    raw.values()
+                    if len(raw) == len(ids) and list(raw) == ids
+                    else map(raw.get, ids, repeat(0.0))
+                )
                 totals = [
                     total + weight * (value if value < 1.0 else 1.0) if value > 0.0 else total
-                    for total, value in zip(totals, map(raw.get, ids, repeat(0.0)), strict=True)
+                    for total, value in zip(totals, values, strict=True)
                 ]
             if self.explain:
                 per_scorer[scorer.name] = {endpoint: _clamp(raw.get(endpoint, 0.0)) for endpoint in ids}

@@ -35,6 +35,28 @@ def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> di
     return {endpoint: 1.0 - (v if v > 0.0 else 0.0) / scale for endpoint, v in values.items()}
 
 
+def _lower_is_better(
+    ids: Sequence[EndpointId], values: Sequence[float], saturation: float
+) -> dict[EndpointId, float]:
+    """:func:`lower_is_better` of ``dict(zip(ids, values))`` (``ids`` distinct), from two parallel lists:
+    the scorers' per-cycle path, without the intermediate dicts."""
+    isfinite = math.isfinite
+    if all(map(isfinite, values)):
+        kept_ids, kept = ids, values
+    else:  # non-finite: missing
+        pairs = [(endpoint, v) for endpoint, v in zip(ids, values, strict=True) if isfinite(v)]
+        kept_ids, kept = [endpoint for endpoint, _ in pairs], [v for _, v in pairs]
+    if not kept:
+        return {}
+    most = max(kept)
+    scale = saturation if saturation >= most else most
+    if scale <= 0:
+        return dict.fromkeys(kept_ids, 1.0)
+    return {
+        endpoint: 1.0 - (v if v > 0.0 else 0.0) / scale for endpoint, v in zip(kept_ids, kept, strict=True)
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class LoadParams:
     """``saturation``: the load (requests) at which an endpoint scores 0 while no endpoint exceeds it."""
@@ -79,8 +101,14 @@ class PrefixScorer:
         total = min(request.blocks, self.params.max_blocks)
         if total <= 0:
             return {}
-        matched = state.prefix_blocks
-        return {c.id: min(max(matched.get(c.id, 0), 0), total) / total for c in candidates}
+        get = state.prefix_blocks.get
+        scores: dict[EndpointId, float] = {}
+        for c in candidates:
+            endpoint = c.endpoint.id
+            n = get(endpoint, 0)
+            # min(max(n, 0), total) / total without the builtin calls
+            scores[endpoint] = (total if n >= total else n if n > 0 else 0) / total
+        return scores
 
 
 class QueueScorer:
@@ -97,8 +125,14 @@ class QueueScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        waiting = {c.id: metrics.waiting for c in candidates if (metrics := c.metrics) is not None}
-        return lower_is_better(waiting, self.params.saturation)  # drops the non-finite ones
+        ids: list[EndpointId] = []
+        values: list[float] = []
+        for c in candidates:
+            metrics = c.metrics
+            if metrics is not None:
+                ids.append(c.endpoint.id)
+                values.append(metrics.waiting)
+        return _lower_is_better(ids, values, self.params.saturation)  # drops the non-finite ones
 
 
 class KVUtilizationScorer:
@@ -137,7 +171,9 @@ class InFlightScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        return lower_is_better({c.id: c.load for c in candidates}, self.params.saturation)
+        return _lower_is_better(
+            [c.endpoint.id for c in candidates], [c.load for c in candidates], self.params.saturation
+        )
 
 
 class CacheSpreadScorer:
@@ -157,13 +193,12 @@ class CacheSpreadScorer:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
         get = state.cached_blocks.get
-        cached = {
-            endpoint: n if (n := get(endpoint, 0)) > 0 else 0 for endpoint in (c.id for c in candidates)
-        }
-        most = max(cached.values(), default=0)
+        ids = [c.endpoint.id for c in candidates]
+        cached = [n if (n := get(endpoint, 0)) > 0 else 0 for endpoint in ids]
+        most = max(cached, default=0)
         if most <= 0:
-            return dict.fromkeys(cached, 1.0)
-        return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}
+            return dict.fromkeys(ids, 1.0)
+        return {endpoint: 1.0 - n / most for endpoint, n in zip(ids, cached, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +235,7 @@ class TierScorer:
         n = request.blocks
         peer_blocks = state.peer_warm_blocks
         if n == 0 or (peer_blocks <= 0 and not state.warm_blocks):
-            return dict.fromkeys((c.id for c in candidates), 0.0)
+            return dict.fromkeys([c.endpoint.id for c in candidates], 0.0)
         local, peer = self.params.local, self.params.peer
         scores: dict[EndpointId, float] = {}
         for c in candidates:

@@ -3,10 +3,15 @@
 :meth:`Profile.schedule` skips the clock unless ``timed``, adds scores in one pass and skips scorers that
 scored nothing; ``power-cap`` skips a fleet with no readings and nothing latched; ``load-threshold`` reads
 each candidate's load once and compares with precomputed limits; three scorers and
-:attr:`EndpointState.load` were rewritten for speed. Here the straightforward evaluation (the code as it
-was before those changes, plugin by plugin) runs beside the profile on random fleets and states, and both
-must give the same ``endpoints``, ``scores`` and ``rejected_by``, exactly (same floats, same tie
-shuffles), cycle after cycle (``power-cap`` keeps a latch between cycles).
+:attr:`EndpointState.load` were rewritten for speed. A second round (sched43) read ``endpoint.id`` (a slot)
+instead of the ``id`` property, inlined ``load-threshold``'s test and ``lora``'s look for the adapter, gave
+``prefix``, ``queue``, ``in-flight`` and ``cache-spread`` one pass without builtin calls or intermediate
+dicts, let the profile add a scorer's values in order when it scored every candidate in their order, and
+the picker sort by the score itself when no score is NaN. Here the straightforward evaluation (the code as
+it was before those changes, plugin by plugin, picker included) runs beside the profile on random fleets
+and states, and both must give the same ``endpoints``, ``scores`` and ``rejected_by``, exactly (same
+floats, same tie shuffles), cycle after cycle (``power-cap`` keeps a latch between cycles), on fresh
+fleets and on one fleet whose metrics, counts and index change between decisions.
 """
 
 from __future__ import annotations
@@ -23,12 +28,22 @@ from contracts.digest import Digest
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics, LoraState
-from extproc.fleet import EndpointState
+from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.filters import LoadThresholdFilter
 from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.lora import LoraParams, LoraScorer, lora_score
+from extproc.scheduling.picker import MaxScoreParams
 from extproc.scheduling.power import PowerCapFilter
 from extproc.scheduling.profile import Profile, ScheduleResult
 from extproc.scheduling.registry import PLUGIN_TYPES, build_profile, parse_scheduling
+from extproc.scheduling.scorers import (
+    CacheSpreadScorer,
+    InFlightScorer,
+    LoadParams,
+    PrefixParams,
+    PrefixScorer,
+    QueueScorer,
+)
 
 MODEL = "m"
 ADAPTER = "a1"
@@ -103,6 +118,59 @@ def plain_cache_spread(state: CycleState, cands: Sequence[EndpointState]) -> dic
     return {endpoint: 1.0 - n / most for endpoint, n in cached.items()}
 
 
+def plain_prefix(
+    request: SchedulingRequest, state: CycleState, cands: Sequence[EndpointState], max_blocks: int
+) -> dict[EndpointId, float]:
+    total = min(request.blocks, max_blocks)
+    if total <= 0:
+        return {}
+    return {c.id: min(max(state.prefix_blocks.get(c.id, 0), 0), total) / total for c in cands}
+
+
+def plain_knows(c: EndpointState, adapter: str) -> bool:
+    if adapter in c.endpoint.adapters or adapter in c.lora_recent:
+        return True
+    lora = None if c.metrics is None else c.metrics.lora
+    return lora is not None and adapter in lora.active
+
+
+def plain_lora(
+    request: SchedulingRequest, cands: Sequence[EndpointState], params: LoraParams
+) -> dict[EndpointId, float]:
+    if not any(plain_knows(c, request.model) for c in cands):
+        return {}
+    return {c.id: lora_score(c, request.model, params) for c in cands}
+
+
+def plain_key(pair: tuple[EndpointState, float]) -> float:
+    return pair[1] if pair[1] == pair[1] else -math.inf
+
+
+def plain_pick(
+    params: MaxScoreParams, scored: Sequence[tuple[EndpointState, float]], rng: random.Random
+) -> list[EndpointState]:
+    """MaxScorePicker.pick as it was: a key call per candidate, NaN sorting last."""
+    limit = 1 + params.max_fallbacks
+    order = sorted(scored, key=plain_key, reverse=True)
+    out: list[EndpointState] = []
+    seen: set[EndpointId] = set()
+    i, n = 0, len(order)
+    while i < n and len(out) < limit:
+        best = plain_key(order[i])
+        j = i + 1
+        while j < n and best - plain_key(order[j]) <= params.epsilon:
+            j += 1
+        group = order[i:j]
+        if len(group) > 1:
+            rng.shuffle(group)
+        for endpoint, _ in group:
+            if endpoint.id not in seen and len(out) < limit:
+                seen.add(endpoint.id)
+                out.append(endpoint)
+        i = j
+    return out
+
+
 def plain_schedule(
     profile: Profile,
     request: SchedulingRequest,
@@ -145,13 +213,17 @@ def plain_schedule(
             raw = plain_lower_is_better({c.id: plain_load(c) for c in current}, scorer.params.saturation)  # type: ignore[attr-defined]
         elif kind == "cache-spread":
             raw = plain_cache_spread(state, current)
+        elif kind == "prefix":
+            raw = plain_prefix(request, state, current, scorer.params.max_blocks)  # type: ignore[attr-defined]
+        elif kind == "lora":
+            raw = plain_lora(request, current, scorer.params)  # type: ignore[attr-defined]
         else:
             raw = scorer.score(request, state, current)
         for i, endpoint in enumerate(ids):
             value = raw.get(endpoint, 0.0)
             if value > 0.0:
                 totals[i] += weight * (value if value < 1.0 else 1.0)
-    ordered = profile.picker.pick(list(zip(current, totals, strict=True)), rng)
+    ordered = plain_pick(profile.picker.params, list(zip(current, totals, strict=True)), rng)  # type: ignore[attr-defined]
     if spare and (limit is None or len(ordered) < limit):
         ordered = [*ordered, *sorted(spare, key=plain_load)]
     return ScheduleResult(tuple(ordered[:limit]), dict(zip(ids, totals, strict=True)))
@@ -306,3 +378,161 @@ def test_the_profile_decides_as_the_straightforward_evaluation(seed: int) -> Non
         assert got.rejected_by == want.rejected_by
         for s in fleet:  # the load fast path is the property's own formula
             assert s.load == plain_load(s)
+
+
+def random_cycle_state(rng: random.Random, ids: Sequence[EndpointId], blocks: int) -> CycleState:
+    return CycleState(
+        prefix_blocks={e: rng.randint(-1, 2 * blocks + 1) for e in ids if rng.random() < 0.5},
+        cached_blocks={e: rng.randint(-1, 50) for e in ids if rng.random() < 0.7},
+        warm_blocks={e: rng.randint(0, 20) for e in ids if rng.random() < 0.2},
+        peer_warm_blocks=rng.choice([0, 0, 5]),
+        exact=rng.random() < 0.5,
+        predicted_ttft={e: rng.uniform(0.0, 2.0) for e in ids if rng.random() < 0.5},
+    )
+
+
+def change(rng: random.Random, fleet: Fleet, now: float, wall: float) -> None:
+    """What happens to a fleet between two decisions: scrapes (some lost, some stale), routed and
+    completed requests, siblings' counts, health, drains, ejections, adapters seen, power readings, a
+    changed static description."""
+    for i, s in enumerate(list(fleet)):
+        roll = rng.random()
+        if roll < 0.3:
+            fresh = make_state(rng, i, now, wall)
+            routed_before = rng.choice([None, 0, s.routed_since_scrape])
+            fleet.record_scrape(
+                s.id,
+                fresh.metrics or EngineMetrics(waiting=0.0, running=0.0, kv_usage=None, at=now),
+                routed_before,
+            )
+            if rng.random() < 0.3:
+                fleet.record_power(s.id, fresh.power, now)
+        elif roll < 0.4:
+            fleet.record_scrape_failure(s.id, unhealthy_after=1, gone=rng.random() < 0.5)
+        elif roll < 0.45:
+            fleet.upsert(make_state(rng, i, now, wall).endpoint)
+        if rng.random() < 0.5:
+            s.in_flight = max(0, s.in_flight + rng.randint(-2, 3))
+            s.routed_since_scrape += rng.randint(0, 3)
+            s.completed_since_scrape += rng.randint(0, 2)
+            s.count_routed(now, rng.choice([1.0, -1.0]))
+        if rng.random() < 0.2:
+            s.sibling_in_flight, s.sibling_routed = rng.randint(0, 3), rng.randint(-3, 3)
+        if rng.random() < 0.1:
+            fleet.set_state(s.id, healthy=rng.random() < 0.8, draining=rng.random() < 0.1)
+        if rng.random() < 0.05:
+            fleet.eject(s.id, now + rng.uniform(0.0, 2.0))
+        if rng.random() < 0.1:
+            s.saw_adapter(ADAPTER, now)
+    fleet.expire_metrics(now, stale_after=rng.choice([0.05, 10.0]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_one_fleet_changing_between_decisions_decides_as_the_straightforward_evaluation(seed: int) -> None:
+    """The same fleet over several decisions (up to 64 endpoints), its state changed between them as the
+    feeds, scrapes and router change it: whatever a cycle reads, it reads the state as it is now."""
+    rng = random.Random(seed)
+    config = random_config(rng)
+    limit = rng.choice([None, 1, 3])
+    max_fallbacks = None if limit is None else limit - 1
+    fast = build_profile(config, max_fallbacks=max_fallbacks)
+    plain = build_profile(config, max_fallbacks=max_fallbacks)
+    n = rng.choice([1, 2, 4, 16, 64])
+    now, wall = 100.0, 1.8e9
+    fleet = Fleet()
+    for i in range(n):
+        made = make_state(rng, i, now, wall)
+        s = fleet.upsert(made.endpoint)
+        for name in (
+            "healthy",
+            "in_flight",
+            "routed_since_scrape",
+            "completed_since_scrape",
+            "metrics",
+            "routed_decayed",
+            "routed_at",
+            "sibling_in_flight",
+            "sibling_routed",
+            "power",
+            "lora_recent",
+        ):
+            setattr(s, name, getattr(made, name))
+    for cycle in range(6):
+        now, wall = now + rng.choice([0.01, 1.0]), wall + rng.choice([0.0, 1.0])
+        if cycle:
+            change(rng, fleet, now, wall)
+        states = list(fleet)
+        digests = [Digest(bytes([b]) * 16) for b in range(rng.randint(0, 20))]
+        prompt_blocks = rng.choice([None, 0, len(digests), rng.randint(0, 300)])
+        state = random_cycle_state(rng, [s.id for s in states], prompt_blocks or len(digests))
+        request = SchedulingRequest(
+            request_id=f"r{cycle}",
+            model=rng.choice([MODEL, MODEL, ADAPTER]),
+            digests=digests,
+            prompt_tokens=16 * len(digests),
+            now=now,
+            ttft_budget_s=maybe(rng, lambda: rng.uniform(0.0, 2.0), 0.3),
+            prompt_blocks=prompt_blocks,
+        )
+        tie_seed = rng.randrange(2**32)
+        got = fast.schedule(request, state, states, random.Random(tie_seed))
+        want = plain_schedule(plain, request, state, states, random.Random(tie_seed), limit)
+        assert [s.id for s in got.endpoints] == [s.id for s in want.endpoints]
+        assert got.scores == want.scores
+        assert got.rejected_by == want.rejected_by
+        for s in states:
+            assert s.load == plain_load(s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_picker_orders_as_it_did(seed: int) -> None:
+    """MaxScorePicker sorts by the score itself unless a score is NaN: the same order, ties and shuffles
+    as the key function that sends NaN last, with NaN, infinities and ties in the scores."""
+    rng = random.Random(seed)
+    params = MaxScoreParams(max_fallbacks=rng.randint(0, 5), epsilon=rng.choice([0.0, 1e-9, 0.1]))
+    picker = PLUGIN_TYPES["max-score"].factory("max-score", params)
+    n = rng.randint(0, 20)
+    values = [0.0, 1.0, 0.5, 3.0, math.nan, math.inf, -math.inf, 0.1 + 0.2, 0.3]
+    scored = [
+        (make_state(rng, i, 0.0, 0.0), rng.choice(values) if rng.random() < 0.5 else rng.uniform(0.0, 3.0))
+        for i in range(n)
+    ]
+    tie_seed = rng.randrange(2**32)
+    got = picker.pick(scored, random.Random(tie_seed))  # type: ignore[attr-defined]
+    want = plain_pick(params, scored, random.Random(tie_seed))
+    assert [s.id for s in got] == [s.id for s in want]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_each_rewritten_scorer_scores_as_it_did(seed: int) -> None:
+    """The rewritten scorers alone, on unfiltered candidates (no model filter before ``lora``, so an
+    adapter only some endpoint has seen or runs counts too): the same dict, keys in the same order."""
+    rng = random.Random(seed)
+    now = 100.0
+    fleet = [make_state(rng, i, now, 1.8e9) for i in range(rng.choice([0, 1, 2, 4, 16, 64]))]
+    for s in fleet:
+        if rng.random() < 0.5:  # the adapter known only from readings or routing, or not at all
+            s.endpoint = Endpoint(s.id, s.endpoint.address, frozenset({MODEL}))
+    digests = [Digest(bytes([b]) * 16) for b in range(rng.randint(0, 20))]
+    prompt_blocks = rng.choice([None, 0, len(digests), rng.randint(0, 300)])
+    state = random_cycle_state(rng, [s.id for s in fleet], prompt_blocks or len(digests))
+    request = SchedulingRequest(
+        "r", rng.choice([MODEL, ADAPTER]), digests, 0, now, prompt_blocks=prompt_blocks
+    )
+    saturation, max_blocks = rng.choice([0.5, 8.0]), rng.choice([4, 256])
+    load, prefix = LoadParams(saturation), PrefixParams(max_blocks)
+    for scorer, want in (
+        (PrefixScorer(params=prefix), plain_prefix(request, state, fleet, max_blocks)),
+        (QueueScorer(params=load), plain_queue(fleet, saturation)),
+        (
+            InFlightScorer(params=load),
+            plain_lower_is_better({c.id: plain_load(c) for c in fleet}, saturation),
+        ),
+        (CacheSpreadScorer(), plain_cache_spread(state, fleet)),
+        (LoraScorer(), plain_lora(request, fleet, LoraParams())),
+    ):
+        got = scorer.score(request, state, fleet)
+        assert list(got.items()) == list(want.items()), scorer.name
