@@ -19,6 +19,7 @@ from extproc.errors import BadRequest
 from extproc.models import template as template_module
 from extproc.models.render_memo import RenderMemo
 from extproc.models.template import ChatTemplate
+from load.bench.render import ATTRIBUTE_STYLE
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
 
@@ -29,15 +30,7 @@ SMOLLM2 = (
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-QWEN_STYLE = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content.strip() + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+QWEN_STYLE = ATTRIBUTE_STYLE  # the render bench's Qwen2.5-style template: messages read as attributes
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"

@@ -16,9 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contracts.digest import Digest
 from extproc.index.approximate import ApproximateIndex
+from extproc.models.tokenizer import SegmentTokenizer
 from extproc.routing.history import HistoryMemo
-from extproc.routing.router import Router
+from extproc.routing.request import ParsedRequest
+from extproc.routing.router import Decision, Router, Tokens
 from tests.extproc.routing.test_lazy_tokens import ENDPOINTS, MODEL, make_router, picks, request_of, text_of
 
 EDGES = ["", " ", "\n", "\n\n", "  ", "<|im_end|>", "<|im_start|>", "\t", "x"]
@@ -38,6 +41,48 @@ def twin(model_dir: str) -> tuple[Router, Router]:
     return memo, plain
 
 
+def tokens_alike(
+    memo: Router, plain: Router, tokenizer: SegmentTokenizer, request: ParsedRequest, rng: random.Random
+) -> tuple[Tokens, Tokens, list[Digest]]:
+    """``request`` tokenized lazily by both routers (and the full chain's digests): the same ids, chain
+    and estimate, prefixes of the full tokenization. Both paths see the same segment cache: every piece
+    cached, or (the cache forgotten, one time in three) none, when long pieces are chunked. Where a path
+    stops depends on it; that it stops alike must not."""
+    forget = rng.random() < 0.3
+    if not forget:
+        memo.tokens(request, exact_count=True)
+    if forget:
+        tokenizer.clear_cache()
+    a = memo.tokens(request)
+    if forget:
+        tokenizer.clear_cache()
+    b = plain.tokens(request)
+    full = memo.tokens(request, exact_count=True)
+    full_digests = memo.digests(request, full)
+    assert list(a.ids) == list(b.ids) == list(full.ids[: len(a.ids)])
+    assert a.chain == b.chain and list(a.chain or ()) == full_digests[: len(a.chain or ())]
+    assert (a.count, a.estimated, a.nbytes, a.counted) == (b.count, b.estimated, b.nbytes, b.counted)
+    assert (a.rest is None) == (b.rest is None)
+    return a, b, full_digests
+
+
+def decide_alike(
+    memo: Router, plain: Router, request: ParsedRequest, a: Tokens, b: Tokens, request_id: str, now: float
+) -> tuple[Decision, Decision]:
+    """Both routers' decisions on ``request`` tokenized as ``a`` and ``b`` (:func:`tokens_alike`): the
+    same picks, blocks and lengths."""
+    da = memo.decide(request, request_id=request_id, now=now, tokens=a)
+    db = plain.decide(request, request_id=request_id, now=now, tokens=b)
+    assert picks(da) == picks(db)
+    assert (da.matched_blocks, da.scored_blocks, da.prompt_tokens, da.prompt_blocks) == (
+        db.matched_blocks,
+        db.scored_blocks,
+        db.prompt_tokens,
+        db.prompt_blocks,
+    )
+    return da, db
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), turns=st.integers(2, 6))
 def test_memoised_turns_decide_as_unmemoised(model_dir: str, seed: int, turns: int) -> None:
@@ -51,33 +96,9 @@ def test_memoised_turns_decide_as_unmemoised(model_dir: str, seed: int, turns: i
             memo.index.drop_endpoint(gone)  # type: ignore[attr-defined]
             plain.index.drop_endpoint(gone)  # type: ignore[attr-defined]
         request = request_of(history)
-        # Both paths see the same segment cache: every piece cached, or (the cache forgotten) none, when
-        # long pieces are chunked. Where a path stops depends on it; that it stops alike must not.
-        forget = rng.random() < 0.3
-        if not forget:
-            memo.tokens(request, exact_count=True)
-        if forget:
-            tokenizer.clear_cache()
-        a = memo.tokens(request)
-        if forget:
-            tokenizer.clear_cache()
-        b = plain.tokens(request)
-        full = memo.tokens(request, exact_count=True)
-        full_digests = memo.digests(request, full)
         now = float(turn)
-        assert list(a.ids) == list(b.ids) == list(full.ids[: len(a.ids)])
-        assert a.chain == b.chain and list(a.chain or ()) == full_digests[: len(a.chain or ())]
-        assert (a.count, a.estimated, a.nbytes, a.counted) == (b.count, b.estimated, b.nbytes, b.counted)
-        assert (a.rest is None) == (b.rest is None)
-        da = memo.decide(request, request_id=f"r{turn}", now=now, tokens=a)
-        db = plain.decide(request, request_id=f"r{turn}", now=now, tokens=b)
-        assert picks(da) == picks(db)
-        assert (da.matched_blocks, da.scored_blocks, da.prompt_tokens, da.prompt_blocks) == (
-            db.matched_blocks,
-            db.scored_blocks,
-            db.prompt_tokens,
-            db.prompt_blocks,
-        )
+        a, b, full_digests = tokens_alike(memo, plain, tokenizer, request, rng)
+        da, db = decide_alike(memo, plain, request, a, b, f"r{turn}", now)
         memo.commit(da, now)
         plain.commit(db, now)
         assert list(da.digests) == list(db.digests) == full_digests

@@ -22,8 +22,8 @@ from extproc.index.interface import PrefixIndex
 from extproc.index.precise import PreciseIndex
 from extproc.routing.history import HistoryMemo
 from extproc.routing.router import Decision, Router
-from tests.extproc.routing.test_history_memo import message
-from tests.extproc.routing.test_lazy_tokens import ENDPOINTS, MODEL, make_router, picks, request_of
+from tests.extproc.routing.test_history_memo import decide_alike, message, tokens_alike
+from tests.extproc.routing.test_lazy_tokens import ENDPOINTS, MODEL, make_router, request_of
 
 
 def make_index(kind: str, capacity: int) -> PrefixIndex:
@@ -91,36 +91,14 @@ def test_found_by_text_decides_as_unmemoised(
                 history = [*history, message(rng, "assistant"), message(rng, "user")]
         now += rng.uniform(0.0, 4.0)  # past the TTLs now and then: expiries swept by the records
         request = request_of(history)
-        forget = rng.random() < 0.3
-        if not forget:
-            memo.tokens(request, exact_count=True)
-        if forget:
-            tokenizer.clear_cache()
-        a = memo.tokens(request)
-        if forget:
-            tokenizer.clear_cache()
-        b = plain.tokens(request)
-        full = memo.tokens(request, exact_count=True)
-        full_digests = memo.digests(request, full)
-        assert list(a.ids) == list(b.ids) == list(full.ids[: len(a.ids)])
-        assert a.chain == b.chain and list(a.chain or ()) == full_digests[: len(a.chain or ())]
-        assert (a.count, a.estimated, a.nbytes, a.counted) == (b.count, b.estimated, b.nbytes, b.counted)
-        assert (a.rest is None) == (b.rest is None)
+        a, b, full_digests = tokens_alike(memo, plain, tokenizer, request, rng)
         if a.rest is not None and b.rest is not None:
             assert a.rest.cursor.pieces == tokenizer.split(
                 memo.models.find(MODEL).template.render(  # type: ignore[union-attr]
                     request.messages, add_generation_prompt=True
                 )
             )
-        da = memo.decide(request, request_id=f"r{turn}", now=now, tokens=a)
-        db = plain.decide(request, request_id=f"r{turn}", now=now, tokens=b)
-        assert picks(da) == picks(db)
-        assert (da.matched_blocks, da.scored_blocks, da.prompt_tokens, da.prompt_blocks) == (
-            db.matched_blocks,
-            db.scored_blocks,
-            db.prompt_tokens,
-            db.prompt_blocks,
-        )
+        da, db = decide_alike(memo, plain, request, a, b, f"r{turn}", now)
         memo.commit(da, now)
         plain.commit(db, now)
         assert list(da.digests) == list(db.digests) == full_digests
