@@ -232,6 +232,28 @@ def plain_schedule(
 # --- random fleets and states ---------------------------------------------------------------------
 
 
+def assert_same_cycle(
+    fast: Profile,
+    plain: Profile,
+    request: SchedulingRequest,
+    state: CycleState,
+    candidates: Sequence[EndpointState],
+    rng: random.Random,
+    limit: int | None,
+) -> None:
+    """``fast.schedule`` and :func:`plain_schedule` on ``plain`` (the same config) with the same tie
+    seed: the same endpoints in order, scores and rejections; the load fast path is the property's own
+    formula."""
+    tie_seed = rng.randrange(2**32)
+    got = fast.schedule(request, state, candidates, random.Random(tie_seed))
+    want = plain_schedule(plain, request, state, candidates, random.Random(tie_seed), limit)
+    assert [s.id for s in got.endpoints] == [s.id for s in want.endpoints]
+    assert got.scores == want.scores
+    assert got.rejected_by == want.rejected_by
+    for s in candidates:
+        assert s.load == plain_load(s)
+
+
 def maybe(rng: random.Random, value: Callable[[], Any], p: float = 0.5) -> Any:
     return value() if rng.random() < p else None
 
@@ -370,14 +392,7 @@ def test_the_profile_decides_as_the_straightforward_evaluation(seed: int) -> Non
             subset=subset,
             ttft_budget_s=maybe(rng, lambda: rng.uniform(0.0, 2.0), 0.3),
         )
-        tie_seed = rng.randrange(2**32)
-        got = fast.schedule(request, state, fleet, random.Random(tie_seed))
-        want = plain_schedule(plain, request, state, fleet, random.Random(tie_seed), limit)
-        assert [s.id for s in got.endpoints] == [s.id for s in want.endpoints]
-        assert got.scores == want.scores
-        assert got.rejected_by == want.rejected_by
-        for s in fleet:  # the load fast path is the property's own formula
-            assert s.load == plain_load(s)
+        assert_same_cycle(fast, plain, request, state, fleet, rng, limit)
 
 
 def random_cycle_state(rng: random.Random, ids: Sequence[EndpointId], blocks: int) -> CycleState:
@@ -475,14 +490,7 @@ def test_one_fleet_changing_between_decisions_decides_as_the_straightforward_eva
             ttft_budget_s=maybe(rng, lambda: rng.uniform(0.0, 2.0), 0.3),
             prompt_blocks=prompt_blocks,
         )
-        tie_seed = rng.randrange(2**32)
-        got = fast.schedule(request, state, states, random.Random(tie_seed))
-        want = plain_schedule(plain, request, state, states, random.Random(tie_seed), limit)
-        assert [s.id for s in got.endpoints] == [s.id for s in want.endpoints]
-        assert got.scores == want.scores
-        assert got.rejected_by == want.rejected_by
-        for s in states:
-            assert s.load == plain_load(s)
+        assert_same_cycle(fast, plain, request, state, states, rng, limit)
 
 
 @settings(max_examples=300, deadline=None)
