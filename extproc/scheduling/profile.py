@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 
 from contracts.errors import ConfigError
 from contracts.events import EndpointId
@@ -179,14 +179,15 @@ class Profile:
             if timings is not None:
                 started = clock()
             kept = plugin.filter(request, state, current)
+            # A filter that returned a Candidates (the built-in ones) kept its columns; a plain list: anew.
+            narrowed = kept if isinstance(kept, Candidates) else Candidates(kept)
             if soft:
-                if len(kept) < len(current):
-                    passed = {c.endpoint.id for c in kept}
-                    spare.extend(c for c in current if c.endpoint.id not in passed)
+                if len(narrowed) < len(current):
+                    passed = set(narrowed.ids)  # ids: read by the scorers next anyway
+                    spare.extend(compress(current, [e not in passed for e in current.ids]))
             elif spare:
                 spare = list(plugin.filter(request, state, spare))
-            # A filter that returned a Candidates (the built-in ones) kept its columns; a plain list: anew.
-            current = kept if isinstance(kept, Candidates) else Candidates(kept)
+            current = narrowed
             if timings is not None:
                 timings[plugin.name] = clock() - started
             if not current:
