@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.fleet import EndpointState
-from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.interface import Candidates, CycleState, SchedulingRequest
+
+
+def _narrowed(candidates: Sequence[EndpointState], kept: list[EndpointState]) -> list[EndpointState]:
+    """``kept`` (a sub-list of ``candidates``), or ``candidates`` itself as :class:`Candidates` when nothing
+    was dropped, so the columns computed so far stay with it."""
+    return kept if len(kept) < len(candidates) else Candidates.of(candidates)
 
 
 class ModelFilter:
@@ -27,7 +33,7 @@ class ModelFilter:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
         model = request.model
-        return [c for c in candidates if model in c.endpoint.models]
+        return _narrowed(candidates, [c for c in candidates if model in c.endpoint.models])
 
 
 class HealthyFilter:
@@ -43,7 +49,9 @@ class HealthyFilter:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
         now = request.now
-        return [c for c in candidates if c.healthy and not c.draining and c.ejected_until <= now]
+        return _narrowed(
+            candidates, [c for c in candidates if c.healthy and not c.draining and c.ejected_until <= now]
+        )
 
 
 class SubsetFilter:
@@ -62,8 +70,8 @@ class SubsetFilter:
     ) -> list[EndpointState]:
         subset = request.subset
         if subset is None:
-            return list(candidates)
-        return [c for c in candidates if c.endpoint.address in subset]
+            return Candidates.of(candidates)
+        return _narrowed(candidates, [c for c in candidates if c.endpoint.address in subset])
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,31 +173,28 @@ class LoadThresholdFilter:
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
-        loads = [c.load for c in candidates]  # a property: read once per candidate
+        cands = Candidates.of(candidates)
+        loads = cands.loads  # per-cycle columns: each load computed once, shared with the scorers
+        waiting = cands.waiting  # NaN without metrics: never over the limit, not in the mean
         mean = sum(loads) / len(loads) if loads else 0.0
-        isfinite = math.isfinite
-        waiting = [
-            w for c in candidates if (metrics := c.metrics) is not None and isfinite(w := metrics.waiting)
-        ]
-        mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
+        finite = list(filter(math.isfinite, waiting))
+        mean_waiting = sum(finite) / len(finite) if finite else 0.0
         max_in_flight, max_waiting = self.limits(mean, mean_waiting)
         max_kv_usage = self.params.max_kv_usage
-        kept: list[EndpointState] = []
-        for c, load in zip(candidates, loads, strict=True):  # _over, inlined
-            if load > max_in_flight:
-                continue
-            metrics = c.metrics
-            if metrics is not None:
-                if metrics.waiting > max_waiting:
-                    continue
-                if (
-                    max_kv_usage is not None
-                    and metrics.kv_usage is not None
-                    and metrics.kv_usage > max_kv_usage
-                ):
-                    continue
-            kept.append(c)
-        return kept if kept else list(candidates)
+        # _over, inlined: ``not x > limit`` as _over tests it (NaN waiting: not over)
+        keep = [not (load > max_in_flight or w > max_waiting) for load, w in zip(loads, waiting, strict=True)]
+        if max_kv_usage is not None:
+            keep = [
+                k
+                and (
+                    (metrics := c.metrics) is None
+                    or metrics.kv_usage is None
+                    or not metrics.kv_usage > max_kv_usage
+                )
+                for k, c in zip(keep, cands, strict=True)
+            ]
+        kept = keep.count(True)
+        return cands.select(keep) if 0 < kept < len(cands) else cands
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,14 +255,14 @@ class BalanceFilter:
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
         if len(candidates) < 2 or not state.exact:
-            return list(candidates)
+            return Candidates.of(candidates)
         p = self.params
         now = request.now
         shares = [c.recent_routed(now) for c in candidates]
         mean = sum(shares) / len(shares)
         limit = min(shares) + max(p.share_slack, (p.max_share_ratio - 1.0) * mean)
         if max(shares) <= limit:
-            return list(candidates)
+            return Candidates.of(candidates)
         matched = state.prefix_blocks
         leads = [max(0, matched.get(c.id, 0)) for c in candidates]
         best = max(leads)
@@ -268,7 +273,7 @@ class BalanceFilter:
             for c, share, lead in zip(candidates, shares, leads, strict=True)
             if share <= limit or lead - (second if lead == best else best) >= p.min_lead_blocks
         ]
-        return kept if kept else list(candidates)
+        return _narrowed(candidates, kept) if kept else Candidates.of(candidates)
 
 
 class SLOFilter:
@@ -293,6 +298,6 @@ class SLOFilter:
         budget = request.ttft_budget_s
         predicted = state.predicted_ttft
         if budget is None or not predicted:
-            return list(candidates)
+            return Candidates.of(candidates)
         kept = [c for c in candidates if predicted.get(c.id, math.inf) <= budget]
-        return kept if kept else list(candidates)
+        return _narrowed(candidates, kept) if kept else Candidates.of(candidates)

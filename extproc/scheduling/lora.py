@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
-from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.interface import Candidates, CycleState, SchedulingRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,13 @@ class LoraScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
+        cands = Candidates.of(candidates)
+        values = self.score_list(request, state, cands)
+        return {} if values is None else dict(zip(cands.ids, values, strict=True))
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
         adapter = request.model
         # Does any candidate know the adapter? Walked for every request, and most name a base model.
         for c in candidates:
@@ -88,6 +95,6 @@ class LoraScorer:
             if metrics is not None and (lora := metrics.lora) is not None and adapter in lora.active:
                 break
         else:
-            return {}  # a base model, or an adapter no endpoint has declared or reported
+            return None  # a base model, or an adapter no endpoint has declared or reported
         params = self.params
-        return {c.endpoint.id: lora_score(c, adapter, params) for c in candidates}
+        return [lora_score(c, adapter, params) for c in candidates]

@@ -50,26 +50,49 @@ class MaxScorePicker:
         self.params = params or MaxScoreParams()
 
     def pick(self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random) -> list[EndpointState]:
-        limit = 1 + self.params.max_fallbacks
-        epsilon = self.params.epsilon
         if any(map(math.isnan, map(_by_score, scored))):  # NaN sorts last, as -inf
             order = sorted(scored, key=_key, reverse=True)
             keys = [_key(pair) for pair in order]
         else:  # the same order and keys without a call per candidate
             order = sorted(scored, key=_by_score, reverse=True)
             keys = [score for _, score in order]
+        return self._walk(range(len(order)), keys, [endpoint for endpoint, _ in order], rng)
+
+    def pick_list(
+        self, candidates: Sequence[EndpointState], scores: Sequence[float], rng: random.Random
+    ) -> list[EndpointState]:
+        """:meth:`pick` of ``list(zip(candidates, scores))`` without building the pairs (``ListPicker``):
+        the candidates' positions sorted on their scores (the same stable order as sorting the pairs),
+        then the same walk and shuffles, which look at the first tie groups only. A NaN score:
+        :meth:`pick` itself."""
+        if any(map(math.isnan, scores)):
+            return self.pick(list(zip(candidates, scores, strict=True)), rng)
+        ranked = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        return self._walk(ranked, scores, candidates, rng)
+
+    def _walk(
+        self,
+        ranked: Sequence[int],
+        keys: Sequence[float],
+        items: Sequence[EndpointState],
+        rng: random.Random,
+    ) -> list[EndpointState]:
+        """``items`` in the order of the positions ``ranked`` (best first; ``keys``: their sort keys, by
+        position), each tie group shuffled as a whole, up to ``1 + max_fallbacks`` distinct endpoints."""
+        limit = 1 + self.params.max_fallbacks
+        epsilon = self.params.epsilon
         out: list[EndpointState] = []
         seen: set[EndpointId] = set()
-        i, n = 0, len(order)
+        i, n = 0, len(ranked)
         while i < n and len(out) < limit:
-            best = keys[i]
+            best = keys[ranked[i]]
             j = i + 1
-            while j < n and best - keys[j] <= epsilon:
+            while j < n and best - keys[ranked[j]] <= epsilon:
                 j += 1
-            group = order[i:j]
+            group = [items[k] for k in ranked[i:j]]
             if len(group) > 1:
                 rng.shuffle(group)
-            for endpoint, _ in group:
+            for endpoint in group:
                 endpoint_id = endpoint.endpoint.id
                 if endpoint_id not in seen and len(out) < limit:
                     seen.add(endpoint_id)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from contracts.events import EndpointId, Power
 from extproc.fleet import EndpointState
 from extproc.scheduling.energy import CapLatch
-from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.interface import Candidates, CycleState, SchedulingRequest
 
 NEUTRAL = 0.5
 """The ``power`` score of a candidate with no power telemetry: neither preferred nor avoided."""
@@ -209,6 +210,9 @@ class PowerCapParams:
             raise ValueError(f"leave_margin must be in [0, 1), got {self.leave_margin!r}")
 
 
+_power = attrgetter("power")
+
+
 class PowerCapFilter:
     """Drops endpoints whose node is over a limit of :class:`PowerCapParams`, unless every candidate is
     (soft: what it drops may still be a fallback). No power telemetry is never over."""
@@ -255,9 +259,9 @@ class PowerCapFilter:
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[EndpointState]:
-        if not self.latch.holding and not any(c.power for c in candidates):
+        if not self.latch.holding and not any(map(_power, candidates)):
             # No readings and nothing latched over: no candidate is over (the usual fleet without power
             # telemetry; what :meth:`over` would say for each, without walking them).
-            return list(candidates)
+            return Candidates.of(candidates)
         kept = [c for c in candidates if not self.over(c)]
-        return kept if kept else list(candidates)
+        return kept if 0 < len(kept) < len(candidates) else Candidates.of(candidates)

@@ -17,13 +17,20 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 
 from contracts.errors import ConfigError
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 from extproc.index.interface import PrefixIndex
-from extproc.scheduling.interface import CycleState, Filter, Picker, SchedulingRequest, Scorer
+from extproc.scheduling.interface import (
+    Candidates,
+    CycleState,
+    Filter,
+    Picker,
+    SchedulingRequest,
+    Scorer,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,39 @@ def cycle_state(index: PrefixIndex, request: SchedulingRequest) -> CycleState:
     return CycleState(
         prefix_blocks=index.match(request.digests, request.now), cached_blocks=index.occupancy()
     )
+
+
+_ScoreList = Callable[[SchedulingRequest, CycleState, Candidates], "list[float] | None"]
+_PickList = Callable[[Sequence[EndpointState], Sequence[float], random.Random], list[EndpointState]]
+
+
+def _weighted_sum(weighed: Sequence[tuple[Sequence[float], float]], n: int) -> list[float]:
+    """Per candidate, ``0.0 + w1 * v1 + w2 * v2 + ...`` over the scorers in order (each ``values`` parallel
+    to the ``n`` candidates, in [0, 1]), added left to right as one scorer at a time would: the same floats.
+    Three scorers per pass (one list comprehension each), not one pass per scorer. ``0.0 + w * v`` is
+    ``w * v`` (both >= 0), so the first pass starts from the first product."""
+    totals: list[float] | None = None
+    for start in range(0, len(weighed), 3):
+        chunk = weighed[start : start + 3]
+        if len(chunk) == 3:
+            (a, wa), (b, wb), (c, wc) = chunk
+            if totals is None:
+                totals = [x * wa + y * wb + z * wc for x, y, z in zip(a, b, c, strict=True)]
+            else:
+                totals = [t + x * wa + y * wb + z * wc for t, x, y, z in zip(totals, a, b, c, strict=True)]
+        elif len(chunk) == 2:
+            (a, wa), (b, wb) = chunk
+            if totals is None:
+                totals = [x * wa + y * wb for x, y in zip(a, b, strict=True)]
+            else:
+                totals = [t + x * wa + y * wb for t, x, y in zip(totals, a, b, strict=True)]
+        else:
+            ((a, wa),) = chunk
+            if totals is None:
+                totals = [x * wa for x in a]
+            else:
+                totals = [t + x * wa for t, x in zip(totals, a, strict=True)]
+    return [0.0] * n if totals is None else totals
 
 
 def _by_load(state: EndpointState) -> float:
@@ -113,6 +153,12 @@ class Profile:
         #: Some plugin reads ``CycleState.predicted_ttft`` whatever the request (the router fills it).
         plugins = (*self.filters, *(s for s, _ in self.scorers))
         self.predicts = any(getattr(p, "needs_prediction", False) for p in plugins)
+        #: Each scorer's ``score_list`` (``ListScorer``), looked up once; ``None``: it has only ``score``.
+        self._score_lists: tuple[_ScoreList | None, ...] = tuple(
+            getattr(s, "score_list", None) for s, _ in self.scorers
+        )
+        #: The picker's ``pick_list`` (``ListPicker``), or ``None``: it has only ``pick``.
+        self._pick_list: _PickList | None = getattr(picker, "pick_list", None)
 
     def schedule(
         self,
@@ -127,56 +173,70 @@ class Profile:
         clock = self._clock
         timings: dict[str, int] | None = {} if self.timed else None
         started = 0
-        current: Sequence[EndpointState] = candidates
+        current = Candidates(candidates)  # a copy: the caller's list is never handed to a plugin
         spare: list[EndpointState] = []  # dropped by a soft filter only: still fit to be a fallback
         for plugin, soft in zip(self.filters, self._soft, strict=True):
             if timings is not None:
                 started = clock()
             kept = plugin.filter(request, state, current)
+            # A filter that returned a Candidates (the built-in ones) kept its columns; a plain list: anew.
+            narrowed = kept if isinstance(kept, Candidates) else Candidates(kept)
             if soft:
-                if len(kept) < len(current):
-                    passed = {c.endpoint.id for c in kept}
-                    spare.extend(c for c in current if c.endpoint.id not in passed)
+                if len(narrowed) < len(current):
+                    passed = set(narrowed.ids)  # ids: read by the scorers next anyway
+                    spare.extend(compress(current, [e not in passed for e in current.ids]))
             elif spare:
-                spare = plugin.filter(request, state, spare)
-            current = kept
+                spare = list(plugin.filter(request, state, spare))
+            current = narrowed
             if timings is not None:
                 timings[plugin.name] = clock() - started
             if not current:
                 return ScheduleResult((), timings_ns=timings or {}, rejected_by=plugin.name)
 
-        ids = [c.endpoint.id for c in current]  # ``endpoint.id``: a slot read, ``id`` a property call
-        totals = [0.0] * len(ids)
+        ids = current.ids
+        weighed: list[tuple[Sequence[float], float]] = []  # each scorer's values in [0, 1], its weight
         per_scorer: dict[str, Mapping[EndpointId, float]] = {}
-        for scorer, weight in self.scorers:
+        for (scorer, weight), score_list in zip(self.scorers, self._score_lists, strict=True):
             if timings is not None:
                 started = clock()
+            if score_list is not None:
+                # In [0, 1] and not NaN (``ListScorer``): used as they are, no clamp.
+                values = score_list(request, state, current)
+                if timings is not None:
+                    timings[scorer.name] = clock() - started
+                if values is not None:  # None: nothing scored, every candidate adds 0
+                    weighed.append((values, weight))
+                if self.explain:
+                    per_scorer[scorer.name] = dict(zip(ids, values or repeat(0.0), strict=False))
+                continue
             raw = scorer.score(request, state, current)
             if timings is not None:
                 timings[scorer.name] = clock() - started
             if raw:  # nothing scored: every candidate adds 0
-                # Clamp to [0, 1] (negatives and NaN count as 0), weigh, add: in the candidates' order.
-                # A scorer that scored every candidate, in their order (the usual: a dict built by walking
-                # them), gives its values in that order as they are, without a lookup per candidate.
-                values = (
+                # Clamped to [0, 1] (negatives and NaN count as 0), in the candidates' order. A scorer that
+                # scored every candidate, in their order (the usual: a dict built by walking them), gives
+                # its values in that order as they are, without a lookup per candidate.
+                values_in = (
                     raw.values()
                     if len(raw) == len(ids) and list(raw) == ids
                     else map(raw.get, ids, repeat(0.0))
                 )
-                totals = [
-                    total + weight * (value if value < 1.0 else 1.0) if value > 0.0 else total
-                    for total, value in zip(totals, values, strict=True)
-                ]
+                weighed.append(([(v if v < 1.0 else 1.0) if v > 0.0 else 0.0 for v in values_in], weight))
             if self.explain:
                 per_scorer[scorer.name] = {endpoint: _clamp(raw.get(endpoint, 0.0)) for endpoint in ids}
+        totals = _weighted_sum(weighed, len(ids))
 
         if timings is not None:
             started = clock()
-        ordered = self.picker.pick(list(zip(current, totals, strict=True)), rng)
+        picker = self.picker
+        if self._pick_list is not None:
+            ordered = self._pick_list(current, totals, rng)
+        else:
+            ordered = picker.pick(list(zip(current, totals, strict=True)), rng)
         if spare and (self._limit is None or len(ordered) < self._limit):
             # A retry on an endpoint a preference filter passed over beats no retry at all.
             ordered = [*ordered, *sorted(spare, key=_by_load)]
         if timings is not None:
-            timings[self.picker.name] = clock() - started
+            timings[picker.name] = clock() - started
         scores = dict(zip(ids, totals, strict=True))
         return ScheduleResult(tuple(ordered[: self._limit]), scores, per_scorer, timings or {})

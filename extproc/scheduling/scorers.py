@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from contracts.events import EndpointId
 from extproc.fleet import EndpointState
 from extproc.index.interface import DEFAULT_MAX_MATCH_BLOCKS
-from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.interface import Candidates, CycleState, SchedulingRequest
 
 
 def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> dict[EndpointId, float]:
@@ -57,6 +58,33 @@ def _lower_is_better(
     }
 
 
+def _lower_is_better_list(values: Sequence[float], saturation: float) -> list[float] | None:
+    """:func:`_lower_is_better` as a list parallel to ``values`` (``ListScorer.score_list``): a non-finite
+    value (missing) scores 0.0; ``None`` when none is finite (the dict would be empty)."""
+    isfinite = math.isfinite
+    if all(map(isfinite, values)):
+        if not values:
+            return None
+        most = max(values)
+        scale = saturation if saturation >= most else most
+        if scale <= 0:
+            return [1.0] * len(values)
+        return [1.0 - (v if v > 0.0 else 0.0) / scale for v in values]
+    kept = list(filter(isfinite, values))
+    if not kept:
+        return None
+    most = max(kept)
+    scale = saturation if saturation >= most else most
+    if scale <= 0:
+        return [1.0 if isfinite(v) else 0.0 for v in values]
+    return [1.0 - (v if v > 0.0 else 0.0) / scale if isfinite(v) else 0.0 for v in values]
+
+
+def _as_dict(candidates: Candidates, values: list[float] | None) -> dict[EndpointId, float]:
+    """A ``score_list`` result as ``score`` returns it: ``{}`` for ``None``."""
+    return {} if values is None else dict(zip(candidates.ids, values, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class LoadParams:
     """``saturation``: the load (requests) at which an endpoint scores 0 while no endpoint exceeds it."""
@@ -98,17 +126,20 @@ class PrefixScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
+        cands = Candidates.of(candidates)
+        return _as_dict(cands, self.score_list(request, state, cands))
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
         total = min(request.blocks, self.params.max_blocks)
         if total <= 0:
-            return {}
-        get = state.prefix_blocks.get
-        scores: dict[EndpointId, float] = {}
-        for c in candidates:
-            endpoint = c.endpoint.id
-            n = get(endpoint, 0)
-            # min(max(n, 0), total) / total without the builtin calls
-            scores[endpoint] = (total if n >= total else n if n > 0 else 0) / total
-        return scores
+            return None
+        # min(max(n, 0), total) / total without the builtin calls
+        return [
+            (total if n >= total else n if n > 0 else 0) / total
+            for n in map(state.prefix_blocks.get, candidates.ids, repeat(0))
+        ]
 
 
 class QueueScorer:
@@ -133,6 +164,12 @@ class QueueScorer:
                 ids.append(c.endpoint.id)
                 values.append(metrics.waiting)
         return _lower_is_better(ids, values, self.params.saturation)  # drops the non-finite ones
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
+        # ``waiting`` is NaN without metrics: non-finite, so 0.0 and out of the maximum, as in ``score``.
+        return _lower_is_better_list(candidates.waiting, self.params.saturation)
 
 
 class KVUtilizationScorer:
@@ -171,9 +208,13 @@ class InFlightScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        return _lower_is_better(
-            [c.endpoint.id for c in candidates], [c.load for c in candidates], self.params.saturation
-        )
+        cands = Candidates.of(candidates)
+        return _lower_is_better(cands.ids, cands.loads, self.params.saturation)
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
+        return _lower_is_better_list(candidates.loads, self.params.saturation)
 
 
 class CacheSpreadScorer:
@@ -192,13 +233,17 @@ class CacheSpreadScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
-        get = state.cached_blocks.get
-        ids = [c.endpoint.id for c in candidates]
-        cached = [n if (n := get(endpoint, 0)) > 0 else 0 for endpoint in ids]
+        cands = Candidates.of(candidates)
+        return _as_dict(cands, self.score_list(request, state, cands))
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
+        cached = [n if n > 0 else 0 for n in map(state.cached_blocks.get, candidates.ids, repeat(0))]
         most = max(cached, default=0)
         if most <= 0:
-            return dict.fromkeys(ids, 1.0)
-        return {endpoint: 1.0 - n / most for endpoint, n in zip(ids, cached, strict=True)}
+            return [1.0] * len(cached)
+        return [1.0 - n / most for n in cached]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,17 +277,26 @@ class TierScorer:
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
     ) -> dict[EndpointId, float]:
+        cands = Candidates.of(candidates)
+        values = self.score_list(request, state, cands)
+        return dict.fromkeys(cands.ids, 0.0) if values is None else _as_dict(cands, values)
+
+    def score_list(
+        self, request: SchedulingRequest, state: CycleState, candidates: Candidates
+    ) -> list[float] | None:
         n = request.blocks
         peer_blocks = state.peer_warm_blocks
         if n == 0 or (peer_blocks <= 0 and not state.warm_blocks):
-            return dict.fromkeys([c.endpoint.id for c in candidates], 0.0)
+            return None  # 0 everywhere
         local, peer = self.params.local, self.params.peer
-        scores: dict[EndpointId, float] = {}
-        for c in candidates:
-            gpu = state.prefix_blocks.get(c.id, 0)
-            warm = state.warm_blocks.get(c.id, 0)
+        gpu_get, warm_get = state.prefix_blocks.get, state.warm_blocks.get
+        scores: list[float] = []
+        for endpoint in candidates.ids:
+            gpu = gpu_get(endpoint, 0)
+            warm = warm_get(endpoint, 0)
             extra = local * max(0, warm - gpu) + peer * max(0, peer_blocks - max(gpu, warm))
-            scores[c.id] = min(1.0, extra / n)
+            value = extra / n
+            scores.append(1.0 if value >= 1.0 else value if value > 0.0 else 0.0)
         return scores
 
 

@@ -3,15 +3,20 @@
 :meth:`Profile.schedule` skips the clock unless ``timed``, adds scores in one pass and skips scorers that
 scored nothing; ``power-cap`` skips a fleet with no readings and nothing latched; ``load-threshold`` reads
 each candidate's load once and compares with precomputed limits; three scorers and
-:attr:`EndpointState.load` were rewritten for speed. A second round (sched43) read ``endpoint.id`` (a slot)
-instead of the ``id`` property, inlined ``load-threshold``'s test and ``lora``'s look for the adapter, gave
-``prefix``, ``queue``, ``in-flight`` and ``cache-spread`` one pass without builtin calls or intermediate
-dicts, let the profile add a scorer's values in order when it scored every candidate in their order, and
-the picker sort by the score itself when no score is NaN. Here the straightforward evaluation (the code as
-it was before those changes, plugin by plugin, picker included) runs beside the profile on random fleets
-and states, and both must give the same ``endpoints``, ``scores`` and ``rejected_by``, exactly (same
-floats, same tie shuffles), cycle after cycle (``power-cap`` keeps a latch between cycles), on fresh
-fleets and on one fleet whose metrics, counts and index change between decisions.
+:attr:`EndpointState.load` were rewritten for speed. A second round (sched43) read ``endpoint.id`` (a
+slot) instead of the ``id`` property, inlined ``load-threshold``'s test and ``lora``'s look for the
+adapter, gave ``prefix``, ``queue``, ``in-flight`` and ``cache-spread`` one pass without builtin calls or
+intermediate dicts, let the profile add a scorer's values in order when it scored every candidate in their
+order, and the picker sort by the score itself when no score is NaN. A third round (sched44) handed the
+plugins a :class:`Candidates` list with per-cycle columns (ids, loads, waiting computed once and shared),
+let the built-in scorers return parallel lists (``score_list``) that the profile weighs three scorers per
+pass, and the picker sort positions instead of pairs (``pick_list``); the same profile with every plugin
+wrapped to hide those (a third-party plugin: dict scores, pairs, plain lists) must decide the same too.
+Here the straightforward evaluation (the code as it was before those changes, plugin by plugin, picker
+included) runs beside the profile on random fleets and states, and both must give the same ``endpoints``,
+``scores`` and ``rejected_by``, exactly (same floats, same tie shuffles), cycle after cycle (``power-cap``
+keeps a latch between cycles), on fresh fleets and on one fleet whose metrics, counts and index change
+between decisions.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from contracts.digest import Digest
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics, LoraState
-from extproc.fleet import EndpointState, Fleet
+from extproc.fleet import EndpointState, Fleet, loads_of
 from extproc.scheduling.filters import LoadThresholdFilter
-from extproc.scheduling.interface import CycleState, SchedulingRequest
+from extproc.scheduling.interface import Candidates, CycleState, Filter, Picker, SchedulingRequest, Scorer
 from extproc.scheduling.lora import LoraParams, LoraScorer, lora_score
 from extproc.scheduling.picker import MaxScoreParams
 from extproc.scheduling.power import PowerCapFilter
@@ -229,6 +234,56 @@ def plain_schedule(
     return ScheduleResult(tuple(ordered[:limit]), dict(zip(ids, totals, strict=True)))
 
 
+# --- third-party-style plugins: the Protocols only --------------------------------------------------
+
+
+class PlainFilter:
+    """A filter as a third party writes it: returns a plain list (no columns kept)."""
+
+    def __init__(self, inner: Filter) -> None:
+        self.inner, self.name = inner, inner.name
+        self.soft = getattr(inner, "soft", False)
+
+    def filter(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[EndpointState]:
+        return list(self.inner.filter(request, state, list(candidates)))
+
+
+class DictScorer:
+    """A scorer with ``score`` only (no ``score_list``): the profile clamps and looks up its dict."""
+
+    def __init__(self, inner: Scorer) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]
+    ) -> dict[EndpointId, float]:
+        return self.inner.score(request, state, list(candidates))
+
+
+class PairsPicker:
+    """A picker with ``pick`` only (no ``pick_list``)."""
+
+    def __init__(self, inner: Picker) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def pick(self, scored: Sequence[tuple[EndpointState, float]], rng: random.Random) -> list[EndpointState]:
+        return self.inner.pick(scored, rng)
+
+
+def third_party(profile: Profile, limit: int | None) -> Profile:
+    """``profile``'s plugins (the same instances: ``power-cap``'s latch is shared) behind the Protocols
+    only."""
+    return Profile(
+        profile.name,
+        [PlainFilter(f) for f in profile.filters],
+        [(DictScorer(s), w) for s, w in profile.scorers],
+        PairsPicker(profile.picker),
+        max_fallbacks=None if limit is None else limit - 1,
+    )
+
+
 # --- random fleets and states ---------------------------------------------------------------------
 
 
@@ -252,6 +307,7 @@ def assert_same_cycle(
     assert got.rejected_by == want.rejected_by
     for s in candidates:
         assert s.load == plain_load(s)
+    assert loads_of(candidates) == [plain_load(s) for s in candidates]
 
 
 def maybe(rng: random.Random, value: Callable[[], Any], p: float = 0.5) -> Any:
@@ -366,6 +422,8 @@ def test_the_profile_decides_as_the_straightforward_evaluation(seed: int) -> Non
         build_profile(config, max_fallbacks=max_fallbacks),
         build_profile(config, max_fallbacks=max_fallbacks),
     )
+    if rng.random() < 0.3:  # the same plugins behind the Protocols only, as a third party writes them
+        fast = third_party(fast, limit)
     n = rng.randint(1, 12)
     now, wall = 100.0, 1.8e9
     for cycle in range(3):  # power-cap's latch carries over
@@ -453,6 +511,8 @@ def test_one_fleet_changing_between_decisions_decides_as_the_straightforward_eva
     max_fallbacks = None if limit is None else limit - 1
     fast = build_profile(config, max_fallbacks=max_fallbacks)
     plain = build_profile(config, max_fallbacks=max_fallbacks)
+    if rng.random() < 0.3:  # the same plugins behind the Protocols only, as a third party writes them
+        fast = third_party(fast, limit)
     n = rng.choice([1, 2, 4, 16, 64])
     now, wall = 100.0, 1.8e9
     fleet = Fleet()
@@ -511,6 +571,9 @@ def test_the_picker_orders_as_it_did(seed: int) -> None:
     got = picker.pick(scored, random.Random(tie_seed))  # type: ignore[attr-defined]
     want = plain_pick(params, scored, random.Random(tie_seed))
     assert [s.id for s in got] == [s.id for s in want]
+    states, scores = [c for c, _ in scored], [score for _, score in scored]
+    listed = picker.pick_list(states, scores, random.Random(tie_seed))  # type: ignore[attr-defined]
+    assert [s.id for s in listed] == [s.id for s in want]
 
 
 @settings(max_examples=300, deadline=None)
@@ -544,3 +607,68 @@ def test_each_rewritten_scorer_scores_as_it_did(seed: int) -> None:
     ):
         got = scorer.score(request, state, fleet)
         assert list(got.items()) == list(want.items()), scorer.name
+        assert_lists_as_scores(scorer, request, state, fleet)
+
+
+def assert_lists_as_scores(
+    scorer: Any, request: SchedulingRequest, state: CycleState, fleet: Sequence[EndpointState]
+) -> None:
+    """``score_list`` (ListScorer) is ``score`` clamped to [0, 1], missing ones 0.0, in the candidates'
+    order; ``None`` exactly when ``score`` scores nothing above 0."""
+    scores = scorer.score(request, state, fleet)
+    values = scorer.score_list(request, state, Candidates(fleet))
+    want = [min(1.0, max(0.0, v)) if (v := scores.get(s.id, 0.0)) == v else 0.0 for s in fleet]
+    if values is None:
+        assert not any(want), scorer.name
+    else:
+        assert values == want, scorer.name
+        assert all(0.0 <= v <= 1.0 for v in values), scorer.name
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_every_built_in_list_scorer_gives_its_scores_as_a_list(seed: int) -> None:
+    """Every built-in scorer with ``score_list`` (the profile adds those lists unclamped), on random
+    fleets and states, with the default params and a random configuration."""
+    rng = random.Random(seed)
+    now = 100.0
+    fleet = [make_state(rng, i, now, 1.8e9) for i in range(rng.choice([0, 1, 2, 4, 16, 64]))]
+    digests = [Digest(bytes([b]) * 16) for b in range(rng.randint(0, 20))]
+    prompt_blocks = rng.choice([None, 0, len(digests), rng.randint(0, 300)])
+    state = random_cycle_state(rng, [s.id for s in fleet], prompt_blocks or len(digests))
+    request = SchedulingRequest(
+        "r", rng.choice([MODEL, ADAPTER]), digests, 0, now, prompt_blocks=prompt_blocks
+    )
+    listed = 0
+    for name, plugin_type in PLUGIN_TYPES.items():
+        if plugin_type.kind != "scorer":
+            continue
+        scorer = plugin_type.factory(name)
+        if hasattr(scorer, "score_list"):
+            listed += 1
+            assert_lists_as_scores(scorer, request, state, fleet)
+    assert listed >= 6
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_candidates_keep_their_columns_through_a_selection(seed: int) -> None:
+    """``Candidates.select`` carries the columns computed so far: the same as computing them anew."""
+    rng = random.Random(seed)
+    fleet = [make_state(rng, i, 100.0, 1.8e9) for i in range(rng.randint(0, 20))]
+    cands = Candidates(fleet)
+    if rng.random() < 0.5:
+        _ = cands.ids
+    if rng.random() < 0.5:
+        _ = cands.loads
+    if rng.random() < 0.5:
+        _ = cands.waiting
+    keep = [rng.random() < 0.5 for _ in fleet]
+    got = cands.select(keep)
+    fresh = Candidates(s for s, k in zip(fleet, keep, strict=True) if k)
+    assert list(got) == list(fresh)
+    assert got.ids == fresh.ids == [s.id for s in fresh]
+    assert got.loads == fresh.loads == [plain_load(s) for s in fresh]
+    nan_safe = [math.nan if s.metrics is None else s.metrics.waiting for s in fresh]
+    assert [repr(w) for w in got.waiting] == [repr(w) for w in nan_safe]
+    assert Candidates.of(got) is got
