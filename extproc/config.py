@@ -14,6 +14,8 @@ Example (TOML)::
     # workers = 2                      # ext_procs a launcher runs on this config (kvgate up --extprocs)
     # siblings_dir = "/run/kvgate/siblings"  # workers on one host share in-flight counts and decisions
     # gc = "deferred"                  # Python's GC after answers, not inside decisions; or "python"
+    # offload_rest_chars = 1024        # a prompt's rest with this many characters left to tokenize after
+                                       # its answer is tokenized in a worker thread (0: always)
 
     [[models]]
     name = "SmolLM2-135M-Instruct"
@@ -155,6 +157,10 @@ from extproc.overload.gate import OverloadConfig, parse_overload
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
 
+#: Characters left to tokenize in a prompt's rest of the window from which the ext_proc tokenizes it in a
+#: worker thread after the answer (``[extproc] offload_rest_chars``; extproc/README.md: the measurement).
+OFFLOAD_REST_CHARS = 1024
+
 #: The ``service.name`` of the ext_proc's spans unless ``[tracing] service_name`` says otherwise.
 EXTPROC_SERVICE = "kvgate-extproc"
 #: The identity URI of the bundled Envoy's certificate (``kvgate certs issue --name envoy-edge``).
@@ -226,6 +232,10 @@ class ExtprocConfig:
     #: request's answer is sent, start-up objects frozen; ``"python"``: CPython's own, inside whatever
     #: allocates (a decision, ~1.5 ms now and then).
     gc: str = "deferred"
+    #: A lazily tokenized prompt with at least this many characters left to tokenize after its answer (the
+    #: rest of its digest window) is tokenized in a worker thread, fewer on the event loop, where a thread
+    #: hop would cost more (``ProcessorConfig.offload_rest_chars``; 0: always in a thread).
+    offload_rest_chars: int = OFFLOAD_REST_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +450,7 @@ def parse_config(raw: object) -> GatewayConfig:
         workers=ex.integer("workers", _EX.workers, minimum=1),
         siblings_dir=ex.string("siblings_dir"),
         gc=choice(ex.string("gc", _EX.gc), MODES, "extproc.gc"),
+        offload_rest_chars=ex.integer("offload_rest_chars", _EX.offload_rest_chars, minimum=0),
     )
     ex.done()
     if extproc.siblings_dir == "":

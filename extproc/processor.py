@@ -110,6 +110,7 @@ from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, s
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Run
+from extproc.config import OFFLOAD_REST_CHARS
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
@@ -185,13 +186,17 @@ class Phase(Enum):
 class ProcessorConfig:
     """``max_body_bytes``: larger bodies get 413; ``offload_bytes``: bodies from this size on are parsed,
     rendered and tokenized by :meth:`StreamProcessor.prepare` in a worker thread (``None``: never);
-    ``timeouts``: the engine-side bounds set on each routed request, per model; ``hold_timeout_s``: while
-    flow control holds a request, extend Envoy's message timeout up to this (Envoy's ``max_message_timeout``;
-    ``None``: send no extension)."""
+    ``offload_rest_chars``: a lazily tokenized prompt with at least this many characters left to tokenize
+    after its answer has that rest settled in a worker thread before its commit
+    (:meth:`StreamProcessor.settles_off_loop`; ``None``: never), fewer on the event loop; ``timeouts``:
+    the engine-side bounds set on each routed request, per model; ``hold_timeout_s``: while flow control
+    holds a request, extend Envoy's message timeout up to this (Envoy's ``max_message_timeout``; ``None``:
+    send no extension)."""
 
     max_body_bytes: int
     conformance: bool = False
     offload_bytes: int | None = 32 * 1024
+    offload_rest_chars: int | None = OFFLOAD_REST_CHARS
     timeouts: TimeoutTable = field(default_factory=TimeoutTable)
     hold_timeout_s: float | None = None
     #: Hosted endpoints overflow may burst to (:mod:`extproc.burst`; ``None``: none configured).
@@ -356,6 +361,19 @@ class StreamProcessor:
             self._prepared = self._prepare(b"".join([*self._chunks, last]))
         except Exception as exc:  # re-raised by handle, which formats it as any other failure
             self._prepared = exc
+
+    def settles_off_loop(self) -> bool:
+        """Whether the decided request's rest of the window (``Decision.rest``, not yet recorded) holds
+        at least ``offload_rest_chars`` characters left to tokenize: then the shell runs
+        ``decision.rest.settle()`` in a worker thread before :meth:`after_send`, which then records it on
+        the loop as it would have (the same index record and history memo state). Less is left on the
+        loop, where a thread hop would cost more than the tokenizing."""
+        limit = self._config.offload_rest_chars
+        decision = self.decision
+        if limit is None or decision is None or decision.recorded or decision.served is None:
+            return False
+        rest = decision.rest
+        return rest is not None and rest.chars_left >= limit
 
     def after_send(self) -> None:
         """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""

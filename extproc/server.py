@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -165,7 +166,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self._cascade,
             self._federation,
         )
-        large = False  # a body large enough to tokenize off the event loop (ProcessorConfig.offload_bytes)
+        settling: asyncio.Future[None] | None = None  # the rest of the window, settled in a worker thread
         gate = self._overload
         counted = gate is not None  # this stream counts as a decision in flight (extproc/overload)
         if gate is not None:
@@ -194,7 +195,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 started = time.perf_counter()
                 decided_before = proc.decision is not None
                 if proc.preparable(msg):  # a large body: parse, render, tokenize off the event loop
-                    large = True
                     if gate is not None:
                         gate.enqueue()
                     try:
@@ -263,11 +263,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         self._metrics.requests.labels(str(status)).inc()
                     yield resp
                 decision = proc.decision
-                if large and decision is not None and decision.rest is not None and not decision.recorded:
+                if decision is not None and decision.rest is not None and proc.settles_off_loop():
                     # The answer is out; the rest of the window is hashed for the index record (and the
-                    # piece it ends in tokenized for the next turn): a long prompt's off the event loop,
-                    # as its start was (preparable).
-                    await asyncio.to_thread(decision.rest.settle)
+                    # piece it ends in tokenized for the next turn): off the event loop when much is left
+                    # (ProcessorConfig.offload_rest_chars). The prompt is the thread's until it is done:
+                    # a cancelled stream closes only then (finally).
+                    settling = asyncio.ensure_future(asyncio.to_thread(decision.rest.settle))
+                    await asyncio.shield(settling)
+                    settling = None
                 proc.after_send()
                 if self._after_request is not None:
                     self._after_request()
@@ -276,13 +279,33 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 gate.release()
             if dispatcher is not None and proc.held is not None:
                 dispatcher.cancel(proc.held)  # the client went away while held: never routed
-            if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
-                self._metrics.fallbacks.inc()
-            proc.close()
-            if dispatcher is not None and proc.decision is not None:
-                dispatcher.kick()  # a stream's end frees its in-flight slot
-            if span is not None and tracer is not None:
-                _end_request_span(tracer, span, proc, status)
+            if settling is not None and not settling.done():
+                # Cancelled while a worker thread settles the rest: close (which commits the decision,
+                # finishing that same prompt) once the thread is done, never beside it.
+                settling.add_done_callback(partial(self._closed, proc, span, status))
+            else:
+                self._close(proc, span, status)
+
+    def _closed(
+        self, proc: StreamProcessor, span: Span | None, status: int, settled: asyncio.Future[None]
+    ) -> None:
+        """:meth:`_close` once a cancelled stream's settling thread is done (its error, if any, is the
+        commit's to meet again)."""
+        if not settled.cancelled():
+            settled.exception()  # retrieved: nobody awaits it any more
+        self._close(proc, span, status)
+
+    def _close(self, proc: StreamProcessor, span: Span | None, status: int) -> None:
+        """The end of a stream: the fallback count, the processor closed (its decision committed and
+        finished), flow control kicked, the span ended."""
+        if proc.decision is not None and proc.decision.served is not proc.decision.endpoints[0]:
+            self._metrics.fallbacks.inc()
+        proc.close()
+        if self._dispatcher is not None and proc.decision is not None:
+            self._dispatcher.kick()  # a stream's end frees its in-flight slot
+        tracer = self._tracer
+        if span is not None and tracer is not None:
+            _end_request_span(tracer, span, proc, status)
 
     async def _traced_restore(self, span: Span, decision: Decision) -> None:
         """The slot restore of a traced request, in a ``slot_restore`` span (when one is asked for) whose
@@ -642,6 +665,7 @@ class Gateway:
         proc_cfg = ProcessorConfig(
             max_body_bytes=self.max_body_bytes,
             conformance=cfg.extproc.conformance,
+            offload_rest_chars=cfg.extproc.offload_rest_chars,
             timeouts=cfg.timeout_table(),
             hold_timeout_s=HOLD_TIMEOUT_S,
             burst=self.burst,

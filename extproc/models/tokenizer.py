@@ -478,6 +478,12 @@ class PrefixCursor:
             self._end(piece)
 
     @property
+    def chars_left(self) -> int:
+        """Characters of ordinary pieces not tokenized yet (cached pieces among them included): a bound
+        on the tokenizing left to :attr:`done` (added tokens cost none)."""
+        return 0 if self.done else self._rest_chars - self._chars
+
+    @property
     def at_boundary(self) -> bool:
         """Whether no piece is part-way tokenized (every id so far belongs to whole pieces)."""
         return self._offset == 0

@@ -13,8 +13,8 @@ hashes each block as soon as it is complete, stopping at the first one nobody ho
 does every lead (GPU or kvcached), so a follow-up turn (its history held, its new reply and message not)
 stops one block into its new text. The rest of the window is tokenized only when something needs it,
 after the answer where it can: :meth:`Router.commit` (off the request's critical path; the gRPC shell
-finishes a large body's in a worker thread) records the whole window, so the index learns exactly what it
-learned before.
+first finishes it in a worker thread when much is left to tokenize, :meth:`LazyPrompt.settle`) records
+the whole window, so the index learns exactly what it learned before.
 
 A follow-up does not walk its held history either: the commit remembers the lazy path's state at the
 previous prompt's last turn boundary (:class:`~extproc.routing.history.HistoryMemo`), and the next turn,
@@ -312,10 +312,21 @@ class LazyPrompt:
         self.origin = found[1]
         return True
 
+    @property
+    def chars_left(self) -> int:
+        """Characters of the prompt not tokenized yet: a bound on what :meth:`settle` tokenizes (it stops
+        at the window's end, or the end of the piece the window filled in), which the gRPC shell weighs
+        to settle it off the event loop (``ProcessorConfig.offload_rest_chars``)."""
+        return self.cursor.chars_left
+
     def settle(self) -> None:
         """:meth:`finish`, then the work :meth:`remember` starts with (:meth:`HistoryMemo.settle`: the
-        piece in which a full window ended, tokenized to its end): what a large prompt's commit does off
-        the event loop."""
+        piece in which a full window ended, tokenized to its end): what the commit of a prompt with much
+        left to tokenize (:attr:`chars_left`) does off the event loop. Safe in a worker thread while the
+        loop runs other requests: it changes only this prompt, the tokenizer's segment cache (locked) and
+        the chain memo (whose entries are what BLAKE3 returns: a race between threads can lose an entry
+        or a hit count, never change a digest), and reads the history memo's bound; the index and the
+        history memo are written by the commit after it, on the loop."""
         self.finish()
         if self.history is not None:
             self.history.settle(self.cursor, self.block_size, self.window, self.digests)

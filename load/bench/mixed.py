@@ -18,8 +18,12 @@ of the ext_proc, Envoy and the replicas is read (``/proc/PID/stat``). Both clien
 requests and time and send to 127.0.0.1 only.
 
 Results: per round and per condition (``aggregate``: the median over rounds of each percentile) the short
-requests' p50/p90/p99 and count, the long requests' p50 and count, the ext_proc's CPU per request, and
-the with_long / alone ratios of the short p50 and p99. The replicas tokenize the long prompts too (their
+requests' p50/p90/p99 and count, the long requests' p50 and count, the ext_proc's CPU per request (and,
+estimated, per long request: ``long_extproc_cpu_ms_est``), and the with_long / alone ratios of the short
+p50 and p99. A with_long round whose long client ran out of requests before the short client was done is
+not ``long_covered`` (counted in ``long_uncovered_rounds``, flagged on stderr): part of it ran without long
+requests, so raise ``--long-requests`` (here a ~4k-token long request completes in ~20 ms, a ~16k one in
+~150 ms: at 4k, 400 do not cover a round, 1,200 do). The replicas tokenize the long prompts too (their
 CPU is under ``cpu_s.sim``): on a machine with few cores that competes with the gateway for CPU, apart
 from any stall of the ext_proc's event loop.
 
@@ -292,6 +296,19 @@ def _median(values: Sequence[float]) -> float:
     return round(statistics.median(values), 1) if values else float("nan")
 
 
+def _long_cpu_ms(with_long: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]]) -> float | None:
+    """The ext_proc's CPU per long request of a with_long round, estimated: its ext_proc CPU less its
+    short requests' at the same round's ``alone`` CPU per request, over its long requests (``None``:
+    no alone round or no long request). It takes in whatever CPU contention adds to the short requests."""
+    n_long = with_long["long_us"]["n"]
+    alone = [r for r in rounds if r["round"] == with_long["round"] and r["condition"] == "alone"]
+    if not n_long or not alone or not alone[0]["requests_sent"]:
+        return None
+    per_short = alone[0]["cpu_s"]["extproc"] / alone[0]["requests_sent"]
+    shorts = with_long["requests_sent"] - n_long
+    return float((with_long["cpu_s"]["extproc"] - per_short * shorts) / n_long * 1e3)
+
+
 def aggregate(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per condition the median over rounds of each short-request percentile (and the long requests'
     p50), the counts summed; then the with_long / alone ratios of those medians' p50 and p99, and of the
@@ -311,6 +328,8 @@ def aggregate(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         }
         if condition == "with_long":
             cell["long_p50_us"] = _median([r["long_us"]["p50"] for r in mine if r["long_us"]["n"]])
+            estimates = [e for r in mine if (e := _long_cpu_ms(r, rounds)) is not None]
+            cell["long_extproc_cpu_ms_est"] = round(statistics.median(estimates), 2) if estimates else None
             cell["long_count"] = sum(r["long_us"]["n"] for r in mine)
             cell["long_errors"] = sum(r["long_errors"] for r in mine)
             cell["long_uncovered_rounds"] = sum(not r["long_covered"] for r in mine)
@@ -415,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                     rounds.append({"round": r, **best})
                     lat = best["short_us"]
                     extra = f" long p50 {best['long_us']['p50']:>9.1f} us" if "long_us" in best else ""
+                    if "long_covered" in best and not best["long_covered"]:
+                        extra += " UNCOVERED (the long client ran out first: raise --long-requests)"
                     print(
                         f"r{r} {condition:<9} short p50 {lat['p50']:>8.1f} p99 {lat['p99']:>8.1f} us "
                         f"errors {best['short_errors']}{extra} "

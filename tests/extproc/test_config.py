@@ -29,6 +29,8 @@ def test_defaults_and_endpoint() -> None:
     assert config.extproc.listen == "127.0.0.1:9002" and config.index.block_size == 16
     assert config.extproc.gc == "deferred"
     assert parse_config({"extproc": {"gc": "python"}}).extproc.gc == "python"
+    assert config.extproc.offload_rest_chars == 1024
+    assert parse_config({"extproc": {"offload_rest_chars": 0}}).extproc.offload_rest_chars == 0  # always
     assert config.index.working_set_s == 20.0
     assert parse_config({"index": {"working_set_s": 0}}).index.working_set_s == 0.0  # off: occupancy
     (endpoint,) = config.endpoints
@@ -44,6 +46,8 @@ def test_defaults_and_endpoint() -> None:
         ({"extproc": {"max_body_bytes": "big"}}, "extproc.max_body_bytes: expected int"),
         ({"extproc": {"conformance": 1}}, "expected bool"),
         ({"extproc": {"gc": "off"}}, "extproc.gc: expected one of deferred, python, got 'off'"),
+        ({"extproc": {"offload_rest_chars": -1}}, "extproc.offload_rest_chars: must be >= 0, got -1"),
+        ({"extproc": {"offload_rest_chars": "4k"}}, "extproc.offload_rest_chars: expected int"),
         ({"scrape": {"interval_s": -1}}, "scrape.interval_s"),
         ({"index": {"block_size": 0}}, "index.block_size"),
         ({"index": {"block_size": True}}, "got bool"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -1171,6 +1172,110 @@ def test_prepared_body_routes_as_if_handled_at_once(assets: ModelAssets) -> None
     assert (got.set_headers, got.lb, got.chunks) == (expected.set_headers, expected.lb, expected.chunks)
     assert got.decision["decision_us"] >= 2000  # the clock's ticks inside prepare() are counted
     assert in_flight(prepared_router) == in_flight(inline)
+
+
+# --- settling the rest of a lazy prompt off the event loop -------------------------------------------------
+
+
+def prose(rng: random.Random, words: int) -> str:
+    """``words`` words never seen before (the prompt's blocks are held by nobody)."""
+    return " ".join(f"w{rng.getrandbits(32):x}" for _ in range(words))
+
+
+def conversation(seed: int) -> list[bytes]:
+    """A chat's three turns, each body well under ``offload_bytes`` (~2-6 KB) with thousands of characters
+    left to tokenize after the first unheld block: a first turn, then two follow-ups (reply + message)."""
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": prose(rng, 40)}, {"role": "user", "content": prose(rng, 300)}]
+    turns = [orjson.dumps({"model": MODEL, "messages": messages})]
+    for _ in range(2):
+        messages += [
+            {"role": "assistant", "content": prose(rng, 200)},
+            {"role": "user", "content": prose(rng, 100)},
+        ]
+        turns.append(orjson.dumps({"model": MODEL, "messages": messages}))
+    assert all(len(t) < OFFLOAD for t in turns)
+    return turns
+
+
+def test_the_rest_is_settled_off_the_loop_by_the_characters_left(router: Router) -> None:
+    """``settles_off_loop``: a decided, unrecorded lazy prompt with at least ``offload_rest_chars``
+    characters left to tokenize, whatever its body size; never once recorded, or with no threshold."""
+    first = conversation(1)[0]
+
+    def decided(limit: int | None, payload: bytes = first) -> StreamProcessor:
+        proc = StreamProcessor(router, ProcessorConfig(max_body_bytes=LIMIT, offload_rest_chars=limit), clock)
+        reply(route(proc, payload))
+        return proc
+
+    proc = decided(0)
+    rest = proc.decision.rest if proc.decision is not None else None
+    assert rest is not None and rest.chars_left > 1000  # a small body with much left to tokenize
+    left = rest.chars_left
+    assert decided(left).settles_off_loop() and not decided(left + 1).settles_off_loop()
+    assert not decided(None).settles_off_loop()
+    small = decided(1024, chat("hello"))  # the default threshold: a short prompt's rest stays on the loop
+    assert small.decision is not None and not small.settles_off_loop()
+    proc = decided(0)
+    proc.after_send()  # recorded on the loop: nothing left to settle
+    assert not proc.settles_off_loop()
+
+
+def test_a_rest_settled_in_a_thread_is_recorded_as_on_the_loop(assets: ModelAssets) -> None:
+    """The same chats through two identical routers, one settling every rest in a worker thread (as the
+    shell does before ``after_send``), the other on the caller's thread: the same decisions, the same
+    index records and the same history memo states, so the follow-ups resume alike."""
+
+    def play(offload: int | None) -> tuple[list[Any], Router, list[str]]:
+        router = make_router(assets)
+        assets.tokenizer.clear_cache()  # each router starts from the same segment cache
+        settled_in: list[str] = []
+        outcomes: list[Any] = []
+        for seed in (1, 2):
+            for payload in conversation(seed):
+                proc = StreamProcessor(
+                    router, ProcessorConfig(max_body_bytes=LIMIT, offload_rest_chars=offload), clock
+                )
+                reply(route(proc, payload))
+                decision = proc.decision
+                assert decision is not None
+                if proc.settles_off_loop():
+                    assert decision.rest is not None
+                    worker = threading.Thread(target=decision.rest.settle, name="settle-worker")
+                    worker.start()
+                    worker.join(30)
+                    settled_in.append(worker.name)
+                proc.after_send()
+                assert decision.recorded and decision.rest is None
+                outcomes.append(
+                    (
+                        [e.id for e in decision.endpoints],
+                        decision.matched_blocks,
+                        decision.prompt_tokens,
+                        list(decision.digests),
+                        router.index.match(decision.digests, NOW),
+                    )
+                )
+                proc.close()
+        return outcomes, router, settled_in
+
+    threaded, t_router, t_settled = play(0)
+    on_loop, l_router, l_settled = play(None)
+    assert len(t_settled) >= 2 and not l_settled  # every first turn at least went through the thread
+    assert threaded == on_loop
+    assert t_router.index.occupancy() == l_router.index.occupancy()
+
+    def memo(router: Router) -> list[Any]:
+        states = router.history._states.values()
+        return [
+            (s.pieces, list(s.ids), list(s.marks), s.chars, s.specials, s.digests, s.text, s.checked)
+            for s in states
+        ]
+
+    assert memo(t_router) == memo(l_router) and memo(t_router)
+    t_memo, l_memo = t_router.history, l_router.history
+    assert (t_memo.hits, t_memo.misses) == (l_memo.hits, l_memo.misses)
+    assert t_memo.hits >= 2  # the follow-ups resumed from the memo
 
 
 @pytest.mark.parametrize(

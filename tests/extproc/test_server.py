@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
@@ -20,9 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from contracts.events import EndpointId
 from contracts.tracing import Timeline
 from extproc.config import parse_config
+from extproc.processor import ProcessorConfig
 from extproc.routing.request import ParsedRequest
-from extproc.routing.router import LazyPrompt, Tokens
-from extproc.server import Gateway
+from extproc.routing.router import Decision, LazyPrompt, Router, Tokens
+from extproc.server import ExternalProcessor, Gateway
+from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
 ADDRESSES = [f"127.0.0.{i + 1}:8000" for i in range(4)]
@@ -187,6 +189,79 @@ async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(
     decision(resps)
     assert finished_in and threading.main_thread().name not in finished_in[:1], finished_in
     assert len(gateway.index.occupancy()) == 1 and max(gateway.index.occupancy().values()) > 1  # recorded
+
+
+async def test_the_rest_of_a_small_body_is_settled_by_the_characters_left(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body under ``offload_bytes`` whose prompt has thousands of characters left to tokenize after its
+    first unheld block (a ~4k-token first turn, ~20 KB) has that rest tokenized in a worker thread
+    (``offload_rest_chars``); one with a few hundred left, on the event loop."""
+    finished_in: list[str] = []
+    finish = LazyPrompt.finish
+
+    def recording_finish(self: LazyPrompt) -> None:
+        finished_in.append(threading.current_thread().name)
+        finish(self)
+
+    monkeypatch.setattr(LazyPrompt, "finish", recording_finish)
+    body = chat_body(" ".join(f"v{i}" for i in range(3_000)))  # ~20 KB, every block new
+    assert len(body) < 32 * 1024
+    decision(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
+    assert finished_in and finished_in[0] != threading.main_thread().name, finished_in
+    finished_in.clear()
+    body = chat_body(" ".join(f"u{i}" for i in range(60)))  # ~300 characters left
+    decision(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
+    assert finished_in and finished_in[0] == threading.main_thread().name, finished_in
+
+
+async def test_a_stream_cancelled_while_its_rest_is_settled_closes_after_the_thread(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Envoy may end a stream while a worker thread settles its rest: the stream is closed (its decision
+    committed, finishing that prompt) only once the thread is done, never beside it."""
+    entered, release = threading.Event(), threading.Event()
+    settling = threading.Event()  # set while the worker thread is inside settle
+    settle, commit = LazyPrompt.settle, Router.commit
+    committed_while_settling: list[bool] = []
+
+    def blocking_settle(self: LazyPrompt) -> None:
+        settling.set()
+        entered.set()
+        assert release.wait(10), "never released"
+        settle(self)
+        settling.clear()
+
+    def recording_commit(self: Router, decision: Decision, now: float) -> None:
+        committed_while_settling.append(settling.is_set())
+        commit(self, decision, now)
+
+    monkeypatch.setattr(LazyPrompt, "settle", blocking_settle)
+    monkeypatch.setattr(Router, "commit", recording_commit)
+    servicer = ExternalProcessor(
+        gateway.router, ProcessorConfig(max_body_bytes=1 << 20, offload_rest_chars=0), gateway.metrics
+    )
+    body = chat_body(" ".join(f"c{i}" for i in range(3_000)))
+
+    async def messages() -> AsyncIterator[pb.ProcessingRequest]:
+        for msg in [headers_msg("/v1/chat/completions"), *body_msgs(body)]:
+            yield msg
+        await asyncio.Event().wait()  # the stream stays open: Envoy's next message never comes
+
+    async def drain() -> None:
+        async for _ in servicer.Process(messages(), cast(grpc.aio.ServicerContext, None)):
+            pass
+
+    stream = asyncio.create_task(drain())
+    assert await asyncio.to_thread(entered.wait, 10), "the rest was not settled in a worker thread"
+    stream.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stream
+    assert committed_while_settling == [] and gateway.index.occupancy() == {}  # nothing beside the thread
+    release.set()
+    await until(lambda: bool(committed_while_settling), 10)
+    assert committed_while_settling == [False]
+    assert sum(gateway.index.occupancy().values()) > 1  # the whole window recorded after all
 
 
 async def test_oversize_body_is_413(gateway: Gateway) -> None:

@@ -181,6 +181,7 @@ def test_mixed_quick(tmp_path: Path) -> None:
     assert long["long_count"] > 0
     assert long["long_errors"] == 0  # routed and answered, not refused for length
     assert long["long_prompt_tokens_p50"] > 3000
+    assert long["long_extproc_cpu_ms_est"] is not None
     assert {"p50", "p99", "p99_rounds"} == agg["ratio_with_long_over_alone"].keys()
 
 
