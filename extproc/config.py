@@ -154,12 +154,9 @@ from extproc.federation.links import FederationConfig, parse_federation
 from extproc.flow.policy import FlowPolicy, parse_flow
 from extproc.inferencepool.config import PoolSettings, parse_pool_settings
 from extproc.overload.gate import OverloadConfig, parse_overload
+from extproc.routing.router import OFFLOAD_REST_CHARS
 from extproc.routing.timeouts import Timeouts, TimeoutTable
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, SchedulingConfig, parse_scheduling
-
-#: Characters left to tokenize in a prompt's rest of the window from which the ext_proc tokenizes it in a
-#: worker thread after the answer (``[extproc] offload_rest_chars``; extproc/README.md: the measurement).
-OFFLOAD_REST_CHARS = 1024
 
 #: The ``service.name`` of the ext_proc's spans unless ``[tracing] service_name`` says otherwise.
 EXTPROC_SERVICE = "kvgate-extproc"

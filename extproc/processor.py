@@ -110,7 +110,6 @@ from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, s
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Run
-from extproc.config import OFFLOAD_REST_CHARS
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
@@ -157,7 +156,14 @@ from extproc.routing.request import (
     unknown_path,
     with_cache_salt,
 )
-from extproc.routing.router import PREFILL_ROLE, Decision, Router, Tokens, Unattainable
+from extproc.routing.router import (
+    OFFLOAD_REST_CHARS,
+    PREFILL_ROLE,
+    Decision,
+    Router,
+    Tokens,
+    Unattainable,
+)
 from extproc.routing.timeouts import TimeoutTable
 from extproc.upstream.request import SubRequest
 

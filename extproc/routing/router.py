@@ -101,6 +101,10 @@ OPEN_TTL_S = 900.0
 PREFILL_ROLE = "prefill"
 #: Prompts a model's learned tokens-per-byte ratio averages over, about (:meth:`Router.ratio`).
 RATIO_MEMORY = 32
+#: Characters left to tokenize in a prompt's rest of the window (:attr:`LazyPrompt.chars_left`) from which
+#: the ext_proc settles it in a worker thread after the answer (``[extproc] offload_rest_chars``;
+#: extproc/README.md: the measurement).
+OFFLOAD_REST_CHARS = 1024
 
 
 class Unattainable(Exception):
