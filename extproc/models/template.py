@@ -559,7 +559,7 @@ class ChatTemplate:
         try:
             if found is None:
                 variables["messages"] = new[1]
-                whole = render_parts(split.marked, variables)
+                whole = render_parts(split.marked, variables, split.globals)
                 if whole is None:
                     return None
                 text, cut = whole
@@ -570,7 +570,7 @@ class ChatTemplate:
                 variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
                 variables[TAIL] = new[1]
                 variables[OFFSET] = done
-                tail = render_parts(split.tail, variables)
+                tail = render_parts(split.tail, variables, split.globals)
                 if tail is None:
                     return None
                 self.memo.hits += 1
