@@ -111,6 +111,8 @@ class Split(NamedTuple):
     marked: jinja2.Template
     tail: jinja2.Template
     reach: int
+    #: The templates' globals (the environment's), copied once (:func:`render_parts`).
+    globals: dict[str, Any]
 
 
 class _Checker:
@@ -279,7 +281,8 @@ def _split(env: jinja2.Environment, tree: nodes.Template) -> Split:
     for tree_ in (marked, tail):
         tree_.set_environment(env)
         tree_.set_lineno(1, override=False)
-    return Split(env.from_string(marked), env.from_string(tail), checker.reach)
+    compiled = env.from_string(marked)
+    return Split(compiled, env.from_string(tail), checker.reach, dict(compiled.globals))
 
 
 def _assignments(statements: Sequence[nodes.Node]) -> list[nodes.Node]:
@@ -332,14 +335,22 @@ def _offset(node: nodes.Node, outer: bool) -> nodes.Node:
     return copy
 
 
-def render_parts(template: jinja2.Template, variables: dict[str, Any]) -> tuple[str, int] | None:
+def render_parts(
+    template: jinja2.Template, variables: dict[str, Any], globals_: dict[str, Any] | None = None
+) -> tuple[str, int] | None:
     """Render a :class:`Split` template: its text and where the mark was in it (the characters before);
     ``None`` if the mark did not come out as its own piece (the caller then renders whole).
     The mark is :data:`_SENTINEL` itself (jinja2 outputs a variable as ``str(value)``, which is the same
-    object for an exact ``str``), found by identity: no text a template makes can be it."""
+    object for an exact ``str``), found by identity: no text a template makes can be it. ``globals_``: the
+    template's globals copied once (:attr:`Split.globals`), so the context is built as one dict rather
+    than merged out of jinja2's ChainMap on every call (the same context either way)."""
     variables[MARK] = _SENTINEL
+    if globals_ is None:
+        context = template.new_context(variables)
+    else:
+        context = template.new_context({**globals_, **variables}, shared=True)
     try:
-        parts = list(template.root_render_func(template.new_context(variables)))
+        parts = list(template.root_render_func(context))
     except Exception:
         template.environment.handle_exception()
     for at in range(len(parts) - 1, -1, -1):

@@ -380,6 +380,19 @@ class _Variant(NamedTuple):
     content_format: ContentFormat
     split: Split | None  # message-separable (:mod:`extproc.models.render_memo`), else ``None``
     which: int  # 0: the default template, 1: ``tool_use``
+    #: The template's globals (the environment's), copied once: jinja2's ``render`` copies them out of
+    #: a ChainMap on every call, half of a small chat's render.
+    globals: dict[str, Any]
+
+    def render(self, variables: dict[str, Any]) -> str:
+        """``compiled.render(**variables)``: the same context (the globals, then ``variables``), built as
+        one dict and handed over shared instead of merged again."""
+        template = self.compiled
+        context = template.new_context({**self.globals, **variables}, shared=True)
+        try:
+            return template.environment.concat(template.root_render_func(context))
+        except Exception:
+            template.environment.handle_exception()
 
 
 class ChatTemplate:
@@ -414,7 +427,7 @@ class ChatTemplate:
             raise ConfigError(f"chat template is not jinja2 (line {exc.lineno}: {exc.message})") from exc
         fmt = content_format or detect_content_format(self._env, source)
         split = analyse(self._env, source) if self._memoize else None
-        return _Variant(source, compiled, fmt, split, index)
+        return _Variant(source, compiled, fmt, split, index, dict(compiled.globals))
 
     @property
     def separable(self) -> bool:
@@ -497,12 +510,14 @@ class ChatTemplate:
             final = _tag_final_message(chat, variant.source, add_generation_prompt)
         variables = {**self.special_tokens, **variables}
         try:
-            text = variant.compiled.render(
-                messages=chat,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
+            text = variant.render(
+                {
+                    "messages": chat,
+                    "tools": tools,
+                    "documents": documents,
+                    "add_generation_prompt": add_generation_prompt,
+                    **variables,
+                }
             )
         except _RaisedByTemplate as exc:
             raise TemplateError(f"chat template error: {str(exc)[:_MAX_TEMPLATE_MESSAGE]}") from exc
@@ -544,7 +559,7 @@ class ChatTemplate:
         try:
             if found is None:
                 variables["messages"] = new[1]
-                whole = render_parts(split.marked, variables)
+                whole = render_parts(split.marked, variables, split.globals)
                 if whole is None:
                     return None
                 text, cut = whole
@@ -555,7 +570,7 @@ class ChatTemplate:
                 variables["messages"] = normalize_messages(messages[:reach], fmt) if reach else []
                 variables[TAIL] = new[1]
                 variables[OFFSET] = done
-                tail = render_parts(split.tail, variables)
+                tail = render_parts(split.tail, variables, split.globals)
                 if tail is None:
                     return None
                 self.memo.hits += 1

@@ -80,9 +80,53 @@ class _Sampling:
     bad_words: list[str]
 
 
+#: Every field the checks read. A body with none of them but the output limits can only be refused for
+#: those (a plain chat: model, messages, max_tokens), so it skips the rest (a test holds this set to
+#: what :func:`_check_all` reads).
+READ_FIELDS = frozenset(
+    {
+        "stream_options",
+        "use_beam_search",
+        "echo",
+        "suffix",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "response_format",
+        "stop_token_ids",
+        "max_completion_tokens",
+        "max_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "stop",
+        "bad_words",
+    }
+)
+_LIMIT_FIELDS = frozenset({"max_completion_tokens", "max_tokens"})
+
+
 def check_sampling(body: Mapping[str, Any], *, chat: bool, stream: bool) -> None:
     """Raise :class:`BadRequest` naming an output option of ``body`` that vLLM would refuse (the table
     above); ``chat`` tells a chat body from a completion body, ``stream`` is its checked ``stream``."""
+    if READ_FIELDS.intersection(body) <= _LIMIT_FIELDS:
+        # Only the output limits are set (or nothing): no echo, so a limit of 0 is refused as _verify does.
+        limit, key = _output_limit(body, chat)
+        if limit == 0:
+            raise BadRequest(f"'{key}' must be at least 1.", param=key)
+        return
+    _check_all(body, chat=chat, stream=stream)
+
+
+def _check_all(body: Mapping[str, Any], *, chat: bool, stream: bool) -> None:
+    """:func:`check_sampling`'s every check."""
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", param="stream_options")

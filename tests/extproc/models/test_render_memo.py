@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from contracts.errors import ConfigError
 from extproc.errors import BadRequest
 from extproc.models import template as template_module
-from extproc.models.render_memo import RenderMemo
+from extproc.models.render_memo import RenderMemo, render_parts
 from extproc.models.template import ChatTemplate
 from load.bench.render import ATTRIBUTE_STYLE
 
@@ -264,3 +264,17 @@ def test_a_router_tokenizes_follow_ups_as_the_whole_render(model_dir: str) -> No
         expected = assets.tokenizer.encode(text, add_special_tokens=False)
         assert list(router.tokens(request, exact_count=True).ids) == expected
     assert assets.template.memo.hits == 4
+
+
+def test_render_parts_with_the_globals_copied_once_gives_the_same_parts() -> None:
+    """:func:`render_parts` with :attr:`Split.globals` (one context dict, shared) and without (jinja2's own
+    merge of the globals) give the same text and mark, for each separable template."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for name, source in SEPARABLE.items():
+        split = ChatTemplate(source, special_tokens=SPECIAL)._default.split
+        assert split is not None, name
+        variables = {**SPECIAL, "messages": messages, "tools": None, "documents": None}
+        variables["add_generation_prompt"] = True
+        want = render_parts(split.marked, dict(variables))
+        assert want is not None, name
+        assert render_parts(split.marked, dict(variables), split.globals) == want, name

@@ -393,3 +393,23 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
     assert ChatTemplate.from_model_dir(tmp_path, override=override).render([USER]) == "override"
     with pytest.raises(ConfigError, match="no chat template"):
         ChatTemplate.from_model_dir(tmp_path / "missing")
+
+
+def test_a_whole_render_sees_what_jinja2s_own_render_gives() -> None:
+    """The whole render hands jinja2 one context dict (globals copied once, then the variables): the same
+    text as jinja2's ``Template.render``, globals, special tokens and extra variables alike, and an extra
+    variable still overrides a global."""
+    source = (
+        "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+        "{{ dict is defined }}|{{ namespace is defined }}|{{ greeting }}|{{ add_generation_prompt }}"
+        "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"
+    )
+    template = ChatTemplate(source, special_tokens={"bos_token": "<s>"}, memo=False)
+    compiled = template._default.compiled
+    for extra in ({"greeting": "hi"}, {"greeting": "hi", "namespace": "shadowed"}):
+        want = compiled.render(
+            messages=[USER], tools=None, documents=None, add_generation_prompt=True, bos_token="<s>", **extra
+        )
+        assert template.render([USER], add_generation_prompt=True, extra=extra) == want
+    with pytest.raises(TemplateError, match="too many"):
+        template.render([SYSTEM, USER, ASSISTANT])

@@ -11,6 +11,7 @@ import pytest
 
 from extproc.errors import BadRequest
 from extproc.routing.request import Kind, parse_body
+from extproc.routing.sampling import READ_FIELDS, _check_all, check_sampling
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -163,3 +164,63 @@ ACCEPTED = [
 @pytest.mark.parametrize(("kind", "fields"), ACCEPTED)
 def test_values_vllm_takes_pass(kind: Kind, fields: dict[str, Any]) -> None:
     assert parse_body(kind, body(kind, fields)).body == {**orjson.loads(body(kind, {})), **fields}
+
+
+class _Recording(dict[str, Any]):
+    """A body that notes every field the checks look up."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("kind", BOTH)
+def test_the_fast_path_skips_only_fields_the_checks_never_read(kind: Kind) -> None:
+    """``READ_FIELDS`` is every field the full checks read (a body without them takes the fast path)."""
+    recording = _Recording({})
+    _check_all(recording, chat=kind is CHAT, stream=False)
+    _check_all(recording, chat=kind is CHAT, stream=True)
+    assert recording.read <= READ_FIELDS
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"max_tokens": 1},
+        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"max_tokens": True},
+        {"max_tokens": None},
+        {"max_completion_tokens": 0},
+        {"max_completion_tokens": 0, "max_tokens": 3},
+        {"max_completion_tokens": 3, "max_tokens": 0},
+        {"max_completion_tokens": "x"},
+        {"user": "u"},
+    ],
+)
+@pytest.mark.parametrize("kind", BOTH)
+def test_the_fast_path_answers_as_the_full_checks(kind: Kind, fields: dict[str, Any]) -> None:
+    """Bodies with no field but the output limits: the same refusal (or none) either way."""
+    full = {"model": "m", **fields}
+
+    def outcome(check: Any) -> tuple[str, str | None] | None:
+        try:
+            check(full, chat=kind is CHAT, stream=False)
+        except BadRequest as exc:
+            return exc.message, exc.param
+        return None
+
+    assert outcome(check_sampling) == outcome(_check_all)
