@@ -171,19 +171,25 @@ async def test_a_large_body_is_tokenized_off_the_event_loop(
     assert streamed_body(resps) == body
 
 
-async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(
-    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A never-seen long prompt is tokenized only to its first block before the answer; the rest of its
-    window, hashed for the index record after the answer, is tokenized in a worker thread too."""
-    finished_in: list[str] = []
+@pytest.fixture
+def finished_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads :meth:`LazyPrompt.finish` ran in, in order, from now on."""
+    threads: list[str] = []
     finish = LazyPrompt.finish
 
     def recording_finish(self: LazyPrompt) -> None:
-        finished_in.append(threading.current_thread().name)
+        threads.append(threading.current_thread().name)
         finish(self)
 
     monkeypatch.setattr(LazyPrompt, "finish", recording_finish)
+    return threads
+
+
+async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(
+    gateway: Gateway, finished_in: list[str]
+) -> None:
+    """A never-seen long prompt is tokenized only to its first block before the answer; the rest of its
+    window, hashed for the index record after the answer, is tokenized in a worker thread too."""
     body = chat_body(" ".join(f"w{i}" for i in range(20_000)))  # ~130 KB, every block new
     resps = await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)])
     decision(resps)
@@ -192,19 +198,11 @@ async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(
 
 
 async def test_the_rest_of_a_small_body_is_settled_by_the_characters_left(
-    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+    gateway: Gateway, finished_in: list[str]
 ) -> None:
     """A body under ``offload_bytes`` whose prompt has thousands of characters left to tokenize after its
     first unheld block (a ~4k-token first turn, ~20 KB) has that rest tokenized in a worker thread
     (``offload_rest_chars``); one with a few hundred left, on the event loop."""
-    finished_in: list[str] = []
-    finish = LazyPrompt.finish
-
-    def recording_finish(self: LazyPrompt) -> None:
-        finished_in.append(threading.current_thread().name)
-        finish(self)
-
-    monkeypatch.setattr(LazyPrompt, "finish", recording_finish)
     body = chat_body(" ".join(f"v{i}" for i in range(3_000)))  # ~20 KB, every block new
     assert len(body) < 32 * 1024
     decision(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))
