@@ -24,43 +24,29 @@ def lower_is_better(values: Mapping[EndpointId, float], saturation: float) -> di
     ``1/saturation`` of the score instead of the whole of it (plain min-max normalisation would turn a
     one-request difference into a full swing and drag a hot prefix off its owner). Once some endpoint is
     past ``saturation``, the scale grows with it and relative load still ranks the candidates.
-    Endpoints absent from ``values`` are left out (score 0).
+    Endpoints absent from ``values`` (or with a non-finite value) are left out (score 0).
     """
-    isfinite = math.isfinite
-    values = {endpoint: v for endpoint, v in values.items() if isfinite(v)}  # non-finite: missing
-    if not values:
-        return {}
-    scale = max(saturation, max(values.values()))
-    if scale <= 0:
-        return dict.fromkeys(values, 1.0)
-    return {endpoint: 1.0 - (v if v > 0.0 else 0.0) / scale for endpoint, v in values.items()}
+    return _lower_is_better(list(values), list(values.values()), saturation)
 
 
 def _lower_is_better(
     ids: Sequence[EndpointId], values: Sequence[float], saturation: float
 ) -> dict[EndpointId, float]:
     """:func:`lower_is_better` of ``dict(zip(ids, values))`` (``ids`` distinct), from two parallel lists:
-    the scorers' per-cycle path, without the intermediate dicts."""
+    :func:`_lower_is_better_list`'s scores keyed by id, the non-finite (missing) values left out."""
+    scores = _lower_is_better_list(values, saturation)
+    if scores is None:
+        return {}
     isfinite = math.isfinite
     if all(map(isfinite, values)):
-        kept_ids, kept = ids, values
-    else:  # non-finite: missing
-        pairs = [(endpoint, v) for endpoint, v in zip(ids, values, strict=True) if isfinite(v)]
-        kept_ids, kept = [endpoint for endpoint, _ in pairs], [v for _, v in pairs]
-    if not kept:
-        return {}
-    most = max(kept)
-    scale = saturation if saturation >= most else most
-    if scale <= 0:
-        return dict.fromkeys(kept_ids, 1.0)
-    return {
-        endpoint: 1.0 - (v if v > 0.0 else 0.0) / scale for endpoint, v in zip(kept_ids, kept, strict=True)
-    }
+        return dict(zip(ids, scores, strict=True))
+    return {e: s for e, s, v in zip(ids, scores, values, strict=True) if isfinite(v)}
 
 
 def _lower_is_better_list(values: Sequence[float], saturation: float) -> list[float] | None:
-    """:func:`_lower_is_better` as a list parallel to ``values`` (``ListScorer.score_list``): a non-finite
-    value (missing) scores 0.0; ``None`` when none is finite (the dict would be empty)."""
+    """The formula of :func:`lower_is_better` as a list parallel to ``values`` (``ListScorer.score_list``):
+    the scale from the finite values only, a non-finite value (missing) scoring 0.0; ``None`` when none is
+    finite (nothing to score)."""
     isfinite = math.isfinite
     if all(map(isfinite, values)):
         if not values:
