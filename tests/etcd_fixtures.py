@@ -102,4 +102,3 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd
         report = asyncio.run(bootstrap(secure.settings("root"), list(SECURE_IDENTITIES)))
         assert "auth enabled" in report.changes
         yield secure
-

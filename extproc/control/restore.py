@@ -137,9 +137,7 @@ class SlotRestorer:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 tls = True if self._tls is None else current_context(self._tls)
-                async with self._session.post(
-                    wanted.url, data=wanted.body(), headers=sent, ssl=tls
-                ) as resp:
+                async with self._session.post(wanted.url, data=wanted.body(), headers=sent, ssl=tls) as resp:
                     if resp.status == 409:
                         return "busy"
                     if resp.status != 200:

@@ -59,7 +59,11 @@ def test_a_cascade_carries_its_preroute() -> None:
     ("client", "chat", "text"),
     [
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, True, "a"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"text": "y"}]}]}, True, "x y"),  # noqa: E501
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"text": "y"}]}]},
+            True,
+            "x y",
+        ),
         ({"messages": [{"role": "system", "content": "s"}]}, True, ""),
         ({"messages": [{"role": "user", "content": None}]}, True, ""),
         ({"prompt": "p q"}, False, "p q"),

@@ -269,7 +269,6 @@ def test_models_lists_virtual_models_whose_steps_are_served() -> None:
     assert status == 200 and ids == ["large", "mid", "small", "auto"]
 
 
-
 def test_preroute_learns_from_the_gate_and_sends_what_it_would_escalate_straight_to_the_last_step() -> None:
     spec = CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.9, min_seen=4, explore=0.0))
     cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": spec})))

@@ -277,7 +277,6 @@ def test_agents_records_are_admitted_only_at_a_ready_pods_address() -> None:
     assert open_sync.admits(outsider)
 
 
-
 def test_with_agent_node_is_pod_an_agent_cannot_claim_another_pods_engine() -> None:
     """Each agent writes only endpoints/<its pod>/ (its etcd identity), but chooses the record inside:
     agent-a registering pod-b's address (under any id) is held out, and pod-b's own agent is admitted."""

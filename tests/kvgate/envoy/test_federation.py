@@ -132,9 +132,7 @@ def test_a_peers_refusal_is_retried_on_the_local_pick_and_its_rate_limit_says_so
     # a peer refusing our tenants altogether reaches the failed-try log (with the refusal's code)
     router = next(f for f in openai if f["name"] == "envoy.filters.http.router")
     for logger in router["typed_config"]["upstream_log"]:
-        assert logger["typed_config"]["additional_response_headers_to_log"] == [
-            REFUSED_HEADER
-        ]
+        assert logger["typed_config"]["additional_response_headers_to_log"] == [REFUSED_HEADER]
         statuses = [
             f["status_code_filter"]["comparison"]["value"]["default_value"]
             for f in logger["filter"]["or_filter"]["filters"]

@@ -90,7 +90,10 @@ async def test_kvcached_get_and_its_peer_fetch_join_the_callers_trace(
     store = TieredStore(1 << 20, None, 0)
     tracer = Tracer(settings(collector, "kvgate-kvcached"))
     service = KvcachedService(
-        store, peer_client=FakePeers({digest: b"block"}), peers=lambda: ["peer:1"], tracer=tracer  # type: ignore[arg-type]
+        store,
+        peer_client=FakePeers({digest: b"block"}),
+        peers=lambda: ["peer:1"],
+        tracer=tracer,  # type: ignore[arg-type]
     )
     server = ApiServer(service, listen_unix=str(tmp_path / "api.sock"))
     await server.start()
