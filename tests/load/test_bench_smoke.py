@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from load.bench import decision, mixed, overhead, peers
+from load.bench import decision, mixed, overhead, peers, smollm2_dir
 
 STATS = {"n", "p50", "p90", "p99", "max", "mean"}
 
@@ -33,6 +34,18 @@ def test_decision_quick(tmp_path: Path) -> None:
     assert set(decision.STAGES) | {"total"} == breakdown["stages_us"].keys()
     assert {"prefix", "max-score"} <= breakdown["plugins_us"].keys()
     assert "schedule_4ep_p99_us" in result["goals"]
+
+
+def test_decision_quick_with_an_exported_model_dir(tmp_path: Path) -> None:
+    """``--model-dir``: SmolLM2 exported elsewhere (as load/device carries it), used as given."""
+    exported = smollm2_dir(None)
+    assert (exported / "tokenizer.json").is_file()
+    copy = tmp_path / "model"
+    shutil.copytree(exported, copy)
+    assert smollm2_dir(copy) == copy
+    out = tmp_path / "decision.json"
+    assert decision.main(["--quick", "--model-dir", str(copy), "--out", str(out)]) == 0
+    assert all(c["latency_us"]["n"] > 0 for c in json.loads(out.read_text())["cells"])
 
 
 def test_decision_quick_tracing_alternate(tmp_path: Path) -> None:
