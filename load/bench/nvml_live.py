@@ -150,10 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hz", type=float, default=10.0, help="reads per second")
     args = p.parse_args(argv)
     telemetry = GpuTelemetry()
-    if not telemetry.read():
+    names = [gpu.name for gpu in telemetry.read()]
+    if not names:
         print("nvml_live: no GPU telemetry (NVML unusable or no GPU; the agent logs why)", file=sys.stderr)
         return 1
-    names = [name for _, _, name in telemetry._devices]
     start = time.perf_counter()
     samples: list[dict[str, Any]] = []
     child: subprocess.Popen[str] | None = None

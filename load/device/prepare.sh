@@ -32,6 +32,6 @@ rm -rf .whl && mkdir .whl
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl $pins
 rm -rf .devcarry/model && mkdir -p .devcarry
-model=$("$PY" -c 'from engines.gguf import ensure_model_dir, smollm2_gguf_path; print(ensure_model_dir(smollm2_gguf_path()))')
+model=$("$PY" -c 'from load.bench import smollm2_dir; print(smollm2_dir(None))')
 cp -r "$model" .devcarry/model
 du -sh .whl .devcarry
