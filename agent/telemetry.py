@@ -269,6 +269,7 @@ class GpuTelemetry:
             nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
         reasons = None if reasons_fn is None else _field(reasons_fn, handle)
+        energy = _field(nv.nvmlDeviceGetTotalEnergyConsumption, handle)  # mJ; Not Supported before Volta
         return Gpu(
             index=index,
             name=name,
@@ -281,6 +282,7 @@ class GpuTelemetry:
             memory_total_bytes=None if memory is None else int(memory.total),
             utilization=None if util is None else util.gpu / 100.0,
             throttle_reasons=None if reasons is None else int(reasons),
+            energy_mj=None if energy is None else int(energy),
         )
 
 

@@ -91,7 +91,10 @@ class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
 class Gpu(msgspec.Struct, array_like=True, frozen=True):
     """One GPU's telemetry (NVML). Units: watts, MHz, degrees Celsius, bytes, fraction 0..1;
     ``throttle_reasons``: NVML's clocks event reasons bitmask (``nvmlDeviceGetCurrentClocksEventReasons``,
-    the same bits as DCGM's ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``; agent/power/README.md)."""
+    the same bits as DCGM's ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS``; agent/power/README.md);
+    ``energy_mj``: NVML's energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since the
+    driver was loaded, Volta and later; only differences mean anything). A trailing field: an older
+    decoder ignores it, and an older agent's GPUs decode with ``None``."""
 
     index: int
     name: str
@@ -104,6 +107,7 @@ class Gpu(msgspec.Struct, array_like=True, frozen=True):
     memory_total_bytes: int | None = None
     utilization: float | None = None
     throttle_reasons: int | None = None
+    energy_mj: int | None = None
 
 
 class Power(msgspec.Struct, array_like=True, frozen=True):

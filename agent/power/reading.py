@@ -63,7 +63,8 @@ def throttled(reasons: int | None) -> bool | None:
 
 def from_gpus(gpus: Sequence[Gpu]) -> Sample:
     """The node's figures from its GPUs' NVML telemetry: watts and limits summed (a limit only when
-    every GPU reports one), the hottest temperature, throttled when any GPU is, the mean SM clock.
+    every GPU reports one), the energy counters summed in J (likewise only when every GPU reports one),
+    the hottest temperature, throttled when any GPU is, the mean SM clock.
     :class:`PowerSourceError` when no GPU reports its power."""
     watts = [g.power_w for g in gpus if g.power_w is not None]
     if not watts:
@@ -72,9 +73,13 @@ def from_gpus(gpus: Sequence[Gpu]) -> Sample:
     temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
     reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
     clocks = [g.sm_clock_mhz for g in gpus if g.sm_clock_mhz is not None]
+    energies = [g.energy_mj for g in gpus]
     return Sample(
         watts=sum(watts),
         limit_w=None if any(v is None for v in limits) else sum(v for v in limits if v is not None),
+        energy_j=None
+        if any(v is None for v in energies)
+        else sum(v for v in energies if v is not None) / 1000.0,
         temperature_c=max(temps) if temps else None,
         throttled=any(bool(r & THROTTLE_MASK) for r in reasons) if reasons else None,
         sm_clock_mhz=sum(clocks) / len(clocks) if clocks else None,

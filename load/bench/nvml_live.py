@@ -6,12 +6,12 @@ that path against a fake ``pynvml``; this bench runs it against the driver on th
 
 Phases: ``--idle-s`` with nothing running, ``--load-s`` while a child process multiplies bf16 matrices
 on every GPU (PyTorch, ``python -m load.bench.nvml_live load``), then ``--cool-s`` after it stopped.
-Every ``1 / --hz`` seconds one :meth:`GpuTelemetry.read` is timed and its sample kept, beside NVML's
-own energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded, summed over
-the GPUs). Per phase: median and peak watts, the enforced limit, clocks, temperature, the share of
-samples throttled, and the energy two ways: the readings integrated (trapezoids, the way the energy
-bench turns readings into J/token) and the counter's difference; their ratio says how far integrated
-instantaneous readings are from the counter at this rate.
+Every ``1 / --hz`` seconds one :meth:`GpuTelemetry.read` is timed and its sample kept, with NVML's
+own energy counter as the agent reads it (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver
+loaded, summed over the GPUs into the sample's ``energy_j``). Per phase: median and peak watts, the
+enforced limit, clocks, temperature, the share of samples throttled, and the energy two ways: the
+readings integrated (trapezoids, the way the energy bench turns readings into J/token) and the counter's
+difference; their ratio says how far integrated instantaneous readings are from the counter at this rate.
 
     python -m load.bench.nvml_live --out results/nvml-live.json [--idle-s 8 --load-s 20 --cool-s 6 --hz 10]
 
@@ -80,15 +80,6 @@ def summarize(samples: Sequence[dict[str, Any]], phase: str) -> dict[str, Any]:
     }
 
 
-def _counter_j(telemetry: GpuTelemetry) -> float | None:
-    """NVML's energy counters summed over the GPUs, in J (``None`` where a GPU has none)."""
-    nv, devices = telemetry._nvml, telemetry._devices  # the same handles the agent's reads use
-    try:
-        return float(sum(nv.nvmlDeviceGetTotalEnergyConsumption(handle) for _, handle, _ in devices)) / 1000.0
-    except Exception:  # NVMLError_NotSupported on GPUs before Volta
-        return None
-
-
 def _sample(telemetry: GpuTelemetry, phase: str, start: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     gpus = telemetry.read()
@@ -104,7 +95,7 @@ def _sample(telemetry: GpuTelemetry, phase: str, start: float) -> dict[str, Any]
         "temperature_c": node.temperature_c,
         "throttled": node.throttled,
         "utilization": sum(utils) / len(utils) if utils else None,
-        "counter_j": _counter_j(telemetry),
+        "counter_j": node.energy_j,
         "read_us": round(read_us, 1),
     }
 

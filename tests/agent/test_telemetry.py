@@ -195,6 +195,7 @@ def fake_pynvml(gpus: list[dict[str, Any]], *, init_error: str | None = None) ->
         "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=get(h, "util_pct"), memory=0),
         "nvmlDeviceGetClockInfo": lambda h, clock: get(h, "sm_mhz" if clock == 1 else "mem_mhz"),
         "nvmlDeviceGetCurrentClocksEventReasons": lambda h: get(h, "reasons"),
+        "nvmlDeviceGetTotalEnergyConsumption": lambda h: get(h, "energy_mj"),
     }
     for name, fn in functions.items():
         setattr(nv, name, fn)
@@ -212,11 +213,12 @@ H100 = {
     "sm_mhz": 1980,
     "mem_mhz": 2619,
     "reasons": 0x4,  # SW power cap
+    "energy_mj": 7_200_000_123,  # two hours at 1 kW since the driver loaded
 }
 
 
 def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw", "reasons")} | {
+    second = {k: v for k, v in H100.items() if k not in ("power_mw", "limit_mw", "reasons", "energy_mj")} | {
         "name": b"Tesla T4"
     }
     nv = fake_pynvml([H100, second])
@@ -236,6 +238,7 @@ def test_nvml_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
             memory_total_bytes=80 * 2**30,
             utilization=0.87,
             throttle_reasons=0x4,
+            energy_mj=7_200_000_123,
         ),
         Gpu(
             index=1,

@@ -54,6 +54,7 @@ def test_sample_reads_the_agent_telemetry(monkeypatch: pytest.MonkeyPatch) -> No
     finally:
         telemetry.close()
     assert (row["phase"], row["watts"], row["limit_w"], row["throttled"]) == ("idle", 402.5, 1400.0, True)
+    assert row["counter_j"] == pytest.approx(2 * H100["energy_mj"] / 1000)  # the agent's energy_j
 
 
 def test_without_a_gpu_it_writes_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from agent.power.nvml import NvmlSource
 from agent.power.reading import from_gpus
 from agent.telemetry import GpuTelemetry
 from contracts.events import Gpu
+from extproc.scheduling.energy import average_watts
 from tests.agent.test_telemetry import H100, fake_pynvml
 
 
@@ -27,6 +28,7 @@ async def test_two_gpus_summed(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (reading.watts, reading.limit_w, reading.temperature_c) == (402.5, 1400.0, 54.0)
         assert reading.throttled is True  # GPU 0 at its SW power cap (0x4)
         assert reading.sm_clock_mhz == pytest.approx((1980 + 345) / 2)
+        assert reading.energy_j == pytest.approx(2 * 7_200_000_123 / 1000)  # the counters, summed, in J
     finally:
         await monitor.aclose()
         gpus.close()
@@ -43,9 +45,33 @@ async def test_no_gpu_is_a_reported_error(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_from_gpus_limits_only_when_every_gpu_has_one() -> None:
-    a = Gpu(0, "a", power_w=300.0, power_limit_w=700.0, throttle_reasons=0x0)
+    a = Gpu(0, "a", power_w=300.0, power_limit_w=700.0, throttle_reasons=0x0, energy_mj=5_000)
     b = Gpu(1, "b", power_w=100.0, throttle_reasons=0x100)  # display clocks: not throttling
     sample = from_gpus([a, b])
     assert (sample.watts, sample.limit_w, sample.throttled) == (400.0, None, False)
+    assert sample.energy_j is None  # b has no counter: half a node's energy would be no figure at all
     with pytest.raises(PowerSourceError, match="no GPU reports"):
         from_gpus([Gpu(0, "a")])
+
+
+async def test_the_energy_counter_gives_the_mean_draw_between_readings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway's energy model reads a node's mean draw between two NVML readings from the counter
+    (what the GPUs used over the whole interval), not from the instantaneous watts of the second one."""
+    board = dict(H100, power_mw=100_000, energy_mj=1_000_000)
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([board]))
+    gpus = GpuTelemetry()
+    wall = iter([10.0, 14.0, 18.0])
+    monitor = PowerMonitor([(NvmlSource("nvml", gpus.read), 1.0, 2.0)], wall=lambda: next(wall))
+    try:
+        first = await monitor.read_once("nvml")
+        board["energy_mj"] += 4 * 650_000  # 650 W on average over the 4 s between the reads
+        second = await monitor.read_once("nvml")  # the instantaneous reading is back at 100 W
+        assert (first.energy_j, second.energy_j) == (1_000.0, 3_600.0)
+        assert second.watts == 100.0 and average_watts(first, second) == pytest.approx(650.0)
+        board["energy_mj"] = 0  # the driver was reloaded: the counter restarts, the watts stand in
+        assert average_watts(second, await monitor.read_once("nvml")) == 100.0
+    finally:
+        await monitor.aclose()
+        gpus.close()
