@@ -83,3 +83,27 @@ def test_prefix_cache_counters_decode_both_ways() -> None:
     load = decode_batch(old).events[0]
     assert isinstance(load, Load) and load.max_lora == 2
     assert (load.prefix_hits, load.prefix_queries) == (None, None)
+
+
+class OldGpu(msgspec.Struct, array_like=True, frozen=True):
+    """:class:`Gpu` before its energy counter."""
+
+    index: int
+    name: str
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    temperature_c: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization: float | None = None
+    throttle_reasons: int | None = None
+
+
+def test_gpu_energy_counter_decodes_both_ways() -> None:
+    """An older reader ignores a GPU's energy counter; a newer one reads ``None`` from an older agent."""
+    new = msgspec.msgpack.encode(Gpu(0, "H100", power_w=300.0, throttle_reasons=4, energy_mj=9_000))
+    assert msgspec.msgpack.decode(new, type=OldGpu) == OldGpu(0, "H100", power_w=300.0, throttle_reasons=4)
+    old = msgspec.msgpack.encode(OldGpu(0, "H100", power_w=300.0))
+    assert msgspec.msgpack.decode(old, type=Gpu) == Gpu(0, "H100", power_w=300.0, energy_mj=None)
