@@ -259,8 +259,10 @@ class _FleetCollector(Collector):
     source (from the readings agents send with their loads; a node's endpoints carry the same readings, the
     newest is shown): ``kvgate_power_watts``, ``kvgate_power_limit_watts``,
     ``kvgate_power_temperature_celsius``, ``kvgate_power_throttled`` (1 when a power or thermal limit holds
-    the clocks down) and ``kvgate_power_source_up`` (0 while the source's last read failed); a figure the
-    source does not give is left out."""
+    the clocks down), ``kvgate_power_energy_joules_total`` (the source's energy counter: NVML's and DCGM's
+    since the driver loaded, a BMC's since it started; ``rate()`` of it is the mean draw) and
+    ``kvgate_power_source_up`` (0 while the source's last read failed); a figure the source does not give is
+    left out."""
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
@@ -321,6 +323,16 @@ def power_families(fleet: Fleet) -> Iterable[Metric]:
             if value is not None:
                 family.add_metric([node, source], float(value))
         yield family
+    energy = CounterMetricFamily(
+        "kvgate_power_energy_joules",
+        "Energy the power source's counter says was used (J) since it started (the GPU driver's for nvml and"
+        " dcgm, the BMC's for redfish); its rate is the mean draw. Per node and power source.",
+        labels=labels,
+    )
+    for (node, source), reading in sorted(newest.items()):
+        if reading.energy_j is not None:
+            energy.add_metric([node, source], reading.energy_j)
+    yield energy
     up = GaugeMetricFamily(
         "kvgate_power_source_up", "0 while the power source's last read failed.", labels=labels
     )

@@ -64,7 +64,9 @@ def test_power_readings_are_gauges_per_node_and_source_and_expire() -> None:
     fleet = Fleet([a, b])
     metrics = GatewayMetrics(fleet)
     old = Power("dcgm", "dcgm", watts=500.0, at=1.0)
-    new = Power("dcgm", "dcgm", watts=610.0, limit_w=700.0, temperature_c=71.0, throttled=True, at=2.0)
+    new = Power(
+        "dcgm", "dcgm", watts=610.0, limit_w=700.0, energy_j=1.5e6, temperature_c=71.0, throttled=True, at=2.0
+    )
     bmc = Power("bmc", "redfish", at=2.0, error="access refused (check username and password): HTTP 401")
     fleet.record_power(a.id, (old,), now=10.0)
     fleet.record_power(b.id, (new, bmc), now=10.0)
@@ -79,6 +81,8 @@ def test_power_readings_are_gauges_per_node_and_source_and_expire() -> None:
     assert sample("kvgate_power_temperature_celsius") == 71.0
     assert sample("kvgate_power_throttled") == 1.0
     assert sample("kvgate_power_source_up") == 1.0
+    assert sample("kvgate_power_energy_joules_total") == 1.5e6  # the newest reading's counter
     assert sample("kvgate_power_source_up", "bmc") == 0.0 and sample("kvgate_power_watts", "bmc") is None
+    assert sample("kvgate_power_energy_joules_total", "bmc") is None  # a silent source gives no figure
     fleet.expire_metrics(now=13.0, stale_after=2.0)
     assert state.power == () and sample("kvgate_power_watts") is None
