@@ -29,8 +29,8 @@ class WorkingSet:
     router calls it after the reply is out) pops; :meth:`sizes`, on the request path, copies the counts,
     which may still count blocks that left the window since the last record (at most ``STALE_S`` worth;
     after a longer quiet spell it pops first). Measured on the 2-core VM, 64 endpoints, a 270-block chain:
-    :meth:`sizes` ~1 us, the pop a record does ~0.3 us (BENCHMARKS.md, issue 27: ~10 and ~26 us when both
-    walked every endpoint).
+    :meth:`sizes` ~0.6 us, the pop a record does ~0.7 us with nothing due (BENCHMARKS.md, issue 27: ~10 and
+    ~24 us when both walked every endpoint).
     """
 
     STALE_S = 1.0
