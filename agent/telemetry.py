@@ -269,7 +269,8 @@ class GpuTelemetry:
             nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
         reasons = None if reasons_fn is None else _field(reasons_fn, handle)
-        energy = _field(nv.nvmlDeviceGetTotalEnergyConsumption, handle)  # mJ; Not Supported before Volta
+        energy_fn = getattr(nv, "nvmlDeviceGetTotalEnergyConsumption", None)  # bindings before NVML 9 lack it
+        energy = None if energy_fn is None else _field(energy_fn, handle)  # mJ; Not Supported before Volta
         return Gpu(
             index=index,
             name=name,

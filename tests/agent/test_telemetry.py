@@ -471,3 +471,15 @@ async def test_prefix_cache_counters_ride_along_from_a_real_simulator(sim: SimFl
         await loop.aclose()
     assert load.prefix_queries is not None and load.prefix_hits is not None
     assert load.prefix_queries > 0 and 0 < load.prefix_hits < load.prefix_queries
+
+
+def test_nvml_without_the_energy_counter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binding without ``nvmlDeviceGetTotalEnergyConsumption`` (or a GPU before Volta: Not Supported)
+    reads everything else, with no energy."""
+    nv = fake_pynvml([H100, {k: v for k, v in H100.items() if k != "energy_mj"}])
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    gpus = GpuTelemetry()
+    assert [g.energy_mj for g in gpus.read()] == [H100["energy_mj"], None]
+    del nv.nvmlDeviceGetTotalEnergyConsumption  # type: ignore[attr-defined]
+    assert [(g.power_w, g.energy_mj) for g in gpus.read()] == [(312.5, None), (312.5, None)]
+    gpus.close()
