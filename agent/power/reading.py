@@ -61,6 +61,12 @@ def throttled(reasons: int | None) -> bool | None:
     return None if reasons is None else bool(reasons & THROTTLE_MASK)
 
 
+def _sum_of_all(values: Sequence[float | None]) -> float | None:
+    """The sum of ``values``, ``None`` when any is missing (part of a node's figure is no figure)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if len(known) == len(values) else None
+
+
 def from_gpus(gpus: Sequence[Gpu]) -> Sample:
     """The node's figures from its GPUs' NVML telemetry: watts and limits summed (a limit only when
     every GPU reports one), the energy counters summed in J (likewise only when every GPU reports one),
@@ -69,17 +75,14 @@ def from_gpus(gpus: Sequence[Gpu]) -> Sample:
     watts = [g.power_w for g in gpus if g.power_w is not None]
     if not watts:
         raise PowerSourceError("no GPU reports its power draw")
-    limits = [g.power_limit_w for g in gpus]
     temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
     reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
     clocks = [g.sm_clock_mhz for g in gpus if g.sm_clock_mhz is not None]
-    energies = [g.energy_mj for g in gpus]
+    energy_mj = _sum_of_all([g.energy_mj for g in gpus])
     return Sample(
         watts=sum(watts),
-        limit_w=None if any(v is None for v in limits) else sum(v for v in limits if v is not None),
-        energy_j=None
-        if any(v is None for v in energies)
-        else sum(v for v in energies if v is not None) / 1000.0,
+        limit_w=_sum_of_all([g.power_limit_w for g in gpus]),
+        energy_j=None if energy_mj is None else energy_mj / 1000.0,
         temperature_c=max(temps) if temps else None,
         throttled=any(bool(r & THROTTLE_MASK) for r in reasons) if reasons else None,
         sm_clock_mhz=sum(clocks) / len(clocks) if clocks else None,

@@ -3,7 +3,10 @@ both ways between an agent and a gateway of different versions."""
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
+import msgspec.structs
 
 from contracts.events import Batch, Gpu, Load, Power, decode_batch, encode
 
@@ -85,20 +88,16 @@ def test_prefix_cache_counters_decode_both_ways() -> None:
     assert (load.prefix_hits, load.prefix_queries) == (None, None)
 
 
-class OldGpu(msgspec.Struct, array_like=True, frozen=True):
-    """:class:`Gpu` before its energy counter."""
-
-    index: int
-    name: str
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    sm_clock_mhz: float | None = None
-    mem_clock_mhz: float | None = None
-    temperature_c: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    utilization: float | None = None
-    throttle_reasons: int | None = None
+#: :class:`Gpu` before its energy counter: its fields up to ``energy_mj``, the same wire shape.
+OldGpu = msgspec.defstruct(
+    "OldGpu",
+    [
+        (f.name, f.type, f.default)
+        for f in itertools.takewhile(lambda f: f.name != "energy_mj", msgspec.structs.fields(Gpu))
+    ],
+    array_like=True,
+    frozen=True,
+)
 
 
 def test_gpu_energy_counter_decodes_both_ways() -> None:
