@@ -458,7 +458,8 @@ async def test_server_closing_mid_response_is_a_prompt_miss(pki: Pki) -> None:
     store = DictStore({digest(i): os.urandom(256 * 1024) for i in range(16)})
     server = server_for(store, pki.a, egress_bytes_per_s=1024 * 1024.0)  # 4 s for everything
     port = await server.start()
-    client = client_for(pki.b, timeout_s=5.0)
+    # The client's own no-progress timeout is far off, so a miss within it can only come from the close.
+    client = client_for(pki.b, timeout_s=60.0)
     try:
         fetch = asyncio.ensure_future(client.fetch(f"127.0.0.1:{port}", list(store.blocks)))
         for _ in range(500):  # poll (5 s at most) until the response has started
@@ -467,9 +468,11 @@ async def test_server_closing_mid_response_is_a_prompt_miss(pki: Pki) -> None:
             await asyncio.sleep(0.01)
         started = time.monotonic()
         await server.aclose()
-        with pytest.raises(PeerUnavailable):
+        with pytest.raises(PeerUnavailable, match="connection closed"):
             await fetch
-        assert time.monotonic() - started < 1.0
+        # Prompt: learned from the server's CONNECTION_CLOSE, not from waiting out the timeout (the bound is
+        # loose because a shared 2-core CI machine has stalled this process for ~3 s).
+        assert time.monotonic() - started < 10.0
     finally:
         await client.aclose()
         await server.aclose()
