@@ -20,8 +20,9 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
 * a request for a cascade's virtual model (:mod:`extproc.cascade`): each gated step is routed KV-aware
   among its model's endpoints and sent by the shell (:attr:`StreamProcessor.cascade_step`, Envoy's message
   timeout extended past its bound); :meth:`StreamProcessor.stepped` then answers the client itself with
-  that step's answer (an ImmediateResponse, ``x-kvgate-cascade-step``) when the gate passes, else routes
-  the client's body to the next step (the last one goes through Envoy as any request);
+  that step's answer (an ImmediateResponse, ``x-kvgate-cascade-step``) when the gate passes (a ``replay``
+  cascade's streaming request that passed on its first tokens is routed to the same step again, through
+  Envoy), else routes the client's body to the next step (the last one goes through Envoy as any request);
   ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
 * stream end: :meth:`close` releases the request's in-flight slot.
@@ -109,7 +110,7 @@ from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
-from extproc.cascade.plan import Answered, Cascader, Run
+from extproc.cascade.plan import Answered, Cascader, Replayed, Run
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
@@ -868,7 +869,7 @@ class StreamProcessor:
         noted[DECISION_BLOCKS].number_value = decision.prompt_blocks
         noted[DECISION_US].number_value = round((decided - started) * 1e6)
         noted[DECISION_MATCHED_TOKENS].number_value = decision.matched_blocks * self._router.policy.block_size
-        if self.run is not None:  # an escalated cascade request: Envoy names its step to the client
+        if self.run is not None:  # a cascade request (escalated or replayed): Envoy names its step
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         if self._responses_scope is not None:  # its response id is learned from the completion log
             noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
@@ -939,6 +940,11 @@ class StreamProcessor:
             answered = run.judge(answer, failure)
             if self._cascade is not None:
                 self._cascade.learn(run)
+            if isinstance(answered, Replayed):  # passed on its first tokens: the step again, via Envoy
+                request = dataclasses.replace(prepared.request, model=run.model, body=run.replay_body())
+                body = orjson.dumps(request.body)
+                tokens = self._router.tokens(request, exact_count=self._gate is not None)
+                return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
             if answered is not None:
                 self.answered = answered
                 self._phase = Phase.DONE

@@ -389,6 +389,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             m.cascade_gate.labels(run.virtual).observe(verdict.stat)
         if proc.answered is not None:
             m.cascade_answers.labels(run.virtual, str(proc.answered.step), model).inc()
+        elif run.replaying:  # passed on its first tokens: answered by this step again, through Envoy
+            if proc.decision is not None:
+                m.cascade_answers.labels(run.virtual, str(run.number), run.model).inc()
         else:
             m.cascade_escalations.labels(run.virtual, verdict.reason).inc()
             m.cascade_escalation_seconds.labels(run.virtual).observe(time.monotonic() - run.arrived)

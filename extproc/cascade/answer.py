@@ -5,7 +5,8 @@ step's answer passes.
   requested (chat ``logprobs: true``, the client's ``top_logprobs`` kept; completions ``logprobs`` at
   least 1) and not streamed (``stream`` false, ``stream_options`` dropped): the gate reads the whole
   answer; a ``first_k`` gate streams it instead (``include_usage``) and decides after ``k`` tokens
-  (:mod:`extproc.cascade.stream`).
+  (:mod:`extproc.cascade.stream`). A ``replay`` run's ``seed`` is set in it (the replayed step gets the
+  same one).
 * :func:`client_answer`: the step's answer as the client asked for it: its ``model`` field the step's
   model, the log-probabilities removed unless the client asked for them, and for a streaming client a
   Server-Sent Events stream (:func:`sse`) instead of one JSON object.
@@ -22,11 +23,15 @@ SSE = "text/event-stream"
 JSON = "application/json"
 
 
-def step_body(client: Mapping[str, Any], model: str, *, chat: bool, stream: bool = False) -> bytes:
+def step_body(
+    client: Mapping[str, Any], model: str, *, chat: bool, stream: bool = False, seed: int | None = None
+) -> bytes:
     """The gated step's request body (module docstring); ``stream``: streamed with its usage (a
-    ``first_k`` gate reads the first tokens as they come)."""
+    ``first_k`` gate reads the first tokens as they come); ``seed``: the run's (a ``replay`` cascade)."""
     body = {k: v for k, v in client.items() if k != "stream_options"}
     body["model"] = model
+    if seed is not None:
+        body["seed"] = seed
     body["stream"] = stream
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -7,12 +7,15 @@ the shell sends it; :meth:`Run.judge` takes the answer (or the reason there was 
 goes to the client (:class:`Answered`) or the request moves on to the next step (:meth:`Run.escalate`).
 The last step is never gated: its request goes through Envoy as any other. A cascade with ``preroute``
 (:mod:`extproc.cascade.prior`) may start a run at its last step (:attr:`Run.preskipped`), and learns from
-every verdict of its first step (:meth:`Cascader.learn`).
+every verdict of its first step (:meth:`Cascader.learn`). A ``replay`` cascade's streaming request that
+passes on its first ``k`` tokens is :class:`Replayed`: the same step's model again, with the ``seed`` the
+gated step ran with (the client's own, or one the cascader drew), through Envoy like a last step.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,8 +42,13 @@ class CascadePolicy:
 class Cascader:
     """The cascades in force (:meth:`apply` swaps them whole; a request keeps the spec it started with)."""
 
-    def __init__(self, policy: CascadePolicy | None = None) -> None:
+    #: Seeds drawn for ``replay`` are below this (every engine's ``seed`` takes a non-negative int32).
+    SEEDS = 1 << 31
+
+    def __init__(self, policy: CascadePolicy | None = None, rng: random.Random | None = None) -> None:
         self.policy = CascadePolicy()
+        #: Draws the seeds of ``replay`` runs whose client sent none.
+        self._rng = rng or random.Random()
         #: Per virtual model with ``preroute``: its learner (kept across policies while its first step and
         #: ``preroute`` stay the same).
         self.priors: dict[str, EscalationPrior] = {}
@@ -74,6 +82,10 @@ class Cascader:
         if spec is None:
             return None
         run = Run(spec, model, client, chat, now)
+        if spec.replay and client.get("stream") is True:
+            own = client.get("seed")
+            own_ok = isinstance(own, int) and not isinstance(own, bool)
+            run.seed = own if own_ok else self._rng.randrange(self.SEEDS)
         prior = self.priors.get(model)
         if prior is not None:
             run.features = features(request_text(client, chat=chat))
@@ -103,6 +115,15 @@ class Answered:
     model: str
 
 
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """A gated step passed on its first ``k`` tokens (``replay``): the client's request goes to step
+    ``step`` (1-based) ``model`` again, with the gated step's seed (:meth:`Run.replay_body`), via Envoy."""
+
+    step: int
+    model: str
+
+
 @dataclass(slots=True)
 class Run:
     """One request's way through ``spec`` (module docstring). ``client``: the client's body (validated,
@@ -122,6 +143,10 @@ class Run:
     features: tuple[int, ...] | None = None
     #: Sent straight to the last step (``preroute``): no gated step ran.
     preskipped: bool = False
+    #: The seed of every request of a ``replay`` run (a streaming client's; ``None``: not replayed).
+    seed: int | None = None
+    #: The current step passed on its first tokens and goes again through Envoy (:class:`Replayed`).
+    replaying: bool = False
 
     @property
     def model(self) -> str:
@@ -130,8 +155,8 @@ class Run:
 
     @property
     def gated(self) -> bool:
-        """Whether the current step is gated (every step but the last)."""
-        return self.step < len(self.spec.steps) - 1
+        """Whether the current step is gated: every step but the last, unless it is being replayed."""
+        return self.step < len(self.spec.steps) - 1 and not self.replaying
 
     @property
     def number(self) -> int:
@@ -145,23 +170,33 @@ class Run:
 
     def body(self) -> bytes:
         """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""
-        self.stream = StepStream(self.spec, chat=self.chat) if self.streamed else None
-        return step_body(self.client, self.model, chat=self.chat, stream=self.streamed)
+        replays = self.seed is not None
+        self.stream = StepStream(self.spec, chat=self.chat, stop_on_pass=replays) if self.streamed else None
+        return step_body(self.client, self.model, chat=self.chat, stream=self.streamed, seed=self.seed)
+
+    def replay_body(self) -> dict[str, Any]:
+        """The client's body for the replayed step: its own fields, ``model`` the step's, the seed."""
+        assert self.replaying and self.seed is not None, "replay_body() only for a replayed step"
+        return {**self.client, "model": self.model, "seed": self.seed}
 
     def feed(self, line: bytes) -> bool:
         """One line of a streamed step's answer; false: the gate failed on its first tokens, stop reading."""
         assert self.stream is not None, "feed() only for a streamed step"
         return self.stream.feed(line)
 
-    def judge(self, answer: bytes | None, failure: str | None = None) -> Answered | None:
+    def judge(self, answer: bytes | None, failure: str | None = None) -> Answered | Replayed | None:
         """The current gated step ended: ``answer`` its 2xx body (a streamed step: ``None``, its lines went
         to :meth:`feed`), else ``failure`` (``timeout``, ``unreachable``, ``status``). :class:`Answered`
-        when the gate passes, else ``None`` (call :meth:`escalate`)."""
+        when the gate passes (:class:`Replayed` when it passed on the first tokens of a replayed run), else
+        ``None`` (call :meth:`escalate`)."""
         doc: Any = None
         stream, self.stream = self.stream, None
         if stream is not None and failure is None:  # a streamed step: judged early, or assembled now
             if stream.cut and stream.verdict is not None:
                 self.verdicts.append((self.model, stream.verdict))
+                if stream.verdict.passed:  # stop_on_pass: this run replays
+                    self.replaying = True
+                    return Replayed(self.number, self.model)
                 return None
             doc = stream.answer()
             answer = None

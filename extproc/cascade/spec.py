@@ -10,7 +10,10 @@ step's answer passes when its statistic is at least this. ``stat``: ``mean``, ``
 ``k``, an integer >= 1, is required; elsewhere it is refused). ``timeout_s``: the bound on each gated
 step's sub-request (past it the request escalates), in (0, 600]. ``preroute`` (optional, an object, see
 :mod:`extproc.cascade.prior`): requests the gateway predicts the gate would escalate go straight to the
-last step.
+last step. ``replay`` (optional, a boolean, ``false`` by default; ``stat`` ``first_k`` only): a streaming
+client's request that passes the gate on its first ``k`` tokens is sent to the same step again, with the
+same ``seed``, through Envoy, so its tokens stream from the engine instead of arriving in one piece at the
+end (README.md, "What it costs a streaming client").
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ GATES = ("logprob",)
 STATS = ("mean", "min", "first_k")
 MAX_STEPS = 4
 DEFAULT_TIMEOUT_S = 30.0
-_KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s", "preroute")
+_KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s", "preroute", "replay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class CascadeSpec:
     gate: str = "logprob"
     timeout_s: float = DEFAULT_TIMEOUT_S
     preroute: PrerouteSpec | None = None
+    replay: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= len(self.steps) <= MAX_STEPS:
@@ -58,6 +62,8 @@ class CascadeSpec:
             raise ConfigError(f"k applies to stat first_k only (stat is {self.stat!r})")
         if not 0 < self.timeout_s <= 600:
             raise ConfigError(f"timeout_s must be in (0, 600], got {self.timeout_s}")
+        if self.replay and self.stat != "first_k":
+            raise ConfigError(f"replay applies to stat first_k only (stat is {self.stat!r})")
 
     def to_json(self) -> dict[str, object]:
         doc: dict[str, object] = {
@@ -71,6 +77,8 @@ class CascadeSpec:
             doc["k"] = self.k
         if self.preroute is not None:
             doc["preroute"] = self.preroute.to_json()
+        if self.replay:
+            doc["replay"] = True
         return doc
 
 
@@ -103,8 +111,11 @@ def parse_cascade(value: object, where: str, name: str) -> CascadeSpec:
         raise ConfigError(f"{where}.k: expected an integer, got {k!r}")
     raw = value.get("preroute")
     preroute = None if raw is None else parse_preroute(raw, f"{where}.preroute")
+    replay = value.get("replay", False)
+    if not isinstance(replay, bool):
+        raise ConfigError(f"{where}.replay: expected true or false, got {replay!r}")
     try:
-        return CascadeSpec(tuple(steps), threshold, stat, k, gate, timeout, preroute)
+        return CascadeSpec(tuple(steps), threshold, stat, k, gate, timeout, preroute, replay)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 

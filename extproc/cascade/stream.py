@@ -4,7 +4,9 @@ log-probabilities are in, and the rest of the answer is assembled as the non-str
 :class:`StepStream` takes the engine's SSE lines one at a time (:meth:`StepStream.feed`). Once every choice
 seen has ``k`` token log-probabilities, it judges them (``first_k``, :mod:`extproc.cascade.gate`): below
 the threshold :meth:`feed` returns false and the caller closes the connection (the engine aborts the
-request: the step costs ``k`` tokens, not the whole answer); at or above it, the stream is read to its end.
+request: the step costs ``k`` tokens, not the whole answer); at or above it, the stream is read to its end,
+unless ``stop_on_pass`` (a ``replay`` cascade, a streaming client: the step is sent again through Envoy)
+stops it there too.
 :meth:`StepStream.answer` rebuilds the whole answer from the chunks: per choice the content (and
 ``reasoning_content``) joined, tool calls merged by their index, the log-probabilities concatenated, the
 finish reason; ``id``, ``created``, ``model`` of the first chunk and the ``usage`` of the last chunk that
@@ -44,23 +46,25 @@ class _Choice:
 
 
 class StepStream:
-    """One streamed gated step under ``spec`` (``stat`` ``first_k``); ``chat``: a chat stream."""
+    """One streamed gated step under ``spec`` (``stat`` ``first_k``); ``chat``: a chat stream;
+    ``stop_on_pass``: stop reading once the first ``k`` tokens pass too (module docstring)."""
 
-    def __init__(self, spec: CascadeSpec, *, chat: bool) -> None:
+    def __init__(self, spec: CascadeSpec, *, chat: bool, stop_on_pass: bool = False) -> None:
         assert spec.stat == "first_k" and spec.k is not None, "only first_k decides before the end"
-        self._spec, self._k, self._chat = spec, spec.k, chat
+        self._spec, self._k, self._chat, self._stop_on_pass = spec, spec.k, chat, stop_on_pass
         self._head: dict[str, Any] | None = None
         self._choices: dict[int, _Choice] = {}
         self._usage: Any = None
         #: The early verdict, once the first ``k`` tokens of every choice were judged.
         self.verdict: Verdict | None = None
-        #: The gate failed on the first ``k`` tokens: the rest was not read.
+        #: Judged on the first ``k`` tokens and the rest not read: the gate failed (or passed, with
+        #: ``stop_on_pass``).
         self.cut = False
         #: A ``data:`` line that was not JSON.
         self.bad = False
 
     def feed(self, line: bytes) -> bool:
-        """One line of the engine's SSE answer; false: stop reading (the gate failed early)."""
+        """One line of the engine's SSE answer; false: stop reading (the gate decided early: :attr:`cut`)."""
         line = line.strip()
         if not line.startswith(b"data:"):
             return True
@@ -85,7 +89,7 @@ class StepStream:
                 worst = min(s for s in stats if s is not None)
                 passed = worst >= self._spec.threshold
                 self.verdict = Verdict(worst, passed, "pass" if passed else "gate")
-                if not passed:
+                if not passed or self._stop_on_pass:
                     self.cut = True
                     return False
         return True

@@ -29,6 +29,15 @@ POLICY = {
         "early": {
             "cascade": {"steps": ["small", "large"], "threshold": THRESHOLD, "stat": "first_k", "k": 4}
         },
+        "replay": {
+            "cascade": {
+                "steps": ["small", "large"],
+                "threshold": THRESHOLD,
+                "stat": "first_k",
+                "k": 4,
+                "replay": True,
+            }
+        },
         "learnt": {
             "cascade": {
                 "steps": ["small", "large"],
@@ -194,7 +203,14 @@ def test_completions_api(cascade: Stack) -> None:
 
 
 def test_the_virtual_models_are_listed(cascade: Stack) -> None:
-    assert [m.id for m in client(cascade).models.list()] == ["large", "small", "auto", "early", "learnt"]
+    assert [m.id for m in client(cascade).models.list()] == [
+        "large",
+        "small",
+        "auto",
+        "early",
+        "learnt",
+        "replay",
+    ]
 
 
 def test_a_served_model_is_not_cascaded(cascade: Stack) -> None:
@@ -267,3 +283,29 @@ def test_preroute_sends_what_the_gate_escalated_straight_to_the_large_step(casca
     assert gateway(cascade, "kvgate_cascade_answers_total", model="learnt", step="2") == 3
     easy = sdk.chat.completions.with_raw_response.create(**{**ask("[easy] hello"), "model": "learnt"})
     assert easy.headers[STEP] == "1" and easy.parse().model == "small"
+
+
+def test_replay_streams_a_confident_answer_token_by_token_from_the_small_engine(cascade: Stack) -> None:
+    """``replay``: the small step passes on its first 4 tokens and is cut there; the client's request then
+    goes to ``small`` again (same seed) through Envoy and its tokens stream from the engine, not in one
+    buffered piece. The large engine does nothing; the answer counts for step 1, not as an escalation."""
+    smalls = [e["address"] for e in cascade.engines if cascade.served[e["id"]] == ["small"]]
+    before = generated(cascade)
+    answers = gateway(cascade, "kvgate_cascade_answers_total", model="replay", step="1")
+    escalations = gateway(cascade, "kvgate_cascade_escalations_total", model="replay")
+    body = {**ask("[easy] Tell a long story.", stream=True, max_tokens=400), "model": "replay"}
+    with httpx.stream("POST", f"{cascade.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers[STEP] == "1"
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert {c["model"] for c in chunks} == {"small"}
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(tokens) >= 3  # token by token from the engine, not one buffered chunk
+    assert all(c["choices"][0].get("logprobs") is None for c in tokens)  # the client asked for none
+    assert set(served(cascade, before).values()) == {"small"}
+    after = generated(cascade)
+    made = sum(after[a] - before[a] for a in smalls)
+    assert 400 + 4 <= made < 2 * 400, made  # the gated step's first tokens (cut), then the whole replay
+    assert gateway(cascade, "kvgate_cascade_answers_total", model="replay", step="1") == answers + 1
+    assert gateway(cascade, "kvgate_cascade_escalations_total", model="replay") == escalations

@@ -3,7 +3,8 @@ processes (SmolLM2-135M on the CPU). Only one small model runs here, so the same
 under two names (``--alias smol-small``, ``--alias smol-large``); the gate reads the real token logprobs
 llama.cpp returns for ``logprobs: true``. Which step answers is set by the threshold of two virtual models:
 ``lenient`` (mean >= -20 nats: any real answer passes) and ``strict`` (mean >= -1e-6: no real answer of
-8 sampled tokens is that sure, so it escalates). The engines' own counters say who served.
+8 sampled tokens is that sure, so it escalates); ``replayed`` passes on 2 tokens and replays the small step
+through Envoy. The engines' own counters say who served.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ POLICY = {
     "models": {
         "lenient": {"cascade": {"steps": STEPS, "threshold": -20.0}},
         "strict": {"cascade": {"steps": STEPS, "threshold": -1e-6}},
+        "replayed": {
+            "cascade": {"steps": STEPS, "threshold": -20.0, "stat": "first_k", "k": 2, "replay": True}
+        },
     }
 }
 STEP = "x-kvgate-cascade-step"
@@ -139,3 +143,25 @@ def test_a_passing_streamed_answer(llama_cascade: Stack) -> None:
     assert {c.model for c in chunks} == {"smol-small"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.usage.completion_tokens for c in chunks if c.usage is not None] == [8]
+
+
+def test_a_replayed_step_streams_what_llama_server_samples_for_its_seed(llama_cascade: Stack) -> None:
+    """``replay``: the small step, seeded, passes on its first 2 tokens and is cut; the client's request
+    goes to it again with the same seed and streams through Envoy. llama-server samples the same tokens for
+    the same seed (temperature 1: not greedy), so the client gets the answer the gate judged: the same
+    request sent straight to the engine gives the same text."""
+    before = predicted(llama_cascade)
+    sampled = {"temperature": 1.0, "seed": 1234, "max_tokens": 32}
+    with client(llama_cascade).chat.completions.with_streaming_response.create(
+        **ask("replayed", stream=True, **sampled)
+    ) as response:
+        assert response.headers[STEP] == "1"
+        chunks = list(response.parse())
+    assert {c.model for c in chunks} == {"smol-small"}
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 3  # token by token from llama-server through Envoy
+    assert moved(before, predicted(llama_cascade)) == ["smol-small"]  # (a cut task may go uncounted)
+    small = next(e["address"] for e in llama_cascade.engines if llama_cascade.served[e["id"]] == [STEPS[0]])
+    direct = openai.OpenAI(base_url=f"http://{small}/v1", api_key="unused", max_retries=0, timeout=120)
+    again = direct.chat.completions.create(**{**ask(STEPS[0]), **sampled})
+    assert again.choices[0].message.content == "".join(pieces)

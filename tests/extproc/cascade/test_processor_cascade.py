@@ -241,6 +241,41 @@ def test_a_first_k_step_that_passes_is_read_to_its_end() -> None:
     assert doc["choices"][0]["logprobs"] is None
 
 
+def test_a_replay_step_that_passes_its_first_tokens_goes_again_through_envoy() -> None:
+    """``replay``: a streaming client's step is seeded and cut at ``k`` passing tokens; the client's own
+    body (its ``logprobs`` choice, ``stream``) then goes to the same step's model with the same seed, routed
+    KV-aware, through Envoy (the step's header says 1); the gated sub-request is released, the replay holds
+    the slot."""
+    replay = CascadeSpec(("small", "large"), -0.5, "first_k", 2, replay=True)
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": replay})), rng=random.Random(3))
+    proc, router = make(replay, cascader=cascader)
+    start(proc, request(stream=True, logprobs=False))
+    sub = proc.cascade_step
+    assert sub is not None and sub.stream
+    seed = orjson.loads(sub.body)["seed"]
+    assert seed == random.Random(3).randrange(Cascader.SEEDS)
+    assert proc.step_line(sse_line(-0.1)) and not proc.step_line(sse_line(-0.2))  # passed: stop reading
+    decided = reply(proc.stepped(None))
+    assert decided.destination == [SMALL] and decided.decision[DECISION_CASCADE_STEP] == "1"
+    doc = orjson.loads(decided.body)
+    assert (doc["model"], doc["stream"], doc["logprobs"], doc["seed"]) == ("small", True, False, seed)
+    assert "stream_options" not in doc  # the client's own body: it asked for none
+    assert proc.answered is None and proc.run is not None and proc.run.replaying
+    assert proc.run.verdicts[-1][1].reason == "pass"
+    assert load(router) == {SMALL: (1, 1)}
+    proc.close()
+    assert load(router) == {SMALL: (0, 1)}  # outstanding until Envoy's completion log
+
+    proc, _ = make(replay, cascader=cascader)  # a non-streaming client: the answer whole, as first_k
+    start(proc, request())
+    sub = proc.cascade_step
+    assert sub is not None and "seed" not in orjson.loads(sub.body)
+    for lp in (-0.1, -0.2, -3.0):
+        assert proc.step_line(sse_line(lp))
+    _, hs, _, _ = immediate(proc.stepped(None))
+    assert hs[CASCADE_STEP_HEADER] == "1"
+
+
 def test_a_tenant_is_admitted_by_the_virtual_models_name() -> None:
     """Tenant ``acme`` may use ``smol*``: the cascade ``smol-auto`` (over ``small`` and ``large``, which it
     may not name itself)."""

@@ -28,6 +28,14 @@ def test_first_k_with_k() -> None:
     spec = parse_cascade({**GOOD, "stat": "first_k", "k": 8, "timeout_s": 5}, "w", "auto")
     assert (spec.stat, spec.k, spec.timeout_s) == ("first_k", 8, 5.0)
     assert spec.to_json()["k"] == 8
+    assert not spec.replay and "replay" not in spec.to_json()
+
+
+def test_replay_with_first_k() -> None:
+    spec = parse_cascade({**GOOD, "stat": "first_k", "k": 4, "replay": True}, "w", "auto")
+    assert spec.replay and spec.to_json()["replay"] is True
+    assert parse_cascade(spec.to_json(), "w", "auto") == spec
+    assert not parse_cascade({**GOOD, "replay": False}, "w", "auto").replay
 
 
 @pytest.mark.parametrize(
@@ -55,6 +63,10 @@ def test_first_k_with_k() -> None:
         ({**GOOD, "k": 4}, "k applies to stat first_k only"),
         ({**GOOD, "timeout_s": 0}, "timeout_s must be in (0, 600]"),
         ({**GOOD, "timeout_s": 601}, "timeout_s must be in (0, 600]"),
+        ({**GOOD, "replay": True}, "replay applies to stat first_k only"),
+        ({**GOOD, "stat": "min", "replay": True}, "replay applies to stat first_k only"),
+        ({**GOOD, "stat": "first_k", "k": 4, "replay": 1}, "replay: expected true or false"),
+        ({**GOOD, "stat": "first_k", "k": 4, "replay": "yes"}, "replay: expected true or false"),
     ],
 )
 def test_refused(value: object, reason: str) -> None:

@@ -3,13 +3,15 @@ its end and assembled into the answer the engine would have sent unstreamed."""
 
 from __future__ import annotations
 
+import random
+import types
 from typing import Any
 
 import orjson
 import pytest
 
 from extproc.cascade.gate import Verdict
-from extproc.cascade.plan import Run
+from extproc.cascade.plan import Answered, CascadePolicy, Cascader, Replayed, Run
 from extproc.cascade.spec import CascadeSpec
 from extproc.cascade.stream import StepStream
 
@@ -162,3 +164,51 @@ def test_a_run_streams_its_first_k_steps() -> None:
 
 def feed_run(r: Run, lines: list[bytes]) -> bool:
     return all(r.feed(ln) for ln in lines)
+
+
+def test_stop_on_pass_stops_reading_when_the_first_k_pass() -> None:
+    stream = StepStream(SPEC, chat=True, stop_on_pass=True)
+    assert feed(stream, LINES) == 5  # the chunk that brought the third token
+    assert stream.cut and stream.verdict == Verdict(pytest.approx(-0.2), True, "pass")
+    short = StepStream(SPEC, chat=True, stop_on_pass=True)  # an answer shorter than k: judged at its end
+    assert feed(short, [LINES[0], LINES[2], LINES[6], LINES[8]]) == 4
+    assert not short.cut and short.verdict is None and short.answer() is not None
+
+
+REPLAY = CascadeSpec(("small", "large"), -0.5, "first_k", 3, replay=True)
+
+
+def test_a_replay_run_seeds_its_step_and_replays_it_when_the_first_k_pass() -> None:
+    rng = random.Random(5)
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": REPLAY})), rng=rng)
+    client = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
+    r = cascader.start("auto", client, chat=True, now=0.0)
+    assert r is not None and r.seed == random.Random(5).randrange(Cascader.SEEDS)
+    sent = orjson.loads(r.body())
+    assert sent["seed"] == r.seed and sent["stream"] is True and sent["logprobs"] is True
+    assert not feed_run(r, LINES)  # stopped at the third token: it passed
+    replayed = r.judge(None)
+    assert replayed == Replayed(1, "small") and r.replaying and not r.gated
+    assert r.verdicts == [("small", Verdict(pytest.approx(-0.2), True, "pass"))]
+    # The client's own body again (its logprobs choice, n, stream), the step's model and the same seed.
+    assert r.replay_body() == {**client, "model": "small", "seed": r.seed}
+
+    r = run(REPLAY)  # fails on its first tokens: escalates as without replay
+    r.seed = 7
+    r.body()
+    assert not feed_run(r, [chunk({"content": "x"}, [-3.0, -3.0, -3.0])])
+    assert r.judge(None) is None and not r.replaying and r.escalate() == "large"
+
+
+def test_a_replay_run_keeps_the_clients_seed_and_leaves_a_non_streaming_client_alone() -> None:
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": REPLAY})))
+    own = cascader.start("auto", {"model": "auto", "stream": True, "seed": 42}, chat=True, now=0.0)
+    assert own is not None and own.seed == 42 and orjson.loads(own.body())["seed"] == 42
+    whole = cascader.start("auto", {"model": "auto", "seed": 42}, chat=True, now=0.0)
+    assert whole is not None and whole.seed is None  # the answer is returned whole, read to its end
+    assert orjson.loads(whole.body())["seed"] == 42 and feed_run(whole, LINES)  # the client's, as sent
+    answered = whole.judge(None)
+    assert isinstance(answered, Answered) and not whole.replaying
+    plain = Cascader(CascadePolicy(types.MappingProxyType({"auto": SPEC})))
+    r = plain.start("auto", {"model": "auto", "stream": True}, chat=True, now=0.0)
+    assert r is not None and r.seed is None and "seed" not in orjson.loads(r.body())
