@@ -17,8 +17,11 @@ Two cost readings, both in engine-seconds (the simulator's timing model, ``load/
 
 A policy (:class:`Policy`) says which hard requests skip the small step (``recall``), which easy ones do
 too (``false_skip``), and how many output tokens the small step spends on an escalated request before the
-gate stops it (``None``: all of them, a buffered ``mean``/``min`` gate; ``k``: a ``first_k`` gate). The gate
-itself is taken as exact (every hard answer escalated, every easy one passed), as in the benchmark.
+gate stops it (``None``: all of them, a buffered ``mean``/``min`` gate; ``k``: a ``first_k`` gate), and
+whether a passing answer is replayed (``replay``: the first attempt cut after ``cut_at`` tokens, then the
+whole answer again with the prompt cached, so an answered request also pays ``X = (base + (k - 1)*(base +
+d))/c``). The gate itself is taken as exact (every hard answer escalated, every easy one passed), as in the
+benchmark.
 """
 
 from __future__ import annotations
@@ -66,11 +69,25 @@ class Policy:
     recall: float = 0.0
     false_skip: float = 0.0
     cut_at: int | None = None
+    replay: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replay and self.cut_at is None:
+            raise ValueError("replay needs cut_at (a first_k gate)")
 
     def wasted(self, costs: Costs) -> float:
         """Seconds the small step spends on a request it escalates."""
         n = costs.output_tokens if self.cut_at is None else min(costs.output_tokens, self.cut_at)
         return costs.lone_s(small=True, output_tokens=n)
+
+    def answered(self, costs: Costs) -> float:
+        """Seconds the small step spends on a request it answers: ``C/c``, plus ``X`` with ``replay``."""
+        cs = costs.lone_s(small=True)
+        if not self.replay or self.cut_at is None:
+            return cs
+        k = min(costs.output_tokens, self.cut_at)
+        cut = costs.base_s + max(0.0, k - 1) * (costs.base_s + costs.decode_s)
+        return cs + costs.time_scale * cut / costs.ratio
 
 
 #: The policies the README's table names.
@@ -78,15 +95,16 @@ PERFECT = Policy(recall=1.0)
 BUFFERED = Policy()
 
 
-def first_k(k: int) -> Policy:
-    return Policy(cut_at=k)
+def first_k(k: int, *, replay: bool = False) -> Policy:
+    return Policy(cut_at=k, replay=replay)
 
 
 def token_ratio(costs: Costs, policy: Policy) -> float:
     """Per-token cost of the cascade over all-large:
-    ``[h*(rho*C_L + (1-rho)*(W + C_L)) + (1-h)*(phi*C_L + (1-phi)*C_S)] / C_L``."""
+    ``[h*(rho*C_L + (1-rho)*(W + C_L)) + (1-h)*(phi*C_L + (1-phi)*C_S)] / C_L`` (``C_S``: with ``X``
+    under ``replay``)."""
     h, rho, phi = costs.hard_share, policy.recall, policy.false_skip
-    cl, cs, w = costs.lone_s(small=False), costs.lone_s(small=True), policy.wasted(costs)
+    cl, cs, w = costs.lone_s(small=False), policy.answered(costs), policy.wasted(costs)
     return (h * (rho * cl + (1 - rho) * (w + cl)) + (1 - h) * (phi * cl + (1 - phi) * cs)) / cl
 
 
@@ -101,7 +119,7 @@ def fleet_busy_per_request(lam: float, run_s: float, replicas: int) -> float:
 def busy_ratio(costs: Costs, policy: Policy) -> float:
     """Busy-time cost of the cascade over all-large (module docstring), per request served."""
     h, rho, phi, lam = costs.hard_share, policy.recall, policy.false_skip, costs.lam
-    cl, cs, w = costs.lone_s(small=False), costs.lone_s(small=True), policy.wasted(costs)
+    cl, cs, w = costs.lone_s(small=False), policy.answered(costs), policy.wasted(costs)
     easy_small, hard_small = lam * (1 - h) * (1 - phi), lam * h * (1 - rho)
     lam_small = easy_small + hard_small
     run_small = (easy_small * cs + hard_small * w) / lam_small if lam_small > 0 else cs

@@ -31,6 +31,10 @@ amortizes; the per-step ``step_base_ms`` is what batching shares); the share ans
 latency of escalated requests is the cascade's hard-request TTFT less all-large's (p50 and p90): the
 buffered small step they wait for first.
 
+With ``--replay`` (``--stat first_k`` only) a streamed answer that passes on its first ``k`` tokens is
+sent to ``small`` again with the same seed and streams from it (``replay``): easy requests' TTFT against
+the buffered answer, for ``k`` more small-model tokens each.
+
 With ``--preroute`` the cascade learns online which requests its gate escalates and sends those straight to
 ``large`` (``extproc/cascade/prior.py``); the run reports how many it sent (``preroutes``). ``--warm S``
 sends S seconds of the same workload (other prompts) to each target first, unmeasured: the learner's steady
@@ -117,6 +121,8 @@ class CascadeConfig:
     output_tokens: int = 64
     seed: int = 1
     preroute: bool = False
+    #: ``replay`` (with ``first_k``): a streamed answer that passes on its first k tokens is sent again.
+    replay: bool = False
     #: Seconds of warm-up arrivals (the same rate and mix, other prompts) sent first and not measured.
     warm_s: float = 0.0
 
@@ -137,6 +143,8 @@ class CascadeConfig:
             spec["k"] = self.k
         if self.preroute:
             spec["preroute"] = {}  # the defaults: above 0.9, min_seen 10, explore 0.1
+        if self.replay:
+            spec["replay"] = True
         return {"models": {"auto": {"cascade": spec}}}
 
     def costs(self, prompt_tokens: float) -> Costs:
@@ -263,7 +271,8 @@ def work_seconds(
     prompt part). ``lone``: the per-token reading instead (``extproc/cascade/cost.py`` ``C(P, n)``: the
     step base counted once per output token, as a lone request pays it); ``preroutes`` hard requests
     paid no small step (which of them does not matter: every request of the workload has nearly the
-    same token counts)."""
+    same token counts). With ``replay`` a request answered by the small step also paid its cut first
+    attempt's ``k`` tokens (the prompt once: cached for the replay)."""
     scale = config.time_scale
 
     def cost(model: str, r: Record, tokens: int) -> float:
@@ -285,6 +294,9 @@ def work_seconds(
         if r.step == "2" and config.stat == "first_k" and config.k is not None:
             small = min(small, config.k)  # cut after k tokens (a few more run before the engine notices)
         total += cost("small", r, small) + (cost("large", r, r.completion_tokens) if r.step == "2" else 0.0)
+        if r.step == "1" and config.replay and config.k is not None:
+            cut = min(r.completion_tokens, config.k)
+            total += cost("small", replace(r, prompt_tokens=0), cut)  # the cut attempt's decode
     return total
 
 
@@ -441,7 +453,8 @@ def cost_model(config: CascadeConfig, rows: dict[str, dict[str, Any]]) -> dict[s
     costs = config.costs(cascade.get("prompt_tokens_mean") or config.prompt_tokens * 1.32)
     hard = max(1.0, costs.hard_share * (cascade.get("served") or 0))
     recall = min(1.0, (cascade.get("preroutes") or 0) / hard)
-    run = Policy(recall=recall, cut_at=config.k if config.stat == "first_k" else None)
+    cut_at = config.k if config.stat == "first_k" else None
+    run = Policy(recall=recall, cut_at=cut_at, replay=config.replay and cut_at is not None)
     policies = {"perfect": PERFECT, "buffered": BUFFERED, "first_k_4": first_k(4), "this_run": run}
 
     def both(c: Costs) -> dict[str, dict[str, float]]:
@@ -459,7 +472,7 @@ def cost_model(config: CascadeConfig, rows: dict[str, dict[str, Any]]) -> dict[s
             "hard_share": "the workload's share of [hard] prompts (the gate escalates exactly those)",
             "lam": "the workload's arrival rate (requests/s)",
         },
-        "this_run_policy": {"recall": round(recall, 3), "cut_at": run.cut_at},
+        "this_run_policy": {"recall": round(recall, 3), "cut_at": run.cut_at, "replay": run.replay},
         "ratios": both(costs),
         "sweep": [
             {"param": name, "factor": f, "value": getattr(c, name), "ratios": both(c)}
@@ -490,7 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--preroute", action="store_true", help="learn which requests escalate; send those straight to large"
     )
+    p.add_argument(
+        "--replay", action="store_true", help="first_k only: replay a passing answer so it streams (replay)"
+    )
     args = p.parse_args(argv)
+    if args.replay and (args.stat or "mean") != "first_k":
+        p.error("--replay needs --stat first_k (and --k)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = quick_config() if args.quick else CascadeConfig()
     for key, value in (
@@ -505,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("small_replicas", args.small_replicas),
         ("large_replicas", args.large_replicas),
         ("preroute", args.preroute or None),
+        ("replay", args.replay or None),
         ("warm_s", args.warm),
     ):
         if value is not None:

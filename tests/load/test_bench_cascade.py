@@ -5,6 +5,7 @@ answered by, which the workload fixes)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,12 +61,31 @@ def test_the_per_token_reading_counts_the_step_base_and_preroutes_skip_the_small
     assert skipped == pytest.approx(large / 8 + small_cut + 2 * large)
 
 
+def test_replay_charges_what_the_small_step_answers_its_cut_first_attempt() -> None:
+    config = cascade.CascadeConfig(time_scale=1.0, stat="first_k", k=4, replay=True)
+    assert config.policy()["models"]["auto"]["cascade"]["replay"] is True
+    easy = cascade.Record(False, prompt_tokens=2000, completion_tokens=100, step="1")
+    hard = cascade.Record(True, prompt_tokens=2000, completion_tokens=100, step="2")
+    small = (2000 / 20_000 + 100 * 0.15e-3) / 8
+    cut = 4 * 0.15e-3 / 8  # the first attempt's k tokens; its prompt is the replay's cache hit
+    plain = replace(config, replay=False)
+    assert cascade.work_seconds(config, [easy], "cascade") == pytest.approx(small + cut)
+    assert cascade.work_seconds(config, [hard], "cascade") == cascade.work_seconds(plain, [hard], "cascade")
+    rows = {"cascade": {"served": 100, "preroutes": 0, "prompt_tokens_mean": 339.0}}
+    got = cascade.cost_model(config, rows)
+    assert got["this_run_policy"] == {"recall": 0.0, "cut_at": 4, "replay": True}
+    plain_run = cascade.cost_model(plain, rows)["ratios"]["this_run"]["per_token"]
+    assert got["ratios"]["this_run"]["per_token"] > plain_run
+    with pytest.raises(SystemExit):
+        cascade.main(["--replay", "--out", "/dev/null"])
+
+
 def test_the_cost_model_section_uses_the_runs_parameters_and_recall() -> None:
     config = cascade.CascadeConfig(stat="first_k", k=4, preroute=True)
     assert config.policy()["models"]["auto"]["cascade"]["preroute"] == {}
     rows = {"cascade": {"served": 100, "preroutes": 15, "prompt_tokens_mean": 339.0}}
     got = cascade.cost_model(config, rows)
-    assert got["this_run_policy"] == {"recall": 0.5, "cut_at": 4}
+    assert got["this_run_policy"] == {"recall": 0.5, "cut_at": 4, "replay": False}
     assert got["params"]["prompt_tokens"] == 339.0 and got["params"]["lam"] == 3.0
     assert got["ratios"]["perfect"]["per_token"] == pytest.approx(0.3 + 0.7 / 8, abs=1e-3)
     assert got["ratios"]["perfect"]["busy_time"] > 0.6  # out of reach at the default load (README)

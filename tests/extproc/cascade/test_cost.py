@@ -44,6 +44,20 @@ def test_a_first_k_gate_wastes_the_prompt_and_k_tokens_on_what_it_escalates() ->
     assert first_k(1000).wasted(C) == BUFFERED.wasted(C)
 
 
+def test_replay_adds_the_cut_attempts_tokens_to_what_the_small_step_answers() -> None:
+    """``replay``: an answered request pays its whole small answer plus the cut first attempt's ``k``
+    tokens (its prompt counted once: cached for the replay); what it escalates is unchanged."""
+    cl, cs = C.lone_s(small=False), C.lone_s(small=True)
+    extra = C.time_scale * (0.006 + 3 * 0.00615) / 8
+    replay = first_k(4, replay=True)
+    assert replay.answered(C) == pytest.approx(cs + extra) and first_k(4).answered(C) == cs
+    assert replay.wasted(C) == first_k(4).wasted(C)
+    assert token_ratio(C, replay) == pytest.approx(token_ratio(C, first_k(4)) + 0.7 * extra / cl)
+    assert busy_ratio(C, first_k(4)) < busy_ratio(C, replay) < busy_ratio(C, first_k(4)) + 0.02
+    with pytest.raises(ValueError, match="replay needs cut_at"):
+        Policy(replay=True)
+
+
 @pytest.mark.parametrize(
     ("lam", "run_s", "replicas", "expected"),
     [
