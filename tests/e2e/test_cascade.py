@@ -309,3 +309,13 @@ def test_replay_streams_a_confident_answer_token_by_token_from_the_small_engine(
     assert 400 + 4 <= made < 2 * 400, made  # the gated step's first tokens (cut), then the whole replay
     assert gateway(cascade, "kvgate_cascade_answers_total", model="replay", step="1") == answers + 1
     assert gateway(cascade, "kvgate_cascade_escalations_total", model="replay") == escalations
+
+
+def test_replay_of_a_streamed_completion(cascade: Stack) -> None:
+    body = {"model": "replay", "prompt": "[easy] One two three", "max_tokens": 16, "stream": True}
+    with httpx.stream("POST", f"{cascade.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers[STEP] == "1"
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert {c["model"] for c in chunks} == {"small"} and events[-1] == "data: [DONE]"
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) >= 3
