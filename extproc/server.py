@@ -634,6 +634,7 @@ class Gateway:
                 # token budgets across the workers (with etcd, usage/ carries them to every replica)
                 usage=shared.usage if shared is not None and self.cluster.usage is None else None,
                 prefill=self.disagg,  # P/D's least-work prefill pick sees the siblings' queued prefills
+                cascade=self.cascade,  # the preroute learners learn from every worker's gate verdicts
             )
             if config.extproc.siblings_dir
             else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ class Cascader:
         self.policy = CascadePolicy()
         #: Draws the seeds of ``replay`` runs whose client sent none.
         self._rng = rng or random.Random()
+        #: Told every verdict a learner takes (virtual model, features, escalated): the sibling workers'
+        #: bus (:mod:`extproc.control.siblings`), which hands theirs to :meth:`heard`.
+        self.on_verdict: Callable[[str, tuple[int, ...], bool], None] | None = None
         #: Per virtual model with ``preroute``: its learner (kept across policies while its first step and
         #: ``preroute`` stay the same).
         self.priors: dict[str, EscalationPrior] = {}
@@ -102,6 +105,15 @@ class Cascader:
         verdict = run.verdicts[0][1]
         if verdict.stat is not None:
             prior.learn(run.features, not verdict.passed)
+            if self.on_verdict is not None:
+                self.on_verdict(run.virtual, run.features, not verdict.passed)
+
+    def heard(self, model: str, features: tuple[int, ...], escalated: bool) -> None:
+        """A sibling worker's learner took a verdict on ``model``'s first step: this worker's learns it
+        too (none for ``model``: skipped)."""
+        prior = self.priors.get(model)
+        if prior is not None:
+            prior.learn(features, escalated)
 
 
 @dataclass(frozen=True, slots=True)

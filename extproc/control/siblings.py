@@ -41,6 +41,11 @@ shared here, so every worker schedules on what the whole host routed:
   forgets them with the sibling's loads, and writes the sums into the disaggregator's
   ``sibling_queued``, which its least-work prefill pick adds to its own (extproc/disagg/README.md, "The
   pair"): two workers no longer both pick the idle prefill replica for two long prompts.
+- **cascade verdicts** (with a cascade's ``preroute``, :mod:`extproc.cascade.prior`): each gate verdict on a
+  first step the sender's learner took (the virtual model, escalated or not, the request's hashed
+  features), coalesced like the decisions. The receiver's learner for that virtual model takes it too
+  (a model it has no learner for is skipped), so the workers learn which requests escalate from every
+  verdict of the host, as one worker would, instead of each from its share.
 
 Transport: every worker binds a Unix datagram socket ``DIR/<worker>.sock`` (``[extproc] siblings_dir``,
 mode 0700: only this user can send) and sends to every other ``*.sock`` there, re-listed each heartbeat.
@@ -49,18 +54,20 @@ absolute, so the next one repairs it; a dropped decision is one the sibling does
 that went away is skipped until it binds again. Workers on other hosts share only through feeds and etcd.
 
 Wire format (pure, :func:`encode_learned` / :func:`encode_loads` / :func:`encode_usage` /
-:func:`encode_prefill` / :func:`decode`): a header ``magic "KVS2", kind (1 learned, 2 loads, 3 usage,
-4 prefill), sender length`` and the sender's name; learned: records of ``endpoint length, digest count,
-endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram of a snapshot, which replaces the
-sender's counts and queued tops), a count of queued tops (0 after the first datagram) and that many
-``model length, priority (signed), model``, then entries ``endpoint length, in_flight, net routed
-(signed), endpoint``; usage: the sender's start (nanoseconds since the epoch, 64 bits), then entries
-``tenant length, counter (signed 64 bits), tenant``; prefill: a flag byte (1: the first datagram of a
-snapshot, which replaces the sender's), then entries ``endpoint length, tokens (unsigned 32 bits),
-endpoint``. Integers are network order. No JSON: a record is a few ``struct`` packs and a join.
-``KVS2`` added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop each other's datagrams (so
-share nothing) until both run the same version; a worker built before kind 3 (or 4) drops those
-datagrams alone (and so does not see that sender's prefill work).
+:func:`encode_prefill` / :func:`encode_verdicts` / :func:`decode`): a header ``magic "KVS2", kind (1
+learned, 2 loads, 3 usage, 4 prefill, 5 verdicts), sender length`` and the sender's name; learned: records
+of ``endpoint length, digest count, endpoint, 16-byte digests``; loads: a flag byte (1: the first datagram
+of a snapshot, which replaces the sender's counts and queued tops), a count of queued tops (0 after the
+first datagram) and that many ``model length, priority (signed), model``, then entries ``endpoint length,
+in_flight, net routed (signed), endpoint``; usage: the sender's start (nanoseconds since the epoch, 64
+bits), then entries ``tenant length, counter (signed 64 bits), tenant``; prefill: a flag byte (1: the
+first datagram of a snapshot, which replaces the sender's), then entries ``endpoint length, tokens
+(unsigned 32 bits), endpoint``; verdicts: records of ``model length, escalated (0 or 1), feature count,
+model, features (unsigned 32 bits each)``. Integers are network order. No JSON: a record is a few
+``struct`` packs and a join. ``KVS2`` added the queued tops; a ``KVS1`` worker and a ``KVS2`` one drop
+each other's datagrams (so share nothing) until both run the same version; a worker built before kind 3
+(or 4, 5) drops those datagrams alone (and so does not see that sender's prefill work, or learns from its
+own cascade verdicts only).
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ from extproc.routing.router import Router
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVS2"
-LEARNED, LOADS, USAGE, PREFILL = 1, 2, 3, 4
+LEARNED, LOADS, USAGE, PREFILL, VERDICTS = 1, 2, 3, 4, 5
 #: Largest datagram sent (bytes): far below Linux's Unix datagram limit (the socket's send buffer).
 MAX_DATAGRAM = 60_000
 #: Changed loads and new records wait this long (s) to share one send per sibling.
@@ -114,6 +121,8 @@ _TOP = struct.Struct("!Hi")
 _STARTED = struct.Struct("!Q")
 _COUNTER = struct.Struct("!Hq")
 _TOKENS = struct.Struct("!HI")
+_VERDICT = struct.Struct("!HBH")
+_FEATURE = struct.Struct("!I")
 _MIN_COUNTER, _MAX_COUNTER = -(2**63), 2**63 - 1
 
 
@@ -159,6 +168,23 @@ class Prefill:
     sender: str
     replace: bool
     tokens: dict[EndpointId, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdicts:
+    """Cascade gate verdicts a sibling's learners took: ``(virtual model, escalated, features)`` each."""
+
+    sender: str
+    records: list[tuple[str, bool, tuple[int, ...]]]
+
+
+class SiblingCascade(Protocol):
+    """What the bus needs of the cascades (:class:`~extproc.cascade.plan.Cascader`): a hook it sets to
+    hear this worker's verdicts, and the entry for the siblings'."""
+
+    on_verdict: Callable[[str, tuple[int, ...], bool], None] | None
+
+    def heard(self, model: str, features: tuple[int, ...], escalated: bool) -> None: ...
 
 
 class SiblingPrefill(Protocol):
@@ -307,11 +333,34 @@ def encode_prefill(sender: str, tokens: Mapping[EndpointId, int], limit: int = M
     return out
 
 
+def encode_verdicts(
+    sender: str, records: Iterable[tuple[str, bool, Sequence[int]]], limit: int = MAX_DATAGRAM
+) -> list[bytes]:
+    """Datagrams of at most ``limit`` bytes carrying ``records`` (a request has at most ~65 features: a
+    record is far below one datagram)."""
+    head = _header(VERDICTS, sender)
+    out: list[bytes] = []
+    parts: list[bytes] = [head]
+    size = len(head)
+    for model, escalated, features in records:
+        name = model.encode()
+        record = _VERDICT.pack(len(name), escalated, len(features)) + name
+        record += struct.pack(f"!{len(features)}I", *features)
+        if size + len(record) > limit and len(parts) > 1:
+            out.append(b"".join(parts))
+            parts, size = [head], len(head)
+        parts.append(record)
+        size += len(record)
+    if len(parts) > 1:
+        out.append(b"".join(parts))
+    return out
+
+
 def _loads_datagram(head: bytes, tops: Sequence[bytes], entries: Sequence[bytes], *, first: bool) -> bytes:
     return head + _FLAGS.pack(first) + _TOPS.pack(len(tops)) + b"".join(tops) + b"".join(entries)
 
 
-def decode(data: bytes) -> Learned | Loads | Usage | Prefill:
+def decode(data: bytes) -> Learned | Loads | Usage | Prefill | Verdicts:
     """The message in ``data``; :class:`MessageError` for anything else (truncated, another version)."""
     try:
         magic, kind, name_len = _HEAD.unpack_from(data)
@@ -363,6 +412,19 @@ def decode(data: bytes) -> Learned | Loads | Usage | Prefill:
             entries = _named(data, at, _TOKENS, "prefill entry")
             tokens = {EndpointId(name): count for name, (count,) in entries}
             return Prefill(sender, bool(flags & 1), tokens)
+        if kind == VERDICTS:
+            verdicts: list[tuple[str, bool, tuple[int, ...]]] = []
+            while at < len(data):
+                name_len, escalated, count = _VERDICT.unpack_from(data, at)
+                at += _VERDICT.size
+                model = data[at : at + name_len].decode()
+                at += name_len
+                end = at + count * _FEATURE.size
+                if end > len(data) or escalated > 1:
+                    raise MessageError("truncated or bad verdict")
+                verdicts.append((model, bool(escalated), struct.unpack_from(f"!{count}I", data, at)))
+                at = end
+            return Verdicts(sender, verdicts)
     except (struct.error, UnicodeDecodeError) as exc:
         raise MessageError(f"malformed sibling message: {exc}") from exc
     raise MessageError(f"unknown message kind {kind}")
@@ -472,6 +534,7 @@ class SiblingBus:
         flow: SiblingFlow | None = None,
         usage: SiblingUsage | None = None,
         prefill: SiblingPrefill | None = None,
+        cascade: SiblingCascade | None = None,
         clock: Callable[[], float] = time.monotonic,
         coalesce_s: float = COALESCE_S,
         heartbeat_s: float = HEARTBEAT_S,
@@ -491,6 +554,8 @@ class SiblingBus:
         self._usage_known: set[str] = set()  # sibling replicas (name@start) heard from
         self._prefill = prefill
         self._prefill_sent: dict[EndpointId, int] = {}
+        self._cascade = cascade
+        self._verdicts: list[tuple[str, bool, tuple[int, ...]]] = []
         #: This process's start (ns since the epoch): siblings tell its usage counters from a restarted
         #: worker's of the same name by it.
         self.started_ns = time.time_ns()
@@ -522,6 +587,8 @@ class SiblingBus:
         self._router.listener = self
         if self._flow is not None:
             self._flow.on_tops = self.queue_changed
+        if self._cascade is not None:
+            self._cascade.on_verdict = self.verdict
         self._rescan()
         self._task = loop.create_task(self._beat())
         log.info("sibling worker %s listening at %s", self.name, self.path)
@@ -533,6 +600,8 @@ class SiblingBus:
             self._router.listener = None
         if self._flow is not None and self._flow.on_tops == self.queue_changed:
             self._flow.on_tops = None
+        if self._cascade is not None and self._cascade.on_verdict == self.verdict:
+            self._cascade.on_verdict = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -560,6 +629,15 @@ class SiblingBus:
     def queue_changed(self) -> None:
         """The loads or the queued tops changed: send both within ``coalesce_s``."""
         self._loads_changed = True
+        self._soon()
+
+    def verdict(self, model: str, features: tuple[int, ...], escalated: bool) -> None:
+        """A cascade's learner took a gate verdict: send it to the siblings within ``coalesce_s``."""
+        if self._peers:
+            self._verdicts.append((model, escalated, features))
+            self._soon()
+
+    def _soon(self) -> None:
         if self._flush_handle is None and self._sock is not None:
             self._flush_handle = asyncio.get_running_loop().call_later(self._coalesce_s, self._flush)
 
@@ -568,7 +646,10 @@ class SiblingBus:
     def _flush(self) -> None:
         self._flush_handle = None
         learned, self._learned = self._learned, []
+        verdicts, self._verdicts = self._verdicts, []
         datagrams = encode_learned(self.name, learned) if learned else []
+        if verdicts:
+            datagrams += encode_verdicts(self.name, verdicts)
         if self._loads_changed:
             self._loads_changed = False
             tops = self._flow.queued_tops() if self._flow is not None else None
@@ -672,6 +753,10 @@ class SiblingBus:
             elif isinstance(message, Prefill):
                 self.loads.apply_prefill(message, self._clock())
                 prefill_changed = True
+            elif isinstance(message, Verdicts):
+                if self._cascade is not None:
+                    for model, escalated, features in message.records:
+                        self._cascade.heard(model, features, escalated)
             else:
                 now = self._clock()
                 if self.loads.apply(message, now):
