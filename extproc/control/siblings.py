@@ -234,14 +234,24 @@ def encode_learned(
     """Datagrams of at most ``limit`` bytes carrying ``records``; a record longer than one datagram keeps
     its leading digests (a chain's prefix is itself a valid record)."""
     head = _header(LEARNED, sender)
+
+    def packed() -> Iterator[bytes]:
+        for endpoint, digests in records:
+            eid = endpoint.encode()
+            room = (limit - len(head) - _RECORD.size - len(eid)) // DIGEST_BYTES
+            kept = digests[: max(0, room)]
+            yield _RECORD.pack(len(eid), len(kept)) + eid + b"".join(kept)
+
+    return _datagrams(head, packed(), limit)
+
+
+def _datagrams(head: bytes, records: Iterable[bytes], limit: int) -> list[bytes]:
+    """``records`` joined behind ``head`` into datagrams of at most ``limit`` bytes (a record longer than
+    that goes alone)."""
     out: list[bytes] = []
     parts: list[bytes] = [head]
     size = len(head)
-    for endpoint, digests in records:
-        eid = endpoint.encode()
-        room = (limit - len(head) - _RECORD.size - len(eid)) // DIGEST_BYTES
-        kept = digests[: max(0, room)]
-        record = _RECORD.pack(len(eid), len(kept)) + eid + b"".join(kept)
+    for record in records:
         if size + len(record) > limit and len(parts) > 1:
             out.append(b"".join(parts))
             parts, size = [head], len(head)
@@ -338,22 +348,17 @@ def encode_verdicts(
 ) -> list[bytes]:
     """Datagrams of at most ``limit`` bytes carrying ``records`` (a request has at most ~65 features: a
     record is far below one datagram)."""
-    head = _header(VERDICTS, sender)
-    out: list[bytes] = []
-    parts: list[bytes] = [head]
-    size = len(head)
-    for model, escalated, features in records:
-        name = model.encode()
-        record = _VERDICT.pack(len(name), escalated, len(features)) + name
-        record += struct.pack(f"!{len(features)}I", *features)
-        if size + len(record) > limit and len(parts) > 1:
-            out.append(b"".join(parts))
-            parts, size = [head], len(head)
-        parts.append(record)
-        size += len(record)
-    if len(parts) > 1:
-        out.append(b"".join(parts))
-    return out
+
+    def packed() -> Iterator[bytes]:
+        for model, escalated, features in records:
+            name = model.encode()
+            yield _VERDICT.pack(len(name), escalated, len(features)) + name + _features(features)
+
+    return _datagrams(_header(VERDICTS, sender), packed(), limit)
+
+
+def _features(features: Sequence[int]) -> bytes:
+    return struct.pack(f"!{len(features)}I", *features)
 
 
 def _loads_datagram(head: bytes, tops: Sequence[bytes], entries: Sequence[bytes], *, first: bool) -> bytes:
