@@ -189,7 +189,9 @@ def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def burst(stack: Stack) -> None:
     """Eight concurrent chats (two engines of one request each, two queued: some held and dispatched, some
-    shed with 429) and one chat for a model nobody serves (404)."""
+    shed with 429) and one chat for a model nobody serves (404). On a loaded machine the eight may arrive
+    spread out enough that none is shed (CI once saw no ``kvgate_flow_sheds_total`` at all): the eight go
+    again, up to five times, until one is."""
 
     def chat(i: int, model: str = MODEL) -> int:
         body = {
@@ -199,9 +201,15 @@ def burst(stack: Stack) -> None:
         }
         return httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60).status_code
 
+    tries: list[list[int]] = []
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(chat, range(8)))
-    assert 200 in codes and set(codes) <= {200, 429, 503}, codes  # 503: held past the waiting room
+        for _ in range(5):
+            tries.append(list(pool.map(chat, range(8))))
+            if 429 in tries[-1]:
+                break
+    for codes in tries:
+        assert 200 in codes and set(codes) <= {200, 429, 503}, codes  # 503: held past the waiting room
+    assert 429 in tries[-1], tries
     assert chat(99, "no-such-model") == 404
 
 
