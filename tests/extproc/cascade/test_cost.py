@@ -83,6 +83,10 @@ RECORDED = [
     ("cascade-c12fa66.json", 0.3, BUFFERED, 0.669),
     ("cascade-c12fa66-hard0.5.json", 0.5, BUFFERED, 0.729),
     ("cascade-547c33c-first4.json", 0.3, first_k(4), 0.638),
+    ("cascade-ef9e7e6-first4-plain-r1.json", 0.3, first_k(4), 0.626),
+    ("cascade-ef9e7e6-first4-plain-r2.json", 0.3, first_k(4), 0.622),
+    ("cascade-ef9e7e6-first4-replay-r1.json", 0.3, first_k(4, replay=True), 0.635),
+    ("cascade-ef9e7e6-first4-replay-r2.json", 0.3, first_k(4, replay=True), 0.637),
 ]
 
 
