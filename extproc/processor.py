@@ -941,8 +941,9 @@ class StreamProcessor:
             if self._cascade is not None:
                 self._cascade.learn(run)
             if isinstance(answered, Replayed):  # passed on its first tokens: the step again, via Envoy
-                request = dataclasses.replace(prepared.request, model=run.model, body=run.replay_body())
-                body = orjson.dumps(request.body)
+                seeded = dataclasses.replace(prepared.request, body=run.replay_body())
+                request, body = rewrite_model(seeded, run.model)
+                # The same prompt as the step just committed: the render and history memos answer it.
                 tokens = self._router.tokens(request, exact_count=self._gate is not None)
                 return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
             if answered is not None:

@@ -187,9 +187,10 @@ class Run:
         return step_body(self.client, self.model, chat=self.chat, stream=self.streamed, seed=self.seed)
 
     def replay_body(self) -> dict[str, Any]:
-        """The client's body for the replayed step: its own fields, ``model`` the step's, the seed."""
+        """The client's body for the replayed step: its own fields and the seed (the step's ``model`` is
+        set where every step's is, ``rewrite_model``)."""
         assert self.replaying and self.seed is not None, "replay_body() only for a replayed step"
-        return {**self.client, "model": self.model, "seed": self.seed}
+        return {**self.client, "seed": self.seed}
 
     def feed(self, line: bytes) -> bool:
         """One line of a streamed step's answer; false: the gate failed on its first tokens, stop reading."""

@@ -74,9 +74,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def revision() -> dict[str, Any]:
-    """The git commit measured and the paths that differed from it (empty: a clean tree)."""
-    root = Path(__file__).resolve().parents[2]
+def revision(root: Path | None = None) -> dict[str, Any]:
+    """The git commit measured and the paths that differed from it (empty: a clean tree); ``root``: the
+    tree measured (default this one)."""
+    root = root or Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         try:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import timeit
 from collections.abc import Callable, Sequence
@@ -37,14 +36,6 @@ FLEETS = (4, 16, 64)
 CHAIN_BLOCKS = 270
 WINDOW_S = 20.0
 SEED = 27
-
-
-def _tree_revision(tree: Path) -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=tree, capture_output=True, text=True, check=False).stdout
-
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if len(line) > 3]
-    return {"tree": str(tree), "commit": git("rev-parse", "HEAD").strip(), "changed": changed}
 
 
 def run_fleet(n_endpoints: int, chain_blocks: int, number: int, repeats: int) -> dict[str, Any]:
@@ -130,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--number x --repeats too large: the run would move the clock {calls * 0.001:.0f} s")
     import extproc
 
-    measured = _tree_revision(args.tree.resolve()) if args.tree is not None else revision()
+    measured = revision(args.tree.resolve()) if args.tree is not None else revision()
     result: dict[str, Any] = {
         "benchmark": "working_set",
         "command": " ".join(["python -m load.bench.working_set", *(sys.argv[1:] if argv is None else argv)]),

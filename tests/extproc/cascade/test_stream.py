@@ -190,8 +190,9 @@ def test_a_replay_run_seeds_its_step_and_replays_it_when_the_first_k_pass() -> N
     replayed = r.judge(None)
     assert replayed == Replayed(1, "small") and r.replaying and not r.gated
     assert r.verdicts == [("small", Verdict(pytest.approx(-0.2), True, "pass"))]
-    # The client's own body again (its logprobs choice, n, stream), the step's model and the same seed.
-    assert r.replay_body() == {**client, "model": "small", "seed": r.seed}
+    # The client's own body again (its logprobs choice, n, stream) and the same seed; the processor sets
+    # the step's model (tests/extproc/cascade/test_processor_cascade.py).
+    assert r.replay_body() == {**client, "seed": r.seed}
 
     r = run(REPLAY)  # fails on its first tokens: escalates as without replay
     r.seed = 7
