@@ -82,6 +82,9 @@ Example (TOML)::
     ttl_s = 3600
     state_dir = "/var/lib/kvgate/affinity"   # optional: kept across restarts, a file per worker
     snapshot_interval_s = 30                 #   (kvgate up: WORKDIR/affinity; "" or absent: not kept)
+    [cascade]                          # optional: the cascades' preroute learners (extproc/cascade/README.md)
+    state_dir = "/var/lib/kvgate/cascade"    # kept across restarts, a file per worker
+    snapshot_interval_s = 30                 #   (kvgate up: WORKDIR/cascade; "" or absent: not kept)
     [feeds]                            # optional mTLS to agents' event feeds and https slot_restore
                                        # URLs (agents with [agent.tls]); all three or none
     tls_ca = "ca.pem"
@@ -148,6 +151,7 @@ from extproc.admission.tenants import Tenant
 from extproc.affinity.core import AffinityConfig, parse_affinity
 from extproc.burst.core import BurstEndpoint, parse_burst
 from extproc.burst.records import BurstCredential, parse_credentials
+from extproc.cascade.spec import CascadeConfig, parse_cascade_config
 from extproc.collector import MODES
 from extproc.drift.monitor import DriftPolicy, parse_drift
 from extproc.federation.links import FederationConfig, parse_federation
@@ -401,6 +405,8 @@ class GatewayConfig:
     burst_credentials: tuple[BurstCredential, ...] = ()
     #: ``previous_response_id`` affinity of the Responses API (``[response_affinity]``, extproc/affinity).
     response_affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    #: Where the cascades' ``preroute`` learners are kept across restarts (``[cascade]``, extproc/cascade).
+    cascade: CascadeConfig = field(default_factory=CascadeConfig)
     #: Bounds of each model's tokenizer segment cache (``[tokenizer]``, :mod:`extproc.models.tokenizer`).
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
@@ -543,6 +549,7 @@ def parse_config(raw: object) -> GatewayConfig:
     burst = parse_burst(top.raw("burst"))
     burst_credentials = parse_credentials(top.raw("burst_credentials"))
     response_affinity = parse_affinity(top.raw("response_affinity"))
+    cascade = parse_cascade_config(top.raw("cascade"))
     top.done()
     return GatewayConfig(
         extproc, scrape, index, models, endpoints, scheduling, auth, tenants, etcd, policy_file, feeds,
@@ -558,6 +565,7 @@ def parse_config(raw: object) -> GatewayConfig:
         burst=burst,
         burst_credentials=burst_credentials,
         response_affinity=response_affinity,
+        cascade=cascade,
     )  # fmt: skip
 
 

@@ -47,6 +47,8 @@ from extproc.affinity.persist import AffinityState, state_path
 from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
 from extproc.burst.records import BurstSink, BurstTable
+from extproc.cascade.persist import PrerouteState
+from extproc.cascade.persist import state_path as preroute_path
 from extproc.cascade.plan import Cascader
 from extproc.collector import Collector
 from extproc.config import GatewayConfig, default_max_body_bytes, load_config
@@ -531,6 +533,18 @@ class Gateway:
         #: Virtual models answered by a cascade of served models (:mod:`extproc.cascade`); their gated
         #: steps go through the same upstream client.
         self.cascade = Cascader(cascade_policy(store.policy))
+        #: Its preroute learners' snapshot file, kept across restarts (``[cascade] state_dir``; ``None``:
+        #: not kept).
+        self.cascade_state = (
+            PrerouteState(
+                self.cascade,
+                preroute_path(config.cascade.state_dir, worker or "extproc"),
+                config.cascade.snapshot_interval_s,
+                wait=config.etcd is not None,  # etcd's policy comes after the start
+            )
+            if config.cascade.state_dir is not None
+            else None
+        )
         #: Spans of traced requests (``[tracing]``); ``None``: tracing off.
         self.tracer = build_tracer(config.tracing)
         #: etcd control plane, agents' feeds and policy (:mod:`extproc.control.cluster`).
@@ -724,6 +738,9 @@ class Gateway:
         if self.affinity_state is not None:  # the last run's table, before the first request
             await self.affinity_state.load()
             self.affinity_state.start()
+        if self.cascade_state is not None:  # the last run's preroute learners, before the first request
+            await self.cascade_state.load()
+            self.cascade_state.start()
         if self.siblings is not None:
             self.siblings.start()
         self.eds.start()
@@ -880,6 +897,8 @@ class Gateway:
         await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
         if self.affinity_state is not None:  # after the last completion-log entry: the table, a last time
             await self.affinity_state.aclose()
+        if self.cascade_state is not None:  # after the last request's verdict: the learners, a last time
+            await self.cascade_state.aclose()
         self.dispatcher.close()
         if self.siblings is not None:
             await self.siblings.aclose()

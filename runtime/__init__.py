@@ -1,9 +1,9 @@
 """Runtime: the IO every kvgate daemon shares, and nothing else.
 
-etcd (:mod:`runtime.etcd`: the connection, leased keys; :mod:`runtime.watch`: the one prefix-watch loop
-that keeps any sans-IO core in step with etcd), the index-event feed's transport (:mod:`runtime.feed`:
-the source's log and gRPC server, the receiver's client), the client of a node's kvcached
-(:mod:`runtime.kvcached`), TLS material that follows file rotation (:mod:`runtime.tls`) and the daemons'
-lifecycle (:mod:`runtime.lifecycle`). It builds on :mod:`contracts` (and :mod:`certs`); the gateway, the
-agent and kvcached use it and never each other.
+etcd (:mod:`runtime.etcd`: the connection, leased keys; :mod:`runtime.watch`: the one prefix-watch loop that
+keeps any sans-IO core in step with etcd), the index-event feed's transport (:mod:`runtime.feed`: the
+source's log and gRPC server, the receiver's client), the client of a node's kvcached
+(:mod:`runtime.kvcached`), TLS material that follows file rotation (:mod:`runtime.tls`), state files kept
+across restarts (:mod:`runtime.statefile`) and the daemons' lifecycle (:mod:`runtime.lifecycle`). It builds
+on :mod:`contracts` (and :mod:`certs`); the gateway, the agent and kvcached use it and never each other.
 """

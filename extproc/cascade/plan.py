@@ -25,7 +25,7 @@ import orjson
 
 from extproc.cascade.answer import client_answer, step_body
 from extproc.cascade.gate import Verdict, judge
-from extproc.cascade.prior import EscalationPrior, features, request_text
+from extproc.cascade.prior import EscalationPrior, SavedPrior, features, request_text
 from extproc.cascade.spec import CascadeSpec
 from extproc.cascade.stream import StepStream
 
@@ -55,10 +55,16 @@ class Cascader:
         #: Per virtual model with ``preroute``: its learner (kept across policies while its first step and
         #: ``preroute`` stay the same).
         self.priors: dict[str, EscalationPrior] = {}
+        #: Learners a restarted gateway took back (:meth:`restore`) for virtual models the policy in force
+        #: does not name: they wait for the next :meth:`apply` (etcd's), kept in every snapshot until then.
+        self.pending: dict[str, SavedPrior] = {}
+        #: Moves with every verdict learnt and every policy applied (when to write a snapshot).
+        self.changes = 0
         self.apply(policy or CascadePolicy())
 
     def apply(self, policy: CascadePolicy) -> None:
         priors: dict[str, EscalationPrior] = {}
+        pending, self.pending = self.pending, {}  # the whole policy in force: what it leaves out is gone
         for name, spec in policy.cascades.items():
             if spec.preroute is None:
                 continue
@@ -68,7 +74,38 @@ class Cascader:
                 priors[name] = old
             else:
                 priors[name] = EscalationPrior(spec.preroute)
+                saved = pending.get(name)
+                if saved is not None and _fits(saved, spec):
+                    priors[name].load(saved.counts, saved.verdicts)
         self.policy, self.priors = policy, priors
+        self.changes += 1
+
+    def saved(self) -> list[SavedPrior]:
+        """Every learner as a restarted gateway takes it back (:meth:`restore`), and those still pending."""
+        out = [
+            SavedPrior(name, self.policy.cascades[name].steps[0], prior.spec, prior.verdicts, prior.dump())
+            for name, prior in self.priors.items()
+        ]
+        return out + [s for name, s in self.pending.items() if name not in self.priors]
+
+    def restore(self, saved: Iterable[SavedPrior], *, wait: bool = False) -> int:
+        """Take back a previous run's learners (:meth:`saved`); how many took their counts back now. One
+        whose virtual model's cascade in force has the same first step and ``preroute`` takes them; with
+        ``wait`` (a policy still to come from etcd), one whose model the policy in force does not name
+        waits in :attr:`pending` for the next :meth:`apply`, which holds the whole policy and takes it
+        back or drops it; the rest are dropped (their cascade changed or is gone: a policy change would
+        have started them afresh too)."""
+        restored = 0
+        for s in saved:
+            spec = self.policy.cascades.get(s.model)
+            if spec is None:
+                if wait:
+                    self.pending[s.model] = s
+            elif s.model in self.priors and _fits(s, spec):
+                self.priors[s.model].load(s.counts, s.verdicts)
+                restored += 1
+        self.changes += 1
+        return restored
 
     def lookup(self, model: str) -> CascadeSpec | None:
         return self.policy.cascades.get(model)
@@ -105,6 +142,7 @@ class Cascader:
         verdict = run.verdicts[0][1]
         if verdict.stat is not None:
             prior.learn(run.features, not verdict.passed)
+            self.changes += 1
             if self.on_verdict is not None:
                 self.on_verdict(run.virtual, run.features, not verdict.passed)
 
@@ -114,6 +152,12 @@ class Cascader:
         prior = self.priors.get(model)
         if prior is not None:
             prior.learn(features, escalated)
+            self.changes += 1
+
+
+def _fits(saved: SavedPrior, spec: CascadeSpec) -> bool:
+    """Whether ``saved`` learnt what a learner of ``spec`` learns: the same first step and ``preroute``."""
+    return saved.first_step == spec.steps[0] and saved.spec == spec.preroute
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ features' counts; nothing is logged.
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from array import array
 from collections.abc import Mapping
@@ -46,6 +47,12 @@ BITS = 16
 SLOTS = 1 << BITS
 #: Verdicts per feature before its counts are halved.
 CAP = 1_000
+#: What a learner's counts are counts of (the words read, their hash, the tables, the cap): counts kept
+#: across a restart (:meth:`EscalationPrior.dump`) are taken back only by a learner of the same. Change it
+#: with any of those.
+FEATURES = f"crc32 lower words {MAX_WORDS} of {MAX_CHARS} chars, len bucket; 2 x {SLOTS} slots; cap {CAP}"
+#: The size of :meth:`EscalationPrior.dump`: four tables of float64.
+COUNTS_BYTES = 4 * SLOTS * 8
 _KEYS = ("above", "min_seen", "explore")
 
 
@@ -117,8 +124,42 @@ def features(text: str) -> tuple[int, ...]:
     return tuple(sorted(hashes))
 
 
+def check_counts(counts: bytes) -> None:
+    """:class:`ValueError` unless ``counts`` is what :meth:`EscalationPrior.dump` gives: the size, every
+    count finite and >= 0, no slot escalated more often than seen."""
+    if len(counts) != COUNTS_BYTES:
+        raise ValueError(f"expected {COUNTS_BYTES} bytes of counts, got {len(counts)}")
+    tables = _tables(counts)
+    for table in tables:
+        if not (math.isfinite(sum(table)) and min(table) >= 0):  # NaN and inf carry into the sum
+            raise ValueError("a count is negative or not finite")
+    for seen, escalated in ((tables[0], tables[2]), (tables[1], tables[3])):
+        if any(e > n for n, e in zip(seen, escalated, strict=True)):
+            raise ValueError("a slot escalated more often than it was seen")
+
+
+def _tables(counts: bytes) -> list[array[float]]:
+    values = array("d")
+    values.frombytes(counts)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return [values[i * SLOTS : (i + 1) * SLOTS] for i in range(4)]
+
+
 def _slots(f: int) -> tuple[int, int]:
     return f & (SLOTS - 1), (f >> BITS) & (SLOTS - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedPrior:
+    """A learner kept across a restart: its virtual model, the first step and ``preroute`` of that
+    model's cascade when it learned, its verdicts and its counts (:meth:`EscalationPrior.dump`)."""
+
+    model: str
+    first_step: str
+    spec: PrerouteSpec
+    verdicts: int
+    counts: bytes
 
 
 class EscalationPrior:
@@ -156,6 +197,22 @@ class EscalationPrior:
             return False
         self.skips += 1
         return True
+
+    def dump(self) -> bytes:
+        """The counts: the two ``seen`` tables then the two ``escalated`` ones, float64 little-endian."""
+        out = array("d")
+        for table in (*self.seen, *self.escalated):
+            out.extend(table)
+        if sys.byteorder == "big":
+            out.byteswap()
+        return out.tobytes()
+
+    def load(self, counts: bytes, verdicts: int) -> None:
+        """Take back counts :meth:`dump` gave (a restarted gateway's learner, checked by
+        :func:`check_counts`) and the verdicts they count."""
+        tables = _tables(counts)
+        self.seen, self.escalated = (tables[0], tables[1]), (tables[2], tables[3])
+        self.verdicts = verdicts
 
     def learn(self, x: tuple[int, ...], escalated: bool) -> None:
         """One gate verdict on a request with features ``x``."""

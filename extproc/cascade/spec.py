@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from contracts.config import Section
 from contracts.errors import ConfigError
 from extproc.cascade.prior import PrerouteSpec, parse_preroute
 
@@ -124,3 +125,31 @@ def _number(value: object, where: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeConfig:
+    """``[cascade]`` of the gateway config: where each worker keeps its ``preroute`` learners across
+    restarts (``state_dir``, a file per worker: README.md, "Kept across restarts"; ``None``: not kept) and
+    how often a changed set is written there (``snapshot_interval_s``, and once more at a graceful
+    shutdown)."""
+
+    state_dir: str | None = None
+    snapshot_interval_s: float = 30.0
+
+
+def parse_cascade_config(raw: object, where: str = "cascade") -> CascadeConfig:
+    if raw is None:
+        return CascadeConfig()
+    s = Section(raw, where)
+    d = CascadeConfig()
+    config = CascadeConfig(
+        state_dir=s.string("state_dir", d.state_dir) or None,  # "": not kept (overrides `kvgate up`'s)
+        snapshot_interval_s=s.number("snapshot_interval_s", d.snapshot_interval_s),
+    )
+    s.done()
+    if config.snapshot_interval_s <= 0:
+        raise ConfigError(f"{where}.snapshot_interval_s: must be > 0, got {config.snapshot_interval_s}")
+    if config.state_dir is not None and "\0" in config.state_dir:
+        raise ConfigError(f"{where}.state_dir: not a path (a NUL character)")
+    return config

@@ -387,6 +387,9 @@ class Stack:
                 **config,
                 "response_affinity": {**affinity, "state_dir": str(self.workdir / "affinity")},
             }
+        cascade = config.get("cascade", {})
+        if "state_dir" not in cascade:  # the cascades' preroute learners kept across ext_proc restarts
+            config = {**config, "cascade": {**cascade, "state_dir": str(self.workdir / "cascade")}}
         edge_auth = EdgeAuth.from_config(parsed)
         if edge_auth is not None and self.auth is not None and self.auth.ca_file is not None:
             # The dev issuer's JWKS over HTTPS, verified against the stack's CA.

@@ -443,12 +443,13 @@ def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects]
     gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
     affinity_dir = gateway.response_affinity.state_dir
     assert affinity_dir, "the picker keeps previous_response_id affinity across a container restart"
+    assert gateway.cascade.state_dir, "the picker keeps its preroute learners across a container restart"
     node_text = config_file(objects, "kvgate-agent", "node.toml")
     for placeholder, value in POD.items():
         node_text = node_text.replace(placeholder, value)
     state_dir = parse_node_config(tomllib.loads(node_text)).agent.state_dir
     writes = {
-        "epp": ["KVGATE_CACHE", str(affinity_dir)],
+        "epp": ["KVGATE_CACHE", str(affinity_dir), str(gateway.cascade.state_dir)],
         "agent": [state_dir],
         "agent-config": ["/run/kvgate"],
     }
@@ -476,6 +477,7 @@ def test_the_picker_config_serves_the_probes_the_pod_asks(
     raw["extproc"].update(listen="127.0.0.1:0", health_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
     raw["etcd"]["endpoints"] = ["127.0.0.1:1"]
     raw["response_affinity"]["state_dir"] = str(tmp_path / "affinity")  # not the pod's volume on this host
+    raw["cascade"]["state_dir"] = str(tmp_path / "affinity")
     # the in-cluster API is not here: a kubeconfig naming a closed port (the pool is retried meanwhile)
     kubeconfig = {
         "apiVersion": "v1", "kind": "Config", "current-context": "c",

@@ -20,6 +20,7 @@ from kvgate.dev.procs import Child
 from kvgate.dev.up import Stack, StackOptions
 from tests.e2e.conftest import FAST_SIM
 from tests.e2e.test_disagg import samples
+from tests.polling import poll
 
 pytestmark = pytest.mark.e2e
 THRESHOLD = -0.5
@@ -39,6 +40,13 @@ POLICY = {
             }
         },
         "learnt": {
+            "cascade": {
+                "steps": ["small", "large"],
+                "threshold": THRESHOLD,
+                "preroute": {"above": 0.7, "min_seen": 2, "explore": 0},
+            }
+        },
+        "kept": {  # the same, for the restart test (last in this module)
             "cascade": {
                 "steps": ["small", "large"],
                 "threshold": THRESHOLD,
@@ -208,6 +216,7 @@ def test_the_virtual_models_are_listed(cascade: Stack) -> None:
         "small",
         "auto",
         "early",
+        "kept",
         "learnt",
         "replay",
     ]
@@ -319,3 +328,43 @@ def test_replay_of_a_streamed_completion(cascade: Stack) -> None:
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert {c["model"] for c in chunks} == {"small"} and events[-1] == "data: [DONE]"
     assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) >= 3
+
+
+def test_a_restarted_ext_proc_keeps_what_preroute_learnt(cascade: Stack) -> None:
+    """The preroute learners are kept across an ext_proc restart (``kvgate up``'s ``[cascade] state_dir``,
+    WORKDIR/cascade): two hard requests escalated by the gate, the ext_proc stopped (SIGTERM: it drains and
+    writes its learners) and started again; the new process sends the third hard request straight to
+    ``large`` (its own preroute counter, the small engines idle). Last in the module: it restarts the
+    ext_proc the other tests share."""
+    assert cascade.extproc is not None
+    smalls = [e["address"] for e in cascade.engines if cascade.served[e["id"]] == ["small"]]
+    sdk = client(cascade)
+    for n in ("one", "two"):  # 39 characters each: the same length bucket as the third
+        raw = sdk.chat.completions.with_raw_response.create(
+            **{**ask(f"[hard] an uncertain question number {n}"), "model": "kept"}
+        )
+        assert raw.headers[STEP] == "2"
+    assert cascade.extproc.stop() == 0
+    assert (cascade.workdir / "cascade" / "preroute-extproc.json").is_file()
+    cascade.extproc.spawn()
+    cascade.extproc.await_ready()
+
+    def routed() -> bool | None:
+        try:
+            got = httpx.post(
+                f"{cascade.url}/v1/chat/completions", json={**ask("hi"), "model": "small"}, timeout=10
+            )
+        except httpx.HTTPError:
+            return None
+        return True if got.status_code == 200 else None
+
+    poll(routed, 60, "Envoy routing through the restarted ext_proc", interval_s=0.1)
+    assert gateway(cascade, "kvgate_cascade_preroutes_total", model="kept") == 0  # a new process
+    before = generated(cascade)
+    raw = sdk.chat.completions.with_raw_response.create(
+        **{**ask("[hard] an uncertain question number six"), "model": "kept"}
+    )
+    assert raw.headers[STEP] == "2" and raw.parse().model == "large"
+    after = generated(cascade)
+    assert all(after[a] == before[a] for a in smalls)  # no small step ran
+    assert gateway(cascade, "kvgate_cascade_preroutes_total", model="kept") == 1

@@ -1,0 +1,253 @@
+"""The cascades' preroute learners across restarts (extproc/cascade/persist.py, Cascader.saved/restore and
+runtime/statefile.py): round trip, a changed cascade starts afresh, learners waiting for their policy, bad
+files ignored, file modes, the ``[cascade]`` config."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import stat
+import types
+import zlib
+from array import array
+from pathlib import Path
+
+import orjson
+import pytest
+
+from contracts.errors import ConfigError
+from extproc.cascade.gate import Verdict
+from extproc.cascade.persist import PrerouteState, decode, encode, read, state_path
+from extproc.cascade.plan import CascadePolicy, Cascader, Run
+from extproc.cascade.prior import COUNTS_BYTES, FEATURES, SLOTS, PrerouteSpec, SavedPrior, features
+from extproc.cascade.spec import CascadeSpec, parse_cascade_config
+from extproc.config import parse_config
+
+PREROUTE = PrerouteSpec(above=0.7, min_seen=2, explore=0.0)
+SPEC = CascadeSpec(("small", "large"), -0.5, preroute=PREROUTE)
+HARD = "[hard] an uncertain question"
+
+
+def cascader(**cascades: CascadeSpec) -> Cascader:
+    return Cascader(CascadePolicy(types.MappingProxyType(cascades)))
+
+
+def judged(c: Cascader, text: str, *, escalated: bool, model: str = "auto") -> None:
+    """One request for ``model`` whose first step the gate judged."""
+    run = c.start(model, {"model": model, "messages": [{"role": "user", "content": text}]}, chat=True, now=0)
+    assert isinstance(run, Run) and not run.preskipped
+    run.verdicts.append(("small", Verdict(-2.0 if escalated else -0.1, not escalated, "gate")))
+    c.learn(run)
+
+
+def skips(c: Cascader, text: str, model: str = "auto") -> bool:
+    run = c.start(model, {"model": model, "messages": [{"role": "user", "content": text}]}, chat=True, now=0)
+    assert run is not None
+    return run.preskipped
+
+
+async def taught(path: Path) -> tuple[Cascader, PrerouteState]:
+    """A process whose learner for ``auto`` skips hard requests, its file (none before) read first."""
+    c = cascader(auto=SPEC)
+    state = PrerouteState(c, path, 30.0, wall=lambda: 1e9)
+    assert await state.load() == 0
+    assert not await state.save()  # nothing learnt: nothing written
+    for i in range(2):
+        judged(c, f"{HARD} {i}", escalated=True)
+    judged(c, "[easy] hello", escalated=False)
+    assert skips(c, f"{HARD} 9")
+    return c, state
+
+
+async def test_a_restarted_gateway_skips_what_it_had_learnt_to_skip(tmp_path: Path) -> None:
+    path = state_path(tmp_path / "state", "extproc-0")
+    before, state = await taught(path)
+    assert await state.save() and state.saves == 1
+    assert not await state.save()  # unchanged: not written again
+
+    after = cascader(auto=SPEC)  # a new process, the same policy
+    assert not skips(after, f"{HARD} 9")  # a cold learner
+    after = cascader(auto=SPEC)
+    assert await PrerouteState(after, path, 30.0).load() == 1
+    assert after.priors["auto"].dump() == before.priors["auto"].dump()
+    assert after.priors["auto"].verdicts == 3
+    assert skips(after, f"{HARD} 9") and not skips(after, "[easy] hello")
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        CascadeSpec(("tiny", "large"), -0.5, preroute=PREROUTE),  # another first step
+        CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.8, min_seen=2, explore=0.0)),
+        CascadeSpec(("small", "large"), -0.5),  # no preroute any more
+    ],
+)
+async def test_a_changed_cascade_starts_afresh(tmp_path: Path, changed: CascadeSpec) -> None:
+    """As a policy change would: the learner's counts were of another first step or rule."""
+    path = tmp_path / "preroute-extproc.json"
+    _, state = await taught(path)
+    await state.aclose()  # the last write of a graceful shutdown
+    after = cascader(auto=changed)
+    assert await PrerouteState(after, path, 30.0).load() == 0
+    assert not after.pending
+    if changed.preroute is not None:
+        assert after.priors["auto"].verdicts == 0 and not skips(after, f"{HARD} 9")
+
+
+async def test_a_learner_waits_for_etcds_policy(tmp_path: Path) -> None:
+    """With etcd, the policy comes after the start: a learner whose cascade the policy in force does not
+    name waits in ``pending`` (kept in every snapshot meanwhile) for the next policy applied, which holds
+    the whole policy: it takes the learner back, or drops it when that cascade changed or is gone. Without
+    etcd the policy in force is the last: such a learner is dropped at once."""
+    path = tmp_path / "preroute-extproc.json"
+    _, state = await taught(path)
+    await state.aclose()
+    early = cascader(other=SPEC)  # the policy file's cascade; auto's is in etcd
+    early_state = PrerouteState(early, path, 30.0, wait=True)
+    assert await early_state.load() == 0
+    assert set(early.pending) == {"auto"}
+    assert not await early_state.save()  # the file holds it
+    judged(early, HARD, escalated=True, model="other")
+    assert await early_state.save()  # a snapshot before etcd's policy came keeps the waiting one
+    assert sorted(s.model for s in read(path) or []) == ["auto", "other"]
+
+    restarted = cascader()
+    assert await PrerouteState(restarted, path, 30.0, wait=True).load() == 0
+    restarted.apply(CascadePolicy(types.MappingProxyType({"auto": SPEC})))  # etcd's, without "other"
+    assert not restarted.pending and skips(restarted, f"{HARD} 9")
+    assert [s.model for s in restarted.saved()] == ["auto"]  # "other" is gone
+
+    changed = cascader()
+    assert await PrerouteState(changed, path, 30.0, wait=True).load() == 0
+    changed.apply(CascadePolicy(types.MappingProxyType({"auto": CascadeSpec(("tiny", "large"), -0.5)})))
+    assert not changed.pending and "auto" not in changed.priors and changed.saved() == []
+
+    static = cascader()
+    assert await PrerouteState(static, path, 30.0).load() == 0
+    assert not static.pending and static.saved() == []
+
+
+async def test_every_verdict_heard_from_a_sibling_is_a_change_to_write(tmp_path: Path) -> None:
+    c = cascader(auto=SPEC)
+    state = PrerouteState(c, tmp_path / "p.json", 30.0)
+    await state.load()
+    c.heard("auto", features(HARD), True)
+    assert await state.save()
+    c.heard("other", features(HARD), True)  # no learner for it: nothing changed
+    assert not await state.save()
+
+
+def saved_doc(table: bytes, **learner: object) -> bytes:
+    """A snapshot of one learner for ``auto`` with counts ``table``, ``learner``'s fields replacing its
+    own."""
+    one = {
+        "model": "auto",
+        "first_step": "small",
+        "preroute": PREROUTE.to_json(),
+        "verdicts": 3,
+        "counts": base64.b64encode(zlib.compress(table)).decode(),
+        **learner,
+    }
+    doc = {"format": "kvgate.cascade_preroute", "version": 1, "written_at": 0, "features": FEATURES}
+    return orjson.dumps({**doc, "learners": [one]})
+
+
+def counts_with(slot_seen: float, slot_escalated: float) -> bytes:
+    values = array("d", bytes(COUNTS_BYTES))
+    values[5], values[2 * SLOTS + 5] = slot_seen, slot_escalated
+    return values.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b'{"format": "kvgate.cascade_preroute", "vers', "not JSON"),
+        (b"[]", "not a preroute snapshot"),
+        (orjson.dumps({"format": "kvgate.cascade_preroute", "version": 2}), "format version 2"),
+        (saved_doc(counts_with(1, 1)).replace(b"crc32", b"xxh64"), "other features"),
+        (saved_doc(counts_with(1, 2)), "out of range"),  # escalated more often than seen
+        (saved_doc(counts_with(-1, 0)), "out of range"),
+        (saved_doc(counts_with(float("nan"), 0)), "out of range"),
+        (saved_doc(counts_with(1, 1)[:-8]), "out of range"),  # cut short
+        (saved_doc(counts_with(1, 1) + bytes(8)), "out of range"),  # longer
+        (saved_doc(counts_with(1, 1), counts="not base64!"), "out of range"),
+        (saved_doc(counts_with(1, 1), preroute={"above": 2}), "out of range"),
+        (saved_doc(counts_with(1, 1), verdicts=-1), "malformed"),
+        (saved_doc(counts_with(1, 1), model=7), "malformed"),
+    ],
+)
+async def test_a_bad_file_is_logged_without_its_content_and_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, why: str
+) -> None:
+    path = tmp_path / "preroute-extproc.json"
+    path.write_bytes(content)
+    c = cascader(auto=SPEC)
+    state = PrerouteState(c, path, 30.0)
+    with caplog.at_level(logging.WARNING, logger="extproc.cascade.persist"):
+        assert await state.load() == 0
+    assert state.errors == {"load": 1, "save": 0}
+    assert why in caplog.text and "uncertain" not in caplog.text
+    assert c.priors["auto"].verdicts == 0 and not c.pending
+    assert await state.save()  # the next snapshot replaces it
+    assert read(path) is not None
+
+
+def test_a_well_formed_file_reads_back() -> None:
+    """The bad files above are this one, each with one thing wrong."""
+    (got,) = decode(saved_doc(counts_with(2, 1)))
+    assert got == SavedPrior("auto", "small", PREROUTE, 3, counts_with(2, 1))
+
+
+async def test_the_file_is_private_and_compressed(tmp_path: Path) -> None:
+    directory = tmp_path / "state"
+    path = state_path(directory, "extproc-1")
+    assert path == directory / "preroute-extproc-1.json"
+    _, state = await taught(path)
+    old = os.umask(0)
+    try:
+        assert await state.save()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert os.listdir(directory) == [path.name]
+    assert path.stat().st_size < 64 * 1024  # 2 MiB of counts, mostly zeros
+    doc = orjson.loads(path.read_bytes())
+    assert doc["format"] == "kvgate.cascade_preroute" and doc["written_at"] == 1e9
+    assert HARD.encode() not in path.read_bytes()  # counts of hashed words, never the text
+
+
+async def test_a_failed_write_is_counted_not_raised(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    c = cascader(auto=SPEC)
+    state = PrerouteState(c, blocker / "p.json", 30.0)
+    assert await state.load() == 0 and state.errors["load"] == 1
+    judged(c, HARD, escalated=True)
+    assert not await state.save() and state.errors["save"] == 1
+
+
+def test_encode_keeps_every_learner(tmp_path: Path) -> None:
+    c = cascader(auto=SPEC, other=SPEC)
+    path = tmp_path / "p.json"
+    path.write_bytes(encode(c.saved(), 5.0))
+    assert sorted(s.model for s in read(path) or []) == ["auto", "other"]
+
+
+def test_the_config_names_a_directory_and_an_interval() -> None:
+    assert parse_cascade_config(None).state_dir is None
+    got = parse_cascade_config({"state_dir": "/var/lib/kvgate/cascade", "snapshot_interval_s": 5})
+    assert got.state_dir == "/var/lib/kvgate/cascade" and got.snapshot_interval_s == 5.0
+    assert parse_cascade_config({"state_dir": ""}).state_dir is None
+    for bad, where in [
+        ({"snapshot_interval_s": 0}, "snapshot_interval_s"),
+        ({"state_dir": 7}, "state_dir"),
+        ({"state_dir": "a\0b"}, "state_dir"),
+        ({"stat_dir": "/x"}, "stat_dir"),
+    ]:
+        with pytest.raises(ConfigError, match=where):
+            parse_cascade_config(bad)
+    assert parse_config({"cascade": {"state_dir": "/s"}}).cascade.state_dir == "/s"
+    with pytest.raises(ConfigError, match=r"cascade\.snapshot_interval_s"):
+        parse_config({"cascade": {"snapshot_interval_s": -1}})
