@@ -47,6 +47,7 @@ from extproc.affinity.persist import AffinityState, state_path
 from extproc.burst.core import Burster
 from extproc.burst.metrics import BurstCollector
 from extproc.burst.records import BurstSink, BurstTable
+from extproc.cascade.metrics import PrerouteCollector
 from extproc.cascade.persist import PrerouteState
 from extproc.cascade.persist import state_path as preroute_path
 from extproc.cascade.plan import Cascader
@@ -552,6 +553,7 @@ class Gateway:
         self.cluster.pd_listener = self._apply_pd
         self.metrics = GatewayMetrics(self.fleet)
         self.metrics.watch_index(self.index.occupancy)
+        self.metrics.registry.register(PrerouteCollector(self.cascade, self.cascade_state))
         feed_stats = self.cluster.feeds.stats
         feed_stats.on_staleness = self.metrics.feed_staleness.observe
         self.metrics.watch_feeds(self._feed_counters)

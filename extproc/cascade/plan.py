@@ -60,6 +60,8 @@ class Cascader:
         self.pending: dict[str, SavedPrior] = {}
         #: Moves with every verdict learnt and every policy applied (when to write a snapshot).
         self.changes = 0
+        #: Learners that took back a previous run's counts (:meth:`restore`, or a later :meth:`apply`).
+        self.restored = 0
         self.apply(policy or CascadePolicy())
 
     def apply(self, policy: CascadePolicy) -> None:
@@ -77,6 +79,7 @@ class Cascader:
                 saved = pending.get(name)
                 if saved is not None and _fits(saved, spec):
                     priors[name].load(saved.counts, saved.verdicts)
+                    self.restored += 1
         self.policy, self.priors = policy, priors
         self.changes += 1
 
@@ -105,6 +108,7 @@ class Cascader:
                 self.priors[s.model].load(s.counts, s.verdicts)
                 restored += 1
         self.changes += 1
+        self.restored += restored
         return restored
 
     def lookup(self, model: str) -> CascadeSpec | None:

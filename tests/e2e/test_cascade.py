@@ -360,6 +360,9 @@ def test_a_restarted_ext_proc_keeps_what_preroute_learnt(cascade: Stack) -> None
 
     poll(routed, 60, "Envoy routing through the restarted ext_proc", interval_s=0.1)
     assert gateway(cascade, "kvgate_cascade_preroutes_total", model="kept") == 0  # a new process
+    assert gateway(cascade, "kvgate_cascade_preroute_verdicts", model="kept") == 2  # the two taken back
+    assert gateway(cascade, "kvgate_cascade_preroute_restored_total") >= 1
+    assert gateway(cascade, "kvgate_cascade_preroute_state_errors_total") == 0
     before = generated(cascade)
     raw = sdk.chat.completions.with_raw_response.create(
         **{**ask("[hard] an uncertain question number six"), "model": "kept"}

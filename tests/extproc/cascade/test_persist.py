@@ -15,9 +15,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from contracts.errors import ConfigError
 from extproc.cascade.gate import Verdict
+from extproc.cascade.metrics import PrerouteCollector
 from extproc.cascade.persist import PrerouteState, decode, encode, read, state_path
 from extproc.cascade.plan import CascadePolicy, Cascader, Run
 from extproc.cascade.prior import COUNTS_BYTES, FEATURES, SLOTS, PrerouteSpec, SavedPrior, features
@@ -251,3 +253,23 @@ def test_the_config_names_a_directory_and_an_interval() -> None:
     assert parse_config({"cascade": {"state_dir": "/s"}}).cascade.state_dir == "/s"
     with pytest.raises(ConfigError, match=r"cascade\.snapshot_interval_s"):
         parse_config({"cascade": {"snapshot_interval_s": -1}})
+
+
+async def test_the_learners_and_their_file_are_in_the_metrics(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    _, state = await taught(path)
+    await state.aclose()
+    c = cascader(auto=SPEC)
+    kept = PrerouteState(c, path, 30.0)
+    await kept.load()
+    registry = CollectorRegistry()
+    registry.register(PrerouteCollector(c, kept))
+    value = registry.get_sample_value
+    assert value("kvgate_cascade_preroute_verdicts", {"model": "auto"}) == 3
+    assert value("kvgate_cascade_preroute_restored_total") == 1
+    assert value("kvgate_cascade_preroute_snapshots_total") == 0
+    assert value("kvgate_cascade_preroute_state_errors_total", {"op": "load"}) == 0
+    alone = CollectorRegistry()
+    alone.register(PrerouteCollector(c))  # no state_dir: the learners only
+    assert alone.get_sample_value("kvgate_cascade_preroute_verdicts", {"model": "auto"}) == 3
+    assert alone.get_sample_value("kvgate_cascade_preroute_snapshots_total") is None
