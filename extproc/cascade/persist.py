@@ -138,8 +138,9 @@ class PrerouteState(Snapshots):
             self.loaded(current=False)
             log.warning("preroute: ignoring %s (%s); the learners start empty", self.path, exc)
             return 0
-        if saved is None:
-            log.info("preroute: no snapshot at %s yet; the learners start empty", self.path)
+        if saved is None:  # the first start (said only where some cascade has preroute)
+            level = logging.INFO if self.cascader.priors else logging.DEBUG
+            log.log(level, "preroute: no snapshot at %s yet; the learners start empty", self.path)
             self.loaded(current=True)
             return 0
         restored = self.cascader.restore(saved, wait=self._wait)
