@@ -189,15 +189,16 @@ def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def burst(stack: Stack) -> None:
     """Eight concurrent chats (two engines of one request each, two queued: some held and dispatched, some
-    shed with 429) and one chat for a model nobody serves (404). On a loaded machine the eight may arrive
-    spread out enough that none is shed (CI once saw no ``kvgate_flow_sheds_total`` at all): the eight go
-    again, up to five times, until one is."""
+    shed with 429) and one chat for a model nobody serves (404). Each chat asks for 48 tokens (~0.1-0.2 s
+    at the engines' time scale), so the eight overlap even when a loaded machine starts them tens of
+    milliseconds apart: with 4 tokens CI twice saw five rounds of eight without a shed. The eight still
+    go again, up to five times, until one is shed."""
 
     def chat(i: int, model: str = MODEL) -> int:
         body = {
             "model": model,
             "messages": [{"role": "user", "content": f"hello {i} " * 20}],
-            "max_tokens": 4,
+            "max_tokens": 48,
         }
         return httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60).status_code
 
