@@ -24,15 +24,23 @@ import orjson
 
 from contracts.errors import ConfigError
 from extproc.cascade.plan import Cascader
-from extproc.cascade.prior import COUNTS_BYTES, FEATURES, SavedPrior, check_counts, parse_preroute
+from extproc.cascade.prior import (
+    COUNTS_BYTES,
+    FEATURES,
+    SavedPrior,
+    check_counts,
+    parse_preroute,
+    parse_rule,
+)
 from runtime import statefile
 from runtime.statefile import Snapshots, StateError, open_document, read_bounded
 
 log = logging.getLogger(__name__)
 
-#: The snapshot's ``format`` and ``version`` fields; a file with another is not read.
+#: The snapshot's ``format`` and ``version`` fields; a file with another is not read (version 1 named
+#: only a learner's first step, not the gate its verdicts were taken under).
 FORMAT = "kvgate.cascade_preroute"
-VERSION = 1
+VERSION = 2
 #: Learners one file may hold (each a virtual model with ``preroute``), and the file's bound: each
 #: learner's counts are 2 MiB before compression, which takes them under 1 MiB.
 MAX_LEARNERS = 64
@@ -46,11 +54,12 @@ def state_path(directory: str | Path, worker: str) -> Path:
 
 def encode(saved: list[SavedPrior], written_at: float) -> bytes:
     """The snapshot's bytes: ``{"format", "version", "written_at", "features", "learners": [{"model",
-    "first_step", "preroute", "verdicts", "counts"}, ...]}``, the counts zlib-compressed, in base64."""
+    "rule", "preroute", "verdicts", "counts"}, ...]}``, the counts zlib-compressed, in base64; ``rule`` is
+    the first step and the gate (``{"first_step", "gate", "threshold", "stat", "k"}``)."""
     learners = [
         {
             "model": s.model,
-            "first_step": s.first_step,
+            "rule": s.rule.to_json(),
             "preroute": s.spec.to_json(),
             "verdicts": s.verdicts,
             "counts": base64.b64encode(zlib.compress(s.counts, 1)).decode("ascii"),
@@ -81,10 +90,9 @@ def decode(data: bytes) -> list[SavedPrior]:
 def _learner(x: object) -> SavedPrior:
     if not isinstance(x, dict):
         raise StateError("a malformed learner")
-    model, first, verdicts, packed = x.get("model"), x.get("first_step"), x.get("verdicts"), x.get("counts")
+    model, verdicts, packed = x.get("model"), x.get("verdicts"), x.get("counts")
     if not (
         isinstance(model, str)
-        and isinstance(first, str)
         and isinstance(verdicts, int)
         and not isinstance(verdicts, bool)
         and verdicts >= 0
@@ -92,13 +100,17 @@ def _learner(x: object) -> SavedPrior:
     ):
         raise StateError("a malformed learner")
     try:
+        rule = parse_rule(x.get("rule"))
+    except ValueError as exc:
+        raise StateError(str(exc)) from None
+    try:
         spec = parse_preroute(x.get("preroute"), "preroute")
         inflate = zlib.decompressobj()
         counts = inflate.decompress(base64.b64decode(packed, validate=True), COUNTS_BYTES + 1)
         check_counts(counts)
     except (ConfigError, ValueError, binascii.Error, zlib.error):
         raise StateError("a learner's preroute or counts out of range") from None
-    return SavedPrior(model, first, spec, verdicts, counts)
+    return SavedPrior(model, rule, spec, verdicts, counts)
 
 
 def read(path: Path) -> list[SavedPrior] | None:

@@ -52,8 +52,8 @@ class Cascader:
         #: Told every verdict a learner takes (virtual model, features, escalated): the sibling workers'
         #: bus (:mod:`extproc.control.siblings`), which hands theirs to :meth:`heard`.
         self.on_verdict: Callable[[str, tuple[int, ...], bool], None] | None = None
-        #: Per virtual model with ``preroute``: its learner (kept across policies while its first step and
-        #: ``preroute`` stay the same).
+        #: Per virtual model with ``preroute``: its learner (kept across policies while its verdict rule,
+        #: the first step and the gate, and its ``preroute`` stay the same).
         self.priors: dict[str, EscalationPrior] = {}
         #: Learners a restarted gateway took back (:meth:`restore`) for virtual models the policy in force
         #: does not name: they wait for the next :meth:`apply` (etcd's), kept in every snapshot until then.
@@ -71,7 +71,7 @@ class Cascader:
             if spec.preroute is None:
                 continue
             old, before = self.priors.get(name), self.policy.cascades.get(name)
-            kept = old is not None and before is not None and before.steps[0] == spec.steps[0]
+            kept = old is not None and before is not None and before.rule == spec.rule
             if old is not None and kept and old.spec == spec.preroute:
                 priors[name] = old
             else:
@@ -86,18 +86,18 @@ class Cascader:
     def saved(self) -> list[SavedPrior]:
         """Every learner as a restarted gateway takes it back (:meth:`restore`), and those still pending."""
         out = [
-            SavedPrior(name, self.policy.cascades[name].steps[0], prior.spec, prior.verdicts, prior.dump())
+            SavedPrior(name, self.policy.cascades[name].rule, prior.spec, prior.verdicts, prior.dump())
             for name, prior in self.priors.items()
         ]
         return out + [s for name, s in self.pending.items() if name not in self.priors]
 
     def restore(self, saved: Iterable[SavedPrior], *, wait: bool = False) -> int:
         """Take back a previous run's learners (:meth:`saved`); how many took their counts back now. One
-        whose virtual model's cascade in force has the same first step and ``preroute`` takes them; with
-        ``wait`` (a policy still to come from etcd), one whose model the policy in force does not name
-        waits in :attr:`pending` for the next :meth:`apply`, which holds the whole policy and takes it
-        back or drops it; the rest are dropped (their cascade changed or is gone: a policy change would
-        have started them afresh too)."""
+        whose virtual model's cascade in force has the same verdict rule (first step and gate) and
+        ``preroute`` takes them; with ``wait`` (a policy still to come from etcd), one whose model the
+        policy in force does not name waits in :attr:`pending` for the next :meth:`apply`, which holds
+        the whole policy and takes it back or drops it; the rest are dropped (their cascade changed or is
+        gone: a policy change would have started them afresh too)."""
         restored = 0
         for s in saved:
             spec = self.policy.cascades.get(s.model)
@@ -160,8 +160,9 @@ class Cascader:
 
 
 def _fits(saved: SavedPrior, spec: CascadeSpec) -> bool:
-    """Whether ``saved`` learnt what a learner of ``spec`` learns: the same first step and ``preroute``."""
-    return saved.first_step == spec.steps[0] and saved.spec == spec.preroute
+    """Whether ``saved`` learnt what a learner of ``spec`` learns: verdicts under the same rule (first
+    step and gate) and the same ``preroute``."""
+    return saved.rule == spec.rule and saved.spec == spec.preroute
 
 
 @dataclass(frozen=True, slots=True)

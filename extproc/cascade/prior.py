@@ -151,12 +151,53 @@ def _slots(f: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True, slots=True)
+class VerdictRule:
+    """What a learner's verdicts are verdicts of: the step judged and the gate that judged it (a cascade's
+    first step, ``gate``, ``threshold``, ``stat``, ``k``). Counts learnt under one rule say nothing sure
+    about another (a lower threshold escalates less), so a learner is kept only under the same rule."""
+
+    first_step: str
+    gate: str
+    threshold: float
+    stat: str
+    k: int | None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "first_step": self.first_step,
+            "gate": self.gate,
+            "threshold": self.threshold,
+            "stat": self.stat,
+            "k": self.k,
+        }
+
+
+def parse_rule(value: object) -> VerdictRule:
+    """A :class:`VerdictRule` as :meth:`VerdictRule.to_json` wrote it; :class:`ValueError` otherwise (the
+    values themselves are not checked: a rule no cascade in force has keeps no learner)."""
+    if not isinstance(value, Mapping) or set(value) != {"first_step", "gate", "threshold", "stat", "k"}:
+        raise ValueError("a malformed verdict rule")
+    first, gate, threshold, stat, k = (value[key] for key in ("first_step", "gate", "threshold", "stat", "k"))
+    if not (
+        isinstance(first, str)
+        and isinstance(gate, str)
+        and isinstance(threshold, int | float)
+        and not isinstance(threshold, bool)
+        and isinstance(stat, str)
+        and (k is None or (isinstance(k, int) and not isinstance(k, bool)))
+    ):
+        raise ValueError("a malformed verdict rule")
+    return VerdictRule(first, gate, float(threshold), stat, k)
+
+
+@dataclass(frozen=True, slots=True)
 class SavedPrior:
-    """A learner kept across a restart: its virtual model, the first step and ``preroute`` of that
-    model's cascade when it learned, its verdicts and its counts (:meth:`EscalationPrior.dump`)."""
+    """A learner kept across a restart: its virtual model, the rule its verdicts were taken under and the
+    ``preroute`` of that model's cascade when it learned, its verdicts and its counts
+    (:meth:`EscalationPrior.dump`)."""
 
     model: str
-    first_step: str
+    rule: VerdictRule
     spec: PrerouteSpec
     verdicts: int
     counts: bytes

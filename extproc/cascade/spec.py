@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from contracts.config import Section
 from contracts.errors import ConfigError
-from extproc.cascade.prior import PrerouteSpec, parse_preroute
+from extproc.cascade.prior import PrerouteSpec, VerdictRule, parse_preroute
 
 GATES = ("logprob",)
 STATS = ("mean", "min", "first_k")
@@ -65,6 +65,11 @@ class CascadeSpec:
             raise ConfigError(f"timeout_s must be in (0, 600], got {self.timeout_s}")
         if self.replay and self.stat != "first_k":
             raise ConfigError(f"replay applies to stat first_k only (stat is {self.stat!r})")
+
+    @property
+    def rule(self) -> VerdictRule:
+        """What the gate's verdicts on the first step mean (what a ``preroute`` learner learns)."""
+        return VerdictRule(self.steps[0], self.gate, self.threshold, self.stat, self.k)
 
     def to_json(self) -> dict[str, object]:
         doc: dict[str, object] = {

@@ -83,10 +83,14 @@ async def test_a_restarted_gateway_skips_what_it_had_learnt_to_skip(tmp_path: Pa
         CascadeSpec(("tiny", "large"), -0.5, preroute=PREROUTE),  # another first step
         CascadeSpec(("small", "large"), -0.5, preroute=PrerouteSpec(above=0.8, min_seen=2, explore=0.0)),
         CascadeSpec(("small", "large"), -0.5),  # no preroute any more
+        CascadeSpec(("small", "large"), -0.8, preroute=PREROUTE),  # another threshold
+        CascadeSpec(("small", "large"), -0.5, "min", preroute=PREROUTE),  # another statistic
+        CascadeSpec(("small", "large"), -0.5, "first_k", 4, preroute=PREROUTE),
     ],
 )
 async def test_a_changed_cascade_starts_afresh(tmp_path: Path, changed: CascadeSpec) -> None:
-    """As a policy change would: the learner's counts were of another first step or rule."""
+    """As a policy change would: the learner's counts were verdicts of another first step or gate, or
+    counted under another preroute rule."""
     path = tmp_path / "preroute-extproc.json"
     _, state = await taught(path)
     await state.aclose()  # the last write of a graceful shutdown
@@ -95,6 +99,30 @@ async def test_a_changed_cascade_starts_afresh(tmp_path: Path, changed: CascadeS
     assert not after.pending
     if changed.preroute is not None:
         assert after.priors["auto"].verdicts == 0 and not skips(after, f"{HARD} 9")
+
+
+@pytest.mark.parametrize(
+    ("changed", "kept"),
+    [
+        (CascadeSpec(("small", "huge"), -0.5, preroute=PREROUTE), True),  # another last step
+        (CascadeSpec(("small", "large"), -0.5, timeout_s=5, preroute=PREROUTE), True),
+        (CascadeSpec(("small", "large"), -0.3, preroute=PREROUTE), False),  # escalates more now
+        (CascadeSpec(("small", "large"), -0.5, "first_k", 4, preroute=PREROUTE), False),
+        (CascadeSpec(("tiny", "large"), -0.5, preroute=PREROUTE), False),
+    ],
+)
+def test_a_policy_change_keeps_a_learner_only_under_the_same_verdict_rule(
+    changed: CascadeSpec, kept: bool
+) -> None:
+    """A verdict is the gate's on the first step: what the learner learnt holds while the first step and
+    the gate (threshold, statistic, k) stay; a change of the later steps or the timeout keeps it."""
+    c = cascader(auto=SPEC)
+    for i in range(2):
+        judged(c, f"{HARD} {i}", escalated=True)
+    prior = c.priors["auto"]
+    c.apply(CascadePolicy(types.MappingProxyType({"auto": changed})))
+    assert (c.priors["auto"] is prior) is kept
+    assert skips(c, f"{HARD} 9") is kept
 
 
 async def test_a_learner_waits_for_etcds_policy(tmp_path: Path) -> None:
@@ -145,13 +173,13 @@ def saved_doc(table: bytes, **learner: object) -> bytes:
     own."""
     one = {
         "model": "auto",
-        "first_step": "small",
+        "rule": {"first_step": "small", "gate": "logprob", "threshold": -0.5, "stat": "mean", "k": None},
         "preroute": PREROUTE.to_json(),
         "verdicts": 3,
         "counts": base64.b64encode(zlib.compress(table)).decode(),
         **learner,
     }
-    doc = {"format": "kvgate.cascade_preroute", "version": 1, "written_at": 0, "features": FEATURES}
+    doc = {"format": "kvgate.cascade_preroute", "version": 2, "written_at": 0, "features": FEATURES}
     return orjson.dumps({**doc, "learners": [one]})
 
 
@@ -166,7 +194,10 @@ def counts_with(slot_seen: float, slot_escalated: float) -> bytes:
     [
         (b'{"format": "kvgate.cascade_preroute", "vers', "not JSON"),
         (b"[]", "not a preroute snapshot"),
-        (orjson.dumps({"format": "kvgate.cascade_preroute", "version": 2}), "format version 2"),
+        (orjson.dumps({"format": "kvgate.cascade_preroute", "version": 3}), "format version 3"),
+        (saved_doc(counts_with(1, 1)).replace(b'"version":2', b'"version":1'), "format version 1"),
+        (saved_doc(counts_with(1, 1), rule={"first_step": "small"}), "malformed verdict rule"),
+        (saved_doc(counts_with(1, 1), rule=None), "malformed verdict rule"),
         (saved_doc(counts_with(1, 1)).replace(b"crc32", b"xxh64"), "other features"),
         (saved_doc(counts_with(1, 2)), "out of range"),  # escalated more often than seen
         (saved_doc(counts_with(-1, 0)), "out of range"),
@@ -198,7 +229,7 @@ async def test_a_bad_file_is_logged_without_its_content_and_ignored(
 def test_a_well_formed_file_reads_back() -> None:
     """The bad files above are this one, each with one thing wrong."""
     (got,) = decode(saved_doc(counts_with(2, 1)))
-    assert got == SavedPrior("auto", "small", PREROUTE, 3, counts_with(2, 1))
+    assert got == SavedPrior("auto", SPEC.rule, PREROUTE, 3, counts_with(2, 1))
 
 
 async def test_the_file_is_private_and_compressed(tmp_path: Path) -> None:
