@@ -113,6 +113,19 @@ def all_or_none(where: str, **paths: str | None) -> None:
         raise ConfigError(f"{where}: TLS file paths must not be empty")
 
 
+def state_options(s: Section, where: str, interval_s: float) -> tuple[str | None, float]:
+    """A daemon's kept state (``runtime/statefile.py``): the section's ``state_dir`` (``None`` when absent
+    or ``""``: not kept, which overrides ``kvgate up``'s) and ``snapshot_interval_s`` (default
+    ``interval_s``, > 0)."""
+    state_dir = s.string("state_dir", None) or None
+    interval = float(s.number("snapshot_interval_s", interval_s))
+    if interval <= 0:
+        raise ConfigError(f"{where}.snapshot_interval_s: must be > 0, got {interval}")
+    if state_dir is not None and "\0" in state_dir:
+        raise ConfigError(f"{where}.state_dir: not a path (a NUL character)")
+    return state_dir, interval
+
+
 def read_tree(path: Path | str, what: str) -> object:
     """The parsed contents of a ``.json`` file, or of any other as TOML; :class:`ConfigError` naming
     ``what`` (e.g. "config") if it cannot be read, and the format if it does not parse. The config and

@@ -18,11 +18,12 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, Metric
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Snapshots:
             self.errors["load"] += 1
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"kvgate-{self._what}-snapshots")
+        self._task = asyncio.create_task(self._run(), name=f"kvgate-{self._what.replace(' ', '-')}-snapshots")
 
     async def _run(self) -> None:
         while True:
@@ -171,6 +172,25 @@ class Snapshots:
                 return
             write_atomic(self.path, data)
             self._written = issued
+
+    def families(
+        self, prefix: str, restored: int, restored_help: str, held: str, empty: str
+    ) -> Iterator[Metric]:
+        """``<prefix>_restored_total`` (``restored``: what was taken back from the file, said by
+        ``restored_help``), ``<prefix>_snapshots_total`` and ``<prefix>_state_errors_total{op}`` of this
+        file; ``held`` names what a snapshot holds, ``empty`` what is left when the file is not read."""
+        yield CounterMetricFamily(f"{prefix}_restored", restored_help, value=restored)
+        yield CounterMetricFamily(
+            f"{prefix}_snapshots", f"Snapshots of {held} written to state_dir", value=self.saves
+        )
+        errors = CounterMetricFamily(
+            f"{prefix}_state_errors",
+            f"Snapshot files that could not be read at start (ignored: {empty}) or written, by op",
+            labels=["op"],
+        )
+        for op, n in sorted(self.errors.items()):
+            errors.add_metric([op], n)
+        yield errors
 
     async def aclose(self) -> None:
         """Stop the timer and write the table a last time (a graceful shutdown)."""

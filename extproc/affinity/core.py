@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from contracts.config import Section
+from contracts.config import Section, state_options
 from contracts.errors import ConfigError
 
 #: Outcomes of a follow-up (``kvgate_response_affinity_requests_total{outcome}``).
@@ -58,21 +58,14 @@ def parse_affinity(raw: object, where: str = "response_affinity") -> AffinityCon
         return AffinityConfig()
     s = Section(raw, where)
     d = AffinityConfig()
-    config = AffinityConfig(
-        enabled=s.flag("enabled", d.enabled),
-        max_entries=s.integer("max_entries", d.max_entries, minimum=1),
-        ttl_s=s.number("ttl_s", d.ttl_s),
-        state_dir=s.string("state_dir", d.state_dir) or None,  # "": not kept (overrides `kvgate up`'s)
-        snapshot_interval_s=s.number("snapshot_interval_s", d.snapshot_interval_s),
-    )
+    enabled = s.flag("enabled", d.enabled)
+    max_entries = s.integer("max_entries", d.max_entries, minimum=1)
+    ttl_s = s.number("ttl_s", d.ttl_s)
+    state_dir, interval = state_options(s, where, d.snapshot_interval_s)
     s.done()
-    if config.ttl_s <= 0:
-        raise ConfigError(f"{where}.ttl_s: must be > 0, got {config.ttl_s}")
-    if config.snapshot_interval_s <= 0:
-        raise ConfigError(f"{where}.snapshot_interval_s: must be > 0, got {config.snapshot_interval_s}")
-    if config.state_dir is not None and "\0" in config.state_dir:
-        raise ConfigError(f"{where}.state_dir: not a path (a NUL character)")
-    return config
+    if ttl_s <= 0:
+        raise ConfigError(f"{where}.ttl_s: must be > 0, got {ttl_s}")
+    return AffinityConfig(enabled, max_entries, ttl_s, state_dir, interval)
 
 
 @dataclass(slots=True)

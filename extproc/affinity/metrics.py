@@ -46,21 +46,10 @@ class AffinityCollector(Collector):
         state = self._state
         if state is None:
             return
-        yield CounterMetricFamily(
-            "kvgate_response_affinity_restored",
+        yield from state.families(
+            "kvgate_response_affinity",
+            a.restored,
             "Entries taken at start from the last run's snapshot (state_dir)",
-            value=a.restored,
+            held="the table",
+            empty="an empty table",
         )
-        yield CounterMetricFamily(
-            "kvgate_response_affinity_snapshots",
-            "Snapshots of the table written to state_dir",
-            value=state.saves,
-        )
-        errors = CounterMetricFamily(
-            "kvgate_response_affinity_state_errors",
-            "Snapshot files that could not be read at start (ignored: an empty table) or written, by op",
-            labels=["op"],
-        )
-        for op, n in sorted(state.errors.items()):
-            errors.add_metric([op], n)
-        yield errors

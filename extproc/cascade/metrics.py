@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.cascade.persist import PrerouteState
@@ -30,21 +30,10 @@ class PrerouteCollector(Collector):
         state = self._state
         if state is None:
             return
-        yield CounterMetricFamily(
-            "kvgate_cascade_preroute_restored",
+        yield from state.families(
+            "kvgate_cascade_preroute",
+            self._cascader.restored,
             "Preroute learners taken back at start (or at etcd's first policy) from the last run's snapshot",
-            value=self._cascader.restored,
+            held="the preroute learners",
+            empty="empty learners",
         )
-        yield CounterMetricFamily(
-            "kvgate_cascade_preroute_snapshots",
-            "Snapshots of the preroute learners written to [cascade] state_dir",
-            value=state.saves,
-        )
-        errors = CounterMetricFamily(
-            "kvgate_cascade_preroute_state_errors",
-            "Snapshot files that could not be read at start (ignored: empty learners) or written, by op",
-            labels=["op"],
-        )
-        for op, n in sorted(state.errors.items()):
-            errors.add_metric([op], n)
-        yield errors

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from contracts.config import Section
+from contracts.config import Section, state_options
 from contracts.errors import ConfigError
 from extproc.cascade.prior import PrerouteSpec, VerdictRule, parse_preroute
 
@@ -147,14 +147,6 @@ def parse_cascade_config(raw: object, where: str = "cascade") -> CascadeConfig:
     if raw is None:
         return CascadeConfig()
     s = Section(raw, where)
-    d = CascadeConfig()
-    config = CascadeConfig(
-        state_dir=s.string("state_dir", d.state_dir) or None,  # "": not kept (overrides `kvgate up`'s)
-        snapshot_interval_s=s.number("snapshot_interval_s", d.snapshot_interval_s),
-    )
+    state_dir, interval = state_options(s, where, CascadeConfig().snapshot_interval_s)
     s.done()
-    if config.snapshot_interval_s <= 0:
-        raise ConfigError(f"{where}.snapshot_interval_s: must be > 0, got {config.snapshot_interval_s}")
-    if config.state_dir is not None and "\0" in config.state_dir:
-        raise ConfigError(f"{where}.state_dir: not a path (a NUL character)")
-    return config
+    return CascadeConfig(state_dir, interval)
