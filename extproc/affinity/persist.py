@@ -120,7 +120,8 @@ class AffinityState(Snapshots):
         return kept
 
     def _capture(self) -> Callable[[], bytes]:
-        # The only part on the event loop: a shallow copy (~10 ms at 50,000 entries).
-        items = self.affinity.entries.copy()
+        # The only part on the event loop: the items as a list (cheaper than ``OrderedDict.copy``, which
+        # builds the order's linked list again: README.md, "Written").
+        items = list(self.affinity.entries.items())
         now, wall, fleet = self._clock(), self._wall(), dict(self._fleet())
-        return lambda: encode(to_records(items.items(), now, wall, fleet), wall)
+        return lambda: encode(to_records(items, now, wall, fleet), wall)
