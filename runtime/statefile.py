@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,12 +45,24 @@ def read_bounded(path: Path, max_bytes: int) -> bytes | None:
     """The bytes of ``path``; ``None`` when there is no file; :class:`StateError` when it cannot be read
     or holds more than ``max_bytes``."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        # O_NONBLOCK: a FIFO (or a device) at the path must not hang the start in open(); only a regular
+        # file is read (the flag does nothing to one).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise StateError(f"unreadable: {exc.strerror or type(exc).__name__}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StateError("not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise StateError(f"unreadable: {exc.strerror or type(exc).__name__}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(data) > max_bytes:
         raise StateError(f"larger than {max_bytes} bytes")
     return data
@@ -161,6 +174,10 @@ class Snapshots:
             why = exc.strerror or type(exc).__name__
             log.warning("%s: cannot write %s (%s)", self._what, self.path, why)
             return False
+        except Exception as exc:  # encoding: never the timer's end (the table keeps serving)
+            self.errors["save"] += 1
+            log.warning("%s: cannot encode a snapshot for %s (%s)", self._what, self.path, type(exc).__name__)
+            return False
         self._saved = version
         self.saves += 1
         return True
@@ -197,5 +214,8 @@ class Snapshots:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                try:
+                    await self._task
+                except Exception as exc:  # the shutdown goes on: the other parts still close
+                    log.warning("%s: the snapshot timer had failed (%s)", self._what, type(exc).__name__)
         await self.save()

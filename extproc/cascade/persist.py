@@ -45,6 +45,9 @@ VERSION = 2
 #: learner's counts are 2 MiB before compression, which takes them under 1 MiB.
 MAX_LEARNERS = 64
 MAX_BYTES = 64 * 1024 * 1024
+#: A learner's verdicts in a file: JSON's exact integers (far past any run's; one past 2**64 could not be
+#: written again).
+MAX_VERDICTS = 2**53
 
 
 def state_path(directory: str | Path, worker: str) -> Path:
@@ -84,7 +87,10 @@ def decode(data: bytes) -> list[SavedPrior]:
     learners = doc.get("learners")
     if not isinstance(learners, list) or len(learners) > MAX_LEARNERS:
         raise StateError(f"no learner list of at most {MAX_LEARNERS}")
-    return [_learner(x) for x in learners]
+    saved = [_learner(x) for x in learners]
+    if len({s.model for s in saved}) != len(saved):
+        raise StateError("a virtual model's learner twice")
+    return saved
 
 
 def _learner(x: object) -> SavedPrior:
@@ -95,7 +101,7 @@ def _learner(x: object) -> SavedPrior:
         isinstance(model, str)
         and isinstance(verdicts, int)
         and not isinstance(verdicts, bool)
-        and verdicts >= 0
+        and 0 <= verdicts <= MAX_VERDICTS
         and isinstance(packed, str)
     ):
         raise StateError("a malformed learner")

@@ -88,25 +88,27 @@ class Cascader:
         out = [
             SavedPrior(name, self.policy.cascades[name].rule, prior.spec, prior.verdicts, prior.dump())
             for name, prior in self.priors.items()
+            if name not in self.pending  # until etcd's policy: the learner it may take back
         ]
-        return out + [s for name, s in self.pending.items() if name not in self.priors]
+        return out + list(self.pending.values())
 
     def restore(self, saved: Iterable[SavedPrior], *, wait: bool = False) -> int:
         """Take back a previous run's learners (:meth:`saved`); how many took their counts back now. One
         whose virtual model's cascade in force has the same verdict rule (first step and gate) and
-        ``preroute`` takes them; with ``wait`` (a policy still to come from etcd), one whose model the
-        policy in force does not name waits in :attr:`pending` for the next :meth:`apply`, which holds
-        the whole policy and takes it back or drops it; the rest are dropped (their cascade changed or is
-        gone: a policy change would have started them afresh too)."""
+        ``preroute`` takes them. With ``wait`` (a policy still to come from etcd) every other one waits in
+        :attr:`pending` for the next :meth:`apply`, which holds the whole policy and takes it back or
+        drops it: etcd may name its model, or set its cascade as it was when it learnt (an override of
+        the file's); until then it is what :meth:`saved` writes for its model. Without ``wait`` the rest
+        are dropped (their cascade changed or is gone: a policy change would have started them afresh
+        too)."""
         restored = 0
         for s in saved:
             spec = self.policy.cascades.get(s.model)
-            if spec is None:
-                if wait:
-                    self.pending[s.model] = s
-            elif s.model in self.priors and _fits(s, spec):
+            if spec is not None and s.model in self.priors and _fits(s, spec):
                 self.priors[s.model].load(s.counts, s.verdicts)
                 restored += 1
+            elif wait:  # etcd's policy may name it, or set its gate as when it learnt (an override)
+                self.pending[s.model] = s
         self.changes += 1
         self.restored += restored
         return restored

@@ -126,13 +126,13 @@ def features(text: str) -> tuple[int, ...]:
 
 def check_counts(counts: bytes) -> None:
     """:class:`ValueError` unless ``counts`` is what :meth:`EscalationPrior.dump` gives: the size, every
-    count finite and >= 0, no slot escalated more often than seen."""
+    count finite, in ``[0, CAP]``, no slot escalated more often than seen."""
     if len(counts) != COUNTS_BYTES:
         raise ValueError(f"expected {COUNTS_BYTES} bytes of counts, got {len(counts)}")
     tables = _tables(counts)
     for table in tables:
-        if not (math.isfinite(sum(table)) and min(table) >= 0):  # NaN and inf carry into the sum
-            raise ValueError("a count is negative or not finite")
+        if not (math.isfinite(sum(table)) and min(table) >= 0 and max(table) <= CAP):  # NaN, inf: the sum
+            raise ValueError("a count is negative, over the cap or not finite")
     for seen, escalated in ((tables[0], tables[2]), (tables[1], tables[3])):
         if any(e > n for n, e in zip(seen, escalated, strict=True)):
             raise ValueError("a slot escalated more often than it was seen")

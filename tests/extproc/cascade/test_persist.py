@@ -4,6 +4,7 @@ files ignored, file modes, the ``[cascade]`` config."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -11,7 +12,9 @@ import stat
 import types
 import zlib
 from array import array
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -25,6 +28,7 @@ from extproc.cascade.plan import CascadePolicy, Cascader, Run
 from extproc.cascade.prior import COUNTS_BYTES, FEATURES, SLOTS, PrerouteSpec, SavedPrior, features
 from extproc.cascade.spec import CascadeSpec, parse_cascade_config
 from extproc.config import parse_config
+from runtime.statefile import StateError
 
 PREROUTE = PrerouteSpec(above=0.7, min_seen=2, explore=0.0)
 SPEC = CascadeSpec(("small", "large"), -0.5, preroute=PREROUTE)
@@ -158,6 +162,65 @@ async def test_a_learner_waits_for_etcds_policy(tmp_path: Path) -> None:
     assert not static.pending and static.saved() == []
 
 
+async def test_a_learner_learnt_under_etcds_override_waits_for_it(tmp_path: Path) -> None:
+    """The config file names ``auto`` with one gate, etcd overrides it with another, and the learner
+    learnt under etcd's: at the next start (the file's policy first) it does not fit the policy in force,
+    so it waits for etcd's, and every snapshot meanwhile holds it, not the empty learner serving the
+    file's cascade."""
+    path = tmp_path / "preroute-extproc.json"
+    override = CascadeSpec(("small", "large"), -0.8, preroute=PREROUTE)
+    learnt = cascader(auto=override)
+    state = PrerouteState(learnt, path, 30.0)
+    await state.load()
+    for i in range(2):
+        judged(learnt, f"{HARD} {i}", escalated=True)
+    await state.aclose()
+
+    restarted = cascader(auto=SPEC)  # the config file's gate
+    again = PrerouteState(restarted, path, 30.0, wait=True)
+    assert await again.load() == 0 and set(restarted.pending) == {"auto"}
+    assert not skips(restarted, f"{HARD} 9")  # the file's cascade: its own (empty) learner
+    judged(restarted, "[easy] hello", escalated=False)
+    assert await again.save()
+    assert [s.rule for s in read(path) or []] == [override.rule]  # the one etcd's policy may take back
+    restarted.apply(CascadePolicy(types.MappingProxyType({"auto": override})))
+    assert not restarted.pending and restarted.restored == 1 and skips(restarted, f"{HARD} 9")
+
+    static = cascader(auto=SPEC)  # without etcd: the policy in force is the last, the learner is gone
+    assert await PrerouteState(static, path, 30.0).load() == 0
+    assert not static.pending and [s.rule for s in static.saved()] == [SPEC.rule]
+
+
+async def test_a_snapshot_that_cannot_be_encoded_is_counted_and_the_timer_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = cascader(auto=SPEC)
+    state = PrerouteState(c, tmp_path / "p.json", 0.01)
+    await state.load()
+    rounds, second = [], asyncio.Event()
+
+    def capture() -> Callable[[], bytes]:
+        rounds.append(1)
+        if len(rounds) == 2:
+            second.set()
+        return lambda: orjson.dumps(2**64)  # what orjson refuses (as a count past 2**64 would be)
+
+    state._capture = capture
+    judged(c, HARD, escalated=True)
+    state.start()
+    with caplog.at_level(logging.WARNING, logger="runtime.statefile"):
+        await asyncio.wait_for(second.wait(), 30)  # a second round: the timer outlived the first
+        await state.aclose()  # and the shutdown goes on
+    assert state.saves == 0 and state.errors["save"] >= 2 and "cannot encode a snapshot" in caplog.text
+
+
+def test_a_fifo_at_the_path_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "preroute-extproc.json"
+    os.mkfifo(fifo)
+    with pytest.raises(StateError, match="not a regular file"):
+        read(fifo)  # open() of a FIFO with no writer would block until one came
+
+
 async def test_every_verdict_heard_from_a_sibling_is_a_change_to_write(tmp_path: Path) -> None:
     c = cascader(auto=SPEC)
     state = PrerouteState(c, tmp_path / "p.json", 30.0)
@@ -207,13 +270,18 @@ def counts_with(slot_seen: float, slot_escalated: float) -> bytes:
         (saved_doc(counts_with(1, 1), counts="not base64!"), "out of range"),
         (saved_doc(counts_with(1, 1), preroute={"above": 2}), "out of range"),
         (saved_doc(counts_with(1, 1), verdicts=-1), "malformed"),
+        (saved_doc(counts_with(1, 1), verdicts=2**64 - 1), "malformed"),  # could not be written again
+        (saved_doc(counts_with(1001, 0)), "out of range"),  # over the cap: never a learner's
+        (orjson.loads(saved_doc(counts_with(1, 1))), "twice"),  # see below: two learners for "auto"
         (saved_doc(counts_with(1, 1), model=7), "malformed"),
     ],
 )
 async def test_a_bad_file_is_logged_without_its_content_and_ignored(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, why: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes | dict[str, Any], why: str
 ) -> None:
     path = tmp_path / "preroute-extproc.json"
+    if isinstance(content, dict):  # one model's learner twice
+        content = orjson.dumps({**content, "learners": content["learners"] * 2})
     path.write_bytes(content)
     c = cascader(auto=SPEC)
     state = PrerouteState(c, path, 30.0)
