@@ -156,6 +156,7 @@ from extproc.routing.request import (
     route_kind,
     unknown_path,
     with_cache_salt,
+    without_handoff,
 )
 from extproc.routing.router import (
     OFFLOAD_REST_CHARS,
@@ -493,7 +494,9 @@ class StreamProcessor:
             timeline.skip()
         kind = route_kind(self._headers.get(":path", "/"))
         assert kind is not None, "only routed paths are prepared"
-        request = parse_body(kind, body)
+        # A client never chooses where an engine fetches KV: its own handoff fields are dropped here, once,
+        # so every route (aggregated, paired, cascade, burst, federation, migration) sends the rest.
+        request, body = without_handoff(parse_body(kind, body), body)
         rewrite = self._headers.get(MODEL_REWRITE)
         if rewrite:
             request, body = rewrite_model(request, rewrite)

@@ -67,6 +67,10 @@ ROUTES: dict[str, Kind] = {
     "/v2/rerank": Kind.RERANK,
 }
 MODELS_PATH = "/v1/models"
+#: The prefill/decode handoff's body fields (vLLM's ``kv_transfer_params``, SGLang's bootstrap triple):
+#: they tell an engine where to fetch a prompt's KV, so only the gateway's disaggregation sets them
+#: (:mod:`extproc.disagg`); a client's own are dropped where its body is parsed, before any route.
+HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -413,6 +417,15 @@ def with_cache_salt(request: ParsedRequest, salt: str) -> tuple[ParsedRequest, b
     and its re-encoded body."""
     body = {**request.body, "cache_salt": salt}
     return replace(request, cache_salt=salt, body=body), orjson.dumps(body)
+
+
+def without_handoff(request: ParsedRequest, body: bytes) -> tuple[ParsedRequest, bytes]:
+    """The request without the client's own :data:`HANDOFF_FIELDS` and its body, re-encoded only when it
+    had one (the common body is returned as it came)."""
+    if HANDOFF_FIELDS.isdisjoint(request.body):
+        return request, body
+    doc = {k: v for k, v in request.body.items() if k not in HANDOFF_FIELDS}
+    return replace(request, body=doc), orjson.dumps(doc)
 
 
 def rewrite_model(request: ParsedRequest, model: str) -> tuple[ParsedRequest, bytes]:

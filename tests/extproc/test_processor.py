@@ -662,6 +662,30 @@ def test_model_rewrite_header(router: Router, rewrite: str, model: str, destinat
 
 
 @pytest.mark.parametrize(
+    "handoff",
+    [
+        {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "203.0.113.9", "remote_port": 1}},
+        {"bootstrap_host": "203.0.113.9", "bootstrap_port": 1, "bootstrap_room": 7},
+    ],
+)
+@pytest.mark.parametrize("rewrite", [None, OTHER])
+def test_a_clients_handoff_fields_never_reach_an_engine(
+    router: Router, handoff: dict[str, Any], rewrite: str | None
+) -> None:
+    """Only the gateway's disaggregation tells an engine where to fetch KV (extproc/disagg)."""
+    payload = chat(temperature=0.5)
+    extra = {MODEL_REWRITE: rewrite} if rewrite else None
+    r = reply(route(processor(router), orjson.dumps({**orjson.loads(payload), **handoff}), extra=extra))
+    assert orjson.loads(r.body) == {**orjson.loads(payload), "model": rewrite or MODEL}
+    assert r.set_headers["content-length"] == str(len(r.body))
+
+
+def test_a_body_without_handoff_fields_is_sent_as_it_came(router: Router) -> None:
+    payload = chat(temperature=0.5) + b"  "  # not re-encoded: the bytes stay the client's
+    assert reply(route(processor(router), payload)).body == payload
+
+
+@pytest.mark.parametrize(
     ("conformance", "selection", "expected"),
     [
         (True, "10.0.0.2", ["10.0.0.2:8000"]),  # an ip pins every port on it

@@ -4,7 +4,14 @@ import orjson
 import pytest
 
 from extproc.errors import BadRequest
-from extproc.routing.request import Kind, parse_body, rewrite_model, route_kind
+from extproc.routing.request import (
+    HANDOFF_FIELDS,
+    Kind,
+    parse_body,
+    rewrite_model,
+    route_kind,
+    without_handoff,
+)
 
 
 def chat(**fields: object) -> bytes:
@@ -96,6 +103,23 @@ def test_rewrite_model_keeps_other_fields() -> None:
     rewritten, body = rewrite_model(req, "other")
     assert orjson.loads(body) == {**orjson.loads(chat(temperature=0.5)), "model": "other"}
     assert rewritten.model == "other" and rewritten.messages == req.messages
+
+
+def test_without_handoff_drops_the_clients_handoff_fields() -> None:
+    fields = {"kv_transfer_params": {"remote_host": "h"}, "bootstrap_host": "h", "bootstrap_port": 1}
+    raw = chat(temperature=0.5, bootstrap_room=3, **fields)
+    req = parse_body(Kind.CHAT, raw)
+    stripped, body = without_handoff(req, raw)
+    assert orjson.loads(body) == stripped.body == orjson.loads(chat(temperature=0.5))
+    assert stripped.messages == req.messages
+    assert {"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} == HANDOFF_FIELDS
+
+
+def test_without_handoff_keeps_a_body_without_them() -> None:
+    raw = chat(temperature=0.5)
+    req = parse_body(Kind.CHAT, raw)
+    assert without_handoff(req, raw) == (req, raw)
+    assert without_handoff(req, raw)[1] is raw  # not re-encoded
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
