@@ -266,6 +266,9 @@ class StreamProcessor:
         self._noted = False
         #: The disaggregation verdict of the decided request (``None``: its model is served aggregated).
         self.pd: Verdict | None = None
+        #: The verdict of a request refused after it (an SGLang decode pick, no prefill fit: 503), for the
+        #: shell to count as any verdict, then clear.
+        self.pd_refused: Verdict | None = None
         #: The prefill half the shell must send (:meth:`handed_off` or :meth:`prefill_done` after it).
         self.handoff: SubRequest | None = None
         #: How the handoff ended: ``disaggregated``, or the reason it fell back to aggregated.
@@ -770,29 +773,32 @@ class StreamProcessor:
             self.forward = self._forwarded(self._federation, len(body), decided)
             if self.forward is not None:
                 return self._replies(request.stream, body, started, decided)
-        # The band goes on to engines that schedule by priority; a client's own priority never does
-        # (request.body is the body as sent: every rewrite (model, escalation, salt) replaces both).
-        to_engine = self._flow.policy.engine_priority if self._flow is not None else None
-        sent = body_priority(
-            to_engine,
-            self._priority,
-            [s.endpoint.priority_order for s in self.decision.endpoints],
-            "priority" in request.body,
-        )
-        if sent.value is not None:
-            body = orjson.dumps({**request.body, "priority": sent.value})
-        elif sent.drop:
-            body = orjson.dumps({k: v for k, v in request.body.items() if k != "priority"})
+        handoff = None
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
             self.pd = self._disagg.plan(self.decision, decided, self._subset, pinned)
-            if self.pd is not None and self.pd.handoff is not None:
-                return self._pair(self.pd.handoff, prepared, started, decided)
-            if self.pd is not None and not self.pd.alone:  # an SGLang decode server, and no prefill fit
+            handoff = self.pd.handoff if self.pd is not None else None
+            if self.pd is not None and handoff is None and not self.pd.alone:
+                # an SGLang decode server, and no prefill fit
                 self._router.finish(self.decision)
+                self.pd_refused = self.pd  # counted by the shell all the same (no decision is left)
                 self.decision = self.pd = None
                 self._refund()
                 message = "No prefill endpoint is ready to pair with the decode endpoint."
                 raise Unavailable(message, code="no_prefill_endpoint")
+        # The band goes on to engines that schedule by priority; a client's own priority never does
+        # (request.body is the body as sent: every rewrite (model, escalation, salt) replaces both). A
+        # paired request's body goes to its prefill endpoint too.
+        to_engine = self._flow.policy.engine_priority if self._flow is not None else None
+        declared = [s.endpoint.priority_order for s in self.decision.endpoints]
+        if handoff is not None:
+            declared.append(handoff.prefill.endpoint.priority_order)
+        sent = body_priority(to_engine, self._priority, declared, "priority" in request.body)
+        if sent.value is not None:
+            body = orjson.dumps({**request.body, "priority": sent.value})
+        elif sent.drop:
+            body = orjson.dumps({k: v for k, v in request.body.items() if k != "priority"})
+        if handoff is not None:
+            return self._pair(handoff, prepared, body, started, decided)
         return self._replies(request.stream, body, started, decided)
 
     def _affine(self, request: ParsedRequest, now: float) -> str | None:
@@ -833,10 +839,11 @@ class StreamProcessor:
         return forward
 
     def _replies(
-        self, stream: bool, body: bytes, started: float, decided: float
+        self, stream: bool, body: bytes, started: float, decided: float, sent: float | None = None
     ) -> list[pb.ProcessingResponse]:
         """The replies that send the decided request, with ``body``, to its pick (or, forwarded, to the
-        peer's ingress first and the pick as its fallback)."""
+        peer's ingress first and the pick as its fallback); ``sent``: when they go, if later than
+        ``decided`` (after a prefill half), for the TTFT deadline left."""
         decision = self.decision
         assert decision is not None, "replies only after a decision"
         destination = decision.destination
@@ -854,7 +861,7 @@ class StreamProcessor:
             if self._isolated:  # the peer keeps this tenant salt rather than salting again
                 set_headers.append((SALTED_HEADER, "1"))
         if self._deadline is not None:
-            left_ms = max(1, round((self._deadline - decided) * 1000))
+            left_ms = max(1, round((self._deadline - (decided if sent is None else sent)) * 1000))
             set_headers.append((TTFT_DEADLINE_UPSTREAM, str(left_ms)))
         remove_headers: tuple[str, ...] = ()
         if self.principal is not None:
@@ -963,19 +970,20 @@ class StreamProcessor:
             return [self._reject(_Internal("The gateway failed to process the request."))]
 
     def _pair(
-        self, pair: Handoff, prepared: _Prepared, started: float, decided: float
+        self, pair: Handoff, prepared: _Prepared, body: bytes, started: float, decided: float
     ) -> list[pb.ProcessingResponse]:
-        """A disaggregated request (:mod:`extproc.disagg.pairing`): its prefill half for the shell to send
+        """A disaggregated request (:mod:`extproc.disagg.pairing`) with ``body`` (the client's, as every
+        engine gets it: the priority rewrite done): its prefill half for the shell to send
         (:attr:`handoff`). vLLM's protocol: the replies wait for it (:meth:`handed_off`), Envoy's message
         timeout extended past its bound meanwhile; SGLang's: they go at once, the prefill beside them."""
         assert self._disagg is not None
         request_id = self.request_id if "x-request-id" in self._headers else None
         path = self._headers.get(":path", "/")
         try:
-            pairing = Pairing(self._disagg, pair, prepared.body, path, request_id, self.request_id)
+            pairing = Pairing(self._disagg, pair, body, path, request_id, self.request_id)
         except HandoffFailed as exc:  # validated before routing: cannot happen, never worth an error
             self.handoff_outcome = exc.reason
-            return self._replies(prepared.request.stream, prepared.body, started, decided)
+            return self._replies(prepared.request.stream, body, started, decided)
         self._pairing, self.handoff = pairing, pairing.prefill
         if pairing.decode_now is not None:
             return self._replies(prepared.request.stream, pairing.decode_now, started, decided)
@@ -1003,7 +1011,8 @@ class StreamProcessor:
         try:
             body = pairing.finish(answer, failure)
             self.handoff_outcome = pairing.outcome
-            return self._replies(prepared.request.stream, body, started, decided)
+            # The TTFT deadline the decode engine is told is what is left now, after the prefill's wait.
+            return self._replies(prepared.request.stream, body, started, decided, self._clock())
         except GatewayError as exc:
             return [self._reject(exc)]
         except Exception:

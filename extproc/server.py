@@ -260,6 +260,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                             await self._traced_restore(span, proc.decision)
                         else:
                             await self._restorer.before_routing(proc.decision)
+                refused_pd = proc.pd_refused
+                if refused_pd is not None:  # a verdict whose request was refused (no_prefill, SGLang)
+                    self._metrics.pd_decisions.labels(refused_pd.mode, refused_pd.reason).inc()
+                    proc.pd_refused = None
                 for resp in responses:
                     if resp.HasField("immediate_response"):
                         status = resp.immediate_response.status.code

@@ -1,7 +1,8 @@
 """One disaggregated request's handoff, from the decision to the decode body (sans IO).
 
 :class:`Pairing` turns a planned :class:`~extproc.disagg.plan.Handoff` and the client's body into the
-prefill sub-request (:attr:`Pairing.prefill`) and, by protocol:
+prefill sub-request (:attr:`Pairing.prefill`) and, by protocol (the client's body is the one every engine
+gets: without the client's own handoff fields, dropped at parsing, and with the priority rewrite):
 
 * vLLM: the decode body is known only from the prefill's answer: :meth:`Pairing.finish` with that answer
   (or the failure) gives the body for the decode endpoint: the client's body with the engine's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import types
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -19,6 +20,8 @@ from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
+from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl
+from extproc.flow.policy import FlowPolicy, Objective
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, serving
@@ -41,11 +44,25 @@ def make(
     engine: str = "vllm",
     bootstrap: bool = True,
     conformance: bool = False,
+    clock: Callable[[], float] = lambda: 1000.0,
+    flow: FlowControl[StreamProcessor] | None = None,
+    orders: tuple[str | None, str | None] = (None, None),
 ) -> tuple[StreamProcessor, Router]:
+    """``orders``: the prefill and the decode endpoint's declared priority orders."""
     port = 8998 if engine == "sglang" and bootstrap else None
     endpoints = [
-        Endpoint(EndpointId("p"), PREFILL, frozenset({MODEL}), engine, role="prefill", bootstrap_port=port),
-        Endpoint(EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode"),
+        Endpoint(
+            EndpointId("p"),
+            PREFILL,
+            frozenset({MODEL}),
+            engine,
+            role="prefill",
+            bootstrap_port=port,
+            priority_order=orders[0],
+        ),
+        Endpoint(
+            EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode", priority_order=orders[1]
+        ),
     ]
     if conformance:  # a second prefill endpoint, for the pin to choose between
         endpoints.append(Endpoint(EndpointId("p2"), PREFILL2, frozenset({MODEL}), engine, role="prefill"))
@@ -59,7 +76,7 @@ def make(
     route = PdRoute(spec, build_profile(DEFAULT_SCHEDULING))
     pd = Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
     config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=hold_timeout_s, conformance=conformance)
-    return StreamProcessor(router, config, lambda: 1000.0, disagg=pd), router
+    return StreamProcessor(router, config, clock, flow=flow, disagg=pd), router
 
 
 def request(prompt: str = LONG, **extra: Any) -> bytes:
@@ -263,3 +280,120 @@ def test_the_conformance_pin_header_binds_the_pair(pin: str, prefills: set[str])
         seen.add(proc.handoff.address)
         assert reply(proc.handed_off(ANSWER)).destination == [DECODE]
     assert seen == prefills
+
+
+#: A client's own handoff fields: an engine given them would fetch KV from a host the client chose.
+EVIL_VLLM = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "evil",
+    "remote_block_ids": [1],
+    "remote_host": "203.0.113.9",
+    "remote_port": 5555,
+}
+EVIL = {
+    "kv_transfer_params": EVIL_VLLM,
+    "bootstrap_host": "203.0.113.9",
+    "bootstrap_port": 5555,
+    "bootstrap_room": 7,
+}
+
+
+def no_client_handoff(sent: bytes) -> bool:
+    doc = orjson.loads(sent)
+    return "203.0.113.9" not in sent.decode() and not any(k in doc for k in EVIL)
+
+
+@pytest.mark.parametrize(
+    ("spec", "prompt", "reason"),
+    [
+        (PdSpec("aggregated"), LONG, None),  # the route never disaggregates: no verdict
+        (PdSpec("conditional", 512), "short", "cached"),  # under the threshold: served aggregated
+    ],
+)
+def test_a_clients_handoff_fields_never_reach_an_aggregated_engine(
+    spec: PdSpec, prompt: str, reason: str | None
+) -> None:
+    proc, _ = make(spec)
+    decided = reply(start(proc, request(prompt, **EVIL)))
+    assert decided.destination == [DECODE] and proc.handoff is None
+    assert (None if proc.pd is None else proc.pd.reason) == reason
+    assert no_client_handoff(decided.body)
+    assert orjson.loads(decided.body) == orjson.loads(request(prompt))  # the rest as the client sent it
+
+
+@pytest.mark.parametrize(("answer", "failure"), [(None, "timeout"), (b"<html>", None)])
+def test_a_clients_handoff_fields_never_reach_the_decode_engine_after_a_failed_prefill(
+    answer: bytes | None, failure: str | None
+) -> None:
+    proc, _ = make(PdSpec("disaggregated"))
+    start(proc, request(**EVIL))
+    assert proc.handoff is not None and b"203.0.113.9" not in proc.handoff.body  # the gateway's own only
+    decided = reply(proc.handed_off(answer, failure))
+    assert no_client_handoff(decided.body)
+    assert decided.body == request(), "the client's request, without its handoff fields"
+
+
+def test_a_real_handoff_sets_the_gateways_own_fields_over_the_clients() -> None:
+    proc, _ = make(PdSpec("disaggregated"))
+    start(proc, request(**EVIL))
+    assert proc.handoff is not None
+    prefill = orjson.loads(proc.handoff.body)
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill["kv_transfer_params"]["remote_host"] is None
+    assert not any(k in prefill for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+    decode = orjson.loads(reply(proc.handed_off(ANSWER)).body)
+    assert decode["kv_transfer_params"] == {**orjson.loads(ANSWER)["kv_transfer_params"]}
+    assert not any(k in decode for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+
+
+def test_sglang_sets_its_own_bootstrap_fields_over_the_clients() -> None:
+    proc, _ = make(PdSpec("disaggregated"), engine="sglang")
+    decided = reply(start(proc, request(**EVIL)))
+    assert proc.handoff is not None
+    for sent in (orjson.loads(decided.body), orjson.loads(proc.handoff.body)):
+        assert (sent["bootstrap_host"], sent["bootstrap_port"]) == ("10.0.0.1", 8998)
+        assert sent["bootstrap_room"] != 7 and "kv_transfer_params" not in sent
+
+
+@pytest.mark.parametrize("orders", [(None, "low_first"), ("low_first", None), ("high_first", "high_first")])
+@pytest.mark.parametrize(("answer", "failure"), [(ANSWER, None), (None, "timeout")])
+def test_a_clients_priority_reaches_neither_half(
+    answer: bytes | None, failure: str | None, orders: tuple[str | None, str | None]
+) -> None:
+    """The priority rewrite (a client's own priority never reaches an engine that schedules by it) holds
+    for both halves, whichever of them schedules by priority."""
+    proc, _ = make(PdSpec("disaggregated"), orders=orders)
+    start(proc, request(priority=-100))
+    assert proc.handoff is not None and "priority" not in orjson.loads(proc.handoff.body)
+    assert "priority" not in orjson.loads(reply(proc.handed_off(answer, failure)).body)
+
+
+def test_sglangs_halves_get_no_client_priority() -> None:
+    proc, _ = make(PdSpec("disaggregated"), engine="sglang", orders=(None, "low_first"))
+    decided = reply(start(proc, request(priority=-100)))
+    assert proc.handoff is not None
+    assert "priority" not in orjson.loads(decided.body) and "priority" not in orjson.loads(proc.handoff.body)
+
+
+def test_an_sglang_no_prefill_refusal_keeps_its_verdict_for_the_count() -> None:
+    proc, _ = make(PdSpec("conditional", 512), engine="sglang", bootstrap=False)
+    status, _, _ = refused(start(proc, request("short")))
+    assert status == 503 and proc.pd is None
+    assert proc.pd_refused is not None and (proc.pd_refused.mode, proc.pd_refused.reason) == (
+        "aggregated",
+        "no_prefill",
+    )
+
+
+def test_the_decode_engine_is_told_the_ttft_deadline_left_after_the_prefill() -> None:
+    now = [1000.0]
+    interactive = Objective("interactive", priority=1, ttft_ms=2000)
+    flow: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(objectives={"interactive": interactive}))
+    proc, _ = make(PdSpec("disaggregated"), clock=lambda: now[0], flow=flow)
+    assert proc.handle(headers("/v1/completions", extra={"x-llm-d-inference-objective": "interactive"})) == []
+    proc.handle(body(request()))
+    assert proc.handoff is not None
+    now[0] += 1.5  # the prefill took 1.5 s of the 2 s
+    decided = reply(proc.handed_off(ANSWER))
+    assert decided.set_headers[TTFT_DEADLINE_UPSTREAM] == "500"

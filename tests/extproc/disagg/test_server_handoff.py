@@ -63,11 +63,13 @@ async def prefill() -> AsyncIterator[tuple[FakePrefill, str]]:
         await runner.cleanup()
 
 
-async def start_gateway(model_dir: str, prefill: str, tmp_path: Path, engine: str) -> Gateway:
+async def start_gateway(
+    model_dir: str, prefill: str, tmp_path: Path, engine: str, bootstrap: bool = True
+) -> Gateway:
     policy = tmp_path / "policy.json"
     route = {"disaggregation": {"mode": "disaggregated", "prefill_timeout_s": 0.5}}
     policy.write_text(json.dumps({"models": {MODEL: route}}))
-    port = {"bootstrap_port": 8998} if engine == "sglang" else {}
+    port = {"bootstrap_port": 8998} if engine == "sglang" and bootstrap else {}
     config = parse_config(
         {
             "extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "metrics_listen": ""},
@@ -167,3 +169,19 @@ async def test_sglang_routes_at_once_and_sends_the_prefill_beside(
     errors = sample(sglang, "kvgate_pd_prefill_errors_total", model=MODEL, reason=failure or "status")
     assert errors == (0 if failure is None else 1)
     assert sample(sglang, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome=failure or "ok") == 1
+
+
+async def test_an_sglang_decode_pick_with_no_prefill_is_a_503_counted_no_prefill(
+    model_dir: str, prefill: tuple[FakePrefill, str], tmp_path: Path
+) -> None:
+    """The prefill endpoint has no bootstrap port: none fits, the decode server cannot serve alone."""
+    gw = await start_gateway(model_dir, prefill[1], tmp_path, "sglang", bootstrap=False)
+    try:
+        payload = chat_body("hello there", max_tokens=9)
+        (resp,) = await run(gw, [headers_msg("/v1/chat/completions"), *body_msgs(payload)])
+        assert resp.immediate_response.status.code == 503
+        assert sample(gw, "kvgate_pd_decisions_total", mode="aggregated", reason="no_prefill") == 1
+        assert sample(gw, "kvgate_requests_total", outcome="503") == 1
+        assert not prefill[0].seen
+    finally:
+        await gw.aclose(grace_s=0)
