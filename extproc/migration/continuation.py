@@ -6,9 +6,10 @@ Pure functions over parsed JSON bodies (no IO). The rules (README.md):
   sent, with ``continue_final_message: true`` and ``add_generation_prompt: false`` (vLLM's and SGLang's
   OpenAI servers render it without closing the assistant turn, so the engine goes on where the text
   stops). A request that already continued its own last assistant message gets the text appended to it.
-* **completions** (``/v1/completions``): the prompt plus the text already sent; ``echo`` off (the client
-  already has the prompt echoed, when asked).
-* **both**: ``max_tokens`` / ``max_completion_tokens`` (and ``min_tokens``) lowered by the tokens already
+* **completions** (``/v1/completions``): the prompt plus the text already sent; ``echo`` off (a request
+  with ``echo: true`` is not migratable: its echoed prompt would be counted as answer text).
+* **both**: no prefill/decode handoff fields (:data:`HANDOFF_FIELDS`; a re-issue drops them too);
+  ``max_tokens`` / ``max_completion_tokens`` (and ``min_tokens``) lowered by the tokens already
   produced; the engine streams with ``stream_options {include_usage, continuous_usage_stats}`` so the
   proxy knows, chunk by chunk, how many tokens each try produced (the client's own usage choice is
   applied by :mod:`extproc.migration.splice`).
@@ -27,6 +28,17 @@ COMPLETIONS_PATH = "/v1/completions"
 
 #: Body keys that bound the answer's length in tokens, lowered by what was produced.
 _LIMITS = ("max_tokens", "max_completion_tokens")
+#: The prefill/decode handoff's fields (``extproc.routing.request.HANDOFF_FIELDS``, which this package may
+#: not import): they pair the first try with its prefill (vLLM's KV blocks, SGLang's one-use room), so no
+#: later try carries them; it is served aggregated by its host.
+HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+
+
+def without_handoff(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without :data:`HANDOFF_FIELDS` (the body of a try after the first)."""
+    if HANDOFF_FIELDS.isdisjoint(body):
+        return body
+    return {k: v for k, v in body.items() if k not in HANDOFF_FIELDS}
 
 
 def migratable(path: str, body: dict[str, Any]) -> str | None:
@@ -34,6 +46,8 @@ def migratable(path: str, body: dict[str, Any]) -> str | None:
     reason it cannot (a metric label)."""
     if path not in (CHAT_PATH, COMPLETIONS_PATH):
         return "route"
+    if body.get("echo") is True:
+        return "echo"  # the echoed prompt would be taken for answer text
     if body.get("n", 1) not in (1, None) or body.get("best_of") not in (None, 1):
         return "several_choices"
     if body.get("response_format") not in (None, {"type": "text"}) or any(
@@ -63,7 +77,7 @@ def continuation(path: str, body: dict[str, Any], text: str, produced: int) -> d
     """The body that continues ``body`` (the client's, on ``path``) after ``text`` (everything sent to
     the client so far, ``produced`` tokens); ``None`` when nothing is left to generate (the length
     limit was reached: the proxy ends the stream itself)."""
-    sent = stream_body(copy.deepcopy(body))
+    sent = stream_body(copy.deepcopy(without_handoff(body)))
     for key in _LIMITS:
         limit = sent.get(key)
         if isinstance(limit, int) and not isinstance(limit, bool):

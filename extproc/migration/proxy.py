@@ -39,7 +39,14 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from contracts.epp import MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER
 from contracts.errors import ConfigError
-from extproc.migration.continuation import CHAT_PATH, continuation, migratable, stream_body
+from extproc.migration.continuation import (
+    CHAT_PATH,
+    HANDOFF_FIELDS,
+    continuation,
+    migratable,
+    stream_body,
+    without_handoff,
+)
 from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureReports
 from extproc.migration.splice import Splicer
 from runtime.identity import ENGINE, check_server_role
@@ -191,7 +198,10 @@ class MigrationProxy:
         model = str(body.get("model", "")) if isinstance(body, dict) else ""
         if isinstance(body, dict) and body.get("stream") is True:
             return await self._stream(request, hosts, headers, request.path, path, body, model)
-        return await self._whole(request, hosts, headers, path, raw, model)
+        again = raw  # what a re-issue sends: no handoff fields (they paired the first try's host)
+        if isinstance(body, dict) and not HANDOFF_FIELDS.isdisjoint(body):
+            again = orjson.dumps(without_handoff(body))
+        return await self._whole(request, hosts, headers, path, raw, again, model)
 
     async def _whole(
         self,
@@ -200,9 +210,11 @@ class MigrationProxy:
         headers: dict[str, str],
         path: str,
         raw: bytes,
+        again: bytes,
         model: str,
     ) -> web.StreamResponse:
-        """A non-streamed request: re-sent whole to the next host while tries fail (nothing was sent)."""
+        """A non-streamed request: re-sent whole to the next host while tries fail (nothing was sent);
+        ``raw`` the first try's body, ``again`` the later tries'."""
         assert self._session is not None
         last: tuple[int, bytes, str] | None = None
         for n, host in enumerate(hosts):
@@ -212,7 +224,7 @@ class MigrationProxy:
                 async with self._session.request(
                     request.method,
                     f"{self._scheme}://{host}{path}",
-                    data=raw,
+                    data=again if n else raw,
                     headers=headers,
                     timeout=self._timeout(),
                     ssl=self._ssl(),
@@ -325,6 +337,9 @@ class MigrationProxy:
             else:
                 outcome = "reissued"
                 self.metrics.tries.labels(model, "whole").inc()
+                if not HANDOFF_FIELDS.isdisjoint(body):  # they paired the first try's host only
+                    again = without_handoff(body)
+                    sent = orjson.dumps(stream_body(again) if reason is None else again)
         else:
             outcome = "lost"
         if n or outcome in ("lost", "closed"):

@@ -6,7 +6,16 @@ from typing import Any
 
 import pytest
 
-from extproc.migration.continuation import CHAT_PATH, COMPLETIONS_PATH, continuation, migratable, stream_body
+from extproc.migration.continuation import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    HANDOFF_FIELDS,
+    continuation,
+    migratable,
+    stream_body,
+    without_handoff,
+)
+from extproc.routing.request import HANDOFF_FIELDS as PARSED_HANDOFF_FIELDS
 
 CHAT: dict[str, Any] = {
     "model": "m",
@@ -71,7 +80,36 @@ def test_first_try_asks_for_usage() -> None:
         (CHAT_PATH, {"messages": []}, "messages"),
         (COMPLETIONS_PATH, {"prompt": ["a", "b"]}, "prompt"),
         (COMPLETIONS_PATH, {"prompt": "a"}, None),
+        (COMPLETIONS_PATH, {"prompt": "a", "echo": True}, "echo"),  # the echo would count as answer text
+        (COMPLETIONS_PATH, {"prompt": "a", "echo": False}, None),
+        (CHAT_PATH, {"echo": True}, "echo"),
     ],
 )
 def test_what_can_migrate(path: str, extra: dict[str, Any], reason: str | None) -> None:
     assert migratable(path, {**CHAT, **extra}) == reason
+
+
+HANDOFF: dict[str, Any] = {
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "10.0.0.1"},
+    "bootstrap_host": "10.0.0.1",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 7,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(CHAT_PATH, CHAT), (COMPLETIONS_PATH, {"model": "m", "prompt": "Once", "max_tokens": 4})],
+)
+def test_a_continuation_carries_no_handoff_fields(path: str, body: dict[str, Any]) -> None:
+    """They paired the first host with its prefill (an SGLang room serves once): the next host serves the
+    continuation aggregated."""
+    sent = continuation(path, {**body, **HANDOFF}, " upon", 1)
+    assert sent is not None and not HANDOFF_FIELDS & set(sent)
+    assert sent == continuation(path, body, " upon", 1)
+
+
+def test_without_handoff() -> None:
+    assert without_handoff({**CHAT, **HANDOFF}) == CHAT
+    assert without_handoff(CHAT) is CHAT
+    assert HANDOFF_FIELDS == PARSED_HANDOFF_FIELDS  # the same fields the ext_proc drops from a client's body

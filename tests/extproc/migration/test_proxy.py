@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER, MigrationProxy
@@ -94,3 +95,103 @@ async def test_a_client_error_passes_through(
     status, body = await post(proxy, fleet.addresses, {"model": MODEL, "stream": True, "messages": "x"})
     assert status == 400 and "error" in orjson.loads(body)
     assert await migrations(proxy, "reissued") == 0
+
+
+HANDOFF: dict[str, Any] = {
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "10.0.0.1"},
+    "bootstrap_host": "10.0.0.1",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 7,
+}
+
+
+def chunk(text: str, produced: int, finish: str | None = None) -> bytes:
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": produced, "total_tokens": 2 + produced},
+            }
+        )
+        + b"\n\n"
+    )
+
+
+class Host:
+    """An engine that records each body: ``fail`` answers 500, ``cut`` dies after its first chunk, ``ok``
+    answers whole."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.seen: list[dict[str, Any]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        doc = await request.json()
+        self.seen.append(doc)
+        if self.mode == "fail":
+            return web.json_response({"error": {"message": "down"}}, status=500)
+        if not doc.get("stream"):
+            answer = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "index": 0}
+            return web.json_response({"choices": [answer]})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk("Hello", 1))
+        if self.mode == "cut":
+            assert request.transport is not None
+            request.transport.close()  # the engine dies mid-stream
+            return response
+        await response.write(chunk(" world", 2, "stop"))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@pytest.fixture
+async def hosts() -> AsyncIterator[list[tuple[Host, str]]]:
+    """Three hosts: ``fail``, ``cut`` and ``ok`` (their modes may be changed)."""
+    out, runners = [], []
+    for mode in ("fail", "cut", "ok"):
+        host = Host(mode)
+        app = web.Application()
+        app.add_routes([web.post("/v1/chat/completions", host.handle)])
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        out.append((host, f"127.0.0.1:{runner.addresses[0][1]}"))
+    try:
+        yield out
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reissue_carries_no_handoff_fields(
+    hosts: list[tuple[Host, str]], proxy: tuple[MigrationProxy, aiohttp.ClientSession], stream: bool
+) -> None:
+    """They paired the first host with its prefill (an SGLang room serves once): the next host serves the
+    request aggregated."""
+    (failing, first), _, (ok, second) = hosts
+    status, _ = await post(proxy, [first, second], {**CHAT, "stream": stream, **HANDOFF})
+    assert status == 200 and await migrations(proxy, "reissued") == 1
+    ((tried,), (again,)) = failing.seen, ok.seen
+    assert all(k in tried for k in HANDOFF)  # the first try is the ext_proc's body, as it came
+    assert not any(k in again for k in HANDOFF)
+    assert {k: v for k, v in tried.items() if k not in HANDOFF} == again
+
+
+async def test_a_continuation_carries_no_handoff_fields(
+    hosts: list[tuple[Host, str]], proxy: tuple[MigrationProxy, aiohttp.ClientSession]
+) -> None:
+    _, (cut, first), (ok, second) = hosts
+    status, body = await post(proxy, [first, second], {**CHAT, "stream": True, **HANDOFF})
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert await migrations(proxy, "resumed") == 1
+    ((tried,), (cont,)) = cut.seen, ok.seen
+    assert all(k in tried for k in HANDOFF)
+    assert not any(k in cont for k in HANDOFF) and cont["messages"][-1]["content"] == "Hello"
