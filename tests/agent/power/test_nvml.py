@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -75,3 +76,28 @@ async def test_the_energy_counter_gives_the_mean_draw_between_readings(
     finally:
         await monitor.aclose()
         gpus.close()
+
+
+async def test_a_hung_nvml_holds_one_thread_not_one_per_retry() -> None:
+    """NVML that never answers: the first read times out, and each retry while that read's thread still
+    waits is a reported error without a new thread (each used to start one more: a hung driver filled
+    the loop's default thread pool, shared with DNS lookups and file IO)."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    def read_gpus() -> list[Gpu]:
+        calls.append(1)
+        release.wait()
+        return [Gpu(0, "a", power_w=100.0)]
+
+    monitor = PowerMonitor([(NvmlSource("nvml", read_gpus), 1.0, 0.05)])
+    try:
+        first = await monitor.read_once("nvml")
+        assert first.watts is None and first.error == "no answer within 0.05 s"
+        for _ in range(5):
+            again = await monitor.read_once("nvml")
+            assert again.watts is None and "still running" in again.error
+        assert len(calls) == 1
+    finally:
+        release.set()
+        await monitor.aclose()
