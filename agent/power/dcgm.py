@@ -24,7 +24,15 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.power.errors import PowerSourceError
-from agent.power.reading import MAX_CELSIUS, MAX_MHZ, MAX_WATTS, THROTTLE_MASK, Sample, number
+from agent.power.reading import (
+    MAX_CELSIUS,
+    MAX_MHZ,
+    MAX_MILLIJOULES,
+    MAX_WATTS,
+    THROTTLE_MASK,
+    Sample,
+    number,
+)
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
 ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
@@ -33,8 +41,6 @@ TEMPS = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_MEMORY_TEMP")
 REASONS = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
 _WANTED = frozenset({POWER, ENERGY, *LIMITS, *TEMPS, *REASONS, SM_CLOCK})
-#: Largest plausible energy counter (mJ): 10 MW for ten years.
-MAX_MILLIJOULES = 1e7 * 3.2e8 * 1e3
 #: The most of an exporter's answer read (bytes): a node's exporter answers some tens of KiB (a few
 #: hundred lines per GPU with profiling fields); a larger answer is an error, not parsed.
 MAX_BODY_BYTES = 4 * 1024 * 1024

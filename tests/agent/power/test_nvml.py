@@ -55,6 +55,24 @@ def test_from_gpus_limits_only_when_every_gpu_has_one() -> None:
         from_gpus([Gpu(0, "a")])
 
 
+@pytest.mark.parametrize(
+    ("gpu", "match"),
+    [
+        (Gpu(1, "b", power_w=float("nan")), "GPU 1 power"),
+        (Gpu(1, "b", power_w=-5.0), "GPU 1 power"),
+        (Gpu(1, "b", power_w=100.0, power_limit_w=float("inf")), "GPU 1 power limit"),
+        (Gpu(1, "b", power_w=100.0, temperature_c=4000.0), "GPU 1 temperature"),
+        (Gpu(1, "b", power_w=100.0, sm_clock_mhz=-1.0), "GPU 1 SM clock"),
+        (Gpu(1, "b", power_w=100.0, energy_mj=-1), "GPU 1 energy counter"),
+    ],
+)
+def test_from_gpus_refuses_implausible_numbers(gpu: Gpu, match: str) -> None:
+    """NVML's numbers pass the plausibility checks every source's do (a garbled answer is an error, never
+    a reading; from_gpus used to sum whatever NVML said, NaN and negatives included)."""
+    with pytest.raises(PowerSourceError, match=match):
+        from_gpus([Gpu(0, "a", power_w=300.0, power_limit_w=700.0, energy_mj=5_000), gpu])
+
+
 async def test_the_energy_counter_gives_the_mean_draw_between_readings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
