@@ -26,7 +26,9 @@
   engine whose reading hangs (a stopped process: up to the scraper's 2 s timeout) is reported in the
   round its answer arrives in, without holding back the others' (one wait for all stretched every round
   to that timeout: the node's other engines were reported every 2 s, the gateway's staleness bound, and
-  one that came back ready up to 2 s late).
+  one that came back ready up to 2 s late). The GPUs are read likewise, one NVML read at a time in a
+  worker thread, waited for at most ``gpu_timeout_s``: a hung driver holds one thread, and the loads go out
+  without GPU readings (a warning when that starts, a line when NVML answers) instead of stopping the feed.
 """
 
 from __future__ import annotations
@@ -366,9 +368,10 @@ class TelemetryLoop:
         power: Callable[[], list[Power]] | None = None,
         unhealthy_after: int = 3,
         clock: Callable[[], float] = time.monotonic,
+        gpu_timeout_s: float = 1.0,
     ) -> None:
-        if interval_s <= 0 or heartbeat_s <= 0 or unhealthy_after < 1:
-            raise ValueError("interval_s and heartbeat_s must be > 0, unhealthy_after >= 1")
+        if interval_s <= 0 or heartbeat_s <= 0 or unhealthy_after < 1 or gpu_timeout_s <= 0:
+            raise ValueError("interval_s, heartbeat_s and gpu_timeout_s must be > 0, unhealthy_after >= 1")
         self.interval_s = interval_s
         self._emit = emit
         self._changes = LoadChanges(heartbeat_s)
@@ -378,6 +381,12 @@ class TelemetryLoop:
         self._clock = clock
         self._watched: dict[str, _Watched] = {}
         self._task: asyncio.Task[None] | None = None
+        self.gpu_timeout_s = gpu_timeout_s
+        #: The NVML read under way, in a worker thread (one at a time: a hung driver holds one thread,
+        #: and the rounds go on without GPU readings until it answers).
+        self._gpu_read: asyncio.Future[list[Gpu]] | None = None
+        #: Rounds in a row that went out without GPU readings because NVML had not answered.
+        self.gpu_late = 0
 
     def watch(
         self,
@@ -407,11 +416,13 @@ class TelemetryLoop:
         (``wait_s``: at most that many seconds; a slower one is reported in the round its answer arrives
         in), emit what changed (or is due), and return it."""
         gpu = self._gpus
-        readings = await asyncio.to_thread(gpu.read) if gpu is not None and not gpu.disabled else []
+        if self._gpu_read is None and gpu is not None and not gpu.disabled:
+            self._gpu_read = asyncio.create_task(asyncio.to_thread(gpu.read))
         watched = list(self._watched.items())
         for _, w in watched:
             if w.reading is None:
                 w.reading = asyncio.create_task(w.scraper.scrape())
+        readings = await self._gpu_readings(wait_s)
         if watched:
             await asyncio.wait([w.reading for _, w in watched if w.reading is not None], timeout=wait_s)
         power = self._power() if self._power is not None else []
@@ -464,6 +475,30 @@ class TelemetryLoop:
             self._emit(out)
         return out
 
+    async def _gpu_readings(self, wait_s: float | None) -> list[Gpu]:
+        """The GPU readings of this round: the NVML read under way, waited for at most ``gpu_timeout_s``
+        (and ``wait_s``); ``[]`` when there is none or it has not answered (it stays under way, and the
+        round goes on without GPU readings: one warning when that starts, one line when NVML answers)."""
+        read = self._gpu_read
+        if read is None:
+            return []
+        bound = self.gpu_timeout_s if wait_s is None else min(wait_s, self.gpu_timeout_s)
+        await asyncio.wait([read], timeout=bound)
+        if not read.done():
+            self.gpu_late += 1
+            if self.gpu_late == 1:
+                log.warning("GPU telemetry: NVML did not answer within %g s; loads go without it", bound)
+            return []
+        self._gpu_read = None
+        if self.gpu_late:
+            log.info("GPU telemetry: NVML answered again after %d rounds without it", self.gpu_late)
+            self.gpu_late = 0
+        try:
+            return read.result()
+        except Exception:  # GpuTelemetry.read never raises; a bug there must not end the round
+            log.exception("GPU telemetry read failed")
+            return []
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvgate-telemetry")
 
@@ -476,6 +511,9 @@ class TelemetryLoop:
             self._task = None
         for endpoint in list(self._watched):
             await self.unwatch(endpoint)
+        read, self._gpu_read = self._gpu_read, None
+        if read is not None:  # its thread ends when NVML answers; nobody waits for it
+            read.cancel()
 
     async def _run(self) -> None:
         while True:

@@ -47,7 +47,7 @@ class PowerCurve:
         return self.k + self.wake_w / (max(rate, 1e-9) * (n + 1.0))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class EndpointState:
     """Live state of an endpoint as the scheduler sees it.
 
@@ -60,6 +60,9 @@ class EndpointState:
     ``None`` until the first scrape or when the last one is older than the staleness bound (see
     :meth:`Fleet.expire_metrics`); ``ejected_until``: monotonic seconds until which the endpoint is
     not picked after a failed try (:meth:`Fleet.eject`; 0: never ejected).
+
+    Weakly referable: a plugin's per-endpoint state can go with the endpoint's state object (the
+    ``power-cap`` filter's latch forgets an endpoint removed from the fleet).
     """
 
     endpoint: Endpoint

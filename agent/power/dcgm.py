@@ -16,6 +16,7 @@ makes of them:
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections import defaultdict
 
@@ -23,7 +24,15 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.power.errors import PowerSourceError
-from agent.power.reading import MAX_CELSIUS, MAX_MHZ, MAX_WATTS, THROTTLE_MASK, Sample, number
+from agent.power.reading import (
+    MAX_CELSIUS,
+    MAX_MHZ,
+    MAX_MILLIJOULES,
+    MAX_WATTS,
+    THROTTLE_MASK,
+    Sample,
+    number,
+)
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
 ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
@@ -32,8 +41,9 @@ TEMPS = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_MEMORY_TEMP")
 REASONS = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
 _WANTED = frozenset({POWER, ENERGY, *LIMITS, *TEMPS, *REASONS, SM_CLOCK})
-#: Largest plausible energy counter (mJ): 10 MW for ten years.
-MAX_MILLIJOULES = 1e7 * 3.2e8 * 1e3
+#: The most of an exporter's answer read (bytes): a node's exporter answers some tens of KiB (a few
+#: hundred lines per GPU with profiling fields); a larger answer is an error, not parsed.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def parse_dcgm(text: str, gpus: frozenset[int] | None = None) -> Sample:
@@ -91,7 +101,12 @@ def parse_dcgm(text: str, gpus: frozenset[int] | None = None) -> Sample:
 
 
 class DcgmSource:
-    """Reads a dcgm-exporter over HTTP(S) (``tls``: verification settings for https; on by default)."""
+    """Reads a dcgm-exporter over HTTP(S) (``tls``: verification settings for https; on by default).
+
+    The answer is read up to :data:`MAX_BODY_BYTES` (more is an error) and parsed in a worker thread
+    (the parser takes some milliseconds per hundred lines: on the event loop a large answer would stall
+    the agent), one parse at a time: while a parse the monitor gave up waiting for still runs, a read is
+    a reported error."""
 
     kind = "dcgm"
 
@@ -101,18 +116,37 @@ class DcgmSource:
         self.name, self.url, self.gpus = name, url, gpus
         self._tls: ssl.SSLContext | bool = tls if tls is not None else True
         self._session: aiohttp.ClientSession | None = None
+        #: A parse is under way in a worker thread: the next read is refused until it ends.
+        self._busy = False
 
     async def read(self) -> Sample:
+        if self._busy:
+            raise PowerSourceError("the previous answer is still being parsed")
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._tls))
         try:
             async with self._session.get(self.url) as resp:
                 if resp.status != 200:
                     raise PowerSourceError(f"GET {self.url}: HTTP {resp.status}")
-                text = await resp.text()
-        except (aiohttp.ClientError, UnicodeDecodeError) as exc:
+                body = bytearray()
+                async for chunk in resp.content.iter_any():
+                    body += chunk
+                    if len(body) > MAX_BODY_BYTES:
+                        raise PowerSourceError(
+                            f"GET {self.url}: the answer is over {MAX_BODY_BYTES} bytes (not an exporter's)"
+                        )
+                text = body.decode(resp.charset or "utf-8")
+        except (aiohttp.ClientError, UnicodeDecodeError, LookupError) as exc:
             raise PowerSourceError(f"GET {self.url}: {type(exc).__name__}: {exc}") from exc
-        return parse_dcgm(text, self.gpus)
+        self._busy = True
+
+        def work() -> Sample:
+            try:
+                return parse_dcgm(text, self.gpus)
+            finally:
+                self._busy = False  # also when the monitor gave up waiting: the thread ends by itself
+
+        return await asyncio.to_thread(work)
 
     async def aclose(self) -> None:
         if self._session is not None:

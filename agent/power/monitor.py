@@ -104,6 +104,7 @@ class PowerMonitor:
         source = state.source
         error = ""
         sample: Sample | None = None
+        unexpected: Exception | None = None
         try:
             async with asyncio.timeout(state.timeout_s):
                 sample = await source.read()
@@ -112,15 +113,22 @@ class PowerMonitor:
         except TimeoutError:
             error = f"no answer within {state.timeout_s:g} s"
         except Exception as exc:  # a bug in a source must not end power telemetry
-            log.exception("power source %s failed unexpectedly", name)
+            unexpected = exc
             error = f"{type(exc).__name__}: {exc}"
         reading = stamp(source.name, source.kind, self._wall(), sample, error)
         state.reads += 1
         if sample is None:
             state.failures += 1
             state.streak += 1
-            if state.streak == 1:
-                log.warning("power source %s (%s) failed: %s; retrying", name, source.kind, reading.error)
+            if state.streak == 1:  # once per run of failures (a bug's traceback too)
+                log.warning(
+                    "power source %s (%s) failed%s: %s; retrying",
+                    name,
+                    source.kind,
+                    " unexpectedly" if unexpected is not None else "",
+                    reading.error,
+                    exc_info=unexpected,
+                )
         else:
             if state.streak:
                 log.info(

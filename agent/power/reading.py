@@ -26,6 +26,8 @@ THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 MAX_WATTS = 1_000_000.0
 MAX_CELSIUS = 250.0
 MAX_MHZ = 100_000.0
+#: Largest plausible energy counter (mJ): 10 MW for ten years.
+MAX_MILLIJOULES = 1e7 * 3.2e8 * 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +73,28 @@ def from_gpus(gpus: Sequence[Gpu]) -> Sample:
     """The node's figures from its GPUs' NVML telemetry: watts and limits summed (a limit only when
     every GPU reports one), the energy counters summed in J (likewise only when every GPU reports one),
     the hottest temperature, throttled when any GPU is, the mean SM clock.
-    :class:`PowerSourceError` when no GPU reports its power."""
-    watts = [g.power_w for g in gpus if g.power_w is not None]
+    :class:`PowerSourceError` when no GPU reports its power, or for a GPU's implausible number
+    (:func:`number`)."""
+    watts = [number(g.power_w, f"GPU {g.index} power", MAX_WATTS) for g in gpus if g.power_w is not None]
     if not watts:
         raise PowerSourceError("no GPU reports its power draw")
-    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    temps = [
+        number(g.temperature_c, f"GPU {g.index} temperature", MAX_CELSIUS)
+        for g in gpus
+        if g.temperature_c is not None
+    ]
     reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
-    clocks = [g.sm_clock_mhz for g in gpus if g.sm_clock_mhz is not None]
-    energy_mj = _sum_of_all([g.energy_mj for g in gpus])
+    clocks = [
+        number(g.sm_clock_mhz, f"GPU {g.index} SM clock", MAX_MHZ) for g in gpus if g.sm_clock_mhz is not None
+    ]
+    energy_mj = _sum_of_all(
+        [optional(g.energy_mj, f"GPU {g.index} energy counter", MAX_MILLIJOULES) for g in gpus]
+    )
     return Sample(
         watts=sum(watts),
-        limit_w=_sum_of_all([g.power_limit_w for g in gpus]),
+        limit_w=_sum_of_all(
+            [optional(g.power_limit_w, f"GPU {g.index} power limit", MAX_WATTS) for g in gpus]
+        ),
         energy_j=None if energy_mj is None else energy_mj / 1000.0,
         temperature_c=max(temps) if temps else None,
         throttled=any(bool(r & THROTTLE_MASK) for r in reasons) if reasons else None,

@@ -211,8 +211,9 @@ class EnergyModel:
 class CapLatch:
     """Hysteresis for the ``power-cap`` filter, per key (an endpoint): ``over`` turns on when a reading is
     over the entry threshold (``enter``) and off only when a reading is under the exit threshold (not
-    ``stay``); it changes only when the readings' time ``at`` is newer than the last one it saw, so asking
-    again about the same readings gives the same answer. Pure bookkeeping, no clock."""
+    ``stay``); it changes only when the readings' time ``at`` differs from the last one it saw (an older
+    time too: an agent whose wall clock stepped back, or that restarted, is read at once), so asking again
+    about the same readings gives the same answer. Pure bookkeeping, no clock."""
 
     __slots__ = ("_over", "_state")
 
@@ -225,11 +226,17 @@ class CapLatch:
         """Whether some key is latched over."""
         return bool(self._over)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._state
+
+    def __len__(self) -> int:
+        return len(self._state)
+
     def update(self, key: str, at: float, *, enter: bool, stay: bool) -> bool:
         """The latched state for readings taken at ``at``: ``enter`` (over the entry threshold) and
         ``stay`` (over the exit threshold; ``enter`` implies it)."""
         seen = self._state.get(key)
-        if seen is not None and at <= seen[0]:
+        if seen is not None and at == seen[0]:
             return seen[1]
         over = enter or (stay and seen is not None and seen[1])
         self._state[key] = (at, over)
@@ -238,6 +245,11 @@ class CapLatch:
         else:
             self._over.discard(key)
         return over
+
+    def held(self, key: str) -> bool:
+        """The latched state of ``key`` without a new reading (``False`` for a key never seen)."""
+        seen = self._state.get(key)
+        return seen is not None and seen[1]
 
     def forget(self, key: str) -> None:
         self._state.pop(key, None)

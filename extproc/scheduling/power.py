@@ -11,8 +11,10 @@ the load's staleness bound) and the node's energy per output token (:attr:`Endpo
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 
 from contracts.events import EndpointId, Power
@@ -215,9 +217,10 @@ _power = attrgetter("power")
 
 class PowerCapFilter:
     """Drops endpoints whose node is over a limit of :class:`PowerCapParams`, unless every candidate is
-    (soft: what it drops may still be a fallback). No power telemetry is never over."""
+    (soft: what it drops may still be a fallback). No power telemetry (none yet, or expired) is never
+    over, and forgets the endpoint's latch; readings that are all errors leave the latch as it is."""
 
-    __slots__ = ("latch", "name", "params")
+    __slots__ = ("_tracked", "latch", "name", "params")
     #: A preference: what it drops may still be a fallback (scheduling/interface.py Filter).
     soft = True
 
@@ -227,6 +230,9 @@ class PowerCapFilter:
         #: The hysteresis state per endpoint; it changes only on a new reading (the same readings give the
         #: same answer), and a policy change (a new filter) starts it afresh.
         self.latch = CapLatch()
+        #: The fleet's state object of each endpoint in the latch: the entry goes with it (an endpoint
+        #: removed from the fleet), and a new object under the same id starts afresh.
+        self._tracked: dict[str, weakref.ref[EndpointState]] = {}
 
     def _limits(self, candidate: EndpointState, margin: float) -> bool:
         """Whether a reading without error is at ``(1 - margin)`` of its cap or more, too hot or
@@ -248,13 +254,35 @@ class PowerCapFilter:
     def over(self, candidate: EndpointState) -> bool:
         """Whether ``candidate``'s node is over its power cap, too hot or throttled (its readings now),
         or, with hysteresis, went over and has not yet come down below ``(1 - leave_margin)`` of its cap."""
+        key = candidate.endpoint.id
+        power = candidate.power
+        if not power:  # no telemetry, or it expired: never over, and nothing to remember
+            if key in self.latch:
+                self.latch.forget(key)
+            return False
         p = self.params
         enter = self._limits(candidate, p.cap_margin)
         if p.leave_margin is None:
             return enter
-        at = max((r.at for r in candidate.power), default=0.0)
+        at = max((r.at for r in power if not r.error), default=None)
+        if at is None:  # every source failed: no new reading, the latch stands
+            return self.latch.held(key)
+        tracked = self._tracked.get(key)
+        if tracked is None or tracked() is not candidate:
+            self._track(key, candidate)
         stay = enter or self._limits(candidate, max(p.cap_margin, p.leave_margin))
-        return self.latch.update(candidate.id, at, enter=enter, stay=stay)
+        return self.latch.update(key, at, enter=enter, stay=stay)
+
+    def _track(self, key: str, candidate: EndpointState) -> None:
+        if key in self._tracked:  # a new state object under the id: the endpoint left and came back
+            self.latch.forget(key)
+        self._tracked[key] = weakref.ref(candidate, partial(self._gone, key))
+
+    def _gone(self, key: str, ref: weakref.ref[EndpointState]) -> None:
+        """``key``'s state object was freed (the endpoint left the fleet): its latch entry goes too."""
+        if self._tracked.get(key) is ref:
+            del self._tracked[key]
+            self.latch.forget(key)
 
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EndpointState]

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import sys
+import threading
 import time
 import types
 from collections.abc import AsyncIterator, Callable
@@ -483,3 +484,39 @@ def test_nvml_without_the_energy_counter(monkeypatch: pytest.MonkeyPatch) -> Non
     del nv.nvmlDeviceGetTotalEnergyConsumption  # type: ignore[attr-defined]
     assert [(g.power_w, g.energy_mj) for g in gpus.read()] == [(312.5, None), (312.5, None)]
     gpus.close()
+
+
+async def test_a_hung_nvml_does_not_stop_the_feed(sim: SimFleet, caplog: pytest.LogCaptureFixture) -> None:
+    """NVML that never answers: each round waits for it at most ``gpu_timeout_s`` and sends the loads
+    without GPU readings (the round used to wait for NVML for ever: no load went out); the read is not
+    started again while it hangs (one thread, not one per round), and its readings ride along again once
+    it answers."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    class HungGpus(GpuTelemetry):
+        def read(self) -> list[Gpu]:
+            calls.append(1)
+            release.wait()
+            return [Gpu(0, "x", power_w=300.0)]
+
+    now = [0.0]
+    loop = TelemetryLoop(
+        0.1, lambda _: None, heartbeat_s=0.01, gpus=HungGpus(), gpu_timeout_s=0.2, clock=lambda: now[0]
+    )
+    loop.watch("sim-0", EngineScraper("sim", f"http://{sim.addresses[0]}/metrics"))
+    try:
+        for _ in range(3):
+            now[0] += 1.0
+            (load,) = await loop.tick(5.0)
+            assert load.gpus == []
+        assert len(calls) == 1 and loop.gpu_late == 3
+        assert sum("NVML did not answer" in r.message for r in caplog.records) == 1  # once per run
+        release.set()
+        loop.gpu_timeout_s = 5.0  # the answer is on its way: no race with the bound
+        now[0] += 1.0
+        (load,) = await loop.tick(5.0)
+        assert [g.power_w for g in load.gpus] == [300.0] and loop.gpu_late == 0
+    finally:
+        release.set()
+        await loop.aclose()

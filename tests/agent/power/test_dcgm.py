@@ -3,11 +3,12 @@ read over HTTP from an endpoint that serves the exporter's format, a hung one, a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 
-from agent.power.dcgm import DcgmSource, parse_dcgm
+from agent.power.dcgm import MAX_BODY_BYTES, DcgmSource, parse_dcgm
 from agent.power.errors import PowerSourceError
 from agent.power.monitor import PowerMonitor
 from tests.agent.power.bmc import Exporter, exporter_server, silent_server
@@ -163,3 +164,51 @@ async def test_an_exporter_that_hangs_times_out() -> None:
             assert monitor.delay("dcgm") == 2.0  # backing off while it fails
         finally:
             await monitor.aclose()
+
+
+async def test_an_answer_over_the_bound_is_an_error_not_parsed(exporter: Exporter) -> None:
+    """An exporter (or something else at its URL) answering more than MAX_BODY_BYTES: a reported error,
+    the body neither read to its end nor parsed (a whole answer used to be read and parsed, however
+    large); an answer under the bound still reads."""
+    padding = "# " + "x" * 1000 + "\n"
+    exporter.body = exporter_text() + padding * (MAX_BODY_BYTES // len(padding) + 1)
+    source = DcgmSource("dcgm", f"http://127.0.0.1:{exporter.port}/metrics")
+    monitor = PowerMonitor([(source, 1.0, 30.0)])
+    try:
+        big = await monitor.read_once("dcgm")
+        assert big.watts is None and f"over {MAX_BODY_BYTES} bytes" in big.error
+        exporter.body = exporter_text()
+        assert (await monitor.read_once("dcgm")).watts == 600.5
+    finally:
+        await monitor.aclose()
+
+
+async def test_parsing_a_large_answer_leaves_the_event_loop_running(exporter: Exporter) -> None:
+    """A large (but bounded) answer is parsed off the event loop: while the read runs, a task on the loop
+    keeps its 10 ms beat (the parse used to run on the loop, stalling it for the whole parse: the loop's
+    longest gap was most of the read)."""
+    line = 'DCGM_FI_DEV_POWER_USAGE{{gpu="{i}",UUID="GPU-{i:08d}",Hostname="node-a"}} 100.5\n'
+    exporter.body = "".join(line.format(i=i) for i in range(6000))
+    source = DcgmSource("dcgm", f"http://127.0.0.1:{exporter.port}/metrics")
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def beat() -> None:
+        last = loop.time()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    beating = asyncio.create_task(beat())
+    try:
+        started = loop.time()
+        sample = await source.read()
+        took = loop.time() - started
+    finally:
+        done.set()
+        await beating
+        await source.aclose()
+    assert sample.watts == pytest.approx(6000 * 100.5)
+    assert max(gaps) < took / 3, (max(gaps), took)

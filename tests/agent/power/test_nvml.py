@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -54,6 +55,24 @@ def test_from_gpus_limits_only_when_every_gpu_has_one() -> None:
         from_gpus([Gpu(0, "a")])
 
 
+@pytest.mark.parametrize(
+    ("gpu", "match"),
+    [
+        (Gpu(1, "b", power_w=float("nan")), "GPU 1 power"),
+        (Gpu(1, "b", power_w=-5.0), "GPU 1 power"),
+        (Gpu(1, "b", power_w=100.0, power_limit_w=float("inf")), "GPU 1 power limit"),
+        (Gpu(1, "b", power_w=100.0, temperature_c=4000.0), "GPU 1 temperature"),
+        (Gpu(1, "b", power_w=100.0, sm_clock_mhz=-1.0), "GPU 1 SM clock"),
+        (Gpu(1, "b", power_w=100.0, energy_mj=-1), "GPU 1 energy counter"),
+    ],
+)
+def test_from_gpus_refuses_implausible_numbers(gpu: Gpu, match: str) -> None:
+    """NVML's numbers pass the plausibility checks every source's do (a garbled answer is an error, never
+    a reading; from_gpus used to sum whatever NVML said, NaN and negatives included)."""
+    with pytest.raises(PowerSourceError, match=match):
+        from_gpus([Gpu(0, "a", power_w=300.0, power_limit_w=700.0, energy_mj=5_000), gpu])
+
+
 async def test_the_energy_counter_gives_the_mean_draw_between_readings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -75,3 +94,28 @@ async def test_the_energy_counter_gives_the_mean_draw_between_readings(
     finally:
         await monitor.aclose()
         gpus.close()
+
+
+async def test_a_hung_nvml_holds_one_thread_not_one_per_retry() -> None:
+    """NVML that never answers: the first read times out, and each retry while that read's thread still
+    waits is a reported error without a new thread (each used to start one more: a hung driver filled
+    the loop's default thread pool, shared with DNS lookups and file IO)."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    def read_gpus() -> list[Gpu]:
+        calls.append(1)
+        release.wait()
+        return [Gpu(0, "a", power_w=100.0)]
+
+    monitor = PowerMonitor([(NvmlSource("nvml", read_gpus), 1.0, 0.05)])
+    try:
+        first = await monitor.read_once("nvml")
+        assert first.watts is None and first.error == "no answer within 0.05 s"
+        for _ in range(5):
+            again = await monitor.read_once("nvml")
+            assert again.watts is None and "still running" in again.error
+        assert len(calls) == 1
+    finally:
+        release.set()
+        await monitor.aclose()

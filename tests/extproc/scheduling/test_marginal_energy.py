@@ -6,6 +6,7 @@ when it is not."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
-from extproc.fleet import EndpointState
+from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.energy import CapLatch, EnergyModel, PowerCurve
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.power import (
@@ -221,11 +222,11 @@ def test_marginal_energy_params_are_checked() -> None:
         ([(1, True, True), (2, False, True), (3, False, True), (4, False, False)], [True, True, True, False]),
         # never in: staying above the exit threshold alone does not turn it on
         ([(1, False, True), (2, False, True)], [False, False]),
-        # the same readings (an older or equal time) give the same answer
-        (
-            [(1, True, True), (1, False, False), (0, False, False), (2, False, False)],
-            [True, True, True, False],
-        ),
+        # the same readings (the same time) give the same answer
+        ([(1, True, True), (1, False, False), (2, False, False)], [True, True, False]),
+        # an earlier time is a new reading too (the agent's clock stepped back, or it restarted): it used
+        # to be ignored until the clock passed the old time
+        ([(100, True, True), (50, False, False), (50, True, True)], [True, False, False]),
     ],
 )
 def test_cap_latch(steps: list[tuple[float, bool, bool]], expected: list[bool]) -> None:
@@ -289,3 +290,67 @@ def test_a_marginal_energy_weight_in_the_policy_turns_it_on() -> None:
     policy = store.put("weights/marginal-energy", b"4")
     assert policy is not None and build_profile(policy.scheduling).predicts
     assert store.put("plugins/marginal-energy/ttft_target_s", b"0") is None  # refused, the last good stays
+
+
+def test_power_cap_filter_a_failed_read_keeps_the_latch() -> None:
+    """Readings whose sources all failed neither enter nor leave (a newer error used to release the node:
+    only a reading under the exit threshold does)."""
+    flt = PowerCapFilter(params=PowerCapParams())
+    node = state(1, power=(Power("dcgm", "dcgm", watts=690.0, limit_w=700.0, at=100.0),))
+    assert flt.over(node)
+    node.power = (Power("dcgm", "dcgm", at=101.0, error="no answer"),)
+    assert flt.over(node)
+    node.power = (Power("dcgm", "dcgm", watts=650.0, limit_w=700.0, at=102.0),)  # above the exit threshold
+    assert flt.over(node)
+    node.power = (Power("dcgm", "dcgm", watts=600.0, limit_w=700.0, at=103.0),)
+    assert not flt.over(node)
+    node.power = (Power("dcgm", "dcgm", at=104.0, error="no answer"),)
+    assert not flt.over(node)  # nor does a failure enter
+
+
+def test_power_cap_filter_forgets_expired_readings() -> None:
+    """A node latched over whose readings expire (the fleet's staleness bound makes its power ``()``) is
+    not over, and its latch entry goes (it used to stay over for ever: no newer ``at`` ever came); an
+    agent whose clock went back is read at once."""
+    flt = PowerCapFilter(params=PowerCapParams())
+    fleet = Fleet([Endpoint(EndpointId("e1"), "10.0.0.1:8000", frozenset({"m"}), node="n1")])
+    fleet.upsert(Endpoint(EndpointId("e2"), "10.0.0.2:8000", frozenset({"m"}), node="n2"))
+    node, other = fleet.get(EndpointId("e1")), fleet.get(EndpointId("e2"))
+    assert node is not None and other is not None
+
+    def kept() -> list[str]:
+        return [c.id for c in flt.filter(REQUEST, CycleState(), [node, other])]
+
+    fleet.record_power(node.id, (Power("dcgm", "dcgm", watts=690.0, limit_w=700.0, at=100.0),), now=10.0)
+    assert kept() == ["e2"] and flt.latch.holding
+    # the readings expire: no telemetry is never over, and the latch forgets the endpoint
+    fleet.expire_metrics(now=20.0, stale_after=2.0)
+    assert node.power == () and kept() == ["e1", "e2"]
+    assert "e1" not in flt.latch and not flt.latch.holding
+    # over again, then the agent restarts with its wall clock behind: its low reading is taken at once
+    fleet.record_power(node.id, (Power("dcgm", "dcgm", watts=690.0, limit_w=700.0, at=200.0),), now=30.0)
+    assert kept() == ["e2"]
+    fleet.record_power(node.id, (Power("dcgm", "dcgm", watts=100.0, limit_w=700.0, at=150.0),), now=31.0)
+    assert kept() == ["e1", "e2"]
+
+
+def test_power_cap_filter_forgets_endpoints_that_left_the_fleet() -> None:
+    """The latch keeps no entry for an endpoint removed from the fleet (``CapLatch.forget`` was never
+    called: every endpoint that ever went over stayed in it), and one that comes back under its old id
+    starts afresh."""
+    flt = PowerCapFilter(params=PowerCapParams())
+    fleet = Fleet([Endpoint(EndpointId(f"e{i}"), f"10.0.0.{i}:8000", frozenset({"m"})) for i in range(3)])
+    states = list(fleet)
+    for i, s in enumerate(states):
+        fleet.record_power(s.id, (Power("dcgm", "dcgm", watts=690.0, limit_w=700.0, at=100.0 + i),), now=0.0)
+    assert all(flt.over(s) for s in states) and len(flt.latch) == 3
+    gone = states.pop(0)
+    fleet.remove(gone.id)
+    del gone
+    gc.collect()
+    assert "e0" not in flt.latch and len(flt.latch) == 2
+    # e1 leaves and comes back (a new state object, the same readings): not latched from before
+    fleet.remove(EndpointId("e1"))
+    back = fleet.upsert(Endpoint(EndpointId("e1"), "10.0.0.1:8000", frozenset({"m"})))
+    back.power = (Power("dcgm", "dcgm", watts=650.0, limit_w=700.0, at=101.0),)  # under the entry threshold
+    assert not flt.over(back)
