@@ -110,7 +110,7 @@ from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
 from extproc.cascade.answer import SSE, listed_with
-from extproc.cascade.plan import Answered, Cascader, Replayed, Run
+from extproc.cascade.plan import Answered, Cascader, Refused, Replayed, Run
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.pairing import Pairing
 from extproc.disagg.plan import Disaggregator, Handoff, Verdict
@@ -518,7 +518,12 @@ class StreamProcessor:
             )
         run = None
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
-            run = self._cascade.start(request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived)
+            try:
+                run = self._cascade.start(
+                    request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived
+                )
+            except Refused as exc:  # a request the cascade cannot serve as asked (echo)
+                raise BadRequest(str(exc), param=exc.param) from None
             if run is not None:
                 request, body = rewrite_model(request, run.model)
         if timeline is not None:

@@ -3,10 +3,11 @@ step's answer passes.
 
 * :func:`step_body`: the client's body for step model ``model``, with the step's token log-probabilities
   requested (chat ``logprobs: true``, the client's ``top_logprobs`` kept; completions ``logprobs`` at
-  least 1) and not streamed (``stream`` false, ``stream_options`` dropped): the gate reads the whole
-  answer; a ``first_k`` gate streams it instead (``include_usage``) and decides after ``k`` tokens
-  (:mod:`extproc.cascade.stream`). A ``replay`` run's ``seed`` is set in it (the replayed step gets the
-  same one).
+  least 1; ``echo`` dropped: the gate judges the answer's tokens, not the prompt's, and a cascade refuses
+  ``echo: true``, :meth:`~extproc.cascade.plan.Cascader.start`) and not streamed (``stream`` false,
+  ``stream_options`` dropped): the gate reads the whole answer; a ``first_k`` gate streams it instead
+  (``include_usage``) and decides after ``k`` tokens (:mod:`extproc.cascade.stream`). A ``replay`` run's
+  ``seed`` is set in it (the replayed step gets the same one).
 * :func:`client_answer`: the step's answer as the client asked for it: its ``model`` field the step's
   model, the log-probabilities removed unless the client asked for them, and for a streaming client a
   Server-Sent Events stream (:func:`sse`) instead of one JSON object.
@@ -28,7 +29,7 @@ def step_body(
 ) -> bytes:
     """The gated step's request body (module docstring); ``stream``: streamed with its usage (a
     ``first_k`` gate reads the first tokens as they come); ``seed``: the run's (a ``replay`` cascade)."""
-    body = {k: v for k, v in client.items() if k != "stream_options"}
+    body = {k: v for k, v in client.items() if k not in ("stream_options", "echo")}
     body["model"] = model
     if seed is not None:
         body["seed"] = seed

@@ -11,6 +11,11 @@ An answer with several choices (``n`` > 1) is judged by its worst choice (the mi
 statistics). The answer passes when ``s >= threshold``. No statistic (no choice, a choice without
 tokens, an engine that sent no logprobs) never passes: the request escalates.
 
+A null entry (a token the engine gave no log-probability) is skipped: ``l_1 .. l_n`` are the numbers, in
+order, and a choice with none has no statistic; an entry that is neither a number nor null makes the
+answer unreadable (no statistic). The streamed ``first_k`` gate (:mod:`extproc.cascade.stream`) reads
+the entries the same way (:func:`token_values`).
+
 Where the log-probabilities are: chat ``choices[].logprobs.content[].logprob`` (OpenAI, vLLM,
 llama.cpp's llama-server), completions ``choices[].logprobs.token_logprobs[]``.
 """
@@ -48,6 +53,28 @@ def statistic(logprobs: Sequence[float], stat: str, k: int | None = None) -> flo
     return sum(values) / len(values)
 
 
+def token_values(entries: Sequence[Any]) -> list[float] | None:
+    """One choice's log-probability entries as the gate reads them (module docstring): nulls skipped;
+    ``None`` when an entry is neither a number nor null."""
+    out: list[float] = []
+    for v in entries:
+        if v is None:
+            continue
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            return None
+        out.append(float(v))
+    return out
+
+
+def entry_logprob(entry: object) -> object:
+    """A chat ``logprobs.content`` entry's ``logprob`` (absent: null); an entry that is not an object is
+    unreadable (a stand-in that is neither a number nor null, for :func:`token_values`)."""
+    return entry.get("logprob") if isinstance(entry, Mapping) else _UNREADABLE
+
+
+_UNREADABLE = "unreadable"
+
+
 def choice_logprobs(answer: Mapping[str, Any]) -> list[list[float]] | None:
     """Per choice, its sampled tokens' log-probabilities (chat or completions shape); ``None`` when some
     choice carries none (the engine ignored the request for them) or the answer has no choices."""
@@ -61,13 +88,13 @@ def choice_logprobs(answer: Mapping[str, Any]) -> list[list[float]] | None:
             return None
         content = lp.get("content")
         if isinstance(content, list):  # chat
-            values = [item.get("logprob") if isinstance(item, Mapping) else None for item in content]
+            values = [entry_logprob(item) for item in content]
         elif isinstance(lp.get("token_logprobs"), list):  # completions
             values = list(lp["token_logprobs"])
         else:
             return None
-        numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-        if len(numbers) != len(values):
+        numbers = token_values(values)
+        if numbers is None:
             return None
         out.append(numbers)
     return out

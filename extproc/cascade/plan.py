@@ -32,6 +32,14 @@ from extproc.cascade.stream import StepStream
 log = logging.getLogger(__name__)
 
 
+class Refused(ValueError):
+    """A request a cascade cannot serve as asked (the processor answers it 400, ``param`` the field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class CascadePolicy:
     """Virtual model name -> its cascade."""
@@ -123,10 +131,18 @@ class Cascader:
         return sorted(n for n, spec in self.policy.cascades.items() if have.issuperset(spec.steps))
 
     def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
-        """A run for a request naming ``model`` (``None``: not a virtual model)."""
+        """A run for a request naming ``model`` (``None``: not a virtual model). :class:`Refused`: the
+        request asks ``echo`` (the gate judges the tokens a step generates, and an answer the gateway
+        returns from a gated step cannot carry the prompt's tokens and their log-probabilities)."""
         spec = self.lookup(model)
         if spec is None:
             return None
+        if client.get("echo") is True:
+            raise Refused(
+                f"'echo' is not supported with the cascade model {model!r}: its answer is judged and returned"
+                " without the prompt. Send the request without 'echo', or name one of its steps.",
+                "echo",
+            )
         run = Run(spec, model, client, chat, now)
         if spec.replay and client.get("stream") is True:
             own = client.get("seed")
@@ -234,7 +250,11 @@ class Run:
     def body(self) -> bytes:
         """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""
         replays = self.seed is not None
-        self.stream = StepStream(self.spec, chat=self.chat, stop_on_pass=replays) if self.streamed else None
+        n = self.client.get("n")  # checked (an integer >= 1) before the run starts; else one choice
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        self.stream = (
+            StepStream(self.spec, chat=self.chat, stop_on_pass=replays, n=choices) if self.streamed else None
+        )
         return step_body(self.client, self.model, chat=self.chat, stream=self.streamed, seed=self.seed)
 
     def replay_body(self) -> dict[str, Any]:

@@ -8,12 +8,12 @@
 gated. ``gate``: ``logprob`` (the only gate). ``threshold``: a log-probability in nats (finite, <= 0); a
 step's answer passes when its statistic is at least this. ``stat``: ``mean``, ``min`` or ``first_k`` (then
 ``k``, an integer >= 1, is required; elsewhere it is refused). ``timeout_s``: the bound on each gated
-step's sub-request (past it the request escalates), in (0, 600]. ``preroute`` (optional, an object, see
-:mod:`extproc.cascade.prior`): requests the gateway predicts the gate would escalate go straight to the
-last step. ``replay`` (optional, a boolean, ``false`` by default; ``stat`` ``first_k`` only): a streaming
-client's request that passes the gate on its first ``k`` tokens is sent to the same step again, with the
-same ``seed``, through Envoy, so its tokens stream from the engine instead of arriving in one piece at the
-end (README.md, "What it costs a streaming client").
+step's sub-request (past it the request escalates), in (0, :data:`MAX_TIMEOUT_S`]. ``preroute``
+(optional, an object, see :mod:`extproc.cascade.prior`): requests the gateway predicts the gate would
+escalate go straight to the last step. ``replay`` (optional, a boolean, ``false`` by default; ``stat``
+``first_k`` only): a streaming client's request that passes the gate on its first ``k`` tokens is sent
+to the same step again, with the same ``seed``, through Envoy, so its tokens stream from the engine
+instead of arriving in one piece at the end (README.md, "What it costs a streaming client").
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ GATES = ("logprob",)
 STATS = ("mean", "min", "first_k")
 MAX_STEPS = 4
 DEFAULT_TIMEOUT_S = 30.0
+#: The longest ``timeout_s``: Envoy's message timeout is extended to ``timeout_s + 5`` s while a step runs
+#: (``extproc.processor.HOLD_SLACK_S``), and the bundled Envoy caps an extension at 600 s (its
+#: ``max_message_timeout``, ``extproc.server.HOLD_TIMEOUT_S``).
+MAX_TIMEOUT_S = 595.0
 _KEYS = ("steps", "gate", "threshold", "stat", "k", "timeout_s", "preroute", "replay")
 
 
@@ -61,8 +65,11 @@ class CascadeSpec:
             raise ConfigError(f"stat first_k needs k, an integer >= 1, got {self.k}")
         if self.stat != "first_k" and self.k is not None:
             raise ConfigError(f"k applies to stat first_k only (stat is {self.stat!r})")
-        if not 0 < self.timeout_s <= 600:
-            raise ConfigError(f"timeout_s must be in (0, 600], got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] (the step's Envoy message timeout,"
+                f" timeout_s + 5 s, stays within Envoy's 600 s cap), got {self.timeout_s:g}"
+            )
         if self.replay and self.stat != "first_k":
             raise ConfigError(f"replay applies to stat first_k only (stat is {self.stat!r})")
 

@@ -29,28 +29,35 @@ from extproc.scheduling.interface import Candidates, CycleState, SchedulingReque
 class LoraParams:
     """Scores of the cases between 1 (the adapter is active) and 0 (every slot busy with others):
     ``loaded`` the adapter is idle in a slot, ``free`` a slot is free, ``evict`` an idle adapter must
-    make room, ``unknown`` the endpoint reports no slot count (not active nor recently there)."""
+    make room, ``unknown`` the endpoint reports no slot count (not active nor recently there).
+    ``unread_s``: with no reading of the endpoint (never scraped, or its metrics gone stale), an adapter
+    known there (routed there, or in its last reading) this many seconds ago or less counts as loaded."""
 
     loaded: float = 0.8
     free: float = 0.5
     evict: float = 0.2
     unknown: float = 0.3
+    unread_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("loaded", "free", "evict", "unknown"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0.0 <= value <= 1.0):
                 raise ValueError(f"{name} must be within [0, 1], got {value!r}")
+        if not (math.isfinite(self.unread_s) and self.unread_s > 0.0):
+            raise ValueError(f"unread_s must be a number of seconds above 0, got {self.unread_s!r}")
 
 
-def lora_score(state: EndpointState, adapter: str, params: LoraParams) -> float:
-    """The score of ``state`` for a request naming ``adapter`` (module docstring, README.md)."""
+def lora_score(state: EndpointState, adapter: str, params: LoraParams, now: float) -> float:
+    """The score of ``state`` for a request naming ``adapter`` at ``now`` (module docstring, README.md)."""
     metrics = state.metrics
-    lora = None if metrics is None else metrics.lora
-    since = -math.inf if metrics is None else metrics.at
     recent = state.lora_recent
+    if metrics is None:  # no reading: nothing says what runs there, nor since when it was routed
+        seen = recent.get(adapter)
+        return params.loaded if seen is not None and now - seen <= params.unread_s else params.unknown
+    lora = metrics.lora
     busy = set() if lora is None else set(lora.active)
-    busy.update(a for a, at in recent.items() if at >= since)  # routed here since the reading
+    busy.update(a for a, at in recent.items() if at >= metrics.at)  # routed here since the reading
     if adapter in busy:
         return 1.0
     if lora is None or lora.max_lora is None or lora.max_lora <= 0:
@@ -97,4 +104,5 @@ class LoraScorer:
         else:
             return None  # a base model, or an adapter no endpoint has declared or reported
         params = self.params
-        return [lora_score(c, adapter, params) for c in candidates]
+        now = request.now
+        return [lora_score(c, adapter, params, now) for c in candidates]

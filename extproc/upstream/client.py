@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from extproc.upstream.errors import Unreachable, UpstreamError, UpstreamStatus, UpstreamTimeout
 from extproc.upstream.request import SubRequest
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 #: Bytes of an answer read at most (a prefill answer is one token and a few hundred bytes of params).
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
+#: What reading an answer can raise besides a timeout: aiohttp's client errors (a connection that broke,
+#: a payload cut short or badly chunked: ``ClientPayloadError``), its HTTP parser's (``LineTooLong``, a
+#: malformed header: not ``ClientError``s), the OS's. Each becomes :class:`Unreachable`.
+_READ_ERRORS = (aiohttp.ClientError, HttpProcessingError, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +91,7 @@ class UpstreamClient:
                 status = response.status
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no answer from {address}{path} within {timeout_s:g} s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except _READ_ERRORS as exc:
             raise Unreachable(f"{address}{path}: {type(exc).__name__}") from exc
         log.debug("POST %s%s: %d in %.3f s", address, path, status, time.monotonic() - started)
         if not 200 <= status < 300:
@@ -105,14 +110,15 @@ class UpstreamClient:
     ) -> int:
         """POST ``body`` and hand each line of a 2xx answer (an SSE stream) to ``on_line`` as it arrives,
         until the answer ends or ``on_line`` returns false: the connection is then closed, which an
-        engine takes as the client going away (vLLM and the simulator abort the request). Returns the
-        status; errors as :meth:`post_json` (past ``timeout_s`` in all, or :data:`MAX_ANSWER_BYTES`
-        read: :class:`UpstreamTimeout` / :class:`UpstreamError`)."""
+        engine takes as the client going away (vLLM and the simulator abort the request). A line is
+        whatever comes up to a newline (its newline kept; the last one may have none) however long: only
+        the answer as a whole is bounded (:data:`MAX_ANSWER_BYTES`; aiohttp's own line reader stops at 512
+        KiB). Returns the status; errors as :meth:`post_json` (past ``timeout_s`` in all, or
+        :data:`MAX_ANSWER_BYTES` read: :class:`UpstreamTimeout` / :class:`UpstreamError`)."""
         url = f"{self.scheme}://{address}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(timeout_s, self._connect_timeout_s))
         sent = {"content-type": "application/json", **(headers or {})}
         started = time.monotonic()
-        read = 0
         cut = False
         try:
             async with self._client().post(
@@ -120,17 +126,12 @@ class UpstreamClient:
             ) as response:
                 status = response.status
                 if 200 <= status < 300:
-                    async for line in response.content:
-                        read += len(line)
-                        if read > MAX_ANSWER_BYTES:
-                            raise UpstreamError(f"{address}{path}: answer over {MAX_ANSWER_BYTES} bytes")
-                        if not on_line(line):
-                            cut = True
-                            response.close()  # do not wait for (or pool) the rest
-                            break
+                    cut = not await _hand_lines(response.content, on_line, f"{address}{path}")
+                    if cut:
+                        response.close()  # do not wait for (or pool) the rest
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no complete answer from {address}{path} within {timeout_s:g} s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except _READ_ERRORS as exc:
             raise Unreachable(f"{address}{path}: {type(exc).__name__}") from exc
         log.debug(
             "POST %s%s (stream): %d in %.3f s%s",
@@ -154,6 +155,27 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _hand_lines(content: aiohttp.StreamReader, on_line: Callable[[bytes], bool], where: str) -> bool:
+    """Hand each line of ``content`` to ``on_line`` (:meth:`UpstreamClient.post_stream`); false: it said
+    stop. Past :data:`MAX_ANSWER_BYTES` read: :class:`UpstreamError`."""
+    read = 0
+    pending = bytearray()  # the line so far (a long one comes in many reads)
+    async for data in content.iter_any():
+        read += len(data)
+        if read > MAX_ANSWER_BYTES:
+            raise UpstreamError(f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            pending += data[start : end + 1]
+            line = bytes(pending)
+            pending.clear()
+            start = end + 1
+            if not on_line(line):
+                return False
+        pending += data[start:]
+    return not pending or on_line(bytes(pending))
 
 
 __all__ = ["Answer", "UpstreamClient", "UpstreamError"]

@@ -49,6 +49,10 @@ def test_step_body_asks_for_logprobs_and_no_stream() -> None:
     assert kept["top_logprobs"] == 3
     assert orjson.loads(step_body({"model": "auto", "prompt": "x"}, "s", chat=False))["logprobs"] == 1
     assert orjson.loads(step_body({"model": "auto", "logprobs": 4}, "s", chat=False))["logprobs"] == 4
+    # the gate judges the answer: echo would put the prompt's tokens (the first with a null logprob) first
+    assert "echo" not in orjson.loads(
+        step_body({"model": "auto", "prompt": "x", "echo": True}, "s", chat=False)
+    )
 
 
 def test_json_answer_without_logprobs_unless_asked() -> None:

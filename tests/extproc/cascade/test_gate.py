@@ -80,3 +80,21 @@ def test_verdicts() -> None:
     assert not judge(minimum, chat([-0.01, -0.01, -0.6])).passed
     first = CascadeSpec(("a", "b"), -0.5, "first_k", 2)
     assert judge(first, chat([-0.01, -0.01, -5.0])).passed
+
+
+def test_null_entries_are_skipped_and_an_unreadable_entry_is_no_statistic() -> None:
+    """One rule with the streamed gate (tests/extproc/cascade/test_stream.py): a null entry (a token the
+    engine gave no log-probability) is skipped; a choice of nulls alone, or an entry that is neither a number
+    nor null, has no statistic."""
+    first_k = CascadeSpec(("s", "l"), -0.5, "first_k", 2)
+
+    def chat(*entries: object) -> dict[str, object]:
+        return {"choices": [{"index": 0, "logprobs": {"content": list(entries)}}]}
+
+    passing = chat({"logprob": None}, {"logprob": -0.01}, {"logprob": -0.01}, {"logprob": -5.0})
+    assert judge(first_k, passing) == Verdict(pytest.approx(-0.01), True, "pass")
+    completions = {"choices": [{"index": 0, "logprobs": {"token_logprobs": [None, -0.01, -0.01]}}]}
+    assert judge(first_k, completions) == Verdict(pytest.approx(-0.01), True, "pass")
+    assert judge(first_k, chat({"logprob": None}, {"token": "x"})) == Verdict(None, False, "no_logprobs")
+    assert judge(first_k, chat({"logprob": "-0.1"}, {"logprob": -0.1})) == Verdict(None, False, "no_logprobs")
+    assert judge(first_k, chat(-0.1, {"logprob": -0.1})) == Verdict(None, False, "no_logprobs")

@@ -208,6 +208,24 @@ def test_a_served_model_is_not_cascaded_and_an_unknown_step_is_a_404() -> None:
     assert status == 404 and b"nowhere" in text
 
 
+def test_echo_on_a_cascade_is_a_400_and_the_step_is_asked_without_it() -> None:
+    """The gate judges the answer's tokens: a step asked with echo judged the prompt's first tokens (the
+    first with a null logprob), and an answer returned from a gated step cannot carry the prompt."""
+    for path, payload in (
+        ("/v1/chat/completions", request(echo=True)),
+        ("/v1/completions", orjson.dumps({"model": "auto", "prompt": "hi", "max_tokens": 4, "echo": True})),
+    ):
+        proc, router = make(SPEC)
+        assert proc.handle(headers(path)) == []
+        status, _, text, _ = immediate(proc.handle(body(payload)))
+        error = orjson.loads(text)["error"]
+        assert status == 400 and error["param"] == "echo" and "'echo' is not supported" in error["message"]
+        assert error["type"] == "invalid_request_error" and proc.run is None and load(router) == {}
+    proc, _ = make(SPEC)
+    start(proc, request(echo=False))
+    assert proc.cascade_step is not None and "echo" not in orjson.loads(proc.cascade_step.body)
+
+
 def sse_line(logprob: float, content: str = "x") -> bytes:
     choice = {
         "index": 0,

@@ -27,6 +27,7 @@ def test_defaults() -> None:
 def test_first_k_with_k() -> None:
     spec = parse_cascade({**GOOD, "stat": "first_k", "k": 8, "timeout_s": 5}, "w", "auto")
     assert (spec.stat, spec.k, spec.timeout_s) == ("first_k", 8, 5.0)
+    assert parse_cascade({**GOOD, "timeout_s": 595}, "w", "auto").timeout_s == 595.0  # + 5 s: Envoy's cap
     assert spec.to_json()["k"] == 8
     assert not spec.replay and "replay" not in spec.to_json()
 
@@ -61,8 +62,10 @@ def test_replay_with_first_k() -> None:
         ({**GOOD, "stat": "first_k", "k": 0}, "stat first_k needs k"),
         ({**GOOD, "stat": "first_k", "k": 2.5}, "k: expected an integer"),
         ({**GOOD, "k": 4}, "k applies to stat first_k only"),
-        ({**GOOD, "timeout_s": 0}, "timeout_s must be in (0, 600]"),
-        ({**GOOD, "timeout_s": 601}, "timeout_s must be in (0, 600]"),
+        ({**GOOD, "timeout_s": 0}, "timeout_s must be in (0, 595]"),
+        ({**GOOD, "timeout_s": 595.5}, "timeout_s must be in (0, 595]"),
+        ({**GOOD, "timeout_s": 600}, "timeout_s must be in (0, 595]"),
+        ({**GOOD, "timeout_s": 601}, "timeout_s must be in (0, 595]"),
         ({**GOOD, "replay": True}, "replay applies to stat first_k only"),
         ({**GOOD, "stat": "min", "replay": True}, "replay applies to stat first_k only"),
         ({**GOOD, "stat": "first_k", "k": 4, "replay": 1}, "replay: expected true or false"),

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.cascade.gate import Verdict
+from extproc.cascade.gate import Verdict, judge
 from extproc.cascade.plan import Answered, CascadePolicy, Cascader, Replayed, Run
 from extproc.cascade.spec import CascadeSpec
 from extproc.cascade.stream import StepStream
@@ -22,9 +22,14 @@ def line(doc: Any) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n"
 
 
-def chunk(delta: dict[str, Any], logprobs: list[float] | None = None, finish: str | None = None) -> bytes:
+def chunk(
+    delta: dict[str, Any],
+    logprobs: list[float | None] | None = None,
+    finish: str | None = None,
+    index: int = 0,
+) -> bytes:
     lp = None if logprobs is None else {"content": [{"token": "t", "logprob": v} for v in logprobs]}
-    choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     return line(
         {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "small", "choices": [choice]}
     )
@@ -137,6 +142,122 @@ def test_bad_or_empty_streams_have_no_answer() -> None:
     assert stream.answer() is None
 
 
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": None, "delta": {}},
+        {"index": "0", "delta": {}},
+        {"index": -1, "delta": {}},
+        {"index": True, "delta": {}},
+        {"index": 0, "delta": "x"},
+        {"index": 0, "delta": {"content": 5}},
+        {"index": 0, "delta": {"role": ["assistant"]}},
+        {"index": 0, "delta": {"tool_calls": {"index": 0}}},
+        {"index": 0, "delta": {"tool_calls": ["f"]}},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}},
+        {"index": 0, "delta": {"tool_calls": [{"index": None, "function": {"name": "f"}}]}},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": {"a": 1}}}]}},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": 7}]}},
+        "a choice",
+    ],
+)
+def test_a_malformed_chunk_makes_the_stream_bad_and_escalates_as_bad_answer(choice: object) -> None:
+    """A chunk of the wrong shape raised TypeError / AttributeError out of feed (the gRPC stream died:
+    the client got a 500); now the stream stops, has no answer, and the step escalates as bad_answer."""
+    r = run()
+    r.body()
+    assert r.feed(LINES[2])
+    bad = line(
+        {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "small", "choices": [choice]}
+    )
+    assert not r.feed(bad)  # stop reading: the answer is refused whatever follows
+    assert r.stream is not None and r.stream.bad and not r.stream.cut and r.stream.answer() is None
+    assert not r.feed(LINES[3])
+    assert r.judge(None) is None and r.verdicts[-1][1] == Verdict(None, False, "bad_answer")
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"id": "x", "choices": {"index": 0}},
+        {"id": "x", "choices": [{"index": 0, "text": 5}]},
+        {"id": "x", "choices": [{"index": 0.5, "text": "a"}]},
+        ["not", "an", "object"],
+    ],
+)
+def test_a_malformed_completions_chunk_makes_the_stream_bad(doc: object) -> None:
+    stream = StepStream(SPEC, chat=False)
+    assert not stream.feed(line(doc)) and stream.bad and stream.answer() is None
+
+
+def test_a_pass_waits_for_every_choice_the_client_asked_for() -> None:
+    """n = 2: choice 0 passing on its first k tokens said nothing of choice 1, not seen yet (the answer is
+    judged by its worst choice); the early pass waits for it, a fail needs no wait."""
+    stream = StepStream(SPEC, chat=True, stop_on_pass=True, n=2)
+    assert stream.feed(chunk({"content": "a"}, [-0.01, -0.01, -0.01]))
+    assert stream.verdict is None and not stream.cut
+    assert not stream.feed(chunk({"content": "b"}, [-0.2, -0.2, -0.2], index=1))
+    assert stream.cut and stream.verdict == Verdict(pytest.approx(-0.2), True, "pass")
+
+    later = StepStream(SPEC, chat=True, n=2)  # not replayed: a later choice's fail still cuts it short
+    assert later.feed(chunk({"content": "a"}, [-0.01, -0.01, -0.01]))
+    assert not later.feed(chunk({"content": "b"}, [-3.0, -3.0, -3.0], index=1))
+    assert later.cut and later.verdict is not None and later.verdict.reason == "gate"
+
+    fails = StepStream(SPEC, chat=True, stop_on_pass=True, n=2)
+    assert not fails.feed(chunk({"content": "a"}, [-3.0, -3.0, -3.0]))  # the worst is below already
+    assert fails.cut and fails.verdict is not None and fails.verdict.reason == "gate"
+
+    one = StepStream(SPEC, chat=True, stop_on_pass=True, n=2)  # the engine sent one choice: judged whole
+    assert feed(one, [chunk({"content": "a"}, [-0.01, -0.01, -0.01], "stop"), b"data: [DONE]\n"]) == 2
+    assert not one.cut and one.verdict is None and one.answer() is not None
+
+
+def test_a_run_waits_for_the_clients_n_choices() -> None:
+    client = {"model": "auto", "messages": [], "stream": True, "n": 3}
+    r = Run(REPLAY, "auto", client, True, 0.0, seed=1)
+    r.body()
+    assert r.feed(chunk({"content": "a"}, [-0.1] * 3)) and r.feed(
+        chunk({"content": "b"}, [-0.1] * 3, index=1)
+    )
+    assert not r.feed(chunk({"content": "c"}, [-0.1] * 3, index=2))
+    assert r.judge(None) == Replayed(1, "small")
+
+
+def test_null_logprobs_are_skipped_as_the_buffered_gate_skips_them() -> None:
+    """A null entry (a token the engine gave no log-probability) is skipped by both gates: the stream
+    dropped it and the buffered gate refused the whole answer (no_logprobs)."""
+    stream = StepStream(SPEC, chat=True, stop_on_pass=True)
+    assert (
+        feed(stream, [chunk({"content": "a"}, [None]), chunk({"content": "b"}, [-0.01, -0.01, -0.01])]) == 2
+    )
+    assert stream.verdict == Verdict(pytest.approx(-0.01), True, "pass")
+    whole = StepStream(SPEC, chat=True)
+    feed(
+        whole, [chunk({"content": "a"}, [None, -0.01]), chunk({"content": "b"}, [-0.01, -0.01, -4.0], "stop")]
+    )
+    doc = whole.answer()
+    assert doc is not None and judge(SPEC, doc) == Verdict(pytest.approx(-0.01), True, "pass")
+    nulls = StepStream(SPEC, chat=True)
+    feed(nulls, [chunk({"content": "a"}, [None, None, None, None], "stop")])
+    assert nulls.verdict is None and (doc := nulls.answer()) is not None
+    assert judge(SPEC, doc) == Verdict(None, False, "no_logprobs")  # no number: no statistic
+    odd = StepStream(SPEC, chat=True)
+    feed(
+        odd,
+        [
+            line(
+                {
+                    "id": "c",
+                    "choices": [{"index": 0, "delta": {}, "logprobs": {"content": [{"logprob": "x"}] * 3}}],
+                }
+            )
+        ],
+    )
+    assert odd.verdict is None and (doc := odd.answer()) is not None
+    assert judge(SPEC, doc) == Verdict(None, False, "no_logprobs")  # not a number: unreadable
+
+
 def run(spec: CascadeSpec = SPEC) -> Run:
     client = {"model": "auto", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
     return Run(spec, "auto", client, True, 0.0)
@@ -186,7 +307,8 @@ def test_a_replay_run_seeds_its_step_and_replays_it_when_the_first_k_pass() -> N
     assert r is not None and r.seed == random.Random(5).randrange(Cascader.SEEDS)
     sent = orjson.loads(r.body())
     assert sent["seed"] == r.seed and sent["stream"] is True and sent["logprobs"] is True
-    assert not feed_run(r, LINES)  # stopped at the third token: it passed
+    assert feed_run(r, LINES[:5])  # choice 0 passes on its first 3 tokens; choice 1 is not in yet
+    assert not r.feed(chunk({"content": "Yo"}, [-0.1, -0.1, -0.1], index=1))  # both in: it passed
     replayed = r.judge(None)
     assert replayed == Replayed(1, "small") and r.replaying and not r.gated
     assert r.verdicts == [("small", Verdict(pytest.approx(-0.2), True, "pass"))]

@@ -57,6 +57,30 @@ def test_lora_score(case: str, state: EndpointState, want: float) -> None:
     assert scores[state.id] == pytest.approx(want), case
 
 
+def test_without_a_reading_a_routed_adapter_counts_as_loaded_for_unread_s_only() -> None:
+    """No metrics at all (never scraped, or stale and dropped): an adapter routed there scored 1 (active)
+    forever, whatever happened since; now it is loaded for unread_s seconds, then unknown, and never
+    active (no reading says what runs there)."""
+    state = endpoint()
+    state.metrics = None
+    state.saw_adapter("a1", 10.0)
+    other = endpoint(set())
+    other.endpoint = Endpoint(
+        EndpointId("o"), "127.0.0.1:2", frozenset({"base"}) | ADAPTERS, adapters=ADAPTERS
+    )
+
+    def score(adapter: str, now: float, params: LoraParams | None = None) -> float:
+        request = SchedulingRequest("r", adapter, (), 0, now)
+        return LoraScorer(params=params).score(request, CycleState(), [state, other])[state.id]
+
+    assert score("a1", 11.0) == pytest.approx(0.8)
+    assert score("a1", 70.0) == pytest.approx(0.8)  # 60 s (unread_s) after
+    assert score("a1", 70.5) == pytest.approx(0.3)  # past it: unknown, as an adapter never routed there
+    assert score("a1", 3600.0) == pytest.approx(0.3)
+    assert score("a2", 11.0) == pytest.approx(0.3)
+    assert score("a1", 70.5, LoraParams(unread_s=120.0)) == pytest.approx(0.8)
+
+
 def test_a_base_model_request_scores_nothing() -> None:
     request = SchedulingRequest("r", "base", (), 0, 12.0)
     assert LoraScorer().score(request, CycleState(), [endpoint({"a1"})]) == {}
@@ -72,7 +96,10 @@ def test_routing_and_readings_remember_adapters_boundedly() -> None:
     assert len(state.lora_recent) == 64 and "a99" in state.lora_recent and "x" not in state.lora_recent
 
 
-@pytest.mark.parametrize("params", [{"loaded": 1.5}, {"free": -0.1}, {"evict": "x"}, {"nope": 1}])
+@pytest.mark.parametrize(
+    "params",
+    [{"loaded": 1.5}, {"free": -0.1}, {"evict": "x"}, {"nope": 1}, {"unread_s": 0}, {"unread_s": -1.0}],
+)
 def test_bad_params_are_refused(params: dict[str, object]) -> None:
     from contracts.errors import ConfigError
 

@@ -144,7 +144,7 @@ def plain_lora(
 ) -> dict[EndpointId, float]:
     if not any(plain_knows(c, request.model) for c in cands):
         return {}
-    return {c.id: lora_score(c, request.model, params) for c in cands}
+    return {c.id: lora_score(c, request.model, params, request.now) for c in cands}
 
 
 def plain_key(pair: tuple[EndpointState, float]) -> float:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from extproc.upstream.client import UpstreamClient
-from extproc.upstream.errors import Unreachable, UpstreamStatus, UpstreamTimeout
+from extproc.upstream.errors import Unreachable, UpstreamError, UpstreamStatus, UpstreamTimeout
 
 
 @pytest.fixture
@@ -124,6 +124,77 @@ async def test_post_stream_hands_over_lines_and_stops_when_told() -> None:
             await client.post_stream(address, "/fail", b"{}", lambda ln: True, timeout_s=5)
         with pytest.raises(UpstreamTimeout):
             await client.post_stream(address, "/sse", b"{}", lambda ln: True, timeout_s=0.1)
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_post_stream_reads_a_line_past_aiohttps_line_limit_and_bounds_the_answer() -> None:
+    """One SSE line of 1.5 MB (aiohttp's own line reader raises LineTooLong past 512 KiB, which escaped as
+    no UpstreamError) is handed over whole; an answer past MAX_ANSWER_BYTES, in one line, is an
+    UpstreamError."""
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        size = int(request.query["size"])
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        payload = b"data: " + b"x" * size
+        for i in range(0, len(payload), 65536):  # in many writes: the line comes in many reads
+            await response.write(payload[i : i + 65536])
+        await response.write(b"\n\ndata: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.add_routes([web.post("/sse", sse)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    address = f"127.0.0.1:{runner.addresses[0][1]}"
+    client = UpstreamClient()
+    try:
+        lines: list[bytes] = []
+        await client.post_stream(
+            address, "/sse?size=1500000", b"{}", lambda ln: lines.append(ln) or True, timeout_s=10
+        )
+        assert lines == [b"data: " + b"x" * 1_500_000 + b"\n", b"\n", b"data: [DONE]\n", b"\n"]
+        with pytest.raises(UpstreamError) as big:
+            await client.post_stream(address, "/sse?size=5000000", b"{}", lambda ln: True, timeout_s=10)
+        assert "answer over" in str(big.value)
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+async def test_post_stream_hands_over_a_last_line_without_a_newline_and_a_cut_payload_is_unreachable() -> (
+    None
+):
+    async def tail(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: 1\n\ndata: 2")
+        return response
+
+    async def short(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream", "content-length": "100"})
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        assert request.transport is not None
+        request.transport.close()  # 9 of the 100 bytes promised: ClientPayloadError
+        return response
+
+    app = web.Application()
+    app.add_routes([web.post("/tail", tail), web.post("/short", short)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    address = f"127.0.0.1:{runner.addresses[0][1]}"
+    client = UpstreamClient()
+    try:
+        lines: list[bytes] = []
+        await client.post_stream(address, "/tail", b"{}", lambda ln: lines.append(ln) or True, timeout_s=10)
+        assert lines == [b"data: 1\n", b"\n", b"data: 2"]
+        with pytest.raises(Unreachable):
+            await client.post_stream(address, "/short", b"{}", lambda ln: True, timeout_s=10)
     finally:
         await client.aclose()
         await runner.cleanup()
