@@ -257,6 +257,9 @@ class StreamProcessor:
         self.answered: Answered | None = None
         #: A gated step in flight: (prepared, started).
         self._stepping: tuple[_Prepared, float] | None = None
+        #: Envoy's message timeout was extended for this request (:meth:`_extension`: only the first
+        #: extension counts).
+        self._extended = False
         #: Cross-cluster forwarding (:mod:`extproc.federation`; ``None``: no ``[federation]``).
         self._federation = federation
         #: Who sent the request (a linked cluster's verified identity, else a client).
@@ -649,11 +652,39 @@ class StreamProcessor:
     def _hold_reply(self, entry: Entry[StreamProcessor]) -> list[pb.ProcessingResponse]:
         """While held, Envoy must not time the ext_proc out: extend its message timeout past the longest
         wait (``hold_timeout_s``: Envoy's ``max_message_timeout`` caps it; ``None``: nothing is sent)."""
+        assert self._waiting is not None
+        return self._extension(max(0.0, entry.expires - self._clock()), self._waiting[0])
+
+    def _extension(
+        self, wait_s: float, prepared: _Prepared, least_s: float = 0.0
+    ) -> list[pb.ProcessingResponse]:
+        """Extend Envoy's message timeout while the ext_proc waits ``wait_s`` (a hold, a gated step, a
+        prefill half) before it answers the body message, up to ``hold_timeout_s`` (Envoy's
+        ``max_message_timeout``; ``None``: nothing is sent). Envoy takes one extension per message and
+        ignores the rest (``ProcessorState::restartMessageTimer``: ``new_timeout_received_``, reset when
+        the next message is sent), so the first one covers whatever may still follow it: every gated
+        cascade step left and a prefill half (:meth:`_after_s`; at least ``least_s``), plus
+        :data:`HOLD_SLACK_S`; later waits send nothing."""
         cap = self._config.hold_timeout_s
-        if cap is None:
+        if cap is None or self._extended:
             return []
-        seconds = min(cap, max(1.0, entry.expires - self._clock() + HOLD_SLACK_S))
+        self._extended = True
+        seconds = min(cap, max(1.0, wait_s + max(least_s, self._after_s(prepared)) + HOLD_SLACK_S))
         return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+
+    def _after_s(self, prepared: _Prepared) -> float:
+        """The longest the ext_proc may still wait on a request after a hold (and within any gated step):
+        each gated cascade step left at its ``timeout_s``, then the longest prefill half of the models it
+        may end on (``prefill_timeout_s``)."""
+        run, models = prepared.run, [prepared.request.model]
+        gated = 0.0
+        if run is not None:
+            steps = run.spec.steps
+            models = list(steps[run.step :])
+            if run.gated:
+                gated = run.spec.timeout_s * (len(steps) - 1 - run.step)
+        prefill = self._disagg.policy.prefill_bound(models) if self._disagg is not None else 0.0
+        return gated + prefill
 
     def _flow_request(self, policy: FlowPolicy, prepared: _Prepared) -> FlowRequest:
         """Flow control's view of the request: its objective's priority (header, checked against the
@@ -925,11 +956,7 @@ class StreamProcessor:
         body = run.body()
         self.cascade_step = SubRequest(address, path, body, run.spec.timeout_s, headers, stream=run.streamed)
         self._stepping = (prepared, started)
-        cap = self._config.hold_timeout_s
-        if cap is None:
-            return []
-        seconds = min(cap, run.spec.timeout_s + HOLD_SLACK_S)
-        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+        return self._extension(0.0, prepared)  # this step and what may follow it (_after_s)
 
     def step_line(self, line: bytes) -> bool:
         """One line of a streamed cascade step's answer (:attr:`SubRequest.stream`); false: stop reading,
@@ -993,11 +1020,7 @@ class StreamProcessor:
         if pairing.decode_now is not None:
             return self._replies(prepared.request.stream, pairing.decode_now, started, decided)
         self._pending = (prepared, started, decided)
-        cap = self._config.hold_timeout_s
-        if cap is None:
-            return []
-        seconds = min(cap, pair.timeout_s + HOLD_SLACK_S)
-        return [pb.ProcessingResponse(override_message_timeout=_duration(seconds))]
+        return self._extension(0.0, prepared, pair.timeout_s)
 
     def prefill_done(self, failure: str | None) -> None:
         """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""

@@ -64,6 +64,12 @@ class PdPolicy:
 
     routes: Mapping[str, PdRoute] = field(default_factory=lambda: types.MappingProxyType({}))
 
+    def prefill_bound(self, models: Iterable[str]) -> float:
+        """The longest prefill half (``prefill_timeout_s``) any of ``models`` may wait for; 0 when none
+        is disaggregated."""
+        routes = self.routes
+        return max((routes[m].spec.prefill_timeout_s for m in models if m in routes), default=0.0)
+
 
 @dataclass(slots=True)
 class Handoff:

@@ -19,7 +19,11 @@ from engines.endpoint import Endpoint
 from extproc.cascade.plan import CascadePolicy, Cascader
 from extproc.cascade.prior import PrerouteSpec
 from extproc.cascade.spec import CascadeSpec
+from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
+from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
+from extproc.flow.control import FlowControl, Room
+from extproc.flow.policy import FlowPolicy, Saturation
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
@@ -174,16 +178,54 @@ def test_an_uncertain_or_failed_step_escalates_to_the_next_through_envoy(
 
 
 def test_three_steps() -> None:
-    proc, router = make(CascadeSpec(("small", "mid", "large"), -0.5, "min"))
-    start(proc, request())
-    out = proc.stepped(answer(-0.1, -0.9))
-    assert len(out) == 1 and out[0].WhichOneof("response") is None  # the message timeout, extended again
+    proc, router = make(CascadeSpec(("small", "mid", "large"), -0.5, "min", timeout_s=12.5))
+    (first,) = start(proc, request())
+    # Envoy honours one message-timeout extension per message: the first covers both gated steps
+    assert first.override_message_timeout.seconds == 30  # 2 x 12.5 s + 5 s
+    assert proc.stepped(answer(-0.1, -0.9)) == []  # a second extension would be ignored: none is sent
     sub = proc.cascade_step
     assert sub is not None and sub.address == MID and orjson.loads(sub.body)["model"] == "mid"
     assert load(router) == {MID: (1, 1)}
     _, hs, text, _ = immediate(proc.stepped(answer(-0.3, model="mid")))
     assert hs[CASCADE_STEP_HEADER] == "2" and orjson.loads(text)["model"] == "mid"
     assert load(router) == {}
+
+
+def test_a_held_cascade_request_extends_the_timeout_once_for_the_hold_and_its_step() -> None:
+    """Held by flow control, then a gated step: Envoy honours only the first extension of the body
+    message, so the hold's covers the wait, the step's bound and the slack; the step sends none."""
+    _, router = make(SPEC)
+    control: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(saturation=Saturation(max_in_flight=1)))
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": SPEC})))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=600.0)
+
+    def proc() -> StreamProcessor:
+        return StreamProcessor(router, config, lambda: 1000.0, flow=control, cascade=cascader)
+
+    busy = proc()
+    start(busy, request())  # step 1 on the one small endpoint: it is full
+    held = proc()
+    (out,) = start(held, request())
+    assert held.held is not None and held.cascade_step is None
+    wait = held.held.expires - 1000.0
+    assert out.override_message_timeout.seconds == int(wait + 12.5 + 5)
+    busy.close()
+    entry = control.next("small", Room.OPEN, 1000.0)
+    assert entry is held.held
+    assert entry.payload.resume() == []  # the step goes; its extension was sent with the hold's
+    assert held.cascade_step is not None and held.cascade_step.address == SMALL
+
+
+def test_a_cascade_ending_on_a_disaggregated_model_extends_for_the_prefill_at_its_first_step() -> None:
+    """The first extension (the gated step's) covers a later prefill half too: the handoff sends none."""
+    _, router = make(SPEC)
+    route = PdRoute(PdSpec("disaggregated", 0, None, 30.0), router.policy.profile)
+    disagg = Disaggregator(router, PdPolicy(types.MappingProxyType({"large": route})))
+    cascader = Cascader(CascadePolicy(types.MappingProxyType({"auto": SPEC})))
+    config = ProcessorConfig(max_body_bytes=1 << 20, hold_timeout_s=600.0)
+    proc = StreamProcessor(router, config, lambda: 1000.0, disagg=disagg, cascade=cascader)
+    (out,) = start(proc, request())
+    assert out.override_message_timeout.seconds == int(12.5 + 30.0 + 5)
 
 
 def test_a_client_gone_during_a_step_frees_its_slot() -> None:
