@@ -165,6 +165,13 @@ class TokenBucket:
         self.tokens, self.at, self.per_minute = tokens - 1.0 if ok else tokens, now, per_minute
         return ok
 
+    def rerate(self, per_minute: float, now: float) -> None:
+        """The rate becomes ``per_minute`` at ``now``: the time before it is counted at the old rate (the
+        tokens it refilled, capped at the old capacity), so a raised rate gives nothing back."""
+        if self.at is not None and per_minute != self.per_minute:
+            self.tokens, self.at = self.level(self.per_minute, now), now
+        self.per_minute = per_minute
+
 
 @dataclass(slots=True)
 class Burster:
@@ -173,6 +180,16 @@ class Burster:
     endpoints: tuple[BurstEndpoint, ...]
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: The budget (``flow/burst``) the buckets are up to date with; ``None``: none seen yet.
+    per_minute: float | None = None
+
+    def rerate(self, per_minute: float, now: float) -> None:
+        """The policy's budget is ``per_minute`` from ``now`` (the shell calls it when the policy changes):
+        each bucket is brought up to date at the old rate first (:meth:`TokenBucket.rerate`)."""
+        if per_minute != self.per_minute:
+            for bucket in self.buckets.values():
+                bucket.rerate(per_minute, now)
+            self.per_minute = per_minute
 
     def target(self, model: str) -> BurstEndpoint | None:
         """The burst endpoint serving local ``model`` (``None``: it never bursts)."""
@@ -183,7 +200,9 @@ class Burster:
 
     def take(self, endpoint: BurstEndpoint, per_minute: float, now: float) -> bool:
         """Spend one of ``endpoint``'s budget (``per_minute``: the policy's ``flow/burst``); counted as
-        ``sent`` or ``no_budget``."""
+        ``sent`` or ``no_budget``. A budget :meth:`rerate` was not told of changes here: the pause before
+        counts at the old rate (never more than the README's bound)."""
+        self.rerate(per_minute, now)
         ok = self.buckets.setdefault(endpoint.name, TokenBucket()).take(per_minute, now)
         key = (endpoint.name, SENT if ok else NO_BUDGET)
         self.counts[key] = self.counts.get(key, 0) + 1

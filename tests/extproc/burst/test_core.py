@@ -93,6 +93,31 @@ def test_level_changes_nothing() -> None:
     assert bucket.at == 0.0 and bucket.tokens == 0.0
 
 
+def test_a_raised_budget_does_not_count_the_pause_before_it_at_the_new_rate() -> None:
+    """1 a minute, spent at t=0; raised to 600 at t=59: the 59 s before count at 1/min (0.98 token), so
+    nothing is sent at once; from then on 10 a second."""
+    burster = Burster(parse_burst([GOOD]))
+    target = burster.target("local-a")
+    assert target is not None
+    burster.rerate(1, 0.0)
+    assert burster.take(target, 1, 0.0) and not burster.take(target, 1, 0.0)
+    burster.rerate(600, 59.0)
+    assert burster.left(600, 59.0)["hosted"] < 1
+    assert sum(burster.take(target, 600, 59.0) for _ in range(600)) == 0
+    assert sum(burster.take(target, 600, 60.0) for _ in range(600)) == 10  # one second at 10/s
+    # Not told (take sees the new budget first): the pause counts at the old rate up to that request.
+    quiet = Burster(parse_burst([GOOD]))
+    assert quiet.take(target, 1, 0.0)
+    assert sum(quiet.take(target, 600, 59.0) for _ in range(600)) == 0
+
+
+def test_a_lowered_budget_keeps_only_the_tokens_left_capped() -> None:
+    bucket = TokenBucket()
+    assert bucket.take(600, 0.0)
+    bucket.rerate(2, 1.0)
+    assert bucket.level(2, 1.0) == 2
+
+
 def test_the_burster_counts_outcomes() -> None:
     burster = Burster(parse_burst([GOOD]))
     target = burster.target("local-a")
