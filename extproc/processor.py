@@ -108,7 +108,14 @@ from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
-from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
+from extproc.burst.core import (
+    BURST_HEADER,
+    BURST_KINDS,
+    CLIENT_CREDENTIALS,
+    Burster,
+    burst_body,
+    wants_burst,
+)
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Replayed, Run
 from extproc.disagg.errors import HandoffFailed
@@ -583,8 +590,8 @@ class StreamProcessor:
         target = burster.target(request.model)
         if target is None or policy.burst_per_minute <= 0:
             return None
-        if request.kind is Kind.RESPONSES and request.body.get("previous_response_id"):
-            return None  # it continues a conversation held here: a hosted endpoint cannot resolve the id
+        if request.kind.value not in BURST_KINDS:  # responses, score, rerank: as without burst
+            return None
         budget_s = None if deadline is None else deadline - now
         miss = False
         if budget_s is not None:
@@ -594,10 +601,8 @@ class StreamProcessor:
                 miss = True
         if not wants_burst(True, budget_s, miss) or not burster.take(target, policy.burst_per_minute, now):
             return None
-        doc = {**request.body, "model": target.models[request.model]}
-        if self._isolated:  # the tenant's salt is this fleet's: a hosted endpoint gets none (OpenAI's 400)
-            doc.pop("cache_salt", None)
-        body = orjson.dumps(doc)
+        # Fields that bill or reach the gateway's account are dropped (the tenant salt is this fleet's).
+        body = orjson.dumps(burst_body(request.kind.value, request.body, target.models[request.model]))
         self._phase = Phase.ROUTED
         set_headers = [
             (BURST_HEADER, target.header_value),

@@ -7,7 +7,16 @@ from typing import Any
 import pytest
 
 from contracts.errors import ConfigError
-from extproc.burst.core import NO_BUDGET, SENT, Burster, TokenBucket, parse_burst, wants_burst
+from extproc.burst.core import (
+    BURST_KINDS,
+    NO_BUDGET,
+    SENT,
+    Burster,
+    TokenBucket,
+    burst_body,
+    parse_burst,
+    wants_burst,
+)
 from extproc.config import parse_config
 from extproc.flow.policy import FlowPolicy, apply_flow, parse_flow
 
@@ -133,3 +142,35 @@ def test_flow_burst_policy_is_validated() -> None:
     for bad in ({"max_per_minute": -1}, {"max_per_minute": "many"}, {"per_hour": 3}, 5, {}):
         with pytest.raises(ConfigError, match="flow/burst"):
             apply_flow(FlowPolicy(), {"flow/burst": bad})
+
+
+def test_the_burst_body_drops_what_bills_or_reaches_the_gateways_account() -> None:
+    client = {
+        "model": "local-a",
+        "prompt": "p",
+        "service_tier": "priority",
+        "store": True,
+        "conversation": "conv_1",
+        "previous_response_id": "resp_1",
+        "metadata": {"a": "b"},
+        "priority": -100,
+        "cache_salt": "s",
+        "user": "u",
+        "safety_identifier": "i",
+        "max_tokens": 5,
+    }
+    completion = burst_body("completion", client, "hosted")
+    assert completion == {"model": "hosted", "prompt": "p", "max_tokens": 5}  # no store there: dropped
+    assert burst_body("chat", client, "hosted") == {
+        "model": "hosted",
+        "prompt": "p",
+        "store": False,
+        "max_tokens": 5,
+    }
+    assert burst_body("responses", client, "hosted") == {"model": "hosted", "store": False, "max_tokens": 5}
+    assert burst_body("embedding", {"model": "m", "input": "x", "user": "u"}, "h") == {
+        "model": "h",
+        "input": "x",
+    }
+    assert client["store"] is True  # the client's body is not changed
+    assert {"chat", "completion", "embedding"} == BURST_KINDS
