@@ -53,6 +53,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from contracts.errors import ConfigError
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
@@ -310,9 +311,21 @@ def _json_error(kind: str, message: str) -> dict[str, Any]:
     }
 
 
+def refuse_fail_open_with_auth(fail_open: bool, auth: envoy_auth.EdgeAuth | None) -> None:
+    """:class:`ConfigError` for fail-open with ``[auth]``: with every ext_proc down Envoy would skip it, and
+    with it the gateway's authentication (jwt_authn lets missing tokens through: the ext_proc decides)
+    and the tenant header the rate limit is keyed on."""
+    if fail_open and auth is not None:
+        raise ConfigError(
+            "--fail-open cannot be used with [auth]: with every ext_proc down Envoy would skip it and "
+            "serve unauthenticated requests; drop --fail-open (Envoy then fails closed, 503)"
+        )
+
+
 def render(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap as a plain dict (dump it as YAML or JSON). Raises ``ConfigError`` for a secure
-    profile (``tls``) whose JWT keys would come over plain HTTP."""
+    profile (``tls``) whose JWT keys would come over plain HTTP, and for fail-open with ``[auth]``."""
+    refuse_fail_open_with_auth(params.resilience.fail_open, params.auth)
     response_headers = params.served_readback or params.auth is not None
     res = params.resilience
     extprocs = _extprocs(params)
