@@ -82,6 +82,7 @@ from contracts.epp import (
     DECISION_MODEL,
     DECISION_NS,
     DECISION_RESPONSES_SCOPE,
+    DECISION_TENANT,
     DECISION_US,
     DESTINATION,
     EXTPROC_ATTRIBUTES,
@@ -609,11 +610,16 @@ class StreamProcessor:
             ("content-length", str(len(body))),
             *self._config.timeouts.headers(request.model, request.stream),
         ]
+        principal = self.principal
+        if principal is not None:  # Envoy's per-tenant rate limit counts it; the burst route removes it
+            set_headers.append((TENANT_HEADER, principal.tenant.id))
         # Envoy removes them too (route config) and its credential injector overwrites Authorization:
         # no client credential reaches a hosted endpoint, with or without [auth].
         out, metadata = self._sending(set_headers, CLIENT_CREDENTIALS, body)
         noted = metadata.fields[DECISION_NS].struct_value.fields
         noted[DECISION_MODEL].string_value = request.model
+        if principal is not None:
+            noted[DECISION_TENANT].string_value = principal.tenant.id
         # No endpoint id: the completion log (which follows it) is for local engines only.
         log.info("request %s: burst to %s (%s)", self.request_id, target.name, request.model)
         return out
@@ -869,6 +875,8 @@ class StreamProcessor:
         lb[PRIMARY].string_value = pick.address
         noted = metadata.fields[DECISION_NS].struct_value.fields
         noted[DECISION_MODEL].string_value = decision.model
+        if self.principal is not None:  # the access log's tenant
+            noted[DECISION_TENANT].string_value = self.principal.tenant.id
         noted[DECISION_ENDPOINT].string_value = pick.id
         noted[DECISION_MATCHED].number_value = decision.matched_blocks
         noted[DECISION_BLOCKS].number_value = decision.prompt_blocks

@@ -37,6 +37,7 @@ from contracts.epp import (
     DECISION_MATCHED,
     DECISION_MODEL,
     DECISION_NS,
+    DECISION_TENANT,
     DECISION_US,
     DESTINATION,
     ENDPOINT_HEADER,
@@ -116,8 +117,9 @@ def _decision(key: str) -> str:
 #: request to; ``endpoint_id``, ``model``, ``matched_blocks`` (leading prompt blocks the pick held),
 #: ``prompt_blocks`` (blocks looked up) and ``decision_us``: the ext_proc's decision (dynamic metadata
 #: ``kvgate.decision``); ``ttfb_ms``: request start to the engine's first response byte (about the time to
-#: first token of a stream); ``duration_ms``: request start to the last byte sent; ``tenant``: set with
-#: ``[auth]`` only.
+#: first token of a stream); ``duration_ms``: request start to the last byte sent; ``tenant``: with
+#: ``[auth]`` only, the decision's (not the ``x-kvgate-tenant`` header: a burst route removes it before
+#: the hosted endpoint, and the access log sees request headers as the route left them).
 ACCESS_LOG_FORMAT: dict[str, str] = {
     "start_time": "%START_TIME%",
     "request_id": "%REQ(X-REQUEST-ID)%",
@@ -130,7 +132,7 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "endpoint": "%UPSTREAM_HOST%",
     "endpoint_id": _decision(DECISION_ENDPOINT),
     "model": _decision(DECISION_MODEL),
-    "tenant": f"%REQ({TENANT_HEADER.upper()})%",
+    "tenant": _decision(DECISION_TENANT),
     "matched_blocks": _decision(DECISION_MATCHED),
     "prompt_blocks": _decision(DECISION_BLOCKS),
     "decision_us": _decision(DECISION_US),

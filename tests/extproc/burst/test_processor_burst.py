@@ -198,3 +198,23 @@ def test_fields_that_bill_or_reach_the_gateways_account_are_dropped(router: Rout
         "prompt_cache_key",
     ):
         assert dropped not in doc, dropped
+
+
+def test_a_tenants_burst_carries_its_tenant_for_envoys_rate_limit_and_access_log(router: Router) -> None:
+    """Envoy's per-tenant rate limit is keyed on x-kvgate-tenant: a burst request sets it like a local one
+    (the burst route removes it before the hosted endpoint); the access log's tenant is the decision's."""
+    from tests.extproc.test_processor import ACME_KEY, make_gate
+
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    b = burster()
+    gate = make_gate()
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0, burst=b)
+    for _ in range(3):  # the model's three endpoints at their limit, by the tenant's requests
+        local = reply(send(StreamProcessor(router, config, clock, gate, control), ACME_KEY))
+        assert local.set_headers["x-kvgate-tenant"] == "acme"
+    proc = StreamProcessor(router, config, clock, gate, control)
+    out = send(proc, ACME_KEY)
+    hs, removed, _ = burst_reply(out)
+    assert hs[BURST_HEADER] == "hosted" and hs["x-kvgate-tenant"] == "acme" and "authorization" in removed
+    decision = out[0].dynamic_metadata.fields["kvgate.decision"].struct_value.fields
+    assert decision["tenant"].string_value == "acme"
