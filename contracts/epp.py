@@ -56,6 +56,10 @@ DECISION_NS = "kvgate.decision"
 content."""
 DECISION_MODEL = "model"
 """The model the request was routed for (after any ``x-gateway-model-name-rewrite``)."""
+DECISION_TENANT = "tenant"
+"""The tenant the request was admitted for (``[auth]`` only): the access log's ``tenant``. Not the
+``x-kvgate-tenant`` header: a burst route removes it before the hosted endpoint, and Envoy's access log
+sees request headers as the route left them."""
 DECISION_ENDPOINT = "endpoint"
 """The picked endpoint's id (its ``ip:port`` is in ``envoy.lb``; Envoy logs where it really went)."""
 DECISION_MATCHED = "matched_blocks"

@@ -82,6 +82,7 @@ from contracts.epp import (
     DECISION_MODEL,
     DECISION_NS,
     DECISION_RESPONSES_SCOPE,
+    DECISION_TENANT,
     DECISION_US,
     DESTINATION,
     EXTPROC_ATTRIBUTES,
@@ -108,7 +109,14 @@ from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
-from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
+from extproc.burst.core import (
+    BURST_HEADER,
+    BURST_KINDS,
+    CLIENT_CREDENTIALS,
+    Burster,
+    burst_body,
+    wants_burst,
+)
 from extproc.cascade.answer import SSE, listed_with
 from extproc.cascade.plan import Answered, Cascader, Refused, Replayed, Run
 from extproc.disagg.errors import HandoffFailed
@@ -597,8 +605,8 @@ class StreamProcessor:
         target = burster.target(request.model)
         if target is None or policy.burst_per_minute <= 0:
             return None
-        if request.kind is Kind.RESPONSES and request.body.get("previous_response_id"):
-            return None  # it continues a conversation held here: a hosted endpoint cannot resolve the id
+        if request.kind.value not in BURST_KINDS:  # responses, score, rerank: as without burst
+            return None
         budget_s = None if deadline is None else deadline - now
         miss = False
         if budget_s is not None:
@@ -608,21 +616,24 @@ class StreamProcessor:
                 miss = True
         if not wants_burst(True, budget_s, miss) or not burster.take(target, policy.burst_per_minute, now):
             return None
-        doc = {**request.body, "model": target.models[request.model]}
-        if self._isolated:  # the tenant's salt is this fleet's: a hosted endpoint gets none (OpenAI's 400)
-            doc.pop("cache_salt", None)
-        body = orjson.dumps(doc)
+        # Fields that bill or reach the gateway's account are dropped (the tenant salt is this fleet's).
+        body = orjson.dumps(burst_body(request.kind.value, request.body, target.models[request.model]))
         self._phase = Phase.ROUTED
         set_headers = [
             (BURST_HEADER, target.header_value),
             ("content-length", str(len(body))),
             *self._config.timeouts.headers(request.model, request.stream),
         ]
+        principal = self.principal
+        if principal is not None:  # Envoy's per-tenant rate limit counts it; the burst route removes it
+            set_headers.append((TENANT_HEADER, principal.tenant.id))
         # Envoy removes them too (route config) and its credential injector overwrites Authorization:
         # no client credential reaches a hosted endpoint, with or without [auth].
         out, metadata = self._sending(set_headers, CLIENT_CREDENTIALS, body)
         noted = metadata.fields[DECISION_NS].struct_value.fields
         noted[DECISION_MODEL].string_value = request.model
+        if principal is not None:
+            noted[DECISION_TENANT].string_value = principal.tenant.id
         # No endpoint id: the completion log (which follows it) is for local engines only.
         log.info("request %s: burst to %s (%s)", self.request_id, target.name, request.model)
         return out
@@ -910,6 +921,8 @@ class StreamProcessor:
         lb[PRIMARY].string_value = pick.address
         noted = metadata.fields[DECISION_NS].struct_value.fields
         noted[DECISION_MODEL].string_value = decision.model
+        if self.principal is not None:  # the access log's tenant
+            noted[DECISION_TENANT].string_value = self.principal.tenant.id
         noted[DECISION_ENDPOINT].string_value = pick.id
         noted[DECISION_MATCHED].number_value = decision.matched_blocks
         noted[DECISION_BLOCKS].number_value = decision.prompt_blocks

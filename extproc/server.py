@@ -864,6 +864,8 @@ class Gateway:
 
     def _apply_flow(self, policy: FlowPolicy) -> None:
         self.flow.apply(policy)
+        if self.burst is not None:  # the pause before a changed budget counts at the old rate
+            self.burst.rerate(policy.burst_per_minute, time.monotonic())
         self.dispatcher.kick()  # limits may have risen
 
     def _on_scrape_round(self) -> None:

@@ -22,6 +22,34 @@ CLUSTER_PREFIX = "kvgate_burst_"
 #: Client credential headers the ext_proc removes from a burst request (Envoy removes them from every
 #: request too, ``kvgate.envoy.bootstrap.CREDENTIAL_HEADERS``, and injects the upstream key).
 CLIENT_CREDENTIALS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie")
+#: Request kinds (``extproc.routing.request.Kind`` values) that may burst: a hosted OpenAI-compatible
+#: endpoint serves them statelessly. Not ``responses`` (its id, and any later ``previous_response_id``,
+#: would name a response only the hosted account holds), nor vLLM's ``score`` / ``rerank`` (not served).
+BURST_KINDS = frozenset({"chat", "completion", "embedding"})
+#: Body fields dropped from every burst request (README "What is sent"): they bill the gateway's account
+#: (``service_tier``, ``priority``, ``web_search_options``), reach what is stored in it
+#: (``conversation``, ``previous_response_id``, ``metadata`` (kept with stored completions)), or name or
+#: steer the gateway's account per end user or cache (``user``, ``safety_identifier``, ``cache_salt``,
+#: ``prompt_cache_key``).
+DROPPED_FIELDS = frozenset(
+    {
+        "service_tier",
+        "priority",
+        "web_search_options",
+        "conversation",
+        "previous_response_id",
+        "metadata",
+        "user",
+        "safety_identifier",
+        "cache_salt",
+        "prompt_cache_key",
+    }
+)
+#: Dropped from a Responses API body besides: ``prompt`` is a reference to a prompt stored in the account
+#: (in completions, ``prompt`` is the prompt itself and stays).
+DROPPED_RESPONSES_FIELDS = frozenset({"prompt"})
+#: Kinds whose API stores responses when ``store`` is true: forced to false.
+STORE_KINDS = frozenset({"chat", "responses"})
 #: Outcomes counted by ``kvgate_burst_requests_total{endpoint,outcome}``.
 SENT, NO_BUDGET = "sent", "no_budget"
 
@@ -139,6 +167,20 @@ def wants_burst(queued: bool, budget_s: float | None, predicted_miss: bool) -> b
     return predicted_miss
 
 
+def burst_body(kind: str, body: Mapping[str, object], hosted_model: str) -> dict[str, object]:
+    """The body a hosted endpoint gets: the client's, ``model`` the hosted name, the fields of
+    :data:`DROPPED_FIELDS` (and a Responses body's :data:`DROPPED_RESPONSES_FIELDS`) dropped, and ``store``
+    false where the kind has it (:data:`STORE_KINDS`), dropped elsewhere."""
+    dropped = DROPPED_FIELDS | DROPPED_RESPONSES_FIELDS if kind == "responses" else DROPPED_FIELDS
+    out = {k: v for k, v in body.items() if k not in dropped}
+    out["model"] = hosted_model
+    if kind in STORE_KINDS:
+        out["store"] = False
+    else:  # not the kind's field: nothing a client sends there reaches the account's storage
+        out.pop("store", None)
+    return out
+
+
 @dataclass(slots=True)
 class TokenBucket:
     """``per_minute`` tokens a minute, refilled continuously (``per_minute / 60`` a second), holding at
@@ -165,6 +207,13 @@ class TokenBucket:
         self.tokens, self.at, self.per_minute = tokens - 1.0 if ok else tokens, now, per_minute
         return ok
 
+    def rerate(self, per_minute: float, now: float) -> None:
+        """The rate becomes ``per_minute`` at ``now``: the time before it is counted at the old rate (the
+        tokens it refilled, capped at the old capacity), so a raised rate gives nothing back."""
+        if self.at is not None and per_minute != self.per_minute:
+            self.tokens, self.at = self.level(self.per_minute, now), now
+        self.per_minute = per_minute
+
 
 @dataclass(slots=True)
 class Burster:
@@ -173,6 +222,16 @@ class Burster:
     endpoints: tuple[BurstEndpoint, ...]
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: The budget (``flow/burst``) the buckets are up to date with; ``None``: none seen yet.
+    per_minute: float | None = None
+
+    def rerate(self, per_minute: float, now: float) -> None:
+        """The policy's budget is ``per_minute`` from ``now`` (the shell calls it when the policy changes):
+        each bucket is brought up to date at the old rate first (:meth:`TokenBucket.rerate`)."""
+        if per_minute != self.per_minute:
+            for bucket in self.buckets.values():
+                bucket.rerate(per_minute, now)
+            self.per_minute = per_minute
 
     def target(self, model: str) -> BurstEndpoint | None:
         """The burst endpoint serving local ``model`` (``None``: it never bursts)."""
@@ -183,7 +242,9 @@ class Burster:
 
     def take(self, endpoint: BurstEndpoint, per_minute: float, now: float) -> bool:
         """Spend one of ``endpoint``'s budget (``per_minute``: the policy's ``flow/burst``); counted as
-        ``sent`` or ``no_budget``."""
+        ``sent`` or ``no_budget``. A budget :meth:`rerate` was not told of changes here: the pause before
+        counts at the old rate (never more than the README's bound)."""
+        self.rerate(per_minute, now)
         ok = self.buckets.setdefault(endpoint.name, TokenBucket()).take(per_minute, now)
         key = (endpoint.name, SENT if ok else NO_BUDGET)
         self.counts[key] = self.counts.get(key, 0) + 1

@@ -76,7 +76,7 @@ from kvgate.dev.stackfile import StackInfo
 from kvgate.dev.supervise import Backoff
 from kvgate.dev.supervisor import Restartable, Service, Supervisor
 from kvgate.envoy.auth import EdgeAuth
-from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
+from kvgate.envoy.bootstrap import EnvoyParams, refuse_fail_open_with_auth, render_yaml
 from kvgate.envoy.federation import LISTENER as FEDERATION_LISTENER
 from kvgate.envoy.federation import EnvoyFederation
 from kvgate.envoy.migration import EnvoyMigration, migrating_models
@@ -391,6 +391,7 @@ class Stack:
         if "state_dir" not in cascade:  # the cascades' preroute learners kept across ext_proc restarts
             config = {**config, "cascade": {**cascade, "state_dir": str(self.workdir / "cascade")}}
         edge_auth = EdgeAuth.from_config(parsed)
+        refuse_fail_open_with_auth(opts.fail_open, edge_auth)
         if edge_auth is not None and self.auth is not None and self.auth.ca_file is not None:
             # The dev issuer's JWKS over HTTPS, verified against the stack's CA.
             edge_auth = dataclasses.replace(edge_auth, jwks_ca_file=str(self.auth.ca_file))

@@ -37,6 +37,7 @@ from contracts.epp import (
     DECISION_MATCHED,
     DECISION_MODEL,
     DECISION_NS,
+    DECISION_TENANT,
     DECISION_US,
     DESTINATION,
     ENDPOINT_HEADER,
@@ -53,6 +54,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
+from contracts.errors import ConfigError
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
@@ -115,8 +117,9 @@ def _decision(key: str) -> str:
 #: request to; ``endpoint_id``, ``model``, ``matched_blocks`` (leading prompt blocks the pick held),
 #: ``prompt_blocks`` (blocks looked up) and ``decision_us``: the ext_proc's decision (dynamic metadata
 #: ``kvgate.decision``); ``ttfb_ms``: request start to the engine's first response byte (about the time to
-#: first token of a stream); ``duration_ms``: request start to the last byte sent; ``tenant``: set with
-#: ``[auth]`` only.
+#: first token of a stream); ``duration_ms``: request start to the last byte sent; ``tenant``: with
+#: ``[auth]`` only, the decision's (not the ``x-kvgate-tenant`` header: a burst route removes it before
+#: the hosted endpoint, and the access log sees request headers as the route left them).
 ACCESS_LOG_FORMAT: dict[str, str] = {
     "start_time": "%START_TIME%",
     "request_id": "%REQ(X-REQUEST-ID)%",
@@ -129,7 +132,7 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "endpoint": "%UPSTREAM_HOST%",
     "endpoint_id": _decision(DECISION_ENDPOINT),
     "model": _decision(DECISION_MODEL),
-    "tenant": f"%REQ({TENANT_HEADER.upper()})%",
+    "tenant": _decision(DECISION_TENANT),
     "matched_blocks": _decision(DECISION_MATCHED),
     "prompt_blocks": _decision(DECISION_BLOCKS),
     "decision_us": _decision(DECISION_US),
@@ -310,9 +313,21 @@ def _json_error(kind: str, message: str) -> dict[str, Any]:
     }
 
 
+def refuse_fail_open_with_auth(fail_open: bool, auth: envoy_auth.EdgeAuth | None) -> None:
+    """:class:`ConfigError` for fail-open with ``[auth]``: with every ext_proc down Envoy would skip it, and
+    with it the gateway's authentication (jwt_authn lets missing tokens through: the ext_proc decides)
+    and the tenant header the rate limit is keyed on."""
+    if fail_open and auth is not None:
+        raise ConfigError(
+            "--fail-open cannot be used with [auth]: with every ext_proc down Envoy would skip it and "
+            "serve unauthenticated requests; drop --fail-open (Envoy then fails closed, 503)"
+        )
+
+
 def render(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap as a plain dict (dump it as YAML or JSON). Raises ``ConfigError`` for a secure
-    profile (``tls``) whose JWT keys would come over plain HTTP."""
+    profile (``tls``) whose JWT keys would come over plain HTTP, and for fail-open with ``[auth]``."""
+    refuse_fail_open_with_auth(params.resilience.fail_open, params.auth)
     response_headers = params.served_readback or params.auth is not None
     res = params.resilience
     extprocs = _extprocs(params)

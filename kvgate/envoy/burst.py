@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from contracts.epp import EXTPROC_CLUSTER, MODEL_HEADER
+from contracts.epp import EXTPROC_CLUSTER, MODEL_HEADER, TENANT_HEADER
 from contracts.errors import ConfigError
 from extproc.burst import clusters
 from extproc.burst.core import BURST_HEADER, CLUSTER_PREFIX, BurstEndpoint
@@ -26,6 +26,25 @@ SYSTEM_CA_BUNDLE = clusters.SYSTEM_CA_BUNDLE
 
 
 secret_name = clusters.secret_name
+
+#: Request headers a burst route removes before the hosted endpoint (besides the credentials every route
+#: removes, ``kvgate.envoy.bootstrap.CREDENTIAL_HEADERS``): the gateway's own (the endpoint picked, the
+#: model, the tenant: its rate limit has counted it), those that choose which organization or project of
+#: the key's account is billed, and the client's addresses (not for a third party).
+REQUEST_HEADERS_REMOVED = (
+    BURST_HEADER,
+    MODEL_HEADER,
+    TENANT_HEADER,
+    "openai-organization",
+    "openai-project",
+    "x-forwarded-for",
+    "x-real-ip",
+    "forwarded",
+    "x-envoy-external-address",
+)
+#: Response headers a burst route removes before the client: the hosted account's session cookies and
+#: its organization and project.
+RESPONSE_HEADERS_REMOVED = ("set-cookie", "openai-organization", "openai-project")
 
 
 def check_files(endpoint: BurstEndpoint | BurstCredential) -> None:
@@ -61,12 +80,14 @@ def cluster(endpoint: BurstEndpoint, connect_timeout_s: float) -> dict[str, Any]
 
 def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
     """One route per endpoint, matched on the ext_proc's ``x-kvgate-burst`` header (first: it wins over
-    the model routes); neither that header nor the model header goes upstream."""
+    the model routes); :data:`REQUEST_HEADERS_REMOVED` do not go upstream, :data:`RESPONSE_HEADERS_REMOVED`
+    do not come back."""
     return [
         {
             "match": {"prefix": "/", "headers": [{"name": BURST_HEADER, "string_match": {"exact": e.name}}]},
             "route": {"cluster": e.cluster, "timeout": "0s", "host_rewrite_literal": e.host},
-            "request_headers_to_remove": [BURST_HEADER, MODEL_HEADER],
+            "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
+            "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
         }
         for e in endpoints
     ]
@@ -82,7 +103,8 @@ def dynamic_routes() -> list[dict[str, Any]]:
                 "headers": [{"name": BURST_HEADER, "string_match": {"prefix": CLUSTER_PREFIX}}],
             },
             "route": {"cluster_header": BURST_HEADER, "timeout": "0s", "auto_host_rewrite": True},
-            "request_headers_to_remove": [BURST_HEADER, MODEL_HEADER],
+            "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
+            "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
         }
     ]
 

@@ -7,7 +7,16 @@ from typing import Any
 import pytest
 
 from contracts.errors import ConfigError
-from extproc.burst.core import NO_BUDGET, SENT, Burster, TokenBucket, parse_burst, wants_burst
+from extproc.burst.core import (
+    BURST_KINDS,
+    NO_BUDGET,
+    SENT,
+    Burster,
+    TokenBucket,
+    burst_body,
+    parse_burst,
+    wants_burst,
+)
 from extproc.config import parse_config
 from extproc.flow.policy import FlowPolicy, apply_flow, parse_flow
 
@@ -93,6 +102,31 @@ def test_level_changes_nothing() -> None:
     assert bucket.at == 0.0 and bucket.tokens == 0.0
 
 
+def test_a_raised_budget_does_not_count_the_pause_before_it_at_the_new_rate() -> None:
+    """1 a minute, spent at t=0; raised to 600 at t=59: the 59 s before count at 1/min (0.98 token), so
+    nothing is sent at once; from then on 10 a second."""
+    burster = Burster(parse_burst([GOOD]))
+    target = burster.target("local-a")
+    assert target is not None
+    burster.rerate(1, 0.0)
+    assert burster.take(target, 1, 0.0) and not burster.take(target, 1, 0.0)
+    burster.rerate(600, 59.0)
+    assert burster.left(600, 59.0)["hosted"] < 1
+    assert sum(burster.take(target, 600, 59.0) for _ in range(600)) == 0
+    assert sum(burster.take(target, 600, 60.0) for _ in range(600)) == 10  # one second at 10/s
+    # Not told (take sees the new budget first): the pause counts at the old rate up to that request.
+    quiet = Burster(parse_burst([GOOD]))
+    assert quiet.take(target, 1, 0.0)
+    assert sum(quiet.take(target, 600, 59.0) for _ in range(600)) == 0
+
+
+def test_a_lowered_budget_keeps_only_the_tokens_left_capped() -> None:
+    bucket = TokenBucket()
+    assert bucket.take(600, 0.0)
+    bucket.rerate(2, 1.0)
+    assert bucket.level(2, 1.0) == 2
+
+
 def test_the_burster_counts_outcomes() -> None:
     burster = Burster(parse_burst([GOOD]))
     target = burster.target("local-a")
@@ -108,3 +142,35 @@ def test_flow_burst_policy_is_validated() -> None:
     for bad in ({"max_per_minute": -1}, {"max_per_minute": "many"}, {"per_hour": 3}, 5, {}):
         with pytest.raises(ConfigError, match="flow/burst"):
             apply_flow(FlowPolicy(), {"flow/burst": bad})
+
+
+def test_the_burst_body_drops_what_bills_or_reaches_the_gateways_account() -> None:
+    client = {
+        "model": "local-a",
+        "prompt": "p",
+        "service_tier": "priority",
+        "store": True,
+        "conversation": "conv_1",
+        "previous_response_id": "resp_1",
+        "metadata": {"a": "b"},
+        "priority": -100,
+        "cache_salt": "s",
+        "user": "u",
+        "safety_identifier": "i",
+        "max_tokens": 5,
+    }
+    completion = burst_body("completion", client, "hosted")
+    assert completion == {"model": "hosted", "prompt": "p", "max_tokens": 5}  # no store there: dropped
+    assert burst_body("chat", client, "hosted") == {
+        "model": "hosted",
+        "prompt": "p",
+        "store": False,
+        "max_tokens": 5,
+    }
+    assert burst_body("responses", client, "hosted") == {"model": "hosted", "store": False, "max_tokens": 5}
+    assert burst_body("embedding", {"model": "m", "input": "x", "user": "u"}, "h") == {
+        "model": "h",
+        "input": "x",
+    }
+    assert client["store"] is True  # the client's body is not changed
+    assert {"chat", "completion", "embedding"} == BURST_KINDS

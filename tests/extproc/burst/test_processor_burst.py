@@ -136,17 +136,85 @@ def test_a_model_without_a_burst_endpoint_is_refused_as_before(router: Router) -
     assert (status, err["code"]) == (429, "slo_unattainable")
 
 
-def test_a_responses_follow_up_never_bursts(router: Router) -> None:
-    """It continues a conversation a local engine holds (previous_response_id): the hosted endpoint could
-    not resolve the id, so it waits for the local fleet (a first Responses request may burst)."""
+def test_only_chat_completions_and_embeddings_burst(router: Router) -> None:
+    """A Responses request (its hosted id would be unknown to a later local previous_response_id) and
+    vLLM's score / rerank (a hosted endpoint does not serve them) are answered as without burst."""
     from tests.extproc.test_processor import body, headers
 
+    control: FlowControl[StreamProcessor] = FlowControl(policy(100))
+    b = burster()
+    fill(router, control)
+    cases = (
+        ("/v1/responses", {"input": "next", "previous_response_id": "resp_1"}, False),
+        ("/v1/responses", {"input": "first"}, False),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}, False),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}, False),
+        ("/v1/completions", {"prompt": "once"}, True),
+        ("/v1/embeddings", {"input": "x"}, True),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    )
+    for path, doc, bursts in cases:
+        proc = make(router, control, b)
+        assert proc.handle(headers(path)) == []
+        out = proc.handle(body(orjson.dumps({"model": MODEL, **doc})))
+        burst = bool(out) and out[0].WhichOneof("response") == "request_headers"
+        assert burst is bursts, (path, out)
+        if bursts:
+            _, _, sent = burst_reply(out)
+            assert sent["model"] == HOSTED and sent.get("prompt", "once") == "once"
+    assert b.counts == {("hosted", "sent"): 3}
+
+
+def test_fields_that_bill_or_reach_the_gateways_account_are_dropped(router: Router) -> None:
     control: FlowControl[StreamProcessor] = FlowControl(policy(10))
     b = burster()
     fill(router, control)
-    for doc, bursts in (({"previous_response_id": "resp_1"}, False), ({}, True)):
-        proc = make(router, control, b)
-        assert proc.handle(headers("/v1/responses")) == []
-        out = proc.handle(body(orjson.dumps({"model": MODEL, "input": "next", **doc})))
-        assert (proc.held is None) is bursts, out
-    assert b.counts == {("hosted", "sent"): 1}
+    proc = make(router, control, b)
+    _, _, doc = burst_reply(
+        send(
+            proc,
+            CLIENT,
+            service_tier="priority",
+            store=True,
+            priority=-100,
+            cache_salt="mine",
+            conversation="conv_other",
+            metadata={"k": "v"},
+            user="u",
+            safety_identifier="s",
+            prompt_cache_key="p",
+            temperature=0.5,
+        )
+    )
+    assert doc["store"] is False and doc["temperature"] == 0.5 and doc["model"] == HOSTED
+    for dropped in (
+        "service_tier",
+        "priority",
+        "cache_salt",
+        "conversation",
+        "metadata",
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+    ):
+        assert dropped not in doc, dropped
+
+
+def test_a_tenants_burst_carries_its_tenant_for_envoys_rate_limit_and_access_log(router: Router) -> None:
+    """Envoy's per-tenant rate limit is keyed on x-kvgate-tenant: a burst request sets it like a local one
+    (the burst route removes it before the hosted endpoint); the access log's tenant is the decision's."""
+    from tests.extproc.test_processor import ACME_KEY, make_gate
+
+    control: FlowControl[StreamProcessor] = FlowControl(policy(10))
+    b = burster()
+    gate = make_gate()
+    config = ProcessorConfig(max_body_bytes=LIMIT, hold_timeout_s=600.0, burst=b)
+    for _ in range(3):  # the model's three endpoints at their limit, by the tenant's requests
+        local = reply(send(StreamProcessor(router, config, clock, gate, control), ACME_KEY))
+        assert local.set_headers["x-kvgate-tenant"] == "acme"
+    proc = StreamProcessor(router, config, clock, gate, control)
+    out = send(proc, ACME_KEY)
+    hs, removed, _ = burst_reply(out)
+    assert hs[BURST_HEADER] == "hosted" and hs["x-kvgate-tenant"] == "acme" and "authorization" in removed
+    decision = out[0].dynamic_metadata.fields["kvgate.decision"].struct_value.fields
+    assert decision["tenant"].string_value == "acme"

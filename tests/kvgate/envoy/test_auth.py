@@ -17,6 +17,7 @@ from kvgate.cli import main as kvgate
 from kvgate.dev.tokens import SigningKey
 from kvgate.envoy.auth import EdgeAuth, jwks_cluster, retry_after_s, token_bucket
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
+from kvgate.envoy.resilience import Resilience
 from kvgate.envoy.tls import EnvoyTls
 
 JWT = {"issuer": "http://127.0.0.1:9400", "audiences": ["kvgate"], "jwks_uri": "http://127.0.0.1:9400/jwks"}
@@ -221,6 +222,22 @@ def test_envoy_config_cli_refuses_a_plain_http_jwks(
     assert out == "" and not (tmp_path / "certs").exists()  # nothing rendered, no SDS file written
     assert err.startswith("kvgate envoy-config: auth.jwt.jwks_uri 'http://127.0.0.1:9400/jwks'")
     assert "https:// jwks_uri" in err and "jwks_file" in err and "Traceback" not in err
+
+
+def test_fail_open_is_refused_with_auth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With every ext_proc down a fail-open Envoy would skip it, and jwt_authn lets missing tokens
+    through: the gateway would serve unauthenticated requests."""
+    edge = EdgeAuth.from_config(parse_config({"auth": {"api_keys_file": "k.json"}, "tenants": TENANTS}))
+    with pytest.raises(ConfigError, match="--fail-open cannot be used with \\[auth\\]"):
+        render(EnvoyParams(auth=edge, resilience=Resilience(fail_open=True)))
+    render(EnvoyParams(resilience=Resilience(fail_open=True)))  # an open gateway still may
+    render(EnvoyParams(auth=edge))
+    gateway = tmp_path / "gateway.json"
+    gateway.write_text(json.dumps({"auth": {"jwt": JWT, "api_keys_file": "k.json"}, "tenants": TENANTS}))
+    assert kvgate(["envoy-config", "--fail-open", "--gateway-config", str(gateway)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvgate envoy-config: --fail-open cannot be used with [auth]")
+    assert "Traceback" not in err
 
 
 def test_https_jwks_cluster_on_an_ip_checks_the_ip_san() -> None:

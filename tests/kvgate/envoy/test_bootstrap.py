@@ -20,6 +20,7 @@ from contracts.epp import (
     DECISION_MATCHED,
     DECISION_MODEL,
     DECISION_NS,
+    DECISION_TENANT,
     DECISION_US,
     ENDPOINT_HEADER,
     UPSTREAM_HEADER,
@@ -147,7 +148,7 @@ def validate(tmp_path: Path, params: EnvoyParams) -> None:
 #: no body, no Authorization or other credential-bearing header.
 ALLOWED_OPERATORS: dict[str, set[str | None]] = {
     "START_TIME": {None},
-    "REQ": {"X-REQUEST-ID", ":METHOD", "X-KVGATE-TENANT"},
+    "REQ": {"X-REQUEST-ID", ":METHOD"},
     "PATH": {"NQ:PATH"},
     "PROTOCOL": {None},
     "RESPONSE_CODE": {None},
@@ -156,7 +157,14 @@ ALLOWED_OPERATORS: dict[str, set[str | None]] = {
     "UPSTREAM_HOST": {None},
     "DYNAMIC_METADATA": {
         f"{DECISION_NS}:{key}"
-        for key in (DECISION_MODEL, DECISION_ENDPOINT, DECISION_MATCHED, DECISION_BLOCKS, DECISION_US)
+        for key in (
+            DECISION_MODEL,
+            DECISION_ENDPOINT,
+            DECISION_MATCHED,
+            DECISION_BLOCKS,
+            DECISION_US,
+            DECISION_TENANT,
+        )
     },
     "RESPONSE_DURATION": {None},
     "DURATION": {None},

@@ -3,6 +3,7 @@ its file (never rendered), a route chosen by the ext_proc's header that a client
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,13 @@ import pytest
 from contracts.errors import ConfigError
 from extproc.burst.core import BURST_HEADER, parse_burst
 from extproc.burst.records import parse_credentials
-from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
+from kvgate.envoy.bootstrap import (
+    ACCESS_LOG_FORMAT,
+    STRIPPED_REQUEST_HEADERS,
+    EnvoyParams,
+    render,
+    render_yaml,
+)
 from kvgate.envoy.burst import SYSTEM_CA_BUNDLE
 from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
 
@@ -94,3 +101,40 @@ def test_declared_credentials_give_static_secrets_cds_and_the_cluster_header_rou
     key_file.write_bytes(b"")  # a key Envoy cannot send is refused here too
     with pytest.raises(ConfigError, match="api_key_file"):
         render(p)
+
+
+def test_burst_routes_keep_the_gateways_and_the_clients_headers_from_the_hosted_endpoint(
+    tmp_path: Path,
+) -> None:
+    """Going out: the tenant (its rate limit has counted it), the headers that choose which organization or
+    project of the key's account is billed, the client's addresses. Coming back: the account's cookies,
+    organization and project. On both kinds of burst route (config and etcd)."""
+    key_file = tmp_path / "openai.key"
+    key_file.write_bytes(KEY.encode())
+    (cred,) = parse_credentials({"openai": {"api_key_file": str(key_file), "hosts": ["api.example.com"]}})
+    p = dataclasses.replace(params(tmp_path), burst_credentials=(cred,))
+    routes = hcm_of(render(p))["route_config"]["virtual_hosts"][0]["routes"]
+    burst_routes = [r for r in routes if r["match"].get("headers", [{}])[0].get("name") == BURST_HEADER]
+    assert len(burst_routes) == 2
+    for route in burst_routes:
+        removed = set(route["request_headers_to_remove"])
+        assert {
+            BURST_HEADER,
+            "x-kvgate-model",
+            "x-kvgate-tenant",
+            "openai-organization",
+            "openai-project",
+        } <= removed
+        assert {"x-forwarded-for", "x-real-ip", "forwarded", "x-envoy-external-address"} <= removed
+        assert set(route["response_headers_to_remove"]) == {
+            "set-cookie",
+            "openai-organization",
+            "openai-project",
+        }
+    validate(tmp_path, p)
+
+
+def test_the_access_logs_tenant_is_the_decisions_not_the_header(tmp_path: Path) -> None:
+    """A burst route removes x-kvgate-tenant before the hosted endpoint, and Envoy's access log sees request
+    headers as the route left them: the tenant comes from the ext_proc's decision metadata."""
+    assert ACCESS_LOG_FORMAT["tenant"] == "%DYNAMIC_METADATA(kvgate.decision:tenant)%"
