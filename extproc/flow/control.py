@@ -6,8 +6,9 @@ role) from :meth:`FlowPolicy.saturation_for`, less the request's band's headroom
 :meth:`FlowControl.offer` lets a request go at once only when its model has ``OPEN`` room for its band
 and nothing of its priority or higher is queued (so nobody overtakes a waiting request of its band or
 above); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
-``queue_full``. With no endpoint at all it waits ``waiting_room_s`` (then 503 ``no_endpoint``); with
-``waiting_room_s = 0`` it goes on at once and the router answers as it always has. The shell dispatches
+``queue_full``. With no endpoint at all it waits ``min(waiting_room_s, its band's max_wait_s)`` (then
+503 ``no_endpoint``); with ``waiting_room_s = 0`` it goes on at once, whatever is queued, and the router
+answers as it always has. The shell dispatches
 queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
 with :meth:`FlowControl.error`.
 
@@ -174,9 +175,12 @@ class FlowControl(Generic[T]):
             raise self._error(SLO_UNATTAINABLE, request.model)
         if self.goes(request, space, now):
             return Offer(None)
-        if space is Room.NONE and policy.waiting_room_s <= 0 and not self.queues.queued(request.model):
-            return Offer(None)  # no waiting room: the router answers (503 no_endpoint, 404)
-        waiting_room = space is Room.NONE and policy.waiting_room_s > 0
+        if space is Room.NONE and policy.waiting_room_s <= 0:
+            return Offer(None)  # no waiting room: the router answers at once (503 no_endpoint, 404)
+        waiting_room = space is Room.NONE
+        # In the waiting room a band's own bound holds too (a sheddable band's sheddable_max_wait_s).
+        limit = policy.limits(request.priority).max_wait_s
+        wait = min(policy.waiting_room_s, limit) if waiting_room else None
         pushed = self.queues.push(
             payload,
             model=request.model,
@@ -186,7 +190,7 @@ class FlowControl(Generic[T]):
             size=request.size,
             now=now,
             deadline=request.deadline,
-            max_wait_s=policy.waiting_room_s if waiting_room else None,
+            max_wait_s=wait,
             reason=NO_ENDPOINT if waiting_room else QUEUE_TIMEOUT,
         )
         if pushed.entry is None:

@@ -15,7 +15,8 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
                                it evicts the newest request of a lower sheddable band, else gets 429
     flow/max_queued_bytes      the same bound on queued body bytes (default 1 GiB)
     flow/sheddable_max_wait_s  the longest a sheddable (priority < 0) request waits (default 1 s)
-    flow/waiting_room_s        how long a request waits when its model has no endpoint (0: 503 at once)
+    flow/waiting_room_s        how long a request waits when its model has no endpoint (0: 503 at once;
+                               its band's max_wait_s bounds it too)
     flow/fairness              "tokens" (prompt + output tokens) or "requests": what a flow's share counts
     flow/retry_after_s         the Retry-After of a 429 from flow control (integer seconds >= 1)
     flow/engine_priority       {order, scale} or null (default): write each routed request's priority

@@ -269,6 +269,7 @@ def test_room_of_a_model_without_its_own_limits_uses_the_default() -> None:
         (Room.FULL, 0.0, False, True, 160.0, QUEUE_TIMEOUT),
         (Room.FULL, 5.0, False, True, 160.0, QUEUE_TIMEOUT),  # the waiting room is for no endpoint only
         (Room.NONE, 0.0, False, False, None, None),  # no waiting room: the router answers
+        (Room.NONE, 0.0, True, False, None, None),  # at once, even with something queued (no 429 later)
         (Room.NONE, 5.0, False, True, 105.0, NO_ENDPOINT),
         (Room.NONE, 5.0, True, True, 105.0, NO_ENDPOINT),
     ],
@@ -292,6 +293,22 @@ def test_offer(
         assert offer.held.payload == "r"
         assert (offer.held.expires, offer.held.reason) == (expires, reason)
     assert offer.evicted == ()
+
+
+@pytest.mark.parametrize(
+    ("priority", "waiting_room_s", "expires"),
+    [
+        (-1, 30.0, 101.0),  # a sheddable band waits at most sheddable_max_wait_s (1 s), there too
+        (0, 120.0, 160.0),  # and any band at most its max_wait_s (60 s)
+        (0, 5.0, 105.0),
+    ],
+)
+def test_the_waiting_room_keeps_the_bands_own_bound(
+    priority: int, waiting_room_s: float, expires: float
+) -> None:
+    control = FlowControl[str](FlowPolicy(waiting_room_s=waiting_room_s))
+    held = control.offer(request(priority=priority), "r", Room.NONE, now=100.0).held
+    assert held is not None and (held.expires, held.reason) == (expires, NO_ENDPOINT)
 
 
 def test_a_higher_band_goes_past_queued_lower_ones_but_not_past_its_own() -> None:
