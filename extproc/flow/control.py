@@ -43,13 +43,20 @@ class Room(Enum):
     NONE = "none"
 
 
+#: With ``max_kv_usage`` set, the most requests routed to an endpoint (by this worker and its siblings)
+#: on one reading of its KV cache use: routing does not move the reading, so without a bound one
+#: dispatch pass would send the whole queue on a reading below the limit.
+KV_ROUTES_PER_READING = 4
+
+
 def saturated(limits: Saturation, state: EndpointState, headroom: float = 0.0) -> bool:
     """Whether ``state`` can take no more under ``limits`` with ``1 - headroom`` of each (a band's
     headroom, :meth:`FlowPolicy.headroom`): ``max(load, outstanding) >= (1 - headroom) x max_in_flight``
     (the load estimates requests at the engine, the outstanding count is this gateway's own requests not
-    yet completed: never fewer than those; one more would exceed it), or, from the last scrape, ``waiting
-    >= (1 - headroom) x max_waiting`` or ``kv_usage >= (1 - headroom) x max_kv_usage``; a missing metric
-    never saturates."""
+    yet completed: never fewer than those; one more would exceed it), or ``waiting + routed >= (1 -
+    headroom) x max_waiting`` (the last reading's queue, plus what this worker and its siblings routed
+    there since it: each may wait), or ``kv_usage >= (1 - headroom) x max_kv_usage`` at the last reading
+    or :data:`KV_ROUTES_PER_READING` routed there since it; a missing metric never saturates."""
     share = 1.0 - headroom
     if (
         limits.max_in_flight is not None
@@ -59,12 +66,13 @@ def saturated(limits: Saturation, state: EndpointState, headroom: float = 0.0) -
     metrics = state.metrics
     if metrics is None:
         return False
-    if limits.max_waiting is not None and metrics.waiting >= share * limits.max_waiting:
+    routed = state.routed_since_scrape + state.sibling_routed
+    if limits.max_waiting is not None and metrics.waiting + routed >= share * limits.max_waiting:
         return True
     return (
         limits.max_kv_usage is not None
         and metrics.kv_usage is not None
-        and metrics.kv_usage >= share * limits.max_kv_usage
+        and (metrics.kv_usage >= share * limits.max_kv_usage or routed >= KV_ROUTES_PER_READING)
     )
 
 

@@ -12,7 +12,16 @@ from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.errors import TooManyRequests, Unavailable
 from extproc.fleet import EndpointState
-from extproc.flow.control import BodyPriority, FlowControl, FlowRequest, Room, body_priority, room, saturated
+from extproc.flow.control import (
+    KV_ROUTES_PER_READING,
+    BodyPriority,
+    FlowControl,
+    FlowRequest,
+    Room,
+    body_priority,
+    room,
+    saturated,
+)
 from extproc.flow.policy import BandLimits, EnginePriority, FlowPolicy, ModelSaturation, Saturation
 from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE
 
@@ -111,6 +120,47 @@ def test_saturated_with_a_bands_headroom(
     limits: Saturation, endpoint: EndpointState, headroom: float, expected: bool
 ) -> None:
     assert saturated(limits, endpoint, headroom) is expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "endpoint", "expected"),
+    [
+        # what was routed there since the reading may wait too: 6 waiting + 2 routed reach 8
+        (Saturation(max_waiting=8), state(running=4, waiting=6, routed=1), False),
+        (Saturation(max_waiting=8), state(running=4, waiting=6, routed=2), True),
+        # KV cache use: at most KV_ROUTES_PER_READING routed on one reading below the limit
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=0.1, routed=KV_ROUTES_PER_READING - 1), False),
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=0.1, routed=KV_ROUTES_PER_READING), True),
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=None, routed=100), False),  # no metric: never
+    ],
+)
+def test_routing_since_the_reading_counts_against_the_scraped_limits(
+    limits: Saturation, endpoint: EndpointState, expected: bool
+) -> None:
+    assert saturated(limits, endpoint) is expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "dispatched"),
+    [(Saturation(max_waiting=8), 8), (Saturation(max_kv_usage=0.9), KV_ROUTES_PER_READING)],
+)
+def test_a_pass_on_one_reading_releases_only_what_the_limit_allows(
+    limits: Saturation, dispatched: int
+) -> None:
+    """The dispatcher's loop on one reading (waiting 0, KV 10 %) with 100 queued: routing counts each
+    request against the endpoint as Router.decide does, and the room closes (it released all 100)."""
+    endpoint = state(running=4, waiting=0, kv=0.1)
+    policy = FlowPolicy(saturation=limits)
+    control = FlowControl[int](policy)
+    for i in range(100):
+        assert control.offer(request(), i, Room.FULL, now=0.0).held is not None
+    n = 0
+    while control.next(M, room(policy, M, [endpoint], 1.0, 0), 1.0) is not None:
+        endpoint.in_flight += 1
+        endpoint.routed_since_scrape += 1
+        endpoint.outstanding += 1
+        n += 1
+    assert n == dispatched
 
 
 # --- room ------------------------------------------------------------------------------------------------
