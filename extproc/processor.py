@@ -297,6 +297,9 @@ class StreamProcessor:
         self.evicted: tuple[Entry[StreamProcessor], ...] = ()
         #: The code of flow control's refusal at arrival (``queue_full``, ``slo_unattainable``), if any.
         self.refused: str | None = None
+        #: Routed by :meth:`resume` but its replies not yet taken by the shell (it clears this once they
+        #: are): a stream that closes so never reached Envoy, so :meth:`close` undoes the routing.
+        self.undelivered = False
         self._waiting: tuple[_Prepared, float] | None = None
         self._deadline: float | None = None
         #: The request's flow-control band (``None``: not offered to flow control).
@@ -412,10 +415,15 @@ class StreamProcessor:
         if self._pending is not None and self._pairing is not None:
             self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
-        if self.decision is not None:
+        if self.decision is not None and self.undelivered:
+            # Routed from the queue as the client left: no engine sees it (no completion log) and nothing
+            # is cached there; release what decide took, record nothing in the index.
+            self._router.completed(self.decision.request_id, self._clock())
+        elif self.decision is not None:
             # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
             # answer is out, before the shell's generator resumes to call after_send).
             self.after_send()
+        if self.decision is not None:
             self._router.finish(self.decision)
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
                 self._router.completed(self.decision.request_id, self._clock())
@@ -643,6 +651,7 @@ class StreamProcessor:
         loop, with the fleet's state as it is now)."""
         waiting, self._waiting, self.held = self._waiting, None, None
         assert waiting is not None, "resume() only after a hold"
+        self.undelivered = True
         if self.timeline is not None:
             self.timeline.add("queue_wait", self._held_at, self.timeline.now())
         try:

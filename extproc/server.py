@@ -223,6 +223,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     for resp in responses:
                         yield resp
                     responses = await future
+                    proc.undelivered = False
                     if proc.refused is not None:  # shed when dispatched (a deadline predicted missed)
                         self._metrics.flow_sheds.labels(proc.refused).inc()
                         proc.refused = None

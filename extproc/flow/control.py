@@ -6,8 +6,9 @@ role) from :meth:`FlowPolicy.saturation_for`, less the request's band's headroom
 :meth:`FlowControl.offer` lets a request go at once only when its model has ``OPEN`` room for its band
 and nothing of its priority or higher is queued (so nobody overtakes a waiting request of its band or
 above); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
-``queue_full``. With no endpoint at all it waits ``waiting_room_s`` (then 503 ``no_endpoint``); with
-``waiting_room_s = 0`` it goes on at once and the router answers as it always has. The shell dispatches
+``queue_full``. With no endpoint at all it waits ``min(waiting_room_s, its band's max_wait_s)`` (then
+503 ``no_endpoint``); with ``waiting_room_s = 0`` it goes on at once, whatever is queued, and the router
+answers as it always has. The shell dispatches
 queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
 with :meth:`FlowControl.error`.
 
@@ -42,13 +43,20 @@ class Room(Enum):
     NONE = "none"
 
 
+#: With ``max_kv_usage`` set, the most requests routed to an endpoint (by this worker and its siblings)
+#: on one reading of its KV cache use: routing does not move the reading, so without a bound one
+#: dispatch pass would send the whole queue on a reading below the limit.
+KV_ROUTES_PER_READING = 4
+
+
 def saturated(limits: Saturation, state: EndpointState, headroom: float = 0.0) -> bool:
     """Whether ``state`` can take no more under ``limits`` with ``1 - headroom`` of each (a band's
     headroom, :meth:`FlowPolicy.headroom`): ``max(load, outstanding) >= (1 - headroom) x max_in_flight``
     (the load estimates requests at the engine, the outstanding count is this gateway's own requests not
-    yet completed: never fewer than those; one more would exceed it), or, from the last scrape, ``waiting
-    >= (1 - headroom) x max_waiting`` or ``kv_usage >= (1 - headroom) x max_kv_usage``; a missing metric
-    never saturates."""
+    yet completed: never fewer than those; one more would exceed it), or ``waiting + routed >= (1 -
+    headroom) x max_waiting`` (the last reading's queue, plus what this worker and its siblings routed
+    there since it: each may wait), or ``kv_usage >= (1 - headroom) x max_kv_usage`` at the last reading
+    or :data:`KV_ROUTES_PER_READING` routed there since it; a missing metric never saturates."""
     share = 1.0 - headroom
     if (
         limits.max_in_flight is not None
@@ -58,12 +66,13 @@ def saturated(limits: Saturation, state: EndpointState, headroom: float = 0.0) -
     metrics = state.metrics
     if metrics is None:
         return False
-    if limits.max_waiting is not None and metrics.waiting >= share * limits.max_waiting:
+    routed = state.routed_since_scrape + state.sibling_routed
+    if limits.max_waiting is not None and metrics.waiting + routed >= share * limits.max_waiting:
         return True
     return (
         limits.max_kv_usage is not None
         and metrics.kv_usage is not None
-        and metrics.kv_usage >= share * limits.max_kv_usage
+        and (metrics.kv_usage >= share * limits.max_kv_usage or routed >= KV_ROUTES_PER_READING)
     )
 
 
@@ -174,9 +183,12 @@ class FlowControl(Generic[T]):
             raise self._error(SLO_UNATTAINABLE, request.model)
         if self.goes(request, space, now):
             return Offer(None)
-        if space is Room.NONE and policy.waiting_room_s <= 0 and not self.queues.queued(request.model):
-            return Offer(None)  # no waiting room: the router answers (503 no_endpoint, 404)
-        waiting_room = space is Room.NONE and policy.waiting_room_s > 0
+        if space is Room.NONE and policy.waiting_room_s <= 0:
+            return Offer(None)  # no waiting room: the router answers at once (503 no_endpoint, 404)
+        waiting_room = space is Room.NONE
+        # In the waiting room a band's own bound holds too (a sheddable band's sheddable_max_wait_s).
+        limit = policy.limits(request.priority).max_wait_s
+        wait = min(policy.waiting_room_s, limit) if waiting_room else None
         pushed = self.queues.push(
             payload,
             model=request.model,
@@ -186,7 +198,7 @@ class FlowControl(Generic[T]):
             size=request.size,
             now=now,
             deadline=request.deadline,
-            max_wait_s=policy.waiting_room_s if waiting_room else None,
+            max_wait_s=wait,
             reason=NO_ENDPOINT if waiting_room else QUEUE_TIMEOUT,
         )
         if pushed.entry is None:

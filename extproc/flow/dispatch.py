@@ -7,7 +7,8 @@ schedules one dispatch pass: expired requests are shed (:meth:`Held.shed`), then
 requests are routed (:meth:`Held.resume`, which decides with the fleet's state as it is now and counts the
 request against its pick) while :func:`space` says the model has room for its top queued band. A timer
 fires the pass again at the next expiry. :meth:`Dispatcher.cancel` takes out a stream whose client went
-away, so it is never routed.
+away, so it is never routed; a queued stream whose future is already done or cancelled (its client left
+in the same loop turn, before :meth:`Dispatcher.cancel` ran) leaves the queue unrouted too.
 
 Sibling workers (:class:`~extproc.control.siblings.SiblingBus`): after each change of the queues the
 dispatcher calls :attr:`Dispatcher.on_tops` if this worker's highest queued priority of some model
@@ -122,6 +123,12 @@ class Dispatcher(Generic[H, R]):
                 going := control.next(model, self._space(model, top, now), now)
             ) is not None:
                 changed = True
+                future = self._futures.get(going.seq)
+                if future is None or future.done():
+                    # Its client went away in this loop turn (the stream's task cancelled, its handler
+                    # not yet run): routing it now would count a request no engine will see.
+                    self._futures.pop(going.seq, None)
+                    continue
                 self._settle(going, going.payload.resume())
                 if self._listener is not None:
                     self._listener.dispatched(model, going.priority, now - going.enqueued)

@@ -15,7 +15,9 @@ value is checked here and a bad one is refused whole (:class:`~contracts.errors.
                                it evicts the newest request of a lower sheddable band, else gets 429
     flow/max_queued_bytes      the same bound on queued body bytes (default 1 GiB)
     flow/sheddable_max_wait_s  the longest a sheddable (priority < 0) request waits (default 1 s)
-    flow/waiting_room_s        how long a request waits when its model has no endpoint (0: 503 at once)
+                               (this, max_wait_s and waiting_room_s: at most MAX_WAIT_S, 595 s)
+    flow/waiting_room_s        how long a request waits when its model has no endpoint (0: 503 at once;
+                               its band's max_wait_s bounds it too)
     flow/fairness              "tokens" (prompt + output tokens) or "requests": what a flow's share counts
     flow/retry_after_s         the Retry-After of a 429 from flow control (integer seconds >= 1)
     flow/engine_priority       {order, scale} or null (default): write each routed request's priority
@@ -332,9 +334,9 @@ def _apply(policy: FlowPolicy, path: str, value: object, where: str) -> FlowPoli
     if rest == "max_queued_bytes":
         return replace(policy, max_queued_bytes=int(number(value, where, 1, integer=True)))
     if rest == "sheddable_max_wait_s":
-        return replace(policy, sheddable_max_wait_s=float(number(value, where, 0.0)))
+        return replace(policy, sheddable_max_wait_s=_wait(value, where))
     if rest == "waiting_room_s":
-        return replace(policy, waiting_room_s=float(number(value, where, 0.0)))
+        return replace(policy, waiting_room_s=_wait(value, where))
     if rest == "retry_after_s":
         return replace(policy, retry_after_s=int(number(value, where, 1, integer=True)))
     if rest == "engine_priority":
@@ -368,6 +370,23 @@ def _table(value: object, where: str, allowed: tuple[str, ...]) -> Mapping[str, 
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     return value
+
+
+#: The longest a policy may hold a request (``max_wait_s``, ``sheddable_max_wait_s``, ``waiting_room_s``):
+#: the ext_proc extends Envoy's message timeout for a held stream by the wait plus ``HOLD_SLACK_S`` (5 s,
+#: extproc/processor.py) up to ``HOLD_TIMEOUT_S`` (600 s, extproc/server.py, Envoy's
+#: ``max_message_timeout``), so a longer wait would be cut by Envoy (a bodiless 5xx) before its 429.
+MAX_WAIT_S = 595.0
+
+
+def _wait(value: object, where: str) -> float:
+    seconds = float(number(value, where, 0.0))
+    if seconds > MAX_WAIT_S:
+        raise ConfigError(
+            f"{where}: at most {MAX_WAIT_S:g} s (a held request's Envoy message timeout ends at 600 s), "
+            f"got {value!r}"
+        )
+    return seconds
 
 
 def number(value: object, where: str, minimum: float, *, integer: bool = False) -> float:
@@ -428,7 +447,7 @@ def parse_band(value: object, where: str) -> BandLimits:
             number(table.get("max_requests", base.max_requests), f"{where}.max_requests", 1, integer=True)
         ),
         max_bytes=int(number(table.get("max_bytes", base.max_bytes), f"{where}.max_bytes", 1, integer=True)),
-        max_wait_s=float(number(table.get("max_wait_s", base.max_wait_s), f"{where}.max_wait_s", 0.0)),
+        max_wait_s=_wait(table.get("max_wait_s", base.max_wait_s), f"{where}.max_wait_s"),
         headroom=_headroom(table.get("headroom", base.headroom), f"{where}.headroom"),
     )
 

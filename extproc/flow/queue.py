@@ -4,12 +4,16 @@ One :class:`FlowQueues` holds every queued request of a gateway, per model. Orde
 model (:meth:`FlowQueues.pop`):
 
 1. **Bands** by priority, strictly: nothing of a lower band leaves while a higher band has a request.
-2. **Flows** within a band share by start-time fair queueing (SFQ): each backlogged flow carries a
-   start tag ``S`` and the band a virtual time ``V``. A flow that becomes backlogged starts at
+2. **Flows** within a band share by self-clocked fair queueing: each backlogged flow carries a start
+   tag ``S`` and the band a virtual time ``V``. A flow that becomes backlogged starts at
    ``S = max(V, F)`` (``F``: its last finish tag); the flow with the least ``S`` goes next, then
-   ``V = S``, ``F = S + cost`` and, if it still has requests, ``S = F``. ``cost`` is what the request
-   consumes (prompt + output tokens, or 1 per request: :attr:`~extproc.flow.policy.FlowPolicy.fairness`),
-   so two backlogged flows get equal shares of it whatever their arrival rates.
+   ``F = S + cost``, ``V = max(V, F)`` (the finish tag of the latest dispatch: ``V`` advances with
+   service) and, if it still has requests, ``S = F``. ``cost`` is what the request consumes (prompt +
+   output tokens, or 1 per request: :attr:`~extproc.flow.policy.FlowPolicy.fairness`), so two backlogged
+   flows get equal shares of it whatever their arrival rates, and a client that names a new flow for
+   each request starts each one at ``V``, behind what a backlogged flow is owed. A flow's ``F`` is at
+   most ``V`` once it is dispatched from, so an idle flow has no credit and is dropped at once: a band
+   keeps only its backlogged flows (at most its ``max_requests``).
 3. **Within a flow**: earliest deadline first; requests without a deadline after those with one, first
    come first served.
 
@@ -226,8 +230,8 @@ class FlowQueues(Generic[T]):
         fl = min((f for f in band.flows.values() if f.count), key=lambda f: (f.start, f.head().seq))
         entry = fl.head()
         heapq.heappop(fl.heap)
-        band.vtime = fl.start
         fl.finish = fl.start + entry.cost
+        band.vtime = max(band.vtime, fl.finish)
         if fl.count > 1:
             fl.start = fl.finish
         self._take(band, fl, entry)
@@ -258,8 +262,9 @@ class FlowQueues(Generic[T]):
             fl.heap.clear()
 
     def _tidy(self, model: str, priority: int) -> None:
-        """Drop idle flows that have no credit left (``F <= V``), an empty band (nobody is backlogged, so
-        no flow's tags matter any more) and an empty model."""
+        """Drop idle flows that have no credit left (``F <= V``: every idle flow, as ``V`` is at least the
+        finish tag of every dispatch), an empty band (nobody is backlogged, so no flow's tags matter any
+        more) and an empty model."""
         bands = self._models[model]
         band = bands[priority]
         if band.count == 0:

@@ -12,7 +12,16 @@ from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.errors import TooManyRequests, Unavailable
 from extproc.fleet import EndpointState
-from extproc.flow.control import BodyPriority, FlowControl, FlowRequest, Room, body_priority, room, saturated
+from extproc.flow.control import (
+    KV_ROUTES_PER_READING,
+    BodyPriority,
+    FlowControl,
+    FlowRequest,
+    Room,
+    body_priority,
+    room,
+    saturated,
+)
 from extproc.flow.policy import BandLimits, EnginePriority, FlowPolicy, ModelSaturation, Saturation
 from extproc.flow.queue import NO_ENDPOINT, QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE
 
@@ -111,6 +120,47 @@ def test_saturated_with_a_bands_headroom(
     limits: Saturation, endpoint: EndpointState, headroom: float, expected: bool
 ) -> None:
     assert saturated(limits, endpoint, headroom) is expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "endpoint", "expected"),
+    [
+        # what was routed there since the reading may wait too: 6 waiting + 2 routed reach 8
+        (Saturation(max_waiting=8), state(running=4, waiting=6, routed=1), False),
+        (Saturation(max_waiting=8), state(running=4, waiting=6, routed=2), True),
+        # KV cache use: at most KV_ROUTES_PER_READING routed on one reading below the limit
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=0.1, routed=KV_ROUTES_PER_READING - 1), False),
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=0.1, routed=KV_ROUTES_PER_READING), True),
+        (Saturation(max_kv_usage=0.8), state(running=4, kv=None, routed=100), False),  # no metric: never
+    ],
+)
+def test_routing_since_the_reading_counts_against_the_scraped_limits(
+    limits: Saturation, endpoint: EndpointState, expected: bool
+) -> None:
+    assert saturated(limits, endpoint) is expected
+
+
+@pytest.mark.parametrize(
+    ("limits", "dispatched"),
+    [(Saturation(max_waiting=8), 8), (Saturation(max_kv_usage=0.9), KV_ROUTES_PER_READING)],
+)
+def test_a_pass_on_one_reading_releases_only_what_the_limit_allows(
+    limits: Saturation, dispatched: int
+) -> None:
+    """The dispatcher's loop on one reading (waiting 0, KV 10 %) with 100 queued: routing counts each
+    request against the endpoint as Router.decide does, and the room closes (it released all 100)."""
+    endpoint = state(running=4, waiting=0, kv=0.1)
+    policy = FlowPolicy(saturation=limits)
+    control = FlowControl[int](policy)
+    for i in range(100):
+        assert control.offer(request(), i, Room.FULL, now=0.0).held is not None
+    n = 0
+    while control.next(M, room(policy, M, [endpoint], 1.0, 0), 1.0) is not None:
+        endpoint.in_flight += 1
+        endpoint.routed_since_scrape += 1
+        endpoint.outstanding += 1
+        n += 1
+    assert n == dispatched
 
 
 # --- room ------------------------------------------------------------------------------------------------
@@ -269,6 +319,7 @@ def test_room_of_a_model_without_its_own_limits_uses_the_default() -> None:
         (Room.FULL, 0.0, False, True, 160.0, QUEUE_TIMEOUT),
         (Room.FULL, 5.0, False, True, 160.0, QUEUE_TIMEOUT),  # the waiting room is for no endpoint only
         (Room.NONE, 0.0, False, False, None, None),  # no waiting room: the router answers
+        (Room.NONE, 0.0, True, False, None, None),  # at once, even with something queued (no 429 later)
         (Room.NONE, 5.0, False, True, 105.0, NO_ENDPOINT),
         (Room.NONE, 5.0, True, True, 105.0, NO_ENDPOINT),
     ],
@@ -292,6 +343,22 @@ def test_offer(
         assert offer.held.payload == "r"
         assert (offer.held.expires, offer.held.reason) == (expires, reason)
     assert offer.evicted == ()
+
+
+@pytest.mark.parametrize(
+    ("priority", "waiting_room_s", "expires"),
+    [
+        (-1, 30.0, 101.0),  # a sheddable band waits at most sheddable_max_wait_s (1 s), there too
+        (0, 120.0, 160.0),  # and any band at most its max_wait_s (60 s)
+        (0, 5.0, 105.0),
+    ],
+)
+def test_the_waiting_room_keeps_the_bands_own_bound(
+    priority: int, waiting_room_s: float, expires: float
+) -> None:
+    control = FlowControl[str](FlowPolicy(waiting_room_s=waiting_room_s))
+    held = control.offer(request(priority=priority), "r", Room.NONE, now=100.0).held
+    assert held is not None and (held.expires, held.reason) == (expires, NO_ENDPOINT)
 
 
 def test_a_higher_band_goes_past_queued_lower_ones_but_not_past_its_own() -> None:

@@ -142,3 +142,20 @@ async def test_a_pass_asks_for_room_per_band_and_stops_at_a_band_with_none() -> 
     assert 1 in asked and 0 in asked and -1 not in asked
     assert not futures["batch"].done() and not futures["sheddable"].done()
     dispatcher.close()
+
+
+async def test_a_stream_whose_future_is_cancelled_before_the_pass_is_not_routed() -> None:
+    """The stream's task was cancelled (its future with it) but its handler has not yet taken it out of
+    the queue when a pass runs: it leaves the queue unrouted."""
+    control, space, dispatcher, listener = setup(FlowPolicy())
+    log: list[str] = []
+    offer = control.offer(request(), Stream("gone", log), Room.FULL, time.monotonic())
+    assert offer.held is not None
+    future = dispatcher.wait(offer.held)
+    future.cancel()
+    space["m"] = Room.OPEN
+    dispatcher.kick()
+    await asyncio.sleep(0)  # the pass kick() scheduled
+    assert log == [] and len(control.queues) == 0 and listener.events == []
+    dispatcher.cancel(offer.held)  # the handler's own cancel then finds nothing
+    dispatcher.close()

@@ -9,6 +9,7 @@ import pytest
 
 from contracts.errors import ConfigError
 from extproc.flow.policy import (
+    MAX_WAIT_S,
     BandLimits,
     EnginePriority,
     FlowPolicy,
@@ -21,6 +22,8 @@ from extproc.flow.policy import (
     flow_values,
     parse_flow,
 )
+from extproc.processor import HOLD_SLACK_S
+from extproc.server import HOLD_TIMEOUT_S
 
 GOOD: list[tuple[str, object, FlowPolicy]] = [
     ("flow/saturation", {"max_waiting": 8}, FlowPolicy(saturation=Saturation(max_waiting=8.0))),
@@ -132,7 +135,27 @@ BAD: list[tuple[str, object, str]] = [
     ("objectives/x", {"slo": 1}, "unknown key(s) slo"),
     ("objectives/x", 1, "expected an object"),
     ("objectives/", {}, "unknown policy path"),
+    # longer than a held stream's Envoy message timeout allows (it would end in a bodiless 5xx, not a 429)
+    ("flow/bands/default", {"max_wait_s": 3600}, "max_wait_s: at most 595 s"),
+    ("flow/bands/-1", {"max_wait_s": 595.5}, "max_wait_s: at most 595 s"),
+    ("flow/waiting_room_s", 1e6, "at most 595 s"),
+    ("flow/sheddable_max_wait_s", 600, "at most 595 s"),
 ]
+
+
+def test_the_longest_wait_fits_the_hold_extension() -> None:
+    """The bound is the hold extension's cap less the slack the ext_proc asks past a wait, and it is
+    itself accepted."""
+    assert MAX_WAIT_S == HOLD_TIMEOUT_S - HOLD_SLACK_S
+    policy = apply_flow(
+        FlowPolicy(),
+        {
+            "flow/bands/default": {"max_wait_s": 595},
+            "flow/waiting_room_s": 595,
+            "flow/sheddable_max_wait_s": 595,
+        },
+    )
+    assert (policy.bands.max_wait_s, policy.waiting_room_s, policy.sheddable_max_wait_s) == (595, 595, 595)
 
 
 @pytest.mark.parametrize(("path", "value", "message"), BAD)

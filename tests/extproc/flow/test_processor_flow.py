@@ -493,3 +493,42 @@ def test_a_band_goes_past_the_limits_only_at_engines_told_its_band(router: Route
     urgent = make(router, control)  # and so does the next one, at once
     r = reply(send(urgent, {"x-llm-d-inference-objective": "interactive"}))
     assert urgent.held is None and routed_body(r)["priority"] == -1
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_request_routed_from_the_queue_whose_replies_never_go_releases_its_pick_and_records_nothing(
+    router: Router, taken: bool
+) -> None:
+    """The dispatcher routed a held request, but its client left before the shell took the replies: no
+    engine sees it (no completion log comes), so close gives back what decide counted and the index keeps
+    no record of a prompt nobody sent. Replies the shell took are the usual case: recorded, counted."""
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    proc = make(router, control)
+    send(proc, extra={"x-request-id": "held-1"})
+    scrape_idle(router)
+
+    def counts() -> dict[str, tuple[int, int, int]]:
+        return {
+            s.id: (s.outstanding, s.routed_since_scrape - s.completed_since_scrape, s.in_flight)
+            for s in router.fleet
+        }
+
+    before = counts()
+    entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW), NOW)
+    assert entry is proc.held
+    reply(entry.payload.resume())
+    decision = proc.decision
+    assert decision is not None and decision.served is not None
+    if taken:
+        proc.undelivered = False  # what the shell does once it has the replies
+    proc.close()
+    after = counts()
+    pick = decision.served.id
+    if taken:
+        assert decision.recorded
+        o, r, f = before[pick]
+        assert after == {**before, pick: (o + 1, r + 1, f)}  # counted until its completion log
+    else:
+        assert not decision.recorded
+        assert after == before

@@ -186,8 +186,9 @@ def test_an_idle_flow_banks_no_credit() -> None:
     assert [pop_flow(q) for _ in range(12)] == ["a"] + ["b"] * 11
     for i in range(1, 6):
         push(q, f"a{i}", flow="a")
-    # it returns at the band's virtual time, not at its old tag: the two alternate, no burst of "a"
-    assert backlogged_pops(q, ("a", "b")) == ["a", "b"] * 4 + ["a"]
+    # it returns at the band's virtual time (the finish tag of b's last dispatch, b's own start tag:
+    # the tie goes to b's older head), not at its old tag: the two alternate, no burst of "a"
+    assert backlogged_pops(q, ("a", "b")) == ["b", "a"] * 5
 
 
 def test_a_flow_just_served_does_not_jump_ahead() -> None:
@@ -199,6 +200,43 @@ def test_a_flow_just_served_does_not_jump_ahead() -> None:
     # "a" was served a cost of 5 and comes back at once: "b" is owed its share first (FCFS on a tie)
     push(q, "a1", flow="a", cost=5.0)
     assert [pop_flow(q) for _ in range(6)] == ["b"] * 5 + ["a"]
+
+
+def test_a_new_fairness_id_per_request_does_not_monopolise_the_band() -> None:
+    """A client sending each request under a new fairness id (the header is the client's without auth)
+    against a backlogged flow: each new flow starts at the band's virtual time, which advances with every
+    dispatch, so the backlogged flow is not starved (it was: served once in 1,999 dispatches)."""
+    q = FlowQueues[str]()
+    for i in range(5):
+        push(q, f"a{i}", flow="a", cost=100)
+    push(q, "x0", flow="x0", cost=100)
+    pops = []
+    for i in range(1, 20):  # a new id arrives with every dispatch
+        push(q, f"x{i}", flow=f"x{i}", cost=100)
+        pops.append(pop_flow(q))
+    assert pops.count("a") == 5  # its whole backlog within 19 dispatches
+    q = FlowQueues[str]()
+    for i in range(400):
+        push(q, f"a{i}", flow="a", cost=100)
+    pops = []
+    for i in range(300):  # a new id every other dispatch: half the band's service asked for
+        if i % 2 == 0:
+            push(q, f"x{i}", flow=f"x{i}", cost=100)
+        pops.append(pop_flow(q))
+    assert pops.count("a") >= 0.45 * len(pops)  # its fair half
+
+
+def test_the_flow_table_keeps_only_backlogged_flows() -> None:
+    """Flows that went idle are dropped (they hold no credit once served): 20,000 short flows through a
+    band that stays backlogged leave no more flows than queued requests (it kept 20,010 for 10)."""
+    q = FlowQueues[str]()
+    for i in range(10):
+        push(q, f"r{i}", flow=f"f{i}", cost=100)
+    for i in range(10, 20_010):
+        push(q, f"r{i}", flow=f"f{i}", cost=100)
+        assert q.pop(M) is not None
+        band = q._models[M][0]
+        assert len(band.flows) <= band.count == 10
 
 
 # --- within a flow ---------------------------------------------------------------------------------------
