@@ -300,6 +300,10 @@ class StreamProcessor:
         #: Routed by :meth:`resume` but its replies not yet taken by the shell (it clears this once they
         #: are): a stream that closes so never reached Envoy, so :meth:`close` undoes the routing.
         self.undelivered = False
+        #: The routing replies were built (:meth:`_replies`): the decided request goes to Envoy's upstream.
+        self._replied = False
+        #: Decided, then answered by the gateway itself (an error: :meth:`_reject`): as :attr:`undelivered`.
+        self._answered_here = False
         self._waiting: tuple[_Prepared, float] | None = None
         self._deadline: float | None = None
         #: The request's flow-control band (``None``: not offered to flow control).
@@ -401,7 +405,10 @@ class StreamProcessor:
         return rest is not None and rest.chars_left >= limit
 
     def after_send(self) -> None:
-        """Called by the shell once the replies to a message are on their way: deferred bookkeeping."""
+        """Called by the shell once the replies to a message are on their way: deferred bookkeeping (none
+        for a request that reaches no engine: :attr:`undelivered`, or one answered here after decide)."""
+        if self.undelivered or self._answered_here:
+            return
         if self.decision is not None and not self.decision.recorded:
             self._router.commit(self.decision, self._clock())
         if self._federation is not None and self.forward is None and not self._noted:
@@ -415,9 +422,10 @@ class StreamProcessor:
         if self._pending is not None and self._pairing is not None:
             self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
-        if self.decision is not None and self.undelivered:
-            # Routed from the queue as the client left: no engine sees it (no completion log) and nothing
-            # is cached there; release what decide took, record nothing in the index.
+        if self.decision is not None and (self.undelivered or self._answered_here):
+            # Routed from the queue as the client left, or answered by the gateway after decide: no engine
+            # sees it (no completion log) and nothing is cached there; release what decide took, record
+            # nothing in the index.
             self._router.completed(self.decision.request_id, self._clock())
         elif self.decision is not None:
             # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
@@ -479,6 +487,9 @@ class StreamProcessor:
                 address=_client_address(msg),
                 now=self._clock(),
             )
+        if route_kind(path) is not None and self._headers.get(":method", "POST") != "POST":
+            # an engine answers anything but POST there with 405: refused before a decision is spent
+            raise NotFound(f"Use POST for {path.split('?', 1)[0][:200]}.")
         if not msg.request_headers.end_of_stream:
             self._phase = Phase.BODY
             # Buffered: Envoy holds the body until the headers are answered; the routing headers then
@@ -836,6 +847,7 @@ class StreamProcessor:
             if self.pd is not None and handoff is None and not self.pd.alone:
                 # an SGLang decode server, and no prefill fit
                 self._router.finish(self.decision)
+                self._router.completed(self.decision.request_id, self._clock())  # no engine gets it
                 self.pd_refused = self.pd  # counted by the shell all the same (no decision is left)
                 self.decision = self.pd = None
                 self._refund()
@@ -941,6 +953,7 @@ class StreamProcessor:
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         if self._responses_scope is not None:  # its response id is learned from the completion log
             noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
+        self._replied = True
         return out
 
     def _sending(
@@ -1152,6 +1165,11 @@ class StreamProcessor:
 
     def _reject(self, exc: GatewayError) -> pb.ProcessingResponse:
         self._phase = Phase.DONE
+        if self.decision is not None and not self._replied:
+            # Decided but answered here instead (an error after decide): no engine gets it and Envoy
+            # logs no completion for a local reply, so close() releases what decide took and records
+            # nothing in the index, as for a request routed from the queue as its client left.
+            self._answered_here = True
         tenant = f" tenant {self.principal.tenant.id}" if self.principal is not None else ""
         if exc.status >= 500:
             log.warning("request %s: %d %s", self.request_id, exc.status, exc.code or exc.error_type)

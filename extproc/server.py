@@ -178,6 +178,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         span: Span | None = None  # the request's span when traced (and sampled)
         unseen = tracer is not None  # the first message decides whether the request is traced
         status = 0  # an immediate response's HTTP status
+        delivered = False  # the decided request's routing replies were yielded to Envoy
         try:
             async for msg in request_iterator:
                 if unseen and tracer is not None:
@@ -269,6 +270,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     if resp.HasField("immediate_response"):
                         status = resp.immediate_response.status.code
                         self._metrics.requests.labels(str(status)).inc()
+                    elif proc.decision is not None:
+                        delivered = True  # the routing replies go to Envoy: its completion log ends it
                     yield resp
                 decision = proc.decision
                 if decision is not None and decision.rest is not None and proc.settles_off_loop():
@@ -285,6 +288,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         finally:
             if counted and gate is not None:
                 gate.release()
+            if proc.decision is not None and not delivered:
+                # Decided but never handed to Envoy (cancelled while a restore, a prefill half or a step
+                # was awaited, or answered here): no completion log will come, so close() releases what
+                # decide took and records nothing.
+                proc.undelivered = True
             if dispatcher is not None and proc.held is not None:
                 dispatcher.cancel(proc.held)  # the client went away while held: never routed
             if settling is not None and not settling.done():

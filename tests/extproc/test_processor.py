@@ -298,6 +298,17 @@ def in_flight(router: Router) -> dict[str, int]:
 # --- request headers -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_a_routed_path_takes_post_only(router: Router, method: str) -> None:
+    """An engine answers anything but POST on a routed path with 405: the gateway refuses it at the
+    headers (404, as for /v1/models' wrong methods), before a decision or a slot is spent on it."""
+    proc = processor(router)
+    status, err, _ = error(proc.handle(headers(CHAT, method)))
+    assert (status, err["message"]) == (404, "Use POST for /v1/chat/completions.")
+    assert proc.handle(body(chat())) == []  # answered: the body is drained
+    assert proc.decision is None and in_flight(router) == {}
+
+
 @pytest.mark.parametrize(
     ("method", "path", "expected"),
     [
@@ -305,7 +316,7 @@ def in_flight(router: Router) -> dict[str, int]:
         ("HEAD", "/v1/models?limit=1", [OTHER, MODEL]),
         ("POST", "/v1/models", (404, "Use GET for /v1/models.")),
         ("POST", CHAT, (400, "The request body is empty; expected a JSON object.")),
-        ("GET", "/v1/completions?x=1", (400, "The request body is empty; expected a JSON object.")),
+        ("GET", "/v1/completions?x=1", (404, "Use POST for /v1/completions.")),
         ("DELETE", "/v1/nope?x=1", (404, "Unknown path /v1/nope; kvgate routes")),
         (None, None, (404, "Unknown path /; kvgate routes")),  # no pseudo-headers: GET /
     ],

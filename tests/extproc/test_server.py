@@ -262,6 +262,47 @@ async def test_a_stream_cancelled_while_its_rest_is_settled_closes_after_the_thr
     assert sum(gateway.index.occupancy().values()) > 1  # the whole window recorded after all
 
 
+async def test_a_stream_cancelled_before_its_routing_replies_went_out_leaves_nothing_taken(
+    gateway: Gateway,
+) -> None:
+    """Decided, then cancelled while the shell awaits something before handing the replies to Envoy (a
+    slot restore here; a prefill half or a cascade step likewise): Envoy never routes it and logs no
+    completion, so the stream's close releases what decide took (in flight and outstanding) and records
+    nothing in the index."""
+    entered = asyncio.Event()
+
+    class Restorer:
+        async def before_routing(self, decision: Decision, headers: object = None) -> str:
+            entered.set()
+            await asyncio.Event().wait()  # never restored: the client leaves first
+            return "restored"
+
+    servicer = ExternalProcessor(
+        gateway.router,
+        ProcessorConfig(max_body_bytes=1 << 20),
+        gateway.metrics,
+        restorer=cast(Any, Restorer()),
+    )
+
+    async def messages() -> AsyncIterator[pb.ProcessingRequest]:
+        for msg in [headers_msg("/v1/chat/completions"), *body_msgs(chat_body("hello there"))]:
+            yield msg
+        await asyncio.Event().wait()
+
+    async def drain() -> None:
+        async for _ in servicer.Process(messages(), cast(grpc.aio.ServicerContext, None)):
+            pass
+
+    stream = asyncio.create_task(drain())
+    await asyncio.wait_for(entered.wait(), 10)
+    assert sum(s.outstanding for s in gateway.router.fleet) == 1
+    stream.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stream
+    assert [(s.in_flight, s.outstanding) for s in gateway.router.fleet if s.in_flight or s.outstanding] == []
+    assert gateway.index.occupancy() == {}
+
+
 async def test_oversize_body_is_413(gateway: Gateway) -> None:
     body = chat_body("x" * (9 * 1024 * 1024))
     status, err = error_of(await run(gateway, [headers_msg("/v1/chat/completions"), *body_msgs(body)]))

@@ -21,6 +21,7 @@ from extproc.cascade.prior import PrerouteSpec
 from extproc.cascade.spec import CascadeSpec
 from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec
+from extproc.errors import Unavailable
 from extproc.fleet import Fleet
 from extproc.flow.control import FlowControl, Room
 from extproc.flow.policy import FlowPolicy, Saturation
@@ -226,6 +227,32 @@ def test_a_cascade_ending_on_a_disaggregated_model_extends_for_the_prefill_at_it
     proc = StreamProcessor(router, config, lambda: 1000.0, disagg=disagg, cascade=cascader)
     (out,) = start(proc, request())
     assert out.override_message_timeout.seconds == int(12.5 + 30.0 + 5)
+
+
+def test_an_error_after_the_escalated_decision_leaves_nothing_taken_nor_recorded() -> None:
+    """The escalated step is decided, then refused by the gateway itself (here its priority rule: a
+    failure after decide): Envoy answers locally and logs no completion, so close() releases what decide
+    took (in flight and outstanding) and records nothing in the index."""
+    proc, router = make(SPEC)
+    start(proc, request())
+    decided = router.decide
+
+    def decide_then_fail(*args: Any, **kw: Any) -> Any:
+        decision = decided(*args, **kw)
+        proc.decision = decision  # what _decide keeps before what can fail after it
+        raise Unavailable("a failure after decide", code="test")
+
+    committed: list[Any] = []
+    commit = router.commit
+    router.decide = decide_then_fail  # type: ignore[method-assign]
+    router.commit = lambda d, now: (committed.append(d), commit(d, now))[1]  # type: ignore[method-assign]
+    status, _, _, _ = immediate(proc.stepped(answer(-2.0)))  # escalates: decided, then refused
+    assert status == 503
+    stepped = list(committed)  # the gated step's own decision (it was sent: recorded)
+    proc.after_send()
+    proc.close()
+    assert load(router) == {}
+    assert committed == stepped  # the refused escalation recorded nothing
 
 
 def test_a_client_gone_during_a_step_frees_its_slot() -> None:

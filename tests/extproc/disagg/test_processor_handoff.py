@@ -223,6 +223,9 @@ def test_an_sglang_decode_endpoint_with_no_prefill_partner_is_a_503() -> None:
     assert proc.decision is None and proc.pd is None and proc.handoff is None
     proc.close()
     assert in_flight(router) == {PREFILL: 0, DECODE: 0}
+    decode = router.fleet.by_address(DECODE)
+    assert decode is not None and decode.outstanding == 0  # no completion log comes for a local 503
+    assert decode.load == 0
 
 
 def test_a_pairing_of_a_body_that_is_no_object_releases_its_slot() -> None:
