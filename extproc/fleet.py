@@ -214,7 +214,7 @@ class Fleet:
             state = EndpointState(endpoint)
             self._states[endpoint.id] = state
         else:
-            self._by_address.pop(state.endpoint.address, None)
+            self._forget_address(state.endpoint)
             state.endpoint = endpoint
         self._by_address[endpoint.address] = endpoint.id
         self._changed()
@@ -223,8 +223,14 @@ class Fleet:
     def remove(self, endpoint_id: EndpointId) -> None:
         state = self._states.pop(endpoint_id, None)
         if state is not None:
-            self._by_address.pop(state.endpoint.address, None)
+            self._forget_address(state.endpoint)
             self._changed()
+
+    def _forget_address(self, endpoint: Endpoint) -> None:
+        """Drop ``endpoint``'s address mapping, unless another endpoint took that address since (a new pod
+        at a reused IP, registered before the old one left): it stays that one's."""
+        if self._by_address.get(endpoint.address) == endpoint.id:
+            del self._by_address[endpoint.address]
 
     def set_state(
         self, endpoint_id: EndpointId, *, healthy: bool | None = None, draining: bool | None = None

@@ -844,23 +844,29 @@ class Router:
             decision.rest = None
         index = self.index
         before = index.generation
-        self._record(endpoint, decision.digests, now)
+        recorded = self._record(endpoint, decision.digests, now)
         if rest is not None:
             after = index.generation
             held = min(len(decision.digests), index.max_match_blocks)
-            rest.remember((after, held) if after == before else None)
+            rest.remember((after, held) if recorded and after == before else None)
 
     def record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
         """Record that ``endpoint`` computes ``digests`` for a request it was picked for outside
         :meth:`decide` (a prefill sub-request, :mod:`extproc.disagg`): index, working set, listener."""
         self._record(endpoint, digests, now)
 
-    def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> None:
+    def _record(self, endpoint: EndpointId, digests: Sequence[Digest], now: float) -> bool:
+        """Index, working set, listener; ``False`` (nothing recorded) when ``endpoint`` left the fleet
+        meanwhile (a record after the answer, once its removal dropped it from the index: it would come
+        back there, and a new process reusing the id be credited with its cache)."""
+        if self.fleet.get(endpoint) is None:
+            return False
         self.index.record(endpoint, digests, now)
         if self.working_set is not None:
             self.working_set.record(endpoint, digests, now)
         if self.listener is not None:
             self.listener.recorded(endpoint, digests, now)
+        return True
 
     def _opened(self, request_id: str, state: EndpointState, now: float) -> None:
         """Remember that ``request_id`` is at ``state`` until its completion, forgetting the oldest

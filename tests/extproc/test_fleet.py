@@ -86,3 +86,17 @@ def test_power_readings_are_gauges_per_node_and_source_and_expire() -> None:
     assert sample("kvgate_power_energy_joules_total", "bmc") is None  # a silent source gives no figure
     fleet.expire_metrics(now=13.0, stale_after=2.0)
     assert state.power == () and sample("kvgate_power_watts") is None
+
+
+def test_an_address_taken_by_another_endpoint_stays_that_ones() -> None:
+    """A new pod at a reused IP registered before the old one left: the old one's removal (or its move
+    to another address) leaves the address to the new one."""
+    fleet = Fleet([Endpoint(EndpointId("old-pod"), "10.0.0.5:8000", frozenset({"m"}))])
+    fleet.upsert(Endpoint(EndpointId("new-pod"), "10.0.0.5:8000", frozenset({"m"})))
+    fleet.upsert(Endpoint(EndpointId("old-pod"), "10.0.0.9:8000", frozenset({"m"})))
+    found = fleet.by_address("10.0.0.5:8000")
+    assert found is not None and found.id == "new-pod"
+    fleet.remove(EndpointId("old-pod"))
+    found = fleet.by_address("10.0.0.5:8000")
+    assert found is not None and found.id == "new-pod"
+    assert fleet.by_address("10.0.0.9:8000") is None

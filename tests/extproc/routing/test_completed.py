@@ -125,3 +125,20 @@ def test_a_scrape_zeroes_the_completions_it_already_counts() -> None:
     s.routed_since_scrape, s.completed_since_scrape = 1, 3
     fleet.record_scrape(s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=None, at=1.0), 1, 2)
     assert (s.routed_since_scrape, s.completed_since_scrape, s.load) == (0, 1, 1.0)
+
+
+def test_a_commit_after_its_endpoint_left_the_fleet_records_nothing() -> None:
+    """The index record runs after the answer; when the pick left the fleet meanwhile (its blocks already
+    dropped from the index), the record would bring it back there for a new process reusing the id."""
+    r = router()
+    long_prompt = orjson.dumps({"model": MODEL, "prompt": "x" * 200})
+    decision = r.decide(parse_body(Kind.COMPLETION, long_prompt), request_id="a", now=0.0)
+    assert decision.served is not None
+    gone = decision.served.id
+    r.fleet.remove(gone)
+    r.index.drop_endpoint(gone)  # as the cluster does when the fleet changes
+    r.commit(decision, 0.0)
+    assert decision.recorded and gone not in r.index.occupancy()
+    kept = r.decide(parse_body(Kind.COMPLETION, long_prompt), request_id="b", now=0.0)
+    r.commit(kept, 0.0)  # an endpoint still in the fleet records as before
+    assert kept.served is not None and r.index.occupancy().get(kept.served.id, 0) > 0
