@@ -40,6 +40,8 @@ retries such an answer on its local pick, so a request never fails because a pee
 UNTRUSTED = "federation_untrusted"
 """The :data:`REFUSED_HEADER` code (with 401) of a link that does not trust tenants at all: the forwarding
 cluster's failed-try log takes it as the peer's failure (skipped a while), unlike a refusal of one tenant."""
+PEER_IDENTITY_PREFIX = "spiffe://kvgate.local/federation-"
+"""What every cluster's federation identity starts with (the URI SAN the federation listener requires)."""
 FORWARD_HOST = "x-kvgate-forward-host"
 """Request header the processor sets when it forwards: the peer's ingress ``host:port`` (for the
 forwarding route's ``Host``/SNI; the destination itself is the ``envoy.lb`` pick)."""

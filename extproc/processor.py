@@ -102,7 +102,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, reserved, tenant_salt
@@ -443,6 +443,8 @@ class StreamProcessor:
         self._subset = _subset_hint(msg)
         if self._federation is not None:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
+            if self._came.unlinked is not None:  # a cluster no link names (any more): its fallback serves it
+                raise Unauthorized("This cluster has no link to the forwarding cluster.", code=UNTRUSTED)
         path = self._headers.get(":path", "/")
         if self._gate is not None and self._federation is not None and self._came.forwarded:
             # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
@@ -1099,7 +1101,7 @@ class StreamProcessor:
         extra = []
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
-        if self._came.forwarded and exc.status in (401, 403, 429):  # the forwarding cluster serves it
+        if self._came.federated and exc.status in (401, 403, 429):  # the forwarding cluster serves it
             extra.append(_header(REFUSED_HEADER, exc.code or exc.error_type))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 

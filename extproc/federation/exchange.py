@@ -4,7 +4,8 @@ peers, :class:`SummaryFollower` subscribes to every linked peer's service and ha
 
 Wire: :data:`contracts.federation.SUBSCRIBE_METHOD` (server streaming, msgpack). Security: with
 ``[federation] tls_*`` the service requires a client certificate chaining to ``tls_ca`` whose URI SAN is
-a linked cluster's ``identity`` (anything else: ``PERMISSION_DENIED`` before a report is sent), and the
+a linked cluster's ``identity`` (anything else: ``PERMISSION_DENIED`` before a report is sent; checked
+again against the links in force before every report, so a link removed or changed ends its stream), and the
 follower presents this cluster's certificate and verifies the peer's against ``tls_ca`` (chain and
 address; gRPC's Python client offers no hook to check the server's URI SAN as well). Both follow
 rotation of the ``tls_*`` files: the service through :class:`~runtime.tls.ReloadingServerCerts`, the
@@ -81,6 +82,7 @@ class SummaryService:
         self._clock = clock
         self._cached: tuple[float, bytes] | None = None
         self._server: grpc.aio.Server | None = None
+        self._check: PeerCheck | None = None
         self.port = 0
         self.subscribers = 0
 
@@ -105,6 +107,13 @@ class SummaryService:
         self.subscribers += 1
         try:
             while True:
+                # the links in force now, not only when the stream opened: a link removed or changed
+                # meanwhile ends the stream before its next report
+                if self._check is not None and not self._check.permits(context):
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED, "this identity is no longer a linked cluster's"
+                    )
+                    return
                 yield self._current()
                 await asyncio.sleep(self._federation.config.refresh_s)
         finally:
@@ -113,7 +122,8 @@ class SummaryService:
     async def start(self) -> None:
         config = self._federation.config
         files = server_files(config)
-        interceptors = [PeerCheck(self._linked, "the federation service")] if files is not None else []
+        self._check = PeerCheck(self._linked, "the federation service") if files is not None else None
+        interceptors = [self._check] if self._check is not None else []
         server = grpc.aio.server(
             interceptors=interceptors, options=[("grpc.max_send_message_length", MAX_REPORT_BYTES)]
         )

@@ -134,7 +134,7 @@ class Federation:
         now: float,
     ) -> Verdict:
         """Forward to a peer, or not (:mod:`extproc.federation.decision`). A forwarded request never is."""
-        if inbound.forwarded:
+        if inbound.final:
             return Verdict(None, HOP)
         found, reason = gains(
             digests,

@@ -8,14 +8,14 @@ import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, ModelSummary, Report
+from contracts.federation import HOP_HEADER, PEER_HEADER, SALTED_HEADER, ModelSummary, Report
 from extproc.federation.budget import EgressBudget, TokenBucket
 from extproc.federation.decision import BUDGET, FORWARD, HOP, NO_GAIN, NO_PEER, SHORT, queue_wait
 from extproc.federation.health import Outcome, PeerHealth, outcome_of
 from extproc.federation.links import parse_federation
 from extproc.federation.peers import Federation
 from extproc.federation.summary import build_bits, sampled, sizing
-from extproc.federation.trust import CLIENT, inbound
+from extproc.federation.trust import CLIENT, Inbound, inbound
 
 BS = 16
 SEED = chain_seed("m")
@@ -170,8 +170,18 @@ def test_a_forwarded_request_is_never_forwarded_again() -> None:
     ],
 )
 def test_forged_hop_and_tenant_headers_count_for_nothing(headers: dict[str, str]) -> None:
+    """Nothing but this: a request with the hop header is never forwarded (again)."""
     f = fed(link("b"))
-    assert inbound(headers, f.links) == CLIENT
+    came = inbound(headers, f.links)
+    assert came == Inbound(hop=True) and not came.forwarded and came.tenant is None and not came.salted
+    assert came.final and not came.federated
+
+
+def test_a_federation_identity_no_link_names_is_unlinked_and_final() -> None:
+    f = fed(link("b"))
+    uri = "spiffe://kvgate.local/federation-c"
+    came = inbound({PEER_HEADER: uri, TENANT_HEADER: "acme", SALTED_HEADER: "1"}, f.links)
+    assert came == Inbound(unlinked=uri) and came.final and came.federated and not came.forwarded
 
 
 def test_the_tenant_is_believed_only_from_a_linked_identity() -> None:

@@ -193,3 +193,15 @@ async def test_a_rotated_follower_certificate_is_presented_by_the_next_subscript
         for side in (a, b):
             await side.follower.aclose()
             await side.service.aclose()
+
+
+async def test_a_link_removed_ends_the_stream_already_open(pair: tuple[Side, Side]) -> None:
+    """The caller is checked against the links in force before every report, not only when its stream
+    opened: once b deletes its link to a, a's open subscription ends and a stops forwarding to b."""
+    a, b = pair
+    b.builder.note("m", CHAIN)
+    await until(lambda: decide(a) == FORWARD and b.service.subscribers == 1, 5.0)
+    b.fed.links.delete("a")
+    await until(lambda: b.service.subscribers == 0, 5.0)
+    await until(lambda: not a.fed.up("b", time.monotonic()), 5.0)
+    assert decide(a) == NO_PEER

@@ -172,7 +172,6 @@ def test_a_refused_forward_says_so_for_the_forwarding_clusters_fallback(
     ("peer_uri", "extra"),
     [
         (None, {TENANT_HEADER: "acme", SALTED_HEADER: "1", HOP_HEADER: "b"}),  # a client on the public side
-        ("spiffe://kvgate.local/federation-c", {TENANT_HEADER: "acme"}),  # a verified but unlinked identity
         ("spiffe://kvgate.local/client-mallory", {TENANT_HEADER: "acme"}),  # a client certificate
     ],
 )
@@ -182,6 +181,19 @@ def test_nobody_but_a_linked_identity_asserts_a_tenant(peer_uri: str | None, ext
     status, err, hs = error(out)
     assert (status, err["code"]) == (401, "missing_credentials")  # the header counts for nothing
     assert REFUSED_HEADER not in hs
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_a_federation_identity_no_link_names_is_refused_for_its_fallback(trust: bool) -> None:
+    """A verified federation certificate whose link was removed (or never made): 401
+    ``federation_untrusted`` with the refusal header, so the forwarding cluster serves it at home."""
+    fwd = forwarder(links=[{**LINK, "trust_tenants": trust}])
+    extra = {TENANT_HEADER: "acme", HOP_HEADER: "c"}
+    proc, out = peer(fwd, gate(), peer_uri="spiffe://kvgate.local/federation-c", extra=extra, payload=b"")
+    status, err, hs = error(out)
+    assert (status, err["code"]) == (401, "federation_untrusted")
+    assert hs[REFUSED_HEADER] == "federation_untrusted"
+    assert proc.principal is None and proc.ticket is None
 
 
 def test_a_client_asserting_another_tenant_stays_its_own() -> None:
