@@ -846,7 +846,7 @@ class StreamProcessor:
             (DESTINATION, destination),
             ("content-length", str(len(body))),
             (MODEL_HEADER, decision.model),
-            *self._config.timeouts.headers(decision.model, stream),
+            *self._config.timeouts.headers(decision.model, stream, forwarded=self.forward is not None),
         ]
         if self.forward is not None:
             set_headers.append((HOP_HEADER, self.forward.hop))

@@ -25,6 +25,7 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router, RoutingPolicy
+from extproc.routing.timeouts import FIRST_BYTE_TIMEOUT_HEADER, REQUEST_TIMEOUT_HEADER
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from tests.extproc.test_processor import body, error, headers, reply, response_headers
 
@@ -111,6 +112,9 @@ def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Diges
     assert proc.forward is not None and proc.forward.peer == "b"
     assert fwd.decisions["forward"] == 1 and fwd.forwards["b"] == 1
     assert len(fwd.builder) == 0  # not noted: this cluster computes nothing of it
+    # not streamed: each try bounded (a hung peer falls back to the local pick), the whole twice that
+    assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == "1800000"
+    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "3600000"
     proc.close()
 
 
