@@ -40,6 +40,10 @@ retries such an answer on its local pick, so a request never fails because a pee
 UNTRUSTED = "federation_untrusted"
 """The :data:`REFUSED_HEADER` code (with 401) of a link that does not trust tenants at all: the forwarding
 cluster's failed-try log takes it as the peer's failure (skipped a while), unlike a refusal of one tenant."""
+FORWARD_STREAMED = "forward_streamed"
+"""Key in the decision metadata (:data:`contracts.epp.DECISION_NS`, value ``"1"``) of a request forwarded to
+a peer cluster streamed: only then is its time to first byte the peer's answer time (a non-streamed
+answer's first byte is its last), which peer health judges ``slow`` on."""
 PEER_IDENTITY_PREFIX = "spiffe://kvgate.local/federation-"
 """What every cluster's federation identity starts with (the URI SAN the federation listener requires)."""
 FORWARD_HOST = "x-kvgate-forward-host"

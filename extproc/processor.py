@@ -102,7 +102,7 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
+from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import isolates, reserved, tenant_salt
@@ -875,6 +875,8 @@ class StreamProcessor:
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         if self._responses_scope is not None:  # its response id is learned from the completion log
             noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
+        if self.forward is not None and stream:  # the peer's health judges its first byte
+            noted[FORWARD_STREAMED].string_value = "1"
         return out
 
     def _sending(

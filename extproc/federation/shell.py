@@ -135,11 +135,16 @@ class FederationShell:
         if peer is not None:
             self._outcome(peer, Outcome.REFUSED if kind == UNTRUSTED else Outcome.UNREACHABLE)
 
-    def completed(self, address: str, status: int, ttfb_s: float | None) -> None:
-        """Envoy's completion log: a request ended at ``address``; a peer's ingress gets its outcome."""
+    def completed(self, address: str, status: int, ttfb_s: float | None, *, streamed: bool = False) -> None:
+        """Envoy's completion log: a request ended at ``address``; a peer's ingress gets its outcome
+        (``health.outcome_of``: status 0, the client left first, says nothing of the peer; ``ttfb_s`` is
+        judged only on a ``streamed`` request)."""
         peer = self.peer_at(address)
-        if peer is not None:
-            self._outcome(peer, outcome_of(status or None, ttfb_s, self.federation.config.slow_s))
+        if peer is None:
+            return
+        outcome = outcome_of(status, ttfb_s, self.federation.config.slow_s, streamed=streamed)
+        if outcome is not None:
+            self._outcome(peer, outcome)
 
     def _outcome(self, peer: str, outcome: Outcome) -> None:
         key = (peer, outcome.value)

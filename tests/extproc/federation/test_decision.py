@@ -233,6 +233,16 @@ def test_outcome_of(status: int | None, first_byte_s: float | None, outcome: Out
     assert outcome_of(status, first_byte_s, slow_s=10.0) is outcome
 
 
+def test_a_slow_whole_answer_or_a_client_that_left_says_nothing_bad_of_the_peer() -> None:
+    """A non-streamed answer's first byte is its last (the whole generation): never ``slow``; status 0
+    (the client left first): no outcome at all."""
+    assert outcome_of(200, 60.0, slow_s=10.0, streamed=False) is Outcome.OK
+    assert outcome_of(503, 60.0, slow_s=10.0, streamed=False) is Outcome.STATUS
+    assert outcome_of(200, 60.0, slow_s=10.0, streamed=True) is Outcome.SLOW
+    assert outcome_of(0, None, slow_s=10.0) is None
+    assert outcome_of(0, 60.0, slow_s=10.0, streamed=True) is None
+
+
 def test_peer_health_backoff_doubles_and_caps() -> None:
     h = PeerHealth(1.0, 3.0)
     for expected in (1.0, 2.0, 3.0, 3.0):

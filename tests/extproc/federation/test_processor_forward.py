@@ -14,7 +14,7 @@ import pytest
 from contracts.digest import Digest
 from contracts.epp import EXTPROC_ATTRIBUTES, UPSTREAM_HEADER
 from contracts.events import EndpointId
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, ModelSummary, Report
+from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, ModelSummary, Report
 from engines.endpoint import Endpoint
 from extproc.federation.forwarding import PEER_ATTRIBUTE, Forwarder
 from extproc.federation.links import parse_federation
@@ -115,6 +115,19 @@ def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Diges
     # not streamed: each try bounded (a hung peer falls back to the local pick), the whole twice that
     assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == "1800000"
     assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "3600000"
+    assert FORWARD_STREAMED not in out.decision  # its first byte is its last: never judged slow
+    proc.close()
+
+
+def test_a_streamed_forward_is_marked_for_the_peers_health(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    proc.handle(headers("/v1/completions"))
+    payload = orjson.dumps({"model": MODEL, "prompt": LONG, "max_tokens": 5, "stream": True})
+    out = reply(proc.handle(body(payload)))
+    assert out.destination == [INGRESS_B, LOCAL]
+    assert out.decision[FORWARD_STREAMED] == "1"
     proc.close()
 
 
