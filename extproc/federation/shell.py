@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -101,7 +101,8 @@ class FederationShell:
         self.outcomes: dict[tuple[str, str], int] = {}
         #: Told the linked peers' ingresses (``ip:port``) at start and on every link change (the gateway's
         #: EDS serves them as hosts of Envoy's engine cluster).
-        self.on_ingresses: Callable[[frozenset[str]], None] | None = None
+        #: Told the links' ingresses, each with its cluster's identity (Envoy's EDS: its exact SAN).
+        self.on_ingresses: Callable[[Mapping[str, str]], None] | None = None
         self._started = False
 
     def report(self) -> Report:
@@ -119,7 +120,9 @@ class FederationShell:
 
     def _tell_ingresses(self) -> None:
         if self.on_ingresses is not None:
-            self.on_ingresses(frozenset(link.ingress for link in self.federation.links.links().values()))
+            self.on_ingresses(
+                {link.ingress: link.identity for link in self.federation.links.links().values()}
+            )
 
     def peer_at(self, address: str) -> str | None:
         """The linked cluster whose ingress is ``address`` (``ip:port``)."""
