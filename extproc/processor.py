@@ -105,7 +105,7 @@ from contracts.epp import (
 from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
-from extproc.admission.isolation import isolates, reserved, tenant_salt
+from extproc.admission.isolation import is_tenant_salt, isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
 from extproc.burst.core import BURST_HEADER, CLIENT_CREDENTIALS, Burster, wants_burst
@@ -501,6 +501,11 @@ class StreamProcessor:
             request, body = rewrite_model(request, rewrite)
         principal, gate = self.principal, self._gate
         if self._came.salted and principal is not None:  # the forwarding cluster's tenant salt stays
+            if self._came.tenant is None or not is_tenant_salt(request.cache_salt):  # not a tenant's salt
+                raise Forbidden(
+                    "x-kvgate-kv-salted: the body must carry the asserted tenant's gateway cache salt.",
+                    code="bad_tenant_salt",
+                )
             self._isolated = True
         elif principal is not None and gate is not None and isolates(gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it

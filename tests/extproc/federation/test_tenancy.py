@@ -224,6 +224,29 @@ def test_the_peer_keeps_the_forwarding_clusters_salt_and_salts_only_what_was_not
         assert sent["cache_salt"] == (tenant_salt("acme", "mine") if isolation else "mine")
 
 
+@pytest.mark.parametrize(
+    ("asserted", "salt"),
+    [
+        ("acme", None),  # the flag with no salt at all
+        ("acme", "mine"),  # a client's salt, not a gateway tenant salt
+        ("acme", "kvgate-nothex"),  # the prefix, not the form
+        (None, tenant_salt("acme", "mine")),  # a tenant salt but no tenant asserted
+    ],
+)
+def test_a_salted_flag_without_a_tenant_salt_is_refused_for_the_fallback(
+    asserted: str | None, salt: str | None
+) -> None:
+    """The salted flag keeps the body's salt as is, so it must be a gateway tenant salt of an asserted
+    tenant the link allows; else 403 with the refusal header (the home serves the request itself)."""
+    fwd = forwarder(links=[{**LINK, "trust_tenants": True, "default_tenant": "guest"}])
+    extra = {HOP_HEADER: "b", SALTED_HEADER: "1", **({TENANT_HEADER: asserted} if asserted else {})}
+    payload = completion(**({"cache_salt": salt} if salt is not None else {}))
+    _, out = peer(fwd, gate(True), peer_uri=B_ID, extra=extra, payload=payload)
+    status, err, hs = error(out)
+    assert (status, err["code"]) == (403, "bad_tenant_salt")
+    assert hs[REFUSED_HEADER] == "bad_tenant_salt"
+
+
 # --- the processor, at the home cluster (this cluster "a" forwards to "b") -----------------------------
 
 
