@@ -18,6 +18,8 @@ believed only when :data:`PEER_HEADER` names a linked cluster's identity.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from contracts.errors import MSGPACK_ERRORS
@@ -40,9 +42,23 @@ retries such an answer on its local pick, so a request never fails because a pee
 UNTRUSTED = "federation_untrusted"
 """The :data:`REFUSED_HEADER` code (with 401) of a link that does not trust tenants at all: the forwarding
 cluster's failed-try log takes it as the peer's failure (skipped a while), unlike a refusal of one tenant."""
+FORWARD_STREAMED = "forward_streamed"
+"""Key in the decision metadata (:data:`contracts.epp.DECISION_NS`, value ``"1"``) of a request forwarded to
+a peer cluster streamed: only then is its time to first byte the peer's answer time (a non-streamed
+answer's first byte is its last), which peer health judges ``slow`` on."""
+PEER_IDENTITY_PREFIX = "spiffe://kvgate.local/federation-"
+"""What every cluster's federation identity starts with (the URI SAN the federation listener requires)."""
 FORWARD_HOST = "x-kvgate-forward-host"
 """Request header the processor sets when it forwards: the peer's ingress ``host:port`` (for the
 forwarding route's ``Host``/SNI; the destination itself is the ``envoy.lb`` pick)."""
+
+
+MAX_REPORT_BYTES = 4 * 1024 * 1024
+"""Largest report sent or accepted (4 MiB): a real one is a few hundred KiB (at most 65,536 noted digests
+at 16 bits each, each model's filter at least 64 bytes), so this bounds what a peer can make the
+receiver decode on its event loop."""
+MAX_REPORT_MODELS = 4096
+"""Most model summaries in one report."""
 
 
 class FederationWireError(ValueError):
@@ -97,16 +113,34 @@ def decode_hello(data: bytes) -> Hello:
 
 
 def decode_report(data: bytes) -> Report:
-    """A :class:`Report` whose summaries are well formed (bit array a power of two, 1-32 probes, positive
-    block size and TTL); else :class:`FederationWireError`."""
+    """A :class:`Report` within :data:`MAX_REPORT_BYTES` and :data:`MAX_REPORT_MODELS` whose values are
+    finite and summaries well formed (bit array a power of two, 1-32 probes, positive block size and TTL,
+    a queue wait >= 0, endpoints >= 0, one summary per model); else :class:`FederationWireError`."""
+    if len(data) > MAX_REPORT_BYTES:
+        raise FederationWireError(f"report of {len(data)} bytes, over {MAX_REPORT_BYTES}")
     try:
         report = _report.decode(data)
     except MSGPACK_ERRORS as exc:
         raise FederationWireError(f"bad report: {exc}") from exc
-    if not report.ttl_s > 0:
-        raise FederationWireError("report ttl_s must be > 0")
+    if not (math.isfinite(report.ttl_s) and report.ttl_s > 0):
+        raise FederationWireError("report ttl_s must be finite and > 0")
+    if not math.isfinite(report.sent_at):
+        raise FederationWireError("report sent_at must be finite")
+    if len(report.models) > MAX_REPORT_MODELS:
+        raise FederationWireError(f"report of {len(report.models)} models, over {MAX_REPORT_MODELS}")
+    seen: set[str] = set()
     for s in report.models:
         size = len(s.bits)
-        if size == 0 or size & (size - 1) or not 1 <= s.hashes <= 32 or s.block_size < 1 or s.entries < 0:
-            raise FederationWireError(f"bad summary for model {s.model!r}")
+        if (
+            size == 0
+            or size & (size - 1)
+            or not 1 <= s.hashes <= 32
+            or s.block_size < 1
+            or s.entries < 0
+            or s.endpoints < 0
+            or not (math.isfinite(s.queue_wait_s) and s.queue_wait_s >= 0)
+            or s.model in seen
+        ):
+            raise FederationWireError(f"bad summary for model {s.model[:64]!r}")
+        seen.add(s.model)
     return report

@@ -546,6 +546,12 @@ def parse_config(raw: object) -> GatewayConfig:
     tracing = parse_tracing(top.raw("tracing"), EXTPROC_SERVICE)
     fed_raw = top.raw("federation")
     federation = None if fed_raw is None else parse_federation(fed_raw)
+    if federation is not None and federation.tls_cert is None and (extproc.tls_cert or feeds.tls_cert):
+        raise ConfigError(
+            "federation: tls_cert, tls_key and tls_ca are required where the gateway's other internal hops "
+            "use TLS ([extproc] or [feeds] tls_*): without them summaries and forwards go in plaintext "
+            "and any caller gets this cluster's summaries"
+        )
     burst = parse_burst(top.raw("burst"))
     burst_credentials = parse_credentials(top.raw("burst_credentials"))
     response_affinity = parse_affinity(top.raw("response_affinity"))

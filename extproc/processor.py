@@ -103,10 +103,10 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
-from extproc.admission.isolation import isolates, reserved, tenant_salt
+from extproc.admission.isolation import is_tenant_salt, isolates, reserved, tenant_salt
 from extproc.admission.usage import UsageReader
 from extproc.affinity.core import HIT, UNAVAILABLE, UNKNOWN, ResponseAffinity, scope_of
 from extproc.burst.core import (
@@ -474,6 +474,8 @@ class StreamProcessor:
         self._subset = _subset_hint(msg)
         if self._federation is not None:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
+            if self._came.unlinked is not None:  # a cluster no link names (any more): its fallback serves it
+                raise Unauthorized("This cluster has no link to the forwarding cluster.", code=UNTRUSTED)
         path = self._headers.get(":path", "/")
         if self._gate is not None and self._federation is not None and self._came.forwarded:
             # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
@@ -535,6 +537,11 @@ class StreamProcessor:
             request, body = rewrite_model(request, rewrite)
         principal, gate = self.principal, self._gate
         if self._came.salted and principal is not None:  # the forwarding cluster's tenant salt stays
+            if self._came.tenant is None or not is_tenant_salt(request.cache_salt):  # not a tenant's salt
+                raise Forbidden(
+                    "x-kvgate-kv-salted: the body must carry the asserted tenant's gateway cache salt.",
+                    code="bad_tenant_salt",
+                )
             self._isolated = True
         elif principal is not None and gate is not None and isolates(gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
@@ -922,7 +929,7 @@ class StreamProcessor:
             (DESTINATION, destination),
             ("content-length", str(len(body))),
             (MODEL_HEADER, decision.model),
-            *self._config.timeouts.headers(decision.model, stream),
+            *self._config.timeouts.headers(decision.model, stream, forwarded=self.forward is not None),
         ]
         if self.forward is not None:
             set_headers.append((HOP_HEADER, self.forward.hop))
@@ -953,6 +960,8 @@ class StreamProcessor:
             noted[DECISION_CASCADE_STEP].string_value = str(self.run.number)
         if self._responses_scope is not None:  # its response id is learned from the completion log
             noted[DECISION_RESPONSES_SCOPE].string_value = self._responses_scope
+        if self.forward is not None and stream:  # the peer's health judges its first byte
+            noted[FORWARD_STREAMED].string_value = "1"
         self._replied = True
         return out
 
@@ -1179,7 +1188,7 @@ class StreamProcessor:
         extra = []
         if isinstance(exc, TooManyRequests) and exc.retry_after_s is not None:
             extra.append(_header("retry-after", str(exc.retry_after_s)))
-        if self._came.forwarded and exc.status in (401, 403, 429):  # the forwarding cluster serves it
+        if self._came.federated and exc.status in (401, 403, 429):  # the forwarding cluster serves it
             extra.append(_header(REFUSED_HEADER, exc.code or exc.error_type))
         return _immediate(exc.status, exc.body(), f"kvgate_{exc.error_type}", extra)
 

@@ -828,7 +828,7 @@ class Gateway:
         now = time.monotonic()
         self.router.completed(done.request_id, now)
         if self.federation is not None:
-            self.federation.completed(done.address, done.status, done.ttfb_s)
+            self.federation.completed(done.address, done.status, done.ttfb_s, streamed=done.streamed)
         self.dispatcher.kick()
         if (
             self.affinity is not None

@@ -26,6 +26,7 @@ follows the salt, but the engine's cache is shared: isolation is the engine's to
 from __future__ import annotations
 
 import hashlib
+import re
 
 from extproc.admission.gate import AuthConfig
 from extproc.admission.tenants import Tenant
@@ -46,6 +47,14 @@ def tenant_salt(tenant_id: str, client_salt: str | None) -> str:
     h.update(b"\x00")
     h.update((client_salt or "").encode())
     return PREFIX + h.hexdigest()
+
+
+_TENANT_SALT = re.compile(re.escape(PREFIX) + "[0-9a-f]{32}")
+
+
+def is_tenant_salt(salt: str | None) -> bool:
+    """Whether ``salt`` has the form of a :func:`tenant_salt` (what a forwarding cluster's flag claims)."""
+    return salt is not None and _TENANT_SALT.fullmatch(salt) is not None
 
 
 def reserved(client_salt: str | None) -> bool:

@@ -4,7 +4,8 @@ peers, :class:`SummaryFollower` subscribes to every linked peer's service and ha
 
 Wire: :data:`contracts.federation.SUBSCRIBE_METHOD` (server streaming, msgpack). Security: with
 ``[federation] tls_*`` the service requires a client certificate chaining to ``tls_ca`` whose URI SAN is
-a linked cluster's ``identity`` (anything else: ``PERMISSION_DENIED`` before a report is sent), and the
+a linked cluster's ``identity`` (anything else: ``PERMISSION_DENIED`` before a report is sent; checked
+again against the links in force before every report, so a link removed or changed ends its stream), and the
 follower presents this cluster's certificate and verifies the peer's against ``tls_ca`` (chain and
 address; gRPC's Python client offers no hook to check the server's URI SAN as well). Both follow
 rotation of the ``tls_*`` files: the service through :class:`~runtime.tls.ReloadingServerCerts`, the
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from contracts.federation import (
+    MAX_REPORT_BYTES,
     SUBSCRIBE_METHOD,
     FederationWireError,
     Hello,
@@ -47,10 +49,16 @@ from runtime.tls import (
 
 log = logging.getLogger(__name__)
 
-MAX_REPORT_BYTES = 64 * 1024 * 1024
-"""Largest report accepted (the filters are capped at 4 MiB per model)."""
 RETRY_S = (0.2, 5.0)
 """A lost subscription is retried after 0.2 s, doubling to 5 s."""
+SILENT_TTLS = 3.0
+"""A subscription on which nothing arrived for this many ``ttl_s`` (9 s by default) is dropped and made
+again: a peer (or a path) that died without closing the stream; reports come every ``refresh_s``."""
+CHANNEL_OPTIONS = (
+    # Ping a quiet connection so a peer that vanished without closing it is noticed (as the index feeds).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
 
 
 def server_files(config: FederationConfig) -> ServerTlsFiles | None:
@@ -81,6 +89,7 @@ class SummaryService:
         self._clock = clock
         self._cached: tuple[float, bytes] | None = None
         self._server: grpc.aio.Server | None = None
+        self._check: PeerCheck | None = None
         self.port = 0
         self.subscribers = 0
 
@@ -105,6 +114,13 @@ class SummaryService:
         self.subscribers += 1
         try:
             while True:
+                # the links in force now, not only when the stream opened: a link removed or changed
+                # meanwhile ends the stream before its next report
+                if self._check is not None and not self._check.permits(context):
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED, "this identity is no longer a linked cluster's"
+                    )
+                    return
                 yield self._current()
                 await asyncio.sleep(self._federation.config.refresh_s)
         finally:
@@ -113,7 +129,8 @@ class SummaryService:
     async def start(self) -> None:
         config = self._federation.config
         files = server_files(config)
-        interceptors = [PeerCheck(self._linked, "the federation service")] if files is not None else []
+        self._check = PeerCheck(self._linked, "the federation service") if files is not None else None
+        interceptors = [self._check] if self._check is not None else []
         server = grpc.aio.server(
             interceptors=interceptors, options=[("grpc.max_send_message_length", MAX_REPORT_BYTES)]
         )
@@ -137,12 +154,21 @@ class SummaryService:
 
 class SummaryFollower:
     """One subscription per linked peer, kept open (retried with back-off) and reconciled with the link
-    table on :meth:`sync`. A report goes to the core; a lost or refused subscription counts as the peer
-    ``unreachable`` (:mod:`extproc.federation.health`), the first report after it as ``ok``."""
+    table on :meth:`sync`. A report goes to the core; a lost, refused or silent subscription (nothing for
+    ``silent_s``, :data:`SILENT_TTLS` x ``ttl_s`` by default) counts as the peer ``unreachable``
+    (:mod:`extproc.federation.health`) and is made again, the first report after it as ``ok``."""
 
-    def __init__(self, federation: Federation, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        federation: Federation,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        silent_s: float | None = None,
+    ) -> None:
         self._federation = federation
         self._clock = clock
+        #: How long a subscription may stay silent (``SILENT_TTLS x ttl_s`` unless given).
+        self._silent_s = silent_s if silent_s is not None else SILENT_TTLS * federation.config.ttl_s
         files = client_files(federation.config)
         # Each subscription presents the certificate in force when it starts (runtime.tls.RotatingChannel).
         self._tls = ReloadingClientCerts(files, where="federation") if files is not None else None
@@ -163,7 +189,7 @@ class SummaryFollower:
                 self._tasks[name] = (link, task)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        options = [("grpc.max_receive_message_length", MAX_REPORT_BYTES)]
+        options = [("grpc.max_receive_message_length", MAX_REPORT_BYTES), *CHANNEL_OPTIONS]
         if self._tls is not None:
             return secure_channel(address, self._tls, options)
         return grpc.aio.insecure_channel(address, options=options)
@@ -179,7 +205,17 @@ class SummaryFollower:
                     method = channel.unary_stream(
                         SUBSCRIBE_METHOD, request_serializer=encode, response_deserializer=None
                     )
-                    async for data in method(hello):
+                    call = method(hello)
+                    while True:
+                        try:  # asyncio.timeout, not wait_for (which can swallow a cancellation in 3.11)
+                            async with asyncio.timeout(self._silent_s):
+                                data = await call.read()
+                        except TimeoutError:
+                            call.cancel()
+                            raise FederationWireError(f"nothing for {self._silent_s:g} s") from None
+                        if data is grpc.aio.EOF:
+                            raise FederationWireError("the stream ended")
+                        assert isinstance(data, bytes)
                         report = decode_report(data)
                         if report.cluster != link.cluster:
                             raise FederationWireError(f"{link.service} reports as {report.cluster[:64]!r}")

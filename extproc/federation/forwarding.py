@@ -23,7 +23,7 @@ from extproc.errors import GatewayError
 from extproc.federation.peers import Federation
 from extproc.federation.summary import SummaryBuilder
 from extproc.federation.tenancy import asserted_principal
-from extproc.federation.trust import CLIENT, Inbound, inbound
+from extproc.federation.trust import Inbound, inbound
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,10 @@ class Forwarder:
 
     def inbound(self, peer_uri: str | None, headers: Mapping[str, str]) -> Inbound:
         """Who sent the request: a linked cluster only when ``peer_uri`` (from Envoy's attribute) is its
-        identity; the hop and tenant headers then count, else nothing does."""
+        identity; the hop and tenant headers then count, else only the hop header does (never forwarded
+        again). A federation identity no link names is marked ``unlinked`` (the processor refuses it)."""
         if not peer_uri:
-            return CLIENT
+            return inbound({k: v for k, v in headers.items() if k != PEER_HEADER}, self.federation.links)
         return inbound({**headers, PEER_HEADER: peer_uri}, self.federation.links)
 
     def principal(self, came: Inbound, tenants: Tenants) -> Principal:
@@ -78,7 +79,7 @@ class Forwarder:
 
     def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""
-        if came.forwarded:
+        if came.final:
             self.decisions["hop"] += 1
             return False
         if not self.federation.links.links():

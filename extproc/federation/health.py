@@ -1,4 +1,4 @@
-"""Peer health: a peer that fails (unreachable, 5xx, slower than ``slow_s``) is skipped for
+"""Peer health: a peer that fails (unreachable, 5xx, a streamed answer slower than ``slow_s``) is skipped for
 ``min(down_max_s, down_base_s x 2^(k-1))`` seconds after its ``k``-th failure in a row, then tried
 again; one success resets ``k``. Pure: ``now`` is passed in."""
 
@@ -34,13 +34,20 @@ class PeerHealth:
         self.down_until = now + min(self._max, self._base * 2.0 ** (self.failures - 1))
 
 
-def outcome_of(status: int | None, first_byte_s: float | None, slow_s: float) -> Outcome:
-    """A forwarded request's outcome from its HTTP status (``None``: no response at all) and its time to
-    the response headers."""
+def outcome_of(
+    status: int | None, first_byte_s: float | None, slow_s: float, *, streamed: bool = True
+) -> Outcome | None:
+    """A forwarded request's outcome from its HTTP status and its time to the response headers; ``None``:
+    it says nothing of the peer. ``status`` ``None``: no response at all (unreachable); ``0``: Envoy's
+    completion log of a request whose client left first (none). ``slow`` is judged only on a ``streamed``
+    request: a non-streamed answer's first byte is its last (the whole generation), never a sign of a
+    slow peer."""
     if status is None:
         return Outcome.UNREACHABLE
+    if status == 0:
+        return None
     if status >= 500:
         return Outcome.STATUS
-    if first_byte_s is not None and first_byte_s > slow_s:
+    if streamed and first_byte_s is not None and first_byte_s > slow_s:
         return Outcome.SLOW
     return Outcome.OK

@@ -4,8 +4,8 @@ gateway's monotonic clock) is passed in; the gRPC exchange and the processor are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from contracts.digest import Digest
 from contracts.federation import ModelSummary, Report
@@ -28,6 +28,8 @@ class Received:
     report: Report
     at: float
     size_bytes: int
+    #: The report's summaries by model (looked up at every forward decision).
+    models: Mapping[str, ModelSummary] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,8 @@ class Federation:
         """Keep ``report`` if it comes from a linked cluster (the shell checked the sender's identity)."""
         if self.links.get(report.cluster) is None:
             return False
-        self._received[report.cluster] = Received(report, now, size_bytes)
+        by_model = {s.model: s for s in reversed(report.models)}  # the first of a model, as before
+        self._received[report.cluster] = Received(report, now, size_bytes, by_model)
         return True
 
     def _ttl(self, r: Received) -> float:
@@ -76,10 +79,7 @@ class Federation:
         r = self._received.get(cluster)
         if r is None or now - r.at > self._ttl(r):
             return None
-        for s in r.report.models:
-            if s.model == model:
-                return s
-        return None
+        return r.models.get(model)
 
     # -- health and budgets ---------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ class Federation:
         now: float,
     ) -> Verdict:
         """Forward to a peer, or not (:mod:`extproc.federation.decision`). A forwarded request never is."""
-        if inbound.forwarded:
+        if inbound.final:
             return Verdict(None, HOP)
         found, reason = gains(
             digests,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -101,7 +101,8 @@ class FederationShell:
         self.outcomes: dict[tuple[str, str], int] = {}
         #: Told the linked peers' ingresses (``ip:port``) at start and on every link change (the gateway's
         #: EDS serves them as hosts of Envoy's engine cluster).
-        self.on_ingresses: Callable[[frozenset[str]], None] | None = None
+        #: Told the links' ingresses, each with its cluster's identity (Envoy's EDS: its exact SAN).
+        self.on_ingresses: Callable[[Mapping[str, str]], None] | None = None
         self._started = False
 
     def report(self) -> Report:
@@ -119,7 +120,9 @@ class FederationShell:
 
     def _tell_ingresses(self) -> None:
         if self.on_ingresses is not None:
-            self.on_ingresses(frozenset(link.ingress for link in self.federation.links.links().values()))
+            self.on_ingresses(
+                {link.ingress: link.identity for link in self.federation.links.links().values()}
+            )
 
     def peer_at(self, address: str) -> str | None:
         """The linked cluster whose ingress is ``address`` (``ip:port``)."""
@@ -135,11 +138,16 @@ class FederationShell:
         if peer is not None:
             self._outcome(peer, Outcome.REFUSED if kind == UNTRUSTED else Outcome.UNREACHABLE)
 
-    def completed(self, address: str, status: int, ttfb_s: float | None) -> None:
-        """Envoy's completion log: a request ended at ``address``; a peer's ingress gets its outcome."""
+    def completed(self, address: str, status: int, ttfb_s: float | None, *, streamed: bool = False) -> None:
+        """Envoy's completion log: a request ended at ``address``; a peer's ingress gets its outcome
+        (``health.outcome_of``: status 0, the client left first, says nothing of the peer; ``ttfb_s`` is
+        judged only on a ``streamed`` request)."""
         peer = self.peer_at(address)
-        if peer is not None:
-            self._outcome(peer, outcome_of(status or None, ttfb_s, self.federation.config.slow_s))
+        if peer is None:
+            return
+        outcome = outcome_of(status, ttfb_s, self.federation.config.slow_s, streamed=streamed)
+        if outcome is not None:
+            self._outcome(peer, outcome)
 
     def _outcome(self, peer: str, outcome: Outcome) -> None:
         key = (peer, outcome.value)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, SALTED_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER, PEER_IDENTITY_PREFIX, SALTED_HEADER
 from extproc.federation.links import LinkTable
 
 FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
@@ -24,16 +24,33 @@ FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
 class Inbound:
     """``forwarded_by``: the linked cluster that forwarded the request (``None``: a client's request);
     ``tenant``: the tenant that cluster asserts (``None``: none, or not believed); ``salted``: that
-    cluster gave the body its tenant's cache salt (kept as is here)."""
+    cluster gave the body its tenant's cache salt (kept as is here); ``hop``: the request carries the hop
+    header (only a federation listener lets it through); ``unlinked``: the verified federation identity
+    (``spiffe://kvgate.local/federation-...``) that no link in force names (a link removed or changed:
+    refused, 401 ``federation_untrusted``)."""
 
     forwarded_by: str | None = None
     tenant: str | None = None
     salted: bool = False
+    hop: bool = False
+    unlinked: str | None = None
 
     @property
     def forwarded(self) -> bool:
-        """A forwarded request is never forwarded again."""
+        """Forwarded by a linked cluster: its hop, tenant and salted flag count."""
         return self.forwarded_by is not None
+
+    @property
+    def final(self) -> bool:
+        """Never forwarded again: forwarded by a linked cluster, carrying the hop header, or from a
+        federation identity no link names."""
+        return self.forwarded or self.hop or self.unlinked is not None
+
+    @property
+    def federated(self) -> bool:
+        """Came from another cluster (linked or not): a refusal says so (``REFUSED_HEADER``), so the
+        forwarding cluster's Envoy falls back to its local pick."""
+        return self.forwarded or self.unlinked is not None
 
 
 CLIENT = Inbound()
@@ -41,10 +58,14 @@ CLIENT = Inbound()
 
 def inbound(headers: Mapping[str, str], links: LinkTable) -> Inbound:
     """Classify a request by its headers (lower-case names). A request from a linked identity counts as
-    forwarded whether or not it carries the hop header; a hop header without that identity is ignored."""
+    forwarded whether or not it carries the hop header; a hop header without that identity is believed
+    for nothing but this: the request is not forwarded again."""
     peer = headers.get(PEER_HEADER)
     link = links.by_identity(peer) if peer else None
     if link is None:
-        return CLIENT
+        hop = HOP_HEADER in headers
+        if peer and peer.startswith(PEER_IDENTITY_PREFIX):
+            return Inbound(hop=hop, unlinked=peer)
+        return Inbound(hop=True) if hop else CLIENT
     tenant = headers.get(TENANT_HEADER) or None
     return Inbound(forwarded_by=link.cluster, tenant=tenant, salted=headers.get(SALTED_HEADER) == "1")

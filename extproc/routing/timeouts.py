@@ -14,6 +14,13 @@ strips them from requests):
   bound does not include queueing or prefill. A non-streamed answer's first byte is its last, so it gets
   no first-byte bound: ``request_s`` alone.
 
+A request forwarded to a peer cluster (:mod:`extproc.federation`) goes to the peer's ingress first and to
+the local pick as the fallback, so every try is bounded, streamed or not: a streamed one by
+``first_byte_s`` as above, a non-streamed one by ``request_s`` per try, and the whole (both tries) by
+``2 x request_s``. A peer that accepts the connection and never answers then costs at most one
+``request_s`` before the local pick serves the request (the per-try timeout is retried, ``reset``), never a
+504 without a fallback; a non-streamed answer of up to ``request_s`` still fits either try.
+
 ``0`` disables a bound. Between bytes, Envoy's stream idle timeout applies (``kvgate envoy-config
 --stream-idle-timeout``, 300 s).
 """
@@ -42,14 +49,17 @@ class TimeoutTable:
     default: Timeouts = Timeouts()
     models: Mapping[str, Timeouts] = field(default_factory=dict)
 
-    def headers(self, model: str, stream: bool) -> list[tuple[str, str]]:
-        """The request headers that bound this request at the engine."""
+    def headers(self, model: str, stream: bool, *, forwarded: bool = False) -> list[tuple[str, str]]:
+        """The request headers that bound this request at the engine (``forwarded``: to a peer cluster's
+        ingress first, the local pick as the fallback: every try bounded)."""
         t = self.models.get(model, self.default)
         out = []
         if t.request_s > 0:
-            out.append((REQUEST_TIMEOUT_HEADER, _ms(t.request_s)))
+            out.append((REQUEST_TIMEOUT_HEADER, _ms(t.request_s * (2 if forwarded and not stream else 1))))
         if stream and t.first_byte_s > 0:
             out.append((FIRST_BYTE_TIMEOUT_HEADER, _ms(t.first_byte_s)))
+        elif forwarded and not stream and t.request_s > 0:
+            out.append((FIRST_BYTE_TIMEOUT_HEADER, _ms(t.request_s)))
         return out
 
 

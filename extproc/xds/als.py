@@ -41,7 +41,7 @@ from contracts.epp import (
     USAGE_NS,
     USAGE_RESPONSE_ID,
 )
-from contracts.federation import REFUSED_HEADER, UNTRUSTED
+from contracts.federation import FORWARD_STREAMED, REFUSED_HEADER, UNTRUSTED
 from extproc.fleet import Fleet
 from extproc.xds.ejection import Ejection, Ejector
 
@@ -99,6 +99,8 @@ class Completion:
     #: its JSON answer (:mod:`extproc.affinity`); ``None`` otherwise.
     responses_scope: str | None = None
     response_id: str | None = None
+    #: A request forwarded to a peer cluster, streamed (decision metadata): its ``ttfb_s`` is the peer's.
+    streamed: bool = False
 
 
 def _upstream(common: accesslog_pb2.AccessLogCommon) -> str | None:
@@ -143,6 +145,7 @@ def completion(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion | None:
         cached_tokens=_count(usage, USAGE_CACHED),
         responses_scope=_text(decision, DECISION_RESPONSES_SCOPE),
         response_id=_text(usage, USAGE_RESPONSE_ID),
+        streamed=_text(decision, FORWARD_STREAMED) == "1",
     )
 
 

@@ -16,8 +16,9 @@ import asyncio
 import hashlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TypeVar
 
 import grpc
@@ -42,6 +43,10 @@ DRAINING: int = health_check_pb2.DRAINING
 SOCKET_MATCH_NS = "envoy.transport_socket_match"
 PEER_MATCH_KEY = "kvgate-federation"
 """EDS host metadata that makes Envoy use the federation transport socket (kvgate/envoy/federation.py)."""
+PEER_IDENTITY_KEY = "kvgate-federation-identity"
+"""Host metadata (with :data:`PEER_MATCH_KEY`): the linked cluster's identity URI, which selects Envoy's
+transport socket requiring exactly that SAN (``kvgate/envoy/federation.py``)."""
+EMPTY: Mapping[str, str] = MappingProxyType({})
 
 Host = tuple[str, int]
 """``(ip:port, health status)`` of one endpoint as Envoy should see it."""
@@ -89,8 +94,9 @@ def assignment(fleet: Fleet, now: float) -> endpoint_pb2.ClusterLoadAssignment:
     return _assignment(hosts(fleet, now))[0]
 
 
-def snapshot(entries: tuple[Host, ...], peers: frozenset[str] = frozenset()) -> Snapshot:
-    """The assignment of ``entries`` (from :func:`hosts`, and ``peers``: linked clusters' ingresses) and
+def snapshot(entries: tuple[Host, ...], peers: Mapping[str, str] = EMPTY) -> Snapshot:
+    """The assignment of ``entries`` (from :func:`hosts`, and ``peers``: linked clusters' ingresses, each
+    with its cluster's identity URI, the exact SAN Envoy's socket for it requires when rendered) and
     its version: the first 16 hex digits of the SHA-256 of its deterministic serialization."""
     entries = tuple(sorted({*entries, *((p, HEALTHY) for p in peers)}))
     cla, skipped = _assignment(entries, peers)
@@ -101,7 +107,7 @@ def snapshot(entries: tuple[Host, ...], peers: frozenset[str] = frozenset()) -> 
 
 
 def _assignment(
-    entries: tuple[Host, ...], peers: frozenset[str] = frozenset()
+    entries: tuple[Host, ...], peers: Mapping[str, str] = EMPTY
 ) -> tuple[endpoint_pb2.ClusterLoadAssignment, tuple[str, ...]]:
     lb_endpoints = []
     skipped = []
@@ -120,7 +126,9 @@ def _assignment(
             health_status=status,
         )
         if address in peers:  # a linked cluster's ingress: Envoy's federation transport socket
-            host.metadata.filter_metadata[SOCKET_MATCH_NS].fields[PEER_MATCH_KEY].bool_value = True
+            fields = host.metadata.filter_metadata[SOCKET_MATCH_NS].fields
+            fields[PEER_MATCH_KEY].bool_value = True
+            fields[PEER_IDENTITY_KEY].string_value = peers[address]
         lb_endpoints.append(host)
     cla = endpoint_pb2.ClusterLoadAssignment(
         cluster_name=ENGINES_CLUSTER,
@@ -209,7 +217,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         now = clock()
         self._hosts = hosts(fleet, now)
         #: Linked clusters' ingresses (``ip:port``), served as hosts too (:mod:`extproc.federation`).
-        self._peers: frozenset[str] = frozenset()
+        self._peers: Mapping[str, str] = EMPTY
         #: The assignment being served.
         self.snapshot = snapshot(self._hosts)
         self._wakes: set[asyncio.Event] = set()
@@ -236,10 +244,11 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         for wake in self._wakes:
             wake.set()
 
-    def set_peers(self, peers: frozenset[str]) -> None:
-        """Serve these linked clusters' ingresses as hosts as well (federation forwards pick them)."""
-        if peers != self._peers:
-            self._peers = peers
+    def set_peers(self, peers: Mapping[str, str]) -> None:
+        """Serve these linked clusters' ingresses (address -> the cluster's identity URI) as hosts as well
+        (federation forwards pick them)."""
+        if dict(peers) != dict(self._peers):
+            self._peers = dict(peers)
             self._hosts = ()  # force a new snapshot
             self._changed()
 

@@ -775,7 +775,11 @@ def _envoy_federation(parsed: GatewayConfig, delay_ms: float = 0.0) -> EnvoyFede
     if config is None or not (config.tls_cert and config.tls_key and config.tls_ca):
         return None
     return EnvoyFederation(
-        cert=config.tls_cert, key=config.tls_key, ca=config.tls_ca, inject_delay_ms=delay_ms
+        cert=config.tls_cert,
+        key=config.tls_key,
+        ca=config.tls_ca,
+        identities=tuple(link.identity for link in config.links),
+        inject_delay_ms=delay_ms,
     )
 
 

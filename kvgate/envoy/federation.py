@@ -36,6 +36,8 @@ _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
 PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
 MATCH_KEY = "kvgate-federation"
 """Key of the EDS host metadata (``envoy.transport_socket_match``) that selects the federation socket."""
+IDENTITY_KEY = "kvgate-federation-identity"
+"""Key of the EDS host metadata with the peer's identity URI: selects the socket requiring exactly it."""
 LISTENER = "federation"
 _ROUTER = "envoy.filters.http.router"
 PEER_PREFIX = identity_uri("federation-")
@@ -51,19 +53,24 @@ class EnvoyFederation:
     ca: str
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    #: The linked clusters' identity URIs known when rendering (the config file's links): a forward to
+    #: one of them requires exactly that SAN (the EDS host names its identity); a link known only from
+    #: etcd (or with an identity changed there) is checked against the ``federation-`` prefix.
+    identities: tuple[str, ...] = ()
     #: Benchmarks only: Envoy's fault filter holds every request arriving on the federation listener this
     #: long (ms), standing in for the round trip between regions; 0: no fault filter.
     inject_delay_ms: float = 0.0
 
 
-def _tls_context(fed: EnvoyFederation) -> dict[str, Any]:
+def _tls_context(fed: EnvoyFederation, exact: str | None = None) -> dict[str, Any]:
+    matcher = {"exact": exact} if exact is not None else {"prefix": PEER_PREFIX}
     return {
         "tls_certificates": [
             {"certificate_chain": {"filename": fed.cert}, "private_key": {"filename": fed.key}}
         ],
         "validation_context": {
             "trusted_ca": {"filename": fed.ca},
-            "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": {"prefix": PEER_PREFIX}}],
+            "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": matcher}],
         },
     }
 
@@ -161,17 +168,23 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
     }
     static["listeners"].append(peer_listener)
     engines = next(c for c in static["clusters"] if c["name"] == ENGINES_CLUSTER)
+    # One socket per link known here, requiring exactly its identity (first match wins), then the
+    # prefix for a link known only from etcd.
+    exact: list[tuple[dict[str, Any], str | None]] = [
+        ({MATCH_KEY: True, IDENTITY_KEY: uri}, uri) for uri in dict.fromkeys(fed.identities)
+    ]
     engines["transport_socket_matches"] = [
         {
-            "name": LISTENER,
-            "match": {MATCH_KEY: True},
+            "name": f"{LISTENER}-{i}" if uri is not None else LISTENER,
+            "match": match,
             "transport_socket": {
                 "name": "envoy.transport_sockets.tls",
                 "typed_config": {
                     "@type": _TLS + "UpstreamTlsContext",
-                    "common_tls_context": _tls_context(fed),
+                    "common_tls_context": _tls_context(fed, uri),
                 },
             },
         }
+        for i, (match, uri) in enumerate([*exact, ({MATCH_KEY: True}, None)])
     ]
     return config

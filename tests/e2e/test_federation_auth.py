@@ -189,14 +189,20 @@ def test_the_assertion_headers_from_anyone_but_a_linked_identity_count_for_nothi
         interval_s=0.1,
     )
     assert usage(b, "acme") < acme_b + prompt_tokens  # (a late settle of an earlier request moves it a token)
-    # a certificate of B's CA whose identity no link names: the assertion counts for nothing
+    # a certificate of B's CA whose identity no link names (a link removed): refused for its fallback
     unlinked = direct(b, pki["federation-c"], forged)
-    assert unlinked.status_code == 401 and unlinked.json()["error"]["code"] == "missing_credentials"
+    assert unlinked.status_code == 401 and unlinked.json()["error"]["code"] == "federation_untrusted"
+    assert unlinked.headers["x-kvgate-federation-refused"] == "federation_untrusted"
     # no certificate at all: B's federation listener refuses the handshake
     with pytest.raises(httpx.HTTPError):
         direct(b, pki["federation-a"], forged, present=False)
-    # A's identity, which B's link trusts: admitted as acme
-    linked = direct(b, pki["federation-a"], forged)
+    # A's identity, which B's link trusts: the salted flag on a body with no tenant salt is refused ...
+    flagged = direct(b, pki["federation-a"], forged)
+    assert flagged.status_code == 403 and flagged.json()["error"]["code"] == "bad_tenant_salt"
+    assert flagged.headers["x-kvgate-federation-refused"] == "bad_tenant_salt"
+    # ... and without the flag it is admitted as acme
+    plain = {k: v for k, v in forged.items() if k != "x-kvgate-kv-salted"}
+    linked = direct(b, pki["federation-a"], plain)
     assert linked.status_code == 200, linked.text
 
 

@@ -8,14 +8,14 @@ import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, ModelSummary, Report
+from contracts.federation import HOP_HEADER, PEER_HEADER, SALTED_HEADER, ModelSummary, Report
 from extproc.federation.budget import EgressBudget, TokenBucket
 from extproc.federation.decision import BUDGET, FORWARD, HOP, NO_GAIN, NO_PEER, SHORT, queue_wait
 from extproc.federation.health import Outcome, PeerHealth, outcome_of
 from extproc.federation.links import parse_federation
 from extproc.federation.peers import Federation
 from extproc.federation.summary import build_bits, sampled, sizing
-from extproc.federation.trust import CLIENT, inbound
+from extproc.federation.trust import CLIENT, Inbound, inbound
 
 BS = 16
 SEED = chain_seed("m")
@@ -170,8 +170,18 @@ def test_a_forwarded_request_is_never_forwarded_again() -> None:
     ],
 )
 def test_forged_hop_and_tenant_headers_count_for_nothing(headers: dict[str, str]) -> None:
+    """Nothing but this: a request with the hop header is never forwarded (again)."""
     f = fed(link("b"))
-    assert inbound(headers, f.links) == CLIENT
+    came = inbound(headers, f.links)
+    assert came == Inbound(hop=True) and not came.forwarded and came.tenant is None and not came.salted
+    assert came.final and not came.federated
+
+
+def test_a_federation_identity_no_link_names_is_unlinked_and_final() -> None:
+    f = fed(link("b"))
+    uri = "spiffe://kvgate.local/federation-c"
+    came = inbound({PEER_HEADER: uri, TENANT_HEADER: "acme", SALTED_HEADER: "1"}, f.links)
+    assert came == Inbound(unlinked=uri) and came.final and came.federated and not came.forwarded
 
 
 def test_the_tenant_is_believed_only_from_a_linked_identity() -> None:
@@ -221,6 +231,16 @@ def test_token_bucket() -> None:
 )
 def test_outcome_of(status: int | None, first_byte_s: float | None, outcome: Outcome) -> None:
     assert outcome_of(status, first_byte_s, slow_s=10.0) is outcome
+
+
+def test_a_slow_whole_answer_or_a_client_that_left_says_nothing_bad_of_the_peer() -> None:
+    """A non-streamed answer's first byte is its last (the whole generation): never ``slow``; status 0
+    (the client left first): no outcome at all."""
+    assert outcome_of(200, 60.0, slow_s=10.0, streamed=False) is Outcome.OK
+    assert outcome_of(503, 60.0, slow_s=10.0, streamed=False) is Outcome.STATUS
+    assert outcome_of(200, 60.0, slow_s=10.0, streamed=True) is Outcome.SLOW
+    assert outcome_of(0, None, slow_s=10.0) is None
+    assert outcome_of(0, 60.0, slow_s=10.0, streamed=True) is None
 
 
 def test_peer_health_backoff_doubles_and_caps() -> None:

@@ -4,6 +4,7 @@ within seconds and comes back after it restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
@@ -193,3 +194,55 @@ async def test_a_rotated_follower_certificate_is_presented_by_the_next_subscript
         for side in (a, b):
             await side.follower.aclose()
             await side.service.aclose()
+
+
+async def test_a_link_removed_ends_the_stream_already_open(pair: tuple[Side, Side]) -> None:
+    """The caller is checked against the links in force before every report, not only when its stream
+    opened: once b deletes its link to a, a's open subscription ends and a stops forwarding to b."""
+    a, b = pair
+    b.builder.note("m", CHAIN)
+    await until(lambda: decide(a) == FORWARD and b.service.subscribers == 1, 5.0)
+    b.fed.links.delete("a")
+    await until(lambda: b.service.subscribers == 0, 5.0)
+    await until(lambda: not a.fed.up("b", time.monotonic()), 5.0)
+    assert decide(a) == NO_PEER
+
+
+async def test_a_stream_that_goes_silent_without_closing_is_made_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that sends one report and then nothing, its stream still open (died without a FIN, a
+    blackholed path): after ``silent_s`` the follower drops it, marks the peer unreachable and subscribes
+    again."""
+    subscribed: list[asyncio.Event] = [asyncio.Event(), asyncio.Event()]
+    forever = asyncio.Event()
+    report = Report("b", time.time(), 3.0, [])
+
+    async def subscribe(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        n = sum(e.is_set() for e in subscribed)
+        if n < len(subscribed):
+            subscribed[n].set()
+        yield encode(report)
+        await forever.wait()  # silent, never closed
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "kvgate.federation.v1.Federation", {"Subscribe": grpc.unary_stream_rpc_method_handler(subscribe)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = {"cluster": "a", "listen": "127.0.0.1:0", "links": [link("b", port)]}
+    fed = Federation(parse_federation(config))
+    caplog.set_level(logging.WARNING, logger="extproc.federation.exchange")
+    follower = SummaryFollower(fed, silent_s=0.2)
+    follower.sync()
+    try:
+        await asyncio.wait_for(subscribed[0].wait(), 10.0)
+        await until(lambda: follower.reports == 1, 10.0)
+        await asyncio.wait_for(subscribed[1].wait(), 10.0)  # dropped for its silence, then made again
+        assert "summaries from b lost (nothing for 0.2 s)" in caplog.text
+    finally:
+        forever.set()
+        await follower.aclose()
+        await server.stop(0)

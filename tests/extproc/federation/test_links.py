@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from contracts.errors import ConfigError
+from extproc.config import parse_config
 from extproc.federation.links import LinkTable, parse_federation, parse_link
 
 LINK: dict[str, Any] = {
@@ -85,3 +86,20 @@ def test_etcd_overlay_validates_and_keeps_the_last_good_link() -> None:
     table.delete("b")  # the file's link is back
     assert table.get("b").rtt_ms == 20  # type: ignore[union-attr]
     assert "itself" in (table.put("a", json.dumps({**LINK, "cluster": "a"}).encode()) or "")
+
+
+@pytest.mark.parametrize(
+    "secure",
+    [
+        {"extproc": {"tls_cert": "x.pem", "tls_key": "x.key", "tls_client_ca": "ca.pem"}},
+        {"feeds": {"tls_ca": "ca.pem", "tls_cert": "x.pem", "tls_key": "x.key"}},
+    ],
+)
+def test_federation_without_tls_is_refused_where_the_other_hops_use_tls(secure: dict[str, Any]) -> None:
+    fed_section = {"cluster": "a", "listen": "127.0.0.1:0"}
+    models = [{"name": "m", "gguf": "smollm2"}]
+    parse_config({"models": models, "federation": fed_section})  # the plain profile: accepted
+    with pytest.raises(ConfigError, match="federation: tls_cert, tls_key and tls_ca are required"):
+        parse_config({"models": models, "federation": fed_section, **secure})
+    tls = {"tls_cert": "f.pem", "tls_key": "f.key", "tls_ca": "ca.pem"}
+    parse_config({"models": models, "federation": {**fed_section, **tls}, **secure})

@@ -14,7 +14,7 @@ import pytest
 from contracts.digest import Digest
 from contracts.epp import EXTPROC_ATTRIBUTES, UPSTREAM_HEADER
 from contracts.events import EndpointId
-from contracts.federation import HOP_HEADER, ModelSummary, Report
+from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, ModelSummary, Report
 from engines.endpoint import Endpoint
 from extproc.federation.forwarding import PEER_ATTRIBUTE, Forwarder
 from extproc.federation.links import parse_federation
@@ -25,8 +25,9 @@ from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router, RoutingPolicy
+from extproc.routing.timeouts import FIRST_BYTE_TIMEOUT_HEADER, REQUEST_TIMEOUT_HEADER
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
-from tests.extproc.test_processor import body, headers, reply, response_headers
+from tests.extproc.test_processor import body, error, headers, reply, response_headers
 
 MODEL = "m"
 LOCAL = "10.0.0.1:8000"
@@ -111,6 +112,22 @@ def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Diges
     assert proc.forward is not None and proc.forward.peer == "b"
     assert fwd.decisions["forward"] == 1 and fwd.forwards["b"] == 1
     assert len(fwd.builder) == 0  # not noted: this cluster computes nothing of it
+    # not streamed: each try bounded (a hung peer falls back to the local pick), the whole twice that
+    assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == "1800000"
+    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "3600000"
+    assert FORWARD_STREAMED not in out.decision  # its first byte is its last: never judged slow
+    proc.close()
+
+
+def test_a_streamed_forward_is_marked_for_the_peers_health(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    proc.handle(headers("/v1/completions"))
+    payload = orjson.dumps({"model": MODEL, "prompt": LONG, "max_tokens": 5, "stream": True})
+    out = reply(proc.handle(body(payload)))
+    assert out.destination == [INGRESS_B, LOCAL]
+    assert out.decision[FORWARD_STREAMED] == "1"
     proc.close()
 
 
@@ -169,20 +186,41 @@ def test_a_request_from_the_linked_peer_is_never_forwarded_again(long_chain: lis
     assert fwd.decisions == {"hop": 1}
 
 
-@pytest.mark.parametrize(
-    ("peer_uri", "extra"),
-    [
-        (None, {HOP_HEADER: "b"}),  # a client forging the hop: still forwarded as any client request
-        ("spiffe://kvgate.local/client-mallory", {HOP_HEADER: "b", "x-kvgate-federation-peer": B_ID}),
-    ],
-)
-def test_forged_hop_or_identity_headers_have_no_effect(
-    long_chain: list[Digest], peer_uri: str | None, extra: dict[str, str]
-) -> None:
+def test_a_forged_identity_header_has_no_effect(long_chain: list[Digest]) -> None:
     fwd = forwarder()
     warm_in_b(fwd, long_chain)
-    _, out = send(fwd, LONG, peer_uri=peer_uri, extra=extra)
+    extra = {"x-kvgate-federation-peer": B_ID}
+    _, out = send(fwd, LONG, peer_uri="spiffe://kvgate.local/client-mallory", extra=extra)
     assert out.destination == [INGRESS_B, LOCAL] and out.set_headers[HOP_HEADER] == "a"
+
+
+@pytest.mark.parametrize("peer_uri", [None, "spiffe://kvgate.local/client-mallory"])
+def test_a_request_with_the_hop_header_is_never_forwarded(
+    long_chain: list[Digest], peer_uri: str | None
+) -> None:
+    """Only a federation listener lets the hop header through (the public one strips it): whoever sent
+    it, the request stays here (its tenant and salted flag still count for nothing)."""
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    _, out = send(fwd, LONG, peer_uri=peer_uri, extra={HOP_HEADER: "b", "x-kvgate-federation-peer": B_ID})
+    assert out.destination == [LOCAL] and HOP_HEADER not in out.set_headers
+    assert fwd.decisions == {"hop": 1}
+
+
+def test_a_federation_identity_no_link_names_is_refused_never_forwarded(long_chain: list[Digest]) -> None:
+    """Without [auth] too: a cluster whose link was removed gets 401 ``federation_untrusted`` with the
+    refusal header (its Envoy falls back to its local pick), never a forward on to a third cluster."""
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    msg = headers("/v1/completions", extra={HOP_HEADER: "c"})
+    msg.attributes[EXTPROC_ATTRIBUTES].fields[
+        PEER_ATTRIBUTE
+    ].string_value = "spiffe://kvgate.local/federation-c"
+    status, err, hs = error(proc.handle(msg))
+    assert (status, err["code"]) == (401, "federation_untrusted")
+    assert hs[REFUSED_HEADER] == "federation_untrusted"
+    assert fwd.forwards == {}
 
 
 def test_a_stale_summary_keeps_the_request_local(long_chain: list[Digest]) -> None:

@@ -8,7 +8,15 @@ import random
 import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
-from contracts.federation import ModelSummary, Report, decode_report, encode
+from contracts.federation import (
+    MAX_REPORT_BYTES,
+    MAX_REPORT_MODELS,
+    FederationWireError,
+    ModelSummary,
+    Report,
+    decode_report,
+    encode,
+)
 from extproc.federation.summary import (
     DEFAULT_BITS_PER_ENTRY,
     ModelLoad,
@@ -107,3 +115,31 @@ def test_builder_is_bounded() -> None:
     b = SummaryBuilder(capacity=3)
     b.note("m", chain(16))  # 5 sampled
     assert len(b) == 3
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(64), math.nan, 1)]),  # NaN read as 0 before
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(64), math.inf, 1)]),
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(64), -math.inf, 1)]),
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(64), -1.0, 1)]),
+        Report("b", 1.0, math.inf, []),
+        Report("b", 1.0, math.nan, []),
+        Report("b", math.nan, 3.0, []),
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(64), 0.0, 1)] * 2),  # one model twice
+        Report("b", 1.0, 3.0, [ModelSummary(f"m{i}", 16, 1, 1, bytes(1), 0.0, 1) for i in range(4097)]),
+        Report("b", 1.0, 3.0, [ModelSummary("m", 16, 11, 1, bytes(8 * 1024 * 1024), 0.0, 1)]),  # over 4 MiB
+    ],
+)
+def test_a_report_out_of_bounds_is_refused(report: Report) -> None:
+    with pytest.raises(FederationWireError):
+        decode_report(encode(report))
+
+
+def test_a_report_at_the_bounds_is_read_and_looked_up_by_model() -> None:
+    models = [ModelSummary(f"m{i}", 16, 1, 1, bytes(64), 0.0, 1) for i in range(MAX_REPORT_MODELS)]
+    data = encode(Report("b", 1.0, 3.0, models))
+    assert len(data) <= MAX_REPORT_BYTES
+    report = decode_report(data)
+    assert len(report.models) == MAX_REPORT_MODELS

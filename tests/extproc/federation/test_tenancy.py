@@ -172,7 +172,6 @@ def test_a_refused_forward_says_so_for_the_forwarding_clusters_fallback(
     ("peer_uri", "extra"),
     [
         (None, {TENANT_HEADER: "acme", SALTED_HEADER: "1", HOP_HEADER: "b"}),  # a client on the public side
-        ("spiffe://kvgate.local/federation-c", {TENANT_HEADER: "acme"}),  # a verified but unlinked identity
         ("spiffe://kvgate.local/client-mallory", {TENANT_HEADER: "acme"}),  # a client certificate
     ],
 )
@@ -182,6 +181,19 @@ def test_nobody_but_a_linked_identity_asserts_a_tenant(peer_uri: str | None, ext
     status, err, hs = error(out)
     assert (status, err["code"]) == (401, "missing_credentials")  # the header counts for nothing
     assert REFUSED_HEADER not in hs
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_a_federation_identity_no_link_names_is_refused_for_its_fallback(trust: bool) -> None:
+    """A verified federation certificate whose link was removed (or never made): 401
+    ``federation_untrusted`` with the refusal header, so the forwarding cluster serves it at home."""
+    fwd = forwarder(links=[{**LINK, "trust_tenants": trust}])
+    extra = {TENANT_HEADER: "acme", HOP_HEADER: "c"}
+    proc, out = peer(fwd, gate(), peer_uri="spiffe://kvgate.local/federation-c", extra=extra, payload=b"")
+    status, err, hs = error(out)
+    assert (status, err["code"]) == (401, "federation_untrusted")
+    assert hs[REFUSED_HEADER] == "federation_untrusted"
+    assert proc.principal is None and proc.ticket is None
 
 
 def test_a_client_asserting_another_tenant_stays_its_own() -> None:
@@ -210,6 +222,29 @@ def test_the_peer_keeps_the_forwarding_clusters_salt_and_salts_only_what_was_not
         assert sent["cache_salt"] == home_salt
     else:
         assert sent["cache_salt"] == (tenant_salt("acme", "mine") if isolation else "mine")
+
+
+@pytest.mark.parametrize(
+    ("asserted", "salt"),
+    [
+        ("acme", None),  # the flag with no salt at all
+        ("acme", "mine"),  # a client's salt, not a gateway tenant salt
+        ("acme", "kvgate-nothex"),  # the prefix, not the form
+        (None, tenant_salt("acme", "mine")),  # a tenant salt but no tenant asserted
+    ],
+)
+def test_a_salted_flag_without_a_tenant_salt_is_refused_for_the_fallback(
+    asserted: str | None, salt: str | None
+) -> None:
+    """The salted flag keeps the body's salt as is, so it must be a gateway tenant salt of an asserted
+    tenant the link allows; else 403 with the refusal header (the home serves the request itself)."""
+    fwd = forwarder(links=[{**LINK, "trust_tenants": True, "default_tenant": "guest"}])
+    extra = {HOP_HEADER: "b", SALTED_HEADER: "1", **({TENANT_HEADER: asserted} if asserted else {})}
+    payload = completion(**({"cache_salt": salt} if salt is not None else {}))
+    _, out = peer(fwd, gate(True), peer_uri=B_ID, extra=extra, payload=payload)
+    status, err, hs = error(out)
+    assert (status, err["code"]) == (403, "bad_tenant_salt")
+    assert hs[REFUSED_HEADER] == "bad_tenant_salt"
 
 
 # --- the processor, at the home cluster (this cluster "a" forwards to "b") -----------------------------

@@ -61,3 +61,17 @@ def test_config_defaults_and_per_model_bounds() -> None:
 def test_bad_bounds_are_refused(raw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         parse_config(raw)
+
+
+def test_every_forwarded_try_is_bounded_so_a_hung_peer_falls_back() -> None:
+    """Forwarded to a peer (its ingress first, the local pick after it): a non-streamed try gets a
+    per-try bound too (``request_s``), the whole twice that, so the local pick still has a full try."""
+    table = TimeoutTable(Timeouts(request_s=90, first_byte_s=2.5))
+    assert table.headers("any", stream=False, forwarded=True) == [
+        (REQUEST_TIMEOUT_HEADER, "180000"),
+        (FIRST_BYTE_TIMEOUT_HEADER, "90000"),
+    ]
+    assert table.headers("any", stream=True, forwarded=True) == table.headers("any", stream=True)
+    assert (
+        TimeoutTable(Timeouts(request_s=0, first_byte_s=0)).headers("m", stream=False, forwarded=True) == []
+    )

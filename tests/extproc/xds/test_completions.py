@@ -172,3 +172,11 @@ async def test_completions_feed_the_drift_alarm_only_when_the_pick_served_a_2xx(
         )
         (view,) = gw.drift.views(0.0)
     assert (view.model, view.endpoint, view.samples, view.ratio, view.error) == ("m", "e0", 2, 0.5, 0.5)
+
+
+def test_completion_reads_a_streamed_forward() -> None:
+    """Peer health judges the first byte only of a streamed forward (extproc/federation/health.py)."""
+    got = completion(with_metadata(done(), kvgate_decision={"forward_streamed": "1"}))
+    assert got is not None and got.streamed
+    plain = completion(with_metadata(done(), kvgate_decision={"model": "m"}))
+    assert plain is not None and not plain.streamed

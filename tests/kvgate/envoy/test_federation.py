@@ -17,7 +17,7 @@ from certs.store import dev_bundle
 from contracts.epp import TENANT_HEADER
 from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.admission.tenants import RequestRate
-from extproc.xds.eds import PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
+from extproc.xds.eds import PEER_IDENTITY_KEY, PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
 from kvgate.envoy.auth import EdgeAuth
 from kvgate.envoy.bootstrap import CREDENTIAL_HEADERS, EnvoyParams, render
 from kvgate.envoy.federation import EnvoyFederation
@@ -62,7 +62,7 @@ def test_the_rendered_federation_parts(tmp_path: Path) -> None:
 
 
 def test_eds_marks_peer_ingresses_for_the_federation_socket() -> None:
-    snap = snapshot((("10.0.0.1:8000", 1),), frozenset({"10.9.0.1:10443"}))
+    snap = snapshot((("10.0.0.1:8000", 1),), {"10.9.0.1:10443": "spiffe://kvgate.local/federation-b"})
     cla = endpoint_pb2.ClusterLoadAssignment()
     snap.resource.Unpack(cla)
     hosts = {
@@ -72,6 +72,7 @@ def test_eds_marks_peer_ingresses_for_the_federation_socket() -> None:
     assert set(hosts) == {"10.0.0.1:8000", "10.9.0.1:10443"}
     peer_meta = hosts["10.9.0.1:10443"].metadata.filter_metadata[SOCKET_MATCH_NS]
     assert peer_meta.fields[PEER_MATCH_KEY].bool_value is True
+    assert peer_meta.fields[PEER_IDENTITY_KEY].string_value == "spiffe://kvgate.local/federation-b"
     assert SOCKET_MATCH_NS not in hosts["10.0.0.1:8000"].metadata.filter_metadata
 
 
@@ -84,6 +85,33 @@ def test_an_injected_delay_is_a_fault_filter_on_the_federation_listener_only(tmp
     openai = by_name["openai"]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     assert all(f["name"] != "envoy.filters.http.fault" for f in openai)
     validate(tmp_path, EnvoyParams(federation=dataclasses.replace(fed(tmp_path), inject_delay_ms=20)))
+
+
+def test_a_forward_to_a_linked_peer_requires_exactly_its_identity(tmp_path: Path) -> None:
+    """One upstream socket per link known at render time, requiring that link's exact SAN (selected by
+    the identity EDS puts on the peer's host), before the prefix one for a link known only from etcd."""
+    b, c = "spiffe://kvgate.local/federation-b", "spiffe://kvgate.local/federation-c"
+    params = EnvoyParams(federation=dataclasses.replace(fed(tmp_path), identities=(b, c)))
+    cfg = render(params)
+    engines = next(x for x in cfg["static_resources"]["clusters"] if x["name"] == "kvgate_engines")
+    got = [
+        (
+            m["match"],
+            m["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"][
+                "match_typed_subject_alt_names"
+            ],
+        )
+        for m in engines["transport_socket_matches"]
+    ]
+    assert got == [
+        ({PEER_MATCH_KEY: True, PEER_IDENTITY_KEY: b}, [{"san_type": "URI", "matcher": {"exact": b}}]),
+        ({PEER_MATCH_KEY: True, PEER_IDENTITY_KEY: c}, [{"san_type": "URI", "matcher": {"exact": c}}]),
+        (
+            {PEER_MATCH_KEY: True},
+            [{"san_type": "URI", "matcher": {"prefix": "spiffe://kvgate.local/federation-"}}],
+        ),
+    ]
+    validate(tmp_path, params)
 
 
 @pytest.mark.parametrize("secure", [False, True])
