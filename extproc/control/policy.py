@@ -375,6 +375,7 @@ class PolicyStore:
             scheduling, block_size, speculative_ttl_s, frozen_routes, FlowPolicy() if flow is None else flow
         )
         self._overrides: dict[str, object] = {}
+        self._file: dict[str, object] = {}  # the policy file's values (load), under etcd's (replace)
         self._policy = self.base
         self.rejected: dict[str, str] = {}
 
@@ -395,8 +396,9 @@ class PolicyStore:
         return dict(self._overrides)
 
     def evaluate(self, items: Mapping[str, bytes]) -> Evaluation:
-        """What ``items`` (every stored value, path -> raw JSON) would put in force; changes nothing."""
-        values: dict[str, object] = {}
+        """What ``items`` (every stored value, path -> raw JSON), laid over the policy file's values,
+        would put in force; changes nothing."""
+        values: dict[str, object] = dict(self._file)
         refused: dict[str, str] = {}
         good = self._overrides  # a value refused on its own: its last good value stays, if it had one
 
@@ -441,9 +443,10 @@ class PolicyStore:
         return blamed
 
     def replace(self, items: Mapping[str, bytes]) -> Policy | None:
-        """Make ``items`` (every stored value) the overrides: their policy when the set is valid (values
-        that cannot be read left out), else the last good policy stays; refused paths are logged (once
-        per reason) and kept in :attr:`rejected`."""
+        """Make ``items`` (every stored value, over the policy file's) the overrides: their policy when
+        the set is valid (a value refused on its own replaced by its last good one, or left out), else
+        the last good policy stays; refused paths are logged (once per reason) and kept in
+        :attr:`rejected`."""
         result = self.evaluate(items)
         for path, reason in sorted(result.refused.items()):
             if self.rejected.get(path) != reason:
@@ -501,10 +504,11 @@ class PolicyStore:
         return self._swap(policy)
 
     def load(self, items: Mapping[str, bytes]) -> Policy:
-        """Replace every override at once (a policy file); all valid or :class:`ConfigError`, no change."""
+        """Replace every override at once (a policy file, under the values :meth:`replace` lays over it);
+        all valid or :class:`ConfigError`, no change."""
         values = {path: decode_value(path, raw) for path, raw in items.items()}
         policy = _build(self.base, values)
-        self._overrides, self.rejected = values, {}
+        self._overrides, self._file, self.rejected = values, dict(values), {}
         self._swap(policy)
         return policy
 

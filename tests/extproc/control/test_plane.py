@@ -467,3 +467,13 @@ async def test_control_plane_resyncs_when_its_watch_is_compacted(etcd_outage_ser
     finally:
         await plane.aclose()
         await proxy.pause()
+
+
+def test_etcd_values_lie_over_the_policy_files() -> None:
+    fleet, store = Fleet([STATIC]), PolicyStore()
+    store.load({"weights/prefix": b"4", "weights/queue": b"5"})  # the gateway's [policy] file
+    core = ControlCore(P, fleet, store)
+    assert core.snapshot([(f"{P}policy/weights/queue", b"6")], 2).policy is not None
+    assert store.policy.weight("prefix") == 4.0 and store.policy.weight("queue") == 6.0
+    assert core.apply([Change(f"{P}policy/weights/queue", None)], 3).policy is not None
+    assert store.policy.weight("queue") == 5.0  # the file's again
