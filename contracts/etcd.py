@@ -225,6 +225,8 @@ def decode_value(path: str, raw: bytes) -> object:
         return json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"policy {path}: not valid JSON: {exc}") from exc
+    except RecursionError:  # arrays or objects nested too deep for the parser
+        raise ConfigError(f"policy {path}: not valid JSON: nested too deep") from None
 
 
 def encode_value(value: object) -> bytes:

@@ -2,11 +2,13 @@
 
 The operator's handle on the control plane: the policy paths of :mod:`extproc.control.policy` (scheduling,
 routes, and flow control's ``flow/...`` and ``objectives/<name>``) in etcd (or in a local policy file with
-``--file``), and the drain flag of an endpoint. ``set`` validates the value
-against the schema and the values already in force before anything is written: a bad value exits 2
-with the reason and writes nothing. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that
-is not JSON is taken as a string. ``get`` and ``list`` print effective values: the override, else the
-embedded default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``).
+``--file``), and the drain flag of an endpoint. ``set``, ``unset`` and ``rollback`` build the whole
+policy that would result from every stored value, as a gateway builds it
+(:meth:`~extproc.control.policy.PolicyStore.evaluate`), before anything is written: a write that would
+not make a valid policy exits 2 with the reason and writes nothing. Values are JSON (``3.0``, ``16``,
+``'{"labels": {}}'``); a word that is not JSON is taken as a string. ``get`` and ``list`` print
+effective values (the stored values taken as a gateway takes them): the override, else the embedded
+default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``).
 ``tenants/<id>`` (etcd only) sets, gets or unsets one tenant (the ``[[tenants]]`` schema, validated by
 :func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants.
 ``federation/<cluster>`` (etcd only) likewise: one federation link
@@ -26,7 +28,8 @@ In etcd every ``set``, ``unset`` and ``rollback`` is one transaction with its au
 of ``--tls-cert``; :mod:`kvgate.etcdsec.audit`) and logs one audit line (identity, key, revision; no
 value). ``history PATH`` lists the revisions of PATH's key with who made each where recorded;
 ``rollback PATH [--revision R]`` writes back the value PATH had at revision R (default: the one before
-the current), validated as ``set`` validates: a value that no longer validates exits 2, nothing written::
+the current; a key absent then is deleted), validated as ``set`` and ``unset`` validate: a value or a
+removal that no longer validates exits 2, nothing written::
 
     kvgate policy history weights/prefix
     kvgate policy rollback weights/prefix --revision 41
@@ -36,7 +39,8 @@ etcd is ``--etcd``, else ``$KVGATE_ETCD``, else the local etcd of the running ``
 command fails naming ``--etcd``. ``kvgate drain`` refuses an id that no endpoint in etcd has (it lists
 the ones it has) unless ``--force`` (a static endpoint of a gateway config, or one not registered yet).
 
-Exit status: 0 done, 1 etcd unreachable or a file unreadable, 2 bad usage or a refused value.
+Exit status: 0 done, 1 etcd unreachable or a file unreadable, 2 bad usage, a refused value or a bad
+setting (e.g. a TLS file that cannot be read; the message, never a stack trace).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import etcd3aio
@@ -251,6 +255,10 @@ def _file_command(args: argparse.Namespace, store: PolicyStore) -> int:
         print(f"{args.path}={raw.decode()}")
     else:
         items.pop(args.path, None)
+        try:
+            store.load(items)  # what is left must stand on its own (all or nothing)
+        except ConfigError as exc:
+            raise _Failed(f"{args.path} cannot be unset, nothing written: {exc}", 2) from exc
         print(f"{args.path} unset")
     try:
         write_policy_file(path, items)
@@ -267,15 +275,44 @@ def _kv(client: etcd3aio.Etcd3Client) -> etcd3aio.kv.KVService:
     return client.kv
 
 
-async def _load(client: etcd3aio.Etcd3Client, settings: EtcdSettings, store: PolicyStore) -> int:
-    """Apply every policy key in etcd to ``store``; the revision read."""
+async def _load(
+    client: etcd3aio.Etcd3Client, settings: EtcdSettings, store: PolicyStore
+) -> tuple[int, dict[str, bytes]]:
+    """Every policy value in etcd (path -> raw), applied to ``store`` as a gateway applies them (the whole
+    set at once, :meth:`PolicyStore.replace`); with the revision read."""
     prefix = settings.prefix
     response = await _kv(client).get(prefix, etcd3aio.prefix_range_end(prefix), timeout=settings.timeout_s)
+    items: dict[str, bytes] = {}
     for kv in response.kvs:
         path = _path_of(settings, kv.key)
         if path is not None:
-            store.put(path, bytes(kv.value))
-    return int(response.header.revision)
+            items[path] = bytes(kv.value)
+    store.replace(items)
+    return int(response.header.revision), items
+
+
+def _check_write(store: PolicyStore, items: Mapping[str, bytes], path: str, raw: bytes | None) -> None:
+    """:class:`ConfigError` for a write of ``raw`` at ``path`` (``None``: its removal) unless the whole
+    resulting set of policy values makes a valid policy, as a gateway builds it
+    (:meth:`PolicyStore.evaluate`), with ``path``'s own value accepted."""
+    after = {p: v for p, v in items.items() if p != path}
+    if raw is not None:
+        after[path] = raw
+    result = store.evaluate(after)
+    if path in result.refused:
+        raise ConfigError(result.refused[path])
+    if result.policy is None:
+        what = "without" if raw is None else "with this value at"
+        reasons = "; ".join(sorted(set(result.refused.values())))
+        raise ConfigError(f"the stored policy {what} {path} would not be valid: {reasons}")
+
+
+def _checked_write(store: PolicyStore, items: Mapping[str, bytes], path: str, raw: bytes | None) -> None:
+    """:func:`_check_write` for ``set`` and ``unset``: a refusal exits 2, nothing written."""
+    try:
+        _check_write(store, items, path, raw)
+    except ConfigError as exc:
+        raise _Failed(f"{exc}; nothing written", 2) from exc
 
 
 def _path_of(settings: EtcdSettings, key: bytes) -> str | None:
@@ -319,7 +356,10 @@ def _checker(args: argparse.Namespace, family: str, name: str) -> Callable[[byte
     if getattr(args, "config", None) is not None:  # the gateway host's declared credentials
         from extproc.config import load_config
 
-        credentials = {c.name: c for c in load_config(args.config).burst_credentials}
+        try:
+            credentials = {c.name: c for c in load_config(args.config).burst_credentials}
+        except ConfigError as exc:
+            raise _Failed(str(exc), 2) from exc
     return lambda raw: check_record(raw, name, credentials)
 
 
@@ -352,7 +392,13 @@ async def _tenant_command(
         await _audited(client, settings, key, None, "unset")
         print(f"{args.path} unset")
     elif args.command in ("history", "rollback"):
-        await _revision_command(args, client, settings, key, _checker(args, family, tenant_id))
+        checker = _checker(args, family, tenant_id) if args.command == "rollback" else None
+
+        def check(raw: bytes | None) -> None:
+            if raw is not None and checker is not None:  # removing a tenant or a link always stands
+                checker(raw)
+
+        await _revision_command(args, client, settings, key, check)
     else:
         response = await _kv(client).get(key, timeout=timeout)
         if not response.kvs:
@@ -386,7 +432,7 @@ async def _revision_command(
     client: etcd3aio.Etcd3Client,
     settings: EtcdSettings,
     key: str,
-    validate: Callable[[bytes], object],
+    validate: Callable[[bytes | None], object],
 ) -> None:
     """``history`` (print) or ``rollback`` (validate, then write) of ``key``."""
     timeout = settings.timeout_s
@@ -405,7 +451,7 @@ async def _revision_command(
             print(f"{entry.revision}\t{who}\t{args.path}={text}")
         return
 
-    def check(raw: bytes) -> None:
+    def check(raw: bytes | None) -> None:
         validate(raw)
 
     try:
@@ -438,7 +484,7 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
         if record is not None:
             await _tenant_command(args, client, settings, record[1], record[0])
             return 0
-        revision = await _load(client, settings, store)
+        revision, items = await _load(client, settings, store)
         if args.command == "list":
             _print_effective(args, store)
             await _print_tenants(client, settings)
@@ -446,33 +492,36 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
             _print_effective(args, store)
         elif args.command == "set":
             raw = _value(args.value)
-            try:
-                store.validate(args.path, raw)
-            except ConfigError as exc:
-                raise _Failed(str(exc), 2) from exc
+            _checked_write(store, items, args.path, raw)
             await _audited(client, settings, policy_key(settings.prefix, args.path), raw, "set")
             print(f"{args.path}={raw.decode()}")
         elif args.command == "unset":
+            _checked_write(store, items, args.path, None)
             await _audited(client, settings, policy_key(settings.prefix, args.path), None, "unset")
             print(f"{args.path} unset")
         elif args.command in ("history", "rollback"):
             key = policy_key(settings.prefix, args.path)
             path = args.path
 
-            def check(raw: bytes) -> None:
-                store.delete(path)  # validated against the other values in force, as set does
-                store.validate(path, raw)
+            def check(raw: bytes | None) -> None:
+                _check_write(store, items, path, raw)  # the whole resulting set, as set and unset do
 
             await _revision_command(args, client, settings, key, check)
         else:
-            await _watch(client, settings, store, revision, once=args.once)
+            await _watch(client, settings, store, items, revision, once=args.once)
         return 0
     finally:
         await client.close()
 
 
 async def _watch(
-    client: etcd3aio.Etcd3Client, settings: EtcdSettings, store: PolicyStore, revision: int, *, once: bool
+    client: etcd3aio.Etcd3Client,
+    settings: EtcdSettings,
+    store: PolicyStore,
+    items: dict[str, bytes],
+    revision: int,
+    *,
+    once: bool,
 ) -> None:
     assert client.watch is not None
     prefix = settings.prefix
@@ -485,15 +534,16 @@ async def _watch(
             if path is None:
                 continue
             if event.type == _DELETE:
-                store.delete(path)
+                items.pop(path, None)
                 line = f"{path} unset"
             else:
                 raw = bytes(event.kv.value)
-                store.put(path, raw)
-                refused = store.rejected.get(path)
+                items[path] = raw
                 line = f"{path}={raw.decode('utf-8', 'replace')}"
-                if refused:
-                    line += f" (refused: {refused})"
+            store.replace(items)  # as a gateway takes it: the whole set
+            refused = store.rejected.get(path)
+            if refused:
+                line += f" (refused: {refused})"
             print(line, flush=True)
             if once:
                 return
@@ -522,6 +572,8 @@ def main(argv: list[str]) -> int:
             return asyncio.run(_etcd_command(args, settings, store))
         except ETCD_ERRORS as exc:
             raise _Failed(f"etcd at {', '.join(settings.endpoints)}: {describe_error(exc)}", 1) from exc
+        except ConfigError as exc:  # e.g. a TLS file that cannot be read
+            raise _Failed(str(exc), 2) from exc
     except _Failed as exc:
         print(f"kvgate policy: {exc}", file=sys.stderr)
         return exc.status
@@ -596,6 +648,8 @@ def drain_main(argv: list[str]) -> int:
             return asyncio.run(_drain(args, settings))
         except ETCD_ERRORS as exc:
             raise _Failed(f"etcd at {', '.join(settings.endpoints)}: {describe_error(exc)}", 1) from exc
+        except ConfigError as exc:  # e.g. a TLS file that cannot be read
+            raise _Failed(str(exc), 2) from exc
     except _Failed as exc:
         print(f"kvgate drain: {exc}", file=sys.stderr)
         return exc.status

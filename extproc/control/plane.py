@@ -12,17 +12,25 @@ batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
   address of another endpoint, is refused with a log (unless that endpoint yields,
   :attr:`ControlCore.yields`: an InferencePool pod's endpoint gives its address up to the agent's
-  record). A value that does not decode is refused and the endpoint's last good description stays. One
+  record); one refused for its address is tried again whenever the fleet changes, and joins once the
+  address is free. A value that does not decode is refused and the endpoint's last good description stays. One
   that :attr:`ControlCore.admits` refuses (an InferencePool's gateway: no ready pod of the pool has its
   address) is held out of the fleet until :meth:`ControlCore.readmit` finds it admitted.
 * ``drain/<id>``: present = :attr:`EndpointState.draining` (also for static endpoints, and remembered
   for an endpoint that registers later).
-* ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: handed to
-  the policy store (which keeps the last good value); :func:`contracts.etcd.policy_path` maps keys to paths.
+* ``policy/<path>`` (``policy/flow/...`` included), ``models/<name>``, ``objectives/<name>``: after each
+  batch or snapshot that changed one, etcd's whole set of policy values goes to the policy store at once
+  (:meth:`~extproc.control.policy.PolicyStore.replace`: the same policy whatever order the values came
+  in; a set that is not valid keeps the last good policy and is tried again at the next change);
+  :func:`contracts.etcd.policy_path` maps keys to paths.
 * ``audit/<family>/<name>``: the audit record of an operator's change (:mod:`contracts.audit`), logged
   as one line (identity, key, operation, revision; never a value) when it arrives live.
 * any other family a :class:`FamilySink` was registered for (:meth:`ControlCore.follow`): handed to it,
   e.g. ``tenants/<id>`` and ``usage/<tenant>/<replica>`` (:mod:`extproc.control.usage`).
+
+A value that raises anything while it is decoded or checked (a number too large for a float, JSON
+nested too deep) is that key's refusal, logged without the value; the rest of the batch applies, and a
+key counts as seen only once it was handled.
 
 Changes are :class:`contracts.etcd.Change`. A snapshot is diffed against what was applied, so a resync
 after an outage applies exactly what changed while the watcher was away. :class:`ControlPlane` is the
@@ -126,6 +134,10 @@ class ControlCore:
         #: :meth:`extproc.inferencepool.merge.PoolSync.admits`); default: every one.
         self.admits: Callable[[Endpoint], bool] = lambda _endpoint: True
         self._held: dict[EndpointId, Endpoint] = {}
+        #: etcd endpoints refused for an address another endpoint holds: tried again when the fleet changes.
+        self._refused: dict[EndpointId, Endpoint] = {}
+        self._policy_values: dict[str, bytes] = {}  # etcd's policy values now (path -> raw JSON)
+        self._policy_dirty = False
         #: Whether an endpoint of the fleet gives its address up to an etcd record that has it (the
         #: InferencePool's pods, :meth:`extproc.inferencepool.merge.PoolSync.owns`); default: none does.
         self.yields: Callable[[EndpointId], bool] = lambda _endpoint_id: False
@@ -164,54 +176,87 @@ class ControlCore:
             self._backlog = False
 
     def apply(self, changes: Iterable[Change], revision: int) -> Applied:
-        """Apply changes in order (one watch response, or a snapshot's diff)."""
-        fleet_changed = policy_changed = False
+        """Apply changes in order (one watch response, or a snapshot's diff); then, when a policy key
+        changed, the policy of etcd's whole set of policy values (:meth:`PolicyStore.replace`)."""
+        fleet_changed = False
         self._revision_now = revision
+        self._policy_dirty = False
         for change in changes:
-            fleet, policy = self._apply_one(change)
-            fleet_changed |= fleet
-            policy_changed |= policy
+            fleet_changed |= self._apply_one(change)
+        if fleet_changed and self._refused:
+            fleet_changed |= self._retry_refused()
+        policy_changed = self._policy_dirty and self._apply_policy()
         self.revision = max(self.revision, revision)
         return Applied(fleet_changed, self.store.policy if policy_changed else None)
 
-    def _apply_one(self, change: Change) -> tuple[bool, bool]:
+    def _apply_one(self, change: Change) -> bool:
+        """One key: whether the fleet changed. A value that raises anything while it is decoded or
+        checked is that key's refusal (logged without the value); the key counts as handled only after."""
         key, value = change.key, change.value
         if value is None:
-            if self._seen.pop(key, None) is None:
-                return False, False
+            if key not in self._seen:
+                return False
         elif self._seen.get(key) == value:
-            return False, False
+            return False
+        self.counters["changes"] += 1
+        try:
+            changed = self._dispatch(key, value)
+        except Exception as exc:
+            log.warning("etcd key %s refused (%s); its last good state stays", key, type(exc).__name__)
+            self.counters["rejected"] += 1
+            changed = False
+        if value is None:
+            self._seen.pop(key, None)
         else:
             self._seen[key] = value
-        self.counters["changes"] += 1
+        return changed
+
+    def _apply_policy(self) -> bool:
+        """Build the policy from every policy value etcd holds now: whether the policy in force changed."""
+        before = self.store.rejected
+        try:
+            changed = self.store.replace(self._policy_values) is not None
+        except Exception as exc:  # a check that raised what it should not: refused, the last good stays
+            log.warning("etcd policy refused (%s); the last good policy stays", type(exc).__name__)
+            self.counters["rejected"] += 1
+            return False
+        self.counters["rejected"] += sum(1 for p, r in self.store.rejected.items() if before.get(p) != r)
+        return changed
+
+    def _dispatch(self, key: str, value: bytes | None) -> bool:
         parsed = split_key(self.prefix, key)
         if parsed is not None:
             family, name = parsed
             if family == ENDPOINTS:
-                return self._endpoint_key(name, value), False
+                return self._endpoint_key(name, value)
             if family == DRAIN:
-                return self._drain(EndpointId(name), value is not None), False
+                return self._drain(EndpointId(name), value is not None)
             if family == KVCACHED:
-                return self._kvcached(name, value), False
+                return self._kvcached(name, value)
             path = policy_path(family, name)
             if path is not None:
-                return False, self._policy(path, value)
+                if value is None:
+                    self._policy_values.pop(path, None)
+                else:
+                    self._policy_values[path] = value
+                self._policy_dirty = True
+                return False
             if family == audit.AUDIT:
                 if value is not None and not self._backlog:
                     line = audit.log_line(
                         audit.decode_record(value), f"{self.prefix}{name}", self._revision_now
                     )
                     audit_log.info("%s", line)
-                return False, False
+                return False
             sink = self._sinks.get(family)
             if sink is not None:
                 if value is None:
                     sink.delete(name)
                 else:
                     sink.put(name, value, backlog=self._backlog)
-                return False, False
+                return False
         self.counters["ignored"] += 1
-        return False, False
+        return False
 
     def _endpoint_key(self, name: str, value: bytes | None) -> bool:
         """``endpoints/<name>`` changed: the endpoint it names, whichever layout (an endpoint moving from
@@ -233,6 +278,7 @@ class ControlCore:
                 log.warning("etcd endpoint %s refused: the gateway config defines that id", endpoint_id)
                 self.counters["refused"] += 1
             return False
+        self._refused.pop(endpoint_id, None)  # its new value (or its removal) decides anew
         if value is None:
             self._held.pop(endpoint_id, None)
             self.skewed.discard(("endpoint", endpoint_id))
@@ -288,6 +334,16 @@ class ControlCore:
             if self.admits(endpoint):
                 del self._held[endpoint_id]
                 changed |= self._admit(endpoint_id, endpoint)
+        if self._refused:
+            changed |= self._retry_refused()
+        return changed
+
+    def _retry_refused(self) -> bool:
+        """Try again the endpoints refused for an address another one held (after the fleet changed)."""
+        changed = False
+        for endpoint_id, endpoint in sorted(self._refused.items()):
+            if self.admits(endpoint):
+                changed |= self._admit(endpoint_id, endpoint)
         return changed
 
     def _admit(self, endpoint_id: EndpointId, endpoint: Endpoint) -> bool:
@@ -297,10 +353,13 @@ class ControlCore:
             self.fleet.remove(holder.id)  # e.g. an InferencePool pod's: the agent's record is richer
             holder = None
         if holder is not None and holder.id != endpoint_id:
-            address = endpoint.address
-            log.warning("etcd endpoint %s refused: %s is %s's address", endpoint_id, address, holder.id)
-            self.counters["refused"] += 1
+            if self._refused.get(endpoint_id) != endpoint:
+                address = endpoint.address
+                log.warning("etcd endpoint %s refused: %s is %s's address", endpoint_id, address, holder.id)
+                self.counters["refused"] += 1
+            self._refused[endpoint_id] = endpoint  # joins when the address is free (_retry_refused)
             return False
+        self._refused.pop(endpoint_id, None)
         state = self.fleet.get(endpoint_id)
         if state is not None and state.endpoint == endpoint:
             return False
@@ -350,14 +409,6 @@ class ControlCore:
             return False
         self.fleet.set_state(endpoint_id, draining=draining)
         return True
-
-    def _policy(self, path: str, value: bytes | None) -> bool:
-        if value is None:
-            return self.store.delete(path) is not None
-        changed = self.store.put(path, value)
-        if changed is None and path in self.store.rejected:
-            self.counters["rejected"] += 1
-        return changed is not None
 
 
 class ControlPlane:

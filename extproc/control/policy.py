@@ -37,8 +37,12 @@ holds the same paths as a tree (``flow`` and ``objectives``: :func:`extproc.flow
     [objectives.interactive]
     priority = 1
 
-Every value is validated (type, range, known scorer/plugin/param/profile) together with the other
-values in force; a bad value is refused with a logged reason and the last good value stays.
+Every value is validated (type, range, known scorer/plugin/param/profile) together with all the other
+stored values, as one set (:meth:`PolicyStore.replace`), so the policy in force does not depend on the
+order the values came in. A value refused on its own (not JSON, an unknown path, its own type or range
+check) is logged and its last good value stays (none: the default) while the others apply; values that
+conflict (a check across values, e.g. kv-tier's ``peer <= local``) refuse the whole set: the last good
+policy stays, the keys are logged, and the whole set is tried again at the next change.
 """
 
 from __future__ import annotations
@@ -304,11 +308,58 @@ def build_policy(base: Policy, overrides: Mapping[str, object]) -> Policy:
     )
 
 
-class PolicyStore:
-    """The embedded default policy plus the overrides in force, changed one path at a time.
+def _build(base: Policy, values: Mapping[str, object]) -> Policy:
+    """:func:`build_policy`, with what a hostile value can make the checks raise (a number too large
+    for a float, nesting too deep) turned into the :class:`ConfigError` it is."""
+    try:
+        return build_policy(base, values)
+    except (ArithmeticError, RecursionError, ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"a value the policy cannot hold ({type(exc).__name__})") from None
 
-    :meth:`put` and :meth:`delete` return the new :class:`Policy` when it changed, else ``None``;
-    a refused value is logged, kept in :attr:`rejected` (path -> reason) and changes nothing.
+
+def _named(path: str, exc: Exception) -> str:
+    reason = str(exc)
+    return reason if path in reason else f"policy {path}: {reason}"
+
+
+_PARAM_ERROR = re.compile(r"plugin '([^']+)' \([^)]*\) param '([^']+)'")
+
+
+def _own_check(values: Mapping[str, object], reason: str) -> str | None:
+    """The path whose own check (type, range, shape) ``reason`` reports, when it names one of
+    ``values``; ``None`` for a check across values (e.g. kv-tier's ``peer <= local``)."""
+    match = _PARAM_ERROR.match(reason)
+    if match is not None:
+        path = f"plugins/{match.group(1)}/{match.group(2)}"
+        return path if path in values else None
+    for path in values:
+        head = f"policy {path}"
+        if reason.startswith(head) and reason[len(head) : len(head) + 1] in ("", ":", ".", " "):
+            return path
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What a whole set of stored values makes: the :class:`Policy` (``None``: the set is refused), the
+    decoded values it was built from, and the refused paths (path -> reason)."""
+
+    policy: Policy | None
+    values: Mapping[str, object]
+    refused: Mapping[str, str]
+
+
+class PolicyStore:
+    """The embedded default policy plus the overrides in force.
+
+    :meth:`replace` takes every stored value at once (the control plane after each etcd batch or
+    snapshot; the CLI to check a write): a value that cannot be read (not JSON, a path unknown to this
+    gateway) is refused on its own; the rest is built as one set, in force when valid, else the last
+    good policy stays (whatever order the values came in). :meth:`put` and :meth:`delete` change one
+    path (a policy file's editor, tests). Each returns the new :class:`Policy` when it changed, else
+    ``None``; a refused value is logged, kept in :attr:`rejected` (path -> reason) and changes nothing.
     """
 
     def __init__(
@@ -324,6 +375,7 @@ class PolicyStore:
             scheduling, block_size, speculative_ttl_s, frozen_routes, FlowPolicy() if flow is None else flow
         )
         self._overrides: dict[str, object] = {}
+        self._file: dict[str, object] = {}  # the policy file's values (load), under etcd's (replace)
         self._policy = self.base
         self.rejected: dict[str, str] = {}
 
@@ -343,6 +395,73 @@ class PolicyStore:
     def overrides(self) -> Mapping[str, object]:
         return dict(self._overrides)
 
+    def evaluate(self, items: Mapping[str, bytes]) -> Evaluation:
+        """What ``items`` (every stored value, path -> raw JSON), laid over the policy file's values,
+        would put in force; changes nothing."""
+        values: dict[str, object] = dict(self._file)
+        refused: dict[str, str] = {}
+        good = self._overrides  # a value refused on its own: its last good value stays, if it had one
+
+        def refuse(path: str, reason: str) -> None:
+            refused[path] = reason
+            if path in good and values.get(path, good) != good[path]:
+                values[path] = good[path]
+            else:
+                values.pop(path, None)
+
+        for path, raw in sorted(items.items()):
+            try:
+                classify(path, self.base.scheduling)
+                values[path] = decode_value(path, raw)
+            except ConfigError as exc:
+                refuse(path, _named(path, exc))
+        while True:
+            try:
+                policy = _build(self.base, values)
+            except ConfigError as exc:
+                own = _own_check(values, str(exc))
+                if own is None:  # a conflict between values: the set as a whole is refused
+                    for blamed in self._blame(values) or sorted(values):
+                        refused[blamed] = _named(blamed, exc)
+                    return Evaluation(None, values, refused)
+                refuse(own, refused.get(own, _named(own, exc)))
+                continue
+            return Evaluation(policy, values, refused)
+
+    def _blame(self, values: Mapping[str, object]) -> list[str]:
+        """The paths without which the set would build (for the log; a conflict between values names
+        each of them)."""
+        if len(values) > 256:
+            return []
+        blamed = []
+        for path in sorted(values):
+            try:
+                _build(self.base, {p: v for p, v in values.items() if p != path})
+            except ConfigError:
+                continue
+            blamed.append(path)
+        return blamed
+
+    def replace(self, items: Mapping[str, bytes]) -> Policy | None:
+        """Make ``items`` (every stored value, over the policy file's) the overrides: their policy when
+        the set is valid (a value refused on its own replaced by its last good one, or left out), else
+        the last good policy stays; refused paths are logged (once per reason) and kept in
+        :attr:`rejected`."""
+        result = self.evaluate(items)
+        for path, reason in sorted(result.refused.items()):
+            if self.rejected.get(path) != reason:
+                log.warning("%s; refused", reason)
+        self.rejected = dict(result.refused)
+        if result.policy is None:
+            log.warning(
+                "policy: the stored values do not make a valid policy together; the last good one stays "
+                "(refused: %s)",
+                ", ".join(sorted(result.refused)),
+            )
+            return None
+        self._overrides = dict(result.values)
+        return self._swap(result.policy)
+
     def validate(self, path: str, raw: bytes) -> None:
         """Raise :class:`ConfigError` (naming the path and the reason) if ``raw`` at ``path`` would be
         refused now."""
@@ -351,7 +470,7 @@ class PolicyStore:
     def _candidate(self, path: str, raw: bytes) -> tuple[object, Policy]:
         try:
             value = decode_value(path, raw)
-            return value, build_policy(self.base, {**self._overrides, path: value})
+            return value, _build(self.base, {**self._overrides, path: value})
         except ConfigError as exc:
             reason = str(exc)
             if path not in reason:
@@ -376,7 +495,7 @@ class PolicyStore:
             return None
         rest = {p: v for p, v in self._overrides.items() if p != path}
         try:
-            policy = build_policy(self.base, rest)
+            policy = _build(self.base, rest)
         except ConfigError as exc:  # the remaining overrides do not stand on their own
             log.warning("policy %s: removal refused, keeping its value: %s", path, exc)
             self.rejected[path] = f"removal refused: {exc}"
@@ -385,10 +504,11 @@ class PolicyStore:
         return self._swap(policy)
 
     def load(self, items: Mapping[str, bytes]) -> Policy:
-        """Replace every override at once (a policy file); all valid or :class:`ConfigError`, no change."""
+        """Replace every override at once (a policy file, under the values :meth:`replace` lays over it);
+        all valid or :class:`ConfigError`, no change."""
         values = {path: decode_value(path, raw) for path, raw in items.items()}
-        policy = build_policy(self.base, values)
-        self._overrides, self.rejected = values, {}
+        policy = _build(self.base, values)
+        self._overrides, self._file, self.rejected = values, dict(values), {}
         self._swap(policy)
         return policy
 

@@ -396,7 +396,11 @@ def number(value: object, where: str, minimum: float, *, integer: bool = False) 
     if not isinstance(value, kinds) or isinstance(value, bool):
         expected = "an integer" if integer else "a number"
         raise ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value >= minimum):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (``1`` then 400 zeros)
+        raise ConfigError(f"{where}: must be finite and >= {minimum}, got a number too large") from None
+    if not (finite and value >= minimum):
         raise ConfigError(f"{where}: must be finite and >= {minimum}, got {value!r}")
     return value
 

@@ -13,8 +13,9 @@ and revision only.
 :func:`history` lists a key's revisions, newest first: those of the value key's current life (walking
 back from its ``mod_revision`` by reads at ``mod_revision - 1``) and every one its audit record names
 (deletions included), each with who made it where recorded. :func:`rollback` writes the value a key had at
-an earlier revision (default: the value before the current one), compare-and-swap against the current
-version, after the caller validated it as any write.
+an earlier revision (default: the value before the current one; an absent one: the key is deleted),
+compare-and-swap against the current version, after the caller validated it as any write (a deletion
+too).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ async def rollback(
     prefix: str,
     key: str,
     by: str,
-    validate: Callable[[bytes], Awaitable[None] | None],
+    validate: Callable[[bytes | None], Awaitable[None] | None],
     *,
     revision: int | None = None,
     timeout_s: float = 2.0,
@@ -180,8 +181,9 @@ async def rollback(
     """Give ``key`` the value it had at ``revision`` (default: the value before the current one);
     returns ``(revision restored, value written or None for a delete, revision of the write)``.
 
-    ``validate(value)`` raises :class:`ConfigError` for a value that no longer validates: nothing is
-    written (:class:`RollbackError`, status 2); a key that changed meanwhile: status 1, nothing written."""
+    ``validate(value)`` (``None``: the key was absent then, so the rollback deletes it) raises
+    :class:`ConfigError` for a value (or a removal) that no longer validates: nothing is written
+    (:class:`RollbackError`, status 2); a key that changed meanwhile: status 1, nothing written."""
     kv = _kv(client)
     now = await _at(kv, key, 0, timeout_s)
     expect = (0, 0) if now is None else (int(now.create_revision), int(now.version))  # type: ignore[attr-defined]
@@ -192,15 +194,15 @@ async def rollback(
         revision = entries[1].revision
     item = await _at(kv, key, revision, timeout_s)
     value = None if item is None else bytes(item.value)  # type: ignore[attr-defined]
-    if value is not None:
-        try:
-            checked = validate(value)
-            if checked is not None:
-                await checked
-        except ConfigError as exc:
-            raise RollbackError(
-                f"{key} at revision {revision} no longer validates, nothing written: {exc}"
-            ) from exc
+    try:
+        checked = validate(value)
+        if checked is not None:
+            await checked
+    except ConfigError as exc:
+        what = "its removal" if value is None else "its value"
+        raise RollbackError(
+            f"{key} at revision {revision}: {what} no longer validates, nothing written: {exc}"
+        ) from exc
     written = await write(
         client, prefix, key, value, Record(by, "rollback", revision), expect=expect, timeout_s=timeout_s
     )

@@ -456,3 +456,87 @@ def test_tenants_are_not_for_policy_files(tmp_path: Path, capsys: pytest.Capture
     assert main(["set", "tenants/acme", '{"models": ["m"]}', "--file", str(tmp_path / "p.toml")]) == 2
     assert "live in etcd" in capsys.readouterr().err
     assert not (tmp_path / "p.toml").exists()
+
+
+HUGE = "1" + "0" * 400  # an integer too large for a float
+
+
+def test_a_number_too_large_is_refused_and_one_in_etcd_is_shown_refused(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = etcd_settings.prefix
+    assert main(["set", "weights/queue", HUGE, *etcd_args]) == 2  # was an OverflowError stack trace
+    assert "weights/queue: must be finite" in capsys.readouterr().err
+    assert _read(etcd_settings, f"{p}policy/weights/queue") is None
+    _put(etcd_settings, f"{p}policy/weights/queue", HUGE.encode())  # written around the CLI
+    for argv in (["get", "weights/queue"], ["list"], ["set", "weights/prefix", "4"]):
+        assert main([*argv, *etcd_args]) == 0
+    captured = capsys.readouterr()
+    assert "weights/queue=2.0" in captured.out and "refused" in captured.err
+    assert _read(etcd_settings, f"{p}policy/weights/prefix") == b"4"
+
+
+def test_set_and_unset_are_checked_against_the_whole_resulting_policy(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = etcd_settings.prefix
+    local, peer = f"{p}policy/plugins/kv-tier/local", f"{p}policy/plugins/kv-tier/peer"
+    assert main(["set", "plugins/kv-tier/local", "0.9", *etcd_args]) == 0
+    assert main(["set", "plugins/kv-tier/peer", "0.6", *etcd_args]) == 0
+    capsys.readouterr()
+    # unset was never validated: peer=0.6 alone breaks the default local (0.5), a gateway would refuse it
+    assert main(["unset", "plugins/kv-tier/local", *etcd_args]) == 2
+    err = capsys.readouterr().err
+    assert "without plugins/kv-tier/local would not be valid" in err and "nothing written" in err
+    assert _read(etcd_settings, local) == b"0.9"
+    # a set the sorted one-key-at-a-time load accepted (local=0.2 refused alone, then peer checked
+    # against the default local): the whole set {local 0.2, peer 0.3} is not valid
+    _put(etcd_settings, local, b"0.2")
+    _put(etcd_settings, peer, b"0.1")
+    assert main(["set", "plugins/kv-tier/peer", "0.3", *etcd_args]) == 2
+    assert "would not be valid" in capsys.readouterr().err
+    assert _read(etcd_settings, peer) == b"0.1"
+    assert main(["get", "plugins/kv-tier/local", *etcd_args]) == 0  # the set {0.2, 0.1} is valid
+    assert capsys.readouterr().out == "0.2\n"
+
+
+def test_a_rollback_to_an_unset_state_is_checked(
+    etcd_args: list[str], etcd_settings: EtcdSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = etcd_settings.prefix
+    assert main(["set", "plugins/kv-tier/local", "0.9", *etcd_args]) == 0
+    assert main(["set", "plugins/kv-tier/peer", "0.6", *etcd_args]) == 0
+    assert main(["set", "plugins/kv-tier/local", "0.8", *etcd_args]) == 0
+    capsys.readouterr()
+    assert main(["history", "plugins/kv-tier/local", *etcd_args]) == 0
+    first = int(capsys.readouterr().out.splitlines()[-1].split("\t")[0])
+    # back to before local existed: a removal, which would leave peer=0.6 over the default local 0.5
+    assert main(["rollback", "plugins/kv-tier/local", "--revision", str(first - 1), *etcd_args]) == 2
+    assert "its removal no longer validates, nothing written" in capsys.readouterr().err
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/local") == b"0.8"
+    assert main(["rollback", "plugins/kv-tier/local", *etcd_args]) == 0  # to 0.9: valid
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/local") == b"0.9"
+
+
+def test_file_mode_unset_is_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text("[plugins.kv-tier]\nlocal = 0.9\npeer = 0.6\n")
+    before = path.read_bytes()
+    assert main(["unset", "plugins/kv-tier/local", "--file", str(path)]) == 2
+    assert "cannot be unset, nothing written" in capsys.readouterr().err
+    assert path.read_bytes() == before
+
+
+def test_a_config_error_inside_the_run_exits_2_with_its_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "nonexist")
+    assert main(["list", "--etcd", "127.0.0.1:1", "--tls-ca", missing]) == 2
+    assert f"etcd tls_ca {missing}" in capsys.readouterr().err
+    assert drain_main(["e", "--etcd", "127.0.0.1:1", "--tls-ca", missing]) == 2
+    assert f"etcd tls_ca {missing}" in capsys.readouterr().err
+    config = tmp_path / "gateway.toml"
+    config.write_text("not toml [")
+    argv = ["rollback", "burst/hosted", "--config", str(config), "--etcd", "127.0.0.1:1", "--timeout", "0.5"]
+    assert main(argv) == 2
+    assert "not valid TOML" in capsys.readouterr().err

@@ -9,8 +9,10 @@ import json
 import time
 
 import etcd3aio
+import pytest
 
-from contracts.etcd import Change, EtcdSettings
+from contracts.errors import ConfigError
+from contracts.etcd import Change, EtcdSettings, decode_value
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint, encode_endpoint
 from extproc.control.plane import Applied, ControlCore, ControlPlane
@@ -115,6 +117,104 @@ def test_policy_changes() -> None:
     assert core.apply([route], 4).policy is not None
     applied = core.apply([Change(f"{P}policy/weights/prefix", None)], 5)
     assert applied.policy is not None and applied.policy.weight("prefix") == 3.0
+
+
+HUGE = b"1" + b"0" * 400  # an integer too large for a float
+DEEP = b"[" * 100_000  # nested too deep for the JSON parser
+
+
+def test_decode_value_refuses_json_nested_too_deep() -> None:
+    with pytest.raises(ConfigError, match="policy weights/prefix: not valid JSON: nested too deep"):
+        decode_value("weights/prefix", DEEP)
+
+
+def test_a_value_that_raises_is_refused_and_the_rest_of_the_batch_applies() -> None:
+    core, fleet, store = _core()
+    # one watch response: a good value and one whose check raised OverflowError out of apply()
+    applied = core.apply(
+        [Change(f"{P}policy/weights/prefix", b"7"), Change(f"{P}policy/weights/queue", HUGE)], 2
+    )
+    assert applied.policy is not None and applied.policy is store.policy
+    assert store.policy.weight("prefix") == 7.0 and store.policy.weight("queue") == store.base.weight("queue")
+    assert "weights/queue" in store.rejected and core.counters["rejected"] == 1
+    # nesting too deep on any family: that key refused, the others of the batch applied
+    for family in ("endpoints/n/e", "kvcached/n", "models/m", "drain/e", "audit/policy/x"):
+        assert core.apply([Change(f"{P}{family}", DEEP)], 3).policy is None
+    a = _ep("a", 8001)
+    assert core.apply([Change(f"{P}endpoints/x", DEEP), _put_ep(a)], 4).fleet_changed
+    assert fleet.get(a.id) is not None
+    # a resync of the same state changes nothing and is not half-done: everything was handled
+    kvs = [
+        (f"{P}policy/weights/prefix", b"7"),
+        (f"{P}policy/weights/queue", HUGE),
+        (_put_ep(a).key, _put_ep(a).value),
+    ]
+    assert core.snapshot([(k, v) for k, v in kvs if v is not None], 5).policy is None
+    assert store.policy.weight("prefix") == 7.0
+
+
+def test_a_key_is_seen_only_once_handled() -> None:
+    core, _, store = _core()
+    original = core._dispatch
+
+    def interrupted(_key: str, _value: bytes | None) -> bool:
+        raise KeyboardInterrupt  # not a refusal: the key was not handled
+
+    core._dispatch = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        core.apply([Change(f"{P}policy/weights/prefix", b"7")], 2)
+    core._dispatch = original  # type: ignore[method-assign]
+    assert core.snapshot([(f"{P}policy/weights/prefix", b"7")], 3).policy is not None  # not skipped
+    assert store.policy.weight("prefix") == 7.0
+
+
+LOCAL, PEER = f"{P}policy/plugins/kv-tier/local", f"{P}policy/plugins/kv-tier/peer"
+
+
+def _tier(core: ControlCore) -> tuple[float, float]:
+    params = core.store.policy.scheduling.plugin("kv-tier").params
+    return params.local, params.peer  # type: ignore[attr-defined]
+
+
+def test_the_policy_is_etcds_whole_set_whatever_order_it_arrives_in() -> None:
+    live, _, _ = _core()
+    live.apply([Change(PEER, b"0.1")], 2)
+    live.apply([Change(LOCAL, b"0.2")], 3)
+    restart, _, _ = _core()
+    restart.snapshot([(LOCAL, b"0.2"), (PEER, b"0.1")], 3)  # sorted: local first, refused one key at a time
+    assert _tier(live) == _tier(restart) == (0.2, 0.1) and restart.store.rejected == {}
+    # an outage: local=0.9 set and peer unset; the resync (deletes first) must not keep peer=0.1
+    assert live.snapshot([(LOCAL, b"0.9")], 5).policy is not None
+    fresh, _, _ = _core()
+    fresh.snapshot([(LOCAL, b"0.9")], 5)
+    assert _tier(live) == _tier(fresh) == (0.9, 0.25) and live.store.overrides == {
+        "plugins/kv-tier/local": 0.9
+    }
+
+
+def test_values_in_conflict_keep_the_last_good_policy_until_the_set_is_valid() -> None:
+    core, _, store = _core()
+    core.apply([Change(LOCAL, b"0.3"), Change(f"{P}policy/weights/prefix", b"5")], 2)
+    good = store.policy
+    assert core.apply([Change(PEER, b"0.6"), Change(f"{P}policy/weights/prefix", b"6")], 3) == Applied()
+    assert store.policy is good and _tier(core) == (0.3, 0.25)  # nothing of the refused set applied
+    assert set(store.rejected) == {"plugins/kv-tier/peer"}  # the value without which the set builds
+    applied = core.apply([Change(LOCAL, b"0.9")], 4)  # another key's fix makes the whole set valid
+    assert applied.policy is not None and _tier(core) == (0.9, 0.6) and applied.policy.weight("prefix") == 6.0
+    assert store.rejected == {}
+
+
+def test_an_endpoint_refused_for_its_address_joins_when_the_address_is_free() -> None:
+    core, fleet, _ = _core()
+    a = Endpoint(EndpointId("a"), "10.0.0.1:8000", frozenset({"m"}), node="n1")
+    b = Endpoint(EndpointId("b"), "10.0.0.1:8000", frozenset({"m"}), node="n2")
+    assert core.apply([Change(f"{P}endpoints/n2/b", encode_endpoint(b))], 2).fleet_changed
+    assert core.apply([Change(f"{P}endpoints/n1/a", encode_endpoint(a))], 3) == Applied()  # b's address
+    assert core.counters["refused"] == 1
+    assert core.apply([Change(f"{P}endpoints/n2/b", None)], 4).fleet_changed  # b leaves: a joins
+    assert fleet.get(a.id) is not None and fleet.get(b.id) is None
+    assert core.apply([Change(f"{P}endpoints/n1/a", None)], 5).fleet_changed
+    assert fleet.get(a.id) is None
 
 
 def test_other_keys_are_ignored() -> None:
@@ -367,3 +467,13 @@ async def test_control_plane_resyncs_when_its_watch_is_compacted(etcd_outage_ser
     finally:
         await plane.aclose()
         await proxy.pause()
+
+
+def test_etcd_values_lie_over_the_policy_files() -> None:
+    fleet, store = Fleet([STATIC]), PolicyStore()
+    store.load({"weights/prefix": b"4", "weights/queue": b"5"})  # the gateway's [policy] file
+    core = ControlCore(P, fleet, store)
+    assert core.snapshot([(f"{P}policy/weights/queue", b"6")], 2).policy is not None
+    assert store.policy.weight("prefix") == 4.0 and store.policy.weight("queue") == 6.0
+    assert core.apply([Change(f"{P}policy/weights/queue", None)], 3).policy is not None
+    assert store.policy.weight("queue") == 5.0  # the file's again

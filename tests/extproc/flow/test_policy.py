@@ -20,6 +20,7 @@ from extproc.flow.policy import (
     check_flow_path,
     flow_paths,
     flow_values,
+    number,
     parse_flow,
 )
 from extproc.processor import HOLD_SLACK_S
@@ -163,6 +164,16 @@ def test_bad_values_name_the_path(path: str, value: object, message: str) -> Non
     with pytest.raises(ConfigError) as info:
         apply_flow(FlowPolicy(), {path: value})
     assert message in str(info.value) and path in str(info.value)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_a_number_too_large_for_a_float_is_refused(integer: bool) -> None:
+    huge = 10**400  # math.isfinite raised OverflowError on it, past every caller's ConfigError handler
+    for value in (huge, -huge):
+        with pytest.raises(ConfigError, match="flow/retry_after_s: must be finite"):
+            number(value, "flow/retry_after_s", 0.0, integer=integer)
+    with pytest.raises(ConfigError, match="flow/retry_after_s"):
+        apply_flow(FlowPolicy(), {"flow/retry_after_s": huge})
 
 
 def test_other_paths_are_ignored() -> None:
