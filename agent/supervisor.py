@@ -9,8 +9,9 @@ the asyncio shell around them:
   address must not move); until then each restart picks them anew (a picked port is free only when
   picked: another process may bind it before the engine does, and the same port would fail forever);
 - the engine is spawned with :func:`asyncio.create_subprocess_exec`, stdout+stderr appended to
-  ``<state_dir>/logs/<id>.log`` (mode 0600), in its own process group (its workers die with the
-  escalation SIGKILL);
+  ``<state_dir>/logs/<id>.log`` (mode 0600), in its own session and process group: whenever the engine
+  has ended (crashed, or stopped), what is left of its group (its workers) gets SIGTERM, then SIGKILL
+  after ``stop_grace_s``, before the next start;
 - engines die with the agent, even on SIGKILL of the agent: the child calls
   ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, between fork and exec), so the kernel sends it
   SIGTERM when the thread that forked it exits. Spawns happen on the event loop's thread: run the agent's
@@ -170,6 +171,29 @@ def _open_private_log(path: Path) -> BinaryIO:
         raise
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a live process (zombies waiting for a reaper do not count) is in process group ``pgid``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no procfs: ask the kernel (zombies count)
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def _makedirs(paths: tuple[str, ...]) -> None:
     for path in paths:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -211,6 +235,8 @@ class EngineSupervisor:
         self._changed = asyncio.Event()
         self._backoff = RestartBackoff(engine.restart)
         self._proc: asyncio.subprocess.Process | None = None
+        #: The spawned engine's process group, until :meth:`_stop_group` has stopped it.
+        self._pgid: int | None = None
         self._exit: asyncio.Task[int] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -357,7 +383,7 @@ class EngineSupervisor:
                 )  # fmt: skip
             except OSError as exc:
                 raise EngineStartError(self.engine.id, f"cannot execute {argv[0]!r}: {exc}") from exc
-        self._proc = proc
+        self._proc, self._pgid = proc, proc.pid  # its own session: process group id = its pid
         self._exit = asyncio.create_task(proc.wait())
         log.info("engine %s: started pid %d, log %s", self.engine.id, proc.pid, self.log_path)
 
@@ -460,7 +486,8 @@ class EngineSupervisor:
             return False
 
     async def _terminate(self) -> None:
-        """SIGTERM the engine, SIGKILL its process group after the grace period, and reap it."""
+        """SIGTERM the engine, SIGKILL its process group after the grace period, and reap it; then stop
+        what is left of its process group (its workers), however the engine ended."""
         proc, exited = self._proc, self._exit
         if proc is None or exited is None:
             return
@@ -475,6 +502,32 @@ class EngineSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session), not yet reaped
         self.last_exit_code = await exited
+        await self._stop_group()
+
+    async def _stop_group(self) -> None:
+        """SIGTERM the engine's process group (its workers: vLLM's and SGLang's hold GPU memory and ports
+        that the next start needs), SIGKILL after the grace period what is left. Once per spawn: the
+        group's id could be another group's after it emptied."""
+        pgid, self._pgid = self._pgid, None
+        if pgid is None:
+            return
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return  # no process left in it
+        except PermissionError:  # pragma: no cover - the group id is another user's now
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stop_grace_s
+        while await asyncio.to_thread(_group_alive, pgid):
+            if loop.time() >= deadline:
+                log.warning(
+                    "engine %s: workers alive %gs after SIGTERM; SIGKILL", self.engine.id, self.stop_grace_s
+                )
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
+                return
+            await asyncio.sleep(self.probe_interval_s)  # not our children: nothing to wait on but polls
 
     async def _shutdown(self) -> None:
         self._closing = True
