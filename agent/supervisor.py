@@ -79,15 +79,17 @@ TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
 
 class RestartBackoff:
     """Exponential restart delays (s): ``backoff_initial_s``, doubling up to ``backoff_max_s``; a run
-    that lasted ``stable_after_s`` or longer starts the sequence again."""
+    that stayed ready ``stable_after_s`` or longer starts the sequence again (the time spent loading the
+    model does not count: an engine that loads for minutes, then crashes, keeps backing off)."""
 
     def __init__(self, policy: RestartPolicy) -> None:
         self._policy = policy
         self._next = policy.backoff_initial_s
 
-    def delay_after(self, ran_s: float) -> float:
-        """The delay before the next start, given how long (s) the process just ended had run."""
-        if ran_s >= self._policy.stable_after_s:
+    def delay_after(self, ready_s: float) -> float:
+        """The delay before the next start, given how long (s) the process just ended had been ready (0:
+        never)."""
+        if ready_s >= self._policy.stable_after_s:
             self._next = self._policy.backoff_initial_s
         delay = self._next
         self._next = min(self._next * 2, self._policy.backoff_max_s)
@@ -394,16 +396,18 @@ class EngineSupervisor:
                 return
             loop = asyncio.get_running_loop()
             while not self._closing:
-                began = loop.time()
+                ready_s = 0.0  # how long this run was ready
                 if self._proc is not None:
-                    if await self._until_ready(began + self.engine.ready_timeout_s):
+                    if await self._until_ready(loop.time() + self.engine.ready_timeout_s):
                         self._ever_ready = True
                         self._set(EngineState.READY)
+                        ready_at = loop.time()
                         await self._watch()
+                        ready_s = loop.time() - ready_at
                     if self._closing:
                         return
                     await self._terminate()
-                delay = self._backoff.delay_after(loop.time() - began)
+                delay = self._backoff.delay_after(ready_s)
                 self.restarts += 1
                 self._set(EngineState.RESTARTING)
                 code = self.last_exit_code

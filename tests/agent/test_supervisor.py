@@ -239,6 +239,23 @@ async def test_crash_loop_backs_off_exponentially(make: Make, fake_engine: Path)
     assert len(waits) >= 2 and waits[0] >= 0.1 and waits[1] >= 0.2 and sup.last_exit_code == 3
 
 
+async def test_backoff_counts_the_time_ready_not_the_time_loading(make: Make, fake_engine: Path) -> None:
+    """An engine that loads longer than ``stable_after_s`` and crashes soon after it turned ready keeps
+    backing off (the loading time is no stable run)."""
+    rec = Recorder()
+    policy = RestartPolicy(0.1, 1.0, 0.3)
+    sup = make(stand_in(restart=policy), fake(fake_engine, "--ready-after", "0.4", "--crash-after", "0.5"),
+               on_change=rec)  # fmt: skip
+    await sup.start()
+    while sup.restarts < 3:
+        await sup.wait_for(EngineState.STARTING, timeout_s=10)
+        await sup.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await sup.aclose()
+    pairs = zip(rec.events, rec.events[1:], strict=False)
+    waits = [t1 - t0 for (t0, s0), (t1, _) in pairs if s0 is EngineState.RESTARTING]
+    assert len(waits) >= 2 and waits[0] >= 0.1 and waits[1] >= 0.2
+
+
 async def test_ports_are_picked_anew_until_the_engine_has_been_ready(make: Make, fake_engine: Path) -> None:
     """A picked port is free only when picked: an engine that fails before it was ever ready (its port
     taken meanwhile, say) starts again on newly picked ports; once ready, its address stays."""
