@@ -120,11 +120,31 @@ def feed_batches(
     simulated engines put ~13,000 batches on the feed within 2 s of the agent's start: the gateway fell
     1,024 batches behind, was cut off and resynced, up to three times, while already routing
     (BENCHMARKS.md, routing quality, seventh session).
+
+    A batch the translator fails on (malformed data that decoded) is counted
+    (``stats.failed_batches``) and taken as lost events, a ``Cleared``, as an ``EventsLost`` is; the
+    engine's later batches are translated (a failure that reached the pump would make it subscribe again,
+    replaying the same batch: the engine's KV events would stay dead).
     """
-    batches = [translator.apply(i.events) if isinstance(i, KvBatch) else translator.reset() for i in items]
+    batches = [_translated(translator, i) for i in items]
     if len(items) >= coalesce_at:
         return [[Cleared(translator.endpoint, None), *translator.snapshot()]]
     return [events for events in batches if events]
+
+
+def _translated(translator: Translator, item: KvBatch | EventsLost) -> list[IndexEvent]:
+    """``item``'s index events; a batch that fails to translate is lost events (:func:`feed_batches`)."""
+    if isinstance(item, EventsLost):
+        return translator.reset()
+    try:
+        return translator.apply(item.events)
+    except Exception as exc:  # the type only: a message may quote the engine's payload
+        translator.stats.failed_batches += 1
+        log.warning(
+            "engine %s: KV batch %d not translatable (%s): entries cleared",
+            translator.endpoint, item.seq, type(exc).__name__,
+        )  # fmt: skip
+        return translator.reset()
 
 
 @dataclasses.dataclass(slots=True)

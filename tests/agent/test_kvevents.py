@@ -414,3 +414,28 @@ async def _close_soon(subscriber: KvEventSubscriber) -> AsyncIterator[KvBatch | 
             yield item
     finally:
         closer.cancel()
+
+
+def test_a_batch_the_translator_fails_on_is_lost_events_not_a_pump_failure() -> None:
+    """Counted, reported as a ``Cleared`` (as lost events are), and the engine's later batches go on."""
+
+    class Failing(Translator):
+        def apply(self, events: Any) -> list[IndexEvent]:
+            if any(isinstance(e, BlockStored) and e.block_hashes == [666] for e in events):
+                raise TypeError("malformed")
+            return super().apply(events)
+
+    translator = Failing("e", MODEL, 16)
+    tokens = list(range(1000, 1016))
+    seed = chain_seed(MODEL)
+    items: list[KvBatch | EventsLost] = [
+        KvBatch(0, 0.0, [BlockStored([1], None, tokens, 16, None, "GPU", None, None, 0)]),
+        KvBatch(1, 0.0, [BlockStored([666], None, tokens, 16, None, "GPU", None, None, 0)]),
+        KvBatch(2, 0.0, [BlockStored([2], None, tokens, 16, None, "GPU", None, None, 0)]),
+    ]
+    assert feed_batches(translator, items) == [
+        [Stored("e", block_digests(seed, tokens, 16), "gpu", None)],
+        [Cleared("e", None)],
+        [Stored("e", block_digests(seed, tokens, 16), "gpu", None)],
+    ]
+    assert translator.stats.failed_batches == 1
