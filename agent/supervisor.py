@@ -510,28 +510,33 @@ class EngineSupervisor:
 
     async def _stop_group(self) -> None:
         """SIGTERM the engine's process group (its workers: vLLM's and SGLang's hold GPU memory and ports
-        that the next start needs), SIGKILL after the grace period what is left. Once per spawn: the
-        group's id could be another group's after it emptied."""
-        pgid, self._pgid = self._pgid, None
+        that the next start needs), SIGKILL after the grace period what is left, and wait (another grace
+        period at most) until it is gone. Once per spawn (done, it forgets the group: its id could be
+        another group's after it emptied); a cancelled stop is done again by the next call."""
+        pgid = self._pgid
         if pgid is None:
             return
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return  # no process left in it
-        except PermissionError:  # pragma: no cover - the group id is another user's now
-            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):  # none left (or the id is another user's now)
+                break
+            if await self._group_gone(pgid, self.stop_grace_s):
+                break
+            name = "SIGTERM; SIGKILL" if sig is signal.SIGTERM else "SIGKILL"
+            log.warning("engine %s: workers alive %gs after %s", self.engine.id, self.stop_grace_s, name)
+        self._pgid = None
+
+    async def _group_gone(self, pgid: int, within_s: float) -> bool:
+        """Whether process group ``pgid`` empties within ``within_s`` (polled: its members are not our
+        children, there is nothing to wait on)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.stop_grace_s
+        deadline = loop.time() + within_s
         while await asyncio.to_thread(_group_alive, pgid):
             if loop.time() >= deadline:
-                log.warning(
-                    "engine %s: workers alive %gs after SIGTERM; SIGKILL", self.engine.id, self.stop_grace_s
-                )
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
-                return
-            await asyncio.sleep(self.probe_interval_s)  # not our children: nothing to wait on but polls
+                return False
+            await asyncio.sleep(self.probe_interval_s)
+        return True
 
     async def _shutdown(self) -> None:
         self._closing = True
