@@ -49,7 +49,7 @@ module). Example (every key; the engines show each family of the matrix below)::
     labels = { zone = "a" }
     ready_timeout_s = 600             # per start: not ready by then = restart
     [engines.restart]                 # exponential backoff between restarts (s); reset after a run
-    backoff_initial_s = 0.5           # that lasted stable_after_s
+    backoff_initial_s = 0.5           # that stayed ready stable_after_s (model loading does not count)
     backoff_max_s = 30
     stable_after_s = 60
 

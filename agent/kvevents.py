@@ -12,6 +12,12 @@ PUB/SUB loses messages (a slow joiner, a full high-water mark): :class:`SeqCheck
 (request ``[b"", start_seq]``; answers ``[b"", seq, payload]`` then the end marker ``seq == -1``).
 What replay cannot cover, and an engine restart (``seq`` starting again), is reported as
 :class:`EventsLost`: the engine's blocks are no longer known, so the consumer should clear the endpoint.
+
+Bounds: a message over :data:`MAX_MESSAGE_BYTES` (``zmq.MAXMSGSIZE`` on both sockets) drops the connection
+(ZMQ reconnects; what was published meanwhile is a gap); the SUB socket queues at most
+:data:`LIVE_HWM` batches (ZMQ drops newer ones: a gap); a replay takes at most
+``SubscriberConfig.max_replay_batches`` batches (:data:`MAX_REPLAY_BATCHES`): from there on, it is given
+up and reported lost (``"replay_limit"``), its batches dropped, and the next batch received is applied.
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ from agent.errors import AgentError
 from contracts.errors import MSGPACK_ERRORS
 
 log = logging.getLogger(__name__)
+
+#: ``zmq.MAXMSGSIZE`` of the SUB and replay sockets: one engine step's batch is far smaller (a 64k-token
+#: prefill stored at once is ~0.5 MiB of msgpack).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: ``zmq.RCVHWM`` of the SUB socket, in batches (ZMQ's default, 1000, is one second of a busy engine).
+LIVE_HWM = 10_000
+#: The most batches one replay takes (vLLM buffers 10,000 steps by default).
+MAX_REPLAY_BATCHES = 20_000
 
 EngineHash = int | bytes
 """An engine block hash as sent: an integer, or the engine's full digest as bytes."""
@@ -133,10 +147,11 @@ class KvBatch:
 class EventsLost:
     """Batches ``first_missing`` up to (not including) ``resumed_at`` are lost for good; ``reason``:
     ``"gap"`` (not replayable), ``"restart"`` (the engine's ``seq`` went back: a new engine process),
-    ``"undecodable"`` (a batch arrived but did not decode). ``first_missing`` is ``None`` when unknown."""
+    ``"undecodable"`` (a batch arrived but did not decode), ``"replay_limit"`` (a replay longer than
+    ``max_replay_batches``). Either is ``None`` when unknown (``resumed_at``: the next batch received)."""
 
     first_missing: int | None
-    resumed_at: int
+    resumed_at: int | None
     reason: str
 
 
@@ -229,17 +244,21 @@ class SubscriberConfig:
     """Where one engine publishes: ``endpoint`` (its PUB socket, e.g. ``tcp://10.0.0.5:5557``),
     ``replay_endpoint`` (its ROUTER socket; ``None``: gaps cannot be recovered), ``topic`` (prefix
     filter). ``catch_up``: replay from seq 0 at start, to learn what the engine cached before the
-    subscriber joined. ``replay_timeout_s``: seconds to wait for each replay message."""
+    subscriber joined. ``replay_timeout_s``: seconds to wait for each replay message;
+    ``max_replay_batches``: the most batches one replay takes (module docstring)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
     catch_up: bool = False
     replay_timeout_s: float = 2.0
+    max_replay_batches: int = MAX_REPLAY_BATCHES
 
     def __post_init__(self) -> None:
         if self.replay_timeout_s <= 0:
             raise ValueError("replay_timeout_s must be positive")
+        if self.max_replay_batches < 1:
+            raise ValueError("max_replay_batches must be at least 1")
         if self.catch_up and self.replay_endpoint is None:
             raise ValueError("catch_up needs a replay_endpoint")
 
@@ -255,6 +274,8 @@ class SubscriberStats:
     undecodable: int = 0
     replay_requests: int = 0
     replay_timeouts: int = 0
+    replay_truncated: int = 0
+    """Replays given up at ``max_replay_batches`` (their batches reported lost)."""
 
 
 class KvEventSubscriber:
@@ -281,6 +302,8 @@ class KvEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sub.setsockopt(zmq.RCVHWM, LIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         self._sub.connect(self.config.endpoint)
 
@@ -352,7 +375,13 @@ class KvEventSubscriber:
     async def _recover(self, live: tuple[int, bytes] | None) -> None:
         """Replay from the first missing seq, then place the live batch that revealed the gap."""
         first = self.checker.next_seq
-        replies = await self._replay(first or 0) if self.config.replay_endpoint is not None else []
+        replies, within = (
+            await self._replay(first or 0) if self.config.replay_endpoint is not None else ([], True)
+        )
+        if not within:  # too long to hold: given up, the next batch received (re)starts the position
+            self._lost(first, None if live is None else live[0], "replay_limit")
+            self.checker.next_seq = None
+            replies = []
         for seq, payload in [*replies, *([live] if live is not None else [])]:
             verdict = self.checker.check_replayed(seq)
             if verdict is SeqVerdict.DUPLICATE:
@@ -365,28 +394,40 @@ class KvEventSubscriber:
             self._emit(seq, payload)
         self.stats.replayed += len(replies)
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]]:
-        """The engine's buffered batches from ``start`` on; ``[]`` when it does not answer in time."""
+    async def _replay(self, start: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """The engine's buffered batches from ``start`` on (what came before a timeout), and False instead
+        of True when there were more than ``max_replay_batches`` (then none are returned)."""
         assert self._ctx is not None and self.config.replay_endpoint is not None
+        limit = self.config.max_replay_batches
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.RCVHWM, 0)  # a replay may be the engine's whole buffer
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._dealer.setsockopt(zmq.RCVHWM, limit + 1)  # a whole replay and its end marker
             self._dealer.connect(self.config.replay_endpoint)
         self.stats.replay_requests += 1
         dealer = self._dealer
         out: list[tuple[int, bytes]] = []
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while True:
+            for _ in range(limit + 1):  # at most limit batches and the end marker (bad messages count)
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.config.replay_timeout_s)
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("%s: bad replay message (%d frames)", self.config.endpoint, len(frames))
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == -1:
-                    return out
+                    return out, True
+                if len(out) == limit:
+                    break
                 out.append((seq, frames[2]))
+            log.warning(
+                "%s: replay from seq %d over %d batches: given up", self.config.endpoint, start, limit
+            )
+            self.stats.replay_truncated += 1
+            dealer.close(linger=0)  # the rest of the answer must not be taken for the next request's
+            self._dealer = None
+            return [], False
         except BaseException as exc:
             # Late answers would be taken for the next request's: the next replay uses a new socket.
             dealer.close(linger=0)
@@ -395,7 +436,7 @@ class KvEventSubscriber:
                 raise
             log.warning("%s: replay from seq %d timed out", self.config.replay_endpoint, start)
             self.stats.replay_timeouts += 1
-            return out
+            return out, True
 
     def _emit(self, seq: int, payload: bytes) -> None:
         try:
@@ -405,6 +446,6 @@ class KvEventSubscriber:
             log.warning("%s: batch %d: %s", self.config.endpoint, seq, exc)
             self._lost(seq, seq + 1, "undecodable")
 
-    def _lost(self, first_missing: int | None, resumed_at: int, reason: str) -> None:
+    def _lost(self, first_missing: int | None, resumed_at: int | None, reason: str) -> None:
         self.stats.lost_reports += 1
         self._ready.append(EventsLost(first_missing, resumed_at, reason))

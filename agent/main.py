@@ -1,7 +1,8 @@
 """``kvgate agent --config node.toml``: one node agent, composing the agent's parts.
 
 For each ``[[engines]]`` entry: an :class:`~agent.supervisor.EngineSupervisor` runs (or, for
-``openai_compat``, probes) the engine; once it is ready the agent registers it in etcd
+``openai_compat``, probes) the engine; once it is ready (a remote engine that answers only after its
+``ready_timeout_s``, turned ``unhealthy`` meanwhile, as soon as it answers) the agent registers it in etcd
 (``endpoints/<id>`` under the agent's lease, :class:`runtime.etcd.LeasedKeys`), subscribes to its KV
 events (:class:`~agent.kvevents.KvEventSubscriber`) and translates them into index events
 (:class:`~agent.translate.Translator`), and scrapes its load (:class:`~agent.telemetry.TelemetryLoop`).
@@ -119,11 +120,31 @@ def feed_batches(
     simulated engines put ~13,000 batches on the feed within 2 s of the agent's start: the gateway fell
     1,024 batches behind, was cut off and resynced, up to three times, while already routing
     (BENCHMARKS.md, routing quality, seventh session).
+
+    A batch the translator fails on (malformed data that decoded) is counted
+    (``stats.failed_batches``) and taken as lost events, a ``Cleared``, as an ``EventsLost`` is; the
+    engine's later batches are translated (a failure that reached the pump would make it subscribe again,
+    replaying the same batch: the engine's KV events would stay dead).
     """
-    batches = [translator.apply(i.events) if isinstance(i, KvBatch) else translator.reset() for i in items]
+    batches = [_translated(translator, i) for i in items]
     if len(items) >= coalesce_at:
         return [[Cleared(translator.endpoint, None), *translator.snapshot()]]
     return [events for events in batches if events]
+
+
+def _translated(translator: Translator, item: KvBatch | EventsLost) -> list[IndexEvent]:
+    """``item``'s index events; a batch that fails to translate is lost events (:func:`feed_batches`)."""
+    if isinstance(item, EventsLost):
+        return translator.reset()
+    try:
+        return translator.apply(item.events)
+    except Exception as exc:  # the type only: a message may quote the engine's payload
+        translator.stats.failed_batches += 1
+        log.warning(
+            "engine %s: KV batch %d not translatable (%s): entries cleared",
+            translator.endpoint, item.seq, type(exc).__name__,
+        )  # fmt: skip
+        return translator.reset()
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +157,10 @@ class _Engine:
     subscriber: KvEventSubscriber | None = None
     pump: asyncio.Task[None] | None = None
     registered: bool = False
+    #: :meth:`Agent._engine_ready` began for the engine's current run (it follows the first ``ready``,
+    #: whatever came before: a remote engine that answers late turns ``unhealthy``, then ``ready``);
+    #: cleared when the engine goes away, or when ``_engine_ready`` failed (the next ``ready`` retries).
+    followed: bool = False
     draining: bool = False
     scraper: EngineScraper | None = None
     #: Automatic slot saves (llama.cpp with ``[agent] kvcached``).
@@ -369,10 +394,12 @@ class Agent:
         if eng is None:
             return
         log.info("engine %s: %s -> %s", sup.engine.id, old.value, new.value)
-        if new is EngineState.READY and old is not EngineState.UNHEALTHY:
+        if new is EngineState.READY and not eng.followed:  # not a recovery from unhealthy while followed
+            eng.followed = True
             self._spawn(self._engine_ready(eng), f"ready-{sup.engine.id}")
         elif new in (EngineState.RESTARTING, EngineState.STOPPED) and old is not EngineState.DRAINING:
             # The process is gone and its KV cache with it.
+            eng.followed = False
             if eng.translator is not None:
                 self.feed.publish(eng.translator.reset())
             if eng.autosave is not None:
@@ -381,6 +408,14 @@ class Agent:
             self._spawn(self._stop_feed(eng), f"stop-feed-{sup.engine.id}")
 
     async def _engine_ready(self, eng: _Engine) -> None:
+        try:
+            await self._follow_engine(eng)
+        except BaseException:
+            eng.followed = False  # the next ready tries again
+            raise
+
+    async def _follow_engine(self, eng: _Engine) -> None:
+        """A ready engine: follow its KV events, scrape it, save its slots, register it."""
         launch = eng.supervisor.launch
         assert launch is not None
         cfg = eng.config

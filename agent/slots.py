@@ -406,7 +406,7 @@ class SlotCache:
         where = path.split("?")[0]
         try:
             async with self._session.request(method, self.base_url + path, json=body) as resp:
-                text = await resp.text()
+                text = await resp.text(errors="replace")  # not UTF-8: "not JSON" below, no crash
                 if resp.status != 200:
                     raise EngineError(self.engine_id, f"{where}: HTTP {resp.status}: {text[:300]}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

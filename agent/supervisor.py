@@ -9,8 +9,9 @@ the asyncio shell around them:
   address must not move); until then each restart picks them anew (a picked port is free only when
   picked: another process may bind it before the engine does, and the same port would fail forever);
 - the engine is spawned with :func:`asyncio.create_subprocess_exec`, stdout+stderr appended to
-  ``<state_dir>/logs/<id>.log`` (mode 0600), in its own process group (its workers die with the
-  escalation SIGKILL);
+  ``<state_dir>/logs/<id>.log`` (mode 0600), in its own session and process group: whenever the engine
+  has ended (crashed, or stopped), what is left of its group (its workers) gets SIGTERM, then SIGKILL
+  after ``stop_grace_s``, before the next start;
 - engines die with the agent, even on SIGKILL of the agent: the child calls
   ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, between fork and exec), so the kernel sends it
   SIGTERM when the thread that forked it exits. Spawns happen on the event loop's thread: run the agent's
@@ -78,15 +79,17 @@ TRANSITIONS: Mapping[EngineState, frozenset[EngineState]] = {
 
 class RestartBackoff:
     """Exponential restart delays (s): ``backoff_initial_s``, doubling up to ``backoff_max_s``; a run
-    that lasted ``stable_after_s`` or longer starts the sequence again."""
+    that stayed ready ``stable_after_s`` or longer starts the sequence again (the time spent loading the
+    model does not count: an engine that loads for minutes, then crashes, keeps backing off)."""
 
     def __init__(self, policy: RestartPolicy) -> None:
         self._policy = policy
         self._next = policy.backoff_initial_s
 
-    def delay_after(self, ran_s: float) -> float:
-        """The delay before the next start, given how long (s) the process just ended had run."""
-        if ran_s >= self._policy.stable_after_s:
+    def delay_after(self, ready_s: float) -> float:
+        """The delay before the next start, given how long (s) the process just ended had been ready (0:
+        never)."""
+        if ready_s >= self._policy.stable_after_s:
             self._next = self._policy.backoff_initial_s
         delay = self._next
         self._next = min(self._next * 2, self._policy.backoff_max_s)
@@ -170,6 +173,29 @@ def _open_private_log(path: Path) -> BinaryIO:
         raise
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a live process (zombies waiting for a reaper do not count) is in process group ``pgid``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no procfs: ask the kernel (zombies count)
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def _makedirs(paths: tuple[str, ...]) -> None:
     for path in paths:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -211,6 +237,8 @@ class EngineSupervisor:
         self._changed = asyncio.Event()
         self._backoff = RestartBackoff(engine.restart)
         self._proc: asyncio.subprocess.Process | None = None
+        #: The spawned engine's process group, until :meth:`_stop_group` has stopped it.
+        self._pgid: int | None = None
         self._exit: asyncio.Task[int] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -357,7 +385,7 @@ class EngineSupervisor:
                 )  # fmt: skip
             except OSError as exc:
                 raise EngineStartError(self.engine.id, f"cannot execute {argv[0]!r}: {exc}") from exc
-        self._proc = proc
+        self._proc, self._pgid = proc, proc.pid  # its own session: process group id = its pid
         self._exit = asyncio.create_task(proc.wait())
         log.info("engine %s: started pid %d, log %s", self.engine.id, proc.pid, self.log_path)
 
@@ -368,16 +396,18 @@ class EngineSupervisor:
                 return
             loop = asyncio.get_running_loop()
             while not self._closing:
-                began = loop.time()
+                ready_s = 0.0  # how long this run was ready
                 if self._proc is not None:
-                    if await self._until_ready(began + self.engine.ready_timeout_s):
+                    if await self._until_ready(loop.time() + self.engine.ready_timeout_s):
                         self._ever_ready = True
                         self._set(EngineState.READY)
+                        ready_at = loop.time()
                         await self._watch()
+                        ready_s = loop.time() - ready_at
                     if self._closing:
                         return
                     await self._terminate()
-                delay = self._backoff.delay_after(loop.time() - began)
+                delay = self._backoff.delay_after(ready_s)
                 self.restarts += 1
                 self._set(EngineState.RESTARTING)
                 code = self.last_exit_code
@@ -460,7 +490,8 @@ class EngineSupervisor:
             return False
 
     async def _terminate(self) -> None:
-        """SIGTERM the engine, SIGKILL its process group after the grace period, and reap it."""
+        """SIGTERM the engine, SIGKILL its process group after the grace period, and reap it; then stop
+        what is left of its process group (its workers), however the engine ended."""
         proc, exited = self._proc, self._exit
         if proc is None or exited is None:
             return
@@ -475,6 +506,37 @@ class EngineSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session), not yet reaped
         self.last_exit_code = await exited
+        await self._stop_group()
+
+    async def _stop_group(self) -> None:
+        """SIGTERM the engine's process group (its workers: vLLM's and SGLang's hold GPU memory and ports
+        that the next start needs), SIGKILL after the grace period what is left, and wait (another grace
+        period at most) until it is gone. Once per spawn (done, it forgets the group: its id could be
+        another group's after it emptied); a cancelled stop is done again by the next call."""
+        pgid = self._pgid
+        if pgid is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):  # none left (or the id is another user's now)
+                break
+            if await self._group_gone(pgid, self.stop_grace_s):
+                break
+            name = "SIGTERM; SIGKILL" if sig is signal.SIGTERM else "SIGKILL"
+            log.warning("engine %s: workers alive %gs after %s", self.engine.id, self.stop_grace_s, name)
+        self._pgid = None
+
+    async def _group_gone(self, pgid: int, within_s: float) -> bool:
+        """Whether process group ``pgid`` empties within ``within_s`` (polled: its members are not our
+        children, there is nothing to wait on)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while await asyncio.to_thread(_group_alive, pgid):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(self.probe_interval_s)
+        return True
 
     async def _shutdown(self) -> None:
         self._closing = True

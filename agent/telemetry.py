@@ -1,7 +1,8 @@
 """The agent's view of its engines' load and its GPUs, sent to the gateways as ``Load`` events.
 
-- :class:`EngineScraper` reads one engine's Prometheus metrics with :func:`engines.metrics.parse_metrics`
-  (the names of REFERENCE.md section 4) into requests waiting and running and KV use 0..1. llama.cpp's
+- :class:`EngineScraper` reads one engine's Prometheus metrics (bytes that are not UTF-8 read as U+FFFD)
+  with :func:`engines.metrics.parse_metrics` (the names of REFERENCE.md section 4) into requests waiting
+  and running and KV use 0..1. llama.cpp's
   server (build 11434, checked) exports no KV-use gauge (older builds had
   ``llamacpp:kv_cache_usage_ratio``, read when present); then ``GET /slots`` stands in: busy slots / all
   slots (``is_processing``). That is a proxy, not a measurement:
@@ -23,7 +24,8 @@
 - :class:`TelemetryLoop` polls every watched engine (and the GPUs) each ``interval_s`` and hands the
   ``Load`` events to send to a callback (the feed's ``publish``). ``heartbeat_s`` must stay below the
   gateway's ``scrape.stale_after_s``, or an idle engine's load expires there between heartbeats. An
-  engine whose reading hangs (a stopped process: up to the scraper's 2 s timeout) is reported in the
+  engine whose reading fails (whatever the error) counts as that engine's failed scrape only; one whose
+  reading hangs (a stopped process: up to the scraper's 2 s timeout) is reported in the
   round its answer arrives in, without holding back the others' (one wait for all stretched every round
   to that timeout: the node's other engines were reported every 2 s, the gateway's staleness bound, and
   one that came back ready up to 2 s late). The GPUs are read likewise, one NVML read at a time in a
@@ -171,7 +173,7 @@ class EngineScraper:
                 timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ssl=self._tls)
             )
         async with self._session.get(url, raise_for_status=True) as resp:
-            return await resp.text()
+            return await resp.text(errors="replace")  # a stray byte spoils a line, not the reading
 
     async def _slots_usage(self, url: str) -> float | None:
         """Busy slots / all slots from llama.cpp's ``/slots`` (``is_processing``; ``state`` != 0 in
@@ -433,7 +435,11 @@ class TelemetryLoop:
             if reading is None or not reading.done():
                 continue  # still reading (reported in a later round), or unwatched meanwhile
             w.reading = None
-            sample = reading.result()
+            try:
+                sample = reading.result()
+            except Exception as exc:  # a scraper's bug on one engine's answer: that engine's failed reading
+                w.scraper.last_error = type(exc).__name__  # the type only: the message may quote the body
+                sample = None
             status = w.status() if w.status is not None else EngineStatus(True)
             mine = [g for g in readings if w.gpus is None or g.index in w.gpus]
             if sample is None:

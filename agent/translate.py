@@ -55,8 +55,8 @@ def vllm_salt(keys: Sequence[Any] | None, lora: str | None) -> str | None:
     the salt (a string), then prompt-embedding keys (bytes). The salt is the last string after the LoRA
     key; ``None`` when there is none. A first block holding an older release's multimodal identifiers and
     no salt would read one of them as the salt: such prompts cannot match kvgate's digests anyway (the
-    router does not hash images)."""
-    if not keys:
+    router does not hash images). Keys that are no list (a malformed event): no salt."""
+    if not keys or not isinstance(keys, list | tuple):
         return None
     rest = list(keys)[1:] if lora is not None else list(keys)
     strings = [k for k in rest if isinstance(k, str)]
@@ -80,6 +80,9 @@ class TranslatorStats:
     """``BlockStored`` events whose token count is not ``len(block_hashes) * block_size``, or with a token id
     outside 0..2^32 - 1 (:data:`contracts.digest.MAX_TOKEN_ID`)."""
     clears: int = 0
+    failed_batches: int = 0
+    """Batches that could not be translated (malformed beyond the checks above), each reported as lost
+    events: the endpoint's entries cleared (:func:`agent.main.feed_batches`)."""
 
 
 @dataclass(slots=True)

@@ -16,8 +16,8 @@ SMOLLM2 = "smollm2"
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    """Restart backoff (s): the first delay, its cap (doubling in between), and the run length after
-    which the next delay starts again from ``backoff_initial_s``."""
+    """Restart backoff (s): the first delay, its cap (doubling in between), and how long a run must have
+    been ready (loading not counted) for the next delay to start again from ``backoff_initial_s``."""
 
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0

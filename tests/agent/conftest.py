@@ -18,8 +18,9 @@ CLEARED = msgspec.msgpack.encode([1.5, [{"type": "AllBlocksCleared"}], 0])
 
 class FakeEngine:
     """A PUB socket and a ROUTER standing in for an engine's KV event sockets. The ROUTER never answers
-    until :meth:`answer_replays` is called; from then on it answers every replay request with an empty
-    replay (the end marker)."""
+    until :meth:`answer_replays` is called; from then on it answers every replay request with
+    ``batches`` batches from the start asked for (:data:`CLEARED`; none by default), then the end
+    marker."""
 
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -28,10 +29,12 @@ class FakeEngine:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:0")
         self.replays = 0
+        self.replay_batches = 0
         self.seq = 0
         self._task: asyncio.Task[None] | None = None
 
-    def answer_replays(self) -> None:
+    def answer_replays(self, batches: int = 0) -> None:
+        self.replay_batches = batches
         if self._task is None:
             self._task = asyncio.create_task(self._answer())
 
@@ -39,6 +42,9 @@ class FakeEngine:
         while True:
             frames = await self.router.recv_multipart()
             self.replays += 1
+            start = int.from_bytes(frames[-1], "big")
+            for seq in range(start, start + self.replay_batches):
+                await self.router.send_multipart([frames[0], b"", seq.to_bytes(8, "big"), CLEARED])
             await self.router.send_multipart([frames[0], b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def endpoints(self) -> tuple[str, str]:

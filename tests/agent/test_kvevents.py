@@ -12,8 +12,11 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+import zmq
 
 from agent.kvevents import (
+    LIVE_HWM,
+    MAX_MESSAGE_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -230,7 +233,52 @@ async def test_replay_that_does_not_answer_reports_the_gap(fake_engine: FakeEngi
         await collector.close()
 
 
+@pytest.mark.parametrize("buffered", [3, 4])
+async def test_a_replay_over_max_replay_batches_is_given_up_as_lost(
+    fake_engine: FakeEngine, buffered: int
+) -> None:
+    """At most ``max_replay_batches`` are taken from a replay: a longer one is reported lost (its batches
+    dropped) and the next live batch sets the position."""
+    fake_engine.answer_replays(buffered)
+    pub, replay = fake_engine.endpoints()
+    collector = await subscribe(SubscriberConfig(pub, replay, catch_up=True, max_replay_batches=3))
+    try:
+        first = await collector.next()
+        stats = collector.subscriber.stats
+        if buffered == 3:
+            assert [first, await collector.next(), await collector.next()] == [
+                KvBatch(seq, 1.5, [AllBlocksCleared()], 0) for seq in range(3)
+            ]
+            assert stats.replay_truncated == 0
+            return
+        assert first == EventsLost(0, None, "replay_limit")
+        assert (stats.replay_truncated, stats.replayed, stats.lost_reports) == (1, 0, 1)
+        fake_engine.seq = 100  # the engine is far ahead of its buffer's start
+        assert await joined(fake_engine, collector) > 100  # followed live from the first batch received
+        dealer = collector.subscriber._dealer
+        assert dealer is None  # closed: the rest of the answer is not read as the next replay's
+    finally:
+        await collector.close()
+
+
+async def test_sockets_bound_message_size_and_queue(fake_engine: FakeEngine) -> None:
+    fake_engine.answer_replays()
+    pub, replay = fake_engine.endpoints()
+    collector = await subscribe(SubscriberConfig(pub, replay, catch_up=True, max_replay_batches=7))
+    try:
+        n = await joined(fake_engine, collector)
+        assert n > 0
+        sub, dealer = collector.subscriber._sub, collector.subscriber._dealer
+        assert sub is not None and dealer is not None
+        assert sub.getsockopt(zmq.MAXMSGSIZE) == dealer.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES
+        assert (sub.getsockopt(zmq.RCVHWM), dealer.getsockopt(zmq.RCVHWM)) == (LIVE_HWM, 8)
+    finally:
+        await collector.close()
+
+
 def test_subscriber_config() -> None:
+    with pytest.raises(ValueError, match="max_replay_batches"):
+        SubscriberConfig("tcp://127.0.0.1:1", max_replay_batches=0)
     with pytest.raises(ValueError, match="replay_endpoint"):
         SubscriberConfig("tcp://127.0.0.1:1", catch_up=True)
     with pytest.raises(ValueError, match="replay_timeout_s"):
@@ -414,3 +462,28 @@ async def _close_soon(subscriber: KvEventSubscriber) -> AsyncIterator[KvBatch | 
             yield item
     finally:
         closer.cancel()
+
+
+def test_a_batch_the_translator_fails_on_is_lost_events_not_a_pump_failure() -> None:
+    """Counted, reported as a ``Cleared`` (as lost events are), and the engine's later batches go on."""
+
+    class Failing(Translator):
+        def apply(self, events: Any) -> list[IndexEvent]:
+            if any(isinstance(e, BlockStored) and e.block_hashes == [666] for e in events):
+                raise TypeError("malformed")
+            return super().apply(events)
+
+    translator = Failing("e", MODEL, 16)
+    tokens = list(range(1000, 1016))
+    seed = chain_seed(MODEL)
+    items: list[KvBatch | EventsLost] = [
+        KvBatch(0, 0.0, [BlockStored([1], None, tokens, 16, None, "GPU", None, None, 0)]),
+        KvBatch(1, 0.0, [BlockStored([666], None, tokens, 16, None, "GPU", None, None, 0)]),
+        KvBatch(2, 0.0, [BlockStored([2], None, tokens, 16, None, "GPU", None, None, 0)]),
+    ]
+    assert feed_batches(translator, items) == [
+        [Stored("e", block_digests(seed, tokens, 16), "gpu", None)],
+        [Cleared("e", None)],
+        [Stored("e", block_digests(seed, tokens, 16), "gpu", None)],
+    ]
+    assert translator.stats.failed_batches == 1

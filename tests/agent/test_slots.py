@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from agent.config import AgentSection
+from agent.errors import EngineError
 from agent.slot_api import SlotAdmin
 from agent.slots import (
     SLOT_HEADER_BYTES,
@@ -235,3 +236,31 @@ async def test_admin_routes(replicas: dict[str, Replica]) -> None:
     finally:
         await runner.cleanup()
         await admin.aclose()
+
+
+async def test_an_engine_answer_that_is_not_utf8_is_an_engine_error(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 in an engine's answer: an ``EngineError`` (not JSON; the HTTP status for an
+    error answer), never a ``UnicodeDecodeError``."""
+
+    async def slots(request: web.Request) -> web.Response:
+        return web.Response(body=b"[\xff\xfe]", content_type="application/json")
+
+    async def failing(request: web.Request) -> web.Response:
+        return web.Response(body=b"\xff oops", status=500, content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/slots", slots)
+    app.router.add_post("/tokenize", failing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with SlotCache(MemoryStore(), base, tmp_path, engine_id="l") as cache:
+            with pytest.raises(EngineError, match="/slots: not JSON"):
+                await cache.slots()
+            with pytest.raises(EngineError, match="/tokenize: HTTP 500"):
+                await cache._call("POST", "/tokenize", {"content": "x"})
+    finally:
+        await runner.cleanup()

@@ -35,7 +35,9 @@ Make = Callable[..., EngineSupervisor]
 
 #: The stand-in engine: 503 on /health until --ready-after seconds, then 200; --crash-once-file makes the
 #: first run (the file does not exist yet) exit 3 shortly after it turned ready; --exit-at-once exits 3
-#: at start; --sick-after makes /health answer 500 from then on; --ignore-term ignores SIGTERM.
+#: at start; --sick-after makes /health answer 500 from then on; --ignore-term ignores SIGTERM;
+#: --worker-pids FILE forks a worker (its pid appended to FILE) that ignores SIGTERM; --crash-after exits 3
+#: that many seconds after start, every run.
 FAKE_ENGINE = r"""
 import argparse, os, signal, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,9 +49,18 @@ p.add_argument("--crash-once-file")
 p.add_argument("--exit-at-once", action="store_true")
 p.add_argument("--sick-after", type=float)
 p.add_argument("--ignore-term", action="store_true")
+p.add_argument("--worker-pids")
+p.add_argument("--crash-after", type=float)
 a, _ = p.parse_known_args()
+if a.worker_pids:  # a worker in the engine's process group that ignores SIGTERM (appends its pid)
+    import subprocess, sys
+    worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    with open(a.worker_pids, "a") as f:
+        f.write(f"{subprocess.Popen([sys.executable, '-c', worker]).pid}\n")
 if a.exit_at_once:
     os._exit(3)
+if a.crash_after is not None:
+    threading.Timer(a.crash_after, os._exit, (3,)).start()
 if a.ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 start = time.monotonic()
@@ -228,6 +239,23 @@ async def test_crash_loop_backs_off_exponentially(make: Make, fake_engine: Path)
     assert len(waits) >= 2 and waits[0] >= 0.1 and waits[1] >= 0.2 and sup.last_exit_code == 3
 
 
+async def test_backoff_counts_the_time_ready_not_the_time_loading(make: Make, fake_engine: Path) -> None:
+    """An engine that loads longer than ``stable_after_s`` and crashes soon after it turned ready keeps
+    backing off (the loading time is no stable run)."""
+    rec = Recorder()
+    policy = RestartPolicy(0.1, 1.0, 0.3)
+    sup = make(stand_in(restart=policy), fake(fake_engine, "--ready-after", "0.4", "--crash-after", "0.5"),
+               on_change=rec)  # fmt: skip
+    await sup.start()
+    while sup.restarts < 3:
+        await sup.wait_for(EngineState.STARTING, timeout_s=10)
+        await sup.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await sup.aclose()
+    pairs = zip(rec.events, rec.events[1:], strict=False)
+    waits = [t1 - t0 for (t0, s0), (t1, _) in pairs if s0 is EngineState.RESTARTING]
+    assert len(waits) >= 2 and waits[0] >= 0.1 and waits[1] >= 0.2
+
+
 async def test_ports_are_picked_anew_until_the_engine_has_been_ready(make: Make, fake_engine: Path) -> None:
     """A picked port is free only when picked: an engine that fails before it was ever ready (its port
     taken meanwhile, say) starts again on newly picked ports; once ready, its address stays."""
@@ -259,6 +287,25 @@ async def test_ports_are_picked_anew_until_the_engine_has_been_ready(make: Make,
     await ready.wait_for(EngineState.RESTARTING, timeout_s=10)
     await ready.wait_for(EngineState.READY, timeout_s=10)
     assert kept == [kept[0]]  # rendered once: the restart after being ready keeps its address
+
+
+async def test_workers_are_stopped_after_a_crash_and_at_close(
+    make: Make, fake_engine: Path, tmp_path: Path
+) -> None:
+    """An engine's workers (its process group) are stopped whenever the engine ended: after a crash, before
+    the restart, and at close (the engine itself exits at once on SIGTERM); SIGKILL after the grace
+    period for one that ignores SIGTERM."""
+    pids = tmp_path / "workers"
+    flags = ("--crash-once-file", str(tmp_path / "crashed"), "--worker-pids", str(pids))
+    sup = make(stand_in(), fake(fake_engine, *flags), stop_grace_s=0.3)
+    await sup.start()
+    await sup.wait_ready(timeout_s=10)
+    await sup.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await sup.wait_for(EngineState.READY, timeout_s=10)
+    first, second = (int(p) for p in pids.read_text().split())
+    assert not alive(first) and alive(second)
+    await sup.aclose()
+    assert not alive(second)
 
 
 async def test_not_ready_in_time_counts_as_a_crash(make: Make, fake_engine: Path) -> None:

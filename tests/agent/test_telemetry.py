@@ -520,3 +520,45 @@ async def test_a_hung_nvml_does_not_stop_the_feed(sim: SimFleet, caplog: pytest.
     finally:
         release.set()
         await loop.aclose()
+
+
+async def test_one_engines_bad_metrics_do_not_stop_the_others_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metrics that are not UTF-8 are read with the bad bytes replaced; a reading that fails in any other
+    way is that engine's failed scrape: the node's other engines are reported every round."""
+
+    async def bad(request: web.Request) -> web.Response:
+        body = b"vllm:num_requests_running 1\n\xff\xfe\xfa\n"
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def good(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 2\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_get("/bad", bad)
+    app.router.add_get("/good", good)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    ticks = iter(range(100))  # one clock read per round, a second apart: every load is due again
+    loop = TelemetryLoop(
+        0.1, lambda loads: None, heartbeat_s=0.5, unhealthy_after=2, clock=lambda: next(ticks)
+    )
+    broken = EngineScraper("vllm", f"{base}/good")
+
+    async def fails() -> None:
+        raise RuntimeError("a scraper bug")
+
+    monkeypatch.setattr(broken, "scrape", fails)
+    loop.watch("good", EngineScraper("vllm", f"{base}/good"))
+    loop.watch("bad-bytes", EngineScraper("vllm", f"{base}/bad"))
+    loop.watch("broken", broken)
+    try:
+        rounds = [{ld.endpoint: (ld.running, ld.healthy) for ld in await loop.tick(5.0)} for _ in range(2)]
+        assert rounds[0] == {"good": (2, True), "bad-bytes": (1, True)}
+        assert rounds[1] == {"good": (2, True), "bad-bytes": (1, True), "broken": (0, False)}
+        assert broken.last_error == "RuntimeError"
+    finally:
+        await loop.aclose()
+        await runner.cleanup()

@@ -6,7 +6,7 @@ import pytest
 
 from agent.errors import AgentConfigError
 from agent.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
-from agent.translate import Translator
+from agent.translate import Translator, vllm_salt
 from contracts.digest import block_digests, chain_seed
 from contracts.events import Cleared, Removed, Stored
 
@@ -205,3 +205,17 @@ def test_snapshot_of_a_fork_names_each_branch_parent() -> None:
     d_trunk = digests(trunk)[0]
     d_left, d_right = digests(trunk + left)[1], digests(trunk + right)[1]
     assert t.snapshot() == [Stored(EP, [d_trunk, d_left], "gpu", None), Stored(EP, [d_right], "gpu", d_trunk)]
+
+
+@pytest.mark.parametrize("keys", [[5], [3.5], 5, 3.5, "salt", b"x", {"a": 1}, [[1], None]])
+def test_malformed_extra_keys_are_no_salt(keys: object) -> None:
+    assert vllm_salt(keys, None) is None  # type: ignore[arg-type]
+    assert vllm_salt(keys, "adapter") is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("first_keys", [5, 3.5, "s", None])
+def test_a_block_with_malformed_extra_keys_is_translated_unsalted(first_keys: object) -> None:
+    tokens = list(range(16))
+    t = Translator("e", "m", 16)
+    out = t.apply([BlockStored([1], None, tokens, 16, None, "GPU", None, [first_keys], 0)])
+    assert out == [Stored("e", block_digests(chain_seed("m"), tokens, 16), "gpu", None)]
