@@ -96,6 +96,10 @@ DATAGRAM_BYTES_MAX = 65_000
 minus 28 bytes (:mod:`kvcached.datagrams`). Fewer, larger packets cut aioquic's per-packet Python cost."""
 ERR_BAD_REQUEST = 0x1
 """Application error code of a stream reset for a malformed request."""
+ERR_INTERNAL = 0x2
+"""Application error code of a response stream the server could not finish (an unexpected error)."""
+ERR_CANCELLED = 0x3
+"""Application error code of a STOP_SENDING from a client that no longer wants the response."""
 
 
 class BlockSource(Protocol):
@@ -313,6 +317,23 @@ class _ServerProtocol(QuicConnectionProtocol):
                 await self._respond(sid, digests)
             except (ConnectionError, RuntimeError) as exc:  # connection gone, or stream reset by the peer
                 log.debug("peer response on stream %d abandoned: %s", sid, exc)
+                self._end_with_error(sid)
+            except Exception as exc:  # a bug or an untranslated store error: end the stream, not the task
+                self._server.errors += 1
+                log.error("peer response on stream %d failed: unexpected %s", sid, type(exc).__name__)
+                self._end_with_error(sid)
+
+    def _end_with_error(self, sid: int) -> None:
+        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it; a no-op
+        when the stream already ended or was reset, or the connection is gone."""
+        if self._terminated:
+            return
+        try:
+            self._quic.reset_stream(sid, ERR_INTERNAL)
+        except (ValueError, RuntimeError) as exc:  # a stream that cannot be reset any more
+            log.debug("cannot reset peer stream %d: %s", sid, exc)
+            return
+        self.transmit()
 
     async def _respond(self, sid: int, digests: list[bytes]) -> None:
         """Send a frame per held block of ``digests`` in order, then end the stream."""
@@ -397,6 +418,8 @@ class PeerServer:
         self._server: QuicServer | None = None
         self._protocols: set[_ServerProtocol] = set()
         self.requests = self.served_blocks = self.served_bytes = self.rejected = self.bad_requests = 0
+        self.errors = 0
+        """Responses ended early by an unexpected error (the stream is reset with ``ERR_INTERNAL``)."""
         self.encode: Callable[[bytes, bytes], bytes] = encode_record
         """How a block becomes a record (a seam for tests that inject corruption)."""
 
@@ -436,9 +459,11 @@ class PeerServer:
         return self._bucket.reserve(nbytes, asyncio.get_running_loop().time())
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests."""
+        """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests,
+        responses ended by an unexpected error."""
         return {
             "requests": self.requests,
+            "errors": self.errors,
             "served_blocks": self.served_blocks,
             "served_bytes": self.served_bytes,
             "rejected": self.rejected,

@@ -542,3 +542,29 @@ async def test_rotated_certificates_are_presented_by_the_next_connection(pki: Pk
             await c.aclose()
         for s in (first, second):
             await s.aclose()
+
+
+async def test_an_unexpected_store_error_ends_the_stream_not_the_connection(pki: Pki) -> None:
+    """A store read that raises something unexpected resets that response stream (ERR_INTERNAL): the
+    client's fetch is a prompt miss, not a wait for its timeout, and the connection stays usable."""
+
+    class Broken(DictStore):
+        def get(self, d: bytes) -> bytes | None:
+            if d == digest(2):
+                raise Exception("IO error: Input/output error")  # as rocksdict raises
+            return super().get(d)
+
+    server = server_for(Broken({digest(1): b"x" * 1000}), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        assert await client.fetch(address, [digest(2)]) == {}
+        assert time.monotonic() - started < 2.0
+        assert server.stats()["errors"] == 1
+        assert await client.fetch(address, [digest(1)]) == {digest(1): b"x" * 1000}
+        assert server.stats()["connections"] == 1
+        assert client.stats()["unavailable"] == 0
+    finally:
+        await client.aclose()
+        await server.aclose()
