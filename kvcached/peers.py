@@ -26,7 +26,10 @@ pinned by the tests that reject a client without a valid certificate.
 Bounds: per connection at most ``max_concurrent_streams`` requests are served at once (the QUIC
 ``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
 ``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
-connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. Timeouts:
+connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. The client
+keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
+(STOP_SENDING) past one largest record per digest asked; a fetch cancelled by its caller sends
+STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
 dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
 else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
 
@@ -483,13 +486,35 @@ class PeerServer:
 
 @dataclass(slots=True)
 class _Fetch:
-    """One request stream on the client: frames received so far and when bytes last arrived."""
+    """One request stream on the client: frames received so far and when bytes last arrived.
+
+    ``wanted``: the digests asked for; a frame of another digest, or a second frame of one, is dropped as
+    it completes (counted in ``unasked``). ``max_bytes``: what the whole response may carry (a frame per
+    digest asked, each at most the largest record): past it the stream is abandoned, so a peer cannot make
+    the client buffer more than one record per digest asked."""
 
     reader: FrameReader
     done: asyncio.Future[None]
     progress_at: float
+    wanted: frozenset[bytes] = frozenset()
+    max_bytes: int = 0
     frames: list[Frame] = field(default_factory=list)
+    received: int = 0
+    unasked: int = 0
     torn: bool = False
+
+    def take(self, data: bytes) -> bool:
+        """Feed ``data``; keep each completed frame of a digest asked for and not yet received. False when
+        the response exceeded ``max_bytes`` (nothing of ``data`` is kept)."""
+        self.received += len(data)
+        if self.received > self.max_bytes:
+            return False
+        for frame in self.reader.feed(data):  # whole frames before a bad one count
+            if frame.digest in self.wanted and all(f.digest != frame.digest for f in self.frames):
+                self.frames.append(frame)
+            else:
+                self.unasked += 1
+        return True
 
 
 class _ClientProtocol(QuicConnectionProtocol):
@@ -506,7 +531,9 @@ class _ClientProtocol(QuicConnectionProtocol):
             if fetch is None or fetch.done.done():
                 return
             fetch.progress_at = self._loop.time()
-            fetch.frames.extend(fetch.reader.feed(event.data))  # whole frames before a bad one count
+            if not fetch.take(event.data):
+                self._abandon(event.stream_id, fetch, f"more than the {fetch.max_bytes} bytes asked for")
+                return
             if fetch.reader.broken is not None:
                 self._abandon(event.stream_id, fetch, fetch.reader.broken)
                 return
@@ -525,10 +552,20 @@ class _ClientProtocol(QuicConnectionProtocol):
                     fetch.done.set_exception(PeerUnavailable(f"connection closed: {self.closed_reason}"))
 
     def _abandon(self, sid: int, fetch: _Fetch, why: str) -> None:
-        log.warning("peer sent a malformed frame on stream %d (%s): abandoning the stream", sid, why)
+        log.warning("peer sent a malformed response on stream %d (%s): abandoning the stream", sid, why)
         fetch.torn = True
         fetch.done.set_result(None)
-        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+        self.stop(sid, ERR_BAD_REQUEST)
+
+    def stop(self, sid: int, code: int) -> None:
+        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now; a
+        no-op for a stream that already ended or a connection that is gone."""
+        if self.is_closed:
+            return
+        try:
+            self._quic.stop_stream(sid, code)
+        except ValueError:  # the stream finished and was discarded
+            return
         self.transmit()
 
     @property
@@ -599,11 +636,7 @@ class PeerClient:
             async with self._in_flight:
                 link = await self._link(address, host, port)
                 frames = await self._request(address, link, chunk)
-            requested = set(chunk)
-            for digest, head, body in frames:
-                if digest not in requested or digest in out:
-                    log.warning("peer %s sent a block that was not asked for: dropped", address)
-                    continue
+            for digest, head, body in frames:  # each asked for, once (_Fetch.take)
                 try:
                     out[digest] = verify_record(digest, head, body)
                 except CorruptBlock as exc:
@@ -665,7 +698,8 @@ class PeerClient:
         protocol, quic, loop = link.protocol, link.protocol._quic, asyncio.get_running_loop()
         sid = quic.get_next_available_stream_id()
         reader = FrameReader(self.max_record_bytes, head_bytes=HEADER_BYTES)
-        fetch = _Fetch(reader, loop.create_future(), loop.time())
+        max_bytes = len(digests) * (FRAME_HEADER_BYTES + self.max_record_bytes)
+        fetch = _Fetch(reader, loop.create_future(), loop.time(), frozenset(digests), max_bytes)
         protocol.fetches[sid] = fetch
         try:
             quic.send_stream_data(sid, encode_request(digests), end_stream=True)
@@ -687,8 +721,13 @@ class PeerClient:
             if isinstance(exc, PeerUnavailable):
                 raise PeerUnavailable(f"peer {address}: {exc}") from exc
             raise PeerUnavailable(f"peer {address}: no progress within {self.timeout_s}s") from exc
+        except asyncio.CancelledError:  # the caller gave up (another peer answered first): stop the sender
+            protocol.stop(sid, ERR_CANCELLED)
+            raise
         finally:
             del protocol.fetches[sid]
+        if fetch.unasked:
+            log.warning("peer %s sent %d blocks that were not asked for: dropped", address, fetch.unasked)
         if fetch.torn:
             log.warning("peer %s ended a response mid-frame: the torn block is a miss", address)
         return fetch.frames
