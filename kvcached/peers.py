@@ -505,16 +505,15 @@ class _Fetch:
 
     def take(self, data: bytes) -> bool:
         """Feed ``data``; keep each completed frame of a digest asked for and not yet received. False when
-        the response exceeded ``max_bytes`` (nothing of ``data`` is kept)."""
+        the response exceeded ``max_bytes`` (the bytes within it are still fed)."""
+        room = self.max_bytes - self.received
         self.received += len(data)
-        if self.received > self.max_bytes:
-            return False
-        for frame in self.reader.feed(data):  # whole frames before a bad one count
+        for frame in self.reader.feed(data[: max(room, 0)]):  # whole frames before a bad one count
             if frame.digest in self.wanted and all(f.digest != frame.digest for f in self.frames):
                 self.frames.append(frame)
             else:
                 self.unasked += 1
-        return True
+        return self.received <= self.max_bytes
 
 
 class _ClientProtocol(QuicConnectionProtocol):

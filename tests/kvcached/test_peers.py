@@ -608,6 +608,16 @@ async def test_unasked_and_duplicate_frames_are_dropped_as_they_arrive(pki: Pki)
     while fetch.take(_frame(digest(2), b"b" * 1000)):  # a flood of duplicates: cut off at the budget
         assert len(fetch.frames) == 2
     assert fetch.received > fetch.max_bytes and len(fetch.frames) == 2
+    # a chunk that crosses the budget still delivers the whole frames within it
+    one = peers._Fetch(
+        FrameReader(client.max_record_bytes, head_bytes=HEADER_BYTES),
+        asyncio.get_running_loop().create_future(),
+        0.0,
+        frozenset({digest(1)}),
+        len(_frame(digest(1), b"a" * 1000)) + 10,
+    )
+    assert not one.take(_frame(digest(1), b"a" * 1000) + _frame(digest(1), b"a" * 1000))
+    assert [f.digest for f in one.frames] == [digest(1)]
 
 
 async def test_a_flooding_peer_has_its_stream_abandoned(pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
