@@ -87,6 +87,11 @@ HIGH_WATER_BYTES = 4 * 1024 * 1024
 """Unacknowledged bytes a server stream may queue before its sender waits for acknowledgements."""
 STREAM_WINDOW_BYTES = 16 * 1024 * 1024
 """Client receive window per stream (QUIC flow control; aioquic's 1 MiB default caps throughput)."""
+REQUEST_WINDOW_BYTES = max_request_bytes()
+"""Server receive window per request stream: one largest request. aioquic doubles a window once more than
+half of it arrived and zero-fills gaps before out-of-order data, so with the check on each stream's highest
+offset (past :func:`~kvcached.wire.max_request_bytes`: refused) a request stream makes the server hold at
+most about twice this, however its client sends."""
 CONNECTION_WINDOW_BYTES = 64 * 1024 * 1024
 """Client receive window per connection."""
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
@@ -238,6 +243,9 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._terminated = False
         bound = server.max_concurrent_streams
         quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
+        # Request streams (the client's) get a window of one largest request, not the client's 16 MiB:
+        # aioquic zero-fills a gap up to out-of-order data, so the window bounds what a stream allocates.
+        quic._local_max_stream_data_bidi_remote = REQUEST_WINDOW_BYTES
         _require_client_cert(quic, server.configuration(), self._mark_authenticated, self._count_rejected)
 
     def _mark_authenticated(self) -> None:
@@ -245,7 +253,18 @@ class _ServerProtocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
+        self._refuse_oversized_requests()
         self._wake()
+
+    def _refuse_oversized_requests(self) -> None:
+        """Refuse every request stream whose highest offset seen is past the largest request: aioquic grows
+        a stream's window as data arrives (doubling it past half) and zero-fills gaps, so a client sending
+        out of order could otherwise make the server hold buffers of its growing window."""
+        limit = max_request_bytes()
+        for sid, stream in list(self._quic._streams.items()):
+            receiver = stream.receiver
+            if sid % 4 == 0 and not receiver.is_finished and receiver.highest_offset > limit:
+                self._refuse_request(sid, f"stream offset {receiver.highest_offset} past {limit}")
 
     def _wake(self) -> None:
         for waiter in self._wakeups:
@@ -290,17 +309,26 @@ class _ServerProtocol(QuicConnectionProtocol):
         buf = self._requests.setdefault(sid, bytearray())
         buf += event.data
         if len(buf) > max_request_bytes():
-            self._server.bad_requests += 1
-            del self._requests[sid]
-            self._quic.reset_stream(sid, ERR_BAD_REQUEST)
-            self._quic.stop_stream(sid, ERR_BAD_REQUEST)
-            self.transmit()
+            self._refuse_request(sid, f"request over {max_request_bytes()} bytes")
             return
         if event.end_stream:
             raw = bytes(self._requests.pop(sid))
             task = asyncio.get_running_loop().create_task(self._serve(sid, raw))
             self._tasks[sid] = task
             task.add_done_callback(partial(self._forget, sid))
+
+    def _refuse_request(self, sid: int, why: str) -> None:
+        """Count a request stream as bad, drop what it sent, reset and stop it (``ERR_BAD_REQUEST``)."""
+        self._server.bad_requests += 1
+        log.info("bad peer request on stream %d: %s", sid, why)
+        self._requests.pop(sid, None)
+        stream = self._quic._streams.get(sid)
+        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
+        self._quic.reset_stream(sid, ERR_BAD_REQUEST)
+        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+        self.transmit()
 
     def _forget(self, sid: int, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(sid, None)

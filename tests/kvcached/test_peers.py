@@ -667,3 +667,30 @@ async def test_a_cancelled_fetch_stops_the_sender(pki: Pki) -> None:
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_request_streams_get_a_small_window_and_out_of_order_data_past_a_request_is_refused(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """aioquic zero-fills a stream's gap before out-of-order data: the server grants a request stream one
+    largest request of window (not 16 MiB), and a stream whose data reaches past a largest request (the
+    window grows as data arrives) is reset and stopped, without waiting for its gap to be filled."""
+    server, store, address = served
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        window = max_request_bytes()
+        assert quic._remote_max_stream_data_bidi_remote == window
+        sid = quic.get_next_available_stream_id()
+        end = 2 * window - 10  # past a largest request, within the window once it has doubled
+        quic.send_stream_data(sid, bytes(end))
+        sender = quic._streams[sid].sender
+        sender._pending.subtract(0, window - 100)  # send only 100 bytes below the window, then the tail
+        sender._pending.subtract(window, end - 100)
+        link.protocol.transmit()
+        assert await _until(lambda: server.stats()["bad_requests"] == 1, 5.0)
+        assert await client.fetch(address, [digest(1)]) == {digest(1): store.blocks[digest(1)]}
+        assert server.stats()["bad_requests"] == 1 and server.stats()["connections"] == 1
+    finally:
+        await client.aclose()
