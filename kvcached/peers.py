@@ -11,7 +11,9 @@ Connections are kept per peer address and reused (the handshake costs a round tr
 a connection that failed or timed out is dropped and the next fetch dials again.
 
 mTLS: the client verifies the server certificate against the CA and the address's host (aioquic's own
-check). aioquic has no setting that makes a *server* require a client certificate (its
+check), then, before its first request, that the certificate names the ``kvcached`` role
+(:data:`certs.roles.SERVERS`; another role: the connection is closed and the peer is unavailable).
+aioquic has no setting that makes a *server* require a client certificate (its
 ``_request_client_certificate`` is marked "for test purposes only" and, when set, still neither rejects an
 empty certificate nor verifies the chain), so :func:`_require_client_cert` hooks each server connection's
 TLS context: it requests a certificate, rejects an empty one with ``certificate_required``, and after
@@ -76,7 +78,7 @@ from kvcached.wire import (
     frame_header,
     max_request_bytes,
 )
-from runtime.identity import KVCACHED_PEERS, certificate_uris, permits
+from runtime.identity import KVCACHED_PEERS, certificate_uris, permits, serves
 from runtime.tls import ClientTlsFiles, Pem, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
@@ -719,6 +721,12 @@ class PeerClient:
             self.unavailable += 1
             why = protocol.closed_reason or f"no handshake within {self.timeout_s}s"
             raise PeerUnavailable(f"peer {address} unavailable: {why}") from exc
+        cert = protocol._quic.tls._peer_certificate
+        if cert is None or not serves(KVCACHED_PEERS, certificate_uris(cert)):  # nothing was asked yet
+            link.close()
+            self.unavailable += 1
+            log.warning("peer %s refused: its certificate does not name the kvcached role", address)
+            raise PeerUnavailable(f"peer {address}: its certificate does not name the kvcached role")
         return link
 
     async def _request(self, address: str, link: _Link, digests: list[bytes]) -> list[Frame]:

@@ -694,3 +694,20 @@ async def test_request_streams_get_a_small_window_and_out_of_order_data_past_a_r
         assert server.stats()["bad_requests"] == 1 and server.stats()["connections"] == 1
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("name", WRONG)
+async def test_server_cert_of_another_role_is_refused(pki: Pki, name: str) -> None:
+    """A server whose certificate chains to the CA and matches the address but names another role is not
+    asked for anything: the client closes the connection before its first request."""
+    server = server_for(DictStore({digest(1): b"x"}), pki.wrong[name])
+    port = await server.start()
+    client = client_for(pki.b)
+    try:
+        with pytest.raises(PeerUnavailable, match="kvcached role"):
+            await client.fetch(f"127.0.0.1:{port}", [digest(1)])
+        assert server.stats()["requests"] == 0 and server.stats()["served_blocks"] == 0
+        assert client.stats()["unavailable"] == 1
+    finally:
+        await client.aclose()
+        await server.aclose()
