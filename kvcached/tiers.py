@@ -46,7 +46,7 @@ from pathlib import Path
 
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import check_digest, checksum
-from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError
 from kvcached.ram import RamTier
 from kvcached.ssd import SsdTier
 from kvcached.tier import TIER_SSD, Evicted, StoreListener, Tier
@@ -224,9 +224,9 @@ class TieredStore:
         """Copy a block served from tier ``i`` into the fastest tier above it that fits (kept in ``i``)."""
         j = self._fastest_fitting(len(data), range(i))
         if j is not None:
+            self._store(j, [(digest, data)])
             self._counts[self._tiers[i].name]["promotions"] += 1
             self._counts[self._tiers[j].name]["promotions"] += 1
-            self._store(j, [(digest, data)])
 
     def _fastest_fitting(self, payload_bytes: int, among: range) -> int | None:
         return next((j for j in among if self._tiers[j].fits(payload_bytes)), None)
@@ -264,7 +264,10 @@ class TieredStore:
             counts["hits"] += 1
             for slower in self._tiers[i + 1 :]:
                 slower.touch(digest)
-            self._promote(i, digest, data)
+            try:
+                self._promote(i, digest, data)
+            except KvcachedError as exc:  # a demotion the disk refused: the verified block is served anyway
+                log.warning("%s tier: block %s served unpromoted: %s", tier.name, digest.hex(), exc)
             return data
         return None
 

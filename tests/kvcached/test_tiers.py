@@ -619,3 +619,22 @@ def test_close_closes_the_database_when_the_flush_fails(tmp_path: Path) -> None:
         assert again.get(d(1)) == data(1)
     finally:
         again.close()
+
+
+def test_a_hit_whose_promotion_fails_is_still_served(tmp_path: Path, rec: Recorder) -> None:
+    """An SSD hit is promoted into a full RAM, whose oldest block must go down to the SSD: when the disk
+    refuses that write the verified block is served all the same, unpromoted, and nothing moved."""
+    ssd = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    store = TieredStore.of([RamTier(3 * BLOCK), ssd], listener=rec)
+    try:
+        for i in range(4):
+            store.put(d(i), data(i))  # ram [d1, d2, d3], ssd [d0]
+        rec.take()
+        _failing(ssd).fail_writes = True
+        assert store.get(d(0)) == data(0)
+        assert store.held() == {TIER_RAM: [d(1), d(2), d(3)], TIER_SSD: [d(0)]}
+        assert rec.take() == []
+        stats = store.stats()
+        assert (stats["ssd_hits"], stats["ssd_promotions"], stats["ram_evictions"]) == (1, 0, 1)
+    finally:
+        store.close()
