@@ -29,7 +29,9 @@ hop (key)           server                                         caller roles
 The other direction, who may *serve* a hop, is :data:`SERVERS`: a client that dials a hop checks the
 server's certificate names one of those roles, not only that it chains to the CA and matches the address
 (Envoy: ``combined_validation_context``'s URI SAN matcher, ``kvgate/envoy/tls.py``; the migration proxy:
-:func:`runtime.identity.check_server_role` at the handshake). Only the hops some client checks are listed.
+:func:`runtime.identity.check_server_role` at the handshake; kvcached's QUIC peer client,
+:mod:`kvcached.peers`, after the handshake and before its first request). Only the hops some client checks
+are listed.
 
 Pure: no IO, no clock.
 """
@@ -63,7 +65,9 @@ CALLERS: Mapping[str, frozenset[str]] = MappingProxyType(
 )
 
 #: Hop -> the roles that may serve it, for the clients that check the server's role (module docstring).
-SERVERS: Mapping[str, frozenset[str]] = MappingProxyType({ENGINE: frozenset({"engine"})})
+SERVERS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {ENGINE: frozenset({"engine"}), KVCACHED_PEERS: frozenset({"kvcached"})}
+)
 
 _PREFIX = f"spiffe://{TRUST_DOMAIN}/"
 _NAME_CHARS = re.compile(r"[a-z0-9-]+")

@@ -181,10 +181,16 @@ class Daemon:
                 log.exception("kvcached shutdown step failed")
         self._publisher.feed = None
         if self.store is not None:
-            self.store.close()
-        if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.shutdown)
+            try:
+                self.store.close()
+            except Exception:
+                log.exception("kvcached shutdown: closing the store failed")
             self.store = None
+        if self.tracer is not None:
+            try:
+                await asyncio.to_thread(self.tracer.shutdown)
+            except Exception:
+                log.exception("kvcached shutdown: the tracer's shutdown failed")
 
     def _addr(self, listen: str | None, port: int) -> str | None:
         if listen is None or not port:

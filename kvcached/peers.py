@@ -11,7 +11,9 @@ Connections are kept per peer address and reused (the handshake costs a round tr
 a connection that failed or timed out is dropped and the next fetch dials again.
 
 mTLS: the client verifies the server certificate against the CA and the address's host (aioquic's own
-check). aioquic has no setting that makes a *server* require a client certificate (its
+check), then, before its first request, that the certificate names the ``kvcached`` role
+(:data:`certs.roles.SERVERS`; another role: the connection is closed and the peer is unavailable).
+aioquic has no setting that makes a *server* require a client certificate (its
 ``_request_client_certificate`` is marked "for test purposes only" and, when set, still neither rejects an
 empty certificate nor verifies the chain), so :func:`_require_client_cert` hooks each server connection's
 TLS context: it requests a certificate, rejects an empty one with ``certificate_required``, and after
@@ -26,7 +28,10 @@ pinned by the tests that reject a client without a valid certificate.
 Bounds: per connection at most ``max_concurrent_streams`` requests are served at once (the QUIC
 ``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
 ``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
-connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. Timeouts:
+connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. The client
+keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
+(STOP_SENDING) past one largest record per digest asked; a fetch cancelled by its caller sends
+STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
 dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
 else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
 
@@ -73,7 +78,7 @@ from kvcached.wire import (
     frame_header,
     max_request_bytes,
 )
-from runtime.identity import KVCACHED_PEERS, certificate_uris, permits
+from runtime.identity import KVCACHED_PEERS, certificate_uris, permits, serves
 from runtime.tls import ClientTlsFiles, Pem, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,11 @@ HIGH_WATER_BYTES = 4 * 1024 * 1024
 """Unacknowledged bytes a server stream may queue before its sender waits for acknowledgements."""
 STREAM_WINDOW_BYTES = 16 * 1024 * 1024
 """Client receive window per stream (QUIC flow control; aioquic's 1 MiB default caps throughput)."""
+REQUEST_WINDOW_BYTES = max_request_bytes()
+"""Server receive window per request stream: one largest request. aioquic doubles a window once more than
+half of it arrived and zero-fills gaps before out-of-order data, so with the check on each stream's highest
+offset (past :func:`~kvcached.wire.max_request_bytes`: refused) a request stream makes the server hold at
+most about twice this, however its client sends."""
 CONNECTION_WINDOW_BYTES = 64 * 1024 * 1024
 """Client receive window per connection."""
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
@@ -96,6 +106,10 @@ DATAGRAM_BYTES_MAX = 65_000
 minus 28 bytes (:mod:`kvcached.datagrams`). Fewer, larger packets cut aioquic's per-packet Python cost."""
 ERR_BAD_REQUEST = 0x1
 """Application error code of a stream reset for a malformed request."""
+ERR_INTERNAL = 0x2
+"""Application error code of a response stream the server could not finish (an unexpected error)."""
+ERR_CANCELLED = 0x3
+"""Application error code of a STOP_SENDING from a client that no longer wants the response."""
 
 
 class BlockSource(Protocol):
@@ -231,6 +245,9 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._terminated = False
         bound = server.max_concurrent_streams
         quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
+        # Request streams (the client's) get a window of one largest request, not the client's 16 MiB:
+        # aioquic zero-fills a gap up to out-of-order data, so the window bounds what a stream allocates.
+        quic._local_max_stream_data_bidi_remote = REQUEST_WINDOW_BYTES
         _require_client_cert(quic, server.configuration(), self._mark_authenticated, self._count_rejected)
 
     def _mark_authenticated(self) -> None:
@@ -238,7 +255,18 @@ class _ServerProtocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
+        self._refuse_oversized_requests()
         self._wake()
+
+    def _refuse_oversized_requests(self) -> None:
+        """Refuse every request stream whose highest offset seen is past the largest request: aioquic grows
+        a stream's window as data arrives (doubling it past half) and zero-fills gaps, so a client sending
+        out of order could otherwise make the server hold buffers of its growing window."""
+        limit = max_request_bytes()
+        for sid, stream in list(self._quic._streams.items()):
+            receiver = stream.receiver
+            if sid % 4 == 0 and not receiver.is_finished and receiver.highest_offset > limit:
+                self._refuse_request(sid, f"stream offset {receiver.highest_offset} past {limit}")
 
     def _wake(self) -> None:
         for waiter in self._wakeups:
@@ -283,17 +311,26 @@ class _ServerProtocol(QuicConnectionProtocol):
         buf = self._requests.setdefault(sid, bytearray())
         buf += event.data
         if len(buf) > max_request_bytes():
-            self._server.bad_requests += 1
-            del self._requests[sid]
-            self._quic.reset_stream(sid, ERR_BAD_REQUEST)
-            self._quic.stop_stream(sid, ERR_BAD_REQUEST)
-            self.transmit()
+            self._refuse_request(sid, f"request over {max_request_bytes()} bytes")
             return
         if event.end_stream:
             raw = bytes(self._requests.pop(sid))
             task = asyncio.get_running_loop().create_task(self._serve(sid, raw))
             self._tasks[sid] = task
             task.add_done_callback(partial(self._forget, sid))
+
+    def _refuse_request(self, sid: int, why: str) -> None:
+        """Count a request stream as bad, drop what it sent, reset and stop it (``ERR_BAD_REQUEST``)."""
+        self._server.bad_requests += 1
+        log.info("bad peer request on stream %d: %s", sid, why)
+        self._requests.pop(sid, None)
+        stream = self._quic._streams.get(sid)
+        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
+        self._quic.reset_stream(sid, ERR_BAD_REQUEST)
+        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+        self.transmit()
 
     def _forget(self, sid: int, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(sid, None)
@@ -313,6 +350,23 @@ class _ServerProtocol(QuicConnectionProtocol):
                 await self._respond(sid, digests)
             except (ConnectionError, RuntimeError) as exc:  # connection gone, or stream reset by the peer
                 log.debug("peer response on stream %d abandoned: %s", sid, exc)
+                self._end_with_error(sid)
+            except Exception as exc:  # a bug or an untranslated store error: end the stream, not the task
+                self._server.errors += 1
+                log.error("peer response on stream %d failed: unexpected %s", sid, type(exc).__name__)
+                self._end_with_error(sid)
+
+    def _end_with_error(self, sid: int) -> None:
+        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it; a no-op
+        when the stream already ended or was reset, or the connection is gone."""
+        if self._terminated:
+            return
+        try:
+            self._quic.reset_stream(sid, ERR_INTERNAL)
+        except (ValueError, RuntimeError) as exc:  # a stream that cannot be reset any more
+            log.debug("cannot reset peer stream %d: %s", sid, exc)
+            return
+        self.transmit()
 
     async def _respond(self, sid: int, digests: list[bytes]) -> None:
         """Send a frame per held block of ``digests`` in order, then end the stream."""
@@ -397,6 +451,8 @@ class PeerServer:
         self._server: QuicServer | None = None
         self._protocols: set[_ServerProtocol] = set()
         self.requests = self.served_blocks = self.served_bytes = self.rejected = self.bad_requests = 0
+        self.errors = 0
+        """Responses ended early by an unexpected error (the stream is reset with ``ERR_INTERNAL``)."""
         self.encode: Callable[[bytes, bytes], bytes] = encode_record
         """How a block becomes a record (a seam for tests that inject corruption)."""
 
@@ -436,9 +492,11 @@ class PeerServer:
         return self._bucket.reserve(nbytes, asyncio.get_running_loop().time())
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests."""
+        """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests,
+        responses ended by an unexpected error."""
         return {
             "requests": self.requests,
+            "errors": self.errors,
             "served_blocks": self.served_blocks,
             "served_bytes": self.served_bytes,
             "rejected": self.rejected,
@@ -458,13 +516,34 @@ class PeerServer:
 
 @dataclass(slots=True)
 class _Fetch:
-    """One request stream on the client: frames received so far and when bytes last arrived."""
+    """One request stream on the client: frames received so far and when bytes last arrived.
+
+    ``wanted``: the digests asked for; a frame of another digest, or a second frame of one, is dropped as
+    it completes (counted in ``unasked``). ``max_bytes``: what the whole response may carry (a frame per
+    digest asked, each at most the largest record): past it the stream is abandoned, so a peer cannot make
+    the client buffer more than one record per digest asked."""
 
     reader: FrameReader
     done: asyncio.Future[None]
     progress_at: float
+    wanted: frozenset[bytes] = frozenset()
+    max_bytes: int = 0
     frames: list[Frame] = field(default_factory=list)
+    received: int = 0
+    unasked: int = 0
     torn: bool = False
+
+    def take(self, data: bytes) -> bool:
+        """Feed ``data``; keep each completed frame of a digest asked for and not yet received. False when
+        the response exceeded ``max_bytes`` (the bytes within it are still fed)."""
+        room = self.max_bytes - self.received
+        self.received += len(data)
+        for frame in self.reader.feed(data[: max(room, 0)]):  # whole frames before a bad one count
+            if frame.digest in self.wanted and all(f.digest != frame.digest for f in self.frames):
+                self.frames.append(frame)
+            else:
+                self.unasked += 1
+        return self.received <= self.max_bytes
 
 
 class _ClientProtocol(QuicConnectionProtocol):
@@ -481,7 +560,9 @@ class _ClientProtocol(QuicConnectionProtocol):
             if fetch is None or fetch.done.done():
                 return
             fetch.progress_at = self._loop.time()
-            fetch.frames.extend(fetch.reader.feed(event.data))  # whole frames before a bad one count
+            if not fetch.take(event.data):
+                self._abandon(event.stream_id, fetch, f"more than the {fetch.max_bytes} bytes asked for")
+                return
             if fetch.reader.broken is not None:
                 self._abandon(event.stream_id, fetch, fetch.reader.broken)
                 return
@@ -500,10 +581,20 @@ class _ClientProtocol(QuicConnectionProtocol):
                     fetch.done.set_exception(PeerUnavailable(f"connection closed: {self.closed_reason}"))
 
     def _abandon(self, sid: int, fetch: _Fetch, why: str) -> None:
-        log.warning("peer sent a malformed frame on stream %d (%s): abandoning the stream", sid, why)
+        log.warning("peer sent a malformed response on stream %d (%s): abandoning the stream", sid, why)
         fetch.torn = True
         fetch.done.set_result(None)
-        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+        self.stop(sid, ERR_BAD_REQUEST)
+
+    def stop(self, sid: int, code: int) -> None:
+        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now; a
+        no-op for a stream that already ended or a connection that is gone."""
+        if self.is_closed:
+            return
+        try:
+            self._quic.stop_stream(sid, code)
+        except ValueError:  # the stream finished and was discarded
+            return
         self.transmit()
 
     @property
@@ -574,11 +665,7 @@ class PeerClient:
             async with self._in_flight:
                 link = await self._link(address, host, port)
                 frames = await self._request(address, link, chunk)
-            requested = set(chunk)
-            for digest, head, body in frames:
-                if digest not in requested or digest in out:
-                    log.warning("peer %s sent a block that was not asked for: dropped", address)
-                    continue
+            for digest, head, body in frames:  # each asked for, once (_Fetch.take)
                 try:
                     out[digest] = verify_record(digest, head, body)
                 except CorruptBlock as exc:
@@ -634,13 +721,20 @@ class PeerClient:
             self.unavailable += 1
             why = protocol.closed_reason or f"no handshake within {self.timeout_s}s"
             raise PeerUnavailable(f"peer {address} unavailable: {why}") from exc
+        cert = protocol._quic.tls._peer_certificate
+        if cert is None or not serves(KVCACHED_PEERS, certificate_uris(cert)):  # nothing was asked yet
+            link.close()
+            self.unavailable += 1
+            log.warning("peer %s refused: its certificate does not name the kvcached role", address)
+            raise PeerUnavailable(f"peer {address}: its certificate does not name the kvcached role")
         return link
 
     async def _request(self, address: str, link: _Link, digests: list[bytes]) -> list[Frame]:
         protocol, quic, loop = link.protocol, link.protocol._quic, asyncio.get_running_loop()
         sid = quic.get_next_available_stream_id()
         reader = FrameReader(self.max_record_bytes, head_bytes=HEADER_BYTES)
-        fetch = _Fetch(reader, loop.create_future(), loop.time())
+        max_bytes = len(digests) * (FRAME_HEADER_BYTES + self.max_record_bytes)
+        fetch = _Fetch(reader, loop.create_future(), loop.time(), frozenset(digests), max_bytes)
         protocol.fetches[sid] = fetch
         try:
             quic.send_stream_data(sid, encode_request(digests), end_stream=True)
@@ -662,8 +756,13 @@ class PeerClient:
             if isinstance(exc, PeerUnavailable):
                 raise PeerUnavailable(f"peer {address}: {exc}") from exc
             raise PeerUnavailable(f"peer {address}: no progress within {self.timeout_s}s") from exc
+        except asyncio.CancelledError:  # the caller gave up (another peer answered first): stop the sender
+            protocol.stop(sid, ERR_CANCELLED)
+            raise
         finally:
             del protocol.fetches[sid]
+        if fetch.unasked:
+            log.warning("peer %s sent %d blocks that were not asked for: dropped", address, fetch.unasked)
         if fetch.torn:
             log.warning("peer %s ended a response mid-frame: the torn block is a miss", address)
         return fetch.frames

@@ -68,6 +68,10 @@ class RamTier:
         if digest in self._blocks:
             self._blocks.move_to_end(digest)
 
+    def peek(self, digest: bytes) -> bytes | None:
+        """The block, recency unchanged; ``None`` when absent."""
+        return self._blocks.get(digest)
+
     def victims_for(self, n_bytes: int) -> list[bytes]:
         """The least recently used digests to evict so that ``n_bytes`` more fit (not yet evicted)."""
         over = self.bytes + n_bytes - self.capacity_bytes

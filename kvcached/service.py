@@ -3,7 +3,10 @@
 Bad input (a digest that is not 16 bytes, a block over ``max_block_bytes``, a checksum that does not
 match the bytes, an undecodable message) is answered ``INVALID_ARGUMENT`` with the reason; nothing is
 stored. A message over the gRPC limit (``max_block_bytes`` + 1 MiB) is refused by gRPC itself with
-``RESOURCE_EXHAUSTED``.
+``RESOURCE_EXHAUSTED``. A store failure (:class:`~kvcached.errors.KvcachedError`: a disk that refuses a
+write) is ``INTERNAL`` with its reason; any other exception is ``INTERNAL`` with a generic message and is
+logged by type and place only (its message may quote the request). Every answer is counted in
+``kvcached_requests_total{method,code}``.
 
 Get on a local miss, when peers are known and the request allows it, asks every peer at once over QUIC
 (:class:`~kvcached.peers.PeerClient`; only verified blocks come back), takes the first answer, stores
@@ -29,6 +32,7 @@ import logging
 import os
 import stat
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -72,6 +76,16 @@ _encoder = msgspec.msgpack.Encoder()
 
 #: The methods of the fetch path, traced when tracing is on.
 TRACED_METHODS = ("Get", "Contains")
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line in function`` where ``exc`` was raised: enough to find the bug, while the message,
+    which may quote a request's bytes, stays out of the log."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    last = frames[-1]
+    return f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
 
 
 def _server_span(tracer: Tracer, name: str, context: Any) -> Span:
@@ -153,6 +167,9 @@ class KvcachedService:
             except KvcachedError as exc:
                 code, message = grpc.StatusCode.INTERNAL, f"{method}: {exc}"
                 log.warning("%s failed: %s", method, exc)
+            except Exception as exc:  # a bug or an untranslated library error: answered, counted, logged
+                code, message = grpc.StatusCode.INTERNAL, f"{method}: internal error"
+                log.error("%s failed: unexpected %s at %s", method, type(exc).__name__, _where(exc))
             finally:
                 seconds.observe(time.perf_counter() - started)
                 if span is not None:

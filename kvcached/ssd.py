@@ -170,7 +170,7 @@ class SsdTier:
         if n_junk:
             log.warning("ssd tier: dropping %d stray or duplicate index entries", n_junk)
             db.write(junk, self._write)
-        victims = self._victims_for(0)
+        victims = self._victims_over(0)
         self._evict(victims)
         log.info("ssd tier: %d blocks, %d bytes held after open", len(self._index), self.bytes)
         return victims
@@ -206,7 +206,7 @@ class SsdTier:
         a failed one (the caller counts and reports it)."""
         if digest not in self._index:
             return None
-        raw = self._live().get(record_key(digest))
+        raw = self._read(digest)
         if not isinstance(raw, bytes):
             self.delete(digest)
             raise CorruptBlock("index entry without a record")
@@ -233,22 +233,42 @@ class SsdTier:
         charge = len(record) + KEY_BYTES
         if charge > self.capacity_bytes:
             raise ValueError(f"record of {len(record)} bytes exceeds the SSD budget of {self.capacity_bytes}")
-        victims = self._victims_for(charge)
+        victims = self._victims_over(charge)
         evicted = [Evicted(v, self._read_intact(v) if with_data else None) for v in victims]
         batch = self._evict_batch(victims)
         key = index_key(self._seq, digest, len(record))
-        self._seq += 1
         batch.put(record_key(digest), record)
         batch.put(key, b"")
-        self._live().write(batch, self._write)
+        self._commit(batch, f"write block {digest.hex()}")
+        self._drop_index(victims)  # only now: a failed write changed nothing
+        self._seq += 1
         self._index[digest] = key
         self.bytes += charge
         return evicted
 
+    def victims_for(self, payload_bytes: int) -> list[bytes]:
+        """The least recently used digests a put of a new block of ``payload_bytes`` would evict (nothing
+        changes)."""
+        return self._victims_over(record_bytes(payload_bytes) + KEY_BYTES)
+
+    def peek(self, digest: bytes) -> bytes | None:
+        """The verified payload of a held block, recency unchanged; ``None`` when absent or not intact (a
+        record that fails verification is left for its eviction to delete)."""
+        return self._read_intact(digest) if digest in self._index else None
+
+    def _commit(self, batch: WriteBatch, what: str) -> None:
+        """Write ``batch`` (atomic); :class:`KvcachedError` when RocksDB refuses it (disk full, read-only
+        file system, IO error), with nothing written."""
+        db = self._live()
+        try:
+            db.write(batch, self._write)
+        except Exception as exc:  # rocksdict raises bare Exception
+            raise KvcachedError(f"{self.name} tier: cannot {what}: {exc}") from exc
+
     def _read_intact(self, digest: bytes) -> bytes | None:
         """The verified payload of a held block about to be evicted (recency unchanged); ``None`` when
         its record is missing or fails verification (it is being deleted anyway)."""
-        raw = self._live().get(record_key(digest))
+        raw = self._read(digest)
         if not isinstance(raw, bytes):
             return None
         try:
@@ -264,7 +284,16 @@ class SsdTier:
         self._evict([digest])
         return True
 
-    def _victims_for(self, n_bytes: int) -> list[bytes]:
+    def _read(self, digest: bytes) -> object:
+        """The raw record of ``digest`` (``None`` when missing); :class:`KvcachedError` on an IO error."""
+        db = self._live()
+        try:
+            return db.get(record_key(digest))
+        except Exception as exc:  # rocksdict raises bare Exception
+            raise KvcachedError(f"{self.name} tier: cannot read block {digest.hex()}: {exc}") from exc
+
+    def _victims_over(self, n_bytes: int) -> list[bytes]:
+        """The least recently used digests to evict so that ``n_bytes`` more are within the budget."""
         over = self.bytes + n_bytes - self.capacity_bytes
         out: list[bytes] = []
         for digest, key in self._index.items():
@@ -275,22 +304,36 @@ class SsdTier:
         return out
 
     def _evict_batch(self, digests: list[bytes]) -> WriteBatch:
-        """A batch deleting the blocks ``digests`` (dropped from the index now)."""
+        """A batch deleting the blocks ``digests`` (the index is unchanged: :meth:`_drop_index` after the
+        write succeeded)."""
         batch = WriteBatch(raw_mode=True)
         for digest in digests:
-            key = self._index.pop(digest)
-            self.bytes -= _charge(key)
             batch.delete(record_key(digest))
-            batch.delete(key)
+            batch.delete(self._index[digest])
         return batch
+
+    def _drop_index(self, digests: list[bytes]) -> None:
+        for digest in digests:
+            self.bytes -= _charge(self._index.pop(digest))
 
     def _evict(self, digests: list[bytes]) -> None:
         if digests:
-            self._live().write(self._evict_batch(digests), self._write)
+            self._commit(self._evict_batch(digests), f"delete {len(digests)} blocks")
+            self._drop_index(digests)
 
     def close(self) -> None:
-        """Flush the memtable and close the database (idempotent)."""
-        if self._db is not None:
-            db, self._db = self._db, None
+        """Flush the memtable and close the database (idempotent). A failed flush is logged (what it
+        lost is in the WAL, replayed at the next open) and the database is closed anyway; a failed close
+        raises :class:`KvcachedError`, and the tier counts as closed either way."""
+        db = self._db
+        if db is None:
+            return
+        try:
             db.flush()
+        except Exception as exc:  # rocksdict raises bare Exception
+            log.warning("%s tier: flush at close failed (the WAL keeps the writes): %s", self.name, exc)
+        self._db = None
+        try:
             db.close()
+        except Exception as exc:
+            raise KvcachedError(f"{self.name} tier: cannot close the database: {exc}") from exc

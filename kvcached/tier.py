@@ -16,7 +16,10 @@ Contract of a tier (the store relies on each point):
 * ``get`` serves only verified bytes: a tier that can hold torn or damaged data verifies every read,
   deletes a record that fails and raises :class:`~kvcached.errors.CorruptBlock`; the store counts it and
   treats it as a miss in that tier.
-* ``get`` refreshes recency, ``touch`` does too, membership tests and iteration do not.
+* ``get`` refreshes recency, ``touch`` does too, membership tests, iteration, ``peek`` and
+  ``victims_for`` do not; ``put`` evicts exactly what ``victims_for`` named just before.
+* A write that fails (disk full, read-only, IO error) raises :class:`~kvcached.errors.KvcachedError` and
+  leaves the tier as it was.
 * Single-threaded: the store calls a tier from one thread at a time.
 """
 
@@ -83,6 +86,16 @@ class Tier(Protocol):
         """Make ``digest`` (if held) the most recently used."""
         ...
 
+    def peek(self, digest: bytes) -> bytes | None:
+        """The verified payload, recency unchanged; ``None`` when absent or not intact (read for a
+        demotion: nothing is deleted)."""
+        ...
+
+    def victims_for(self, payload_bytes: int) -> list[bytes]:
+        """The digests a :meth:`put` of a new block of ``payload_bytes`` would evict, least recently used
+        first, in that order (nothing changes): the store demotes them before the put."""
+        ...
+
     def put(
         self, digest: bytes, data: bytes, *, data_checksum: bytes | None = None, with_data: bool = False
     ) -> list[Evicted]:
@@ -90,7 +103,8 @@ class Tier(Protocol):
         recently used first. ``data_checksum``: the payload's 16-byte BLAKE3 (:func:`kvcached.block.checksum`)
         when the caller already verified it, so a tier that stores checksums need not compute it again.
         ``with_data``: the caller wants the evicted payloads (it demotes them); a tier that holds them in
-        memory returns them regardless. :class:`ValueError` when the block does not :meth:`fits`."""
+        memory returns them regardless. :class:`ValueError` when the block does not :meth:`fits`. A put
+        that fails (:class:`~kvcached.errors.KvcachedError`: a full or read-only disk) changes nothing."""
         ...
 
     def delete(self, digest: bytes) -> bool:

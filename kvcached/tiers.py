@@ -24,8 +24,14 @@ put (RAM is never torn); every SSD read is verified (:mod:`kvcached.block`), and
 deleted, counted under ``<tier>_corrupt``, logged and answered as a miss in that tier, never served.
 
 Listener: :class:`~kvcached.tier.StoreListener` hears every change of what a tier holds, after the store
-changed, digests batched per tier and per operation (``on_removed("ram", [...])`` then
-``on_stored("ssd", [...])`` for a demotion, ...). The daemon turns them into index events
+changed, digests batched per tier and per operation (``on_stored("ssd", [...])`` then
+``on_removed("ram", [...])`` for a demotion: what a put evicts is demoted before the put, so a block is
+never announced in neither tier).
+
+A write a tier refuses (a full or read-only disk: :class:`KvcachedError`) fails the call with nothing half
+done: a failed demotion leaves the faster tier as it was (the put that needed the room fails, its block
+stored nowhere), a failed put leaves its victims demoted and still held, a failed write-through stores
+nothing; every change that was made is announced. The daemon turns them into index events
 (``Stored``/``Removed`` with tier ``ram``/``ssd``).
 
 Thread-safety: none. The store is driven from one thread (the daemon's event loop, or a worker thread
@@ -40,7 +46,7 @@ from pathlib import Path
 
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import check_digest, checksum
-from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError
+from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError
 from kvcached.ram import RamTier
 from kvcached.ssd import SsdTier
 from kvcached.tier import TIER_SSD, Evicted, StoreListener, Tier
@@ -151,32 +157,55 @@ class TieredStore:
             return
         for i, tier in enumerate(self._tiers):
             if tier.fits(len(data)):
-                self._store(i, [(digest, data)], data_checksum=summed)
-                if self.write_through:
+                if self.write_through:  # the slower copy first: a failed write leaves nothing behind
                     j = self._fastest_fitting(len(data), range(i + 1, len(self._tiers)))
                     if j is not None and digest not in self._tiers[j]:
                         self._store(j, [(digest, data)], data_checksum=summed)
+                self._store(i, [(digest, data)], data_checksum=summed)
                 return
         raise BadRequest(f"block of {len(data)} bytes is larger than every tier's budget")
 
     def _store(
-        self, i: int, blocks: list[tuple[bytes, bytes]], *, data_checksum: bytes | None = None
+        self,
+        i: int,
+        blocks: list[tuple[bytes, bytes]],
+        *,
+        data_checksum: bytes | None = None,
+        demoted_from: int | None = None,
     ) -> None:
-        """Put ``blocks`` (each fits) into tier ``i`` and demote what that evicts; then announce them.
-        ``data_checksum``: the verified checksum of the only block (a client's put)."""
+        """Put ``blocks`` (each fits) into tier ``i``, one at a time: what a put will evict is demoted
+        first, then the put is made, then announced. A failed write (:class:`KvcachedError`, a full or
+        read-only disk) raises with every step before it complete and announced and nothing half done: a
+        failed demotion leaves tier ``i`` untouched (its victims stay where they were), a failed put leaves
+        them in both tiers. ``data_checksum``: the verified checksum of the only block (a client's put);
+        ``demoted_from``: the faster tier the blocks are demoted from (each stored one is counted)."""
         assert data_checksum is None or len(blocks) == 1
         tier = self._tiers[i]
         below = i + 1 < len(self._tiers)
-        evicted: list[Evicted] = []
-        for digest, data in blocks:
-            evicted.extend(tier.put(digest, data, data_checksum=data_checksum, with_data=below))
-        if evicted:
-            # a block of this batch evicted by a later one was never announced: do not remove it
-            new = {digest for digest, _ in blocks}
-            self._counts[tier.name]["evictions"] += len(evicted)
-            self._emit_removed(tier.name, [e.digest for e in evicted if e.digest not in new])
-            self._demote(i, evicted)
-        self._emit_stored(tier.name, [digest for digest, _ in blocks if digest in tier])
+        stored: list[bytes] = []
+        removed: list[bytes] = []
+        try:
+            for digest, data in blocks:
+                if digest in tier:
+                    tier.touch(digest)
+                    continue
+                if below:
+                    victims = tier.victims_for(len(data))
+                    self._demote(i, [Evicted(v, tier.peek(v)) for v in victims])
+                evicted = tier.put(digest, data, data_checksum=data_checksum)
+                self._counts[tier.name]["evictions"] += len(evicted)
+                for gone in evicted:
+                    if gone.digest in stored:  # a block of this batch evicted by a later one: never announced
+                        stored.remove(gone.digest)
+                    else:
+                        removed.append(gone.digest)
+                stored.append(digest)
+                if demoted_from is not None:
+                    self._counts[self._tiers[demoted_from].name]["demotions"] += 1
+                    self._counts[tier.name]["demotions"] += 1
+        finally:
+            self._emit_removed(tier.name, removed)
+            self._emit_stored(tier.name, stored)
 
     def _demote(self, i: int, evicted: list[Evicted]) -> None:
         """Write tier ``i``'s evictions each into the next slower tier that fits it, unless that tier
@@ -189,17 +218,15 @@ class TieredStore:
             if j is not None and digest not in self._tiers[j]:
                 moving.setdefault(j, []).append((digest, data))
         for j, blocks in sorted(moving.items()):
-            self._counts[self._tiers[i].name]["demotions"] += len(blocks)
-            self._counts[self._tiers[j].name]["demotions"] += len(blocks)
-            self._store(j, blocks)
+            self._store(j, blocks, demoted_from=i)
 
     def _promote(self, i: int, digest: bytes, data: bytes) -> None:
         """Copy a block served from tier ``i`` into the fastest tier above it that fits (kept in ``i``)."""
         j = self._fastest_fitting(len(data), range(i))
         if j is not None:
+            self._store(j, [(digest, data)])
             self._counts[self._tiers[i].name]["promotions"] += 1
             self._counts[self._tiers[j].name]["promotions"] += 1
-            self._store(j, [(digest, data)])
 
     def _fastest_fitting(self, payload_bytes: int, among: range) -> int | None:
         return next((j for j in among if self._tiers[j].fits(payload_bytes)), None)
@@ -237,7 +264,10 @@ class TieredStore:
             counts["hits"] += 1
             for slower in self._tiers[i + 1 :]:
                 slower.touch(digest)
-            self._promote(i, digest, data)
+            try:
+                self._promote(i, digest, data)
+            except KvcachedError as exc:  # a demotion the disk refused: the verified block is served anyway
+                log.warning("%s tier: block %s served unpromoted: %s", tier.name, digest.hex(), exc)
             return data
         return None
 

@@ -44,6 +44,7 @@ __all__ = [
     "hop_callers",
     "peercert_uris",
     "permits",
+    "serves",
 ]
 
 

@@ -468,3 +468,25 @@ async def test_peer_down_is_a_timely_miss(
     assert await b.get(digest(201)) is None
     assert time.monotonic() - started < 1.0  # no peer left to ask
     assert json.loads(json.dumps(await b.stats()))["peer_unavailable"] >= 1
+
+
+async def test_shutdown_goes_on_when_the_store_fails_to_close(tmp_path: Path) -> None:
+    """A store whose close raises (a disk gone read-only) is logged: the tracer is still shut down and the
+    daemon lets go of the store."""
+    calls: list[str] = []
+
+    class BrokenStore:
+        def close(self) -> None:
+            calls.append("store")
+            raise KvcachedError("ssd tier: cannot close the database: IO error")
+
+    class Tracer:
+        def shutdown(self) -> None:
+            calls.append("tracer")
+
+    daemon = Daemon(KvcachedConfig("a", RAM_BYTES, listen_unix=str(tmp_path / "a.sock")))
+    daemon.store = BrokenStore()  # type: ignore[assignment]
+    daemon.tracer = Tracer()  # type: ignore[assignment]
+    await daemon.aclose()
+    assert calls == ["store", "tracer"]
+    assert daemon.store is None

@@ -11,7 +11,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -542,3 +542,172 @@ async def test_rotated_certificates_are_presented_by_the_next_connection(pki: Pk
             await c.aclose()
         for s in (first, second):
             await s.aclose()
+
+
+async def test_an_unexpected_store_error_ends_the_stream_not_the_connection(pki: Pki) -> None:
+    """A store read that raises something unexpected resets that response stream (ERR_INTERNAL): the
+    client's fetch is a prompt miss, not a wait for its timeout, and the connection stays usable."""
+
+    class Broken(DictStore):
+        def get(self, d: bytes) -> bytes | None:
+            if d == digest(2):
+                raise Exception("IO error: Input/output error")  # as rocksdict raises
+            return super().get(d)
+
+    server = server_for(Broken({digest(1): b"x" * 1000}), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        assert await client.fetch(address, [digest(2)]) == {}
+        assert time.monotonic() - started < 2.0
+        assert server.stats()["errors"] == 1
+        assert await client.fetch(address, [digest(1)]) == {digest(1): b"x" * 1000}
+        assert server.stats()["connections"] == 1
+        assert client.stats()["unavailable"] == 0
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def _until(probe: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether ``probe`` came true within ``timeout_s`` (polled: a condition on the server's state)."""
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)  # poll interval of the condition, not a stand-in for it
+    return True
+
+
+def _serving(server: PeerServer) -> bool:
+    return any(p._tasks for p in server._protocols)
+
+
+def _frame(d: bytes, data: bytes) -> bytes:
+    record = encode_record(d, data)
+    return frame_header(d, len(record)) + record
+
+
+async def test_unasked_and_duplicate_frames_are_dropped_as_they_arrive(pki: Pki) -> None:
+    """Sans-IO on the client's stream state: a frame of a digest not asked for, or a second frame of one,
+    is not kept even while the stream goes on; past one record per digest asked the stream is abandoned."""
+    client = client_for(pki.b, max_block_bytes=4096)
+    fetch = peers._Fetch(
+        FrameReader(client.max_record_bytes, head_bytes=HEADER_BYTES),
+        asyncio.get_running_loop().create_future(),
+        0.0,
+        frozenset({digest(1), digest(2)}),
+        2 * (len(frame_header(digest(1), 0)) + client.max_record_bytes),
+    )
+    assert fetch.take(_frame(digest(1), b"a" * 1000))
+    assert fetch.take(_frame(digest(1), b"a" * 1000) + _frame(digest(9), b"z" * 1000))
+    assert [f.digest for f in fetch.frames] == [digest(1)] and fetch.unasked == 2
+    assert fetch.take(_frame(digest(2), b"b" * 1000))
+    assert [f.digest for f in fetch.frames] == [digest(1), digest(2)]
+    while fetch.take(_frame(digest(2), b"b" * 1000)):  # a flood of duplicates: cut off at the budget
+        assert len(fetch.frames) == 2
+    assert fetch.received > fetch.max_bytes and len(fetch.frames) == 2
+    # a chunk that crosses the budget still delivers the whole frames within it
+    one = peers._Fetch(
+        FrameReader(client.max_record_bytes, head_bytes=HEADER_BYTES),
+        asyncio.get_running_loop().create_future(),
+        0.0,
+        frozenset({digest(1)}),
+        len(_frame(digest(1), b"a" * 1000)) + 10,
+    )
+    assert not one.take(_frame(digest(1), b"a" * 1000) + _frame(digest(1), b"a" * 1000))
+    assert [f.digest for f in one.frames] == [digest(1)]
+
+
+async def test_a_flooding_peer_has_its_stream_abandoned(pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flood.py's shape: the server sends duplicate frames of the one digest asked for without end. The
+    client keeps the first, abandons the stream at its byte budget (STOP_SENDING), and the server's
+    response task is stopped long before it sent them all."""
+    frames = 1000
+    block = b"z" * 16_000
+
+    async def flood(self: peers._ServerProtocol, sid: int, digests: list[bytes]) -> None:
+        frame = _frame(digests[0], block)
+        for _ in range(frames):
+            await self._send(sid, frame)
+        self._quic.send_stream_data(sid, b"", end_stream=True)
+        self.transmit()
+
+    monkeypatch.setattr(peers._ServerProtocol, "_respond", flood)
+    server = server_for(DictStore(), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0, max_block_bytes=16_000)
+    try:
+        assert await client.fetch(address, [digest(1)]) == {digest(1): block}
+        assert await _until(lambda: not _serving(server), 5.0)  # our STOP_SENDING ended its task
+        # what the server queued before STOP_SENDING arrived (HIGH_WATER_BYTES unacknowledged), not 16 MB
+        assert server.stats()["served_bytes"] < peers.HIGH_WATER_BYTES + 2 * peers.CHUNK_BYTES
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_cancelled_fetch_stops_the_sender(pki: Pki) -> None:
+    """cancel.py's shape: a fetch cancelled mid-response (another peer answered first) sends STOP_SENDING,
+    so the server stops sending instead of pushing the whole block."""
+    size = 16 << 20
+    server = server_for(DictStore({digest(1): b"z" * size}), pki.a, egress_bytes_per_s=8e6)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.stats()["served_bytes"] >= 1 << 20, 5.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _until(lambda: not _serving(server), 1.0)  # the whole block would take ~2 s
+        assert server.stats()["served_bytes"] < size // 2
+        assert await client.fetch(address, []) == {}
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_request_streams_get_a_small_window_and_out_of_order_data_past_a_request_is_refused(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """aioquic zero-fills a stream's gap before out-of-order data: the server grants a request stream one
+    largest request of window (not 16 MiB), and a stream whose data reaches past a largest request (the
+    window grows as data arrives) is reset and stopped, without waiting for its gap to be filled."""
+    server, store, address = served
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        window = max_request_bytes()
+        assert quic._remote_max_stream_data_bidi_remote == window
+        sid = quic.get_next_available_stream_id()
+        end = 2 * window - 10  # past a largest request, within the window once it has doubled
+        quic.send_stream_data(sid, bytes(end))
+        sender = quic._streams[sid].sender
+        sender._pending.subtract(0, window - 100)  # send only 100 bytes below the window, then the tail
+        sender._pending.subtract(window, end - 100)
+        link.protocol.transmit()
+        assert await _until(lambda: server.stats()["bad_requests"] == 1, 5.0)
+        assert await client.fetch(address, [digest(1)]) == {digest(1): store.blocks[digest(1)]}
+        assert server.stats()["bad_requests"] == 1 and server.stats()["connections"] == 1
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("name", WRONG)
+async def test_server_cert_of_another_role_is_refused(pki: Pki, name: str) -> None:
+    """A server whose certificate chains to the CA and matches the address but names another role is not
+    asked for anything: the client closes the connection before its first request."""
+    server = server_for(DictStore({digest(1): b"x"}), pki.wrong[name])
+    port = await server.start()
+    client = client_for(pki.b)
+    try:
+        with pytest.raises(PeerUnavailable, match="kvcached role"):
+            await client.fetch(f"127.0.0.1:{port}", [digest(1)])
+        assert server.stats()["requests"] == 0 and server.stats()["served_blocks"] == 0
+        assert client.stats()["unavailable"] == 1
+    finally:
+        await client.aclose()
+        await server.aclose()

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import blake3
 import grpc
+import msgspec
 import pytest
 from prometheus_client import generate_latest
 
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
-from contracts.kvcached import GET, PUT
+from contracts.kvcached import GET, PUT, PutRequest
 from kvcached.block import checksum
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
@@ -239,3 +240,23 @@ async def test_a_rotated_client_certificate_is_presented_by_the_next_call(api: A
         assert await client.get(digest(9)) == b"nine"
     finally:
         await client.aclose()
+
+
+async def test_an_unexpected_error_is_internal_counted_and_logged_without_its_message(
+    api: Api, client: KvcachedClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_put(*_: object) -> None:
+        raise Exception("IO error: While appending to file: SECRET-BLOCK-BYTES")  # as rocksdict raises
+
+    monkeypatch.setattr(api.store, "put", broken_put)
+    with pytest.raises(KvcachedError, match="internal error"):
+        await client.put(digest(1), b"x", None)
+    async with grpc.aio.insecure_channel(f"unix:{api.sock}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await channel.unary_unary(PUT)(msgspec.msgpack.encode(PutRequest(digest(2), b"x")), timeout=5.0)
+    assert info.value.code() is grpc.StatusCode.INTERNAL
+    assert "SECRET" not in (info.value.details() or "")
+    text = generate_latest(api.service.metrics.registry).decode()
+    assert 'kvcached_requests_total{code="INTERNAL",method="Put"} 2.0' in text
+    assert "Put failed: unexpected Exception at" in caplog.text
+    assert "SECRET" not in caplog.text

@@ -80,15 +80,15 @@ def test_eviction_demotes_and_hit_promotes(store: TieredStore, rec: Recorder) ->
         ("stored", TIER_RAM, [d(0)]),
         ("stored", TIER_RAM, [d(1)]),
         ("stored", TIER_RAM, [d(2)]),
+        ("stored", TIER_SSD, [d(0)]),  # demoted before RAM drops it: never in neither tier
         ("removed", TIER_RAM, [d(0)]),
-        ("stored", TIER_SSD, [d(0)]),
         ("stored", TIER_RAM, [d(3)]),
     ]
     assert store.tier_of(d(0)) == TIER_SSD
     assert store.get(d(0)) == data(0)  # SSD hit, verified, promoted; d(1) is demoted for room
     assert rec.take() == [
-        ("removed", TIER_RAM, [d(1)]),
         ("stored", TIER_SSD, [d(1)]),
+        ("removed", TIER_RAM, [d(1)]),
         ("stored", TIER_RAM, [d(0)]),
     ]
     assert store.tier_of(d(0)) == TIER_RAM
@@ -113,9 +113,9 @@ def test_ssd_eviction_is_lru_and_reported(store: TieredStore, rec: Recorder) -> 
     rec.take()
     store.put(d(8), data(8))  # demotes d(5); the SSD drops its least recently used, d(0)
     assert rec.take() == [
-        ("removed", TIER_RAM, [d(5)]),
         ("removed", TIER_SSD, [d(0)]),
         ("stored", TIER_SSD, [d(5)]),
+        ("removed", TIER_RAM, [d(5)]),
         ("stored", TIER_RAM, [d(8)]),
     ]
     assert store.get(d(0)) is None
@@ -368,19 +368,19 @@ def test_three_tiers_demote_one_step_at_a_time(three: TieredStore, rec: Recorder
     assert rec.take() == [
         ("stored", "ram1", [d(0)]),  # d(0), d(1) fill ram1
         ("stored", "ram1", [d(1)]),
-        ("removed", "ram1", [d(0)]),  # d(2), d(3), d(4) each push ram1's oldest down into ram2
-        ("stored", "ram2", [d(0)]),
+        ("stored", "ram2", [d(0)]),  # d(2), d(3), d(4) each push ram1's oldest down into ram2
+        ("removed", "ram1", [d(0)]),
         ("stored", "ram1", [d(2)]),
-        ("removed", "ram1", [d(1)]),
         ("stored", "ram2", [d(1)]),
+        ("removed", "ram1", [d(1)]),
         ("stored", "ram1", [d(3)]),
-        ("removed", "ram1", [d(2)]),
         ("stored", "ram2", [d(2)]),
+        ("removed", "ram1", [d(2)]),
         ("stored", "ram1", [d(4)]),
-        ("removed", "ram1", [d(3)]),  # d(5): d(3) into a full ram2, which pushes d(0) into the SSD
+        ("stored", "ssd", [d(0)]),  # d(5): d(3) into a full ram2, which pushes d(0) into the SSD first
         ("removed", "ram2", [d(0)]),
-        ("stored", "ssd", [d(0)]),
         ("stored", "ram2", [d(3)]),
+        ("removed", "ram1", [d(3)]),
         ("stored", "ram1", [d(5)]),
     ]
     assert three.held() == {"ram1": [d(4), d(5)], "ram2": [d(1), d(2), d(3)], "ssd": [d(0)]}
@@ -401,19 +401,19 @@ def test_three_tiers_promote_into_the_fastest_and_keep_the_copy(three: TieredSto
     rec.take()
     assert three.get(d(0)) == data(0)  # SSD hit, promoted past ram2 into ram1; the cascade goes down again
     assert rec.take() == [
-        ("removed", "ram1", [d(4)]),
-        ("removed", "ram2", [d(1)]),
         ("stored", "ssd", [d(1)]),
+        ("removed", "ram2", [d(1)]),
         ("stored", "ram2", [d(4)]),
+        ("removed", "ram1", [d(4)]),
         ("stored", "ram1", [d(0)]),
     ]
     assert three.held() == {"ram1": [d(5), d(0)], "ram2": [d(2), d(3), d(4)], "ssd": [d(0), d(1)]}
     assert three.get(d(2)) == data(2)  # ram2 hit, promoted into ram1; d(5) goes down, pushing out d(3)
     assert rec.take() == [
-        ("removed", "ram1", [d(5)]),
-        ("removed", "ram2", [d(3)]),
         ("stored", "ssd", [d(3)]),
+        ("removed", "ram2", [d(3)]),
         ("stored", "ram2", [d(5)]),
+        ("removed", "ram1", [d(5)]),
         ("stored", "ram1", [d(2)]),
     ]
     assert three.held() == {"ram1": [d(0), d(2)], "ram2": [d(4), d(2), d(5)], "ssd": [d(0), d(1), d(3)]}
@@ -440,8 +440,8 @@ def test_put_goes_to_the_fastest_tier_that_fits_and_demotion_skips_a_tier_too_sm
         store.put(d(2), data(2, 3 * BLOCK))
         assert rec.take() == [
             ("stored", "ram1", [d(1)]),
-            ("removed", "ram1", [d(1)]),
             ("stored", "ssd", [d(1)]),
+            ("removed", "ram1", [d(1)]),
             ("stored", "ram1", [d(2)]),
         ]
         stats = store.stats()
@@ -500,3 +500,141 @@ def test_chains_are_checked(tmp_path: Path) -> None:
     assert ram_only.held() == {TIER_RAM: []}  # no SSD named: none listed (the daemon's constructor lists it)
     assert "ssd_bytes" not in ram_only.stats()
     assert TieredStore(BLOCK, None, 0).stats()["ssd_bytes"] == 0
+
+
+# -- a disk that refuses writes -------------------------------------------------------------------------
+
+
+class FailingDb:
+    """Stands in for an SSD tier's RocksDB handle: writes (and flushes) raise as RocksDB does on a full or
+    read-only disk, with nothing written; everything else goes to the real database."""
+
+    def __init__(self, db: Rdict) -> None:
+        self.db = db
+        self.fail_writes = self.fail_flush = False
+        self.closed = False
+
+    def write(self, batch: object, opts: object) -> None:
+        if self.fail_writes:
+            raise Exception("IO error: No space left on device")  # rocksdict raises a bare Exception
+        self.db.write(batch, opts)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        if self.fail_flush:
+            raise Exception("IO error: Read-only file system")
+        self.db.flush()
+
+    def close(self) -> None:
+        self.closed = True
+        self.db.close()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def _failing(ssd: SsdTier) -> FailingDb:
+    fake = FailingDb(ssd._live())
+    ssd._db = fake  # type: ignore[assignment]
+    return fake
+
+
+def test_a_failed_demotion_leaves_both_tiers_as_they_were(tmp_path: Path, rec: Recorder) -> None:
+    """RAM is full, the SSD refuses the demotion: the put fails with KvcachedError, RAM keeps its oldest
+    block, the new one is not stored (nothing unannounced), nothing is announced."""
+    ssd = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    store = TieredStore.of([RamTier(3 * BLOCK), ssd], listener=rec)
+    try:
+        for i in range(3):
+            store.put(d(i), data(i))
+        rec.take()
+        disk = _failing(ssd)
+        disk.fail_writes = True
+        with pytest.raises(KvcachedError, match="No space left"):
+            store.put(d(3), data(3))
+        assert store.held() == {TIER_RAM: [d(0), d(1), d(2)], TIER_SSD: []}
+        assert rec.take() == []
+        stats = store.stats()
+        assert (stats["ram_bytes"], stats["ram_evictions"], stats["ssd_bytes"], stats["ssd_blocks"]) == (
+            3 * BLOCK,
+            0,
+            0,
+            0,
+        )
+        disk.fail_writes = False  # the disk has room again: the same put goes through
+        store.put(d(3), data(3))
+        assert store.held() == {TIER_RAM: [d(1), d(2), d(3)], TIER_SSD: [d(0)]}
+    finally:
+        store.close()
+
+
+def test_a_failed_ssd_write_keeps_its_victims(tmp_path: Path, rec: Recorder) -> None:
+    """The SSD is full and its write fails: the records it would have evicted stay indexed, counted and
+    readable (they are still on disk), and nothing is announced."""
+    ssd = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    store = TieredStore.of([RamTier(3 * BLOCK), ssd], listener=rec)
+    try:
+        for i in range(8):
+            store.put(d(i), data(i))
+        rec.take()
+        before = store.held(), store.stats()
+        _failing(ssd).fail_writes = True
+        with pytest.raises(KvcachedError):
+            store.put(d(8), data(8))
+        assert (store.held(), store.stats()) == before
+        assert rec.take() == []
+    finally:
+        store.close()
+    again = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    try:
+        assert list(again) == [d(i) for i in range(5)]
+        assert again.bytes == 5 * RECORD
+    finally:
+        again.close()
+
+
+def test_a_failed_write_through_stores_nothing(tmp_path: Path, rec: Recorder) -> None:
+    store = TieredStore(3 * BLOCK, tmp_path / "ssd", 100 * RECORD, listener=rec, write_through=True)
+    try:
+        ssd = store._tiers[1]
+        assert isinstance(ssd, SsdTier)
+        _failing(ssd).fail_writes = True
+        with pytest.raises(KvcachedError):
+            store.put(d(1), data(1))
+        assert store.tier_of(d(1)) is None
+        assert rec.take() == []
+    finally:
+        store.close()
+
+
+def test_close_closes_the_database_when_the_flush_fails(tmp_path: Path) -> None:
+    ssd = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    ssd.put(d(1), data(1))
+    disk = _failing(ssd)
+    disk.fail_flush = True
+    ssd.close()  # logged, not raised
+    assert disk.closed
+    ssd.close()  # idempotent
+    again = SsdTier(tmp_path / "ssd", 5 * RECORD)  # the lock was released; the WAL kept the write
+    try:
+        assert again.get(d(1)) == data(1)
+    finally:
+        again.close()
+
+
+def test_a_hit_whose_promotion_fails_is_still_served(tmp_path: Path, rec: Recorder) -> None:
+    """An SSD hit is promoted into a full RAM, whose oldest block must go down to the SSD: when the disk
+    refuses that write the verified block is served all the same, unpromoted, and nothing moved."""
+    ssd = SsdTier(tmp_path / "ssd", 5 * RECORD)
+    store = TieredStore.of([RamTier(3 * BLOCK), ssd], listener=rec)
+    try:
+        for i in range(4):
+            store.put(d(i), data(i))  # ram [d1, d2, d3], ssd [d0]
+        rec.take()
+        _failing(ssd).fail_writes = True
+        assert store.get(d(0)) == data(0)
+        assert store.held() == {TIER_RAM: [d(1), d(2), d(3)], TIER_SSD: [d(0)]}
+        assert rec.take() == []
+        stats = store.stats()
+        assert (stats["ssd_hits"], stats["ssd_promotions"], stats["ram_evictions"]) == (1, 0, 1)
+    finally:
+        store.close()
