@@ -120,12 +120,14 @@ def _seconds(common: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
 
 
 def completion(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion | None:
-    """The completion ``entry`` records, or ``None`` (no upstream socket address or no request id).
-    ``duration_s`` is Envoy's request ``duration``, else the time to its last byte sent downstream."""
+    """The completion ``entry`` records, or ``None`` (no request id). ``address`` is ``""`` when the
+    request reached no upstream host (every try failed to connect): it still ends a routed request, whose
+    outstanding count it releases. ``duration_s`` is Envoy's request ``duration``, else the time to its
+    last byte sent downstream."""
     common = entry.common_properties
-    address = _upstream(common)
+    address = _upstream(common) or ""
     request_id = entry.request.request_id
-    if address is None or not request_id:
+    if not request_id:
         return None
     duration = _seconds(common, "duration")
     if duration is None:
@@ -163,7 +165,7 @@ def _count(fields: Mapping[str, Value] | None, key: str) -> int | None:
         return None
     if value.HasField("number_value"):
         number = value.number_value
-    elif value.HasField("string_value") and value.string_value.isdigit():
+    elif value.HasField("string_value") and value.string_value.isascii() and value.string_value.isdigit():
         number = float(value.string_value)
     else:
         return None
@@ -269,21 +271,28 @@ class FailedTries(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                 log_name = msg.identifier.log_name
             if log_name == FAILURE_LOG_NAME:
                 for entry in msg.http_logs.log_entry:
-                    failed = failed_try(entry)
-                    if failed is not None:
-                        if self.on_failed_try is not None:
-                            self.on_failed_try(failed)
-                        self.record(failed)
+                    self._failed(entry)
             elif log_name == COMPLETION_LOG_NAME:
                 for entry in msg.http_logs.log_entry:
                     self._complete(entry)
 
+    def _failed(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        try:
+            failed = failed_try(entry)
+            if failed is not None:
+                if self.on_failed_try is not None:
+                    self.on_failed_try(failed)
+                self.record(failed)
+        except Exception:  # one bad entry must not end Envoy's log stream (and lose the rest)
+            log.exception("failed-try log entry skipped")
+
     def _complete(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
         callback = self.on_completion
-        done = completion(entry)
-        if callback is None or done is None:
+        if callback is None:
             return
         try:
-            callback(done)
+            done = completion(entry)
+            if done is not None:
+                callback(done)
         except Exception:  # one bad completion must not end Envoy's log stream (and lose the rest)
-            log.exception("completion of request %s at %s: callback failed", done.request_id, done.address)
+            log.exception("completion log entry skipped")

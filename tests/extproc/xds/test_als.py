@@ -132,6 +132,35 @@ async def test_a_failed_try_ejects_its_endpoint_from_decisions(gateway: Gateway)
     )
 
 
+async def test_a_failed_try_that_cannot_be_handled_is_skipped_and_the_stream_goes_on(
+    gateway: Gateway,
+) -> None:
+    """An exception while one failed try is handled (here the federation hook) skips that entry only:
+    the later tries of the stream still eject."""
+    seen: list[FailedTry] = []
+
+    def hook(failed: FailedTry) -> None:
+        seen.append(failed)
+        if len(seen) == 1:
+            raise RuntimeError("a bug in the hook")
+
+    gateway.failed_tries.on_failed_try = hook
+    try:
+        await send(
+            gateway,
+            messages(
+                FAILURE_LOG_NAME,
+                entry("127.0.0.1", 18001, ["upstream_connection_failure"]),
+                entry("127.0.0.1", 18002, ["upstream_connection_failure"]),
+            ),
+        )
+    finally:
+        gateway.failed_tries.on_failed_try = None
+    assert len(seen) == 2
+    state = gateway.fleet.get(EndpointId("e1"))
+    assert state is not None and state.ejected_until > 0
+
+
 async def test_unknown_hosts_other_logs_and_successes_are_ignored(gateway: Gateway) -> None:
     await send(
         gateway,

@@ -55,7 +55,8 @@ def done(
         # No duration: the time to the last byte sent downstream; neither: unknown.
         (done(duration_ms=None, last_byte_ms=700), Completion("10.0.0.1:8000", "r-1", 200, 0.12, 0.7)),
         (done(duration_ms=None), Completion("10.0.0.1:8000", "r-1", 200, 0.12, None)),
-        (done(ip=None), None),  # no upstream host: nothing to count
+        # No upstream host (every try failed to connect): it still ends a routed request.
+        (done(ip=None), Completion("", "r-1", 200, 0.12, 0.9)),
         (done(request_id=""), None),  # no request id: nothing to match
     ],
 )  # fmt: skip
@@ -91,6 +92,8 @@ def with_metadata(entry: al.HTTPAccessLogEntry, **namespaces: dict[str, object])
              "kvgate_usage": {"cached_tokens": "12"}},
             (None, None, None, 12),
         ),
+        # A digit string that is no number (superscript two: isdigit() but not float()): ignored.
+        ({"kvgate_usage": {"cached_tokens": "\u00b2"}}, (None, None, None, None)),
         ({}, (None, None, None, None)),
     ],
 )  # fmt: skip
@@ -135,6 +138,8 @@ async def test_every_completion_reaches_the_callback_and_failures_still_eject() 
                 done("127.0.0.1", 18002, "boom"),
                 done("127.0.0.1", 19999, "elsewhere"),
                 done(None, request_id="no-host"),
+                with_metadata(done("127.0.0.1", 18001, "odd"), kvgate_usage={"cached_tokens": "\u00b2"}),
+                done("127.0.0.1", 18001, "after"),
             ),
         )
         await send(gw, messages(FAILURE_LOG_NAME, entry("127.0.0.1", 18002, ["upstream_connection_failure"])))
@@ -142,6 +147,9 @@ async def test_every_completion_reaches_the_callback_and_failures_still_eject() 
         assert [(c.request_id, c.address) for c in heard] == [
             ("a", "127.0.0.1:18001"),
             ("elsewhere", "127.0.0.1:19999"),
+            ("no-host", ""),  # ends a routed request all the same (its outstanding count)
+            ("odd", "127.0.0.1:18001"),  # an odd field is ignored, the entry kept ...
+            ("after", "127.0.0.1:18001"),  # ... and the stream goes on
         ]
         ejected = gw.fleet.get(EndpointId("e1"))
         assert ejected is not None and ejected.ejected_until > 0
