@@ -7,6 +7,7 @@ Watchers (:meth:`Fleet.watch`, the EDS server) hear of the changes the fleet's o
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -182,6 +183,20 @@ def loads_of(states: Iterable[EndpointState]) -> list[float]:
     ]
 
 
+def canonical_address(address: str) -> str:
+    """``address`` with an IPv6 literal in its compressed lower-case form (``[FD00:0::1]:8000`` ->
+    ``[fd00::1]:8000``), as Envoy reports a host; any other address as it is."""
+    if not address.startswith("["):
+        return address
+    host, found, port = address[1:].partition("]:")
+    if not found:
+        return address
+    try:
+        return f"[{ipaddress.ip_address(host).compressed}]:{port}"
+    except ValueError:
+        return address
+
+
 class Fleet:
     """The set of known endpoints keyed by id, plus address -> id for the response path.
 
@@ -216,7 +231,7 @@ class Fleet:
         else:
             self._forget_address(state.endpoint)
             state.endpoint = endpoint
-        self._by_address[endpoint.address] = endpoint.id
+        self._by_address[canonical_address(endpoint.address)] = endpoint.id
         self._changed()
         return state
 
@@ -229,8 +244,9 @@ class Fleet:
     def _forget_address(self, endpoint: Endpoint) -> None:
         """Drop ``endpoint``'s address mapping, unless another endpoint took that address since (a new pod
         at a reused IP, registered before the old one left): it stays that one's."""
-        if self._by_address.get(endpoint.address) == endpoint.id:
-            del self._by_address[endpoint.address]
+        key = canonical_address(endpoint.address)
+        if self._by_address.get(key) == endpoint.id:
+            del self._by_address[key]
 
     def set_state(
         self, endpoint_id: EndpointId, *, healthy: bool | None = None, draining: bool | None = None
@@ -267,7 +283,7 @@ class Fleet:
         return self._states.get(endpoint_id)
 
     def by_address(self, address: str) -> EndpointState | None:
-        endpoint_id = self._by_address.get(address)
+        endpoint_id = self._by_address.get(canonical_address(address))
         return None if endpoint_id is None else self._states.get(endpoint_id)
 
     def __iter__(self) -> Iterator[EndpointState]:

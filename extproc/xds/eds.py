@@ -215,11 +215,12 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         self._fleet = fleet
         self._clock = clock
         now = clock()
-        self._hosts = hosts(fleet, now)
+        #: The hosts served (``None``: recompute the snapshot at the next refresh, whatever the hosts).
+        self._hosts: tuple[Host, ...] | None = hosts(fleet, now)
         #: Linked clusters' ingresses (``ip:port``), served as hosts too (:mod:`extproc.federation`).
         self._peers: Mapping[str, str] = EMPTY
         #: The assignment being served.
-        self.snapshot = snapshot(self._hosts)
+        self.snapshot = snapshot(self._hosts or ())
         self._wakes: set[asyncio.Event] = set()
         self._closed = False
         self._scheduled = False
@@ -249,7 +250,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
         (federation forwards pick them)."""
         if dict(peers) != dict(self._peers):
             self._peers = dict(peers)
-            self._hosts = ()  # force a new snapshot
+            self._hosts = None  # force a new snapshot (an empty fleet's hosts are () too)
             self._changed()
 
     def refresh(self) -> None:

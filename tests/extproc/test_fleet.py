@@ -100,3 +100,13 @@ def test_an_address_taken_by_another_endpoint_stays_that_ones() -> None:
     found = fleet.by_address("10.0.0.5:8000")
     assert found is not None and found.id == "new-pod"
     assert fleet.by_address("10.0.0.9:8000") is None
+
+
+def test_an_ipv6_address_is_found_however_it_is_written() -> None:
+    """Envoy reports an upstream as ``[fd00::1]:8000`` whatever form the endpoint was registered in."""
+    fleet = Fleet([Endpoint(EndpointId("v6"), "[FD00:0::1]:8000", frozenset({"m"}))])
+    found = fleet.by_address("[fd00::1]:8000")
+    assert found is not None and found.id == "v6"
+    assert fleet.by_address("[fd00::2]:8000") is None
+    fleet.remove(EndpointId("v6"))
+    assert fleet.by_address("[fd00::1]:8000") is None

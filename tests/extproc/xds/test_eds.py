@@ -22,7 +22,17 @@ from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
 from extproc.server import Gateway
-from extproc.xds.eds import DRAINING, HEALTHY, TYPE_URL, UNHEALTHY, SotwStream, assignment, hosts, snapshot
+from extproc.xds.eds import (
+    DRAINING,
+    HEALTHY,
+    TYPE_URL,
+    UNHEALTHY,
+    EndpointDiscovery,
+    SotwStream,
+    assignment,
+    hosts,
+    snapshot,
+)
 from tests.extproc.xds.conftest import gateway_on
 from tests.polling import until
 
@@ -266,3 +276,16 @@ async def test_other_names_get_no_resource_and_drain_ends_streams(gateway: Gatew
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await late.receive()
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_linked_clusters_are_served_even_with_no_engine_of_its_own() -> None:
+    """An empty fleet's hosts are ``()``: peers set then still make a new assignment (they did not: the
+    forced refresh compared ``()`` with ``()``)."""
+    discovery = EndpointDiscovery(Fleet([]), time.monotonic)
+    discovery.start()
+    try:
+        before = discovery.snapshot.version
+        discovery.set_peers({"10.9.0.1:8443": "spiffe://kvgate.local/federation-b"})
+        await until(lambda: discovery.snapshot.version != before, 5)
+    finally:
+        await discovery.aclose()
