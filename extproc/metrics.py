@@ -197,10 +197,13 @@ class GatewayMetrics:
         endpoint, ``HybridIndex.occupancy``) at every scrape."""
         self.registry.register(_IndexCollector(occupancy))
 
-    def watch_drift(self, published: Mapping[Key, DriftView]) -> None:
+    def watch_drift(
+        self, published: Mapping[Key, DriftView], refresh: Callable[[], None] | None = None
+    ) -> None:
         """Export the drift alarm per model and endpoint from ``published``
-        (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape."""
-        self.registry.register(_DriftCollector(published))
+        (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape, after ``refresh()``
+        (which expires the windows, so an alarm clears at its window's end even with no new traffic)."""
+        self.registry.register(_DriftCollector(published, refresh))
 
     def watch_overload(self, gate: DecisionGate, lag: LagMeter) -> None:
         """Export the ext_proc's own saturation (:mod:`extproc.overload`) at every scrape, and count
@@ -375,10 +378,13 @@ class _DriftCollector(Collector):
     prediction in the window), ``kvgate_drift_tripped`` (1 while the alarm is tripped) and
     ``kvgate_drift_observed_total`` (requests compared)."""
 
-    def __init__(self, published: Mapping[Key, DriftView]) -> None:
+    def __init__(self, published: Mapping[Key, DriftView], refresh: Callable[[], None] | None = None) -> None:
         self._published = published
+        self._refresh = refresh
 
     def collect(self) -> Iterable[Metric]:
+        if self._refresh is not None:
+            self._refresh()
         labels = ["model", "endpoint", "source"]  # source: responses (cached_tokens) or counters (vLLM's)
         ratio = GaugeMetricFamily(
             "kvgate_drift_ratio",

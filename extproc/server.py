@@ -635,7 +635,9 @@ class Gateway:
         self.drift = DriftMonitor(config.drift, published)
         #: The same from engines' prefix-cache counters, for answers without a count (streams).
         self.counter_drift = CounterDrift(config.drift, published)
-        self.metrics.watch_drift(published)
+        self.metrics.watch_drift(published, self._refresh_drift)
+        self._drift_known = {str(s.id) for s in self.fleet}
+        self.fleet.watch(self._forget_drift)
         #: The ext_proc's own saturation: decisions in flight (bounded: beyond, 503 at the headers) and
         #: the event loop's lag (:mod:`extproc.overload`).
         self.decisions = DecisionGate(config.overload.max_decisions)
@@ -849,6 +851,22 @@ class Gateway:
         ):
             predicted, cached = done.predicted_tokens, done.cached_tokens
             _log_drift(self.drift.observe(done.model, done.endpoint, predicted, cached, now))
+
+    def _refresh_drift(self) -> None:
+        """Expire both drift alarms' windows (a scrape): an alarm clears at its window's end even when its
+        endpoint gets no more traffic."""
+        now = time.monotonic()
+        self.drift.views(now)
+        self.counter_drift.views(now)
+
+    def _forget_drift(self) -> None:
+        """The fleet changed: drop the drift windows (and their published series) of endpoints that
+        left, so a removed endpoint's tripped alarm does not fire on."""
+        current = {str(s.id) for s in self.fleet}
+        for gone in self._drift_known - current:
+            self.drift.forget(gone)
+            self.counter_drift.forget(gone)
+        self._drift_known = current
 
     def _on_decision(self, decision: Decision) -> None:
         """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""

@@ -3,6 +3,8 @@ the gateway's ext_proc port handing each one to ``on_completion`` (failed tries 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from envoy.config.core.v3.address_pb2 import Address, SocketAddress
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
@@ -188,3 +190,22 @@ def test_completion_reads_a_streamed_forward() -> None:
     assert got is not None and got.streamed
     plain = completion(with_metadata(done(), kvgate_decision={"model": "m"}))
     assert plain is not None and not plain.streamed
+
+
+async def test_a_tripped_drift_alarm_clears_at_its_windows_end_and_leaves_with_its_endpoint() -> None:
+    """The alarm's gauge is read at each scrape after the windows expire (it stayed tripped while its
+    endpoint got no traffic), and an endpoint that left the fleet takes its series with it."""
+    async with gateway_on(["127.0.0.1:18001", "127.0.0.1:18002"]) as gw:
+        tripped = gw.metrics.registry.get_sample_value
+        labels = {"model": "m", "endpoint": "e0", "source": "responses"}
+        long_ago = time.monotonic() - 2 * gw.drift.policy.max_age_s
+        for _ in range(gw.drift.policy.min_samples):
+            gw.drift.observe("m", "e0", 1000, 0, long_ago)  # the engine reused nothing: tripped
+        assert ("m", "e0", "responses") in gw.drift.published
+        assert tripped("kvgate_drift_tripped", labels) == 0.0  # its samples have aged out since
+        now = time.monotonic()
+        for _ in range(gw.drift.policy.min_samples):
+            gw.drift.observe("m", "e1", 1000, 0, now)
+        assert tripped("kvgate_drift_tripped", labels | {"endpoint": "e1"}) == 1.0
+        gw.fleet.remove(EndpointId("e1"))
+        assert tripped("kvgate_drift_tripped", labels | {"endpoint": "e1"}) is None
