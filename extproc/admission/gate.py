@@ -257,16 +257,17 @@ class Gate:
 
 
 def max_output_tokens(request: ParsedRequest) -> int | None:
-    """The request's own output limit in tokens (``max_completion_tokens`` or ``max_tokens``, times
-    ``n`` choices; the Responses API's ``max_output_tokens``; 0 for embeddings, score and rerank), or
-    ``None`` when it sets none."""
+    """The request's own output limit in tokens, the one the engine uses (chat: ``max_completion_tokens``,
+    else ``max_tokens``; completions: ``max_tokens`` only, as engines ignore ``max_completion_tokens``
+    there; times ``n`` choices; the Responses API's ``max_output_tokens``; 0 for embeddings, score and
+    rerank), or ``None`` when it sets none."""
     if request.kind in POOLING_KINDS:
         return 0
     body = request.body
     if request.kind is Kind.RESPONSES:
         found = body.get("max_output_tokens")
         return found if isinstance(found, int) and not isinstance(found, bool) else None
-    limit = body.get("max_completion_tokens")
+    limit = body.get("max_completion_tokens") if request.kind is Kind.CHAT else None
     if limit is None:
         limit = body.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool):

@@ -106,6 +106,21 @@ def test_max_output_tokens(body: dict[str, Any], expected: int | None) -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": 8}, 8),
+        ({"max_completion_tokens": 1, "max_tokens": 5000}, 5000),  # the engine generates up to 5000
+        ({"max_completion_tokens": 1}, None),  # the engine's own default, not 1: default_max_tokens
+    ],
+)
+def test_a_completion_is_bounded_by_max_tokens_alone(body: dict[str, Any], expected: int | None) -> None:
+    """Engines read ``max_completion_tokens`` on chat only: on a completion it bounds nothing, so it must
+    not shrink the reservation (with ``settle = "reservation"`` the charge)."""
+    completion = ParsedRequest(Kind.COMPLETION, "small-1", {"model": "small-1", **body}, False)
+    assert max_output_tokens(completion) == expected
+
+
+@pytest.mark.parametrize(
     ("admissions", "outcomes"),
     [
         # (model, prompt tokens, body, now) -> reserved tokens, or (status, code, retry-after)
