@@ -418,7 +418,8 @@ class StreamProcessor:
                 self._federation.note(decision.model, decision.digests)
 
     def close(self) -> None:
-        """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened."""
+        """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened
+        (refunded when no engine got the request)."""
         if self._pending is not None and self._pairing is not None:
             self._pairing.release()  # the client left during the prefill
             self._pending = self.handoff = None
@@ -436,7 +437,12 @@ class StreamProcessor:
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
                 self._router.completed(self.decision.request_id, self._clock())
                 self._stepping = self.cascade_step = None
-        self._settle()
+        if self.held is not None or self.undelivered or self._answered_here:
+            # No engine got it (held until the client left, decided but never sent, or answered here):
+            # its reservation is refunded in full. A settled ticket is never refunded or charged again.
+            self._refund()
+        else:
+            self._settle()
         self._phase = Phase.DONE
 
     def _dispatch(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

@@ -4,7 +4,10 @@ At admission the ext_proc knows the prompt's exact token count (it tokenized the
 but not the output's: it reserves ``prompt + max_tokens`` (or a configured default when the request
 sets no limit) and settles to the real ``prompt + completion`` once the engine's ``usage`` is known,
 refunding the difference (or charging it: the level may go below zero, a debt later requests wait
-out). A request that never produced output (refused, engine error) is refunded in full.
+out). A request that never produced output (refused, engine error, or one that never reached an engine:
+its client left while it was held or before it was sent, or the gateway answered it) is refunded in full.
+Amounts are never negative: a negative reservation is taken as 0, so nothing raises a bucket past its
+capacity or lowers the counters other replicas are sent.
 
 Pure: no clock reads, ``now`` (seconds, monotonic) is a parameter.
 """
@@ -21,7 +24,8 @@ class TokenBucket:
     """``capacity`` tokens, refilled continuously at ``rate`` tokens per second.
 
     :meth:`take` admits only when the whole amount is available; :meth:`adjust` settles afterwards
-    and may leave the level negative (debt), never above ``capacity``.
+    and may leave the level negative (debt), never above ``capacity``. :meth:`resize` takes a changed
+    limit, keeping what was spent.
     """
 
     def __init__(self, rate: float, capacity: float, now: float) -> None:
@@ -38,8 +42,10 @@ class TokenBucket:
             self._t = now
 
     def take(self, amount: float, now: float) -> float:
-        """Take ``amount`` tokens: 0.0 when admitted, else the seconds until it would be."""
+        """Take ``amount`` tokens (a negative amount is 0: taking never adds): 0.0 when admitted, else the
+        seconds until it would be."""
         self._refill(now)
+        amount = max(0.0, amount)
         if amount <= self.level:
             self.level -= amount
             return 0.0
@@ -49,6 +55,17 @@ class TokenBucket:
         """Give back (``delta`` > 0) or charge (``delta`` < 0) tokens after the fact."""
         self._refill(now)
         self.level = min(self.capacity, self.level + delta)
+
+    def resize(self, rate: float, capacity: float, now: float) -> None:
+        """A changed limit: what was spent (``capacity - level``, refilled to ``now`` at the old rate)
+        stays spent, so the level becomes ``new capacity - spent`` (negative: a debt, waited out at the
+        new rate). A limit change never refills a bucket, nor adds a debt."""
+        if rate <= 0 or capacity <= 0:
+            raise ValueError("rate and capacity must be > 0")
+        self._refill(now)
+        spent = self.capacity - self.level
+        self.rate, self.capacity = rate, capacity
+        self.level = capacity - spent
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +79,8 @@ class Refusal:
 
 
 class TokenBudgets:
-    """One bucket per tenant with a token limit; a changed limit starts a fresh (full) bucket.
+    """One bucket per tenant with a token limit (kept by tenant id); a changed limit resizes it, keeping what
+    was spent (:meth:`TokenBucket.resize`), so a limit change never hands out a fresh budget.
 
     :attr:`charged` counts, per tenant id, the tokens this object's own reservations and settlements
     took from the buckets (reservations minus refunds, plus charges after the fact): what other replicas
@@ -80,16 +98,22 @@ class TokenBudgets:
         if limit is None:
             return None
         held = self._buckets.get(tenant.id)
-        if held is None or held[0] != limit:
+        if held is None:
             held = (limit, TokenBucket(limit.per_s, limit.burst, now))
+            self._buckets[tenant.id] = held
+        elif held[0] != limit:
+            held[1].resize(limit.per_s, limit.burst, now)
+            held = (limit, held[1])
             self._buckets[tenant.id] = held
         return held[1]
 
     def reserve(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
-        """Reserve ``tokens`` from the tenant's bucket; ``None`` when admitted (or unlimited)."""
+        """Reserve ``tokens`` (a negative count is 0) from the tenant's bucket; ``None`` when admitted (or
+        unlimited). ``tenant`` must be the one in force (its limit replaces the bucket's)."""
         bucket = self._bucket(tenant, now)
         if bucket is None:
             return None
+        tokens = max(0, tokens)
         if tokens > bucket.capacity:
             return Refusal(tokens, int(bucket.capacity), None)
         wait = bucket.take(tokens, now)
@@ -106,9 +130,11 @@ class TokenBudgets:
         return held[1] if held is not None else self._bucket(tenant, now)
 
     def settle(self, tenant: Tenant, reserved: int, actual: int, now: float) -> None:
-        """The request really used ``actual`` tokens of the ``reserved``: refund or charge the rest."""
+        """The request really used ``actual`` tokens of the ``reserved``: refund or charge the rest (negative
+        counts are 0)."""
         bucket = self._live(tenant, now)
         if bucket is not None:
+            reserved, actual = max(0, reserved), max(0, actual)
             bucket.adjust(reserved - actual, now)
             self.charged[tenant.id] = self.charged.get(tenant.id, 0) + actual - reserved
 

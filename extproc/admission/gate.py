@@ -129,9 +129,11 @@ class Gate:
         self._groups_claim = config.jwt.groups_claim if config.jwt else "groups"
 
     def set_tenants(self, tenants: Tenants) -> None:
-        """Put a new tenant set in force from the next :meth:`identify` on (a removed tenant's callers are
-        refused as unknown; principals already made keep their tenant until their request ends). Token
-        buckets are kept by tenant id, so a tenant whose limit did not change keeps its bucket's level."""
+        """Put a new tenant set in force from the next :meth:`identify` or :meth:`admit` on (a removed
+        tenant's callers are refused as unknown, also those identified before; a request admitted before
+        settles as admitted). Token buckets are kept by tenant id: a tenant whose limit did not change keeps
+        its bucket's level, a changed limit keeps what was spent
+        (:meth:`~extproc.admission.budget.TokenBucket.resize`)."""
         self.tenants = tenants
 
     def identify(
@@ -195,8 +197,12 @@ class Gate:
             raise Unauthorized("The identity metadata is not a verified token's.", code="invalid_identity")
 
     def admit(self, principal: Principal, request: ParsedRequest, prompt_tokens: int, now: float) -> Ticket:
-        """Check the model scope and reserve ``prompt + max output`` tokens; raises 403/429."""
-        tenant = principal.tenant
+        """Check the model scope and reserve ``prompt + max output`` tokens; raises 403/429. The tenant is
+        the one in force now (:meth:`set_tenants` may have changed it since :meth:`identify`): its scope and
+        limit apply, and a tenant removed meanwhile is refused (403 ``no_tenant``)."""
+        tenant = self.tenants.get(principal.tenant.id)
+        if tenant is None:
+            raise Forbidden("Your tenant is no longer configured.", code="no_tenant")
         if not tenant.allows(request.model):
             raise Forbidden(
                 f"Your tenant may not use the model `{request.model[:200]}`.",
@@ -205,7 +211,9 @@ class Gate:
             )
         limit = max_output_tokens(request)
         output = limit if limit is not None else self.config.default_max_tokens
-        reserved = prompt_tokens + output
+        # Never below the prompt: a negative limit (the parser refuses one; this holds without it) must
+        # not turn a reservation into a refund.
+        reserved = max(0, prompt_tokens) + max(0, output)
         refusal = self.budgets.reserve(tenant, reserved, now)
         if refusal is not None:
             if refusal.retry_after_s is None:
@@ -249,16 +257,17 @@ class Gate:
 
 
 def max_output_tokens(request: ParsedRequest) -> int | None:
-    """The request's own output limit in tokens (``max_completion_tokens`` or ``max_tokens``, times
-    ``n`` choices; the Responses API's ``max_output_tokens``; 0 for embeddings, score and rerank), or
-    ``None`` when it sets none."""
+    """The request's own output limit in tokens, the one the engine uses (chat: ``max_completion_tokens``,
+    else ``max_tokens``; completions: ``max_tokens`` only, as engines ignore ``max_completion_tokens``
+    there; times ``n`` choices; the Responses API's ``max_output_tokens``; 0 for embeddings, score and
+    rerank), or ``None`` when it sets none."""
     if request.kind in POOLING_KINDS:
         return 0
     body = request.body
     if request.kind is Kind.RESPONSES:
         found = body.get("max_output_tokens")
         return found if isinstance(found, int) and not isinstance(found, bool) else None
-    limit = body.get("max_completion_tokens")
+    limit = body.get("max_completion_tokens") if request.kind is Kind.CHAT else None
     if limit is None:
         limit = body.get("max_tokens")
     if not isinstance(limit, int) or isinstance(limit, bool):

@@ -11,7 +11,8 @@ With an ``[auth]`` section the OpenAI listener's filter chain becomes::
   (:mod:`extproc.admission.gate`). A verified token is removed from the request (``forward: false``).
 * ``ext_proc`` additionally forwards the ``envoy.filters.http.jwt_authn`` metadata namespace and the
   ``source.address`` attribute (failed authentication is limited per client address), and with
-  ``settle = "usage"`` sees response bodies (``response_body_mode: STREAMED``) to read token usage.
+  ``settle = "usage"`` sees response bodies (``response_body_mode: STREAMED``) to read token usage, when
+  a tenant may have a token budget (one of the file's has one, or ``[etcd]`` may add one).
 * ``local_ratelimit`` keys one token bucket per tenant on the ``x-kvgate-tenant`` header, which only the
   ext_proc sets (the listener strips client copies before any filter runs). Over the rate it answers
   429 with ``x-ratelimit-*`` headers (draft 03) and ``Retry-After``; the listener's local reply
@@ -67,7 +68,9 @@ class EdgeAuth:
         if auth is None:
             return None
         rates = tuple((t.id, t.rate) for t in config.tenants if t.rate is not None)
-        budgets = any(t.tokens is not None for t in config.tenants)
+        # With [etcd], tenants (and their token budgets) may come from etcd at any time after Envoy's
+        # start: their usage must be readable too, so the bodies are sent whenever a budget may exist.
+        budgets = config.etcd is not None or any(t.tokens is not None for t in config.tenants)
         return cls(auth.jwt, rates, read_usage=auth.settle is Settle.USAGE and budgets)
 
 

@@ -52,6 +52,8 @@ from extproc.admission.gate import (
 )
 from extproc.admission.keys import ApiKey, KeyStore, hash_key, new_key
 from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
+from extproc.admission.usage import Usage
+from extproc.errors import Unavailable
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelAssets, ModelRegistry
@@ -1046,6 +1048,41 @@ def test_admission_refusals_cost_nothing(
         assert proc.ticket.settled and proc.ticket.charged == 0
     assert gate.budgets.level(ACME, NOW) == 1000
     assert in_flight(router) == {}
+
+
+@pytest.mark.parametrize("how", ["undelivered", "answered_here", "delivered"])
+def test_a_request_no_engine_got_is_refunded_at_close(router: Router, how: str) -> None:
+    """Decided, then never sent (the shell's finally marks it undelivered: the client left during a
+    restore, a prefill half or a step) or answered by the gateway after decide: no engine ran it, so
+    close refunds the whole reservation instead of charging it. A sent request without usage is charged
+    its reservation as before; a ticket closed either way is never charged or refunded again."""
+    gate = make_gate()
+    proc = processor(router, gate)
+    if how == "answered_here":
+
+        def fail(*args: Any, **kw: Any) -> Any:
+            raise Unavailable("a failure after decide", code="test")
+
+        proc._replies = fail  # type: ignore[method-assign]
+        status, err, _ = error(route(proc, chat(max_tokens=50), extra=ACME_KEY))
+        assert (status, err["code"]) == (503, "test")
+    else:
+        reply(route(proc, chat(max_tokens=50), extra=ACME_KEY))
+    ticket = proc.ticket
+    assert ticket is not None and proc.decision is not None and not ticket.settled
+    assert gate.budgets.level(ACME, NOW) == 1000 - ticket.reserved
+    if how == "undelivered":
+        proc.undelivered = True  # the shell's finally
+    proc.close()
+    expected = ticket.reserved if how == "delivered" else 0
+    assert ticket.settled and ticket.charged == expected
+    assert gate.budgets.level(ACME, NOW) == 1000 - expected
+    assert gate.budgets.charged == {"acme": expected}
+    gate.settle(ticket, Usage(5, 5, True), NOW)  # settled once: no second charge
+    gate.cancel(ticket, NOW)  # nor a refund
+    assert ticket.charged == expected and gate.budgets.level(ACME, NOW) == 1000 - expected
+    if how != "delivered":
+        assert in_flight(router) == {}
 
 
 @pytest.mark.parametrize("status", ["500", "503", "429", "404", ""])

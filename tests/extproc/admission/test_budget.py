@@ -79,22 +79,75 @@ def test_unlimited_tenant_and_changed_limit() -> None:
     budgets.settle(free, 1, 2, 0.0)
     assert budgets.reserve(TENANT, 100, 0.0) is None
     raised = Tenant("t", ("*",), tokens=TokenLimit(per_minute=6000, burst=1000))
-    assert budgets.reserve(raised, 1000, 0.0) is None  # a new limit starts a fresh, full bucket
+    # a new limit keeps what was spent (100): 900 of the 1000 left, never a fresh full bucket
+    assert budgets.reserve(raised, 1000, 0.0) == Refusal(1000, 1000, 1)
+    assert budgets.reserve(raised, 900, 0.0) is None
 
 
 def test_a_request_admitted_before_a_limit_change_settles_into_the_new_bucket() -> None:
     """Settling (or another replica's charge) with the tenant as it was at admission neither brings back
     the old limit's bucket nor refills the new one."""
     budgets = TokenBudgets()
-    assert budgets.reserve(TENANT, 100, 0.0) is None  # admitted under the old limit: bucket empty
+    assert budgets.reserve(TENANT, 60, 0.0) is None  # admitted under the old limit: 60 spent
     lowered = Tenant("t", ("*",), tokens=TokenLimit(per_minute=60, burst=50))
-    assert budgets.reserve(lowered, 50, 0.0) is None  # the new limit's fresh bucket, now empty
-    budgets.settle(TENANT, reserved=100, actual=100, now=0.0)  # the old request ends, old tenant object
+    assert budgets.reserve(lowered, 1, 0.0) is not None  # 50 - 60 spent: 10 in debt
+    assert budgets.level(lowered, 0.0) == pytest.approx(-10.0)
+    budgets.settle(TENANT, reserved=60, actual=60, now=0.0)  # the old request ends, old tenant object
     budgets.charge(TENANT, 0, 0.0)
-    assert budgets.level(lowered, 0.0) == pytest.approx(0.0)  # not refilled
+    assert budgets.level(lowered, 0.0) == pytest.approx(-10.0)  # not refilled
     assert budgets.reserve(lowered, 1, 0.0) is not None
-    budgets.settle(TENANT, reserved=100, actual=40, now=0.0)  # a refund lands in the live bucket
+    budgets.settle(TENANT, reserved=60, actual=0, now=0.0)  # a refund lands in the live bucket
     assert budgets.level(lowered, 0.0) == pytest.approx(50.0)  # capped at its capacity
+
+
+@pytest.mark.parametrize(
+    ("spent", "burst", "per_minute", "level", "later"),
+    [
+        # (spent under the old limit of 100 at 10/s, new burst, new per_minute) -> level now, 1 s later
+        (0, 50, 600, 50.0, 50.0),  # nothing spent: full at the new burst
+        (100, 1000, 600, 900.0, 910.0),  # raised: the spent 100 stays spent
+        (30, 50, 600, 20.0, 30.0),  # lowered
+        (100, 50, 60, -50.0, -49.0),  # lowered below what was spent: a debt, refilled at the new rate
+    ],
+)
+def test_a_changed_limit_keeps_what_was_spent(
+    spent: int, burst: int, per_minute: int, level: float, later: float
+) -> None:
+    budgets = TokenBudgets()
+    if spent:
+        assert budgets.reserve(TENANT, spent, 0.0) is None
+    else:
+        assert budgets.level(TENANT, 0.0) == pytest.approx(100.0)
+    changed = Tenant("t", ("*",), tokens=TokenLimit(per_minute=per_minute, burst=burst))
+    assert budgets.level(changed, 0.0) == pytest.approx(level)
+    assert budgets.level(changed, 1.0) == pytest.approx(later)
+
+
+def test_limit_flips_hand_out_no_fresh_budget() -> None:
+    """Reserving alternately under an old and a new limit (requests identified before a tenant change)
+    never starts a full bucket: at most what the larger burst holds goes out at once."""
+    old = Tenant("t", ("*",), tokens=TokenLimit(per_minute=600, burst=1000))
+    new = Tenant("t", ("*",), tokens=TokenLimit(per_minute=1200, burst=2000))
+    budgets = TokenBudgets()
+    assert budgets.reserve(new, 2000, 0.0) is None
+    assert budgets.reserve(old, 1000, 0.0) is not None
+    assert budgets.reserve(new, 2000, 0.0) is not None
+    assert budgets.charged == {"t": 2000}
+
+
+def test_negative_amounts_never_refill_a_bucket() -> None:
+    """A negative amount is taken as 0: neither a take nor a reservation raises the level or lowers the
+    counter other replicas are sent."""
+    bucket = TokenBucket(rate=10.0, capacity=100.0, now=0.0)
+    assert bucket.take(100, 0.0) == 0.0
+    assert bucket.take(-(10**9), 0.0) == 0.0
+    assert bucket.level == pytest.approx(0.0)
+    budgets = TokenBudgets()
+    assert budgets.reserve(TENANT, 100, 0.0) is None
+    assert budgets.reserve(TENANT, -(10**9), 0.0) is None
+    budgets.settle(TENANT, reserved=-(10**9), actual=0, now=0.0)  # unanswered: no usage
+    assert budgets.level(TENANT, 0.0) == pytest.approx(0.0)
+    assert budgets.charged == {"t": 100}
 
 
 def sse(*events: dict[str, object]) -> bytes:

@@ -106,6 +106,21 @@ def test_max_output_tokens(body: dict[str, Any], expected: int | None) -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"max_tokens": 8}, 8),
+        ({"max_completion_tokens": 1, "max_tokens": 5000}, 5000),  # the engine generates up to 5000
+        ({"max_completion_tokens": 1}, None),  # the engine's own default, not 1: default_max_tokens
+    ],
+)
+def test_a_completion_is_bounded_by_max_tokens_alone(body: dict[str, Any], expected: int | None) -> None:
+    """Engines read ``max_completion_tokens`` on chat only: on a completion it bounds nothing, so it must
+    not shrink the reservation (with ``settle = "reservation"`` the charge)."""
+    completion = ParsedRequest(Kind.COMPLETION, "small-1", {"model": "small-1", **body}, False)
+    assert max_output_tokens(completion) == expected
+
+
+@pytest.mark.parametrize(
     ("admissions", "outcomes"),
     [
         # (model, prompt tokens, body, now) -> reserved tokens, or (status, code, retry-after)
@@ -210,3 +225,45 @@ def test_an_address_that_keeps_failing_is_answered_429_even_with_a_good_key() ->
         with pytest.raises(Forbidden):
             g.identify(f"Bearer {ORPHAN}", None, None, address="192.0.2.5", now=100.0)
     assert g.identify(f"Bearer {KEY}", None, None, address="192.0.2.5", now=100.0).who == "k1"
+
+
+def test_a_negative_output_limit_reserves_the_prompt_alone() -> None:
+    """The parser answers a negative max_tokens 400 (extproc/routing/sampling.py); the gate holds without
+    it: the reservation never drops below the prompt, so an unanswered request refunds nothing it did
+    not take and the counter other replicas are sent never drops."""
+    g = gate()
+    principal = g.identify(f"Bearer {KEY}", None, None)
+    g.admit(principal, request(max_tokens=90), 10, 0.0)  # the bucket drained
+    for body in ({"max_tokens": -(10**9)}, {"max_completion_tokens": -5}):
+        ticket = g.admit(principal, request(**body), 0, 0.0)
+        assert ticket.reserved == 0
+        g.settle(ticket, None, 0.5)  # never answered: the reservation is the charge
+    ticket = g.admit(principal, request(max_tokens=-5), 3, 0.5)
+    assert ticket.reserved == 3
+    assert g.budgets.level(ACME, 0.5) == pytest.approx(2.0)  # 5 refilled, 3 taken
+    assert g.budgets.charged == {"acme": 103}
+
+
+def test_admission_uses_the_tenant_in_force() -> None:
+    """A caller identified before a tenant change is admitted under the tenant in force at its body: its
+    model scope and token limit (the bucket keeps what was spent), or 403 when it was removed."""
+    g = gate()
+    principal = g.identify(f"Bearer {KEY}", None, None)
+    assert g.admit(principal, request(max_tokens=50), 50, 0.0).reserved == 100  # bucket of 100 drained
+    raised = Tenant("acme", ("small-*",), ACME.match, tokens=TokenLimit(per_minute=1200, burst=200))
+    g.set_tenants(Tenants([raised, FREE]))
+    fresh = g.identify(f"Bearer {KEY}", None, None)
+    ticket = g.admit(fresh, request(max_tokens=50), 50, 0.0)  # 200 - 100 spent: 100 left
+    assert ticket.tenant is raised
+    with pytest.raises(TooManyRequests):
+        g.admit(principal, request(max_tokens=1), 1, 0.0)  # the old principal: no fresh old bucket
+    assert g.budgets.charged == {"acme": 200}
+    narrowed = Tenant("acme", ("tiny-*",), ACME.match, tokens=raised.tokens)
+    g.set_tenants(Tenants([narrowed, FREE]))
+    with pytest.raises(Forbidden) as refused:
+        g.admit(principal, request("small-1", max_tokens=1), 1, 100.0)
+    assert refused.value.code == "model_not_allowed"
+    g.set_tenants(Tenants([FREE]))
+    with pytest.raises(Forbidden) as removed:
+        g.admit(principal, request("tiny-1", max_tokens=1), 1, 100.0)
+    assert removed.value.code == "no_tenant"

@@ -19,6 +19,8 @@ from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
 from extproc.routing.router import Router
 from extproc.scheduling.predict import CONFIDENT_AFTER
 from tests.extproc.test_processor import (
+    ACME,
+    ACME_KEY,
     LIMIT,
     MODEL,
     MODEL_REWRITE,
@@ -29,6 +31,7 @@ from tests.extproc.test_processor import (
     clock,
     error,
     headers,
+    make_gate,
     make_router,
     reply,
 )
@@ -532,3 +535,32 @@ def test_a_request_routed_from_the_queue_whose_replies_never_go_releases_its_pic
     else:
         assert not decision.recorded
         assert after == before
+
+
+@pytest.mark.parametrize("how", ["left_while_held", "routed_never_sent", "routed_and_sent"])
+def test_a_held_request_no_engine_got_is_refunded_at_close(router: Router, how: str) -> None:
+    """A request held by flow control whose client left (the shell cancels its queue entry; it stays
+    :attr:`held`), or one routed from the queue whose replies the shell never took, reached no engine:
+    close refunds its reservation. One whose replies went out is charged (no usage read: the reservation)."""
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    fill(router, control)
+    gate = make_gate()
+    proc = make(router, control, gate)
+    send(proc, extra=ACME_KEY, max_tokens=50)
+    ticket = proc.ticket
+    assert proc.held is not None and ticket is not None
+    assert gate.budgets.level(ACME, NOW) == 1000 - ticket.reserved
+    if how == "left_while_held":
+        control.queues.remove(proc.held)  # what dispatcher.cancel does: proc.held stays set
+    else:
+        scrape_idle(router)
+        entry = control.next(MODEL, flow_room(control.policy, router, MODEL, NOW), NOW)
+        assert entry is proc.held
+        reply(entry.payload.resume())
+        if how == "routed_and_sent":
+            proc.undelivered = False  # the shell took the replies
+    proc.close()
+    expected = ticket.reserved if how == "routed_and_sent" else 0
+    assert ticket.settled and ticket.charged == expected
+    assert gate.budgets.level(ACME, NOW) == 1000 - expected
+    assert gate.budgets.charged == {"acme": expected}

@@ -130,6 +130,30 @@ def test_api_keys_only_and_reservation_mode() -> None:
     ]  # no JWKS cluster
 
 
+@pytest.mark.parametrize(
+    ("settle", "etcd", "expected"),
+    [
+        ("usage", True, "STREAMED"),  # etcd may add a budgeted tenant after Envoy's start
+        ("usage", False, "NONE"),  # no tenant can have a budget: bodies stay out of Python
+        ("reservation", True, "NONE"),  # nothing is read from bodies
+    ],
+)
+def test_etcd_tenants_budgets_are_settled_from_usage(settle: str, etcd: bool, expected: str) -> None:
+    """Tenants in etcd may carry token budgets the file's do not: with [etcd] and settle = usage, Envoy
+    sends the response bodies, else an etcd tenant would be charged prompt + default_max_tokens whatever
+    it generated."""
+    raw: dict[str, Any] = {
+        "auth": {"api_keys_file": "k.json", "settle": settle},
+        "tenants": [{"id": "beta", "models": ["*"]}],  # no budget in the file
+    }
+    if etcd:
+        raw["etcd"] = {"endpoints": ["127.0.0.1:2379"]}
+    edge = EdgeAuth.from_config(parse_config(raw))
+    assert edge is not None and edge.read_usage is (expected == "STREAMED")
+    ext_proc = hcm(render(EnvoyParams(auth=edge)))["http_filters"][0]["typed_config"]
+    assert ext_proc["processing_mode"]["response_body_mode"] == expected
+
+
 def test_local_jwks_file() -> None:
     jwt = {k: v for k, v in JWT.items() if k != "jwks_uri"} | {"jwks_file": "/etc/kvgate/jwks.json"}
     config = rendered({"jwt": jwt, "settle": "reservation"})
