@@ -560,7 +560,12 @@ class Stack:
         names = [f"node-{i}" for i in range(1 if opts.attach else opts.agents)]
         self.etcd = EtcdServer(self.workdir / "etcd", tls=self._etcd_certs(names) if opts.etcd_auth else None)
         self.etcd.wipe()  # an earlier run's endpoints, drains and policy are not this stack's
-        self.etcd.start()
+        try:
+            self.etcd.start()
+        except ChildFailed:
+            raise
+        except RuntimeError as exc:  # whatever keeps etcd from starting is a start failure (exit 1)
+            raise ChildFailed(f"etcd did not start: {exc}") from exc
         if opts.etcd_auth:
             self._bootstrap_etcd(names)
         nodes: list[list[dict[str, Any]]] = []

