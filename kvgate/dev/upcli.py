@@ -265,3 +265,20 @@ def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
     return convert
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations the flags do not take, refused (``p.error``: usage, exit 2) before anything starts:
+    negative counts, ``--gpu``/``--power-cap-w`` without ``--agents`` (or with another engine than the
+    simulator), and ``--model-dir`` with ``--agents`` (whose engines tokenize with SmolLM2's)."""
+    for flag in ("replicas", "prefill", "decode", "extprocs", "agents"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            p.error(f"--{flag} must not be negative (got {value})")
+    power = [flag for flag, value in (("--gpu", args.gpu), ("--power-cap-w", args.power_cap_w)) if value]
+    if power and not args.agents:
+        p.error(f"{' and '.join(power)} simulate the GPU power of --agents' engines: they need --agents")
+    if power and args.agent_engine != "sim":
+        p.error(f"{' and '.join(power)} simulate the sim engine's power: not with --agent-engine llama_cpp")
+    if args.model_dir is not None and args.agents:
+        p.error("--model-dir is not used by --agents' engines (they run SmolLM2): not with --agents")

@@ -435,6 +435,24 @@ def test_network_policies_deny_by_default_and_admit_each_service_port(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_may_scrape_the_engines_and_the_agents(rendered: dict[str, Objects], overlay: str) -> None:
+    """deploy/README.md's scrape jobs ``engines`` and ``kvgate-agent`` (each agent's admin port, /metrics)
+    reach the model-server pods from the monitoring namespace."""
+    objects = rendered[overlay]
+    server = find(objects, "StatefulSet", "kvgate-model-server")["spec"]["template"]["spec"]
+    agent = next(c for c in server["containers"] if c["name"] == "agent")
+    admin = next(p["containerPort"] for p in agent["ports"] if p["name"] == "agent-admin")
+    policy = find(objects, "NetworkPolicy", "kvgate-model-server")
+    from_monitoring = {
+        port["port"]
+        for rule in policy["spec"]["ingress"]
+        if any("kvgate.io/monitoring" in str(peer.get("namespaceSelector")) for peer in rule["from"])
+        for port in rule["ports"]
+    }
+    assert {8000, admin} <= from_monitoring
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects], overlay: str) -> None:
     """Where the root filesystem is read-only, what the daemons write is a mounted volume: the GGUF
     tokenizer cache (KVGATE_CACHE) and the picker's affinity state_dir, the agent's state_dir and its

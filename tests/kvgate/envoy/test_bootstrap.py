@@ -302,3 +302,13 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvgate(["envoy-config", "--access-log", "/tmp/access.jsonl"]) == 0
     log, _timeouts, _completions = hcm_of(yaml.safe_load(capsys.readouterr().out))["access_log"]
     assert log["typed_config"]["path"] == "/tmp/access.jsonl"
+
+
+def test_cli_listen_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--listen-host`` sets the OpenAI listener's address (default: loopback only)."""
+    assert kvgate(["envoy-config"]) == 0
+    (listener,) = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][:1]
+    assert listener["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert kvgate(["envoy-config", "--listen-host", "0.0.0.0", "--listen-port", "8080"]) == 0
+    (listener,) = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][:1]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8080}

