@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from contracts.digest import MAX_TOKEN_ID
+from contracts.handoff import HANDOFF_FIELDS
 from extproc.errors import BadRequest, NotFound
 from extproc.routing.sampling import check_sampling
 
@@ -67,10 +68,6 @@ ROUTES: dict[str, Kind] = {
     "/v2/rerank": Kind.RERANK,
 }
 MODELS_PATH = "/v1/models"
-#: The prefill/decode handoff's body fields (vLLM's ``kv_transfer_params``, SGLang's bootstrap triple):
-#: they tell an engine where to fetch a prompt's KV, so only the gateway's disaggregation sets them
-#: (:mod:`extproc.disagg`); a client's own are dropped where its body is parsed, before any route.
-HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -420,8 +417,8 @@ def with_cache_salt(request: ParsedRequest, salt: str) -> tuple[ParsedRequest, b
 
 
 def without_handoff(request: ParsedRequest, body: bytes) -> tuple[ParsedRequest, bytes]:
-    """The request without the client's own :data:`HANDOFF_FIELDS` and its body, re-encoded only when it
-    had one (the common body is returned as it came)."""
+    """The request without the client's own handoff fields (:data:`contracts.handoff.HANDOFF_FIELDS`) and
+    its body, re-encoded only when it had one (the common body is returned as it came)."""
     if HANDOFF_FIELDS.isdisjoint(request.body):
         return request, body
     doc = {k: v for k, v in request.body.items() if k not in HANDOFF_FIELDS}
