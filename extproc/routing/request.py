@@ -20,7 +20,9 @@ and these (vLLM's words on the right)::
     a prompt batch mixing strings and token ids, or an    pydantic's type errors; The decoder prompt
       empty token-id array                                cannot be empty
 
-Other fields are passed through untouched for the engine to validate.
+SGLang's ``lora_path`` and ``extra_key`` are refused (:data:`ENGINE_SELECTORS`): they would choose an
+adapter or a cache key past what the gateway admits and routes on. Other fields are passed through
+untouched for the engine to validate.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ ROUTES: dict[str, Kind] = {
     "/v2/rerank": Kind.RERANK,
 }
 MODELS_PATH = "/v1/models"
+#: Body fields by which a client would choose, at the engine, what the gateway admits and routes on
+#: (SGLang's OpenAI server reads both): refused with a 400 naming the field. ``lora_path`` picks an
+#: adapter beside the ``model`` a tenant is allowed, budgeted and routed on; ``extra_key`` is joined to
+#: ``cache_salt`` as the engine's prefix-cache key, so a client's own could name an isolated tenant's
+#: salt (``"kvg"`` + ``"ate-..."``) past the ``reserved_cache_salt`` check and split the cache from the
+#: router's digests.
+ENGINE_SELECTORS = {
+    "lora_path": "choose a LoRA adapter by its model name.",
+    "extra_key": "use 'cache_salt' to separate a prefix cache.",
+}
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -118,6 +130,9 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise BadRequest("you must provide a model parameter", param="model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string.", param="model")
+    for field, why in ENGINE_SELECTORS.items():
+        if field in body:
+            raise BadRequest(f"'{field}' is not accepted by this gateway: {why}", param=field)
     stream = _opt(body, "stream", bool, False)
     cache_salt = _cache_salt(body)
     if kind in POOLING_KINDS:

@@ -113,6 +113,18 @@ def test_without_handoff_drops_the_clients_handoff_fields() -> None:
     assert stripped.messages == req.messages
 
 
+@pytest.mark.parametrize("field", ["lora_path", "extra_key"])
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.COMPLETION, Kind.EMBEDDING])
+def test_sglangs_engine_selectors_are_refused(kind: Kind, field: str) -> None:
+    """SGLang reads ``lora_path`` (an adapter beside the admitted model) and ``extra_key`` (joined to
+    ``cache_salt`` as its cache key: ``"kvg"`` + ``"ate-<hex>"`` would name an isolated tenant's salt)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}
+    for value in ("ate-" + "0" * 32, None, ["a"]):
+        with pytest.raises(BadRequest) as refused:
+            parse_body(kind, orjson.dumps({**body, "cache_salt": "kvg", field: value}))
+        assert refused.value.param == field and "not accepted" in str(refused.value)
+
+
 def test_without_handoff_keeps_a_body_without_them() -> None:
     raw = chat(temperature=0.5)
     req = parse_body(Kind.CHAT, raw)
