@@ -8,7 +8,8 @@ Pure functions over parsed JSON bodies (no IO). The rules (README.md):
   stops). A request that already continued its own last assistant message gets the text appended to it.
 * **completions** (``/v1/completions``): the prompt plus the text already sent; ``echo`` off (a request
   with ``echo: true`` is not migratable: its echoed prompt would be counted as answer text).
-* **both**: no prefill/decode handoff fields (:data:`HANDOFF_FIELDS`; a re-issue drops them too);
+* **both**: no prefill/decode handoff fields (:data:`contracts.handoff.HANDOFF_FIELDS`; a re-issue drops
+  them too);
   ``max_tokens`` / ``max_completion_tokens`` (and ``min_tokens``) lowered by the tokens already
   produced; the engine streams with ``stream_options {include_usage, continuous_usage_stats}`` so the
   proxy knows, chunk by chunk, how many tokens each try produced (the client's own usage choice is
@@ -23,15 +24,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from contracts.handoff import HANDOFF_FIELDS
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
 #: Body keys that bound the answer's length in tokens, lowered by what was produced.
 _LIMITS = ("max_tokens", "max_completion_tokens")
-#: The prefill/decode handoff's fields (``extproc.routing.request.HANDOFF_FIELDS``, which this package may
-#: not import): they pair the first try with its prefill (vLLM's KV blocks, SGLang's one-use room), so no
-#: later try carries them; it is served aggregated by its host.
-HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 
 
 def without_handoff(body: dict[str, Any]) -> dict[str, Any]:

@@ -39,9 +39,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from contracts.epp import MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER
 from contracts.errors import ConfigError
+from contracts.handoff import HANDOFF_FIELDS
 from extproc.migration.continuation import (
     CHAT_PATH,
-    HANDOFF_FIELDS,
     continuation,
     migratable,
     stream_body,

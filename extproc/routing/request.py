@@ -20,7 +20,9 @@ and these (vLLM's words on the right)::
     a prompt batch mixing strings and token ids, or an    pydantic's type errors; The decoder prompt
       empty token-id array                                cannot be empty
 
-Other fields are passed through untouched for the engine to validate.
+SGLang's ``lora_path`` and ``extra_key`` are refused (:data:`ENGINE_SELECTORS`): they would choose an
+adapter or a cache key past what the gateway admits and routes on. Other fields are passed through
+untouched for the engine to validate.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import orjson
 
 from contracts.digest import MAX_TOKEN_ID
+from contracts.handoff import HANDOFF_FIELDS
 from extproc.errors import BadRequest, NotFound
 from extproc.routing.sampling import check_sampling
 
@@ -67,10 +70,16 @@ ROUTES: dict[str, Kind] = {
     "/v2/rerank": Kind.RERANK,
 }
 MODELS_PATH = "/v1/models"
-#: The prefill/decode handoff's body fields (vLLM's ``kv_transfer_params``, SGLang's bootstrap triple):
-#: they tell an engine where to fetch a prompt's KV, so only the gateway's disaggregation sets them
-#: (:mod:`extproc.disagg`); a client's own are dropped where its body is parsed, before any route.
-HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+#: Body fields by which a client would choose, at the engine, what the gateway admits and routes on
+#: (SGLang's OpenAI server reads both): refused with a 400 naming the field. ``lora_path`` picks an
+#: adapter beside the ``model`` a tenant is allowed, budgeted and routed on; ``extra_key`` is joined to
+#: ``cache_salt`` as the engine's prefix-cache key, so a client's own could name an isolated tenant's
+#: salt (``"kvg"`` + ``"ate-..."``) past the ``reserved_cache_salt`` check and split the cache from the
+#: router's digests.
+ENGINE_SELECTORS = {
+    "lora_path": "choose a LoRA adapter by its model name.",
+    "extra_key": "use 'cache_salt' to separate a prefix cache.",
+}
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -121,6 +130,9 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise BadRequest("you must provide a model parameter", param="model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string.", param="model")
+    for field, why in ENGINE_SELECTORS.items():
+        if field in body:
+            raise BadRequest(f"'{field}' is not accepted by this gateway: {why}", param=field)
     stream = _opt(body, "stream", bool, False)
     cache_salt = _cache_salt(body)
     if kind in POOLING_KINDS:
@@ -420,8 +432,8 @@ def with_cache_salt(request: ParsedRequest, salt: str) -> tuple[ParsedRequest, b
 
 
 def without_handoff(request: ParsedRequest, body: bytes) -> tuple[ParsedRequest, bytes]:
-    """The request without the client's own :data:`HANDOFF_FIELDS` and its body, re-encoded only when it
-    had one (the common body is returned as it came)."""
+    """The request without the client's own handoff fields (:data:`contracts.handoff.HANDOFF_FIELDS`) and
+    its body, re-encoded only when it had one (the common body is returned as it came)."""
     if HANDOFF_FIELDS.isdisjoint(request.body):
         return request, body
     doc = {k: v for k, v in request.body.items() if k not in HANDOFF_FIELDS}

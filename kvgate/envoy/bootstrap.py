@@ -445,6 +445,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         filters: list[dict[str, Any]] = hcm["http_filters"]  # type: ignore[assignment]
         filters.insert(-1, usage_filter())
         filters.insert(-1, stream_id_filter())  # a streamed Responses answer's id (extproc/affinity)
+    if params.burst or params.burst_credentials:  # a hosted refusal of the gateway's key (burst routes)
+        hcm["http_filters"].insert(-1, envoy_burst.custom_response_filter())  # type: ignore[attr-defined]
     if params.tracing is not None:
         hcm["tracing"] = envoy_tracing.hcm_tracing(params.tracing)
     extproc_cluster = resilience.extproc_cluster(res, extprocs)

@@ -7,7 +7,9 @@ SAN = the name), and an upstream HTTP filter, ``envoy.filters.http.credential_in
 Envoy reads from ``api_key_file`` (never rendered into the config, never logged). A route matching
 ``x-kvgate-burst: <name>`` (set only by the ext_proc: clients' copies are stripped before any filter)
 sends the request there with ``Host`` rewritten to the name. Envoy reads the key file at start: a
-rotated key needs an Envoy restart (``kvgate up`` restarts it with the stack).
+rotated key needs an Envoy restart (``kvgate up`` restarts it with the stack). A hosted 401 or 403 (a
+refusal of the gateway's key, not of the client) reaches the client as a 502 OpenAI error from Envoy's
+custom response filter, never as the hosted answer, which may quote the key's last characters.
 """
 
 from __future__ import annotations
@@ -45,6 +47,65 @@ REQUEST_HEADERS_REMOVED = (
 #: Response headers a burst route removes before the client: the hosted account's session cookies and
 #: its organization and project.
 RESPONSE_HEADERS_REMOVED = ("set-cookie", "openai-organization", "openai-project")
+
+
+#: Statuses by which a hosted endpoint refuses the gateway's own key (a wrong, revoked or unfunded key, a
+#: model the account may not use): its answer is not the client's to read (OpenAI's names the key's last
+#: characters) and the client's own credentials were fine, so Envoy answers :data:`REFUSED_STATUS` instead.
+CREDENTIAL_REFUSALS = (401, 403)
+REFUSED_STATUS = 502
+REFUSED_MESSAGE = "The hosted endpoint this request overflowed to refused the gateway's credential."
+_CUSTOM_RESPONSE = "type.googleapis.com/envoy.extensions.filters.http.custom_response.v3.CustomResponse"
+_STATUS_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpResponseStatusCodeMatchInput"
+_LOCAL_POLICY = (
+    "type.googleapis.com/envoy.extensions.http.custom_response.local_response_policy.v3.LocalResponsePolicy"
+)
+CUSTOM_RESPONSE_FILTER = "envoy.filters.http.custom_response"
+
+
+def custom_response_filter() -> dict[str, Any]:
+    """Envoy's custom response filter (placed before the router), with no matcher of its own: only a burst
+    route's (:func:`refusal_override`) answers anything."""
+    return {"name": CUSTOM_RESPONSE_FILTER, "typed_config": {"@type": _CUSTOM_RESPONSE}}
+
+
+def refusal_override() -> dict[str, Any]:
+    """A burst route's custom response config: an upstream :data:`CREDENTIAL_REFUSALS` status becomes a
+    local :data:`REFUSED_STATUS` reply, whose body the listener's local reply config makes OpenAI JSON
+    (``gateway_error``, :data:`REFUSED_MESSAGE`); the hosted answer's headers and body are dropped."""
+    predicates = [
+        {
+            "single_predicate": {
+                "input": {"name": "status", "typed_config": {"@type": _STATUS_INPUT}},
+                "value_match": {"exact": str(code)},
+            }
+        }
+        for code in CREDENTIAL_REFUSALS
+    ]
+    return {
+        CUSTOM_RESPONSE_FILTER: {
+            "@type": _CUSTOM_RESPONSE,
+            "custom_response_matcher": {
+                "matcher_list": {
+                    "matchers": [
+                        {
+                            "predicate": {"or_matcher": {"predicate": predicates}},
+                            "on_match": {
+                                "action": {
+                                    "name": "credential_refused",
+                                    "typed_config": {
+                                        "@type": _LOCAL_POLICY,
+                                        "status_code": REFUSED_STATUS,
+                                        "body": {"inline_string": REFUSED_MESSAGE},
+                                    },
+                                }
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+    }
 
 
 def check_files(endpoint: BurstEndpoint | BurstCredential) -> None:
@@ -88,6 +149,7 @@ def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
             "route": {"cluster": e.cluster, "timeout": "0s", "host_rewrite_literal": e.host},
             "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
             "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
+            "typed_per_filter_config": refusal_override(),
         }
         for e in endpoints
     ]
@@ -105,6 +167,7 @@ def dynamic_routes() -> list[dict[str, Any]]:
             "route": {"cluster_header": BURST_HEADER, "timeout": "0s", "auto_host_rewrite": True},
             "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
             "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
+            "typed_per_filter_config": refusal_override(),
         }
     ]
 

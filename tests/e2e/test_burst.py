@@ -30,6 +30,7 @@ from certs.store import ca_paths, init_ca, issue
 from extproc.status.snapshot import decode
 from kvgate.dev.procs import Child
 from kvgate.dev.up import Stack, StackOptions
+from kvgate.envoy.burst import REFUSED_MESSAGE
 from tests.e2e.test_disagg import samples
 from tests.polling import until
 
@@ -234,3 +235,26 @@ async def test_a_hosted_certificate_that_does_not_verify_gets_nothing(
         assert answer.json()["error"]["type"]  # Envoy's local reply, as OpenAI JSON
         assert gateway(stack, "kvgate_burst_requests_total", outcome="sent") == 1
     assert seen(burst) == before
+
+
+async def test_a_refused_gateway_key_reaches_the_client_as_a_502(
+    burst: Burst, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The hosted endpoint refuses the gateway's key (401): the client, whose own credentials were fine,
+    gets Envoy's 502 OpenAI error, not the hosted answer (OpenAI's quotes the key's last characters)."""
+    work = tmp_path_factory.mktemp("refused")
+    wrong = work / "wrong.key"
+    wrong.write_text("sk-wrong-" + secrets.token_hex(12))
+    wrong.chmod(0o600)
+    before = seen(burst)
+    with Stack(options(work / "stack", {**burst.endpoint, "api_key_file": str(wrong)})) as stack:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            busy = asyncio.create_task(client.post("/v1/chat/completions", json=ask("long", 100)))
+            await until(lambda: gateway(stack, "kvgate_endpoint_load") >= 1, 20)
+            answer = await client.post("/v1/chat/completions", json=ask("over", 4), headers=CLIENT_AUTH)
+            assert (await busy).status_code == 200
+    assert answer.status_code == 502, answer.text
+    assert answer.headers["content-type"] == "application/json"
+    error = answer.json()["error"]
+    assert error["message"] == REFUSED_MESSAGE and error["type"] == "gateway_error"
+    assert seen(burst)["rejected"] == before["rejected"] + 1  # it did reach the endpoint, and was refused

@@ -5,7 +5,6 @@ import pytest
 
 from extproc.errors import BadRequest
 from extproc.routing.request import (
-    HANDOFF_FIELDS,
     Kind,
     parse_body,
     rewrite_model,
@@ -112,7 +111,18 @@ def test_without_handoff_drops_the_clients_handoff_fields() -> None:
     stripped, body = without_handoff(req, raw)
     assert orjson.loads(body) == stripped.body == orjson.loads(chat(temperature=0.5))
     assert stripped.messages == req.messages
-    assert {"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} == HANDOFF_FIELDS
+
+
+@pytest.mark.parametrize("field", ["lora_path", "extra_key"])
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.COMPLETION, Kind.EMBEDDING])
+def test_sglangs_engine_selectors_are_refused(kind: Kind, field: str) -> None:
+    """SGLang reads ``lora_path`` (an adapter beside the admitted model) and ``extra_key`` (joined to
+    ``cache_salt`` as its cache key: ``"kvg"`` + ``"ate-<hex>"`` would name an isolated tenant's salt)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}
+    for value in ("ate-" + "0" * 32, None, ["a"]):
+        with pytest.raises(BadRequest) as refused:
+            parse_body(kind, orjson.dumps({**body, "cache_salt": "kvg", field: value}))
+        assert refused.value.param == field and "not accepted" in str(refused.value)
 
 
 def test_without_handoff_keeps_a_body_without_them() -> None:
