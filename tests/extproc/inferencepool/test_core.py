@@ -320,3 +320,34 @@ def test_a_drain_reaches_pool_endpoints_present_and_to_come() -> None:
     assert fleet.get(b.id).draining  # type: ignore[union-attr]
     core.apply([Change("/kvgate/drain/pod-b", None)], 2)
     assert not fleet.get(b.id).draining  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("pod_address", "claimed"),
+    [
+        ("[fd00::2]:8000", "[FD00::2]:8000"),  # the same IPv6 address, upper case
+        ("[fd00::2]:8000", "[fd00:0:0:0:0:0:0:2]:8000"),  # written in full
+        ("10.0.0.2:8000", "[::ffff:10.0.0.2]:8000"),  # an IPv4 pod by its IPv4-mapped IPv6 address
+        ("10.0.0.2:8000", "[10.0.0.2]:8000"),  # brackets around an IPv4 address
+    ],
+)
+def test_with_agent_node_is_pod_another_spelling_of_a_pods_address_is_no_way_around(
+    pod_address: str, claimed: str
+) -> None:
+    """EDS gives Envoy the socket address, not the text: another spelling of pod-b's address reaches
+    pod-b's engine, so with agents_outside_pool too it is still pod-b's address, refused to agent-a."""
+    sync = PoolSync(Fleet(), agents_outside_pool=True, agent_node_is_pod=True)
+    pod_b = _ep("pod-b", pod_address)
+    sync.set_pool({pod_b.id: pod_b})
+    claim = Endpoint(EndpointId("b2"), claimed, frozenset({"m"}), node="pod-a", feed="10.0.0.1:9500")
+    assert not sync.admits(claim)
+    assert sync.refused_claims == {(EndpointId("b2"), claimed)}
+    own = Endpoint(EndpointId("b2"), claimed, frozenset({"m"}), node="pod-b")
+    assert sync.admits(own)
+    elsewhere = Endpoint(EndpointId("o"), "192.168.1.5:8000", frozenset({"m"}), node="pod-a")
+    assert sync.admits(elsewhere)  # agents_outside_pool: a machine outside the cluster
+    # without agents_outside_pool a record is admitted at a pool endpoint's address as written, as before
+    strict = PoolSync(Fleet(), agent_node_is_pod=True)
+    strict.set_pool({pod_b.id: pod_b})
+    assert not strict.admits(claim) and not strict.admits(own)
+    assert strict.admits(Endpoint(EndpointId("b2"), pod_address, frozenset({"m"}), node="pod-b"))
