@@ -22,6 +22,10 @@ from extproc.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
+MAX_REFUSED_CLAIMS = 1024
+"""Refused claims remembered (each logged once); past it the memory starts again (an agent writing ever
+new ids at another pod's address costs logs, never memory)."""
+
 
 def socket_key(address: str) -> str:
     """The socket ``address`` reaches, as one text (``ip:port``; an IPv6 address compressed, lower case,
@@ -65,7 +69,8 @@ class PoolSync:
         self.fleet = fleet
         self.agents_outside_pool = agents_outside_pool
         self.agent_node_is_pod = agent_node_is_pod
-        #: (endpoint id, address) of records refused for naming another pod (each logged once).
+        #: (endpoint id, address) of records refused for naming another pod (each logged once; at most
+        #: :data:`MAX_REFUSED_CLAIMS`).
         self.refused_claims: set[tuple[EndpointId, str]] = set()
         #: Whether an endpoint is drained (etcd ``drain/<id>``: ``ControlCore.draining``), applied when a
         #: pool endpoint joins; a drain set later reaches it through the control core itself.
@@ -86,6 +91,8 @@ class PoolSync:
         if self.agent_node_is_pod and pod is not None and endpoint.node != pod:
             claim = (endpoint.id, endpoint.address)
             if claim not in self.refused_claims:
+                if len(self.refused_claims) >= MAX_REFUSED_CLAIMS:
+                    self.refused_claims.clear()
                 self.refused_claims.add(claim)
                 log.warning(
                     "endpoint %s of node %s refused: %s is pod %s's address",

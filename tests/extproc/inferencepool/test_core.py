@@ -24,7 +24,7 @@ from extproc.inferencepool.core import (
     parse_pool,
     pool_endpoints,
 )
-from extproc.inferencepool.merge import PoolSync, merge
+from extproc.inferencepool.merge import MAX_REFUSED_CLAIMS, PoolSync, merge
 from tests.extproc.inferencepool.objects import LABELS, pod, pool
 
 SETTINGS = PoolSettings(name="kvgate-pool", models=frozenset({"m"}))
@@ -351,3 +351,15 @@ def test_with_agent_node_is_pod_another_spelling_of_a_pods_address_is_no_way_aro
     strict.set_pool({pod_b.id: pod_b})
     assert not strict.admits(claim) and not strict.admits(own)
     assert strict.admits(Endpoint(EndpointId("b2"), pod_address, frozenset({"m"}), node="pod-b"))
+
+
+def test_refused_claims_are_remembered_within_a_bound() -> None:
+    """An agent writing ever new ids at another pod's address is refused each time; the memory of what
+    was logged stays bounded."""
+    sync = PoolSync(Fleet(), agent_node_is_pod=True)
+    pod_b = _ep("pod-b", "10.0.0.2:8000")
+    sync.set_pool({pod_b.id: pod_b})
+    for i in range(3 * MAX_REFUSED_CLAIMS):
+        claim = Endpoint(EndpointId(f"x{i}"), pod_b.address, frozenset({"m"}), node="pod-a")
+        assert not sync.admits(claim)
+    assert 0 < len(sync.refused_claims) <= MAX_REFUSED_CLAIMS
