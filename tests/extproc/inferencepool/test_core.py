@@ -363,3 +363,16 @@ def test_refused_claims_are_remembered_within_a_bound() -> None:
         claim = Endpoint(EndpointId(f"x{i}"), pod_b.address, frozenset({"m"}), node="pod-a")
         assert not sync.admits(claim)
     assert 0 < len(sync.refused_claims) <= MAX_REFUSED_CLAIMS
+
+
+def test_a_pod_that_does_not_parse_is_left_out_with_the_reason() -> None:
+    """A pod whose annotations or labels are not strings is left out like a pod with a bad annotation:
+    with its reason in the view's ``refused`` (which the watcher logs once), the others stay."""
+    core = PoolCore(SETTINGS)
+    core.pool.listed({"metadata": {"resourceVersion": "1"}, "items": [pool()]})
+    assert core.pool_changed()
+    bad = pod("a", "10.0.0.1")
+    bad["metadata"]["annotations"] = {"kvgate.io/engine": 5}
+    core.pods.listed({"metadata": {"resourceVersion": "2"}, "items": [bad, pod("b", "10.0.0.2")]})
+    view = core.view()
+    assert view.endpoints.keys() == {"b"} and "annotations" in view.refused["a"]
