@@ -913,7 +913,9 @@ class StreamProcessor:
         if rest is not None:
             rest.finish()
         digests = rest.digests if rest is not None else decision.digests
-        forward = federation.route(decision.model, digests, lead, block_size, body_bytes, self._came, now)
+        forward = federation.route(
+            decision.model, digests, lead, block_size, body_bytes, self._came, now, self._subset
+        )
         if forward is not None:
             decision.recorded = True
             self._router.predictor.forget(decision.request_id)

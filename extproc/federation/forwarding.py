@@ -99,8 +99,13 @@ class Forwarder:
         body_bytes: int,
         came: Inbound,
         now: float,
+        allowed: frozenset[str] | None = None,
     ) -> Forward | None:
-        verdict = self.federation.decide(model, digests, local_lead, block_size, body_bytes, came, now)
+        """Where a decided request goes instead of its local pick (``None``: it stays); ``allowed``: the
+        request's EPP subset hint (only a peer ingress it lists may be picked)."""
+        verdict = self.federation.decide(
+            model, digests, local_lead, block_size, body_bytes, came, now, allowed
+        )
         self.decisions[verdict.reason] += 1
         if verdict.peer is None:
             return None

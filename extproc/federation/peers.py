@@ -132,15 +132,21 @@ class Federation:
         body_bytes: int,
         inbound: Inbound,
         now: float,
+        allowed: frozenset[str] | None = None,
     ) -> Verdict:
-        """Forward to a peer, or not (:mod:`extproc.federation.decision`). A forwarded request never is."""
+        """Forward to a peer, or not (:mod:`extproc.federation.decision`). A forwarded request never is.
+        ``allowed``: the request's EPP subset hint (``ip:port``); only a peer whose ingress it lists may
+        be picked."""
         if inbound.final:
             return Verdict(None, HOP)
+        candidates = self.candidates(model, now)
+        if allowed is not None:
+            candidates = [c for c in candidates if c.link.ingress in allowed]
         found, reason = gains(
             digests,
             local_lead,
             block_size,
-            self.candidates(model, now),
+            candidates,
             prefill_s_per_token=self.config.prefill_s_per_token,
             margin_s=self.config.margin_s,
             min_blocks=self.config.min_blocks,

@@ -323,9 +323,9 @@ class PoolCore:
     """The pool object and its pods as two :class:`Collection` s (the pool's: a list + watch of the one
     object by name) -> the pool's endpoints (:meth:`view`).
 
-    A pool object that does not parse is refused and the last good spec stays (``refused`` counts it); a
-    pod that does not parse is left out. ``selector_changed`` tells the IO to watch the pods again with
-    :attr:`spec`'s selector.
+    A pool object that does not parse is refused and the last good spec stays (``refused_pool`` says
+    why); a pod that does not parse is left out (with its reason in the view's ``refused``).
+    ``selector_changed`` tells the IO to watch the pods again with :attr:`spec`'s selector.
     """
 
     def __init__(self, settings: PoolSettings) -> None:
@@ -353,11 +353,16 @@ class PoolCore:
         return True
 
     def view(self) -> PoolView:
-        """The pool's endpoints now."""
+        """The pool's endpoints now; a pod that does not parse is left out, with its reason in
+        ``refused`` as for a bad annotation."""
         pods: list[PodView] = []
-        for obj in self.pods.objects.values():
+        unparsed: dict[str, str] = {}
+        for name, obj in self.pods.objects.items():
             try:
                 pods.append(parse_pod(obj))
-            except ConfigError:
-                continue
-        return pool_endpoints(self.spec, pods, self.settings)
+            except ConfigError as exc:
+                unparsed[name] = str(exc)
+        view = pool_endpoints(self.spec, pods, self.settings)
+        if not unparsed or self.spec is None:
+            return view
+        return PoolView(view.endpoints, {**view.refused, **unparsed})

@@ -12,6 +12,7 @@ name: an agent cannot claim another pod's engine (deploy/README.md, "Agent ident
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -20,6 +21,25 @@ from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSED_CLAIMS = 1024
+"""Refused claims remembered (each logged once); past it the memory starts again (an agent writing ever
+new ids at another pod's address costs logs, never memory)."""
+
+
+def socket_key(address: str) -> str:
+    """The socket ``address`` reaches, as one text (``ip:port``; an IPv6 address compressed, lower case,
+    an IPv4-mapped one as its IPv4 address); ``address`` itself when its host is no IP literal. EDS gives
+    Envoy the socket, not the text: two spellings of one address are one engine."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def merge(pool: Mapping[EndpointId, Endpoint], registered: Iterable[Endpoint]) -> dict[EndpointId, Endpoint]:
@@ -49,7 +69,8 @@ class PoolSync:
         self.fleet = fleet
         self.agents_outside_pool = agents_outside_pool
         self.agent_node_is_pod = agent_node_is_pod
-        #: (endpoint id, address) of records refused for naming another pod (each logged once).
+        #: (endpoint id, address) of records refused for naming another pod (each logged once; at most
+        #: :data:`MAX_REFUSED_CLAIMS`).
         self.refused_claims: set[tuple[EndpointId, str]] = set()
         #: Whether an endpoint is drained (etcd ``drain/<id>``: ``ControlCore.draining``), applied when a
         #: pool endpoint joins; a drain set later reaches it through the control core itself.
@@ -57,17 +78,21 @@ class PoolSync:
         #: The pool has been read at least once (before, :meth:`admits` admits every agent's record).
         self.known = False
         self._pool: dict[EndpointId, Endpoint] = {}
-        self._pods: dict[str, str] = {}  # address -> the name of the pod serving it
+        self._pods: dict[str, str] = {}  # socket_key(address) -> the name of the pod serving it
+        self._addresses: frozenset[str] = frozenset()  # the pool endpoints' addresses
         self._ours: dict[EndpointId, Endpoint] = {}
 
     def admits(self, endpoint: Endpoint) -> bool:
         """Whether an agent's etcd record may be in the fleet: it is at the address of one of the pool's
         endpoints (a ready pod's target port), or the pool is not known yet, or ``agents_outside_pool``;
-        and, with ``agent_node_is_pod``, not at the address of a pod its node does not name."""
-        pod = self._pods.get(endpoint.address)
+        and, with ``agent_node_is_pod``, not at the address of a pod its node does not name. Addresses
+        compare as sockets (:func:`socket_key`): another spelling of a pod's address is that pod's."""
+        pod = self._pods.get(socket_key(endpoint.address))
         if self.agent_node_is_pod and pod is not None and endpoint.node != pod:
             claim = (endpoint.id, endpoint.address)
             if claim not in self.refused_claims:
+                if len(self.refused_claims) >= MAX_REFUSED_CLAIMS:
+                    self.refused_claims.clear()
                 self.refused_claims.add(claim)
                 log.warning(
                     "endpoint %s of node %s refused: %s is pod %s's address",
@@ -77,7 +102,7 @@ class PoolSync:
                     pod,
                 )
             return False
-        return self.agents_outside_pool or not self.known or pod is not None
+        return self.agents_outside_pool or not self.known or endpoint.address in self._addresses
 
     def owns(self, endpoint_id: EndpointId) -> bool:
         """The fleet's entry ``endpoint_id`` is a pool endpoint this sync put there (and nobody replaced)."""
@@ -98,7 +123,8 @@ class PoolSync:
         """The pool's endpoints are now ``endpoints``; returns whether the fleet changed."""
         self._pool = dict(endpoints)
         # a pool endpoint's id is its pod's name, with ":<port>" when the pool has several target ports
-        self._pods = {e.address: str(i).partition(":")[0] for i, e in self._pool.items()}
+        self._pods = {socket_key(e.address): str(i).partition(":")[0] for i, e in self._pool.items()}
+        self._addresses = frozenset(e.address for e in self._pool.values())
         self.known = True
         return self.reconcile()
 

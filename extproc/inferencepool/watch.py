@@ -177,7 +177,8 @@ class PoolWatcher:
         selector = self._selector
         spec_changed = self.core.pool_changed()
         if self.core.refused_pool:
-            log.warning("InferencePool refused, keeping the last good one: %s", self.core.refused_pool)
+            kept = "keeping the last good one" if self.core.spec is not None else "none usable yet"
+            log.warning("InferencePool refused, %s: %s", kept, self.core.refused_pool)
         if spec_changed:
             spec = self.core.spec
             self._selector = None if spec is None else spec.label_selector
@@ -191,7 +192,7 @@ class PoolWatcher:
         elif listed and self.core.spec is None:
             self._emit()  # no pool (yet): an empty fleet part, and synced
         if self.core.spec is None:
-            if listed or spec_changed:
+            if (listed or spec_changed) and not self.core.refused_pool:
                 log.warning("InferencePool %s/%s not found", self.namespace, self.settings.name)
             self._synced.set()
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from contracts.digest import Digest
-from contracts.epp import EXTPROC_ATTRIBUTES, UPSTREAM_HEADER
+from contracts.epp import EXTPROC_ATTRIBUTES, SUBSET_KEY, SUBSET_NS, UPSTREAM_HEADER
 from contracts.events import EndpointId
 from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, ModelSummary, Report
 from engines.endpoint import Endpoint
@@ -27,7 +27,7 @@ from extproc.processor import ProcessorConfig, StreamProcessor
 from extproc.routing.router import Router, RoutingPolicy
 from extproc.routing.timeouts import FIRST_BYTE_TIMEOUT_HEADER, REQUEST_TIMEOUT_HEADER
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
-from tests.extproc.test_processor import body, error, headers, reply, response_headers
+from tests.extproc.test_processor import body, error, headers, metadata, reply, response_headers
 
 MODEL = "m"
 LOCAL = "10.0.0.1:8000"
@@ -235,3 +235,36 @@ def test_without_federation_nothing_changes() -> None:
     proc.handle(headers("/v1/completions", extra={HOP_HEADER: "b"}))
     out = reply(proc.handle(body(request(LONG))))
     assert out.destination == [LOCAL] and HOP_HEADER not in out.set_headers
+
+
+@pytest.mark.parametrize("subset", [[LOCAL], ["10.0.0.99:8000"]])
+def test_a_subset_hint_without_the_peer_keeps_the_request_local(
+    long_chain: list[Digest], subset: list[str]
+) -> None:
+    """The Endpoint Picker Protocol's subset hint: every endpoint picked comes from its list. A peer's
+    ingress the data plane did not list is never put first (the request stays local, or is refused 503
+    when nothing local is in the hint either)."""
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    meta = metadata(**{SUBSET_NS: {SUBSET_KEY: subset}})
+    assert proc.handle(headers("/v1/completions", meta=meta)) == []
+    replies = proc.handle(body(request(LONG)))
+    if subset == [LOCAL]:
+        out = reply(replies)
+        assert out.destination == [LOCAL] and HOP_HEADER not in out.set_headers
+        assert proc.forward is None and fwd.decisions == {"no_peer": 1}
+    else:
+        assert error(replies)[0] == 503
+    proc.close()
+
+
+def test_a_subset_hint_naming_the_peer_allows_the_forward(long_chain: list[Digest]) -> None:
+    fwd = forwarder()
+    warm_in_b(fwd, long_chain)
+    proc = StreamProcessor(router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, federation=fwd)
+    meta = metadata(**{SUBSET_NS: {SUBSET_KEY: [INGRESS_B, LOCAL]}})
+    assert proc.handle(headers("/v1/completions", meta=meta)) == []
+    out = reply(proc.handle(body(request(LONG))))
+    assert out.destination == [INGRESS_B, LOCAL]
+    proc.close()

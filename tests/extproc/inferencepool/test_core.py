@@ -24,7 +24,7 @@ from extproc.inferencepool.core import (
     parse_pool,
     pool_endpoints,
 )
-from extproc.inferencepool.merge import PoolSync, merge
+from extproc.inferencepool.merge import MAX_REFUSED_CLAIMS, PoolSync, merge
 from tests.extproc.inferencepool.objects import LABELS, pod, pool
 
 SETTINGS = PoolSettings(name="kvgate-pool", models=frozenset({"m"}))
@@ -320,3 +320,59 @@ def test_a_drain_reaches_pool_endpoints_present_and_to_come() -> None:
     assert fleet.get(b.id).draining  # type: ignore[union-attr]
     core.apply([Change("/kvgate/drain/pod-b", None)], 2)
     assert not fleet.get(b.id).draining  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("pod_address", "claimed"),
+    [
+        ("[fd00::2]:8000", "[FD00::2]:8000"),  # the same IPv6 address, upper case
+        ("[fd00::2]:8000", "[fd00:0:0:0:0:0:0:2]:8000"),  # written in full
+        ("10.0.0.2:8000", "[::ffff:10.0.0.2]:8000"),  # an IPv4 pod by its IPv4-mapped IPv6 address
+        ("10.0.0.2:8000", "[10.0.0.2]:8000"),  # brackets around an IPv4 address
+    ],
+)
+def test_with_agent_node_is_pod_another_spelling_of_a_pods_address_is_no_way_around(
+    pod_address: str, claimed: str
+) -> None:
+    """EDS gives Envoy the socket address, not the text: another spelling of pod-b's address reaches
+    pod-b's engine, so with agents_outside_pool too it is still pod-b's address, refused to agent-a."""
+    sync = PoolSync(Fleet(), agents_outside_pool=True, agent_node_is_pod=True)
+    pod_b = _ep("pod-b", pod_address)
+    sync.set_pool({pod_b.id: pod_b})
+    claim = Endpoint(EndpointId("b2"), claimed, frozenset({"m"}), node="pod-a", feed="10.0.0.1:9500")
+    assert not sync.admits(claim)
+    assert sync.refused_claims == {(EndpointId("b2"), claimed)}
+    own = Endpoint(EndpointId("b2"), claimed, frozenset({"m"}), node="pod-b")
+    assert sync.admits(own)
+    elsewhere = Endpoint(EndpointId("o"), "192.168.1.5:8000", frozenset({"m"}), node="pod-a")
+    assert sync.admits(elsewhere)  # agents_outside_pool: a machine outside the cluster
+    # without agents_outside_pool a record is admitted at a pool endpoint's address as written, as before
+    strict = PoolSync(Fleet(), agent_node_is_pod=True)
+    strict.set_pool({pod_b.id: pod_b})
+    assert not strict.admits(claim) and not strict.admits(own)
+    assert strict.admits(Endpoint(EndpointId("b2"), pod_address, frozenset({"m"}), node="pod-b"))
+
+
+def test_refused_claims_are_remembered_within_a_bound() -> None:
+    """An agent writing ever new ids at another pod's address is refused each time; the memory of what
+    was logged stays bounded."""
+    sync = PoolSync(Fleet(), agent_node_is_pod=True)
+    pod_b = _ep("pod-b", "10.0.0.2:8000")
+    sync.set_pool({pod_b.id: pod_b})
+    for i in range(3 * MAX_REFUSED_CLAIMS):
+        claim = Endpoint(EndpointId(f"x{i}"), pod_b.address, frozenset({"m"}), node="pod-a")
+        assert not sync.admits(claim)
+    assert 0 < len(sync.refused_claims) <= MAX_REFUSED_CLAIMS
+
+
+def test_a_pod_that_does_not_parse_is_left_out_with_the_reason() -> None:
+    """A pod whose annotations or labels are not strings is left out like a pod with a bad annotation:
+    with its reason in the view's ``refused`` (which the watcher logs once), the others stay."""
+    core = PoolCore(SETTINGS)
+    core.pool.listed({"metadata": {"resourceVersion": "1"}, "items": [pool()]})
+    assert core.pool_changed()
+    bad = pod("a", "10.0.0.1")
+    bad["metadata"]["annotations"] = {"kvgate.io/engine": 5}
+    core.pods.listed({"metadata": {"resourceVersion": "2"}, "items": [bad, pod("b", "10.0.0.2")]})
+    view = core.view()
+    assert view.endpoints.keys() == {"b"} and "annotations" in view.refused["a"]

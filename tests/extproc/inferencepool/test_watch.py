@@ -194,3 +194,27 @@ async def test_wrong_credentials_are_not_synced_and_say_why(api: FakeApiServer, 
     missing = PoolWatcher(settings(api, tmp_path, kubeconfig=str(tmp_path / "nope")), lambda _v: None)
     with pytest.raises(ConfigError, match="no Kubernetes credentials"):
         await missing.start()
+
+
+async def test_a_pool_that_does_not_parse_at_start_is_logged_as_refused_not_as_missing(
+    api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool is there but unusable (no target ports): the log says why it was refused, never that the
+    pool is not found; once fixed, its pods join."""
+    bad = pool()
+    bad["spec"]["targetPorts"] = []
+    api.put("inferencepools", bad)
+    api.put("pods", pod("a", "10.0.0.1"))
+    f = Following(settings(api, tmp_path))
+    with caplog.at_level("WARNING", logger="extproc.inferencepool.watch"):
+        await f.watcher.start()
+        try:
+            assert await f.watcher.wait_synced(TIMEOUT_S)
+            assert f.ids() == set()
+            messages = [r.getMessage() for r in caplog.records]
+            assert any("refused" in m and "targetPorts" in m for m in messages), messages
+            assert not any("not found" in m for m in messages), messages
+            api.put("inferencepools", pool(rv=2))
+            await until(lambda: f.ids() == {"a"}, TIMEOUT_S)
+        finally:
+            await f.watcher.aclose()
