@@ -9,6 +9,7 @@ errors the same way. Every failure is a :class:`~contracts.errors.ConfigError` n
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import tomllib
@@ -95,6 +96,25 @@ def hostport(value: str, where: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{where}: expected host:port, got {value!r}")
     return value
+
+
+def canonical_address(address: str) -> str:
+    """``host:port`` with a bracketed IP literal as Envoy reports a host: IPv6 compressed and lower-case
+    (``[FD00:0::1]:8000`` -> ``[fd00::1]:8000``; IPv4-mapped as ``[::ffff:10.0.0.2]:80``), IPv4 without
+    brackets (``[10.0.0.2]:80`` -> ``10.0.0.2:80``); any other address as it is."""
+    if not address.startswith("["):
+        return address
+    host, found, port = address[1:].partition("]:")
+    if not found:
+        return address
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return f"{ip}:{port}"
+    mapped = ip.ipv4_mapped  # inet_ntop's (Envoy's) form, not Python's before 3.13 (::ffff:a00:2)
+    return f"[::ffff:{mapped}]:{port}" if mapped is not None else f"[{ip.compressed}]:{port}"
 
 
 def choice(value: str, allowed: tuple[str, ...], where: str) -> str:

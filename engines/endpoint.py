@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from urllib.parse import urlsplit
 
-from contracts.config import REQUIRED, Section, choice, hostport
+from contracts.config import REQUIRED, Section, canonical_address, choice, hostport
 from contracts.errors import ConfigError
 from contracts.etcd import ENDPOINTS
 from contracts.events import EndpointId
@@ -75,7 +75,8 @@ def parse_endpoint(raw: object, where: str) -> Endpoint:
     if isinstance(raw, Mapping):
         raw = {k: v for k, v in raw.items() if v is not None}
     s = Section(raw, where)
-    address = hostport(s.string("address", REQUIRED), f"{where}.address")
+    # As Envoy names the host (EDS, its logs, override_host): one spelling per socket.
+    address = canonical_address(hostport(s.string("address", REQUIRED), f"{where}.address"))
     models = s.array("models", REQUIRED)
     if not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f"{where}.models: expected a non-empty list of model names")

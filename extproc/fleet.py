@@ -7,11 +7,11 @@ Watchers (:meth:`Fleet.watch`, the EDS server) hear of the changes the fleet's o
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from contracts.config import canonical_address
 from contracts.events import EndpointId, Power
 from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
@@ -181,20 +181,6 @@ def loads_of(states: Iterable[EndpointState]) -> list[float]:
         )
         for s in states
     ]
-
-
-def canonical_address(address: str) -> str:
-    """``address`` with an IPv6 literal in its compressed lower-case form (``[FD00:0::1]:8000`` ->
-    ``[fd00::1]:8000``), as Envoy reports a host; any other address as it is."""
-    if not address.startswith("["):
-        return address
-    host, found, port = address[1:].partition("]:")
-    if not found:
-        return address
-    try:
-        return f"[{ipaddress.ip_address(host).compressed}]:{port}"
-    except ValueError:
-        return address
 
 
 class Fleet:

@@ -69,6 +69,24 @@ def test_decode_accepts_defaults() -> None:
     assert endpoint.feed is None and endpoint.labels == ()
 
 
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        ("[FD00:0::1]:8000", "[fd00::1]:8000"),
+        ("[fd00:0000:0000:0000:0000:0000:0000:0002]:8000", "[fd00::2]:8000"),
+        ("[10.0.0.2]:8000", "10.0.0.2:8000"),
+        ("[::FFFF:10.0.0.2]:8000", "[::ffff:10.0.0.2]:8000"),  # inet_ntop's form
+        ("10.0.0.2:8000", "10.0.0.2:8000"),
+        ("engine.local:8000", "engine.local:8000"),
+    ],
+)
+def test_an_address_is_kept_as_envoy_names_its_host(given: str, canonical: str) -> None:
+    """EDS, the failed-try log and ``override_host`` name a host as Envoy prints its socket: an endpoint
+    registered under another spelling of an IP would be matched by none of them."""
+    endpoint = decode_endpoint(FULL.id, _with(address=given))
+    assert endpoint.address == canonical
+
+
 def _with(**changes: object) -> bytes:
     doc = json.loads(encode_endpoint(FULL))
     for key, value in changes.items():
