@@ -87,7 +87,7 @@ class UpstreamClient:
             async with self._client().post(
                 url, data=body, headers=sent, timeout=timeout, ssl=self._ssl()
             ) as response:
-                data = await response.content.read(MAX_ANSWER_BYTES)
+                data = await _read_whole(response.content, f"{address}{path}")
                 status = response.status
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no answer from {address}{path} within {timeout_s:g} s") from exc
@@ -155,6 +155,17 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _read_whole(content: aiohttp.StreamReader, where: str) -> bytes:
+    """The answer to its end (``read(n)`` alone returns whatever is buffered: a part of an answer that
+    arrives in pieces). Past :data:`MAX_ANSWER_BYTES`: :class:`UpstreamError`."""
+    data = bytearray()
+    async for piece in content.iter_any():
+        data += piece
+        if len(data) > MAX_ANSWER_BYTES:
+            raise UpstreamError(f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+    return bytes(data)
 
 
 async def _hand_lines(content: aiohttp.StreamReader, on_line: Callable[[bytes], bool], where: str) -> bool:
