@@ -238,3 +238,34 @@ async def test_post_json_reads_an_answer_sent_in_several_writes_whole() -> None:
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_redirect_is_not_followed_to_another_host(stream: bool) -> None:
+    """An engine's answer never names another upstream: a 307 (which would resend the body, a prompt, to
+    the ``Location`` host) is an ``UpstreamStatus``, and the other host is never called."""
+    called = asyncio.Event()
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        called.set()
+        return web.json_response({})
+
+    other, other_address = await _serve([web.post("/steal", elsewhere)])
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://{other_address}/steal")
+
+    runner, address = await _serve([web.post("/v1/completions", moved)])
+    client = UpstreamClient()
+    try:
+        with pytest.raises(UpstreamStatus) as caught:
+            if stream:
+                await client.post_stream(address, "/v1/completions", b"{}", lambda _: True, timeout_s=5)
+            else:
+                await client.post_json(address, "/v1/completions", b"{}", timeout_s=5)
+        assert caught.value.status == 307
+        assert not called.is_set()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+        await other.cleanup()
