@@ -9,7 +9,8 @@ again (an engine restarted on the same port, or one that was stopped and continu
 scraped by a loop of its own, every ``interval_s`` or as soon as a slower scrape ends: one that hangs
 until ``timeout_s`` delays neither the others' scrapes nor what they detect (with one round for all, a
 stopped engine stretched every round to the timeout, so a killed engine beside it was marked unhealthy
-after 3 x 0.5 s instead of 3 x 0.1 s).
+after 3 x 0.5 s instead of 3 x 0.1 s). A redirect answer is a failed scrape, not followed: only the
+endpoint's record says where its metrics are.
 """
 
 from __future__ import annotations
@@ -131,7 +132,12 @@ class Scraper:
         routed_before = state.routed_since_scrape  # what the engine's answer will already include
         try:
             tls = True if self._tls is None else current_context(self._tls)
-            async with self._session.get(url, raise_for_status=True, ssl=tls) as resp:
+            # The record names where the metrics are, never the engine's answer: a redirect is a failure.
+            async with self._session.get(url, raise_for_status=True, ssl=tls, allow_redirects=False) as resp:
+                if resp.status >= 300:
+                    raise aiohttp.ClientResponseError(
+                        resp.request_info, resp.history, status=resp.status, message="redirect not followed"
+                    )
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(

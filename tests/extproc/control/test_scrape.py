@@ -261,3 +261,27 @@ async def test_a_rotated_scrape_certificate_is_presented_by_the_next_connection(
             assert state(fleet, "e").consecutive_failures == 0 and tls.reloads == 2
         finally:
             await scrapes.aclose()
+
+
+async def test_an_engines_redirect_is_not_followed_and_is_a_failed_scrape(engine: Engine) -> None:
+    """The endpoint record names where its metrics are: an engine answering 307 to another host's
+    metrics does not get them read (nor that host called, with the gateway's client certificate) as its
+    own; the answer is a failed scrape, not an empty (idle-looking) reading."""
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{engine.port}/metrics")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", moved)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet)
+    try:
+        await scrapes.scrape_once()
+        e = state(fleet, "e")
+        assert engine.hits == 0 and e.metrics is None and e.consecutive_failures == 1
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()
