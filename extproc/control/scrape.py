@@ -10,7 +10,8 @@ scraped by a loop of its own, every ``interval_s`` or as soon as a slower scrape
 until ``timeout_s`` delays neither the others' scrapes nor what they detect (with one round for all, a
 stopped engine stretched every round to the timeout, so a killed engine beside it was marked unhealthy
 after 3 x 0.5 s instead of 3 x 0.1 s). A redirect answer is a failed scrape, not followed: only the
-endpoint's record says where its metrics are.
+endpoint's record says where its metrics are. Bytes that are not UTF-8 read as U+FFFD (that line alone is
+lost), as in the agent's telemetry.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class Scraper:
                     raise aiohttp.ClientResponseError(
                         resp.request_info, resp.history, status=resp.status, message="redirect not followed"
                     )
-                text = await resp.text()
+                text = await resp.text(errors="replace")  # a stray byte spoils a line, not the reading
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
                 exc.os_error, ConnectionRefusedError

@@ -285,3 +285,27 @@ async def test_an_engines_redirect_is_not_followed_and_is_a_failed_scrape(engine
     finally:
         await scrapes.aclose()
         await runner.cleanup()
+
+
+async def test_metrics_with_a_byte_that_is_not_utf8_are_still_read() -> None:
+    """A stray byte (a label value in another encoding) spoils its line, not the reading: no exception out
+    of the scrape (it ended the endpoint's scrape loop, and ``scrape_once`` at start-up)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = b'vllm:num_requests_waiting{model_name="caf\xe9"} 2\n' + METRICS.encode()
+        return web.Response(body=body, content_type="text/plain")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet)
+    try:
+        await scrapes.scrape_once()
+        e = state(fleet, "e")
+        assert e.metrics is not None and (e.metrics.waiting, e.metrics.running) == (4.0, 3.0)
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()
