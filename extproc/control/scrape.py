@@ -11,7 +11,7 @@ until ``timeout_s`` delays neither the others' scrapes nor what they detect (wit
 stopped engine stretched every round to the timeout, so a killed engine beside it was marked unhealthy
 after 3 x 0.5 s instead of 3 x 0.1 s). A redirect answer is a failed scrape, not followed: only the
 endpoint's record says where its metrics are. Bytes that are not UTF-8 read as U+FFFD (that line alone is
-lost), as in the agent's telemetry.
+lost), as in the agent's telemetry. An answer over :data:`MAX_METRICS_BYTES` (16 MiB) is a failed scrape.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from extproc.fleet import EndpointState, Fleet
 from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
+
+#: The largest ``/metrics`` answer read (a busy vLLM's is ~100 KiB); a longer one is a failed scrape.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
 class Scraper:
@@ -139,7 +142,7 @@ class Scraper:
                     raise aiohttp.ClientResponseError(
                         resp.request_info, resp.history, status=resp.status, message="redirect not followed"
                     )
-                text = await resp.text(errors="replace")  # a stray byte spoils a line, not the reading
+                text = (await _bounded(resp)).decode(errors="replace")  # a stray byte spoils a line only
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
                 exc.os_error, ConnectionRefusedError
@@ -154,3 +157,16 @@ class Scraper:
             restarted = " (a new process: its routed share starts again)" if state.vanished else ""
             log.info("endpoint %s healthy again%s", state.id, restarted)
         self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()), routed_before)
+
+
+async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
+    """The answer's bytes, at most :data:`MAX_METRICS_BYTES` (more: ``ClientPayloadError``, a failed
+    scrape), refused before reading when its length says so."""
+    if resp.content_length is not None and resp.content_length > MAX_METRICS_BYTES:
+        raise aiohttp.ClientPayloadError(f"metrics answer of {resp.content_length} bytes")
+    data = bytearray()
+    async for piece in resp.content.iter_any():
+        data += piece
+        if len(data) > MAX_METRICS_BYTES:
+            raise aiohttp.ClientPayloadError(f"metrics answer over {MAX_METRICS_BYTES} bytes")
+    return bytes(data)
