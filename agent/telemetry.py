@@ -9,7 +9,8 @@
   each slot reserves ``n_ctx / slots`` tokens of the KV cache, so busy slots say how much of the cache is
   claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
   prompts. A llama.cpp scraper with ``on_slots`` set reads ``/slots`` on every scrape and hands each
-  reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way).
+  reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way). A redirect is
+  not followed: a redirected ``/metrics`` is a failed scrape, a redirected ``/slots`` no KV reading.
 - :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its name,
   power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory used/total
   (bytes), utilisation (0..1) and the clocks event (throttle) reasons bitmask. ``nvmlInit`` runs once, on
@@ -172,7 +173,8 @@ class EngineScraper:
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ssl=self._tls)
             )
-        async with self._session.get(url, raise_for_status=True) as resp:
+        async with self._session.get(url, raise_for_status=True, allow_redirects=False) as resp:
+            _not_redirected(resp)
             return await resp.text(errors="replace")  # a stray byte spoils a line, not the reading
 
     async def _slots_usage(self, url: str) -> float | None:
@@ -180,7 +182,8 @@ class EngineScraper:
         older builds); ``None`` if unavailable (e.g. ``--no-slots``)."""
         try:
             assert self._session is not None
-            async with self._session.get(url, raise_for_status=True) as resp:
+            async with self._session.get(url, raise_for_status=True, allow_redirects=False) as resp:
+                _not_redirected(resp)
                 slots: Any = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self._slots_ok:
@@ -201,6 +204,14 @@ class EngineScraper:
         )
         self._slots_ok = True
         return busy / len(slots)
+
+
+def _not_redirected(resp: aiohttp.ClientResponse) -> None:
+    """A redirect is an error, not followed: the engine's own URL is read, never one its answer names."""
+    if resp.status >= 300:
+        raise aiohttp.ClientResponseError(
+            resp.request_info, resp.history, status=resp.status, message="redirect not followed"
+        )
 
 
 class GpuTelemetry:

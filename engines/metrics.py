@@ -2,8 +2,10 @@
 kind's are on its :class:`~engines.kind.EngineKind`; :func:`engines.kinds.metric_names`), and a fast parser.
 
 The parser reads only the few series routing needs (REFERENCE.md section 4) and sums them over label
-sets (an engine serving several models reports one series per model). It is a line scan, not a full
-exposition-format parser: the gateway's scrape loop and the agent's telemetry run it every 100 ms per
+sets (an engine serving several models reports one series per model), except the KV cache use gauge: a
+fraction per engine core (vLLM with ``--data-parallel-size`` reports one per ``engine`` label, SGLang one
+per DP rank), so its series are averaged, each read as a percentage when above 1. It is a line scan, not a
+full exposition-format parser: the gateway's scrape loop and the agent's telemetry run it every 100 ms per
 engine, and the gateway's CPU is its ceiling.
 """
 
@@ -94,8 +96,8 @@ class MetricNames:
 
 
 def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
-    """Sum each wanted series over its label sets; missing waiting/running read as 0, kv and TTFT as
-    ``None``; the LoRA series as :class:`LoraState` (``None`` without them)."""
+    """Sum each wanted series over its label sets (KV use: their mean); missing waiting/running read as 0,
+    kv and TTFT as ``None``; the LoRA series as :class:`LoraState` (``None`` without them)."""
     wanted = {names.waiting: 0, names.running: 1}
     if names.kv_usage is not None:
         wanted[names.kv_usage] = 2
@@ -115,6 +117,7 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
     lora_at = -math.inf
     sums = [0.0] * 10
     seen = [False] * 10
+    kv_series = 0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -134,11 +137,13 @@ def parse_metrics(text: str, names: MetricNames, at: float) -> EngineMetrics:
         except (IndexError, ValueError):
             continue
         if math.isfinite(value):
+            if slot == 2:  # a fraction per engine core: averaged, not summed (module docstring)
+                kv_series += 1
+                if value > 1.0:  # some engines export a percentage
+                    value /= 100.0
             sums[slot] += value
             seen[slot] = True
-    kv = sums[2] if seen[2] else None
-    if kv is not None and kv > 1.0:  # some engines export a percentage
-        kv = kv / 100.0
+    kv = sums[2] / kv_series if seen[2] else None
     ttft = seen[3] and seen[4]
     if seen[8] and seen[9]:
         slots = LoraState(max_lora=int(sums[9]), slots_used=int(sums[8]))

@@ -1,7 +1,8 @@
 """Whether an engine schedules by the request body's ``priority`` field, and in which order, read from
 the command line it runs with (what a node agent registers as the endpoint's ``priority_order``).
 
-- vLLM (and the simulator, which takes vLLM's flag): ``--scheduling-policy priority``. The waiting queue
+- vLLM (and the simulator, which takes vLLM's flag): ``--scheduling-policy priority`` (vLLM also reads
+  ``--scheduling_policy``: its parser turns underscores in flag names into dashes). The waiting queue
   is ordered by ``(priority, arrival)``, the **lower** value first (``low_first``). Without it the
   field does not order anything (vLLM's V0 engine refused a non-zero one: "Priority scheduling is not
   enabled").
@@ -24,10 +25,14 @@ from collections.abc import Sequence
 PRIORITY_ORDERS = ("low_first", "high_first")
 
 
-def _value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``; the last one wins), else ``None``."""
+def _value(argv: Sequence[str], flag: str, *, underscores: bool = False) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``; the last one wins), else ``None``.
+    ``underscores``: ``_`` in a flag's name reads as ``-`` (vLLM's parser accepts ``--scheduling_policy``)."""
     found = None
     for i, arg in enumerate(argv):
+        if underscores and arg.startswith("--"):
+            name, eq, rest = arg.partition("=")
+            arg = name.replace("_", "-") + eq + rest
         if arg == flag and i + 1 < len(argv):
             found = argv[i + 1]
         elif arg.startswith(flag + "="):
@@ -39,7 +44,8 @@ def priority_order(kind: str, argv: Sequence[str]) -> str | None:
     """The order in which an engine of ``kind`` started with ``argv`` serves the body's ``priority``
     (one of :data:`PRIORITY_ORDERS`), or ``None`` when it does not schedule by it (module docstring)."""
     if kind in ("vllm", "sim"):
-        return "low_first" if _value(argv, "--scheduling-policy") == "priority" else None
+        policy = _value(argv, "--scheduling-policy", underscores=kind == "vllm")
+        return "low_first" if policy == "priority" else None
     if kind == "sglang":
         if "--enable-priority-scheduling" not in argv:
             return None

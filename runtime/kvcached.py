@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc
 import msgspec
 
+from contracts.errors import MSGPACK_ERRORS
 from contracts.kvcached import (
     CONTAINS,
     DELETE,
@@ -95,7 +96,10 @@ class KvcachedClient:
             if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details() or "invalid argument") from exc
             raise KvcachedError(f"{method}: {exc.code().name}: {exc.details()}") from exc
-        return msgspec.msgpack.decode(raw, type=reply)
+        try:
+            return msgspec.msgpack.decode(raw, type=reply)
+        except MSGPACK_ERRORS as exc:  # a daemon of another build: its reply is not one this client reads
+            raise KvcachedError(f"{method}: undecodable reply: {exc}") from exc
 
     async def put(self, digest: bytes, data: bytes, checksum: bytes | None = None) -> str | None:
         """Store a block; returns the tier now holding it."""

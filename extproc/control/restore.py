@@ -14,7 +14,8 @@ restore when it pays off:
   then fetches the value under the last digest, from a peer if its own kvcached lacks it).
 - **How long**: ``slot_restore.timeout_s`` (default 2 s), then the request is routed as usual. A restore
   that fails, finds nothing, finds no idle slot or runs late never fails the request; the agent finishes
-  a late restore anyway, so later requests find the prefix. One shared aiohttp session.
+  a late restore anyway, so later requests find the prefix. One shared aiohttp session. A redirect is not
+  followed (only the endpoint record names the agent to ask): it counts as ``failed``.
 - Counted in the ext_proc's metrics: ``kvgate_slot_restores_total{outcome}`` (``restored``, ``miss``,
   ``busy``, ``failed``, ``timeout``) and ``kvgate_slot_restore_seconds``.
 
@@ -137,7 +138,9 @@ class SlotRestorer:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 tls = True if self._tls is None else current_context(self._tls)
-                async with self._session.post(wanted.url, data=wanted.body(), headers=sent, ssl=tls) as resp:
+                async with self._session.post(  # only the record names the agent: a redirect is a failure
+                    wanted.url, data=wanted.body(), headers=sent, ssl=tls, allow_redirects=False
+                ) as resp:
                     if resp.status == 409:
                         return "busy"
                     if resp.status != 200:

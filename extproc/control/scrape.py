@@ -9,7 +9,9 @@ again (an engine restarted on the same port, or one that was stopped and continu
 scraped by a loop of its own, every ``interval_s`` or as soon as a slower scrape ends: one that hangs
 until ``timeout_s`` delays neither the others' scrapes nor what they detect (with one round for all, a
 stopped engine stretched every round to the timeout, so a killed engine beside it was marked unhealthy
-after 3 x 0.5 s instead of 3 x 0.1 s).
+after 3 x 0.5 s instead of 3 x 0.1 s). A redirect answer is a failed scrape, not followed: only the
+endpoint's record says where its metrics are. Bytes that are not UTF-8 read as U+FFFD (that line alone is
+lost), as in the agent's telemetry. An answer over :data:`MAX_METRICS_BYTES` (16 MiB) is a failed scrape.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from extproc.fleet import EndpointState, Fleet
 from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
+
+#: The largest ``/metrics`` answer read (a busy vLLM's is ~100 KiB); a longer one is a failed scrape.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
 class Scraper:
@@ -131,8 +136,13 @@ class Scraper:
         routed_before = state.routed_since_scrape  # what the engine's answer will already include
         try:
             tls = True if self._tls is None else current_context(self._tls)
-            async with self._session.get(url, raise_for_status=True, ssl=tls) as resp:
-                text = await resp.text()
+            # The record names where the metrics are, never the engine's answer: a redirect is a failure.
+            async with self._session.get(url, raise_for_status=True, ssl=tls, allow_redirects=False) as resp:
+                if resp.status >= 300:
+                    raise aiohttp.ClientResponseError(
+                        resp.request_info, resp.history, status=resp.status, message="redirect not followed"
+                    )
+                text = (await _bounded(resp)).decode(errors="replace")  # a stray byte spoils a line only
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
                 exc.os_error, ConnectionRefusedError
@@ -147,3 +157,16 @@ class Scraper:
             restarted = " (a new process: its routed share starts again)" if state.vanished else ""
             log.info("endpoint %s healthy again%s", state.id, restarted)
         self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()), routed_before)
+
+
+async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
+    """The answer's bytes, at most :data:`MAX_METRICS_BYTES` (more: ``ClientPayloadError``, a failed
+    scrape), refused before reading when its length says so."""
+    if resp.content_length is not None and resp.content_length > MAX_METRICS_BYTES:
+        raise aiohttp.ClientPayloadError(f"metrics answer of {resp.content_length} bytes")
+    data = bytearray()
+    async for piece in resp.content.iter_any():
+        data += piece
+        if len(data) > MAX_METRICS_BYTES:
+            raise aiohttp.ClientPayloadError(f"metrics answer over {MAX_METRICS_BYTES} bytes")
+    return bytes(data)

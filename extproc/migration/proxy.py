@@ -228,6 +228,7 @@ class MigrationProxy:
                     headers=headers,
                     timeout=self._timeout(),
                     ssl=self._ssl(),
+                    allow_redirects=False,  # Envoy's header names the hosts, never an engine's answer
                 ) as up:
                     data = await up.read()
                     last = (up.status, data, up.headers.get("content-type", "application/json"))
@@ -279,6 +280,7 @@ class MigrationProxy:
                     headers=headers,
                     timeout=self._timeout(),
                     ssl=self._ssl(),
+                    allow_redirects=False,  # Envoy's header names the hosts, never an engine's answer
                 ) as up:
                     if up.status >= 500:
                         raise _TryFailed(f"HTTP {up.status}", up.status)

@@ -6,8 +6,9 @@ raises an :class:`~extproc.upstream.errors.UpstreamError`. One aiohttp session (
 client, made on first use on the running loop and closed by :meth:`aclose`; every call has its own total
 timeout; with an ``ssl.SSLContext`` it speaks HTTPS (the scraper's engine-side client certificate gives
 mTLS; a :class:`~runtime.tls.ReloadingClientCerts` is asked per request, so a rotated certificate
-reaches the next new connection). It never logs a body, a header value or a URL query: only the
-address, the path, the status and the time.
+reaches the next new connection). It never follows a redirect: an engine's answer does not choose
+another upstream (a 3xx is an :class:`~extproc.upstream.errors.UpstreamStatus`). It never logs a body, a
+header value or a URL query: only the address, the path, the status and the time.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ class UpstreamClient:
         started = time.monotonic()
         try:
             async with self._client().post(
-                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl()
+                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl(), allow_redirects=False
             ) as response:
-                data = await response.content.read(MAX_ANSWER_BYTES)
+                data = await _read_whole(response.content, f"{address}{path}")
                 status = response.status
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no answer from {address}{path} within {timeout_s:g} s") from exc
@@ -122,7 +123,7 @@ class UpstreamClient:
         cut = False
         try:
             async with self._client().post(
-                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl()
+                url, data=body, headers=sent, timeout=timeout, ssl=self._ssl(), allow_redirects=False
             ) as response:
                 status = response.status
                 if 200 <= status < 300:
@@ -155,6 +156,17 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _read_whole(content: aiohttp.StreamReader, where: str) -> bytes:
+    """The answer to its end (``read(n)`` alone returns whatever is buffered: a part of an answer that
+    arrives in pieces). Past :data:`MAX_ANSWER_BYTES`: :class:`UpstreamError`."""
+    data = bytearray()
+    async for piece in content.iter_any():
+        data += piece
+        if len(data) > MAX_ANSWER_BYTES:
+            raise UpstreamError(f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+    return bytes(data)
 
 
 async def _hand_lines(content: aiohttp.StreamReader, on_line: Callable[[bytes], bool], where: str) -> bool:

@@ -6,7 +6,10 @@ snapshot) -> ``handler.on_reset(source, endpoints in it)`` then ``on_batch``; DU
 -> counted, the stream is cancelled and a new one asks at once for what follows the last applied ``seq``
 (the source replays it or sends a snapshot). An unreachable source or a broken stream calls
 ``handler.on_lost`` once per outage, then the client reconnects with capped exponential backoff (50 ms
-doubling to 2 s) and calls ``handler.on_restored`` once attached again. A stream the source ends because
+doubling to 2 s) and calls ``handler.on_restored`` once attached again. A subscription that ends before
+applying anything (a failed apply, a gap or a lag at its first batch) is paced by the same backoff: it
+starts over only once a stream has applied a batch, so a receiver that keeps failing asks for a snapshot
+every 2 s at most, not every 50 ms. A stream the source ends because
 this client fell behind (``RESOURCE_EXHAUSTED``) is resubscribed at once, without ``on_lost``.
 
 Versions (:mod:`contracts.versions`): a batch of a feed version this client does not read (newer than
@@ -200,7 +203,6 @@ class FeedClient:
                 self.last_error = f"{code.name}: {await call.details()}"
                 return "broken", 0
             self.connected = True
-            self._backoff.reset()
             if self._lost:
                 self._lost = False
                 self._handler.on_restored(self.address)
@@ -226,6 +228,8 @@ class FeedClient:
                     log.exception("feed %s: applying seq %d failed; resubscribing", self.address, batch.seq)
                     self.tracker = SequenceTracker()
                     return "failed", 0
+                if not applied:  # the backoff starts over once a stream works, not once it attaches
+                    self._backoff.reset()
                 applied += 1
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

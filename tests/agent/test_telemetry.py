@@ -149,6 +149,31 @@ async def test_llama_cpp_uses_slots_as_kv_usage(llama: dict[str, Any]) -> None:
         await scraper.aclose()
 
 
+async def test_an_engines_redirect_is_not_followed(llama: dict[str, Any]) -> None:
+    """A (remote) engine answering 307 towards another server's metrics or slots does not get them read as
+    its own: a redirected ``/metrics`` is a failed scrape; a redirected ``/slots``, no KV reading."""
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(llama["url"].replace("/metrics", request.path))
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", moved), web.get("/slots", moved)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    redirected = EngineScraper("vllm", f"http://127.0.0.1:{port}/metrics")
+    slots_moved = EngineScraper("llama_cpp", llama["url"], slots_url=f"http://127.0.0.1:{port}/slots")
+    try:
+        assert await redirected.scrape() is None and "307" in redirected.last_error
+        sample = await slots_moved.scrape()
+        assert sample is not None and sample.kv_usage is None and llama["slot_hits"] == 0
+    finally:
+        await redirected.aclose()
+        await slots_moved.aclose()
+        await runner.cleanup()
+
+
 # --- NVML -------------------------------------------------------------------------------------------
 
 

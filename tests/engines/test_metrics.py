@@ -51,6 +51,26 @@ def test_percentages_normalised() -> None:
     assert m.kv_usage == pytest.approx(0.42)
 
 
+def test_kv_usage_of_several_engine_cores_is_their_mean() -> None:
+    """vLLM with --data-parallel-size 2 reports one gauge per engine core: 0.6 and 0.7 used is 0.65, not
+    their sum (1.3) read as a percentage (0.013), which would show a nearly full engine as empty."""
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+    )
+    m = parse_metrics(text, metric_names("vllm"), at=0.0)
+    assert m.kv_usage == pytest.approx(0.65)
+    assert m.running == 7.0  # request counts still add up
+    pct = parse_metrics(
+        'x{engine="0"} 1\nvllm:kv_cache_usage_perc{a="0"} 40\nvllm:kv_cache_usage_perc{a="1"} 60\n',
+        metric_names("vllm"),
+        at=0.0,
+    )
+    assert pct.kv_usage == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_ttft_histogram_sum_and_count_are_read(engine: str) -> None:
     names = metric_names(engine)

@@ -16,6 +16,10 @@ from engines.priority import priority_order
         ("vllm", ["vllm", "serve", "m", "--scheduling-policy", "fcfs"], None),
         ("vllm", ["--scheduling-policy", "priority", "--scheduling-policy", "fcfs"], None),  # the last wins
         ("vllm", ["--scheduling-policy"], None),  # no value: not priority
+        # vLLM's parser reads underscores in flag names as dashes
+        ("vllm", ["vllm", "serve", "m", "--scheduling_policy", "priority"], "low_first"),
+        ("vllm", ["vllm", "serve", "m", "--scheduling_policy=priority"], "low_first"),
+        ("vllm", ["--scheduling_policy", "priority", "--scheduling-policy", "fcfs"], None),
         ("sim", ["python", "-m", "load.sim", "--scheduling-policy", "priority"], "low_first"),
         ("sglang", ["python", "-m", "sglang.launch_server"], None),
         ("sglang", ["--enable-priority-scheduling"], "high_first"),  # SGLang's default order

@@ -272,3 +272,26 @@ async def test_a_rotated_feeds_certificate_is_presented_by_the_next_connection(t
     finally:
         await restorer.aclose()
         await runner.cleanup()
+
+
+async def test_an_agents_redirect_is_not_followed(agent: tuple[Agent, str]) -> None:
+    """The endpoint record names the agent to ask: an answer redirecting to another agent (which would
+    restore into its own engine, and be counted for this one) is a failed restore, not followed."""
+    other, other_url = agent
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(other_url)
+
+    app = web.Application()
+    app.add_routes([web.post("/slots/restore-chain", moved)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    restorer = SlotRestorer(SlotRestoreConfig(timeout_s=2.0), GatewayMetrics(Fleet()))
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/slots/restore-chain"
+        assert await restorer.before_routing(decision(matched=0, lead=64, url=url)) == "failed"
+        assert other.seen == []
+    finally:
+        await restorer.aclose()
+        await runner.cleanup()

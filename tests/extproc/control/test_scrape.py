@@ -261,3 +261,87 @@ async def test_a_rotated_scrape_certificate_is_presented_by_the_next_connection(
             assert state(fleet, "e").consecutive_failures == 0 and tls.reloads == 2
         finally:
             await scrapes.aclose()
+
+
+async def test_an_engines_redirect_is_not_followed_and_is_a_failed_scrape(engine: Engine) -> None:
+    """The endpoint record names where its metrics are: an engine answering 307 to another host's
+    metrics does not get them read (nor that host called, with the gateway's client certificate) as its
+    own; the answer is a failed scrape, not an empty (idle-looking) reading."""
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{engine.port}/metrics")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", moved)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet)
+    try:
+        await scrapes.scrape_once()
+        e = state(fleet, "e")
+        assert engine.hits == 0 and e.metrics is None and e.consecutive_failures == 1
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()
+
+
+async def test_metrics_with_a_byte_that_is_not_utf8_are_still_read() -> None:
+    """A stray byte (a label value in another encoding) spoils its line, not the reading: no exception out
+    of the scrape (it ended the endpoint's scrape loop, and ``scrape_once`` at start-up)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        body = b'vllm:num_requests_waiting{model_name="caf\xe9"} 2\n' + METRICS.encode()
+        return web.Response(body=body, content_type="text/plain")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet)
+    try:
+        await scrapes.scrape_once()
+        e = state(fleet, "e")
+        assert e.metrics is not None and (e.metrics.waiting, e.metrics.running) == (4.0, 3.0)
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_over_the_bound_is_a_failed_scrape_not_read_whole(chunked: bool) -> None:
+    """``/metrics`` answers over :data:`MAX_METRICS_BYTES` (announced, or streamed without a length) are
+    failed scrapes: the gateway never holds an engine's endless answer in memory."""
+    from extproc.control.scrape import MAX_METRICS_BYTES
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        line = b"# " + b"x" * 1022 + b"\n"
+        n = MAX_METRICS_BYTES // len(line) + 2
+        if not chunked:
+            return web.Response(body=METRICS.encode() + line * n, content_type="text/plain")
+        response = web.StreamResponse(headers={"content-type": "text/plain"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(METRICS.encode())
+        for _ in range(n):
+            await response.write(line)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet, timeout_s=10.0)
+    try:
+        await scrapes.scrape_once()
+        e = state(fleet, "e")
+        assert e.metrics is None and e.consecutive_failures == 1
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()

@@ -195,3 +195,35 @@ async def test_a_continuation_carries_no_handoff_fields(
     ((tried,), (cont,)) = cut.seen, ok.seen
     assert all(k in tried for k in HANDOFF)
     assert not any(k in cont for k in HANDOFF) and cont["messages"][-1]["content"] == "Hello"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engines_redirect_is_not_followed(
+    proxy: tuple[MigrationProxy, aiohttp.ClientSession], stream: bool
+) -> None:
+    """Only Envoy's header names the hosts: an engine answering 307 elsewhere does not get the prompt resent
+    to the host its ``Location`` names; its answer is passed back as an answer (not retried there)."""
+    called: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        called.append(request.path)
+        return web.json_response({})
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://{other_address}/steal")
+
+    runners = []
+    for route in (web.post("/steal", elsewhere), web.post("/v1/chat/completions", moved)):
+        app = web.Application()
+        app.add_routes([route])
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+    other_address, engine = (f"127.0.0.1:{r.addresses[0][1]}" for r in runners)
+    try:
+        status, _ = await post(proxy, [engine], {**CHAT, "stream": stream})
+        assert status == 307 and called == []
+    finally:
+        for runner in runners:
+            await runner.cleanup()

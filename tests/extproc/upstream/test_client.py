@@ -198,3 +198,74 @@ async def test_post_stream_hands_over_a_last_line_without_a_newline_and_a_cut_pa
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+async def _serve(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_post_json_reads_an_answer_sent_in_several_writes_whole() -> None:
+    """An answer whose bytes arrive in more than one piece is read to its end, not cut after the first
+    piece (``StreamReader.read(n)`` returns what is buffered); one over 4 MiB is an ``UpstreamError``."""
+    from extproc.upstream.client import MAX_ANSWER_BYTES
+
+    async def pieces(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"text": "')
+        for _ in range(8):  # 2 MiB in pieces: more than one read's worth of buffered bytes
+            await response.write(b"y" * 256 * 1024)
+        await response.write(b'"}')
+        await response.write_eof()
+        return response
+
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (MAX_ANSWER_BYTES + 1))
+
+    runner, address = await _serve([web.post("/pieces", pieces), web.post("/huge", huge)])
+    client = UpstreamClient()
+    try:
+        answer = await client.post_json(address, "/pieces", b"{}", timeout_s=5)
+        assert json.loads(answer.body) == {"text": "y" * 2 * 1024 * 1024}
+        with pytest.raises(UpstreamError) as caught:
+            await client.post_json(address, "/huge", b"{}", timeout_s=5)
+        assert caught.value.reason == "error"
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_redirect_is_not_followed_to_another_host(stream: bool) -> None:
+    """An engine's answer never names another upstream: a 307 (which would resend the body, a prompt, to
+    the ``Location`` host) is an ``UpstreamStatus``, and the other host is never called."""
+    called = asyncio.Event()
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        called.set()
+        return web.json_response({})
+
+    other, other_address = await _serve([web.post("/steal", elsewhere)])
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://{other_address}/steal")
+
+    runner, address = await _serve([web.post("/v1/completions", moved)])
+    client = UpstreamClient()
+    try:
+        with pytest.raises(UpstreamStatus) as caught:
+            if stream:
+                await client.post_stream(address, "/v1/completions", b"{}", lambda _: True, timeout_s=5)
+            else:
+                await client.post_json(address, "/v1/completions", b"{}", timeout_s=5)
+        assert caught.value.status == 307
+        assert not called.is_set()
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+        await other.cleanup()

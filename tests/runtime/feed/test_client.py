@@ -106,3 +106,51 @@ async def test_gap_triggers_a_resubscription_that_fills_it() -> None:
     finally:
         await client.aclose()
         await srv.aclose()
+
+
+class RecordingBackoff(Backoff):
+    """A fast backoff (1 ms doubling to 8 ms) that records each delay it hands out."""
+
+    def __init__(self) -> None:
+        super().__init__(initial_s=0.001, max_s=0.008)
+        self.delays: list[float] = []
+
+    def next(self) -> float:
+        delay = super().next()
+        self.delays.append(delay)
+        return delay
+
+
+class FailingHandler(Recorder):
+    """A receiver whose every apply fails (a bug on its side): each subscription ends "failed"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resets = 0
+
+    def on_reset(self, source: str, endpoints: frozenset[EndpointId]) -> None:
+        self.resets += 1
+
+    def on_batch(self, batch: Batch) -> None:
+        raise RuntimeError("receiver bug")
+
+
+async def test_a_receiver_that_keeps_failing_resubscribes_with_growing_waits() -> None:
+    """Each failed apply asks the source for a whole snapshot again: those asks back off (doubling to the
+    cap), not a fixed first delay each time because the subscription itself was attached."""
+    from runtime.feed.server import FeedServer
+
+    feed_log = FeedLog("node-f", epoch=9)
+    feed_log.publish([Stored("e1", [D1])], ts=time.time())
+    server = FeedServer(feed_log, lambda: [Stored("e1", [D1])])
+    await server.start()
+    handler, backoff = FailingHandler(), RecordingBackoff()
+    client = FeedClient(f"127.0.0.1:{server.port}", handler, subscriber="t", backoff=backoff)
+    client.start()
+    try:
+        await eventually(lambda: len(backoff.delays) >= 5)
+        assert backoff.delays[:5] == [0.001, 0.002, 0.004, 0.008, 0.008]
+        assert handler.lost == []  # the source is fine: not an outage
+    finally:
+        await client.aclose()
+        await server.aclose()
