@@ -861,12 +861,13 @@ class Gateway:
 
     def _forget_drift(self) -> None:
         """The fleet changed: drop the drift windows (and their published series) of endpoints that
-        left, so a removed endpoint's tripped alarm does not fire on."""
+        left, so a removed endpoint's tripped alarm does not fire on, and their ejection counters."""
         current = {str(s.id) for s in self.fleet}
         for gone in self._drift_known - current:
             self.drift.forget(gone)
             self.counter_drift.forget(gone)
         self._drift_known = current
+        self.metrics.keep_endpoints(current)
 
     def _on_decision(self, decision: Decision) -> None:
         """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
@@ -914,7 +915,7 @@ class Gateway:
             self.health.set(name, status)
 
     def _on_ejection(self, ejection: Ejection) -> None:
-        self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()
+        self.metrics.ejected(ejection.endpoint, ejection.kind)
 
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens

@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from contracts.events import EndpointId
 from contracts.tracing import Timeline
@@ -24,6 +25,7 @@ from extproc.processor import ProcessorConfig
 from extproc.routing.request import ParsedRequest
 from extproc.routing.router import Decision, LazyPrompt, Router, Tokens
 from extproc.server import ExternalProcessor, Gateway
+from extproc.xds.ejection import Ejection
 from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -478,3 +480,14 @@ async def test_garbage_collection_runs_after_the_answer(gateway: Gateway) -> Non
         del kept
     finally:
         collector.stop()
+
+
+async def test_an_endpoint_that_leaves_the_fleet_takes_its_ejection_series(gateway: Gateway) -> None:
+    gateway._on_ejection(Ejection(EndpointId("e0"), "http_503", 1, time.monotonic(), 1.0))
+    gateway._on_ejection(Ejection(EndpointId("e1"), "http_503", 1, time.monotonic(), 1.0))
+    text = generate_latest(gateway.metrics.registry).decode()
+    assert 'kvgate_endpoint_ejections_total{endpoint="e0",kind="http_503"} 1.0' in text
+    gateway.fleet.remove(EndpointId("e0"))
+    text = generate_latest(gateway.metrics.registry).decode()
+    assert 'kvgate_endpoint_ejections_total{endpoint="e0"' not in text
+    assert 'kvgate_endpoint_ejections_total{endpoint="e1",kind="http_503"} 1.0' in text
