@@ -100,6 +100,29 @@ def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"scrape": {"interval_s": 10**400}}, "config.scrape.interval_s: must be a finite number"),
+        ({"timeouts": {"request_s": 10**400}}, "config.timeouts.request_s: must be a finite number"),
+        ({"overload": {"lag_interval_s": 10**400}}, "config.overload.lag_interval_s: must be a finite"),
+        ({"extproc": {"max_body_bytes": 10**400}}, "config.extproc.max_body_bytes: must be <= "),
+        ({"drift": {"window": 2**63}}, "config.drift.window: must be <= 9223372036854775807"),
+        (
+            {"tenants": [{"id": "t", "models": ["m"], "tokens": {"per_minute": 10**400}}]},
+            "tenants[0].tokens.per_minute",
+        ),
+    ],
+)
+def test_an_integer_too_large_is_refused_naming_the_key(raw: dict[str, object], message: str) -> None:
+    """JSON (and tomllib) read integers of any size: one past any float was an OverflowError (a
+    traceback at start, not the config error ``kvgate extproc`` reports), and one past 64 bits was
+    taken, to overflow later in float arithmetic (a tenant's token rate, ``per_minute / 60``)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert message in str(err.value)
+
+
 def test_cache_bounds_default_and_configured() -> None:
     """The ext_proc's bounded caches keep their documented defaults unless configured."""
     default = parse_config({})
