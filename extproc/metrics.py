@@ -217,7 +217,8 @@ class GatewayMetrics:
     ) -> None:
         """Export the drift alarm per model and endpoint from ``published``
         (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape, after ``refresh()``
-        (which expires the windows, so an alarm clears at its window's end even with no new traffic)."""
+        (which expires the windows, so an alarm clears at its window's end even with no new traffic; it
+        is called on the scrape's thread, so it must do that work where the windows live)."""
         self.registry.register(_DriftCollector(published, refresh))
 
     def watch_overload(self, gate: DecisionGate, lag: LagMeter) -> None:
