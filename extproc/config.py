@@ -332,6 +332,9 @@ class EjectionConfig:
 
 #: The most further tries a model may allow a request (``[[models]] migration_limit``).
 MAX_MIGRATION_LIMIT = 16
+#: The longest timeout accepted (s): protobuf's ``Duration`` range, the most an Envoy config takes (a
+#: longer ``idle_timeout_s`` renders a route Envoy refuses to load). ``0`` already means no bound.
+MAX_TIMEOUT_S = 315_576_000_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,6 +541,9 @@ def parse_config(raw: object) -> GatewayConfig:
         first_byte_s=to.number("first_byte_s", _TO.first_byte_s, minimum=0.0),
     )
     to.done()
+    _at_most_max_timeout(
+        ("timeouts.request_s", timeouts.request_s), ("timeouts.first_byte_s", timeouts.first_byte_s)
+    )
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
     drift = parse_drift(top.table("drift"))
     overload = parse_overload(top.table("overload"))
@@ -589,6 +595,14 @@ def _ejection(ej: Section) -> EjectionConfig:
     return ejection
 
 
+def _at_most_max_timeout(*keys: tuple[str, float | None]) -> None:
+    for key, seconds in keys:
+        if seconds is not None and seconds > MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"{key}: must be <= {MAX_TIMEOUT_S:.0f} (Envoy's longest duration), got {seconds}"
+            )
+
+
 def _peers(raw: list[object]) -> tuple[str, ...]:
     if not raw or not all(isinstance(p, str) and p for p in raw):
         raise ConfigError("extproc.tls_allowed_peers: a non-empty list of identity URIs")
@@ -618,6 +632,11 @@ def _model(raw: object, where: str) -> ModelConfig:
         migration_limit=s.integer("migration_limit", 3, minimum=1),
     )
     s.done()
+    _at_most_max_timeout(
+        (f"{where}.request_timeout_s", model.request_timeout_s),
+        (f"{where}.first_byte_timeout_s", model.first_byte_timeout_s),
+        (f"{where}.idle_timeout_s", model.idle_timeout_s),
+    )
     if model.migration_limit > MAX_MIGRATION_LIMIT:
         raise ConfigError(
             f"{where}.migration_limit: must be <= {MAX_MIGRATION_LIMIT}, got {model.migration_limit}"

@@ -22,6 +22,7 @@ from extproc.flow.policy import FlowPolicy, Objective, Saturation
 from extproc.models.tokenizer import CacheLimits
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
+MODEL_SPEC = {"name": "m", "gguf": "x"}
 
 
 def test_defaults_and_endpoint() -> None:
@@ -98,6 +99,34 @@ def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"models": [{**MODEL_SPEC, "idle_timeout_s": 1e12}]},
+            "models[0].idle_timeout_s: must be <= 315576000000",
+        ),
+        ({"models": [{**MODEL_SPEC, "request_timeout_s": 1e300}]}, "models[0].request_timeout_s: must be <="),
+        (
+            {"models": [{**MODEL_SPEC, "first_byte_timeout_s": 4e11}]},
+            "models[0].first_byte_timeout_s: must be <=",
+        ),
+        ({"timeouts": {"request_s": 1e12}}, "timeouts.request_s: must be <= 315576000000"),
+        ({"timeouts": {"first_byte_s": 1e12}}, "timeouts.first_byte_s: must be <= 315576000000"),
+    ],
+)
+def test_a_timeout_longer_than_envoy_takes_is_refused(raw: dict[str, object], message: str) -> None:
+    """``kvgate envoy-config --gateway-config`` renders ``idle_timeout_s`` into a route's ``idle_timeout``
+    (a protobuf Duration, at most 315576000000 s): a longer one rendered a config Envoy refuses to load
+    ("duration out of range"); it is refused where the config is read, the key named, and so is a longer
+    request or first-byte bound (sent to Envoy as milliseconds), whose ``0`` already means none."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert message in str(err.value)
+    fine = parse_config({"models": [{**MODEL_SPEC, "idle_timeout_s": 315_576_000_000}]})
+    assert fine.models[0].idle_timeout_s == 315_576_000_000.0
 
 
 @pytest.mark.parametrize(
