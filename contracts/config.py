@@ -22,6 +22,8 @@ REQUIRED = object()
 """The ``default`` of a key that must be present."""
 #: The largest integer a config key takes: TOML's (a signed 64-bit integer); JSON's has no bound.
 MAX_INTEGER = 2**63 - 1
+#: The longest duration a key rendered into an Envoy config may hold (s): protobuf's ``Duration`` range.
+MAX_DURATION_S = 315_576_000_000.0
 
 
 class Section:

@@ -140,7 +140,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.config import REQUIRED, Section, all_or_none, choice, hostport, read_tree
+from contracts.config import MAX_DURATION_S, REQUIRED, Section, all_or_none, choice, hostport, read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, parse_etcd_settings
 from contracts.tracing import TracingSettings, parse_tracing
@@ -334,7 +334,7 @@ class EjectionConfig:
 MAX_MIGRATION_LIMIT = 16
 #: The longest timeout accepted (s): protobuf's ``Duration`` range, the most an Envoy config takes (a
 #: longer ``idle_timeout_s`` renders a route Envoy refuses to load). ``0`` already means no bound.
-MAX_TIMEOUT_S = 315_576_000_000.0
+MAX_TIMEOUT_S = MAX_DURATION_S
 
 
 @dataclass(frozen=True, slots=True)
