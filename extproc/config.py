@@ -459,6 +459,7 @@ def parse_config(raw: object) -> GatewayConfig:
         offload_rest_chars=ex.integer("offload_rest_chars", _EX.offload_rest_chars, minimum=0),
     )
     ex.done()
+    _distinct_listeners(extproc)
     if extproc.siblings_dir == "":
         raise ConfigError("extproc.siblings_dir: must be a directory path, got an empty string")
     all_or_none(
@@ -593,6 +594,32 @@ def _ejection(ej: Section) -> EjectionConfig:
     if ejection.base_s > ejection.max_s:
         raise ConfigError(f"ejection.base_s: must be <= max_s ({ejection.max_s}), got {ejection.base_s}")
     return ejection
+
+
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _distinct_listeners(ex: ExtprocConfig) -> None:
+    """The ext_proc, health and metrics ports must differ: gRPC binds with ``SO_REUSEPORT``, so the
+    ext_proc and health servers on one port both start and split the connections (ext_proc streams
+    sent to the health server fail), and the metrics server then cannot bind at all."""
+    seen: list[tuple[str, str, str]] = []
+    for key, listen in (
+        ("listen", ex.listen),
+        ("health_listen", ex.health_listen),
+        ("metrics_listen", ex.metrics_listen),
+    ):
+        if listen is None:
+            continue
+        host, _, port = listen.rpartition(":")
+        if int(port) == 0:
+            continue
+        for other_key, other_host, other_port in seen:
+            if port == other_port and (host == other_host or host in _WILDCARDS or other_host in _WILDCARDS):
+                raise ConfigError(
+                    f"extproc.{key}: {listen} is also extproc.{other_key}'s port; give each its own"
+                )
+        seen.append((key, host, port))
 
 
 def _at_most_max_timeout(*keys: tuple[str, float | None]) -> None:

@@ -152,6 +152,31 @@ def test_an_integer_too_large_is_refused_naming_the_key(raw: dict[str, object], 
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("extproc", "message"),
+    [
+        (
+            {"health_listen": "127.0.0.1:9002"},
+            "extproc.health_listen: 127.0.0.1:9002 is also extproc.listen's",
+        ),
+        (
+            {"metrics_listen": "127.0.0.1:9003"},
+            "extproc.metrics_listen: 127.0.0.1:9003 is also extproc.health",
+        ),
+        ({"listen": "0.0.0.0:9090"}, "extproc.metrics_listen: 127.0.0.1:9090 is also extproc.listen's"),
+    ],
+)
+def test_the_ext_proc_health_and_metrics_ports_must_differ(extproc: dict[str, str], message: str) -> None:
+    """gRPC binds with SO_REUSEPORT: an ext_proc and a health server on one port both started and split
+    Envoy's connections between them (ext_proc streams reaching the health server fail)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"extproc": extproc})
+    assert message in str(err.value)
+    apart = parse_config({"extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0"}})
+    assert apart.extproc.listen == apart.extproc.health_listen  # port 0: each its own free port
+    parse_config({"extproc": {"listen": "10.0.0.1:9002", "health_listen": "127.0.0.1:9002"}})
+
+
 def test_cache_bounds_default_and_configured() -> None:
     """The ext_proc's bounded caches keep their documented defaults unless configured."""
     default = parse_config({})
