@@ -21,6 +21,10 @@ from contracts.errors import ConfigError
 
 REQUIRED = object()
 """The ``default`` of a key that must be present."""
+#: The largest integer a config key takes: TOML's (a signed 64-bit integer); JSON's has no bound.
+MAX_INTEGER = 2**63 - 1
+#: The longest duration a key rendered into an Envoy config may hold (s): protobuf's ``Duration`` range.
+MAX_DURATION_S = 315_576_000_000.0
 
 
 class Section:
@@ -53,13 +57,20 @@ class Section:
         value = self._get(key, (int,), default)
         if value is not None and minimum is not None and value < minimum:
             raise ConfigError(f"{self._where}.{key}: must be >= {minimum}, got {value}")
+        if value is not None and value > MAX_INTEGER:  # JSON (and tomllib) read any size; TOML's are 64-bit
+            raise ConfigError(f"{self._where}.{key}: must be <= {MAX_INTEGER}, got a larger integer")
         return value
 
     def number(self, key: str, default: object = None, *, minimum: float = 0.0) -> Any:
         value = self._get(key, (int, float), default)
         if value is None:
             return None
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past any float (JSON reads one of any size)
+            raise ConfigError(
+                f"{self._where}.{key}: must be a finite number >= {minimum}, got a number too large"
+            ) from None
         if not math.isfinite(value) or value < minimum:
             raise ConfigError(f"{self._where}.{key}: must be a finite number >= {minimum}, got {value}")
         return value

@@ -306,12 +306,17 @@ def decode_subscribe(data: bytes) -> Subscribe:
 
 def load_problem(load: Load) -> str | None:
     """Why a receiver must not apply ``load`` (``None``: it may): ``waiting`` and ``running`` must be
-    finite and >= 0, ``kv_usage`` finite (msgspec's types let NaN and infinities through; applied as is,
-    every comparison with a NaN is false, so what filters and scorers make of it depends on how each one
-    compares). Not a batch error: the batch's other events stay usable."""
+    finite and >= 0, ``kv_usage`` finite, ``prefix_hits`` and ``prefix_queries`` (when given) finite and
+    >= 0 (msgspec's types let NaN and infinities through; applied as is, every comparison with a NaN is
+    false, so what filters and scorers make of it depends on how each one compares, and one NaN counter
+    reading would hold the drift alarm's window at NaN, never tripping). Not a batch error: the batch's
+    other events stay usable."""
     for name, value in (("waiting", load.waiting), ("running", load.running)):
         if not math.isfinite(value) or value < 0:
             return f"{name} {value!r} is not a finite count >= 0"
+    for name, counter in (("prefix_hits", load.prefix_hits), ("prefix_queries", load.prefix_queries)):
+        if counter is not None and (not math.isfinite(counter) or counter < 0):
+            return f"{name} {counter!r} is not a finite count >= 0"
     if load.kv_usage is not None and not math.isfinite(load.kv_usage):
         return f"kv_usage {load.kv_usage!r} is not finite"
     return None

@@ -140,7 +140,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.config import REQUIRED, Section, all_or_none, choice, hostport, read_tree
+from contracts.config import MAX_DURATION_S, REQUIRED, Section, all_or_none, choice, hostport, read_tree
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, parse_etcd_settings
 from contracts.tracing import TracingSettings, parse_tracing
@@ -332,6 +332,9 @@ class EjectionConfig:
 
 #: The most further tries a model may allow a request (``[[models]] migration_limit``).
 MAX_MIGRATION_LIMIT = 16
+#: The longest timeout accepted (s): protobuf's ``Duration`` range, the most an Envoy config takes (a
+#: longer ``idle_timeout_s`` renders a route Envoy refuses to load). ``0`` already means no bound.
+MAX_TIMEOUT_S = MAX_DURATION_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +459,7 @@ def parse_config(raw: object) -> GatewayConfig:
         offload_rest_chars=ex.integer("offload_rest_chars", _EX.offload_rest_chars, minimum=0),
     )
     ex.done()
+    _distinct_listeners(extproc)
     if extproc.siblings_dir == "":
         raise ConfigError("extproc.siblings_dir: must be a directory path, got an empty string")
     all_or_none(
@@ -538,6 +542,9 @@ def parse_config(raw: object) -> GatewayConfig:
         first_byte_s=to.number("first_byte_s", _TO.first_byte_s, minimum=0.0),
     )
     to.done()
+    _at_most_max_timeout(
+        ("timeouts.request_s", timeouts.request_s), ("timeouts.first_byte_s", timeouts.first_byte_s)
+    )
     flow = parse_flow(top.raw("flow"), top.raw("objectives"))
     drift = parse_drift(top.table("drift"))
     overload = parse_overload(top.table("overload"))
@@ -589,6 +596,40 @@ def _ejection(ej: Section) -> EjectionConfig:
     return ejection
 
 
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _distinct_listeners(ex: ExtprocConfig) -> None:
+    """The ext_proc, health and metrics ports must differ: gRPC binds with ``SO_REUSEPORT``, so the
+    ext_proc and health servers on one port both start and split the connections (ext_proc streams
+    sent to the health server fail), and the metrics server then cannot bind at all."""
+    seen: list[tuple[str, str, str]] = []
+    for key, listen in (
+        ("listen", ex.listen),
+        ("health_listen", ex.health_listen),
+        ("metrics_listen", ex.metrics_listen),
+    ):
+        if listen is None:
+            continue
+        host, _, port = listen.rpartition(":")
+        if int(port) == 0:
+            continue
+        for other_key, other_host, other_port in seen:
+            if port == other_port and (host == other_host or host in _WILDCARDS or other_host in _WILDCARDS):
+                raise ConfigError(
+                    f"extproc.{key}: {listen} is also extproc.{other_key}'s port; give each its own"
+                )
+        seen.append((key, host, port))
+
+
+def _at_most_max_timeout(*keys: tuple[str, float | None]) -> None:
+    for key, seconds in keys:
+        if seconds is not None and seconds > MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"{key}: must be <= {MAX_TIMEOUT_S:.0f} (Envoy's longest duration), got {seconds}"
+            )
+
+
 def _peers(raw: list[object]) -> tuple[str, ...]:
     if not raw or not all(isinstance(p, str) and p for p in raw):
         raise ConfigError("extproc.tls_allowed_peers: a non-empty list of identity URIs")
@@ -618,6 +659,11 @@ def _model(raw: object, where: str) -> ModelConfig:
         migration_limit=s.integer("migration_limit", 3, minimum=1),
     )
     s.done()
+    _at_most_max_timeout(
+        (f"{where}.request_timeout_s", model.request_timeout_s),
+        (f"{where}.first_byte_timeout_s", model.first_byte_timeout_s),
+        (f"{where}.idle_timeout_s", model.idle_timeout_s),
+    )
     if model.migration_limit > MAX_MIGRATION_LIMIT:
         raise ConfigError(
             f"{where}.migration_limit: must be <= {MAX_MIGRATION_LIMIT}, got {model.migration_limit}"

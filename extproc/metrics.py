@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -190,7 +190,22 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._flow_bands: set[tuple[str, str]] = set()
+        #: The kinds each endpoint's ``ejections`` series were counted under (to drop them when it goes).
+        self._ejected: dict[str, set[str]] = {}
         registry.register(_FleetCollector(fleet))
+
+    def ejected(self, endpoint: str, kind: str) -> None:
+        """Count one ejection of ``endpoint`` after a failed try of ``kind``."""
+        self._ejected.setdefault(endpoint, set()).add(kind)
+        self.ejections.labels(endpoint, kind).inc()
+
+    def keep_endpoints(self, current: Collection[str]) -> None:
+        """Drop the per-endpoint series (``kvgate_endpoint_ejections_total``) of endpoints not in
+        ``current`` (the fleet's ids): a fleet with churn (pods replaced) keeps no series of endpoints
+        that left."""
+        for endpoint in self._ejected.keys() - set(current):
+            for kind in self._ejected.pop(endpoint):
+                self.ejections.remove(endpoint, kind)
 
     def watch_index(self, occupancy: Callable[[], Mapping[K, int]]) -> None:
         """Export ``kvgate_index_blocks{endpoint}`` from ``occupancy()`` (blocks the prefix index holds per
@@ -202,7 +217,8 @@ class GatewayMetrics:
     ) -> None:
         """Export the drift alarm per model and endpoint from ``published``
         (:attr:`extproc.drift.monitor.DriftMonitor.published`) at every scrape, after ``refresh()``
-        (which expires the windows, so an alarm clears at its window's end even with no new traffic)."""
+        (which expires the windows, so an alarm clears at its window's end even with no new traffic; it
+        is called on the scrape's thread, so it must do that work where the windows live)."""
         self.registry.register(_DriftCollector(published, refresh))
 
     def watch_overload(self, gate: DecisionGate, lag: LagMeter) -> None:

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -110,6 +111,9 @@ GRPC_MESSAGE_SLACK = 64 * 1024 * 1024
 #: The longest Envoy message timeout a held request asks for: the bundled filter's
 #: ``max_message_timeout`` (kvgate/envoy/bootstrap.py ``EnvoyParams.max_message_timeout_s``).
 HOLD_TIMEOUT_S = 600.0
+#: How long a Prometheus scrape waits for the event loop to expire the drift windows (s); past it the
+#: scrape shows the views published last.
+DRIFT_REFRESH_WAIT_S = 1.0
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -673,6 +677,8 @@ class Gateway:
         self._servers: list[grpc.aio.Server] = []
         self._scraper: Scraper | None = None
         self._status_server: StatusServer | None = None
+        #: The event loop the gateway runs on (set by :meth:`start`): the drift windows are its objects.
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: Set by :meth:`aclose`: health stays NOT_SERVING whatever a last scrape round finds.
         self._draining = False
         self.ports: dict[str, int] = {}
@@ -765,6 +771,7 @@ class Gateway:
             await s.start()
         for name in ("", "liveness"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._loop = asyncio.get_running_loop()
         self._lag_task = asyncio.create_task(self._measure_lag(), name="kvgate-loop-lag")
         if cfg.extproc.metrics_listen:  # Prometheus, and the read-only status page (extproc/status)
             siblings = self.siblings
@@ -854,19 +861,46 @@ class Gateway:
 
     def _refresh_drift(self) -> None:
         """Expire both drift alarms' windows (a scrape): an alarm clears at its window's end even when its
-        endpoint gets no more traffic."""
+        endpoint gets no more traffic. A scrape runs on the metrics server's thread, and the windows are
+        the event loop's (changed there by every completion and reading): the expiry runs on the loop,
+        waited for at most :data:`DRIFT_REFRESH_WAIT_S` (then the scrape shows the views published last)."""
+        loop = self._loop
+        try:
+            on_loop = loop is None or asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop running in this thread: the metrics server's
+            on_loop = False
+        if on_loop:
+            self._expire_drift()
+            return
+        assert loop is not None
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._expire_drift()
+            finally:
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed: nothing changes the windows any more
+            return
+        done.wait(DRIFT_REFRESH_WAIT_S)
+
+    def _expire_drift(self) -> None:
         now = time.monotonic()
         self.drift.views(now)
         self.counter_drift.views(now)
 
     def _forget_drift(self) -> None:
         """The fleet changed: drop the drift windows (and their published series) of endpoints that
-        left, so a removed endpoint's tripped alarm does not fire on."""
+        left, so a removed endpoint's tripped alarm does not fire on, and their ejection counters."""
         current = {str(s.id) for s in self.fleet}
         for gone in self._drift_known - current:
             self.drift.forget(gone)
             self.counter_drift.forget(gone)
         self._drift_known = current
+        self.metrics.keep_endpoints(current)
 
     def _on_decision(self, decision: Decision) -> None:
         """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
@@ -914,7 +948,7 @@ class Gateway:
             self.health.set(name, status)
 
     def _on_ejection(self, ejection: Ejection) -> None:
-        self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()
+        self.metrics.ejected(ejection.endpoint, ejection.kind)
 
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens

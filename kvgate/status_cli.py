@@ -36,6 +36,8 @@ from extproc.status.snapshot import Status, StatusError, decode
 from kvgate.dev.stackfile import StackNotRunning, find_running
 
 DOCUMENT = "/status.json"
+#: The longest --timeout taken (s): a socket timeout must fit the platform's time_t, and a NaN none.
+MAX_TIMEOUT_S = 3600.0
 _SUFFIXES = ("/status.json", "/status", "/metrics")
 
 
@@ -184,8 +186,8 @@ def main(argv: list[str]) -> int:
     """``kvgate status ...``"""
     args = _parser().parse_args(argv)
     try:
-        if args.timeout <= 0:
-            raise _Failed("--timeout must be > 0", 2)
+        if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN, inf, 1e300: a socket timeout cannot hold them
+            raise _Failed(f"--timeout must be > 0 and <= {MAX_TIMEOUT_S:g}", 2)
         try:
             urls = [document_url(u) for u in (args.url if args.url else _local_urls())]
         except ValueError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from contracts.config import REQUIRED, Section
+from contracts.config import MAX_DURATION_S, REQUIRED, Section
 from contracts.errors import ConfigError
 from extproc.admission.failures import FailedAuthLimit
 from extproc.admission.gate import AuthConfig, JwtConfig, Settle
@@ -74,6 +74,11 @@ def _jwt(raw: object) -> JwtConfig:
         clock_skew_s=s.integer("clock_skew_s", _JWT.clock_skew_s, minimum=0),
     )
     s.done()
+    if jwt.jwks_cache_s > MAX_DURATION_S:
+        raise ConfigError(
+            f"auth.jwt.jwks_cache_s: must be <= {MAX_DURATION_S:.0f} (Envoy's longest duration), "
+            f"got {jwt.jwks_cache_s}"
+        )
     if not issuer:
         raise ConfigError("auth.jwt.issuer: must not be empty")
     if (jwt.jwks_uri is None) == (jwt.jwks_file is None):

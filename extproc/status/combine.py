@@ -23,9 +23,13 @@ own streams is its own and adds up:
     policy         the first view's values; a path whose value differs between views is a disagreement;
                    overridden and refused paths united
     queues         summed per (model, priority); queued summed
-    drift          per (model, endpoint, source): samples and observed summed, ratio and error the
-                   samples-weighted mean (the exact figure needs each window's token sums, not served),
-                   tripped if any view's alarm is
+    drift          per (model, endpoint, source), tripped if any view's alarm is:
+                   responses: every ext_proc hears every completion (kvgate/envoy/resilience.py), so each
+                   view's window holds the same answers: samples, observed, ratio and error of the view
+                   with the most samples (not summed: that would count each answer once per view);
+                   counters: each view compares what it routed itself: samples and observed summed,
+                   ratio and error the samples-weighted mean (the exact figure needs each window's
+                   token sums, not served)
 
 Disagreements named: an endpoint's state, an endpoint one view lacks, a feed connected at one view and
 lost at another, the index mode, a policy value. Nothing here holds more than the documents do (no
@@ -39,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from extproc.drift.monitor import COUNTERS
 from extproc.status.snapshot import (
     DriftStatus,
     EndpointStatus,
@@ -275,15 +280,24 @@ def _drift(views: Sequence[tuple[str, Status]]) -> tuple[DriftStatus, ...]:
     out = []
     for (model, endpoint, source), seen in sorted(grouped.items()):
         ds = [d for _, d in seen]
+        tripped = any(d.tripped for d in ds)
+        if source == COUNTERS:  # each view's own routed requests: they add up
+            samples, observed = sum(d.samples for d in ds), sum(d.observed for d in ds)
+            ratio = _weighted([(d.ratio, d.samples) for d in ds])
+            error = _weighted([(d.error, d.samples) for d in ds])
+        else:  # every view heard the same completions: the fullest window, not their sum
+            widest = max(ds, key=lambda d: (d.samples, d.observed))
+            samples, ratio, error = widest.samples, widest.ratio, widest.error
+            observed = max(d.observed for d in ds)
         out.append(
             DriftStatus(
                 model=model,
                 endpoint=endpoint,
-                samples=sum(d.samples for d in ds),
-                ratio=_weighted([(d.ratio, d.samples) for d in ds]),
-                error=_weighted([(d.error, d.samples) for d in ds]),
-                tripped=any(d.tripped for d in ds),
-                observed=sum(d.observed for d in ds),
+                samples=samples,
+                ratio=ratio,
+                error=error,
+                tripped=tripped,
+                observed=observed,
                 source=source,
             )
         )

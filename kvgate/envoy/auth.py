@@ -283,4 +283,6 @@ def _is_ip(host: str) -> bool:
 
 
 def _duration(seconds: float) -> str:
-    return f"{round(seconds, 3):g}s"
+    """A protobuf Duration in JSON: fixed point, milliseconds at most (``g`` wrote 1e6 as ``1e+06s``,
+    which Envoy refuses)."""
+    return f"{round(seconds, 3):.3f}".rstrip("0").rstrip(".") + "s"

@@ -22,6 +22,7 @@ from extproc.flow.policy import FlowPolicy, Objective, Saturation
 from extproc.models.tokenizer import CacheLimits
 
 ENDPOINT = {"id": "a", "address": "127.0.0.1:8000", "models": ["m"], "labels": {"zone": "z1"}}
+MODEL_SPEC = {"name": "m", "gguf": "x"}
 
 
 def test_defaults_and_endpoint() -> None:
@@ -98,6 +99,82 @@ def test_rejections_name_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"models": [{**MODEL_SPEC, "idle_timeout_s": 1e12}]},
+            "models[0].idle_timeout_s: must be <= 315576000000",
+        ),
+        ({"models": [{**MODEL_SPEC, "request_timeout_s": 1e300}]}, "models[0].request_timeout_s: must be <="),
+        (
+            {"models": [{**MODEL_SPEC, "first_byte_timeout_s": 4e11}]},
+            "models[0].first_byte_timeout_s: must be <=",
+        ),
+        ({"timeouts": {"request_s": 1e12}}, "timeouts.request_s: must be <= 315576000000"),
+        ({"timeouts": {"first_byte_s": 1e12}}, "timeouts.first_byte_s: must be <= 315576000000"),
+    ],
+)
+def test_a_timeout_longer_than_envoy_takes_is_refused(raw: dict[str, object], message: str) -> None:
+    """``kvgate envoy-config --gateway-config`` renders ``idle_timeout_s`` into a route's ``idle_timeout``
+    (a protobuf Duration, at most 315576000000 s): a longer one rendered a config Envoy refuses to load
+    ("duration out of range"); it is refused where the config is read, the key named, and so is a longer
+    request or first-byte bound (sent to Envoy as milliseconds), whose ``0`` already means none."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert message in str(err.value)
+    fine = parse_config({"models": [{**MODEL_SPEC, "idle_timeout_s": 315_576_000_000}]})
+    assert fine.models[0].idle_timeout_s == 315_576_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"scrape": {"interval_s": 10**400}}, "config.scrape.interval_s: must be a finite number"),
+        ({"timeouts": {"request_s": 10**400}}, "config.timeouts.request_s: must be a finite number"),
+        ({"overload": {"lag_interval_s": 10**400}}, "config.overload.lag_interval_s: must be a finite"),
+        ({"extproc": {"max_body_bytes": 10**400}}, "config.extproc.max_body_bytes: must be <= "),
+        ({"drift": {"window": 2**63}}, "config.drift.window: must be <= 9223372036854775807"),
+        (
+            {"tenants": [{"id": "t", "models": ["m"], "tokens": {"per_minute": 10**400}}]},
+            "tenants[0].tokens.per_minute",
+        ),
+    ],
+)
+def test_an_integer_too_large_is_refused_naming_the_key(raw: dict[str, object], message: str) -> None:
+    """JSON (and tomllib) read integers of any size: one past any float was an OverflowError (a
+    traceback at start, not the config error ``kvgate extproc`` reports), and one past 64 bits was
+    taken, to overflow later in float arithmetic (a tenant's token rate, ``per_minute / 60``)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extproc", "message"),
+    [
+        (
+            {"health_listen": "127.0.0.1:9002"},
+            "extproc.health_listen: 127.0.0.1:9002 is also extproc.listen's",
+        ),
+        (
+            {"metrics_listen": "127.0.0.1:9003"},
+            "extproc.metrics_listen: 127.0.0.1:9003 is also extproc.health",
+        ),
+        ({"listen": "0.0.0.0:9090"}, "extproc.metrics_listen: 127.0.0.1:9090 is also extproc.listen's"),
+    ],
+)
+def test_the_ext_proc_health_and_metrics_ports_must_differ(extproc: dict[str, str], message: str) -> None:
+    """gRPC binds with SO_REUSEPORT: an ext_proc and a health server on one port both started and split
+    Envoy's connections between them (ext_proc streams reaching the health server fail)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config({"extproc": extproc})
+    assert message in str(err.value)
+    apart = parse_config({"extproc": {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0"}})
+    assert apart.extproc.listen == apart.extproc.health_listen  # port 0: each its own free port
+    parse_config({"extproc": {"listen": "10.0.0.1:9002", "health_listen": "127.0.0.1:9002"}})
 
 
 def test_cache_bounds_default_and_configured() -> None:

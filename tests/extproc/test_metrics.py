@@ -39,3 +39,22 @@ def test_an_index_changing_during_the_scrape_is_read_again() -> None:
 
     metrics.watch_index(occupancy)
     assert 'kvgate_index_blocks{endpoint="a"} 1.0' in generate_latest(metrics.registry).decode()
+
+
+def test_ejection_series_of_an_endpoint_that_left_are_dropped() -> None:
+    """A fleet with churn (pods replaced, each a new endpoint id) must not keep a series per endpoint
+    ever ejected: the series of an endpoint no longer in the fleet go, the others stay."""
+    metrics = GatewayMetrics(Fleet([]))
+    metrics.ejected("a", "upstream_connection_failure")
+    metrics.ejected("a", "http_503")
+    metrics.ejected("b", "http_503")
+    metrics.ejected("b", "http_503")
+    metrics.keep_endpoints({"b", "c"})
+    text = generate_latest(metrics.registry).decode()
+    assert 'endpoint="a"' not in text
+    assert 'kvgate_endpoint_ejections_total{endpoint="b",kind="http_503"} 2.0' in text
+    metrics.keep_endpoints(set())
+    assert "kvgate_endpoint_ejections_total{" not in generate_latest(metrics.registry).decode()
+    metrics.ejected("a", "http_503")  # back again (same id): counted from 0
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvgate_endpoint_ejections_total{endpoint="a",kind="http_503"} 1.0' in text

@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from contracts.events import EndpointId
 from contracts.tracing import Timeline
@@ -24,6 +25,7 @@ from extproc.processor import ProcessorConfig
 from extproc.routing.request import ParsedRequest
 from extproc.routing.router import Decision, LazyPrompt, Router, Tokens
 from extproc.server import ExternalProcessor, Gateway
+from extproc.xds.ejection import Ejection
 from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -478,3 +480,39 @@ async def test_garbage_collection_runs_after_the_answer(gateway: Gateway) -> Non
         del kept
     finally:
         collector.stop()
+
+
+async def test_an_endpoint_that_leaves_the_fleet_takes_its_ejection_series(gateway: Gateway) -> None:
+    gateway._on_ejection(Ejection(EndpointId("e0"), "http_503", 1, time.monotonic(), 1.0))
+    gateway._on_ejection(Ejection(EndpointId("e1"), "http_503", 1, time.monotonic(), 1.0))
+    text = generate_latest(gateway.metrics.registry).decode()
+    assert 'kvgate_endpoint_ejections_total{endpoint="e0",kind="http_503"} 1.0' in text
+    gateway.fleet.remove(EndpointId("e0"))
+    text = generate_latest(gateway.metrics.registry).decode()
+    assert 'kvgate_endpoint_ejections_total{endpoint="e0"' not in text
+    assert 'kvgate_endpoint_ejections_total{endpoint="e1",kind="http_503"} 1.0' in text
+
+
+async def test_a_scrape_expires_the_drift_windows_on_the_event_loop(gateway: Gateway) -> None:
+    """Prometheus scrapes on the metrics server's thread; the drift windows are the event loop's
+    (every completion and engine reading changes them there): expiring them from the scrape's thread
+    raced the loop (a lost update of a window's sums, a dict changing size mid-iteration). The scrape
+    has the loop do it."""
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+    monitor_views, counter_views = gateway.drift.views, gateway.counter_drift.views
+
+    def drift_views(now: float) -> Any:
+        seen.append(threading.get_ident())
+        return monitor_views(now)
+
+    def counters_views(now: float) -> Any:
+        seen.append(threading.get_ident())
+        return counter_views(now)
+
+    gateway.drift.views = drift_views  # type: ignore[method-assign]
+    gateway.counter_drift.views = counters_views  # type: ignore[method-assign]
+    gateway.drift.observe(MODEL, "e0", 32, 0, time.monotonic())
+    text = await asyncio.to_thread(lambda: generate_latest(gateway.metrics.registry).decode())
+    assert 'kvgate_drift_samples{endpoint="e0",model="' + MODEL + '",source="responses"} 1.0' in text
+    assert seen == [loop_thread, loop_thread]

@@ -113,6 +113,10 @@ def test_an_answer_that_is_not_a_status_is_exit_1(
         (["--url", "http://127.0.0.1:1"], 1, "unreachable"),
         (["--url", "ftp://127.0.0.1:1"], 2, "expected http://HOST:PORT"),
         (["--timeout", "0", "--url", "http://127.0.0.1:1"], 2, "--timeout"),
+        # not a traceback from the socket (ValueError, OverflowError): bad usage, exit 2
+        (["--timeout", "nan", "--url", "http://127.0.0.1:1"], 2, "--timeout must be > 0 and <= 3600"),
+        (["--timeout", "inf", "--url", "http://127.0.0.1:1"], 2, "--timeout"),
+        (["--timeout", "1e300", "--url", "http://127.0.0.1:1"], 2, "--timeout"),
     ],
 )
 def test_kvgate_status_exit_codes(

@@ -42,6 +42,9 @@ def _json(doc: object) -> bytes:
         ("acme", _json({"models": []}), "tenants/acme.models"),
         ("acme", _json({"models": ["m"], "colour": "red"}), "colour"),
         ("ac me", _json({"models": ["m"]}), "not a valid tenant id"),
+        # integers past any float: refused with the key named (a ConfigError, not an OverflowError)
+        ("acme", b'{"models": ["m"], "rate": {"requests_per_s": 1' + b"0" * 400 + b"}}", "requests_per_s"),
+        ("acme", b'{"models": ["m"], "tokens": {"per_minute": 1' + b"0" * 400 + b"}}", "per_minute"),
     ],
 )
 def test_decode_tenant(name: str, value: bytes, expected: Tenant | str) -> None:

