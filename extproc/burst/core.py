@@ -251,8 +251,7 @@ class Burster:
         return ok
 
     def left(self, per_minute: float, now: float) -> dict[str, float]:
-        """Each endpoint's budget left at ``now`` (tokens)."""
-        return {
-            e.name: self.buckets.setdefault(e.name, TokenBucket()).level(per_minute, now)
-            for e in self.endpoints
-        }
+        """Each endpoint's budget left at ``now`` (tokens). Writes nothing: the metrics call it from their
+        scrape thread, while the loop may be iterating :attr:`buckets` (a rerate)."""
+        fresh = TokenBucket()
+        return {e.name: self.buckets.get(e.name, fresh).level(per_minute, now) for e in self.endpoints}

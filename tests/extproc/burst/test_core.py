@@ -136,6 +136,14 @@ def test_the_burster_counts_outcomes() -> None:
     assert burster.left(1, 30.0) == {"hosted": 0.5}
 
 
+def test_the_budget_left_writes_nothing() -> None:
+    """The metrics read it from their scrape thread while the loop may iterate the buckets (a rerate):
+    an endpoint never sent to gets no bucket from a read, only the full budget it would have."""
+    burster = Burster(parse_burst([GOOD]))
+    assert burster.left(6, 0.0) == {"hosted": 6.0}
+    assert burster.buckets == {}
+
+
 def test_flow_burst_policy_is_validated() -> None:
     assert parse_flow({"burst": {"max_per_minute": 30}}, None).burst_per_minute == 30
     assert FlowPolicy().burst_per_minute == 0
