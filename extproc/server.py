@@ -637,6 +637,8 @@ class Gateway:
         self.counter_drift = CounterDrift(config.drift, published)
         self.metrics.watch_drift(published, self._refresh_drift)
         self._drift_known = {str(s.id) for s in self.fleet}
+        #: The kinds of each endpoint's ``kvgate_endpoint_ejections`` series, removed when it leaves.
+        self._ejected_kinds: dict[str, set[str]] = {}
         self.fleet.watch(self._forget_drift)
         #: The ext_proc's own saturation: decisions in flight (bounded: beyond, 503 at the headers) and
         #: the event loop's lag (:mod:`extproc.overload`).
@@ -861,12 +863,16 @@ class Gateway:
 
     def _forget_drift(self) -> None:
         """The fleet changed: drop the drift windows (and their published series) of endpoints that
-        left, so a removed endpoint's tripped alarm does not fire on."""
+        left, so a removed endpoint's tripped alarm does not fire on; and their ejection series (a
+        replaced pod has a new name: kept, the series would grow with churn)."""
         current = {str(s.id) for s in self.fleet}
         for gone in self._drift_known - current:
             self.drift.forget(gone)
             self.counter_drift.forget(gone)
         self._drift_known = current
+        for gone in [e for e in self._ejected_kinds if e not in current]:
+            for kind in self._ejected_kinds.pop(gone):
+                self.metrics.ejections.remove(gone, kind)
 
     def _on_decision(self, decision: Decision) -> None:
         """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
@@ -915,6 +921,7 @@ class Gateway:
 
     def _on_ejection(self, ejection: Ejection) -> None:
         self.metrics.ejections.labels(ejection.endpoint, ejection.kind).inc()
+        self._ejected_kinds.setdefault(str(ejection.endpoint), set()).add(ejection.kind)
 
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Drain: report NOT_SERVING (on both ports), end the EDS and access-log streams (Envoy reopens

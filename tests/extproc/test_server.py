@@ -24,6 +24,7 @@ from extproc.processor import ProcessorConfig
 from extproc.routing.request import ParsedRequest
 from extproc.routing.router import Decision, LazyPrompt, Router, Tokens
 from extproc.server import ExternalProcessor, Gateway
+from extproc.xds.ejection import Ejection
 from tests.polling import until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -478,3 +479,22 @@ async def test_garbage_collection_runs_after_the_answer(gateway: Gateway) -> Non
         del kept
     finally:
         collector.stop()
+
+
+async def test_an_endpoint_that_leaves_the_fleet_takes_its_ejection_series_along(gateway: Gateway) -> None:
+    """``kvgate_endpoint_ejections{endpoint,kind}``: an endpoint that left the fleet (a replaced pod has a
+    new name) leaves no series behind, so their number does not grow with churn; the others stay."""
+    registry = gateway.metrics.registry
+    name = "kvgate_endpoint_ejections_total"
+    for endpoint, kind in [
+        ("e1", "http_503"),
+        ("e1", "upstream_reset_before_response_started"),
+        ("e2", "http_503"),
+    ]:
+        gateway._on_ejection(Ejection(EndpointId(endpoint), kind, 1, 0.0, 1.0))
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": "http_503"}) == 1.0
+    gateway.fleet.remove(EndpointId("e1"))
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": "http_503"}) is None
+    kind = "upstream_reset_before_response_started"
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": kind}) is None
+    assert registry.get_sample_value(name, {"endpoint": "e2", "kind": "http_503"}) == 1.0
