@@ -46,11 +46,23 @@ def state_path(directory: str | Path, worker: str) -> Path:
     return statefile.state_path(directory, "affinity", worker)
 
 
+#: Records serialized per ``orjson.dumps`` call: one call holds the GIL for its whole length (orjson does
+#: not release it), so the event loop waits for it; 50,000 records in one call stalled the loop.
+CHUNK = 1024
+
+
 def encode(records: list[Record], written_at: float) -> bytes:
     """The snapshot's bytes: ``{"format", "version", "written_at", "entries": [[scope, response id,
-    endpoint id, address, expires], ...]}``, least recently used first, times in wall-clock seconds."""
-    doc = {"format": FORMAT, "version": VERSION, "written_at": written_at, "entries": records}
-    return orjson.dumps(doc)
+    endpoint id, address, expires], ...]}``, least recently used first, times in wall-clock seconds.
+    The same bytes as one ``orjson.dumps`` of the document, serialized :data:`CHUNK` records at a time."""
+    head = orjson.dumps({"format": FORMAT, "version": VERSION, "written_at": written_at, "entries": []})
+    parts = [head[:-2]]  # up to the entries' opening bracket
+    for start in range(0, len(records), CHUNK):
+        if start:
+            parts.append(b",")
+        parts.append(orjson.dumps(records[start : start + CHUNK])[1:-1])
+    parts.append(b"]}")
+    return b"".join(parts)
 
 
 def decode(data: bytes) -> list[Record]:
@@ -139,23 +151,27 @@ class AffinityState(Snapshots):
         affinity.journal = {}
         self._pending.append(list(affinity.entries.items()) if journal is None else journal)
         now, wall, fleet = self._clock(), self._wall(), dict(self._fleet())
-        return lambda: encode(to_records(self._replay(), now, wall, fleet), wall)
+        return lambda: encode(self._records(now, wall, fleet), wall)
 
-    def _replay(self) -> list[tuple[tuple[str, str], tuple[str, float]]]:
+    def _records(self, now: float, wall: float, fleet: Mapping[str, str]) -> list[Record]:
         """On the writing thread: every capture not yet replayed applied to the copy, oldest first (a
         thread left over from a cancelled save may run beside the next one: the lock keeps the order),
-        and the copy's items, least recently used first."""
+        then the copy as records (:func:`to_records`), least recently used first. Item by item in
+        Python, never one C call over the whole table (``list(copy.items())``, ``OrderedDict(items)``):
+        such a call holds the GIL, and so the event loop, for its whole length."""
         with self._replaying:
             copy, pending = self._copy, self._pending
             while pending:
                 change = pending.popleft()
                 if isinstance(change, list):  # the whole table (the journal outgrew its bound)
-                    copy = self._copy = OrderedDict(change)
+                    copy = self._copy = OrderedDict()
+                    for key, entry in change:
+                        copy[key] = entry
                     continue
-                for key, entry in change.items():
-                    if entry is None:
+                for key, change_to in change.items():
+                    if change_to is None:
                         copy.pop(key, None)
                     else:
-                        copy[key] = entry
+                        copy[key] = change_to
                         copy.move_to_end(key)
-            return list(copy.items())
+            return to_records(copy.items(), now, wall, fleet)
