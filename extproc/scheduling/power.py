@@ -123,7 +123,9 @@ class MarginalEnergyParams:
 
 
 class MarginalEnergyScorer:
-    """``score = min_c cost(c) / cost(id)`` over the candidates with room (formulas in README.md):
+    """``score = max(0, 1 - (cost(id) - min_c cost(c)) / scale_j)`` over the candidates with room
+    (formulas in README.md: a difference in J/token, not a ratio, so slope noise between near-equal GPUs
+    does not outweigh the other scorers):
 
     - ``cost(c)``: J per output token this request adds on ``c``'s node (:meth:`PowerCurve.cost`): the busy
       slope ``k`` plus the wake-up draw for the time the request keeps the GPU awake beyond its running
