@@ -113,10 +113,10 @@ class Snapshots:
     """``path`` rewritten every ``interval_s`` while ``version()`` moves, and once more at :meth:`aclose`.
 
     ``capture()`` runs on the event loop and returns what the thread then turns into the file's bytes (a
-    copy of the table and the clocks it needs: nothing the loop goes on changing). ``what`` names the
-    table in log lines. Nothing is written before :meth:`loaded` says the file was read (or found
-    missing, or refused), so a table that never read its file never writes over it. A table's state
-    class derives from it and adds its ``load``.
+    copy of the table, or of its changes, and the clocks it needs: nothing the loop goes on changing).
+    ``what`` names the table in log lines. Nothing is written before :meth:`loaded` says the file was
+    read (or found missing, or refused), so a table that never read its file never writes over it. A
+    table's state class derives from it and adds its ``load``.
     """
 
     def __init__(

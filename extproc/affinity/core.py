@@ -20,6 +20,8 @@ from contracts.errors import ConfigError
 
 #: Outcomes of a follow-up (``kvgate_response_affinity_requests_total{outcome}``).
 HIT, UNKNOWN, UNAVAILABLE = "hit", "unknown", "unavailable"
+#: A change since the snapshot shell's last capture: key -> the entry now, ``None`` when it was dropped.
+Journal = dict[tuple[str, str], tuple[str, float] | None]
 #: Why an entry left (``kvgate_response_affinity_evicted_total{reason}``).
 LRU, TTL = "lru", "ttl"
 #: The scope of requests without a tenant (no ``[auth]``); tenants' are ``tenant:<id>``.
@@ -81,6 +83,12 @@ class ResponseAffinity:
     restored: int = 0
     #: Bumped on every change (learned, renewed, dropped): a snapshot is written only when it moved.
     changes: int = 0
+    #: Kept only for a snapshot shell (:mod:`extproc.affinity.persist` sets it to ``{}``): each key changed
+    #: since the shell last took it, with its entry now (``None``: dropped), in the order of their last
+    #: change, so the shell replays them onto its own copy off the event loop instead of copying the whole
+    #: table on it. ``None`` when off, or once it outgrew ``2 x max_entries`` (the shell then copies the
+    #: table once).
+    journal: Journal | None = None
 
     def learn(self, scope: str, response_id: str, endpoint: str, now: float) -> bool:
         """``endpoint`` produced ``response_id`` for ``scope``; ``False`` when not kept (an id too long or
@@ -88,13 +96,14 @@ class ResponseAffinity:
         if not response_id or len(response_id) > MAX_ID:
             return False
         key = (scope, response_id)
-        self.entries[key] = (endpoint, now + self.config.ttl_s)
+        entry = self.entries[key] = (endpoint, now + self.config.ttl_s)
         self.entries.move_to_end(key)
+        self._note(key, entry)
         self.learned += 1
         self.changes += 1
         self._expire(now)
         while len(self.entries) > self.config.max_entries:
-            self.entries.popitem(last=False)
+            self._note(self.entries.popitem(last=False)[0], None)
             self.evicted[LRU] += 1
         return True
 
@@ -107,13 +116,24 @@ class ResponseAffinity:
         endpoint, expires = got
         if expires <= now:
             del self.entries[key]
+            self._note(key, None)
             self.evicted[TTL] += 1
             self.changes += 1
             return None
-        self.entries[key] = (endpoint, now + self.config.ttl_s)
+        entry = self.entries[key] = (endpoint, now + self.config.ttl_s)
         self.entries.move_to_end(key)
+        self._note(key, entry)
         self.changes += 1
         return endpoint
+
+    def _note(self, key: tuple[str, str], entry: tuple[str, float] | None) -> None:
+        """Journal a change of ``key`` (its entry now; ``None``: dropped) for the snapshot shell."""
+        journal = self.journal
+        if journal is not None:
+            journal.pop(key, None)  # re-inserted: the journal's order is the order of last change
+            journal[key] = entry
+            if len(journal) > 2 * self.config.max_entries:  # bounded: the shell copies the table instead
+                self.journal = None
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
@@ -125,6 +145,7 @@ class ResponseAffinity:
             if expires > now:
                 return
             del self.entries[key]
+            self._note(key, None)
             self.evicted[TTL] += 1
             self.changes += 1
 
@@ -144,11 +165,12 @@ class ResponseAffinity:
             if address and now_at is not None and now_at != address:
                 continue
             key = (scope, response_id)
-            self.entries[key] = (endpoint, now + left)
+            entry = self.entries[key] = (endpoint, now + left)
             self.entries.move_to_end(key)
+            self._note(key, entry)
             kept += 1
         while len(self.entries) > self.config.max_entries:
-            self.entries.popitem(last=False)
+            self._note(self.entries.popitem(last=False)[0], None)
         kept = min(kept, len(self.entries))
         self.restored += kept
         return kept

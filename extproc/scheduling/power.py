@@ -27,12 +27,16 @@ NEUTRAL = 0.5
 
 
 def headroom(power: Sequence[Power]) -> float | None:
-    """``1 - watts / limit`` of the tightest cap among the node's readings that give both, in [0, 1]
-    (``None``: no reading gives both)."""
+    """``1 - watts / limit`` of the tightest cap among the node's readings that give both, finite, in
+    [0, 1] (``None``: no reading gives both; a NaN or infinite figure gives nothing)."""
     room = [
         1.0 - p.watts / p.limit_w
         for p in power
-        if not p.error and p.watts is not None and p.limit_w is not None and p.limit_w > 0
+        if not p.error
+        and p.watts is not None
+        and p.limit_w is not None
+        and 0 < p.limit_w < math.inf
+        and math.isfinite(p.watts)
     ]
     return None if not room else min(1.0, max(0.0, min(room)))
 
@@ -119,7 +123,9 @@ class MarginalEnergyParams:
 
 
 class MarginalEnergyScorer:
-    """``score = min_c cost(c) / cost(id)`` over the candidates with room (formulas in README.md):
+    """``score = max(0, 1 - (cost(id) - min_c cost(c)) / scale_j)`` over the candidates with room
+    (formulas in README.md: a difference in J/token, not a ratio, so slope noise between near-equal GPUs
+    does not outweigh the other scorers):
 
     - ``cost(c)``: J per output token this request adds on ``c``'s node (:meth:`PowerCurve.cost`): the busy
       slope ``k`` plus the wake-up draw for the time the request keeps the GPU awake beyond its running

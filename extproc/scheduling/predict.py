@@ -121,11 +121,21 @@ class _Ahead:
     ``now`` asked about): their uncached tokens summed, and a heap by first token to drop them as ``now``
     passes it (a request forgotten meanwhile is skipped when it comes up). So :meth:`TTFTPredictor.ahead`
     costs what fell due since the last call, not a walk over every request routed there and not yet
-    completed."""
+    completed. ``counted``: the heap's entries still counted in ``tokens``; once the forgotten ones
+    outnumber them (completions long before their predicted first token: an overloaded engine's queue
+    makes predictions long), the heap is rebuilt without them, so it stays within about twice the
+    requests routed and not completed (:data:`MAX_PENDING`)."""
 
     tokens: int = 0
     seen: float = -math.inf
     heap: list[tuple[float, int, _Routed]] = field(default_factory=list)
+    counted: int = 0
+
+    def uncount(self, r: _Routed) -> None:
+        """``r`` no longer counts (its first token fell due, or it was forgotten)."""
+        r.ahead = False
+        self.tokens -= r.tokens
+        self.counted -= 1
 
 
 @dataclass(slots=True)
@@ -226,8 +236,7 @@ class TTFTPredictor:
             while heap and heap[0][0] <= now:  # due by now: no longer ahead
                 r = heapq.heappop(heap)[2]
                 if r.ahead:
-                    r.ahead = False
-                    pending.tokens -= r.tokens
+                    pending.uncount(r)
             pending.seen = now
             mine = pending.tokens
         elif pending is not None:  # asked about an earlier instant: the requests routed there, one by one
@@ -265,6 +274,7 @@ class TTFTPredictor:
         if entry.first_token_at > pending.seen:  # else already due: never counted
             entry.ahead = True
             pending.tokens += uncached
+            pending.counted += 1
             heapq.heappush(pending.heap, (entry.first_token_at, next(self._order), entry))
         window = self._windows.get(state.id)
         if window is not None:
@@ -315,8 +325,12 @@ class TTFTPredictor:
             if at is not None:
                 at.pop(request_id, None)
             if entry.ahead:
-                entry.ahead = False
-                self._ahead[entry.endpoint].tokens -= entry.tokens
+                pending = self._ahead[entry.endpoint]
+                pending.uncount(entry)
+                heap = pending.heap
+                if len(heap) > 2 * pending.counted + 64:  # mostly forgotten entries: drop them
+                    heap[:] = [item for item in heap if item[2].ahead]
+                    heapq.heapify(heap)
         return entry
 
     def retain(self, endpoints: Container[EndpointId]) -> None:

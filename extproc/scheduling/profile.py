@@ -191,7 +191,11 @@ class Profile:
             if timings is not None:
                 timings[plugin.name] = clock() - started
             if not current:
-                return ScheduleResult((), timings_ns=timings or {}, rejected_by=plugin.name)
+                if not spare:
+                    return ScheduleResult((), timings_ns=timings or {}, rejected_by=plugin.name)
+                # A rule removed every endpoint a preference kept: the ones it passed over (the rule
+                # applied to them too) are scheduled instead; a preference never makes a 503.
+                current, spare = Candidates(spare), []
 
         ids = current.ids
         weighed: list[tuple[Sequence[float], float]] = []  # each scorer's values in [0, 1], its weight

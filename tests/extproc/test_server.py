@@ -516,3 +516,22 @@ async def test_a_scrape_expires_the_drift_windows_on_the_event_loop(gateway: Gat
     text = await asyncio.to_thread(lambda: generate_latest(gateway.metrics.registry).decode())
     assert 'kvgate_drift_samples{endpoint="e0",model="' + MODEL + '",source="responses"} 1.0' in text
     assert seen == [loop_thread, loop_thread]
+
+
+async def test_an_endpoint_that_leaves_the_fleet_takes_each_kinds_ejection_series(gateway: Gateway) -> None:
+    """``kvgate_endpoint_ejections{endpoint,kind}``: an endpoint that left the fleet (a replaced pod has a
+    new name) leaves no series behind, so their number does not grow with churn; the others stay."""
+    registry = gateway.metrics.registry
+    name = "kvgate_endpoint_ejections_total"
+    for endpoint, kind in [
+        ("e1", "http_503"),
+        ("e1", "upstream_reset_before_response_started"),
+        ("e2", "http_503"),
+    ]:
+        gateway._on_ejection(Ejection(EndpointId(endpoint), kind, 1, 0.0, 1.0))
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": "http_503"}) == 1.0
+    gateway.fleet.remove(EndpointId("e1"))
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": "http_503"}) is None
+    kind = "upstream_reset_before_response_started"
+    assert registry.get_sample_value(name, {"endpoint": "e1", "kind": kind}) is None
+    assert registry.get_sample_value(name, {"endpoint": "e2", "kind": "http_503"}) == 1.0

@@ -66,6 +66,18 @@ def test_unknown_ids_and_unroutable_producers_are_scored_as_usual(router: Router
     assert affinity.outcomes[UNAVAILABLE] == 2
 
 
+def test_a_producer_of_another_model_is_never_picked(router: Router) -> None:
+    """An id whose producer serves another model (a follow-up naming a model the producer does not serve,
+    or an id guessed from another conversation) steers nothing: the request is scored among its model's
+    endpoints, counted unavailable."""
+    affinity = ResponseAffinity()
+    affinity.learn(OPEN_SCOPE, "resp_other", "o", NOW)  # "o" serves another model only
+    assert ask(router, affinity, "resp_other")[0] != "o"
+    affinity.learn(OPEN_SCOPE, "resp_gone", "no-such-endpoint", NOW)  # left the fleet since
+    assert ask(router, affinity, "resp_gone")[0] in {"e0", "e1", "e2"}
+    assert affinity.outcomes[UNAVAILABLE] == 2
+
+
 def test_another_scope_does_not_steer(router: Router) -> None:
     affinity = ResponseAffinity()
     affinity.learn("tenant:acme", "resp_acme", "e2", NOW)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from contracts.config import Section
 from contracts.errors import ConfigError
 from extproc.overload.gate import DecisionGate, LagMeter, OverloadConfig, parse_overload
+from extproc.processor import overloaded
 
 
 def arrive(gate: DecisionGate) -> bool:
@@ -62,3 +64,15 @@ def test_the_config_table() -> None:
     for bad in ({"max_decision": 3}, {"max_decisions": -1}, {"lag_interval_s": 20.0}):
         with pytest.raises(ConfigError):
             parse_overload(Section(bad, "overload"))
+
+
+def test_the_shed_answer_is_503_with_retry_after_and_an_openai_error() -> None:
+    """README.md, "Shed rule": 503, ``Retry-After: 1``, ``{"error": {"type": "service_unavailable", "code":
+    "gateway_overloaded", ...}}``."""
+    reply = overloaded().immediate_response
+    assert reply.status.code == 503
+    headers = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
+    assert headers == {"content-type": "application/json", "retry-after": "1"}
+    error = orjson.loads(reply.body)["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "gateway_overloaded")
+    assert error["message"] and error["param"] is None

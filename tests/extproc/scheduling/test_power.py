@@ -5,6 +5,7 @@ written to a real etcd takes effect in a running control plane without a restart
 
 from __future__ import annotations
 
+import math
 import random
 
 import etcd3aio
@@ -100,6 +101,20 @@ def test_headroom_takes_the_tightest_cap() -> None:
     bmc = Power("bmc", "redfish", watts=900.0, limit_w=1000.0, at=1.0)
     assert headroom((*capped(350.0), bmc)) == pytest.approx(0.1)
     assert headroom((Power("x", "ipmi", watts=10.0, at=1.0),)) is None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_reading_without_a_finite_figure_gives_no_headroom(bad: float) -> None:
+    """An agent's reading with a non-finite watts or cap (msgspec lets NaN and infinities through) says
+    nothing of the headroom, in whatever order the readings come: the other readings', else none (the
+    ``power`` scorer's room is then 1, as without a cap), never 0 nor NaN."""
+    bmc = Power("bmc", "redfish", watts=900.0, limit_w=1000.0, at=1.0)
+    for odd in (capped(bad)[0], capped(350.0, limit=bad)[0]):
+        assert headroom((odd,)) is None
+        assert headroom((odd, bmc)) == pytest.approx(0.1)
+        assert headroom((bmc, odd)) == pytest.approx(0.1)
+    scores = PowerScorer().score(REQUEST, CycleState(), [state(1, power=capped(bad)), state(2)])
+    assert scores == {"e1": NEUTRAL, "e2": NEUTRAL}
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,25 @@ def test_the_routed_table_is_bounded_by_age(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(p) == 1 and p.ahead(a, 10_000.0) == 10
 
 
+def test_requests_answered_long_before_their_predicted_first_token_leave_the_heap() -> None:
+    """An overloaded engine's queue makes predictions long (here ~800 s); requests answered within 2 s
+    are forgotten, and the heap that drops requests as their first token falls due must not keep them all
+    until then: it stays within about twice the requests not yet answered."""
+    p = TTFTPredictor()
+    s = state("a", waiting=500.0)
+    now = 0.0
+    for i in range(20_000):  # 1,000 requests/s for 20 s, each answered 2 s after routing
+        now += 0.001
+        predicted = p.routed(f"r{i}", s, 4000, now)
+        if i >= 2000:
+            p.forget(f"r{i - 2000}")
+    assert predicted > 100 and len(p) == 2000
+    pending = p._ahead["a"]
+    assert len(pending.heap) <= 2 * 2000 + 64
+    assert pending.counted == sum(1 for _, _, r in pending.heap if r.ahead) == 2000
+    assert p.ahead(s, now) == 2000 * 4000  # what is still ahead is all counted
+
+
 def request(budget: float | None) -> SchedulingRequest:
     return SchedulingRequest("r", "m", (), 100, 0.0, ttft_budget_s=budget)
 
@@ -309,3 +328,7 @@ def test_ahead_kept_incrementally_equals_a_walk_over_the_routed_requests(
         for e, es in states.items():
             walked = sum(t for (n, t, first) in live.values() if n == e and first > now)
             assert p.ahead(es, now) == float(walked)
+            pending = p._ahead.get(e)
+            if pending is not None:  # the heap holds what counts, and few forgotten ones besides
+                assert pending.counted == sum(1 for _, _, r in pending.heap if r.ahead)
+                assert len(pending.heap) <= 2 * pending.counted + 64

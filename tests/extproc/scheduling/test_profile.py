@@ -389,6 +389,24 @@ def test_what_a_preference_filter_drops_is_still_a_fallback() -> None:
     assert [s.id for s in run(hard, fleet).endpoints] == ["e0"]
 
 
+def test_a_rule_that_removes_every_preferred_endpoint_falls_back_to_the_passed_over_ones() -> None:
+    """A preference listed before a rule (load-threshold before healthy): when the rule removes every
+    endpoint the preference kept, the ones it passed over (the rule applied to them too) are scheduled,
+    not a 503: a soft filter never turns a servable request into "no endpoint"."""
+    fleet = make_fleet(4)
+    for i, state in enumerate(fleet):
+        state.routed_since_scrape = 4 - i  # loads e0 5, e1 4, e2 3, e3 2
+    preferred = fleet.get(EndpointId("e0"))
+    passed_over_unhealthy = fleet.get(EndpointId("e3"))
+    assert preferred is not None and passed_over_unhealthy is not None
+    preferred.healthy = passed_over_unhealthy.healthy = False
+    profile = Profile("p", [Only("e0", soft=True), HealthyFilter()], [], MaxScorePicker(), max_fallbacks=2)
+    result = run(profile, fleet)
+    assert sorted(s.id for s in result.endpoints) == ["e1", "e2"] and result.rejected_by is None
+    everyone = Profile("p", [Only("e0", soft=True), Only("e9", soft=False)], [], MaxScorePicker())
+    assert run(everyone, fleet).rejected_by == "only-e9"  # the rule leaves none at all: 503 as before
+
+
 def test_the_default_profile_keeps_fallbacks_when_balance_narrows_the_pick() -> None:
     """A replica back from a restart (routed share 0) is the balance filter's only choice for a while; the
     others stay fallbacks (a request it fails is retried, not a 503)."""

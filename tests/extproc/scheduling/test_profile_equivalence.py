@@ -205,6 +205,8 @@ def plain_schedule(
         elif spare:
             spare = run_filter(plugin, spare)
         current = kept
+        if not current and spare:  # a rule removed every preferred one: the passed-over ones instead
+            current, spare = spare, []
         if not current:
             return ScheduleResult((), rejected_by=plugin.name)
     ids = [c.id for c in current]
