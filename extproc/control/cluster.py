@@ -171,6 +171,8 @@ class Cluster:
         current = {s.id for s in self.fleet}
         for gone in self._known - current:
             self.index.drop_endpoint(gone)
+        if self._known - current:
+            self.feeds.forget()
         self._known = current
         stores = dict(self.control.core.kvcached_feeds) if self.control is not None else {}
         for state in self.fleet:

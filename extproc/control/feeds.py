@@ -113,9 +113,7 @@ class FeedManager:
     ) -> None:
         self.index, self.fleet = index, fleet
         self.stats = stats if stats is not None else FeedStats()
-        #: Latest GPU telemetry per endpoint (from its ``Load``).
-        self.gpus: dict[EndpointId, list[ev.Gpu]] = {}
-        #: Latest ``Load`` per endpoint.
+        #: Latest ``Load`` per endpoint of the fleet (:meth:`forget` drops those that left).
         self.loads: dict[EndpointId, Load] = {}
         #: Energy per output token of each node, learnt from the power readings and tokens/s of its loads.
         self.energy = EnergyModel()
@@ -216,10 +214,25 @@ class FeedManager:
         if index_events:
             self.index.apply(index_events, now)
 
+    def forget(self) -> None:
+        """The fleet changed: drop what is kept per endpoint for those no longer in it, and the energy
+        state of nodes with no endpoint left (a fleet with churn keeps nothing of names gone)."""
+        current = {s.id for s in self.fleet}
+        nodes = {s.endpoint.node or s.id for s in self.fleet}
+        for gone in [e for e in self.loads if e not in current]:
+            del self.loads[gone]
+        self._emptied &= current
+        self._draining &= current
+        self._malformed_logged &= current
+        for node in [n for n in self._energy_at if n not in nodes]:
+            self._energy_at.pop(node, None)
+            self._energy_last.pop(node, None)
+            self.energy.forget(node)
+
     def _apply_load(self, endpoint: EndpointId, load: Load, now: float) -> None:
-        self.loads[endpoint] = load
-        self.gpus[endpoint] = list(load.gpus)
         state = self.fleet.get(endpoint)
+        if state is not None:  # one outside the fleet (not yet, or no longer, registered) keeps nothing
+            self.loads[endpoint] = load
         if load.healthy and endpoint in self._emptied:
             self._emptied.discard(endpoint)
             if state is not None and not state.healthy:  # back from a restart (class docstring)

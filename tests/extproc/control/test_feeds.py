@@ -104,7 +104,7 @@ async def test_manager_applies_index_events_and_loads(
         0.5,
         100.0,
     )
-    assert state.healthy and not state.draining and mgr.gpus[E1] == [gpu]
+    assert state.healthy and not state.draining and mgr.loads[E1].gpus == [gpu]
 
     agent.publish([Load("e1", 0, 1, 0.5, draining=True), Load("e2", 0, 0, None, healthy=False)])
     await eventually(lambda: mgr.stats.batches == 3)
@@ -330,6 +330,32 @@ async def test_energy_per_token_is_learnt_from_the_node_loads(
     # so far, at 100-300 tokens/s with 2 requests running on each engine
     assert e1.power_curve is not None and e1.power_curve is e2.power_curve
     assert e1.power_curve.seq_tps is not None and e1.power_curve.seq_tps > 0
+
+
+async def test_what_is_kept_per_endpoint_and_node_goes_with_them(
+    agent: FeedServer, manager: tuple[FeedManager, FakeIndex, Fleet]
+) -> None:
+    """A fleet with churn (a replaced pod has a new name) keeps no load nor energy state of names gone,
+    and a load naming an endpoint outside the fleet keeps nothing."""
+    mgr, _, fleet = manager
+    await connected(agent, mgr)
+    power = [Power("dcgm", "dcgm", watts=600.0, at=5.0)]
+    agent.publish(
+        [
+            Load("e1", 0, 2, 0.2, power=power, output_tps=100.0),
+            Load("e2", 0, 2, 0.2, power=power, output_tps=200.0),
+            Load("ghost", 0, 1, 0.1),
+        ]
+    )
+    await eventually(lambda: mgr.stats.batches == 2)
+    assert set(mgr.loads) == {E1, E2} and "node-a" in mgr._energy_at and "node-a" in mgr.energy._curves
+    fleet.remove(E1)
+    mgr.forget()
+    assert set(mgr.loads) == {E2} and "node-a" in mgr._energy_at  # e2 is still on node-a
+    fleet.remove(E2)
+    mgr.forget()
+    assert mgr.loads == {} and mgr._energy_at == {} and mgr._energy_last == {}
+    assert "node-a" not in mgr.energy._curves and "node-a" not in mgr.energy._fits
 
 
 async def test_lora_adapters_reach_the_endpoint_metrics(
