@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 
 from agent.config import parse_node_config
 from agent.errors import AgentConfigError
@@ -92,3 +93,39 @@ def test_traceparent_in_and_out() -> None:
         assert out.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-") and "00f067aa0ba902b7" not in out
     finally:
         tracer._provider.shutdown()  # nothing was ended: nothing to export to the closed port
+
+
+@pytest.mark.parametrize(
+    "tracestate",
+    [
+        "bad key=v\nERROR forged log line",  # a key outside the W3C grammar, with a line break
+        "k=v,\x1b[31mred=1",  # a control character
+        "k=v,nokey",  # a member without '='
+        "K=v",  # upper case key
+        "k=" + "v" * 300,  # a value over 256 characters
+    ],
+)
+def test_a_malformed_tracestate_is_dropped_without_logging_it(
+    tracestate: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's bad ``tracestate`` never reaches a log line (OpenTelemetry's parser would log the
+    offending member as sent, line breaks included): the parent is kept, its trace state is empty."""
+    caplog.set_level("DEBUG")
+    parent = Tracer.extract({"traceparent": PARENT, "tracestate": tracestate})
+    assert parent is not None
+    context = trace.get_current_span(parent).get_span_context()
+    assert context.trace_id == int(PARENT.split("-")[1], 16)
+    assert len(context.trace_state) == 0
+    assert not [r for r in caplog.records if "forged" in r.getMessage() or "nokey" in r.getMessage()]
+    assert not [
+        r for r in caplog.records if r.name.startswith("opentelemetry") and "Member" in r.getMessage()
+    ]
+
+
+def test_a_valid_tracestate_is_kept() -> None:
+    parent = Tracer.extract(
+        {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE, rojo=00f067aa0ba902b7,a@b=c"}
+    )
+    assert parent is not None
+    state = trace.get_current_span(parent).get_span_context().trace_state
+    assert dict(state.items()) == {"congo": "t61rcWkgMzE", "rojo": "00f067aa0ba902b7", "a@b": "c"}
