@@ -52,6 +52,7 @@ from contracts.epp import (
     REJECTED_NS,
     SUBSET_NS,
     TENANT_HEADER,
+    TTFT_DEADLINE_UPSTREAM,
     UPSTREAM_HEADER,
 )
 from contracts.errors import ConfigError
@@ -87,6 +88,8 @@ STRIPPED_REQUEST_HEADERS = (
     # The migration proxy's hosts and limit (kvgate/envoy/migration.py): Envoy writes them per route.
     MIGRATE_UPSTREAMS_HEADER,
     MIGRATION_LIMIT_HEADER,
+    # What is left of the request's TTFT deadline (extproc/flow): set by the ext_proc only when it has one.
+    TTFT_DEADLINE_UPSTREAM,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
