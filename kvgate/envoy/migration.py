@@ -41,11 +41,7 @@ def migrating_models(config: GatewayConfig) -> tuple[tuple[str, int, float | Non
 def require_loopback(migration: EnvoyMigration) -> None:
     """:class:`ConfigError` unless the proxy is on a loopback address: it serves plain HTTP, so the secure
     profile (TLS on every hop) reaches it only on this machine, never sends prompts across a network."""
-    try:
-        loopback = ipaddress.ip_address(migration.host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not (_is_ip(migration.host) and ipaddress.ip_address(migration.host).is_loopback):
         raise ConfigError(
             f"--migration-proxy {migration.host}:{migration.port}: the migration proxy serves plain HTTP; "
             "the secure profile reaches it on a loopback address only (127.0.0.1 or ::1, beside Envoy)"
@@ -87,9 +83,10 @@ def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
 
 
 def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: int) -> dict[str, Any]:
+    """The proxy's cluster: by address, or by DNS name (a STATIC cluster takes addresses only)."""
     return {
         "name": CLUSTER,
-        "type": "STATIC",
+        "type": "STATIC" if _is_ip(migration.host) else "STRICT_DNS",
         "connect_timeout": f"{connect_timeout_s}s",
         "per_connection_buffer_limit_bytes": buffer_limit,
         "circuit_breakers": {
@@ -117,3 +114,11 @@ def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: i
             ],
         },
     }
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

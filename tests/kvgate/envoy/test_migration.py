@@ -91,3 +91,17 @@ def test_the_secure_profile_refuses_a_migration_proxy_off_loopback(host: str) ->
 def test_the_secure_profile_takes_a_migration_proxy_on_loopback(host: str) -> None:
     cfg = render(EnvoyParams(tls=EnvoyTls(), migration=EnvoyMigration(host, 9010, (("m", 2, None),))))
     assert CLUSTER in [c["name"] for c in cfg["static_resources"]["clusters"]]
+
+
+def test_a_migration_proxy_named_by_host_name_validates(tmp_path: Path) -> None:
+    """``--migration-proxy localhost:9010``: a name, resolved by DNS (a STATIC cluster takes addresses
+    only, and Envoy refused the whole config)."""
+    p = EnvoyParams(
+        listen_port=0, admin_port=0, migration=EnvoyMigration("localhost", 9010, (("m", 2, None),))
+    )
+    (cluster,) = [c for c in render(p)["static_resources"]["clusters"] if c["name"] == CLUSTER]
+    assert cluster["type"] == "STRICT_DNS"
+    validate(tmp_path, p)
+    p = EnvoyParams(listen_port=0, admin_port=0, migration=MIGRATION)
+    (cluster,) = [c for c in render(p)["static_resources"]["clusters"] if c["name"] == CLUSTER]
+    assert cluster["type"] == "STATIC"
