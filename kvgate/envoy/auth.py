@@ -283,4 +283,5 @@ def _is_ip(host: str) -> bool:
 
 
 def _duration(seconds: float) -> str:
-    return f"{round(seconds, 3):g}s"
+    """Seconds to the millisecond as Envoy's JSON reads a duration: decimal, never an exponent."""
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
