@@ -113,3 +113,6 @@ MIGRATE_UPSTREAMS_HEADER = "x-kvgate-migrate-upstreams"
 the decision's ``envoy.lb`` list: the hosts the proxy may use, pick first (clients' copies stripped)."""
 MIGRATION_LIMIT_HEADER = "x-kvgate-migration-limit"
 """Request header Envoy writes on that route: the model's ``migration_limit`` (clients' copies stripped)."""
+TTFT_DEADLINE_UPSTREAM = "x-kvgate-ttft-deadline-ms"
+"""Request header the processor sets on a routed request with a TTFT deadline (extproc/flow): the milliseconds
+left of it when it leaves the gateway. Only the gateway states it: Envoy strips clients' copies."""

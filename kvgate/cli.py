@@ -150,9 +150,28 @@ def _envoy_config(argv: list[str]) -> int:
     try:
         extprocs = tuple(_hostport(a) for a in args.extproc)
     except ValueError:
-        parser.error(f"--extproc: expected HOST:PORT, got {args.extproc}")
+        parser.error(f"--extproc: expected HOST:PORT (port 1 to 65535), got {args.extproc}")
     if args.max_retries < 0 or args.stream_idle_timeout <= 0 or args.trusted_hops < 0:
         parser.error("--max-retries and --trusted-hops must be >= 0 and --stream-idle-timeout > 0")
+    # What Envoy itself would refuse when loading the config: refused here, naming the flag.
+    import ipaddress
+    import math
+
+    ports = {"--listen-port": (args.listen_port, 0), "--admin-port": (args.admin_port, 0)}
+    ports |= {"--extproc-port": (args.extproc_port, 1), "--stats-port": (args.stats_port, 1)}
+    for flag, (port, least) in ports.items():
+        if port is not None and not least <= port <= 65535:
+            parser.error(f"{flag}: a port from {least} to 65535, got {port}")
+    if not math.isfinite(args.stream_idle_timeout):
+        parser.error(f"--stream-idle-timeout: a finite number of seconds, got {args.stream_idle_timeout}")
+    if args.max_retries > _MAX_RETRIES:
+        parser.error(f"--max-retries: at most {_MAX_RETRIES}, got {args.max_retries}")
+    try:
+        ipaddress.ip_address(args.listen_host)
+    except ValueError:
+        parser.error(
+            f"--listen-host: an IP address (Envoy listens on addresses, not names), got {args.listen_host!r}"
+        )
     auth = None
     tracing = None
     idle_timeouts: tuple[tuple[str, float], ...] = ()
@@ -214,9 +233,13 @@ def _envoy_config(argv: list[str]) -> int:
     return 0
 
 
+#: The most retries ``kvgate envoy-config --max-retries`` renders (Envoy's ``num_retries`` is 32-bit).
+_MAX_RETRIES = 2**32 - 1
+
+
 def _hostport(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host:
+    if not sep or not host or not 1 <= int(port) <= 65535:
         raise ValueError(value)
     return host, int(port)
 

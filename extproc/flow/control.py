@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
+from contracts.epp import TTFT_DEADLINE_UPSTREAM as _TTFT_DEADLINE_UPSTREAM
 from extproc.errors import GatewayError, TooManyRequests, Unavailable
 from extproc.fleet import EndpointState
 from extproc.flow.policy import EnginePriority, FlowPolicy, Saturation
@@ -295,8 +296,9 @@ FAIRNESS_HEADER_OLD = "x-gateway-inference-fairness-id"
 SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 DEADLINE_HEADER = "x-kvgate-deadline-ms"
 #: Set on a routed request with a TTFT deadline: the milliseconds left of it when it leaves the gateway
-#: (for the engine side; the whole response is bounded only by the model's own timeouts).
-TTFT_DEADLINE_UPSTREAM = "x-kvgate-ttft-deadline-ms"
+#: (for the engine side; the whole response is bounded only by the model's own timeouts). Defined with the
+#: names Envoy shares (contracts/epp.py): the bundled Envoy strips clients' copies.
+TTFT_DEADLINE_UPSTREAM = _TTFT_DEADLINE_UPSTREAM
 #: The flow of a request with no tenant and no fairness id.
 DEFAULT_FLOW = "default"
 #: Output tokens a request that sets no ``max_tokens`` is counted for in fair shares by tokens.

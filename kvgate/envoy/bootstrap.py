@@ -52,6 +52,7 @@ from contracts.epp import (
     REJECTED_NS,
     SUBSET_NS,
     TENANT_HEADER,
+    TTFT_DEADLINE_UPSTREAM,
     UPSTREAM_HEADER,
 )
 from contracts.errors import ConfigError
@@ -87,6 +88,8 @@ STRIPPED_REQUEST_HEADERS = (
     # The migration proxy's hosts and limit (kvgate/envoy/migration.py): Envoy writes them per route.
     MIGRATE_UPSTREAMS_HEADER,
     MIGRATION_LIMIT_HEADER,
+    # What is left of the request's TTFT deadline (extproc/flow): set by the ext_proc only when it has one.
+    TTFT_DEADLINE_UPSTREAM,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
@@ -326,7 +329,8 @@ def refuse_fail_open_with_auth(fail_open: bool, auth: envoy_auth.EdgeAuth | None
 
 def render(params: EnvoyParams) -> dict[str, Any]:
     """The bootstrap as a plain dict (dump it as YAML or JSON). Raises ``ConfigError`` for a secure
-    profile (``tls``) whose JWT keys would come over plain HTTP, and for fail-open with ``[auth]``."""
+    profile (``tls``) whose JWT keys would come over plain HTTP or whose migration proxy is not on
+    loopback, and for fail-open with ``[auth]``."""
     refuse_fail_open_with_auth(params.resilience.fail_open, params.auth)
     response_headers = params.served_readback or params.auth is not None
     res = params.resilience
@@ -489,6 +493,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
     if params.burst_credentials:
         envoy_burst.apply_credentials(config, params.burst_credentials, res.eds_initial_fetch_s)
     if params.migration is not None:
+        if params.tls is not None:  # plain HTTP to the proxy: this machine only
+            envoy_migration.require_loopback(params.migration)
         config["static_resources"]["clusters"].append(
             envoy_migration.cluster(
                 params.migration, params.upstream_connect_timeout_s, params.buffer_limit_bytes

@@ -6,15 +6,19 @@ migration proxy; every other model's stream goes straight from engine to client 
   loopback), with no retries (the proxy walks the fallbacks itself);
 * on that route Envoy writes :data:`~contracts.epp.MIGRATE_UPSTREAMS_HEADER` from the decision's
   ``envoy.lb`` metadata (only the ext_proc writes it; a client's copy of the header is stripped before
-  any filter) and :data:`~contracts.epp.MIGRATION_LIMIT_HEADER` with the model's ``migration_limit``.
+  any filter) and :data:`~contracts.epp.MIGRATION_LIMIT_HEADER` with the model's ``migration_limit``;
+* the proxy serves plain HTTP: the secure profile takes it on a loopback address only
+  (:func:`require_loopback`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 from contracts.epp import DESTINATION, LB_NS, MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER, MODEL_HEADER
+from contracts.errors import ConfigError
 from extproc.config import GatewayConfig
 
 CLUSTER = "kvgate_migration"
@@ -32,6 +36,16 @@ class EnvoyMigration:
 def migrating_models(config: GatewayConfig) -> tuple[tuple[str, int, float | None], ...]:
     """The ``[[models]]`` of a gateway config with ``migration = true``."""
     return tuple((m.name, m.migration_limit, m.idle_timeout_s) for m in config.models if m.migration)
+
+
+def require_loopback(migration: EnvoyMigration) -> None:
+    """:class:`ConfigError` unless the proxy is on a loopback address: it serves plain HTTP, so the secure
+    profile (TLS on every hop) reaches it only on this machine, never sends prompts across a network."""
+    if not (_is_ip(migration.host) and ipaddress.ip_address(migration.host).is_loopback):
+        raise ConfigError(
+            f"--migration-proxy {migration.host}:{migration.port}: the migration proxy serves plain HTTP; "
+            "the secure profile reaches it on a loopback address only (127.0.0.1 or ::1, beside Envoy)"
+        )
 
 
 def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
@@ -69,9 +83,10 @@ def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
 
 
 def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: int) -> dict[str, Any]:
+    """The proxy's cluster: by address, or by DNS name (a STATIC cluster takes addresses only)."""
     return {
         "name": CLUSTER,
-        "type": "STATIC",
+        "type": "STATIC" if _is_ip(migration.host) else "STRICT_DNS",
         "connect_timeout": f"{connect_timeout_s}s",
         "per_connection_buffer_limit_bytes": buffer_limit,
         "circuit_breakers": {
@@ -99,3 +114,11 @@ def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: i
             ],
         },
     }
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

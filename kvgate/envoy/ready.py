@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import math
 import socket
 import sys
 import time
+from urllib.parse import urlsplit
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -48,6 +50,22 @@ def ready_once(admin_socket: str | None, admin_url: str | None, timeout_s: float
         conn.close()
 
 
+def _plain_http_origin(url: str) -> bool:
+    """Whether ``url`` is ``http://HOST:PORT`` (an optional trailing ``/``), the only form probed."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    return (
+        parts.scheme == "http"
+        and bool(parts.hostname)
+        and port is not None
+        and parts.path in ("", "/")
+        and not (parts.query or parts.fragment or parts.username or parts.password)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvgate.envoy.ready", description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -56,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=60.0, help="give up after (default %(default)s)")
     parser.add_argument("--interval-s", type=float, default=0.1, help="between probes (default %(default)s)")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        parser.error(f"--timeout-s: a number of seconds > 0, got {args.timeout_s:g}")
+    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
+        parser.error(f"--interval-s: a number of seconds > 0, got {args.interval_s:g}")
+    if args.admin_url is not None and not _plain_http_origin(args.admin_url):
+        parser.error(
+            f"--admin-url: expected http://HOST:PORT (Envoy's admin, plain HTTP), got {args.admin_url!r}"
+        )
     deadline = time.monotonic() + args.timeout_s
     while not ready_once(args.admin_socket, args.admin_url):
         if time.monotonic() > deadline:

@@ -14,6 +14,7 @@ model names, endpoint ids, statuses; never a prompt, token ids, a request body o
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
@@ -35,6 +36,14 @@ log = logging.getLogger(__name__)
 #: The only propagation headers read from or written to a request.
 TRACE_HEADERS = ("traceparent", "tracestate")
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: One ``tracestate`` list member (W3C Trace Context, section 3.3.1): a simple key (lower-case letter, then
+#: up to 255 of ``a-z 0-9 _ - * /``) or a multi-tenant ``tenant@system`` key, ``=``, a value of up to 256
+#: printable ASCII characters other than ``,`` and ``=`` (not ending in a space).
+_TS_KEY_CHARS = r"[a-z0-9_\-*/]"
+_TS_MEMBER = re.compile(
+    rf"(?:[a-z]{_TS_KEY_CHARS}{{0,255}}|[a-z0-9]{_TS_KEY_CHARS}{{0,240}}@[a-z]{_TS_KEY_CHARS}{{0,13}})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
 
 __all__ = [
     "TRACE_HEADERS", "Span", "SpanKind", "Tracer", "active", "build", "current_headers", "current_span",
@@ -65,6 +74,10 @@ class Tracer:
         if "traceparent" not in headers:
             return None
         carrier = {k: headers[k] for k in TRACE_HEADERS if k in headers}
+        if not _valid_tracestate(carrier.get("tracestate", "")):
+            # OpenTelemetry would drop it too, after logging the offending member as sent (line breaks
+            # and all): a client's header never writes a log line.
+            del carrier["tracestate"]
         ctx = _PROPAGATOR.extract(carrier)
         return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
@@ -108,6 +121,11 @@ class Tracer:
             self._provider.shutdown()
         except Exception:  # a collector gone at exit must not fail the daemon's stop
             log.warning("tracing: the last spans could not be exported", exc_info=True)
+
+
+def _valid_tracestate(value: str) -> bool:
+    """Whether every member of a ``tracestate`` value is well formed (empty members allowed)."""
+    return all(not m or _TS_MEMBER.fullmatch(m) for m in (m.strip(" \t") for m in value.split(",")))
 
 
 def active(span: Span) -> AbstractContextManager[Span]:

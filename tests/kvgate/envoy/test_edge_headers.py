@@ -5,6 +5,7 @@ and an engine that records every request's headers (issue 26).
 * Engines see the real client address: a client's ``x-forwarded-for`` is not trusted unless the
   configured number of proxies in front adds it, and ``x-real-ip`` / ``forwarded`` never pass.
 * A client's ``x-request-id`` is replaced by Envoy's own (a client is an external peer).
+* A client cannot state the TTFT deadline the gateway passes on (``x-kvgate-ttft-deadline-ms``).
 * A JWT is accepted whatever the case of its ``Bearer`` scheme.
 * A client address that keeps failing authentication is answered 429.
 """
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from extproc.admission.failures import FailedAuthLimit
 from extproc.config import parse_config
+from extproc.flow.control import TTFT_DEADLINE_UPSTREAM
 from extproc.server import Gateway
 from kvgate.cli import main as kvgate
 from kvgate.dev.procs import http_get, start_envoy
@@ -215,6 +217,19 @@ async def test_a_client_request_id_is_replaced(edge: StartEdge) -> None:
     (seen,) = stack.seen
     assert UUID.fullmatch(resp.headers["x-request-id"]), resp.headers
     assert seen["x-request-id"] == resp.headers["x-request-id"]
+
+
+async def test_only_the_gateway_states_a_ttft_deadline_upstream(edge: StartEdge) -> None:
+    """``x-kvgate-ttft-deadline-ms`` (what is left of the request's TTFT deadline when it leaves the
+    gateway) is the ext_proc's: a client's copy never reaches an engine, on a request without a deadline
+    (the header is absent) or with one (the gateway's value)."""
+    stack = await edge()
+    resp = await stack.post({TTFT_DEADLINE_UPSTREAM: "1"})
+    assert resp.status_code == 200, resp.text
+    assert TTFT_DEADLINE_UPSTREAM not in stack.seen[-1], stack.seen[-1]
+    resp = await stack.post({TTFT_DEADLINE_UPSTREAM: "1", "x-kvgate-deadline-ms": "60000"})
+    assert resp.status_code == 200, resp.text
+    assert 1000 < int(stack.seen[-1][TTFT_DEADLINE_UPSTREAM]) <= 60000, stack.seen[-1]
 
 
 async def test_a_jwt_is_accepted_whatever_the_case_of_bearer(edge: StartEdge) -> None:

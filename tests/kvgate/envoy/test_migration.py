@@ -14,6 +14,7 @@ from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
 from kvgate.cli import main as kvgate
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render
 from kvgate.envoy.migration import CLUSTER, EnvoyMigration, migrating_models
+from kvgate.envoy.tls import EnvoyTls
 from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
 
 MIGRATION = EnvoyMigration("127.0.0.1", 9010, (("m", 2, 30.0),))
@@ -74,3 +75,33 @@ def test_envoy_config_renders_the_opted_in_models(tmp_path: Path, capsys: pytest
     (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == CLUSTER]
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 9010}
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "proxy.internal", "localhost", "0.0.0.0"])
+def test_the_secure_profile_refuses_a_migration_proxy_off_loopback(host: str) -> None:
+    """The proxy serves plain HTTP: under the secure profile (TLS on every hop) Envoy may reach it only on
+    this machine's loopback, never send prompts across a network in clear."""
+    migration = EnvoyMigration(host, 9010, (("m", 2, None),))
+    with pytest.raises(ConfigError, match="--migration-proxy"):
+        render(EnvoyParams(tls=EnvoyTls(), migration=migration))
+    render(EnvoyParams(migration=migration))  # the plaintext profile: the operator's network
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1"])
+def test_the_secure_profile_takes_a_migration_proxy_on_loopback(host: str) -> None:
+    cfg = render(EnvoyParams(tls=EnvoyTls(), migration=EnvoyMigration(host, 9010, (("m", 2, None),))))
+    assert CLUSTER in [c["name"] for c in cfg["static_resources"]["clusters"]]
+
+
+def test_a_migration_proxy_named_by_host_name_validates(tmp_path: Path) -> None:
+    """``--migration-proxy localhost:9010``: a name, resolved by DNS (a STATIC cluster takes addresses
+    only, and Envoy refused the whole config)."""
+    p = EnvoyParams(
+        listen_port=0, admin_port=0, migration=EnvoyMigration("localhost", 9010, (("m", 2, None),))
+    )
+    (cluster,) = [c for c in render(p)["static_resources"]["clusters"] if c["name"] == CLUSTER]
+    assert cluster["type"] == "STRICT_DNS"
+    validate(tmp_path, p)
+    p = EnvoyParams(listen_port=0, admin_port=0, migration=MIGRATION)
+    (cluster,) = [c for c in render(p)["static_resources"]["clusters"] if c["name"] == CLUSTER]
+    assert cluster["type"] == "STATIC"

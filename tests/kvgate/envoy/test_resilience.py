@@ -14,6 +14,7 @@ from contracts.epp import COMPLETION_LOG_NAME, DECISION_ENDPOINT, DECISION_NS
 from kvgate.cli import main as kvgate
 from kvgate.envoy.bootstrap import EnvoyParams, render
 from kvgate.envoy.resilience import ENVOY_CONTROL_HEADERS, FAILURE_FLAGS, Resilience
+from tests.kvgate.envoy.test_bootstrap import validate
 
 TWO = (("127.0.0.1", 9002), ("127.0.0.1", 9012))
 
@@ -160,3 +161,16 @@ def test_the_ext_proc_may_extend_its_message_timeout() -> None:
     assert ext_proc["message_timeout"] == "0.5s" and ext_proc["max_message_timeout"] == "120.0s"
     _, filters, _ = parts(EnvoyParams())
     assert filters["envoy.filters.http.ext_proc"]["max_message_timeout"] == "600.0s"
+
+
+def test_an_ext_proc_named_by_host_name_validates(tmp_path: Path) -> None:
+    """``--extproc extproc.internal:9002``: a name is resolved by DNS (a STATIC cluster takes addresses
+    only, and Envoy refused the whole config); addresses keep their STATIC clusters."""
+    named = (("localhost", 9002), ("127.0.0.1", 9012))
+    _, _, clusters = parts(EnvoyParams(extproc_addresses=named))
+    assert clusters["kvgate_extproc"]["type"] == "STRICT_DNS"
+    assert clusters["kvgate_extproc_log_0"]["type"] == "STRICT_DNS"
+    assert clusters["kvgate_extproc_log_1"]["type"] == "STATIC"
+    _, _, clusters = parts(EnvoyParams(extproc_addresses=TWO))
+    assert {clusters[n]["type"] for n in ("kvgate_extproc", "kvgate_extproc_log_0")} == {"STATIC"}
+    validate(tmp_path, EnvoyParams(listen_port=0, admin_port=0, extproc_addresses=named))
