@@ -1,11 +1,11 @@
 """What an engine kind is: :class:`EngineKind`, the plug-in each ``engines/<kind>.py`` exports as ``KIND``,
 and what its argv renderer takes (:class:`RenderContext`) and gives back (:class:`Rendered`).
 
-A renderer is a pure function: from an engine's config and the ports the agent picked to the argv and
-environment that run it. It starts and writes nothing; it names the directories to create and the model
-export to run before the start (:class:`Rendered`), which the agent's supervisor does. The agent adds what
-is the same for every kind (the engine's extra ``args``, where it reaches the engine, the probe URLs) in
-:func:`agent.launch.render`.
+A renderer is a pure function: from an engine's config and the ports (and ``ipc://`` KV event endpoints)
+the agent picked to the argv and environment that run it. It starts and writes nothing; it names the
+directories to create and the model export to run before the start (:class:`Rendered`), which the
+agent's supervisor does. The agent adds what is the same for every kind (the engine's extra ``args``,
+where it reaches the engine, the probe URLs) in :func:`agent.launch.render`.
 
 The few helpers renderers share (:func:`option`, :func:`gib`, :func:`host_port`, :func:`compact_json`)
 are here, beside the context they serve.
