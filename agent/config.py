@@ -14,7 +14,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     role = "both"                     # default role of engines: both | prefill | decode
     lease_ttl_s = 5                   # etcd lease TTL (whole seconds >= 2)
     drain_timeout_s = 30              # max wait (s) for in-flight requests when draining
-    state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files;
+    state_dir = "/var/lib/kvgate-agent"   # engine logs (logs/<id>.log), slot saves, offload files,
+                                          # KV event Unix sockets (kv/, mode 0700; agent.launch);
                                           # relative: from the directory the agent starts in
     kvcached = "unix:/run/kvgate/kvcached.sock"   # optional: llama.cpp slot save/restore via kvcached
     slot_save_min_tokens = 1024       # with kvcached: save a llama.cpp slot that finished a request of at
@@ -62,7 +63,7 @@ module). Example (every key; the engines show each family of the matrix below)::
     max_loras = 4                     # as models); slots (vLLM --max-loras, SGLang --max-loras-per-batch)
     role = "prefill"
     kv_offload = "kvbm"
-    kv_events = true                  # vllm/sglang/sim: publish KV events (ZMQ ports picked by the agent)
+    kv_events = true                  # vllm/sglang/sim: publish KV events (on Unix sockets the agent picks)
     [engines.offload]
     cpu_bytes = 17179869184           # host tier (bytes; rendered in GiB)
     disk_bytes = 68719476736          # disk tier (bytes)
@@ -89,7 +90,8 @@ module). Example (every key; the engines show each family of the matrix below)::
     model = "Qwen/Qwen3-0.6B"         # the agent probes GET /health, scrapes /metrics, follows KV events
     address = "10.0.0.7:8000"
     kv_events_endpoint = "tcp://10.0.0.7:5557"   # what the engine's --kv-events-config publishes on
-    kv_replay_endpoint = "tcp://10.0.0.7:5558"   # optional: gaps are replayed from it
+    kv_replay_endpoint = "tcp://10.0.0.7:5558"   # optional: gaps are replayed from it (tcp: plaintext,
+                                                  # prompts' token ids: keep it on a private network)
     kv_events_topic = ""              # the engine's topic
 
     [[engines]]

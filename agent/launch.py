@@ -5,13 +5,26 @@ The argv of each kind is its renderer's (:mod:`engines.kinds`, one module per ki
 flags); here is what is the same for every kind: the combination check, the ports each kind needs, the
 agent's own view of the engine (``base_url``) and the gateway's (``address``), the extra ``args``, and the
 remote branch (an engine with an ``address`` is probed, scraped and followed, never started). Nothing is
-started or written here; the supervisor creates ``EngineLaunch.makedirs`` and runs ``EngineLaunch.export``
-before spawning. This is also where the engines package's errors become the agent's.
+started or written here; the supervisor creates ``EngineLaunch.makedirs`` (and ``private_dirs``, mode
+0700) and runs ``EngineLaunch.export`` before spawning. This is also where the engines package's errors
+become the agent's.
+
+KV events of a started engine travel over Unix sockets, never TCP (:func:`kv_socket_paths`): its events
+carry prompt token ids, and ZMQ's PUB socket has no authentication, so the engine publishes on
+``ipc://<state_dir>/kv/kv-<hash>.sock`` (replay: ``kv-<hash>-replay.sock``), in a directory of mode 0700
+owned by the agent, which subscribes there. ``<hash>``: 12 hex digits of the SHA-256 of the engine id. A
+socket path holds at most :data:`UNIX_PATH_MAX` bytes: when ``<state_dir>/kv`` is too long for that, the
+directory is ``/tmp/kvgate-kv-<uid>-<hash of state_dir>`` instead (made 0700; one there that is not this
+user's own directory is refused at start). A remote engine's endpoints are the operator's
+(``kv_events_endpoint``); tcp ones carry the events in plaintext, so keep them on a private network.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.config import AgentSection
 from agent.errors import AgentConfigError, EngineError
@@ -27,6 +40,10 @@ from engines.priority import priority_order
 #: Metrics path of every remote engine, whatever its kind (a remote trtllm serves /prometheus/metrics:
 #: set ``metrics = false`` for it; kept as it was so that existing configs behave the same).
 REMOTE_METRICS_PATH = "/metrics"
+#: Longest Unix socket path, in bytes: ``sockaddr_un.sun_path`` holds 108 with the terminating NUL.
+UNIX_PATH_MAX = 107
+#: Where the KV event sockets go when ``<state_dir>/kv`` is too long (:func:`kv_socket_dir`).
+SHORT_SOCKET_ROOT = "/tmp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +53,11 @@ class EngineLaunch:
     ``argv`` is empty for remote engines (nothing is started). ``env`` is added to the agent's environment
     (the engine's own ``env`` table last). ``base_url`` is where the agent itself reaches the engine;
     ``address`` is the ``host:port`` the gateway proxies to (the node's advertised host). Health answers
-    200 when ready; ``metrics_path`` is ``None`` when metrics are off. The KV events endpoints are
-    ``tcp://host:port`` addresses for the agent's ZMQ SUB and replay sockets, ``None`` when the engine does
-    not publish (``speaks_kv_events``). ``side_port``: the NIXL side channel (vLLM) or the PD bootstrap
-    port (SGLang prefill), else ``None``.
+    200 when ready; ``metrics_path`` is ``None`` when metrics are off. The KV events endpoints are the
+    addresses of the agent's ZMQ SUB and replay sockets (``ipc://`` for a started engine, the configured
+    ones for a remote engine), ``None`` when the engine does not publish (``speaks_kv_events``).
+    ``side_port``: the NIXL side channel (vLLM) or the PD bootstrap port (SGLang prefill), else ``None``.
+    ``private_dirs``: directories to make mode 0700 (and owned by the agent's user) before the start.
     """
 
     argv: tuple[str, ...]
@@ -54,6 +72,7 @@ class EngineLaunch:
     kv_events_topic: str = KV_EVENTS_TOPIC
     side_port: int | None = None
     makedirs: tuple[str, ...] = ()
+    private_dirs: tuple[str, ...] = ()
     export: ModelExport | None = None
 
     @property
@@ -74,11 +93,32 @@ class EngineLaunch:
         return f"{scheme}://{self.address}{self.metrics_path}"
 
 
-def needs_kv_events_ports(engine: EngineConfig) -> bool:
-    """Whether :func:`render` needs ``kv_events_port`` and ``kv_replay_port`` for this engine: KV events
+def publishes_kv_events(engine: EngineConfig) -> bool:
+    """Whether a started ``engine`` is told to publish KV events (on :func:`kv_socket_paths`): KV events
     on, of a kind that publishes them over ZMQ."""
     kind = KINDS.get(engine.kind)
     return engine.kv_events and kind is not None and kind.kv_events
+
+
+def _hex12(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def kv_socket_dir(state_dir: str) -> str:
+    """The directory of the KV event sockets of engines started with state directory ``state_dir``:
+    ``<state_dir>/kv``, or a short one under :data:`SHORT_SOCKET_ROOT` when a socket path there would be
+    over :data:`UNIX_PATH_MAX` bytes (see the module docstring)."""
+    directory = str(Path(state_dir, "kv"))
+    longest = f"{directory}/kv-{'0' * 12}-replay.sock"
+    if len(longest.encode()) <= UNIX_PATH_MAX:
+        return directory
+    return f"{SHORT_SOCKET_ROOT}/kvgate-kv-{os.geteuid()}-{_hex12(state_dir)}"
+
+
+def kv_socket_paths(state_dir: str, engine_id: str) -> tuple[str, str]:
+    """The Unix socket paths (PUB, replay ROUTER) a started engine publishes its KV events on."""
+    directory, name = kv_socket_dir(state_dir), f"kv-{_hex12(engine_id)}"
+    return f"{directory}/{name}.sock", f"{directory}/{name}-replay.sock"
 
 
 def needs_side_port(engine: EngineConfig) -> bool:
@@ -93,11 +133,10 @@ def render(
     agent: AgentSection,
     *,
     port: int,
-    kv_events_port: int | None,
-    kv_replay_port: int | None,
     side_port: int | None = None,
 ) -> EngineLaunch:
-    """Render the launch of ``engine`` on ``port`` (already picked: not 0; ignored for remote engines).
+    """Render the launch of ``engine`` on ``port`` (already picked: not 0; ignored for remote engines),
+    its KV events (where it publishes them) on :func:`kv_socket_paths` of ``agent.state_dir``.
 
     Raises :class:`~agent.errors.AgentConfigError` for a kind x role x kv_offload outside the matrix,
     ``ValueError`` when a port the engine needs is missing, :class:`~agent.errors.EngineError` when a
@@ -111,9 +150,9 @@ def render(
         return _remote(engine)
     if not 0 < port <= 65535:
         raise ValueError(f"engine {engine.id}: a concrete port is needed, got {port}")
-    events = needs_kv_events_ports(engine)
-    if events and (kv_events_port is None or kv_replay_port is None):
-        raise ValueError(f"engine {engine.id}: kv_events needs kv_events_port and kv_replay_port")
+    events = publishes_kv_events(engine)
+    sockets = kv_socket_paths(agent.state_dir, engine.id) if events else None
+    pub, replay = (f"ipc://{path}" for path in sockets) if sockets else (None, None)
     side = needs_side_port(engine)
     if side and side_port is None:
         raise ValueError(f"engine {engine.id}: {engine.kind} with role {engine.role} needs side_port")
@@ -126,8 +165,8 @@ def render(
         port=port,
         advertise=agent.advertise,
         state_dir=agent.state_dir,
-        kv_events_port=kv_events_port if events else None,
-        kv_replay_port=kv_replay_port if events else None,
+        kv_events_endpoint=pub,
+        kv_replay_endpoint=replay,
         side_port=side_port,
     )
     try:
@@ -143,10 +182,11 @@ def render(
         health_path=kind.health_path,
         metrics_path=kind.metrics_path if engine.metrics else None,
         speaks_kv_events=events,
-        kv_events_endpoint=f"tcp://{host_port(local, kv_events_port)}" if events and kv_events_port else None,
-        kv_replay_endpoint=f"tcp://{host_port(local, kv_replay_port)}" if events and kv_replay_port else None,
+        kv_events_endpoint=pub,
+        kv_replay_endpoint=replay,
         side_port=side_port if side else None,
         makedirs=rendered.makedirs,
+        private_dirs=(str(Path(sockets[0]).parent),) if sockets else (),
         export=rendered.export,
     )
 

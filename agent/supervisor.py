@@ -4,10 +4,12 @@ The core is plain data: :class:`EngineState` and its allowed :data:`TRANSITIONS`
 :class:`RestartBackoff` (delays from run lengths passed in, no clock reads). :class:`EngineSupervisor` is
 the asyncio shell around them:
 
-- ports: ``port = 0`` (and the KV-event / side-channel ports the rendering needs) are picked at
+- ports: ``port = 0`` (and the side-channel port the rendering needs) are picked at
   :meth:`EngineSupervisor.start` and kept across restarts once the engine has been ready (the registered
   address must not move); until then each restart picks them anew (a picked port is free only when
   picked: another process may bind it before the engine does, and the same port would fail forever);
+  KV events use no port: they go over Unix sockets in a directory made mode 0700 and checked to be this
+  user's own before each start and restart (:func:`make_private_dir`, :func:`agent.launch.kv_socket_paths`);
 - the engine is spawned with :func:`asyncio.create_subprocess_exec`, stdout+stderr appended to
   ``<state_dir>/logs/<id>.log`` (mode 0600), in its own session and process group: whenever the engine
   has ended (crashed, or stopped), what is left of its group (its workers) gets SIGTERM, then SIGKILL
@@ -38,6 +40,7 @@ import re
 import shlex
 import signal
 import socket
+import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -49,7 +52,7 @@ import aiohttp
 
 from agent.config import AgentSection
 from agent.errors import EngineNotReady, EngineStartError
-from agent.launch import EngineLaunch, needs_kv_events_ports, needs_side_port, render
+from agent.launch import EngineLaunch, needs_side_port, render
 from engines.config import EngineConfig, RestartPolicy
 from runtime.lifecycle import die_with_parent
 
@@ -98,12 +101,10 @@ class RestartBackoff:
 
 @dataclass(frozen=True, slots=True)
 class EnginePorts:
-    """The ports an engine runs on: HTTP, KV events PUB and replay ROUTER, NIXL side channel or SGLang
-    bootstrap (``None``: not needed)."""
+    """The ports an engine runs on: HTTP, NIXL side channel or SGLang bootstrap (``None``: not needed).
+    (KV events use Unix sockets, not ports: :func:`agent.launch.kv_socket_paths`.)"""
 
     port: int
-    kv_events: int | None = None
-    kv_replay: int | None = None
     side: int | None = None
 
 
@@ -124,12 +125,10 @@ def free_ports(host: str, count: int) -> list[int]:
 def pick_ports(engine: EngineConfig) -> EnginePorts:
     """Concrete ports for ``engine``: its configured port, or free ones where it says 0."""
     host = "::" if ":" in engine.host else "0.0.0.0"  # free on the wildcard = free on every address
-    events = needs_kv_events_ports(engine)
-    wanted = (engine.port == 0) + 2 * events + needs_side_port(engine)
+    wanted = (engine.port == 0) + needs_side_port(engine)
     free = iter(free_ports(host, wanted))
     port = engine.port or next(free)
-    kv_events, kv_replay = (next(free), next(free)) if events else (None, None)
-    return EnginePorts(port, kv_events, kv_replay, next(free) if needs_side_port(engine) else None)
+    return EnginePorts(port, next(free) if needs_side_port(engine) else None)
 
 
 OnChange = Callable[["EngineSupervisor", EngineState, EngineState], None]
@@ -139,10 +138,7 @@ Renderer = Callable[[EngineConfig, AgentSection, EnginePorts], EngineLaunch]
 
 def render_ports(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) -> EngineLaunch:
     """The default renderer: :func:`agent.launch.render` on picked ports."""
-    return render(
-        engine, agent, port=ports.port, kv_events_port=ports.kv_events, kv_replay_port=ports.kv_replay,
-        side_port=ports.side,
-    )  # fmt: skip
+    return render(engine, agent, port=ports.port, side_port=ports.side)
 
 
 _SECRET = re.compile(r"(key|token|secret|password)(?![a-z])", re.IGNORECASE)
@@ -199,6 +195,29 @@ def _group_alive(pgid: int) -> bool:
 def _makedirs(paths: tuple[str, ...]) -> None:
     for path in paths:
         Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _make_private_dirs(paths: tuple[str, ...]) -> None:
+    for path in paths:
+        make_private_dir(path)
+
+
+def make_private_dir(path: str) -> None:
+    """Make ``path`` a directory only this user can enter: created mode 0700 (its parents as usual), or,
+    when it exists, checked to be a directory (not a symlink) this user owns and set to 0700. ``OSError``
+    naming the path when it is someone else's or not a directory: what it would hold (sockets carrying
+    prompts) must not be reachable by another user."""
+    directory = Path(path)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{path} is not a directory (a symlink or a file): refusing it for private sockets")
+    if st.st_uid != os.geteuid():
+        raise OSError(f"{path} belongs to uid {st.st_uid}, not this user: refusing it for private sockets")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
 
 
 class EngineSupervisor:
@@ -374,6 +393,10 @@ class EngineSupervisor:
     async def _spawn(self) -> None:
         assert self.launch is not None
         argv = self.launch.argv
+        try:  # before every start: a directory removed or loosened meanwhile is made private again
+            await asyncio.to_thread(_make_private_dirs, self.launch.private_dirs)
+        except OSError as exc:
+            raise EngineStartError(self.engine.id, f"cannot prepare: {exc}") from exc
         env = {**os.environ, **dict(self.launch.env), **dict(self.engine.env)}
         with _open_private_log(self.log_path) as out:
             out.write(f"--- kvgate agent {time.strftime('%FT%T')}: {shlex.join(_redacted(argv))}\n".encode())

@@ -1,11 +1,11 @@
 """What an engine kind is: :class:`EngineKind`, the plug-in each ``engines/<kind>.py`` exports as ``KIND``,
 and what its argv renderer takes (:class:`RenderContext`) and gives back (:class:`Rendered`).
 
-A renderer is a pure function: from an engine's config and the ports the agent picked to the argv and
-environment that run it. It starts and writes nothing; it names the directories to create and the model
-export to run before the start (:class:`Rendered`), which the agent's supervisor does. The agent adds what
-is the same for every kind (the engine's extra ``args``, where it reaches the engine, the probe URLs) in
-:func:`agent.launch.render`.
+A renderer is a pure function: from an engine's config and the ports (and ``ipc://`` KV event endpoints)
+the agent picked to the argv and environment that run it. It starts and writes nothing; it names the
+directories to create and the model export to run before the start (:class:`Rendered`), which the
+agent's supervisor does. The agent adds what is the same for every kind (the engine's extra ``args``,
+where it reaches the engine, the probe URLs) in :func:`agent.launch.render`.
 
 The few helpers renderers share (:func:`option`, :func:`gib`, :func:`host_port`, :func:`compact_json`)
 are here, beside the context they serve.
@@ -57,8 +57,9 @@ class Rendered:
 class RenderContext:
     """One render's inputs and scratch.
 
-    ``port``: the engine's HTTP port (concrete, not 0). ``kv_events_port``/``kv_replay_port``: its KV
-    events PUB and replay ROUTER ports, ``None`` when it does not publish. ``side_port``: the NIXL side
+    ``port``: the engine's HTTP port (concrete, not 0). ``kv_events_endpoint``/``kv_replay_endpoint``:
+    the ``ipc://`` addresses (Unix sockets in a directory private to the agent) its KV events PUB and replay
+    ROUTER sockets bind, ``None`` when it does not publish. ``side_port``: the NIXL side
     channel or PD bootstrap port, ``None`` when not needed. ``advertise``: the host other nodes reach this
     one at (for side channels). ``state_dir``: the agent's state directory, under which renderers place
     per-engine directories (:meth:`state`). Directories and the model export a renderer asks for are
@@ -72,13 +73,13 @@ class RenderContext:
         port: int,
         advertise: str,
         state_dir: str,
-        kv_events_port: int | None = None,
-        kv_replay_port: int | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_replay_endpoint: str | None = None,
         side_port: int | None = None,
     ) -> None:
         self.engine, self.port = engine, port
         self.advertise, self.state_dir = advertise, state_dir
-        self.events_port, self.replay_port = kv_events_port, kv_replay_port
+        self.events_endpoint, self.replay_endpoint = kv_events_endpoint, kv_replay_endpoint
         self.side_port = side_port
         self._makedirs: list[str] = []
         self.export: ModelExport | None = None
@@ -97,13 +98,17 @@ class RenderContext:
         return [*head, "--host", e.host, "--port", str(self.port)]
 
     def events_config(self, *, vllm_keys: bool) -> str:
-        """The ``--kv-events-config`` JSON (vLLM's keys; SGLang has no ``enable_kv_cache_events``)."""
+        """The ``--kv-events-config`` JSON (vLLM's keys; SGLang has no ``enable_kv_cache_events``).
+
+        The endpoints are ``ipc://`` ones: vLLM's and SGLang's publishers bind a PUB endpoint that is
+        ``ipc://`` (or holds a wildcard, ``*``/``::``: every interface) and connect any other, so a Unix
+        socket is the only way to publish to this host alone. The events carry prompt token ids."""
+        assert self.events_endpoint is not None and self.replay_endpoint is not None
         config: dict[str, Any] = {"enable_kv_cache_events": True} if vllm_keys else {}
-        bind = "*" if self.engine.host in WILDCARDS else self.engine.host
         config.update(
             publisher="zmq",
-            endpoint=f"tcp://*:{self.events_port}",  # the wildcard makes the publisher bind, not connect
-            replay_endpoint=f"tcp://{host_port(bind, self.replay_port)}",
+            endpoint=self.events_endpoint,
+            replay_endpoint=self.replay_endpoint,
             topic=KV_EVENTS_TOPIC,
         )
         return compact_json(config)

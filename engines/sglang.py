@@ -8,7 +8,8 @@ Where each flag family comes from (read there, not copied):
 - PD (``--disaggregation-mode``, ``--disaggregation-transfer-backend nixl``,
   ``--disaggregation-bootstrap-port`` on prefill servers, ``--disaggregation-decode-enable-offload-kvcache``,
   which needs a storage backend): https://docs.sglang.io/advanced_features/pd_disaggregation.html
-- ``--kv-events-config`` (same keys as vLLM minus ``enable_kv_cache_events``):
+- ``--kv-events-config`` (same keys as vLLM minus ``enable_kv_cache_events``, the same bind/connect rule:
+  ``ipc://`` and wildcard PUB endpoints bind, others connect; the replay ROUTER binds):
   https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/disaggregation/kv_events.py
 """
 
@@ -37,7 +38,7 @@ def render(ctx: RenderContext) -> Rendered:
         argv += option("--max-loras-per-batch", e.max_loras)
     if e.metrics:
         argv.append("--enable-metrics")
-    if ctx.events_port is not None:
+    if ctx.events_endpoint is not None:
         argv += ["--kv-events-config", ctx.events_config(vllm_keys=False)]
     if e.role != "both":
         argv += ["--disaggregation-mode", e.role, "--disaggregation-transfer-backend", "nixl"]

@@ -31,7 +31,7 @@ def render(ctx: RenderContext) -> Rendered:
     if e.lora_modules:
         argv += ["--lora-modules", *(f"{n}={p}" for n, p in e.lora_modules)]
         argv += option("--max-loras", e.max_loras)
-    if ctx.events_port is not None:
+    if ctx.events_endpoint is not None:
         argv += ["--kv-events-config", ctx.events_config(vllm_keys=True)]
     if e.role != "both":  # vLLM's kv_transfer_params, both halves (load/sim/handoff.py)
         argv += ["--role", e.role]

@@ -7,9 +7,13 @@ Where each flag family comes from (read there, not copied):
   https://docs.vllm.ai/en/latest/features/nixl_connector_usage.html ; MultiConnector (ordered
   ``kv_connector_extra_config.connectors``): https://docs.vllm.ai/en/latest/features/disagg_prefill.html
 - ``--kv-events-config`` keys (``enable_kv_cache_events``, ``publisher``, ``endpoint``,
-  ``replay_endpoint``, ``topic``): https://docs.vllm.ai/en/latest/api/vllm/config/kv_events.html . The PUB
-  socket binds only when the endpoint holds a wildcard (``tcp://*:P``), else it connects; the replay ROUTER
-  always binds, so it is bound to the engine's own host.
+  ``replay_endpoint``, ``topic``): https://docs.vllm.ai/en/latest/api/vllm/config/kv_events.html and
+  ``ZmqEventPublisher`` in vllm/distributed/kv_events.py. The PUB socket binds only when the endpoint is
+  ``ipc://``/``inproc://`` or holds a wildcard (``*``, ``::``: every interface), else it connects; the
+  replay ROUTER always binds. The agent gives both ``ipc://`` endpoints in a directory of its own
+  (:func:`agent.launch.kv_socket_paths`): the events carry prompt token ids, unauthenticated. (A data
+  parallel rank > 0 offsets tcp ports only and refuses an ``ipc://`` endpoint; the agent follows one
+  publisher per engine.)
 - LMCache (``LMCacheConnectorV1``, ``LMCACHE_*`` environment):
   https://docs.lmcache.ai/api_reference/configurations.html and
   https://docs.nvidia.com/dynamo/latest/integrations/kv-cache-integrations/lm-cache
@@ -63,7 +67,7 @@ def render(ctx: RenderContext) -> Rendered:
     if ctx.side_port is not None and needs_side_port(e):
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = ctx.advertise
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ctx.side_port)
-    if ctx.events_port is not None:
+    if ctx.events_endpoint is not None:
         argv += ["--enable-prefix-caching", "--kv-events-config", ctx.events_config(vllm_keys=True)]
     off = e.offload
     if e.kv_offload == "lmcache":

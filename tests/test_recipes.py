@@ -44,9 +44,7 @@ def test_recipe_loads_through_the_real_loaders(path: Path) -> None:
     for node in nodes:
         for engine in node.engines:
             assert engine.model in served, (engine.id, served)
-            launch = render(
-                engine, node.agent, port=8000, kv_events_port=5557, kv_replay_port=5558, side_port=5600
-            )
+            launch = render(engine, node.agent, port=8000, side_port=5600)
             assert launch.argv and launch.address.endswith(":8000")
     if "disaggregated" in path.name:
         roles = {e.role for n in nodes for e in n.engines}
@@ -61,9 +59,7 @@ def test_vllm_disaggregated_renders_nixl_producer_and_consumer() -> None:
     for name in ("node-prefill.toml", "node-decode.toml"):
         node = load_node_config(path / name)
         engine = node.engines[0]
-        launch = render(
-            engine, node.agent, port=8000, kv_events_port=5557, kv_replay_port=5558, side_port=5600
-        )
+        launch = render(engine, node.agent, port=8000, side_port=5600)
         config = launch.argv[launch.argv.index("--kv-transfer-config") + 1]
         flags[engine.role] = (config, dict(launch.env))
     assert '"kv_connector":"NixlConnector"' in flags["prefill"][0] and "kv_producer" in flags["prefill"][0]

@@ -283,7 +283,7 @@ class KvEventPublisher:
 
     ``buffer`` is the replica's cache listener. :meth:`start` binds (in the running loop),
     :meth:`aclose` publishes what is queued and closes. ``address``/``replay_address``: the bound
-    ``tcp://host:port`` (``replay_address`` ``""`` without a replay endpoint).
+    ``tcp://host:port`` or ``ipc://PATH`` (``replay_address`` ``""`` without a replay endpoint).
     """
 
     def __init__(self, config: KvEventsConfig, rank: int, block_size: int) -> None:

@@ -556,7 +556,8 @@ class SimFleet:
 
     def describe(self) -> list[dict[str, Any]]:
         """``[{"id", "address", "model"}]``, plus ``kv_events`` and ``kv_events_replay`` (the bound
-        ``tcp://host:port``; replay ``""`` without a replay endpoint) when KV events are enabled, and
+        ``tcp://host:port`` or ``ipc://PATH``; replay ``""`` without a replay endpoint) when KV events are
+        enabled, and
         ``bootstrap_port`` (an integer) on an SGLang-mode prefill replica: what ``--ready-file`` holds."""
         records: list[dict[str, Any]] = []
         for r in self.replicas:
@@ -696,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="as vLLM: publish KV cache events, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
-        "(replica i uses port+i)",
+        "(replica i uses port+i; ipc:///PATH endpoints bind Unix sockets, replica i's at PATH_dp<i>)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

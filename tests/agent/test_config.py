@@ -392,7 +392,7 @@ def test_remote_engine_with_kv_events_attaches() -> None:
     )
     (engine,) = cfg.engines
     assert not engine.started and engine.kv_events and engine.metrics
-    launch = render(engine, cfg.agent, port=0, kv_events_port=None, kv_replay_port=None)
+    launch = render(engine, cfg.agent, port=0)
     assert launch.argv == () and launch.health_path == "/health" and launch.speaks_kv_events
     assert (launch.kv_events_endpoint, launch.kv_replay_endpoint, launch.kv_events_topic) == (
         "tcp://127.0.0.1:9100", "tcp://127.0.0.1:9101", "t",
@@ -526,7 +526,7 @@ def test_lora_modules_render_and_register(kind: str, flags: list[str]) -> None:
     raw = engine_raw(kind, lora_modules={"b": "/l/b", "a": "/l/a"}, max_loras=2, kv_events=False)
     cfg = parse_node_config(node(raw))
     (engine,) = cfg.engines
-    launch = render(engine, cfg.agent, port=8000, kv_events_port=None, kv_replay_port=None)
+    launch = render(engine, cfg.agent, port=8000)
     argv = list(launch.argv)
     start = argv.index(flags[0])
     assert argv[start : start + len(flags)] == flags

@@ -4,6 +4,9 @@ fake engine (test-owned ZMQ sockets) and against a real simulated replica, trans
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -14,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from agent.config import AgentSection
 from agent.kvevents import (
     LIVE_HWM,
     MAX_MESSAGE_BYTES,
@@ -30,10 +34,13 @@ from agent.kvevents import (
     decode_message,
     decode_payload,
 )
+from agent.launch import render
 from agent.main import feed_batches
+from agent.supervisor import make_private_dir
 from agent.translate import Translator
 from contracts.digest import block_digests, chain_seed
 from contracts.events import Cleared, EndpointId, IndexEvent, Stored
+from engines.config import EngineConfig as EngineSpec
 from extproc.index.precise import PreciseIndex
 from load.sim.engine import EngineConfig
 from load.sim.kvevents import KvEventsConfig
@@ -487,3 +494,51 @@ def test_a_batch_the_translator_fails_on_is_lost_events_not_a_pump_failure() -> 
         [Stored("e", block_digests(seed, tokens, 16), "gpu", None)],
     ]
     assert translator.stats.failed_batches == 1
+
+
+async def test_an_agent_launched_engine_publishes_on_a_private_unix_socket(
+    tmp_path: Path, model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """The real path, end to end but in process: the ``--kv-events-config`` the agent renders for a sim
+    it starts (``ipc://`` sockets under its state directory, in a directory it makes mode 0700), read by
+    the sim as its server reads it, and the agent's subscriber (as :meth:`agent.main.Agent._subscribe`
+    builds it) catching up over the replay socket and following live batches there."""
+    agent = AgentSection(id="node-a", state_dir=str(tmp_path / "state"))
+    spec = EngineSpec(id="sim-0", kind="sim", model=MODEL, model_path=str(model_dir), kv_events=True)
+    launch = render(spec, agent, port=8000)
+    argv = launch.argv
+    rendered = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert rendered["endpoint"] == launch.kv_events_endpoint and launch.kv_events_endpoint is not None
+    assert rendered["replay_endpoint"] == launch.kv_replay_endpoint and launch.kv_replay_endpoint is not None
+    assert launch.kv_events_endpoint.startswith(f"ipc://{tmp_path}/state/kv/kv-")
+    assert not [a for a in argv if "tcp://" in a]
+    (private,) = launch.private_dirs
+    make_private_dir(private)  # what the supervisor does before the start
+    kv = KvEventsConfig.from_json(argv[argv.index("--kv-events-config") + 1])
+    config = SimConfig(
+        MODEL, model_dir, timing=TimingModel(time_scale=0), engine=EngineConfig(), kv_events=kv
+    )
+    async with SimFleet(config, 1) as fleet:
+        sim = Replica(fleet.replicas[0], http)
+        assert (sim.publisher.address, sim.publisher.replay_address) == (
+            launch.kv_events_endpoint,
+            launch.kv_replay_endpoint,
+        )
+        for endpoint in (launch.kv_events_endpoint, launch.kv_replay_endpoint):
+            path = endpoint.removeprefix("ipc://")
+            assert os.path.dirname(path) == private and stat.S_ISSOCK(os.stat(path).st_mode)
+        info = os.stat(private)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+        await sim.complete(list(range(3, 40)), 2)  # before anyone subscribes: replayed
+        collector = await subscribe(
+            SubscriberConfig(launch.kv_events_endpoint, launch.kv_replay_endpoint, catch_up=True)
+        )
+        try:
+            items = await sim.joined(collector)
+            assert [i.seq for i in items if isinstance(i, KvBatch)] == list(range(sim.publisher.next_seq))
+            stored = [
+                e for i in items if isinstance(i, KvBatch) for e in i.events if isinstance(e, BlockStored)
+            ]
+            assert stored and stored[0].token_ids[:3] == [3, 4, 5]
+        finally:
+            await collector.close()

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,15 @@ import pytest
 
 from agent.config import AgentSection
 from agent.errors import AgentConfigError, EngineError
-from agent.launch import EngineLaunch, endpoint_for, needs_kv_events_ports, needs_side_port, render
+from agent.launch import (
+    UNIX_PATH_MAX,
+    EngineLaunch,
+    endpoint_for,
+    kv_socket_paths,
+    needs_side_port,
+    publishes_kv_events,
+    render,
+)
 from engines.config import KV_OFFLOADS, EngineConfig, OffloadConfig
 from engines.errors import ArtifactNotFound
 from engines.gguf import smollm2_gguf_path
@@ -20,7 +31,11 @@ from engines.llama_cpp import llama_server_path
 from engines.vllm import KVBM_MODULE
 
 AGENT = AgentSection(id="node-a", advertise="10.0.0.5", state_dir="/srv/agent")
-PORT, EVENTS, REPLAY, SIDE = 8100, 5557, 5558, 5600
+PORT, SIDE = 8100, 5600
+#: Where agent-launched engines publish KV events: Unix sockets under <state_dir>/kv, named by a hash of
+#: the engine id (never a TCP port: the events carry prompt token ids, unauthenticated).
+E1_HASH = hashlib.sha256(b"e-1").hexdigest()[:12]
+EVENTS, REPLAY = f"ipc:///srv/agent/kv/kv-{E1_HASH}.sock", f"ipc:///srv/agent/kv/kv-{E1_HASH}-replay.sock"
 CELLS = [
     (kind, role, offload)
     for kind, roles in OFFLOAD_MATRIX.items()
@@ -46,11 +61,7 @@ def engine(kind: str, role: str = "both", kv_offload: str = "none", **keys: Any)
 
 
 def launch_of(e: EngineConfig) -> EngineLaunch:
-    events, side = needs_kv_events_ports(e), needs_side_port(e)
-    return render(
-        e, AGENT, port=PORT, kv_events_port=EVENTS if events else None,
-        kv_replay_port=REPLAY if events else None, side_port=SIDE if side else None,
-    )  # fmt: skip
+    return render(e, AGENT, port=PORT, side_port=SIDE if needs_side_port(e) else None)
 
 
 def flag(argv: tuple[str, ...], name: str) -> str | None:
@@ -88,8 +99,8 @@ VLLM_TRANSFER: dict[tuple[str, str], dict[str, Any] | None] = {
 VLLM_EVENTS = {
     "enable_kv_cache_events": True,
     "publisher": "zmq",
-    "endpoint": f"tcp://*:{EVENTS}",
-    "replay_endpoint": f"tcp://127.0.0.1:{REPLAY}",
+    "endpoint": EVENTS,
+    "replay_endpoint": REPLAY,
     "topic": KV_EVENTS_TOPIC,
 }
 
@@ -171,15 +182,18 @@ def test_every_valid_cell_renders(kind: str, role: str, offload: str) -> None:
         assert json_flag(argv, "--kv-events-config") == VLLM_EVENTS
     events = kind in ("vllm", "sglang", "sim")
     assert launch.speaks_kv_events is events
-    assert launch.kv_events_endpoint == (f"tcp://127.0.0.1:{EVENTS}" if events else None)
-    assert launch.kv_replay_endpoint == (f"tcp://127.0.0.1:{REPLAY}" if events else None)
+    assert publishes_kv_events(e) is events
+    assert launch.kv_events_endpoint == (EVENTS if events else None)
+    assert launch.kv_replay_endpoint == (REPLAY if events else None)
+    assert launch.private_dirs == (("/srv/agent/kv",) if events else ())
+    assert not [a for a in argv if "tcp://" in a]  # no KV events (nor anything else) on a TCP wildcard
 
 
 @pytest.mark.parametrize(("kind", "role", "offload"), INVALID)
 def test_every_invalid_cell_raises_with_allowed_values(kind: str, role: str, offload: str) -> None:
     e = EngineConfig(id="e-1", kind=kind, model="m", model_path="x", role=role, kv_offload=offload)
     with pytest.raises(AgentConfigError) as info:
-        render(e, AGENT, port=PORT, kv_events_port=EVENTS, kv_replay_port=REPLAY, side_port=SIDE)
+        render(e, AGENT, port=PORT, side_port=SIDE)
     roles = OFFLOAD_MATRIX[kind]
     message = str(info.value)
     if role not in roles:
@@ -249,12 +263,46 @@ def test_sim_with_a_tokenizer_dir_and_events_off() -> None:
     assert flag(launch.argv, "--max-num-seqs") == "3"
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "*", "127.0.0.1", "::1", "10.0.0.5"])
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "sim"])
+def test_kv_events_stay_on_unix_sockets_whatever_the_host(kind: str, host: str) -> None:
+    """Whatever the engine's HTTP host, its KV events (prompt token ids) are published on Unix sockets in
+    the agent's private directory, never on a TCP endpoint (a wildcard one binds every interface)."""
+    launch = launch_of(engine(kind, host=host))
+    config = json_flag(launch.argv, "--kv-events-config")
+    assert (config["endpoint"], config["replay_endpoint"]) == (EVENTS, REPLAY)
+    assert (launch.kv_events_endpoint, launch.kv_replay_endpoint) == (EVENTS, REPLAY)
+    assert not [a for a in launch.argv if "tcp://" in a]
+
+
 def test_wildcard_and_ipv6_hosts() -> None:
     launch = launch_of(engine("vllm", host="0.0.0.0"))
     assert launch.base_url == f"http://127.0.0.1:{PORT}"
-    assert json_flag(launch.argv, "--kv-events-config")["replay_endpoint"] == f"tcp://*:{REPLAY}"
     v6 = launch_of(engine("vllm", host="::1"))
-    assert v6.base_url == f"http://[::1]:{PORT}" and v6.kv_events_endpoint == f"tcp://[::1]:{EVENTS}"
+    assert v6.base_url == f"http://[::1]:{PORT}" and v6.kv_events_endpoint == EVENTS
+
+
+def test_kv_socket_paths_fit_a_unix_socket_address() -> None:
+    """Each engine gets its own pair of sockets; a state directory too long for a socket address (107
+    bytes) puts them in a short per-user, per-state-directory one under /tmp instead."""
+    pub, replay = kv_socket_paths("/srv/agent", "e-1")
+    assert (f"ipc://{pub}", f"ipc://{replay}") == (EVENTS, REPLAY)
+    assert kv_socket_paths("/srv/agent", "e-2")[0] != pub
+    fits = "/" + "d" * (UNIX_PATH_MAX - len(f"/kv/kv-{E1_HASH}-replay.sock") - 1)
+    assert kv_socket_paths(fits, "e-1")[1] == f"{fits}/kv/kv-{E1_HASH}-replay.sock"
+    assert len(kv_socket_paths(fits, "e-1")[1].encode()) == UNIX_PATH_MAX
+    long_dir = fits + "d"
+    short = kv_socket_paths(long_dir, "e-1")
+    tag = hashlib.sha256(long_dir.encode()).hexdigest()[:12]
+    assert short == (
+        f"/tmp/kvgate-kv-{os.geteuid()}-{tag}/kv-{E1_HASH}.sock",
+        f"/tmp/kvgate-kv-{os.geteuid()}-{tag}/kv-{E1_HASH}-replay.sock",
+    )
+    assert kv_socket_paths(long_dir + "x", "e-1")[0] != short[0]  # another agent's state: another dir
+    launch = render(engine("sim"), dataclasses.replace(AGENT, state_dir=long_dir), port=PORT)
+    assert launch.kv_events_endpoint == f"ipc://{short[0]}" and launch.private_dirs == (
+        str(Path(short[0]).parent),
+    )
 
 
 def test_remote_engine_over_tls_with_metrics() -> None:
@@ -265,11 +313,9 @@ def test_remote_engine_over_tls_with_metrics() -> None:
 
 def test_missing_ports_are_programming_errors() -> None:
     with pytest.raises(ValueError, match="concrete port"):
-        render(engine("sim"), AGENT, port=0, kv_events_port=EVENTS, kv_replay_port=REPLAY)
-    with pytest.raises(ValueError, match="kv_events needs"):
-        render(engine("sim"), AGENT, port=PORT, kv_events_port=None, kv_replay_port=None)
+        render(engine("sim"), AGENT, port=0)
     with pytest.raises(ValueError, match="needs side_port"):
-        render(engine("vllm", "decode", "nixl"), AGENT, port=PORT, kv_events_port=1, kv_replay_port=2)
+        render(engine("vllm", "decode", "nixl"), AGENT, port=PORT)
 
 
 def test_endpoint_record() -> None:

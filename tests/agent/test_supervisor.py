@@ -4,8 +4,10 @@ one real llama-server running the SmolLM2 GGUF."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
+import stat
 import sys
 import time
 import urllib.request
@@ -26,6 +28,7 @@ from agent.supervisor import (
     Renderer,
     RestartBackoff,
     free_ports,
+    make_private_dir,
     pick_ports,
 )
 from engines.config import EngineConfig, RestartPolicy
@@ -173,11 +176,65 @@ def test_pick_ports_distinct_and_fixed() -> None:
         id="v", kind="vllm", model="m", model_path="p", role="prefill", kv_offload="nixl", kv_events=True
     )
     ports = pick_ports(vllm)
-    picked = [ports.port, ports.kv_events, ports.kv_replay, ports.side]
-    assert all(picked) and len(set(picked)) == 4
+    picked = [ports.port, ports.side]
+    assert all(picked) and len(set(picked)) == 2
     fixed = pick_ports(EngineConfig(id="l", kind="llama_cpp", model="m", model_path="x.gguf", port=8123))
     assert fixed == EnginePorts(8123)
     assert len(set(free_ports("127.0.0.1", 3))) == 3
+
+
+def test_make_private_dir_makes_or_fixes_0700_and_refuses_what_is_not_its_own(tmp_path: Path) -> None:
+    """The KV event sockets' directory (prompt token ids pass there): made 0700, a loose existing one
+    tightened, a symlink or a file refused."""
+    fresh = tmp_path / "a" / "kv"
+    make_private_dir(str(fresh))
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700 and fresh.stat().st_uid == os.geteuid()
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o777)
+    make_private_dir(str(loose))
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    (tmp_path / "link").symlink_to(loose)
+    with pytest.raises(OSError, match="not a directory"):
+        make_private_dir(str(tmp_path / "link"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match="not a directory"):
+        make_private_dir(str(tmp_path / "file"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_make_private_dir_refuses_another_users_directory(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(OSError, match="belongs to uid 4242"):
+        make_private_dir(str(theirs))
+
+
+async def test_private_dirs_are_made_0700_before_each_start(
+    make: Make, fake_engine: Path, tmp_path: Path
+) -> None:
+    private = tmp_path / "state" / "kv"
+    private.mkdir(parents=True, mode=0o755)
+    private.chmod(0o755)
+    base = fake(fake_engine, "--crash-once-file", str(tmp_path / "crashed"))
+
+    def render(engine: EngineConfig, agent: AgentSection, ports: EnginePorts) -> EngineLaunch:
+        return dataclasses.replace(base(engine, agent, ports), private_dirs=(str(private),))
+
+    sup = make(stand_in(), render)
+    await sup.start()
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    private.rmdir()  # gone while the engine runs (a /tmp cleaner, say): made again for the restart
+    await sup.wait_ready(timeout_s=10)
+    await sup.wait_for(EngineState.RESTARTING, timeout_s=10)
+    await sup.wait_for(EngineState.READY, timeout_s=10)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    await sup.aclose()
+    private.rmdir()
+    private.symlink_to(tmp_path)
+    with pytest.raises(EngineStartError, match="not a directory"):
+        await make(stand_in(), render).start()
 
 
 async def test_ready_after_health_turns_200(make: Make, fake_engine: Path) -> None:
