@@ -56,6 +56,7 @@ import hashlib
 import logging
 import math
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -321,6 +322,8 @@ class StreamProcessor:
         #: body mode: the bundled config with ``--fail-open``), instead of streaming it (FULL_DUPLEX).
         self._buffered = False
         self._headers: dict[str, str] = {}
+        #: The id the router keeps a request without ``x-request-id`` under (:meth:`_router_id`).
+        self._anonymous: str | None = None
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
@@ -350,6 +353,17 @@ class StreamProcessor:
             return raw
         digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
         return f"invalid-{digest[:16]}"
+
+    def _router_id(self) -> str:
+        """The id the router keeps the decided request under until its completion
+        (:meth:`Router.completed`): :attr:`request_id`, or for a request without ``x-request-id`` an
+        unguessable one of its own (``-`` and 16 hex digits), so requests without an id never share one
+        (each is outstanding at its endpoint until its own end)."""
+        if "x-request-id" in self._headers:
+            return self.request_id
+        if self._anonymous is None:
+            self._anonymous = f"-{secrets.token_hex(8)}"
+        return self._anonymous
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The responses for one message from Envoy, in order."""
@@ -826,7 +840,7 @@ class StreamProcessor:
         try:
             self.decision = self._router.decide(
                 request,
-                request_id=self.request_id,
+                request_id=self._router_id(),
                 now=now,
                 subset=self._subset,
                 pinned=pinned,

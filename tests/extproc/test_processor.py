@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -915,6 +916,60 @@ def test_close_releases_in_flight_exactly_once(router: Router) -> None:
     idle = processor(router)
     idle.close()  # no decision: nothing to release
     assert idle.handle(body(b"{}")) == []
+
+
+# --- behind a Gateway API gateway: no completion log -----------------------------------------------------
+#
+# A third-party gateway using kvgate as its endpoint picker has no ``kvgate-completions`` access log: the
+# ext_proc stream itself is all it sees of the response (its processing mode names the response phases).
+
+
+def gateway_headers(
+    response_mode: ProcessingMode.BodySendMode.ValueType | None = ProcessingMode.FULL_DUPLEX_STREAMED,
+    request_id: str | None = "r1",
+) -> pb.ProcessingRequest:
+    """Request headers as a gateway sends them: FULL_DUPLEX_STREAMED request body, ``response_mode`` for
+    the response body (``None``: no protocol configuration at all, as older Envoys send)."""
+    msg = headers(extra={} if request_id is None else {"x-request-id": request_id})
+    if request_id is None:
+        kept = [h for h in msg.request_headers.headers.headers if h.key != "x-request-id"]
+        del msg.request_headers.headers.headers[:]
+        msg.request_headers.headers.headers.extend(kept)
+    if response_mode is not None:
+        msg.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+        msg.protocol_config.response_body_mode = response_mode
+    return msg
+
+
+def gateway_route(proc: StreamProcessor, payload: bytes, **kw: Any) -> Reply:
+    assert proc.handle(gateway_headers(**kw)) == []
+    return reply(proc.handle(body(payload)))
+
+
+def outstanding(router: Router) -> dict[str, int]:
+    return {s.address: s.outstanding for s in router.fleet if s.outstanding}
+
+
+def completions(router: Router) -> dict[str, int]:
+    return {s.address: s.completed_since_scrape for s in router.fleet if s.completed_since_scrape}
+
+
+def test_requests_without_an_id_are_each_outstanding(router: Router) -> None:
+    """Requests without ``x-request-id`` (logged as ``-``) are each their own request to the router: one's
+    routing never takes another's outstanding slot, one's end never ends another."""
+    procs = [processor(router, conformance=True) for _ in range(3)]
+    for i, proc in enumerate(procs):
+        msg = gateway_headers(request_id=None)  # pinned to one endpoint (the conformance selection)
+        msg.request_headers.headers.headers.add(key=CONFORMANCE_HEADER, raw_value=ADDRESSES[1].encode())
+        assert proc.handle(msg) == []
+        reply(proc.handle(body(chat(f"question {i}"))))
+        assert proc.request_id == "-"
+    assert outstanding(router) == {ADDRESSES[1]: 3}
+    assert router.completed("-", NOW) is None  # no completion log entry names them
+    ids = [proc.decision.request_id for proc in procs if proc.decision is not None]
+    assert len(set(ids)) == 3 and all(re.fullmatch("-[0-9a-f]{16}", i) for i in ids)
+    assert router.completed(ids[0], NOW) is not None
+    assert outstanding(router) == {ADDRESSES[1]: 2} and completions(router) == {ADDRESSES[1]: 1}
 
 
 # --- with a gate -----------------------------------------------------------------------------------------
