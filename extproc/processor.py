@@ -25,6 +25,10 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   Envoy), else routes the client's body to the next step (the last one goes through Envoy as any request);
   ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
+* the response's end as the stream shows it (headers or a body chunk with ``end_of_stream``, trailers;
+  or the stream's end, when the gateway sends the response body here, so the stream lasts as long as
+  the response): the request's completion, reported to the router as the completion log reports it (a
+  third-party gateway has no such log; the bundled Envoy sends no response body, its log ends requests);
 * stream end: :meth:`close` releases the request's in-flight slot.
 
 The gateway answers its probes itself, GET or HEAD, without credentials and without touching an engine:
@@ -182,6 +186,8 @@ log = logging.getLogger(__name__)
 #: A client's ``x-request-id`` logged as sent (:attr:`StreamProcessor.request_id`).
 _SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 BUFFERED = ProcessingMode.BUFFERED
+#: The response body mode of the bundled config: no response body crosses the ext_proc stream.
+NO_BODY = ProcessingMode.NONE
 
 #: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
 HEALTH_PATHS = frozenset({"/health", "/liveness"})
@@ -321,6 +327,11 @@ class StreamProcessor:
         #: Envoy sends the whole body in one message and waits for the headers reply before it (BUFFERED
         #: body mode: the bundled config with ``--fail-open``), instead of streaming it (FULL_DUPLEX).
         self._buffered = False
+        #: How the gateway sends the response body (its ``ProtocolConfiguration``; ``NONE``: not at all, as
+        #: the bundled config, or not said).
+        self._response_body_mode: int = NO_BODY
+        #: The request's completion was reported to the router from this stream (:meth:`_response_end`).
+        self._ended = False
         self._headers: dict[str, str] = {}
         #: The id the router keeps a request without ``x-request-id`` under (:meth:`_router_id`).
         self._anonymous: str | None = None
@@ -446,6 +457,10 @@ class StreamProcessor:
             # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
             # answer is out, before the shell's generator resumes to call after_send).
             self.after_send()
+            if self._response_body_mode != NO_BODY:
+                # The gateway sends the response body here, so the stream lasts as long as the response:
+                # its end is the request's (a client that left, an upstream reset), reported or not.
+                self._response_end()
         if self.decision is not None:
             self._router.finish(self.decision)
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
@@ -473,14 +488,20 @@ class StreamProcessor:
                 return out  # answered (GET /v1/models): nothing follows an immediate response
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if which == "response_headers":
-            return self._on_response_headers(msg)
+            out = self._on_response_headers(msg)
+            if msg.response_headers.end_of_stream:  # a response without a body: it ended here
+                self._response_end()
+            return out
         if which == "response_body":
             if self._usage is not None:
                 self._usage.feed(msg.response_body.body, msg.response_body.end_of_stream)
                 if self._usage.ended:
                     self._settle()
+            if msg.response_body.end_of_stream:
+                self._response_end()
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if which == "response_trailers":
+            self._response_end()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         raise BadRequest("Unexpected ext_proc message.")
 
@@ -488,7 +509,9 @@ class StreamProcessor:
         if self._phase is not Phase.HEADERS:
             raise _Internal("Request headers received twice.")
         self._arrived = self._clock()
-        self._buffered = msg.protocol_config.request_body_mode == BUFFERED
+        protocol = msg.protocol_config
+        self._buffered = protocol.request_body_mode == BUFFERED
+        self._response_body_mode = protocol.response_body_mode
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
@@ -1166,6 +1189,15 @@ class StreamProcessor:
                 response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
             )
         ]
+
+    def _response_end(self) -> None:
+        """The response ended as this stream saw it: the request's completion, as the completion log
+        reports it (a gateway other than the bundled Envoy has none), reported to the router once; the
+        router counts a request once however many report it (the log's entry may come too)."""
+        decision = self.decision
+        if decision is not None and not self._ended:
+            self._ended = True
+            self._router.completed(decision.request_id, self._clock())
 
     def _track_usage(self, response: dict[str, str], gate: Gate, ticket: Ticket) -> None:
         """At the response headers: refund a failed request, or start reading the body's usage."""

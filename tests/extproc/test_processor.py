@@ -954,6 +954,88 @@ def completions(router: Router) -> dict[str, int]:
     return {s.address: s.completed_since_scrape for s in router.fleet if s.completed_since_scrape}
 
 
+END_BY_BODY = [response_headers(), response_body(b'{"id": "x"}', False), response_body(b"", True)]
+END_BY_TRAILERS = [
+    response_headers(),
+    response_body(b"data: x\n\n", False),
+    pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+]
+END_BY_HEADERS = [
+    pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=header_map({":status": "204"}), end_of_stream=True)
+    )
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "ends"),
+    [
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_BODY),
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_TRAILERS),
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_HEADERS),
+        (ProcessingMode.STREAMED, END_BY_BODY),
+        (ProcessingMode.BUFFERED, END_BY_BODY),
+        (None, END_BY_BODY),  # no protocol configuration: the response's end still ends it
+    ],
+    ids=["full-duplex", "trailers", "headers-only", "streamed", "buffered", "unsaid"],
+)
+def test_the_response_end_seen_by_the_picker_completes_the_request(
+    router: Router, mode: Any, ends: list[pb.ProcessingRequest]
+) -> None:
+    """The response's end crossing the ext_proc stream (its body's ``end_of_stream``, its trailers, or
+    headers that end it) is the request's completion: the pick's outstanding count falls and the
+    completion is counted, once, whatever comes after (the stream's end, a completion log entry)."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=mode).destination[0]
+    assert outstanding(router) == {pick: 1}
+    for msg in ends:
+        proc.handle(msg)
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+    proc.close()
+    assert router.completed("r1", NOW) is None  # a completion log entry after it: nothing more
+    assert outstanding(router) == {} and completions(router) == {pick: 1} and in_flight(router) == {}
+
+
+@pytest.mark.parametrize("mode", [ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.STREAMED])
+def test_a_stream_ended_before_the_response_did_completes_the_request(router: Router, mode: Any) -> None:
+    """With the response body sent to the picker, the ext_proc stream lasts as long as the response: its
+    end before the response's end (the client left, the upstream reset) ends the request too."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=mode).destination[0]
+    proc.handle(response_headers())
+    proc.handle(response_body(b"data: x\n\n", False))
+    assert outstanding(router) == {pick: 1}
+    proc.close()
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
+def test_a_completion_log_entry_first_counts_once(router: Router) -> None:
+    """A gateway that also writes the completion log (the bundled Envoy reading usage from response
+    bodies): whichever reports the end first counts it, the other nothing."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=ProcessingMode.STREAMED).destination[0]
+    assert router.completed("r1", NOW) is not None
+    for msg in END_BY_BODY:
+        proc.handle(msg)
+    proc.close()
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
+@pytest.mark.parametrize("with_response_headers", [False, True])
+def test_the_bundled_envoy_stream_end_is_no_completion(router: Router, with_response_headers: bool) -> None:
+    """The bundled Envoy sends no response body (``response_body_mode: NONE``): its ext_proc stream ends
+    right after routing (or the response headers) while the engine still answers, so only the completion
+    log ends the request."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=ProcessingMode.NONE).destination[0]
+    if with_response_headers:
+        proc.handle(response_headers())
+    proc.close()
+    assert outstanding(router) == {pick: 1} and completions(router) == {}
+    assert router.completed("r1", NOW) is not None
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
 def test_requests_without_an_id_are_each_outstanding(router: Router) -> None:
     """Requests without ``x-request-id`` (logged as ``-``) are each their own request to the router: one's
     routing never takes another's outstanding slot, one's end never ends another."""
