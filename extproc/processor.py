@@ -25,6 +25,8 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   Envoy), else routes the client's body to the next step (the last one goes through Envoy as any request);
   ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
+* response body: passed on unchanged (sent back chunk by chunk in FULL_DUPLEX_STREAMED response body
+  mode, where the gateway forwards only what the processor returns; else an empty answer);
 * the response's end as the stream shows it (headers or a body chunk with ``end_of_stream``, trailers;
   or the stream's end, when the gateway sends the response body here, so the stream lasts as long as
   the response): the request's completion, reported to the router as the completion log reports it (a
@@ -188,6 +190,8 @@ _SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 BUFFERED = ProcessingMode.BUFFERED
 #: The response body mode of the bundled config: no response body crosses the ext_proc stream.
 NO_BODY = ProcessingMode.NONE
+#: The body mode in which the gateway forwards only what the processor sends back.
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 #: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
 HEALTH_PATHS = frozenset({"/health", "/liveness"})
@@ -499,6 +503,8 @@ class StreamProcessor:
                     self._settle()
             if msg.response_body.end_of_stream:
                 self._response_end()
+            if self._response_body_mode == FULL_DUPLEX:  # the gateway keeps nothing: send it back
+                return _response_chunks(msg.response_body.body, msg.response_body.end_of_stream)
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if which == "response_trailers":
             self._response_end()
@@ -1284,6 +1290,19 @@ def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
     streamed.body = data
     streamed.end_of_stream = end_of_stream
     return reply
+
+
+def _response_chunks(data: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """A response body chunk sent back unchanged (FULL_DUPLEX_STREAMED), in chunks of at most
+    :data:`MAX_CHUNK` bytes as the request body is, ``end_of_stream`` (as sent) on the last."""
+    out = []
+    for off in range(0, max(len(data), 1), MAX_CHUNK):
+        reply = pb.ProcessingResponse()
+        streamed = reply.response_body.response.body_mutation.streamed_response
+        streamed.body = data[off : off + MAX_CHUNK]
+        streamed.end_of_stream = end_of_stream and off + MAX_CHUNK >= len(data)
+        out.append(reply)
+    return out
 
 
 def _immediate(

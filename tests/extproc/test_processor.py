@@ -1054,6 +1054,48 @@ def test_requests_without_an_id_are_each_outstanding(router: Router) -> None:
     assert outstanding(router) == {ADDRESSES[1]: 2} and completions(router) == {ADDRESSES[1]: 1}
 
 
+@pytest.mark.parametrize(
+    ("mode", "echoed"),
+    [
+        (ProcessingMode.FULL_DUPLEX_STREAMED, True),
+        (ProcessingMode.STREAMED, False),
+        (ProcessingMode.BUFFERED, False),
+        (None, False),
+    ],
+)
+def test_a_full_duplex_response_body_is_streamed_back(router: Router, mode: Any, echoed: bool) -> None:
+    """In FULL_DUPLEX_STREAMED response body mode the gateway forwards only what the picker sends back:
+    each chunk is returned as it came (``streamed_response``, ``end_of_stream`` as sent). Other modes
+    keep the body themselves: the answer is an empty BodyResponse."""
+    proc = processor(router)
+    gateway_route(proc, chat(), response_mode=mode)
+    proc.handle(response_headers())
+    sent = [(b'data: {"a": 1}\n\n', False), (b"data: [DONE]\n\n", False), (b"", True)]
+    for chunk, end in sent:
+        (out,) = proc.handle(response_body(chunk, end))
+        assert out.WhichOneof("response") == "response_body"
+        if echoed:
+            streamed = out.response_body.response.body_mutation.streamed_response
+            assert (streamed.body, streamed.end_of_stream) == (chunk, end)
+        else:
+            assert out == pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+@pytest.mark.parametrize("end", [True, False])
+def test_a_large_full_duplex_response_chunk_goes_back_in_chunks(router: Router, end: bool) -> None:
+    """A chunk larger than 62,000 bytes goes back as the request body does: in chunks of at most that,
+    whole and in order, ``end_of_stream`` (as sent) on the last only."""
+    proc = processor(router)
+    gateway_route(proc, chat())
+    proc.handle(response_headers())
+    data = bytes(range(256)) * 500  # 128,000 bytes
+    out = proc.handle(response_body(data, end))
+    streamed = [r.response_body.response.body_mutation.streamed_response for r in out]
+    assert [len(s.body) for s in streamed] == [MAX_CHUNK, MAX_CHUNK, len(data) - 2 * MAX_CHUNK]
+    assert b"".join(s.body for s in streamed) == data
+    assert [s.end_of_stream for s in streamed] == [False, False, end]
+
+
 # --- with a gate -----------------------------------------------------------------------------------------
 
 
