@@ -25,6 +25,12 @@ One :class:`StreamProcessor` per Envoy HTTP stream. :meth:`StreamProcessor.handl
   Envoy), else routes the client's body to the next step (the last one goes through Envoy as any request);
   ``GET /v1/models`` also lists each virtual model whose steps are all served;
 * response headers: the served endpoint is read back and the internal upstream header removed;
+* response body: passed on unchanged (sent back chunk by chunk in FULL_DUPLEX_STREAMED response body
+  mode, where the gateway forwards only what the processor returns; else an empty answer);
+* the response's end as the stream shows it (headers or a body chunk with ``end_of_stream``, trailers;
+  or the stream's end, when the gateway sends the response body here, so the stream lasts as long as
+  the response): the request's completion, reported to the router as the completion log reports it (a
+  third-party gateway has no such log; the bundled Envoy sends no response body, its log ends requests);
 * stream end: :meth:`close` releases the request's in-flight slot.
 
 The gateway answers its probes itself, GET or HEAD, without credentials and without touching an engine:
@@ -56,6 +62,7 @@ import hashlib
 import logging
 import math
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -181,6 +188,10 @@ log = logging.getLogger(__name__)
 #: A client's ``x-request-id`` logged as sent (:attr:`StreamProcessor.request_id`).
 _SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 BUFFERED = ProcessingMode.BUFFERED
+#: The response body mode of the bundled config: no response body crosses the ext_proc stream.
+NO_BODY = ProcessingMode.NONE
+#: The body mode in which the gateway forwards only what the processor sends back.
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 #: Liveness probes (vLLM's ``/health``; ``/liveness`` as sglang-router and vllm-router name it): always 200.
 HEALTH_PATHS = frozenset({"/health", "/liveness"})
@@ -320,7 +331,14 @@ class StreamProcessor:
         #: Envoy sends the whole body in one message and waits for the headers reply before it (BUFFERED
         #: body mode: the bundled config with ``--fail-open``), instead of streaming it (FULL_DUPLEX).
         self._buffered = False
+        #: How the gateway sends the response body (its ``ProtocolConfiguration``; ``NONE``: not at all, as
+        #: the bundled config, or not said).
+        self._response_body_mode: int = NO_BODY
+        #: The request's completion was reported to the router from this stream (:meth:`_response_end`).
+        self._ended = False
         self._headers: dict[str, str] = {}
+        #: The id the router keeps a request without ``x-request-id`` under (:meth:`_router_id`).
+        self._anonymous: str | None = None
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
@@ -350,6 +368,17 @@ class StreamProcessor:
             return raw
         digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()
         return f"invalid-{digest[:16]}"
+
+    def _router_id(self) -> str:
+        """The id the router keeps the decided request under until its completion
+        (:meth:`Router.completed`): :attr:`request_id`, or for a request without ``x-request-id`` an
+        unguessable one of its own (``-`` and 16 hex digits), so requests without an id never share one
+        (each is outstanding at its endpoint until its own end)."""
+        if "x-request-id" in self._headers:
+            return self.request_id
+        if self._anonymous is None:
+            self._anonymous = f"-{secrets.token_hex(8)}"
+        return self._anonymous
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The responses for one message from Envoy, in order."""
@@ -432,6 +461,10 @@ class StreamProcessor:
             # The bookkeeping after_send defers, when the stream ended first (Envoy may close it once the
             # answer is out, before the shell's generator resumes to call after_send).
             self.after_send()
+            if self._response_body_mode != NO_BODY:
+                # The gateway sends the response body here, so the stream lasts as long as the response:
+                # its end is the request's (a client that left, an upstream reset), reported or not.
+                self._response_end()
         if self.decision is not None:
             self._router.finish(self.decision)
             if self._stepping is not None:  # the client left during a cascade step (no completion log)
@@ -459,14 +492,22 @@ class StreamProcessor:
                 return out  # answered (GET /v1/models): nothing follows an immediate response
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if which == "response_headers":
-            return self._on_response_headers(msg)
+            out = self._on_response_headers(msg)
+            if msg.response_headers.end_of_stream:  # a response without a body: it ended here
+                self._response_end()
+            return out
         if which == "response_body":
             if self._usage is not None:
                 self._usage.feed(msg.response_body.body, msg.response_body.end_of_stream)
                 if self._usage.ended:
                     self._settle()
+            if msg.response_body.end_of_stream:
+                self._response_end()
+            if self._response_body_mode == FULL_DUPLEX:  # the gateway keeps nothing: send it back
+                return _response_chunks(msg.response_body.body, msg.response_body.end_of_stream)
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if which == "response_trailers":
+            self._response_end()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         raise BadRequest("Unexpected ext_proc message.")
 
@@ -474,7 +515,9 @@ class StreamProcessor:
         if self._phase is not Phase.HEADERS:
             raise _Internal("Request headers received twice.")
         self._arrived = self._clock()
-        self._buffered = msg.protocol_config.request_body_mode == BUFFERED
+        protocol = msg.protocol_config
+        self._buffered = protocol.request_body_mode == BUFFERED
+        self._response_body_mode = protocol.response_body_mode
         for h in msg.request_headers.headers.headers:
             self._headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         self._subset = _subset_hint(msg)
@@ -826,7 +869,7 @@ class StreamProcessor:
         try:
             self.decision = self._router.decide(
                 request,
-                request_id=self.request_id,
+                request_id=self._router_id(),
                 now=now,
                 subset=self._subset,
                 pinned=pinned,
@@ -1153,6 +1196,15 @@ class StreamProcessor:
             )
         ]
 
+    def _response_end(self) -> None:
+        """The response ended as this stream saw it: the request's completion, as the completion log
+        reports it (a gateway other than the bundled Envoy has none), reported to the router once; the
+        router counts a request once however many report it (the log's entry may come too)."""
+        decision = self.decision
+        if decision is not None and not self._ended:
+            self._ended = True
+            self._router.completed(decision.request_id, self._clock())
+
     def _track_usage(self, response: dict[str, str], gate: Gate, ticket: Ticket) -> None:
         """At the response headers: refund a failed request, or start reading the body's usage."""
         if not response.get(":status", "").startswith("2"):
@@ -1238,6 +1290,19 @@ def _body_chunk(data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
     streamed.body = data
     streamed.end_of_stream = end_of_stream
     return reply
+
+
+def _response_chunks(data: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """A response body chunk sent back unchanged (FULL_DUPLEX_STREAMED), in chunks of at most
+    :data:`MAX_CHUNK` bytes as the request body is, ``end_of_stream`` (as sent) on the last."""
+    out = []
+    for off in range(0, max(len(data), 1), MAX_CHUNK):
+        reply = pb.ProcessingResponse()
+        streamed = reply.response_body.response.body_mutation.streamed_response
+        streamed.body = data[off : off + MAX_CHUNK]
+        streamed.end_of_stream = end_of_stream and off + MAX_CHUNK >= len(data)
+        out.append(reply)
+    return out
 
 
 def _immediate(

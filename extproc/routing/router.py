@@ -885,7 +885,8 @@ class Router:
             oldest.outstanding -= 1
 
     def completed(self, request_id: str, now: float) -> EndpointState | None:
-        """Envoy reported that ``request_id`` ended at its engine (a completion log entry, monotonic
+        """Envoy reported that ``request_id`` ended at its engine (a completion log entry, or the
+        response's end on the request's ext_proc stream behind a gateway without that log; monotonic
         ``now``): if this router routed it, count one completion at the endpoint that served it
         (``completed_since_scrape``, which :attr:`EndpointState.load` subtracts), tell the listener, and
         return that endpoint; ``None`` for a request it did not route (a sibling's or another replica's),

@@ -31,6 +31,10 @@ Rules covered:
 * **Served endpoint**: ``envoy.lb / x-gateway-destination-endpoint-served`` in the response headers'
   metadata is where the request went; in conformance mode it is echoed as
   ``x-conformance-test-served-endpoint``.
+* **Response phases** (``FULL_DUPLEX_STREAMED`` response bodies too, as the Inference Extension's
+  gateways configure the picker): each response body chunk is sent back unchanged, ``end_of_stream`` as
+  sent (in that mode the gateway forwards only what the picker returns); the response's end ends the
+  request's count at its endpoint, since such a gateway writes no kvgate completion log.
 * **Health**: gRPC health on the health port and on the ext_proc port: ``liveness`` SERVING while the
   process runs; ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` SERVING while some
   endpoint is routable, NOT_SERVING when none is (the protocol: the ext_proc service "same criteria as
@@ -549,6 +553,42 @@ async def test_the_served_endpoint_is_read_back_and_echoed(start: GatewayFactory
     echoed = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
     assert echoed == ({} if case.echo is None else {CONFORMANCE_SERVED: where[case.echo]})
     assert UPSTREAM_HEADER in mutation.remove_headers  # kvgate's internal header never reaches the client
+
+
+# --- the response phases ---------------------------------------------------------------------------------
+
+
+async def test_the_response_is_streamed_back_and_its_end_completes_the_request(gateway: Gateway) -> None:
+    """The Inference Extension's gateways send the response to the picker too (FULL_DUPLEX_STREAMED both
+    ways, no kvgate completion log): each response body chunk is sent back as it came (the gateway
+    forwards nothing else), and the response's end ends the request's count at its endpoint (flow
+    control's in-flight limit, the load estimate)."""
+    fleet = gateway.fleet
+    start = request_headers()
+    start.protocol_config.response_body_mode = FULL_DUPLEX
+    chunks = [(b'data: {"choices": []}\n\n', False), (b"data: [DONE]\n\n", False), (b"", True)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['extproc']}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        for msg in [start, *body_chunks(chat(), 1024)]:
+            await call.write(msg)
+        replies = [await call.read()]
+        while not replies[-1].request_body.response.body_mutation.streamed_response.end_of_stream:
+            replies.append(await call.read())
+        pick = routed(replies).picks[0]
+        state = fleet.by_address(pick)
+        assert state is not None and state.outstanding == 1
+        await call.write(response_headers({SERVED: pick}, {"content-type": "text/event-stream"}))
+        assert (await call.read()).HasField("response_headers")
+        back = []
+        for chunk, end in chunks:
+            await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end)))
+            streamed = (await call.read()).response_body.response.body_mutation.streamed_response
+            back.append((streamed.body, streamed.end_of_stream))
+        assert back == chunks
+        assert state.outstanding == 0 and state.completed_since_scrape == 1
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    assert state.outstanding == 0 and state.completed_since_scrape == 1 and state.in_flight == 0
 
 
 # --- health ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -915,6 +916,184 @@ def test_close_releases_in_flight_exactly_once(router: Router) -> None:
     idle = processor(router)
     idle.close()  # no decision: nothing to release
     assert idle.handle(body(b"{}")) == []
+
+
+# --- behind a Gateway API gateway: no completion log -----------------------------------------------------
+#
+# A third-party gateway using kvgate as its endpoint picker has no ``kvgate-completions`` access log: the
+# ext_proc stream itself is all it sees of the response (its processing mode names the response phases).
+
+
+def gateway_headers(
+    response_mode: ProcessingMode.BodySendMode.ValueType | None = ProcessingMode.FULL_DUPLEX_STREAMED,
+    request_id: str | None = "r1",
+) -> pb.ProcessingRequest:
+    """Request headers as a gateway sends them: FULL_DUPLEX_STREAMED request body, ``response_mode`` for
+    the response body (``None``: no protocol configuration at all, as older Envoys send)."""
+    msg = headers(extra={} if request_id is None else {"x-request-id": request_id})
+    if request_id is None:
+        kept = [h for h in msg.request_headers.headers.headers if h.key != "x-request-id"]
+        del msg.request_headers.headers.headers[:]
+        msg.request_headers.headers.headers.extend(kept)
+    if response_mode is not None:
+        msg.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+        msg.protocol_config.response_body_mode = response_mode
+    return msg
+
+
+def gateway_route(proc: StreamProcessor, payload: bytes, **kw: Any) -> Reply:
+    assert proc.handle(gateway_headers(**kw)) == []
+    return reply(proc.handle(body(payload)))
+
+
+def outstanding(router: Router) -> dict[str, int]:
+    return {s.address: s.outstanding for s in router.fleet if s.outstanding}
+
+
+def completions(router: Router) -> dict[str, int]:
+    return {s.address: s.completed_since_scrape for s in router.fleet if s.completed_since_scrape}
+
+
+END_BY_BODY = [response_headers(), response_body(b'{"id": "x"}', False), response_body(b"", True)]
+END_BY_TRAILERS = [
+    response_headers(),
+    response_body(b"data: x\n\n", False),
+    pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+]
+END_BY_HEADERS = [
+    pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=header_map({":status": "204"}), end_of_stream=True)
+    )
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "ends"),
+    [
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_BODY),
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_TRAILERS),
+        (ProcessingMode.FULL_DUPLEX_STREAMED, END_BY_HEADERS),
+        (ProcessingMode.STREAMED, END_BY_BODY),
+        (ProcessingMode.BUFFERED, END_BY_BODY),
+        (None, END_BY_BODY),  # no protocol configuration: the response's end still ends it
+    ],
+    ids=["full-duplex", "trailers", "headers-only", "streamed", "buffered", "unsaid"],
+)
+def test_the_response_end_seen_by_the_picker_completes_the_request(
+    router: Router, mode: Any, ends: list[pb.ProcessingRequest]
+) -> None:
+    """The response's end crossing the ext_proc stream (its body's ``end_of_stream``, its trailers, or
+    headers that end it) is the request's completion: the pick's outstanding count falls and the
+    completion is counted, once, whatever comes after (the stream's end, a completion log entry)."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=mode).destination[0]
+    assert outstanding(router) == {pick: 1}
+    for msg in ends:
+        proc.handle(msg)
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+    proc.close()
+    assert router.completed("r1", NOW) is None  # a completion log entry after it: nothing more
+    assert outstanding(router) == {} and completions(router) == {pick: 1} and in_flight(router) == {}
+
+
+@pytest.mark.parametrize("mode", [ProcessingMode.FULL_DUPLEX_STREAMED, ProcessingMode.STREAMED])
+def test_a_stream_ended_before_the_response_did_completes_the_request(router: Router, mode: Any) -> None:
+    """With the response body sent to the picker, the ext_proc stream lasts as long as the response: its
+    end before the response's end (the client left, the upstream reset) ends the request too."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=mode).destination[0]
+    proc.handle(response_headers())
+    proc.handle(response_body(b"data: x\n\n", False))
+    assert outstanding(router) == {pick: 1}
+    proc.close()
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
+def test_a_completion_log_entry_first_counts_once(router: Router) -> None:
+    """A gateway that also writes the completion log (the bundled Envoy reading usage from response
+    bodies): whichever reports the end first counts it, the other nothing."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=ProcessingMode.STREAMED).destination[0]
+    assert router.completed("r1", NOW) is not None
+    for msg in END_BY_BODY:
+        proc.handle(msg)
+    proc.close()
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
+@pytest.mark.parametrize("with_response_headers", [False, True])
+def test_the_bundled_envoy_stream_end_is_no_completion(router: Router, with_response_headers: bool) -> None:
+    """The bundled Envoy sends no response body (``response_body_mode: NONE``): its ext_proc stream ends
+    right after routing (or the response headers) while the engine still answers, so only the completion
+    log ends the request."""
+    proc = processor(router)
+    pick = gateway_route(proc, chat(), response_mode=ProcessingMode.NONE).destination[0]
+    if with_response_headers:
+        proc.handle(response_headers())
+    proc.close()
+    assert outstanding(router) == {pick: 1} and completions(router) == {}
+    assert router.completed("r1", NOW) is not None
+    assert outstanding(router) == {} and completions(router) == {pick: 1}
+
+
+def test_requests_without_an_id_are_each_outstanding(router: Router) -> None:
+    """Requests without ``x-request-id`` (logged as ``-``) are each their own request to the router: one's
+    routing never takes another's outstanding slot, one's end never ends another."""
+    procs = [processor(router, conformance=True) for _ in range(3)]
+    for i, proc in enumerate(procs):
+        msg = gateway_headers(request_id=None)  # pinned to one endpoint (the conformance selection)
+        msg.request_headers.headers.headers.add(key=CONFORMANCE_HEADER, raw_value=ADDRESSES[1].encode())
+        assert proc.handle(msg) == []
+        reply(proc.handle(body(chat(f"question {i}"))))
+        assert proc.request_id == "-"
+    assert outstanding(router) == {ADDRESSES[1]: 3}
+    assert router.completed("-", NOW) is None  # no completion log entry names them
+    ids = [proc.decision.request_id for proc in procs if proc.decision is not None]
+    assert len(set(ids)) == 3 and all(re.fullmatch("-[0-9a-f]{16}", i) for i in ids)
+    assert router.completed(ids[0], NOW) is not None
+    assert outstanding(router) == {ADDRESSES[1]: 2} and completions(router) == {ADDRESSES[1]: 1}
+
+
+@pytest.mark.parametrize(
+    ("mode", "echoed"),
+    [
+        (ProcessingMode.FULL_DUPLEX_STREAMED, True),
+        (ProcessingMode.STREAMED, False),
+        (ProcessingMode.BUFFERED, False),
+        (None, False),
+    ],
+)
+def test_a_full_duplex_response_body_is_streamed_back(router: Router, mode: Any, echoed: bool) -> None:
+    """In FULL_DUPLEX_STREAMED response body mode the gateway forwards only what the picker sends back:
+    each chunk is returned as it came (``streamed_response``, ``end_of_stream`` as sent). Other modes
+    keep the body themselves: the answer is an empty BodyResponse."""
+    proc = processor(router)
+    gateway_route(proc, chat(), response_mode=mode)
+    proc.handle(response_headers())
+    sent = [(b'data: {"a": 1}\n\n', False), (b"data: [DONE]\n\n", False), (b"", True)]
+    for chunk, end in sent:
+        (out,) = proc.handle(response_body(chunk, end))
+        assert out.WhichOneof("response") == "response_body"
+        if echoed:
+            streamed = out.response_body.response.body_mutation.streamed_response
+            assert (streamed.body, streamed.end_of_stream) == (chunk, end)
+        else:
+            assert out == pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+@pytest.mark.parametrize("end", [True, False])
+def test_a_large_full_duplex_response_chunk_goes_back_in_chunks(router: Router, end: bool) -> None:
+    """A chunk larger than 62,000 bytes goes back as the request body does: in chunks of at most that,
+    whole and in order, ``end_of_stream`` (as sent) on the last only."""
+    proc = processor(router)
+    gateway_route(proc, chat())
+    proc.handle(response_headers())
+    data = bytes(range(256)) * 500  # 128,000 bytes
+    out = proc.handle(response_body(data, end))
+    streamed = [r.response_body.response.body_mutation.streamed_response for r in out]
+    assert [len(s.body) for s in streamed] == [MAX_CHUNK, MAX_CHUNK, len(data) - 2 * MAX_CHUNK]
+    assert b"".join(s.body for s in streamed) == data
+    assert [s.end_of_stream for s in streamed] == [False, False, end]
 
 
 # --- with a gate -----------------------------------------------------------------------------------------

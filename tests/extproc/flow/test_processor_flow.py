@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from engines.metrics import EngineMetrics
 from extproc.errors import GatewayError
@@ -34,6 +35,8 @@ from tests.extproc.test_processor import (
     make_gate,
     make_router,
     reply,
+    response_body,
+    response_headers,
 )
 
 ONE_EACH = Saturation(max_in_flight=1)
@@ -95,6 +98,31 @@ def test_a_saturated_model_holds_the_request_and_resume_routes_it_with_fresh_sta
     routed = reply(entry.payload.resume())
     assert proc.held is None and proc.decision is not None
     assert routed.set_headers  # the destination and the rest of the decision reply
+
+
+def test_behind_a_gateway_the_responses_end_frees_the_endpoints(router: Router) -> None:
+    """A third-party gateway writes no kvgate completion log: the responses' ends on the picker's streams
+    are the completions. Each endpoint at its limit of one, every response over and every engine idle at
+    the next scrape: the next request goes at once (the outstanding counts fell), not held 15 minutes."""
+    control: FlowControl[StreamProcessor] = FlowControl(POLICY)
+    procs = []
+    for i in range(3):
+        proc = make(router, control)
+        msg = headers(extra={"x-request-id": f"g{i}"})
+        msg.protocol_config.response_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+        assert proc.handle(msg) == []
+        reply(proc.handle(body(chat(f"question {i}"))))
+        procs.append(proc)
+    assert flow_room(control.policy, router, MODEL, NOW) is Room.FULL
+    for proc in procs:
+        proc.handle(response_headers())
+        proc.handle(response_body(b'{"id": "x"}', True))
+        proc.close()
+    scrape_idle(router)
+    assert flow_room(control.policy, router, MODEL, NOW) is Room.OPEN
+    proc = make(router, control)
+    reply(send(proc))
+    assert proc.held is None
 
 
 def test_an_open_model_with_nobody_waiting_routes_at_once(router: Router) -> None:
