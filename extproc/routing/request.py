@@ -95,6 +95,7 @@ class ParsedRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     prompt: str | Sequence[int] | None = None
     cache_salt: str | None = None
 
@@ -164,7 +165,8 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         raise BadRequest("'tools' must not be empty: leave it out instead.", param="tools")
     _check_tool_choice(body.get("tool_choice"), tools)
     add_generation_prompt = _opt(body, "add_generation_prompt", bool, True)
-    if _opt(body, "continue_final_message", bool, False) and body.get("add_generation_prompt"):
+    continue_final_message = _opt(body, "continue_final_message", bool, False)
+    if continue_final_message and body.get("add_generation_prompt"):
         raise BadRequest(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
             param="continue_final_message",
@@ -178,6 +180,7 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         tools=tools,
         template_kwargs=_opt(body, "chat_template_kwargs", dict, None),
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         cache_salt=cache_salt,
     )
 

@@ -953,6 +953,7 @@ def _token_ids(
             request.messages,
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             extra=request.template_kwargs,
         )
         if timeline is not None:
