@@ -358,7 +358,10 @@ def _content(content: Any, content_format: ContentFormat, index: int) -> str | l
 def _tool_calls(tool_calls: Any, index: int) -> list[Any]:
     if not isinstance(tool_calls, list):
         raise BadRequest(f"messages[{index}].tool_calls must be an array", param="messages")
-    calls = copy.deepcopy(tool_calls)
+    try:
+        calls = copy.deepcopy(tool_calls)
+    except RecursionError:  # nested deeper than Python copies: the client's, not a 500
+        raise BadRequest(f"messages[{index}].tool_calls are nested too deeply", param="messages") from None
     for call in calls:
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             raise BadRequest(f"messages[{index}].tool_calls[] needs a `function` object", param="messages")
@@ -369,6 +372,11 @@ def _tool_calls(tool_calls: Any, index: int) -> list[Any]:
                 function["arguments"] = json.loads(arguments)
             except ValueError:
                 function["arguments"] = {}
+            except RecursionError:
+                raise BadRequest(
+                    f"messages[{index}].tool_calls[].function.arguments are nested too deeply",
+                    param="messages",
+                ) from None
         elif not isinstance(arguments, dict | list):
             function["arguments"] = {}
     return calls

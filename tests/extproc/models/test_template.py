@@ -345,6 +345,29 @@ def test_malformed_messages_are_bad_requests(smollm2_template: ChatTemplate, mes
     assert info.value.status == 400
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [_nested(2000), "[" * 2000 + "]" * 2000],  # as an object, and as a JSON string
+    ids=["object", "string"],
+)
+def test_deeply_nested_tool_call_arguments_are_bad_requests(
+    smollm2_template: ChatTemplate, arguments: Any
+) -> None:
+    # Copying or parsing them would exceed Python's recursion limit: a 400, not a RecursionError (a 500).
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(BadRequest) as info:
+        smollm2_template.render(messages)
+    assert info.value.status == 400 and "tool_calls" in info.value.message
+
+
 def test_raise_exception_is_a_bad_request_without_prompt_text(tools_template: ChatTemplate) -> None:
     secret = "my secret prompt 1234"
     with pytest.raises(TemplateError) as info:
