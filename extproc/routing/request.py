@@ -74,6 +74,9 @@ HANDOFF_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_p
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
+#: The deepest nesting of arrays and objects orjson encodes (it decodes 1024): the gateway encodes a body
+#: again when it rewrites it (model, cache_salt, priority) or hashes it as bytes, so a deeper one is a 400.
+MAX_BODY_DEPTH = 254
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,11 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise BadRequest("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:  # only then can it be that deep
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise BadRequest("The request body is nested too deeply.") from None
     model = body.get("model")
     if model is None:
         raise BadRequest("you must provide a model parameter", param="model")
