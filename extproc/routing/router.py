@@ -79,7 +79,7 @@ from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
 from extproc.routing.history import HistoryMemo, Holdings
 from extproc.routing.length import ContextLimit, Verdict, triage
-from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
+from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.profile import Profile
@@ -516,7 +516,10 @@ class Router:
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
-            found, nbytes = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            prefill = request.kind is Kind.CHAT and self._prefills_assistant(request)
+            found, nbytes = _token_ids(
+                assets, request, self.max_blocks * block_size, exact_count, timeline, prefill=prefill
+            )
             estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
             if isinstance(found, _Pending):
                 lazy = LazyPrompt.open(
@@ -542,6 +545,16 @@ class Router:
         if timeline is not None:
             timeline.mark("tokenize")
         return tokens
+
+    def _prefills_assistant(self, request: ParsedRequest) -> bool:
+        """Whether the chat's last message is the assistant's and every endpoint serving its model is
+        llama.cpp, which then renders that message as a prefill (:func:`_llama_prefill`)."""
+        messages = request.messages
+        last = messages[-1] if messages else None
+        if not isinstance(last, Mapping) or last.get("role") != "assistant" or len(messages) < 2:
+            return False
+        engines = {s.endpoint.engine for s in self.fleet if request.model in s.endpoint.models}
+        return engines == {LLAMA_CPP}
 
     def ratio(self, assets: ModelAssets) -> float:
         """Tokens per UTF-8 byte of ``assets``'s prompts: learned from the prompts this router tokenized to
@@ -937,18 +950,30 @@ class _Pending(NamedTuple):
 
 
 def _token_ids(
-    assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
+    assets: ModelAssets,
+    request: ParsedRequest,
+    window: int,
+    exact_count: bool,
+    timeline: Timeline | None,
+    *,
+    prefill: bool = False,
 ) -> tuple[tuple[Sequence[int], int] | _Pending, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
     estimated); else the prompt's text, nothing tokenized (the prompt fits the context or the context
     is unknown: the caller tokenizes as far as it needs, :meth:`LazyPrompt.open`). With it, the
     rendered prompt's UTF-8 bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for
-    a prompt that leaves no room in the context."""
+    a prompt that leaves no room in the context. ``prefill``: the chat is rendered as llama.cpp renders
+    one ending in an assistant message (:func:`_llama_prefill`)."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
-    if chat:
+    text = _llama_prefill(assets, request) if chat and prefill else None
+    if text is not None:
+        if timeline is not None:
+            timeline.mark("render")
+        special = False
+    elif chat:
         text = assets.template.render(
             request.messages,
             tools=request.tools,
@@ -984,6 +1009,33 @@ def _token_ids(
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
     limit.check(len(ids))
     return (ids, count), nbytes
+
+
+#: ``Endpoint.engine`` of llama.cpp's server (``engines.llama_cpp.KIND``).
+LLAMA_CPP = "llama_cpp"
+
+
+def _llama_prefill(assets: ModelAssets, request: ParsedRequest) -> str | None:
+    """The prompt llama-server (its assistant prefill, on by default) makes of a chat whose last message
+    is the assistant's: the messages before it rendered with the generation prompt, then that message's
+    text (its text parts joined by a blank line) left open; with no text, those messages without the
+    generation prompt (as its ``/apply-template`` answers, build 11434). ``None`` when that message
+    holds anything but text (rendered as usual then)."""
+    *before, last = request.messages
+    content = last.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+            return None
+        texts = [p.get("text") for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            return None
+        content = "\n\n".join(texts)
+    if content is not None and not isinstance(content, str):
+        return None
+    text = assets.template.render(
+        before, tools=request.tools, add_generation_prompt=bool(content), extra=request.template_kwargs
+    )
+    return text + content if content else text
 
 
 def _preferred(

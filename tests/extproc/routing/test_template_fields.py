@@ -3,14 +3,17 @@ engine's, so the block digests match the engine's prefix cache)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
 import pytest
 
+from engines import llama_cpp
 from extproc.errors import BadRequest
 from extproc.models.registry import ModelAssets
 from extproc.routing.request import Kind, parse_body
+from extproc.routing.router import LLAMA_CPP, Router
 from tests.extproc.routing.test_router import MODEL, router
 
 
@@ -44,3 +47,46 @@ def test_continue_final_message_with_the_default_generation_prompt_is_a_400(mode
     with pytest.raises(BadRequest) as caught:
         router(model_dir).tokens(request, exact_count=True)
     assert caught.value.status == 400
+
+
+#: llama-server (build 11434, the SmolLM2 GGUF) renders a chat whose last message is the assistant's as a
+#: prefill: the messages before it with the generation prompt, then that message's text, left open
+#: (its /apply-template, recorded here); vLLM renders it closed like any other message.
+LLAMA_PREFILL = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _llama_router(model_dir: str, engines: list[str]) -> Router:
+    r = router(model_dir, max_blocks=64)
+    for state, engine in zip(list(r.fleet), engines, strict=False):
+        r.fleet.upsert(replace(state.endpoint, engine=engine))
+    return r
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("Sure, here", LLAMA_PREFILL + "Sure, here"),
+        ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], LLAMA_PREFILL + "a\n\nb"),
+        ("", LLAMA_PREFILL.removesuffix("<|im_start|>assistant\n")),
+        (None, LLAMA_PREFILL.removesuffix("<|im_start|>assistant\n")),
+    ],
+)
+def test_a_final_assistant_message_is_a_prefill_for_llama_cpp(
+    model_dir: str, content: object, expected: str
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}]
+    request = parse_body(Kind.CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
+    r = _llama_router(model_dir, ["llama_cpp"] * 3)
+    assets = r.models[MODEL]
+    assert list(r.tokens(request, exact_count=True).ids) == assets.tokenizer.encode(expected, False)
+    # A fleet that is not all llama.cpp renders as vLLM does.
+    vllm = _llama_router(model_dir, ["llama_cpp", "vllm", "llama_cpp"])
+    closed = assets.template.render(messages, add_generation_prompt=True)
+    assert list(vllm.tokens(request, exact_count=True).ids) == assets.tokenizer.encode(closed, False)
+
+
+def test_the_llama_cpp_engine_name_is_its_kinds() -> None:
+    assert llama_cpp.KIND.name == LLAMA_CPP
