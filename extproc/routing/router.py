@@ -516,9 +516,9 @@ class Router:
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
-            prefill = request.kind is Kind.CHAT and self._prefills_assistant(request)
+            llama = request.kind is Kind.CHAT and self._llama_renders(request)
             found, nbytes = _token_ids(
-                assets, request, self.max_blocks * block_size, exact_count, timeline, prefill=prefill
+                assets, request, self.max_blocks * block_size, exact_count, timeline, llama=llama
             )
             estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
             if isinstance(found, _Pending):
@@ -546,12 +546,14 @@ class Router:
             timeline.mark("tokenize")
         return tokens
 
-    def _prefills_assistant(self, request: ParsedRequest) -> bool:
-        """Whether the chat's last message is the assistant's and every endpoint serving its model is
-        llama.cpp, which then renders that message as a prefill (:func:`_llama_prefill`)."""
+    def _llama_renders(self, request: ParsedRequest) -> bool:
+        """Whether the chat is one llama-server renders apart from vLLM (its last message the assistant's,
+        or a ``developer`` message: :func:`_llama_render`) and every endpoint serving its model is
+        llama.cpp."""
         messages = request.messages
         last = messages[-1] if messages else None
-        if not isinstance(last, Mapping) or last.get("role") != "assistant" or len(messages) < 2:
+        prefill = isinstance(last, Mapping) and last.get("role") == "assistant" and len(messages) > 1
+        if not prefill and not any(isinstance(m, Mapping) and m.get("role") == "developer" for m in messages):
             return False
         engines = {s.endpoint.engine for s in self.fleet if request.model in s.endpoint.models}
         return engines == {LLAMA_CPP}
@@ -956,19 +958,19 @@ def _token_ids(
     exact_count: bool,
     timeline: Timeline | None,
     *,
-    prefill: bool = False,
+    llama: bool = False,
 ) -> tuple[tuple[Sequence[int], int] | _Pending, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
     estimated); else the prompt's text, nothing tokenized (the prompt fits the context or the context
     is unknown: the caller tokenizes as far as it needs, :meth:`LazyPrompt.open`). With it, the
     rendered prompt's UTF-8 bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for
-    a prompt that leaves no room in the context. ``prefill``: the chat is rendered as llama.cpp renders
-    one ending in an assistant message (:func:`_llama_prefill`)."""
+    a prompt that leaves no room in the context. ``llama``: the chat is rendered as llama-server renders it
+    (:func:`_llama_render`)."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
-    text = _llama_prefill(assets, request) if chat and prefill else None
+    text = _llama_render(assets, request) if chat and llama else None
     if text is not None:
         if timeline is not None:
             timeline.mark("render")
@@ -1015,13 +1017,27 @@ def _token_ids(
 LLAMA_CPP = "llama_cpp"
 
 
-def _llama_prefill(assets: ModelAssets, request: ParsedRequest) -> str | None:
-    """The prompt llama-server (its assistant prefill, on by default) makes of a chat whose last message
-    is the assistant's: the messages before it rendered with the generation prompt, then that message's
-    text (its text parts joined by a blank line) left open; with no text, those messages without the
-    generation prompt (as its ``/apply-template`` answers, build 11434). ``None`` when that message
-    holds anything but text (rendered as usual then)."""
-    *before, last = request.messages
+def _llama_render(assets: ModelAssets, request: ParsedRequest) -> str | None:
+    """The prompt llama-server makes of a chat (as its ``/apply-template`` answers, build 11434): a
+    ``developer`` message is a ``system`` one; when the last message is the assistant's (its assistant
+    prefill, on by default), the messages before it rendered with the generation prompt, then that
+    message's text (its text parts joined by a blank line) left open, or with no text, those messages
+    without the generation prompt. ``None`` when that last message holds anything but text (rendered
+    as usual then)."""
+    messages = [
+        {**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m
+        for m in request.messages
+    ]
+    last = messages[-1]
+    if not (isinstance(last, Mapping) and last.get("role") == "assistant" and len(messages) > 1):
+        return assets.template.render(
+            messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            extra=request.template_kwargs,
+        )
+    before = messages[:-1]
     content = last.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):

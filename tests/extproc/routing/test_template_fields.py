@@ -90,3 +90,18 @@ def test_a_final_assistant_message_is_a_prefill_for_llama_cpp(
 
 def test_the_llama_cpp_engine_name_is_its_kinds() -> None:
     assert llama_cpp.KIND.name == LLAMA_CPP
+
+
+def test_a_developer_message_is_a_system_message_for_llama_cpp(model_dir: str) -> None:
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    request = parse_body(Kind.CHAT, orjson.dumps({"model": MODEL, "messages": messages}))
+    r = _llama_router(model_dir, ["llama_cpp"] * 3)
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assets = r.models[MODEL]
+    assert list(r.tokens(request, exact_count=True).ids) == assets.tokenizer.encode(expected, False)
+    vllm = _llama_router(model_dir, ["vllm"] * 3)
+    kept = assets.template.render(messages, add_generation_prompt=True)
+    assert "<|im_start|>developer\n" in kept
+    assert list(vllm.tokens(request, exact_count=True).ids) == assets.tokenizer.encode(kept, False)
