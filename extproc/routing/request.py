@@ -84,10 +84,11 @@ class ParsedRequest:
     """A validated OpenAI request.
 
     ``messages``/``tools``/``template_kwargs`` are set for chat and responses (``input`` and
-    ``instructions`` as chat messages); ``prompt`` (text or token ids) for completions, and for embeddings
-    (the first ``input``), score (the first query) and rerank (the query), the text the prefix index
-    routes on. ``cache_salt`` (vLLM's per-tenant cache isolation) and the adapter named as ``model``
-    separate digest chains.
+    ``instructions`` as chat messages); a chat's ``continue_final_message`` and ``documents`` go to its
+    template and ``add_special_tokens`` adds the tokenizer's own (a BOS) to the render, as in vLLM;
+    ``prompt`` (text or token ids) for completions, and for embeddings (the first ``input``), score (the
+    first query) and rerank (the query), the text the prefix index routes on. ``cache_salt`` (vLLM's
+    per-tenant cache isolation) and the adapter named as ``model`` separate digest chains.
     """
 
     kind: Kind
@@ -99,6 +100,8 @@ class ParsedRequest:
     template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    documents: Sequence[Any] | None = None
+    add_special_tokens: bool = False
     prompt: str | Sequence[int] | None = None
     cache_salt: str | None = None
 
@@ -189,6 +192,8 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         template_kwargs=_opt(body, "chat_template_kwargs", dict, None),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        documents=_opt(body, "documents", list, None),
+        add_special_tokens=_opt(body, "add_special_tokens", bool, False),
         cache_salt=cache_salt,
     )
 

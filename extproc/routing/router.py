@@ -533,7 +533,9 @@ class Router:
                     self.index,
                     estimated=estimated,
                     nbytes=nbytes or 0,
-                    history=self.history if request.kind in CHAT_KINDS else None,
+                    # a chat with add_special_tokens starts with the post-processor's ids, which the
+                    # memo's states (keyed by pieces) do not carry: it neither reads nor feeds the memo
+                    history=self.history if request.kind in CHAT_KINDS and not found.special else None,
                 )
                 lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
@@ -981,11 +983,12 @@ def _token_ids(
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            documents=request.documents,
             extra=request.template_kwargs,
         )
         if timeline is not None:
             timeline.mark("render")
-        special = False
+        special = request.add_special_tokens
     elif isinstance(request.prompt, str):
         text, special = request.prompt, True
     else:
