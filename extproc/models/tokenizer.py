@@ -411,8 +411,10 @@ class PrefixCursor:
         "_offset",
         "_partial",
         "_pieces",
+        "_prefix",
         "_rest_chars",
         "_rest_specials",
+        "_specials",
         "_suffix",
         "_tok",
         "ids",
@@ -443,10 +445,11 @@ class PrefixCursor:
                 sum(1 for p in pieces if isinstance(p, int)),
                 sum(len(p) for p in pieces if isinstance(p, str)),
             )
-        self._rest_specials = totals[0]  # added tokens not yet taken
+        self._specials = self._rest_specials = totals[0]  # added tokens (all; not yet taken)
         self._rest_chars = totals[1]  # characters of ordinary pieces (all of them: less _chars left)
         #: The ids so far (read-only for callers; an array: a resumed history is copied in, not boxed).
         self.ids: array[int] = array("q", ids)
+        self._prefix = len(self.ids)  # the post-processor's ids before the text
         #: ``len(ids)`` after each piece tokenized so far (read-only; :mod:`extproc.routing.history`).
         self.marks: list[int] = []
         if not pieces:
@@ -554,12 +557,14 @@ class PrefixCursor:
 
     def estimate(self) -> int:
         """The text's length in tokens: exact when :attr:`done`, else the ids so far plus the added tokens
-        left, the post-processor's suffix, and the characters left at the ratio of ids so far to
-        characters tokenized so far (0.25 a character before any)."""
+        left, the post-processor's suffix, and the characters left at the ratio of the ordinary pieces'
+        ids so far (not the added tokens' nor the prefix's, counted apart) to characters tokenized so far
+        (0.25 a character before any)."""
         if self.done:
             return len(self.ids)
         rest_chars = self._rest_chars - self._chars  # those of the pieces left, less the chunks taken
-        per_char = (len(self.ids) / self._chars) if self._chars else 0.25
+        ordinary = len(self.ids) - self._prefix - (self._specials - self._rest_specials)
+        per_char = (ordinary / self._chars) if self._chars else 0.25
         return len(self.ids) + self._rest_specials + round(rest_chars * per_char) + len(self._suffix)
 
     def _next_piece(self) -> None:

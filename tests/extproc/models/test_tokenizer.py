@@ -278,3 +278,20 @@ def test_encode_prefix_is_a_prefix_of_encode(
     assert len(ids) >= min(limit, len(full))
     if len(ids) == len(full):
         assert count == len(full)
+
+
+def test_estimate_counts_added_tokens_once(
+    smollm2_tokenizer: SegmentTokenizer, template: ChatTemplate
+) -> None:
+    # A chat of many short turns is 1/3 added tokens: the characters left are estimated at the ratio of
+    # the ordinary pieces' ids to their characters, the added tokens left counted apart (counting the ones
+    # taken in that ratio too made the estimate ~30% long).
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "ok ok ok"} for i in range(200)]
+    messages = [{"role": "system", "content": "ok ok ok"}, *turns]  # no default (prose) system prompt
+    text = template.render(messages, add_generation_prompt=True)
+    exact = len(smollm2_tokenizer.encode(text, False))
+    for want in (64, 256):
+        cursor = smollm2_tokenizer.cursor(text, False)
+        cursor.advance(want)
+        assert not cursor.done
+        assert abs(cursor.estimate() - exact) <= 0.05 * exact
