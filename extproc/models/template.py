@@ -457,12 +457,22 @@ class ChatTemplate:
         raw = config.get("chat_template")
         if isinstance(raw, str):
             templates["default"] = raw
-        elif isinstance(raw, list):
-            templates.update({t["name"]: t["template"] for t in raw if isinstance(t, dict) and "name" in t})
+        elif isinstance(raw, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in raw
+        ):
+            templates.update({t["name"]: t["template"] for t in raw})
+        elif raw is not None:
+            templates["malformed"] = ""
         if (path / "chat_template.jinja").is_file():
             templates = {"default": (path / "chat_template.jinja").read_text(encoding="utf-8")}
         if override is not None:
             templates = {"default": Path(override).read_text(encoding="utf-8")}
+        if "malformed" in templates:  # and neither the file nor an override stands in for it
+            raise ConfigError(
+                f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of"
+                " {name, template} strings"
+            )
         if "default" not in templates:
             raise ConfigError(f"{path}: no chat template (give one with a chat template override)")
         return cls(templates["default"], special_tokens=special, tool_use=templates.get("tool_use"))

@@ -418,6 +418,28 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
         ChatTemplate.from_model_dir(tmp_path / "missing")
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [{"name": "default"}],  # no template
+        [{"name": "default", "template": 42}],
+        [{"name": 7, "template": "x"}],
+        42,
+        {"default": "x"},
+    ],
+)
+def test_a_malformed_chat_template_entry_is_a_config_error(tmp_path: Path, raw: Any) -> None:
+    # An operator's model directory: a ConfigError naming it, not a KeyError or TypeError traceback.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": raw}))
+    with pytest.raises(ConfigError, match="chat_template"):
+        ChatTemplate.from_model_dir(tmp_path)
+    (tmp_path / "override.jinja").write_text("override")  # unused when overridden
+    assert (
+        ChatTemplate.from_model_dir(tmp_path, override=tmp_path / "override.jinja").render([USER])
+        == "override"
+    )
+
+
 def test_a_whole_render_sees_what_jinja2s_own_render_gives() -> None:
     """The whole render hands jinja2 one context dict (globals copied once, then the variables): the same
     text as jinja2's ``Template.render``, globals, special tokens and extra variables alike, and an extra
