@@ -431,7 +431,7 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
 def test_a_malformed_chat_template_entry_is_a_config_error(tmp_path: Path, raw: Any) -> None:
     # An operator's model directory: a ConfigError naming it, not a KeyError or TypeError traceback.
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": raw}))
-    with pytest.raises(ConfigError, match="chat_template"):
+    with pytest.raises(ConfigError, match="chat_template must be a string or a list"):
         ChatTemplate.from_model_dir(tmp_path)
     (tmp_path / "override.jinja").write_text("override")  # unused when overridden
     assert (
