@@ -287,7 +287,8 @@ class IndexConfig:
 class TokenizerConfig:
     """``[tokenizer]``: the bounds of each model's tokenizer segment cache
     (``extproc.models.tokenizer.CacheLimits``, whose defaults these are): least recently used segments are
-    evicted past ``segment_cache_entries`` segments or ``segment_cache_tokens`` token ids held."""
+    evicted past ``segment_cache_entries`` segments, ``segment_cache_tokens`` token ids held, or 8 characters
+    of segment text per token of ``segment_cache_tokens``."""
 
     segment_cache_entries: int = 100_000
     segment_cache_tokens: int = 4_000_000

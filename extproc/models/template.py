@@ -358,7 +358,10 @@ def _content(content: Any, content_format: ContentFormat, index: int) -> str | l
 def _tool_calls(tool_calls: Any, index: int) -> list[Any]:
     if not isinstance(tool_calls, list):
         raise BadRequest(f"messages[{index}].tool_calls must be an array", param="messages")
-    calls = copy.deepcopy(tool_calls)
+    try:
+        calls = copy.deepcopy(tool_calls)
+    except RecursionError:  # nested deeper than Python copies: the client's, not a 500
+        raise BadRequest(f"messages[{index}].tool_calls are nested too deeply", param="messages") from None
     for call in calls:
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             raise BadRequest(f"messages[{index}].tool_calls[] needs a `function` object", param="messages")
@@ -369,6 +372,11 @@ def _tool_calls(tool_calls: Any, index: int) -> list[Any]:
                 function["arguments"] = json.loads(arguments)
             except ValueError:
                 function["arguments"] = {}
+            except RecursionError:
+                raise BadRequest(
+                    f"messages[{index}].tool_calls[].function.arguments are nested too deeply",
+                    param="messages",
+                ) from None
         elif not isinstance(arguments, dict | list):
             function["arguments"] = {}
     return calls
@@ -449,12 +457,22 @@ class ChatTemplate:
         raw = config.get("chat_template")
         if isinstance(raw, str):
             templates["default"] = raw
-        elif isinstance(raw, list):
-            templates.update({t["name"]: t["template"] for t in raw if isinstance(t, dict) and "name" in t})
+        elif isinstance(raw, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in raw
+        ):
+            templates.update({t["name"]: t["template"] for t in raw})
+        elif raw is not None:
+            templates["malformed"] = ""
         if (path / "chat_template.jinja").is_file():
             templates = {"default": (path / "chat_template.jinja").read_text(encoding="utf-8")}
         if override is not None:
             templates = {"default": Path(override).read_text(encoding="utf-8")}
+        if "malformed" in templates:  # and neither the file nor an override stands in for it
+            raise ConfigError(
+                f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of"
+                " {name, template} strings"
+            )
         if "default" not in templates:
             raise ConfigError(f"{path}: no chat template (give one with a chat template override)")
         return cls(templates["default"], special_tokens=special, tool_use=templates.get("tool_use"))

@@ -70,12 +70,24 @@ _POSITION_FREE_PRE_TOKENIZERS = frozenset(
 class CacheLimits:
     """Bounds of the segment cache: least recently used segments are evicted past either bound.
 
-    ``max_tokens`` counts the token ids held (about 8 bytes each plus the key text); a segment longer
-    than ``max_tokens`` is tokenized but not cached.
+    ``max_tokens`` counts the token ids held (a tuple of ints: about 36 bytes each); a segment longer
+    than ``max_tokens`` is tokenized but not cached. The segments' text (the keys) is bounded too, at
+    :data:`CHARS_PER_TOKEN` characters per token of ``max_tokens`` (:attr:`max_chars`): a vocabulary's
+    long tokens (SmolLM2 has 80 ``#`` in one) would otherwise let a few hundred requests of such text
+    hold 80 characters per cached token; prose and code (about 3 to 5 characters a token) never reach it.
     """
 
     max_entries: int = 100_000
     max_tokens: int = 4_000_000
+
+    @property
+    def max_chars(self) -> int:
+        """The most characters of segment text held: :data:`CHARS_PER_TOKEN` times ``max_tokens``."""
+        return CHARS_PER_TOKEN * self.max_tokens
+
+
+CHARS_PER_TOKEN = 8
+"""Characters of cached segment text allowed per token of :attr:`CacheLimits.max_tokens`."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class SegmentStats:
     whole: int = 0
     entries: int = 0
     cached_tokens: int = 0
+    cached_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,7 @@ class SegmentTokenizer:
         self.name = name
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._cached_tokens = 0
+        self._cached_chars = 0
         self._stats = SegmentStats()
         self._lock = threading.Lock()
         spec = json.loads(tokenizer.to_str())
@@ -180,7 +194,12 @@ class SegmentTokenizer:
     def stats(self) -> SegmentStats:
         """A snapshot of the cache counters."""
         with self._lock:
-            return replace(self._stats, entries=len(self._cache), cached_tokens=self._cached_tokens)
+            return replace(
+                self._stats,
+                entries=len(self._cache),
+                cached_tokens=self._cached_tokens,
+                cached_chars=self._cached_chars,
+            )
 
     def encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text`` tokenized in one piece: exactly what the engine computes."""
@@ -327,17 +346,24 @@ class SegmentTokenizer:
             self._store({piece: ids})
 
     def _store(self, found: dict[str, tuple[int, ...]]) -> None:
-        """Insert tokenized pieces (one over ``max_tokens`` or already there is skipped), then drop least
-        recently used segments past either bound; the lock is held."""
+        """Insert tokenized pieces (one over ``max_tokens`` or ``max_chars``, or already there, is
+        skipped), then drop least recently used segments past any bound; the lock is held."""
         limits = self.limits
+        max_chars = limits.max_chars
         for piece, ids in found.items():
-            if len(ids) > limits.max_tokens or piece in self._cache:
+            if len(ids) > limits.max_tokens or len(piece) > max_chars or piece in self._cache:
                 continue
             self._cache[piece] = ids
             self._cached_tokens += len(ids)
-        while len(self._cache) > limits.max_entries or self._cached_tokens > limits.max_tokens:
-            _, evicted = self._cache.popitem(last=False)
+            self._cached_chars += len(piece)
+        while (
+            len(self._cache) > limits.max_entries
+            or self._cached_tokens > limits.max_tokens
+            or self._cached_chars > max_chars
+        ):
+            piece, evicted = self._cache.popitem(last=False)
             self._cached_tokens -= len(evicted)
+            self._cached_chars -= len(piece)
 
     def _chunk(self, text: str) -> list[int]:
         """Ids of a chunk of a piece (not cached: a chunk is not a piece)."""
@@ -365,6 +391,7 @@ class SegmentTokenizer:
         with self._lock:
             self._cache.clear()
             self._cached_tokens = 0
+            self._cached_chars = 0
 
 
 class PrefixCursor:
@@ -384,8 +411,10 @@ class PrefixCursor:
         "_offset",
         "_partial",
         "_pieces",
+        "_prefix",
         "_rest_chars",
         "_rest_specials",
+        "_specials",
         "_suffix",
         "_tok",
         "ids",
@@ -416,10 +445,11 @@ class PrefixCursor:
                 sum(1 for p in pieces if isinstance(p, int)),
                 sum(len(p) for p in pieces if isinstance(p, str)),
             )
-        self._rest_specials = totals[0]  # added tokens not yet taken
+        self._specials = self._rest_specials = totals[0]  # added tokens (all; not yet taken)
         self._rest_chars = totals[1]  # characters of ordinary pieces (all of them: less _chars left)
         #: The ids so far (read-only for callers; an array: a resumed history is copied in, not boxed).
         self.ids: array[int] = array("q", ids)
+        self._prefix = len(self.ids)  # the post-processor's ids before the text
         #: ``len(ids)`` after each piece tokenized so far (read-only; :mod:`extproc.routing.history`).
         self.marks: list[int] = []
         if not pieces:
@@ -527,12 +557,14 @@ class PrefixCursor:
 
     def estimate(self) -> int:
         """The text's length in tokens: exact when :attr:`done`, else the ids so far plus the added tokens
-        left, the post-processor's suffix, and the characters left at the ratio of ids so far to
-        characters tokenized so far (0.25 a character before any)."""
+        left, the post-processor's suffix, and the characters left at the ratio of the ordinary pieces'
+        ids so far (not the added tokens' nor the prefix's, counted apart) to characters tokenized so far
+        (0.25 a character before any)."""
         if self.done:
             return len(self.ids)
         rest_chars = self._rest_chars - self._chars  # those of the pieces left, less the chunks taken
-        per_char = (len(self.ids) / self._chars) if self._chars else 0.25
+        ordinary = len(self.ids) - self._prefix - (self._specials - self._rest_specials)
+        per_char = (ordinary / self._chars) if self._chars else 0.25
         return len(self.ids) + self._rest_specials + round(rest_chars * per_char) + len(self._suffix)
 
     def _next_piece(self) -> None:

@@ -83,6 +83,9 @@ ENGINE_SELECTORS = {
 #: The longest ``cache_salt`` vLLM takes, in characters, and the characters it refuses in one.
 MAX_CACHE_SALT = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
+#: The deepest nesting of arrays and objects orjson encodes (it decodes 1024): the gateway encodes a body
+#: again when it rewrites it (model, cache_salt, priority) or hashes it as bytes, so a deeper one is a 400.
+MAX_BODY_DEPTH = 254
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +93,11 @@ class ParsedRequest:
     """A validated OpenAI request.
 
     ``messages``/``tools``/``template_kwargs`` are set for chat and responses (``input`` and
-    ``instructions`` as chat messages); ``prompt`` (text or token ids) for completions, and for embeddings
-    (the first ``input``), score (the first query) and rerank (the query), the text the prefix index
-    routes on. ``cache_salt`` (vLLM's per-tenant cache isolation) and the adapter named as ``model``
-    separate digest chains.
+    ``instructions`` as chat messages); a chat's ``continue_final_message`` and ``documents`` go to its
+    template and ``add_special_tokens`` adds the tokenizer's own (a BOS) to the render, as in vLLM;
+    ``prompt`` (text or token ids) for completions, and for embeddings (the first ``input``), score (the
+    first query) and rerank (the query), the text the prefix index routes on. ``cache_salt`` (vLLM's
+    per-tenant cache isolation) and the adapter named as ``model`` separate digest chains.
     """
 
     kind: Kind
@@ -104,6 +108,9 @@ class ParsedRequest:
     tools: Sequence[Mapping[str, Any]] | None = None
     template_kwargs: Mapping[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: Sequence[Any] | None = None
+    add_special_tokens: bool = False
     prompt: str | Sequence[int] | None = None
     cache_salt: str | None = None
 
@@ -125,6 +132,11 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise BadRequest("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:  # only then can it be that deep
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise BadRequest("The request body is nested too deeply.") from None
     model = body.get("model")
     if model is None:
         raise BadRequest("you must provide a model parameter", param="model")
@@ -176,7 +188,8 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         raise BadRequest("'tools' must not be empty: leave it out instead.", param="tools")
     _check_tool_choice(body.get("tool_choice"), tools)
     add_generation_prompt = _opt(body, "add_generation_prompt", bool, True)
-    if _opt(body, "continue_final_message", bool, False) and body.get("add_generation_prompt"):
+    continue_final_message = _opt(body, "continue_final_message", bool, False)
+    if continue_final_message and body.get("add_generation_prompt"):
         raise BadRequest(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
             param="continue_final_message",
@@ -190,6 +203,9 @@ def _chat(body: dict[str, Any], model: str, stream: bool, cache_salt: str | None
         tools=tools,
         template_kwargs=_opt(body, "chat_template_kwargs", dict, None),
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        documents=_opt(body, "documents", list, None),
+        add_special_tokens=_opt(body, "add_special_tokens", bool, False),
         cache_salt=cache_salt,
     )
 

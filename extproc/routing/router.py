@@ -79,7 +79,7 @@ from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.models.tokenizer import PrefixCursor, SegmentTokenizer
 from extproc.routing.history import HistoryMemo, Holdings
 from extproc.routing.length import ContextLimit, Verdict, triage
-from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, ParsedRequest
+from extproc.routing.request import CHAT_KINDS, POOLING_KINDS, Kind, ParsedRequest
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.profile import Profile
@@ -516,7 +516,10 @@ class Router:
         if assets is None:
             tokens = self._byte_tokens(request, block_size)
         else:
-            found, nbytes = _token_ids(assets, request, self.max_blocks * block_size, exact_count, timeline)
+            llama = request.kind is Kind.CHAT and self._llama_renders(request)
+            found, nbytes = _token_ids(
+                assets, request, self.max_blocks * block_size, exact_count, timeline, llama=llama
+            )
             estimated = None if nbytes is None else round(nbytes * self.ratio(assets))
             if isinstance(found, _Pending):
                 lazy = LazyPrompt.open(
@@ -530,7 +533,9 @@ class Router:
                     self.index,
                     estimated=estimated,
                     nbytes=nbytes or 0,
-                    history=self.history if request.kind in CHAT_KINDS else None,
+                    # a chat with add_special_tokens starts with the post-processor's ids, which the
+                    # memo's states (keyed by pieces) do not carry: it neither reads nor feeds the memo
+                    history=self.history if request.kind in CHAT_KINDS and not found.special else None,
                 )
                 lazy.extend(self.index.unheld)
                 tokens = lazy.tokens()
@@ -542,6 +547,18 @@ class Router:
         if timeline is not None:
             timeline.mark("tokenize")
         return tokens
+
+    def _llama_renders(self, request: ParsedRequest) -> bool:
+        """Whether the chat is one llama-server renders apart from vLLM (its last message the assistant's,
+        or a ``developer`` message: :func:`_llama_render`) and every endpoint serving its model is
+        llama.cpp."""
+        messages = request.messages
+        last = messages[-1] if messages else None
+        prefill = isinstance(last, Mapping) and last.get("role") == "assistant" and len(messages) > 1
+        if not prefill and not any(isinstance(m, Mapping) and m.get("role") == "developer" for m in messages):
+            return False
+        engines = {s.endpoint.engine for s in self.fleet if request.model in s.endpoint.models}
+        return engines == {LLAMA_CPP}
 
     def ratio(self, assets: ModelAssets) -> float:
         """Tokens per UTF-8 byte of ``assets``'s prompts: learned from the prompts this router tokenized to
@@ -938,27 +955,41 @@ class _Pending(NamedTuple):
 
 
 def _token_ids(
-    assets: ModelAssets, request: ParsedRequest, window: int, exact_count: bool, timeline: Timeline | None
+    assets: ModelAssets,
+    request: ParsedRequest,
+    window: int,
+    exact_count: bool,
+    timeline: Timeline | None,
+    *,
+    llama: bool = False,
 ) -> tuple[tuple[Sequence[int], int] | _Pending, int | None]:
     """(token ids, prompt length in tokens): all ids with ``exact_count``; at least the first
     ``max(window, allowed + 1)`` when the context check must count (the rest's length is then
     estimated); else the prompt's text, nothing tokenized (the prompt fits the context or the context
     is unknown: the caller tokenizes as far as it needs, :meth:`LazyPrompt.open`). With it, the
     rendered prompt's UTF-8 bytes (``None`` for a prompt of token ids). Raises ContextLengthExceeded for
-    a prompt that leaves no room in the context."""
+    a prompt that leaves no room in the context. ``llama``: the chat is rendered as llama-server renders it
+    (:func:`_llama_render`)."""
     chat = request.kind in CHAT_KINDS
     # A pooling request has no output token to leave room for: the engine checks its own length.
     limit = None if request.kind in POOLING_KINDS else ContextLimit.of(assets.max_model_len, chat)
-    if chat:
+    text = _llama_render(assets, request) if chat and llama else None
+    if text is not None:
+        if timeline is not None:
+            timeline.mark("render")
+        special = False
+    elif chat:
         text = assets.template.render(
             request.messages,
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            documents=request.documents,
             extra=request.template_kwargs,
         )
         if timeline is not None:
             timeline.mark("render")
-        special = False
+        special = request.add_special_tokens
     elif isinstance(request.prompt, str):
         text, special = request.prompt, True
     else:
@@ -984,6 +1015,47 @@ def _token_ids(
     ids, count = tokenizer.encode_prefix(text, add_special_tokens=special, limit=needed)
     limit.check(len(ids))
     return (ids, count), nbytes
+
+
+#: ``Endpoint.engine`` of llama.cpp's server (``engines.llama_cpp.KIND``).
+LLAMA_CPP = "llama_cpp"
+
+
+def _llama_render(assets: ModelAssets, request: ParsedRequest) -> str | None:
+    """The prompt llama-server makes of a chat (as its ``/apply-template`` answers, build 11434): a
+    ``developer`` message is a ``system`` one; when the last message is the assistant's (its assistant
+    prefill, on by default), the messages before it rendered with the generation prompt, then that
+    message's text (its text parts joined by a blank line) left open, or with no text, those messages
+    without the generation prompt. ``None`` when that last message holds anything but text (rendered
+    as usual then)."""
+    messages = [
+        {**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m
+        for m in request.messages
+    ]
+    last = messages[-1]
+    if not (isinstance(last, Mapping) and last.get("role") == "assistant" and len(messages) > 1):
+        return assets.template.render(
+            messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            extra=request.template_kwargs,
+        )
+    before = messages[:-1]
+    content = last.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+            return None
+        texts = [p.get("text") for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            return None
+        content = "\n\n".join(texts)
+    if content is not None and not isinstance(content, str):
+        return None
+    text = assets.template.render(
+        before, tools=request.tools, add_generation_prompt=bool(content), extra=request.template_kwargs
+    )
+    return text + content if content else text
 
 
 def _preferred(

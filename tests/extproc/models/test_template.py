@@ -345,6 +345,29 @@ def test_malformed_messages_are_bad_requests(smollm2_template: ChatTemplate, mes
     assert info.value.status == 400
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [_nested(2000), "[" * 2000 + "]" * 2000],  # as an object, and as a JSON string
+    ids=["object", "string"],
+)
+def test_deeply_nested_tool_call_arguments_are_bad_requests(
+    smollm2_template: ChatTemplate, arguments: Any
+) -> None:
+    # Copying or parsing them would exceed Python's recursion limit: a 400, not a RecursionError (a 500).
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(BadRequest) as info:
+        smollm2_template.render(messages)
+    assert info.value.status == 400 and "tool_calls" in info.value.message
+
+
 def test_raise_exception_is_a_bad_request_without_prompt_text(tools_template: ChatTemplate) -> None:
     secret = "my secret prompt 1234"
     with pytest.raises(TemplateError) as info:
@@ -393,6 +416,28 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
     assert ChatTemplate.from_model_dir(tmp_path, override=override).render([USER]) == "override"
     with pytest.raises(ConfigError, match="no chat template"):
         ChatTemplate.from_model_dir(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [{"name": "default"}],  # no template
+        [{"name": "default", "template": 42}],
+        [{"name": 7, "template": "x"}],
+        42,
+        {"default": "x"},
+    ],
+)
+def test_a_malformed_chat_template_entry_is_a_config_error(tmp_path: Path, raw: Any) -> None:
+    # An operator's model directory: a ConfigError naming it, not a KeyError or TypeError traceback.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": raw}))
+    with pytest.raises(ConfigError, match="chat_template must be a string or a list"):
+        ChatTemplate.from_model_dir(tmp_path)
+    (tmp_path / "override.jinja").write_text("override")  # unused when overridden
+    assert (
+        ChatTemplate.from_model_dir(tmp_path, override=tmp_path / "override.jinja").render([USER])
+        == "override"
+    )
 
 
 def test_a_whole_render_sees_what_jinja2s_own_render_gives() -> None:

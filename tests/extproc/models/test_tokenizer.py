@@ -235,6 +235,23 @@ def test_cache_is_bounded(smollm2_dir: Path) -> None:
     assert tokenizer.stats.entries == 0 and tokenizer.stats.cached_tokens == 0
 
 
+def test_cache_bounds_the_characters_it_holds(smollm2_dir: Path) -> None:
+    # SmolLM2 has a token of 80 "#": a piece "user\n<i>" + 400 of them is 9 tokens, so the token bound
+    # alone (100 here) would keep 11 such pieces, over 4,000 characters: the text is held to 8 characters
+    # a token of the bound (800).
+    limits = CacheLimits(max_entries=1000, max_tokens=100)
+    tokenizer = SegmentTokenizer.from_file(smollm2_dir, limits)
+    for i in range(20):
+        text = f"<|im_start|>user\n{i}{'#' * 80 * 5}<|im_end|>\n"
+        assert tokenizer.encode(text, False) == tokenizer.encode_whole(text, False)
+        stats = tokenizer.stats
+        assert stats.cached_tokens <= 100 and stats.cached_chars <= limits.max_chars == 800
+    assert sum(map(len, tokenizer._cache)) == tokenizer.stats.cached_chars
+    assert tokenizer.stats.entries >= 2  # what fits is still cached (the last piece and "\n")
+    tokenizer.clear_cache()
+    assert tokenizer.stats.cached_chars == 0
+
+
 def test_helpers(smollm2_tokenizer: SegmentTokenizer) -> None:
     text = "<|im_start|>user\nhello 42<|im_end|>"
     ids = smollm2_tokenizer.encode(text, False)
@@ -261,3 +278,20 @@ def test_encode_prefix_is_a_prefix_of_encode(
     assert len(ids) >= min(limit, len(full))
     if len(ids) == len(full):
         assert count == len(full)
+
+
+def test_estimate_counts_added_tokens_once(
+    smollm2_tokenizer: SegmentTokenizer, template: ChatTemplate
+) -> None:
+    # A chat of many short turns is 1/3 added tokens: the characters left are estimated at the ratio of
+    # the ordinary pieces' ids to their characters, the added tokens left counted apart (counting the ones
+    # taken in that ratio too made the estimate ~30% long).
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "ok ok ok"} for i in range(200)]
+    messages = [{"role": "system", "content": "ok ok ok"}, *turns]  # no default (prose) system prompt
+    text = template.render(messages, add_generation_prompt=True)
+    exact = len(smollm2_tokenizer.encode(text, False))
+    for want in (64, 256):
+        cursor = smollm2_tokenizer.cursor(text, False)
+        cursor.advance(want)
+        assert not cursor.done
+        assert abs(cursor.estimate() - exact) <= 0.05 * exact

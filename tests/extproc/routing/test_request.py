@@ -204,3 +204,18 @@ def test_values_vllm_refuses(kind: Kind, fields: dict[str, object], param: str) 
 )
 def test_values_vllm_takes(kind: Kind, fields: dict[str, object]) -> None:
     assert parse_body(kind, request(kind, fields)).body == orjson.loads(request(kind, fields))
+
+
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.COMPLETION, Kind.EMBEDDING])
+def test_a_body_too_deep_to_encode_again_is_a_400(kind: Kind) -> None:
+    # orjson decodes 1024 levels but encodes 254: a body the gateway rewrites (a tenant's cache_salt, the
+    # priority, a LoRA or cascade model) or hashes as bytes (a model without a tokenizer) is encoded
+    # again, so one it could not encode is refused here rather than failing there (a 500).
+    fields = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi"}
+    deep = b"[" * 254 + b"]" * 254
+    ok = orjson.dumps({"model": "m", **fields})[:-1] + b',"metadata":' + deep[1:-1] + b"}"
+    assert orjson.loads(orjson.dumps(parse_body(kind, ok).body)) == orjson.loads(ok)
+    too_deep = orjson.dumps({"model": "m", **fields})[:-1] + b',"metadata":' + deep + b"}"
+    with pytest.raises(BadRequest, match="nested too deeply") as caught:
+        parse_body(kind, too_deep)
+    assert caught.value.status == 400
