@@ -21,7 +21,6 @@ With an ``[auth]`` section the OpenAI listener's filter chain becomes::
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from contracts.errors import ConfigError
 from extproc.admission.gate import JwtConfig, Settle
 from extproc.admission.tenants import RequestRate
 from extproc.config import GatewayConfig
+from kvgate.envoy.hosts import is_ip
 
 JWT_PROVIDER = "kvgate"
 JWKS_CLUSTER = "kvgate_jwks"
@@ -240,7 +240,7 @@ def jwks_cluster(jwks_uri: str, ca_file: str = SYSTEM_CA_BUNDLE) -> dict[str, An
     port = parts.port or (443 if tls else 80)
     cluster: dict[str, Any] = {
         "name": JWKS_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "LOGICAL_DNS",
+        "type": "STATIC" if is_ip(host) else "LOGICAL_DNS",
         "connect_timeout": "2s",
         "load_assignment": {
             "cluster_name": JWKS_CLUSTER,
@@ -253,7 +253,7 @@ def jwks_cluster(jwks_uri: str, ca_file: str = SYSTEM_CA_BUNDLE) -> dict[str, An
             ],
         },
     }
-    if not _is_ip(host):
+    if not is_ip(host):
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if tls:
         cluster["transport_socket"] = {
@@ -265,21 +265,13 @@ def jwks_cluster(jwks_uri: str, ca_file: str = SYSTEM_CA_BUNDLE) -> dict[str, An
                     "validation_context": {
                         "trusted_ca": {"filename": ca_file},
                         "match_typed_subject_alt_names": [
-                            {"san_type": "IP_ADDRESS" if _is_ip(host) else "DNS", "matcher": {"exact": host}}
+                            {"san_type": "IP_ADDRESS" if is_ip(host) else "DNS", "matcher": {"exact": host}}
                         ],
                     }
                 },
             },
         }
     return cluster
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _duration(seconds: float) -> str:

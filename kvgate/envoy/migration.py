@@ -20,6 +20,7 @@ from typing import Any
 from contracts.epp import DESTINATION, LB_NS, MIGRATE_UPSTREAMS_HEADER, MIGRATION_LIMIT_HEADER, MODEL_HEADER
 from contracts.errors import ConfigError
 from extproc.config import GatewayConfig
+from kvgate.envoy.hosts import cluster_type, is_ip
 
 CLUSTER = "kvgate_migration"
 
@@ -41,7 +42,7 @@ def migrating_models(config: GatewayConfig) -> tuple[tuple[str, int, float | Non
 def require_loopback(migration: EnvoyMigration) -> None:
     """:class:`ConfigError` unless the proxy is on a loopback address: it serves plain HTTP, so the secure
     profile (TLS on every hop) reaches it only on this machine, never sends prompts across a network."""
-    if not (_is_ip(migration.host) and ipaddress.ip_address(migration.host).is_loopback):
+    if not (is_ip(migration.host) and ipaddress.ip_address(migration.host).is_loopback):
         raise ConfigError(
             f"--migration-proxy {migration.host}:{migration.port}: the migration proxy serves plain HTTP; "
             "the secure profile reaches it on a loopback address only (127.0.0.1 or ::1, beside Envoy)"
@@ -86,7 +87,7 @@ def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: i
     """The proxy's cluster: by address, or by DNS name (a STATIC cluster takes addresses only)."""
     return {
         "name": CLUSTER,
-        "type": "STATIC" if _is_ip(migration.host) else "STRICT_DNS",
+        "type": cluster_type((migration.host,)),
         "connect_timeout": f"{connect_timeout_s}s",
         "per_connection_buffer_limit_bytes": buffer_limit,
         "circuit_breakers": {
@@ -114,11 +115,3 @@ def cluster(migration: EnvoyMigration, connect_timeout_s: float, buffer_limit: i
             ],
         },
     }
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

@@ -41,8 +41,6 @@ times out, and how every ext_proc replica hears about a failed try.
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +56,7 @@ from contracts.epp import (
     MODEL_HEADER,
 )
 from extproc.config import GatewayConfig
+from kvgate.envoy.hosts import cluster_type
 
 _OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 _SUBSET = "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset"
@@ -244,7 +243,7 @@ def extproc_cluster(res: Resilience, addresses: tuple[tuple[str, int], ...]) -> 
     by address, or by DNS name when one is a name (a STATIC cluster takes addresses only)."""
     return {
         "name": EXTPROC_CLUSTER,
-        "type": _cluster_type(h for h, _ in addresses),
+        "type": cluster_type(h for h, _ in addresses),
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -285,7 +284,7 @@ def failure_log_clusters(
     for i, (host, port) in enumerate(addresses):
         cluster = {k: v for k, v in base.items() if k not in ("health_checks", "outlier_detection")}
         cluster["name"] = failure_log_cluster(i)
-        cluster["type"] = _cluster_type((host,))
+        cluster["type"] = cluster_type((host,))
         cluster["load_assignment"] = {
             "cluster_name": cluster["name"],
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(host, port)}}]}],
@@ -370,13 +369,3 @@ def _status_eq(code: int) -> dict[str, Any]:
 
 def _addr(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _cluster_type(hosts: Iterable[str]) -> str:
-    """``STATIC`` for addresses only, else ``STRICT_DNS`` (every name resolved, every address kept)."""
-    try:
-        for host in hosts:
-            ipaddress.ip_address(host)
-    except ValueError:
-        return "STRICT_DNS"
-    return "STATIC"

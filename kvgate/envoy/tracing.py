@@ -10,11 +10,11 @@ flushing every ``flush_interval_s`` (Envoy's runtime key ``tracing.opentelemetry
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 from contracts.tracing import TracingSettings
+from kvgate.envoy.hosts import cluster_type
 
 COLLECTOR_CLUSTER = "kvgate_otel_collector"
 #: Envoy's ``service.name``.
@@ -59,11 +59,7 @@ def collector_cluster(tracing: EnvoyTracing) -> dict[str, Any]:
     """The collector's cluster: HTTP/2 (gRPC), by address, or by DNS name."""
     host, _, port = tracing.endpoint.rpartition(":")
     host = host.strip("[]")
-    try:
-        ipaddress.ip_address(host)
-        kind = "STATIC"
-    except ValueError:
-        kind = "STRICT_DNS"
+    kind = cluster_type((host,))
     address = {"socket_address": {"address": host, "port_value": int(port)}}
     return {
         "name": COLLECTOR_CLUSTER,
