@@ -106,7 +106,8 @@ def _envoy_config(argv: list[str]) -> int:
         type=float,
         default=res.stream_idle_timeout_s,
         metavar="SECONDS",
-        help="end a stream with no byte either way for this long (default %(default)s)",
+        help="end a routed stream with no byte either way for this long (default %(default)s); a request "
+        "held before its decision may stay silent for the longer of this and 600 s",
     )
     parser.add_argument(
         "--trusted-hops",

@@ -394,7 +394,8 @@ def render(params: EnvoyParams) -> dict[str, Any]:
         "stat_prefix": "openai",
         "codec_type": "AUTO",
         "request_timeout": "0s",
-        "stream_idle_timeout": f"{res.stream_idle_timeout_s}s",
+        # At least the longest hold before a decision; routed requests get their route's (resilience.py).
+        "stream_idle_timeout": f"{resilience.listener_idle_timeout_s(res, params.max_message_timeout_s)}s",
         "always_set_request_id_in_response": True,
         # The downstream peer is the client (or the last of trusted_hops proxies, whose x-forwarded-for
         # entries name it); Envoy appends the peer to x-forwarded-for, and regenerates the x-request-id of
@@ -427,9 +428,13 @@ def render(params: EnvoyParams) -> dict[str, Any]:
                     "routes": [
                         {**r, **route}
                         for r in (
-                            *envoy_burst.routes(params.burst),
-                            *(envoy_burst.dynamic_routes() if params.burst_credentials else ()),
-                            *envoy_migration.routes(params.migration),
+                            *envoy_burst.routes(params.burst, res.stream_idle_timeout_s),
+                            *(
+                                envoy_burst.dynamic_routes(res.stream_idle_timeout_s)
+                                if params.burst_credentials
+                                else ()
+                            ),
+                            *envoy_migration.routes(params.migration, res.stream_idle_timeout_s),
                             *resilience.routes(res, action),
                         )
                     ],
@@ -533,6 +538,8 @@ def render_baseline(addresses: Sequence[str], lb_policy: str = "ROUND_ROBIN") ->
     static = config["static_resources"]
     hcm = static["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    # Nothing is held without the ext_proc: a request's idle bound is a routed one's.
+    hcm["stream_idle_timeout"] = f"{Resilience().stream_idle_timeout_s}s"
     for f in hcm["http_filters"]:
         f["typed_config"].pop("upstream_log", None)  # the failure log goes to the ext_procs
     engines = next(c for c in static["clusters"] if c["name"] == "kvgate_engines")

@@ -139,14 +139,20 @@ def cluster(endpoint: BurstEndpoint, connect_timeout_s: float) -> dict[str, Any]
     return clusters.cluster(endpoint, connect_timeout_s, secret_name(endpoint), SYSTEM_CA_BUNDLE)
 
 
-def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
+def routes(endpoints: tuple[BurstEndpoint, ...], idle_s: float) -> list[dict[str, Any]]:
     """One route per endpoint, matched on the ext_proc's ``x-kvgate-burst`` header (first: it wins over
     the model routes); :data:`REQUEST_HEADERS_REMOVED` do not go upstream, :data:`RESPONSE_HEADERS_REMOVED`
-    do not come back."""
+    do not come back. ``idle_s``: the stream idle timeout of routed requests (the listener's is longer,
+    for requests the ext_proc holds)."""
     return [
         {
             "match": {"prefix": "/", "headers": [{"name": BURST_HEADER, "string_match": {"exact": e.name}}]},
-            "route": {"cluster": e.cluster, "timeout": "0s", "host_rewrite_literal": e.host},
+            "route": {
+                "cluster": e.cluster,
+                "timeout": "0s",
+                "idle_timeout": f"{idle_s}s",
+                "host_rewrite_literal": e.host,
+            },
             "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
             "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
             "typed_per_filter_config": refusal_override(),
@@ -155,16 +161,22 @@ def routes(endpoints: tuple[BurstEndpoint, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def dynamic_routes() -> list[dict[str, Any]]:
+def dynamic_routes(idle_s: float) -> list[dict[str, Any]]:
     """The route of etcd's endpoints (after the config's own): ``x-kvgate-burst`` holds the cluster's name
-    (``kvgate_burst_<name>``, a cluster the ext_proc serves over CDS), ``Host`` becomes its DNS name."""
+    (``kvgate_burst_<name>``, a cluster the ext_proc serves over CDS), ``Host`` becomes its DNS name;
+    ``idle_s`` as for :func:`routes`."""
     return [
         {
             "match": {
                 "prefix": "/",
                 "headers": [{"name": BURST_HEADER, "string_match": {"prefix": CLUSTER_PREFIX}}],
             },
-            "route": {"cluster_header": BURST_HEADER, "timeout": "0s", "auto_host_rewrite": True},
+            "route": {
+                "cluster_header": BURST_HEADER,
+                "timeout": "0s",
+                "idle_timeout": f"{idle_s}s",
+                "auto_host_rewrite": True,
+            },
             "request_headers_to_remove": list(REQUEST_HEADERS_REMOVED),
             "response_headers_to_remove": list(RESPONSE_HEADERS_REMOVED),
             "typed_per_filter_config": refusal_override(),

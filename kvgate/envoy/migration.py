@@ -49,14 +49,18 @@ def require_loopback(migration: EnvoyMigration) -> None:
         )
 
 
-def routes(migration: EnvoyMigration | None) -> list[dict[str, Any]]:
+def routes(migration: EnvoyMigration | None, idle_s: float) -> list[dict[str, Any]]:
+    """One route per opted-in model, with its idle timeout (the model's, else ``idle_s``: the stream idle
+    timeout of routed requests; the listener's is longer, for requests the ext_proc holds)."""
     if migration is None:
         return []
     out = []
     for model, limit, idle in migration.models:
-        action: dict[str, Any] = {"cluster": CLUSTER, "timeout": "0s"}
-        if idle is not None:
-            action["idle_timeout"] = f"{idle}s"
+        action: dict[str, Any] = {
+            "cluster": CLUSTER,
+            "timeout": "0s",
+            "idle_timeout": f"{idle_s if idle is None else idle}s",
+        }
         out.append(
             {
                 "match": {

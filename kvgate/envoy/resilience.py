@@ -22,6 +22,17 @@ times out, and how every ext_proc replica hears about a failed try.
   :mod:`extproc.routing.timeouts`); Envoy's per-try timeout stops at the response headers, so a stream
   that has started is bounded only by the total and by the stream idle timeout. Clients cannot set these
   headers (:data:`ENVOY_CONTROL_HEADERS` are stripped before any filter).
+* **Idle timeouts: a hold, then an engine.** Before its decision the ext_proc may hold a request (flow
+  control's queue, a cascade step, a prefill half) with nothing moving either way, and the bundled
+  streamed bodies run no message timer (``tests/kvgate/envoy/test_message_timeout.py``): the listener's
+  stream idle timeout is the only bound, so it is at least the longest hold the ext_proc may ask for
+  (:func:`listener_idle_timeout_s`: the filter's ``max_message_timeout``, 600 s). Every route a decision
+  leads to (matched on the header it sets: :data:`~contracts.epp.MODEL_HEADER`, a burst or migration
+  route) sets its own ``idle_timeout``, ``stream_idle_timeout_s`` or the model's; Envoy takes it when it
+  chooses the route again after the ext_proc's reply and re-arms its idle timer with it at the next byte
+  that moves, the body the ext_proc sends back (measured on 1.40: a reply with no body would leave the
+  listener's bound running), so an engine may stay silent exactly as long as before. Only a request with
+  no decision (the ext_proc's, or fail-open's skipped ext_proc) keeps the listener's longer bound.
 * **Failed tries reach every ext_proc.** The router's ``upstream_log`` sends one entry per *failed*
   upstream try (:func:`failure_loggers`: connect failure, first-byte timeout, reset, protocol error, or an
   engine's 503) over gRPC access-log streams, one per ext_proc replica, log name
@@ -102,9 +113,11 @@ class Resilience:
     only go on without its processor when it kept the body, so the ext_proc then gets each body whole
     (BUFFERED body mode): bodies are limited by Envoy's buffer (``buffer_limit_bytes``; 413 beyond).
     ``max_retries``: further fallbacks tried per request. ``stream_idle_timeout_s``: no byte either way
-    for this long ends a stream (a non-streamed answer is silent until it is complete: keep this above
-    the longest one). ``eds_initial_fetch_s``: how long Envoy waits for the first endpoint list before it
-    starts serving without one (the list follows as soon as an ext_proc answers)."""
+    for this long ends a routed stream (a non-streamed answer is silent until it is complete: keep this
+    above the longest one); a request the ext_proc holds before its decision is bounded by
+    :func:`listener_idle_timeout_s` instead. ``eds_initial_fetch_s``: how long Envoy waits for the first
+    endpoint list before it starts serving without one (the list follows as soon as an ext_proc
+    answers)."""
 
     fail_open: bool = False
     max_retries: int = 2
@@ -121,10 +134,19 @@ def model_idle_timeouts(config: GatewayConfig) -> tuple[tuple[str, float], ...]:
     return tuple((m.name, m.idle_timeout_s) for m in config.models if m.idle_timeout_s is not None)
 
 
+def listener_idle_timeout_s(res: Resilience, max_hold_s: float) -> float:
+    """The listener's (HCM's) stream idle timeout: ``stream_idle_timeout_s``, or the longest hold the
+    ext_proc may ask Envoy for (``max_hold_s``, the filter's ``max_message_timeout``) if longer. Routed
+    requests get ``stream_idle_timeout_s`` (or their model's) from their route (:func:`routes`)."""
+    return max(res.stream_idle_timeout_s, max_hold_s)
+
+
 def routes(res: Resilience, action: dict[str, Any]) -> list[dict[str, Any]]:
     """The listener's routes, all to ``action`` (cluster, retries, response headers): one per model with
     its own idle timeout, matched on the model header the ext_proc set (the route is chosen again after
-    the ext_proc's reply), then the default. The model header never reaches an engine."""
+    the ext_proc's reply), then any other decided request's (the model header present:
+    ``stream_idle_timeout_s``), then the default, for a request with no decision (the listener's idle
+    timeout, :func:`listener_idle_timeout_s`). The model header never reaches an engine."""
     out = [
         {
             "match": {"prefix": "/", "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}]},
@@ -133,6 +155,13 @@ def routes(res: Resilience, action: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for model, idle in res.model_idle_timeouts
     ]
+    out.append(
+        {
+            "match": {"prefix": "/", "headers": [{"name": MODEL_HEADER, "present_match": True}]},
+            "route": {**action, "idle_timeout": f"{res.stream_idle_timeout_s}s"},
+            "request_headers_to_remove": [MODEL_HEADER],
+        }
+    )
     out.append({"match": {"prefix": "/"}, "route": action, "request_headers_to_remove": [MODEL_HEADER]})
     return out
 

@@ -228,11 +228,17 @@ def test_decision_metadata_reaches_envoy() -> None:
 
 
 def response_headers(params: EnvoyParams) -> dict[str, tuple[str, str]]:
-    (route,) = hcm_of(render(params))["route_config"]["virtual_hosts"][0]["routes"]
-    return {
-        h["header"]["key"]: (h["header"]["value"], h["append_action"])
-        for h in route.get("response_headers_to_add", [])
-    }
+    """The response headers every route adds (the decided requests' and the default: the same)."""
+    decided, default = hcm_of(render(params))["route_config"]["virtual_hosts"][0]["routes"]
+    added = [
+        {
+            h["header"]["key"]: (h["header"]["value"], h["append_action"])
+            for h in route.get("response_headers_to_add", [])
+        }
+        for route in (decided, default)
+    ]
+    assert added[0] == added[1]
+    return added[0]
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,8 @@ def test_burst_routes_keep_the_gateways_and_the_clients_headers_from_the_hosted_
     burst_routes = [r for r in routes if r["match"].get("headers", [{}])[0].get("name") == BURST_HEADER]
     assert len(burst_routes) == 2
     for route in burst_routes:
+        # the stream idle timeout of a decided request (the listener's covers holds: resilience.py)
+        assert route["route"]["idle_timeout"] == "300.0s"
         removed = set(route["request_headers_to_remove"])
         assert {
             BURST_HEADER,

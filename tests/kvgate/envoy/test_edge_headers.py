@@ -274,11 +274,12 @@ def early_removed(hcm: dict[str, Any]) -> list[str]:
 
 
 def test_every_route_removes_the_credentials() -> None:
-    """Removed for the whole route table (every model's route and the default), at the router."""
+    """Removed for the whole route table (every model's route, the decided requests' and the default), at
+    the router."""
     params = EnvoyParams(resilience=Resilience(model_idle_timeouts=(("slow-model", 600.0),)))
     table = hcm_of(render(params))["route_config"]
     assert table["request_headers_to_remove"] == list(CREDENTIAL_HEADERS)
-    assert len(table["virtual_hosts"]) == 1 and len(table["virtual_hosts"][0]["routes"]) == 2
+    assert len(table["virtual_hosts"]) == 1 and len(table["virtual_hosts"][0]["routes"]) == 3
 
 
 def test_cli_trusted_hops(capsys: pytest.CaptureFixture[str]) -> None:

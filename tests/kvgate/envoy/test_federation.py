@@ -127,13 +127,14 @@ def test_envoy_accepts_it(tmp_path: Path, secure: bool) -> None:
 
 def _retry(listener: dict[str, Any]) -> dict[str, Any]:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    (route,) = [
+    decided, default = [
         r
         for v in hcm["route_config"]["virtual_hosts"]
         for r in v["routes"]
         if "retry_policy" in r.get("route", {})
     ]
-    policy: dict[str, Any] = route["route"]["retry_policy"]
+    policy: dict[str, Any] = decided["route"]["retry_policy"]
+    assert default["route"]["retry_policy"] == policy
     return policy
 
 

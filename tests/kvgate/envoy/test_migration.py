@@ -14,6 +14,7 @@ from extproc.migration.proxy import LIMIT_HEADER, UPSTREAMS_HEADER
 from kvgate.cli import main as kvgate
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render
 from kvgate.envoy.migration import CLUSTER, EnvoyMigration, migrating_models
+from kvgate.envoy.migration import routes as migration_routes
 from kvgate.envoy.tls import EnvoyTls
 from tests.kvgate.envoy.test_bootstrap import hcm_of, validate
 
@@ -36,6 +37,11 @@ def test_route_cluster_and_headers(tmp_path: Path) -> None:
     }
     assert UPSTREAMS_HEADER in STRIPPED_REQUEST_HEADERS and LIMIT_HEADER in STRIPPED_REQUEST_HEADERS
     assert routes[-1]["route"]["cluster"] == "kvgate_engines"  # every other model: as before
+    # A model without its own idle timeout gets the stream idle timeout on its route (the listener's
+    # covers the holds before a decision: resilience.py).
+    plain = EnvoyMigration("127.0.0.1", 9010, (("m", 2, None),))
+    (route,) = migration_routes(plain, 300.0)
+    assert route["route"]["idle_timeout"] == "300.0s"
     clusters = [c["name"] for c in cfg["static_resources"]["clusters"]]
     assert CLUSTER in clusters
     validate(tmp_path, p)

@@ -89,7 +89,11 @@ def test_cli_flags_render_and_validate(tmp_path: Path, capsys: pytest.CaptureFix
     text = capsys.readouterr().out
     cfg = yaml.safe_load(text)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    assert hcm["stream_idle_timeout"] == "90.0s"
+    # The listener's covers the longest hold (max_message_timeout, 600 s); a decided request's route, 90 s.
+    assert hcm["stream_idle_timeout"] == "600.0s"
+    decided, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert decided["match"]["headers"] == [{"name": "x-kvgate-model", "present_match": True}]
+    assert decided["route"]["idle_timeout"] == "90.0s" and "idle_timeout" not in default["route"]
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
     done = subprocess.run(
@@ -98,13 +102,18 @@ def test_cli_flags_render_and_validate(tmp_path: Path, capsys: pytest.CaptureFix
     assert done.returncode == 0, done.stderr
     with pytest.raises(SystemExit):
         kvgate(["envoy-config", "--extproc", "no-port"])
+    assert kvgate(["envoy-config", "--stream-idle-timeout", "900"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["stream_idle_timeout"] == "900.0s"
 
 
 def test_a_model_may_have_its_own_stream_idle_timeout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``[[models]] idle_timeout_s`` becomes a route matched on the model header the ext_proc sets; the
-    header is stripped from clients and never reaches an engine."""
+    """``[[models]] idle_timeout_s`` becomes a route matched on the model header the ext_proc sets (any
+    other model's decided request: the stream idle timeout; no decision: the listener's); the header is
+    stripped from clients and never reaches an engine."""
     config = tmp_path / "gateway.toml"
     config.write_text(
         '[[models]]\nname = "slow"\ngguf = "smollm2"\nidle_timeout_s = 900\n'
@@ -113,11 +122,15 @@ def test_a_model_may_have_its_own_stream_idle_timeout(
     assert kvgate(["envoy-config", "--gateway-config", str(config)]) == 0
     hcm = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][0]["filter_chains"][0]
     hcm = hcm["filters"][0]["typed_config"]
-    own, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    own, decided, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert own["match"]["headers"] == [{"name": "x-kvgate-model", "string_match": {"exact": "slow"}}]
-    assert own["route"]["idle_timeout"] == "900.0s" and "idle_timeout" not in default["route"]
-    assert own["route"]["retry_policy"] == default["route"]["retry_policy"]
+    assert own["route"]["idle_timeout"] == "900.0s" and decided["route"]["idle_timeout"] == "300.0s"
+    assert "idle_timeout" not in default["route"] and "headers" not in default["match"]
+    assert (
+        own["route"]["retry_policy"] == decided["route"]["retry_policy"] == default["route"]["retry_policy"]
+    )
     assert own["request_headers_to_remove"] == default["request_headers_to_remove"] == ["x-kvgate-model"]
+    assert decided["request_headers_to_remove"] == ["x-kvgate-model"]
     removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
     assert "x-kvgate-model" in removed
 
