@@ -202,7 +202,10 @@ def test_make_private_dir_makes_or_fixes_0700_and_refuses_what_is_not_its_own(tm
         make_private_dir(str(tmp_path / "file"))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="giving a directory to another user (chown) needs root: runs as root, as here and in CI",
+)
 def test_make_private_dir_refuses_another_users_directory(tmp_path: Path) -> None:
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)

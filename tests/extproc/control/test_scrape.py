@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,26 @@ def state(fleet: Fleet, name: str) -> EndpointState:
     found = fleet.get(EndpointId(name))
     assert found is not None
     return found
+
+
+@asynccontextmanager
+async def scraped_once(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], *, timeout_s: float = 0.2
+) -> AsyncIterator[EndpointState]:
+    """The state of an endpoint whose ``/metrics`` is ``handler``, after one scrape."""
+    app = web.Application()
+    app.add_routes([web.get("/metrics", handler)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
+    scrapes = scraper(fleet, timeout_s=timeout_s)
+    try:
+        await scrapes.scrape_once()
+        yield state(fleet, "e")
+    finally:
+        await scrapes.aclose()
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -271,20 +292,8 @@ async def test_an_engines_redirect_is_not_followed_and_is_a_failed_scrape(engine
     async def moved(request: web.Request) -> web.Response:
         raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{engine.port}/metrics")
 
-    app = web.Application()
-    app.add_routes([web.get("/metrics", moved)])
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
-    scrapes = scraper(fleet)
-    try:
-        await scrapes.scrape_once()
-        e = state(fleet, "e")
+    async with scraped_once(moved) as e:
         assert engine.hits == 0 and e.metrics is None and e.consecutive_failures == 1
-    finally:
-        await scrapes.aclose()
-        await runner.cleanup()
 
 
 async def test_metrics_with_a_byte_that_is_not_utf8_are_still_read() -> None:
@@ -295,20 +304,8 @@ async def test_metrics_with_a_byte_that_is_not_utf8_are_still_read() -> None:
         body = b'vllm:num_requests_waiting{model_name="caf\xe9"} 2\n' + METRICS.encode()
         return web.Response(body=body, content_type="text/plain")
 
-    app = web.Application()
-    app.add_routes([web.get("/metrics", metrics)])
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
-    scrapes = scraper(fleet)
-    try:
-        await scrapes.scrape_once()
-        e = state(fleet, "e")
+    async with scraped_once(metrics) as e:
         assert e.metrics is not None and (e.metrics.waiting, e.metrics.running) == (4.0, 3.0)
-    finally:
-        await scrapes.aclose()
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -331,17 +328,5 @@ async def test_an_answer_over_the_bound_is_a_failed_scrape_not_read_whole(chunke
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.add_routes([web.get("/metrics", metrics)])
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fleet = Fleet([endpoint("e", runner.addresses[0][1])])
-    scrapes = scraper(fleet, timeout_s=10.0)
-    try:
-        await scrapes.scrape_once()
-        e = state(fleet, "e")
+    async with scraped_once(metrics, timeout_s=10.0) as e:
         assert e.metrics is None and e.consecutive_failures == 1
-    finally:
-        await scrapes.aclose()
-        await runner.cleanup()

