@@ -109,19 +109,29 @@ def hostport(value: str, where: str) -> str:
     return value
 
 
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def ip_port(address: str) -> tuple[IP, str] | None:
+    """The IP literal and the port text of ``ip:port`` or ``[ip]:port``; ``None`` when the host is no IP
+    literal (a name). The one parser of an endpoint's address: :func:`canonical_address`, EDS's socket
+    (``extproc/xds/eds.py``) and the pool's socket key (``extproc/inferencepool/merge.py``) read it."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return ipaddress.ip_address(host), port
+    except ValueError:
+        return None
+
+
 def canonical_address(address: str) -> str:
     """``host:port`` with a bracketed IP literal as Envoy reports a host: IPv6 compressed and lower-case
     (``[FD00:0::1]:8000`` -> ``[fd00::1]:8000``; IPv4-mapped as ``[::ffff:10.0.0.2]:80``), IPv4 without
     brackets (``[10.0.0.2]:80`` -> ``10.0.0.2:80``); any other address as it is."""
-    if not address.startswith("["):
+    parsed = ip_port(address) if address.startswith("[") else None
+    if parsed is None:
         return address
-    host, found, port = address[1:].partition("]:")
-    if not found:
-        return address
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return address
+    ip, port = parsed
     if ip.version == 4:
         return f"{ip}:{port}"
     mapped = ip.ipv4_mapped  # inet_ntop's (Envoy's) form, not Python's before 3.13 (::ffff:a00:2)

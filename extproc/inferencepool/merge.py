@@ -16,6 +16,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from contracts.config import ip_port
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
@@ -31,12 +32,10 @@ def socket_key(address: str) -> str:
     """The socket ``address`` reaches, as one text (``ip:port``; an IPv6 address compressed, lower case,
     an IPv4-mapped one as its IPv4 address); ``address`` itself when its host is no IP literal. EDS gives
     Envoy the socket, not the text: two spellings of one address are one engine."""
-    host, _, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
+    parsed = ip_port(address)
+    if parsed is None:
         return address
+    ip, port = parsed
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"

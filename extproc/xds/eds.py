@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2
 
+from contracts.config import ip_port
 from contracts.epp import ENGINES_CLUSTER
 from extproc.fleet import EndpointState, Fleet
 
@@ -69,13 +69,8 @@ def hosts(fleet: Fleet, now: float) -> tuple[Host, ...]:
 def socket_address(address: str) -> tuple[str, int] | None:
     """``(ip, port)`` of ``ip:port`` or ``[ipv6]:port``; ``None`` when the host is not an IP literal
     (EDS carries no names: Envoy would refuse the whole assignment)."""
-    host, _, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    return str(ip), int(port)
+    parsed = ip_port(address)
+    return None if parsed is None else (str(parsed[0]), int(parsed[1]))
 
 
 @dataclass(frozen=True, slots=True)
