@@ -37,6 +37,7 @@ from tests.deploy.test_kubernetes import (  # the same checks, on the chart's ob
     mint_certs,
     test_each_agent_pod_has_an_etcd_identity_of_its_own,
     test_every_object_matches_its_schema,
+    test_kv_events_stay_inside_the_model_server_pod,
     test_network_policies_deny_by_default_and_admit_each_service_port,
     test_pool_route_picker_and_servers_fit_together,
     test_probes_name_ports_the_configs_listen_on,
@@ -69,6 +70,7 @@ CERT_FILES += ("root.pem", "root.key")
 REEXPORTED = (
     test_each_agent_pod_has_an_etcd_identity_of_its_own,
     test_every_object_matches_its_schema,
+    test_kv_events_stay_inside_the_model_server_pod,
     test_network_policies_deny_by_default_and_admit_each_service_port,
     test_pool_route_picker_and_servers_fit_together,
     test_probes_name_ports_the_configs_listen_on,
