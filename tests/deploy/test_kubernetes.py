@@ -485,6 +485,30 @@ def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects]
                 assert mounts.get(path) is False, (name, container["name"], path, mounts)
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_non_root_containers_can_read_their_secret_files(rendered: dict[str, Objects], overlay: str) -> None:
+    """A Secret volume's files belong to root, in the group ``fsGroup`` when the pod sets one (else root's),
+    with the volume's mode: a container running as another user reads them only through that group or
+    a mode that lets everyone read (which a key must not have)."""
+    for obj in rendered[overlay]:
+        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        context = pod.get("securityContext", {})
+        secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            uid = container.get("securityContext", {}).get("runAsUser", context.get("runAsUser"))
+            for mount in container.get("volumeMounts", []):
+                secret = secrets.get(mount["name"])
+                if secret is None or uid == 0:
+                    continue
+                for item in secret.get("items") or [{"path": "*"}]:
+                    mode = item.get("mode", secret.get("defaultMode", 0o644))
+                    readable = bool(mode & 0o004 or ("fsGroup" in context and mode & 0o040))
+                    where = (obj["kind"], obj["metadata"]["name"], container["name"], item["path"])
+                    assert readable, f"{where}: uid {uid} cannot read a root-owned file of mode {mode:o}"
+
+
 def kv_event_leaks(objects: Objects) -> list[str]:
     """Why a model-server pod's KV events (prompts' token ids; ZMQ has no authentication) could be read
     or replayed from outside the pod: empty when they cannot. vLLM binds its PUB and replay sockets where
