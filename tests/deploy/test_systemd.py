@@ -194,3 +194,41 @@ def test_daemon_units_run_a_kvgate_command_with_its_flags(daemon: str) -> None:
         [*argv[:2], "--help"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert {a for a in argv[2:] if a.startswith("--")} <= set(re.findall(r"--[a-z][a-z-]*", helped))
+
+
+#: systemd's specifiers for the system manager's directories, as the units use them.
+SPECIFIERS = {"%S": "/var/lib", "%C": "/var/cache", "%t": "/run", "%L": "/var/log"}
+
+
+def test_the_agents_engines_have_a_writable_home() -> None:
+    """The engines the agent starts inherit its environment and write their caches under ``$HOME``
+    (Hugging Face downloads, vLLM, Triton, torch). With ``ProtectSystem=strict`` only the unit's own
+    state, cache, runtime and log directories and its private /tmp are writable, so ``$HOME`` (the
+    kvgate user's home from the sysusers file, unless the unit sets it) must lie in one of them."""
+    path = DEPLOY / "systemd" / "kvgate-agent.service"
+    service = unit(path)["Service"]
+    assert service["ProtectSystem"] == "strict" and service["PrivateTmp"] == "yes"
+    (user,) = [
+        shlex.split(line)
+        for line in (DEPLOY / "systemd" / "kvgate.sysusers.conf").read_text().splitlines()
+        if line.startswith("u kvgate ")
+    ]
+    environment = dict(
+        assignment.split("=", 1)
+        for line in path.read_text().splitlines()
+        if line.startswith("Environment=")
+        for assignment in shlex.split(line.removeprefix("Environment="))
+    )
+    home = environment.get("HOME", user[4])
+    for specifier, directory in SPECIFIERS.items():
+        home = home.replace(specifier, directory)
+    writable = ["/tmp"]
+    for key, root in (
+        ("StateDirectory", "/var/lib"),
+        ("CacheDirectory", "/var/cache"),
+        ("RuntimeDirectory", "/run"),
+        ("LogsDirectory", "/var/log"),
+    ):
+        writable += [f"{root}/{d}" for d in service.get(key, "").split()]
+    writable += service.get("ReadWritePaths", "").split()
+    assert any(Path(home).is_relative_to(w) for w in writable), (home, writable)
