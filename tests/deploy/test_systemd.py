@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.config import AgentSection
 from kvgate.dev.procs import Child, start_envoy
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from runtime.lifecycle import announce_ready, notify_systemd
@@ -222,13 +223,27 @@ def test_the_agents_engines_have_a_writable_home() -> None:
     home = environment.get("HOME", user[4])
     for specifier, directory in SPECIFIERS.items():
         home = home.replace(specifier, directory)
-    writable = ["/tmp"]
+    assert any(Path(home).is_relative_to(w) for w in writable(path)), (home, writable(path))
+
+
+def writable(path: Path) -> list[str]:
+    """What a unit with ``ProtectSystem=strict`` and ``PrivateTmp`` may write: its private /tmp, its own
+    state, cache, runtime and log directories, and ``ReadWritePaths``."""
+    service = unit(path)["Service"]
+    paths = ["/tmp"]
     for key, root in (
         ("StateDirectory", "/var/lib"),
         ("CacheDirectory", "/var/cache"),
         ("RuntimeDirectory", "/run"),
         ("LogsDirectory", "/var/log"),
     ):
-        writable += [f"{root}/{d}" for d in service.get(key, "").split()]
-    writable += service.get("ReadWritePaths", "").split()
-    assert any(Path(home).is_relative_to(w) for w in writable), (home, writable)
+        paths += [f"{root}/{d}" for d in service.get(key, "").split()]
+    return paths + service.get("ReadWritePaths", "").split()
+
+
+def test_the_agent_may_write_its_default_state_dir() -> None:
+    """The agent's ``[agent] state_dir`` (engine logs, KV-event sockets, slot saves, offload files) by
+    default, as README and every recipe's node.toml set it, is one the agent's unit may write."""
+    state_dir = AgentSection(id="").state_dir
+    path = DEPLOY / "systemd" / "kvgate-agent.service"
+    assert any(Path(state_dir).is_relative_to(w) for w in writable(path)), (state_dir, writable(path))
