@@ -247,3 +247,16 @@ def test_the_agent_may_write_its_default_state_dir() -> None:
     state_dir = AgentSection(id="").state_dir
     path = DEPLOY / "systemd" / "kvgate-agent.service"
     assert any(Path(state_dir).is_relative_to(w) for w in writable(path)), (state_dir, writable(path))
+
+
+def test_the_kvcached_paths_the_readme_names_are_writable_by_its_unit() -> None:
+    """deploy/README.md names kvcached's socket and SSD tier for the units: both lie in a directory the
+    kvcached unit may write, and the agent's ``kvcached`` address is that socket."""
+    text = " ".join((DEPLOY / "README.md").read_text().split())
+    (socket_path,) = set(re.findall(r'`listen_unix = "([^"]+)"`', text))
+    (ssd_path,) = set(re.findall(r'`ssd_path = "([^"]+)"`', text))
+    (agent_address,) = set(re.findall(r'`kvcached = "([^"]+)"`', text))
+    allowed = writable(DEPLOY / "systemd" / "kvgate-kvcached.service")
+    for path in (Path(socket_path).parent, Path(ssd_path)):
+        assert any(path.is_relative_to(w) for w in allowed), (path, allowed)
+    assert agent_address == f"unix:{socket_path}"
