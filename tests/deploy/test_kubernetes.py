@@ -37,6 +37,8 @@ from tests.deploy.prom import DEPLOY, adapter_query, run_promtool
 from tests.etcd_access import may_put
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tests.etcd_fixtures import SecureEtcd
 
 pytest_plugins = ("tests.etcd_fixtures",)
@@ -481,6 +483,125 @@ def test_read_only_containers_write_only_to_volumes(rendered: dict[str, Objects]
             for path in writes.get(container["name"], []):
                 path = env.get(path) or path
                 assert mounts.get(path) is False, (name, container["name"], path, mounts)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_non_root_containers_can_read_their_secret_files(rendered: dict[str, Objects], overlay: str) -> None:
+    """A Secret volume's files belong to root, in the group ``fsGroup`` when the pod sets one (else root's),
+    with the volume's mode: a container running as another user reads them only through that group or
+    a mode that lets everyone read (which a key must not have)."""
+    for obj in rendered[overlay]:
+        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        context = pod.get("securityContext", {})
+        secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            uid = container.get("securityContext", {}).get("runAsUser", context.get("runAsUser"))
+            for mount in container.get("volumeMounts", []):
+                secret = secrets.get(mount["name"])
+                if secret is None or uid == 0:
+                    continue
+                for item in secret.get("items") or [{"path": "*"}]:
+                    mode = item.get("mode", secret.get("defaultMode", 0o644))
+                    readable = bool(mode & 0o004 or ("fsGroup" in context and mode & 0o040))
+                    where = (obj["kind"], obj["metadata"]["name"], container["name"], item["path"])
+                    assert readable, f"{where}: uid {uid} cannot read a root-owned file of mode {mode:o}"
+
+
+def kv_event_leaks(objects: Objects) -> list[str]:
+    """Why a model-server pod's KV events (prompts' token ids; ZMQ has no authentication) could be read
+    or replayed from outside the pod: empty when they cannot. vLLM binds its PUB and replay sockets where
+    ``--kv-events-config`` says, and a ``tcp://`` one is reachable at the pod's IP; so both must be
+    ``ipc://`` sockets in an emptyDir that only vLLM and the agent mount, the agent must connect to those
+    (node.toml), and the two must run as one non-root user (connecting needs write permission on the
+    socket, which vLLM creates 0755)."""
+    pod = find(objects, "StatefulSet", "kvgate-model-server")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    vllm, agent = containers["vllm"], containers["agent"]
+    (flag,) = [a for a in vllm["args"] if a.startswith("--kv-events-config=")]
+    published = json.loads(flag.partition("=")[2])
+    node_text = config_file(objects, "kvgate-agent", "node.toml")
+    for placeholder, value in POD.items():
+        node_text = node_text.replace(placeholder, value)
+    (engine,) = parse_node_config(tomllib.loads(node_text)).engines
+    followed = {"endpoint": engine.kv_events_endpoint, "replay_endpoint": engine.kv_replay_endpoint}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    problems: list[str] = []
+    for key in ("endpoint", "replay_endpoint"):
+        address = published.get(key)
+        if not isinstance(address, str) or not address.startswith("ipc:///"):
+            problems.append(f"vLLM's {key} {address!r} is not an ipc:// socket")
+            continue
+        if followed[key] != address:
+            problems.append(f"the agent follows {followed[key]!r}, vLLM publishes {key} on {address!r}")
+        directory = address.removeprefix("ipc://").rpartition("/")[0]
+        mounted = {
+            name: {m["name"] for m in c.get("volumeMounts", []) if m["mountPath"] == directory}
+            for name, c in containers.items()
+        }
+        if not mounted["vllm"] or mounted["vllm"] != mounted["agent"]:
+            problems.append(f"{directory} is not one volume mounted in vLLM and the agent: {mounted}")
+            continue
+        (name,) = mounted["vllm"]
+        if "emptyDir" not in volumes[name]:
+            problems.append(f"{directory}: volume {name} is not the pod's own emptyDir")
+        others = [
+            c["name"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]
+            if c["name"] not in ("vllm", "agent")
+            and any(m["name"] == name for m in c.get("volumeMounts", []))
+        ]
+        if others:
+            problems.append(f"{directory}: volume {name} is mounted in {others} too")
+
+    def effective(container: dict[str, Any], key: str) -> Any:
+        own = container.get("securityContext", {})
+        return own[key] if key in own else pod.get("securityContext", {}).get(key)
+
+    users = {c["name"]: effective(c, "runAsUser") for c in (vllm, agent)}
+    if len(set(users.values())) != 1 or None in users.values() or 0 in users.values():
+        problems.append(f"vLLM and the agent do not run as one non-root uid: {users}")
+    for c in (vllm, agent):
+        if effective(c, "runAsNonRoot") is not True:
+            problems.append(f"{c['name']}: runAsNonRoot is not set")
+    return problems
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kv_events_stay_inside_the_model_server_pod(rendered: dict[str, Objects], overlay: str) -> None:
+    assert kv_event_leaks(rendered[overlay]) == []
+
+
+def test_kv_event_check_refuses_a_tcp_endpoint_or_another_user(rendered: dict[str, Objects]) -> None:
+    """The check is not vacuous: vLLM publishing on a TCP port (what the manifests did), the agent on
+    another socket, on a volume vLLM lacks, or as another user each fail it."""
+
+    def changed(edit: Callable[[dict[str, Any]], None]) -> list[str]:
+        objects = copy.deepcopy(rendered["base"])
+        edit(find(objects, "StatefulSet", "kvgate-model-server")["spec"]["template"]["spec"])
+        return kv_event_leaks(objects)
+
+    def tcp(pod: dict[str, Any]) -> None:
+        args = pod["containers"][0]["args"]
+        flag = next(i for i, a in enumerate(args) if a.startswith("--kv-events-config="))
+        config = json.loads(args[flag].partition("=")[2])
+        config.update(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
+        args[flag] = f"--kv-events-config={json.dumps(config)}"
+
+    def no_shared_volume(pod: dict[str, Any]) -> None:
+        pod["containers"][0]["volumeMounts"] = []
+
+    def agent_as_root(pod: dict[str, Any]) -> None:
+        pod["containers"][1]["securityContext"]["runAsUser"] = 0
+
+    def vllm_as_image_user(pod: dict[str, Any]) -> None:
+        pod["securityContext"].pop("runAsUser")
+        pod["containers"][0]["securityContext"].pop("runAsUser")
+
+    for edit in (tcp, no_shared_volume, agent_as_root, vllm_as_image_user):
+        assert changed(edit), edit.__name__
+    assert any("not an ipc://" in p for p in changed(tcp))
 
 
 def test_the_picker_config_serves_the_probes_the_pod_asks(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.config import AgentSection
 from kvgate.dev.procs import Child, start_envoy
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
 from runtime.lifecycle import announce_ready, notify_systemd
@@ -194,3 +195,68 @@ def test_daemon_units_run_a_kvgate_command_with_its_flags(daemon: str) -> None:
         [*argv[:2], "--help"], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert {a for a in argv[2:] if a.startswith("--")} <= set(re.findall(r"--[a-z][a-z-]*", helped))
+
+
+#: systemd's specifiers for the system manager's directories, as the units use them.
+SPECIFIERS = {"%S": "/var/lib", "%C": "/var/cache", "%t": "/run", "%L": "/var/log"}
+
+
+def test_the_agents_engines_have_a_writable_home() -> None:
+    """The engines the agent starts inherit its environment and write their caches under ``$HOME``
+    (Hugging Face downloads, vLLM, Triton, torch). With ``ProtectSystem=strict`` only the unit's own
+    state, cache, runtime and log directories and its private /tmp are writable, so ``$HOME`` (the
+    kvgate user's home from the sysusers file, unless the unit sets it) must lie in one of them."""
+    path = DEPLOY / "systemd" / "kvgate-agent.service"
+    service = unit(path)["Service"]
+    assert service["ProtectSystem"] == "strict" and service["PrivateTmp"] == "yes"
+    (user,) = [
+        shlex.split(line)
+        for line in (DEPLOY / "systemd" / "kvgate.sysusers.conf").read_text().splitlines()
+        if line.startswith("u kvgate ")
+    ]
+    environment = dict(
+        assignment.split("=", 1)
+        for line in path.read_text().splitlines()
+        if line.startswith("Environment=")
+        for assignment in shlex.split(line.removeprefix("Environment="))
+    )
+    home = environment.get("HOME", user[4])
+    for specifier, directory in SPECIFIERS.items():
+        home = home.replace(specifier, directory)
+    assert any(Path(home).is_relative_to(w) for w in writable(path)), (home, writable(path))
+
+
+def writable(path: Path) -> list[str]:
+    """What a unit with ``ProtectSystem=strict`` and ``PrivateTmp`` may write: its private /tmp, its own
+    state, cache, runtime and log directories, and ``ReadWritePaths``."""
+    service = unit(path)["Service"]
+    paths = ["/tmp"]
+    for key, root in (
+        ("StateDirectory", "/var/lib"),
+        ("CacheDirectory", "/var/cache"),
+        ("RuntimeDirectory", "/run"),
+        ("LogsDirectory", "/var/log"),
+    ):
+        paths += [f"{root}/{d}" for d in service.get(key, "").split()]
+    return paths + service.get("ReadWritePaths", "").split()
+
+
+def test_the_agent_may_write_its_default_state_dir() -> None:
+    """The agent's ``[agent] state_dir`` (engine logs, KV-event sockets, slot saves, offload files) by
+    default, as README and every recipe's node.toml set it, is one the agent's unit may write."""
+    state_dir = AgentSection(id="").state_dir
+    path = DEPLOY / "systemd" / "kvgate-agent.service"
+    assert any(Path(state_dir).is_relative_to(w) for w in writable(path)), (state_dir, writable(path))
+
+
+def test_the_kvcached_paths_the_readme_names_are_writable_by_its_unit() -> None:
+    """deploy/README.md names kvcached's socket and SSD tier for the units: both lie in a directory the
+    kvcached unit may write, and the agent's ``kvcached`` address is that socket."""
+    text = " ".join((DEPLOY / "README.md").read_text().split())
+    (socket_path,) = set(re.findall(r'`listen_unix = "([^"]+)"`', text))
+    (ssd_path,) = set(re.findall(r'`ssd_path = "([^"]+)"`', text))
+    (agent_address,) = set(re.findall(r'`kvcached = "([^"]+)"`', text))
+    allowed = writable(DEPLOY / "systemd" / "kvgate-kvcached.service")
+    for path in (Path(socket_path).parent, Path(ssd_path)):
+        assert any(path.is_relative_to(w) for w in allowed), (path, allowed)
+    assert agent_address == f"unix:{socket_path}"
