@@ -421,3 +421,17 @@ def test_an_sglang_pair_whose_client_left_before_its_prefill_was_sent_frees_the_
     proc.close()
     assert in_flight(router) == {PREFILL: 0, DECODE: 0}
     assert proc.pd is not None and proc.pd.handoff is not None and proc.pd.handoff.released
+
+
+@pytest.mark.parametrize("spec", [PdSpec("disaggregated"), PdSpec("aggregated")])
+def test_a_clients_prefill_dp_rank_reaches_no_sglang_engine(spec: PdSpec) -> None:
+    """SGLang's ``disagg_prefill_dp_rank`` tells the decode server which data-parallel rank of the prefill
+    server holds the KV (its OpenAI protocol: "hint telling decode which prefill DP worker has the KV
+    cache"); the gateway's pair leaves it to the room, so a client's own would send the decode to fetch
+    from a rank the client chose (and wait out SGLang's transfer timeout there)."""
+    proc, _ = make(spec, engine="sglang")
+    decided = reply(start(proc, request(disagg_prefill_dp_rank=3)))
+    sent = [decided.body] if proc.handoff is None else [decided.body, proc.handoff.body]
+    assert len(sent) == (2 if spec.mode == "disaggregated" else 1)
+    for body_sent in sent:
+        assert "disagg_prefill_dp_rank" not in orjson.loads(body_sent)
