@@ -190,6 +190,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._flow_bands: set[tuple[str, str]] = set()
+        self._fleet = fleet
         #: The kinds each endpoint's ``ejections`` series were counted under (to drop them when it goes).
         self._ejected: dict[str, set[str]] = {}
         registry.register(_FleetCollector(fleet))
@@ -263,10 +264,17 @@ class GatewayMetrics:
             self.flow_wait_seconds.labels("shed").observe(waited_s)
 
     def depth(self, depth: dict[tuple[str, int], int]) -> None:
-        """Set each band's gauge; a band that emptied reads 0."""
+        """Set each band's gauge; a band that emptied reads 0, or loses its series when no endpoint serves
+        its model (a name only a client gave, held in the waiting room: a series per such name would grow
+        without bound)."""
         current = {(model, str(priority)): n for (model, priority), n in depth.items()}
-        for labels in self._flow_bands - set(current):
-            self.flow_queued.labels(*labels).set(0)
+        emptied = self._flow_bands - set(current)
+        served = {m for s in self._fleet for m in s.endpoint.models} if emptied else set()
+        for labels in emptied:
+            if labels[0] in served:
+                self.flow_queued.labels(*labels).set(0)
+            else:
+                self.flow_queued.remove(*labels)
         for labels, n in current.items():
             self.flow_queued.labels(*labels).set(n)
         self._flow_bands = set(current)

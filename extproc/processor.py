@@ -449,8 +449,10 @@ class StreamProcessor:
     def close(self) -> None:
         """The stream ended: release the request's in-flight slot and settle its tokens, whatever happened
         (refunded when no engine got the request)."""
-        if self._pending is not None and self._pairing is not None:
-            self._pairing.release()  # the client left during the prefill
+        if self._pairing is not None and (self._pending is not None or self.handoff is not None):
+            # The client left during the prefill, or before the shell sent SGLang's prefill half beside
+            # the request (it takes :attr:`handoff` when it does; then only that half's end releases it).
+            self._pairing.release()
             self._pending = self.handoff = None
         if self.decision is not None and (self.undelivered or self._answered_here):
             # Routed from the queue as the client left, or answered by the gateway after decide: no engine

@@ -435,6 +435,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             responses = proc.handed_off(None, exc.reason)
         else:
             responses = proc.handed_off(answer.body)
+            if proc.handoff_outcome not in (None, "disaggregated"):  # a 2xx answer with no usable params
+                failure = proc.handoff_outcome
         if child is not None:
             _end_handoff(child, failure)
         seconds = time.monotonic() - started

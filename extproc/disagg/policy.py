@@ -14,6 +14,7 @@ served aggregated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -80,6 +81,10 @@ def parse_pd(value: object, where: str) -> PdSpec:
     if not isinstance(timeout, int | float) or isinstance(timeout, bool):
         raise ConfigError(f"{where}.prefill_timeout_s: expected a number of seconds, got {timeout!r}")
     try:
-        return PdSpec(mode, threshold, profile, float(timeout))
+        seconds = float(timeout)
+    except OverflowError:  # an integer too large for a float (``1`` then 400 zeros)
+        seconds = math.inf  # refused below, as any timeout past the bound
+    try:
+        return PdSpec(mode, threshold, profile, seconds)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -16,7 +16,10 @@ vLLM (NixlConnector, and the disaggregated-serving proxies of vLLM's own tests):
 SGLang (``--disaggregation-mode prefill|decode``): its router sends the same body to the prefill and the
 decode server at once, both with ``bootstrap_host`` (the prefill server's host), ``bootstrap_port`` (its
 bootstrap server's port) and ``bootstrap_room`` (a random 63-bit id pairing the two); the decode server
-pulls the KV from the prefill server through that room. No answer of the prefill side is needed.
+pulls the KV from the prefill server through that room. No answer of the prefill side is needed. A prefill
+server with data parallelism runs the request on ``bootstrap_room % dp_size`` unless the body names a rank
+(``routed_dp_rank``, ``data_parallel_rank``), and the decode server looks for the KV on the room's rank
+unless told ``disagg_prefill_dp_rank``: the prefill half goes without a client's rank.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ PREFILL_PARAMS: Mapping[str, object] = {
 REQUIRED_FROM_PREFILL = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
 #: Fields a vLLM prefill engine refuses or that would make it stream or decode past one token.
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+#: Fields the SGLang prefill half goes without: it never streams, and its data-parallel rank is the room's
+#: (``bootstrap_room % dp_size``, where the decode server, told no ``disagg_prefill_dp_rank``, fetches the
+#: KV), never a rank the client named (``routed_dp_rank``, or the older ``data_parallel_rank``).
+_SGLANG_PREFILL_DROPPED = ("stream_options", "routed_dp_rank", "data_parallel_rank")
 #: The largest SGLang bootstrap room id (a signed 64-bit integer on its side).
 MAX_ROOM = (1 << 63) - 1
 
@@ -87,12 +94,13 @@ def decode_body(request: Mapping[str, Any], params: Mapping[str, Any]) -> bytes:
 
 def bootstrap_bodies(request: Mapping[str, Any], host: str, port: int, room: int) -> tuple[bytes, bytes]:
     """SGLang's (prefill body, decode body): each the client's body with ``bootstrap_host``,
-    ``bootstrap_port`` and ``bootstrap_room``; the prefill side never streams."""
+    ``bootstrap_port`` and ``bootstrap_room``; the prefill side never streams and takes the data-parallel
+    rank the room names (:data:`_SGLANG_PREFILL_DROPPED`)."""
     if not 0 <= room <= MAX_ROOM:
         raise ValueError(f"bootstrap_room must be in [0, 2^63), got {room}")
     fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
     decode = {**request, **fields}
-    prefill = {k: v for k, v in decode.items() if k != "stream_options"}
+    prefill = {k: v for k, v in decode.items() if k not in _SGLANG_PREFILL_DROPPED}
     prefill["stream"] = False
     return orjson.dumps(prefill), orjson.dumps(decode)
 

@@ -260,6 +260,11 @@ class FlowQueues(Generic[T]):
         band.bytes -= entry.size
         if fl.count == 0:
             fl.heap.clear()
+        elif len(fl.heap) > 2 * fl.count + 8:
+            # Entries that left (expired, client gone) stay behind the head until it reaches them: a flow
+            # that nobody dispatches from would keep them all (and their streams), so drop them first.
+            fl.heap = [item for item in fl.heap if item[2].queued]
+            heapq.heapify(fl.heap)
 
     def _tidy(self, model: str, priority: int) -> None:
         """Drop idle flows that have no credit left (``F <= V``: every idle flow, as ``V`` is at least the

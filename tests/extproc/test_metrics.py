@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from extproc.fleet import Fleet
 from extproc.metrics import FEED_COUNTERS, GatewayMetrics
 
@@ -58,3 +59,17 @@ def test_ejection_series_of_an_endpoint_that_left_are_dropped() -> None:
     metrics.ejected("a", "http_503")  # back again (same id): counted from 0
     text = generate_latest(metrics.registry).decode()
     assert 'kvgate_endpoint_ejections_total{endpoint="a",kind="http_503"} 1.0' in text
+
+
+def test_flow_queue_series_of_a_model_no_endpoint_serves_go_when_its_queue_empties() -> None:
+    """With a waiting room, a request for any model name is held until it times out (503): a client
+    naming a new model each time must not leave a ``kvgate_flow_queued`` series per name. A served
+    model's emptied band reads 0."""
+    fleet = Fleet([Endpoint(EndpointId("e"), "10.0.0.1:8000", frozenset({"m"}))])
+    metrics = GatewayMetrics(fleet)
+    for i in range(100):
+        metrics.depth({("m", 0): 1, (f"ghost-{i}", 0): 1})
+        metrics.depth({})
+    text = generate_latest(metrics.registry).decode()
+    assert "ghost" not in text
+    assert 'kvgate_flow_queued{model="m",priority="0"} 0.0' in text

@@ -99,3 +99,17 @@ def test_pd_policy_skips_aggregated_and_plain_routes() -> None:
     assert set(built.routes) == {"c"}
     route = built.routes["c"]
     assert route.labels == (("pool", "x"),) and route.prefill.name == "default"
+
+
+def test_a_timeout_too_large_for_a_float_is_refused_and_the_last_good_route_stays() -> None:
+    """JSON integers have no bound: ``1`` and 400 zeros is an integer Python cannot make a float of; the
+    store refuses it as any bad value (a ConfigError), never with an OverflowError out of ``put``."""
+    with pytest.raises(ConfigError, match=r"\(0, 600\]"):
+        parse_pd({"prefill_timeout_s": 10**400}, "models/m.disaggregation")
+    store = PolicyStore(PROFILES)
+    good = {"disaggregation": {"mode": "disaggregated"}}
+    assert store.put("models/m", _route(good)) is not None
+    huge = b'{"disaggregation": {"mode": "disaggregated", "prefill_timeout_s": 1' + b"0" * 400 + b"}}"
+    assert store.put("models/m", huge) is None
+    assert "prefill_timeout_s" in store.rejected["models/m"]
+    assert store.policy.routes["m"].disaggregation == PdSpec("disaggregated")

@@ -21,7 +21,7 @@ from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl
-from extproc.flow.policy import FlowPolicy, Objective
+from extproc.flow.policy import FlowPolicy, Objective, Saturation
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, serving
@@ -206,6 +206,7 @@ def test_sglang_sends_both_halves_at_once_with_the_bootstrap_fields() -> None:
     )
     assert (decode["stream"], prefill["stream"], prefill["max_tokens"]) == (True, False, 20)
     assert "kv_transfer_params" not in decode
+    proc.handoff = None  # the shell takes it and sends it beside the request (server._send_beside)
     proc.close()  # the stream may end first: the prefill's slot stays taken until it ends
     assert in_flight(router)[PREFILL] == 1
     proc.prefill_done(None)
@@ -400,3 +401,37 @@ def test_the_decode_engine_is_told_the_ttft_deadline_left_after_the_prefill() ->
     now[0] += 1.5  # the prefill took 1.5 s of the 2 s
     decided = reply(proc.handed_off(ANSWER))
     assert decided.set_headers[TTFT_DEADLINE_UPSTREAM] == "500"
+
+
+def test_an_sglang_pair_whose_client_left_before_its_prefill_was_sent_frees_the_prefill_slot() -> None:
+    """Held by flow control, then dispatched (the pair planned, the prefill endpoint's slot and queued
+    tokens taken) as the client goes away: the shell's stream is cancelled before it sends the prefill
+    half beside the request, so no prefill_done will ever come; close() gives the slot back."""
+    flow: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(saturation=Saturation(max_in_flight=1)))
+    proc, router = make(PdSpec("disaggregated"), engine="sglang", flow=flow)
+    decode = router.fleet.by_address(DECODE)
+    assert decode is not None
+    decode.in_flight = 1  # saturated: the request is held
+    start(proc, request())
+    assert proc.held is not None
+    decode.in_flight = 0
+    proc.resume()  # the dispatcher routes it; the stream's task is cancelled before it runs again
+    assert proc.handoff is not None and in_flight(router)[PREFILL] == 1
+    proc.undelivered = True  # what the shell's finally sets for a decision never handed to Envoy
+    proc.close()
+    assert in_flight(router) == {PREFILL: 0, DECODE: 0}
+    assert proc.pd is not None and proc.pd.handoff is not None and proc.pd.handoff.released
+
+
+@pytest.mark.parametrize("spec", [PdSpec("disaggregated"), PdSpec("aggregated")])
+def test_a_clients_prefill_dp_rank_reaches_no_sglang_engine(spec: PdSpec) -> None:
+    """SGLang's ``disagg_prefill_dp_rank`` tells the decode server which data-parallel rank of the prefill
+    server holds the KV (its OpenAI protocol: "hint telling decode which prefill DP worker has the KV
+    cache"); the gateway's pair leaves it to the room, so a client's own would send the decode to fetch
+    from a rank the client chose (and wait out SGLang's transfer timeout there)."""
+    proc, _ = make(spec, engine="sglang")
+    decided = reply(start(proc, request(disagg_prefill_dp_rank=3)))
+    sent = [decided.body] if proc.handoff is None else [decided.body, proc.handoff.body]
+    assert len(sent) == (2 if spec.mode == "disaggregated" else 1)
+    for body_sent in sent:
+        assert "disagg_prefill_dp_rank" not in orjson.loads(body_sent)

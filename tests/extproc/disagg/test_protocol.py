@@ -116,6 +116,19 @@ def test_sglang_bootstrap_fields_go_to_both() -> None:
         bootstrap_bodies(CHAT, "h", 1, MAX_ROOM + 1)
 
 
+def test_sglangs_prefill_half_goes_to_the_data_parallel_rank_its_room_names() -> None:
+    """An SGLang prefill server with data parallelism puts a request on ``routed_dp_rank`` (or the older
+    ``data_parallel_rank``) when the body names one, else on ``bootstrap_room % dp_size``, and the decode
+    server, told no ``disagg_prefill_dp_rank``, fetches the KV from the rank the room names: a client's
+    own rank on the prefill half would leave the decode waiting on the wrong rank. The decode half keeps
+    it (it picks the decode server's own rank)."""
+    request = {**CHAT, "routed_dp_rank": 1, "data_parallel_rank": 1}
+    prefill, decode = bootstrap_bodies(request, "10.0.0.7", 8998, 12344)
+    p, d = orjson.loads(prefill), orjson.loads(decode)
+    assert "routed_dp_rank" not in p and "data_parallel_rank" not in p
+    assert (d["routed_dp_rank"], d["data_parallel_rank"], d["bootstrap_room"]) == (1, 1, 12344)
+
+
 def test_parse_request() -> None:
     assert parse_request(b'{"model": "m"}') == {"model": "m"}
     with pytest.raises(HandoffFailed):

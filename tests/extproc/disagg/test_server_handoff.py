@@ -32,7 +32,8 @@ PARAMS = {
 
 
 class FakePrefill:
-    """A prefill engine: ``mode`` ``ok`` (answers with transfer params), ``fail`` (503) or ``hang``."""
+    """A prefill engine: ``mode`` ``ok`` (answers with transfer params), ``fail`` (503), ``junk`` (200
+    without them) or ``hang``."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -43,6 +44,8 @@ class FakePrefill:
         self.seen.append((await request.json(), request.headers.get("x-request-id")))
         if self.mode == "fail":
             return web.json_response({"error": {"code": 503}}, status=503)
+        if self.mode == "junk":
+            return web.json_response({"choices": []})
         if self.mode == "hang":
             await self.release.wait()
         return web.json_response({"choices": [], "kv_transfer_params": PARAMS})
@@ -132,7 +135,9 @@ async def test_prefilled_then_routed_to_the_decode_endpoint(
     assert sample(gateway, "kvgate_requests_total", outcome="routed") == 1
 
 
-@pytest.mark.parametrize(("mode", "reason"), [("fail", "status"), ("hang", "timeout")])
+@pytest.mark.parametrize(
+    ("mode", "reason"), [("fail", "status"), ("junk", "bad_response"), ("hang", "timeout")]
+)
 async def test_a_failed_or_late_prefill_is_served_aggregated(
     gateway: Gateway, prefill: tuple[FakePrefill, str], mode: str, reason: str
 ) -> None:

@@ -490,3 +490,24 @@ def test_the_model_byte_bound_evicts_as_many_as_it_takes() -> None:
     assert pushed.entry is not None and [e.payload for e in pushed.evicted] == ["c", "b"]
     assert push(q, "huge", priority=0, size=101) == Pushed(None)
     assert drain(q) == ["big", "a"]
+
+
+def test_a_flow_never_dispatched_from_keeps_no_departed_entries() -> None:
+    """A flow that stays backlogged while nothing is dispatched (an outage with a waiting room, every
+    engine saturated) sheds its requests by expiry and by clients leaving: they must not pile up behind
+    its head (each holds its stream, body and all)."""
+    q = FlowQueues[str](policy({0: BandLimits(max_wait_s=1.0)}))
+    entries: list[Entry[str]] = []
+    for i in range(2_000):
+        now = i * 0.1
+        entry = queued(q, f"r{i}", now=now)
+        entries.append(entry)
+        if i % 3 == 0:
+            assert q.remove(entry)  # its client went away
+        q.expire(now)
+    live = q.queued(M)
+    assert 0 < live <= 10
+    heap = q._models[M][0].flows["f"].heap
+    assert len(heap) <= 2 * live + 16, f"{len(heap)} heap items for {live} queued requests"
+    expected = [e.payload for e in entries if e.queued]
+    assert len(expected) == live and drain(q) == expected
