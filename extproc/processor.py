@@ -868,6 +868,12 @@ class StreamProcessor:
         if self.timeline is not None:
             self.timeline.skip()
         prefer = self._affine(request, now)
+        paired = (
+            self._disagg is not None
+            and request.kind in GENERATIVE_KINDS
+            and not (prepared.run is not None and prepared.run.gated)
+            and self._disagg.pairs(request.model)
+        )
         try:
             self.decision = self._router.decide(
                 request,
@@ -880,6 +886,7 @@ class StreamProcessor:
                 ttft_budget_s=budget,
                 timeline=self.timeline,
                 prefer=prefer,
+                paired=paired,
             )
         except Exception as exc:  # a 429/503/404 or a gateway fault: nothing was used, refund
             self._refund()

@@ -129,6 +129,12 @@ class Disaggregator:
     def apply(self, policy: PdPolicy) -> None:
         self._policy = policy
 
+    def pairs(self, model: str) -> bool:
+        """Whether a request for ``model`` may be paired with a prefill half: its serving spec is not
+        aggregated (only then may the router pick an SGLang decode server: ``routing.router.alone``)."""
+        route = self._policy.routes.get(model)
+        return route is not None and route.spec.mode != "aggregated"
+
     def queued(self) -> dict[EndpointId, int]:
         """This worker's own queued prefill tokens per endpoint (what the sibling workers are sent)."""
         return dict(self._queued)

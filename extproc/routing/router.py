@@ -99,6 +99,17 @@ MAX_OPEN_REQUESTS = 65_536
 OPEN_TTL_S = 900.0
 #: The role of endpoints that only compute prompts for a decode endpoint (:mod:`extproc.disagg`).
 PREFILL_ROLE = "prefill"
+#: ``Endpoint.engine`` of SGLang's server (``engines.sglang.KIND``).
+SGLANG = "sglang"
+
+
+def alone(state: EndpointState) -> bool:
+    """Whether the endpoint serves a request by itself, with no prefill half beside it: all but an SGLang
+    server of role decode (started with ``--disaggregation-mode decode``, it answers a request without a
+    bootstrap room 400 ``Disaggregated request received without bootstrap room id``)."""
+    return not (state.endpoint.engine == SGLANG and state.endpoint.role == "decode")
+
+
 #: Prompts a model's learned tokens-per-byte ratio averages over, about (:meth:`Router.ratio`).
 RATIO_MEMORY = 32
 #: Characters left to tokenize in a prompt's rest of the window (:attr:`LazyPrompt.chars_left`) from which
@@ -652,6 +663,7 @@ class Router:
         ttft_budget_s: float | None = None,
         timeline: Timeline | None = None,
         prefer: str | None = None,
+        paired: bool = False,
     ) -> Decision:
         """Pick endpoints for ``request``.
 
@@ -667,6 +679,9 @@ class Router:
         (the model's, the route's labels, subset and pinned) and routable now (healthy, not draining, not
         ejected), whatever flow control's room filter says (``previous_response_id`` affinity:
         :mod:`extproc.affinity`); else it changes nothing.
+        ``paired``: the decision may be paired with a prefill half (``extproc/disagg`` plans it next, its
+        model's serving spec not aggregated); only then are SGLang servers of role decode candidates, since
+        one refuses a request that comes without a bootstrap room (400).
         Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready,
         :class:`Unattainable` when every candidate is confidently predicted to miss ``ttft_budget_s``.
         """
@@ -675,8 +690,9 @@ class Router:
             raise NotFound(
                 f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
             )
-        # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them).
-        candidates = [s for s in candidates if s.endpoint.role != PREFILL_ROLE]
+        # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them), nor do
+        # SGLang decode servers unless the request may be paired.
+        candidates = [s for s in candidates if s.endpoint.role != PREFILL_ROLE and (paired or alone(s))]
         policy = self._policy
         route = policy.routes.get(request.model)
         profile = policy.profile

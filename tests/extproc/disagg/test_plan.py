@@ -67,7 +67,8 @@ def request(prompt: str) -> ParsedRequest:
 
 
 def decide(router: Router, req: ParsedRequest, rid: str = "r") -> Decision:
-    return router.decide(req, request_id=rid, now=NOW)
+    """As the processor decides a request whose model's serving spec may pair it (``paired``)."""
+    return router.decide(req, request_id=rid, now=NOW, paired=True)
 
 
 LONG = "".join(f"word{i} " for i in range(1000))  # ~7,000 bytes: ~1,700 tokens (inside the window)

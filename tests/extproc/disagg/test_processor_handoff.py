@@ -47,8 +47,10 @@ def make(
     clock: Callable[[], float] = lambda: 1000.0,
     flow: FlowControl[StreamProcessor] | None = None,
     orders: tuple[str | None, str | None] = (None, None),
+    decode_role: str = "decode",
 ) -> tuple[StreamProcessor, Router]:
-    """``orders``: the prefill and the decode endpoint's declared priority orders."""
+    """``orders``: the prefill and the decode endpoint's declared priority orders; ``decode_role``: the
+    decode endpoint's role (``both`` serves alone too)."""
     port = 8998 if engine == "sglang" and bootstrap else None
     endpoints = [
         Endpoint(
@@ -61,7 +63,7 @@ def make(
             priority_order=orders[0],
         ),
         Endpoint(
-            EndpointId("d"), DECODE, frozenset({MODEL}), engine, role="decode", priority_order=orders[1]
+            EndpointId("d"), DECODE, frozenset({MODEL}), engine, role=decode_role, priority_order=orders[1]
         ),
     ]
     if conformance:  # a second prefill endpoint, for the pin to choose between
@@ -429,9 +431,31 @@ def test_a_clients_prefill_dp_rank_reaches_no_sglang_engine(spec: PdSpec) -> Non
     server holds the KV (its OpenAI protocol: "hint telling decode which prefill DP worker has the KV
     cache"); the gateway's pair leaves it to the room, so a client's own would send the decode to fetch
     from a rank the client chose (and wait out SGLang's transfer timeout there)."""
-    proc, _ = make(spec, engine="sglang")
+    # an aggregated route's SGLang endpoint serves alone: role both (a decode server is never picked)
+    role = "decode" if spec.mode == "disaggregated" else "both"
+    proc, _ = make(spec, engine="sglang", decode_role=role)
     decided = reply(start(proc, request(disagg_prefill_dp_rank=3)))
     sent = [decided.body] if proc.handoff is None else [decided.body, proc.handoff.body]
     assert len(sent) == (2 if spec.mode == "disaggregated" else 1)
     for body_sent in sent:
         assert "disagg_prefill_dp_rank" not in orjson.loads(body_sent)
+
+
+@pytest.mark.parametrize("spec", [PdSpec("aggregated"), None])
+def test_an_sglang_decode_server_is_no_candidate_where_nothing_pairs_its_requests(
+    spec: PdSpec | None,
+) -> None:
+    """A model whose serving spec is aggregated, or that has none (a policy reload dropped it), is never
+    paired: an SGLang decode server would answer 400 (no bootstrap room), so it is not picked. With no
+    other endpoint the client gets the gateway's 503; with one, that one serves."""
+    proc, router = make(spec or PdSpec("disaggregated"), engine="sglang")
+    if spec is None:
+        proc._disagg.apply(PdPolicy())  # type: ignore[union-attr]
+    status, error, _ = refused(start(proc, request("short")))
+    assert (status, error["code"]) == (503, "no_endpoint")
+    proc.close()
+    assert in_flight(router) == {PREFILL: 0, DECODE: 0}
+    router.fleet.upsert(Endpoint(EndpointId("b"), "10.0.0.9:8000", frozenset({MODEL}), "sglang", role="both"))
+    proc = StreamProcessor(router, proc._config, lambda: 1000.0, disagg=proc._disagg)
+    decided = reply(start(proc, request("short")))
+    assert decided.destination[0] == "10.0.0.9:8000" and DECODE not in decided.destination
