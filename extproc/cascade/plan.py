@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from extproc.cascade.answer import client_answer, step_body
+from extproc.cascade.answer import client_answer, step_body, well_shaped
 from extproc.cascade.gate import Verdict, judge
 from extproc.cascade.prior import EscalationPrior, SavedPrior, features, request_text
 from extproc.cascade.spec import CascadeSpec
@@ -292,7 +292,7 @@ class Run:
             except orjson.JSONDecodeError:
                 failure = "bad_answer"
             else:
-                if not isinstance(doc, dict):
+                if not isinstance(doc, dict) or not well_shaped(doc, chat=self.chat):
                     failure = "bad_answer"
         if failure is not None or doc is None:
             self.verdicts.append((self.model, Verdict(None, False, failure or "bad_answer")))

@@ -436,3 +436,28 @@ def test_preroute_learns_only_from_verdicts_on_the_threshold(
     start(proc, request())
     proc.stepped(got, failure)
     assert cascader.priors["auto"].verdicts == counted
+
+
+def shaped_answer(**choice: Any) -> bytes:
+    """A confident step-1 answer whose choice has ``choice``'s fields (a message of some shape)."""
+    lp = {"content": [{"token": "o", "logprob": -0.1}]}
+    return orjson.dumps(
+        {"id": "c", "object": "chat.completion", "created": 1, "model": "small",
+         "choices": [{"index": 0, "logprobs": lp, "finish_reason": "stop", **choice}]}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "message",
+    ["ok", {"role": "assistant", "content": None, "tool_calls": ["x"]}, {"content": ["a"]}],
+)
+def test_a_confident_answer_of_the_wrong_shape_escalates_as_bad_answer(stream: bool, message: Any) -> None:
+    """A passing answer the client could not be given as asked (a message that is not an object, a tool
+    call that is not one: an SSE rendering of it raised, a 500) escalates, as a streamed one does."""
+    proc, router = make(SPEC)
+    start(proc, request(stream=stream))
+    decided = reply(proc.stepped(shaped_answer(message=message)))
+    assert decided.destination == [LARGE]
+    assert proc.run is not None and proc.run.verdicts[-1][1].reason == "bad_answer"
+    assert proc.answered is None and load(router) == {LARGE: (1, 1)}
