@@ -183,6 +183,15 @@ def _fits(saved: SavedPrior, spec: CascadeSpec) -> bool:
     return saved.rule == spec.rule and saved.spec == spec.preroute
 
 
+def _whole_only(client: Mapping[str, Any], *, chat: bool) -> bool:
+    """Whether ``client`` (a non-streaming client's body: a streaming one's is refused these) asks what
+    vLLM refuses with ``stream`` (400, ``extproc.routing.sampling``): ``prompt_logprobs`` (other than 0),
+    or a completion's ``use_beam_search``."""
+    if client.get("prompt_logprobs") not in (None, 0):
+        return True
+    return not chat and client.get("use_beam_search") is True
+
+
 @dataclass(frozen=True, slots=True)
 class Answered:
     """A gated step's answer passed: the client gets ``body`` (``content_type``) from step ``step``
@@ -244,8 +253,10 @@ class Run:
 
     @property
     def streamed(self) -> bool:
-        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens)."""
-        return self.spec.stat == "first_k"
+        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens), unless the
+        client's body asks what vLLM refuses streamed (:func:`_whole_only`): then sent whole, the first
+        ``k`` tokens judged on the whole answer."""
+        return self.spec.stat == "first_k" and not _whole_only(self.client, chat=self.chat)
 
     def body(self) -> bytes:
         """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""

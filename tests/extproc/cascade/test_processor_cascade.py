@@ -461,3 +461,32 @@ def test_a_confident_answer_of_the_wrong_shape_escalates_as_bad_answer(stream: b
     assert decided.destination == [LARGE]
     assert proc.run is not None and proc.run.verdicts[-1][1].reason == "bad_answer"
     assert proc.answered is None and load(router) == {LARGE: (1, 1)}
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/chat/completions", request(prompt_logprobs=1)),
+        ("/v1/completions", orjson.dumps({"model": "auto", "prompt": "hi", "prompt_logprobs": -1})),
+        ("/v1/completions", orjson.dumps({"model": "auto", "prompt": "hi", "use_beam_search": True})),
+    ],
+)
+def test_a_first_k_step_the_engine_would_refuse_streamed_is_sent_whole(path: str, payload: bytes) -> None:
+    """vLLM refuses ``prompt_logprobs`` streamed, and a completion's ``use_beam_search`` streamed (400):
+    a first_k step of a non-streaming client asking for them was streamed, refused, and escalated every
+    time. It is sent whole instead, and the gate judges the first k tokens of the whole answer."""
+    proc, _ = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    assert proc.handle(headers(path)) == []
+    proc.handle(body(payload))
+    sub = proc.cascade_step
+    assert sub is not None and not sub.stream
+    sent = orjson.loads(sub.body)
+    assert sent["stream"] is False and "stream_options" not in sent
+    chat = path == "/v1/chat/completions"
+    whole = answer(-0.1, -0.2, -3.0) if chat else orjson.dumps(
+        {"id": "c", "object": "text_completion", "created": 1, "model": "small",
+         "choices": [{"index": 0, "text": "ok", "logprobs": {"token_logprobs": [-0.1, -0.2, -3.0]},
+                      "finish_reason": "stop"}]}
+    )  # fmt: skip
+    status, hs, _, _ = immediate(proc.stepped(whole))  # only the first 2 tokens count
+    assert status == 200 and hs[CASCADE_STEP_HEADER] == "1"
