@@ -130,13 +130,24 @@ class Cascader:
         have = set(served)
         return sorted(n for n, spec in self.policy.cascades.items() if have.issuperset(spec.steps))
 
-    def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
-        """A run for a request naming ``model`` (``None``: not a virtual model). :class:`Refused`: the
-        request asks ``echo`` (the gate judges the tokens a step generates, and an answer the gateway
-        returns from a gated step cannot carry the prompt's tokens and their log-probabilities)."""
+    def start(
+        self, model: str, client: Mapping[str, Any], *, chat: bool, now: float, generative: bool = True
+    ) -> Run | None:
+        """A run for a request naming ``model`` (``None``: not a virtual model). :class:`Refused`: a request
+        of a kind the gate cannot judge (``generative`` false: anything but chat completions and
+        completions, e.g. embeddings or the Responses API, whose answers carry no ``choices`` with
+        log-probabilities), or one that asks ``echo`` (the gate judges the tokens a step generates, and an
+        answer the gateway returns from a gated step cannot carry the prompt's tokens and their
+        log-probabilities)."""
         spec = self.lookup(model)
         if spec is None:
             return None
+        if not generative:
+            raise Refused(
+                f"The cascade model {model!r} serves chat completions and completions only: its gate judges"
+                " their answers' log-probabilities. Name one of its steps instead.",
+                "model",
+            )
         if client.get("echo") is True:
             raise Refused(
                 f"'echo' is not supported with the cascade model {model!r}: its answer is judged and returned"

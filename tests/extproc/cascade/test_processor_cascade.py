@@ -490,3 +490,23 @@ def test_a_first_k_step_the_engine_would_refuse_streamed_is_sent_whole(path: str
     )  # fmt: skip
     status, hs, _, _ = immediate(proc.stepped(whole))  # only the first 2 tokens count
     assert status == 200 and hs[CASCADE_STEP_HEADER] == "1"
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/embeddings", {"model": "auto", "input": "hi"}),
+        ("/v1/responses", {"model": "auto", "input": "hi"}),
+    ],
+)
+def test_a_kind_the_gate_cannot_judge_is_a_400_on_a_cascade(path: str, payload: dict[str, Any]) -> None:
+    """An embeddings or Responses request naming the virtual model was sent as a gated step (with
+    ``logprobs`` and ``stream`` added to its body); its answer has no choices to judge, so it escalated
+    every time after paying the small step. It is refused, naming ``model``."""
+    proc, router = make(SPEC)
+    assert proc.handle(headers(path)) == []
+    status, _, text, _ = immediate(proc.handle(body(orjson.dumps(payload))))
+    error = orjson.loads(text)["error"]
+    assert status == 400 and error["param"] == "model" and error["type"] == "invalid_request_error"
+    assert "serves chat completions and completions only" in error["message"]
+    assert proc.run is None and proc.cascade_step is None and load(router) == {}
