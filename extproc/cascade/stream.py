@@ -13,8 +13,10 @@ is sent again through Envoy) stops it there too.
 finish reason; ``id``, ``created``, ``model`` of the first chunk and the ``usage`` of the last chunk that
 has one. Chat (``chat.completion.chunk``) and completions (``text_completion``) streams. A line that is
 not JSON, or a chunk of the wrong shape (a choice's ``index`` not a non-negative integer, a ``delta``, a
-tool call or its ``function`` not an object, a text not a string), makes the stream bad: :meth:`feed`
-says stop and there is no answer (the step escalates as ``bad_answer``).
+tool call or its ``function`` not an object, a text not a string), or an error event (vLLM reports a
+failure during generation inside its 200 stream: ``data: {"error": {...}}``, older ``{"object": "error",
+...}``, then ``[DONE]``), makes the stream bad: :meth:`feed` says stop and there is no answer (the step
+escalates as ``bad_answer``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ class StepStream:
         return True
 
     def _add(self, chunk: dict[str, Any]) -> bool:
-        """Fold one chunk in; false: it has the wrong shape (module docstring)."""
+        """Fold one chunk in; false: it has the wrong shape, or is an error event (module docstring)."""
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            return False  # vLLM's failure inside a 200 stream: what came before is not the whole answer
         if self._head is None:
             self._head = {k: chunk.get(k) for k in ("id", "created", "model")}
         if chunk.get("usage"):

@@ -368,3 +368,23 @@ def test_each_chunk_reads_its_own_entries_once(chat: bool, monkeypatch: pytest.M
     doc = stream.answer()
     assert doc is not None and judge(SPEC, doc) == Verdict(pytest.approx(-0.1), True, "pass")
     assert stream.verdict is None and not stream.cut  # judged whole at the end, as before
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"error": {"message": "engine failed", "type": "InternalServerError", "code": 500}},
+        {"object": "error", "message": "engine failed", "type": "BadRequestError", "code": 400},
+    ],
+)
+def test_an_error_event_mid_stream_escalates_as_bad_answer(event: dict[str, Any]) -> None:
+    """vLLM answers a failure during generation inside the 200 stream: ``data: {"error": ...}`` (older:
+    an ``"object": "error"`` body), then ``[DONE]``. The tokens before it passed the gate and the partial
+    answer went to the client as whole (no finish reason); now the stream is bad and the step escalates."""
+    r = run()
+    r.body()
+    assert r.feed(LINES[2]) and r.feed(LINES[3]) and r.feed(LINES[4])  # k = 3 tokens in: passed
+    assert r.stream is not None and r.stream.verdict is not None and r.stream.verdict.passed
+    assert not r.feed(line(event))
+    assert r.stream.bad and r.stream.answer() is None
+    assert r.judge(None) is None and r.verdicts[-1][1] == Verdict(None, False, "bad_answer")
