@@ -608,9 +608,13 @@ class StreamProcessor:
         if self._cascade is not None:  # a virtual model: routed (and tokenized) as its first step
             try:
                 run = self._cascade.start(
-                    request.model, request.body, chat=kind is Kind.CHAT, now=self._arrived
+                    request.model,
+                    request.body,
+                    chat=kind is Kind.CHAT,
+                    now=self._arrived,
+                    generative=kind in GENERATIVE_KINDS,
                 )
-            except Refused as exc:  # a request the cascade cannot serve as asked (echo)
+            except Refused as exc:  # a request the cascade cannot serve as asked (its kind, echo)
                 raise BadRequest(str(exc), param=exc.param) from None
             if run is not None:
                 request, body = rewrite_model(request, run.model)

@@ -44,6 +44,32 @@ def step_body(
     return orjson.dumps(body)
 
 
+def well_shaped(answer: Mapping[str, Any], *, chat: bool) -> bool:
+    """Whether a step's (non-streamed) answer can be returned as the client asked (:func:`client_answer`):
+    each choice an object; chat: its ``message`` an object (or null), with ``role``, ``content`` and
+    ``reasoning_content`` strings or null and ``tool_calls`` a list of objects (or null); completions: its
+    ``text`` a string or null. The streamed gate refuses the same shapes (:mod:`extproc.cascade.stream`)."""
+    choices = answer.get("choices")
+    for c in choices if isinstance(choices, list) else ():  # none: the gate finds no logprobs
+        if not isinstance(c, Mapping):
+            return False
+        if not chat:
+            if not isinstance(c.get("text"), str | None):
+                return False
+            continue
+        message = c.get("message")
+        if message is None:
+            continue
+        if not isinstance(message, Mapping):
+            return False
+        if not all(isinstance(message.get(k), str | None) for k in ("role", "content", "reasoning_content")):
+            return False
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(x, Mapping) for x in calls)):
+            return False
+    return True
+
+
 def wants_logprobs(client: Mapping[str, Any], *, chat: bool) -> bool:
     """Whether the client itself asked for log-probabilities (chat: ``logprobs`` true; completions: a
     ``logprobs`` count, 0 included)."""

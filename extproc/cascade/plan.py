@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from extproc.cascade.answer import client_answer, step_body
+from extproc.cascade.answer import client_answer, step_body, well_shaped
 from extproc.cascade.gate import Verdict, judge
 from extproc.cascade.prior import EscalationPrior, SavedPrior, features, request_text
 from extproc.cascade.spec import CascadeSpec
@@ -130,13 +130,24 @@ class Cascader:
         have = set(served)
         return sorted(n for n, spec in self.policy.cascades.items() if have.issuperset(spec.steps))
 
-    def start(self, model: str, client: Mapping[str, Any], *, chat: bool, now: float) -> Run | None:
-        """A run for a request naming ``model`` (``None``: not a virtual model). :class:`Refused`: the
-        request asks ``echo`` (the gate judges the tokens a step generates, and an answer the gateway
-        returns from a gated step cannot carry the prompt's tokens and their log-probabilities)."""
+    def start(
+        self, model: str, client: Mapping[str, Any], *, chat: bool, now: float, generative: bool = True
+    ) -> Run | None:
+        """A run for a request naming ``model`` (``None``: not a virtual model). :class:`Refused`: a request
+        of a kind the gate cannot judge (``generative`` false: anything but chat completions and
+        completions, e.g. embeddings or the Responses API, whose answers carry no ``choices`` with
+        log-probabilities), or one that asks ``echo`` (the gate judges the tokens a step generates, and an
+        answer the gateway returns from a gated step cannot carry the prompt's tokens and their
+        log-probabilities)."""
         spec = self.lookup(model)
         if spec is None:
             return None
+        if not generative:
+            raise Refused(
+                f"The cascade model {model!r} serves chat completions and completions only: its gate judges"
+                " their answers' log-probabilities. Name one of its steps instead.",
+                "model",
+            )
         if client.get("echo") is True:
             raise Refused(
                 f"'echo' is not supported with the cascade model {model!r}: its answer is judged and returned"
@@ -181,6 +192,15 @@ def _fits(saved: SavedPrior, spec: CascadeSpec) -> bool:
     """Whether ``saved`` learnt what a learner of ``spec`` learns: verdicts under the same rule (first
     step and gate) and the same ``preroute``."""
     return saved.rule == spec.rule and saved.spec == spec.preroute
+
+
+def _whole_only(client: Mapping[str, Any], *, chat: bool) -> bool:
+    """Whether ``client`` (a non-streaming client's body: a streaming one's is refused these) asks what
+    vLLM refuses with ``stream`` (400, ``extproc.routing.sampling``): ``prompt_logprobs`` (other than 0),
+    or a completion's ``use_beam_search``."""
+    if client.get("prompt_logprobs") not in (None, 0):
+        return True
+    return not chat and client.get("use_beam_search") is True
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +264,10 @@ class Run:
 
     @property
     def streamed(self) -> bool:
-        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens)."""
-        return self.spec.stat == "first_k"
+        """Whether the gated steps are read as streams (``first_k``: decided after ``k`` tokens), unless the
+        client's body asks what vLLM refuses streamed (:func:`_whole_only`): then sent whole, the first
+        ``k`` tokens judged on the whole answer."""
+        return self.spec.stat == "first_k" and not _whole_only(self.client, chat=self.chat)
 
     def body(self) -> bytes:
         """The current gated step's request body (a ``first_k`` gate: streamed, read by :meth:`feed`)."""
@@ -292,7 +314,7 @@ class Run:
             except orjson.JSONDecodeError:
                 failure = "bad_answer"
             else:
-                if not isinstance(doc, dict):
+                if not isinstance(doc, dict) or not well_shaped(doc, chat=self.chat):
                     failure = "bad_answer"
         if failure is not None or doc is None:
             self.verdicts.append((self.model, Verdict(None, False, failure or "bad_answer")))

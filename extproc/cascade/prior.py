@@ -73,6 +73,8 @@ class PrerouteSpec:
             raise ConfigError(f"min_seen must be an integer >= 1, got {self.min_seen}")
         if not 0 <= self.explore < 1:
             raise ConfigError(f"explore must be in [0, 1), got {self.explore}")
+        if self.explore > 0 and not math.isfinite(1 / self.explore):  # one in round(1 / explore): skip()
+            raise ConfigError(f"explore must be 0 or have a finite 1 / explore, got {self.explore}")
 
     def to_json(self) -> dict[str, object]:
         return {"above": self.above, "min_seen": self.min_seen, "explore": self.explore}

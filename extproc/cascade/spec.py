@@ -8,7 +8,8 @@
 gated. ``gate``: ``logprob`` (the only gate). ``threshold``: a log-probability in nats (finite, <= 0); a
 step's answer passes when its statistic is at least this. ``stat``: ``mean``, ``min`` or ``first_k`` (then
 ``k``, an integer >= 1, is required; elsewhere it is refused). ``timeout_s``: the bound on each gated
-step's sub-request (past it the request escalates), in (0, :data:`MAX_TIMEOUT_S`]. ``preroute``
+step's sub-request (past it the request escalates), in (0, :data:`MAX_TIMEOUT_S`], and the gated steps'
+bounds together too (Envoy's message timeout is extended once, for every gated step). ``preroute``
 (optional, an object, see :mod:`extproc.cascade.prior`): requests the gateway predicts the gate would
 escalate go straight to the last step. ``replay`` (optional, a boolean, ``false`` by default; ``stat``
 ``first_k`` only): a streaming client's request that passes the gate on its first ``k`` tokens is sent
@@ -69,6 +70,12 @@ class CascadeSpec:
             raise ConfigError(
                 f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] (the step's Envoy message timeout,"
                 f" timeout_s + 5 s, stays within Envoy's 600 s cap), got {self.timeout_s:g}"
+            )
+        gated = len(self.steps) - 1
+        if gated > 1 and gated * self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"{gated} gated steps x timeout_s must be <= {MAX_TIMEOUT_S:g} s (Envoy's one message timeout"
+                f" extension covers every gated step, within its 600 s cap), got {gated} x {self.timeout_s:g}"
             )
         if self.replay and self.stat != "first_k":
             raise ConfigError(f"replay applies to stat first_k only (stat is {self.stat!r})")

@@ -13,8 +13,10 @@ is sent again through Envoy) stops it there too.
 finish reason; ``id``, ``created``, ``model`` of the first chunk and the ``usage`` of the last chunk that
 has one. Chat (``chat.completion.chunk``) and completions (``text_completion``) streams. A line that is
 not JSON, or a chunk of the wrong shape (a choice's ``index`` not a non-negative integer, a ``delta``, a
-tool call or its ``function`` not an object, a text not a string), makes the stream bad: :meth:`feed`
-says stop and there is no answer (the step escalates as ``bad_answer``).
+tool call or its ``function`` not an object, a text not a string), or an error event (vLLM reports a
+failure during generation inside its 200 stream: ``data: {"error": {...}}``, older ``{"object": "error",
+...}``, then ``[DONE]``), makes the stream bad: :meth:`feed` says stop and there is no answer (the step
+escalates as ``bad_answer``).
 """
 
 from __future__ import annotations
@@ -37,16 +39,25 @@ class _Choice:
     logprobs: list[Any] | None = None  # chat: content entries
     text_logprobs: dict[str, list[Any]] | None = None  # completions: parallel lists
     finish_reason: str | None = None
+    #: The sampled tokens' log-probabilities so far, read as they come (:meth:`read`).
+    numbers: list[float] = field(default_factory=list)
+    #: An entry was not a number nor null (:func:`~extproc.cascade.gate.token_values`).
+    unreadable: bool = False
+
+    def read(self, entries: list[Any]) -> None:
+        """Add a chunk's log-probability entries (nulls skipped) to :attr:`numbers`, once: a chunk costs
+        its own entries, not the stream's so far (a long choice was quadratic on the event loop)."""
+        numbers = token_values(entries)
+        if numbers is None:
+            self.unreadable = True
+        else:
+            self.numbers.extend(numbers)
 
     def values(self) -> list[float] | None:
         """The sampled tokens' log-probabilities so far, read as the buffered gate reads them
         (:func:`~extproc.cascade.gate.token_values`: nulls skipped; ``None``: an entry that is not a
         number)."""
-        if self.logprobs is not None:
-            return token_values([entry_logprob(e) for e in self.logprobs])
-        if self.text_logprobs is not None:
-            return token_values(self.text_logprobs.get("token_logprobs", []))
-        return []
+        return None if self.unreadable else self.numbers
 
 
 class StepStream:
@@ -97,7 +108,7 @@ class StepStream:
         per = [c.values() for c in self._choices.values()]
         if not all(v is None or len(v) >= self._k for v in per):
             return True
-        stats = [None if v is None else statistic(v, "first_k", self._k) for v in per]
+        stats = [None if v is None else statistic(v[: self._k], "first_k", self._k) for v in per]
         if any(s is None for s in stats):
             return True  # judged at the end (as no_logprobs)
         worst = min(s for s in stats if s is not None)
@@ -111,7 +122,9 @@ class StepStream:
         return True
 
     def _add(self, chunk: dict[str, Any]) -> bool:
-        """Fold one chunk in; false: it has the wrong shape (module docstring)."""
+        """Fold one chunk in; false: it has the wrong shape, or is an error event (module docstring)."""
+        if chunk.get("error") is not None or chunk.get("object") == "error":
+            return False  # vLLM's failure inside a 200 stream: what came before is not the whole answer
         if self._head is None:
             self._head = {k: chunk.get(k) for k in ("id", "created", "model")}
         if chunk.get("usage"):
@@ -146,7 +159,10 @@ class StepStream:
                     if not _merge_call(choice.calls, call):
                         return False
                 if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                    choice.logprobs = [*(choice.logprobs or []), *lp["content"]]
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(lp["content"])
+                    choice.read([entry_logprob(e) for e in lp["content"]])
             else:
                 if not _texts(c, "text"):
                     return False
@@ -156,7 +172,9 @@ class StepStream:
                     merged = choice.text_logprobs or {}
                     for key, values in lp.items():
                         if isinstance(values, list):
-                            merged[key] = [*merged.get(key, []), *values]
+                            merged.setdefault(key, []).extend(values)
+                            if key == "token_logprobs":
+                                choice.read(values)
                     choice.text_logprobs = merged
         return True
 

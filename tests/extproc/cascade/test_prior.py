@@ -37,6 +37,7 @@ def test_a_preroute_is_parsed(value: dict[str, Any], expected: PrerouteSpec) -> 
         ({"min_seen": 2.5}, "expected an integer"),
         ({"explore": 1}, "explore must be in [0, 1)"),
         ({"explore": -0.1}, "explore must be in [0, 1)"),
+        ({"explore": 1e-310}, "explore must be 0 or have a finite 1 / explore"),  # skip() raised, a 500
         ({"warmup": 3}, "unknown key(s) warmup"),
     ],
 )

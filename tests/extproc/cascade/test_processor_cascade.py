@@ -436,3 +436,77 @@ def test_preroute_learns_only_from_verdicts_on_the_threshold(
     start(proc, request())
     proc.stepped(got, failure)
     assert cascader.priors["auto"].verdicts == counted
+
+
+def shaped_answer(**choice: Any) -> bytes:
+    """A confident step-1 answer whose choice has ``choice``'s fields (a message of some shape)."""
+    lp = {"content": [{"token": "o", "logprob": -0.1}]}
+    return orjson.dumps(
+        {"id": "c", "object": "chat.completion", "created": 1, "model": "small",
+         "choices": [{"index": 0, "logprobs": lp, "finish_reason": "stop", **choice}]}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "message",
+    ["ok", {"role": "assistant", "content": None, "tool_calls": ["x"]}, {"content": ["a"]}],
+)
+def test_a_confident_answer_of_the_wrong_shape_escalates_as_bad_answer(stream: bool, message: Any) -> None:
+    """A passing answer the client could not be given as asked (a message that is not an object, a tool
+    call that is not one: an SSE rendering of it raised, a 500) escalates, as a streamed one does."""
+    proc, router = make(SPEC)
+    start(proc, request(stream=stream))
+    decided = reply(proc.stepped(shaped_answer(message=message)))
+    assert decided.destination == [LARGE]
+    assert proc.run is not None and proc.run.verdicts[-1][1].reason == "bad_answer"
+    assert proc.answered is None and load(router) == {LARGE: (1, 1)}
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/chat/completions", request(prompt_logprobs=1)),
+        ("/v1/completions", orjson.dumps({"model": "auto", "prompt": "hi", "prompt_logprobs": -1})),
+        ("/v1/completions", orjson.dumps({"model": "auto", "prompt": "hi", "use_beam_search": True})),
+    ],
+)
+def test_a_first_k_step_the_engine_would_refuse_streamed_is_sent_whole(path: str, payload: bytes) -> None:
+    """vLLM refuses ``prompt_logprobs`` streamed, and a completion's ``use_beam_search`` streamed (400):
+    a first_k step of a non-streaming client asking for them was streamed, refused, and escalated every
+    time. It is sent whole instead, and the gate judges the first k tokens of the whole answer."""
+    proc, _ = make(CascadeSpec(("small", "large"), -0.5, "first_k", 2))
+    assert proc.handle(headers(path)) == []
+    proc.handle(body(payload))
+    sub = proc.cascade_step
+    assert sub is not None and not sub.stream
+    sent = orjson.loads(sub.body)
+    assert sent["stream"] is False and "stream_options" not in sent
+    chat = path == "/v1/chat/completions"
+    whole = answer(-0.1, -0.2, -3.0) if chat else orjson.dumps(
+        {"id": "c", "object": "text_completion", "created": 1, "model": "small",
+         "choices": [{"index": 0, "text": "ok", "logprobs": {"token_logprobs": [-0.1, -0.2, -3.0]},
+                      "finish_reason": "stop"}]}
+    )  # fmt: skip
+    status, hs, _, _ = immediate(proc.stepped(whole))  # only the first 2 tokens count
+    assert status == 200 and hs[CASCADE_STEP_HEADER] == "1"
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/embeddings", {"model": "auto", "input": "hi"}),
+        ("/v1/responses", {"model": "auto", "input": "hi"}),
+    ],
+)
+def test_a_kind_the_gate_cannot_judge_is_a_400_on_a_cascade(path: str, payload: dict[str, Any]) -> None:
+    """An embeddings or Responses request naming the virtual model was sent as a gated step (with
+    ``logprobs`` and ``stream`` added to its body); its answer has no choices to judge, so it escalated
+    every time after paying the small step. It is refused, naming ``model``."""
+    proc, router = make(SPEC)
+    assert proc.handle(headers(path)) == []
+    status, _, text, _ = immediate(proc.handle(body(orjson.dumps(payload))))
+    error = orjson.loads(text)["error"]
+    assert status == 400 and error["param"] == "model" and error["type"] == "invalid_request_error"
+    assert "serves chat completions and completions only" in error["message"]
+    assert proc.run is None and proc.cascade_step is None and load(router) == {}

@@ -28,6 +28,8 @@ def test_first_k_with_k() -> None:
     spec = parse_cascade({**GOOD, "stat": "first_k", "k": 8, "timeout_s": 5}, "w", "auto")
     assert (spec.stat, spec.k, spec.timeout_s) == ("first_k", 8, 5.0)
     assert parse_cascade({**GOOD, "timeout_s": 595}, "w", "auto").timeout_s == 595.0  # + 5 s: Envoy's cap
+    three = {**GOOD, "steps": ["s", "m", "l"], "timeout_s": 297.5}  # both gated steps in one extension
+    assert parse_cascade(three, "w", "auto").timeout_s == 297.5
     assert spec.to_json()["k"] == 8
     assert not spec.replay and "replay" not in spec.to_json()
 
@@ -66,6 +68,10 @@ def test_replay_with_first_k() -> None:
         ({**GOOD, "timeout_s": 595.5}, "timeout_s must be in (0, 595]"),
         ({**GOOD, "timeout_s": 600}, "timeout_s must be in (0, 595]"),
         ({**GOOD, "timeout_s": 601}, "timeout_s must be in (0, 595]"),
+        # Envoy takes one message-timeout extension (capped at 600 s) for every gated step: past it, Envoy
+        # ended the request while a later step could still answer or escalate.
+        ({**GOOD, "steps": ["s", "m", "l"], "timeout_s": 300}, "2 gated steps x timeout_s must be <= 595"),
+        ({**GOOD, "steps": ["s", "m", "x", "l"], "timeout_s": 200}, "3 gated steps x timeout_s must be"),
         ({**GOOD, "replay": True}, "replay applies to stat first_k only"),
         ({**GOOD, "stat": "min", "replay": True}, "replay applies to stat first_k only"),
         ({**GOOD, "stat": "first_k", "k": 4, "replay": 1}, "replay: expected true or false"),

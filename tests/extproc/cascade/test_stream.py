@@ -335,3 +335,56 @@ def test_a_replay_run_keeps_the_clients_seed_and_leaves_a_non_streaming_client_a
     plain = Cascader(CascadePolicy(types.MappingProxyType({"auto": SPEC})))
     r = plain.start("auto", {"model": "auto", "stream": True}, chat=True, now=0.0)
     assert r is not None and r.seed is None and "seed" not in orjson.loads(r.body())
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_each_chunk_reads_its_own_entries_once(chat: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n = 2, choice 0 ends with fewer than k tokens (the verdict waits for the end) while choice 1 goes
+    on: each chunk's log-probabilities are read once, not every entry so far at every chunk (quadratic
+    on the event loop: a 2,000-token choice took seconds)."""
+    import extproc.cascade.stream as stream_module
+
+    read: list[int] = []
+    real = stream_module.token_values
+
+    def counted(entries: list[Any]) -> list[float] | None:
+        read.append(len(entries))
+        return real(entries)
+
+    monkeypatch.setattr(stream_module, "token_values", counted)
+
+    def text(values: list[float], index: int, finish: str | None = None) -> bytes:
+        lp = {"tokens": ["t"] * len(values), "token_logprobs": values}
+        choice = {"index": index, "text": "t", "logprobs": lp, "finish_reason": finish}
+        doc = {"id": "c", "object": "text_completion", "created": 5, "model": "small", "choices": [choice]}
+        return line(doc)
+
+    tokens = 500
+    first = chunk({"content": "a"}, [-0.1], "stop") if chat else text([-0.1], 0, "stop")
+    rest = [chunk({"content": "b"}, [-0.1], index=1) if chat else text([-0.1], 1) for _ in range(tokens)]
+    stream = StepStream(SPEC, chat=chat, n=2)
+    assert feed(stream, [first, *rest]) == tokens + 1
+    assert sum(read) <= 2 * (tokens + 1)  # linear in the entries (was ~tokens^2 / 2)
+    doc = stream.answer()
+    assert doc is not None and judge(SPEC, doc) == Verdict(pytest.approx(-0.1), True, "pass")
+    assert stream.verdict is None and not stream.cut  # judged whole at the end, as before
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"error": {"message": "engine failed", "type": "InternalServerError", "code": 500}},
+        {"object": "error", "message": "engine failed", "type": "BadRequestError", "code": 400},
+    ],
+)
+def test_an_error_event_mid_stream_escalates_as_bad_answer(event: dict[str, Any]) -> None:
+    """vLLM answers a failure during generation inside the 200 stream: ``data: {"error": ...}`` (older:
+    an ``"object": "error"`` body), then ``[DONE]``. The tokens before it passed the gate and the partial
+    answer went to the client as whole (no finish reason); now the stream is bad and the step escalates."""
+    r = run()
+    r.body()
+    assert r.feed(LINES[2]) and r.feed(LINES[3]) and r.feed(LINES[4])  # k = 3 tokens in: passed
+    assert r.stream is not None and r.stream.verdict is not None and r.stream.verdict.passed
+    assert not r.feed(line(event))
+    assert r.stream.bad and r.stream.answer() is None
+    assert r.judge(None) is None and r.verdicts[-1][1] == Verdict(None, False, "bad_answer")
