@@ -352,6 +352,11 @@ class StreamProcessor:
         self._held_at = 0
 
     @property
+    def kind(self) -> Kind | None:
+        """The request's kind, from its path (``None``: not a routed path, or no headers yet)."""
+        return route_kind(self._headers.get(":path", "/"))
+
+    @property
     def receiving(self) -> bool:
         """Whether the request's body is still coming: its decision is not made yet."""
         return self._phase is Phase.BODY
