@@ -4,12 +4,13 @@ Every failure a client can cause or observe is a :class:`GatewayError`. Exactly 
 (:mod:`extproc.processor`) turns it into an Envoy ImmediateResponse carrying an OpenAI-style JSON
 error body; nothing else formats errors for clients.
 
-    GatewayError                 status, OpenAI ``type`` and ``code``
+    GatewayError                 status, OpenAI ``type`` and ``code`` (OpenAI's own ``type`` per status:
+                                 ``invalid_request_error`` for a 400, 401 and 404 alike)
     ├── BadRequest               400 invalid_request_error (bad JSON, wrong types, non-UTF-8, ...)
     │   └── ContextLengthExceeded    code context_length_exceeded (the prompt fills the context)
-    ├── Unauthorized             401 authentication_error
+    ├── Unauthorized             401 invalid_request_error (OpenAI's, e.g. code invalid_api_key)
     ├── Forbidden                403 permission_error
-    ├── NotFound                 404 not_found_error (unknown model or path)
+    ├── NotFound                 404 invalid_request_error (unknown model: code model_not_found; path)
     ├── PayloadTooLarge          413 invalid_request_error
     ├── TooManyRequests          429 rate_limit_error (flow control, token budget; Retry-After)
     └── Unavailable              503 service_unavailable (no ready endpoint)
@@ -64,8 +65,10 @@ class ContextLengthExceeded(BadRequest):
 
 
 class Unauthorized(GatewayError):
+    """OpenAI answers a bad key 401 with ``type`` ``invalid_request_error`` (code ``invalid_api_key``)."""
+
     status = 401
-    error_type = "authentication_error"
+    error_type = "invalid_request_error"
 
 
 class Forbidden(GatewayError):
@@ -74,8 +77,11 @@ class Forbidden(GatewayError):
 
 
 class NotFound(GatewayError):
+    """OpenAI answers an unknown model 404 with ``type`` ``invalid_request_error`` (code
+    ``model_not_found``)."""
+
     status = 404
-    error_type = "not_found_error"
+    error_type = "invalid_request_error"
 
 
 class PayloadTooLarge(GatewayError):

@@ -337,7 +337,8 @@ class StreamProcessor:
         #: The request's completion was reported to the router from this stream (:meth:`_response_end`).
         self._ended = False
         self._headers: dict[str, str] = {}
-        #: The id the router keeps a request without ``x-request-id`` under (:meth:`_router_id`).
+        #: The id the router keeps this stream's request under when not its ``x-request-id`` (absent, or
+        #: another stream's request already holds it: :meth:`_router_id`).
         self._anonymous: str | None = None
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
@@ -349,6 +350,11 @@ class StreamProcessor:
         #: nothing is recorded).
         self.timeline: Timeline | None = None
         self._held_at = 0
+
+    @property
+    def kind(self) -> Kind | None:
+        """The request's kind, from its path (``None``: not a routed path, or no headers yet)."""
+        return route_kind(self._headers.get(":path", "/"))
 
     @property
     def receiving(self) -> bool:
@@ -373,11 +379,20 @@ class StreamProcessor:
         """The id the router keeps the decided request under until its completion
         (:meth:`Router.completed`): :attr:`request_id`, or for a request without ``x-request-id`` an
         unguessable one of its own (``-`` and 16 hex digits), so requests without an id never share one
-        (each is outstanding at its endpoint until its own end)."""
-        if "x-request-id" in self._headers:
-            return self.request_id
-        if self._anonymous is None:
+        (each is outstanding at its endpoint until its own end). Likewise when another stream's request
+        still holds its ``x-request-id`` (a gateway that keeps the clients' ids; the bundled Envoy writes
+        a fresh one for each request): the id, ``-`` and 16 hex digits, this stream's own; its end
+        completes it (a completion log entry naming the id ends the other stream's request)."""
+        if self._anonymous is not None:
+            return self._anonymous
+        if "x-request-id" not in self._headers:
             self._anonymous = f"-{secrets.token_hex(8)}"
+        elif self._router.routing(self.request_id) and (
+            self.decision is None or self.decision.request_id != self.request_id
+        ):
+            self._anonymous = f"{self.request_id}-{secrets.token_hex(8)}"
+        else:
+            return self.request_id
         return self._anonymous
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

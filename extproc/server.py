@@ -78,6 +78,7 @@ from extproc.models.registry import ModelRegistry
 from extproc.models.tokenizer import CacheLimits
 from extproc.overload.gate import DecisionGate, LagMeter
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room, overloaded, routable
+from extproc.routing.request import Kind
 from extproc.routing.router import Decision, Router
 from extproc.status.http import StatusServer
 from extproc.status.peers import StatusPeers
@@ -465,12 +466,24 @@ def _request_span(
     return span
 
 
+#: OpenTelemetry's GenAI ``gen_ai.operation.name`` of each request kind with a well-known value in the
+#: semantic conventions' registry (``chat``, ``text_completion``, ``embeddings``); the others get none.
+GEN_AI_OPERATIONS = {Kind.CHAT: "chat", Kind.COMPLETION: "text_completion", Kind.EMBEDDING: "embeddings"}
+
+
 def _end_request_span(tracer: Tracer, span: Span, proc: StreamProcessor, status: int) -> None:
     """End a traced request's span: its phases as children, and what was decided (model, endpoint ids,
-    block counts, statuses: never the prompt, its tokens or any header's value)."""
+    block counts, statuses: never the prompt, its tokens or any header's value), with OpenTelemetry's
+    GenAI attributes for the model, the operation and (counted exactly) the prompt's token count."""
     timeline = proc.timeline
     decision = proc.decision
     if decision is not None:
+        span.set_attribute("gen_ai.request.model", decision.model)
+        operation = GEN_AI_OPERATIONS.get(proc.kind) if proc.kind is not None else None
+        if operation is not None:
+            span.set_attribute("gen_ai.operation.name", operation)
+        if decision.counted:  # an estimate is no usage
+            span.set_attribute("gen_ai.usage.input_tokens", decision.prompt_tokens)
         span.set_attribute("kvgate.model", decision.model)
         span.set_attribute("kvgate.endpoint", str(decision.endpoints[0].id))
         span.set_attribute("kvgate.matched_blocks", decision.matched_blocks)

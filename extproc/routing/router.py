@@ -917,6 +917,10 @@ class Router:
             del opened[oldest_id]
             oldest.outstanding -= 1
 
+    def routing(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a request this router routed and has not seen complete."""
+        return request_id in self._open
+
     def completed(self, request_id: str, now: float) -> EndpointState | None:
         """Envoy reported that ``request_id`` ended at its engine (a completion log entry, or the
         response's end on the request's ext_proc stream behind a gateway without that log; monotonic

@@ -56,6 +56,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from contracts.errors import ConfigError
+from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
@@ -90,6 +91,16 @@ STRIPPED_REQUEST_HEADERS = (
     MIGRATION_LIMIT_HEADER,
     # What is left of the request's TTFT deadline (extproc/flow): set by the ext_proc only when it has one.
     TTFT_DEADLINE_UPSTREAM,
+    # Federation's (extproc/federation): set by a forwarding ext_proc only; the federation listener keeps
+    # a linked peer's hop and salted flag (kvgate/envoy/federation.py). With or without federation no
+    # client's copy reaches the ext_proc or an engine.
+    HOP_HEADER,
+    PEER_HEADER,
+    SALTED_HEADER,
+    # Response-only names (a cascade step, a peer's refusal; and x-kvgate-endpoint where the config adds
+    # it, render()): no engine needs a client's copy.
+    CASCADE_STEP_HEADER,
+    REFUSED_HEADER,
 )
 
 #: Credential headers: removed from every request at the router (after the ext_proc read them), so no engine
@@ -388,7 +399,11 @@ def render(params: EnvoyParams) -> dict[str, Any]:
             },
         },
     }
-    stripped = STRIPPED_REQUEST_HEADERS + (("x-forwarded-for",) if params.trusted_hops == 0 else ())
+    stripped = (
+        STRIPPED_REQUEST_HEADERS
+        + ((ENDPOINT_HEADER,) if params.endpoint_header else ())
+        + (("x-forwarded-for",) if params.trusted_hops == 0 else ())
+    )
     hcm = {
         "@type": _HCM,
         "stat_prefix": "openai",

@@ -30,7 +30,7 @@ from typing import Any
 
 from certs.authority import identity_uri
 from contracts.epp import ENGINES_CLUSTER, TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
 PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
@@ -127,9 +127,8 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
             typed = f["typed_config"]
             typed["request_attributes"] = [*typed.get("request_attributes", []), PEER_ATTRIBUTE]
     peer_listener = copy.deepcopy(openai)
-    # The OpenAI listener: a client's hop, peer or salted header is dropped before any filter.
-    strip = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    strip.extend({"remove": h} for h in (HOP_HEADER, PEER_HEADER, SALTED_HEADER))
+    # The OpenAI listener drops a client's hop, peer or salted header before any filter (the bootstrap's
+    # STRIPPED_REQUEST_HEADERS, with or without federation).
     # A peer's refusal of a forwarded request (its trust, tenant, budget or rate) goes on to the local pick.
     for retry in _engine_retry_policies(hcm):  # (routes may share one policy: added once)
         if "retriable-headers" not in retry["retry_on"].split(","):
@@ -152,9 +151,9 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                 }
             )
-    kept = {HOP_HEADER, TENANT_HEADER}
+    kept = {HOP_HEADER, TENANT_HEADER, SALTED_HEADER}
     mutations = peer_hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    mutations[:] = [m for m in mutations if m["remove"] not in kept] + [{"remove": PEER_HEADER}]
+    mutations[:] = [m for m in mutations if m["remove"] not in kept]  # (the peer header stays dropped)
     peer_listener["name"] = LISTENER
     peer_listener["address"] = {"socket_address": {"address": fed.listen_host, "port_value": fed.listen_port}}
     downstream = {

@@ -114,11 +114,11 @@ def error(resp: httpx.Response, status: int, kind: str) -> dict[str, Any]:
 
 
 def test_no_credentials_is_401(gw: Stack) -> None:
-    err = error(post(gw, None), 401, "authentication_error")
+    err = error(post(gw, None), 401, "invalid_request_error")
     assert err["code"] == "missing_credentials"
-    error(post(gw, None, headers={"x-kvgate-tenant": "acme"}), 401, "authentication_error")
+    error(post(gw, None, headers={"x-kvgate-tenant": "acme"}), 401, "invalid_request_error")
     resp = httpx.get(f"{gw.url}/v1/models")
-    error(resp, 401, "authentication_error")
+    error(resp, 401, "invalid_request_error")
 
 
 def test_valid_token_via_the_openai_sdk(gw: Stack) -> None:
@@ -181,7 +181,7 @@ def forged(gw: Stack, kind: str) -> str:
     ],
 )
 def test_bad_tokens_are_401(gw: Stack, kind: str) -> None:
-    err = error(post(gw, forged(gw, kind)), 401, "authentication_error")
+    err = error(post(gw, forged(gw, kind)), 401, "invalid_request_error")
     assert err["code"] == "invalid_token"
 
 
@@ -238,11 +238,11 @@ def test_api_keys_valid_then_revoked_at_once(gw: Stack) -> None:
     )
     assert reply.choices[0].message.content
     apikey.revoke(keys_file, record.id, int(time.time()))
-    err = error(post(gw, key), 401, "authentication_error")  # the very next request
+    err = error(post(gw, key), 401, "invalid_request_error")  # the very next request
     assert err["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": MARKER}])
-    error(post(gw, "sk-kvg-not-a-real-key"), 401, "authentication_error")
+    error(post(gw, "sk-kvg-not-a-real-key"), 401, "invalid_request_error")
 
 
 def test_no_prompt_token_or_key_in_any_log(gw: Stack) -> None:

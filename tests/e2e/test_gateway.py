@@ -116,7 +116,7 @@ async def test_async_and_streaming(stack: Stack) -> None:
         (
             json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
             404,
-            "not_found_error",
+            "invalid_request_error",
         ),
         (
             json.dumps(

@@ -103,5 +103,5 @@ def test_unknown_model_is_a_404_that_reaches_no_engine(llama: Stack) -> None:
     assert resp.status_code == 404, resp.text
     assert resp.headers["content-type"] == "application/json"
     error = resp.json()["error"]
-    assert error["type"] == "not_found_error" and "no-such-model" in error["message"]
+    assert error["type"] == "invalid_request_error" and "no-such-model" in error["message"]
     assert counters(llama) == before

@@ -128,7 +128,7 @@ async def test_refused_at_the_headers(
         await run(gateway, [headers_msg("/v1/chat/completions", extra=extra, metadata=metadata)])
     )
     assert (got, err["error"]["code"]) == (status, code)
-    assert err["error"]["type"] == ("authentication_error" if status == 401 else "permission_error")
+    assert err["error"]["type"] == ("invalid_request_error" if status == 401 else "permission_error")
 
 
 async def test_model_outside_scope_is_403(gateway: Gateway) -> None:

@@ -97,7 +97,7 @@ def test_probes_answer_200_without_routing(router: Router, path: str, method: st
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
 def test_probes_take_get_and_head_only(router: Router, path: str, method: str) -> None:
     status, err, _ = error(probe(processor(router), path, method))
-    assert (status, err["type"], err["message"]) == (404, "not_found_error", f"Use GET for {path}.")
+    assert (status, err["type"], err["message"]) == (404, "invalid_request_error", f"Use GET for {path}.")
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/health/", "/v1/health", "/ready/x"])

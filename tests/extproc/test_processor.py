@@ -1054,6 +1054,28 @@ def test_requests_without_an_id_are_each_outstanding(router: Router) -> None:
     assert outstanding(router) == {ADDRESSES[1]: 2} and completions(router) == {ADDRESSES[1]: 1}
 
 
+def test_two_streams_with_one_client_id_are_each_outstanding(router: Router) -> None:
+    """A gateway that keeps the clients' ``x-request-id`` (the bundled Envoy replaces it): two streams
+    sending the same id are still two requests to the router. The second's routing never takes the first's
+    outstanding slot, and each one's end completes its own request at its own endpoint."""
+    procs = [processor(router, conformance=True) for _ in range(2)]
+    for i, (proc, address) in enumerate(zip(procs, ADDRESSES[:2], strict=True)):
+        msg = gateway_headers(request_id="same")  # each pinned to its own endpoint
+        msg.request_headers.headers.headers.add(key=CONFORMANCE_HEADER, raw_value=address.encode())
+        assert proc.handle(msg) == []
+        assert reply(proc.handle(body(chat(f"question {i}")))).destination[0] == address
+        assert proc.request_id == "same"  # logged as sent
+    assert outstanding(router) == {ADDRESSES[0]: 1, ADDRESSES[1]: 1}
+    for msg in END_BY_BODY:
+        procs[0].handle(msg)
+    procs[0].close()
+    assert outstanding(router) == {ADDRESSES[1]: 1} and completions(router) == {ADDRESSES[0]: 1}
+    for msg in END_BY_BODY:
+        procs[1].handle(msg)
+    procs[1].close()
+    assert outstanding(router) == {} and completions(router) == {ADDRESSES[0]: 1, ADDRESSES[1]: 1}
+
+
 @pytest.mark.parametrize(
     ("mode", "echoed"),
     [

@@ -58,7 +58,7 @@ def test_a_forged_request_id_is_logged_as_a_safe_token(
     request_id, line = rejected_log(assets, forged, caplog)
     assert SAFE.fullmatch(request_id), request_id
     assert request_id.startswith("invalid-")
-    assert line == f"request {request_id}: rejected 404 not_found_error"
+    assert line == f"request {request_id}: rejected 404 invalid_request_error"
     assert "FORGED" not in line and "evil" not in line and "\n" not in line and "\x1b" not in line
     # The same forged id always maps to the same token (one request's lines stay correlated).
     assert rejected_log(assets, forged, caplog)[0] == request_id
@@ -69,4 +69,4 @@ def test_a_well_formed_request_id_is_logged_as_sent(
     assets: ModelAssets, caplog: pytest.LogCaptureFixture, good: str
 ) -> None:
     request_id, line = rejected_log(assets, good, caplog)
-    assert request_id == good and line == f"request {good}: rejected 404 not_found_error"
+    assert request_id == good and line == f"request {good}: rejected 404 invalid_request_error"

@@ -366,7 +366,7 @@ async def test_bodyless_requests(gateway: Gateway) -> None:
     assert imm.status.code == 200
     assert {m["id"] for m in orjson.loads(imm.body)["data"]} == {MODEL, "other-model"}
     status, err = error_of(await run(gateway, [headers_msg("/admin", method="GET", end=True)]))
-    assert status == 404 and err["error"]["type"] == "not_found_error"
+    assert status == 404 and err["error"]["type"] == "invalid_request_error"
     status, _ = error_of(await run(gateway, [headers_msg("/v1/chat/completions", end=True)]))
     assert status == 400
 

@@ -4,6 +4,7 @@ routed with fresh state by ``resume`` or answered by ``shed``; the headers it re
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,13 @@ def make(router: Router, control: FlowControl[StreamProcessor], gate: Any = None
     return StreamProcessor(router, config, clock, gate, control)
 
 
+_IDS = itertools.count()
+
+
 def send(proc: StreamProcessor, extra: dict[str, str] | None = None, **kw: Any) -> list[Any]:
-    assert proc.handle(headers(extra=extra)) == []
+    """``proc``'s request, with an ``x-request-id`` of its own (as the bundled Envoy writes) unless
+    ``extra`` names one."""
+    assert proc.handle(headers(extra={"x-request-id": f"r{next(_IDS)}", **(extra or {})})) == []
     return proc.handle(body(chat(**kw)))
 
 
@@ -78,7 +84,10 @@ def fill(router: Router, control: FlowControl[StreamProcessor]) -> None:
 
 
 def scrape_idle(router: Router) -> None:
-    """A scrape finds every engine idle: the routed-since-scrape counts reset, room opens."""
+    """A scrape finds every engine idle: the requests routed before it ended (their completions reach the
+    router), the routed-since-scrape counts reset, room opens."""
+    for request_id in list(router._open):
+        router.completed(request_id, NOW)
     for state in router.fleet:
         router.fleet.record_scrape(state.id, EngineMetrics(0, 0, 0.1, NOW))
 

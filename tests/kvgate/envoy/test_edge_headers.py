@@ -6,6 +6,8 @@ and an engine that records every request's headers (issue 26).
   configured number of proxies in front adds it, and ``x-real-ip`` / ``forwarded`` never pass.
 * A client's ``x-request-id`` is replaced by Envoy's own (a client is an external peer).
 * A client cannot state the TTFT deadline the gateway passes on (``x-kvgate-ttft-deadline-ms``).
+* No gateway-internal ``x-kvgate-*`` header a client sends (hop, salted flag, endpoint, ...) reaches an
+  engine.
 * A JWT is accepted whatever the case of its ``Bearer`` scheme.
 * A client address that keeps failing authentication is answered 429.
 """
@@ -27,6 +29,8 @@ import pytest
 import yaml
 from aiohttp import web
 
+from contracts.epp import CASCADE_STEP_HEADER, ENDPOINT_HEADER
+from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.admission.failures import FailedAuthLimit
 from extproc.config import parse_config
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM
@@ -230,6 +234,27 @@ async def test_only_the_gateway_states_a_ttft_deadline_upstream(edge: StartEdge)
     resp = await stack.post({TTFT_DEADLINE_UPSTREAM: "1", "x-kvgate-deadline-ms": "60000"})
     assert resp.status_code == 200, resp.text
     assert 1000 < int(stack.seen[-1][TTFT_DEADLINE_UPSTREAM]) <= 60000, stack.seen[-1]
+
+
+#: The gateway's own headers that a client may send but no engine may see: federation's (a forwarded
+#: request's hop, peer and salted flag) and the response-only names (served endpoint, cascade step, a
+#: peer's refusal). Federation off here: nothing sets them on the way up.
+INTERNAL = {
+    HOP_HEADER: "forged-cluster",
+    PEER_HEADER: "spiffe://kvgate.local/federation-forged",
+    SALTED_HEADER: "1",
+    ENDPOINT_HEADER: "6.6.6.6:1",
+    CASCADE_STEP_HEADER: "2",
+    REFUSED_HEADER: "forged",
+}
+
+
+async def test_no_internal_header_of_a_client_reaches_an_engine(edge: StartEdge) -> None:
+    stack = await edge()
+    resp = await stack.post(INTERNAL)
+    assert resp.status_code == 200, resp.text
+    (seen,) = stack.seen
+    assert not set(INTERNAL) & set(seen), seen
 
 
 async def test_a_jwt_is_accepted_whatever_the_case_of_bearer(edge: StartEdge) -> None:
