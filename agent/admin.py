@@ -42,9 +42,9 @@ READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: The OpenAI error ``type`` of each status the admin API answers with.
 _ERROR_TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # OpenAI's own, as extproc/errors.py
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     409: "conflict_error",
     502: "upstream_error",
     503: "service_unavailable",

@@ -128,7 +128,7 @@ async def test_reads_are_open_and_every_post_needs_a_client_certificate(tls_agen
         )
         assert status == 401, path
         assert answer["error"]["code"] == 401 and "client certificate" in answer["error"]["message"]
-        assert answer["error"]["type"] == "authentication_error" and answer["error"]["param"] is None
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] is None
     assert not tls_agent.stop_requested.is_set()
 
 
