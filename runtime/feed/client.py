@@ -93,6 +93,9 @@ class FeedStats:
     #: Events the receiver refused although they decoded (a ``Load`` with a NaN, infinite or negative
     #: queue: :func:`contracts.events.load_problem`); the rest of their batch is applied.
     malformed: int = 0
+    #: Events naming an endpoint registered with another feed (or a node store another daemon's feed
+    #: reports), dropped by the receiver (:class:`extproc.control.feeds.FeedManager`).
+    foreign: int = 0
     staleness_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     on_staleness: Callable[[float], object] | None = None
 
