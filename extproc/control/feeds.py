@@ -87,8 +87,10 @@ class FeedManager:
     (:attr:`stores`). An event naming an endpoint registered with another feed is dropped and counted
     (``stats.foreign``, logged once per feed and endpoint): an agent, compromised or misconfigured, cannot
     add or remove another node's blocks, set its load, health or drain, clear it with its snapshots, or
-    mark it unhealthy by going away. An event naming an endpoint registered nowhere is dropped too
-    (nothing is lost: the index ignores an endpoint's events until its registration marks it precise).
+    mark it unhealthy by going away. An event naming an endpoint registered nowhere is dropped too (the
+    index ignores an endpoint's events until its registration marks it precise); once the fleet names a
+    followed feed for a new event-fed endpoint, that feed is read again from a snapshot
+    (:meth:`set_addresses`), so what it said of the endpoint before its registration is not lost.
 
     Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
     feed spoke of and owns); each ``Load`` (one :func:`contracts.events.load_problem` refuses is counted in
@@ -147,6 +149,8 @@ class FeedManager:
         self.stores: dict[str, str] = {}
         #: (feed, endpoint) pairs a foreign event was logged for (once each; every one is counted).
         self._foreign_logged: set[tuple[str, EndpointId]] = set()
+        #: The event-fed endpoints the fleet registered with each feed at the last :meth:`set_addresses`.
+        self._owned: dict[str, frozenset[EndpointId]] = {}
 
     def owns(self, address: str, endpoint: EndpointId) -> bool:
         """Whether the feed at ``address`` speaks for ``endpoint`` (class docstring)."""
@@ -179,8 +183,21 @@ class FeedManager:
 
     def set_addresses(self, addresses: Iterable[str]) -> None:
         """Start clients for new addresses and stop those of addresses gone; the index entries of a
-        stopped feed's endpoints are cleared (nothing keeps them current any more)."""
+        stopped feed's endpoints are cleared (nothing keeps them current any more). A followed feed the
+        fleet now names for an event-fed endpoint it did not is read again from a snapshot
+        (:meth:`FeedClient.resync`): what the feed said of that endpoint before (an engine's catch-up,
+        sent before its registration reached this gateway) was dropped."""
         wanted = set(addresses)
+        owned: dict[str, set[EndpointId]] = {}
+        for state in self.fleet:
+            if state.endpoint.feed and state.endpoint.kv_events:
+                owned.setdefault(state.endpoint.feed, set()).add(state.id)
+        for address, client in self.clients.items():
+            new = owned.get(address, set()) - self._owned.get(address, frozenset())
+            if new and address in wanted and client.tracker.epoch is not None:
+                log.info("feed %s: now feeds %s: reading it again from a snapshot", address, sorted(new))
+                client.resync()
+        self._owned = {address: frozenset(ids) for address, ids in owned.items()}
         for address in sorted(self.clients.keys() - wanted):
             client = self.clients.pop(address)
             feed = self._feeds.pop(address)

@@ -539,3 +539,35 @@ async def test_a_node_store_is_reported_by_its_own_kvcached_feed_only(agent: Fee
     finally:
         await mgr.aclose()
         await b.aclose()
+
+
+async def test_an_endpoint_registered_on_a_followed_feed_gets_what_it_held_before() -> None:
+    """An agent's second engine: its catch-up went out on the feed before its registration reached the
+    gateway (dropped then: it was nobody's); once the fleet names the feed for it, the feed is read again
+    from a snapshot, which carries what the engine holds."""
+    held = Held()
+    agent = FeedServer(FeedLog("node-a"), held)
+    await agent.start()
+    address = f"127.0.0.1:{agent.port}"
+    fleet = Fleet(
+        [Endpoint(E1, "127.0.0.1:9001", frozenset({"m"}), node="node-a", feed=address, kv_events=True)]
+    )
+    index = FakeIndex()
+    mgr = FeedManager(index, fleet, subscriber="extproc-test", clock=lambda: 100.0)
+    mgr.sync()
+    try:
+        await eventually(lambda: mgr.clients[address].connected)
+        held.events = [Stored("e2", [D1])]  # e2's catch-up, before its registration
+        agent.publish([Cleared("e2"), Stored("e2", [D1])])
+        await eventually(lambda: mgr.stats.batches == 2)
+        assert Stored("e2", [D1]) not in index.events()
+        fleet.upsert(
+            Endpoint(E2, "127.0.0.1:9002", frozenset({"m"}), node="node-a", feed=address, kv_events=True)
+        )
+        mgr.sync()
+        agent.publish([Load("e1", 0, 0, 0.1)])  # the next batch (loads go out every 0.1 s)
+        await eventually(lambda: Stored("e2", [D1]) in index.events())
+        assert mgr.stats.resets == 2 and mgr.stats.gaps == 0
+    finally:
+        await mgr.aclose()
+        await agent.aclose()
