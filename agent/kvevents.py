@@ -12,6 +12,12 @@ PUB/SUB loses messages (a slow joiner, a full high-water mark): :class:`SeqCheck
 (request ``[b"", start_seq]``; answers ``[b"", seq, payload]`` then the end marker ``seq == -1``).
 What replay cannot cover, and an engine restart (``seq`` starting again), is reported as
 :class:`EventsLost`: the engine's blocks are no longer known, so the consumer should clear the endpoint.
+vLLM's stream carries no instance id: a restarted engine is seen by its ``seq`` going back, except when
+the new process's first batch received is numbered at or after the next one expected (its first batches
+published while the SUB socket was reconnecting). So after the connection to the engine broke (a ZMQ
+monitor's ``EVENT_DISCONNECTED``), the first batch received at or after the expected ``seq`` is checked:
+the engine's replay of the last batch applied must be that batch, byte for byte; otherwise (another
+payload, none, no replay socket) it is a restart, reported as one.
 
 Bounds: a message over :data:`MAX_MESSAGE_BYTES` (``zmq.MAXMSGSIZE`` on both sockets) drops the connection
 (ZMQ reconnects; what was published meanwhile is a gap); the SUB socket queues at most
@@ -296,6 +302,11 @@ class KvEventSubscriber:
         self._dealer: zmq.asyncio.Socket | None = None
         self._initial_replay = config.catch_up
         self._closed = False
+        #: ``EVENT_DISCONNECTED`` of the SUB socket (a synchronous view of its monitor socket).
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._monitor_socket: zmq.asyncio.Socket | None = None
+        #: The last batch emitted (seq, payload): what a replay must give back after a reconnection.
+        self._last: tuple[int, bytes] | None = None
 
     async def start(self) -> None:
         """Connect to the engine's PUB socket (the replay socket is connected on first use)."""
@@ -305,15 +316,19 @@ class KvEventSubscriber:
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.RCVHWM, LIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+        self._monitor_socket = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = zmq.Socket.shadow(self._monitor_socket.underlying)
         self._sub.connect(self.config.endpoint)
 
     async def aclose(self) -> None:
         """Close the sockets (idempotent)."""
         self._closed = True
-        for sock in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor_socket is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor_socket, self._sub, self._dealer):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._dealer = self._monitor_socket = self._monitor = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -355,7 +370,11 @@ class KvEventSubscriber:
             log.warning("%s: ignoring a message of %d frames", self.config.endpoint, len(frames))
             return
         seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
-        verdict = self.checker.check(seq)
+        if self._disconnected() and await self._restarted_unseen(seq):
+            self.checker.skip_to(seq + 1)  # as check() does for a seq that went back
+            verdict = SeqVerdict.RESTART
+        else:
+            verdict = self.checker.check(seq)
         if verdict is SeqVerdict.GAP:
             await self._recover((seq, payload))
             return
@@ -363,7 +382,7 @@ class KvEventSubscriber:
             self.stats.duplicates += 1
             return
         if verdict is SeqVerdict.RESTART:
-            log.warning("%s: seq went back to %d: the engine restarted", self.config.endpoint, seq)
+            log.warning("%s: seq %d: the engine restarted", self.config.endpoint, seq)
             if self.config.replay_endpoint is not None:  # the new engine's first batches may be missed
                 self._lost(None, 0, "restart")
                 self.checker.skip_to(0)
@@ -371,6 +390,26 @@ class KvEventSubscriber:
                 return
             self._lost(None, seq, "restart")
         self._emit(seq, payload)
+
+    def _disconnected(self) -> bool:
+        """Whether the connection to the engine broke since the last call (never waits)."""
+        broke = False
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            broke = True
+        return broke
+
+    async def _restarted_unseen(self, seq: int) -> bool:
+        """After a broken connection, whether live ``seq`` (at or after the expected one: a seq that went
+        back is a restart anyway) comes from a new engine process: the engine's replay of the last batch
+        emitted is not that batch (module docstring)."""
+        expected, last = self.checker.next_seq, self._last
+        if expected is None or seq < expected or last is None:
+            return False  # no position (anything applies), a restart seen anyway, or nothing held
+        if self.config.replay_endpoint is None or last[0] != expected - 1:
+            return True  # cannot be checked: taken as a restart (the endpoint is cleared)
+        replies, _ = await self._replay(last[0])
+        return not replies or replies[0] != last
 
     async def _recover(self, live: tuple[int, bytes] | None) -> None:
         """Replay from the first missing seq, then place the live batch that revealed the gap."""
@@ -439,6 +478,7 @@ class KvEventSubscriber:
             return out, True
 
     def _emit(self, seq: int, payload: bytes) -> None:
+        self._last = (seq, payload)
         try:
             self._ready.append(decode_payload(payload, seq))
         except KvEventDecodeError as exc:

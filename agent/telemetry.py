@@ -10,7 +10,9 @@
   claimed by running requests, not how many cells they filled, and nothing about idle slots' cached
   prompts. A llama.cpp scraper with ``on_slots`` set reads ``/slots`` on every scrape and hands each
   reading to it (the automatic slot saves of :mod:`agent.autosave` watch slots this way). A redirect is
-  not followed: a redirected ``/metrics`` is a failed scrape, a redirected ``/slots`` no KV reading.
+  not followed: a redirected ``/metrics`` is a failed scrape, a redirected ``/slots`` no KV reading. An
+  answer over :data:`engines.metrics.MAX_METRICS_BYTES` (16 MiB, the gateway's scrapes' bound too) is not
+  read whole: a failed scrape (``/metrics``) or no KV reading (``/slots``).
 - :class:`GpuTelemetry` reads NVML (``import pynvml``, from the ``nvidia-ml-py`` package): per GPU its name,
   power draw and enforced limit (mW -> W), SM and memory clocks (MHz), temperature (C), memory used/total
   (bytes), utilisation (0..1) and the clocks event (throttle) reasons bitmask. ``nvmlInit`` runs once, on
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import ssl
 import time
@@ -51,7 +54,8 @@ import aiohttp
 
 from contracts.events import Gpu, Load, Power
 from engines.kinds import metric_names
-from engines.metrics import LoraState, parse_metrics
+from engines.metrics import MAX_METRICS_BYTES, LoraState, parse_metrics
+from runtime.httpbody import read_body
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +179,8 @@ class EngineScraper:
             )
         async with self._session.get(url, raise_for_status=True, allow_redirects=False) as resp:
             _not_redirected(resp)
-            return await resp.text(errors="replace")  # a stray byte spoils a line, not the reading
+            # At most MAX_METRICS_BYTES (more: a failed scrape); a stray byte spoils a line, not the reading.
+            return (await read_body(resp, MAX_METRICS_BYTES)).decode(errors="replace")
 
     async def _slots_usage(self, url: str) -> float | None:
         """Busy slots / all slots from llama.cpp's ``/slots`` (``is_processing``; ``state`` != 0 in
@@ -184,7 +189,7 @@ class EngineScraper:
             assert self._session is not None
             async with self._session.get(url, raise_for_status=True, allow_redirects=False) as resp:
                 _not_redirected(resp)
-                slots: Any = await resp.json(content_type=None)
+                slots: Any = json.loads(await read_body(resp, MAX_METRICS_BYTES))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self._slots_ok:
                 log.info("llama.cpp %s unavailable (%s): KV use unknown", url, type(exc).__name__)

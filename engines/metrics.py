@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+MAX_METRICS_BYTES = 16 * 1024 * 1024
+"""The largest ``/metrics`` answer read, by the gateway's scrapes and the agent's telemetry alike (a busy
+vLLM's is ~100 KiB); a longer one is a failed reading (:func:`runtime.httpbody.read_body`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class LoraState:

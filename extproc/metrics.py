@@ -22,7 +22,7 @@ GATE_BUCKETS = (-5.0, -3.0, -2.0, -1.5, -1.0, -0.75, -0.5, -0.4, -0.3, -0.2, -0.
 STALENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: The feed clients' counters (``runtime.feed.client.FeedStats``) exported as ``kvgate_feed_<name>_total``.
 FEED_COUNTERS = (
-    "batches", "events", "gaps", "resets", "duplicates", "reconnects", "version_skew", "malformed"
+    "batches", "events", "gaps", "resets", "duplicates", "reconnects", "version_skew", "malformed", "foreign"
 )  # fmt: skip
 #: An endpoint id (a ``str`` NewType).
 K = TypeVar("K", bound=str)
@@ -500,7 +500,8 @@ class _OverloadCollector(Collector):
 
 class _FeedCollector(Collector):
     """``kvgate_feed_<name>_total``: the feed clients' counters (batches and events applied, sequence gaps,
-    resets by snapshot, duplicates, reconnects, version skew, refused malformed events)."""
+    resets by snapshot, duplicates, reconnects, version skew, refused malformed events, events dropped for
+    naming an endpoint another feed owns)."""
 
     def __init__(self, counters: Callable[[], Mapping[str, int]]) -> None:
         self._counters = counters

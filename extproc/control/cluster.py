@@ -185,6 +185,7 @@ class Cluster:
         self.router.node_stores = frozenset(stores)
         self._stores = set(stores)
         feeds = {s.endpoint.feed for s in self.fleet if s.endpoint.feed}
+        self.feeds.stores = {node: feed for node, feed in stores.items() if feed}
         self.feeds.set_addresses(feeds | {feed for feed in stores.values() if feed})
 
     def pool_counters(self) -> dict[str, int]:

@@ -18,7 +18,7 @@ from typing import Protocol
 import grpc
 
 from contracts import events as ev
-from contracts.events import Batch, Cleared, EndpointId, IndexEvent, Load
+from contracts.events import NODE_STORE_PREFIX, Batch, Cleared, EndpointId, IndexEvent, Load
 from engines.metrics import EngineMetrics, LoraState
 from extproc.fleet import EndpointState, Fleet
 from extproc.scheduling.energy import EnergyModel, average_watts, node_watts
@@ -65,9 +65,11 @@ class _Feed:
         self.manager._apply(self, batch)
 
     def on_reset(self, source: str, endpoints: frozenset[EndpointId]) -> None:
+        owns = self.manager.owns
         for endpoint in self.endpoints | endpoints:
-            self.manager.index.clear_endpoint(endpoint)
-        self.endpoints = set(endpoints)
+            if owns(self.address, endpoint):
+                self.manager.index.clear_endpoint(endpoint)
+        self.endpoints = {e for e in endpoints if owns(self.address, e)}
         log.info("feed %s (%s): snapshot of %d endpoints", self.address, source, len(endpoints))
 
     def on_lost(self, address: str) -> None:
@@ -80,8 +82,18 @@ class _Feed:
 class FeedManager:
     """One :class:`FeedClient` per feed address, applying what they receive.
 
+    A feed speaks only for the endpoints it owns (:meth:`owns`): those registered with its address as
+    ``Endpoint.feed``, and the node store ``kvcached:<node>`` of the node whose kvcached record names it
+    (:attr:`stores`). An event naming an endpoint registered with another feed is dropped and counted
+    (``stats.foreign``, logged once per feed and endpoint): an agent, compromised or misconfigured, cannot
+    add or remove another node's blocks, set its load, health or drain, clear it with its snapshots, or
+    mark it unhealthy by going away. An event naming an endpoint registered nowhere is dropped too (the
+    index ignores an endpoint's events until its registration marks it precise); once the fleet names a
+    followed feed for a new event-fed endpoint, that feed is read again from a snapshot
+    (:meth:`set_addresses`), so what it said of the endpoint before its registration is not lost.
+
     Index events go to ``index`` (``apply(events, now)``; a snapshot first clears every endpoint the
-    feed spoke of); each ``Load`` (one :func:`contracts.events.load_problem` refuses is counted in
+    feed spoke of and owns); each ``Load`` (one :func:`contracts.events.load_problem` refuses is counted in
     ``stats.malformed`` and skipped) updates the fleet: its metrics (``at`` = ``clock()``, monotonic
     seconds), ``healthy``, and ``draining`` (set from the agent; cleared only if the agent had set it,
     so a drain ordered elsewhere stays), its node's power readings (:meth:`Fleet.record_power`); GPU
@@ -132,6 +144,38 @@ class FeedManager:
         self._closing: set[asyncio.Task[None]] = set()
         #: Endpoints a refused ``Load`` was logged for (once each; every one is counted).
         self._malformed_logged: set[EndpointId] = set()
+        #: The feed address of each node's kvcached (``kvcached/<node>`` records): the one feed that may
+        #: report the node store ``kvcached:<node>`` (set by the caller before :meth:`set_addresses`).
+        self.stores: dict[str, str] = {}
+        #: (feed, endpoint) pairs a foreign event was logged for (once each; every one is counted).
+        self._foreign_logged: set[tuple[str, EndpointId]] = set()
+        #: The event-fed endpoints the fleet registered with each feed at the last :meth:`set_addresses`.
+        self._owned: dict[str, frozenset[EndpointId]] = {}
+
+    def owns(self, address: str, endpoint: EndpointId) -> bool:
+        """Whether the feed at ``address`` speaks for ``endpoint`` (class docstring)."""
+        if endpoint.startswith(NODE_STORE_PREFIX):
+            return self.stores.get(endpoint[len(NODE_STORE_PREFIX) :]) == address
+        state = self.fleet.get(endpoint)
+        return state is not None and state.endpoint.feed == address
+
+    def _registered(self, endpoint: EndpointId) -> bool:
+        """Whether ``endpoint`` is registered (in the fleet, or a node store with a kvcached record)."""
+        if endpoint.startswith(NODE_STORE_PREFIX):
+            return endpoint[len(NODE_STORE_PREFIX) :] in self.stores
+        return self.fleet.get(endpoint) is not None
+
+    def _foreign(self, feed: _Feed, endpoint: EndpointId) -> bool:
+        """Whether ``feed`` must not speak for ``endpoint``; one registered with another feed is counted."""
+        if self.owns(feed.address, endpoint):
+            return False
+        if self._registered(endpoint):
+            self.stats.foreign += 1
+            key = (feed.address, endpoint)
+            if key not in self._foreign_logged and len(self._foreign_logged) < 1024:
+                self._foreign_logged.add(key)
+                log.warning("feed %s: dropped events for %s, registered with another feed", *key)
+        return True
 
     def sync(self) -> None:
         """Follow the fleet: :meth:`set_addresses` with every ``Endpoint.feed`` it names."""
@@ -139,13 +183,27 @@ class FeedManager:
 
     def set_addresses(self, addresses: Iterable[str]) -> None:
         """Start clients for new addresses and stop those of addresses gone; the index entries of a
-        stopped feed's endpoints are cleared (nothing keeps them current any more)."""
+        stopped feed's endpoints are cleared (nothing keeps them current any more). A followed feed the
+        fleet now names for an event-fed endpoint it did not is read again from a snapshot
+        (:meth:`FeedClient.resync`): what the feed said of that endpoint before (an engine's catch-up,
+        sent before its registration reached this gateway) was dropped."""
         wanted = set(addresses)
+        owned: dict[str, set[EndpointId]] = {}
+        for state in self.fleet:
+            if state.endpoint.feed and state.endpoint.kv_events:
+                owned.setdefault(state.endpoint.feed, set()).add(state.id)
+        for address, client in self.clients.items():
+            new = owned.get(address, set()) - self._owned.get(address, frozenset())
+            if new and address in wanted and client.tracker.epoch is not None:
+                log.info("feed %s: now feeds %s: reading it again from a snapshot", address, sorted(new))
+                client.resync()
+        self._owned = {address: frozenset(ids) for address, ids in owned.items()}
         for address in sorted(self.clients.keys() - wanted):
             client = self.clients.pop(address)
             feed = self._feeds.pop(address)
             for endpoint in feed.endpoints:
-                self.index.clear_endpoint(endpoint)
+                if self.owns(address, endpoint) or not self._registered(endpoint):  # not another feed's
+                    self.index.clear_endpoint(endpoint)
             self._emptied -= feed.endpoints
             task = asyncio.create_task(client.aclose())
             self._closing.add(task)
@@ -197,6 +255,8 @@ class FeedManager:
         index_events: list[IndexEvent] = []
         for event in batch.events:
             endpoint = EndpointId(event.endpoint)
+            if self._foreign(feed, endpoint):
+                continue
             feed.endpoints.add(endpoint)
             if isinstance(event, Load):
                 problem = ev.load_problem(event)
@@ -298,7 +358,8 @@ class FeedManager:
             s.energy_per_token, s.power_curve = estimate, curve
 
     def _set_lost(self, feed: _Feed, *, lost: bool) -> None:
-        endpoints = feed.endpoints | {s.id for s in self.fleet if s.endpoint.feed == feed.address}
+        endpoints = {e for e in feed.endpoints if self.owns(feed.address, e)}
+        endpoints |= {s.id for s in self.fleet if s.endpoint.feed == feed.address}
         for endpoint in endpoints:
             last = self.loads.get(endpoint)
             self.fleet.set_state(endpoint, healthy=not lost and (last is None or last.healthy))

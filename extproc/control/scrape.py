@@ -24,14 +24,14 @@ import aiohttp
 
 from contracts.events import EndpointId
 from engines.kinds import metric_names
-from engines.metrics import parse_metrics
+from engines.metrics import MAX_METRICS_BYTES, parse_metrics
 from extproc.fleet import EndpointState, Fleet
+from runtime.httpbody import read_body
 from runtime.tls import ClientTls, current_context
 
 log = logging.getLogger(__name__)
 
-#: The largest ``/metrics`` answer read (a busy vLLM's is ~100 KiB); a longer one is a failed scrape.
-MAX_METRICS_BYTES = 16 * 1024 * 1024
+__all__ = ["MAX_METRICS_BYTES", "Scraper"]
 
 
 class Scraper:
@@ -142,7 +142,8 @@ class Scraper:
                     raise aiohttp.ClientResponseError(
                         resp.request_info, resp.history, status=resp.status, message="redirect not followed"
                     )
-                text = (await _bounded(resp)).decode(errors="replace")  # a stray byte spoils a line only
+                body = await read_body(resp, MAX_METRICS_BYTES)
+                text = body.decode(errors="replace")  # a stray byte spoils a line only
         except (aiohttp.ClientError, TimeoutError) as exc:
             gone = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
                 exc.os_error, ConnectionRefusedError
@@ -157,16 +158,3 @@ class Scraper:
             restarted = " (a new process: its routed share starts again)" if state.vanished else ""
             log.info("endpoint %s healthy again%s", state.id, restarted)
         self._fleet.record_scrape(state.id, parse_metrics(text, names, self._clock()), routed_before)
-
-
-async def _bounded(resp: aiohttp.ClientResponse) -> bytes:
-    """The answer's bytes, at most :data:`MAX_METRICS_BYTES` (more: ``ClientPayloadError``, a failed
-    scrape), refused before reading when its length says so."""
-    if resp.content_length is not None and resp.content_length > MAX_METRICS_BYTES:
-        raise aiohttp.ClientPayloadError(f"metrics answer of {resp.content_length} bytes")
-    data = bytearray()
-    async for piece in resp.content.iter_any():
-        data += piece
-        if len(data) > MAX_METRICS_BYTES:
-            raise aiohttp.ClientPayloadError(f"metrics answer over {MAX_METRICS_BYTES} bytes")
-    return bytes(data)

@@ -4,9 +4,11 @@
 batch with its :class:`~contracts.events.SequenceTracker`: APPLY -> ``handler.on_batch``; RESET (a
 snapshot) -> ``handler.on_reset(source, endpoints in it)`` then ``on_batch``; DUPLICATE -> skipped; GAP
 -> counted, the stream is cancelled and a new one asks at once for what follows the last applied ``seq``
-(the source replays it or sends a snapshot). An unreachable source or a broken stream calls
-``handler.on_lost`` once per outage, then the client reconnects with capped exponential backoff (50 ms
-doubling to 2 s) and calls ``handler.on_restored`` once attached again. A subscription that ends before
+(the source replays it or sends a snapshot); :meth:`FeedClient.resync` forgets the position, so the next
+batch ends the stream the same way (not counted as a gap) and the next one starts with a snapshot. An
+unreachable source or a broken stream calls ``handler.on_lost`` once per outage, then the client
+reconnects with capped exponential backoff (50 ms doubling to 2 s) and calls ``handler.on_restored`` once
+attached again. A subscription that ends before
 applying anything (a failed apply, a gap or a lag at its first batch) is paced by the same backoff: it
 starts over only once a stream has applied a batch, so a receiver that keeps failing asks for a snapshot
 every 2 s at most, not every 50 ms. A stream the source ends because
@@ -93,6 +95,9 @@ class FeedStats:
     #: Events the receiver refused although they decoded (a ``Load`` with a NaN, infinite or negative
     #: queue: :func:`contracts.events.load_problem`); the rest of their batch is applied.
     malformed: int = 0
+    #: Events naming an endpoint registered with another feed (or a node store another daemon's feed
+    #: reports), dropped by the receiver (:class:`extproc.control.feeds.FeedManager`).
+    foreign: int = 0
     staleness_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     on_staleness: Callable[[float], object] | None = None
 
@@ -152,6 +157,11 @@ class FeedClient:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kvgate-feed-{self.address}")
+
+    def resync(self) -> None:
+        """Read the source again from a snapshot: the position is forgotten, so the stream attached now
+        ends at its next batch (a gap) and the next subscription starts with a snapshot."""
+        self.tracker = SequenceTracker()
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -215,6 +225,8 @@ class FeedClient:
                     self._skewed(batch)
                 verdict = self.tracker.check(batch)
                 if verdict is Verdict.GAP:
+                    if self.tracker.epoch is None:  # resync(): not a gap, the snapshot it asks for
+                        return "gap", applied
                     self.stats.gaps += 1
                     log.info("feed %s: gap before seq %d, resubscribing", self.address, batch.seq)
                     return "gap", applied

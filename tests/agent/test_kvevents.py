@@ -542,3 +542,66 @@ async def test_an_agent_launched_engine_publishes_on_a_private_unix_socket(
             assert stored and stored[0].token_ids[:3] == [3, 4, 5]
         finally:
             await collector.close()
+
+
+async def restarted_pub(engine: FakeEngine) -> zmq.asyncio.Socket:
+    """``engine``'s PUB socket closed and a new one (an XPUB, to see the subscriber come back) bound at
+    the same address: what a remote engine's restart looks like to a subscriber. Returns once the
+    subscriber has subscribed again (it reconnected)."""
+    address = engine.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    engine.pub.close(linger=0)
+    engine.pub = engine.ctx.socket(zmq.XPUB)
+    deadline = time.monotonic() + 10
+    while True:  # the old socket's port is released by ZMQ's I/O thread
+        try:
+            engine.pub.bind(address)
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(engine.pub.recv(), 10)  # the subscription: the subscriber is back
+    return engine.pub
+
+
+async def test_a_restart_numbered_as_the_next_batch_is_still_a_restart(fake_engine: FakeEngine) -> None:
+    """A remote engine restarted while the connection was down, whose first batch received bears the seq
+    expected next: the connection broke, and without a replay socket nothing shows it is the same
+    process, so it is reported as a restart (the endpoint cleared), not applied on top of the old cache."""
+    pub, _ = fake_engine.endpoints()
+    collector = await subscribe(SubscriberConfig(pub))
+    try:
+        n = await joined(fake_engine, collector)
+        await restarted_pub(fake_engine)
+        fake_engine.send(n)
+        assert await collector.next() == EventsLost(None, n, "restart")
+        batch = await collector.next()
+        assert isinstance(batch, KvBatch) and batch.seq == n
+    finally:
+        await collector.close()
+
+
+@pytest.mark.parametrize("restarted", [True, False])
+async def test_after_a_reconnection_the_replay_tells_a_restart_from_a_broken_connection(
+    fake_engine: FakeEngine, restarted: bool
+) -> None:
+    """After the connection broke, the engine's replay of the last batch applied tells: the same bytes,
+    the same engine (the stream goes on, nothing lost); other bytes, a new process numbered on from where
+    the old one stopped: a restart, caught up from its seq 0 like one whose seq went back."""
+    pub, replay = fake_engine.endpoints()
+    collector = await subscribe(SubscriberConfig(pub, replay))
+    fake_engine.answer_replays(1)  # each replay: one batch (CLEARED) from the seq asked, then the end
+    try:
+        n = await joined(fake_engine, collector)
+        if restarted:  # the old engine's last batch is not what the new one replays at its seq
+            fake_engine.send(payload=msgspec.msgpack.encode([2.5, [{"type": "AllBlocksCleared"}], 0]))
+            await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == n)
+            n += 1
+        await restarted_pub(fake_engine)
+        fake_engine.send(n)
+        items = await collector.until(lambda item: isinstance(item, KvBatch) and item.seq == n)
+        if restarted:
+            assert items[0] == EventsLost(None, 0, "restart") and EventsLost(1, n, "gap") in items
+        else:
+            assert [type(i) for i in items] == [KvBatch]
+    finally:
+        await collector.close()

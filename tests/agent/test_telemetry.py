@@ -174,6 +174,57 @@ async def test_an_engines_redirect_is_not_followed(llama: dict[str, Any]) -> Non
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("path", ["/metrics", "/slots"])
+async def test_an_answer_over_the_bound_is_a_failed_reading_not_read_whole(path: str, chunked: bool) -> None:
+    """An engine (or whatever listens on its port) answering ``/metrics`` or llama.cpp's ``/slots`` with
+    more than :data:`engines.metrics.MAX_METRICS_BYTES` (announced, or streamed without a length): a failed
+    scrape, or no KV reading from ``/slots``; the agent never holds the endless answer in memory (the
+    gateway's scrapes have the same bound)."""
+    from engines.metrics import MAX_METRICS_BYTES
+
+    if path == "/metrics":  # comments after the real metrics
+        head, line, tail = LLAMA_METRICS.encode(), b"# " + b"x" * 1022 + b"\n", b""
+    else:  # valid JSON: every slot busy, so a reading read whole would say 1.0
+        head, line, tail = b"[", b'{"id": 0, "is_processing": true}, ' * 30, b'{"id": 0}]'
+    n = MAX_METRICS_BYTES // len(line) + 2
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=head + line * n + tail, content_type="text/plain")
+        response = web.StreamResponse(headers={"content-type": "text/plain"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(head)
+        for _ in range(n):
+            await response.write(line)
+        await response.write(tail)
+        await response.write_eof()
+        return response
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=LLAMA_METRICS)
+
+    app = web.Application()
+    app.add_routes([web.get(path, endless)])
+    if path == "/slots":  # the metrics themselves are fine
+        app.add_routes([web.get("/metrics", metrics)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    scraper = EngineScraper("llama_cpp", f"http://127.0.0.1:{port}/metrics", timeout_s=10.0)
+    try:
+        sample = await scraper.scrape()
+        if path == "/metrics":
+            assert sample is None and "ClientPayloadError" in scraper.last_error
+        else:
+            assert sample is not None and sample.running == 3 and sample.kv_usage is None
+    finally:
+        await scraper.aclose()
+        await runner.cleanup()
+
+
 # --- NVML -------------------------------------------------------------------------------------------
 
 
