@@ -28,7 +28,8 @@ pinned by the tests that reject a client without a valid certificate.
 Bounds: per connection at most ``max_concurrent_streams`` requests are served at once (the QUIC
 ``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
 ``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
-connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. The client
+connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream; a client may
+open no unidirectional stream (one opened anyway closes its connection). The client
 keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
 (STOP_SENDING) past one largest record per digest asked; a fetch cancelled by its caller sends
 STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
@@ -245,6 +246,10 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._terminated = False
         bound = server.max_concurrent_streams
         quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
+        # The protocol has no unidirectional streams: none is granted (aioquic's default, 128 of a 16 MiB
+        # window each, would let a client make the server zero-fill 2 GiB with a few packets); a client
+        # that opens one anyway has its connection closed (STREAM_LIMIT_ERROR).
+        quic._local_max_streams_uni = Limit(QuicFrameType.MAX_STREAMS_UNI, "max_streams_uni", 0)
         # Request streams (the client's) get a window of one largest request, not the client's 16 MiB:
         # aioquic zero-fills a gap up to out-of-order data, so the window bounds what a stream allocates.
         quic._local_max_stream_data_bidi_remote = REQUEST_WINDOW_BYTES

@@ -711,3 +711,35 @@ async def test_server_cert_of_another_role_is_refused(pki: Pki, name: str) -> No
     finally:
         await client.aclose()
         await server.aclose()
+
+
+def _largest_stream_buffer(server: PeerServer) -> int:
+    """The largest receive buffer any of the server's streams holds (aioquic zero-fills gaps)."""
+    return max(
+        (len(s.receiver._buffer) for p in server._protocols for s in p._quic._streams.values()), default=0
+    )
+
+
+async def test_a_client_may_not_open_unidirectional_streams(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """The protocol uses client bidirectional streams only. A unidirectional stream would get aioquic's
+    default window (16 MiB, growing as data arrives) and, sent out of order, a zero-filled buffer of that
+    size on the server: the server grants none, and a client that opens one anyway loses its connection
+    before the server holds more than a largest request for it."""
+    server, _store, address = served
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        assert quic._remote_max_streams_uni == 0
+        quic._remote_max_streams_uni = 8  # a hostile client ignores the limit
+        sid = quic.get_next_available_stream_id(is_unidirectional=True)
+        end = 16 << 20
+        quic.send_stream_data(sid, bytes(end))
+        quic._streams[sid].sender._pending.subtract(0, end - 100)  # only the tail: a 16 MiB gap
+        link.protocol.transmit()
+        assert await _until(lambda: server.stats()["connections"] == 0, 5.0)
+        assert _largest_stream_buffer(server) <= max_request_bytes()
+    finally:
+        await client.aclose()
