@@ -31,7 +31,8 @@ Bounds: per connection at most ``max_concurrent_streams`` requests are served at
 connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream; a client may
 open no unidirectional stream (one opened anyway closes its connection). The client
 keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
-(STOP_SENDING) past one largest record per digest asked; a fetch cancelled by its caller sends
+(STOP_SENDING) past one largest record per digest asked (its highest offset counts: aioquic zero-fills
+gaps) and grants the server no stream of its own; a fetch cancelled by its caller sends
 STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
 dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
 else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
@@ -558,6 +559,28 @@ class _ClientProtocol(QuicConnectionProtocol):
         super().__init__(quic, stream_handler)
         self.fetches: dict[int, _Fetch] = {}
         self.closed_reason: str | None = None
+        # The server never opens a stream: none is granted (aioquic's default, 128 of each kind with a
+        # 16 MiB window, would let a peer make the client zero-fill gigabytes); one opened anyway closes
+        # the connection (STREAM_LIMIT_ERROR).
+        quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", 0)
+        quic._local_max_streams_uni = Limit(QuicFrameType.MAX_STREAMS_UNI, "max_streams_uni", 0)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        self._abandon_overreaching()
+
+    def _abandon_overreaching(self) -> None:
+        """Abandon every response whose highest offset seen is past its byte budget: aioquic zero-fills a
+        gap before out-of-order data (and grows the window as data arrives), so bytes that are never
+        delivered in order could otherwise make the client hold any amount."""
+        for sid, fetch in list(self.fetches.items()):
+            stream = self._quic._streams.get(sid)
+            if (
+                stream is not None
+                and not fetch.done.done()
+                and stream.receiver.highest_offset > fetch.max_bytes
+            ):
+                self._abandon(sid, fetch, f"data past the {fetch.max_bytes} bytes asked for")
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
@@ -589,7 +612,11 @@ class _ClientProtocol(QuicConnectionProtocol):
         log.warning("peer sent a malformed response on stream %d (%s): abandoning the stream", sid, why)
         fetch.torn = True
         fetch.done.set_result(None)
-        self.stop(sid, ERR_BAD_REQUEST)
+        self.stop(sid, ERR_BAD_REQUEST)  # sent now: a finished stream is discarded before its STOP_SENDING
+        stream = self._quic._streams.get(sid)
+        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
 
     def stop(self, sid: int, code: int) -> None:
         """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now; a

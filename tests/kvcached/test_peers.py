@@ -743,3 +743,95 @@ async def test_a_client_may_not_open_unidirectional_streams(
         assert _largest_stream_buffer(server) <= max_request_bytes()
     finally:
         await client.aclose()
+
+
+def _hold_open_with(push: Callable[[peers._ServerProtocol, int], None]) -> Callable[..., object]:
+    """A server ``_respond`` that does ``push(protocol, sid)`` and then never ends the response."""
+
+    async def respond(self: peers._ServerProtocol, sid: int, digests: list[bytes]) -> None:
+        push(self, sid)
+        self.transmit()
+        await asyncio.Event().wait()
+
+    return respond
+
+
+def _send_tail(quic: object, sid: int, end: int) -> None:
+    """Queue ``end`` bytes on ``sid`` but send only the last 100 (a gap of ``end - 100`` bytes)."""
+    quic.send_stream_data(sid, bytes(end))  # type: ignore[attr-defined]
+    quic._streams[sid].sender._pending.subtract(0, end - 100)  # type: ignore[attr-defined]
+
+
+def _largest_client_buffer(client: PeerClient) -> int:
+    return max(
+        (
+            len(s.receiver._buffer)
+            for link in client._links.values()
+            for s in link.protocol._quic._streams.values()
+        ),
+        default=0,
+    )
+
+
+async def test_out_of_order_response_data_past_the_budget_abandons_the_stream(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aioquic zero-fills a gap before out-of-order data, and a response stream's window is 16 MiB (and
+    grows): a peer that sends only bytes past one largest record per digest asked has the stream
+    abandoned at once (not after a stall), and the client does not keep the zero-filled buffer."""
+    end = 16 << 20
+    monkeypatch.setattr(
+        peers._ServerProtocol, "_respond", _hold_open_with(lambda p, sid: _send_tail(p._quic, sid, end))
+    )
+    server = server_for(DictStore(), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0, max_block_bytes=4096)
+    try:
+        started = time.monotonic()
+        assert await client.fetch(address, [digest(1)]) == {}
+        assert time.monotonic() - started < 2.0 and client.stats()["unavailable"] == 0
+        assert _largest_client_buffer(client) <= 2 * client.max_record_bytes
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+def _open_server_stream(p: peers._ServerProtocol, unidirectional: bool) -> None:
+    quic = p._quic
+    if unidirectional:  # a hostile server ignores the limits the client granted
+        quic._remote_max_streams_uni = max(quic._remote_max_streams_uni, 8)
+    else:
+        quic._remote_max_streams_bidi = max(quic._remote_max_streams_bidi, 8)
+    _send_tail(quic, quic.get_next_available_stream_id(is_unidirectional=unidirectional), 16 << 20)
+
+
+@pytest.mark.parametrize("unidirectional", [False, True])
+async def test_a_server_may_not_open_streams(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch, unidirectional: bool
+) -> None:
+    """The client never serves a stream: it grants the server none (aioquic's default, 128 of each kind
+    with a 16 MiB window, would let a peer make it zero-fill gigabytes), and a server that opens one
+    anyway loses the connection: the fetch is a prompt miss and the client holds no such buffer."""
+    monkeypatch.setattr(
+        peers._ServerProtocol,
+        "_respond",
+        _hold_open_with(lambda p, sid: _open_server_stream(p, unidirectional)),
+    )
+    server = server_for(DictStore(), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        link = await client._link(address, *split_address(address))
+        assert await _until(lambda: len(server._protocols) == 1, 5.0)
+        (served,) = server._protocols
+        assert served._quic._remote_max_streams_bidi == 0 and served._quic._remote_max_streams_uni == 0
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(address, [digest(1)])
+        assert time.monotonic() - started < 2.0
+        assert (
+            max((len(s.receiver._buffer) for s in link.protocol._quic._streams.values()), default=0) < 1 << 20
+        )
+    finally:
+        await client.aclose()
+        await server.aclose()
