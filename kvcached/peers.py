@@ -687,10 +687,15 @@ class PeerClient:
 
         Blocks the peer lacks, and blocks whose record fails verification (dropped, counted in
         ``corrupt``), are absent. :class:`PeerUnavailable` if the peer cannot be reached within
-        ``timeout_s`` or a response stalls for ``timeout_s``; :class:`BadRequest` for a malformed digest.
+        ``timeout_s``, a response stalls for ``timeout_s`` or ``address`` names no host and port (an etcd
+        record's ``[]:80``); :class:`BadRequest` for a malformed digest.
         """
         wanted = list(dict.fromkeys(check_digest(d) for d in digests))
-        host, port = split_address(address)
+        try:
+            host, port = split_address(address)
+        except KvcachedConfigError as exc:  # a miss like a peer down: the other peers are still asked
+            self.unavailable += 1
+            raise PeerUnavailable(str(exc)) from exc
         out: dict[bytes, bytes] = {}
         for at in range(0, len(wanted), MAX_REQUEST_DIGESTS):
             chunk = wanted[at : at + MAX_REQUEST_DIGESTS]

@@ -835,3 +835,26 @@ async def test_a_server_may_not_open_streams(
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_a_peer_address_that_cannot_be_dialed_is_unavailable_not_an_error(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """``[]:80`` passes the etcd record's host:port check but names no host: fetching from it is a miss
+    (PeerUnavailable, counted), so a Get still takes the block from the other peers instead of failing."""
+    from contracts.kvcached import GetRequest
+    from kvcached.service import KvcachedService
+
+    _server, store, address = served
+    client = client_for(pki.b)
+    local = TieredStore(1 << 20, None, 0)
+    try:
+        with pytest.raises(PeerUnavailable, match="bad peer address"):
+            await client.fetch("[]:80", [digest(1)])
+        assert client.stats()["unavailable"] == 1
+        service = KvcachedService(local, peer_client=client, peers=lambda: ["[]:80", address])
+        reply = await service.get(GetRequest(digest(1)))
+        assert (reply.data, reply.source) == (store.blocks[digest(1)], "peer")
+    finally:
+        await client.aclose()
+        local.close()
