@@ -8,7 +8,8 @@ a leading run as soon as it lands, and the server's per-connection concurrency b
 requests, not blocks. Longer digest lists are split into several streams on the same connection.
 
 Connections are kept per peer address and reused (the handshake costs a round trip and a few ms of CPU);
-a connection that failed or timed out is dropped and the next fetch dials again.
+a connection that failed or timed out is dropped and the next fetch dials again; one that closed while
+unused (its peer stopped, or left and it idled out) is closed, socket included, by the next dial.
 
 mTLS: the client verifies the server certificate against the CA and the address's host (aioquic's own
 check), then, before its first request, that the certificate names the ``kvcached`` role
@@ -727,9 +728,22 @@ class PeerClient:
             if link is not None:
                 link.close()
                 del self._links[address]
+            self._release_closed()
             link = await self._dial(address, host, port)
             self._links[address] = link
             return link
+
+    def _release_closed(self) -> None:
+        """Close and forget the kept links whose connection closed (a peer that stopped, or left the table
+        and idled out) and the dial locks of addresses without a link, so churning addresses do not pile
+        up open sockets. A lock that is held or awaited (a dial under way or about to be) stays."""
+        for address, link in list(self._links.items()):
+            if link.protocol.is_closed:
+                link.close()
+                del self._links[address]
+        for address, lock in list(self._dialing.items()):
+            if address not in self._links and not lock.locked() and not lock._waiters:
+                del self._dialing[address]
 
     async def _dial(self, address: str, host: str, port: int) -> _Link:
         loop = asyncio.get_running_loop()

@@ -858,3 +858,25 @@ async def test_a_peer_address_that_cannot_be_dialed_is_unavailable_not_an_error(
     finally:
         await client.aclose()
         local.close()
+
+
+async def test_links_whose_connection_closed_are_released(pki: Pki) -> None:
+    """Peers come and go (etcd): a kept connection that closed (its peer stopped, or it idled out) while
+    nobody fetched from that address again is released, socket included, by the next dial, so addresses
+    that churn do not pile up open UDP sockets."""
+    gone = server_for(DictStore({digest(1): b"x"}), pki.a)
+    gone_address = f"127.0.0.1:{await gone.start()}"
+    other = server_for(DictStore({digest(1): b"y"}), pki.a)
+    other_address = f"127.0.0.1:{await other.start()}"
+    client = client_for(pki.b)
+    try:
+        assert await client.fetch(gone_address, [digest(1)]) == {digest(1): b"x"}
+        link = client._links[gone_address]
+        await gone.aclose()  # closes its connections (CONNECTION_CLOSE)
+        assert await _until(lambda: link.protocol.is_closed, 5.0)
+        assert await client.fetch(other_address, [digest(1)]) == {digest(1): b"y"}
+        assert list(client._links) == [other_address] and list(client._dialing) == [other_address]
+        assert link.transport.is_closing()
+    finally:
+        await client.aclose()
+        await other.aclose()
