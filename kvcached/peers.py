@@ -613,22 +613,24 @@ class _ClientProtocol(QuicConnectionProtocol):
         log.warning("peer sent a malformed response on stream %d (%s): abandoning the stream", sid, why)
         fetch.torn = True
         fetch.done.set_result(None)
-        self.stop(sid, ERR_BAD_REQUEST)  # sent now: a finished stream is discarded before its STOP_SENDING
-        stream = self._quic._streams.get(sid)
-        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
-            stream.receiver.is_finished = True
-            stream.receiver._buffer = bytearray()
+        self.stop(sid, ERR_BAD_REQUEST)
 
     def stop(self, sid: int, code: int) -> None:
-        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now; a
-        no-op for a stream that already ended or a connection that is gone."""
+        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now, then
+        finish our side of it: what else arrives is dropped unread (not zero-filled before out-of-order
+        data), and the buffered part freed. A no-op for a stream that already ended or a connection that
+        is gone."""
         if self.is_closed:
             return
         try:
             self._quic.stop_stream(sid, code)
         except ValueError:  # the stream finished and was discarded
             return
-        self.transmit()
+        self.transmit()  # before finishing: a finished stream is discarded before its STOP_SENDING is sent
+        stream = self._quic._streams.get(sid)
+        if stream is not None:
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
 
     @property
     def is_closed(self) -> bool:

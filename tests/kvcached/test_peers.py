@@ -880,3 +880,26 @@ async def test_links_whose_connection_closed_are_released(pki: Pki) -> None:
     finally:
         await client.aclose()
         await other.aclose()
+
+
+async def test_a_cancelled_fetch_drops_what_its_stream_still_receives(pki: Pki) -> None:
+    """After a cancelled fetch's STOP_SENDING, the stream may still receive data (in flight, or a peer
+    that ignores it, out of order): nothing waits for it, so the client's side of the stream is finished
+    and its buffer freed at once, and later data for it is dropped unread instead of zero-filled."""
+    size = 16 << 20
+    server = server_for(DictStore({digest(1): b"z" * size}), pki.a, egress_bytes_per_s=8e6)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.stats()["served_bytes"] >= 1 << 20, 5.0)
+        quic = client._links[address].protocol._quic
+        (sid,) = [s for s in quic._streams if s % 4 == 0]
+        receiver = quic._streams[sid].receiver
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert receiver.is_finished and not receiver._buffer
+    finally:
+        await client.aclose()
+        await server.aclose()
