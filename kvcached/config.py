@@ -30,7 +30,8 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     listen = "127.0.0.1:0"               # UDP host:port of the PeerServer
     max_concurrent_streams = 64          # streams served at once per connection
     egress_bytes_per_s = 1250000000      # egress cap of the PeerServer (absent = unlimited)
-    timeout_s = 2.0                      # a peer fetch that takes longer is a miss
+    timeout_s = 2.0                      # a peer fetch that takes longer is a miss; a response we serve
+                                         # that nothing acknowledges for as long is reset
     max_in_flight = 8                    # request streams in flight at once, all peers together
     max_datagram_size = 1200             # UDP payload bytes, 1200..65000; must fit the path MTU - 28:
                                          # 8972 with 9000-byte jumbo frames, 65000 on loopback (fewer,

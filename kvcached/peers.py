@@ -36,7 +36,8 @@ keeps only the first frame of each digest it asked for (dropped as they complete
 gaps) and grants the server no stream of its own; a fetch cancelled by its caller sends
 STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
 dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
-else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
+else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang); the server resets a response whose
+queued data no acknowledgement reduces for ``stall_timeout_s`` (the daemon's ``quic.timeout_s``).
 
 Threading: everything runs on one asyncio loop; the store is called from it directly.
 """
@@ -44,6 +45,7 @@ Threading: everything runs on one asyncio loop; the store is called from it dire
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -401,12 +403,22 @@ class _ServerProtocol(QuicConnectionProtocol):
         delay = self._server.reserve(len(chunk))
         if delay > 0:
             await asyncio.sleep(delay)  # egress pacing
-        while _unacked(self._quic, sid) > HIGH_WATER_BYTES:
+        loop = asyncio.get_running_loop()
+        queued, since = _unacked(self._quic, sid), loop.time()
+        while queued > HIGH_WATER_BYTES:
             if self._terminated:
                 raise ConnectionError("peer connection closed")
-            waiter = asyncio.get_running_loop().create_future()
+            left = since + self._server.stall_timeout_s - loop.time()
+            if left <= 0:  # alive (PINGs, say) but acknowledging nothing: the stream is reset
+                raise ConnectionError(f"nothing acknowledged for {self._server.stall_timeout_s}s")
+            waiter = loop.create_future()
             self._wakeups.append(waiter)
-            await waiter
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, left)
+            now_queued = _unacked(self._quic, sid)
+            if now_queued < queued:
+                since = loop.time()
+            queued = now_queued
         if self._terminated:
             raise ConnectionError("peer connection closed")
         self._quic.send_stream_data(sid, chunk)
@@ -435,9 +447,14 @@ class PeerServer:
         max_concurrent_streams: int = 64,
         egress_bytes_per_s: float | None = None,
         max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
+        stall_timeout_s: float = 2.0,
     ) -> None:
         if max_concurrent_streams < 1:
             raise KvcachedConfigError("max_concurrent_streams must be at least 1")
+        if stall_timeout_s <= 0:
+            raise KvcachedConfigError("stall_timeout_s must be positive")
+        self.stall_timeout_s = stall_timeout_s
+        """A response whose queued data no acknowledgement reduces for this long is reset."""
         if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
             raise KvcachedConfigError("egress_bytes_per_s must be positive")
         self.store = store

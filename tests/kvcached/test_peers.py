@@ -903,3 +903,34 @@ async def test_a_cancelled_fetch_drops_what_its_stream_still_receives(pki: Pki) 
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_a_response_whose_client_stops_acknowledging_is_ended(pki: Pki) -> None:
+    """A client that keeps its connection alive (PINGs) but acknowledges nothing more would hold a
+    response task, its block and 4 MiB of queued data forever: past ``stall_timeout_s`` without the
+    unacknowledged bytes going down, the server resets the stream and the task ends."""
+    server = server_for(DictStore({digest(1): b"z" * (16 << 20)}), pki.a, stall_timeout_s=0.5)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=30.0)
+    try:
+        link = await client._link(address, *split_address(address))
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.stats()["served_bytes"] > peers.HIGH_WATER_BYTES, 5.0)
+        link.transport.pause_reading()  # hears nothing more, so acknowledges nothing more
+
+        async def keep_alive() -> None:
+            for uid in range(1000):
+                link.protocol._quic.send_ping(uid)
+                link.protocol.transmit()
+                await asyncio.sleep(0.05)  # the PING cadence, not a readiness wait
+
+        pinging = asyncio.ensure_future(keep_alive())
+        try:
+            assert await _until(lambda: not _serving(server), 5.0)
+        finally:
+            pinging.cancel()
+            task.cancel()
+            await asyncio.gather(pinging, task, return_exceptions=True)
+    finally:
+        await client.aclose()
+        await server.aclose()
