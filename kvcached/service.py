@@ -258,7 +258,12 @@ class KvcachedService:
         if not remote.may_fetch(self._clock()):
             self.remote_counters["refused"] += 1
             return None
-        data = await self._first(list(self._remote_peers), digest)
+        held = self.store.max_block_bytes  # what one fetch may pull: misses meanwhile may find a debt
+        remote.hold(held, self._clock())
+        try:
+            data = await self._first(list(self._remote_peers), digest)
+        finally:
+            remote.release(held, self._clock())
         if data is None:
             self.remote_counters["misses"] += 1
             return None
