@@ -366,8 +366,9 @@ class _ServerProtocol(QuicConnectionProtocol):
                 self._end_with_error(sid)
 
     def _end_with_error(self, sid: int) -> None:
-        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it; a no-op
-        when the stream already ended or was reset, or the connection is gone."""
+        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it, and free
+        the data queued on it (a reset stream never sends it, but aioquic keeps it until the client
+        acknowledges the reset); a no-op when the stream already ended or the connection is gone."""
         if self._terminated:
             return
         try:
@@ -375,6 +376,9 @@ class _ServerProtocol(QuicConnectionProtocol):
         except (ValueError, RuntimeError) as exc:  # a stream that cannot be reset any more
             log.debug("cannot reset peer stream %d: %s", sid, exc)
             return
+        stream = self._quic._streams.get(sid)
+        if stream is not None and stream.sender._reset_error_code is not None:
+            stream.sender._buffer = bytearray()
         self.transmit()
 
     async def _respond(self, sid: int, digests: list[bytes]) -> None:

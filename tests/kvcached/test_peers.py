@@ -927,6 +927,8 @@ async def test_a_response_whose_client_stops_acknowledging_is_ended(pki: Pki) ->
         pinging = asyncio.ensure_future(keep_alive())
         try:
             assert await _until(lambda: not _serving(server), 5.0)
+            (served,) = server._protocols  # the reset stream keeps none of its queued data
+            assert all(not s.sender._buffer for s in served._quic._streams.values())
         finally:
             pinging.cancel()
             task.cancel()
