@@ -3,7 +3,7 @@
 Unknown keys and ill-typed values are :class:`~kvcached.errors.KvcachedConfigError` naming the key; nothing
 past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd_raw`` (parsed by
 :func:`contracts.etcd.parse_etcd_settings`). Sizes are bytes, times seconds, addresses ``host:port``
-(port 0 = ephemeral). Example (every key)::
+(port 0 = ephemeral: listen addresses only, a peer's cannot be dialed). Example (every key)::
 
     [kvcached]
     node = "node-a"                      # node id (default: the hostname); etcd key kvcached/<node>
@@ -30,8 +30,9 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     listen = "127.0.0.1:0"               # UDP host:port of the PeerServer
     max_concurrent_streams = 64          # streams served at once per connection
     egress_bytes_per_s = 1250000000      # egress cap of the PeerServer (absent = unlimited)
-    timeout_s = 2.0                      # a peer fetch that takes longer is a miss
-    max_in_flight = 8                    # concurrent block streams per fetch
+    timeout_s = 2.0                      # a peer fetch that takes longer is a miss; a response we serve
+                                         # that nothing acknowledges for as long is reset
+    max_in_flight = 8                    # request streams in flight at once, all peers together
     max_datagram_size = 1200             # UDP payload bytes, 1200..65000; must fit the path MTU - 28:
                                          # 8972 with 9000-byte jumbo frames, 65000 on loopback (fewer,
                                          # larger packets: aioquic's cost is per packet; BENCHMARKS.md)
@@ -256,7 +257,7 @@ def _peer(raw: object, where: str) -> StaticPeer:
     s = Section(raw, where)
     peer = StaticPeer(
         node=_nonempty(s.string("node", REQUIRED), f"{where}.node") or "",
-        address=_hostport(s.string("address", REQUIRED), f"{where}.address") or "",
+        address=_dialable(s.string("address", REQUIRED), f"{where}.address"),
     )
     s.done()
     return peer
@@ -272,7 +273,7 @@ def _remote(raw: object) -> RemoteSettings:
         peers.append(
             RemotePeer(
                 cluster=_nonempty(ps.string("cluster", REQUIRED), f"remote.peers[{i}].cluster") or "",
-                address=_hostport(ps.string("address", REQUIRED), f"remote.peers[{i}].address") or "",
+                address=_dialable(ps.string("address", REQUIRED), f"remote.peers[{i}].address"),
             )
         )
         ps.done()
@@ -289,6 +290,14 @@ def _hostport(value: str | None, where: str) -> str | None:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise KvcachedConfigError(f"{where}: expected host:port, got {value!r}")
     return value
+
+
+def _dialable(value: str | None, where: str) -> str:
+    """A peer's ``host:port``: a port of 0 (an ephemeral listen port) cannot be dialed."""
+    address = _hostport(value, where) or ""
+    if int(address.rpartition(":")[2]) == 0:
+        raise KvcachedConfigError(f"{where}: port 0 cannot be dialed, got {address!r}")
+    return address
 
 
 def _nonempty(value: str | None, where: str) -> str | None:

@@ -134,6 +134,7 @@ class Daemon:
                     max_concurrent_streams=q.max_concurrent_streams,
                     egress_bytes_per_s=q.egress_bytes_per_s,
                     max_datagram_size=q.max_datagram_size,
+                    stall_timeout_s=q.timeout_s,
                 )
                 self.quic_port = await self.peer_server.start()
         service = KvcachedService(

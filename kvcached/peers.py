@@ -8,7 +8,8 @@ a leading run as soon as it lands, and the server's per-connection concurrency b
 requests, not blocks. Longer digest lists are split into several streams on the same connection.
 
 Connections are kept per peer address and reused (the handshake costs a round trip and a few ms of CPU);
-a connection that failed or timed out is dropped and the next fetch dials again.
+a connection that failed or timed out is dropped and the next fetch dials again; one that closed while
+unused (its peer stopped, or left and it idled out) is closed, socket included, by the next dial.
 
 mTLS: the client verifies the server certificate against the CA and the address's host (aioquic's own
 check), then, before its first request, that the certificate names the ``kvcached`` role
@@ -28,12 +29,15 @@ pinned by the tests that reject a client without a valid certificate.
 Bounds: per connection at most ``max_concurrent_streams`` requests are served at once (the QUIC
 ``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
 ``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
-connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream. The client
+connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream; a client may
+open no unidirectional stream (one opened anyway closes its connection). The client
 keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
-(STOP_SENDING) past one largest record per digest asked; a fetch cancelled by its caller sends
+(STOP_SENDING) past one largest record per digest asked (its highest offset counts: aioquic zero-fills
+gaps) and grants the server no stream of its own; a fetch cancelled by its caller sends
 STOP_SENDING (``ERR_CANCELLED``), which ends the server's response task. Timeouts:
 dialing must finish within ``timeout_s`` and a response must make progress at least every ``timeout_s``,
-else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang).
+else :class:`~kvcached.errors.PeerUnavailable` (a miss; never a hang); the server resets a response whose
+queued data no acknowledgement reduces for ``stall_timeout_s`` (the daemon's ``quic.timeout_s``).
 
 Threading: everything runs on one asyncio loop; the store is called from it directly.
 """
@@ -41,6 +45,7 @@ Threading: everything runs on one asyncio loop; the store is called from it dire
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -245,6 +250,10 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._terminated = False
         bound = server.max_concurrent_streams
         quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", bound)
+        # The protocol has no unidirectional streams: none is granted (aioquic's default, 128 of a 16 MiB
+        # window each, would let a client make the server zero-fill 2 GiB with a few packets); a client
+        # that opens one anyway has its connection closed (STREAM_LIMIT_ERROR).
+        quic._local_max_streams_uni = Limit(QuicFrameType.MAX_STREAMS_UNI, "max_streams_uni", 0)
         # Request streams (the client's) get a window of one largest request, not the client's 16 MiB:
         # aioquic zero-fills a gap up to out-of-order data, so the window bounds what a stream allocates.
         quic._local_max_stream_data_bidi_remote = REQUEST_WINDOW_BYTES
@@ -357,8 +366,9 @@ class _ServerProtocol(QuicConnectionProtocol):
                 self._end_with_error(sid)
 
     def _end_with_error(self, sid: int) -> None:
-        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it; a no-op
-        when the stream already ended or was reset, or the connection is gone."""
+        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it, and free
+        the data queued on it (a reset stream never sends it, but aioquic keeps it until the client
+        acknowledges the reset); a no-op when the stream already ended or the connection is gone."""
         if self._terminated:
             return
         try:
@@ -366,6 +376,9 @@ class _ServerProtocol(QuicConnectionProtocol):
         except (ValueError, RuntimeError) as exc:  # a stream that cannot be reset any more
             log.debug("cannot reset peer stream %d: %s", sid, exc)
             return
+        stream = self._quic._streams.get(sid)
+        if stream is not None and stream.sender._reset_error_code is not None:
+            stream.sender._buffer = bytearray()
         self.transmit()
 
     async def _respond(self, sid: int, digests: list[bytes]) -> None:
@@ -394,12 +407,22 @@ class _ServerProtocol(QuicConnectionProtocol):
         delay = self._server.reserve(len(chunk))
         if delay > 0:
             await asyncio.sleep(delay)  # egress pacing
-        while _unacked(self._quic, sid) > HIGH_WATER_BYTES:
+        loop = asyncio.get_running_loop()
+        queued, since = _unacked(self._quic, sid), loop.time()
+        while queued > HIGH_WATER_BYTES:
             if self._terminated:
                 raise ConnectionError("peer connection closed")
-            waiter = asyncio.get_running_loop().create_future()
+            left = since + self._server.stall_timeout_s - loop.time()
+            if left <= 0:  # alive (PINGs, say) but acknowledging nothing: the stream is reset
+                raise ConnectionError(f"nothing acknowledged for {self._server.stall_timeout_s}s")
+            waiter = loop.create_future()
             self._wakeups.append(waiter)
-            await waiter
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, left)
+            now_queued = _unacked(self._quic, sid)
+            if now_queued < queued:
+                since = loop.time()
+            queued = now_queued
         if self._terminated:
             raise ConnectionError("peer connection closed")
         self._quic.send_stream_data(sid, chunk)
@@ -428,9 +451,14 @@ class PeerServer:
         max_concurrent_streams: int = 64,
         egress_bytes_per_s: float | None = None,
         max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
+        stall_timeout_s: float = 2.0,
     ) -> None:
         if max_concurrent_streams < 1:
             raise KvcachedConfigError("max_concurrent_streams must be at least 1")
+        if stall_timeout_s <= 0:
+            raise KvcachedConfigError("stall_timeout_s must be positive")
+        self.stall_timeout_s = stall_timeout_s
+        """A response whose queued data no acknowledgement reduces for this long is reset."""
         if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
             raise KvcachedConfigError("egress_bytes_per_s must be positive")
         self.store = store
@@ -553,6 +581,28 @@ class _ClientProtocol(QuicConnectionProtocol):
         super().__init__(quic, stream_handler)
         self.fetches: dict[int, _Fetch] = {}
         self.closed_reason: str | None = None
+        # The server never opens a stream: none is granted (aioquic's default, 128 of each kind with a
+        # 16 MiB window, would let a peer make the client zero-fill gigabytes); one opened anyway closes
+        # the connection (STREAM_LIMIT_ERROR).
+        quic._local_max_streams_bidi = Limit(QuicFrameType.MAX_STREAMS_BIDI, "max_streams_bidi", 0)
+        quic._local_max_streams_uni = Limit(QuicFrameType.MAX_STREAMS_UNI, "max_streams_uni", 0)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        self._abandon_overreaching()
+
+    def _abandon_overreaching(self) -> None:
+        """Abandon every response whose highest offset seen is past its byte budget: aioquic zero-fills a
+        gap before out-of-order data (and grows the window as data arrives), so bytes that are never
+        delivered in order could otherwise make the client hold any amount."""
+        for sid, fetch in list(self.fetches.items()):
+            stream = self._quic._streams.get(sid)
+            if (
+                stream is not None
+                and not fetch.done.done()
+                and stream.receiver.highest_offset > fetch.max_bytes
+            ):
+                self._abandon(sid, fetch, f"data past the {fetch.max_bytes} bytes asked for")
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
@@ -587,15 +637,21 @@ class _ClientProtocol(QuicConnectionProtocol):
         self.stop(sid, ERR_BAD_REQUEST)
 
     def stop(self, sid: int, code: int) -> None:
-        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now; a
-        no-op for a stream that already ended or a connection that is gone."""
+        """Ask the peer to stop sending on stream ``sid`` (STOP_SENDING with ``code``) and send it now, then
+        finish our side of it: what else arrives is dropped unread (not zero-filled before out-of-order
+        data), and the buffered part freed. A no-op for a stream that already ended or a connection that
+        is gone."""
         if self.is_closed:
             return
         try:
             self._quic.stop_stream(sid, code)
         except ValueError:  # the stream finished and was discarded
             return
-        self.transmit()
+        self.transmit()  # before finishing: a finished stream is discarded before its STOP_SENDING is sent
+        stream = self._quic._streams.get(sid)
+        if stream is not None:
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
 
     @property
     def is_closed(self) -> bool:
@@ -655,10 +711,15 @@ class PeerClient:
 
         Blocks the peer lacks, and blocks whose record fails verification (dropped, counted in
         ``corrupt``), are absent. :class:`PeerUnavailable` if the peer cannot be reached within
-        ``timeout_s`` or a response stalls for ``timeout_s``; :class:`BadRequest` for a malformed digest.
+        ``timeout_s``, a response stalls for ``timeout_s`` or ``address`` names no host and port (an etcd
+        record's ``[]:80``); :class:`BadRequest` for a malformed digest.
         """
         wanted = list(dict.fromkeys(check_digest(d) for d in digests))
-        host, port = split_address(address)
+        try:
+            host, port = split_address(address)
+        except KvcachedConfigError as exc:  # a miss like a peer down: the other peers are still asked
+            self.unavailable += 1
+            raise PeerUnavailable(str(exc)) from exc
         out: dict[bytes, bytes] = {}
         for at in range(0, len(wanted), MAX_REQUEST_DIGESTS):
             chunk = wanted[at : at + MAX_REQUEST_DIGESTS]
@@ -690,9 +751,22 @@ class PeerClient:
             if link is not None:
                 link.close()
                 del self._links[address]
+            self._release_closed()
             link = await self._dial(address, host, port)
             self._links[address] = link
             return link
+
+    def _release_closed(self) -> None:
+        """Close and forget the kept links whose connection closed (a peer that stopped, or left the table
+        and idled out) and the dial locks of addresses without a link, so churning addresses do not pile
+        up open sockets. A lock that is held or awaited (a dial under way or about to be) stays."""
+        for address, link in list(self._links.items()):
+            if link.protocol.is_closed:
+                link.close()
+                del self._links[address]
+        for address, lock in list(self._dialing.items()):
+            if address not in self._links and not lock.locked() and not lock._waiters:
+                del self._dialing[address]
 
     async def _dial(self, address: str, host: str, port: int) -> _Link:
         loop = asyncio.get_running_loop()

@@ -7,9 +7,11 @@ worth banked) and ``[[remote.peers]]`` (``cluster``, ``address``: the remote dae
 it must present a certificate our ``ca`` trusts with a ``kvcached`` identity, as any peer).
 
 Budget: a token bucket of ``fetch_bytes_per_s`` (burst: one second's worth, at least one
-``max_block_bytes``). A fetch is tried only while the bucket holds more than zero bytes; a block that
-arrives is charged in full, so the bucket may go negative (debt) and the next fetch waits until it is
-repaid: over any window the bytes pulled are at most ``fetch_bytes_per_s x window + burst + one block``.
+``max_block_bytes``). A fetch is tried only while the bucket holds more than zero bytes; while in flight
+it holds one largest block of the bucket (:meth:`RemoteFetchPolicy.hold`, given back when it ends), so
+misses that arrive together do not all start on the same full bucket; a block that arrives is charged in
+full, so the bucket may go negative (debt) and the next fetch waits until it is repaid: over any window
+the bytes pulled are at most ``fetch_bytes_per_s x window + burst + one block``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ class RemoteFetchPolicy:
             return True
         self.refused += 1
         return False
+
+    def hold(self, nbytes: int, now: float) -> None:
+        """A fetch starts that may pull up to ``nbytes``: taken from the bucket until :meth:`release`."""
+        self._refill(now)
+        self._tokens -= nbytes
+
+    def release(self, nbytes: int, now: float) -> None:
+        """The fetch that held ``nbytes`` ended (what it pulled is :meth:`charge` d separately)."""
+        self._refill(now)
+        self._tokens = min(self.burst, self._tokens + nbytes)
 
     def charge(self, nbytes: int, now: float) -> None:
         """A block of ``nbytes`` came from another cluster."""

@@ -9,9 +9,9 @@ logged by type and place only (its message may quote the request). Every answer 
 ``kvcached_requests_total{method,code}``.
 
 Get on a local miss, when peers are known and the request allows it, asks every peer at once over QUIC
-(:class:`~kvcached.peers.PeerClient`; only verified blocks come back), takes the first answer, stores
-it in the RAM tier and answers with it; concurrent Gets of one missing digest share one fetch. A peer
-that is down costs at most the QUIC timeout and counts as a miss.
+(:class:`~kvcached.peers.PeerClient`; only whole, checksum-verified blocks come back), takes the first
+answer, stores it in the RAM tier and answers with it; concurrent Gets of one missing digest share one
+fetch. A peer that is down costs at most the QUIC timeout and counts as a miss.
 
 The store is called directly on the event loop, never from threads: :class:`~kvcached.tiers.TieredStore`
 is single-threaded, its listener publishes to the feed (which must run on the loop), and a RAM hit
@@ -258,7 +258,12 @@ class KvcachedService:
         if not remote.may_fetch(self._clock()):
             self.remote_counters["refused"] += 1
             return None
-        data = await self._first(list(self._remote_peers), digest)
+        held = self.store.max_block_bytes  # what one fetch may pull: misses meanwhile may find a debt
+        remote.hold(held, self._clock())
+        try:
+            data = await self._first(list(self._remote_peers), digest)
+        finally:
+            remote.release(held, self._clock())
         if data is None:
             self.remote_counters["misses"] += 1
             return None

@@ -31,7 +31,8 @@ never announced in neither tier).
 A write a tier refuses (a full or read-only disk: :class:`KvcachedError`) fails the call with nothing half
 done: a failed demotion leaves the faster tier as it was (the put that needed the room fails, its block
 stored nowhere), a failed put leaves its victims demoted and still held, a failed write-through stores
-nothing; every change that was made is announced. The daemon turns them into index events
+nothing (and a write-through whose slower copy was written is kept there, acknowledged, when the faster
+tier's demotion is refused); every change that was made is announced. The daemon turns them into index events
 (``Stored``/``Removed`` with tier ``ram``/``ssd``).
 
 Thread-safety: none. The store is driven from one thread (the daemon's event loop, or a worker thread
@@ -157,11 +158,22 @@ class TieredStore:
             return
         for i, tier in enumerate(self._tiers):
             if tier.fits(len(data)):
+                copied = False
                 if self.write_through:  # the slower copy first: a failed write leaves nothing behind
                     j = self._fastest_fitting(len(data), range(i + 1, len(self._tiers)))
                     if j is not None and digest not in self._tiers[j]:
                         self._store(j, [(digest, data)], data_checksum=summed)
-                self._store(i, [(digest, data)], data_checksum=summed)
+                        copied = True
+                try:
+                    self._store(i, [(digest, data)], data_checksum=summed)
+                except KvcachedError as exc:
+                    if not copied:
+                        raise
+                    # Tier i refused room (a demotion the disk refused); the block is held, and announced,
+                    # in the slower tier: the put is kept there, not reported failed.
+                    log.warning(
+                        "%s tier: block %s kept in the slower tier only: %s", tier.name, digest.hex(), exc
+                    )
                 return
         raise BadRequest(f"block of {len(data)} bytes is larger than every tier's budget")
 

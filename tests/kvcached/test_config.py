@@ -101,6 +101,17 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
             {"kvcached": {"ram_bytes": 1, "listen_unix": "s"}, "peers": [{"node": "b", "address": "x"}]},
             "peers[0].address: expected host:port",
         ),
+        (
+            {"kvcached": {"ram_bytes": 1, "listen_unix": "s"}, "peers": [{"node": "b", "address": "h:0"}]},
+            "peers[0].address: port 0 cannot be dialed",
+        ),
+        (
+            {
+                "kvcached": {"ram_bytes": 1, "listen_unix": "s"},
+                "remote": {"peers": [{"cluster": "eu", "address": "h:0"}]},
+            },
+            "remote.peers[0].address: port 0 cannot be dialed",
+        ),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s"}, "etcd": 3}, "etcd: expected a table"),
     ],
 )

@@ -711,3 +711,228 @@ async def test_server_cert_of_another_role_is_refused(pki: Pki, name: str) -> No
     finally:
         await client.aclose()
         await server.aclose()
+
+
+def _largest_stream_buffer(server: PeerServer) -> int:
+    """The largest receive buffer any of the server's streams holds (aioquic zero-fills gaps)."""
+    return max(
+        (len(s.receiver._buffer) for p in server._protocols for s in p._quic._streams.values()), default=0
+    )
+
+
+async def test_a_client_may_not_open_unidirectional_streams(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """The protocol uses client bidirectional streams only. A unidirectional stream would get aioquic's
+    default window (16 MiB, growing as data arrives) and, sent out of order, a zero-filled buffer of that
+    size on the server: the server grants none, and a client that opens one anyway loses its connection
+    before the server holds more than a largest request for it."""
+    server, _store, address = served
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        assert quic._remote_max_streams_uni == 0
+        quic._remote_max_streams_uni = 8  # a hostile client ignores the limit
+        sid = quic.get_next_available_stream_id(is_unidirectional=True)
+        end = 16 << 20
+        quic.send_stream_data(sid, bytes(end))
+        quic._streams[sid].sender._pending.subtract(0, end - 100)  # only the tail: a 16 MiB gap
+        link.protocol.transmit()
+        assert await _until(lambda: server.stats()["connections"] == 0, 5.0)
+        assert _largest_stream_buffer(server) <= max_request_bytes()
+    finally:
+        await client.aclose()
+
+
+def _hold_open_with(push: Callable[[peers._ServerProtocol, int], None]) -> Callable[..., object]:
+    """A server ``_respond`` that does ``push(protocol, sid)`` and then never ends the response."""
+
+    async def respond(self: peers._ServerProtocol, sid: int, digests: list[bytes]) -> None:
+        push(self, sid)
+        self.transmit()
+        await asyncio.Event().wait()
+
+    return respond
+
+
+def _send_tail(quic: object, sid: int, end: int) -> None:
+    """Queue ``end`` bytes on ``sid`` but send only the last 100 (a gap of ``end - 100`` bytes)."""
+    quic.send_stream_data(sid, bytes(end))  # type: ignore[attr-defined]
+    quic._streams[sid].sender._pending.subtract(0, end - 100)  # type: ignore[attr-defined]
+
+
+def _largest_client_buffer(client: PeerClient) -> int:
+    return max(
+        (
+            len(s.receiver._buffer)
+            for link in client._links.values()
+            for s in link.protocol._quic._streams.values()
+        ),
+        default=0,
+    )
+
+
+async def test_out_of_order_response_data_past_the_budget_abandons_the_stream(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aioquic zero-fills a gap before out-of-order data, and a response stream's window is 16 MiB (and
+    grows): a peer that sends only bytes past one largest record per digest asked has the stream
+    abandoned at once (not after a stall), and the client does not keep the zero-filled buffer."""
+    end = 16 << 20
+    monkeypatch.setattr(
+        peers._ServerProtocol, "_respond", _hold_open_with(lambda p, sid: _send_tail(p._quic, sid, end))
+    )
+    server = server_for(DictStore(), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0, max_block_bytes=4096)
+    try:
+        started = time.monotonic()
+        assert await client.fetch(address, [digest(1)]) == {}
+        assert time.monotonic() - started < 2.0 and client.stats()["unavailable"] == 0
+        assert _largest_client_buffer(client) <= 2 * client.max_record_bytes
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+def _open_server_stream(p: peers._ServerProtocol, unidirectional: bool) -> None:
+    quic = p._quic
+    if unidirectional:  # a hostile server ignores the limits the client granted
+        quic._remote_max_streams_uni = max(quic._remote_max_streams_uni, 8)
+    else:
+        quic._remote_max_streams_bidi = max(quic._remote_max_streams_bidi, 8)
+    _send_tail(quic, quic.get_next_available_stream_id(is_unidirectional=unidirectional), 16 << 20)
+
+
+@pytest.mark.parametrize("unidirectional", [False, True])
+async def test_a_server_may_not_open_streams(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch, unidirectional: bool
+) -> None:
+    """The client never serves a stream: it grants the server none (aioquic's default, 128 of each kind
+    with a 16 MiB window, would let a peer make it zero-fill gigabytes), and a server that opens one
+    anyway loses the connection: the fetch is a prompt miss and the client holds no such buffer."""
+    monkeypatch.setattr(
+        peers._ServerProtocol,
+        "_respond",
+        _hold_open_with(lambda p, sid: _open_server_stream(p, unidirectional)),
+    )
+    server = server_for(DictStore(), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        link = await client._link(address, *split_address(address))
+        assert await _until(lambda: len(server._protocols) == 1, 5.0)
+        (served,) = server._protocols
+        assert served._quic._remote_max_streams_bidi == 0 and served._quic._remote_max_streams_uni == 0
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            await client.fetch(address, [digest(1)])
+        assert time.monotonic() - started < 2.0
+        assert (
+            max((len(s.receiver._buffer) for s in link.protocol._quic._streams.values()), default=0) < 1 << 20
+        )
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_peer_address_that_cannot_be_dialed_is_unavailable_not_an_error(
+    pki: Pki, served: tuple[PeerServer, DictStore, str]
+) -> None:
+    """``[]:80`` passes the etcd record's host:port check but names no host: fetching from it is a miss
+    (PeerUnavailable, counted), so a Get still takes the block from the other peers instead of failing."""
+    from contracts.kvcached import GetRequest
+    from kvcached.service import KvcachedService
+
+    _server, store, address = served
+    client = client_for(pki.b)
+    local = TieredStore(1 << 20, None, 0)
+    try:
+        with pytest.raises(PeerUnavailable, match="bad peer address"):
+            await client.fetch("[]:80", [digest(1)])
+        assert client.stats()["unavailable"] == 1
+        service = KvcachedService(local, peer_client=client, peers=lambda: ["[]:80", address])
+        reply = await service.get(GetRequest(digest(1)))
+        assert (reply.data, reply.source) == (store.blocks[digest(1)], "peer")
+    finally:
+        await client.aclose()
+        local.close()
+
+
+async def test_links_whose_connection_closed_are_released(pki: Pki) -> None:
+    """Peers come and go (etcd): a kept connection that closed (its peer stopped, or it idled out) while
+    nobody fetched from that address again is released, socket included, by the next dial, so addresses
+    that churn do not pile up open UDP sockets."""
+    gone = server_for(DictStore({digest(1): b"x"}), pki.a)
+    gone_address = f"127.0.0.1:{await gone.start()}"
+    other = server_for(DictStore({digest(1): b"y"}), pki.a)
+    other_address = f"127.0.0.1:{await other.start()}"
+    client = client_for(pki.b)
+    try:
+        assert await client.fetch(gone_address, [digest(1)]) == {digest(1): b"x"}
+        link = client._links[gone_address]
+        await gone.aclose()  # closes its connections (CONNECTION_CLOSE)
+        assert await _until(lambda: link.protocol.is_closed, 5.0)
+        assert await client.fetch(other_address, [digest(1)]) == {digest(1): b"y"}
+        assert list(client._links) == [other_address] and list(client._dialing) == [other_address]
+        assert link.transport.is_closing()
+    finally:
+        await client.aclose()
+        await other.aclose()
+
+
+async def test_a_cancelled_fetch_drops_what_its_stream_still_receives(pki: Pki) -> None:
+    """After a cancelled fetch's STOP_SENDING, the stream may still receive data (in flight, or a peer
+    that ignores it, out of order): nothing waits for it, so the client's side of the stream is finished
+    and its buffer freed at once, and later data for it is dropped unread instead of zero-filled."""
+    size = 16 << 20
+    server = server_for(DictStore({digest(1): b"z" * size}), pki.a, egress_bytes_per_s=8e6)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.stats()["served_bytes"] >= 1 << 20, 5.0)
+        quic = client._links[address].protocol._quic
+        (sid,) = [s for s in quic._streams if s % 4 == 0]
+        receiver = quic._streams[sid].receiver
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert receiver.is_finished and not receiver._buffer
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_response_whose_client_stops_acknowledging_is_ended(pki: Pki) -> None:
+    """A client that keeps its connection alive (PINGs) but acknowledges nothing more would hold a
+    response task, its block and 4 MiB of queued data forever: past ``stall_timeout_s`` without the
+    unacknowledged bytes going down, the server resets the stream and the task ends."""
+    server = server_for(DictStore({digest(1): b"z" * (16 << 20)}), pki.a, stall_timeout_s=0.5)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=30.0)
+    try:
+        link = await client._link(address, *split_address(address))
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.stats()["served_bytes"] > peers.HIGH_WATER_BYTES, 5.0)
+        link.transport.pause_reading()  # hears nothing more, so acknowledges nothing more
+
+        async def keep_alive() -> None:
+            for uid in range(1000):
+                link.protocol._quic.send_ping(uid)
+                link.protocol.transmit()
+                await asyncio.sleep(0.05)  # the PING cadence, not a readiness wait
+
+        pinging = asyncio.ensure_future(keep_alive())
+        try:
+            assert await _until(lambda: not _serving(server), 5.0)
+            (served,) = server._protocols  # the reset stream keeps none of its queued data
+            assert all(not s.sender._buffer for s in served._quic._streams.values())
+        finally:
+            pinging.cancel()
+            task.cancel()
+            await asyncio.gather(pinging, task, return_exceptions=True)
+    finally:
+        await client.aclose()
+        await server.aclose()

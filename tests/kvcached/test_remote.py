@@ -99,3 +99,19 @@ async def test_not_allowed_means_never() -> None:
     assert [a for a, _ in peers.calls] == ["local:1"]
     assert svc.remote_counters["refused"] == 1
     store.close()
+
+
+async def test_concurrent_misses_stay_within_the_budget() -> None:
+    """The budget's bound (``rate x window + burst + one block``) holds for misses that arrive together:
+    a fetch in flight holds one largest block of the budget, so the others do not all start while the
+    bucket still looks full."""
+    import asyncio
+
+    blob = b"x" * 600
+    peers = FakePeers({"local:1": {}, "remote:1": {digest(i): blob for i in range(10)}}, delay_s=0.01)
+    svc, store, _clock = service(peers, rate=1000.0)  # burst 1,000 bytes
+    replies = await asyncio.gather(*(svc.get(GetRequest(digest(i))) for i in range(10)))
+    assert svc.remote_counters["bytes"] <= 1000 + 600
+    assert svc.remote_counters["hits"] == sum(r.data is not None for r in replies) >= 1
+    assert svc.remote_counters["hits"] + svc.remote_counters["refused"] == 10
+    store.close()

@@ -638,3 +638,39 @@ def test_a_hit_whose_promotion_fails_is_still_served(tmp_path: Path, rec: Record
         assert (stats["ssd_hits"], stats["ssd_promotions"], stats["ram_evictions"]) == (1, 0, 1)
     finally:
         store.close()
+
+
+class FailingAfter(FailingDb):
+    """A disk that takes ``ok_writes`` more writes, then refuses every one."""
+
+    def __init__(self, db: Rdict, ok_writes: int) -> None:
+        super().__init__(db)
+        self.ok_writes = ok_writes
+
+    def write(self, batch: object, opts: object) -> None:
+        if self.ok_writes <= 0:
+            self.fail_writes = True
+        self.ok_writes -= 1
+        super().write(batch, opts)
+
+
+def test_a_write_through_put_whose_ram_eviction_fails_is_kept_on_the_ssd(
+    tmp_path: Path, rec: Recorder
+) -> None:
+    """With write_through the SSD copy is written first; when RAM must then evict a block the SSD no
+    longer holds and the disk refuses that demotion, the put is not reported failed while its block sits
+    on the SSD (announced there): it is acknowledged with the block in the SSD tier only, RAM as it was."""
+    store = TieredStore(3 * BLOCK, tmp_path / "ssd", 3 * RECORD, listener=rec, write_through=True)
+    try:
+        for i in range(3):
+            store.put(d(i), data(i))  # both tiers: [d0, d1, d2]
+        rec.take()
+        ssd = store._tiers[1]
+        assert isinstance(ssd, SsdTier)
+        ssd._db = FailingAfter(ssd._live(), ok_writes=1)  # type: ignore[assignment]
+        store.put(d(3), data(3))  # the SSD copy evicts d0 there; RAM's demotion of d0 is refused
+        assert store.held() == {TIER_RAM: [d(0), d(1), d(2)], TIER_SSD: [d(1), d(2), d(3)]}
+        assert store.tier_of(d(3)) == TIER_SSD and store.get(d(3)) == data(3)
+        assert rec.take()[:2] == [("removed", TIER_SSD, [d(0)]), ("stored", TIER_SSD, [d(3)])]
+    finally:
+        store.close()
