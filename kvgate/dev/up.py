@@ -916,7 +916,11 @@ def main(argv: list[str] | None = None) -> int:
         etcd_auth=args.etcd_auth,
         overlay=extra,
     )
-    stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
+    try:
+        stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
+    except OSError as exc:  # a --workdir that is a file, or not this user's to create
+        print(f"kvgate up: --workdir: {exc}", file=sys.stderr)
+        return 1
     # While starting, SIGINT and SIGTERM interrupt the start (KeyboardInterrupt: Stack.start stops what
     # it started), even where the shell ignores SIGINT (a background job). The children run in sessions
     # of their own, so a Ctrl-C in the terminal reaches this process only, which stops them in order.
@@ -930,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     except ListenFailed as exc:  # taken between the check and Envoy's bind
         print(f"kvgate up: {exc}: choose another --port, or --port 0 for any free port", file=sys.stderr)
         return 1
-    except (ChildFailed, ConfigError, GGUFExportError, CertError, WorkdirBusy) as exc:
+    except (ChildFailed, ConfigError, GGUFExportError, CertError, WorkdirBusy, OSError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

@@ -269,12 +269,15 @@ def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations the flags do not take, refused (``p.error``: usage, exit 2) before anything starts:
-    negative counts, ``--gpu``/``--power-cap-w`` without ``--agents`` (or with another engine than the
-    simulator), and ``--model-dir`` with ``--agents`` (whose engines tokenize with SmolLM2's)."""
+    negative counts, a ``--port`` out of range, ``--gpu``/``--power-cap-w`` without ``--agents`` (or with
+    another engine than the simulator), and ``--model-dir`` with ``--agents`` (whose engines tokenize
+    with SmolLM2's)."""
     for flag in ("replicas", "prefill", "decode", "extprocs", "agents"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag} must not be negative (got {value})")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port: a port from 0 (any free one) to 65535, got {args.port}")
     power = [flag for flag, value in (("--gpu", args.gpu), ("--power-cap-w", args.power_cap_w)) if value]
     if power and not args.agents:
         p.error(f"{' and '.join(power)} simulate the GPU power of --agents' engines: they need --agents")

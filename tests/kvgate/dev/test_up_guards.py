@@ -148,6 +148,8 @@ class _Exited:
         (["--agents", "-1"], "--agents must not be negative"),
         (["--replicas", "-2"], "--replicas must not be negative"),
         (["--extprocs", "-1"], "--extprocs must not be negative"),
+        (["--port", "70000"], "--port: a port from 0 (any free one) to 65535, got 70000"),
+        (["--port", "-1"], "--port: a port from 0 (any free one) to 65535, got -1"),
         (["--gpu", "h100"], "need --agents"),
         (["--power-cap-w", "300"], "need --agents"),
         (["--agents", "1", "--agent-engine", "llama_cpp", "--gpu", "h100"], "not with --agent-engine"),
@@ -168,3 +170,30 @@ def test_flags_it_does_not_take_are_refused_before_anything_starts(
 def test_a_negative_agent_count_is_refused_by_the_stack_too(tmp_path: Path) -> None:
     with pytest.raises(up.ConfigError, match="must not be negative"):
         up.Stack(up.StackOptions(port=0, workdir=tmp_path, agents=-1)).start()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "127.0.0.1:http"])
+def test_an_endpoint_with_a_bad_port_is_a_one_line_refusal(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path / "w"), "--endpoint", url])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"--endpoint needs http://host:port, got {url!r}" in err
+    assert "Traceback" not in err
+
+
+def test_a_workdir_that_cannot_be_used_is_a_one_line_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    assert up.main(["--port", "0", "--workdir", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate up: --workdir: ") and str(a_file) in err
+    workdir = tmp_path / "w"
+    (workdir / up.LOCK_NAME).mkdir(parents=True)  # its lock cannot be opened
+    assert up.main(["--port", "0", "--workdir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate up: ") and up.LOCK_NAME in err
+    assert "Traceback" not in err
