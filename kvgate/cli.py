@@ -228,7 +228,12 @@ def _envoy_config(argv: list[str]) -> int:
         print(f"kvgate envoy-config: {exc}", file=sys.stderr)
         return 2
     if tls is not None and args.write_sds:
-        for path in write_sds(tls):
+        try:
+            written = write_sds(tls)
+        except ConfigError as exc:  # e.g. a --certs-dir that does not exist
+            print(f"kvgate envoy-config: --write-sds: {exc}", file=sys.stderr)
+            return 1
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(rendered)
     return 0
@@ -239,7 +244,11 @@ _MAX_RETRIES = 2**32 - 1
 
 
 def _hostport(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; an IPv6 address in brackets (``[::1]:5000``) loses them, as
+    Envoy's ``socket_address`` takes the bare address (``[::1]`` would be looked up as a name)."""
     host, sep, port = value.rpartition(":")
+    if len(host) > 2 and host[0] == "[" and host[-1] == "]":
+        host = host[1:-1]
     if not sep or not host or not 1 <= int(port) <= 65535:
         raise ValueError(value)
     return host, int(port)
