@@ -119,10 +119,15 @@ async def _at(kv: etcd3aio.kv.KVService, key: str, revision: int, timeout_s: flo
     try:
         response = await kv.get(key, revision=revision, timeout=timeout_s)
     except ETCD_ERRORS as exc:
-        if "compacted" in str(exc) or "compacted" in getattr(exc, "details", lambda: "")():
+        if _compacted(exc):
             return None
         raise
     return response.kvs[0] if response.kvs else None
+
+
+def _compacted(exc: BaseException) -> bool:
+    """Whether etcd refused a read because its revision is compacted away."""
+    return "compacted" in str(exc) or "compacted" in getattr(exc, "details", lambda: "")()
 
 
 async def _revisions(kv: etcd3aio.kv.KVService, key: str, limit: int, timeout_s: float) -> dict[int, bytes]:
@@ -183,7 +188,8 @@ async def rollback(
 
     ``validate(value)`` (``None``: the key was absent then, so the rollback deletes it) raises
     :class:`ConfigError` for a value (or a removal) that no longer validates: nothing is written
-    (:class:`RollbackError`, status 2); a key that changed meanwhile: status 1, nothing written."""
+    (:class:`RollbackError`, status 2), nor for a ``revision`` etcd has compacted away (its value is
+    unknown, not absent); a key that changed meanwhile: status 1, nothing written."""
     kv = _kv(client)
     now = await _at(kv, key, 0, timeout_s)
     expect = (0, 0) if now is None else (int(now.create_revision), int(now.version))  # type: ignore[attr-defined]
@@ -192,8 +198,17 @@ async def rollback(
         if len(entries) < 2:
             raise RollbackError(f"{key}: no earlier revision to go back to (see kvgate policy history)")
         revision = entries[1].revision
-    item = await _at(kv, key, revision, timeout_s)
-    value = None if item is None else bytes(item.value)  # type: ignore[attr-defined]
+    if revision < 1:
+        raise RollbackError(f"{key}: --revision must be at least 1, got {revision}")
+    try:  # not _at: a compacted revision is not one where the key was absent (that would delete it)
+        response = await kv.get(key, revision=revision, timeout=timeout_s)
+    except ETCD_ERRORS as exc:
+        if _compacted(exc):
+            raise RollbackError(
+                f"{key}: revision {revision} is compacted (etcd no longer has its value); nothing written"
+            ) from exc
+        raise
+    value = bytes(response.kvs[0].value) if response.kvs else None
     try:
         checked = validate(value)
         if checked is not None:

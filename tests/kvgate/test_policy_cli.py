@@ -540,3 +540,33 @@ def test_a_config_error_inside_the_run_exits_2_with_its_message(
     argv = ["rollback", "burst/hosted", "--config", str(config), "--etcd", "127.0.0.1:1", "--timeout", "0.5"]
     assert main(argv) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_a_rollback_to_a_compacted_revision_is_refused_not_a_delete(
+    etcd_outage_server: EtcdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """etcd no longer knows the value at a compacted revision: that is not "absent then" (a delete)."""
+    settings = EtcdSettings(endpoints=(etcd_outage_server.address,), prefix="/kvgate/", timeout_s=2.0)
+    args = ["--etcd", etcd_outage_server.address]
+    assert main(["set", "weights/prefix", "1", *args]) == 0
+    assert main(["set", "weights/prefix", "2", *args]) == 0
+    capsys.readouterr()
+    assert main(["history", "weights/prefix", *args]) == 0
+    first = int(capsys.readouterr().out.splitlines()[-1].split("\t")[0])
+
+    async def compact() -> None:
+        client = await connect(settings)
+        try:
+            assert client.kv is not None
+            now = (await client.kv.get("/kvgate/", timeout=2.0)).header.revision
+            await client.kv.compact(int(now), physical=True, timeout=5.0)
+        finally:
+            await client.close()
+
+    asyncio.run(compact())
+    assert main(["rollback", "weights/prefix", "--revision", str(first), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"revision {first} is compacted" in err and "nothing written" in err
+    assert _read(settings, "/kvgate/policy/weights/prefix") == b"2"
+    assert main(["rollback", "weights/prefix", "--revision", "0", *args]) == 2  # etcd's 0 is "now"
+    assert "--revision must be at least 1" in capsys.readouterr().err
