@@ -570,3 +570,18 @@ def test_a_rollback_to_a_compacted_revision_is_refused_not_a_delete(
     assert _read(settings, "/kvgate/policy/weights/prefix") == b"2"
     assert main(["rollback", "weights/prefix", "--revision", "0", *args]) == 2  # etcd's 0 is "now"
     assert "--revision must be at least 1" in capsys.readouterr().err
+
+
+def test_file_mode_keeps_the_files_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The gateway reading the file may run as another user (deploy/systemd: User=kvgate): a set must not
+    leave it 0600 (the temporary file's mode)."""
+    path = tmp_path / "policy.toml"
+    path.write_text("[weights]\nprefix = 2.0\n")
+    path.chmod(0o640)
+    assert main(["set", "weights/prefix", "3", "--file", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert main(["unset", "weights/prefix", "--file", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o640
+    new = tmp_path / "new.json"
+    assert main(["set", "weights/prefix", "3", "--file", str(new)]) == 0
+    assert new.stat().st_mode & 0o777 == 0o644
