@@ -516,7 +516,7 @@ class Stack:
                 pinned, federation=dataclasses.replace(params.federation, listen_port=self.federation_port)
             )
         config_path.write_text(render_yaml(pinned))
-        self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
+        self.url = listener_url(opts.host, port, secure=self.secure)
 
     def _start_migration(self, parsed: GatewayConfig) -> EnvoyMigration | None:
         """The migration proxy on loopback when some ``[[models]]`` has ``migration = true``; its port is
@@ -837,6 +837,11 @@ def _envoy_federation(parsed: GatewayConfig, delay_ms: float = 0.0) -> EnvoyFede
         identities=tuple(link.identity for link in config.links),
         inject_delay_ms=delay_ms,
     )
+
+
+def listener_url(host: str, port: int, *, secure: bool) -> str:
+    """``http(s)://host:port`` of the OpenAI listener; an IPv6 address in brackets (``http://[::1]:8080``)."""
+    return f"{'https' if secure else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _numbered(role: str, count: int) -> list[str]:

@@ -150,6 +150,8 @@ class _Exited:
         (["--extprocs", "-1"], "--extprocs must not be negative"),
         (["--port", "70000"], "--port: a port from 0 (any free one) to 65535, got 70000"),
         (["--port", "-1"], "--port: a port from 0 (any free one) to 65535, got -1"),
+        # Envoy exited on it ("malformed IP address") after the engines and ext_procs had started
+        (["--host", "localhost"], "--host: an IP address (Envoy listens on addresses, not names)"),
         (["--gpu", "h100"], "need --agents"),
         (["--power-cap-w", "300"], "need --agents"),
         (["--agents", "1", "--agent-engine", "llama_cpp", "--gpu", "h100"], "not with --agent-engine"),
@@ -197,3 +199,8 @@ def test_a_workdir_that_cannot_be_used_is_a_one_line_refusal(
     err = capsys.readouterr().err
     assert err.startswith("kvgate up: ") and up.LOCK_NAME in err
     assert "Traceback" not in err
+
+
+def test_the_listener_url_brackets_an_ipv6_host() -> None:
+    assert up.listener_url("::1", 8080, secure=False) == "http://[::1]:8080"
+    assert up.listener_url("127.0.0.1", 8443, secure=True) == "https://127.0.0.1:8443"
