@@ -152,6 +152,10 @@ def _envoy_config(argv: list[str]) -> int:
         extprocs = tuple(_hostport(a) for a in args.extproc)
     except ValueError:
         parser.error(f"--extproc: expected HOST:PORT (port 1 to 65535), got {args.extproc}")
+    tls_only = (("--client-certs", args.client_certs), ("--write-sds", args.write_sds))
+    without_tls = [flag for flag, given in tls_only if given]
+    if without_tls and not args.secure:  # silently plaintext, with no client certificate asked for
+        parser.error(f"{' and '.join(without_tls)} work with --secure (the TLS profile): add it")
     if args.max_retries < 0 or args.stream_idle_timeout <= 0 or args.trusted_hops < 0:
         parser.error("--max-retries and --trusted-hops must be >= 0 and --stream-idle-timeout > 0")
     # What Envoy itself would refuse when loading the config: refused here, naming the flag.

@@ -337,6 +337,9 @@ def test_cli_listen_host(capsys: pytest.CaptureFixture[str]) -> None:
         (["--stream-idle-timeout", "inf"], "--stream-idle-timeout"),
         (["--max-retries", "100000000000"], "--max-retries"),
         (["--listen-host", "localhost"], "--listen-host"),
+        # without --secure they were ignored: a plaintext listener that asks no client for a certificate
+        (["--client-certs"], "--client-certs work with --secure"),
+        (["--write-sds"], "--write-sds work with --secure"),
     ],
 )
 def test_cli_refuses_values_envoy_would_refuse(
