@@ -274,13 +274,15 @@ def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations the flags do not take, refused (``p.error``: usage, exit 2) before anything starts:
-    negative counts, a ``--port`` out of range, a ``--host`` that is not an IP address,
+    negative counts, ``--extprocs 0``, a ``--port`` out of range, a ``--host`` that is not an IP address,
     ``--gpu``/``--power-cap-w`` without ``--agents`` (or with another engine than the simulator), and
     ``--model-dir`` with ``--agents`` (whose engines tokenize with SmolLM2's)."""
     for flag in ("replicas", "prefill", "decode", "extprocs", "agents"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag} must not be negative (got {value})")
+    if args.extprocs == 0:
+        p.error("--extprocs must be at least 1 (got 0)")
     if not 0 <= args.port <= 65535:
         p.error(f"--port: a port from 0 (any free one) to 65535, got {args.port}")
     try:

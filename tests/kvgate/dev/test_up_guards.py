@@ -148,6 +148,7 @@ class _Exited:
         (["--agents", "-1"], "--agents must not be negative"),
         (["--replicas", "-2"], "--replicas must not be negative"),
         (["--extprocs", "-1"], "--extprocs must not be negative"),
+        (["--extprocs", "0"], "--extprocs must be at least 1"),  # was exit 1, as if it could not start
         (["--port", "70000"], "--port: a port from 0 (any free one) to 65535, got 70000"),
         (["--port", "-1"], "--port: a port from 0 (any free one) to 65535, got -1"),
         # Envoy exited on it ("malformed IP address") after the engines and ext_procs had started
