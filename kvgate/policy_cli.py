@@ -653,6 +653,8 @@ def drain_main(argv: list[str]) -> int:
     except _Failed as exc:
         print(f"kvgate drain: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:  # Ctrl-C while etcd does not answer
+        return 130
 
 
 if __name__ == "__main__":

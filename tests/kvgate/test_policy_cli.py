@@ -585,3 +585,17 @@ def test_file_mode_keeps_the_files_mode(tmp_path: Path, capsys: pytest.CaptureFi
     new = tmp_path / "new.json"
     assert main(["set", "weights/prefix", "3", "--file", str(new)]) == 0
     assert new.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("command", ["policy", "drain"])
+def test_ctrl_c_while_etcd_does_not_answer_exits_130_without_a_traceback(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(coro: object) -> int:
+        coro.close()  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncio, "run", interrupted)
+    args = ["--etcd", "127.0.0.1:1"]
+    assert (main(["list", *args]) if command == "policy" else drain_main(["e", *args])) == 130
+    assert capsys.readouterr().err == ""
