@@ -23,7 +23,7 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,17 +95,27 @@ async def write(
     record: Record,
     *,
     expect: tuple[int, int] | None = None,
+    unchanged_since: tuple[Sequence[str], int] | None = None,
     timeout_s: float = 2.0,
 ) -> int | None:
     """Put ``value`` at ``key`` (``None``: delete it) and its audit record, in one transaction; returns
     the revision, logged with :func:`log_line`. ``expect``: ``(create_revision, version)`` the key must
-    still have (``(0, 0)``: absent), else nothing is written and ``None`` is returned."""
+    still have (``(0, 0)``: absent); ``unchanged_since``: ``(key prefixes, revision)``, no key under any
+    of them written after that revision (the values a write was checked against); else nothing is
+    written and ``None`` is returned."""
     kv = _kv(client)
     ops = [kv.txn_op_put(audit_key(prefix, key), encode_record(record))]
     ops.insert(0, kv.txn_op_put(key, value) if value is not None else kv.txn_op_delete(key))
     compare = []
     if expect is not None:
         compare = [kv.txn_compare_create_revision(key, expect[0]), kv.txn_compare_version(key, expect[1])]
+    if unchanged_since is not None:
+        starts, revision = unchanged_since
+        for start in starts:  # every key in [start, its prefix end) has mod_revision < revision + 1
+            guard = kv.txn_compare_version(start, 0, range_end=etcd3aio.prefix_range_end(start))
+            guard.target, guard.result = type(guard).MOD, type(guard).LESS
+            guard.mod_revision = revision + 1
+            compare.append(guard)
     response = await kv.txn(compare, ops, timeout=timeout_s)
     if not response.succeeded:
         return None

@@ -599,3 +599,39 @@ def test_ctrl_c_while_etcd_does_not_answer_exits_130_without_a_traceback(
     args = ["--etcd", "127.0.0.1:1"]
     assert (main(["list", *args]) if command == "policy" else drain_main(["e", *args])) == 130
     assert capsys.readouterr().err == ""
+
+
+def test_a_set_checked_against_values_changed_meanwhile_writes_nothing(
+    etcd_args: list[str],
+    etcd_settings: EtcdSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two operators at once: each value is valid with what its command read, not with the other's. The
+    second write must not land on a policy it was not checked against."""
+    import threading
+
+    import kvgate.policy_cli as policy_cli
+
+    p = etcd_settings.prefix
+    assert main(["set", "plugins/kv-tier/local", "0.9", *etcd_args]) == 0
+    checked = policy_cli._check_write
+    raced: list[int] = []
+
+    def check_then_race(*args: object) -> None:
+        checked(*args)  # type: ignore[arg-type]
+        if not raced:  # another operator's set lands between this check and this write
+            raced.append(0)
+            other = threading.Thread(
+                target=lambda: raced.append(main(["set", "plugins/kv-tier/local", "0.7", *etcd_args]))
+            )
+            other.start()
+            other.join()
+
+    monkeypatch.setattr(policy_cli, "_check_write", check_then_race)
+    capsys.readouterr()
+    assert main(["set", "plugins/kv-tier/peer", "0.8", *etcd_args]) == 1  # valid with local 0.9 only
+    assert raced == [0, 0]
+    assert "changed while" in capsys.readouterr().err
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/peer") is None
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/local") == b"0.7"
