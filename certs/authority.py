@@ -53,6 +53,11 @@ _ROLES = (
     "client",
 )
 _NAME = re.compile(rf"^({'|'.join(_ROLES)})(-[a-z0-9][a-z0-9-]{{0,39}})?$")
+#: The service names :func:`role_of` takes, in words (``kvgate certs issue --help``, its errors).
+NAMES_TEXT = (
+    f"{', '.join(_ROLES[:-1])} or client-NAME, optionally with a -suffix of lowercase letters, digits "
+    "and dashes"
+)
 
 
 class Usage(enum.Enum):
@@ -72,10 +77,7 @@ def role_of(name: str) -> str:
     """The role of a service name (``engine-gpu3`` -> ``engine``); :class:`CertError` if malformed."""
     m = _NAME.match(name)
     if m is None or (m.group(1) == "client" and m.group(2) is None):
-        raise CertError(
-            f"bad service name {name!r}: expected one of {', '.join(_ROLES[:-1])} or client-NAME, "
-            "optionally with a -suffix of lowercase letters, digits and dashes"
-        )
+        raise CertError(f"bad service name {name!r}: expected one of {NAMES_TEXT}")
     return m.group(1)
 
 

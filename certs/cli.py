@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from certs.authority import CA_DAYS, LEAF_DAYS, Usage
+from certs.authority import CA_DAYS, LEAF_DAYS, NAMES_TEXT, Usage
 from certs.errors import CertError
 from certs.store import init_ca, issue
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_issue.add_argument(
         "--name",
         required=True,
-        help="envoy-edge, extproc, agent, kvcached, engine or client-NAME (optionally with -suffix)",
+        help=f"the service: {NAMES_TEXT} (its certificate's CN)",
     )
     p_issue.add_argument(
         "--san", action="append", default=[], help="DNS:name, IP:address or URI:uri (repeatable)"

@@ -152,6 +152,10 @@ def _envoy_config(argv: list[str]) -> int:
         extprocs = tuple(_hostport(a) for a in args.extproc)
     except ValueError:
         parser.error(f"--extproc: expected HOST:PORT (port 1 to 65535), got {args.extproc}")
+    tls_only = (("--client-certs", args.client_certs), ("--write-sds", args.write_sds))
+    without_tls = [flag for flag, given in tls_only if given]
+    if without_tls and not args.secure:  # silently plaintext, with no client certificate asked for
+        parser.error(f"{' and '.join(without_tls)} work with --secure (the TLS profile): add it")
     if args.max_retries < 0 or args.stream_idle_timeout <= 0 or args.trusted_hops < 0:
         parser.error("--max-retries and --trusted-hops must be >= 0 and --stream-idle-timeout > 0")
     # What Envoy itself would refuse when loading the config: refused here, naming the flag.
@@ -228,7 +232,12 @@ def _envoy_config(argv: list[str]) -> int:
         print(f"kvgate envoy-config: {exc}", file=sys.stderr)
         return 2
     if tls is not None and args.write_sds:
-        for path in write_sds(tls):
+        try:
+            written = write_sds(tls)
+        except ConfigError as exc:  # e.g. a --certs-dir that does not exist
+            print(f"kvgate envoy-config: --write-sds: {exc}", file=sys.stderr)
+            return 1
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(rendered)
     return 0
@@ -239,7 +248,11 @@ _MAX_RETRIES = 2**32 - 1
 
 
 def _hostport(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; an IPv6 address in brackets (``[::1]:5000``) loses them, as
+    Envoy's ``socket_address`` takes the bare address (``[::1]`` would be looked up as a name)."""
     host, sep, port = value.rpartition(":")
+    if len(host) > 2 and host[0] == "[" and host[-1] == "]":
+        host = host[1:-1]
     if not sep or not host or not 1 <= int(port) <= 65535:
         raise ValueError(value)
     return host, int(port)

@@ -5,10 +5,12 @@ routes, and flow control's ``flow/...`` and ``objectives/<name>``) in etcd (or i
 ``--file``), and the drain flag of an endpoint. ``set``, ``unset`` and ``rollback`` build the whole
 policy that would result from every stored value, as a gateway builds it
 (:meth:`~extproc.control.policy.PolicyStore.evaluate`), before anything is written: a write that would
-not make a valid policy exits 2 with the reason and writes nothing. Values are JSON (``3.0``, ``16``,
-``'{"labels": {}}'``); a word that is not JSON is taken as a string. ``get`` and ``list`` print
-effective values (the stored values taken as a gateway takes them): the override, else the embedded
-default (the built-in scheduling and flow policy, or those of ``--config gateway.toml``).
+not make a valid policy exits 2 with the reason and writes nothing; in etcd, a ``set`` or ``unset``
+whose policy values changed after they were read (another operator's write meanwhile) exits 1, nothing
+written. Values are JSON (``3.0``, ``16``, ``'{"labels": {}}'``); a word that is not JSON is taken as a
+string. ``get`` and ``list`` print effective values (the stored values taken as a gateway takes them):
+the override, else the embedded default (the built-in scheduling and flow policy, or those of
+``--config gateway.toml``).
 ``tenants/<id>`` (etcd only) sets, gets or unsets one tenant (the ``[[tenants]]`` schema, validated by
 :func:`extproc.admission.shared.decode_tenant` before the write); ``list`` ends with etcd's tenants.
 ``federation/<cluster>`` (etcd only) likewise: one federation link
@@ -39,8 +41,8 @@ etcd is ``--etcd``, else ``$KVGATE_ETCD``, else the local etcd of the running ``
 command fails naming ``--etcd``. ``kvgate drain`` refuses an id that no endpoint in etcd has (it lists
 the ones it has) unless ``--force`` (a static endpoint of a gateway config, or one not registered yet).
 
-Exit status: 0 done, 1 etcd unreachable or a file unreadable, 2 bad usage, a refused value or a bad
-setting (e.g. a TLS file that cannot be read; the message, never a stack trace).
+Exit status: 0 done, 1 etcd unreachable, a file unreadable or the policy changed meanwhile, 2 bad usage,
+a refused value or a bad setting (e.g. a TLS file that cannot be read; the message, never a stack trace).
 """
 
 from __future__ import annotations
@@ -58,11 +60,15 @@ from pathlib import Path
 
 import etcd3aio
 
+from contracts.audit import AUDIT
 from contracts.errors import ConfigError
 from contracts.etcd import (
     BURST,
     ENDPOINTS,
     FEDERATION,
+    MODELS,
+    OBJECTIVES,
+    POLICY,
     TENANTS,
     EtcdSettings,
     drain_key,
@@ -418,12 +424,26 @@ async def _print_tenants(client: etcd3aio.Etcd3Client, settings: EtcdSettings) -
 
 
 async def _audited(
-    client: etcd3aio.Etcd3Client, settings: EtcdSettings, key: str, value: bytes | None, op: str
+    client: etcd3aio.Etcd3Client,
+    settings: EtcdSettings,
+    key: str,
+    value: bytes | None,
+    op: str,
+    checked_at: int | None = None,
 ) -> None:
-    """Write (``None``: delete) ``key`` with its audit record; the audit line goes to stderr."""
+    """Write (``None``: delete) ``key`` with its audit record; the audit line goes to stderr.
+    ``checked_at``: the revision of the policy values the write was checked against; a policy key
+    written since (or an audited write: an unset) and nothing is written, exit 1."""
     record = audit.Record(audit.who(settings), op)
-    revision = await audit.write(client, settings.prefix, key, value, record, timeout_s=settings.timeout_s)
-    assert revision is not None  # unconditional: the transaction always succeeds
+    guard = None
+    if checked_at is not None:
+        families = (POLICY, MODELS, OBJECTIVES, AUDIT)
+        guard = ([f"{settings.prefix}{family}/" for family in families], checked_at)
+    revision = await audit.write(
+        client, settings.prefix, key, value, record, unchanged_since=guard, timeout_s=settings.timeout_s
+    )
+    if revision is None:
+        raise _Failed("the policy changed while this write was checked; nothing written, try again", 1)
     print(audit.log_line(record, key, revision), file=sys.stderr)
 
 
@@ -493,11 +513,11 @@ async def _etcd_command(args: argparse.Namespace, settings: EtcdSettings, store:
         elif args.command == "set":
             raw = _value(args.value)
             _checked_write(store, items, args.path, raw)
-            await _audited(client, settings, policy_key(settings.prefix, args.path), raw, "set")
+            await _audited(client, settings, policy_key(settings.prefix, args.path), raw, "set", revision)
             print(f"{args.path}={raw.decode()}")
         elif args.command == "unset":
             _checked_write(store, items, args.path, None)
-            await _audited(client, settings, policy_key(settings.prefix, args.path), None, "unset")
+            await _audited(client, settings, policy_key(settings.prefix, args.path), None, "unset", revision)
             print(f"{args.path} unset")
         elif args.command in ("history", "rollback"):
             key = policy_key(settings.prefix, args.path)
@@ -653,6 +673,8 @@ def drain_main(argv: list[str]) -> int:
     except _Failed as exc:
         print(f"kvgate drain: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:  # Ctrl-C while etcd does not answer
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,7 +53,11 @@ def document_url(url: str) -> str:
     """The ``/status.json`` URL of the gateway at ``url`` (module docstring); :class:`ValueError` when
     ``url`` is not an ``http(s)://HOST[:PORT][/path]`` URL."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port  # ValueError: not a number from 0 to 65535 (urlopen's InvalidURL otherwise)
+    except ValueError:
+        port = -1
+    if port == -1 or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"expected http://HOST:PORT, got {url!r}")
     path = parts.path.rstrip("/")
     for suffix in _SUFFIXES:

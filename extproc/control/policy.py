@@ -624,11 +624,17 @@ def load_policy_file(path: Path) -> dict[str, bytes]:
 
 
 def write_policy_file(path: Path, items: Mapping[str, bytes]) -> None:
-    """Write the paths as a tree, atomically (temporary file + rename); TOML drops comments."""
+    """Write the paths as a tree, atomically (temporary file + rename); TOML drops comments. The file
+    keeps its mode (a new one is 0644): the gateway reading it may run as another user."""
     tree = policy_tree({p: decode_value(p, raw) for p, raw in items.items()})
     text = json.dumps(tree, indent=2, sort_keys=True) + "\n" if path.suffix == ".json" else _toml(tree, [])
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
+    try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as out:
             out.write(text)
             out.flush()

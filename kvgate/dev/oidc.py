@@ -353,7 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"kvgate oidc-dev: --tls-cert/--tls-key: {exc}", file=sys.stderr)
         return 2
-    server, issuer = serve(clients, key, args.host, args.port, args.issuer, args.token_ttl, tls)
+    try:
+        server, issuer = serve(clients, key, args.host, args.port, args.issuer, args.token_ttl, tls)
+    except (OSError, OverflowError) as exc:  # the port taken, out of range, an address not this machine's
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"kvgate oidc-dev: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

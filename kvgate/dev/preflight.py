@@ -50,9 +50,13 @@ def check_port_free(host: str, port: int) -> None:
 def endpoint_from_url(url: str, i: int, engine: str) -> dict[str, str]:
     """The ``[[endpoints]]`` table (id ``engine-<i>``) of an engine at ``http://host:port``."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if not parts.hostname or not parts.port:
+    try:
+        port = parts.port  # ValueError: not a number, or out of range
+    except ValueError:
+        port = None
+    if not parts.hostname or not port:
         raise ConfigError(f"--endpoint needs http://host:port, got {url!r}")
-    address = f"{parts.hostname}:{parts.port}"
+    address = f"{parts.hostname}:{port}"
     return {
         "id": f"engine-{i}",
         "address": address,

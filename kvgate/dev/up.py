@@ -516,7 +516,7 @@ class Stack:
                 pinned, federation=dataclasses.replace(params.federation, listen_port=self.federation_port)
             )
         config_path.write_text(render_yaml(pinned))
-        self.url = f"{'https' if self.secure else 'http'}://{opts.host}:{port}"
+        self.url = listener_url(opts.host, port, secure=self.secure)
 
     def _start_migration(self, parsed: GatewayConfig) -> EnvoyMigration | None:
         """The migration proxy on loopback when some ``[[models]]`` has ``migration = true``; its port is
@@ -839,6 +839,11 @@ def _envoy_federation(parsed: GatewayConfig, delay_ms: float = 0.0) -> EnvoyFede
     )
 
 
+def listener_url(host: str, port: int, *, secure: bool) -> str:
+    """``http(s)://host:port`` of the OpenAI listener; an IPv6 address in brackets (``http://[::1]:8080``)."""
+    return f"{'https' if secure else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _numbered(role: str, count: int) -> list[str]:
     """Child names for ``count`` processes of one role: the role alone, else ``role-0``, ``role-1``, ..."""
     return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
@@ -916,7 +921,11 @@ def main(argv: list[str] | None = None) -> int:
         etcd_auth=args.etcd_auth,
         overlay=extra,
     )
-    stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
+    try:
+        stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
+    except OSError as exc:  # a --workdir that is a file, or not this user's to create
+        print(f"kvgate up: --workdir: {exc}", file=sys.stderr)
+        return 1
     # While starting, SIGINT and SIGTERM interrupt the start (KeyboardInterrupt: Stack.start stops what
     # it started), even where the shell ignores SIGINT (a background job). The children run in sessions
     # of their own, so a Ctrl-C in the terminal reaches this process only, which stops them in order.
@@ -930,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
     except ListenFailed as exc:  # taken between the check and Envoy's bind
         print(f"kvgate up: {exc}: choose another --port, or --port 0 for any free port", file=sys.stderr)
         return 1
-    except (ChildFailed, ConfigError, GGUFExportError, CertError, WorkdirBusy) as exc:
+    except (ChildFailed, ConfigError, GGUFExportError, CertError, WorkdirBusy, OSError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

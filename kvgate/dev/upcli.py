@@ -7,6 +7,7 @@ that every flag ``--help`` lists is there).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -155,7 +156,11 @@ def parser(default_model: str) -> argparse.ArgumentParser:
         default=8080,
         help="OpenAI listener port (default 8080; refused if already in use; 0: any free port)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="OpenAI listener address")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="OpenAI listener address, an IP (default 127.0.0.1; 0.0.0.0 or :: to serve other machines)",
+    )
     p.add_argument(
         "--model",
         help=f"served model name (default {default_model}; with --endpoint: the models each engine lists "
@@ -269,12 +274,21 @@ def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Combinations the flags do not take, refused (``p.error``: usage, exit 2) before anything starts:
-    negative counts, ``--gpu``/``--power-cap-w`` without ``--agents`` (or with another engine than the
-    simulator), and ``--model-dir`` with ``--agents`` (whose engines tokenize with SmolLM2's)."""
+    negative counts, ``--extprocs 0``, a ``--port`` out of range, a ``--host`` that is not an IP address,
+    ``--gpu``/``--power-cap-w`` without ``--agents`` (or with another engine than the simulator), and
+    ``--model-dir`` with ``--agents`` (whose engines tokenize with SmolLM2's)."""
     for flag in ("replicas", "prefill", "decode", "extprocs", "agents"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             p.error(f"--{flag} must not be negative (got {value})")
+    if args.extprocs == 0:
+        p.error("--extprocs must be at least 1 (got 0)")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port: a port from 0 (any free one) to 65535, got {args.port}")
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        p.error(f"--host: an IP address (Envoy listens on addresses, not names), got {args.host!r}")
     power = [flag for flag, value in (("--gpu", args.gpu), ("--power-cap-w", args.power_cap_w)) if value]
     if power and not args.agents:
         p.error(f"{' and '.join(power)} simulate the GPU power of --agents' engines: they need --agents")

@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from certs.authority import identity_uri
+from certs.errors import CertError
 from certs.store import CERT_MODE, write_atomic
+from contracts.errors import ConfigError
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
 #: SDS secret names: the certificate Envoy presents (listener and upstream client), the CA of the internal
@@ -165,10 +167,14 @@ def render_sds(tls: EnvoyTls) -> dict[str, str]:
 
 
 def write_sds(tls: EnvoyTls) -> list[Path]:
-    """Write :func:`render_sds`'s files into ``tls.certs_dir`` atomically (Envoy may be watching it)."""
+    """Write :func:`render_sds`'s files into ``tls.certs_dir`` atomically (Envoy may be watching it);
+    :class:`ConfigError` naming the file when one cannot be written (e.g. no such directory)."""
     paths = []
     for name, text in render_sds(tls).items():
         path = Path(tls.certs_dir) / name
-        write_atomic(path, text.encode(), CERT_MODE)
+        try:
+            write_atomic(path, text.encode(), CERT_MODE)
+        except CertError as exc:
+            raise ConfigError(str(exc)) from exc
         paths.append(path)
     return paths

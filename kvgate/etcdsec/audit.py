@@ -23,7 +23,7 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,17 +95,27 @@ async def write(
     record: Record,
     *,
     expect: tuple[int, int] | None = None,
+    unchanged_since: tuple[Sequence[str], int] | None = None,
     timeout_s: float = 2.0,
 ) -> int | None:
     """Put ``value`` at ``key`` (``None``: delete it) and its audit record, in one transaction; returns
     the revision, logged with :func:`log_line`. ``expect``: ``(create_revision, version)`` the key must
-    still have (``(0, 0)``: absent), else nothing is written and ``None`` is returned."""
+    still have (``(0, 0)``: absent); ``unchanged_since``: ``(key prefixes, revision)``, no key under any
+    of them written after that revision (the values a write was checked against); else nothing is
+    written and ``None`` is returned."""
     kv = _kv(client)
     ops = [kv.txn_op_put(audit_key(prefix, key), encode_record(record))]
     ops.insert(0, kv.txn_op_put(key, value) if value is not None else kv.txn_op_delete(key))
     compare = []
     if expect is not None:
         compare = [kv.txn_compare_create_revision(key, expect[0]), kv.txn_compare_version(key, expect[1])]
+    if unchanged_since is not None:
+        starts, revision = unchanged_since
+        for start in starts:  # every key in [start, its prefix end) has mod_revision < revision + 1
+            guard = kv.txn_compare_version(start, 0, range_end=etcd3aio.prefix_range_end(start))
+            guard.target, guard.result = type(guard).MOD, type(guard).LESS
+            guard.mod_revision = revision + 1
+            compare.append(guard)
     response = await kv.txn(compare, ops, timeout=timeout_s)
     if not response.succeeded:
         return None
@@ -119,10 +129,15 @@ async def _at(kv: etcd3aio.kv.KVService, key: str, revision: int, timeout_s: flo
     try:
         response = await kv.get(key, revision=revision, timeout=timeout_s)
     except ETCD_ERRORS as exc:
-        if "compacted" in str(exc) or "compacted" in getattr(exc, "details", lambda: "")():
+        if _compacted(exc):
             return None
         raise
     return response.kvs[0] if response.kvs else None
+
+
+def _compacted(exc: BaseException) -> bool:
+    """Whether etcd refused a read because its revision is compacted away."""
+    return "compacted" in str(exc) or "compacted" in getattr(exc, "details", lambda: "")()
 
 
 async def _revisions(kv: etcd3aio.kv.KVService, key: str, limit: int, timeout_s: float) -> dict[int, bytes]:
@@ -183,7 +198,8 @@ async def rollback(
 
     ``validate(value)`` (``None``: the key was absent then, so the rollback deletes it) raises
     :class:`ConfigError` for a value (or a removal) that no longer validates: nothing is written
-    (:class:`RollbackError`, status 2); a key that changed meanwhile: status 1, nothing written."""
+    (:class:`RollbackError`, status 2), nor for a ``revision`` etcd has compacted away (its value is
+    unknown, not absent); a key that changed meanwhile: status 1, nothing written."""
     kv = _kv(client)
     now = await _at(kv, key, 0, timeout_s)
     expect = (0, 0) if now is None else (int(now.create_revision), int(now.version))  # type: ignore[attr-defined]
@@ -192,8 +208,17 @@ async def rollback(
         if len(entries) < 2:
             raise RollbackError(f"{key}: no earlier revision to go back to (see kvgate policy history)")
         revision = entries[1].revision
-    item = await _at(kv, key, revision, timeout_s)
-    value = None if item is None else bytes(item.value)  # type: ignore[attr-defined]
+    if revision < 1:
+        raise RollbackError(f"{key}: --revision must be at least 1, got {revision}")
+    try:  # not _at: a compacted revision is not one where the key was absent (that would delete it)
+        response = await kv.get(key, revision=revision, timeout=timeout_s)
+    except ETCD_ERRORS as exc:
+        if _compacted(exc):
+            raise RollbackError(
+                f"{key}: revision {revision} is compacted (etcd no longer has its value); nothing written"
+            ) from exc
+        raise
+    value = bytes(response.kvs[0].value) if response.kvs else None
     try:
         checked = validate(value)
         if checked is not None:

@@ -15,17 +15,18 @@ identity (CN)      etcd role                  permissions
 ``agent``          ``kvgate-agents``          readwrite ``P endpoints/``; read ``P policy/`` (shared mode)
 ``kvcached-<n>``   ``kvgate-kvcached-<n>``    readwrite the key ``P kvcached/<n>``; read ``P kvcached/``
 ``operator[-*]``   ``kvgate-operator``        read ``P``; readwrite ``P`` + each of ``policy/ models/
-                                              objectives/ tenants/ drain/ audit/``
+                                              objectives/ tenants/ federation/ burst/ drain/ audit/``
 ``root``           ``root`` (etcd's own)      everything, auth included (the bootstrap's identity)
 =================  =========================  ==============================================================
 
 So an agent writes only under its own ``endpoints/<node>/`` (a node id must be a certificate suffix:
 lowercase letters, digits, ``-``), a gateway writes nothing but its usage counters, and only operators
-change policy, routes, objectives, tenants and drains (each change with its audit record,
-:mod:`kvgate.etcdsec.audit`). The shared ``agent`` identity (one certificate for every agent, for
-installations whose node ids are not known when users are made) keeps agents out of policy but lets one
-agent write another's endpoints: per-node identities need a certificate and a user per node (the
-Kubernetes production overlay gives each StatefulSet pod ``agent-<pod name>``, deploy/README.md).
+change policy, routes, objectives, tenants, federation links, burst endpoints and drains (each change
+with its audit record, :mod:`kvgate.etcdsec.audit`). The shared ``agent`` identity (one certificate for
+every agent, for installations whose node ids are not known when users are made) keeps agents out of
+policy but lets one agent write another's endpoints: per-node identities need a certificate and a user
+per node (the Kubernetes production overlay gives each StatefulSet pod ``agent-<pod name>``,
+deploy/README.md).
 """
 
 from __future__ import annotations
@@ -38,7 +39,18 @@ from certs.authority import role_of
 from certs.errors import CertError
 from contracts.audit import AUDIT
 from contracts.errors import ConfigError
-from contracts.etcd import DRAIN, ENDPOINTS, KVCACHED, MODELS, OBJECTIVES, POLICY, TENANTS, USAGE
+from contracts.etcd import (
+    BURST,
+    DRAIN,
+    ENDPOINTS,
+    FEDERATION,
+    KVCACHED,
+    MODELS,
+    OBJECTIVES,
+    POLICY,
+    TENANTS,
+    USAGE,
+)
 
 GATEWAY_ROLE = "kvgate-gateway"
 OPERATOR_ROLE = "kvgate-operator"
@@ -48,7 +60,7 @@ ROOT = "root"
 """etcd's root user and role (auth cannot be enabled without the user)."""
 ROLE_PREFIX = "kvgate-"
 """Roles the bootstrap owns: it revokes their permissions nobody asked for, and never touches others."""
-OPERATOR_FAMILIES = (POLICY, MODELS, OBJECTIVES, TENANTS, DRAIN, AUDIT)
+OPERATOR_FAMILIES = (POLICY, MODELS, OBJECTIVES, TENANTS, FEDERATION, BURST, DRAIN, AUDIT)
 
 
 class Perm(enum.IntEnum):

@@ -95,3 +95,14 @@ def test_permits_needs_one_allowed_identity() -> None:
 def test_unknown_hop_is_a_key_error() -> None:
     with pytest.raises(KeyError):
         permits("etcd", [identity_uri("extproc")])
+
+
+def test_issue_help_names_every_service_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README issues root, etcd and operator-NAME certificates: --help must not leave them out."""
+    from certs.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["issue", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("envoy-edge", "oidc", "operator", "etcd", "root", "federation", "client-NAME"):
+        assert name in text

@@ -49,7 +49,8 @@ def test_each_identity_gets_its_own_ranges() -> None:
     operator = _grants(ids, "operator-bob")
     written = {key for key, _, perm in operator if perm is Perm.READWRITE}
     assert written == {
-        f"/kvgate/{f}/" for f in ("policy", "models", "objectives", "tenants", "drain", "audit")
+        f"/kvgate/{f}/"
+        for f in ("policy", "models", "objectives", "tenants", "federation", "burst", "drain", "audit")
     }
     assert Grant(b"/kvgate/endpoints/", b"/kvgate/endpoints0", Perm.READWRITE) not in {
         g for r in p.roles if r.name == "kvgate-operator" for g in r.grants

@@ -67,6 +67,9 @@ async def test_only_the_operator_writes_policy_tenants_models(secure_etcd: Secur
     p, op = secure_etcd.prefix, secure_etcd.settings("operator-alice")
     for family in ("policy/weights/prefix", "tenants/acme", "models/m", "objectives/o", "drain/e"):
         assert await _put(op, p + family, b"1"), family
+    # kvgate policy set federation/<cluster> and burst/<name> are the operator's too
+    for family in ("federation/eu", "burst/hosted"):
+        assert await _put(op, p + family, b"{}"), family
     assert not await _put(op, endpoint_key(p, "e", "node-a"), b"{}")  # endpoints are the agents'
     kv = secure_etcd.settings("kvcached-node-a")
     assert await _put(kv, p + "kvcached/node-a", b"{}")

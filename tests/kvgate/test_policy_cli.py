@@ -540,3 +540,98 @@ def test_a_config_error_inside_the_run_exits_2_with_its_message(
     argv = ["rollback", "burst/hosted", "--config", str(config), "--etcd", "127.0.0.1:1", "--timeout", "0.5"]
     assert main(argv) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_a_rollback_to_a_compacted_revision_is_refused_not_a_delete(
+    etcd_outage_server: EtcdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """etcd no longer knows the value at a compacted revision: that is not "absent then" (a delete)."""
+    settings = EtcdSettings(endpoints=(etcd_outage_server.address,), prefix="/kvgate/", timeout_s=2.0)
+    args = ["--etcd", etcd_outage_server.address]
+    assert main(["set", "weights/prefix", "1", *args]) == 0
+    assert main(["set", "weights/prefix", "2", *args]) == 0
+    capsys.readouterr()
+    assert main(["history", "weights/prefix", *args]) == 0
+    first = int(capsys.readouterr().out.splitlines()[-1].split("\t")[0])
+
+    async def compact() -> None:
+        client = await connect(settings)
+        try:
+            assert client.kv is not None
+            now = (await client.kv.get("/kvgate/", timeout=2.0)).header.revision
+            await client.kv.compact(int(now), physical=True, timeout=5.0)
+        finally:
+            await client.close()
+
+    asyncio.run(compact())
+    assert main(["rollback", "weights/prefix", "--revision", str(first), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"revision {first} is compacted" in err and "nothing written" in err
+    assert _read(settings, "/kvgate/policy/weights/prefix") == b"2"
+    assert main(["rollback", "weights/prefix", "--revision", "0", *args]) == 2  # etcd's 0 is "now"
+    assert "--revision must be at least 1" in capsys.readouterr().err
+
+
+def test_file_mode_keeps_the_files_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The gateway reading the file may run as another user (deploy/systemd: User=kvgate): a set must not
+    leave it 0600 (the temporary file's mode)."""
+    path = tmp_path / "policy.toml"
+    path.write_text("[weights]\nprefix = 2.0\n")
+    path.chmod(0o640)
+    assert main(["set", "weights/prefix", "3", "--file", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert main(["unset", "weights/prefix", "--file", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o640
+    new = tmp_path / "new.json"
+    assert main(["set", "weights/prefix", "3", "--file", str(new)]) == 0
+    assert new.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("command", ["policy", "drain"])
+def test_ctrl_c_while_etcd_does_not_answer_exits_130_without_a_traceback(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(coro: object) -> int:
+        coro.close()  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncio, "run", interrupted)
+    args = ["--etcd", "127.0.0.1:1"]
+    assert (main(["list", *args]) if command == "policy" else drain_main(["e", *args])) == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_a_set_checked_against_values_changed_meanwhile_writes_nothing(
+    etcd_args: list[str],
+    etcd_settings: EtcdSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two operators at once: each value is valid with what its command read, not with the other's. The
+    second write must not land on a policy it was not checked against."""
+    import threading
+
+    import kvgate.policy_cli as policy_cli
+
+    p = etcd_settings.prefix
+    assert main(["set", "plugins/kv-tier/local", "0.9", *etcd_args]) == 0
+    checked = policy_cli._check_write
+    raced: list[int] = []
+
+    def check_then_race(*args: object) -> None:
+        checked(*args)  # type: ignore[arg-type]
+        if not raced:  # another operator's set lands between this check and this write
+            raced.append(0)
+            other = threading.Thread(
+                target=lambda: raced.append(main(["set", "plugins/kv-tier/local", "0.7", *etcd_args]))
+            )
+            other.start()
+            other.join()
+
+    monkeypatch.setattr(policy_cli, "_check_write", check_then_race)
+    capsys.readouterr()
+    assert main(["set", "plugins/kv-tier/peer", "0.8", *etcd_args]) == 1  # valid with local 0.9 only
+    assert raced == [0, 0]
+    assert "changed while" in capsys.readouterr().err
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/peer") is None
+    assert _read(etcd_settings, f"{p}policy/plugins/kv-tier/local") == b"0.7"

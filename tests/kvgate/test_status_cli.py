@@ -38,7 +38,10 @@ def test_document_url(url: str, expected: str) -> None:
     assert document_url(url) == expected
 
 
-@pytest.mark.parametrize("url", ["127.0.0.1:9090", "ftp://h:1", "http://:9090", "file:///etc/passwd"])
+@pytest.mark.parametrize(
+    "url",
+    ["127.0.0.1:9090", "ftp://h:1", "http://:9090", "file:///etc/passwd", "http://h:abc", "http://h:99999"],
+)
 def test_document_url_refuses(url: str) -> None:
     with pytest.raises(ValueError, match="expected http://HOST:PORT"):
         document_url(url)
@@ -112,6 +115,7 @@ def test_an_answer_that_is_not_a_status_is_exit_1(
     [
         (["--url", "http://127.0.0.1:1"], 1, "unreachable"),
         (["--url", "ftp://127.0.0.1:1"], 2, "expected http://HOST:PORT"),
+        (["--url", "http://127.0.0.1:abc"], 2, "expected http://HOST:PORT"),  # not InvalidURL's traceback
         (["--timeout", "0", "--url", "http://127.0.0.1:1"], 2, "--timeout"),
         # not a traceback from the socket (ValueError, OverflowError): bad usage, exit 2
         (["--timeout", "nan", "--url", "http://127.0.0.1:1"], 2, "--timeout must be > 0 and <= 3600"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import jwt
 import pytest
 
 from certs.store import dev_bundle
-from kvgate.dev.oidc import DISCOVERY_PATH, DevClient, DevIssuer, load_clients, serve, tls_context
+from kvgate.dev.oidc import DISCOVERY_PATH, DevClient, DevIssuer, load_clients, main, serve, tls_context
 from kvgate.dev.tokens import SigningKey, bad_signature, mint, tampered, unsigned
 
 CLIENT = DevClient("acme-ci", "s3cret", "kvgate", {"tenant": "acme", "groups": ["eng"]})
@@ -125,6 +126,24 @@ def test_clients_file(tmp_path: Path) -> None:
         bad_path.write_text(bad)
         with pytest.raises(ValueError):
             load_clients(bad_path, "kvgate")
+
+
+def test_a_port_it_cannot_listen_on_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clients = tmp_path / "clients.toml"
+    clients.write_text('[[clients]]\nclient_id = "a"\nclient_secret = "b"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port), "--clients", str(clients)]) == 1
+        assert capsys.readouterr().err == (
+            f"kvgate oidc-dev: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+        )
+    assert main(["--port", "70000", "--clients", str(clients)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate oidc-dev: cannot listen on 127.0.0.1:70000: ") and "Traceback" not in err
 
 
 @pytest.mark.parametrize("alg", ["RS256", "ES256"])

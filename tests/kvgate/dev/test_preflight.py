@@ -47,8 +47,9 @@ def test_endpoint_from_url() -> None:
         "engine": "vllm",
         "metrics_url": "http://127.0.0.1:8000/metrics",
     }
-    with pytest.raises(ConfigError, match="--endpoint needs http://host:port"):
-        endpoint_from_url("http://127.0.0.1/v1", 0, "vllm")
+    for url in ("http://127.0.0.1/v1", "http://127.0.0.1:99999", "127.0.0.1:http"):
+        with pytest.raises(ConfigError, match="--endpoint needs http://host:port"):
+            endpoint_from_url(url, 0, "vllm")
 
 
 class Engine(http.server.ThreadingHTTPServer):

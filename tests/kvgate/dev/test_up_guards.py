@@ -148,6 +148,11 @@ class _Exited:
         (["--agents", "-1"], "--agents must not be negative"),
         (["--replicas", "-2"], "--replicas must not be negative"),
         (["--extprocs", "-1"], "--extprocs must not be negative"),
+        (["--extprocs", "0"], "--extprocs must be at least 1"),  # was exit 1, as if it could not start
+        (["--port", "70000"], "--port: a port from 0 (any free one) to 65535, got 70000"),
+        (["--port", "-1"], "--port: a port from 0 (any free one) to 65535, got -1"),
+        # Envoy exited on it ("malformed IP address") after the engines and ext_procs had started
+        (["--host", "localhost"], "--host: an IP address (Envoy listens on addresses, not names)"),
         (["--gpu", "h100"], "need --agents"),
         (["--power-cap-w", "300"], "need --agents"),
         (["--agents", "1", "--agent-engine", "llama_cpp", "--gpu", "h100"], "not with --agent-engine"),
@@ -168,3 +173,35 @@ def test_flags_it_does_not_take_are_refused_before_anything_starts(
 def test_a_negative_agent_count_is_refused_by_the_stack_too(tmp_path: Path) -> None:
     with pytest.raises(up.ConfigError, match="must not be negative"):
         up.Stack(up.StackOptions(port=0, workdir=tmp_path, agents=-1)).start()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "127.0.0.1:http"])
+def test_an_endpoint_with_a_bad_port_is_a_one_line_refusal(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = up.main(["--port", "0", "--workdir", str(tmp_path / "w"), "--endpoint", url])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"--endpoint needs http://host:port, got {url!r}" in err
+    assert "Traceback" not in err
+
+
+def test_a_workdir_that_cannot_be_used_is_a_one_line_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    assert up.main(["--port", "0", "--workdir", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate up: --workdir: ") and str(a_file) in err
+    workdir = tmp_path / "w"
+    (workdir / up.LOCK_NAME).mkdir(parents=True)  # its lock cannot be opened
+    assert up.main(["--port", "0", "--workdir", str(workdir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvgate up: ") and up.LOCK_NAME in err
+    assert "Traceback" not in err
+
+
+def test_the_listener_url_brackets_an_ipv6_host() -> None:
+    assert up.listener_url("::1", 8080, secure=False) == "http://[::1]:8080"
+    assert up.listener_url("127.0.0.1", 8443, secure=True) == "https://127.0.0.1:8443"

@@ -337,6 +337,9 @@ def test_cli_listen_host(capsys: pytest.CaptureFixture[str]) -> None:
         (["--stream-idle-timeout", "inf"], "--stream-idle-timeout"),
         (["--max-retries", "100000000000"], "--max-retries"),
         (["--listen-host", "localhost"], "--listen-host"),
+        # without --secure they were ignored: a plaintext listener that asks no client for a certificate
+        (["--client-certs"], "--client-certs work with --secure"),
+        (["--write-sds"], "--write-sds work with --secure"),
     ],
 )
 def test_cli_refuses_values_envoy_would_refuse(
@@ -357,6 +360,27 @@ def test_cli_takes_the_edges_of_the_ranges(tmp_path: Path, capsys: pytest.Captur
     config = tmp_path / "envoy.yaml"
     config.write_text(capsys.readouterr().out)
     validate_file(config)
+
+
+def test_cli_takes_an_ipv6_extproc_in_brackets(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--extproc [::1]:5000`` renders the bare address: Envoy's STRICT_DNS cluster looks ``[::1]`` up
+    as a name and finds no host (every request then had no ext_proc)."""
+    assert kvgate(["envoy-config", "--extproc", "[::1]:5000"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvgate_extproc"]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "::1", "port_value": 5000}
+
+
+def test_cli_write_sds_into_a_missing_dir_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing"
+    argv = ["envoy-config", "--secure", "--write-sds", "--certs-dir", str(missing)]
+    assert kvgate(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvgate envoy-config: --write-sds: cannot write ")
+    assert str(missing) in err and "Traceback" not in err
 
 
 def test_cli_refuses_a_migration_proxy_port_out_of_range(
