@@ -213,3 +213,12 @@ def test_the_result_names_the_step_model_and_its_sources() -> None:
     assert sim["parameters"]["time_scale"] == config.time_scale
     for key in ("step_base_ms", "decode_ms_per_seq", "prefill_tokens_per_s", "published_sources"):
         assert sim["sources"][key]
+
+
+def test_a_peer_without_a_ttft_is_not_the_best_peer() -> None:
+    """A peer router that ran but served nothing has no TTFT p90 (NaN): the TTFT goal compares kvgate
+    with the peer that did serve, whatever order the rows come in."""
+    for order in (1, -1):
+        peers = [_row("vllm-router", 0, float("nan"), 0), _row("sglang-router", 0, 2.0, 500)][::order]
+        goal = report.goals([_row("kvgate", 0, 0.5, 600), *peers])["shared_prefix_ttft_p90_vs_best_peer"]
+        assert goal["best_peer"] == "sglang-router" and goal["value"] == 0.25 and goal["met"]
