@@ -227,3 +227,9 @@ def test_overhead_rps_median_of_an_even_count_of_rounds() -> None:
     assert cell["targets"]["direct"]["rps_median"] == 200.0
     assert cell["targets"]["gateway"]["rps_median"] == 150.0
     assert cell["added"]["gateway_vs_direct"]["rps_ratio"] == 0.75
+
+
+def test_decision_gc_pause_p50_of_an_even_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two gen-0 pauses of 10 and 30 us: their p50 is 20 us, not the longer one."""
+    monkeypatch.setattr(decision, "_GC_PAUSES", [(0, 10_000), (0, 30_000)])
+    assert decision._gc_summary() == {"gen0": {"n": 2, "pause_p50_us": 20.0, "pause_max_us": 30.0}}
