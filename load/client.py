@@ -82,10 +82,12 @@ class LoadOptions:
 class RequestRecord:
     """One request as the client saw it; times in seconds, ``sent_s`` from the run start.
 
-    ``status``: ``"ok"``, an HTTP status, or an exception name. ``chunk_gaps_s``: time between
+    ``status``: ``"ok"``, an HTTP status, ``"stream_error"`` (an error event in the stream: the request
+    was lost after it started), or an exception name. ``chunk_gaps_s``: time between
     consecutive streamed content chunks after the first (inter-token latency; the engine coalesces
     tokens only when the client lags). Token counts come from the final ``usage`` chunk.
-    ``error_code``: a non-200 answer's OpenAI ``error.code`` (``queue_full``, ...), as a string; ``None``
+    ``error_code``: a non-200 answer's (or an in-stream error event's) OpenAI ``error.code``
+    (``queue_full``, ...), as a string; ``None``
     when the answer had none (or succeeded).
     """
 
@@ -179,6 +181,12 @@ async def _send(
                 if data == b"[DONE]":
                     break
                 chunk = orjson.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:  # the engine (or a proxy) gave up mid-stream
+                    error = chunk["error"]
+                    code = error.get("code") if isinstance(error, dict) else None
+                    record.error_code = None if code is None else str(code)
+                    record.status = "stream_error"
+                    return None
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = int(usage.get("prompt_tokens", 0))

@@ -3,13 +3,16 @@
 
 ``clients`` concurrent loops, each sending one chat completion after another (every other one streamed),
 all sharing a system prompt, until stopped. A request *succeeded* when it got a 200 and, for a stream,
-the final ``[DONE]`` event; anything else (an error status, a cut stream, a client timeout) is a failure,
+the final ``[DONE]`` event and no error event (vLLM's ``data: {"error": ...}``, which kvgate's migration
+proxy also sends for a stream it could not continue); anything else (an error status, a cut stream, an
+error event, a client timeout) is a failure,
 with the engine Envoy last tried (``x-kvgate-endpoint``, also on Envoy's own 503/504) when known.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -29,6 +32,7 @@ class Outcome:
     endpoint: str | None
     ok: bool
     error: str | None = None
+    error_event: bool = False  # a 200 stream that carried an error event
 
 
 @dataclass
@@ -73,9 +77,10 @@ class SteadyLoad:
             async with self._client.stream("POST", "/v1/chat/completions", json=body) as response:
                 status, endpoint = response.status_code, response.headers.get("x-kvgate-endpoint")
                 text = (await response.aread()).decode()
-            ok = status == 200 and (not stream or "data: [DONE]" in text)
+            lost = stream and has_error_event(text)
+            ok = status == 200 and (not stream or ("data: [DONE]" in text and not lost))
             error = None if ok else text[-300:]
-            return Outcome(started, time.monotonic(), stream, status, endpoint, ok, error)
+            return Outcome(started, time.monotonic(), stream, status, endpoint, ok, error, lost)
         except httpx.HTTPError as exc:
             return Outcome(started, time.monotonic(), stream, status, endpoint, False, type(exc).__name__)
 
@@ -84,11 +89,28 @@ class SteadyLoad:
         return [o for o in self.outcomes if start <= o.started < end]
 
 
+def has_error_event(text: str) -> bool:
+    """Whether the SSE body ``text`` holds an error event (a ``data:`` JSON object with ``error``)."""
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "error" in event:
+            return True
+    return False
+
+
 def failure_kind(o: Outcome) -> str:
     """How a request failed, for the records: its HTTP status, ``200 cut`` (a 200 whose stream or body
-    ended early), or ``no response`` (the connection failed or the client timed out before any status)."""
+    ended early), ``200 error event`` (a 200 stream that ended with an error event: the request was lost),
+    or ``no response`` (the connection failed or the client timed out before any status)."""
     if o.status is None:
         return "no response"
+    if o.error_event:
+        return "200 error event"
     return "200 cut" if o.status == 200 else str(o.status)
 
 

@@ -62,6 +62,7 @@ from load.bench import (
     add_model_dir_argument,
     add_quiet_arguments,
     machine,
+    percentile,
     quietest,
     revision,
     smollm2_dir,
@@ -348,7 +349,7 @@ def run_cell(
     cell: dict[str, Any] = {
         "turn": turn,
         "prompt_tokens": summary(tokens, 0),
-        "body_bytes_p50": sorted(len(b) for b in bodies)[len(bodies) // 2],
+        "body_bytes_p50": round(percentile(sorted(len(b) for b in bodies), 50)),
         "latency_us": summary(samples_us),
         "other_cpu_cores": cpu.other_cores(CpuSample.take()),
         "gc": "deferred" if COLLECTOR is not None else "python",
@@ -381,7 +382,7 @@ def _gc_summary() -> dict[str, Any]:
         if pauses:
             out[f"gen{generation}"] = {
                 "n": len(pauses),
-                "pause_p50_us": round(pauses[len(pauses) // 2], 1),
+                "pause_p50_us": round(percentile(pauses, 50), 1),
                 "pause_max_us": round(pauses[-1], 1),
             }
     return out

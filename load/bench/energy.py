@@ -376,6 +376,20 @@ def _pack(replicas: Sequence[Replica]) -> int:
     return loads.index(min(loads))
 
 
+def over(value: float | None, baseline: float | None) -> float:
+    """``value / baseline``; NaN (a goal not met, JSON ``null``) when either is missing or the baseline is
+    not positive: a figure without its baseline is not a ratio."""
+    if value is None or baseline is None or baseline <= 0:
+        return float("nan")
+    return value / baseline
+
+
+def cut(value: float, baseline: float) -> float:
+    """How much of ``baseline`` ``value`` cut (``1 - value / baseline``); NaN when the baseline is not
+    positive (nothing to cut: not a met 100 %)."""
+    return 1 - over(value, baseline)
+
+
 def goals(cells: Sequence[Mapping[str, Any]], loads: Sequence[float]) -> dict[str, Any]:
     """Per load, the issue's three ratios (kvgate-power against round robin and against kvgate) and
     whether each goal is met, and whether kvgate-power has the lowest J/token of the routers."""
@@ -386,9 +400,9 @@ def goals(cells: Sequence[Mapping[str, Any]], loads: Sequence[float]) -> dict[st
             continue
         power, rr, plain = by["kvgate-power"], by["round-robin"], by["kvgate"]
         vs_rr = rr["joules_per_token"] / power["joules_per_token"]
-        ttft = (power["ttft_p90_s"] or 0) / max(plain["ttft_p90_s"] or 1e-9, 1e-9)
-        cut_plain = 1 - power["time_at_cap_s"] / max(plain["time_at_cap_s"], 1e-9)
-        cut_rr = 1 - power["time_at_cap_s"] / max(rr["time_at_cap_s"], 1e-9)
+        ttft = over(power["ttft_p90_s"], plain["ttft_p90_s"])
+        cut_plain = cut(power["time_at_cap_s"], plain["time_at_cap_s"])
+        cut_rr = cut(power["time_at_cap_s"], rr["time_at_cap_s"])
         routers = [t for t in by if t not in REFERENCES]
         summary[str(rps)] = {
             "j_per_token_vs_round_robin": vs_rr,

@@ -60,7 +60,8 @@ from kvgate.dev.up import Stack
 from load.bench import machine, peers, percentile, revision, skipped
 from load.bench import targets as tg
 from load.bench.energy import Config as SimTimeConfig
-from load.bench.energy import power_models, power_scheduling
+from load.bench.energy import cut as cut_of
+from load.bench.energy import over, power_models, power_scheduling
 from load.client import FixedRoute, LoadOptions, RunResult, run_load
 from load.sim.power import describe
 from load.sim.server import DCGM_PATH
@@ -251,9 +252,9 @@ def goals(cells: Sequence[Mapping[str, Any]], loads: Sequence[float]) -> dict[st
             continue
         power, plain, rr = by["kvgate-power"], by["kvgate"], by["round-robin"]
         vs_rr = rr["joules_per_token"] / power["joules_per_token"]
-        ttft = (power["ttft_p90_s"] or 0.0) / max(plain["ttft_p90_s"] or 1e-9, 1e-9)
-        cut = 1 - power["time_over_cap_s"] / max(plain["time_over_cap_s"], 1e-9)
-        cut_rr = 1 - power["time_over_cap_s"] / max(rr["time_over_cap_s"], 1e-9)
+        ttft = over(power["ttft_p90_s"], plain["ttft_p90_s"])
+        cut = cut_of(power["time_over_cap_s"], plain["time_over_cap_s"])
+        cut_rr = cut_of(power["time_over_cap_s"], rr["time_over_cap_s"])
         out[f"{rps:g}"] = {
             "j_per_token_vs_round_robin": {"value": round(vs_rr, 3), "goal": ">= 1.5", "met": vs_rr >= 1.5},
             "j_per_token_vs_kvgate": round(plain["joules_per_token"] / power["joules_per_token"], 3),

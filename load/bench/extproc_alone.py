@@ -66,6 +66,7 @@ from load.bench import (
     cpu_seconds,
     idle_cpu,
     machine,
+    percentile,
     quietest,
     ratio,
     revision,
@@ -514,8 +515,8 @@ def measure_round(
 
 
 def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
+    """The median over rounds (an even count: the mean of the middle two); NaN without any."""
+    return percentile(sorted(values), 50)
 
 
 def aggregate(rounds: Sequence[Mapping[str, Any]], workers: Sequence[int]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ four simulators and two ext_procs; three slower simulators (long streams) servin
 :class:`~load.steady.SteadyLoad` (4 clients, every other request streamed) runs ``--warm`` seconds,
 then one fault is injected, and the load goes on until full service is back and ``--after`` seconds
 more. Per fault: requests sent, succeeded, failed by status
-(``200 cut``: a stream cut after its 200; ``no response``), hung (longer than every configured bound
+(``200 cut``: a stream cut after its 200; ``200 error event``: a stream that ended with an error event;
+``no response``), hung (longer than every configured bound
 plus slack), seconds to full service, and the scenario's facts (detection time, tries Envoy sent to the
 failed engine after detection, migrations, ejections).
 

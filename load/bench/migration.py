@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import cpu_seconds, machine, revision
+from load.bench import cpu_seconds, machine, percentile, revision
 
 TARGETS = ("envoy", "envoy+migration")
 
@@ -96,10 +96,8 @@ async def _round(url: str, requests: int, concurrency: int, tokens: int) -> dict
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The ``q`` quantile (0..1) of ``values``, interpolated as every other benchmark's; NaN without any."""
+    return percentile(sorted(values), q * 100)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

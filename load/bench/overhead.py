@@ -54,6 +54,7 @@ from load.bench import (
     idle_cpu,
     machine,
     peers,
+    percentile,
     quietest,
     ratio,
     revision,
@@ -376,7 +377,7 @@ def aggregate(rounds: Sequence[Mapping[str, Any]], targets: Sequence[str]) -> di
             rps = sorted(r["rps"] for r in mine)
             per_target[target] = {
                 "latency_us": summary(pooled),
-                "rps_median": round(rps[len(rps) // 2], 1),
+                "rps_median": round(percentile(rps, 50), 1),
                 "rps_rounds": [round(x, 1) for x in rps],
                 "p50_us_rounds": [r["latency_us"]["p50"] for r in mine],
                 "completed": sum(len(r["latencies_us"]) for r in mine),

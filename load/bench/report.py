@@ -137,7 +137,9 @@ def goals(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for target, suffix in (("kvgate", ""), ("kvgate-precise", "_precise")):
         kv = sp.get(target)
         if kv is not None and peers:
-            best_ttft = min(peers.items(), key=lambda kv_: kv_[1]["ttft_p90_s"])
+            # A peer that served nothing has no TTFT (NaN), and min() over a NaN depends on the order.
+            timed = {t: m for t, m in peers.items() if not math.isnan(m["ttft_p90_s"])} or peers
+            best_ttft = min(timed.items(), key=lambda kv_: kv_[1]["ttft_p90_s"])
             best_tput = max(peers.items(), key=lambda kv_: kv_[1]["output_tok_s"])
             ratio = _ratio(kv["ttft_p90_s"], best_ttft[1]["ttft_p90_s"])
             out["shared_prefix_ttft_p90_vs_best_peer" + suffix] = {

@@ -14,6 +14,11 @@ exactly as vLLM 0.33 does, so the node agent is tested against the real format:
   ``[identity, b"", start_seq]`` is answered with ``[identity, b"", seq, payload]`` for every buffered
   batch from ``start_seq`` on, then the end marker ``[identity, b"", seq -1, b""]``.
 
+A replica in SGLang's disaggregation mode stands for SGLang and encodes as SGLang's publisher does
+(``sglang/srt/disaggregation/kv_events.py``): the batch ``[ts, events, attn_dp_rank]``, each event a
+positional array with its tag first (``BlockStored``: hashes, parent, token ids, block size, ``lora_id``;
+``BlockRemoved``: hashes; ``AllBlocksCleared``), none of vLLM's later fields.
+
 Block hashes are engine hashes, not kvgate digests: like vLLM's they are 64-bit integers determined by
 the block's parent and tokens (here a keyed BLAKE2b of the block's chain digest, the key random per
 replica as vLLM's ``NONE_HASH`` is per process). They are one-way, so a subscriber must rebuild
@@ -170,6 +175,43 @@ class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     data_parallel_rank: int | None = None
 
 
+class _SglangStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    """SGLang's ``BlockStored`` (``sglang/srt/disaggregation/kv_events.py``): a positional array."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class _SglangRemoved(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class _SglangCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+class _SglangBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """SGLang's ``KVEventBatch``: ``[ts, events, attn_dp_rank]``."""
+
+    ts: float
+    events: list[_SglangStored | _SglangRemoved | _SglangCleared]
+    attn_dp_rank: int | None = None
+
+
+def _as_sglang(event: _BlockStored | _BlockRemoved | _AllBlocksCleared) -> Any:
+    """``event`` in SGLang's shape (it has no ``medium``, ``lora_name``, ``extra_keys``, ``group_idx``)."""
+    if isinstance(event, _BlockStored):
+        return _SglangStored(
+            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_id
+        )
+    if isinstance(event, _BlockRemoved):
+        return _SglangRemoved(event.block_hashes)
+    return _SglangCleared()
+
+
 class KvEventBuffer:
     """Queues vLLM events for one replica's cache changes (sans IO). ``on_pending`` is called when an
     event enters an empty queue, so the owner can schedule one flush per burst of changes."""
@@ -286,9 +328,11 @@ class KvEventPublisher:
     ``tcp://host:port`` or ``ipc://PATH`` (``replay_address`` ``""`` without a replay endpoint).
     """
 
-    def __init__(self, config: KvEventsConfig, rank: int, block_size: int) -> None:
+    def __init__(self, config: KvEventsConfig, rank: int, block_size: int, sglang: bool = False) -> None:
         self.config = config
         self.rank = rank
+        #: Publish in SGLang's encoding (a replica in SGLang's disaggregation mode stands for SGLang).
+        self.sglang = sglang
         self.buffer = KvEventBuffer(block_size, hash_key=os.urandom(16), on_pending=self._schedule_flush)
         self.address = ""
         self.replay_address = ""
@@ -354,7 +398,11 @@ class KvEventPublisher:
             return
         seq = self._seq
         self._seq += 1
-        payload = self._encoder.encode(_EventBatch(time.time(), events, self.rank))
+        if self.sglang:
+            sglang = [_as_sglang(e) for e in events]
+            payload = self._encoder.encode(_SglangBatch(time.time(), sglang, self.rank))
+        else:
+            payload = self._encoder.encode(_EventBatch(time.time(), events, self.rank))
         self._replay_buffer.append((seq, payload))
         if self._drop_next:
             self._drop_next -= 1

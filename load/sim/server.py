@@ -117,14 +117,16 @@ class SimReplica:
         self.config = config
         self.tokenizer = tokenizer
         kv = config.kv_events
+        sglang = config.sglang_pd.mode != "null"
         self.kv_events = (
-            KvEventPublisher(kv, rank, config.engine.block_size) if kv is not None and kv.enabled else None
+            KvEventPublisher(kv, rank, config.engine.block_size, sglang)
+            if kv is not None and kv.enabled
+            else None
         )
         self.rank = rank
         listener = sink(self.kv_events, listener)
         power = config.power[rank % len(config.power)] if config.power else None
         self.engine = Engine(config.engine, config.timing, chain_seed(config.model), listener, power)
-        sglang = config.sglang_pd.mode != "null"
         self.registry, observe_ttft = replica_registry(
             self.engine, config.model, sglang=sglang, lora=bool(config.lora_modules)
         )

@@ -252,6 +252,8 @@ class Serving:
         ids = []
         for prompt in prompts:
             ids.append(self.prompt_ids(prompt))
+            if not ids[-1]:  # vLLM's input processor; the engine holds no empty sequence
+                raise invalid("The decoder prompt cannot be empty")
         req = _Request(f"cmpl-{uuid.uuid4().hex}", False, sampling, [len(p) for p in ids])
         texts = [
             p.prompt if isinstance(p.prompt, str) else self.tokenizer.decode(t)

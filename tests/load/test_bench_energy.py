@@ -5,6 +5,7 @@ benchmark, not a test: no figure is asserted)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from load.bench import energy
@@ -27,3 +28,27 @@ def test_energy_quick(tmp_path: Path) -> None:
         (name, f) for name, factors in energy.SWEEP for f in factors
     }
     assert all("2.0" in r and "order_holds" in r["2.0"] for r in result["sweep"])
+
+
+def _cell(target: str, ttft: float | None, capped: float) -> dict[str, object]:
+    return {
+        "target": target,
+        "load_rps": 5.0,
+        "joules_per_token": 1.0,
+        "ttft_p90_s": ttft,
+        "time_at_cap_s": capped,
+    }
+
+
+def test_goals_without_a_baseline_are_not_met() -> None:
+    """kvgate never at the cap: there is no time to cut, so the cut is undefined (NaN), not a met 100 %;
+    a target without a TTFT p90 (nothing completed) has no TTFT ratio either."""
+    cells = [_cell("kvgate-power", None, 0.0), _cell("kvgate", 0.2, 0.0), _cell("round-robin", 0.2, 0.0)]
+    got = energy.goals(cells, [5.0])["5.0"]
+    assert math.isnan(got["time_at_cap_cut"]) and math.isnan(got["time_at_cap_cut_vs_round_robin"])
+    assert math.isnan(got["ttft_p90_vs_kvgate"])
+    assert got["met"]["time_at_cap"] is False and got["met"]["ttft_p90"] is False
+    cells = [_cell("kvgate-power", 0.1, 1.0), _cell("kvgate", 0.2, 20.0), _cell("round-robin", 0.2, 0.0)]
+    got = energy.goals(cells, [5.0])["5.0"]
+    assert got["time_at_cap_cut"] == 0.95 and got["met"]["time_at_cap"] is True
+    assert got["ttft_p90_vs_kvgate"] == 0.5 and math.isnan(got["time_at_cap_cut_vs_round_robin"])

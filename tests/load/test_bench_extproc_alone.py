@@ -102,3 +102,10 @@ def test_load_client_refuses_other_hosts() -> None:
                 "0",
             ]
         )
+
+
+def test_the_median_of_an_even_count_of_rounds_is_the_middle_twos_mean() -> None:
+    """``--rounds 2`` (or 4): the median is not the upper of the middle two."""
+    assert extproc_alone._median([10.0, 30.0]) == 20.0
+    assert extproc_alone._median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert extproc_alone._median([3.0, 1.0, 2.0]) == 2.0

@@ -201,3 +201,35 @@ def test_mixed_quick(tmp_path: Path) -> None:
 def test_load_client_refuses_other_hosts() -> None:
     with pytest.raises(SystemExit):
         overhead.client_main(["--url", "http://example.com/v1", "--concurrency", "1", "--requests", "1"])
+
+
+def test_overhead_rps_median_of_an_even_count_of_rounds() -> None:
+    """``--rounds 2`` (or 4): the requests/s median is the mean of the middle two, not the upper one."""
+
+    def round_(target: str, rps: float) -> dict[str, object]:
+        return {
+            "stream": False,
+            "concurrency": 1,
+            "target": target,
+            "latencies_us": [100.0],
+            "rps": rps,
+            "latency_us": {"p50": 100.0},
+            "errors": 0,
+        }
+
+    rounds = [
+        round_("direct", 100.0),
+        round_("direct", 300.0),
+        round_("gateway", 50.0),
+        round_("gateway", 250.0),
+    ]
+    cell = overhead.aggregate(rounds, ["direct", "gateway"])["non_stream/c1"]
+    assert cell["targets"]["direct"]["rps_median"] == 200.0
+    assert cell["targets"]["gateway"]["rps_median"] == 150.0
+    assert cell["added"]["gateway_vs_direct"]["rps_ratio"] == 0.75
+
+
+def test_decision_gc_pause_p50_of_an_even_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two gen-0 pauses of 10 and 30 us: their p50 is 20 us, not the longer one."""
+    monkeypatch.setattr(decision, "_GC_PAUSES", [(0, 10_000), (0, 30_000)])
+    assert decision._gc_summary() == {"gen0": {"n": 2, "pause_p50_us": 20.0, "pause_max_us": 30.0}}

@@ -38,6 +38,7 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     assert sorted({r["repeat"] for r in runs}) == [0, 1] and len(result["goals_by_round"]) == 2
     assert len(result["merged"]) * 2 == len(runs)
     assert json.loads((tmp_path / "routing.json").read_text())["benchmark"] == "routing"
+    assert result["sim"] == routing.sim_section(config)
     assert (tmp_path / "routing.md").read_text().startswith("Each cell: the median of 2 runs")
     assert "kvgate-precise |" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "shared-prefix-ttft_p90_s.png").stat().st_size > 0
@@ -199,3 +200,25 @@ def test_key_moves_counts_requests_sent_away_from_their_keys_last_replica() -> N
     m = report.summarize(RunResult(records, 6.0, 2, 0), ["r0", "r1"], warmup_s=1.0)
     assert m["key_moves"] == round(2 / 5, 4)
     assert report.summarize(RunResult(records[:1], 1.0, 1, 0), ["r0"])["key_moves"] == 0.0
+
+
+def test_the_result_names_the_step_model_and_its_sources() -> None:
+    """The goals are judged on the simulator: its step model's values go into routing.json, each beside
+    where it comes from (issue rule: the simulator's parameters and their published sources)."""
+    config = routing.default_config()
+    sim = routing.sim_section(config)
+    timing = TimingModel()
+    assert sim["parameters"]["step_base_ms"] == timing.base_s * 1e3
+    assert sim["parameters"]["prefill_tokens_per_s"] == round(1 / timing.prefill_s_per_token)
+    assert sim["parameters"]["time_scale"] == config.time_scale
+    for key in ("step_base_ms", "decode_ms_per_seq", "prefill_tokens_per_s", "published_sources"):
+        assert sim["sources"][key]
+
+
+def test_a_peer_without_a_ttft_is_not_the_best_peer() -> None:
+    """A peer router that ran but served nothing has no TTFT p90 (NaN): the TTFT goal compares kvgate
+    with the peer that did serve, whatever order the rows come in."""
+    for order in (1, -1):
+        peers = [_row("vllm-router", 0, float("nan"), 0), _row("sglang-router", 0, 2.0, 500)][::order]
+        goal = report.goals([_row("kvgate", 0, 0.5, 600), *peers])["shared_prefix_ttft_p90_vs_best_peer"]
+        assert goal["best_peer"] == "sglang-router" and goal["value"] == 0.25 and goal["met"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import zmq.asyncio
 
 from contracts.digest import block_digests, chain_seed
 from load.sim.engine import EngineConfig
-from load.sim.kvevents import KvEventBuffer, KvEventsConfig, endpoint_for_rank
+from load.sim.kvevents import KvEventBuffer, KvEventPublisher, KvEventsConfig, endpoint_for_rank
 from load.sim.server import SimConfig, SimFleet, SimReplica, build_parser, config_from_args, main
+from load.sim.serving import SglangPd
 from load.sim.timing import TimingModel
+from load.sim.tokenizer import load_tokenizer
 from tests.load.test_sim_server import MESSAGES, MODEL
 from tests.load.test_sim_server import model_dir as model_dir  # the tiny tokenizer fixture
 
@@ -295,3 +298,50 @@ def test_buffer_queues_one_burst_and_names_blocks_by_engine_hash() -> None:
     assert buffer.take() == []
     other = KvEventBuffer(16, hash_key=b"j" * 16)
     assert other.engine_hash(d[0]) != hashes[0]  # per-replica key, as vLLM's per-process NONE_HASH
+
+
+async def test_a_replica_standing_for_sglang_publishes_sglangs_positional_events() -> None:
+    """SGLang's publisher (``sglang/srt/disaggregation/kv_events.py``) encodes each event as an array
+    tagged first, without vLLM's ``medium``/``lora_name``/``extra_keys``/``group_idx``, and the batch as
+    ``[ts, events, attn_dp_rank]``."""
+    publisher = KvEventPublisher(EVENTS, 0, 4, sglang=True)
+    await publisher.start()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.address)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # PUB drops what a joining SUB misses: clear until one batch arrives
+            publisher.buffer.on_cleared()
+            publisher.flush()
+            try:
+                frames = await asyncio.wait_for(sub.recv_multipart(), 0.05)
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline
+        assert msgspec.msgpack.decode(frames[2])[1:] == [[["AllBlocksCleared"]], 0]
+        digests = block_digests(chain_seed(MODEL), [1, 2, 3, 4, 5, 6, 7, 8], 4)
+        publisher.buffer.on_stored(digests, [1, 2, 3, 4, 5, 6, 7, 8], None)
+        publisher.buffer.on_removed(digests[1:])
+        publisher.flush()
+        ts, events, rank = msgspec.msgpack.decode((await asyncio.wait_for(sub.recv_multipart(), 5))[2])
+        h = [publisher.buffer.engine_hash(d) for d in digests]
+        assert isinstance(ts, float) and rank == 0
+        stored = ["BlockStored", h, None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None]
+        assert events == [stored, ["BlockRemoved", h[1:]]]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        await publisher.aclose()
+
+
+async def test_only_a_replica_in_sglangs_disaggregation_mode_publishes_sglangs_shape(
+    model_dir: Path,
+) -> None:
+    """Construction only (no sockets bound): the mode that registers as engine kind ``sglang``."""
+    tokenizer = load_tokenizer(model_dir)
+    for mode, want in (("decode", True), ("prefill", True), ("null", False)):
+        config = replace(sim_config(model_dir), sglang_pd=SglangPd(mode))
+        replica = SimReplica("sim-0", config, tokenizer)
+        assert replica.kv_events is not None and replica.kv_events.sglang is want

@@ -473,3 +473,15 @@ async def test_priority_scheduling_accepts_the_priority_field_and_counts_preempt
             assert resp.status == 200, await resp.text()
         async with http.get(f"{url}/metrics") as resp:
             assert "vllm:num_preemptions" in await resp.text()
+
+
+async def test_an_empty_completion_prompt_is_a_400(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
+    """An empty token list in a batch (or a text that tokenizes to nothing) is vLLM's input processor's
+    400 "The decoder prompt cannot be empty", not a 500 from the engine."""
+    url = f"http://{fleet.addresses[0]}/v1/completions"
+    for prompt in ([[]], [[5, 6], []]):
+        async with http.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as resp:
+            assert resp.status == 400, await resp.text()
+            error = (await resp.json())["error"]
+        assert error["message"] == "The decoder prompt cannot be empty"
+        assert error["type"] == "BadRequestError" and error["param"] is None and error["code"] == 400
