@@ -16,7 +16,7 @@ good one stays (the default before any).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from contracts.errors import ConfigError
 from contracts.etcd import Change, decode_value
@@ -40,7 +40,9 @@ class IndexBlockSize:
         self.value = default
         self.rejected = 0
 
-    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> int:
+    def snapshot(
+        self, kvs: Iterable[tuple[str, bytes]], revision: int, created: Mapping[str, int] | None = None
+    ) -> int:
         """The size in force after a full read of the prefix (the key absent: the default)."""
         raw = next((value for key, value in kvs if key == self.key), None)
         return self._set(raw)

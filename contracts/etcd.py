@@ -127,10 +127,11 @@ def parse_etcd_settings(raw: object, where: str) -> EtcdSettings:
 @dataclass(frozen=True, slots=True)
 class Change:
     """One key's new value as a watch reports it; ``value`` ``None``: the key was deleted (or expired with
-    its lease)."""
+    its lease). ``created``: the key's etcd create revision (0: not known, or a delete)."""
 
     key: str
     value: bytes | None
+    created: int = 0
 
 
 def family_key(prefix: str, family: str, name: str) -> str:

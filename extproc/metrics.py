@@ -236,8 +236,9 @@ class GatewayMetrics:
 
     def watch_feeds(self, counters: Callable[[], Mapping[str, int]]) -> None:
         """Export ``kvgate_feed_<name>_total`` for :data:`FEED_COUNTERS` from ``counters()`` (the feed
-        clients' shared stats) at every scrape, and the gauge ``kvgate_version_skew_sources`` from its
-        ``version_skew_sources``; a name it lacks reads 0."""
+        clients' shared stats) at every scrape, the gauge ``kvgate_version_skew_sources`` from its
+        ``version_skew_sources`` and ``kvgate_etcd_endpoint_claims_refused_total`` from its
+        ``endpoint_claims_refused``; a name it lacks reads 0."""
         self.registry.register(_FeedCollector(counters))
 
     def watch_pool(self, counters: Callable[[], Mapping[str, int]]) -> None:
@@ -517,6 +518,11 @@ class _FeedCollector(Collector):
             "etcd records (endpoints, kvcached daemons) read now at a version this gateway does not use "
             "as written (contracts/README.md).",
             value=values.get("version_skew_sources", 0),
+        )
+        yield CounterMetricFamily(
+            "kvgate_etcd_endpoint_claims_refused",
+            "etcd endpoint records refused for an id another node's key holds (they wait until it goes).",
+            value=values.get("endpoint_claims_refused", 0),
         )
 
 

@@ -702,12 +702,14 @@ class Gateway:
 
     def _feed_counters(self) -> dict[str, int]:
         """The feed clients' counters; ``version_skew`` also counts etcd endpoint records of a version
-        this gateway does not read as written (:mod:`contracts.versions`)."""
+        this gateway does not read as written (:mod:`contracts.versions`); ``endpoint_claims_refused``:
+        the control plane's etcd endpoint records refused for an id another node holds."""
         stats = self.cluster.feeds.stats
         counters = {name: getattr(stats, name) for name in FEED_COUNTERS}
         if self.cluster.control is not None:
             counters["version_skew"] += self.cluster.control.core.counters["version_skew"]
             counters["version_skew_sources"] = len(self.cluster.control.core.skewed)
+            counters["endpoint_claims_refused"] = self.cluster.control.core.counters["claims_refused"]
         return counters
 
     async def start(self) -> None:

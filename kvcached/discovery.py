@@ -56,7 +56,9 @@ class PeerTable:
         """QUIC addresses of every peer that serves blocks, sorted by node."""
         return [info.quic for _, info in sorted(self.peers.items()) if info.quic is not None]
 
-    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> None:
+    def snapshot(
+        self, kvs: Iterable[tuple[str, bytes]], revision: int, created: Mapping[str, int] | None = None
+    ) -> None:
         """Replace the etcd part with a full range read at ``revision`` (bad values keep the old one)."""
         old, self._etcd = self._etcd, {}
         present: set[str] = set()

@@ -45,8 +45,11 @@ R = TypeVar("R")
 class WatchedCore(Protocol[R_co]):
     """A sans-IO mirror of the keys under a prefix; each call returns what it changed (for ``on_applied``)."""
 
-    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> R_co:
-        """Make the state equal to a full read of the prefix (``(key, value)`` pairs) at ``revision``."""
+    def snapshot(
+        self, kvs: Iterable[tuple[str, bytes]], revision: int, created: Mapping[str, int] | None = None
+    ) -> R_co:
+        """Make the state equal to a full read of the prefix (``(key, value)`` pairs) at ``revision``;
+        ``created``: each key's etcd create revision."""
         ...
 
     def apply(self, changes: Iterable[Change], revision: int) -> R_co:
@@ -204,8 +207,9 @@ class PrefixWatcher(Generic[R]):
             self.prefix, etcd3aio.prefix_range_end(self.prefix), timeout=self._timeout_s
         )
         kvs = [(kv.key.decode("utf-8", "replace"), bytes(kv.value)) for kv in response.kvs]
+        created = {key: int(kv.create_revision) for (key, _), kv in zip(kvs, response.kvs, strict=True)}
         revision = int(response.header.revision)
-        result = self.core.snapshot(kvs, revision)
+        result = self.core.snapshot(kvs, revision, created)
         self._revision = revision
         self._syncs += 1
         if not self.connected:
@@ -248,6 +252,7 @@ class PrefixWatcher(Generic[R]):
                 Change(
                     event.kv.key.decode("utf-8", "replace"),
                     None if event.type == _DELETE else bytes(event.kv.value),
+                    0 if event.type == _DELETE else int(event.kv.create_revision),
                 )
                 for event in response.events
             ]

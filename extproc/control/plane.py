@@ -5,9 +5,12 @@ and policy.
 batches of changes, and applies them to a :class:`~extproc.fleet.Fleet` and a
 :class:`~extproc.control.policy.PolicyStore`:
 
-* ``endpoints/<node>/<id>`` (and ``endpoints/<id>``, the layout of older agents): decoded under the
-  version rule (:func:`engines.endpoint.decode_record`, :mod:`contracts.versions`: a record of a newer
-  schema or another digest version joins without its KV data, logged once and counted in
+* ``endpoints/<node>/<id>`` (and ``endpoints/<id>``, the layout of older agents): an id belongs to the
+  node whose key claimed it first (etcd's create revision); another node's key for the same id is
+  refused (logged once, counted in ``counters["claims_refused"]``) and takes over only once the keys
+  claimed before it are gone (:meth:`ControlCore._endpoint_key`). The key that describes it is decoded
+  under the version rule (:func:`engines.endpoint.decode_record`, :mod:`contracts.versions`: a record
+  of a newer schema or another digest version joins without its KV data, logged once and counted in
   ``counters["version_skew"]``) and upserted, or removed on delete of the key that described it.
   Endpoints from the gateway's own config stay; an etcd entry with the id of one of them, or with the
   address of another endpoint, is refused with a log (unless that endpoint yields,
@@ -43,6 +46,7 @@ cancelling), and turns what each batch changed into the ``on_policy`` / ``on_fle
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -84,6 +88,39 @@ class Applied:
     policy: Policy | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """One ``endpoints/`` key's claim of its endpoint id: ``owner``, the node of its key (of an
+    ``endpoints/<id>`` key, the ``node`` its record names; ``None``: none); ``created``, its etcd create
+    revision."""
+
+    owner: str | None
+    created: int
+    value: bytes
+
+
+def _owner(name: str, value: bytes) -> str | None:
+    node, sep, _ = name.rpartition("/")
+    if sep:
+        return node
+    try:
+        node = json.loads(value).get("node")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return node if isinstance(node, str) else None
+
+
+def _holder(claims: Mapping[str, _Claim]) -> str:
+    """The key that describes an endpoint: its id belongs to the owner of the claim created first (ties:
+    the first key name); of that owner's keys, ``endpoints/<node>/<id>`` before ``endpoints/<id>``."""
+    first = min(claims, key=lambda name: (claims[name].created, name))
+    owner = claims[first].owner
+    return max(
+        (name for name, claim in claims.items() if name == first or (owner and claim.owner == owner)),
+        key=lambda name: ("/" in name, -claims[name].created, name),
+    )
+
+
 class FamilySink(Protocol):
     """Takes the keys of one family (``<prefix><family>/<name>``) from the control plane, on the event
     loop (must not block). Each returns whether something changed (``False``: same value, or refused)."""
@@ -119,16 +156,20 @@ class ControlCore:
         #: kvcached daemons by node (``kvcached/<node>``): their index feed address (``None``: none).
         self.kvcached_feeds: dict[str, str | None] = {}
         self.counters = dict.fromkeys(
-            ("syncs", "changes", "rejected", "refused", "ignored", "version_skew"), 0
+            ("syncs", "changes", "rejected", "refused", "ignored", "version_skew", "claims_refused"), 0
         )
         self._skew = SkewLog()
         #: The records read now at another version (``("endpoint" | "kvcached", name)``): a gauge, so that
         #: the skew alarm lasts as long as the skew, not only while the counter moves.
         self.skewed: set[tuple[str, str]] = set()
         self._endpoint_keys: dict[EndpointId, str] = {}  # id -> the key name that describes it now
+        #: The ``endpoints/`` keys of each etcd endpoint id (key name -> its claim, :func:`_holder`).
+        self._claims: dict[EndpointId, dict[str, _Claim]] = {}
+        self._waiting_logged: set[str] = set()  # key names whose refused claim was logged (once each)
         self._sinks: dict[str, FamilySink] = {}
         self._backlog = False  # applying a snapshot's diff
         self._revision_now = 0  # the revision of the changes being applied
+        self._created_now = 0  # the create revision of the key being applied (0: not known)
         #: Whether an etcd endpoint may be in the fleet now (refused ones are held and asked again by
         #: :meth:`readmit`; with an InferencePool, those at the address of none of its ready pods,
         #: :meth:`extproc.inferencepool.merge.PoolSync.admits`); default: every one.
@@ -163,11 +204,25 @@ class ControlCore:
         """etcd endpoints held out of the fleet because :attr:`admits` refuses them."""
         return frozenset(self._held)
 
-    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> Applied:
-        """Make the applied state equal to a full read of the prefix taken at ``revision``."""
-        current = dict(kvs)
-        changes = [Change(k, None) for k in sorted(self._seen) if k not in current]
-        changes += [Change(k, v) for k, v in sorted(current.items()) if self._seen.get(k) != v]
+    def snapshot(
+        self, kvs: Iterable[tuple[str, bytes]], revision: int, created: Mapping[str, int] | None = None
+    ) -> Applied:
+        """Make the applied state equal to a full read of the prefix taken at ``revision`` (``created``:
+        each key's create revision; an endpoint key created anew while nobody watched: deleted, then put;
+        puts in the order etcd created the keys)."""
+        current, created = dict(kvs), created or {}
+        anew = {
+            k for k in current if self._seen.get(k) == current[k] and self._created_anew(k, created.get(k, 0))
+        }
+        changes = [Change(k, None) for k in sorted(self._seen) if k not in current or k in anew]
+        changes += sorted(  # in the order etcd created them (the first claim of an endpoint id holds it)
+            (
+                Change(k, v, created.get(k, 0))
+                for k, v in current.items()
+                if self._seen.get(k) != v or k in anew
+            ),
+            key=lambda change: (change.created, change.key),
+        )
         self.counters["syncs"] += 1
         self._backlog = True
         try:
@@ -196,10 +251,11 @@ class ControlCore:
         if value is None:
             if key not in self._seen:
                 return False
-        elif self._seen.get(key) == value:
+        elif self._seen.get(key) == value and not self._created_anew(key, change.created):
             return False
         self.counters["changes"] += 1
         try:
+            self._created_now = change.created
             changed = self._dispatch(key, value)
         except Exception as exc:
             log.warning("etcd key %s refused (%s); its last good state stays", key, type(exc).__name__)
@@ -223,12 +279,20 @@ class ControlCore:
         self.counters["rejected"] += sum(1 for p, r in self.store.rejected.items() if before.get(p) != r)
         return changed
 
+    def _created_anew(self, key: str, created: int) -> bool:
+        """Whether the endpoint key ``key`` was created again (another create revision than its claim's)."""
+        parsed = split_key(self.prefix, key)
+        if not created or parsed is None or parsed[0] != ENDPOINTS:
+            return False
+        claim = self._claims.get(EndpointId(endpoint_id_of(parsed[1])), {}).get(parsed[1])
+        return claim is not None and claim.created != created
+
     def _dispatch(self, key: str, value: bytes | None) -> bool:
         parsed = split_key(self.prefix, key)
         if parsed is not None:
             family, name = parsed
             if family == ENDPOINTS:
-                return self._endpoint_key(name, value)
+                return self._endpoint_key(name, value, self._created_now)
             if family == DRAIN:
                 return self._drain(EndpointId(name), value is not None)
             if family == KVCACHED:
@@ -258,19 +322,57 @@ class ControlCore:
         self.counters["ignored"] += 1
         return False
 
-    def _endpoint_key(self, name: str, value: bytes | None) -> bool:
-        """``endpoints/<name>`` changed: the endpoint it names, whichever layout (an endpoint moving from
-        ``endpoints/<id>`` to ``endpoints/<node>/<id>`` in a rolling upgrade is described by the key
-        written last; the delete of the other one, when its lease ends, is ignored)."""
+    def _endpoint_key(self, name: str, value: bytes | None, created: int = 0) -> bool:
+        """``endpoints/<name>`` changed: the endpoint it names, whichever layout. An id belongs to the node
+        whose key claimed it first (the oldest create revision, :func:`_holder`): another node's key for
+        it is refused (logged once, counted in ``counters["claims_refused"]``) and waits until the keys
+        before it are gone (their leases ended), so an agent confined to ``endpoints/<node>/`` cannot take
+        over another node's endpoint. The same node's keys take turns: an endpoint moving from
+        ``endpoints/<id>`` (whose record names the node) to ``endpoints/<node>/<id>`` in a rolling upgrade
+        is described by the new key; the delete of the old one, when its lease ends, changes nothing."""
         endpoint_id = EndpointId(endpoint_id_of(name))
-        holder = self._endpoint_keys.get(endpoint_id)
+        node, sep, _ = name.rpartition("/")
+        if endpoint_id in self.static_ids or (sep and (not node or "/" in node)):
+            return self._endpoint(endpoint_id, value, name)  # refused there
+        claims = self._claims.setdefault(endpoint_id, {})
+        before = self._endpoint_keys.get(endpoint_id)
+        previous = claims.get(before) if before is not None else None
         if value is None:
-            if holder is not None and holder != name:
-                return False
+            claims.pop(name, None)
+            self._waiting_logged.discard(name)
+        else:
+            old = claims.get(name)
+            when = created or (old.created if old is not None else self._revision_now)
+            claims[name] = _Claim(_owner(name, value), when, value)
+        if not claims:
+            del self._claims[endpoint_id]
             self._endpoint_keys.pop(endpoint_id, None)
-        elif endpoint_id not in self.static_ids:
-            self._endpoint_keys[endpoint_id] = name
-        return self._endpoint(endpoint_id, value, name)
+            return self._endpoint(endpoint_id, None)
+        holder = _holder(claims)
+        if holder == before and holder != name:
+            if value is not None:
+                self._refuse_claim(endpoint_id, name, holder)
+            return False
+        self._endpoint_keys[endpoint_id] = holder
+        self._waiting_logged.discard(holder)
+        changed = False
+        moved = before is not None and holder != before
+        if moved and (previous is None or previous.owner != claims[holder].owner):
+            # Another node's endpoint now: the last one's description and live state go first.
+            log.info("endpoint %s: etcd key endpoints/%s holds the id now", endpoint_id, holder)
+            changed = self._endpoint(endpoint_id, None)
+        return self._endpoint(endpoint_id, claims[holder].value, holder) or changed
+
+    def _refuse_claim(self, endpoint_id: EndpointId, name: str, holder: str) -> None:
+        self.counters["claims_refused"] += 1
+        if name not in self._waiting_logged:
+            self._waiting_logged.add(name)
+            log.warning(
+                "etcd endpoints/%s refused: endpoints/%s holds endpoint %s (it waits until that key goes)",
+                name,
+                holder,
+                endpoint_id,
+            )
 
     def _endpoint(self, endpoint_id: EndpointId, value: bytes | None, name: str | None = None) -> bool:
         if endpoint_id in self.static_ids:

@@ -26,6 +26,9 @@ def test_index_blocks_and_feed_counters_are_read_at_scrape_time() -> None:
         value = {"batches": 2, "events": 7, "gaps": 1}.get(name, 0)
         assert f"kvgate_feed_{name}_total {float(value)}" in text
     assert "kvgate_feed_staleness_seconds_count 1.0" in text
+    assert "kvgate_etcd_endpoint_claims_refused_total 0.0" in text
+    counters["endpoint_claims_refused"] = 2
+    assert "kvgate_etcd_endpoint_claims_refused_total 2.0" in generate_latest(metrics.registry).decode()
 
 
 def test_an_index_changing_during_the_scrape_is_read_again() -> None:

@@ -3,7 +3,7 @@ delete, a failing callback, no etcd at start, an outage and the resync after it)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import etcd3aio
@@ -58,7 +58,9 @@ class Mirror:
     state: dict[str, bytes] = field(default_factory=dict)
     revision: int = 0
 
-    def snapshot(self, kvs: Iterable[tuple[str, bytes]], revision: int) -> frozenset[str]:
+    def snapshot(
+        self, kvs: Iterable[tuple[str, bytes]], revision: int, created: Mapping[str, int] | None = None
+    ) -> frozenset[str]:
         new = dict(kvs)
         changed = frozenset(k for k in self.state.keys() | new.keys() if self.state.get(k) != new.get(k))
         self.state, self.revision = new, revision
