@@ -926,7 +926,9 @@ class StreamProcessor:
                 return self._replies(request.stream, body, started, decided)
         handoff = None
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
-            self.pd = self._disagg.plan(self.decision, decided, self._subset, pinned)
+            self.pd = self._disagg.plan(
+                self.decision, decided, self._subset, pinned, admit=self._admit(request.model)
+            )
             handoff = self.pd.handoff if self.pd is not None else None
             if self.pd is not None and handoff is None and not self.pd.alone:
                 # an SGLang decode server, and no prefill fit

@@ -12,7 +12,8 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    a request without a bootstrap room);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
    endpoints of role ``prefill`` serving ``m`` that the route's labels admit, that speak the decode
-   pick's handoff protocol and that the request's EPP subset hint (if any) allows, narrowed further by the
+   pick's handoff protocol, that flow control's limits for their (model, ``prefill``) role leave room
+   (the processor's ``admit``) and that the request's EPP subset hint (if any) allows, narrowed further by the
    conformance pin when it names any prefill endpoint of ``m`` (:meth:`Disaggregator.plan`), with the
    prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
    the prompt's lead), plus whatever load scorers the profile has; with no ``prefill_profile`` the
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import random
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from contracts.events import EndpointId
@@ -145,6 +146,7 @@ class Disaggregator:
         now: float,
         subset: frozenset[str] | None = None,
         pinned: Sequence[str] | None = None,
+        admit: Callable[[EndpointState], bool] | None = None,
     ) -> Verdict | None:
         """The verdict for a decided request; ``None`` when its model has no serving spec or an
         aggregated one (nothing to count). ``subset``: the request's EPP subset hint (``ip:port``
@@ -156,7 +158,11 @@ class Disaggregator:
         it names some prefill endpoint of the model: then the prefill pick is one of those (none of them
         fit, e.g. of another protocol or outside the subset: ``no_prefill``); a pin naming only decode
         endpoints leaves the prefill pick to the prefill profile, so the pinned request is paired as an
-        unpinned one would be."""
+        unpinned one would be.
+
+        ``admit``: flow control's room test (the processor's, with the request's band): a prefill endpoint
+        it refuses (saturated under the limits of its (model, ``prefill``) role) is not in the prefill
+        pool; none left: ``no_prefill``."""
         route = self._policy.routes.get(decision.model)
         if route is None or route.spec.mode == "aggregated" or decision.served is None:
             return None
@@ -178,7 +184,7 @@ class Disaggregator:
             return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
-        picked = self._pick_prefill(decision, route, protocol, now, subset, pinned)
+        picked = self._pick_prefill(decision, route, protocol, now, subset, pinned, admit)
         if picked is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
         prefill, work = picked
@@ -207,6 +213,7 @@ class Disaggregator:
         now: float,
         subset: frozenset[str] | None,
         pinned: Sequence[str] | None = None,
+        admit: Callable[[EndpointState], bool] | None = None,
     ) -> tuple[EndpointState, int] | None:
         """The prefill pick and the uncached prompt tokens it will compute (``None``: none fit)."""
         model = decision.model
@@ -225,6 +232,7 @@ class Disaggregator:
             and PROTOCOLS.get(s.endpoint.engine) == protocol
             and (protocol != "sglang" or s.endpoint.bootstrap_port is not None)
             and (subset is None or s.endpoint.address in subset)
+            and (admit is None or admit(s))
         ]
         if not pool:
             return None
@@ -282,6 +290,9 @@ class Disaggregator:
         if not handoff.released:
             handoff.released = True
             handoff.prefill.in_flight = max(0, handoff.prefill.in_flight - 1)
+            # It left the engine, as a completion does for a routed request (Router.completed): the
+            # endpoint's load (flow control's in-flight limit) stops counting it before the next scrape.
+            handoff.prefill.completed_since_scrape += 1
             left = self._queued.get(handoff.prefill.id, 0) - handoff.prefill_tokens
             if left > 0:
                 self._queued[handoff.prefill.id] = left
