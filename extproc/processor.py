@@ -1150,7 +1150,7 @@ class StreamProcessor:
     def prefill_done(self, failure: str | None) -> None:
         """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""
         if self._pairing is not None:
-            self._pairing.beside_done(failure)
+            self._pairing.beside_done(failure, now=self._clock())
             self.handoff_outcome = self._pairing.outcome
 
     def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
@@ -1162,7 +1162,7 @@ class StreamProcessor:
         assert pending is not None and pairing is not None, "handed_off() only after a handoff"
         prepared, started, decided = pending
         try:
-            body = pairing.finish(answer, failure)
+            body = pairing.finish(answer, failure, now=self._clock())
             self.handoff_outcome = pairing.outcome
             # The TTFT deadline the decode engine is told is what is left now, after the prefill's wait.
             return self._replies(prepared.request.stream, body, started, decided, self._clock())

@@ -21,9 +21,10 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    of the prefill sub-requests still running there (this worker's, and its sibling workers' as they
    last reported them, :attr:`Disaggregator.sibling_queued`) plus what this prompt lacks there
    (README.md, "The pair");
-4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
-   digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
-   to the prefill endpoint that computed it.
+4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`; once its
+   prefill succeeded (:meth:`Disaggregator.prefilled`) the prompt's digests are recorded for it, so a
+   repeated long prefix goes back to the prefill endpoint that computed it (a failed or abandoned
+   prefill records nothing: the request was served whole by its decode endpoint, which is recorded).
 
 Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``),
 SGLang (bootstrap fields; its prefill endpoint must have registered its ``bootstrap_port``, and each pair
@@ -37,6 +38,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from contracts.digest import Digest
 from contracts.events import EndpointId
 from extproc.disagg.policy import PdSpec
 from extproc.disagg.protocol import MAX_ROOM
@@ -89,6 +91,8 @@ class Handoff:
     released: bool = False
     #: The prompt tokens the prefill pick lacked (counted in its queued prefill work until released).
     prefill_tokens: int = 0
+    #: The prompt's digests, recorded at the prefill pick once its prefill succeeded.
+    digests: Sequence[Digest] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +191,7 @@ class Disaggregator:
         picked = self._pick_prefill(decision, route, protocol, now, subset, pinned, admit)
         if picked is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
-        prefill, work = picked
+        prefill, work, digests = picked
         self._queued[prefill.id] = self._queued.get(prefill.id, 0) + work
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
@@ -202,6 +206,7 @@ class Disaggregator:
             route.spec.prefill_timeout_s,
             room,
             prefill_tokens=work,
+            digests=digests,
         )
         return Verdict(handoff, "disaggregated")
 
@@ -214,8 +219,9 @@ class Disaggregator:
         subset: frozenset[str] | None,
         pinned: Sequence[str] | None = None,
         admit: Callable[[EndpointState], bool] | None = None,
-    ) -> tuple[EndpointState, int] | None:
-        """The prefill pick and the uncached prompt tokens it will compute (``None``: none fit)."""
+    ) -> tuple[EndpointState, int, Sequence[Digest]] | None:
+        """The prefill pick, the uncached prompt tokens it will compute and the prompt's digests
+        (``None``: none fit)."""
         model = decision.model
         fleet: Iterable[EndpointState] = self._router.fleet
         if pinned is not None and any(
@@ -282,8 +288,13 @@ class Disaggregator:
                     rank.get(s.id, len(rank)),
                 ),
             )
-        self._router.record(pick.id, digests, now)
-        return pick, uncached(pick)
+        return pick, uncached(pick), digests
+
+    def prefilled(self, handoff: Handoff, now: float) -> None:
+        """The prefill sub-request succeeded: its endpoint holds the prompt's blocks (index, working set,
+        sibling workers, as :meth:`Router.record`). Only then: a failed prefill computed nothing the
+        gateway used, and would leave the endpoint credited with the prefix."""
+        self._router.record(handoff.prefill.id, handoff.digests, now)
 
     def release(self, handoff: Handoff) -> None:
         """The prefill sub-request ended (answered, failed or abandoned): its in-flight slot is free."""

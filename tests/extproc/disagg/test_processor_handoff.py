@@ -503,3 +503,47 @@ def test_an_sglang_decode_pick_whose_prefill_endpoints_are_saturated_is_a_503() 
     status, error, _ = refused(other.handle(body(request("short"))))
     assert (status, error["code"]) == (503, "no_prefill_endpoint")
     assert in_flight(router) == {PREFILL: 1, DECODE: 1}
+
+
+def held_blocks(router: Router) -> dict[str, int]:
+    """Blocks the prefix index credits each endpoint with."""
+    occupancy = router.index.occupancy()
+    return {s.address: occupancy.get(s.id, 0) for s in router.fleet}
+
+
+@pytest.mark.parametrize(
+    ("answer", "failure"),
+    [(None, "timeout"), (None, "status"), (None, "unreachable"), (b'{"choices": []}', None)],
+)
+def test_a_failed_prefill_leaves_no_cache_record_at_its_endpoint(
+    answer: bytes | None, failure: str | None
+) -> None:
+    """The prefill endpoint computed nothing usable: the index does not credit it with the prompt (the
+    decode endpoint, which served it whole, is recorded as ever)."""
+    proc, router = make(PdSpec("disaggregated"))
+    start(proc, request())
+    reply(proc.handed_off(answer, failure))
+    proc.close()
+    held = held_blocks(router)
+    assert held[PREFILL] == 0 and held[DECODE] > 0
+
+
+def test_a_prefill_that_succeeded_is_recorded_at_its_endpoint() -> None:
+    proc, router = make(PdSpec("disaggregated"))
+    start(proc, request())
+    reply(proc.handed_off(ANSWER))
+    proc.close()
+    held = held_blocks(router)
+    assert held[PREFILL] > 0 and held[DECODE] > 0
+
+
+@pytest.mark.parametrize(("failure", "recorded"), [("status", False), ("timeout", False), (None, True)])
+def test_an_sglang_prefill_half_is_recorded_only_when_it_succeeded(
+    failure: str | None, recorded: bool
+) -> None:
+    proc, router = make(PdSpec("disaggregated"), engine="sglang")
+    reply(start(proc, request()))
+    proc.prefill_done(failure)
+    proc.close()
+    held = held_blocks(router)
+    assert (held[PREFILL] > 0) is recorded and held[DECODE] > 0
