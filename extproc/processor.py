@@ -926,7 +926,9 @@ class StreamProcessor:
                 return self._replies(request.stream, body, started, decided)
         handoff = None
         if self._disagg is not None and request.kind in GENERATIVE_KINDS:  # P/D: chat and completions
-            self.pd = self._disagg.plan(self.decision, decided, self._subset, pinned)
+            self.pd = self._disagg.plan(
+                self.decision, decided, self._subset, pinned, admit=self._admit(request.model)
+            )
             handoff = self.pd.handoff if self.pd is not None else None
             if self.pd is not None and handoff is None and not self.pd.alone:
                 # an SGLang decode server, and no prefill fit
@@ -1148,7 +1150,7 @@ class StreamProcessor:
     def prefill_done(self, failure: str | None) -> None:
         """A prefill half sent beside the request (SGLang) ended: ``failure`` its reason, or ``None``."""
         if self._pairing is not None:
-            self._pairing.beside_done(failure)
+            self._pairing.beside_done(failure, now=self._clock())
             self.handoff_outcome = self._pairing.outcome
 
     def handed_off(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse]:
@@ -1160,7 +1162,7 @@ class StreamProcessor:
         assert pending is not None and pairing is not None, "handed_off() only after a handoff"
         prepared, started, decided = pending
         try:
-            body = pairing.finish(answer, failure)
+            body = pairing.finish(answer, failure, now=self._clock())
             self.handoff_outcome = pairing.outcome
             # The TTFT deadline the decode engine is told is what is left now, after the prefill's wait.
             return self._replies(prepared.request.stream, body, started, decided, self._clock())

@@ -434,6 +434,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         except UpstreamError as exc:
             failure = exc.reason
             responses = proc.handed_off(None, exc.reason)
+        except asyncio.CancelledError:
+            # The client went away (Envoy cancelled the stream) while the prefill ran: timed as
+            # ``cancelled``, as an SGLang prefill half is; the stream's close frees the prefill slot.
+            if child is not None:
+                _end_handoff(child, "cancelled")
+            seconds = time.monotonic() - started
+            self._metrics.pd_prefill_seconds.labels(model, "cancelled").observe(seconds)
+            raise
         else:
             responses = proc.handed_off(answer.body)
             if proc.handoff_outcome not in (None, "disaggregated"):  # a 2xx answer with no usable params

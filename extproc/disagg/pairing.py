@@ -11,7 +11,8 @@ gets: without the client's own handoff fields, dropped at parsing, and with the 
 * SGLang: both bodies are known at once (:attr:`Pairing.decode_now`); the prefill half runs beside the
   routed request and :meth:`Pairing.beside_done` records how it ended.
 
-Either way the prefill endpoint's in-flight slot is released exactly once (:meth:`release`).
+Either way the prefill endpoint's in-flight slot is released exactly once (:meth:`release`), and the
+prompt's blocks are recorded at the prefill endpoint only when its prefill succeeded.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ class Pairing:
         #: How the handoff ended: ``disaggregated``, else why not (``None`` while it runs).
         self.outcome: str | None = None
 
-    def finish(self, answer: bytes | None, failure: str | None = None) -> bytes:
-        """vLLM: the prefill ended with ``answer`` (its 2xx body) or ``failure`` (a reason); the body for the
-        decode endpoint."""
+    def finish(self, answer: bytes | None, failure: str | None = None, *, now: float) -> bytes:
+        """vLLM: the prefill ended with ``answer`` (its 2xx body) or ``failure`` (a reason) at ``now``; the
+        body for the decode endpoint."""
         self.release()
         body = self.body
         if answer is not None:
@@ -84,22 +85,25 @@ class Pairing:
                 body = decode_body(self._doc, transfer_params(answer))
             except HandoffFailed as exc:
                 failure = exc.reason
-        self._ended(failure, "served aggregated on")
+        self._ended(failure, "served aggregated on", now)
         return body
 
-    def beside_done(self, failure: str | None) -> None:
-        """SGLang: the prefill half sent beside the request ended (``failure``: its reason, or ``None``)."""
+    def beside_done(self, failure: str | None, *, now: float) -> None:
+        """SGLang: the prefill half sent beside the request ended at ``now`` (``failure``: its reason, or
+        ``None``)."""
         if self.pair.released:
             return
         self.release()
-        self._ended(failure, "the decode waits for its KV in vain on")
+        self._ended(failure, "the decode waits for its KV in vain on", now)
 
     def release(self) -> None:
         self._pd.release(self.pair)
 
-    def _ended(self, failure: str | None, then: str) -> None:
+    def _ended(self, failure: str | None, then: str, now: float) -> None:
         self.outcome = "disaggregated" if failure is None else failure
-        if failure is not None:
+        if failure is None:
+            self._pd.prefilled(self.pair, now)  # only a prefill that succeeded holds the prompt's blocks
+        else:
             log.warning(
                 "request %s: prefill on %s failed (%s); %s %s",
                 self._log_id,

@@ -12,7 +12,8 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    a request without a bootstrap room);
 3. the **prefill profile** (the spec's ``prefill_profile``, else the route's) runs over the prefill pool:
    endpoints of role ``prefill`` serving ``m`` that the route's labels admit, that speak the decode
-   pick's handoff protocol and that the request's EPP subset hint (if any) allows, narrowed further by the
+   pick's handoff protocol, that flow control's limits for their (model, ``prefill``) role leave room
+   (the processor's ``admit``) and that the request's EPP subset hint (if any) allows, narrowed further by the
    conformance pin when it names any prefill endpoint of ``m`` (:meth:`Disaggregator.plan`), with the
    prefix index's match of the prompt against that pool (its prefix scorer prefers the replica holding
    the prompt's lead), plus whatever load scorers the profile has; with no ``prefill_profile`` the
@@ -20,9 +21,10 @@ For a request of model ``m`` whose route has a :class:`~extproc.disagg.policy.Pd
    of the prefill sub-requests still running there (this worker's, and its sibling workers' as they
    last reported them, :attr:`Disaggregator.sibling_queued`) plus what this prompt lacks there
    (README.md, "The pair");
-4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`, and the prompt's
-   digests are recorded for it (speculative, as for any decision), so a repeated long prefix goes back
-   to the prefill endpoint that computed it.
+4. the pick's in-flight count and routed count rise until :meth:`Disaggregator.release`; once its
+   prefill succeeded (:meth:`Disaggregator.prefilled`) the prompt's digests are recorded for it, so a
+   repeated long prefix goes back to the prefill endpoint that computed it (a failed or abandoned
+   prefill records nothing: the request was served whole by its decode endpoint, which is recorded).
 
 Only engines with a known handoff protocol are paired: vLLM and the simulator (``kv_transfer_params``),
 SGLang (bootstrap fields; its prefill endpoint must have registered its ``bootstrap_port``, and each pair
@@ -33,9 +35,10 @@ from __future__ import annotations
 
 import random
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from contracts.digest import Digest
 from contracts.events import EndpointId
 from extproc.disagg.policy import PdSpec
 from extproc.disagg.protocol import MAX_ROOM
@@ -88,6 +91,8 @@ class Handoff:
     released: bool = False
     #: The prompt tokens the prefill pick lacked (counted in its queued prefill work until released).
     prefill_tokens: int = 0
+    #: The prompt's digests, recorded at the prefill pick once its prefill succeeded.
+    digests: Sequence[Digest] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +150,7 @@ class Disaggregator:
         now: float,
         subset: frozenset[str] | None = None,
         pinned: Sequence[str] | None = None,
+        admit: Callable[[EndpointState], bool] | None = None,
     ) -> Verdict | None:
         """The verdict for a decided request; ``None`` when its model has no serving spec or an
         aggregated one (nothing to count). ``subset``: the request's EPP subset hint (``ip:port``
@@ -156,7 +162,11 @@ class Disaggregator:
         it names some prefill endpoint of the model: then the prefill pick is one of those (none of them
         fit, e.g. of another protocol or outside the subset: ``no_prefill``); a pin naming only decode
         endpoints leaves the prefill pick to the prefill profile, so the pinned request is paired as an
-        unpinned one would be."""
+        unpinned one would be.
+
+        ``admit``: flow control's room test (the processor's, with the request's band): a prefill endpoint
+        it refuses (saturated under the limits of its (model, ``prefill``) role) is not in the prefill
+        pool; none left: ``no_prefill``."""
         route = self._policy.routes.get(decision.model)
         if route is None or route.spec.mode == "aggregated" or decision.served is None:
             return None
@@ -178,10 +188,10 @@ class Disaggregator:
             return Verdict(None, "cached")
         if protocol is None:
             return Verdict(None, "engine")
-        picked = self._pick_prefill(decision, route, protocol, now, subset, pinned)
+        picked = self._pick_prefill(decision, route, protocol, now, subset, pinned, admit)
         if picked is None:
             return Verdict(None, "no_prefill", alone=not paired_only)
-        prefill, work = picked
+        prefill, work, digests = picked
         self._queued[prefill.id] = self._queued.get(prefill.id, 0) + work
         prefill.in_flight += 1
         prefill.routed_since_scrape += 1
@@ -196,6 +206,7 @@ class Disaggregator:
             route.spec.prefill_timeout_s,
             room,
             prefill_tokens=work,
+            digests=digests,
         )
         return Verdict(handoff, "disaggregated")
 
@@ -207,8 +218,10 @@ class Disaggregator:
         now: float,
         subset: frozenset[str] | None,
         pinned: Sequence[str] | None = None,
-    ) -> tuple[EndpointState, int] | None:
-        """The prefill pick and the uncached prompt tokens it will compute (``None``: none fit)."""
+        admit: Callable[[EndpointState], bool] | None = None,
+    ) -> tuple[EndpointState, int, Sequence[Digest]] | None:
+        """The prefill pick, the uncached prompt tokens it will compute and the prompt's digests
+        (``None``: none fit)."""
         model = decision.model
         fleet: Iterable[EndpointState] = self._router.fleet
         if pinned is not None and any(
@@ -225,6 +238,7 @@ class Disaggregator:
             and PROTOCOLS.get(s.endpoint.engine) == protocol
             and (protocol != "sglang" or s.endpoint.bootstrap_port is not None)
             and (subset is None or s.endpoint.address in subset)
+            and (admit is None or admit(s))
         ]
         if not pool:
             return None
@@ -274,14 +288,22 @@ class Disaggregator:
                     rank.get(s.id, len(rank)),
                 ),
             )
-        self._router.record(pick.id, digests, now)
-        return pick, uncached(pick)
+        return pick, uncached(pick), digests
+
+    def prefilled(self, handoff: Handoff, now: float) -> None:
+        """The prefill sub-request succeeded: its endpoint holds the prompt's blocks (index, working set,
+        sibling workers, as :meth:`Router.record`). Only then: a failed prefill computed nothing the
+        gateway used, and would leave the endpoint credited with the prefix."""
+        self._router.record(handoff.prefill.id, handoff.digests, now)
 
     def release(self, handoff: Handoff) -> None:
         """The prefill sub-request ended (answered, failed or abandoned): its in-flight slot is free."""
         if not handoff.released:
             handoff.released = True
             handoff.prefill.in_flight = max(0, handoff.prefill.in_flight - 1)
+            # It left the engine, as a completion does for a routed request (Router.completed): the
+            # endpoint's load (flow control's in-flight limit) stops counting it before the next scrape.
+            handoff.prefill.completed_since_scrape += 1
             left = self._queued.get(handoff.prefill.id, 0) - handoff.prefill_tokens
             if left > 0:
                 self._queued[handoff.prefill.id] = left

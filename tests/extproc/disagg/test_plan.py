@@ -132,6 +132,7 @@ def test_a_repeated_long_prefix_goes_to_the_prefill_endpoint_that_holds_it() -> 
         verdict = pd.plan(decide(router, request(LONG + f" question {i}"), f"r{i}"), NOW)
         assert verdict is not None and verdict.handoff is not None
         picks.append(verdict.handoff.prefill.id)
+        pd.prefilled(verdict.handoff, NOW)  # its prefill succeeded
         pd.release(verdict.handoff)
     assert picks[1:] == [picks[0], picks[0]]
     cold = pd.plan(decide(router, request("another long document " * 400), "cold"), NOW)
@@ -152,8 +153,9 @@ def test_the_prefill_pick_weighs_the_prefill_work_queued_by_running_sub_requests
     busy = pd.plan(decide(router, request(LONG + " question 1"), "r1"), NOW)
     assert busy is not None and busy.handoff is not None
     assert busy.handoff.prefill.id != holder, "the holder's queued prefill outweighs the prefix it saves"
-    pd.release(first.handoff)
-    pd.release(busy.handoff)
+    for done in (first.handoff, busy.handoff):  # both prefills succeeded
+        pd.prefilled(done, NOW)
+        pd.release(done)
     again = pd.plan(decide(router, request(LONG + " question 2"), "r2"), NOW)
     assert again is not None and again.handoff is not None
     assert again.handoff.prefill.id in {holder, busy.handoff.prefill.id}  # both hold it now
@@ -296,6 +298,8 @@ def test_the_prefill_pick_is_recorded_where_the_router_records_its_own() -> None
     router.listener = Listener()
     verdict = pd.plan(decide(router, request(LONG)), NOW)
     assert verdict is not None and verdict.handoff is not None
+    assert heard == [] and EndpointId("p0") not in router.working_set.sizes(NOW)  # not before it succeeded
+    pd.prefilled(verdict.handoff, NOW)
     assert heard == ["p0"]  # siblings hear of it; the decode pick is recorded at commit
     assert router.working_set.sizes(NOW)[EndpointId("p0")] > 0
     pd.release(verdict.handoff)

@@ -21,7 +21,7 @@ from extproc.disagg.plan import Disaggregator, PdPolicy, PdRoute
 from extproc.disagg.policy import PdSpec
 from extproc.fleet import Fleet
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl
-from extproc.flow.policy import FlowPolicy, Objective, Saturation
+from extproc.flow.policy import FlowPolicy, ModelSaturation, Objective, Saturation
 from extproc.index.approximate import ApproximateIndex
 from extproc.models.registry import ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, serving
@@ -459,3 +459,91 @@ def test_an_sglang_decode_server_is_no_candidate_where_nothing_pairs_its_request
     proc = StreamProcessor(router, proc._config, lambda: 1000.0, disagg=proc._disagg)
     decided = reply(start(proc, request("short")))
     assert decided.destination[0] == "10.0.0.9:8000" and DECODE not in decided.destination
+
+
+def prefill_limited(max_in_flight: int) -> FlowControl[StreamProcessor]:
+    """Flow control with a limit for the model's prefill role only (the flow policy's own example)."""
+    prefill = Saturation(max_in_flight=max_in_flight)
+    limits = ModelSaturation(roles=types.MappingProxyType({"prefill": prefill}))
+    return FlowControl(FlowPolicy(models=types.MappingProxyType({MODEL: limits})))
+
+
+def second(proc: StreamProcessor, router: Router, flow: FlowControl[StreamProcessor]) -> StreamProcessor:
+    """Another stream of the same ext_proc (its router, disaggregator and flow control)."""
+    return StreamProcessor(router, proc._config, lambda: 1000.0, flow=flow, disagg=proc._disagg)
+
+
+def test_a_prefill_endpoint_at_its_roles_limit_is_not_picked() -> None:
+    """``roles.prefill`` limits hold for the prefill pick: a prefill endpoint saturated under them takes
+    no more prefills (served aggregated, ``no_prefill``) until its running one ends."""
+    flow = prefill_limited(1)
+    proc, router = make(PdSpec("disaggregated"), flow=flow)
+    start(proc, request())
+    assert proc.handoff is not None and proc.handoff.address == PREFILL
+    other = second(proc, router, flow)
+    assert other.handle(headers("/v1/completions", extra={"x-request-id": "r2"})) == []
+    decided = reply(other.handle(body(request())))
+    assert decided.destination == [DECODE] and other.handoff is None
+    assert other.pd is not None and (other.pd.mode, other.pd.reason) == ("aggregated", "no_prefill")
+    assert in_flight(router)[PREFILL] == 1
+    proc.handed_off(ANSWER)  # the first prefill ended: its slot is free again
+    third = second(proc, router, flow)
+    assert third.handle(headers("/v1/completions", extra={"x-request-id": "r3"})) == []
+    third.handle(body(request()))
+    assert third.handoff is not None and third.handoff.address == PREFILL
+
+
+def test_an_sglang_decode_pick_whose_prefill_endpoints_are_saturated_is_a_503() -> None:
+    flow = prefill_limited(1)
+    proc, router = make(PdSpec("conditional", 512), engine="sglang", flow=flow)
+    reply(start(proc, request("short")))
+    assert proc.handoff is not None and proc.handoff.address == PREFILL
+    other = second(proc, router, flow)
+    assert other.handle(headers("/v1/completions", extra={"x-request-id": "r2"})) == []
+    status, error, _ = refused(other.handle(body(request("short"))))
+    assert (status, error["code"]) == (503, "no_prefill_endpoint")
+    assert in_flight(router) == {PREFILL: 1, DECODE: 1}
+
+
+def held_blocks(router: Router) -> dict[str, int]:
+    """Blocks the prefix index credits each endpoint with."""
+    occupancy = router.index.occupancy()
+    return {s.address: occupancy.get(s.id, 0) for s in router.fleet}
+
+
+@pytest.mark.parametrize(
+    ("answer", "failure"),
+    [(None, "timeout"), (None, "status"), (None, "unreachable"), (b'{"choices": []}', None)],
+)
+def test_a_failed_prefill_leaves_no_cache_record_at_its_endpoint(
+    answer: bytes | None, failure: str | None
+) -> None:
+    """The prefill endpoint computed nothing usable: the index does not credit it with the prompt (the
+    decode endpoint, which served it whole, is recorded as ever)."""
+    proc, router = make(PdSpec("disaggregated"))
+    start(proc, request())
+    reply(proc.handed_off(answer, failure))
+    proc.close()
+    held = held_blocks(router)
+    assert held[PREFILL] == 0 and held[DECODE] > 0
+
+
+def test_a_prefill_that_succeeded_is_recorded_at_its_endpoint() -> None:
+    proc, router = make(PdSpec("disaggregated"))
+    start(proc, request())
+    reply(proc.handed_off(ANSWER))
+    proc.close()
+    held = held_blocks(router)
+    assert held[PREFILL] > 0 and held[DECODE] > 0
+
+
+@pytest.mark.parametrize(("failure", "recorded"), [("status", False), ("timeout", False), (None, True)])
+def test_an_sglang_prefill_half_is_recorded_only_when_it_succeeded(
+    failure: str | None, recorded: bool
+) -> None:
+    proc, router = make(PdSpec("disaggregated"), engine="sglang")
+    reply(start(proc, request()))
+    proc.prefill_done(failure)
+    proc.close()
+    held = held_blocks(router)
+    assert (held[PREFILL] > 0) is recorded and held[DECODE] > 0

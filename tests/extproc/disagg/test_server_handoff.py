@@ -10,9 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.config import parse_config
 from extproc.server import Gateway
@@ -67,10 +70,15 @@ async def prefill() -> AsyncIterator[tuple[FakePrefill, str]]:
 
 
 async def start_gateway(
-    model_dir: str, prefill: str, tmp_path: Path, engine: str, bootstrap: bool = True
+    model_dir: str,
+    prefill: str,
+    tmp_path: Path,
+    engine: str,
+    bootstrap: bool = True,
+    prefill_timeout_s: float = 0.5,
 ) -> Gateway:
     policy = tmp_path / "policy.json"
-    route = {"disaggregation": {"mode": "disaggregated", "prefill_timeout_s": 0.5}}
+    route = {"disaggregation": {"mode": "disaggregated", "prefill_timeout_s": prefill_timeout_s}}
     policy.write_text(json.dumps({"models": {MODEL: route}}))
     port = {"bootstrap_port": 8998} if engine == "sglang" and bootstrap else {}
     config = parse_config(
@@ -188,5 +196,34 @@ async def test_an_sglang_decode_pick_with_no_prefill_is_a_503_counted_no_prefill
         assert sample(gw, "kvgate_pd_decisions_total", mode="aggregated", reason="no_prefill") == 1
         assert sample(gw, "kvgate_requests_total", outcome="503") == 1
         assert not prefill[0].seen
+    finally:
+        await gw.aclose(grace_s=0)
+
+
+async def test_a_vllm_prefill_whose_client_left_is_timed_as_cancelled(
+    model_dir: str, prefill: tuple[FakePrefill, str], tmp_path: Path
+) -> None:
+    """The client goes away (Envoy cancels the ext_proc stream) while the prefill half runs: its time is
+    sampled with outcome ``cancelled``, as for an SGLang prefill half, and its slot is freed."""
+    fake = prefill[0]
+    fake.mode = "hang"
+    gw = await start_gateway(model_dir, prefill[1], tmp_path, "vllm", prefill_timeout_s=60.0)
+    try:
+
+        async def messages() -> AsyncIterator[pb.ProcessingRequest]:
+            for msg in [headers_msg("/v1/chat/completions"), *body_msgs(chat_body("hello there"))]:
+                yield msg
+            await asyncio.Event().wait()  # Envoy's next message never comes: the client leaves first
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.ports['extproc']}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(messages())
+            await until(lambda: bool(fake.seen), 10.0)
+            call.cancel()
+        await until(
+            lambda: sample(gw, "kvgate_pd_prefill_seconds_count", model=MODEL, outcome="cancelled") == 1, 10.0
+        )
+        prefill_state = next(s for s in gw.fleet if s.endpoint.role == "prefill")
+        await until(lambda: prefill_state.in_flight == 0, 10.0)
+        assert sample(gw, "kvgate_pd_fallbacks_total", model=MODEL, reason="cancelled") == 0
     finally:
         await gw.aclose(grace_s=0)
