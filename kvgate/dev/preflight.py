@@ -56,13 +56,36 @@ def endpoint_from_url(url: str, i: int, engine: str) -> dict[str, str]:
         port = None
     if not parts.hostname or not port:
         raise ConfigError(f"--endpoint needs http://host:port, got {url!r}")
-    address = f"{parts.hostname}:{port}"
+    ip = _ip_of(parts.hostname, url)
+    address = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
     return {
         "id": f"engine-{i}",
         "address": address,
         "engine": engine,
         "metrics_url": f"http://{address}/metrics",
     }
+
+
+def _ip_of(host: str, url: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``host`` as an IP address, a name resolved now (its first address, IPv4 first): the gateway hands
+    Envoy its engines by IP (EDS carries no names), so an endpoint registered as ``localhost:8000`` would
+    never be reachable."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"--endpoint {url}: cannot resolve {host!r} ({exc})") from exc
+    ips = sorted({ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in infos}, key=_v4_first)
+    if not ips:
+        raise ConfigError(f"--endpoint {url}: {host!r} resolves to no address")
+    return ips[0]
+
+
+def _v4_first(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[int, str]:
+    return ip.version, str(ip)
 
 
 def served_models(url: str, timeout_s: float = MODELS_TIMEOUT_S) -> list[str]:

@@ -47,6 +47,12 @@ def test_endpoint_from_url() -> None:
         "engine": "vllm",
         "metrics_url": "http://127.0.0.1:8000/metrics",
     }
+    # Envoy is given engines by IP (EDS carries no names): a name is resolved, an IPv6 address bracketed
+    assert endpoint_from_url("http://localhost:8000", 0, "vllm")["address"] == "127.0.0.1:8000"
+    assert endpoint_from_url("http://[::1]:8000", 0, "vllm")["address"] == "[::1]:8000"
+    assert endpoint_from_url("http://[::1]:8000", 0, "vllm")["metrics_url"] == "http://[::1]:8000/metrics"
+    with pytest.raises(ConfigError, match=r"cannot resolve 'no-such-host\.invalid'"):
+        endpoint_from_url("http://no-such-host.invalid:8000", 0, "vllm")
     for url in ("http://127.0.0.1/v1", "http://127.0.0.1:99999", "127.0.0.1:http"):
         with pytest.raises(ConfigError, match="--endpoint needs http://host:port"):
             endpoint_from_url(url, 0, "vllm")
