@@ -156,3 +156,17 @@ def test_sweep_only_runs_its_reference_first_and_writes_the_json(
     assert (tmp_path / "routing.json").exists() and not (tmp_path / "routing.md").exists()
     with pytest.raises(SystemExit):
         routing.main(["--sweep", "--sweep-only", "--out", str(tmp_path)])
+
+
+def test_the_command_line_chooses_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    chosen: list[tuple[str, int]] = []
+
+    def run(config: routing.BenchConfig, out: Path, progress: bool, command: str, sweeping: str) -> Any:
+        chosen.append((sweeping, config.repeats))
+        main_run: dict[str, Any] = {} if sweeping == "only" else {"runs": [], "goals": {}}
+        return {**main_run, "sweep": [{"parameter": "p", "factor": 2.0, "ranking_holds": True}]}
+
+    monkeypatch.setattr(routing, "run", run)
+    for flags in ([], ["--sweep"], ["--sweep-only", "--repeats", "3"]):
+        assert routing.main(["routing", "--smoke", "--out", str(tmp_path), *flags]) == 0
+    assert chosen == [("no", 1), ("also", 1), ("only", 3)]
