@@ -5,8 +5,8 @@ CPU against direct-to-engine requests, in the same run. ``BENCHMARKS.md`` quotes
 commands that produced them. This module holds what they share: machine facts, percentiles, JSON output,
 the CPU time of the processes measured, and for the benchmarks over a simulated fleet their ``--targets``
 choice, the opening (``header``, ``opening``) and end (``finish``) of their result, the row of a target
-that cannot start (``skipped``), tallies (``counts``) and a sweep's halved and doubled fleets
-(``step_variants``).
+that cannot start (``skipped``), tallies (``counts``), a sweep's halved and doubled fleets
+(``step_variants``) and its verdict over every variant (``ranking_holds_all``).
 """
 
 from __future__ import annotations
@@ -337,3 +337,8 @@ def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
             (last, factor, replace(config, **{last: getattr(config, last) * factor})),
         ]
     return variants
+
+
+def ranking_holds_all(variants: Iterable[Mapping[str, Any]], key: str = "ranking_holds") -> bool:
+    """A sweep's verdict (``sweep_ranking_holds_all``): whether every variant's ``key`` is true."""
+    return all(v[key] for v in variants)

@@ -65,6 +65,7 @@ from load.bench import (
     finish,
     opening,
     peers,
+    ranking_holds_all,
     skipped,
     step_variants,
     summary,
@@ -525,9 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["sweep"] = sweep(
             sweep_config, workdir / "sweep", not args.no_progress, args.repeats, args.sweep_peers
         )
-        result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
+        result["sweep_ranking_holds_all"] = ranking_holds_all(result["sweep"])
         if args.sweep_peers:
-            result["sweep_peer_ranking_holds_all"] = all(v["peer_ranking_holds"] for v in result["sweep"])
+            result["sweep_peer_ranking_holds_all"] = ranking_holds_all(result["sweep"], "peer_ranking_holds")
     return finish(result, args.out, started)
 
 

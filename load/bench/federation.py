@@ -60,7 +60,7 @@ from certs.store import LeafFiles, dev_bundle
 from contracts.etcd import EtcdSettings
 from kvgate.dev.procs import http_get
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, finish, opening, step_variants, summary
+from load.bench import TIMING_SOURCES, finish, opening, ranking_holds_all, step_variants, summary
 from load.client import LoadOptions, RequestRecord, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
@@ -637,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name, rtt, varied, warm, requests, work, leaves, progress
             ),
         )
-        result["sweep_ranking_holds_all"] = all(v["ranking_holds"] for v in result["sweep"])
+        result["sweep_ranking_holds_all"] = ranking_holds_all(result["sweep"])
     return finish(result, args.out, started)
 
 

@@ -5,6 +5,7 @@
     kvgate bench routing --smoke --out /tmp/smoke          # seconds; what CI runs
     kvgate bench routing --repeats 3 --workloads shared-prefix --loads 24 --out results/routing-r3
                                                            # medians of 3 rounds (noisy machines)
+    kvgate bench routing --sweep --out results/routing-sweep  # + the 2x sweep (7x the run's time)
 
 For each workload it starts a simulated fleet (``load.sim``, one process, ``replicas`` replicas) sized
 for that workload, then for each load level and each target: resets every replica's prefix cache,
@@ -18,6 +19,15 @@ model slowed ``time_scale`` times (default 5, so 2 CPU cores can drive 8 replica
 ``kv_blocks`` 16-token blocks chosen so the fleet's KV is ``kv_fraction`` of the workload's working
 set at its highest load (shared-prefix: 0.7, the memory-pressure case; agentic and multi-turn: a
 multiple, as those goals are about balance and affinity, not eviction).
+
+``--sweep``: after the run, the same run again with each key parameter of the simulated fleet halved,
+then doubled (:func:`load.bench.step_variants`: the prefill rate; the decode step, base and per-sequence cost
+together; every scenario's ``kv_fraction``, which decides the hit ratios), each variant ``--repeats``
+times. Each variant records its parameters, fleets, goals and kvgate's standing against each peer router
+on each goal's metric (:func:`standings`); ``ranking_holds`` when every standing is the reference's (the
+main run's), and ``sweep_ranking_holds_all`` when that is so in every variant. ``--sweep-only`` runs the
+reference at the unvaried parameters as part of the sweep (``sweep_reference``) and writes routing.json
+alone (no table, summary or plots).
 """
 
 from __future__ import annotations
@@ -38,11 +48,10 @@ from typing import Any, Literal
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL
-from load.bench import TIMING_SOURCES, machine, revision, write_json
+from load.bench import TIMING_SOURCES, machine, ranking_holds_all, revision, step_variants, write_json
 from load.bench import report as rep
 from load.bench import targets as tg
 from load.client import LoadOptions, run_load
-from load.sim.timing import TimingModel
 from load.workloads import (
     Agentic,
     MultiTurn,
@@ -62,6 +71,8 @@ SIM_SOURCES = {
     **TIMING_SOURCES,
     "prefill_tokens_per_s": "20,000 tokens/s at time scale 1: compute-bound prefill, 2 x 8.03 GFLOP a token"
     " at ~30 % of the H100's 989 TFLOPS bf16 peak (load/sim/timing.py, load/sim/README.md)",
+    "kv_fraction_scale": "every scenario's kv_fraction (fleet KV blocks over the working set at its highest"
+    " load: a benchmark choice, config.scenarios) times this; 1 except in the sweep",
 }
 
 
@@ -101,6 +112,12 @@ class BenchConfig:
     drain_s: float = 90.0
     kvgate_scheduling: dict[str, Any] | None = None
     repeats: int = 1
+    #: The step model (the simulator's defaults, :class:`~load.sim.timing.TimingModel`, at time scale 1).
+    step_base_ms: float = 6.0
+    decode_ms_per_seq: float = 0.15
+    prefill_tokens_per_s: float = 20_000.0
+    #: Every scenario's ``kv_fraction`` times this (the sweep's third parameter).
+    kv_fraction_scale: float = 1.0
 
 
 def default_config() -> BenchConfig:
@@ -166,30 +183,38 @@ def make_sessions(sc: Scenario, load: float, seed: int) -> list[Session]:
 
 
 def sim_section(config: BenchConfig) -> dict[str, Any]:
-    """The result's ``sim``: the step model every replica ran (the simulator's defaults, which
-    :func:`fleet_spec` does not override, at time scale 1; ``time_scale`` multiplies each step) and
-    where each value comes from."""
-    timing = TimingModel()
+    """The result's ``sim``: the step model every replica ran (``config``'s values at time scale 1, the
+    simulator's defaults unless a sweep varied them; ``time_scale`` multiplies each step) and where each
+    value comes from."""
     parameters = {
         "replicas": config.replicas,
         "max_num_seqs": config.max_num_seqs,
         "time_scale": config.time_scale,
         "block_size": BLOCK,
-        "step_base_ms": timing.base_s * 1e3,
-        "decode_ms_per_seq": timing.decode_s_per_seq * 1e3,
-        "prefill_tokens_per_s": round(1 / timing.prefill_s_per_token),
+        "step_base_ms": config.step_base_ms,
+        "decode_ms_per_seq": config.decode_ms_per_seq,
+        "prefill_tokens_per_s": config.prefill_tokens_per_s,
+        "kv_fraction_scale": config.kv_fraction_scale,
     }
     return {"parameters": parameters, "sources": SIM_SOURCES}
 
 
 def fleet_spec(sc: Scenario, config: BenchConfig) -> tg.FleetSpec:
-    """Replica KV sized to ``kv_fraction`` of the working set at the highest load (documented above)."""
+    """Replica KV sized to ``kv_fraction`` (times ``kv_fraction_scale``) of the working set at the highest
+    load (documented above); the step model's values passed to the simulator."""
     top = max(sc.loads)
     sessions = len(make_sessions(sc, top, config.seed)) if not isinstance(sc.workload, Trace) else 0
     ws_blocks = math.ceil(sc.workload.working_set_tokens(sessions) / BLOCK)
     max_len = 512 * math.ceil(sc.workload.largest_request_tokens() / 512)
-    kv = max(math.ceil(sc.kv_fraction * ws_blocks / config.replicas), math.ceil(max_len / BLOCK))
-    sim_args = ("--time-scale", str(config.time_scale), "--max-num-seqs", str(config.max_num_seqs))
+    fraction = sc.kv_fraction * config.kv_fraction_scale
+    kv = max(math.ceil(fraction * ws_blocks / config.replicas), math.ceil(max_len / BLOCK))
+    sim_args = (
+        "--time-scale", str(config.time_scale),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--step-base-ms", str(config.step_base_ms),
+        "--decode-ms-per-seq", str(config.decode_ms_per_seq),
+        "--prefill-tokens-per-s", str(config.prefill_tokens_per_s),
+    )  # fmt: skip
     return tg.FleetSpec(config.replicas, kv, max_len, sim_args)
 
 
@@ -260,13 +285,11 @@ def run_one(
     return row
 
 
-def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """Every scenario x load x target; writes the JSON, table and plots to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = out_dir / "work"
-    info = machine()
-    rev = revision()
-    started = time.monotonic()
+def measure(
+    config: BenchConfig, workdir: Path, progress: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Every scenario x load x target, ``repeats`` rounds: the rows, their per-target medians (the rows
+    themselves for one round) and each scenario's fleet."""
     rows: list[dict[str, Any]] = []
     fleets = {}
     for sc in config.scenarios:
@@ -282,32 +305,152 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
         finally:
             fleet.stop()
     merged = rep.merge_repeats(rows) if config.repeats > 1 else rows
+    return rows, merged, fleets
+
+
+#: The targets kvgate is ranked against in the sweep: the routers (the oracle is a reference, kept out).
+RANKED_PEERS = ("round-robin", "least-loaded", "sglang-router", "vllm-router")
+KVGATE_TARGETS = ("kvgate", "kvgate-precise")
+
+
+def goal_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[dict[str, float], bool]]:
+    """The metrics the goals are judged on (:func:`load.bench.report.goals`), each at its workload's
+    highest load: ``{label: ({target: value}, higher_is_better)}``; the output goal's from the closed
+    loop when the run has it. Targets without the metric (skipped, NaN) are left out."""
+    wanted = [("shared-prefix", "ttft_p90_s", False)]
+    closed = any(r["workload"] == "shared-prefix-closed" and r.get("metrics") for r in rows)
+    wanted.append(("shared-prefix-closed" if closed else "shared-prefix", "output_tok_s", True))
+    wanted += [("agentic", "hit_ratio", True), ("agentic", "max_over_mean", False)]
+    out: dict[str, tuple[dict[str, float], bool]] = {}
+    for workload, key, higher in wanted:
+        mine = [r for r in rows if r["workload"] == workload and r.get("metrics")]
+        if not mine:
+            continue
+        top = max(r["load"] for r in mine)
+        values = {
+            r["target"]: float(r["metrics"][key])
+            for r in mine
+            if r["load"] == top and not math.isnan(float(r["metrics"][key]))
+        }
+        out[f"{workload} {key}"] = (values, higher)
+    return out
+
+
+def standings(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, str]]]:
+    """kvgate's standing against each peer router on each goal's metric: ``{kvgate target: {metric:
+    {peer: "better" | "worse" | "equal"}}}`` (kvgate's side: ``better`` when its value is the better one)."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for label, (values, higher) in goal_metrics(rows).items():
+        for mine in KVGATE_TARGETS:
+            if mine not in values:
+                continue
+            for peer in RANKED_PEERS:
+                if peer not in values:
+                    continue
+                diff = values[mine] - values[peer] if higher else values[peer] - values[mine]
+                side = "better" if diff > 0 else "worse" if diff < 0 else "equal"
+                out.setdefault(mine, {}).setdefault(label, {})[peer] = side
+    return out
+
+
+def ranking_changes(
+    reference: dict[str, dict[str, dict[str, str]]], variant: dict[str, dict[str, dict[str, str]]]
+) -> list[str]:
+    """Each (kvgate target, metric, peer) of ``reference`` whose standing differs in ``variant`` (or
+    that the variant did not measure), as ``"kvgate/shared-prefix ttft_p90_s/sglang-router: better ->
+    worse"``; empty: the ranking holds."""
+    changed = []
+    for mine, metrics in reference.items():
+        for label, peers in metrics.items():
+            for peer, side in peers.items():
+                now = variant.get(mine, {}).get(label, {}).get(peer, "not measured")
+                if now != side:
+                    changed.append(f"{mine}/{label}/{peer}: {side} -> {now}")
+    return changed
+
+
+def sweep_variants(config: BenchConfig) -> list[tuple[str, float, BenchConfig]]:
+    """The sweep's configurations: :func:`load.bench.step_variants` with ``kv_fraction_scale`` third."""
+    return step_variants(config, "kv_fraction_scale")
+
+
+def sweep(
+    config: BenchConfig, reference_rows: Sequence[dict[str, Any]], workdir: Path, progress: bool
+) -> list[dict[str, Any]]:
+    """Each variant of :func:`sweep_variants` run like the main one (``config.repeats`` rounds): its
+    parameters, fleets, goals, kvgate's standings, and whether they are ``reference_rows``' (the run at
+    the unvaried parameters)."""
+    reference = standings(reference_rows)
+    out = []
+    for i, (param, factor, varied) in enumerate(sweep_variants(config)):
+        print(f"sweep: {param} x{factor:g}", file=sys.stderr, flush=True)
+        _, merged, fleets = measure(varied, workdir / f"sweep-{i}", progress)
+        got = standings(merged)
+        changed = ranking_changes(reference, got)
+        out.append(
+            {
+                "parameter": param,
+                "factor": factor,
+                "sim": sim_section(varied)["parameters"],
+                "kv_fractions": {
+                    sc.name: round(sc.kv_fraction * varied.kv_fraction_scale, 4) for sc in varied.scenarios
+                },
+                "fleets": fleets,
+                "goals": rep.goals(merged),
+                "standings": got,
+                "ranking_changes": changed,
+                "ranking_holds": bool(reference) and not changed,
+                "runs": merged,
+            }
+        )
+    return out
+
+
+def run(
+    config: BenchConfig,
+    out_dir: Path,
+    progress: bool = True,
+    command: str = "",
+    sweeping: Literal["no", "also", "only"] = "no",
+) -> dict[str, Any]:
+    """Every scenario x load x target; writes the JSON, table and plots to ``out_dir``. ``sweeping``:
+    ``also`` the sweep after the run (the run is its reference), ``only`` the sweep alone (its reference
+    run first, then the variants; routing.json alone)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = out_dir / "work"
+    info = machine()
+    rev = revision()
+    started = time.monotonic()
+    if sweeping == "only":
+        print("sweep: reference (the unvaried parameters)", file=sys.stderr, flush=True)
+        _, merged, fleets = measure(config, workdir / "sweep-reference", progress)
+        result: dict[str, Any] = {
+            "benchmark": "routing",
+            "command": command,
+            "machine": info,
+            "revision": rev,
+            "config": _config_section(config, fleets),
+            "sim": sim_section(config),
+            "repeats": config.repeats,
+            "sweep_reference": {
+                "goals": rep.goals(merged),
+                "standings": standings(merged),
+                "runs": merged,
+            },
+        }
+        variants = sweep(config, merged, workdir, progress)
+        result["sweep"] = variants
+        result["sweep_ranking_holds_all"] = ranking_holds_all(variants)
+        result["wall_s"] = round(time.monotonic() - started, 1)
+        write_json(out_dir / "routing.json", result)
+        return result
+    rows, merged, fleets = measure(config, workdir, progress)
     result = {
         "benchmark": "routing",
         "command": command,
         "machine": info,
         "revision": rev,
-        "config": {
-            "replicas": config.replicas,
-            "time_scale": config.time_scale,
-            "max_num_seqs": config.max_num_seqs,
-            "seed": config.seed,
-            "targets": list(config.targets),
-            "kvgate_scheduling": config.kvgate_scheduling or "default",
-            "scenarios": [
-                {
-                    "workload": sc.name,
-                    "params": _params(sc.workload),
-                    "loads": list(sc.loads),
-                    "mode": sc.mode,
-                    "duration_s": sc.duration_s,
-                    "kv_fraction": sc.kv_fraction,
-                    "warmup_s": sc.warmup_s,
-                }
-                for sc in config.scenarios
-            ],
-            "fleets": fleets,
-        },
+        "config": _config_section(config, fleets),
         "sim": sim_section(config),
         "repeats": config.repeats,
         "runs": rows,
@@ -322,8 +465,13 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
             if config.repeats > 1
             else {}
         ),
-        "wall_s": round(time.monotonic() - started, 1),
     }
+    if sweeping == "also":
+        result["sweep_reference"] = {"source": "the main run (runs)", "standings": standings(merged)}
+        variants = sweep(config, merged, workdir, progress)
+        result["sweep"] = variants
+        result["sweep_ranking_holds_all"] = ranking_holds_all(variants)
+    result["wall_s"] = round(time.monotonic() - started, 1)
     write_json(out_dir / "routing.json", result)
     day = time.strftime("%Y-%m-%d", time.gmtime())
     write_json(out_dir / "routing-summary.json", rep.summary(result, out_dir.resolve().name, day))
@@ -333,6 +481,31 @@ def run(config: BenchConfig, out_dir: Path, progress: bool = True, command: str 
     (out_dir / "routing.md").write_text(table)
     rep.plot(merged, out_dir)
     return result
+
+
+def _config_section(config: BenchConfig, fleets: dict[str, Any]) -> dict[str, Any]:
+    """The result's ``config``: the fleet, targets and scenarios run."""
+    return {
+        "replicas": config.replicas,
+        "time_scale": config.time_scale,
+        "max_num_seqs": config.max_num_seqs,
+        "seed": config.seed,
+        "targets": list(config.targets),
+        "kvgate_scheduling": config.kvgate_scheduling or "default",
+        "scenarios": [
+            {
+                "workload": sc.name,
+                "params": _params(sc.workload),
+                "loads": list(sc.loads),
+                "mode": sc.mode,
+                "duration_s": sc.duration_s,
+                "kv_fraction": sc.kv_fraction,
+                "warmup_s": sc.warmup_s,
+            }
+            for sc in config.scenarios
+        ],
+        "fleets": fleets,
+    }
 
 
 def _params(workload: Workload) -> dict[str, Any]:
@@ -379,6 +552,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         " (goals_by_round in the JSON: each round's own ratios)",
     )
     p.add_argument("--warmup", type=float, help="seconds of each run not measured, replacing each workload's")
+    sweep_group = p.add_mutually_exclusive_group()
+    sweep_group.add_argument(
+        "--sweep",
+        action="store_true",
+        help="after the run, the run again with each key step-model parameter halved and doubled (prefill"
+        " rate; decode step: base and per-sequence cost together; every workload's kv_fraction), --repeats"
+        " rounds each; ranking_holds: kvgate's standing against each peer router on each goal's metric is"
+        " the main run's",
+    )
+    sweep_group.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="the sweep alone: its reference run at the unvaried parameters, then the variants (routing.json"
+        " only)",
+    )
     p.add_argument("--trace", type=Path, help="also replay this Mooncake-shaped JSONL trace")
     p.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
     p.add_argument(
@@ -433,10 +621,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, key) is not None:
             config = replace(config, **{key: getattr(args, key)})
     command = " ".join(["kvgate bench routing", *args_in])
-    result = run(config, args.out, progress=not args.no_progress, command=command)
-    sys.stdout.write(rep.markdown_table(result["runs"]))
-    for name, goal in result["goals"].items():
-        print(f"goal {name}: {goal}")
+    sweeping: Literal["no", "also", "only"] = "only" if args.sweep_only else "also" if args.sweep else "no"
+    result = run(config, args.out, progress=not args.no_progress, command=command, sweeping=sweeping)
+    if "runs" in result:
+        sys.stdout.write(rep.markdown_table(result["runs"]))
+        for name, goal in result["goals"].items():
+            print(f"goal {name}: {goal}")
+    for variant in result.get("sweep", []):
+        holds = variant["ranking_holds"]
+        print(f"sweep {variant['parameter']} x{variant['factor']:g}: ranking holds {holds}")
     return 0
 
 
