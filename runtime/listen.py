@@ -28,7 +28,11 @@ class ListenError(Exception):
 
 
 def reason_of(exc: OSError) -> str:
-    """The OS's reason for ``exc`` in lower case (asyncio's message repeats the address: not kept)."""
+    """The OS's reason for ``exc`` in lower case (asyncio's message repeats the address: not kept; uvloop's
+    UDP bind error has no errno, its cause has)."""
+    cause = exc.__cause__ or exc.__context__
+    if not exc.errno and isinstance(cause, OSError) and cause.errno:
+        exc = cause
     if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
         text = exc.strerror or str(exc)
     else:

@@ -8,6 +8,7 @@ removed)."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import grpc
 import pytest
 
 from agent.main import main as agent_main
+from certs.store import dev_bundle
 from extproc.migration.proxy import main as proxy_main
 from extproc.server import main as extproc_main
 from kvcached.main import main as kvcached_main
@@ -179,3 +181,32 @@ def test_migration_proxy_listen_taken(which: str, taken: str, capsys: pytest.Cap
     run = lambda: proxy_main(["--listen", listen, "--metrics-listen", metrics])  # noqa: E731
     one_line(capsys, run, "migration proxy", taken)
     assert bindable(other)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # uvloop leaves its UDP transport unclosed
+def test_kvcached_quic_port_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    leaf = dev_bundle(tmp_path / "certs", ["kvcached-a"], dt.datetime.now(dt.UTC))["kvcached-a"]
+    feed = f"127.0.0.1:{free_port()}"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        quic = f"127.0.0.1:{udp.getsockname()[1]}"
+        config = _kvcached_config(tmp_path, feed, f"127.0.0.1:{free_port()}")
+        config.write_text(
+            config.read_text()
+            + f'[kvcached.tls]\ncert = "{leaf.cert}"\nkey = "{leaf.key}"\nca = "{leaf.ca}"\n'
+            + f'[quic]\nlisten = "{quic}"\n'
+        )
+        one_line(capsys, lambda: kvcached_main(["--config", str(config)]), "kvgate kvcached", quic)
+    assert bindable(feed)  # the feed, bound before QUIC, is closed
+
+
+def test_kvcached_unix_socket_in_a_missing_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sock = tmp_path / "missing" / "kv.sock"
+    config = _kvcached_config(tmp_path, f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}")
+    config.write_text(config.read_text().replace(str(tmp_path / "kv.sock"), str(sock)))
+    assert kvcached_main(["--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert f"kvgate kvcached: cannot listen on unix:{sock}: no such file or directory\n" in err
+    assert "Traceback" not in err
