@@ -210,3 +210,13 @@ def test_kvcached_unix_socket_in_a_missing_directory(
     err = capsys.readouterr().err
     assert f"kvgate kvcached: cannot listen on unix:{sock}: no such file or directory\n" in err
     assert "Traceback" not in err
+
+
+def test_extproc_federation_listen_taken(
+    taken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    others = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    config = _extproc_config(tmp_path, *others)
+    config.write_text(config.read_text() + f'[federation]\ncluster = "east"\nlisten = "{taken}"\n')
+    one_line(capsys, lambda: extproc_main(["--config", str(config)]), "kvgate extproc", taken)
+    assert all(bindable(a) for a in others)  # the ext_proc, health and metrics ports, started, are closed
