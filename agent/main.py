@@ -82,6 +82,7 @@ from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.kvcached import DigestCheckedStore, KvcachedClient
 from runtime.lifecycle import announce_ready, stop_on_signals, systemd_notify_wanted
+from runtime.listen import ListenError, binding
 from runtime.tls import ServerTlsFiles
 from runtime.tracing.http import traced
 from runtime.tracing.tracer import build as build_tracer
@@ -602,7 +603,8 @@ class Agent:
         await self._admin.setup()
         host, _, port = self.config.agent.admin_listen.rpartition(":")
         site = web.TCPSite(self._admin, host.strip("[]"), int(port), ssl_context=ssl_context)
-        await site.start()
+        with binding(self.config.agent.admin_listen):
+            await site.start()
         server = site._server
         assert server is not None
         self.admin_port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
@@ -732,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         return uvloop.run(run(config, args.ready_file, args.ready_timeout))
-    except (AgentError, ConfigError) as exc:
+    except (AgentError, ConfigError, ListenError) as exc:
         print(f"kvgate agent: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

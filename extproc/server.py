@@ -91,6 +91,7 @@ from extproc.xds.eds import EndpointDiscovery
 from extproc.xds.ejection import Ejection, Ejector
 from runtime.identity import PeerCheck
 from runtime.lifecycle import announce_ready, stop_on_signals
+from runtime.listen import ListenError, add_grpc_port, binding
 from runtime.tls import (
     ClientTls,
     ClientTlsFiles,
@@ -772,14 +773,12 @@ class Gateway:
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.failed_tries, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.server_certs is not None:
-            self.ports["extproc"] = server.add_secure_port(
-                cfg.extproc.listen, self.server_certs.credentials()
-            )
+            self.ports["extproc"] = add_grpc_port(server, cfg.extproc.listen, self.server_certs.credentials())
         else:
-            self.ports["extproc"] = server.add_insecure_port(cfg.extproc.listen)
+            self.ports["extproc"] = add_grpc_port(server, cfg.extproc.listen)
         health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
-        self.ports["health"] = health_server.add_insecure_port(cfg.extproc.health_listen)
+        self.ports["health"] = add_grpc_port(health_server, cfg.extproc.health_listen)
         self._servers = [server, health_server]
         for name in READY_SERVICES:  # known from the first probe on; SERVING from the first scrape round
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -804,7 +803,8 @@ class Gateway:
             self._status_server = StatusServer(
                 self.metrics.registry, self.status, asyncio.get_running_loop(), peers=status_peers
             )  # with siblings: the page combines the host's workers (extproc/status/peers.py)
-            self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
+            with binding(cfg.extproc.metrics_listen):
+                self.ports["metrics"] = self._status_server.start(cfg.extproc.metrics_listen)
         await self.cluster.start()
         if self.federation is not None:
             await self.federation.start()
@@ -1086,7 +1086,11 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
 async def serve(config: GatewayConfig, ready_file: Path | None = None, worker: str | None = None) -> int:
     gateway = Gateway(config, worker)
-    await gateway.start()
+    try:
+        await gateway.start()
+    except ListenError:  # nothing stays half-started: the listeners bound so far close, as on a stop
+        await gateway.aclose(grace_s=0)
+        raise
     if config.extproc.gc == "deferred":  # process-wide: only here, not for a Gateway embedded in tests
         gateway.collector.start()
     announce_ready(ready_file, {**gateway.ports, "pid": os.getpid()})
@@ -1124,6 +1128,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # unusable TLS files, found when the servers start
         print(f"kvgate extproc: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:  # a listen address taken, not this host's, or privileged
+        print(f"kvgate extproc: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -46,6 +46,7 @@ from kvcached.tiers import TieredStore
 from runtime.feed.log import FeedLog
 from runtime.feed.server import FeedServer
 from runtime.lifecycle import announce_ready, stop_on_signals
+from runtime.listen import ListenError, binding
 from runtime.tls import ServerTlsFiles
 from runtime.tracing.tracer import build as build_tracer
 
@@ -240,9 +241,10 @@ class Daemon:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         host, _, port = listen.rpartition(":")
+        self._web = runner  # cleaned up by aclose, also when the bind fails
         site = web.TCPSite(runner, host, int(port))
-        await site.start()
-        self._web = runner
+        with binding(listen):
+            await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.metrics_port = int(sockets[0].getsockname()[1]) if sockets else int(port)
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         return uvloop.run(run(config, args.ready_file))
-    except (KvcachedError, ConfigError) as exc:
+    except (KvcachedError, ConfigError, ListenError) as exc:
         print(f"kvgate kvcached: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -84,6 +84,7 @@ from kvcached.wire import (
     max_request_bytes,
 )
 from runtime.identity import KVCACHED_PEERS, certificate_uris, permits, serves
+from runtime.listen import binding
 from runtime.tls import ClientTlsFiles, Pem, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
@@ -486,9 +487,11 @@ class PeerServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound UDP port (useful with ``port=0``)."""
-        self._server = await serve(
-            self._host, self._port, configuration=self._config, create_protocol=self._protocol
-        )
+        where = f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+        with binding(where):
+            self._server = await serve(
+                self._host, self._port, configuration=self._config, create_protocol=self._protocol
+            )
         transport = self._server._transport
         assert transport is not None
         _grow_buffers(transport)

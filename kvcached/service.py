@@ -65,6 +65,7 @@ from kvcached.peers import PeerClient
 from kvcached.remote import RemoteFetchPolicy
 from kvcached.tiers import TieredStore
 from runtime.identity import KVCACHED_API, PeerCheck, hop_callers
+from runtime.listen import add_grpc_port
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 from runtime.tracing.tracer import TRACE_HEADERS, Span, SpanKind, Tracer, active, current_span
 
@@ -339,14 +340,14 @@ class ApiServer:
         if self._unix is not None:
             _remove_stale_socket(Path(self._unix))
             local = grpc.aio.server(handlers=[self._service.handler()], options=self._options)
-            local.add_insecure_port(f"unix:{self._unix}")
+            add_grpc_port(local, f"unix:{self._unix}")
             servers.append(local)
         if self._tcp is not None and self._certs is not None:
             agents = [PeerCheck(hop_callers(KVCACHED_API), "kvcached's API")]
             remote = grpc.aio.server(
                 handlers=[self._service.handler()], options=self._options, interceptors=agents
             )
-            self.tcp_port = remote.add_secure_port(self._tcp, self._certs.credentials())
+            self.tcp_port = add_grpc_port(remote, self._tcp, self._certs.credentials())
             servers.append(remote)
         for server in servers:
             await server.start()

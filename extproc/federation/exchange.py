@@ -39,6 +39,7 @@ from extproc.federation.health import Outcome
 from extproc.federation.links import FederationConfig, Link
 from extproc.federation.peers import Federation
 from runtime.identity import PeerCheck
+from runtime.listen import add_grpc_port
 from runtime.tls import (
     ClientTlsFiles,
     ReloadingClientCerts,
@@ -140,9 +141,9 @@ class SummaryService:
         )
         server.add_generic_rpc_handlers((handler,))
         if files is not None:
-            self.port = server.add_secure_port(config.listen, ReloadingServerCerts(files).credentials())
+            self.port = add_grpc_port(server, config.listen, ReloadingServerCerts(files).credentials())
         else:
-            self.port = server.add_insecure_port(config.listen)
+            self.port = add_grpc_port(server, config.listen)
         await server.start()
         self._server = server
 

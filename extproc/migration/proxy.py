@@ -51,6 +51,7 @@ from extproc.migration.report import CONNECT_FAILURE, REMOTE_RESET, FailureRepor
 from extproc.migration.splice import Splicer
 from runtime.identity import ENGINE, check_server_role
 from runtime.lifecycle import announce_ready, stop_on_signals
+from runtime.listen import ListenError, binding
 from runtime.tls import ClientTlsFiles, ReloadingClientCerts
 
 log = logging.getLogger(__name__)
@@ -147,9 +148,10 @@ class MigrationProxy:
     async def _serve(self, app: web.Application, where: tuple[str, int]) -> int:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
+        self._runners.append(runner)  # cleaned up by aclose, also when the bind fails
         site = web.TCPSite(runner, where[0], where[1])
-        await site.start()
-        self._runners.append(runner)
+        with binding(f"{where[0]}:{where[1]}"):
+            await site.start()
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         port: int = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
@@ -428,7 +430,11 @@ async def serve(
     else:
         certs = engine_tls(tls)
         proxy = MigrationProxy(reports=FailureReports(failure_log, certs), tls=certs)
-    await proxy.start(_hostport(listen), _hostport(metrics) if metrics else None)
+    try:
+        await proxy.start(_hostport(listen), _hostport(metrics) if metrics else None)
+    except ListenError:  # the listener bound before it, and the client session, close
+        await proxy.aclose()
+        raise
     stop = asyncio.Event()
     stop_on_signals(stop)
     announce_ready(ready_file, {**proxy.ports, "pid": os.getpid()})
@@ -468,6 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"migration proxy: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:  # a listen address taken, not this host's, or privileged
+        print(f"migration proxy: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

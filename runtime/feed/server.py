@@ -40,6 +40,7 @@ from contracts.events import (
 )
 from runtime.feed.log import FeedLog
 from runtime.identity import FEED, PeerCheck, hop_callers
+from runtime.listen import add_grpc_port
 from runtime.tls import ReloadingServerCerts, ServerTlsFiles
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,9 @@ class FeedServer:
         peers = [PeerCheck(self._callers, "this feed")] if self._certs is not None else []
         server = grpc.aio.server(handlers=[handler], options=SERVER_OPTIONS, interceptors=peers)
         if self._certs is not None:
-            self.port = server.add_secure_port(self._listen, self._certs.credentials())
+            self.port = add_grpc_port(server, self._listen, self._certs.credentials())
         else:
-            self.port = server.add_insecure_port(self._listen)
+            self.port = add_grpc_port(server, self._listen)
         await server.start()
         self._server = server
         log.info("index feed of %s on port %d (epoch %d)", self.log.source, self.port, self.log.epoch)
