@@ -421,10 +421,10 @@ def run(
     info = machine()
     rev = revision()
     started = time.monotonic()
-    if sweeping == "only":
-        print("sweep: reference (the unvaried parameters)", file=sys.stderr, flush=True)
-        _, merged, fleets = measure(config, workdir / "sweep-reference", progress)
-        result: dict[str, Any] = {
+
+    def head(fleets: dict[str, Any]) -> dict[str, Any]:
+        """What every routing.json opens with: the command, machine, revision, config and step model."""
+        return {
             "benchmark": "routing",
             "command": command,
             "machine": info,
@@ -432,6 +432,13 @@ def run(
             "config": _config_section(config, fleets),
             "sim": sim_section(config),
             "repeats": config.repeats,
+        }
+
+    if sweeping == "only":
+        print("sweep: reference (the unvaried parameters)", file=sys.stderr, flush=True)
+        _, merged, fleets = measure(config, workdir / "sweep-reference", progress)
+        result: dict[str, Any] = {
+            **head(fleets),
             "sweep_reference": {
                 "goals": rep.goals(merged),
                 "standings": standings(merged),
@@ -446,13 +453,7 @@ def run(
         return result
     rows, merged, fleets = measure(config, workdir, progress)
     result = {
-        "benchmark": "routing",
-        "command": command,
-        "machine": info,
-        "revision": rev,
-        "config": _config_section(config, fleets),
-        "sim": sim_section(config),
-        "repeats": config.repeats,
+        **head(fleets),
         "runs": rows,
         **({"merged": merged} if config.repeats > 1 else {}),
         "goals": rep.goals(merged),
