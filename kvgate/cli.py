@@ -259,8 +259,12 @@ def _hostport(value: str) -> tuple[str, int]:
 
 
 def _model(argv: list[str]) -> int:
+    usage = "usage: kvgate model export GGUF OUTDIR [--force]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if argv[:1] != ["export"]:
-        print("usage: kvgate model export GGUF OUTDIR [--force]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return _lazy("engines.gguf")(argv[1:])
 
