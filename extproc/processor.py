@@ -1143,6 +1143,8 @@ class StreamProcessor:
             return self._replies(prepared.request.stream, body, started, decided)
         self._pairing, self.handoff = pairing, pairing.prefill
         if pairing.decode_now is not None:
+            # SGLang: the halves run together, the prefill's end may come after the answer: recorded now
+            self._disagg.prefilled(pair, decided)
             return self._replies(prepared.request.stream, pairing.decode_now, started, decided)
         self._pending = (prepared, started, decided)
         return self._extension(0.0, prepared, pair.timeout_s)

@@ -11,8 +11,11 @@ gets: without the client's own handoff fields, dropped at parsing, and with the 
 * SGLang: both bodies are known at once (:attr:`Pairing.decode_now`); the prefill half runs beside the
   routed request and :meth:`Pairing.beside_done` records how it ended.
 
-Either way the prefill endpoint's in-flight slot is released exactly once (:meth:`release`), and the
-prompt's blocks are recorded at the prefill endpoint only when its prefill succeeded.
+Either way the prefill endpoint's in-flight slot is released exactly once (:meth:`release`). The prompt's
+blocks are recorded at the prefill endpoint when its prefill succeeded (vLLM: before the decode half is
+sent), except SGLang's: its prefill half runs beside the decode and its end may be seen after the client
+has the answer (a repeat sent then would find nothing), so the processor records it when the pair is sent
+(:meth:`Disaggregator.prefilled`); a failed SGLang prefill fails the request anyway.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class Pairing:
 
     def _ended(self, failure: str | None, then: str, now: float) -> None:
         self.outcome = "disaggregated" if failure is None else failure
-        if failure is None:
+        if failure is None and self.decode_now is None:
             self._pd.prefilled(self.pair, now)  # only a prefill that succeeded holds the prompt's blocks
         else:
             log.warning(

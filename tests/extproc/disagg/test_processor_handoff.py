@@ -537,13 +537,16 @@ def test_a_prefill_that_succeeded_is_recorded_at_its_endpoint() -> None:
     assert held[PREFILL] > 0 and held[DECODE] > 0
 
 
-@pytest.mark.parametrize(("failure", "recorded"), [("status", False), ("timeout", False), (None, True)])
-def test_an_sglang_prefill_half_is_recorded_only_when_it_succeeded(
-    failure: str | None, recorded: bool
-) -> None:
+@pytest.mark.parametrize("failure", ["status", "timeout", None])
+def test_an_sglang_prefill_half_is_recorded_when_the_pair_is_sent(failure: str | None) -> None:
+    """SGLang's prefill half runs beside the decode; its end may reach the gateway after the client has
+    its answer, and a repeat sent then must find the prefix at the prefill endpoint already (the e2e
+    ``test_a_repeated_long_prefix_goes_to_the_prefill_replica_that_holds_it`` under load). Its end changes
+    nothing: a failed SGLang prefill fails the request anyway."""
     proc, router = make(PdSpec("disaggregated"), engine="sglang")
     reply(start(proc, request()))
+    assert held_blocks(router)[PREFILL] > 0  # before the prefill half ends
     proc.prefill_done(failure)
     proc.close()
     held = held_blocks(router)
-    assert (held[PREFILL] > 0) is recorded and held[DECODE] > 0
+    assert held[PREFILL] > 0 and held[DECODE] > 0
