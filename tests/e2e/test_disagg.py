@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -99,6 +100,14 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in before if after[k] != before[k]}
 
 
+def _stored(event: Any) -> int:
+    """Blocks a ``BlockStored`` event announces: vLLM's (a map with ``type``) or SGLang's (a positional
+    array, its tag first, then the block hashes: a replica in SGLang's mode publishes SGLang's shape)."""
+    if isinstance(event, dict):
+        return len(event["block_hashes"]) if event["type"] == "BlockStored" else 0
+    return len(event[1]) if event[0] == "BlockStored" else 0
+
+
 def stored_blocks(stack: Stack, replica: str) -> int:
     """Blocks the replica announced in ``BlockStored`` KV events so far (its replay from seq 0)."""
     (ready,) = json.loads((stack.workdir / f"{replica}.ready.json").read_text())
@@ -114,7 +123,7 @@ def stored_blocks(stack: Stack, replica: str) -> int:
             if frames[1] == (-1).to_bytes(8, "big", signed=True):
                 return blocks
             events = msgspec.msgpack.decode(frames[2])[1]
-            blocks += sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored")
+            blocks += sum(_stored(e) for e in events)
     finally:
         dealer.close(linger=0)
         ctx.term()
