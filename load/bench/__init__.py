@@ -312,6 +312,16 @@ def skipped(name: str, exc: BaseException, log: logging.Logger, **row: Any) -> d
     return {"target": name, **row, "skipped": reason}
 
 
+def step_args(config: Any) -> tuple[str, ...]:
+    """The simulator's step-model flags of ``config`` (its ``step_base_ms``, ``decode_ms_per_seq`` and
+    ``prefill_tokens_per_s``: the parameters :func:`step_variants` varies)."""
+    return (
+        "--step-base-ms", str(config.step_base_ms),
+        "--decode-ms-per-seq", str(config.decode_ms_per_seq),
+        "--prefill-tokens-per-s", str(config.prefill_tokens_per_s),
+    )  # fmt: skip
+
+
 def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
     """A sweep's fleets: each key step-model parameter of ``config`` halved, then each doubled: the
     prefill rate, the decode step (base and per-sequence cost together), and the field ``last``; each

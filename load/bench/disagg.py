@@ -67,6 +67,7 @@ from load.bench import (
     peers,
     ranking_holds_all,
     skipped,
+    step_args,
     step_variants,
     summary,
 )
@@ -139,9 +140,7 @@ class DisaggConfig:
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-model-len", str(self.max_model_len),
-            "--step-base-ms", str(self.step_base_ms),
-            "--decode-ms-per-seq", str(self.decode_ms_per_seq),
-            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            *step_args(self),
             "--kv-bytes-per-token", str(self.kv_bytes_per_token),
             "--link-gbps", str(self.link_gbps),
             "--log-level", "WARNING",

@@ -60,7 +60,7 @@ from certs.store import LeafFiles, dev_bundle
 from contracts.etcd import EtcdSettings
 from kvgate.dev.procs import http_get
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
-from load.bench import TIMING_SOURCES, finish, opening, ranking_holds_all, step_variants, summary
+from load.bench import TIMING_SOURCES, finish, opening, ranking_holds_all, step_args, step_variants, summary
 from load.client import LoadOptions, RequestRecord, run_load
 from load.workloads import smollm2_text
 from load.workloads.session import Session, Turn, poisson_arrivals
@@ -104,9 +104,7 @@ class FederationBenchConfig:
     def sim_args(self) -> tuple[str, ...]:
         return (
             "--time-scale", str(self.time_scale),
-            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
-            "--step-base-ms", str(self.step_base_ms),
-            "--decode-ms-per-seq", str(self.decode_ms_per_seq),
+            *step_args(self),
             "--max-model-len", "8192",
             "--log-level", "WARNING",
         )  # fmt: skip

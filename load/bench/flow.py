@@ -97,6 +97,7 @@ from load.bench import (
     finish,
     header,
     skipped,
+    step_args,
     step_variants,
     summary,
 )
@@ -189,9 +190,7 @@ class FlowConfig:
         return (
             "--time-scale", str(self.time_scale),
             "--max-num-seqs", str(self.max_num_seqs),
-            "--step-base-ms", str(self.step_base_ms),
-            "--decode-ms-per-seq", str(self.decode_ms_per_seq),
-            "--prefill-tokens-per-s", str(self.prefill_tokens_per_s),
+            *step_args(self),
             *priority,
         )  # fmt: skip
 

@@ -48,7 +48,15 @@ from typing import Any, Literal
 from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL
-from load.bench import TIMING_SOURCES, machine, ranking_holds_all, revision, step_variants, write_json
+from load.bench import (
+    TIMING_SOURCES,
+    machine,
+    ranking_holds_all,
+    revision,
+    step_args,
+    step_variants,
+    write_json,
+)
 from load.bench import report as rep
 from load.bench import targets as tg
 from load.client import LoadOptions, run_load
@@ -211,9 +219,7 @@ def fleet_spec(sc: Scenario, config: BenchConfig) -> tg.FleetSpec:
     sim_args = (
         "--time-scale", str(config.time_scale),
         "--max-num-seqs", str(config.max_num_seqs),
-        "--step-base-ms", str(config.step_base_ms),
-        "--decode-ms-per-seq", str(config.decode_ms_per_seq),
-        "--prefill-tokens-per-s", str(config.prefill_tokens_per_s),
+        *step_args(config),
     )  # fmt: skip
     return tg.FleetSpec(config.replicas, kv, max_len, sim_args)
 
