@@ -692,7 +692,11 @@ class Router:
             )
         # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them), nor do
         # SGLang decode servers unless the request may be paired.
-        candidates = [s for s in candidates if s.endpoint.role != PREFILL_ROLE and (paired or alone(s))]
+        candidates = [
+            s
+            for s in candidates
+            if (role := s.endpoint.role) != PREFILL_ROLE and (paired or role != "decode" or alone(s))
+        ]
         policy = self._policy
         route = policy.routes.get(request.model)
         profile = policy.profile
