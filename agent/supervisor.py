@@ -14,10 +14,12 @@ the asyncio shell around them:
   ``<state_dir>/logs/<id>.log`` (mode 0600), in its own session and process group: whenever the engine
   has ended (crashed, or stopped), what is left of its group (its workers) gets SIGTERM, then SIGKILL
   after ``stop_grace_s``, before the next start;
-- engines die with the agent, even on SIGKILL of the agent: the child calls
-  ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, between fork and exec), so the kernel sends it
-  SIGTERM when the thread that forked it exits. Spawns happen on the event loop's thread: run the agent's
-  loop on a thread that lives as long as the agent (the main thread);
+- engines die with the agent, even on SIGKILL of the agent: the child sets
+  ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (util-linux's ``setpriv --pdeathsig`` exec'd before the engine, so
+  Python spawns with ``vfork`` and the agent's at-fork handlers, gRPC's among them, never run in the
+  child; a ``preexec_fn`` without ``setpriv``: :func:`runtime.lifecycle.spawn_dying_with_parent`), so the
+  kernel sends it SIGTERM when the thread that started it exits. Spawns happen on the event loop's
+  thread: run the agent's loop on a thread that lives as long as the agent (the main thread);
 - ready = ``GET <health_path>`` answers 200 (polled every ``probe_interval_s``; llama-server answers 503
   while loading); not ready within ``ready_timeout_s`` counts as a crash;
 - while running, liveness probes every ``liveness_interval_s``; ``liveness_failures`` misses in a row make
@@ -54,7 +56,7 @@ from agent.config import AgentSection
 from agent.errors import EngineNotReady, EngineStartError
 from agent.launch import EngineLaunch, needs_side_port, render
 from engines.config import EngineConfig, RestartPolicy
-from runtime.lifecycle import die_with_parent
+from runtime.lifecycle import spawn_dying_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -402,9 +404,11 @@ class EngineSupervisor:
             out.write(f"--- kvgate agent {time.strftime('%FT%T')}: {shlex.join(_redacted(argv))}\n".encode())
             out.flush()
             try:
+                spawn = spawn_dying_with_parent(argv, env, self.agent.state_dir)
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                    env=env, cwd=self.agent.state_dir, start_new_session=True, preexec_fn=die_with_parent(),
+                    *spawn.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                    stderr=asyncio.subprocess.STDOUT, env=env, cwd=self.agent.state_dir,
+                    start_new_session=True, preexec_fn=spawn.preexec_fn,
                 )  # fmt: skip
             except OSError as exc:
                 raise EngineStartError(self.engine.id, f"cannot execute {argv[0]!r}: {exc}") from exc

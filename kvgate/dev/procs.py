@@ -12,10 +12,13 @@ Unix socket instead of TCP (:func:`admin_get` reaches both), so that no other lo
 
 Children die with the launcher, even when it is killed with SIGKILL: each one is started in a session of
 its own (a Ctrl-C in the launcher's terminal reaches the launcher only, which then stops the children in
-order) and asks the kernel, between fork and exec, for SIGTERM when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``, Linux). The kernel sends that signal when the *thread* that forked the child
-exits, so children are forked on the main thread, or, when started from another thread, on one spawner
-thread that lives as long as the process.
+order) and asks the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux), through
+util-linux's ``setpriv --pdeathsig`` exec'd before the program, so that no ``preexec_fn`` makes Python
+``fork()``: the at-fork handlers of this process (gRPC's, its channels busy on other threads) would run in
+the child and abort it now and then (:func:`runtime.lifecycle.spawn_dying_with_parent`; without
+``setpriv`` a ``preexec_fn`` does it). The kernel sends that signal when the *thread* that started the
+child exits, so children are started on the main thread, or, when started from another thread, on one
+spawner thread that lives as long as the process.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from runtime.lifecycle import die_with_parent
+from runtime.lifecycle import spawn_dying_with_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,18 +62,20 @@ _spawner_lock = threading.Lock()
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **kwargs)`` in a session of its own, SIGTERMed when this process dies.
 
-    Forked on the calling thread when that is the main thread, else on the spawner thread (it lives until
+    Started on the calling thread when that is the main thread, else on the spawner thread (it lives until
     the interpreter exits), so the parent-death signal never fires while this process still runs."""
+    spawn = spawn_dying_with_parent(argv, kwargs.get("env"), kwargs.get("cwd"))
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(spawn.argv, start_new_session=True, preexec_fn=spawn.preexec_fn, **kwargs)
+
     if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
+        return start()
     global _spawner
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-spawner")
-    forked = _spawner.submit(
-        lambda: subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
-    )
-    return forked.result()
+    return _spawner.submit(start).result()
 
 
 def open_private_log(path: Path, *, append: bool = False) -> BinaryIO:

@@ -4,6 +4,7 @@ one real llama-server running the SmolLM2 GGUF."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -32,6 +33,8 @@ from agent.supervisor import (
     pick_ports,
 )
 from engines.config import EngineConfig, RestartPolicy
+from runtime import lifecycle
+from tests.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
 Make = Callable[..., EngineSupervisor]
@@ -488,6 +491,34 @@ async def test_engine_dies_with_a_sigkilled_agent(fake_engine: Path, tmp_path: P
             await parent.wait()
         if engine_pid is not None and alive(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
+
+
+async def test_engine_starts_without_the_agents_at_fork_handlers(fake_engine: Path, tmp_path: Path) -> None:
+    """No ``fork()`` for an engine (``setpriv --pdeathsig``, no ``preexec_fn``): the agent's at-fork
+    handlers (gRPC's, with its channels busy, aborted such children now and then) do not run for it."""
+    if lifecycle._setpriv() is None:
+        pytest.skip("no setpriv with --pdeathsig: engines are forked with a preexec_fn")
+    marker, pid_file = tmp_path / "forked", tmp_path / "engine.pid"
+    hook = f"import os\nos.register_at_fork(after_in_child=lambda: open({str(marker)!r}, 'w').close())\n"
+    argv = (hook + PARENT, str(fake_engine), str(tmp_path / "state"), str(pid_file))
+    parent = await asyncio.create_subprocess_exec(sys.executable, "-c", *argv, cwd=ROOT)
+
+    def started() -> bool:
+        return parent.returncode is not None or bool(pid_file.exists() and pid_file.read_text())
+
+    try:
+        await until(started, 30)
+        assert parent.returncode is None, "the agent stand-in exited"
+        assert not marker.exists()
+    finally:
+        parent.kill()
+        await parent.wait()
+        engine_pid = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
+        if engine_pid is not None:
+            with contextlib.suppress(AssertionError):
+                await until(lambda: not alive(engine_pid), 10)
+            if alive(engine_pid):
+                os.kill(engine_pid, signal.SIGKILL)
 
 
 async def test_remote_engine_ready_when_models_answers(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:

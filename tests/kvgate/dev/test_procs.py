@@ -16,6 +16,7 @@ import pytest
 
 from kvgate.dev.procs import Child, ChildFailed, ListenFailed, _admin_url, start_envoy, written_by
 from kvgate.envoy.bootstrap import EnvoyParams, render_yaml
+from runtime import lifecycle
 from tests.polling import until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -135,6 +136,37 @@ async def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         parent.kill()
         await parent.wait()
         await until(lambda: not _alive(grandchild), 20)
+    finally:
+        if _alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+
+
+async def test_a_child_is_started_without_the_parents_at_fork_handlers(tmp_path: Path) -> None:
+    """No ``fork()`` for a Child (``setpriv --pdeathsig``, no ``preexec_fn``): an at-fork handler of the
+    parent (gRPC's, with its channels busy, aborted such children now and then) does not run for it, and
+    the child still dies with its SIGKILLed parent."""
+    if lifecycle._setpriv() is None:
+        pytest.skip("no setpriv with --pdeathsig: children are forked with a preexec_fn")
+    marker = tmp_path / "forked"
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from kvgate.dev.procs import Child\n"
+        f"os.register_at_fork(after_in_child=lambda: open({str(marker)!r}, 'w').close())\n"
+        "argv = [sys.executable, '-c', 'import time; time.sleep(600)']\n"
+        f"child = Child('sleeper', argv, Path({str(tmp_path)!r}) / 's.log')\n"
+        "print(child.pid, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    parent = await asyncio.create_subprocess_exec(*python(code), cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    assert parent.stdout is not None
+    grandchild = int(await parent.stdout.readline())
+    try:
+        assert _alive(grandchild) and not marker.exists()
+        parent.kill()
+        await parent.wait()
+        await until(lambda: not _alive(grandchild), 20)
+        assert not marker.exists()
     finally:
         if _alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
