@@ -1010,7 +1010,7 @@ class StreamProcessor:
             (DESTINATION, destination),
             ("content-length", str(len(body))),
             (MODEL_HEADER, decision.model),
-            *self._config.timeouts.headers(decision.model, stream, forwarded=self.forward is not None),
+            *self._timeouts(decision.model, stream),
         ]
         if self.forward is not None:
             set_headers.append((HOP_HEADER, self.forward.hop))
@@ -1045,6 +1045,14 @@ class StreamProcessor:
             noted[FORWARD_STREAMED].string_value = "1"
         self._replied = True
         return out
+
+    def _timeouts(self, model: str, stream: bool) -> list[tuple[str, str]]:
+        """Envoy's bounds for the decided request: forwarded, every try is bounded, a non-streamed one by
+        the federation's ``forward_first_byte_s`` (a hung peer falls back to the local pick by then)."""
+        if self.forward is None or self._federation is None:
+            return self._config.timeouts.headers(model, stream)
+        forward_s = self._federation.federation.config.forward_first_byte_s
+        return self._config.timeouts.headers(model, stream, forwarded=True, forward_s=forward_s)
 
     def _sending(
         self, set_headers: Iterable[tuple[str, str]], remove_headers: Iterable[str], body: bytes
