@@ -35,6 +35,11 @@ SALTED_HEADER = "x-kvgate-kv-salted"
 """Request header on a forwarded request (value ``1``): the forwarding cluster replaced the body's
 ``cache_salt`` with the asserted tenant's (tenant KV isolation); the receiving cluster keeps it as is.
 Believed, as the tenant, only from a linked identity."""
+CLIENT_SALT_HEADER = "x-kvgate-client-salt"
+"""Request header on a forwarded request with :data:`SALTED_HEADER`: the client's own ``cache_salt`` (UTF-8,
+hex; absent: none) the forwarding cluster mixed with the asserted tenant, so the receiving cluster checks
+that the body's salt is that tenant's (``tenant_salt(tenant, client salt)``) and no other tenant's.
+Believed, as the tenant, only from a linked identity."""
 REFUSED_HEADER = "x-kvgate-federation-refused"
 """Response header on a forwarded request the receiving cluster refused (401, 403, 429: the hop's trust,
 the asserted tenant, its budget or rate there), with the refusal's code: the forwarding cluster's Envoy

@@ -110,7 +110,14 @@ from contracts.epp import (
     TENANT_HEADER,
     UPSTREAM_HEADER,
 )
-from contracts.federation import FORWARD_STREAMED, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER, UNTRUSTED
+from contracts.federation import (
+    CLIENT_SALT_HEADER,
+    FORWARD_STREAMED,
+    HOP_HEADER,
+    REFUSED_HEADER,
+    SALTED_HEADER,
+    UNTRUSTED,
+)
 from contracts.tracing import Timeline
 from extproc.admission.gate import Gate, Principal, Ticket, max_output_tokens
 from extproc.admission.isolation import is_tenant_salt, isolates, reserved, tenant_salt
@@ -325,6 +332,8 @@ class StreamProcessor:
         self._responses_scope: str | None = None
         #: The body carries the tenant's cache salt (:mod:`extproc.admission.isolation`).
         self._isolated = False
+        #: The client's own cache salt this gateway mixed with the tenant's (a forward tells the peer).
+        self._client_salt: str | None = None
         self.ticket: Ticket | None = None
         self._usage: UsageReader | None = None
         self._phase = Phase.HEADERS
@@ -603,7 +612,12 @@ class StreamProcessor:
             request, body = rewrite_model(request, rewrite)
         principal, gate = self.principal, self._gate
         if self._came.salted and principal is not None:  # the forwarding cluster's tenant salt stays
-            if self._came.tenant is None or not is_tenant_salt(request.cache_salt):  # not a tenant's salt
+            came = self._came
+            if (  # not the asserted tenant's salt (another tenant's, or none): refused for the fallback
+                came.tenant is None
+                or not is_tenant_salt(request.cache_salt)
+                or tenant_salt(came.tenant, came.client_salt) != request.cache_salt
+            ):
                 raise Forbidden(
                     "x-kvgate-kv-salted: the body must carry the asserted tenant's gateway cache salt.",
                     code="bad_tenant_salt",
@@ -611,6 +625,7 @@ class StreamProcessor:
             self._isolated = True
         elif principal is not None and gate is not None and isolates(gate.config, principal.tenant):
             # the tenant's own KV: its salt replaces the client's, so routing and engines follow it
+            self._client_salt = request.cache_salt
             request, body = with_cache_salt(request, tenant_salt(principal.tenant.id, request.cache_salt))
             self._isolated = True
         elif principal is not None and reserved(request.cache_salt):  # it could be an isolated tenant's
@@ -1010,12 +1025,14 @@ class StreamProcessor:
             (DESTINATION, destination),
             ("content-length", str(len(body))),
             (MODEL_HEADER, decision.model),
-            *self._config.timeouts.headers(decision.model, stream, forwarded=self.forward is not None),
+            *self._timeouts(decision.model, stream),
         ]
         if self.forward is not None:
             set_headers.append((HOP_HEADER, self.forward.hop))
-            if self._isolated:  # the peer keeps this tenant salt rather than salting again
-                set_headers.append((SALTED_HEADER, "1"))
+            if self._isolated:  # the peer keeps this tenant salt rather than salting again, once it checked
+                set_headers.append((SALTED_HEADER, "1"))  # it is the asserted tenant's (the client's salt)
+                if self._client_salt:
+                    set_headers.append((CLIENT_SALT_HEADER, self._client_salt.encode().hex()))
         if self._deadline is not None:
             left_ms = max(1, round((self._deadline - (decided if sent is None else sent)) * 1000))
             set_headers.append((TTFT_DEADLINE_UPSTREAM, str(left_ms)))
@@ -1023,6 +1040,8 @@ class StreamProcessor:
         if self.principal is not None:
             set_headers.append((TENANT_HEADER, self.principal.tenant.id))
             remove_headers = ("authorization",)  # the gateway consumed it; engines never see it
+        if self._came.salted:  # checked here: this fleet's engines never see the client's own salt
+            remove_headers = (*remove_headers, CLIENT_SALT_HEADER)
         out, metadata = self._sending(set_headers, remove_headers, body)
         # Field by field: Struct.update walks a dict in Python, several times slower.
         lb = metadata.fields[LB_NS].struct_value.fields
@@ -1045,6 +1064,14 @@ class StreamProcessor:
             noted[FORWARD_STREAMED].string_value = "1"
         self._replied = True
         return out
+
+    def _timeouts(self, model: str, stream: bool) -> list[tuple[str, str]]:
+        """Envoy's bounds for the decided request: forwarded, every try is bounded, a non-streamed one by
+        the federation's ``forward_first_byte_s`` (a hung peer falls back to the local pick by then)."""
+        if self.forward is None or self._federation is None:
+            return self._config.timeouts.headers(model, stream)
+        forward_s = self._federation.federation.config.forward_first_byte_s
+        return self._config.timeouts.headers(model, stream, forwarded=True, forward_s=forward_s)
 
     def _sending(
         self, set_headers: Iterable[tuple[str, str]], remove_headers: Iterable[str], body: bytes

@@ -53,8 +53,10 @@ class FederationConfig:
     ``margin_s``: the saving a forward must win by; ``prefill_s_per_token``: prefill time per uncached
     prompt token (the saving's rate); ``min_blocks``: shortest peer lead worth forwarding for;
     ``down_base_s`` / ``down_max_s``: how long a failing peer is skipped (doubling); ``slow_s``: a
-    forwarded request with no answer by then counts as a failure; ``hop_identity``: the identity URI
-    this cluster's gateways and Envoy present to peers."""
+    forwarded request with no answer by then counts as a failure; ``forward_first_byte_s``: how long a
+    non-streamed forwarded try waits for the peer's answer before the local pick serves the request
+    (``0``: the model's ``request_s``; a streamed try is bounded by the model's ``first_byte_s``);
+    ``hop_identity``: the identity URI this cluster's gateways and Envoy present to peers."""
 
     cluster: str
     listen: str = "127.0.0.1:0"
@@ -69,6 +71,7 @@ class FederationConfig:
     down_base_s: float = 1.0
     down_max_s: float = 30.0
     slow_s: float = 10.0
+    forward_first_byte_s: float = 60.0
     links: tuple[Link, ...] = field(default_factory=tuple)
 
 
@@ -142,6 +145,7 @@ def parse_federation(raw: object, where: str = "federation") -> FederationConfig
         down_base_s=s.number("down_base_s", _D.down_base_s, minimum=0.01),
         down_max_s=s.number("down_max_s", _D.down_max_s, minimum=0.01),
         slow_s=s.number("slow_s", _D.slow_s, minimum=0.01),
+        forward_first_byte_s=s.number("forward_first_byte_s", _D.forward_first_byte_s, minimum=0.0),
         links=links,
     )
     s.done()

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, PEER_IDENTITY_PREFIX, SALTED_HEADER
+from contracts.federation import (
+    CLIENT_SALT_HEADER,
+    HOP_HEADER,
+    PEER_HEADER,
+    PEER_IDENTITY_PREFIX,
+    SALTED_HEADER,
+)
 from extproc.federation.links import LinkTable
 
 FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
@@ -24,7 +30,8 @@ FEDERATION_HEADERS = (HOP_HEADER, PEER_HEADER)
 class Inbound:
     """``forwarded_by``: the linked cluster that forwarded the request (``None``: a client's request);
     ``tenant``: the tenant that cluster asserts (``None``: none, or not believed); ``salted``: that
-    cluster gave the body its tenant's cache salt (kept as is here); ``hop``: the request carries the hop
+    cluster gave the body its tenant's cache salt (kept as is here); ``client_salt``: the client's own salt
+    that cluster mixed with the tenant (``None``: none, or not readable); ``hop``: the request carries the hop
     header (only a federation listener lets it through); ``unlinked``: the verified federation identity
     (``spiffe://kvgate.local/federation-...``) that no link in force names (a link removed or changed:
     refused, 401 ``federation_untrusted``)."""
@@ -32,6 +39,7 @@ class Inbound:
     forwarded_by: str | None = None
     tenant: str | None = None
     salted: bool = False
+    client_salt: str | None = None
     hop: bool = False
     unlinked: str | None = None
 
@@ -68,4 +76,20 @@ def inbound(headers: Mapping[str, str], links: LinkTable) -> Inbound:
             return Inbound(hop=hop, unlinked=peer)
         return Inbound(hop=True) if hop else CLIENT
     tenant = headers.get(TENANT_HEADER) or None
-    return Inbound(forwarded_by=link.cluster, tenant=tenant, salted=headers.get(SALTED_HEADER) == "1")
+    return Inbound(
+        forwarded_by=link.cluster,
+        tenant=tenant,
+        salted=headers.get(SALTED_HEADER) == "1",
+        client_salt=_client_salt(headers.get(CLIENT_SALT_HEADER)),
+    )
+
+
+def _client_salt(value: str | None) -> str | None:
+    """The client salt a forwarding cluster sent (hex of its UTF-8); ``None``: none, or not hex UTF-8 (the
+    body's salt then matches no tenant salt unless the client had none)."""
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value).decode()
+    except ValueError:  # (UnicodeDecodeError is one)
+        return None

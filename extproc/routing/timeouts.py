@@ -16,10 +16,12 @@ strips them from requests):
 
 A request forwarded to a peer cluster (:mod:`extproc.federation`) goes to the peer's ingress first and to
 the local pick as the fallback, so every try is bounded, streamed or not: a streamed one by
-``first_byte_s`` as above, a non-streamed one by ``request_s`` per try, and the whole (both tries) by
-``2 x request_s``. A peer that accepts the connection and never answers then costs at most one
-``request_s`` before the local pick serves the request (the per-try timeout is retried, ``reset``), never a
-504 without a fallback; a non-streamed answer of up to ``request_s`` still fits either try.
+``first_byte_s`` as above, a non-streamed one by the federation's ``forward_first_byte_s`` per try (its
+first byte is its whole answer; ``0``, or none given: ``request_s``), never more than ``request_s``, and
+the whole by ``request_s`` plus that bound, so the local pick still has a full ``request_s``. A peer that
+accepts the connection and never answers then costs at most that bound before the local pick serves the
+request (the per-try timeout is retried, ``reset``), never a 504 without a fallback; a non-streamed answer
+the peer takes longer than the bound to complete is served by the local pick instead.
 
 ``0`` disables a bound. Between bytes, Envoy's stream idle timeout applies (``kvgate envoy-config
 --stream-idle-timeout``, 300 s).
@@ -49,17 +51,24 @@ class TimeoutTable:
     default: Timeouts = Timeouts()
     models: Mapping[str, Timeouts] = field(default_factory=dict)
 
-    def headers(self, model: str, stream: bool, *, forwarded: bool = False) -> list[tuple[str, str]]:
+    def headers(
+        self, model: str, stream: bool, *, forwarded: bool = False, forward_s: float = 0.0
+    ) -> list[tuple[str, str]]:
         """The request headers that bound this request at the engine (``forwarded``: to a peer cluster's
-        ingress first, the local pick as the fallback: every try bounded)."""
+        ingress first, the local pick as the fallback: every try bounded; ``forward_s``: the bound of a
+        non-streamed forwarded try, seconds, ``0``: ``request_s``)."""
         t = self.models.get(model, self.default)
+        try_s = 0.0
+        if forwarded and not stream:
+            bounds = [s for s in (forward_s, t.request_s) if s > 0]
+            try_s = min(bounds) if bounds else 0.0
         out = []
         if t.request_s > 0:
-            out.append((REQUEST_TIMEOUT_HEADER, _ms(t.request_s * (2 if forwarded and not stream else 1))))
+            out.append((REQUEST_TIMEOUT_HEADER, _ms(t.request_s + try_s)))
         if stream and t.first_byte_s > 0:
             out.append((FIRST_BYTE_TIMEOUT_HEADER, _ms(t.first_byte_s)))
-        elif forwarded and not stream and t.request_s > 0:
-            out.append((FIRST_BYTE_TIMEOUT_HEADER, _ms(t.request_s)))
+        elif try_s > 0:
+            out.append((FIRST_BYTE_TIMEOUT_HEADER, _ms(try_s)))
         return out
 
 

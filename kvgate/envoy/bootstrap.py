@@ -56,7 +56,7 @@ from contracts.epp import (
     UPSTREAM_HEADER,
 )
 from contracts.errors import ConfigError
-from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import CLIENT_SALT_HEADER, HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.burst.core import BURST_HEADER, BurstEndpoint
 from extproc.burst.records import BurstCredential
 from kvgate.envoy import auth as envoy_auth
@@ -97,6 +97,7 @@ STRIPPED_REQUEST_HEADERS = (
     HOP_HEADER,
     PEER_HEADER,
     SALTED_HEADER,
+    CLIENT_SALT_HEADER,
     # Response-only names (a cascade step, a peer's refusal; and x-kvgate-endpoint where the config adds
     # it, render()): no engine needs a client's copy.
     CASCADE_STEP_HEADER,

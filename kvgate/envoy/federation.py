@@ -12,7 +12,8 @@ listener peers forward to.
   address, behind TLS that requires a client certificate with such a URI SAN. Envoy hands the verified
   URI to the ext_proc as the request attribute ``connection.uri_san_peer_certificate``; the ext_proc
   believes the hop and tenant headers only when it is a linked cluster's identity. This listener keeps
-  the peer's ``x-kvgate-hop``, ``x-kvgate-tenant`` and ``x-kvgate-kv-salted``; the OpenAI listener strips
+  the peer's ``x-kvgate-hop``, ``x-kvgate-tenant``, ``x-kvgate-kv-salted`` and ``x-kvgate-client-salt``;
+  the OpenAI listener strips
   them all (a client can never make a request look forwarded, nor assert a tenant or a salt).
 * ``[auth]``: a forwarded request carries no credentials (the ext_proc and the router remove them); the
   peer admits it as the tenant the linked cluster asserts when its link trusts tenants, else refuses it.
@@ -30,7 +31,7 @@ from typing import Any
 
 from certs.authority import identity_uri
 from contracts.epp import ENGINES_CLUSTER, TENANT_HEADER
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import CLIENT_SALT_HEADER, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
 PEER_ATTRIBUTE = "connection.uri_san_peer_certificate"
@@ -151,7 +152,7 @@ def apply(config: dict[str, Any], fed: EnvoyFederation) -> dict[str, Any]:
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
                 }
             )
-    kept = {HOP_HEADER, TENANT_HEADER, SALTED_HEADER}
+    kept = {HOP_HEADER, TENANT_HEADER, SALTED_HEADER, CLIENT_SALT_HEADER}
     mutations = peer_hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     mutations[:] = [m for m in mutations if m["remove"] not in kept]  # (the peer header stays dropped)
     peer_listener["name"] = LISTENER

@@ -27,6 +27,8 @@ def test_parse_a_whole_section() -> None:
     assert config.cluster == "a" and config.ttl_s == 2.0
     (link,) = config.links
     assert link.rtt_ms == 20.0 and link.identity.endswith("federation-b")
+    assert config.forward_first_byte_s == 60.0  # a hung peer's non-streamed try: a minute, not request_s
+    assert parse_federation({"cluster": "a", "forward_first_byte_s": 5}).forward_first_byte_s == 5.0
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,7 @@ def test_bad_link_values_are_refused(change: dict[str, Any], message: str) -> No
         ({"cluster": "a", "ttl_s": 0.5, "refresh_s": 1.0}, "ttl_s"),
         ({"cluster": "a", "tls_cert": "c.pem"}, "set all of"),
         ({"links": []}, "cluster: required"),
+        ({"cluster": "a", "forward_first_byte_s": -1}, "forward_first_byte_s"),
     ],
 )
 def test_bad_sections_are_refused(section: dict[str, Any], message: str) -> None:

@@ -112,10 +112,35 @@ def test_a_long_prefix_warm_only_in_the_peer_is_forwarded(long_chain: list[Diges
     assert proc.forward is not None and proc.forward.peer == "b"
     assert fwd.decisions["forward"] == 1 and fwd.forwards["b"] == 1
     assert len(fwd.builder) == 0  # not noted: this cluster computes nothing of it
-    # not streamed: each try bounded (a hung peer falls back to the local pick), the whole twice that
-    assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == "1800000"
-    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "3600000"
+    # not streamed: each try bounded (a hung peer falls back to the local pick after forward_first_byte_s,
+    # 60 s, not request_s), the whole request_s more, so the local pick keeps a full try
+    assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == "60000"
+    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "1860000"
     assert FORWARD_STREAMED not in out.decision  # its first byte is its last: never judged slow
+    proc.close()
+
+
+@pytest.mark.parametrize(("bound", "per_try", "whole"), [(5, "5000", "1805000"), (0, "1800000", "3600000")])
+def test_a_hung_peer_holds_a_non_streamed_forward_at_most_forward_first_byte_s(
+    long_chain: list[Digest], bound: float, per_try: str, whole: str
+) -> None:
+    """A peer that accepts the connection and never answers: the forwarded try ends at the federation's
+    ``forward_first_byte_s`` (``0``: ``request_s``, 30 minutes) and the local pick serves the request."""
+    fwd = forwarder(forward_first_byte_s=bound)
+    warm_in_b(fwd, long_chain)
+    proc, out = send(fwd, LONG)
+    assert out.destination == [INGRESS_B, LOCAL]
+    assert out.set_headers[FIRST_BYTE_TIMEOUT_HEADER] == per_try
+    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == whole
+    proc.close()
+
+
+def test_a_local_request_keeps_request_s_alone() -> None:
+    fwd = forwarder(forward_first_byte_s=5)
+    proc, out = send(fwd, SHORT)
+    assert out.destination == [LOCAL]
+    assert FIRST_BYTE_TIMEOUT_HEADER not in out.set_headers
+    assert out.set_headers[REQUEST_TIMEOUT_HEADER] == "1800000"
     proc.close()
 
 

@@ -13,7 +13,7 @@ import pytest
 from contracts.digest import Digest
 from contracts.epp import EXTPROC_ATTRIBUTES, TENANT_HEADER
 from contracts.errors import ConfigError
-from contracts.federation import HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import CLIENT_SALT_HEADER, HOP_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.admission.gate import AuthConfig, Gate, JwtConfig
 from extproc.admission.isolation import tenant_salt
 from extproc.admission.tenants import Tenant, TenantMatch, Tenants, TokenLimit
@@ -214,12 +214,14 @@ def test_the_peer_keeps_the_forwarding_clusters_salt_and_salts_only_what_was_not
 ) -> None:
     fwd = forwarder(links=[{**LINK, "trust_tenants": True}])
     home_salt = tenant_salt("acme", "mine")
-    extra = {HOP_HEADER: "b", TENANT_HEADER: "acme", **({SALTED_HEADER: "1"} if salted else {})}
+    told = {SALTED_HEADER: "1", CLIENT_SALT_HEADER: b"mine".hex()} if salted else {}
+    extra = {HOP_HEADER: "b", TENANT_HEADER: "acme", **told}
     payload = completion(cache_salt=home_salt if salted else "mine")
     _, out = peer(fwd, gate(isolation), peer_uri=B_ID, extra=extra, payload=payload)
     sent = orjson.loads(reply(out).body)
     if salted:  # the home's tenant salt, as is: the same one this cluster gives acme's own "mine" requests
         assert sent["cache_salt"] == home_salt
+        assert CLIENT_SALT_HEADER in reply(out).remove_headers  # checked: no engine here sees it
     else:
         assert sent["cache_salt"] == (tenant_salt("acme", "mine") if isolation else "mine")
 
@@ -245,6 +247,40 @@ def test_a_salted_flag_without_a_tenant_salt_is_refused_for_the_fallback(
     status, err, hs = error(out)
     assert (status, err["code"]) == (403, "bad_tenant_salt")
     assert hs[REFUSED_HEADER] == "bad_tenant_salt"
+
+
+@pytest.mark.parametrize(
+    ("asserted", "client", "salt"),
+    [
+        ("guest", None, tenant_salt("acme", None)),  # acme's salt under a tenant the link allows
+        ("guest", b"".hex(), tenant_salt("acme", None)),
+        ("guest", b"mine".hex(), tenant_salt("acme", "mine")),  # acme's, whatever client salt it names
+        ("guest", b"mine".hex(), tenant_salt("guest", "other")),  # guest's, not with this client salt
+        ("guest", "zz-not-hex", tenant_salt("acme", None)),
+    ],
+)
+def test_a_peer_cannot_name_another_tenants_salt(asserted: str, client: str | None, salt: str) -> None:
+    """A link trusted for ``guest`` only must not reach ``acme``'s KV with acme's (formula, no secret) salt:
+    the salted body's salt must be the asserted tenant's with the client salt the home names."""
+    fwd = forwarder(links=[{**LINK, "trust_tenants": True, "tenants": ["guest"]}])
+    extra = {HOP_HEADER: "b", TENANT_HEADER: asserted, SALTED_HEADER: "1"}
+    if client is not None:
+        extra[CLIENT_SALT_HEADER] = client
+    _, out = peer(fwd, gate(True), peer_uri=B_ID, extra=extra, payload=completion(cache_salt=salt))
+    status, err, hs = error(out)
+    assert (status, err["code"], hs[REFUSED_HEADER]) == (403, "bad_tenant_salt", "bad_tenant_salt")
+
+
+@pytest.mark.parametrize("client", [None, "mine", "naïve"])
+def test_the_asserted_tenants_own_salt_is_kept(client: str | None) -> None:
+    fwd = forwarder(links=[{**LINK, "trust_tenants": True, "tenants": ["guest"]}])
+    extra = {HOP_HEADER: "b", TENANT_HEADER: "guest", SALTED_HEADER: "1"}
+    if client is not None:
+        extra[CLIENT_SALT_HEADER] = client.encode().hex()
+    salt = tenant_salt("guest", client)
+    proc, out = peer(fwd, gate(True), peer_uri=B_ID, extra=extra, payload=completion(cache_salt=salt))
+    assert orjson.loads(reply(out).body)["cache_salt"] == salt
+    assert proc.principal is not None and proc.principal.tenant.id == "guest"
 
 
 # --- the processor, at the home cluster (this cluster "a" forwards to "b") -----------------------------
@@ -306,3 +342,19 @@ def chain_of_salted(prompt: str, salt: str) -> list[Digest]:
     proc.after_send()
     assert proc.decision is not None
     return list(proc.decision.digests)
+
+
+def test_the_home_names_the_client_salt_it_mixed_with_the_tenant() -> None:
+    """The forward's client-salt header lets the peer check the salt is the asserted tenant's."""
+    fwd = forwarder()
+    warm_in_b(fwd, chain_of_salted(LONG, tenant_salt("acme", "mine")))
+    meta = jwt({"sub": "u1", "tenant": "acme"})
+    proc = StreamProcessor(
+        router(), ProcessorConfig(max_body_bytes=1 << 20), lambda: 1000.0, gate(True), federation=fwd
+    )
+    assert proc.handle(headers("/v1/completions", meta=meta)) == []
+    sent = reply(proc.handle(body(completion(LONG, cache_salt="mine"))))
+    assert sent.destination == [INGRESS_B, LOCAL]
+    assert sent.set_headers[SALTED_HEADER] == "1"
+    assert bytes.fromhex(sent.set_headers[CLIENT_SALT_HEADER]) == b"mine"
+    assert orjson.loads(sent.body)["cache_salt"] == tenant_salt("acme", "mine")

@@ -75,3 +75,24 @@ def test_every_forwarded_try_is_bounded_so_a_hung_peer_falls_back() -> None:
     assert (
         TimeoutTable(Timeouts(request_s=0, first_byte_s=0)).headers("m", stream=False, forwarded=True) == []
     )
+
+
+def test_a_non_streamed_forwarded_try_takes_the_federations_bound() -> None:
+    """``forward_s`` (``[federation] forward_first_byte_s``) bounds a non-streamed forwarded try, never
+    above ``request_s``; the whole is ``request_s`` plus it, so the local pick keeps a full ``request_s``.
+    A streamed forward keeps ``first_byte_s``."""
+    table = TimeoutTable(Timeouts(request_s=90, first_byte_s=2.5))
+    assert table.headers("any", stream=False, forwarded=True, forward_s=5) == [
+        (REQUEST_TIMEOUT_HEADER, "95000"),
+        (FIRST_BYTE_TIMEOUT_HEADER, "5000"),
+    ]
+    assert table.headers("any", stream=False, forwarded=True, forward_s=600) == [
+        (REQUEST_TIMEOUT_HEADER, "180000"),
+        (FIRST_BYTE_TIMEOUT_HEADER, "90000"),
+    ]
+    assert table.headers("any", stream=True, forwarded=True, forward_s=5) == table.headers("any", stream=True)
+    unbounded = TimeoutTable(Timeouts(request_s=0, first_byte_s=0))
+    assert unbounded.headers("m", stream=False, forwarded=True, forward_s=5) == [
+        (FIRST_BYTE_TIMEOUT_HEADER, "5000")
+    ]
+    assert table.headers("any", stream=False, forward_s=5) == table.headers("any", stream=False)

@@ -15,7 +15,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from certs.store import dev_bundle
 from contracts.epp import TENANT_HEADER
-from contracts.federation import HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
+from contracts.federation import CLIENT_SALT_HEADER, HOP_HEADER, PEER_HEADER, REFUSED_HEADER, SALTED_HEADER
 from extproc.admission.tenants import RequestRate
 from extproc.xds.eds import PEER_IDENTITY_KEY, PEER_MATCH_KEY, SOCKET_MATCH_NS, snapshot
 from kvgate.envoy.auth import EdgeAuth
@@ -44,8 +44,8 @@ def test_the_rendered_federation_parts(tmp_path: Path) -> None:
     cfg = render(EnvoyParams(federation=fed(tmp_path)))
     by_name = listeners(cfg)
     openai, peer = by_name["openai"], by_name["federation"]
-    assert {HOP_HEADER, PEER_HEADER, TENANT_HEADER, SALTED_HEADER} <= stripped(openai)
-    assert not {HOP_HEADER, TENANT_HEADER, SALTED_HEADER} & stripped(peer)
+    assert {HOP_HEADER, PEER_HEADER, TENANT_HEADER, SALTED_HEADER, CLIENT_SALT_HEADER} <= stripped(openai)
+    assert not {HOP_HEADER, TENANT_HEADER, SALTED_HEADER, CLIENT_SALT_HEADER} & stripped(peer)
     assert PEER_HEADER in stripped(peer)
     tls = peer["filter_chains"][0]["transport_socket"]["typed_config"]
     assert tls["require_client_certificate"] is True
