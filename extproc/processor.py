@@ -689,7 +689,9 @@ class StreamProcessor:
                         return burst
                 if deadline is not None and deadline > now and not goes:
                     self._check_deadline(prepared, deadline - now, now)  # it would wait: can it make it?
-                offer = flow.offer(request, self, space, now)
+                # The waiting room holds only a model the router knows (else its 404 at once, no queue).
+                known = space is not Room.NONE or self._router.knows(request.model)
+                offer = flow.offer(request, self, space, now, known)
             except GatewayError as exc:
                 self._refund()
                 if isinstance(exc, TooManyRequests):

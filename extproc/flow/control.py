@@ -7,8 +7,8 @@ role) from :meth:`FlowPolicy.saturation_for`, less the request's band's headroom
 and nothing of its priority or higher is queued (so nobody overtakes a waiting request of its band or
 above); otherwise it is queued (:class:`~extproc.flow.queue.FlowQueues`), or refused with 429
 ``queue_full``. With no endpoint at all it waits ``min(waiting_room_s, its band's max_wait_s)`` (then
-503 ``no_endpoint``); with ``waiting_room_s = 0`` it goes on at once, whatever is queued, and the router
-answers as it always has. The shell dispatches
+503 ``no_endpoint``); with ``waiting_room_s = 0``, or for a model nothing declares (``known`` false), it
+goes on at once, whatever is queued, and the router answers as it always has. The shell dispatches
 queued requests while :func:`room` stays ``OPEN`` (:meth:`FlowControl.next`) and sheds expired ones
 with :meth:`FlowControl.error`.
 
@@ -175,17 +175,23 @@ class FlowControl(Generic[T]):
         """Put ``policy`` in force (queued requests keep their expiry; new bounds apply to new arrivals)."""
         self.queues.policy = policy
 
-    def offer(self, request: FlowRequest, payload: T, space: Room, now: float) -> Offer[T]:
+    def offer(
+        self, request: FlowRequest, payload: T, space: Room, now: float, known: bool = True
+    ) -> Offer[T]:
         """Go, wait or refuse ``request`` given its model's ``space`` for its band (:func:`room` with its
-        priority). Raises :class:`TooManyRequests` (``queue_full``; ``slo_unattainable`` for a deadline
-        already past)."""
+        priority); ``known``: something declares its model (an endpoint, the config, a route: the router's
+        :meth:`~extproc.routing.router.Router.knows`), else it is never queued, whatever the waiting room.
+        Raises :class:`TooManyRequests` (``queue_full``; ``slo_unattainable`` for a deadline already
+        past)."""
         policy = self.policy
         if request.deadline is not None and request.deadline <= now:
             raise self._error(SLO_UNATTAINABLE, request.model)
         if self.goes(request, space, now):
             return Offer(None)
-        if space is Room.NONE and policy.waiting_room_s <= 0:
-            return Offer(None)  # no waiting room: the router answers at once (503 no_endpoint, 404)
+        if space is Room.NONE and (policy.waiting_room_s <= 0 or not known):
+            # No waiting room, or a name nothing serves (a typo, a made-up name: no queue per name): the
+            # router answers at once (503 no_endpoint, 404 model_not_found).
+            return Offer(None)
         waiting_room = space is Room.NONE
         # In the waiting room a band's own bound holds too (a sheddable band's sheddable_max_wait_s).
         limit = policy.limits(request.priority).max_wait_s

@@ -598,6 +598,19 @@ class Router:
             return chain_seed(request.model, salt=request.cache_salt)
         return chain_seed(base, lora=request.model, salt=request.cache_salt)
 
+    def knows(self, model: str) -> bool:
+        """Whether ``model`` is a name this gateway serves: some endpoint of the fleet declares it (a model
+        or a LoRA adapter, whatever the endpoint's health, drain or ejection), the config's ``[[models]]``
+        name it (:attr:`models`, aliases included), or a route is declared for it (``[routing]`` or etcd
+        ``models/<name>``). A request for a name it does not know is 404 ``model_not_found``
+        (:meth:`decide`; flow control's waiting room never holds it); one it knows with no endpoint now is
+        503 ``no_endpoint`` (or waits in the waiting room: scale-from-zero, a restart)."""
+        return (
+            model in self._policy.routes
+            or self.models.find(model) is not None
+            or any(model in state.endpoint.models for state in self.fleet)
+        )
+
     def adapter_base(self, model: str) -> str | None:
         """The base model of ``model`` when some endpoint lists it as a LoRA adapter, else ``None``."""
         bases = self._adapter_bases
@@ -682,14 +695,17 @@ class Router:
         ``paired``: the decision may be paired with a prefill half (``extproc/disagg`` plans it next, its
         model's serving spec not aggregated); only then are SGLang servers of role decode candidates, since
         one refuses a request that comes without a bootstrap room (400).
-        Raises :class:`NotFound` for a model no endpoint serves, :class:`Unavailable` when none is ready,
+        Raises :class:`NotFound` for a model it does not know (:meth:`knows`), :class:`Unavailable` when no
+        endpoint is ready (none serves a model it knows, none is routable),
         :class:`Unattainable` when every candidate is confidently predicted to miss ``ttft_budget_s``.
         """
         candidates = [s for s in self.fleet if request.model in s.endpoint.models]
         if not candidates:
-            raise NotFound(
-                f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
-            )
+            if not self.knows(request.model):
+                raise NotFound(
+                    f"The model `{request.model}` does not exist.", code="model_not_found", param="model"
+                )
+            raise Unavailable(f"No ready endpoint for model `{request.model}`.", code="no_endpoint")
         # Prefill-only endpoints never serve a request themselves (extproc/disagg pairs them), nor do
         # SGLang decode servers unless the request may be paired.
         candidates = [

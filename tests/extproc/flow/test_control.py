@@ -346,6 +346,24 @@ def test_offer(
 
 
 @pytest.mark.parametrize(
+    ("space", "held"),
+    [
+        (Room.NONE, False),  # a name nothing declares: the router's 404 at once, no queue for it
+        (Room.FULL, True),  # endpoints serve it (known whatever the shell says): it waits for room
+    ],
+)
+@pytest.mark.parametrize("queued_before", [False, True])
+def test_the_waiting_room_holds_no_unknown_model(space: Room, held: bool, queued_before: bool) -> None:
+    control = FlowControl[str](FlowPolicy(waiting_room_s=5.0))
+    if queued_before:
+        assert control.offer(request(flow="earlier"), "earlier", Room.FULL, now=90.0).held is not None
+    before = len(control.queues)
+    offer = control.offer(request(), "r", space, now=100.0, known=False)
+    assert (offer.held is not None) is held
+    assert len(control.queues) == before + held
+
+
+@pytest.mark.parametrize(
     ("priority", "waiting_room_s", "expires"),
     [
         (-1, 30.0, 101.0),  # a sheddable band waits at most sheddable_max_wait_s (1 s), there too

@@ -12,13 +12,15 @@ import orjson
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
+from contracts.events import EndpointId
+from engines.endpoint import Endpoint
 from engines.metrics import EngineMetrics
 from extproc.errors import GatewayError
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl, Room
 from extproc.flow.policy import BandLimits, EnginePriority, FlowPolicy, Objective, Saturation
-from extproc.models.registry import ModelAssets
+from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, flow_room
-from extproc.routing.router import Router
+from extproc.routing.router import Route, Router, RoutingPolicy
 from extproc.scheduling.predict import CONFIDENT_AFTER
 from tests.extproc.test_processor import (
     ACME,
@@ -254,6 +256,40 @@ def test_no_endpoint_waits_in_the_waiting_room_then_503(router: Router) -> None:
     [gone] = control.queues.expire(NOW + 5.0)
     status, err, _ = error(proc.shed(control.error(gone, Room.NONE)))
     assert (status, err["code"]) == (503, "no_endpoint")
+
+
+def test_a_model_nothing_declares_is_404_at_once_whatever_the_waiting_room(router: Router) -> None:
+    """A typo or made-up name is not held for ``waiting_room_s`` then 503: the router's 404 at once, and
+    nothing is queued (a client naming a new model each time leaves no queue per name)."""
+    control: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(waiting_room_s=5.0))
+    for i in range(3):
+        proc = make(router, control)
+        status, err, _ = error(send(proc, model=f"gpt-{i}"))
+        assert (status, err["type"], err["code"]) == (404, "invalid_request_error", "model_not_found")
+        assert proc.held is None
+    assert control.queues.tops() == {} and len(control.queues) == 0
+
+
+@pytest.mark.parametrize("declared", ["route", "config"])
+def test_a_declared_model_no_endpoint_serves_yet_waits_in_the_waiting_room(
+    router: Router, smol: ModelAssets, declared: str
+) -> None:
+    """Scale-from-zero: a model a route (etcd ``models/<name>``) or the config's ``[[models]]`` declares,
+    with no endpoint record yet, waits for one; it is routed when one comes."""
+    if declared == "route":
+        profile = router.policy.profile
+        router.apply(RoutingPolicy(profile, routes={"zero": Route((), profile)}, block_size=16))
+    else:
+        router.models = ModelRegistry({MODEL: smol, "zero": smol})
+    control: FlowControl[StreamProcessor] = FlowControl(FlowPolicy(waiting_room_s=5.0))
+    proc = make(router, control)
+    send(proc, model="zero")
+    entry = proc.held
+    assert entry is not None and entry.reason == "no_endpoint"
+    router.fleet.upsert(Endpoint(EndpointId("z"), "10.0.0.9:8000", frozenset({"zero"})))
+    assert flow_room(control.policy, router, "zero", NOW) is Room.OPEN
+    assert control.next("zero", Room.OPEN, NOW) is entry
+    assert reply(proc.resume()).destination == ["10.0.0.9:8000"]
 
 
 def test_shed_answers_without_routing(router: Router) -> None:

@@ -10,12 +10,13 @@ from contracts.digest import Digest
 from contracts.errors import ConfigError
 from contracts.events import EndpointId
 from engines.endpoint import Endpoint
+from extproc.errors import NotFound, Unavailable
 from extproc.fleet import Fleet
 from extproc.index.approximate import ApproximateIndex
 from extproc.index.working_set import WorkingSet
 from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.routing.request import Kind, parse_body
-from extproc.routing.router import Router, RoutingPolicy
+from extproc.routing.router import Route, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
 
 MODEL = "m"
@@ -167,3 +168,56 @@ def test_the_block_size_lives_in_the_routing_policy(model_dir: str) -> None:
     assert r.tokens(unknown).block_size == 32 * 4  # bytes standing in for tokens, 4 per token
     with pytest.raises(ConfigError, match="block_size"):
         RoutingPolicy(profile, block_size=0)
+
+
+def declaring_router(model_dir: str) -> Router:
+    """A fleet serving ``m`` (one endpoint with the LoRA adapter ``m-lora``, one draining, one unhealthy
+    serving ``sick``), the config's ``[[models]]`` naming ``m`` and its alias ``m-alias`` (no endpoint),
+    and a route declared for ``routed`` (no endpoint)."""
+    assets = ModelAssets.load(MODEL, Path(model_dir))
+    fleet = Fleet(
+        [
+            Endpoint(
+                EndpointId("e0"), "127.0.0.1:1", frozenset({MODEL, "m-lora"}), adapters=frozenset({"m-lora"})
+            ),
+            Endpoint(EndpointId("e1"), "127.0.0.2:1", frozenset({MODEL, "draining"})),
+            Endpoint(EndpointId("e2"), "127.0.0.3:1", frozenset({"sick"})),
+        ]
+    )
+    fleet.set_state(EndpointId("e1"), draining=True)
+    fleet.set_state(EndpointId("e2"), healthy=False)
+    profile = build_profile(DEFAULT_SCHEDULING)
+    return Router(
+        fleet,
+        ModelRegistry({MODEL: assets, "m-alias": assets}),
+        ApproximateIndex(),
+        RoutingPolicy(profile, routes={"routed": Route((), profile)}, block_size=16),
+        rng=random.Random(0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "known"),
+    [
+        (MODEL, True),  # served
+        ("m-lora", True),  # a LoRA adapter an endpoint lists
+        ("draining", True),  # only a draining endpoint declares it
+        ("sick", True),  # only an unhealthy endpoint declares it
+        ("m-alias", True),  # the config's [[models]] names it: no endpoint now (scale-from-zero)
+        ("routed", True),  # a route (etcd models/<name>) is declared for it
+        ("gpt-4", False),  # nothing declares it
+        ("M", False),  # names are exact
+    ],
+)
+def test_a_known_model_without_a_routable_endpoint_is_503_an_unknown_one_404(
+    model_dir: str, model: str, known: bool
+) -> None:
+    r = declaring_router(model_dir)
+    assert r.knows(model) is known
+    request = parse_body(Kind.COMPLETION, orjson.dumps({"model": model, "prompt": "hello"}))
+    if model in (MODEL, "m-lora"):
+        assert r.decide(request, request_id="x", now=0.0).endpoints
+        return
+    with pytest.raises(Unavailable if known else NotFound) as caught:
+        r.decide(request, request_id="x", now=0.0)
+    assert caught.value.code == ("no_endpoint" if known else "model_not_found")
