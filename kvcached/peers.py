@@ -302,18 +302,23 @@ class _ServerProtocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        self._refuse_oversized_requests()
+        self._check_request_streams()
         self._wake()
 
-    def _refuse_oversized_requests(self) -> None:
+    def _check_request_streams(self) -> None:
         """Refuse every request stream whose highest offset seen is past the largest request: aioquic grows
         a stream's window as data arrives (doubling it past half) and zero-fills gaps, so a client sending
-        out of order could otherwise make the server hold buffers of its growing window."""
+        out of order could otherwise make the server hold buffers of its growing window. Charge every other
+        one that holds data (out-of-order data raises no event, but its gap is allocated)."""
         limit = max_request_bytes()
         for sid, stream in list(self._quic._streams.items()):
             receiver = stream.receiver
-            if sid % 4 == 0 and not receiver.is_finished and receiver.highest_offset > limit:
+            if sid % 4 != 0 or receiver.is_finished or receiver.highest_offset == 0:
+                continue
+            if receiver.highest_offset > limit:
                 self._refuse_request(sid, f"stream offset {receiver.highest_offset} past {limit}")
+            elif not self._charge_request(sid):
+                self._refuse_request(sid, "the server's buffer budget is spent", ERR_BUSY)
 
     def _wake(self) -> None:
         for waiter in self._wakeups:
@@ -359,11 +364,9 @@ class _ServerProtocol(QuicConnectionProtocol):
             return
         if sid % 4 != 0 or sid in self._tasks:  # not a client-initiated bidirectional request stream
             return
-        if sid not in self._charged:
-            if not self._server.budget.take(REQUEST_CHARGE_BYTES):
-                self._refuse_request(sid, "the server's buffer budget is spent", ERR_BUSY)
-                return
-            self._charged[sid] = REQUEST_CHARGE_BYTES
+        if not self._charge_request(sid):
+            self._refuse_request(sid, "the server's buffer budget is spent", ERR_BUSY)
+            return
         buf = self._requests.setdefault(sid, bytearray())
         buf += event.data
         if len(buf) > max_request_bytes():
@@ -393,6 +396,15 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._quic.reset_stream(sid, code)
         self._quic.stop_stream(sid, code)
         self.transmit()
+
+    def _charge_request(self, sid: int) -> bool:
+        """Charge request stream ``sid`` to the server's budget once (True: charged, now or before)."""
+        if sid in self._charged or sid in self._tasks:
+            return True
+        if not self._server.budget.take(REQUEST_CHARGE_BYTES):
+            return False
+        self._charged[sid] = REQUEST_CHARGE_BYTES
+        return True
 
     def _give_back(self, sid: int) -> None:
         """Give back what request stream ``sid`` was charged (nothing if it holds no charge)."""

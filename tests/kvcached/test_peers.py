@@ -1049,3 +1049,27 @@ async def test_a_cancelled_fetch_gives_its_charges_back(pki: Pki) -> None:
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_a_request_stream_with_only_out_of_order_data_is_charged(pki: Pki) -> None:
+    """Out-of-order data raises no event, but aioquic zero-fills the gap before it: the stream is charged
+    from that first byte too, so such streams cannot pile up outside the budget."""
+    room = peers.REQUEST_CHARGE_BYTES + 4096  # one request and a small response
+    server = server_for(DictStore({digest(1): b"x" * 100}), pki.a, buffer_bytes=room)
+    address = f"127.0.0.1:{await server.start()}"
+    holder, other = client_for(pki.b), client_for(pki.b)
+    try:
+        link = await holder._link(address, *split_address(address))
+        sid = link.protocol._quic.get_next_available_stream_id()
+        _send_tail(link.protocol._quic, sid, 1000)  # bytes 900..1000 only: a 900-byte gap, no event
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == peers.REQUEST_CHARGE_BYTES, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {}
+        assert server.stats()["busy"] == 1
+        await holder.aclose()  # the connection is lost: its stream's charge is given back
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {digest(1): b"x" * 100}
+    finally:
+        await holder.aclose()
+        await other.aclose()
+        await server.aclose()
