@@ -340,8 +340,7 @@ class _ServerProtocol(QuicConnectionProtocol):
             if task is not None:
                 task.cancel()  # its done callback gives its charge back
             else:
-                self._requests.pop(sid, None)
-                self._give_back(sid)
+                self._drop_request(sid)
             self._end_with_error(sid, ERR_CANCELLED)  # the client wants nothing more: free what is queued
         elif isinstance(event, events.ConnectionTerminated):
             self._terminated = True
@@ -387,15 +386,20 @@ class _ServerProtocol(QuicConnectionProtocol):
         else:
             self._server.bad_requests += 1
             log.info("bad peer request on stream %d: %s", sid, why)
-        self._requests.pop(sid, None)
-        self._give_back(sid)
-        stream = self._quic._streams.get(sid)
-        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
-            stream.receiver.is_finished = True
-            stream.receiver._buffer = bytearray()
+        self._drop_request(sid)
         self._quic.reset_stream(sid, code)
         self._quic.stop_stream(sid, code)
         self.transmit()
+
+    def _drop_request(self, sid: int) -> None:
+        """Drop what request stream ``sid`` sent and give its charge back; what else arrives on it is
+        dropped unread (never buffered, never charged again), and aioquic's buffered part freed."""
+        self._requests.pop(sid, None)
+        self._give_back(sid)
+        stream = self._quic._streams.get(sid)
+        if stream is not None:
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
 
     def _charge_request(self, sid: int) -> bool:
         """Charge request stream ``sid`` to the server's budget once (True: charged, now or before)."""

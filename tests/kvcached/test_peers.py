@@ -1073,3 +1073,28 @@ async def test_a_request_stream_with_only_out_of_order_data_is_charged(pki: Pki)
         await holder.aclose()
         await other.aclose()
         await server.aclose()
+
+
+async def test_a_request_stopped_by_its_client_before_it_ends_gives_its_charge_back(pki: Pki) -> None:
+    """STOP_SENDING on a request still arriving: the server drops it and reads no more of it, so what the
+    client still sends on it is not charged again."""
+    server = server_for(DictStore({}), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        sid = quic.get_next_available_stream_id()
+        quic.send_stream_data(sid, encode_request([digest(1)])[:10])
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == peers.REQUEST_CHARGE_BYTES, 5.0)
+        quic.stop_stream(sid, peers.ERR_CANCELLED)
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        quic.send_stream_data(sid, encode_request([digest(1)])[10:20])  # more of the request it stopped
+        link.protocol.transmit()
+        assert await client.fetch(address, [digest(2)]) == {}  # a round trip: the bytes above arrived
+        assert server.budget.held_bytes == 0
+    finally:
+        await client.aclose()
+        await server.aclose()
