@@ -36,6 +36,10 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     max_datagram_size = 1200             # UDP payload bytes, 1200..65000; must fit the path MTU - 28:
                                          # 8972 with 9000-byte jumbo frames, 65000 on loopback (fewer,
                                          # larger packets: aioquic's cost is per packet; BENCHMARKS.md)
+    buffer_bytes = 1073741824            # what the PeerServer buffers for requests and responses, all
+                                         # connections and streams together; past it a stream is refused
+                                         # (ERR_BUSY: a miss). Default: 1 GiB, or 2 x (max_block_bytes +
+                                         # ~4.5 MiB) when more; at least max_block_bytes + ~4.5 MiB
 
     [[peers]]                            # static peers (besides those found in etcd)
     node = "node-b"
@@ -70,7 +74,7 @@ from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from contracts.tracing import TracingSettings, parse_tracing
 from kvcached.errors import KvcachedConfigError
-from kvcached.peers import DATAGRAM_BYTES_MAX
+from kvcached.peers import DATAGRAM_BYTES_MAX, REQUEST_CHARGE_BYTES, response_charge_max
 from kvcached.remote import RemotePeer
 
 #: The ``service.name`` of kvcached's spans unless ``[tracing] service_name`` says otherwise.
@@ -90,7 +94,8 @@ class TlsFiles:
 class QuicSettings:
     """The QUIC peer server and client: UDP listen address, streams served at once per connection,
     egress cap (bytes/s, ``None`` = unlimited), fetch deadline (s), block streams in flight per fetch,
-    UDP payload bytes per datagram (both directions; must fit the path MTU)."""
+    UDP payload bytes per datagram (both directions; must fit the path MTU), the server's buffer budget
+    in bytes, all connections together (``None``: :func:`kvcached.peers.buffer_bytes_default`)."""
 
     listen: str = "127.0.0.1:0"
     max_concurrent_streams: int = 64
@@ -98,6 +103,7 @@ class QuicSettings:
     timeout_s: float = 2.0
     max_in_flight: int = 8
     max_datagram_size: int = 1200
+    buffer_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,7 @@ def _parse(raw: object) -> KvcachedConfig:
     ssd_path = k.string("ssd_path")
     ssd_bytes = k.integer("ssd_bytes", 0, minimum=0)
     tls = _tls(k.raw("tls"))
+    max_block_bytes = k.integer("max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1)
     cfg = KvcachedConfig(
         node=node,
         ram_bytes=ram_bytes,
@@ -192,11 +199,11 @@ def _parse(raw: object) -> KvcachedConfig:
         metrics_listen=_hostport(k.string("metrics_listen"), "kvcached.metrics_listen"),
         ssd_path=None if ssd_path is None else Path(_nonempty(ssd_path, "kvcached.ssd_path") or ""),
         ssd_bytes=ssd_bytes,
-        max_block_bytes=k.integer("max_block_bytes", MAX_BLOCK_BYTES_DEFAULT, minimum=1),
+        max_block_bytes=max_block_bytes,
         lease_ttl_s=k.integer("lease_ttl_s", 5, minimum=2),
         write_through=k.flag("write_through", False),
         tls=tls,
-        quic=None if quic_raw is None else _quic(quic_raw),
+        quic=None if quic_raw is None else _quic(quic_raw, max_block_bytes),
         peers=tuple(_peer(p, f"peers[{i}]") for i, p in enumerate(peers_raw)),
         etcd_raw=None if etcd_raw is None else MappingProxyType(copy.deepcopy(dict(etcd_raw))),
         tracing=tracing,
@@ -233,10 +240,12 @@ def _tls(raw: object) -> TlsFiles | None:
     return TlsFiles(Path(paths["cert"]), Path(paths["key"]), Path(paths["ca"]))
 
 
-def _quic(raw: object) -> QuicSettings:
+def _quic(raw: object, max_block_bytes: int) -> QuicSettings:
     s = Section(raw, "quic")
     d = QuicSettings()
     egress = s.number("egress_bytes_per_s", None, minimum=1.0)
+    # One response of the largest block and its request must fit, or such a block is never served.
+    least = response_charge_max(max_block_bytes) + REQUEST_CHARGE_BYTES
     quic = QuicSettings(
         listen=_hostport(s.string("listen", d.listen), "quic.listen") or "",
         max_concurrent_streams=s.integer("max_concurrent_streams", d.max_concurrent_streams, minimum=1),
@@ -244,6 +253,7 @@ def _quic(raw: object) -> QuicSettings:
         timeout_s=s.number("timeout_s", d.timeout_s, minimum=0.001),
         max_in_flight=s.integer("max_in_flight", d.max_in_flight, minimum=1),
         max_datagram_size=s.integer("max_datagram_size", d.max_datagram_size, minimum=1200),
+        buffer_bytes=s.integer("buffer_bytes", None, minimum=least),
     )
     s.done()
     if quic.max_datagram_size > DATAGRAM_BYTES_MAX:

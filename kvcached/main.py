@@ -39,7 +39,7 @@ from kvcached.discovery import PeerTable
 from kvcached.errors import KvcachedError
 from kvcached.memory import tune_malloc
 from kvcached.metrics import KvcachedMetrics
-from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer
+from kvcached.peers import DATAGRAM_BYTES_DEFAULT, PeerClient, PeerServer, buffer_bytes_default
 from kvcached.remote import RemoteFetchPolicy
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
@@ -136,7 +136,9 @@ class Daemon:
                     egress_bytes_per_s=q.egress_bytes_per_s,
                     max_datagram_size=q.max_datagram_size,
                     stall_timeout_s=q.timeout_s,
+                    buffer_bytes=q.buffer_bytes or buffer_bytes_default(cfg.max_block_bytes),
                 )
+                self.metrics.watch_peer_server(self.peer_server.stats)
                 self.quic_port = await self.peer_server.start()
         service = KvcachedService(
             self.store,

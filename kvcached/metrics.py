@@ -12,6 +12,11 @@ Measured by the gRPC service: ``kvcached_requests_total{method,code}``, ``kvcach
 (latency histogram of each API call), ``kvcached_get_seconds{source}`` (latency of Get by where the block
 came from: ``ram``, ``ssd``, ``peer`` or ``miss``); peer fetch: ``kvcached_peer_fetch_seconds{outcome}``
 (``hit``, ``miss``, ``unavailable``) and ``kvcached_peer_fetch_bytes_total``.
+
+Read from the QUIC :class:`~kvcached.peers.PeerServer`'s ``stats()`` at scrape time: its server-wide buffer
+budget, ``kvcached_peer_buffer_bytes`` (held now by every connection's requests and responses together)
+and ``kvcached_peer_buffer_capacity_bytes`` (gauges), and ``kvcached_peer_busy_total`` (requests and
+responses refused because it was spent).
 """
 
 from __future__ import annotations
@@ -65,6 +70,31 @@ class _StoreCollector:
             yield GaugeMetricFamily(f"kvcached_store_{name}", f"Store {name}", value=value)
 
 
+class _PeerServerCollector:
+    """Turns the peer server's ``stats()`` into its buffer-budget families at each scrape."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield GaugeMetricFamily(
+            "kvcached_peer_buffer_bytes",
+            "Bytes the QUIC peer server's requests and responses hold, all connections together",
+            value=stats["buffer_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "kvcached_peer_buffer_capacity_bytes",
+            "The QUIC peer server's buffer budget (quic.buffer_bytes)",
+            value=stats["buffer_capacity_bytes"],
+        )
+        yield CounterMetricFamily(
+            "kvcached_peer_busy",
+            "Peer requests and responses refused because the buffer budget was spent",
+            value=stats["busy"],
+        )
+
+
 class KvcachedMetrics:
     """The daemon's metrics; ``registry`` is what the metrics HTTP server exposes."""
 
@@ -99,6 +129,7 @@ class KvcachedMetrics:
             "kvcached_peer_fetch_bytes", "Block bytes fetched from peers over QUIC", registry=r
         )
         self._collector: _StoreCollector | None = None
+        self._peer_collector: _PeerServerCollector | None = None
 
     def watch_store(self, stats: Callable[[], Mapping[str, int | float]]) -> None:
         """Export the per-tier counters of a store (``TieredStore.stats``) at every scrape."""
@@ -106,3 +137,10 @@ class KvcachedMetrics:
             self.registry.unregister(self._collector)
         self._collector = _StoreCollector(stats)
         self.registry.register(self._collector)
+
+    def watch_peer_server(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Export the buffer budget of a QUIC peer server (``PeerServer.stats``) at every scrape."""
+        if self._peer_collector is not None:
+            self.registry.unregister(self._peer_collector)
+        self._peer_collector = _PeerServerCollector(stats)
+        self.registry.register(self._peer_collector)

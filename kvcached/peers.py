@@ -30,7 +30,13 @@ Bounds: per connection at most ``max_concurrent_streams`` requests are served at
 ``max_streams_bidi`` limit advertised to the client and a semaphore); per client at most
 ``max_in_flight`` requests; server egress is paced by one token bucket (bytes/s) shared by all
 connections; at most :data:`HIGH_WATER_BYTES` of unacknowledged data is queued per stream; a client may
-open no unidirectional stream (one opened anyway closes its connection). The client
+open no unidirectional stream (one opened anyway closes its connection). What every connection's requests
+and responses buffer is charged to one server-wide :class:`~kvcached.budget.ByteBudget` (``buffer_bytes``):
+a request stream :data:`REQUEST_CHARGE_BYTES` from its first byte until its response ends, a response each
+frame while it is queued and its stream's unacknowledged queue until the client acknowledged all of it
+(a response ends only then); a stream that does not fit is reset with :data:`ERR_BUSY` (a miss for the
+blocks not yet whole), and every charge is given back on every path (done, failed, reset or stopped by the
+client, connection lost, server closed). The client
 keeps only the first frame of each digest it asked for (dropped as they complete) and abandons a response
 (STOP_SENDING) past one largest record per digest asked (its highest offset counts: aioquic zero-fills
 gaps) and grants the server no stream of its own; a fetch cancelled by its caller sends
@@ -68,6 +74,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from kvcached.block import HEADER_BYTES, check_digest, encode_record, verify_record
+from kvcached.budget import ByteBudget
 from kvcached.datagrams import HANDSHAKE_DATAGRAM_MAX, grow_datagrams
 from kvcached.errors import BadRequest, CorruptBlock, KvcachedConfigError, KvcachedError, PeerUnavailable
 from kvcached.wire import (
@@ -116,6 +123,30 @@ ERR_INTERNAL = 0x2
 """Application error code of a response stream the server could not finish (an unexpected error)."""
 ERR_CANCELLED = 0x3
 """Application error code of a STOP_SENDING from a client that no longer wants the response."""
+ERR_BUSY = 0x4
+"""Application error code of a stream the server refused or ended because its buffers would exceed the
+server-wide budget (:class:`~kvcached.budget.ByteBudget`); a client treats it like any reset: the blocks
+not yet whole are a prompt miss."""
+QUEUE_BYTES_MAX = HIGH_WATER_BYTES + CHUNK_BYTES
+"""Most bytes a response stream queues unacknowledged (:data:`HIGH_WATER_BYTES`, then one more chunk)."""
+REQUEST_CHARGE_BYTES = 4 * REQUEST_WINDOW_BYTES
+"""What a request stream is charged to the server's budget from its first byte until its response ends:
+aioquic's receive buffer (at most about twice the window), our copy of the request and its decoded
+digests (~50 bytes of Python objects per 16-byte digest)."""
+BUFFER_BYTES_DEFAULT = 1 << 30
+"""The server-wide buffer budget by default (1 GiB; :func:`buffer_bytes_default`)."""
+
+
+def response_charge_max(max_block_bytes: int) -> int:
+    """Most a response of one block of ``max_block_bytes`` is charged at once: its record and frame header
+    while queued, and its stream's queue (:data:`QUEUE_BYTES_MAX`)."""
+    return FRAME_HEADER_BYTES + max_block_bytes + RECORD_OVERHEAD_MAX + QUEUE_BYTES_MAX
+
+
+def buffer_bytes_default(max_block_bytes: int) -> int:
+    """The default server-wide budget: :data:`BUFFER_BYTES_DEFAULT`, or room for two responses of the
+    largest block (and their requests) when that is more."""
+    return max(BUFFER_BYTES_DEFAULT, 2 * (response_charge_max(max_block_bytes) + REQUEST_CHARGE_BYTES))
 
 
 class BlockSource(Protocol):
@@ -237,6 +268,10 @@ def _unacked(quic: QuicConnection, stream_id: int) -> int:
     return len(stream.sender._buffer) if stream is not None else 0
 
 
+class _Busy(KvcachedError):
+    """A response's next frame does not fit the server's buffer budget."""
+
+
 class _ServerProtocol(QuicConnectionProtocol):
     """One peer connection on the server: buffers each request stream, then serves it in a task."""
 
@@ -245,6 +280,8 @@ class _ServerProtocol(QuicConnectionProtocol):
         self._server = server
         self._authenticated = False
         self._requests: dict[int, bytearray] = {}
+        #: What each request stream is charged to the server's budget (given back when it ends).
+        self._charged: dict[int, int] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._wakeups: list[asyncio.Future[None]] = []
         self._slots = asyncio.Semaphore(server.max_concurrent_streams)
@@ -265,18 +302,23 @@ class _ServerProtocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        self._refuse_oversized_requests()
+        self._check_request_streams()
         self._wake()
 
-    def _refuse_oversized_requests(self) -> None:
+    def _check_request_streams(self) -> None:
         """Refuse every request stream whose highest offset seen is past the largest request: aioquic grows
         a stream's window as data arrives (doubling it past half) and zero-fills gaps, so a client sending
-        out of order could otherwise make the server hold buffers of its growing window."""
+        out of order could otherwise make the server hold buffers of its growing window. Charge every other
+        one that holds data (out-of-order data raises no event, but its gap is allocated)."""
         limit = max_request_bytes()
         for sid, stream in list(self._quic._streams.items()):
             receiver = stream.receiver
-            if sid % 4 == 0 and not receiver.is_finished and receiver.highest_offset > limit:
+            if sid % 4 != 0 or receiver.is_finished or receiver.highest_offset == 0:
+                continue
+            if receiver.highest_offset > limit:
                 self._refuse_request(sid, f"stream offset {receiver.highest_offset} past {limit}")
+            elif not self._charge_request(sid):
+                self._refuse_request(sid, "the server's buffer budget is spent", ERR_BUSY)
 
     def _wake(self) -> None:
         for waiter in self._wakeups:
@@ -293,10 +335,13 @@ class _ServerProtocol(QuicConnectionProtocol):
         elif isinstance(event, events.StreamDataReceived):
             self._on_data(event)
         elif isinstance(event, events.StreamReset | events.StopSendingReceived):
-            task = self._tasks.pop(event.stream_id, None)
+            sid = event.stream_id
+            task = self._tasks.pop(sid, None)
             if task is not None:
-                task.cancel()
-            self._requests.pop(event.stream_id, None)
+                task.cancel()  # its done callback gives its charge back
+            else:
+                self._drop_request(sid)
+            self._end_with_error(sid, ERR_CANCELLED)  # the client wants nothing more: free what is queued
         elif isinstance(event, events.ConnectionTerminated):
             self._terminated = True
             self.abort_tasks()
@@ -318,6 +363,9 @@ class _ServerProtocol(QuicConnectionProtocol):
             return
         if sid % 4 != 0 or sid in self._tasks:  # not a client-initiated bidirectional request stream
             return
+        if not self._charge_request(sid):
+            self._refuse_request(sid, "the server's buffer budget is spent", ERR_BUSY)
+            return
         buf = self._requests.setdefault(sid, bytearray())
         buf += event.data
         if len(buf) > max_request_bytes():
@@ -329,21 +377,49 @@ class _ServerProtocol(QuicConnectionProtocol):
             self._tasks[sid] = task
             task.add_done_callback(partial(self._forget, sid))
 
-    def _refuse_request(self, sid: int, why: str) -> None:
-        """Count a request stream as bad, drop what it sent, reset and stop it (``ERR_BAD_REQUEST``)."""
-        self._server.bad_requests += 1
-        log.info("bad peer request on stream %d: %s", sid, why)
-        self._requests.pop(sid, None)
-        stream = self._quic._streams.get(sid)
-        if stream is not None:  # what else arrives is dropped unread, and the buffered part freed
-            stream.receiver.is_finished = True
-            stream.receiver._buffer = bytearray()
-        self._quic.reset_stream(sid, ERR_BAD_REQUEST)
-        self._quic.stop_stream(sid, ERR_BAD_REQUEST)
+    def _refuse_request(self, sid: int, why: str, code: int = ERR_BAD_REQUEST) -> None:
+        """Count a request stream as bad (``ERR_BAD_REQUEST``) or busy (``ERR_BUSY``), drop what it sent,
+        give its charge back, reset and stop it with ``code``."""
+        if code == ERR_BUSY:
+            self._server.busy += 1
+            log.info("peer request on stream %d refused: %s", sid, why)
+        else:
+            self._server.bad_requests += 1
+            log.info("bad peer request on stream %d: %s", sid, why)
+        self._drop_request(sid)
+        self._quic.reset_stream(sid, code)
+        self._quic.stop_stream(sid, code)
         self.transmit()
 
+    def _drop_request(self, sid: int) -> None:
+        """Drop what request stream ``sid`` sent and give its charge back; what else arrives on it is
+        dropped unread (never buffered, never charged again), and aioquic's buffered part freed."""
+        self._requests.pop(sid, None)
+        self._give_back(sid)
+        stream = self._quic._streams.get(sid)
+        if stream is not None:
+            stream.receiver.is_finished = True
+            stream.receiver._buffer = bytearray()
+
+    def _charge_request(self, sid: int) -> bool:
+        """Charge request stream ``sid`` to the server's budget once (True: charged, now or before)."""
+        if sid in self._charged or sid in self._tasks:
+            return True
+        if not self._server.budget.take(REQUEST_CHARGE_BYTES):
+            return False
+        self._charged[sid] = REQUEST_CHARGE_BYTES
+        return True
+
+    def _give_back(self, sid: int) -> None:
+        """Give back what request stream ``sid`` was charged (nothing if it holds no charge)."""
+        charged = self._charged.pop(sid, 0)
+        if charged:
+            self._server.budget.give(charged)
+
     def _forget(self, sid: int, _task: asyncio.Task[None]) -> None:
+        """A response task ended (done, failed or cancelled, even before it started)."""
         self._tasks.pop(sid, None)
+        self._give_back(sid)
 
     async def _serve(self, sid: int, raw: bytes) -> None:
         try:
@@ -358,6 +434,10 @@ class _ServerProtocol(QuicConnectionProtocol):
             self._server.requests += 1
             try:
                 await self._respond(sid, digests)
+            except _Busy as exc:  # the server's buffer budget is spent: a prompt miss for the rest
+                self._server.busy += 1
+                log.info("peer response on stream %d refused: %s", sid, exc)
+                self._end_with_error(sid, ERR_BUSY)
             except (ConnectionError, RuntimeError) as exc:  # connection gone, or stream reset by the peer
                 log.debug("peer response on stream %d abandoned: %s", sid, exc)
                 self._end_with_error(sid)
@@ -366,14 +446,14 @@ class _ServerProtocol(QuicConnectionProtocol):
                 log.error("peer response on stream %d failed: unexpected %s", sid, type(exc).__name__)
                 self._end_with_error(sid)
 
-    def _end_with_error(self, sid: int) -> None:
-        """Reset our side of stream ``sid`` (``ERR_INTERNAL``) so the client stops waiting for it, and free
-        the data queued on it (a reset stream never sends it, but aioquic keeps it until the client
+    def _end_with_error(self, sid: int, code: int = ERR_INTERNAL) -> None:
+        """Reset our side of stream ``sid`` (``code``) so the client stops waiting for it, and free the
+        data queued on it (a reset stream never sends it, but aioquic keeps it until the client
         acknowledges the reset); a no-op when the stream already ended or the connection is gone."""
         if self._terminated:
             return
         try:
-            self._quic.reset_stream(sid, ERR_INTERNAL)
+            self._quic.reset_stream(sid, code)
         except (ValueError, RuntimeError) as exc:  # a stream that cannot be reset any more
             log.debug("cannot reset peer stream %d: %s", sid, exc)
             return
@@ -383,23 +463,51 @@ class _ServerProtocol(QuicConnectionProtocol):
         self.transmit()
 
     async def _respond(self, sid: int, digests: list[bytes]) -> None:
-        """Send a frame per held block of ``digests`` in order, then end the stream."""
-        head = CHUNK_BYTES - FRAME_HEADER_BYTES
-        for digest in digests:
-            try:
-                data = self._server.store.get(digest)
-            except KvcachedError as exc:
-                log.warning("store read failed for a peer request: %s", exc)
-                continue
-            if data is None:
-                continue
-            record = self._server.encode(digest, data)
+        """Send a frame per held block of ``digests`` in order, end the stream and wait until the client
+        acknowledged all of it. Each frame is charged to the server's budget while it is queued, and the
+        stream's queue (at most :data:`QUEUE_BYTES_MAX`, at most what was sent) until the response ends;
+        a charge that does not fit raises :class:`_Busy`."""
+        budget = self._server.budget
+        queue_charge = 0
+        try:
+            for digest in digests:
+                queue_charge = await self._send_block(sid, digest, queue_charge)
+            self._quic.send_stream_data(sid, b"", end_stream=True)
+            self.transmit()
+            await self._drain(sid, 0)  # the queued bytes stay held (and charged) until acknowledged
+        finally:
+            budget.give(queue_charge)
+
+    async def _send_block(self, sid: int, digest: bytes, queue_charge: int) -> int:
+        """Send the frame of ``digest`` if the store holds it; the stream's queue charge after it. The
+        record is this function's local, so it is freed when the block has been queued."""
+        try:
+            data = self._server.store.get(digest)
+        except KvcachedError as exc:
+            log.warning("store read failed for a peer request: %s", exc)
+            return queue_charge
+        if data is None:
+            return queue_charge
+        record = self._server.encode(digest, data)
+        del data  # an SSD read's copy; the record is what is sent
+        frame_bytes = FRAME_HEADER_BYTES + len(record)
+        grow = min(QUEUE_BYTES_MAX, queue_charge + frame_bytes) - queue_charge
+        budget = self._server.budget
+        if not budget.take(frame_bytes + grow):
+            raise _Busy(f"a {frame_bytes}-byte frame does not fit the server's buffer budget")
+        queue_charge += grow
+        try:
+            head = CHUNK_BYTES - FRAME_HEADER_BYTES
             await self._send(sid, frame_header(digest, len(record)) + record[:head])
             for at in range(head, len(record), CHUNK_BYTES):
                 await self._send(sid, record[at : at + CHUNK_BYTES])
-            self._server.served_blocks += 1
-        self._quic.send_stream_data(sid, b"", end_stream=True)
-        self.transmit()
+        except BaseException:
+            budget.give(grow)  # the caller gives back the queue charge it knows of
+            raise
+        finally:
+            budget.give(frame_bytes)
+        self._server.served_blocks += 1
+        return queue_charge
 
     async def _send(self, sid: int, chunk: bytes) -> None:
         """Queue ``chunk`` on stream ``sid`` once the egress bucket and the stream's back-pressure allow."""
@@ -408,9 +516,17 @@ class _ServerProtocol(QuicConnectionProtocol):
         delay = self._server.reserve(len(chunk))
         if delay > 0:
             await asyncio.sleep(delay)  # egress pacing
+        await self._drain(sid, HIGH_WATER_BYTES)
+        self._quic.send_stream_data(sid, chunk)
+        self._server.served_bytes += len(chunk)
+        self.transmit()
+
+    async def _drain(self, sid: int, down_to: int) -> None:
+        """Wait until at most ``down_to`` bytes of stream ``sid`` are unacknowledged; ConnectionError when
+        the connection closed or no acknowledgement reduced them for ``stall_timeout_s``."""
         loop = asyncio.get_running_loop()
         queued, since = _unacked(self._quic, sid), loop.time()
-        while queued > HIGH_WATER_BYTES:
+        while queued > down_to:
             if self._terminated:
                 raise ConnectionError("peer connection closed")
             left = since + self._server.stall_timeout_s - loop.time()
@@ -426,14 +542,16 @@ class _ServerProtocol(QuicConnectionProtocol):
             queued = now_queued
         if self._terminated:
             raise ConnectionError("peer connection closed")
-        self._quic.send_stream_data(sid, chunk)
-        self._server.served_bytes += len(chunk)
-        self.transmit()
 
     def abort_tasks(self) -> list[asyncio.Task[None]]:
+        """Cancel every response task (each gives its charges back as it ends) and drop the requests
+        still arriving, giving back their charges; the tasks, to be awaited."""
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
+        for sid in [sid for sid in self._charged if sid not in self._tasks]:
+            self._requests.pop(sid, None)
+            self._give_back(sid)
         return tasks
 
 
@@ -453,9 +571,14 @@ class PeerServer:
         egress_bytes_per_s: float | None = None,
         max_datagram_size: int = DATAGRAM_BYTES_DEFAULT,
         stall_timeout_s: float = 2.0,
+        buffer_bytes: int = BUFFER_BYTES_DEFAULT,
     ) -> None:
         if max_concurrent_streams < 1:
             raise KvcachedConfigError("max_concurrent_streams must be at least 1")
+        if buffer_bytes < REQUEST_CHARGE_BYTES:
+            raise KvcachedConfigError(f"buffer_bytes must be at least {REQUEST_CHARGE_BYTES}")
+        self.budget = ByteBudget(buffer_bytes)
+        """What every connection's requests and responses may buffer together (the module docstring)."""
         if stall_timeout_s <= 0:
             raise KvcachedConfigError("stall_timeout_s must be positive")
         self.stall_timeout_s = stall_timeout_s
@@ -482,6 +605,8 @@ class PeerServer:
         self.requests = self.served_blocks = self.served_bytes = self.rejected = self.bad_requests = 0
         self.errors = 0
         """Responses ended early by an unexpected error (the stream is reset with ``ERR_INTERNAL``)."""
+        self.busy = 0
+        """Requests refused and responses ended because the buffer budget was spent (``ERR_BUSY``)."""
         self.encode: Callable[[bytes, bytes], bytes] = encode_record
         """How a block becomes a record (a seam for tests that inject corruption)."""
 
@@ -524,10 +649,15 @@ class PeerServer:
 
     def stats(self) -> dict[str, int]:
         """Counters since start: requests served, blocks and bytes sent, peers rejected, bad requests,
-        responses ended by an unexpected error."""
+        responses ended by an unexpected error, requests and responses refused for the buffer budget
+        (``busy``); and the budget's bytes held now, at most and in all (``buffer_*``)."""
         return {
             "requests": self.requests,
             "errors": self.errors,
+            "busy": self.busy,
+            "buffer_bytes": self.budget.held_bytes,
+            "buffer_peak_bytes": self.budget.peak_bytes,
+            "buffer_capacity_bytes": self.budget.capacity_bytes,
             "served_blocks": self.served_blocks,
             "served_bytes": self.served_bytes,
             "rejected": self.rejected,

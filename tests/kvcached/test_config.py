@@ -19,6 +19,7 @@ from kvcached.config import (
     parse_kvcached_config,
 )
 from kvcached.errors import KvcachedConfigError
+from kvcached.peers import REQUEST_CHARGE_BYTES, buffer_bytes_default, response_charge_max
 
 
 def _example() -> str:
@@ -41,7 +42,7 @@ def test_docstring_example_parses() -> None:
     assert cfg.tls == TlsFiles(
         Path("/etc/kvgate/kvcached.pem"), Path("/etc/kvgate/kvcached.key"), Path("/etc/kvgate/ca.pem")
     )
-    assert cfg.quic == QuicSettings("127.0.0.1:0", 64, 1.25e9, 2.0, 8, 1200)
+    assert cfg.quic == QuicSettings("127.0.0.1:0", 64, 1.25e9, 2.0, 8, 1200, 1 << 30)
     assert cfg.peers == (StaticPeer("node-b", "10.0.0.8:4433"),)
     assert cfg.etcd_raw is not None and list(cfg.etcd_raw["endpoints"]) == ["127.0.0.1:2379"]
     with pytest.raises(TypeError):
@@ -118,6 +119,23 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
 def test_errors_name_the_key(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(KvcachedConfigError, match=re.escape(message)):
         parse_kvcached_config(doc)
+
+
+def test_quic_buffer_bytes_must_hold_one_response_of_the_largest_block() -> None:
+    """``quic.buffer_bytes`` absent: the daemon's default (``buffer_bytes_default``); set: at least one
+    response of a ``max_block_bytes`` block and its request, which rises with ``max_block_bytes``."""
+    base: dict[str, Any] = {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS, "max_block_bytes": 1 << 20}
+    assert parse_kvcached_config({"kvcached": base, "quic": {}}).quic == QuicSettings()
+    assert buffer_bytes_default(64 << 20) == 1 << 30
+    assert buffer_bytes_default(1 << 30) == 2 * (response_charge_max(1 << 30) + REQUEST_CHARGE_BYTES)
+    least = response_charge_max(1 << 20) + REQUEST_CHARGE_BYTES
+    cfg = parse_kvcached_config({"kvcached": base, "quic": {"buffer_bytes": least}})
+    assert cfg.quic is not None and cfg.quic.buffer_bytes == least
+    with pytest.raises(KvcachedConfigError, match=re.escape(f"quic.buffer_bytes: must be >= {least}")):
+        parse_kvcached_config({"kvcached": base, "quic": {"buffer_bytes": least - 1}})
+    bigger = {**base, "max_block_bytes": 8 << 20}
+    with pytest.raises(KvcachedConfigError, match=re.escape("quic.buffer_bytes: must be >=")):
+        parse_kvcached_config({"kvcached": bigger, "quic": {"buffer_bytes": least}})
 
 
 def test_load_from_file(tmp_path: Path) -> None:

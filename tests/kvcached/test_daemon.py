@@ -43,10 +43,11 @@ from extproc.index.hybrid import HybridIndex
 from extproc.routing.request import Kind, parse_body
 from extproc.server import Gateway
 from kvcached.block import checksum
-from kvcached.config import KvcachedConfig, StaticPeer
+from kvcached.config import KvcachedConfig, QuicSettings, StaticPeer, TlsFiles
 from kvcached.discovery import PeerTable
 from kvcached.errors import BadRequest, KvcachedError
 from kvcached.main import Daemon
+from kvcached.peers import buffer_bytes_default
 from kvgate.dev.etcd import EtcdServer
 from kvgate.dev.procs import Child, http_get
 from runtime.etcd import connect
@@ -490,3 +491,26 @@ async def test_shutdown_goes_on_when_the_store_fails_to_close(tmp_path: Path) ->
     await daemon.aclose()
     assert calls == ["store", "tracer"]
     assert daemon.store is None
+
+
+async def test_the_peer_servers_buffer_budget_is_configured_and_exported(tmp_path: Path) -> None:
+    """``quic.buffer_bytes`` reaches the PeerServer (absent: the default for ``max_block_bytes``), and the
+    budget is exported with the daemon's metrics."""
+    leaf = dev_bundle(tmp_path / "pki", ["kvcached-a"], dt.datetime.now(dt.UTC))["kvcached-a"]
+    tls = TlsFiles(leaf.cert, leaf.key, leaf.ca)
+    for quic, expected in [
+        (QuicSettings(), buffer_bytes_default(64 << 20)),
+        (QuicSettings(buffer_bytes=96 << 20), 96 << 20),
+    ]:
+        daemon = Daemon(
+            KvcachedConfig("a", RAM_BYTES, listen_unix=str(tmp_path / "a.sock"), tls=tls, quic=quic)
+        )
+        try:
+            await daemon.start()
+            assert daemon.peer_server is not None
+            assert daemon.peer_server.budget.capacity_bytes == expected
+            sample = daemon.metrics.registry.get_sample_value
+            assert sample("kvcached_peer_buffer_capacity_bytes") == expected
+            assert sample("kvcached_peer_buffer_bytes") == 0 and sample("kvcached_peer_busy_total") == 0
+        finally:
+            await daemon.aclose()

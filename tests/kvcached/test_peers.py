@@ -936,3 +936,165 @@ async def test_a_response_whose_client_stops_acknowledging_is_ended(pki: Pki) ->
     finally:
         await client.aclose()
         await server.aclose()
+
+
+# -- the server-wide buffer budget ---------------------------------------------------------------------
+
+
+def _queued(server: PeerServer) -> int:
+    """Response bytes the server holds queued (sent or not, unacknowledged), all connections together."""
+    return sum(len(s.sender._buffer) for p in server._protocols for s in p._quic._streams.values())
+
+
+async def test_many_connections_and_streams_stay_within_the_servers_buffer_budget(pki: Pki) -> None:
+    """Per-stream bounds do not bound their sum: 4 clients that stop acknowledging, 2 streams each, of a
+    1 MiB block made the server hold 8 MiB (and N clients N times that). With a 4 MiB budget it holds at
+    most 4 MiB; the streams past it are reset (``ERR_BUSY``: a prompt miss for their clients), and every
+    charge is given back when the connections are lost."""
+    block, blocks = 1 << 20, [digest(1), digest(2)]
+    store = DictStore({d: os.urandom(block) for d in blocks})
+    budget = 4 << 20
+    server = server_for(store, pki.a, buffer_bytes=budget, stall_timeout_s=30.0)
+    address = f"127.0.0.1:{await server.start()}"
+    clients = [client_for(pki.b, timeout_s=30.0) for _ in range(4)]
+    fetches: list[asyncio.Future[dict[bytes, bytes]]] = []
+    try:
+        for client in clients:
+            link = await client._link(address, *split_address(address))
+            link.transport.pause_reading()  # a client that reads (and acknowledges) nothing more
+            fetches += [asyncio.ensure_future(client.fetch(address, [d])) for d in blocks]
+        assert await _until(lambda: server.stats()["requests"] + server.stats()["busy"] >= 8, 5.0)
+        assert await _until(lambda: _queued(server) >= block, 5.0)
+        assert server.stats()["busy"] >= 4  # a response holds its 1 MiB (and its request) until acknowledged
+        assert _queued(server) <= budget
+        assert server.budget.peak_bytes <= budget
+        assert server.stats()["buffer_bytes"] == server.budget.held_bytes > 0
+        for client in clients:
+            await client.aclose()  # the connections are lost: every charge is given back
+        assert await _until(lambda: server.budget.held_bytes == 0 and not _serving(server), 5.0)
+        fresh = client_for(pki.b)
+        try:
+            assert await fresh.fetch(address, blocks) == {d: store.blocks[d] for d in blocks}
+            assert await _until(lambda: server.budget.held_bytes == 0, 5.0)  # acknowledged: released
+        finally:
+            await fresh.aclose()
+    finally:
+        for task in fetches:
+            task.cancel()
+        await asyncio.gather(*fetches, return_exceptions=True)
+        for client in clients:
+            await client.aclose()
+        await server.aclose()
+
+
+async def test_a_block_over_the_budget_is_a_prompt_miss_and_nothing_stays_charged(pki: Pki) -> None:
+    """A response whose next frame does not fit the budget is reset with ``ERR_BUSY`` after the frames that
+    did: the client keeps those, misses the rest at once and keeps its connection; nothing stays charged."""
+    store = DictStore({digest(1): os.urandom(1000), digest(2): os.urandom(2 << 20)})
+    server = server_for(store, pki.a, buffer_bytes=1 << 20)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        got = await client.fetch(address, [digest(1), digest(2)])
+        assert got == {digest(1): store.blocks[digest(1)]}
+        assert time.monotonic() - started < 2.0  # a reset, not a timeout
+        stats = server.stats()
+        assert stats["busy"] == 1 and stats["errors"] == 0 and stats["connections"] == 1
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        assert await client.fetch(address, [digest(1)]) == {digest(1): store.blocks[digest(1)]}
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_request_stream_over_the_budget_is_refused_and_its_charge_given_back(pki: Pki) -> None:
+    """Each request stream is charged from its first byte: with room for one, a second (on another
+    connection) is refused with ``ERR_BUSY`` (a miss), and once the first is reset by its client the
+    budget is whole again."""
+    store = DictStore({digest(1): b"x" * 100})
+    server = server_for(store, pki.a, buffer_bytes=peers.REQUEST_CHARGE_BYTES + 4096)
+    address = f"127.0.0.1:{await server.start()}"
+    holder, other = client_for(pki.b), client_for(pki.b)
+    try:
+        link = await holder._link(address, *split_address(address))
+        quic = link.protocol._quic
+        sid = quic.get_next_available_stream_id()
+        quic.send_stream_data(sid, encode_request([digest(1)])[:10])  # a request that never ends
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == peers.REQUEST_CHARGE_BYTES, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {}
+        assert server.stats()["busy"] == 1 and server.stats()["bad_requests"] == 0
+        quic.reset_stream(sid, peers.ERR_CANCELLED)
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {digest(1): b"x" * 100}
+    finally:
+        await holder.aclose()
+        await other.aclose()
+        await server.aclose()
+
+
+async def test_a_cancelled_fetch_gives_its_charges_back(pki: Pki) -> None:
+    server = server_for(DictStore({digest(1): b"z" * (16 << 20)}), pki.a, egress_bytes_per_s=8e6)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b, timeout_s=5.0)
+    try:
+        task = asyncio.ensure_future(client.fetch(address, [digest(1)]))
+        assert await _until(lambda: server.budget.held_bytes > 16 << 20, 5.0)  # the record and its queue
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await _until(lambda: server.budget.held_bytes == 0 and not _serving(server), 2.0)
+        assert _queued(server) == 0  # the stopped stream keeps none of its queued data
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_request_stream_with_only_out_of_order_data_is_charged(pki: Pki) -> None:
+    """Out-of-order data raises no event, but aioquic zero-fills the gap before it: the stream is charged
+    from that first byte too, so such streams cannot pile up outside the budget."""
+    room = peers.REQUEST_CHARGE_BYTES + 4096  # one request and a small response
+    server = server_for(DictStore({digest(1): b"x" * 100}), pki.a, buffer_bytes=room)
+    address = f"127.0.0.1:{await server.start()}"
+    holder, other = client_for(pki.b), client_for(pki.b)
+    try:
+        link = await holder._link(address, *split_address(address))
+        sid = link.protocol._quic.get_next_available_stream_id()
+        _send_tail(link.protocol._quic, sid, 1000)  # bytes 900..1000 only: a 900-byte gap, no event
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == peers.REQUEST_CHARGE_BYTES, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {}
+        assert server.stats()["busy"] == 1
+        await holder.aclose()  # the connection is lost: its stream's charge is given back
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        assert await other.fetch(address, [digest(1)]) == {digest(1): b"x" * 100}
+    finally:
+        await holder.aclose()
+        await other.aclose()
+        await server.aclose()
+
+
+async def test_a_request_stopped_by_its_client_before_it_ends_gives_its_charge_back(pki: Pki) -> None:
+    """STOP_SENDING on a request still arriving: the server drops it and reads no more of it, so what the
+    client still sends on it is not charged again."""
+    server = server_for(DictStore({}), pki.a)
+    address = f"127.0.0.1:{await server.start()}"
+    client = client_for(pki.b)
+    try:
+        link = await client._link(address, *split_address(address))
+        quic = link.protocol._quic
+        sid = quic.get_next_available_stream_id()
+        quic.send_stream_data(sid, encode_request([digest(1)])[:10])
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == peers.REQUEST_CHARGE_BYTES, 5.0)
+        quic.stop_stream(sid, peers.ERR_CANCELLED)
+        link.protocol.transmit()
+        assert await _until(lambda: server.budget.held_bytes == 0, 5.0)
+        quic.send_stream_data(sid, encode_request([digest(1)])[10:20])  # more of the request it stopped
+        link.protocol.transmit()
+        assert await client.fetch(address, [digest(2)]) == {}  # a round trip: the bytes above arrived
+        assert server.budget.held_bytes == 0
+    finally:
+        await client.aclose()
+        await server.aclose()
