@@ -150,6 +150,15 @@ def test_the_prefill_half_runs_before_envoy_gets_the_decode_endpoint() -> None:
         (None, "unreachable", "unreachable"),
         (b'{"choices": []}', None, "bad_response"),
         (b"<html>", None, "bad_response"),
+        (ANSWER.replace(b'"remote_block_ids":[1,2]', b'"remote_block_ids":"1,2"'), None, "bad_response"),
+        # nested past what orjson re-encodes (255 levels): a 500 and a stack trace before
+        (
+            ANSWER.replace(
+                b'"remote_block_ids"', b'"nest":' + b"[" * 300 + b"]" * 300 + b',"remote_block_ids"'
+            ),
+            None,
+            "bad_response",
+        ),
     ],
 )
 def test_a_failed_prefill_is_served_aggregated_on_the_decode_endpoint(
