@@ -436,8 +436,8 @@ class StreamProcessor:
     def prepare(self, msg: pb.ProcessingRequest) -> None:
         """Parse, rewrite, render and tokenize the body ``msg`` ends (:meth:`preparable`), keeping the result
         or the error for :meth:`handle`. Safe in a worker thread while the event loop runs other streams:
-        it reads this stream's buffered chunks and the router's models and policy, and changes nothing
-        else; the caller does not touch this processor until it returns."""
+        it reads this stream's buffered chunks, the router's models and policy and the disaggregation
+        policy, and changes nothing else; the caller does not touch this processor until it returns."""
         last = msg.request_body.body if msg.WhichOneof("request") == "request_body" else b""
         try:
             self._prepared = self._prepare(b"".join([*self._chunks, last]))
@@ -650,8 +650,23 @@ class StreamProcessor:
                 request, body = rewrite_model(request, run.model)
         if timeline is not None:
             timeline.mark("parse")
-        tokens = self._router.tokens(request, exact_count=self._gate is not None, timeline=timeline)
+        # A request disaggregation may plan has its window tokenized whole here (in the worker thread for a
+        # large body): the plan counts its uncached tokens exactly, and would otherwise tokenize on the loop.
+        window = self._paired(request, run)
+        tokens = self._router.tokens(
+            request, exact_count=self._gate is not None, timeline=timeline, window=window
+        )
         return _Prepared(request, body, tokens, self._clock() - started, run)
+
+    def _paired(self, request: ParsedRequest, run: Run | None) -> bool:
+        """Whether ``request`` may be paired with a prefill half (:mod:`extproc.disagg`): chat or
+        completions, no gated cascade step, its model's serving spec not aggregated."""
+        return (
+            self._disagg is not None
+            and request.kind in GENERATIVE_KINDS
+            and not (run is not None and run.gated)
+            and self._disagg.pairs(request.model)
+        )
 
     def _route(self) -> list[pb.ProcessingResponse]:
         """Route the buffered body: prepared already (:meth:`prepare`), or prepared now; the body is joined
@@ -904,12 +919,7 @@ class StreamProcessor:
         if self.timeline is not None:
             self.timeline.skip()
         prefer = self._affine(request, now)
-        paired = (
-            self._disagg is not None
-            and request.kind in GENERATIVE_KINDS
-            and not (prepared.run is not None and prepared.run.gated)
-            and self._disagg.pairs(request.model)
-        )
+        paired = self._paired(request, prepared.run)
         try:
             self.decision = self._router.decide(
                 request,
@@ -1140,14 +1150,18 @@ class StreamProcessor:
                 seeded = dataclasses.replace(prepared.request, body=run.replay_body())
                 request, body = rewrite_model(seeded, run.model)
                 # The same prompt as the step just committed: the render and history memos answer it.
-                tokens = self._router.tokens(request, exact_count=self._gate is not None)
+                tokens = self._router.tokens(
+                    request, exact_count=self._gate is not None, window=self._paired(request, run)
+                )
                 return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
             if answered is not None:
                 self.answered = answered
                 self._phase = Phase.DONE
                 return [_answer_reply(answered)]
             request, body = rewrite_model(prepared.request, run.escalate())
-            tokens = self._router.tokens(request, exact_count=self._gate is not None)
+            tokens = self._router.tokens(
+                request, exact_count=self._gate is not None, window=self._paired(request, run)
+            )
             return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
         except GatewayError as exc:
             return [self._reject(exc)]

@@ -174,10 +174,12 @@ class Disaggregator:
         block_size = self._router.policy.block_size
         rest = decision.rest
         if rest is not None:
-            # The lazy path stopped at the first unheld block, so ``prompt_tokens`` is an estimate from
+            # Where the lazy path stopped at the first unheld block, ``prompt_tokens`` is an estimate from
             # characters (a follow-up's new turn at its history's ratio). Whether to disaggregate turns on
-            # the uncached count, so count the window exactly first, as before the lazy path stopped early
-            # for follow-ups; the prefill pick records this window anyway.
+            # the uncached count, so the window is counted exactly; the prefill pick records it anyway. The
+            # ext_proc tokenizes a paired request's window whole where it prepares the request (Router.tokens
+            # ``window``: in a worker thread for a large body), so this finds it done there and tokenizes
+            # nothing on the event loop.
             rest.finish()
             decision.prompt_tokens = rest.cursor.estimate()  # exact unless the prompt outruns the window
         uncached = max(0, decision.prompt_tokens - decision.matched_blocks * block_size)

@@ -24,7 +24,7 @@ unless told ``disagg_prefill_dp_rank``: the prefill half goes without a client's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -42,6 +42,10 @@ PREFILL_PARAMS: Mapping[str, object] = {
 }
 #: Fields a prefill engine's ``kv_transfer_params`` must carry for the decode side to fetch the blocks.
 REQUIRED_FROM_PREFILL = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+#: The largest ``kv_transfer_params`` forwarded to a decode engine, encoded (bytes): NixlConnector's block
+#: ids of a 1M-token prompt (65,536 blocks of 16 tokens, about 7 bytes an id) in four KV cache groups take
+#: about 1.8 MB; anything past it is no prefill engine's answer.
+MAX_PARAMS_BYTES = 2 << 20
 #: Fields a vLLM prefill engine refuses or that would make it stream or decode past one token.
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 #: Fields the SGLang prefill half goes without: it never streams, and its data-parallel rank is the room's
@@ -74,15 +78,51 @@ def prefill_body(request: Mapping[str, Any]) -> bytes:
 
 
 def transfer_params(response: bytes) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a vLLM prefill engine's JSON answer; :class:`HandoffFailed`
-    (``bad_response``) when there are none, or they lack a field the decode side needs."""
+    """The ``kv_transfer_params`` of a vLLM prefill engine's JSON answer, checked before any of it goes to a
+    decode engine: a JSON object (its keys strings), with the fields the decode side reads of the types
+    vLLM sends (``remote_engine_id`` and ``remote_host`` strings, ``remote_port`` a port number,
+    ``remote_block_ids`` a list of block ids, or of such lists: one a KV cache group; ``tp_size``, when
+    present, a positive integer), at most :data:`MAX_PARAMS_BYTES` encoded. :class:`HandoffFailed`
+    (``bad_response``) otherwise: the request is then served aggregated, nothing of them forwarded."""
     params = _object(response).get("kv_transfer_params")
     if not isinstance(params, dict):
         raise HandoffFailed("bad_response", "the prefill answer carries no kv_transfer_params")
     missing = [k for k in REQUIRED_FROM_PREFILL if params.get(k) is None]
     if missing:
         raise HandoffFailed("bad_response", f"kv_transfer_params lack {', '.join(missing)}")
+    wrong = [k for k, ok in _FIELD_CHECKS.items() if k in params and not ok(params[k])]
+    if wrong:
+        raise HandoffFailed("bad_response", f"kv_transfer_params: bad {', '.join(wrong)}")
+    try:
+        size = len(orjson.dumps(params))
+    except orjson.JSONEncodeError:  # nested past orjson's depth limit: it could not be forwarded
+        raise HandoffFailed("bad_response", "kv_transfer_params nested too deep") from None
+    if size > MAX_PARAMS_BYTES:
+        raise HandoffFailed("bad_response", f"kv_transfer_params of {size} bytes (over {MAX_PARAMS_BYTES})")
     return params
+
+
+def _count(value: object, low: int, high: int | None = None) -> bool:
+    """An integer (not a boolean) in ``[low, high]``."""
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _block_ids(value: object) -> bool:
+    """vLLM's ``remote_block_ids``: block ids, or (a model with several KV cache groups) a list of them
+    per group."""
+    return isinstance(value, list) and all(
+        _count(v, 0) or (isinstance(v, list) and all(_count(b, 0) for b in v)) for v in value
+    )
+
+
+#: The fields of a prefill engine's ``kv_transfer_params`` the decode side reads, and their check.
+_FIELD_CHECKS: Mapping[str, Callable[[object], bool]] = {
+    "remote_engine_id": lambda v: isinstance(v, str),
+    "remote_host": lambda v: isinstance(v, str),
+    "remote_port": lambda v: _count(v, 1, 65535),
+    "remote_block_ids": _block_ids,
+    "tp_size": lambda v: _count(v, 1),
+}
 
 
 def decode_body(request: Mapping[str, Any], params: Mapping[str, Any]) -> bytes:

@@ -37,9 +37,10 @@ Which prompt length each consumer uses:
   characters left at the tokenized part's characters-per-token ratio
   (:meth:`~extproc.models.tokenizer.PrefixCursor.estimate`: a prompt past the digest window, or one whose
   tokenization stopped at the first unheld block). Disaggregation's uncached tokens (``prompt_tokens -
-  matched x block_size``, its conditional threshold) finish ``rest`` first and so count the window
-  exactly (:meth:`extproc.disagg.plan.Disaggregator.plan`): a follow-up's new turn may be far denser in
-  tokens than its history;
+  matched x block_size``, its conditional threshold) count the window exactly
+  (:meth:`extproc.disagg.plan.Disaggregator.plan`): a follow-up's new turn may be far denser in tokens
+  than its history, so a request that may be paired has its window tokenized whole where it is prepared
+  (:meth:`Router.tokens` ``window``, in the ext_proc's worker thread for a large body);
 - ``Decision.prompt_blocks`` (the prefix hit-ratio metric, the access log's ``blocks``, federation's
   ``worth_hashing``): ``len(digests)``, or with ``rest`` set the larger of that and ``prompt_tokens``'s
   blocks;
@@ -208,8 +209,9 @@ class Tokens:
     ones the digests use; ``block_size``: units per index block; ``count``: the prompt length in tokens
     (estimated when not ``exact`` or when ``ids`` stop early). ``rest``: set when ``ids`` stop at the
     first block nobody held (:class:`LazyPrompt`, which tokenizes on when asked; its chain, for the
-    request the tokens were made for, is ``rest.digests``); ``None`` when ``ids`` cover the digest
-    window or the whole prompt. ``chain``: the digests already hashed for these ids by the lazy path
+    request the tokens were made for, is ``rest.digests``), or when the window was tokenized whole for a
+    paired request (:meth:`Router.tokens` ``window``: ``rest`` complete); ``None`` when ``ids`` cover the
+    digest window or the whole prompt. ``chain``: the digests already hashed for these ids by the lazy path
     (what :meth:`Router.digests` returns then, instead of hashing again); ``None`` otherwise.
     ``estimated``: the prompt's length in tokens estimated from its rendered UTF-8 bytes (``nbytes``) at
     the model's tokens-per-byte ratio (:meth:`Router.ratio`): a function of the prompt alone, the same
@@ -390,11 +392,12 @@ class LazyPrompt:
         while not self.complete:
             self._hash_step()
 
-    def tokens(self) -> Tokens:
+    def tokens(self, keep: bool = False) -> Tokens:
         """A snapshot: the ids so far, the length estimate (exact once the prompt is done) and, unless
-        :attr:`complete`, this prompt as ``rest``."""
+        :attr:`complete`, this prompt as ``rest`` (with ``keep``: always, so the commit still remembers its
+        state for the next turn, :meth:`remember`)."""
         cursor = self.cursor
-        rest = None if self.complete else self
+        rest = None if self.complete and not keep else self
         return Tokens(
             cursor.ids[:],  # an array's copy: one buffer copy
             self.block_size,
@@ -504,7 +507,12 @@ class Router:
         self._store_nodes = {EndpointId(node_store_endpoint(node)): node for node in nodes}
 
     def tokens(
-        self, request: ParsedRequest, *, exact_count: bool = False, timeline: Timeline | None = None
+        self,
+        request: ParsedRequest,
+        *,
+        exact_count: bool = False,
+        timeline: Timeline | None = None,
+        window: bool = False,
     ) -> Tokens:
         """Render and tokenize exactly as the engine does (or the byte fallback for unknown tokenizers).
 
@@ -512,7 +520,11 @@ class Router:
         the context-length check must count (:mod:`extproc.routing.length`), the leading ``allowed + 1``
         tokens or the digest window, whichever is more. Otherwise only up to the first block that no
         endpoint nor node store holds (``rest`` is then set, see :class:`LazyPrompt`) or the digest
-        window (``max_blocks`` blocks), and the length is estimated. Raises
+        window (``max_blocks`` blocks), and the length is estimated. With ``window`` (a request
+        disaggregation may plan, whose uncached count is exact within the window:
+        :meth:`extproc.disagg.plan.Disaggregator.plan`) the lazy path goes on to the window's end here, where
+        the caller tokenizes (the ext_proc: in a worker thread for large bodies), not in the plan on the
+        event loop; ``rest`` then stays set, complete, for the commit's record and memory. Raises
         :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is known and
         the prompt leaves no room in it for an output token.
 
@@ -549,7 +561,9 @@ class Router:
                     history=self.history if request.kind in CHAT_KINDS and not found.special else None,
                 )
                 lazy.extend(self.index.unheld)
-                tokens = lazy.tokens()
+                if window:
+                    lazy.finish()
+                tokens = lazy.tokens(keep=window)
             else:
                 ids, count = found  # exact: a prompt that fits is counted to its end (_token_ids)
                 if estimated is None:
@@ -826,7 +840,7 @@ class Router:
             max(state.warm_blocks.values(), default=0),
             state.peer_warm_blocks,
         )
-        if tokens.rest is None and lead >= len(digests):
+        if (tokens.rest is None or tokens.rest.complete) and lead >= len(digests):
             return len(digests)
         estimated = tokens.count if tokens.estimated is None else tokens.estimated
         return max(min(self.max_blocks, estimated // tokens.block_size), lead + 1)

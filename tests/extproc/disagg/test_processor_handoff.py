@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,9 +24,9 @@ from extproc.fleet import Fleet
 from extproc.flow.control import TTFT_DEADLINE_UPSTREAM, FlowControl
 from extproc.flow.policy import FlowPolicy, ModelSaturation, Objective, Saturation
 from extproc.index.approximate import ApproximateIndex
-from extproc.models.registry import ModelRegistry
+from extproc.models.registry import ModelAssets, ModelRegistry
 from extproc.processor import ProcessorConfig, StreamProcessor, serving
-from extproc.routing.router import Router, RoutingPolicy
+from extproc.routing.router import LazyPrompt, Router, RoutingPolicy
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile
 from tests.extproc.disagg.test_plan import endpoint as plan_endpoint
 from tests.extproc.disagg.test_plan import make as plan_make
@@ -149,6 +150,15 @@ def test_the_prefill_half_runs_before_envoy_gets_the_decode_endpoint() -> None:
         (None, "unreachable", "unreachable"),
         (b'{"choices": []}', None, "bad_response"),
         (b"<html>", None, "bad_response"),
+        (ANSWER.replace(b'"remote_block_ids":[1,2]', b'"remote_block_ids":"1,2"'), None, "bad_response"),
+        # nested past what orjson re-encodes (255 levels): a 500 and a stack trace before
+        (
+            ANSWER.replace(
+                b'"remote_block_ids"', b'"nest":' + b"[" * 300 + b"]" * 300 + b',"remote_block_ids"'
+            ),
+            None,
+            "bad_response",
+        ),
     ],
 )
 def test_a_failed_prefill_is_served_aggregated_on_the_decode_endpoint(
@@ -550,3 +560,58 @@ def test_an_sglang_prefill_half_is_recorded_when_the_pair_is_sent(failure: str |
     proc.close()
     held = held_blocks(router)
     assert held[PREFILL] > 0 and held[DECODE] > 0
+
+
+def test_a_paired_prompt_prepared_off_the_loop_is_planned_without_tokenizing_on_it(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large body is parsed, rendered and tokenized in a worker thread (:meth:`StreamProcessor.prepare`);
+    the plan needs the window's exact uncached count, so a paired model's window is tokenized there too:
+    the event loop's half (:meth:`StreamProcessor.handle`) hashes no block of it (it tokenized ~4,000
+    tokens, 60-90 ms on this machine, while every other stream of the worker waited). The verdict and the
+    prefill pick's digests are those of the loop's own tokenizing, and the commit remembers the prompt's
+    state for the next turn as an unpaired one's does."""
+    assets = ModelAssets.load(MODEL, Path(model_dir), max_model_len=1 << 20)
+    prompt = " ".join(f"s{i} lorem ipsum" for i in range(2000))  # ~35 KiB: prepared in a worker thread
+
+    def paired() -> StreamProcessor:
+        assets.tokenizer.clear_cache()  # each processor tokenizes from the same empty segment cache
+        router = Router(
+            Fleet([plan_endpoint("p", "prefill"), plan_endpoint("d", "decode")]),
+            ModelRegistry([assets]),
+            ApproximateIndex(),
+            RoutingPolicy(build_profile(DEFAULT_SCHEDULING), block_size=16),
+            rng=random.Random(0),
+        )
+        route = PdRoute(PdSpec("disaggregated"), build_profile(DEFAULT_SCHEDULING))
+        pd = Disaggregator(router, PdPolicy(types.MappingProxyType({MODEL: route})), random.Random(0))
+        return StreamProcessor(router, ProcessorConfig(max_body_bytes=1 << 22), lambda: 1000.0, disagg=pd)
+
+    payload = request(prompt)
+    on_loop = paired()  # the reference: everything on the loop (no prepare)
+    start(on_loop, payload)
+    proc = paired()
+    assert proc.handle(headers("/v1/completions")) == []
+    msg = body(payload)
+    assert proc.preparable(msg)
+    proc.prepare(msg)  # the worker thread's half
+    steps: list[int] = []
+    hash_step = LazyPrompt._hash_step
+
+    def counted(self: LazyPrompt) -> None:
+        steps.append(len(self.digests))
+        hash_step(self)
+
+    monkeypatch.setattr(LazyPrompt, "_hash_step", counted)
+    proc.handle(msg)  # the event loop's half
+    assert steps == [], "no block tokenized or hashed on the event loop"
+    assert proc.handoff is not None
+    assert proc.pd is not None and on_loop.pd is not None
+    assert proc.pd.handoff is not None and on_loop.pd.handoff is not None
+    assert proc.pd.handoff.uncached_tokens == on_loop.pd.handoff.uncached_tokens
+    assert list(proc.pd.handoff.digests) == list(on_loop.pd.handoff.digests)
+    assert len(proc.pd.handoff.digests) == 256  # the whole window
+    remembered: list[int] = []
+    monkeypatch.setattr(LazyPrompt, "remember", lambda self, held=None: remembered.append(len(self.digests)))
+    proc.after_send()
+    assert remembered == [256], "the commit remembers the prompt's state for the next turn"

@@ -3,6 +3,7 @@ fields (examples written from the protocol: vLLM's NixlConnector and its disaggr
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -10,6 +11,7 @@ import pytest
 
 from extproc.disagg.errors import HandoffFailed
 from extproc.disagg.protocol import (
+    MAX_PARAMS_BYTES,
     MAX_ROOM,
     bootstrap_bodies,
     decode_body,
@@ -99,6 +101,67 @@ def test_unusable_prefill_answers(answer: bytes, detail: str) -> None:
         transfer_params(answer)
     assert caught.value.reason == "bad_response"
     assert detail in str(caught.value)
+
+
+def answer_with(**fields: Any) -> bytes:
+    """A prefill answer whose ``kv_transfer_params`` has ``fields`` changed (``None``: left out), encoded
+    by :mod:`json`, which nests deeper than orjson encodes."""
+    params = {**PREFILL_ANSWER["kv_transfer_params"], **fields}
+    return json.dumps({**PREFILL_ANSWER, "kv_transfer_params": params}).encode()
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("answer", "detail"),
+    [
+        (orjson.dumps({"kv_transfer_params": "x"}), "no kv_transfer_params"),
+        (orjson.dumps({"kv_transfer_params": [1, 2]}), "no kv_transfer_params"),
+        (answer_with(remote_block_ids="4,5"), "bad remote_block_ids"),
+        (answer_with(remote_block_ids=[4, "5"]), "bad remote_block_ids"),
+        (answer_with(remote_block_ids=[4, -1]), "bad remote_block_ids"),
+        (answer_with(remote_block_ids=[[4], [[5]]]), "bad remote_block_ids"),
+        (answer_with(remote_block_ids=nested(300)), "bad remote_block_ids"),
+        (answer_with(remote_port="5600"), "bad remote_port"),
+        (answer_with(remote_port=True), "bad remote_port"),
+        (answer_with(remote_port=70000), "bad remote_port"),
+        (
+            answer_with(remote_host={"ip": "10.0.0.7"}, remote_engine_id=7),
+            "bad remote_engine_id, remote_host",
+        ),
+        (answer_with(tp_size=0), "bad tp_size"),
+        (answer_with(extra=nested(300)), "nested too deep"),
+        (answer_with(extra="x" * MAX_PARAMS_BYTES), f"over {MAX_PARAMS_BYTES}"),
+    ],
+)
+def test_prefill_params_of_the_wrong_shape_are_unusable(answer: bytes, detail: str) -> None:
+    """Only the gateway sets a decode engine's handoff fields: what a prefill engine (or anything answering
+    on its address) returns is checked before it goes on (a string, a list, fields of other types, values
+    nested past what can be re-encoded, megabytes of them), each a ``bad_response``, not a crash."""
+    with pytest.raises(HandoffFailed) as caught:
+        transfer_params(answer)
+    assert caught.value.reason == "bad_response"
+    assert detail in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"tp_size": None, "remote_request_id": None},  # older releases send neither
+        {"remote_block_ids": [[4, 5], [0, 9]]},  # one list a KV cache group (hybrid models)
+        {"remote_block_ids": [], "remote_num_tokens": 2000, "vendor": {"any": ["json", 1]}},
+    ],
+)
+def test_prefill_params_of_vllms_shapes_go_on(fields: dict[str, Any]) -> None:
+    params = {k: v for k, v in {**PREFILL_ANSWER["kv_transfer_params"], **fields}.items() if v is not None}
+    answer = orjson.dumps({**PREFILL_ANSWER, "kv_transfer_params": params})
+    assert transfer_params(answer) == params
 
 
 def test_sglang_bootstrap_fields_go_to_both() -> None:

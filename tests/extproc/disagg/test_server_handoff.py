@@ -36,7 +36,8 @@ PARAMS = {
 
 class FakePrefill:
     """A prefill engine: ``mode`` ``ok`` (answers with transfer params), ``fail`` (503), ``junk`` (200
-    without them) or ``hang``."""
+    without them), ``shape`` (200 with block ids of the wrong type), ``deep`` (200 with params nested
+    past what orjson re-encodes) or ``hang``."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -49,6 +50,14 @@ class FakePrefill:
             return web.json_response({"error": {"code": 503}}, status=503)
         if self.mode == "junk":
             return web.json_response({"choices": []})
+        if self.mode == "shape":
+            return web.json_response(
+                {"choices": [], "kv_transfer_params": {**PARAMS, "remote_block_ids": "3,4"}}
+            )
+        if self.mode == "deep":
+            deep = "[" * 300 + "]" * 300
+            text = f'{{"choices": [], "kv_transfer_params": {{"nest": {deep}, {json.dumps(PARAMS)[1:]}}}'
+            return web.Response(text=text, content_type="application/json")
         if self.mode == "hang":
             await self.release.wait()
         return web.json_response({"choices": [], "kv_transfer_params": PARAMS})
@@ -144,7 +153,14 @@ async def test_prefilled_then_routed_to_the_decode_endpoint(
 
 
 @pytest.mark.parametrize(
-    ("mode", "reason"), [("fail", "status"), ("junk", "bad_response"), ("hang", "timeout")]
+    ("mode", "reason"),
+    [
+        ("fail", "status"),
+        ("junk", "bad_response"),
+        ("shape", "bad_response"),
+        ("deep", "bad_response"),
+        ("hang", "timeout"),
+    ],
 )
 async def test_a_failed_or_late_prefill_is_served_aggregated(
     gateway: Gateway, prefill: tuple[FakePrefill, str], mode: str, reason: str
