@@ -132,7 +132,7 @@ def build_ca(
     serial: int | None = None,
 ) -> x509.Certificate:
     """A self-signed dev CA valid from ``now - BACKDATE`` for ``days`` days; it signs leaves only."""
-    _check_days(days)
+    check_days(days)
     name = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvgate dev"),
@@ -174,7 +174,7 @@ def build_leaf(
     the module docstring).
     """
     role_of(name)
-    _check_days(days)
+    check_days(days)
     if now >= ca_cert.not_valid_after_utc:
         raise CertError(f"the CA expired at {ca_cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z: run certs init")
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
@@ -255,6 +255,8 @@ def _key_usage(*, ca: bool) -> x509.KeyUsage:
     )
 
 
-def _check_days(days: int) -> None:
+def check_days(days: int) -> None:
+    """A certificate lifetime in days, 1 to 398 (the CA/Browser Forum's longest); :class:`CertError`
+    otherwise."""
     if not 1 <= days <= 398:
         raise CertError(f"lifetime must be 1-398 days, got {days}")

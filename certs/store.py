@@ -108,10 +108,11 @@ def init_ca(directory: Path, now: dt.datetime, *, days: int = CA_DAYS, force: bo
     cert_path, key_path = ca_paths(directory)
     if cert_path.exists() and not force:
         raise CertError(f"{cert_path} exists: pass --force to replace the CA (its leaves stop verifying)")
-    ensure_dir(directory)
     key = new_key()
+    cert = build_ca(key, now, days=days)  # refused (a bad lifetime) before a file is touched
+    ensure_dir(directory)
     write_atomic(key_path, key_pem(key), KEY_MODE)
-    write_atomic(cert_path, cert_pem(build_ca(key, now, days=days)), CERT_MODE)
+    write_atomic(cert_path, cert_pem(cert), CERT_MODE)
     return cert_path
 
 

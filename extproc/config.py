@@ -34,7 +34,7 @@ Example (TOML)::
 
     [[endpoints]]
     id = "sim-0"
-    address = "127.0.0.1:8001"
+    address = "127.0.0.1:8001"        # an IP literal: Envoy routes to addresses (a name is refused)
     models = ["SmolLM2-135M-Instruct"]
     engine = "sim"
     metrics_url = "http://127.0.0.1:8001/metrics"
@@ -140,7 +140,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.config import MAX_DURATION_S, REQUIRED, Section, all_or_none, choice, hostport, read_tree
+from contracts.config import (
+    MAX_DURATION_S,
+    REQUIRED,
+    Section,
+    all_or_none,
+    choice,
+    hostport,
+    ip_port,
+    read_tree,
+)
 from contracts.errors import ConfigError
 from contracts.etcd import EtcdSettings, parse_etcd_settings
 from contracts.tracing import TracingSettings, parse_tracing
@@ -522,6 +531,12 @@ def parse_config(raw: object) -> GatewayConfig:
     if len(set(names)) != len(names):
         raise ConfigError("models: duplicate model name")
     endpoints = tuple(parse_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(top.array("endpoints", [])))
+    for i, e in enumerate(endpoints):  # EDS serves ip:port only: a name would never be routed to
+        if ip_port(e.address) is None:
+            raise ConfigError(
+                f"endpoints[{i}].address: an IP address and port (Envoy routes to addresses, not names; "
+                f"resolve it first, as kvgate up --endpoint does), got {e.address!r}"
+            )
     for key in ("id", "address"):
         values = [getattr(e, key) for e in endpoints]
         if len(set(values)) != len(values):

@@ -55,6 +55,7 @@ from typing import Protocol
 import etcd3aio
 
 from contracts import audit
+from contracts.config import ip_port
 from contracts.errors import ConfigError
 from contracts.etcd import (
     DRAIN,
@@ -408,6 +409,17 @@ class ControlCore:
             self.counters["rejected"] += 1
             return False
         endpoint = decoded.endpoint
+        if ip_port(endpoint.address) is None:  # EDS serves ip:port only: it would never be routed to
+            kept = "its last good value" if endpoint_id in self._ours else "it out of the fleet"
+            log.warning(
+                "etcd endpoint %s refused, keeping %s: address %r is not an IP address and port (Envoy "
+                "routes to addresses, not names)",
+                endpoint_id,
+                kept,
+                endpoint.address,
+            )
+            self.counters["rejected"] += 1
+            return False
         if not self.admits(endpoint):
             self._held[endpoint_id] = endpoint
             return self._hold(endpoint_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.errors import ConfigError
 from kvgate.dev.auth import StackAuth
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -121,3 +122,43 @@ class StackOptions:
     #: Benchmarks: with a ``federation`` overlay, Envoy's federation listener delays every request this
     #: many ms (its fault filter), standing in for the round trip from the other region.
     federation_delay_ms: float = 0.0
+
+
+def check_combination(opts: StackOptions) -> None:
+    """Options that do not go together, refused with a :class:`ConfigError` naming their flags, before
+    anything starts (``kvgate up`` reports it as a usage error, exit 2): negative counts, no engine at
+    all (``replicas`` 0 with nothing else to serve), ``prefill`` without ``decode`` or with engines of
+    its own, ``agents`` with ``endpoints`` or TLS, ``kvcached`` or ``etcd_auth`` without agents."""
+    agents = bool(opts.agents or opts.attach)
+    secure = opts.secure or opts.client_certs
+    if min(opts.agents, opts.replicas, opts.prefill, opts.decode) < 0:
+        raise ConfigError("--agents, --replicas, --prefill and --decode must not be negative")
+    if opts.extprocs is not None and opts.extprocs < 1:
+        raise ConfigError(f"--extprocs must be at least 1 (got {opts.extprocs})")
+    if opts.kvcached and not agents:
+        raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
+    if opts.etcd_auth and not agents:
+        raise ConfigError("--etcd-auth secures the local etcd of --agents: it needs --agents")
+    if agents and opts.endpoints:
+        raise ConfigError("--agents runs its own engines: not with --endpoint")
+    if agents and secure:
+        raise ConfigError("--agents runs its own engines: not with --secure or --client-certs")
+    if opts.prefill or opts.decode:
+        if opts.prefill < 1 or opts.decode < 1:
+            raise ConfigError("--prefill and --decode go together, each at least 1")
+        if opts.attach or opts.endpoints:
+            raise ConfigError("--prefill/--decode start simulators: not with --attach or --endpoint")
+        if opts.agents and (opts.agents != opts.prefill + opts.decode or opts.agent_engine != "sim"):
+            raise ConfigError(
+                "--agents with --prefill N --decode M: N + M agents, each running one simulated engine "
+                "of that role (the sim engine; with --pd-protocol sglang started as SGLang)"
+            )
+    if opts.pd_protocol not in ("vllm", "sglang"):
+        raise ConfigError(f"--pd-protocol: expected vllm or sglang, got {opts.pd_protocol!r}")
+    if opts.replicas < 1 and not (agents or opts.endpoints or opts.prefill):
+        raise ConfigError(
+            "--replicas 0 runs no engine: give at least 1, or --endpoint URL to front engines that run "
+            "already (or --agents N, --prefill N --decode M)"
+        )
+    if secure and opts.endpoints:
+        raise ConfigError("--secure runs simulated engines only (they get certificates from its CA)")

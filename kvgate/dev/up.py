@@ -66,7 +66,7 @@ from kvgate.dev.auth import DevAuth, StackAuth, start_dev_auth
 from kvgate.dev.etcd import EtcdServer, ServerTls, free_port
 from kvgate.dev.gateway_config import gateway_config, pin_listeners
 from kvgate.dev.nodes import agent_config, kvcached_config, pin_agent, pin_kvcached, port_of, sim_power
-from kvgate.dev.options import DEFAULT_MODEL, StackOptions
+from kvgate.dev.options import DEFAULT_MODEL, StackOptions, check_combination
 from kvgate.dev.preflight import check_port_free, endpoint_from_url, served_models
 from kvgate.dev.procs import (
     ChildFailed,
@@ -242,36 +242,12 @@ class Stack:
 
     def _start(self) -> None:
         opts = self.options
+        check_combination(opts)
         if opts.port:
             check_port_free(opts.host, opts.port)
         overlay.check(opts.overlay, dev_auth=opts.auth is not None)
         (self.workdir / stackfile.FILE_NAME).unlink(missing_ok=True)  # an earlier run's
-        if opts.kvcached and not (opts.agents or opts.attach):
-            raise ConfigError("--kvcached runs a kvcached daemon per agent node: it needs --agents")
-        if (opts.agents or opts.attach) and (opts.endpoints or self.secure):
-            raise ConfigError("--agents runs its own engines, without --endpoint or --secure")
-        if opts.etcd_auth and not (opts.agents or opts.attach):
-            raise ConfigError("--etcd-auth secures the local etcd of --agents: it needs --agents")
-        if min(opts.agents, opts.replicas, opts.prefill, opts.decode) < 0:
-            raise ConfigError("--agents, --replicas, --prefill and --decode must not be negative")
-        if opts.prefill or opts.decode:
-            if opts.prefill < 1 or opts.decode < 1:
-                raise ConfigError("--prefill and --decode go together, each at least 1")
-            if opts.attach or opts.endpoints:
-                raise ConfigError("--prefill/--decode start simulators: not with --attach or --endpoint")
-            if opts.agents and (opts.agents != opts.prefill + opts.decode or opts.agent_engine != "sim"):
-                raise ConfigError(
-                    "--agents with --prefill N --decode M: N + M agents, each running one simulated engine "
-                    "of that role (the sim engine; with --pd-protocol sglang started as SGLang)"
-                )
-        if opts.pd_protocol not in ("vllm", "sglang"):
-            raise ConfigError(f"--pd-protocol: expected vllm or sglang, got {opts.pd_protocol!r}")
-        no_engines = opts.replicas < 1 and not (opts.agents or opts.attach or opts.endpoints)
-        if (opts.extprocs is not None and opts.extprocs < 1) or no_engines:
-            raise ConfigError("--replicas and --extprocs must be at least 1")
         if self.secure:
-            if opts.endpoints:
-                raise ConfigError("--secure runs simulated engines only (they get certificates from its CA)")
             self._mint_certs()
         smollm2_dir = ""  # resolved only where something uses it (a missing GGUF: exit 1, not a traceback)
         if opts.agents or opts.attach:
@@ -860,8 +836,9 @@ def _host_sans(host: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvgate up``: 0 after a clean stop (Ctrl-C, SIGTERM), 1 when it cannot start, 2 for a bad
-    ``--config`` (nothing started), 130 when interrupted while starting. Once up it supervises: a child
-    that dies is restarted (:meth:`Stack.supervise`) and never stops the stack."""
+    ``--config`` or flags that do not go together (:func:`check_combination`; nothing started), 130
+    when interrupted while starting. Once up it supervises: a child that dies is restarted
+    (:meth:`Stack.supervise`) and never stops the stack."""
     parser = upcli.parser(DEFAULT_MODEL)
     args = parser.parse_args(argv)
     upcli.check(parser, args)
@@ -921,8 +898,14 @@ def main(argv: list[str] | None = None) -> int:
         etcd_auth=args.etcd_auth,
         overlay=extra,
     )
+    if options:
+        stack_options = dataclasses.replace(stack_options, **options)
     try:
-        stack = Stack(dataclasses.replace(stack_options, **options) if options else stack_options)
+        check_combination(stack_options)
+    except ConfigError as exc:  # flags that do not go together: usage (exit 2), nothing started
+        parser.error(str(exc))
+    try:
+        stack = Stack(stack_options)
     except OSError as exc:  # a --workdir that is a file, or not this user's to create
         print(f"kvgate up: --workdir: {exc}", file=sys.stderr)
         return 1

@@ -300,3 +300,23 @@ def test_allowed_peers_default_to_envoy_and_are_checked() -> None:
     for bad in ([], [""], [3]):
         with pytest.raises(ConfigError, match="tls_allowed_peers"):
             parse_config({"extproc": {"tls_allowed_peers": bad}})
+
+
+@pytest.mark.parametrize("address", ["host.example:8000", "localhost:8000"])
+def test_a_static_endpoint_named_by_host_is_refused(address: str) -> None:
+    """EDS serves ip:port only: a name was accepted, then never routed to (left out of every assignment)."""
+    raw = {
+        "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": address, "models": ["m"]}]
+    }
+    with pytest.raises(ConfigError, match=rf"endpoints\[1\]\.address: an IP address .* got '{address}'"):
+        parse_config(raw)
+
+
+def test_a_static_endpoint_by_ip_literal_is_taken() -> None:
+    raw = {
+        "endpoints": [
+            {"address": "[fd00::1]:8000", "models": ["m"]},
+            {"address": "10.0.0.1:80", "models": ["m"]},
+        ]
+    }
+    assert [e.address for e in parse_config(raw).endpoints] == ["[fd00::1]:8000", "10.0.0.1:80"]

@@ -94,6 +94,21 @@ def test_bad_endpoint_value_keeps_the_last_good_one() -> None:
     assert core.counters["rejected"] == 2
 
 
+def test_an_endpoint_registered_by_host_name_is_refused() -> None:
+    """EDS serves ip:port only: a name (an agent's remote ``address = "api.example:443"``) joined the fleet,
+    could be picked, and was never in Envoy's assignment."""
+    core, fleet, _ = _core()
+    a = _ep("a", 8001)
+    core.apply([_put_ep(a)], 2)
+    named = Endpoint(EndpointId("a"), "api.example:443", frozenset({"m"}))
+    assert core.apply([_put_ep(named)], 3) == Applied()
+    assert fleet.get(a.id).endpoint == a  # type: ignore[union-attr]
+    new = Endpoint(EndpointId("new"), "host.example:8000", frozenset({"m"}))
+    assert core.apply([_put_ep(new)], 4) == Applied()
+    assert fleet.get(new.id) is None and fleet.by_address("host.example:8000") is None
+    assert core.counters["rejected"] == 2
+
+
 def test_drain_flags() -> None:
     core, fleet, _ = _core()
     drain_b = Change(f"{P}drain/b", json.dumps({"at": 1.0, "by": "ops"}).encode())

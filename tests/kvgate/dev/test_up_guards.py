@@ -157,6 +157,18 @@ class _Exited:
         (["--power-cap-w", "300"], "need --agents"),
         (["--agents", "1", "--agent-engine", "llama_cpp", "--gpu", "h100"], "not with --agent-engine"),
         (["--agents", "1", "--model-dir", "/tmp"], "--model-dir"),
+        # each was exit 1, as if the stack could not start (--replicas 0 also named --extprocs)
+        (["--replicas", "0"], "--replicas 0 runs no engine"),
+        (["--prefill", "1"], "--prefill and --decode go together"),
+        (["--decode", "2"], "--prefill and --decode go together"),
+        (["--prefill", "1", "--decode", "1", "--endpoint", "http://127.0.0.1:9"], "start simulators"),
+        (["--agents", "3", "--prefill", "1", "--decode", "1"], "N + M agents"),
+        (["--agents", "1", "--endpoint", "http://127.0.0.1:9"], "not with --endpoint"),
+        (["--agents", "1", "--secure"], "not with --secure"),
+        (["--agents", "1", "--client-certs"], "not with --secure"),
+        (["--kvcached"], "--kvcached runs a kvcached daemon per agent node: it needs --agents"),
+        (["--etcd-auth"], "--etcd-auth secures the local etcd of --agents: it needs --agents"),
+        (["--secure", "--endpoint", "http://127.0.0.1:9"], "--secure runs simulated engines only"),
     ],
 )
 def test_flags_it_does_not_take_are_refused_before_anything_starts(
@@ -168,6 +180,24 @@ def test_flags_it_does_not_take_are_refused_before_anything_starts(
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
     assert not workdir.exists()
+
+
+def test_replicas_0_is_no_refusal_where_other_engines_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--prefill N --decode M`` replaces ``--replicas``: its count does not matter there (it was refused
+    as "--replicas and --extprocs must be at least 1")."""
+
+    def stop_here(self: up.Stack, model_dir: str) -> None:
+        raise up.ConfigError("stop before starting children")
+
+    monkeypatch.setattr(up.Stack, "_smollm2_dir", lambda self: str(tmp_path))
+    monkeypatch.setattr(up.Stack, "_start_sims", stop_here)
+    options = up.StackOptions(port=0, workdir=tmp_path / "w", replicas=0, prefill=1, decode=1)
+    with pytest.raises(up.ConfigError, match="stop before"):
+        up.Stack(options).start()
+    with pytest.raises(up.ConfigError, match="--replicas 0 runs no engine"):
+        up.Stack(up.StackOptions(port=0, workdir=tmp_path / "v", replicas=0)).start()
 
 
 def test_a_negative_agent_count_is_refused_by_the_stack_too(tmp_path: Path) -> None:
