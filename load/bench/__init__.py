@@ -349,6 +349,19 @@ def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
     return variants
 
 
+#: The goal beside every ratio goal of the simulated-fleet benches (routing, disagg): the ratios are over
+#: served requests, so a target that fails requests could read better on them; this one fails instead.
+SUCCESS_GOAL = "success_100pct_every_run"
+
+
+def success_goal(failed_runs: Iterable[str]) -> dict[str, Any]:
+    """:data:`SUCCESS_GOAL`'s verdict: met only when no measured run failed a request; ``failed_runs``
+    names each run that did (a request sent and not served is a failure, not "not measured"; a target
+    that could not start is not a run)."""
+    failed = list(failed_runs)
+    return {"value": not failed, "failed_runs": failed, "met": not failed}
+
+
 def ranking_holds_all(variants: Iterable[Mapping[str, Any]], key: str = "ranking_holds") -> bool:
     """A sweep's verdict (``sweep_ranking_holds_all``): whether every variant's ``key`` is true."""
     return all(v[key] for v in variants)

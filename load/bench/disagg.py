@@ -32,7 +32,10 @@ served requests over the run's wall time), errors.
 Goals (``goals``): conditional ITL p90 <= 0.5 x aggregated with TTFT p90 <= 1.2 x aggregated;
 disaggregated TTFT p90 <= 0.6 x sglang-router's PD mode, both over the SGLang-protocol fleet
 (``kvgate-disaggregated-sglang`` / ``sglang-router-pd``: the same engine protocol; the ratio of the vLLM
-protocol's ``kvgate-disaggregated`` is reported beside it).
+protocol's ``kvgate-disaggregated`` is reported beside it). The ratios are over served requests, so
+``success_100pct_every_run`` (:func:`load.bench.success_goal`, as the routing bench judges it) is judged
+beside them: not met when any run of any target lost a request (:func:`failed_runs`); a sweep variant's
+``goals_met`` and ``peer_goal_met`` need it too.
 
 ``--repeats N`` runs every target ``N`` times, interleaved (round 1 runs each target once, then round 2,
 ...: a slow spell of the shared machine hits every target alike). Each target's row is then the median of
@@ -59,6 +62,7 @@ from typing import Any
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL, Stack, StackOptions
 from load.bench import (
+    SUCCESS_GOAL,
     TIMING_SOURCES,
     chosen_targets,
     counts,
@@ -69,6 +73,7 @@ from load.bench import (
     skipped,
     step_args,
     step_variants,
+    success_goal,
     summary,
 )
 from load.bench import targets as tg
@@ -372,6 +377,19 @@ def goals(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out["disaggregated_ttft_p90_over_sglang_pd"] = _goal(
             None, "<= 0.6", None, reason="a target did not run"
         )
+    out[SUCCESS_GOAL] = success_goal(failed_runs(rows))
+    return out
+
+
+def failed_runs(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Each run that lost a request (``lost``: sent and not served), by target (``target (run i)`` for a
+    median row's ``runs``: a median of ``lost`` would hide one run's losses); skipped runs are not runs."""
+    out = []
+    for name, row in rows.items():
+        runs = row.get("runs", [row])
+        for i, run in enumerate(runs):
+            if "skipped" not in run and run.get("lost", 0) > 0:
+                out.append(name if len(runs) == 1 else f"{name} (run {i + 1})")
     return out
 
 
@@ -426,12 +444,17 @@ def sweep(
                 "conditional_itl_p90_over_aggregated": itl,
                 "conditional_ttft_p90_over_aggregated": ttft,
                 "ranking_holds": itl is not None and itl < 1.0,
-                "goals_met": itl is not None and itl <= 0.5 and ttft is not None and ttft <= 1.2,
+                SUCCESS_GOAL: got[SUCCESS_GOAL]["met"],
+                "goals_met": itl is not None
+                and itl <= 0.5
+                and ttft is not None
+                and ttft <= 1.2
+                and got[SUCCESS_GOAL]["met"],
                 **(
                     {
                         "disaggregated_ttft_p90_over_sglang_pd": peer,
                         "peer_ranking_holds": peer is not None and peer < 1.0,
-                        "peer_goal_met": peer is not None and peer <= 0.6,
+                        "peer_goal_met": peer is not None and peer <= 0.6 and got[SUCCESS_GOAL]["met"],
                     }
                     if peers
                     else {}

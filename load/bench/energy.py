@@ -52,7 +52,7 @@ from extproc.scheduling.energy import EnergyModel
 from extproc.scheduling.interface import CycleState, SchedulingRequest
 from extproc.scheduling.predict import TTFTPredictor
 from extproc.scheduling.registry import DEFAULT_SCHEDULING, build_profile, parse_scheduling
-from load.bench import machine, revision
+from load.bench import machine, percentile, revision
 from load.sim.engine import Engine, EngineConfig, Step
 from load.sim.power import GPU_CLASSES, PowerModel, describe
 from load.sim.timing import TimingModel
@@ -295,14 +295,13 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
         r.state.power = ()
     total_j = sum(r.engine.meter.energy_j(ended) for r in replicas if r.engine.meter is not None)
     capped = sum(r.engine.meter.capped_s for r in replicas if r.engine.meter is not None)
-    ttfts = sorted(outcome.ttfts)
     return {
         "target": target,
         "load_rps": rps,
         "requests": len(arrivals),
-        "completed": len(ttfts),
+        "completed": len(outcome.ttfts),
         "joules_per_token": total_j / max(1, outcome.output_tokens),
-        "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+        "ttft_p90_s": _p90(outcome.ttfts),
         "output_tokens_per_s": outcome.output_tokens / max(ended, 1e-9),
         "time_at_cap_s": capped,
         "share_per_replica": [r.engine.stats.requests_finished for r in replicas],
@@ -311,8 +310,9 @@ def run_one(config: Config, target: str, rps: float) -> dict[str, Any]:
 
 
 def _p90(values: Sequence[float]) -> float | None:
-    ordered = sorted(values)
-    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else None
+    """The 90th percentile by the rule every load bench uses (:func:`load.bench.percentile`: linear
+    interpolation between ranks, as ``energy_stack`` computes it); ``None`` without values."""
+    return percentile(sorted(values), 90) if values else None
 
 
 def _route(

@@ -15,8 +15,10 @@ blocks per endpoint) are kept small for the same reason (``--ext-caches small``,
 :data:`SMALL_EXT_CACHES`). Growth is judged after a warm-up (``--warmup``, default 20 % of the duration): per
 process, the median of the last ``--window`` samples over the median of the first ``--window`` samples
 after the warm-up, minus one
-(the goal: below 5 % for RSS; file descriptors are also given as a difference in count). The series are in
-the JSON (``processes[].samples``: seconds since the start, RSS in KiB, open fds).
+(the goal: below 5 % for RSS; file descriptors are also given as a difference in count). The goal also
+needs every process to last to the end with enough samples to judge, and every request sent to be answered
+200 (:func:`goals_of`). The series are in the JSON (``processes[].samples``: seconds since the start, RSS in
+KiB, open fds).
 
     python -m load.bench.soak --out results/soak.json                 # 10 minutes
     python -m load.bench.soak --quick --out /tmp/soak.json            # seconds: the JSON shape only
@@ -206,6 +208,45 @@ def judge(series: Series, warmup_s: float, window: int) -> dict[str, Any]:
     }
 
 
+def goals_of(processes: Sequence[Mapping[str, Any]], stats: LoadStats) -> dict[str, Any]:
+    """The soak's goals, from :func:`judge`'s rows and the load's counts. ``met`` needs both:
+
+    * RSS growth below :data:`GOAL_GROWTH` for every process sampled; a process that exited before the
+      end (``processes_gone``) or has too few samples after the warm-up to judge (``processes_unjudged``:
+      one that died, or was restarted, early) fails it rather than dropping out of it;
+    * every request sent answered 200 (``request_success``: ok over sent, goal 1.0): a request that got
+      no answer, or a cut stream, is a failure, not "not measured".
+    """
+    judged = [p for p in processes if p["rss_kib"]["growth"] is not None]
+    worst = max(judged, key=lambda p: p["rss_kib"]["growth"], default=None)
+    gone = [str(p["name"]) for p in processes if p["gone_at_s"] is not None]
+    unjudged = [str(p["name"]) for p in processes if p["rss_kib"]["growth"] is None]
+    rss_met = (
+        worst is not None
+        and not gone
+        and not unjudged
+        and all(p["rss_kib"]["growth"] < GOAL_GROWTH for p in judged)
+    )
+    sent, ok = sum(stats.sent.values()), sum(stats.ok.values())
+    success_met = sent > 0 and ok == sent
+    return {
+        "rss_growth_below": GOAL_GROWTH,
+        "worst_rss_growth": None if worst is None else worst["rss_kib"]["growth"],
+        "worst_process": None if worst is None else worst["name"],
+        "processes_gone": gone,
+        "processes_unjudged": unjudged,
+        "rss_met": rss_met,
+        "request_success": {
+            "value": round(ok / sent, 4) if sent else None,
+            "sent": sent,
+            "ok": ok,
+            "goal": 1.0,
+            "met": success_met,
+        },
+        "met": rss_met and success_met,
+    }
+
+
 # --- the load ----------------------------------------------------------------------------------------------
 
 
@@ -379,19 +420,12 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
     shutil.rmtree(workdir, ignore_errors=True)  # kept (logs, etcd, kvcached's SSD tier) only on failure
     processes = [judge(s, warmup, args.window) for s in sampler.series.values()]
-    measured = [p for p in processes if p["rss_kib"]["growth"] is not None]
-    worst = max(measured, key=lambda p: p["rss_kib"]["growth"], default=None)
     total_series: dict[float, list[int]] = {}
     for s in sampler.series.values():
         for t, rss, _ in s.samples:
             total_series.setdefault(t, []).append(rss)
     total = growth([(t, sum(v)) for t, v in sorted(total_series.items())], warmup, args.window)
-    goals: dict[str, Any] = {
-        "rss_growth_below": GOAL_GROWTH,
-        "worst_rss_growth": None if worst is None else worst["rss_kib"]["growth"],
-        "worst_process": None if worst is None else worst["name"],
-        "met": worst is not None and all(p["rss_kib"]["growth"] < GOAL_GROWTH for p in measured),
-    }
+    goals = goals_of(processes, stats)
     result = {
         "benchmark": "soak",
         "command": " ".join(["python -m load.bench.soak", *(argv if argv is not None else sys.argv[1:])]),
@@ -427,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         f"soak: {sum(stats.sent.values())} sent, {sum(stats.ok.values())} ok,"
         f" {stats.failed or 'no failures'}; worst RSS growth {goals['worst_rss_growth']}"
         f" ({goals['worst_process']});"
-        f" total RSS growth {total['growth']}; wrote {args.out}"
+        f" total RSS growth {total['growth']}; goals {'met' if goals['met'] else 'NOT met'}; wrote {args.out}"
     )
     return 0
 

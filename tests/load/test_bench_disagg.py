@@ -171,3 +171,49 @@ def test_the_sweep_with_peers_judges_the_peer_ranking(
     ran.clear()
     assert "peer_ranking_holds" not in disagg.sweep(disagg.quick_config(), tmp_path, False)[0]
     assert set(ran) == set(disagg.SWEEP_TARGETS)
+
+
+def test_a_target_that_loses_requests_fails_the_success_goal() -> None:
+    """The ratio goals are over served requests: a conditional target that lost half its requests reads a
+    better ITL and TTFT p90 than the aggregated one, so the success goal (routing's rule, shared) is not
+    met, naming it; in a median row each run counts (a median of ``lost`` would hide one run's losses)."""
+
+    def row(ttft: float, itl: float, lost: int) -> dict[str, object]:
+        p90s = {"ttft_ms": {"n": 1, "p90": ttft}, "itl_ms": {"n": 1, "p90": itl}}
+        return {**p90s, "sent": 100, "served": 100 - lost, "lost": lost}
+
+    got = disagg.goals({"kvgate-aggregated": row(100, 40, 0), "kvgate-conditional": row(50, 10, 50)})
+    assert got["conditional_itl_p90_over_aggregated"]["met"] is True  # the served requests alone
+    assert got["success_100pct_every_run"] == {
+        "value": False,
+        "failed_runs": ["kvgate-conditional"],
+        "met": False,
+    }
+    clean = disagg.goals({"kvgate-aggregated": row(100, 40, 0), "kvgate-conditional": row(50, 10, 0)})
+    assert clean["success_100pct_every_run"]["met"] is True
+    runs = [row(50, 10, 0), row(50, 10, 3), row(50, 10, 0)]
+    median = disagg.median_row([{"target": "kvgate-conditional", **r} for r in runs])
+    assert median["lost"] == 0  # the median hides the run that lost 3
+    got = disagg.goals({"kvgate-aggregated": row(100, 40, 0), "kvgate-conditional": median})
+    assert got["success_100pct_every_run"]["failed_runs"] == ["kvgate-conditional (run 2)"]
+    skipped = {"target": "sglang-router-pd", "skipped": "no wheel"}
+    assert disagg.goals({"sglang-router-pd": skipped})["success_100pct_every_run"]["met"] is True
+
+
+def test_a_sweep_variant_that_loses_requests_does_not_meet_its_goals(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def fake(name: str, config: object, sessions: object, workdir: Path, progress: bool) -> dict[str, object]:
+        p90 = {"kvgate-aggregated": (100.0, 120.0), "kvgate-conditional": (100.0, 40.0)}[name]
+        lost = 5 if name == "kvgate-conditional" else 0
+        return {
+            "target": name,
+            "ttft_ms": {"n": 1, "p90": p90[0]},
+            "itl_ms": {"n": 1, "p90": p90[1]},
+            "lost": lost,
+        }
+
+    monkeypatch.setattr(disagg, "run_target", fake)
+    out = disagg.sweep(disagg.quick_config(), tmp_path, False)
+    assert all(v["ranking_holds"] and not v["goals_met"] for v in out)
+    assert not any(v["success_100pct_every_run"] for v in out)

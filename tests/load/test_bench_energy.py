@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from load.bench import energy
+from load.bench import energy, percentile
 
 
 def test_energy_quick(tmp_path: Path) -> None:
@@ -52,3 +52,12 @@ def test_goals_without_a_baseline_are_not_met() -> None:
     got = energy.goals(cells, [5.0])["5.0"]
     assert got["time_at_cap_cut"] == 0.95 and got["met"]["time_at_cap"] is True
     assert got["ttft_p90_vs_kvgate"] == 0.5 and math.isnan(got["time_at_cap_cut_vs_round_robin"])
+
+
+def test_ttft_p90_by_the_shared_percentile_rule() -> None:
+    """energy's TTFT p90 is :func:`load.bench.percentile`'s (linear interpolation between ranks), the
+    rule energy_stack and the other benches use, so the same TTFTs read the same p90 in both (the floor
+    rank it used before read 9.0 here, not 9.1)."""
+    ttfts = [float(v) for v in (10, 3, 7, 1, 9, 5, 2, 8, 6, 4)]
+    assert energy._p90(ttfts) == percentile(sorted(ttfts), 90) == 9.1
+    assert energy._p90([]) is None
