@@ -97,7 +97,7 @@ module). Example (every key; the engines show each family of the matrix below)::
     [[engines]]
     kind = "openai_compat"            # remote, not started: readiness = GET /v1/models answers 200
     model = "gpt-x"
-    address = "api.example:443"       # instead of host/port
+    address = "10.0.0.9:443"          # instead of host/port: an IP (gateways route to ip:port)
     tls = true                        # probe over HTTPS
     api_key_env = "REMOTE_API_KEY"    # env var whose value is sent as a bearer token to the probe
 
@@ -136,7 +136,7 @@ from typing import Any
 
 from agent.errors import AgentConfigError
 from agent.power.config import PowerConfig, parse_power
-from contracts.config import REQUIRED, Section, read_tree
+from contracts.config import REQUIRED, Section, ip_port, read_tree
 from contracts.errors import ConfigError
 from contracts.kvcached import MAX_BLOCK_BYTES_DEFAULT
 from contracts.tracing import TracingSettings, parse_tracing
@@ -343,7 +343,7 @@ def _engine(raw: object, index: int, agent: AgentSection) -> EngineConfig:
         model_path=_model_path(s.string("model_path"), kind, where, remote),
         host=_nonempty(s.string("host", "127.0.0.1"), f"{where}.host"),
         port=_port(s.integer("port", 0, minimum=0), f"{where}.port"),
-        address=None if not remote else _hostport(s.string("address", REQUIRED), f"{where}.address"),
+        address=None if not remote else _ip_port(s.string("address", REQUIRED), f"{where}.address"),
         kv_events_endpoint=_zmq(attach["kv_events_endpoint"], f"{where}.kv_events_endpoint"),
         kv_replay_endpoint=_zmq(attach["kv_replay_endpoint"], f"{where}.kv_replay_endpoint"),
         kv_events_topic=attach["kv_events_topic"] or "",
@@ -477,6 +477,18 @@ def _hostport(value: str, where: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise AgentConfigError(f"{where}: expected host:port, got {value!r}")
     return value
+
+
+def _ip_port(value: str, where: str) -> str:
+    """A remote engine's ``ip:port`` (``[ip]:port`` for IPv6): it is registered as is, and gateways refuse an
+    endpoint named by host (Envoy routes to an IP; a hosted API by name is a burst endpoint, README)."""
+    address = _hostport(value, where)
+    if ip_port(address) is None:
+        raise AgentConfigError(
+            f"{where}: expected an IP address and port (gateways route to ip:port; resolve the name, "
+            f"or serve a hosted API as a burst endpoint), got {value!r}"
+        )
+    return address
 
 
 def _strings(values: list[Any], where: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ def engine_raw(kind: str, **keys: Any) -> dict[str, Any]:
     """A valid ``[[engines]]`` table of ``kind`` with ``keys`` on top."""
     raw: dict[str, Any] = {"kind": kind, "model": "m"}
     if kind == "openai_compat":
-        raw["address"] = "api.example:443"
+        raw["address"] = "10.0.0.9:443"
     else:
         raw["model_path"] = "smollm2" if kind in ("llama_cpp", "sim") else "org/model"
     raw.update(keys)
@@ -55,7 +55,7 @@ def test_docstring_example_parses() -> None:
     assert vllm.command == ("/opt/vllm/bin/vllm", "serve") and vllm.role == "prefill"
     assert sglang.offload.ratio == 2.0 and sglang.offload.storage_backend == "file"
     assert (remote.address, remote.tls, remote.api_key_env, remote.metrics) == (
-        "api.example:443", True, "REMOTE_API_KEY", False,
+        "10.0.0.9:443", True, "REMOTE_API_KEY", False,
     )  # fmt: skip
     assert cfg.etcd_raw == {"endpoints": ["127.0.0.1:2379"]}
     assert cfg.agent.kvcached == "unix:/run/kvgate/kvcached.sock" and cfg.agent.slot_save_min_tokens == 1024
@@ -248,6 +248,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     (node(engine_raw("openai_compat", port=80)), "engines[0].port: mutually exclusive with address"),
     (node({"kind": "openai_compat", "model": "m"}), "engines[0].address: required"),
     (node(engine_raw("openai_compat", address="nope")), "engines[0].address: expected host:port"),
+    (  # gateways refuse an endpoint named by host (EDS serves IPs): the agent says so at load
+        node(engine_raw("openai_compat", address="api.example:443")),
+        "engines[0].address: expected an IP address and port",
+    ),
     (node(engine_raw("openai_compat", model_path="x")), "engines[0].model_path: not used by remote engines"),
     (node(engine_raw("openai_compat", command=["x"])), "engines[0].command: not used by remote engines"),
     (node(engine_raw("openai_compat", restart={})), "engines[0].restart: not used by remote engines"),
@@ -397,12 +401,12 @@ def test_remote_engine_with_kv_events_attaches() -> None:
     assert (launch.kv_events_endpoint, launch.kv_replay_endpoint, launch.kv_events_topic) == (
         "tcp://127.0.0.1:9100", "tcp://127.0.0.1:9101", "t",
     )  # fmt: skip
-    remote_no_events = node_config({"kind": "vllm", "model": "m", "address": "h:1"}).engines[0]
+    remote_no_events = node_config({"kind": "vllm", "model": "m", "address": "10.0.0.1:1"}).engines[0]
     assert not remote_no_events.kv_events
     with pytest.raises(AgentConfigError, match="kv_events_endpoint: required"):
-        node_config({"kind": "vllm", "model": "m", "address": "h:1", "kv_events": True})
+        node_config({"kind": "vllm", "model": "m", "address": "10.0.0.1:1", "kv_events": True})
     with pytest.raises(AgentConfigError, match="expected tcp://host:port"):
-        node_config({"kind": "vllm", "model": "m", "address": "h:1", "kv_events_endpoint": "h:1"})
+        node_config({"kind": "vllm", "model": "m", "address": "10.0.0.1:1", "kv_events_endpoint": "h:1"})
 
 
 def node_config(engine: dict[str, object]) -> NodeConfig:

@@ -373,7 +373,8 @@ def test_production_mounts_the_certificates_its_configs_name(rendered: dict[str,
     assert set(secret["data"]) == {"ca.pem", "extproc.pem", "extproc.key"}  # no ca.key, no agent's key
     assert all(base64.b64decode(v).startswith(b"-----BEGIN ") for v in secret["data"].values())
     gateway = parse_config(tomllib.loads(config_file(objects, "kvgate-epp", "gateway.toml")))
-    node = parse_node_config(tomllib.loads(config_file(objects, "kvgate-agent", "node.toml")))
+    node_text = config_file(objects, "kvgate-agent", "node.toml")  # the pod's IP as its entrypoint puts it
+    node = parse_node_config(tomllib.loads(node_text.replace("__POD_IP__", POD["__POD_IP__"])))
     assert gateway.feeds.server_name == "agent" and node.agent.tls is not None
     assert gateway.etcd is not None and node.etcd_raw is not None
     epp = find(objects, "Deployment", "kvgate-epp")["spec"]["template"]["spec"]
