@@ -157,10 +157,14 @@ async def test_a_large_body_is_tokenized_off_the_event_loop(
     models_answered = threading.Event()
 
     def blocking_tokens(
-        request: ParsedRequest, *, exact_count: bool = False, timeline: Timeline | None = None
+        request: ParsedRequest,
+        *,
+        exact_count: bool = False,
+        timeline: Timeline | None = None,
+        window: bool = False,
     ) -> Tokens:
         assert models_answered.wait(10), "GET /v1/models was not answered while the prompt was tokenized"
-        return tokens(request, exact_count=exact_count, timeline=timeline)
+        return tokens(request, exact_count=exact_count, timeline=timeline, window=window)
 
     monkeypatch.setattr(gateway.router, "tokens", blocking_tokens)
     body = chat_body("hello " * 20_000)  # 120 KB: over the 32 KiB offload threshold
