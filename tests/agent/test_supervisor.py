@@ -497,7 +497,10 @@ async def test_engine_starts_without_the_agents_at_fork_handlers(fake_engine: Pa
     """No ``fork()`` for an engine (``setpriv --pdeathsig``, no ``preexec_fn``): the agent's at-fork
     handlers (gRPC's, with its channels busy, aborted such children now and then) do not run for it."""
     if lifecycle._setpriv() is None:
-        pytest.skip("no setpriv with --pdeathsig: engines are forked with a preexec_fn")
+        pytest.skip(
+            "no setpriv with --pdeathsig (engines are forked with a preexec_fn): install util-linux >= 2.33"
+            " to run it"
+        )
     marker, pid_file = tmp_path / "forked", tmp_path / "engine.pid"
     hook = f"import os\nos.register_at_fork(after_in_child=lambda: open({str(marker)!r}, 'w').close())\n"
     argv = (hook + PARENT, str(fake_engine), str(tmp_path / "state"), str(pid_file))

@@ -15,7 +15,9 @@ import pytest
 from runtime import lifecycle
 from runtime.lifecycle import spawn_dying_with_parent
 
-needs_setpriv = pytest.mark.skipif(lifecycle._setpriv() is None, reason="no setpriv with --pdeathsig")
+needs_setpriv = pytest.mark.skipif(
+    lifecycle._setpriv() is None, reason="no setpriv with --pdeathsig: install util-linux >= 2.33 to run it"
+)
 
 
 @needs_setpriv

@@ -146,7 +146,10 @@ async def test_a_child_is_started_without_the_parents_at_fork_handlers(tmp_path:
     parent (gRPC's, with its channels busy, aborted such children now and then) does not run for it, and
     the child still dies with its SIGKILLed parent."""
     if lifecycle._setpriv() is None:
-        pytest.skip("no setpriv with --pdeathsig: children are forked with a preexec_fn")
+        pytest.skip(
+            "no setpriv with --pdeathsig (children are forked with a preexec_fn): install util-linux >= 2.33"
+            " to run it"
+        )
     marker = tmp_path / "forked"
     code = (
         "import os, sys\n"
