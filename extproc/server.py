@@ -931,7 +931,9 @@ class Gateway:
         """A routed request, for the counter-based drift alarm (:mod:`extproc.drift.counters`)."""
         predicted = decision.matched_blocks * self.router.policy.block_size
         pick = decision.endpoints[0]
-        self.counter_drift.routed(pick.id, decision.model, predicted, decision.prompt_tokens)
+        self.counter_drift.routed(
+            pick.id, decision.model, predicted, decision.prompt_tokens, time.monotonic()
+        )
 
     def _flow_space(self, model: str, priority: int, now: float) -> Room:
         return flow_room(self.flow.policy, self.router, model, now, priority)

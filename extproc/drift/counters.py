@@ -5,8 +5,9 @@ vLLM counts, engine-wide, the prompt tokens it looked up in its prefix cache (``
 and those it found (``prefix_cache_hits``); the gateway scrapes both (:mod:`engines.metrics`). They cannot
 be matched to one request, so rates are compared: between two readings of an endpoint, the engine's
 ``d_hits`` and ``d_queries`` against the prompt tokens this gateway routed there (``prompt``) and the ones
-it predicted the engine held (``predicted``). Over the last ``window`` intervals that saw traffic
-(README.md)::
+it predicted the engine held (``predicted``), each request in the interval of the first reading taken
+after it was routed (a reading heard later holds none routed after it was taken). Over the last
+``window`` intervals that saw traffic (README.md)::
 
     engine rate     = sum(d_hits) / sum(d_queries)
     predicted rate  = sum(predicted) / sum(prompt)
@@ -27,6 +28,9 @@ from extproc.drift.monitor import COUNTERS, DriftPolicy, DriftView, Key, verdict
 
 #: The model label of an endpoint that was routed requests of several models.
 MIXED = "*"
+#: Routed requests held per endpoint until a reading takes them; past it the oldest go uncompared (an
+#: engine that exports no counters is never read; one that does is read at least every heartbeat).
+MAX_PENDING = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +50,7 @@ class _Endpoint:
     model: str | None = None
     last: tuple[float, float] | None = None  # (hits, queries) at the previous reading
     at: float | None = None  # when the engine's previous reading was taken
-    predicted: int = 0
-    prompt: int = 0
-    requests: int = 0  # routed since the previous reading with a prediction
+    pending: deque[tuple[float, int, int]] = field(default_factory=deque)  # (routed at, predicted, prompt)
     observed: int = 0
     window: deque[Interval] = field(default_factory=deque)
     tripped: bool = False
@@ -62,8 +64,9 @@ class CounterDrift:
         self.published = published
         self._endpoints: dict[str, _Endpoint] = {}
 
-    def routed(self, endpoint: str, model: str, predicted: int, prompt: int) -> None:
-        """This gateway routed a request there: ``predicted`` of its ``prompt`` tokens held."""
+    def routed(self, endpoint: str, model: str, predicted: int, prompt: int, at: float) -> None:
+        """This gateway routed a request there at ``at`` (the readings' clock): ``predicted`` of its
+        ``prompt`` tokens held."""
         ep = self._endpoints.get(endpoint)
         if ep is None:
             ep = self._endpoints[endpoint] = _Endpoint()
@@ -73,14 +76,13 @@ class CounterDrift:
             self.published.pop((ep.model, endpoint, COUNTERS), None)
             ep.model = MIXED
         ep.observed += 1
-        ep.prompt += max(0, prompt)
-        if predicted > 0:
-            ep.predicted += predicted
-            ep.requests += 1
+        ep.pending.append((at, max(0, predicted), max(0, prompt)))
+        if len(ep.pending) > MAX_PENDING:
+            ep.pending.popleft()
 
     def reading(self, endpoint: str, hits: float, queries: float, at: float, now: float) -> DriftView | None:
-        """The engine's counters, read at ``at`` (a reading already seen is skipped); the new view when
-        its alarm tripped or cleared."""
+        """The engine's counters, read at ``at`` (a reading already seen is skipped), against the requests
+        routed there up to ``at``; the new view when its alarm tripped or cleared."""
         ep = self._endpoints.get(endpoint)
         if ep is None:
             ep = self._endpoints[endpoint] = _Endpoint()
@@ -88,13 +90,15 @@ class CounterDrift:
             return None  # no new reading
         ep.at = at
         last, ep.last = ep.last, (hits, queries)
+        predicted = prompt = requests = 0
+        while ep.pending and ep.pending[0][0] <= at:  # routed before the reading: the engine may count it
+            _, p, n = ep.pending.popleft()
+            predicted, prompt, requests = predicted + p, prompt + n, requests + (p > 0)
         if last is None or hits < last[0] or queries < last[1]:  # first reading, or a restart
-            ep.predicted = ep.prompt = ep.requests = 0
-            return None
+            return None  # (what was routed before it is in its counts, or lost with the old process)
         if ep.model is None:
             return None  # nothing routed there yet: nothing to compare
-        interval = Interval(hits - last[0], queries - last[1], ep.predicted, ep.prompt, ep.requests, now)
-        ep.predicted = ep.prompt = ep.requests = 0
+        interval = Interval(hits - last[0], queries - last[1], predicted, prompt, requests, now)
         if interval.queries <= 0 and interval.prompt <= 0:
             return None
         ep.window.append(interval)

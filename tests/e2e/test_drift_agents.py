@@ -27,7 +27,7 @@ from tests.e2e.test_drift import (
     REVERSED_TEMPLATE,
     ask,
     drift_stack,
-    observed,
+    settled,
     streams_trip_the_counters_alarm,
 )
 
@@ -73,5 +73,5 @@ async def test_the_correct_agent_fed_engine_never_trips(stack: Stack) -> None:
             await asyncio.gather(
                 *(ask(client, stack, "sim-0", 400 + 4 * batch + j, stream=True) for j in range(4))
             )
-        view = await observed(stack, "sim-0", 2 * MIN_SAMPLES, source="counters")
+        view = await settled(stack, "sim-0", 2 * MIN_SAMPLES)
     assert not view.tripped and view.ratio is not None and view.ratio >= 0.8

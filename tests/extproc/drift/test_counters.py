@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.drift.counters import MIXED, CounterDrift
+from extproc.drift.counters import MAX_PENDING, MIXED, CounterDrift
 from extproc.drift.monitor import COUNTERS, DriftPolicy, DriftView, Key
 
 POLICY = DriftPolicy(window=8, min_samples=4, trip_error=0.5, clear_error=0.25)
@@ -23,7 +23,7 @@ def run(d: CounterDrift, rounds: list[tuple[int, int, float, float]], start: flo
     out = []
     for i, (requests, p, d_hits, d_queries) in enumerate(rounds, 1):
         for _ in range(requests):
-            d.routed("e", "m", p, 100)
+            d.routed("e", "m", p, 100, at=start + i - 0.5)
         hits, queries = hits + d_hits, queries + d_queries
         d.reading("e", hits, queries, at=start + i, now=start + i)
         out.append(d.views(start + i)[0].tripped)
@@ -55,7 +55,7 @@ def test_rates_not_sums_other_gateways_traffic_does_not_trip_it() -> None:
 def test_a_restart_restarts_the_comparison_and_a_stale_reading_is_skipped() -> None:
     d, _ = drift()
     run(d, [(1, 64, 64, 100)] * 3)
-    d.routed("e", "m", 64, 100)
+    d.routed("e", "m", 64, 100, at=9.5)
     assert d.reading("e", 5.0, 10.0, at=10, now=10) is None  # counters went down: a new baseline
     assert d.reading("e", 5.0, 10.0, at=10, now=11) is None  # the same reading again
     assert d.views(11.0)[0].samples == 3
@@ -63,8 +63,37 @@ def test_a_restart_restarts_the_comparison_and_a_stale_reading_is_skipped() -> N
 
 def test_several_models_at_one_endpoint_are_one_alarm() -> None:
     d, published = drift()
-    d.routed("e", "m", 64, 100)
+    d.routed("e", "m", 64, 100, at=0)
     d.reading("e", 0, 0, at=0, now=0)
-    d.routed("e", "other", 64, 100)
+    d.routed("e", "other", 64, 100, at=0.5)
     d.reading("e", 64, 100, at=1, now=1)
     assert [k for k in published] == [(MIXED, "e", COUNTERS)]
+
+
+def test_requests_routed_after_a_reading_was_taken_wait_for_the_next_one() -> None:
+    """A burst of 16 (the first cold, the rest predicted 160 of 180 tokens each, as the engine then holds)
+    routed before the reading taken after the first was heard: it compares the first alone, not the 16
+    against the engine's one (a rate of 0 against 0.83: tripped, as an agent-fed engine's reading heard a
+    scrape round late did on CI). The next reading holds the rest."""
+    d, _ = drift()
+    d.reading("e", 0, 0, at=0, now=0)
+    d.routed("e", "m", 0, 180, at=0.1)
+    for i in range(15):
+        d.routed("e", "m", 160, 180, at=0.2 + i / 100)
+    assert d.reading("e", 0, 180, at=0.15, now=0.5) is None  # taken at 0.15, heard after all 16
+    (view,) = d.views(0.5)
+    assert not view.tripped and view.samples == 0 and view.ratio is None and view.observed == 16
+    d.reading("e", 15 * 160, 16 * 180, at=1.0, now=1.0)
+    (view,) = d.views(1.0)
+    assert not view.tripped and view.samples == 15 and view.ratio == pytest.approx(1.0)
+
+
+def test_an_endpoint_never_read_holds_only_the_newest_requests() -> None:
+    """An engine that exports no counters is never read: what it is routed stays bounded."""
+    d, _ = drift()
+    for i in range(MAX_PENDING + 10):
+        d.routed("e", "m", 64, 100, at=float(i))
+    d.reading("e", 0, 0, at=0, now=0)
+    d.reading("e", 64, 100, at=float(MAX_PENDING + 10), now=float(MAX_PENDING + 10))
+    (view,) = d.views(float(MAX_PENDING + 10))
+    assert view.samples == MAX_PENDING and view.observed == MAX_PENDING + 10
