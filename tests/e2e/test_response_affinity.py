@@ -40,15 +40,27 @@ def wait_learned(stack: Stack, at_least: float) -> None:
         time.sleep(0.02)
 
 
+def answered(stack: Stack, body: dict[str, Any]) -> httpx.Response:
+    """:func:`post`, once the gateway has learned the answer's id.
+
+    Every 2xx answer here is learned once, from Envoy's completion log, some ms after the client has it
+    (flushed every 20 ms): a count read right after the previous answer may not hold that one yet, and
+    "one more than then" is then met by its late entry, not this answer's; the follow-up sent next finds
+    no producer (outcome ``unknown``, scored as usual). Every answer of these tests goes through here, so
+    the count read before each post holds every earlier answer."""
+    before = learned(stack)
+    got = post(stack, body)
+    wait_learned(stack, before + 1)
+    return got
+
+
 def test_a_follow_up_goes_to_the_replica_that_produced_the_response(stack: Stack) -> None:
     hits = gateway(stack, "kvgate_response_affinity_requests_total", outcome="hit")
     producers, followed = [], []
     for i in range(8):
-        before = learned(stack)
-        first = post(stack, {"input": f"Conversation {i}: {i * 7919} is where we start. " + LONG})
-        wait_learned(stack, before + 1)
+        first = answered(stack, {"input": f"Conversation {i}: {i * 7919} is where we start. " + LONG})
         producers.append(first.headers["x-kvgate-endpoint"])
-        nxt = post(stack, {"input": FOLLOW_UP, "previous_response_id": first.json()["id"]})
+        nxt = answered(stack, {"input": FOLLOW_UP, "previous_response_id": first.json()["id"]})
         followed.append(nxt.headers["x-kvgate-endpoint"])
     assert followed == producers
     assert len(set(producers)) >= 2, producers  # so the follow-ups' common prompt alone could not do it
@@ -57,7 +69,7 @@ def test_a_follow_up_goes_to_the_replica_that_produced_the_response(stack: Stack
 
 def test_an_unknown_id_is_scored_as_usual(stack: Stack) -> None:
     unknown = gateway(stack, "kvgate_response_affinity_requests_total", outcome="unknown")
-    post(stack, {"input": "Hi", "previous_response_id": "resp_never_seen_by_this_gateway"})
+    answered(stack, {"input": "Hi", "previous_response_id": "resp_never_seen_by_this_gateway"})
     assert gateway(stack, "kvgate_response_affinity_requests_total", outcome="unknown") == unknown + 1
     assert gateway(stack, "kvgate_response_affinity_entries") >= 1
 
@@ -80,14 +92,12 @@ def test_a_streamed_answer_is_learned_too(stack: Stack) -> None:
     rest pass; the follow-up goes to the replica that streamed it."""
     producers, followed = [], []
     for i in range(6):
-        before = learned(stack)
-        first = post(stack, {"input": f"Streamed {i}: {i * 104729} first. " + LONG, "stream": True})
+        first = answered(stack, {"input": f"Streamed {i}: {i * 104729} first. " + LONG, "stream": True})
         stream = events(first)
         assert stream[0]["type"] == "response.created"
         assert stream[-1]["type"] == "response.completed"  # the whole stream passed the filter
         assert stream[-1]["response"]["output"][0]["content"][0]["text"]
-        wait_learned(stack, before + 1)
         producers.append(first.headers["x-kvgate-endpoint"])
-        nxt = post(stack, {"input": FOLLOW_UP, "previous_response_id": stream[0]["response"]["id"]})
+        nxt = answered(stack, {"input": FOLLOW_UP, "previous_response_id": stream[0]["response"]["id"]})
         followed.append(nxt.headers["x-kvgate-endpoint"])
     assert followed == producers and len(set(producers)) >= 2, producers
