@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 from contracts.digest import Digest, block_digests, chain_seed
+from contracts.events import node_store_endpoint
+from extproc.status.snapshot import decode
 from kvgate.dev.up import Stack, StackOptions
 from runtime.kvcached import KvcachedClient
 
@@ -95,15 +97,44 @@ def chain_of(engine: dict[str, str], messages: list[dict[str, str]]) -> tuple[in
     return len(tokens), block_digests(chain_seed(MODEL), tokens, 16)
 
 
-def kvcached_holds(stack: Stack, node: int, chain: list[Digest]) -> bool:
-    async def ask() -> bool:
-        client = KvcachedClient(f"unix:{stack.kvcached[node]['unix']}", timeout_s=10.0)
-        try:
-            return all(await client.contains([bytes(d) for d in chain]))
-        finally:
-            await client.aclose()
+async def _ask(stack: Stack, node: int, call: Callable[[KvcachedClient], Awaitable[T]]) -> T:
+    client = KvcachedClient(f"unix:{stack.kvcached[node]['unix']}", timeout_s=10.0)
+    try:
+        return await call(client)
+    finally:
+        await client.aclose()
 
-    return asyncio.run(ask())
+
+def kvcached_holds(stack: Stack, node: int, chain: list[Digest]) -> bool:
+    """Whether node ``node``'s kvcached holds every digest of ``chain``, asked of the daemon itself."""
+    return all(asyncio.run(_ask(stack, node, lambda c: c.contains([bytes(d) for d in chain]))))
+
+
+def kvcached_blocks(stack: Stack, node: int) -> float:
+    """Blocks node ``node``'s kvcached holds now, over its tiers (its own stats)."""
+    stats = asyncio.run(_ask(stack, node, lambda c: c.stats()))
+    return stats.get("ram_blocks", 0.0) + stats.get("ssd_blocks", 0.0)
+
+
+def heard_blocks(stack: Stack, node: int) -> int:
+    """Blocks the ext_proc knows node ``node``'s kvcached to hold (``/status.json``: what that daemon's
+    index feed told it, some ms after the daemon stored them)."""
+    url = f"http://127.0.0.1:{stack.extproc_ports['metrics']}/status.json"
+    stores = decode(httpx.get(url, timeout=10).content).index.stores
+    return sum(stores.get(node_store_endpoint(stack.kvcached[node]["node"]), {}).values())
+
+
+def saved_and_heard(stack: Stack, chain: list[Digest], what: str) -> None:
+    """Wait until A's agent has saved ``chain`` into node-0's kvcached and the ext_proc has heard it.
+
+    The gateway's restore decision reads its own index of node-0's store, fed by the daemon's feed, which
+    trails the daemon: a wait on the daemon alone can end before the feed's last batches have arrived, and
+    B's request then finds no lead to restore (B prefills). The feed announces blocks in the order they
+    were stored, and nothing leaves node-0's store here (512 MiB of RAM): once the gateway counts as many
+    blocks as the daemon held when it held the whole chain, it has heard all of the chain."""
+    wait_until(lambda: kvcached_holds(stack, 0, chain), 120, f"the {what} in node-0's kvcached")
+    held = kvcached_blocks(stack, 0)
+    wait_until(lambda: heard_blocks(stack, 0) >= held, 10, f"the {what} heard by the gateway")
 
 
 def restores(stack: Stack) -> dict[str, float]:
@@ -145,9 +176,9 @@ def test_long_prefix_saved_on_a_is_restored_on_b(stack: Stack) -> None:
     assert on_a["usage"]["prompt_tokens"] == prompt_tokens
     assert on_a["timings"]["cache_n"] < 64  # a cold prefill on A
 
-    wait_until(lambda: kvcached_holds(stack, 0, chain), 120, "the chain in node-0's kvcached")
-    saved = agent_status(stack, 0)["engines"][0]["slot_autosave"]
-    assert saved["stored"] >= 1 and saved["markers"] >= len(chain) - 1 and saved["errors"] == 0
+    saved_and_heard(stack, chain, "chain")
+    autosave = agent_status(stack, 0)["engines"][0]["slot_autosave"]
+    assert autosave["stored"] >= 1 and autosave["markers"] >= len(chain) - 1 and autosave["errors"] == 0
     assert not kvcached_holds(stack, 1, chain[:1])  # node-1 has nothing of it: B needs a peer fetch
 
     on_b = chat(stack, b, follow_up(first, on_a, "And which birds live in the delta?"))
@@ -166,7 +197,7 @@ def test_lead_under_min_blocks_is_not_restored(stack: Stack) -> None:
     assert 256 <= prompt_tokens < MIN_BLOCKS * 16
     before = restores(stack)
     on_a = chat(stack, a, first)
-    wait_until(lambda: kvcached_holds(stack, 0, chain), 120, "the short chain in node-0's kvcached")
+    saved_and_heard(stack, chain, "short chain")  # the gateway knows node-0's lead, and does not restore
 
     on_b = chat(stack, b, follow_up(first, on_a, "And which birds live in the delta?"))
     assert on_b["timings"]["cache_n"] < 64, on_b["timings"]  # B prefilled it: no restore was asked
