@@ -68,7 +68,10 @@ def request_span(spans: list[ReceivedSpan], request_id: str) -> ReceivedSpan | N
 
 
 def complete(request_id: str) -> Any:
-    """A check that the request's trace arrived: its ext_proc span, its phases and Envoy's spans."""
+    """A check that the request's trace arrived: its ext_proc span, its phases and Envoy's spans above it,
+    up to the ingress (SERVER) span. Envoy exports each span as it ends (``min_flush_spans = 1``), in
+    requests of their own: its ingress span in hand says nothing of the ext_proc call's span between it
+    and the ext_proc's, which :func:`check_trace` walks."""
 
     def check(spans: list[ReceivedSpan]) -> bool:
         req = request_span(spans, request_id)
@@ -76,7 +79,8 @@ def complete(request_id: str) -> Any:
             return False
         trace = [s for s in spans if s.trace_id == req.trace_id]
         children = {s.name for s in trace if s.parent == req.span_id}
-        return children >= PHASES and any(s.service == "kvgate-envoy" and s.kind == 2 for s in trace)
+        above = ancestors(req, {s.span_id: s for s in trace})
+        return children >= PHASES and any(s.service == "kvgate-envoy" and s.kind == 2 for s in above)
 
     return check
 
