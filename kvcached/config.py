@@ -19,6 +19,10 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     write_through = false                # each put also written to the SSD before it is acknowledged
                                          # (a kill -9 then loses nothing acknowledged; needs ssd_path)
     max_block_bytes = 67108864           # largest block accepted (default 64 MiB)
+    max_concurrent_rpcs = 16             # local API calls served at once per listener; one more is
+                                         # RESOURCE_EXHAUSTED (a failed call: agents count it as such).
+                                         # Its messages hold at most listeners x max_concurrent_rpcs x
+                                         # (max_block_bytes + 1 MiB) (default 16, at least 1)
     lease_ttl_s = 5                      # etcd lease TTL of kvcached/<node> (whole seconds >= 2)
 
     [kvcached.tls]                       # optional, all three or none: mTLS on TCP gRPC, feed and QUIC
@@ -76,6 +80,10 @@ from contracts.tracing import TracingSettings, parse_tracing
 from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX, REQUEST_CHARGE_BYTES, response_charge_max
 from kvcached.remote import RemotePeer
+
+#: Local API calls each listener serves at once by default (``max_concurrent_rpcs``): with the default
+#: 64 MiB blocks, about 1 GiB of messages per listener (:mod:`kvcached.service`).
+MAX_CONCURRENT_RPCS_DEFAULT = 16
 
 #: The ``service.name`` of kvcached's spans unless ``[tracing] service_name`` says otherwise.
 KVCACHED_SERVICE = "kvgate-kvcached"
@@ -138,6 +146,7 @@ class KvcachedConfig:
     ssd_path: Path | None = None
     ssd_bytes: int = 0
     max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS_DEFAULT
     lease_ttl_s: int = 5
     write_through: bool = False
     tls: TlsFiles | None = None
@@ -200,6 +209,7 @@ def _parse(raw: object) -> KvcachedConfig:
         ssd_path=None if ssd_path is None else Path(_nonempty(ssd_path, "kvcached.ssd_path") or ""),
         ssd_bytes=ssd_bytes,
         max_block_bytes=max_block_bytes,
+        max_concurrent_rpcs=k.integer("max_concurrent_rpcs", MAX_CONCURRENT_RPCS_DEFAULT, minimum=1),
         lease_ttl_s=k.integer("lease_ttl_s", 5, minimum=2),
         write_through=k.flag("write_through", False),
         tls=tls,

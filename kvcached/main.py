@@ -156,6 +156,7 @@ class Daemon:
             listen_tcp=cfg.listen_tcp,
             tls=cfg.tls,
             max_block_bytes=cfg.max_block_bytes,
+            max_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
         await self.api.start()
         if cfg.metrics_listen is not None:

@@ -13,6 +13,11 @@ Measured by the gRPC service: ``kvcached_requests_total{method,code}``, ``kvcach
 came from: ``ram``, ``ssd``, ``peer`` or ``miss``); peer fetch: ``kvcached_peer_fetch_seconds{outcome}``
 (``hit``, ``miss``, ``unavailable``) and ``kvcached_peer_fetch_bytes_total``.
 
+The local API's concurrency cap (``[kvcached] max_concurrent_rpcs``, per listener):
+``kvcached_api_max_concurrent_rpcs`` and ``kvcached_api_rpcs_in_flight`` (calls in the service's handlers
+now, all listeners together; gauges). A call over the cap is refused by gRPC before any handler runs, so
+it is counted by its caller (``RESOURCE_EXHAUSTED``), not here.
+
 Read from the QUIC :class:`~kvcached.peers.PeerServer`'s ``stats()`` at scrape time: its server-wide buffer
 budget, ``kvcached_peer_buffer_bytes`` (held now by every connection's requests and responses together)
 and ``kvcached_peer_buffer_capacity_bytes`` (gauges), and ``kvcached_peer_busy_total`` (requests and
@@ -24,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: Latency buckets (s): 10 us .. 5 s, dense where RAM (< 100 us) and SSD (< 2.5 ms) hits land.
@@ -127,6 +132,14 @@ class KvcachedMetrics:
         )
         self.peer_fetch_bytes = Counter(
             "kvcached_peer_fetch_bytes", "Block bytes fetched from peers over QUIC", registry=r
+        )
+        self.api_max_concurrent_rpcs = Gauge(
+            "kvcached_api_max_concurrent_rpcs",
+            "Local API calls each listener serves at once (max_concurrent_rpcs)",
+            registry=r,
+        )
+        self.api_in_flight = Gauge(
+            "kvcached_api_rpcs_in_flight", "Local API calls in the handlers now, all listeners", registry=r
         )
         self._collector: _StoreCollector | None = None
         self._peer_collector: _PeerServerCollector | None = None

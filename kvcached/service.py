@@ -22,6 +22,13 @@ Served on a unix socket (plaintext: the socket's file mode is the access control
 client certificate required, files re-read on rotation via :class:`runtime.tls.ReloadingServerCerts`;
 only agents' and operators' identities may call it, :mod:`certs.roles` hop ``kvcached-api``: any other
 gets PERMISSION_DENIED).
+
+Memory: gRPC receives a call's whole message (up to ``max_block_bytes`` + 1 MiB) before the handler runs
+and keeps a Get's reply until it is sent, so each listener serves at most ``max_concurrent_rpcs`` calls at
+once (gRPC's ``maximum_concurrent_rpcs``, counted from a call's arrival until its reply is sent); one
+more is answered ``RESOURCE_EXHAUSTED`` at once, before its message is read, and nothing of it is
+stored. The messages the API holds are then at most ``listeners x max_concurrent_rpcs x (max_block_bytes
++ 1 MiB)`` (a call holds one large message: a Put its request, a Get its reply).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from contracts.kvcached import (
 )
 from contracts.versions import DIGEST_VERSION
 from kvcached.block import check_digest
-from kvcached.config import TlsFiles
+from kvcached.config import MAX_CONCURRENT_RPCS_DEFAULT, TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
 from kvcached.metrics import KvcachedMetrics
 from kvcached.peers import PeerClient
@@ -157,6 +164,7 @@ class KvcachedService:
             started = time.perf_counter()
             code, message, reply = grpc.StatusCode.OK, "", b""
             span = None if tracer is None else _server_span(tracer, f"kvcached.{method}", context)
+            self.metrics.api_in_flight.inc()
             try:
                 if span is None:
                     reply = _encoder.encode(await fn(decoder.decode(raw)))
@@ -172,6 +180,7 @@ class KvcachedService:
                 code, message = grpc.StatusCode.INTERNAL, f"{method}: internal error"
                 log.error("%s failed: unexpected %s at %s", method, type(exc).__name__, _where(exc))
             finally:
+                self.metrics.api_in_flight.dec()
                 seconds.observe(time.perf_counter() - started)
                 if span is not None:
                     span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -312,7 +321,9 @@ class KvcachedService:
 
 class ApiServer:
     """The gRPC server of a :class:`KvcachedService`: a unix socket (plaintext) and/or TCP (mTLS).
-    :attr:`tcp_port` is the bound TCP port after :meth:`start` (0: no TCP listener)."""
+    ``max_concurrent_rpcs``: calls each listener serves at once; one more is ``RESOURCE_EXHAUSTED``
+    before its message is read (module docstring). :attr:`tcp_port` is the bound TCP port after
+    :meth:`start` (0: no TCP listener)."""
 
     def __init__(
         self,
@@ -322,9 +333,14 @@ class ApiServer:
         listen_tcp: str | None = None,
         tls: TlsFiles | None = None,
         max_block_bytes: int = MAX_BLOCK_BYTES_DEFAULT,
+        max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS_DEFAULT,
     ) -> None:
         if listen_tcp is not None and tls is None:
             raise ValueError("the TCP API is mTLS only: tls files are required")
+        if max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs must be >= 1")
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        service.metrics.api_max_concurrent_rpcs.set(max_concurrent_rpcs)
         self._service = service
         self._unix = listen_unix
         self._tcp = listen_tcp
@@ -339,13 +355,20 @@ class ApiServer:
         servers = []
         if self._unix is not None:
             _remove_stale_socket(Path(self._unix))
-            local = grpc.aio.server(handlers=[self._service.handler()], options=self._options)
+            local = grpc.aio.server(
+                handlers=[self._service.handler()],
+                options=self._options,
+                maximum_concurrent_rpcs=self.max_concurrent_rpcs,
+            )
             add_grpc_port(local, f"unix:{self._unix}")
             servers.append(local)
         if self._tcp is not None and self._certs is not None:
             agents = [PeerCheck(hop_callers(KVCACHED_API), "kvcached's API")]
             remote = grpc.aio.server(
-                handlers=[self._service.handler()], options=self._options, interceptors=agents
+                handlers=[self._service.handler()],
+                options=self._options,
+                interceptors=agents,
+                maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             )
             self.tcp_port = add_grpc_port(remote, self._tcp, self._certs.credentials())
             servers.append(remote)

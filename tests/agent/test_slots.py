@@ -4,6 +4,7 @@ replica A is restored on replica B, whose next completion of that prompt is then
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from agent.config import AgentSection
-from agent.errors import EngineError
+from agent.errors import AgentError, EngineError
 from agent.slot_api import SlotAdmin
 from agent.slots import (
     SLOT_HEADER_BYTES,
@@ -26,7 +27,9 @@ from agent.slots import (
     slot_key,
 )
 from agent.supervisor import EngineSupervisor
-from contracts.digest import block_digests, chain_seed
+from contracts.digest import Digest, block_digests, chain_seed
+from contracts.kvcached import StatsReply, StatsRequest
+from contracts.versions import DIGEST_VERSION
 from engines.config import EngineConfig
 from kvcached.service import ApiServer, KvcachedService
 from kvcached.tiers import TieredStore
@@ -264,3 +267,37 @@ async def test_an_engine_answer_that_is_not_utf8_is_an_engine_error(tmp_path: Pa
                 await cache._call("POST", "/tokenize", {"content": "x"})
     finally:
         await runner.cleanup()
+
+
+async def test_a_kvcached_over_its_concurrency_cap_is_a_failed_call_not_a_crash(tmp_path: Path) -> None:
+    """A daemon serving its ``max_concurrent_rpcs`` calls answers one more RESOURCE_EXHAUSTED: the client
+    raises ``KvcachedError`` and the slot cache turns it into ``AgentError`` (auto-save counts a failed
+    save; a restore is answered 502, which the gateway counts as ``failed`` and routes on)."""
+    store = TieredStore(1 << 20, None, 0)
+    service = KvcachedService(store)
+    release, entered = asyncio.Event(), asyncio.Event()
+
+    async def held_stats(request: StatsRequest) -> StatsReply:
+        entered.set()
+        await release.wait()
+        return StatsReply({}, DIGEST_VERSION)
+
+    service.stats = held_stats  # type: ignore[method-assign]
+    server = ApiServer(service, listen_unix=str(tmp_path / "api.sock"), max_concurrent_rpcs=1)
+    await server.start()
+    client = KvcachedClient(f"unix:{tmp_path / 'api.sock'}", timeout_s=5.0)
+    holder = asyncio.ensure_future(client.stats())
+    try:
+        await asyncio.wait_for(entered.wait(), 5.0)
+        async with SlotCache(client, "http://127.0.0.1:1", tmp_path, engine_id="l") as cache:
+            with pytest.raises(AgentError, match=r"kvcached contains failed: .*RESOURCE_EXHAUSTED"):
+                await cache.restore_chain([Digest(bytes(16))], MODEL)
+            with pytest.raises(AgentError, match=r"kvcached put failed: .*RESOURCE_EXHAUSTED"):
+                await cache._put(bytes(16), b"slot")
+        assert store.contains([bytes(16)]) == [False]
+    finally:
+        release.set()
+        await holder
+        await client.aclose()
+        await server.aclose()
+        store.close()

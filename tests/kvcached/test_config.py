@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 import kvcached.config
+from contracts.kvcached import MESSAGE_SLACK
 from kvcached.config import (
+    MAX_CONCURRENT_RPCS_DEFAULT,
     KvcachedConfig,
     QuicSettings,
     StaticPeer,
@@ -38,6 +40,7 @@ def test_docstring_example_parses() -> None:
     assert cfg.ssd_path == Path("/var/lib/kvgate/kvcached")
     assert cfg.ssd_bytes == 64 << 30
     assert cfg.max_block_bytes == 64 << 20
+    assert cfg.max_concurrent_rpcs == 16
     assert cfg.write_through is False
     assert cfg.tls == TlsFiles(
         Path("/etc/kvgate/kvcached.pem"), Path("/etc/kvgate/kvcached.key"), Path("/etc/kvgate/ca.pem")
@@ -74,6 +77,14 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "write_through": True}}, "needs an SSD tier"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "write_through": 1}}, "expected bool"),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "node": "a/b"}}, "kvcached.node"),
+        (
+            {"kvcached": {"ram_bytes": 1, "listen_unix": "s", "max_concurrent_rpcs": 0}},
+            "kvcached.max_concurrent_rpcs: must be >= 1",
+        ),
+        (
+            {"kvcached": {"ram_bytes": 1, "listen_unix": "s", "max_concurrent_rpcs": 1.5}},
+            "kvcached.max_concurrent_rpcs: expected int",
+        ),
         ({"kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": {"cert": "c"}}}, "kvcached.tls: set all"),
         (
             {"kvcached": {"ram_bytes": 1, "listen_unix": "s", "tls": _TLS}, "quic": {"timeout_s": 0}},
@@ -119,6 +130,15 @@ _TLS = {"cert": "c.pem", "key": "c.key", "ca": "ca.pem"}
 def test_errors_name_the_key(doc: dict[str, Any], message: str) -> None:
     with pytest.raises(KvcachedConfigError, match=re.escape(message)):
         parse_kvcached_config(doc)
+
+
+def test_max_concurrent_rpcs_default_and_set() -> None:
+    """The local API's cap per listener: 16 by default (~1 GiB of 64 MiB messages), any value >= 1."""
+    base = {"ram_bytes": 1, "listen_unix": "s"}
+    assert parse_kvcached_config({"kvcached": base}).max_concurrent_rpcs == MAX_CONCURRENT_RPCS_DEFAULT == 16
+    assert 16 * ((64 << 20) + MESSAGE_SLACK) <= 1100 << 20  # the docstring's "about 1 GiB"
+    cfg = parse_kvcached_config({"kvcached": {**base, "max_concurrent_rpcs": 1}})
+    assert cfg.max_concurrent_rpcs == 1
 
 
 def test_quic_buffer_bytes_must_hold_one_response_of_the_largest_block() -> None:

@@ -493,6 +493,21 @@ async def test_shutdown_goes_on_when_the_store_fails_to_close(tmp_path: Path) ->
     assert daemon.store is None
 
 
+async def test_the_apis_concurrency_cap_is_configured_and_exported(tmp_path: Path) -> None:
+    """``[kvcached] max_concurrent_rpcs`` reaches the API server and is exported with its in-flight count."""
+    daemon = Daemon(
+        KvcachedConfig("a", RAM_BYTES, listen_unix=str(tmp_path / "a.sock"), max_concurrent_rpcs=5)
+    )
+    try:
+        await daemon.start()
+        assert daemon.api is not None and daemon.api.max_concurrent_rpcs == 5
+        sample = daemon.metrics.registry.get_sample_value
+        assert sample("kvcached_api_max_concurrent_rpcs") == 5
+        assert sample("kvcached_api_rpcs_in_flight") == 0
+    finally:
+        await daemon.aclose()
+
+
 async def test_the_peer_servers_buffer_budget_is_configured_and_exported(tmp_path: Path) -> None:
     """``quic.buffer_bytes`` reaches the PeerServer (absent: the default for ``max_block_bytes``), and the
     budget is exported with the daemon's metrics."""

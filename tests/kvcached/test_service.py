@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from certs.store import LOCAL_SANS, LeafFiles, dev_bundle, issue
-from contracts.kvcached import GET, PUT, PutRequest
+from contracts.kvcached import GET, PUT, PutReply, PutRequest
 from kvcached.block import checksum
 from kvcached.config import TlsFiles
 from kvcached.errors import BadRequest, KvcachedError, PeerUnavailable
@@ -260,3 +260,94 @@ async def test_an_unexpected_error_is_internal_counted_and_logged_without_its_me
     assert 'kvcached_requests_total{code="INTERNAL",method="Put"} 2.0' in text
     assert "Put failed: unexpected Exception at" in caplog.text
     assert "SECRET" not in caplog.text
+
+
+@pytest.mark.parametrize("listener", ["unix", "tcp"])
+async def test_calls_over_the_concurrency_cap_are_refused_at_once_and_store_nothing(
+    tmp_path: Path, leaves: dict[str, LeafFiles], listener: str
+) -> None:
+    """``max_concurrent_rpcs`` per listener: with that many Puts held in the handler, every further call
+    is RESOURCE_EXHAUSTED at once (the client's KvcachedError, not BadRequest), the bytes the handlers
+    hold stay at the cap's, nothing refused is stored, and the cap is free again once the calls end."""
+    cap, size, sent = 3, MAX_BLOCK // 2, 8
+    store = TieredStore(1 << 20, None, 0, max_block_bytes=MAX_BLOCK)
+    service = KvcachedService(store)
+    release, full = asyncio.Event(), asyncio.Event()
+    held: dict[bytes, int] = {}
+    put = service.put
+
+    async def held_put(request: PutRequest) -> PutReply:
+        held[request.digest] = len(request.data)
+        if len(held) == cap:
+            full.set()
+        await release.wait()
+        return await put(request)
+
+    service.put = held_put  # type: ignore[method-assign]
+    a = leaves["kvcached-a"]
+    server = ApiServer(
+        service,
+        listen_unix=str(tmp_path / "api.sock"),
+        listen_tcp="127.0.0.1:0",
+        tls=TlsFiles(a.cert, a.key, a.ca),
+        max_block_bytes=MAX_BLOCK,
+        max_concurrent_rpcs=cap,
+    )
+    await server.start()
+    agent = leaves["agent-a"]
+    client = (
+        KvcachedClient(f"unix:{tmp_path / 'api.sock'}", timeout_s=10.0)
+        if listener == "unix"
+        else KvcachedClient(
+            f"127.0.0.1:{server.tcp_port}", ca=agent.ca, cert=agent.cert, key=agent.key, timeout_s=10.0
+        )
+    )
+    sample = service.metrics.registry.get_sample_value
+    try:
+        calls = [asyncio.ensure_future(client.put(digest(i), bytes([i]) * size)) for i in range(sent)]
+        await asyncio.wait_for(full.wait(), 5.0)
+        refused = [c for i, c in enumerate(calls) if digest(i) not in held]
+        _, pending = await asyncio.wait(refused, timeout=5.0)
+        assert not pending and len(refused) == sent - cap and len(held) == cap
+        for call in refused:
+            exc = call.exception()
+            assert type(exc) is KvcachedError and "RESOURCE_EXHAUSTED" in str(exc)
+        assert sum(held.values()) == cap * size
+        assert sample("kvcached_api_rpcs_in_flight") == cap
+        assert sample("kvcached_api_max_concurrent_rpcs") == cap
+        with pytest.raises(KvcachedError, match="RESOURCE_EXHAUSTED"):
+            await client.stats()  # any method, not only Put
+        release.set()
+        assert await asyncio.gather(*(c for c in calls if c not in refused)) == ["ram"] * cap
+        stored = [i for i in range(sent) if store.contains([digest(i)]) == [True]]
+        assert len(stored) == cap
+        assert sample("kvcached_api_rpcs_in_flight") == 0
+        # The cap is free again (gRPC counts a call until its reply's send completed: poll for that).
+        tier: list[str | None] = []
+
+        async def after() -> None:
+            try:
+                tier.append(await client.put(digest(100), b"after"))
+            except KvcachedError as exc:
+                assert "RESOURCE_EXHAUSTED" in str(exc)
+
+        for _ in range(100):
+            await after()
+            if tier:
+                break
+            await asyncio.sleep(0.01)  # another poll of the server's own count, bounded by the range
+        assert tier == ["ram"]
+    finally:
+        release.set()
+        await client.aclose()
+        await server.aclose()
+        store.close()
+
+
+def test_the_concurrency_cap_must_be_positive(tmp_path: Path) -> None:
+    store = TieredStore(1024, None, 0, max_block_bytes=MAX_BLOCK)
+    try:
+        with pytest.raises(ValueError, match="max_concurrent_rpcs"):
+            ApiServer(KvcachedService(store), listen_unix=str(tmp_path / "s"), max_concurrent_rpcs=0)
+    finally:
+        store.close()
