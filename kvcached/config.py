@@ -19,10 +19,10 @@ past :func:`parse_kvcached_config` sees a raw dict, except ``KvcachedConfig.etcd
     write_through = false                # each put also written to the SSD before it is acknowledged
                                          # (a kill -9 then loses nothing acknowledged; needs ssd_path)
     max_block_bytes = 67108864           # largest block accepted (default 64 MiB)
-    max_concurrent_rpcs = 16             # local API calls served at once per listener; one more is
+    max_concurrent_rpcs = 64             # local API calls served at once per listener; one more is
                                          # RESOURCE_EXHAUSTED (a failed call: agents count it as such).
                                          # Its messages hold at most listeners x max_concurrent_rpcs x
-                                         # (max_block_bytes + 1 MiB) (default 16, at least 1)
+                                         # (max_block_bytes + 1 MiB) (default 64, at least 1)
     lease_ttl_s = 5                      # etcd lease TTL of kvcached/<node> (whole seconds >= 2)
 
     [kvcached.tls]                       # optional, all three or none: mTLS on TCP gRPC, feed and QUIC
@@ -81,9 +81,11 @@ from kvcached.errors import KvcachedConfigError
 from kvcached.peers import DATAGRAM_BYTES_MAX, REQUEST_CHARGE_BYTES, response_charge_max
 from kvcached.remote import RemotePeer
 
-#: Local API calls each listener serves at once by default (``max_concurrent_rpcs``): with the default
-#: 64 MiB blocks, about 1 GiB of messages per listener (:mod:`kvcached.service`).
-MAX_CONCURRENT_RPCS_DEFAULT = 16
+#: Local API calls each listener serves at once by default (``max_concurrent_rpcs``): at most ~4 GiB of
+#: messages per listener with blocks of the 64 MiB maximum, ~200 MiB with 2 MiB blocks
+#: (:mod:`kvcached.service`). A call that misses locally holds its slot through its peer fetch
+#: (``quic.timeout_s`` at most), so the cap is set for bursts of those, not for a handful of callers.
+MAX_CONCURRENT_RPCS_DEFAULT = 64
 
 #: The ``service.name`` of kvcached's spans unless ``[tracing] service_name`` says otherwise.
 KVCACHED_SERVICE = "kvgate-kvcached"

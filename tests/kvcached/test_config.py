@@ -40,7 +40,7 @@ def test_docstring_example_parses() -> None:
     assert cfg.ssd_path == Path("/var/lib/kvgate/kvcached")
     assert cfg.ssd_bytes == 64 << 30
     assert cfg.max_block_bytes == 64 << 20
-    assert cfg.max_concurrent_rpcs == 16
+    assert cfg.max_concurrent_rpcs == 64
     assert cfg.write_through is False
     assert cfg.tls == TlsFiles(
         Path("/etc/kvgate/kvcached.pem"), Path("/etc/kvgate/kvcached.key"), Path("/etc/kvgate/ca.pem")
@@ -133,10 +133,11 @@ def test_errors_name_the_key(doc: dict[str, Any], message: str) -> None:
 
 
 def test_max_concurrent_rpcs_default_and_set() -> None:
-    """The local API's cap per listener: 16 by default (~1 GiB of 64 MiB messages), any value >= 1."""
+    """The local API's cap per listener: 64 by default (~4 GiB of 64 MiB messages), any value >= 1."""
     base = {"ram_bytes": 1, "listen_unix": "s"}
-    assert parse_kvcached_config({"kvcached": base}).max_concurrent_rpcs == MAX_CONCURRENT_RPCS_DEFAULT == 16
-    assert 16 * ((64 << 20) + MESSAGE_SLACK) <= 1100 << 20  # the docstring's "about 1 GiB"
+    assert parse_kvcached_config({"kvcached": base}).max_concurrent_rpcs == MAX_CONCURRENT_RPCS_DEFAULT == 64
+    assert 64 * ((64 << 20) + MESSAGE_SLACK) <= 4200 << 20  # the docstring's "~4 GiB"
+    assert 64 * ((2 << 20) + MESSAGE_SLACK) <= 200 << 20  # and "~200 MiB" with 2 MiB blocks
     cfg = parse_kvcached_config({"kvcached": {**base, "max_concurrent_rpcs": 1}})
     assert cfg.max_concurrent_rpcs == 1
 
