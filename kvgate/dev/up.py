@@ -103,6 +103,15 @@ ISSUER_SERVICE = "oidc"
 CLIENT_SERVICES = ("client-dev",)
 #: The longest path a Unix socket may have (``sun_path``, 108 bytes with its NUL, on Linux).
 _UNIX_PATH_MAX = 108
+
+
+def _socket_fits(path: Path) -> bool:
+    """Whether a Unix socket at ``path`` can be bound and reached by its absolute path: a relative work
+    directory's socket is reached as ``os.path.abspath`` makes it (``kvgate.dev.procs``), which the
+    relative path's length says nothing of."""
+    return len(os.fsencode(os.path.abspath(path))) < _UNIX_PATH_MAX
+
+
 #: The lock a running ``kvgate up`` holds on its work directory (``flock``, exclusive, for the whole run).
 LOCK_NAME = ".kvgate-up.lock"
 #: How long each kind of child may take to be ready (s), at start and after a restart.
@@ -222,7 +231,7 @@ class Stack:
         this path); in a private 0700 directory of its own when the work directory's path is too long
         for a socket's."""
         path = self.workdir / "envoy-admin.sock"
-        if len(os.fsencode(path)) < _UNIX_PATH_MAX:
+        if _socket_fits(path):
             return path
         if self._admin_socket is None:
             self._admin_socket = Path(tempfile.mkdtemp(prefix="kvgate-admin-")) / "envoy-admin.sock"
@@ -232,7 +241,7 @@ class Stack:
         """Where the ext_procs meet (``[extproc] siblings_dir``): ``WORKDIR/siblings``, or a new private
         temp directory when that is too long for their socket paths."""
         path = self.workdir / "siblings"
-        if len(os.fsencode(path / f"extproc-{workers - 1}.sock")) < _UNIX_PATH_MAX:
+        if _socket_fits(path / f"extproc-{workers - 1}.sock"):
             return path
         return Path(tempfile.mkdtemp(prefix="kvgate-siblings-"))
 
