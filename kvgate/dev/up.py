@@ -103,6 +103,10 @@ ISSUER_SERVICE = "oidc"
 CLIENT_SERVICES = ("client-dev",)
 #: The longest path a Unix socket may have (``sun_path``, 108 bytes with its NUL, on Linux).
 _UNIX_PATH_MAX = 108
+#: The lock a running ``kvgate up`` holds on its work directory (``flock``, exclusive, for the whole run).
+LOCK_NAME = ".kvgate-up.lock"
+#: How long each kind of child may take to be ready (s), at start and after a restart.
+SIM_READY_S, EXTPROC_READY_S, AGENT_READY_S, KVCACHED_READY_S, ENVOY_READY_S = 120, 120, 600, 60, 60
 
 
 def _socket_fits(path: Path) -> bool:
@@ -110,12 +114,6 @@ def _socket_fits(path: Path) -> bool:
     directory's socket is reached as ``os.path.abspath`` makes it (``kvgate.dev.procs``), which the
     relative path's length says nothing of."""
     return len(os.fsencode(os.path.abspath(path))) < _UNIX_PATH_MAX
-
-
-#: The lock a running ``kvgate up`` holds on its work directory (``flock``, exclusive, for the whole run).
-LOCK_NAME = ".kvgate-up.lock"
-#: How long each kind of child may take to be ready (s), at start and after a restart.
-SIM_READY_S, EXTPROC_READY_S, AGENT_READY_S, KVCACHED_READY_S, ENVOY_READY_S = 120, 120, 600, 60, 60
 
 
 class WorkdirBusy(RuntimeError):

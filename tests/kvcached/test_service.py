@@ -48,18 +48,26 @@ def leaves(tmp_path: Path) -> dict[str, LeafFiles]:
     return dev_bundle(tmp_path / "certs", ["kvcached-a", "agent-a", "extproc", "client-test"], now)
 
 
-@pytest.fixture
-async def api(tmp_path: Path, leaves: dict[str, LeafFiles]) -> AsyncIterator[Api]:
-    store = TieredStore(3 * 1024, tmp_path / "ssd", 1 << 20, max_block_bytes=MAX_BLOCK)
-    service = KvcachedService(store)
+def api_server(
+    service: KvcachedService, tmp_path: Path, leaves: dict[str, LeafFiles], **options: int
+) -> ApiServer:
+    """``service``'s API on ``tmp_path/api.sock`` and TCP (mTLS, kvcached-a's certificate)."""
     a = leaves["kvcached-a"]
-    server = ApiServer(
+    return ApiServer(
         service,
         listen_unix=str(tmp_path / "api.sock"),
         listen_tcp="127.0.0.1:0",
         tls=TlsFiles(a.cert, a.key, a.ca),
         max_block_bytes=MAX_BLOCK,
+        **options,
     )
+
+
+@pytest.fixture
+async def api(tmp_path: Path, leaves: dict[str, LeafFiles]) -> AsyncIterator[Api]:
+    store = TieredStore(3 * 1024, tmp_path / "ssd", 1 << 20, max_block_bytes=MAX_BLOCK)
+    service = KvcachedService(store)
+    server = api_server(service, tmp_path, leaves)
     await server.start()
     yield Api(service, server, store, tmp_path / "api.sock", leaves)
     await server.aclose()
@@ -284,15 +292,7 @@ async def test_calls_over_the_concurrency_cap_are_refused_at_once_and_store_noth
         return await put(request)
 
     service.put = held_put  # type: ignore[method-assign]
-    a = leaves["kvcached-a"]
-    server = ApiServer(
-        service,
-        listen_unix=str(tmp_path / "api.sock"),
-        listen_tcp="127.0.0.1:0",
-        tls=TlsFiles(a.cert, a.key, a.ca),
-        max_block_bytes=MAX_BLOCK,
-        max_concurrent_rpcs=cap,
-    )
+    server = api_server(service, tmp_path, leaves, max_concurrent_rpcs=cap)
     await server.start()
     agent = leaves["agent-a"]
     client = (
