@@ -46,14 +46,14 @@ def agent_config(
 
 
 def kvcached_config(
-    node: str, *, workdir: Path, tls: LeafFiles, etcd: str, lease_ttl_s: int
+    node: str, *, socket: Path, tls: LeafFiles, etcd: str, lease_ttl_s: int
 ) -> dict[str, Any]:
-    """kvcached daemon ``node``'s config: a unix socket in ``workdir``, its feed and QUIC with mTLS,
-    Prometheus metrics on a loopback port."""
+    """kvcached daemon ``node``'s config: its API on the unix socket ``socket``, its feed and QUIC with
+    mTLS, Prometheus metrics on a loopback port."""
     return {
         "kvcached": {
             "node": node,
-            "listen_unix": str(workdir / f"kvcached-{node}.sock"),
+            "listen_unix": str(socket),
             "feed_listen": "127.0.0.1:0",
             "metrics_listen": "127.0.0.1:0",
             "ram_bytes": 512 << 20,

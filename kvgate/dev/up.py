@@ -47,6 +47,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -183,7 +184,9 @@ class Stack:
         #: Where :meth:`publish` wrote ``info`` besides the work directory (rewritten on restarts).
         self.pointer: Path | None = None
         self._info_lock = threading.Lock()
-        self._admin_socket: Path | None = None
+        #: A private 0700 temp directory for the Unix sockets whose path in the work directory is too
+        #: long (:meth:`_socket_path`); made on first need, removed by :meth:`stop`.
+        self._socket_dir: Path | None = None
         #: The open lock file while this stack holds the work directory (:meth:`_lock_workdir`).
         self._workdir_lock: int | None = None
 
@@ -226,22 +229,24 @@ class Stack:
     @property
     def admin_socket(self) -> Path:
         """Envoy's admin, a Unix socket (mode 0600) in the work directory (``admin_url`` is ``unix:`` and
-        this path); in a private 0700 directory of its own when the work directory's path is too long
-        for a socket's."""
-        path = self.workdir / "envoy-admin.sock"
+        this path), or in the stack's private socket directory (:meth:`_socket_path`)."""
+        return self._socket_path("envoy-admin.sock")
+
+    def _socket_path(self, name: str) -> Path:
+        """``WORKDIR/name`` for a Unix socket (or a directory of them, ``name`` ending in one of its
+        sockets' names), or the same name in a private 0700 temp directory when the work directory's path
+        is too long for a socket's (108 bytes with the NUL): the sockets of a deep ``--workdir`` bind."""
+        path = self.workdir / name
         if _socket_fits(path):
             return path
-        if self._admin_socket is None:
-            self._admin_socket = Path(tempfile.mkdtemp(prefix="kvgate-admin-")) / "envoy-admin.sock"
-        return self._admin_socket
+        if self._socket_dir is None:
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="kvgate-sockets-"))
+        return self._socket_dir / name
 
     def _siblings_dir(self, workers: int) -> Path:
-        """Where the ext_procs meet (``[extproc] siblings_dir``): ``WORKDIR/siblings``, or a new private
-        temp directory when that is too long for their socket paths."""
-        path = self.workdir / "siblings"
-        if _socket_fits(path / f"extproc-{workers - 1}.sock"):
-            return path
-        return Path(tempfile.mkdtemp(prefix="kvgate-siblings-"))
+        """Where the ext_procs meet (``[extproc] siblings_dir``): ``siblings`` in the work directory, or
+        in the private socket directory when that is too long for their socket paths."""
+        return self._socket_path(f"siblings/extproc-{workers - 1}.sock").parent
 
     @property
     def secure(self) -> bool:
@@ -631,7 +636,7 @@ class Stack:
             name = f"kvcached-{node}"
             config = kvcached_config(
                 node,
-                workdir=self.workdir,
+                socket=self._socket_path(f"{name}.sock"),
                 tls=self.certs[name],
                 etcd=self.etcd.address,
                 lease_ttl_s=self.options.lease_ttl_s,
@@ -799,6 +804,9 @@ class Stack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        socket_dir, self._socket_dir = self._socket_dir, None
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         self._unlock_workdir()
 
     def __enter__(self) -> Stack:

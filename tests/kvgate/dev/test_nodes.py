@@ -69,7 +69,11 @@ def test_an_agent_with_kvcached_gets_its_socket_and_mtls() -> None:
 
 def test_a_kvcached_daemon_is_pinned_to_its_feed_and_quic_ports() -> None:
     config = kvcached_config(
-        "node-0", workdir=Path("/w"), tls=leaf("kvcached-node-0"), etcd="127.0.0.1:2379", lease_ttl_s=5
+        "node-0",
+        socket=Path("/w/kvcached-node-0.sock"),
+        tls=leaf("kvcached-node-0"),
+        etcd="127.0.0.1:2379",
+        lease_ttl_s=5,
     )
     pinned = pin_kvcached(config, {"feed": "127.0.0.1:42001", "quic": "127.0.0.1:42002", "grpc": None})
     assert pinned["kvcached"] == {**config["kvcached"], "feed_listen": "127.0.0.1:42001"}

@@ -237,25 +237,32 @@ def test_the_listener_url_brackets_an_ipv6_host() -> None:
     assert up.listener_url("127.0.0.1", 8443, secure=True) == "https://127.0.0.1:8443"
 
 
-def test_a_relative_work_directory_too_long_once_absolute_gets_its_admin_socket_elsewhere(
+def test_a_relative_work_directory_too_long_once_absolute_gets_its_sockets_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The socket's length is judged on its absolute path, by which Envoy's admin is probed: the sweep of
     ``kvgate bench routing --out results/...`` named a 76-byte relative socket whose absolute form was 110
-    bytes, and the stack waited 60 s for an Envoy it could not reach ("envoy not ready")."""
+    bytes, and the stack waited 60 s for an Envoy it could not reach ("envoy not ready"). Every socket of
+    the stack (Envoy's admin, the workers' siblings, each kvcached daemon's API) moves to one private
+    directory then, which :meth:`Stack.stop` removes."""
     monkeypatch.chdir(tmp_path)
     relative = Path("r" * max(1, 104 - len(os.fsencode(str(tmp_path)))))  # short alone, too long absolute
     assert len(os.fsencode(relative / "envoy-admin.sock")) < 108
     assert len(os.fsencode(tmp_path / relative / "envoy-admin.sock")) >= 108
     stack = up.Stack(up.StackOptions(workdir=relative))
     admin = stack.admin_socket
+    private = admin.parent
     try:
         assert admin.is_absolute() and len(os.fsencode(admin)) < 108
-        assert admin.parent.stat().st_mode & 0o777 == 0o700
+        assert private.stat().st_mode & 0o777 == 0o700
         siblings = stack._siblings_dir(2)
+        assert siblings == private / "siblings"
         assert len(os.fsencode(os.path.abspath(siblings / "extproc-1.sock"))) < 108
-        siblings.rmdir()
+        assert stack._socket_path("kvcached-node-0.sock") == private / "kvcached-node-0.sock"
+        stack.stop()
+        assert not private.exists()
     finally:
-        admin.parent.rmdir()
+        if private.exists():
+            private.rmdir()
     short = up.Stack(up.StackOptions(workdir=Path("w")))
     assert short.admin_socket == Path("w/envoy-admin.sock") and short._siblings_dir(2) == Path("w/siblings")
