@@ -290,6 +290,9 @@ class StreamProcessor:
         self._federation = federation
         #: Who sent the request (a linked cluster's verified identity, else a client).
         self._came: Inbound = CLIENT
+        #: The request could go to a peer (:meth:`Forwarder.may_forward`, at its headers): its lazy
+        #: prompt's window is hashed where the prompt is tokenized (:meth:`_whole_window`).
+        self._forwardable = False
         #: Where the request is forwarded (``None``: served in this cluster).
         self.forward: Forward | None = None
         self._noted = False
@@ -551,6 +554,7 @@ class StreamProcessor:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
             if self._came.unlinked is not None:  # a cluster no link names (any more): its fallback serves it
                 raise Unauthorized("This cluster has no link to the forwarding cluster.", code=UNTRUSTED)
+            self._forwardable = self._federation.may_forward(self._came)
         path = self._headers.get(":path", "/")
         if self._gate is not None and self._federation is not None and self._came.forwarded:
             # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
@@ -650,13 +654,18 @@ class StreamProcessor:
                 request, body = rewrite_model(request, run.model)
         if timeline is not None:
             timeline.mark("parse")
-        # A request disaggregation may plan has its window tokenized whole here (in the worker thread for a
-        # large body): the plan counts its uncached tokens exactly, and would otherwise tokenize on the loop.
-        window = self._paired(request, run)
+        window = self._whole_window(request, run)
         tokens = self._router.tokens(
             request, exact_count=self._gate is not None, timeline=timeline, window=window
         )
         return _Prepared(request, body, tokens, self._clock() - started, run)
+
+    def _whole_window(self, request: ParsedRequest, run: Run | None) -> bool:
+        """Whether ``request``'s window is tokenized and hashed whole where it is prepared (in the worker
+        thread for a large body), not after the decision on the event loop: a request disaggregation may
+        plan (:meth:`_paired`: the plan counts its uncached tokens exactly), or one federation may forward
+        (:meth:`_forwarded` hashes the window before its verdict) that goes to no gated cascade step first."""
+        return self._paired(request, run) or (self._forwardable and not (run is not None and run.gated))
 
     def _paired(self, request: ParsedRequest, run: Run | None) -> bool:
         """Whether ``request`` may be paired with a prefill half (:mod:`extproc.disagg`): chat or
@@ -1000,7 +1009,8 @@ class StreamProcessor:
 
     def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
         """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
-        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win.
+        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win
+        (already where it was prepared, when :meth:`Forwarder.may_forward` said so at its headers).
         A forwarded request is not recorded at the local pick and not counted ahead there in the TTFT
         predictor (it computes nothing here)."""
         decision = self.decision
