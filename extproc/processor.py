@@ -258,7 +258,9 @@ class StreamProcessor:
     A large body's parse, chat-template render and tokenization (milliseconds, up to hundreds for a prompt
     near a long context) need none of the router's mutable state, so the shell may run them off its event
     loop: when :meth:`preparable` says so for a message, it calls :meth:`prepare` with it in a worker thread,
-    then :meth:`handle` with the same message on the loop, which then only schedules.
+    then :meth:`handle` with the same message on the loop, which then only schedules. Likewise for the
+    prompt a cascade's body goes on to another step with (:meth:`judged`, :meth:`prepare_step`,
+    :meth:`restep`).
     """
 
     def __init__(
@@ -283,6 +285,8 @@ class StreamProcessor:
         self.answered: Answered | None = None
         #: A gated step in flight: (prepared, started).
         self._stepping: tuple[_Prepared, float] | None = None
+        #: Where :meth:`judged` sends the client's body on to: (request, body, started), until :meth:`restep`.
+        self._next: tuple[ParsedRequest, bytes, float] | None = None
         #: Envoy's message timeout was extended for this request (:meth:`_extension`: only the first
         #: extension counts).
         self._extended = False
@@ -290,6 +294,9 @@ class StreamProcessor:
         self._federation = federation
         #: Who sent the request (a linked cluster's verified identity, else a client).
         self._came: Inbound = CLIENT
+        #: The request could go to a peer (:meth:`Forwarder.may_forward`, at its headers): its lazy
+        #: prompt's window is hashed where the prompt is tokenized (:meth:`_whole_window`).
+        self._forwardable = False
         #: Where the request is forwarded (``None``: served in this cluster).
         self.forward: Forward | None = None
         self._noted = False
@@ -352,7 +359,8 @@ class StreamProcessor:
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
         self._size = 0
-        #: What :meth:`prepare` made of the body (or the error it met), for :meth:`handle` to use.
+        #: What :meth:`prepare` made of the body (or the error it met), for :meth:`handle` to use; likewise
+        #: :meth:`prepare_step` for :meth:`restep`.
         self._prepared: _Prepared | Exception | None = None
         self.decision: Decision | None = None
         #: A traced request's phases (the shell sets it before the body comes; ``None``: not traced, and
@@ -551,6 +559,7 @@ class StreamProcessor:
             self._came = self._federation.inbound(_attribute(msg, PEER_ATTRIBUTE), self._headers)
             if self._came.unlinked is not None:  # a cluster no link names (any more): its fallback serves it
                 raise Unauthorized("This cluster has no link to the forwarding cluster.", code=UNTRUSTED)
+            self._forwardable = self._federation.may_forward(self._came)
         path = self._headers.get(":path", "/")
         if self._gate is not None and self._federation is not None and self._came.forwarded:
             # a linked cluster's hop: its asserted tenant (no credentials travel across clusters)
@@ -650,13 +659,18 @@ class StreamProcessor:
                 request, body = rewrite_model(request, run.model)
         if timeline is not None:
             timeline.mark("parse")
-        # A request disaggregation may plan has its window tokenized whole here (in the worker thread for a
-        # large body): the plan counts its uncached tokens exactly, and would otherwise tokenize on the loop.
-        window = self._paired(request, run)
+        window = self._whole_window(request, run)
         tokens = self._router.tokens(
             request, exact_count=self._gate is not None, timeline=timeline, window=window
         )
         return _Prepared(request, body, tokens, self._clock() - started, run)
+
+    def _whole_window(self, request: ParsedRequest, run: Run | None) -> bool:
+        """Whether ``request``'s window is tokenized and hashed whole where it is prepared (in the worker
+        thread for a large body), not after the decision on the event loop: a request disaggregation may
+        plan (:meth:`_paired`: the plan counts its uncached tokens exactly), or one federation may forward
+        (:meth:`_forwarded` hashes the window before its verdict) that goes to no gated cascade step first."""
+        return self._paired(request, run) or (self._forwardable and not (run is not None and run.gated))
 
     def _paired(self, request: ParsedRequest, run: Run | None) -> bool:
         """Whether ``request`` may be paired with a prefill half (:mod:`extproc.disagg`): chat or
@@ -1000,7 +1014,8 @@ class StreamProcessor:
 
     def _forwarded(self, federation: Forwarder, body_bytes: int, now: float) -> Forward | None:
         """Whether the decided request goes to a peer cluster instead (:mod:`extproc.federation`): the
-        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win.
+        pick's lead is the local lead; a lazy prompt's whole window is hashed first when a peer could win
+        (already where it was prepared, when :meth:`Forwarder.may_forward` said so at its headers).
         A forwarded request is not recorded at the local pick and not counted ahead there in the TTFT
         predictor (it computes nothing here)."""
         decision = self.decision
@@ -1132,7 +1147,17 @@ class StreamProcessor:
         """The gated cascade step ended: ``answer`` its engine's 2xx body (a streamed step: ``None``, its
         lines went to :meth:`step_line`), else ``failure`` (``timeout``, ``unreachable``, ``status``).
         The step's endpoint is released; the gate passes the answer to the client (an
-        ImmediateResponse), or the client's body goes to the next step."""
+        ImmediateResponse), or the client's body goes to the next step. :meth:`judged`, then
+        :meth:`restep` when it returns ``None`` (the shell runs :meth:`prepare_step` between them in a
+        worker thread for a large body)."""
+        out = self.judged(answer, failure)
+        return out if out is not None else self.restep()
+
+    def judged(self, answer: bytes | None, failure: str | None = None) -> list[pb.ProcessingResponse] | None:
+        """:meth:`stepped` up to the gate's verdict: the replies when the cascade ends here (the answer, or
+        an error); ``None`` when the client's body goes on to another step (the next, or the same again
+        through Envoy: a replay): then :meth:`restep`, after :meth:`prepare_step` in a worker thread when
+        :meth:`step_preparable`."""
         pending, self._stepping, self.cascade_step = self._stepping, None, None
         assert pending is not None and self.run is not None, "stepped() only after a cascade step"
         prepared, started = pending
@@ -1147,22 +1172,57 @@ class StreamProcessor:
             if self._cascade is not None:
                 self._cascade.learn(run)
             if isinstance(answered, Replayed):  # passed on its first tokens: the step again, via Envoy
-                seeded = dataclasses.replace(prepared.request, body=run.replay_body())
-                request, body = rewrite_model(seeded, run.model)
                 # The same prompt as the step just committed: the render and history memos answer it.
-                tokens = self._router.tokens(
-                    request, exact_count=self._gate is not None, window=self._paired(request, run)
-                )
-                return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
+                seeded = dataclasses.replace(prepared.request, body=run.replay_body())
+                self._next = (*rewrite_model(seeded, run.model), started)
+                return None
             if answered is not None:
                 self.answered = answered
                 self._phase = Phase.DONE
                 return [_answer_reply(answered)]
-            request, body = rewrite_model(prepared.request, run.escalate())
+            self._next = (*rewrite_model(prepared.request, run.escalate()), started)
+            return None
+        except GatewayError as exc:
+            return [self._reject(exc)]
+        except Exception:
+            log.exception("request %s: internal error in ext_proc", self.request_id)
+            return [self._reject(_Internal("The gateway failed to process the request."))]
+
+    def step_preparable(self) -> bool:
+        """Whether the body :meth:`judged` sends on to another step is at least ``offload_bytes``: then
+        :meth:`prepare_step` may run first, in a worker thread."""
+        limit = self._config.offload_bytes
+        return self._next is not None and limit is not None and len(self._next[1]) >= limit
+
+    def prepare_step(self) -> None:
+        """Render and tokenize the prompt of the step :meth:`judged` sends the body on to, keeping the result
+        or the error for :meth:`restep`. Safe in a worker thread while the event loop runs other streams,
+        as :meth:`prepare` is: it reads the router's models and policy and the disaggregation policy, and
+        changes nothing else."""
+        assert self._next is not None and self.run is not None, "prepare_step() only after judged()"
+        request, body, _ = self._next
+        try:
             tokens = self._router.tokens(
-                request, exact_count=self._gate is not None, window=self._paired(request, run)
+                request, exact_count=self._gate is not None, window=self._whole_window(request, self.run)
             )
-            return self._decide(_Prepared(request, body, tokens, 0.0, run), started)
+            self._prepared = _Prepared(request, body, tokens, 0.0, self.run)
+        except Exception as exc:  # re-raised by restep, which formats it as any other failure
+            self._prepared = exc
+
+    def restep(self) -> list[pb.ProcessingResponse]:
+        """Route the client's body to the step :meth:`judged` chose: prepared already
+        (:meth:`prepare_step`), or prepared now."""
+        assert self._next is not None, "restep() only after judged() returned None"
+        try:
+            if self._prepared is None:
+                self.prepare_step()
+            prepared, self._prepared = self._prepared, None
+            started = self._next[2]
+            self._next = None
+            if isinstance(prepared, Exception):
+                raise prepared
+            assert prepared is not None
+            return self._decide(prepared, started)
         except GatewayError as exc:
             return [self._reject(exc)]
         except Exception:

@@ -383,7 +383,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def _step(self, proc: StreamProcessor) -> list[pb.ProcessingResponse]:
         """Send a cascade's gated step (:attr:`StreamProcessor.cascade_step`), hand its answer back to the
-        processor, and count the outcome."""
+        processor (:meth:`~StreamProcessor.judged`; a body that goes on to another step is prepared for it
+        in a worker thread when large, as the first step's was, then :meth:`~StreamProcessor.restep`), and
+        count the outcome."""
         sub, run = proc.cascade_step, proc.run
         assert sub is not None and run is not None and self._upstream is not None
         try:
@@ -400,9 +402,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             else:
                 body = (await self._upstream.send(sub)).body
         except UpstreamError as exc:
-            responses = proc.stepped(None, exc.reason)
+            judged = proc.judged(None, exc.reason)
         else:
-            responses = proc.stepped(body)
+            judged = proc.judged(body)
+        if judged is None:  # the body goes on to a step: its prompt rendered and tokenized first
+            if proc.step_preparable():  # a large body: off the event loop, as the first step's was
+                gate = self._overload
+                if gate is not None:
+                    gate.enqueue()
+                try:
+                    await asyncio.to_thread(proc.prepare_step)
+                finally:
+                    if gate is not None:
+                        gate.dequeue()
+            judged = proc.restep()
+        responses = judged
         if self._dispatcher is not None:
             self._dispatcher.kick()  # the step's endpoint has a slot free again
         model, verdict = run.verdicts[-1]

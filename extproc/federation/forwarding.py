@@ -4,6 +4,7 @@ a peer, and, for a request served here, noting its prefix for this cluster's sum
 The processor (:mod:`extproc.processor`) calls :meth:`Forwarder.inbound` with the peer identity Envoy
 reports for the downstream connection (the request attribute :data:`PEER_ATTRIBUTE`, never a header),
 :meth:`Forwarder.principal` (with ``[auth]``) for a request a linked cluster forwarded,
+:meth:`Forwarder.may_forward` before it tokenizes the prompt (whether to hash its whole window there),
 :meth:`Forwarder.worth_hashing` before it hashes a lazy prompt's whole window, :meth:`Forwarder.route`
 after its local decision, and :meth:`Forwarder.note` once a request served here is recorded.
 """
@@ -76,6 +77,13 @@ class Forwarder:
             raise
         self.admissions[(peer, "admitted")] += 1
         return principal
+
+    def may_forward(self, came: Inbound) -> bool:
+        """Whether a request from ``came`` could go to a peer at all, known before its prompt is read: it
+        is no final hop and some link is in force (what :meth:`worth_hashing` checks first, uncounted).
+        The processor then hashes a lazy prompt's whole window where it tokenizes the prompt (in a worker
+        thread for a large body), not on the event loop after the decision."""
+        return not came.final and bool(self.federation.links.links())
 
     def worth_hashing(self, came: Inbound, prompt_blocks: int, local_lead: int, block_size: int) -> bool:
         """Whether a forward is possible at all (else the caller skips the hashing and :meth:`route`)."""

@@ -255,6 +255,41 @@ def test_an_error_after_the_escalated_decision_leaves_nothing_taken_nor_recorded
     assert committed == stepped  # the refused escalation recorded nothing
 
 
+def test_a_step_judged_then_prepared_and_resent_routes_as_stepped_does() -> None:
+    """The shell's way for a large body (judged, prepare_step in a worker thread, restep) sends the body
+    to the next step with the replies stepped makes in one call; a failure preparing it (here an internal
+    error while tokenizing) is restep's reply, as stepped's would be."""
+    one, _ = make(SPEC)
+    start(one, request())
+    whole = reply(one.stepped(answer(-2.0)))
+    proc, router = make(SPEC)
+    start(proc, request())
+    assert proc.judged(answer(-2.0)) is None and proc.step_preparable() is False  # a small body
+    proc.prepare_step()
+    split = reply(proc.restep())
+    assert (split.destination, split.set_headers, split.body) == (
+        whole.destination,
+        whole.set_headers,
+        whole.body,
+    )
+    assert load(router) == {LARGE: (1, 1)}
+    proc.close()
+
+    failing, router = make(SPEC)
+    start(failing, request())
+    assert failing.judged(answer(-2.0)) is None
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("tokenizer failed")
+
+    router.tokens = broken  # type: ignore[method-assign]
+    failing.prepare_step()  # the error is kept for restep, never raised in the thread
+    status, _, _, _ = immediate(failing.restep())
+    assert status == 500
+    failing.close()
+    assert load(router) == {}
+
+
 def test_a_client_gone_during_a_step_frees_its_slot() -> None:
     proc, router = make(SPEC)
     start(proc, request())
