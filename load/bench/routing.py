@@ -412,6 +412,30 @@ def sweep(
     return out
 
 
+def varied(config: BenchConfig, spec: str) -> BenchConfig:
+    """``config`` with one step-model parameter scaled as the sweep scales it: ``spec`` is
+    ``prefill=F`` (the prefill rate), ``decode=F`` (the decode step's base and per-sequence cost
+    together) or ``kv=F`` (every workload's ``kv_fraction``), ``F`` a positive finite factor."""
+    name, _, text = spec.partition("=")
+    try:
+        factor = float(text)
+    except ValueError:
+        raise ValueError(f"the factor {text!r} is not a number") from None
+    if not 0 < factor < math.inf:
+        raise ValueError(f"the factor must be positive and finite, got {text}")
+    if name == "prefill":
+        return replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor)
+    if name == "decode":
+        return replace(
+            config,
+            step_base_ms=config.step_base_ms * factor,
+            decode_ms_per_seq=config.decode_ms_per_seq * factor,
+        )
+    if name == "kv":
+        return replace(config, kv_fraction_scale=config.kv_fraction_scale * factor)
+    raise ValueError(f"unknown parameter {name!r}: prefill, decode or kv")
+
+
 def run(
     config: BenchConfig,
     out_dir: Path,
@@ -574,6 +598,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the sweep alone: its reference run at the unvaried parameters, then the variants (routing.json"
         " only)",
     )
+    p.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="PARAM=FACTOR",
+        help="run at one of the sweep's variants (or any factor): PARAM is prefill (the prefill rate), decode"
+        " (the decode step's base and per-sequence cost together) or kv (every workload's kv_fraction);"
+        " repeatable; routing.json's sim records the parameters",
+    )
     p.add_argument("--trace", type=Path, help="also replay this Mooncake-shaped JSONL trace")
     p.add_argument("--trace-speedup", type=float, default=1.0, help="replay the trace this many times faster")
     p.add_argument(
@@ -627,6 +660,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in ("replicas", "time_scale", "seed"):
         if getattr(args, key) is not None:
             config = replace(config, **{key: getattr(args, key)})
+    for spec in args.vary:
+        try:
+            config = varied(config, spec)
+        except ValueError as exc:
+            p.error(f"--vary {spec}: {exc}")
     command = " ".join(["kvgate bench routing", *args_in])
     sweeping: Literal["no", "also", "only"] = "only" if args.sweep_only else "also" if args.sweep else "no"
     result = run(config, args.out, progress=not args.no_progress, command=command, sweeping=sweeping)

@@ -170,3 +170,27 @@ def test_the_command_line_chooses_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp
     for flags in ([], ["--sweep"], ["--sweep-only", "--repeats", "3"]):
         assert routing.main(["routing", "--smoke", "--out", str(tmp_path), *flags]) == 0
     assert chosen == [("no", 1), ("also", 1), ("only", 3)]
+
+
+def test_vary_runs_one_variant_of_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--vary kv=2 --vary prefill=0.5``: the run at those parameters, as the sweep's variants scale them."""
+    configs: list[routing.BenchConfig] = []
+
+    def run(config: routing.BenchConfig, out: Path, progress: bool, command: str, sweeping: str) -> Any:
+        configs.append(config)
+        return {"runs": [], "goals": {}}
+
+    monkeypatch.setattr(routing, "run", run)
+    base = routing.smoke_config()
+    argv = ["routing", "--smoke", "--out", str(tmp_path), "--vary", "kv=2", "--vary", "prefill=0.5"]
+    assert routing.main(argv) == 0
+    assert configs[0].kv_fraction_scale == 2.0
+    assert configs[0].prefill_tokens_per_s == base.prefill_tokens_per_s * 0.5
+    step = (configs[0].step_base_ms, configs[0].decode_ms_per_seq)
+    assert step == (base.step_base_ms, base.decode_ms_per_seq)
+    short = {"prefill_tokens_per_s": "prefill", "kv_fraction_scale": "kv"}
+    for parameter, factor, expected in routing.sweep_variants(base):  # each variant, as the sweep runs it
+        assert routing.varied(base, f"{short.get(parameter, 'decode')}={factor:g}") == expected
+    for bad in ("kv=0", "kv=x", "ttft=2", "kv=inf"):
+        with pytest.raises(SystemExit):
+            routing.main(["routing", "--smoke", "--out", str(tmp_path), "--vary", bad])
