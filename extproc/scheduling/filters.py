@@ -84,6 +84,13 @@ class LoadThresholdParams:
     ``in_flight_slack``: the relative limit ``in_flight > ratio x mean in-flight of the candidates + slack``
     (``None``: off); it is what stops a prefix every request shares (an agent's system prompt and tools)
     from piling all traffic onto the replicas that happen to hold it, and lets it spread to more.
+    ``exact_in_flight_ratio``: the ratio in place of ``max_in_flight_ratio`` when the cycle's leads are
+    exact (``CycleState.exact``: a precise index, where the ``balance`` filter spreads a lead that every
+    request shares by each replica's recent share); ``None``: ``max_in_flight_ratio`` then too, and no
+    relative limit at all while ``max_in_flight_ratio`` is ``None``. Looser there because what it also
+    trips on is an owner's load fluctuating over a fair share, and each trip sends a request whose prefix
+    only that owner holds to a replica that recomputes it (measured, BENCHMARKS.md "Routing quality",
+    2026-11-30: kvgate-precise with 2.0 against 1.5, the default run and the sweep's variants).
     ``max_waiting_ratio`` and ``waiting_slack``: ``waiting > max_waiting`` counts only when it is also
     ``> ratio x mean waiting of the candidates + slack`` (``None``: the absolute limit alone). When the
     whole fleet queues, a replica a few requests over ``max_waiting`` has no better place to send its
@@ -101,6 +108,7 @@ class LoadThresholdParams:
     max_in_flight: int | None = None
     max_in_flight_ratio: float | None = 1.5
     in_flight_slack: float = 2.0
+    exact_in_flight_ratio: float | None = 2.0
     max_waiting_ratio: float | None = 1.5
     waiting_slack: float = 2.0
 
@@ -113,6 +121,10 @@ class LoadThresholdParams:
             raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight!r}")
         if self.max_in_flight_ratio is not None and not 1.0 <= self.max_in_flight_ratio < float("inf"):
             raise ValueError(f"max_in_flight_ratio must be finite and >= 1, got {self.max_in_flight_ratio!r}")
+        if self.exact_in_flight_ratio is not None and not 1.0 <= self.exact_in_flight_ratio < float("inf"):
+            raise ValueError(
+                f"exact_in_flight_ratio must be finite and >= 1, got {self.exact_in_flight_ratio!r}"
+            )
         if not 0 <= self.in_flight_slack < float("inf"):
             raise ValueError(f"in_flight_slack must be finite and >= 0, got {self.in_flight_slack!r}")
         if self.max_waiting_ratio is not None and not 1.0 <= self.max_waiting_ratio < float("inf"):
@@ -127,7 +139,8 @@ class LoadThresholdFilter:
     An endpoint is overloaded when ``waiting > max_waiting`` and (with ``max_waiting_ratio``)
     ``waiting > max_waiting_ratio x mean waiting + waiting_slack``, or ``kv_usage > max_kv_usage`` (when
     set), or ``in_flight > max_in_flight`` (when set), or ``in_flight > max_in_flight_ratio x mean +
-    in_flight_slack``; each mean over the candidates. Missing metrics never make an endpoint overloaded.
+    in_flight_slack`` (``exact_in_flight_ratio`` in place of the ratio when ``state.exact``); each mean
+    over the candidates. Missing metrics never make an endpoint overloaded.
     Keeping the full list when all are overloaded is deliberate: with a hot prefix, this filter is what
     moves traffic off an overloaded owner onto a replica with room, and never turns a busy fleet into a 503.
     """
@@ -140,23 +153,33 @@ class LoadThresholdFilter:
         self.name = name
         self.params = params or LoadThresholdParams()
 
-    def limits(self, mean_in_flight: float = 0.0, mean_waiting: float = 0.0) -> tuple[float, float]:
+    def limits(
+        self, mean_in_flight: float = 0.0, mean_waiting: float = 0.0, exact: bool = False
+    ) -> tuple[float, float]:
         """The in-flight and waiting figures above which an endpoint is overloaded, for these means over
-        the candidates (each limit of :class:`LoadThresholdParams` that is set, the lowest applying)."""
+        the candidates and leads ``exact`` or not (each limit of :class:`LoadThresholdParams` that is set,
+        the lowest applying)."""
         p = self.params
         in_flight = math.inf if p.max_in_flight is None else float(p.max_in_flight)
-        if p.max_in_flight_ratio is not None:
-            in_flight = min(in_flight, p.max_in_flight_ratio * mean_in_flight + p.in_flight_slack)
+        ratio = p.max_in_flight_ratio
+        if ratio is not None and exact and p.exact_in_flight_ratio is not None:
+            ratio = p.exact_in_flight_ratio
+        if ratio is not None:
+            in_flight = min(in_flight, ratio * mean_in_flight + p.in_flight_slack)
         waiting = p.max_waiting
         if p.max_waiting_ratio is not None:
             waiting = max(waiting, p.max_waiting_ratio * mean_waiting + p.waiting_slack)
         return in_flight, waiting
 
     def overloaded(
-        self, candidate: EndpointState, mean_in_flight: float = 0.0, mean_waiting: float = 0.0
+        self,
+        candidate: EndpointState,
+        mean_in_flight: float = 0.0,
+        mean_waiting: float = 0.0,
+        exact: bool = False,
     ) -> bool:
         """Whether ``candidate`` is over one of the limits (the means: over the candidates)."""
-        max_in_flight, max_waiting = self.limits(mean_in_flight, mean_waiting)
+        max_in_flight, max_waiting = self.limits(mean_in_flight, mean_waiting, exact)
         return self._over(candidate, candidate.load, max_in_flight, max_waiting)
 
     def _over(self, candidate: EndpointState, load: float, max_in_flight: float, max_waiting: float) -> bool:
@@ -179,7 +202,7 @@ class LoadThresholdFilter:
         mean = sum(loads) / len(loads) if loads else 0.0
         finite = list(filter(math.isfinite, waiting))
         mean_waiting = sum(finite) / len(finite) if finite else 0.0
-        max_in_flight, max_waiting = self.limits(mean, mean_waiting)
+        max_in_flight, max_waiting = self.limits(mean, mean_waiting, state.exact)
         max_kv_usage = self.params.max_kv_usage
         # _over, inlined: ``not x > limit`` as _over tests it (NaN waiting: not over)
         keep = [not (load > max_in_flight or w > max_waiting) for load, w in zip(loads, waiting, strict=True)]

@@ -139,8 +139,32 @@ def test_load_threshold_filter(
 
 
 @pytest.mark.parametrize(
+    ("params", "exact", "expected"),
+    [
+        # mean 2.5: 1.5 x 2.5 + 2 = 5.75 drops e0's 6; with exact leads 2 x 2.5 + 2 = 7 keeps it
+        (LoadThresholdParams(), False, ["e1", "e2", "e3"]),
+        (LoadThresholdParams(), True, ["e0", "e1", "e2", "e3"]),
+        (LoadThresholdParams(exact_in_flight_ratio=None), True, ["e1", "e2", "e3"]),  # the same ratio
+        (LoadThresholdParams(exact_in_flight_ratio=1.0), True, ["e1", "e2", "e3"]),  # 1 x 2.5 + 2 = 4.5
+        (LoadThresholdParams(max_in_flight_ratio=None), True, ["e0", "e1", "e2", "e3"]),  # off in both
+        (LoadThresholdParams(max_in_flight_ratio=None), False, ["e0", "e1", "e2", "e3"]),
+    ],
+)
+def test_the_relative_in_flight_limit_is_looser_with_exact_leads(
+    params: LoadThresholdParams, exact: bool, expected: list[str]
+) -> None:
+    """A precise index's cycle (``CycleState.exact``) lets an owner run further over the mean before its
+    requests move (the ``balance`` filter spreads a shared lead there); an approximate one's keeps 1.5."""
+    candidates = [endpoint(i, waiting=0, in_flight=f) for i, f in enumerate([6, 4, 0, 0])]
+    result = LoadThresholdFilter(params=params).filter(request(), CycleState(exact=exact), candidates)
+    assert ids(result) == expected
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
+        {"exact_in_flight_ratio": 0.5},
+        {"exact_in_flight_ratio": float("inf")},
         {"max_waiting": -1.0},
         {"max_waiting": float("nan")},
         {"max_kv_usage": -0.1},

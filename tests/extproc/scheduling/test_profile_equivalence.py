@@ -75,8 +75,13 @@ def plain_lower_is_better(values: Mapping[EndpointId, float], saturation: float)
     return {endpoint: 1.0 - max(0.0, v) / scale for endpoint, v in values.items()}
 
 
-def plain_load_threshold(plugin: LoadThresholdFilter, cands: Sequence[EndpointState]) -> list[EndpointState]:
+def plain_load_threshold(
+    plugin: LoadThresholdFilter, state: CycleState, cands: Sequence[EndpointState]
+) -> list[EndpointState]:
     p = plugin.params
+    ratio = p.max_in_flight_ratio
+    if ratio is not None and state.exact and p.exact_in_flight_ratio is not None:
+        ratio = p.exact_in_flight_ratio
     mean = sum(plain_load(c) for c in cands) / len(cands) if cands else 0.0
     waiting = [c.metrics.waiting for c in cands if c.metrics is not None and math.isfinite(c.metrics.waiting)]
     mean_waiting = sum(waiting) / len(waiting) if waiting else 0.0
@@ -84,10 +89,7 @@ def plain_load_threshold(plugin: LoadThresholdFilter, cands: Sequence[EndpointSt
     def overloaded(c: EndpointState) -> bool:
         if p.max_in_flight is not None and plain_load(c) > p.max_in_flight:
             return True
-        if (
-            p.max_in_flight_ratio is not None
-            and plain_load(c) > p.max_in_flight_ratio * mean + p.in_flight_slack
-        ):
+        if ratio is not None and plain_load(c) > ratio * mean + p.in_flight_slack:
             return True
         m = c.metrics
         if m is None:
@@ -190,7 +192,7 @@ def plain_schedule(
 
     def run_filter(plugin: Any, cands: Sequence[EndpointState]) -> list[EndpointState]:
         if isinstance(plugin, LoadThresholdFilter):
-            return plain_load_threshold(plugin, cands)
+            return plain_load_threshold(plugin, state, cands)
         if isinstance(plugin, PowerCapFilter):
             return plain_power_cap(plugin, cands)
         return list(plugin.filter(request, state, cands))
@@ -384,6 +386,7 @@ def random_config(rng: random.Random) -> Any:
         "max_waiting": rng.choice([0.0, 2.0, 8.0]),
         "max_in_flight": rng.choice([None, 3, 10]),
         "max_in_flight_ratio": rng.choice([None, 1.0, 1.5]),
+        "exact_in_flight_ratio": rng.choice([None, 1.0, 2.0]),
         "in_flight_slack": rng.choice([0.0, 2.0]),
         "max_waiting_ratio": rng.choice([None, 1.5]),
         "max_kv_usage": rng.choice([None, 0.5, 0.95]),
