@@ -39,8 +39,9 @@ Which prompt length each consumer uses:
   tokenization stopped at the first unheld block). Disaggregation's uncached tokens (``prompt_tokens -
   matched x block_size``, its conditional threshold) count the window exactly
   (:meth:`extproc.disagg.plan.Disaggregator.plan`): a follow-up's new turn may be far denser in tokens
-  than its history, so a request that may be paired has its window tokenized whole where it is prepared
-  (:meth:`Router.tokens` ``window``, in the ext_proc's worker thread for a large body);
+  than its history, so a request that may be paired (or forwarded: federation's check hashes the
+  window) has its window tokenized whole where it is prepared (:meth:`Router.tokens` ``window``, in the
+  ext_proc's worker thread for a large body);
 - ``Decision.prompt_blocks`` (the prefix hit-ratio metric, the access log's ``blocks``, federation's
   ``worth_hashing``): ``len(digests)``, or with ``rest`` set the larger of that and ``prompt_tokens``'s
   blocks;
@@ -522,9 +523,11 @@ class Router:
         endpoint nor node store holds (``rest`` is then set, see :class:`LazyPrompt`) or the digest
         window (``max_blocks`` blocks), and the length is estimated. With ``window`` (a request
         disaggregation may plan, whose uncached count is exact within the window:
-        :meth:`extproc.disagg.plan.Disaggregator.plan`) the lazy path goes on to the window's end here, where
-        the caller tokenizes (the ext_proc: in a worker thread for large bodies), not in the plan on the
-        event loop; ``rest`` then stays set, complete, for the commit's record and memory. Raises
+        :meth:`extproc.disagg.plan.Disaggregator.plan`; or one federation may forward, whose check hashes
+        the window: :meth:`extproc.federation.forwarding.Forwarder.may_forward`) the lazy path goes on to
+        the window's end here, where the caller tokenizes (the ext_proc: in a worker thread for large
+        bodies), not in the plan or the forward check on the event loop; ``rest`` then stays set,
+        complete, for the commit's record and memory. Raises
         :class:`~extproc.errors.ContextLengthExceeded` (400) when the model's context length is known and
         the prompt leaves no room in it for an output token.
 
