@@ -322,31 +322,30 @@ def step_args(config: Any) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+#: What :func:`step_variants` calls the decode step it varies: its base and per-sequence cost together.
+DECODE_STEP = "decode_step (step_base_ms, decode_ms_per_seq)"
+
+
+def scaled(config: Config, what: str, factor: float) -> Config:
+    """``config`` with one step-model parameter times ``factor``: :data:`DECODE_STEP` scales the decode
+    step's base and per-sequence cost together, any other ``what`` is a field of ``config``."""
+    c: Any = config
+    if what == DECODE_STEP:
+        return replace(
+            config, step_base_ms=c.step_base_ms * factor, decode_ms_per_seq=c.decode_ms_per_seq * factor
+        )
+    return replace(config, **{what: getattr(config, what) * factor})
+
+
 def step_variants(config: Config, last: str) -> list[tuple[str, float, Config]]:
     """A sweep's fleets: each key step-model parameter of ``config`` halved, then each doubled: the
     prefill rate, the decode step (base and per-sequence cost together), and the field ``last``; each
     as (what varied, factor, config)."""
-    variants: list[tuple[str, float, Config]] = []
-    for factor in (0.5, 2.0):
-        c: Any = config
-        variants += [
-            (
-                "prefill_tokens_per_s",
-                factor,
-                replace(config, prefill_tokens_per_s=c.prefill_tokens_per_s * factor),
-            ),
-            (
-                "decode_step (step_base_ms, decode_ms_per_seq)",
-                factor,
-                replace(
-                    config,
-                    step_base_ms=c.step_base_ms * factor,
-                    decode_ms_per_seq=c.decode_ms_per_seq * factor,
-                ),
-            ),
-            (last, factor, replace(config, **{last: getattr(config, last) * factor})),
-        ]
-    return variants
+    return [
+        (what, factor, scaled(config, what, factor))
+        for factor in (0.5, 2.0)
+        for what in ("prefill_tokens_per_s", DECODE_STEP, last)
+    ]
 
 
 #: The goal beside every ratio goal of the simulated-fleet benches (routing, disagg): the ratios are over

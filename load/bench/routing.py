@@ -49,10 +49,12 @@ from engines.gguf import ensure_model_dir, smollm2_gguf_path
 from kvgate.dev.procs import ChildFailed
 from kvgate.dev.up import DEFAULT_MODEL
 from load.bench import (
+    DECODE_STEP,
     TIMING_SOURCES,
     machine,
     ranking_holds_all,
     revision,
+    scaled,
     step_args,
     step_variants,
     write_json,
@@ -412,28 +414,24 @@ def sweep(
     return out
 
 
+#: ``--vary``'s names for the parameters :func:`sweep_variants` scales.
+VARY = {"prefill": "prefill_tokens_per_s", "decode": DECODE_STEP, "kv": "kv_fraction_scale"}
+
+
 def varied(config: BenchConfig, spec: str) -> BenchConfig:
-    """``config`` with one step-model parameter scaled as the sweep scales it: ``spec`` is
-    ``prefill=F`` (the prefill rate), ``decode=F`` (the decode step's base and per-sequence cost
-    together) or ``kv=F`` (every workload's ``kv_fraction``), ``F`` a positive finite factor."""
+    """``config`` with one step-model parameter scaled as the sweep scales it (:func:`load.bench.scaled`):
+    ``spec`` is ``prefill=F`` (the prefill rate), ``decode=F`` (the decode step's base and per-sequence
+    cost together) or ``kv=F`` (every workload's ``kv_fraction``), ``F`` a positive finite factor."""
     name, _, text = spec.partition("=")
+    if name not in VARY:
+        raise ValueError(f"unknown parameter {name!r}: prefill, decode or kv")
     try:
         factor = float(text)
     except ValueError:
         raise ValueError(f"the factor {text!r} is not a number") from None
     if not 0 < factor < math.inf:
         raise ValueError(f"the factor must be positive and finite, got {text}")
-    if name == "prefill":
-        return replace(config, prefill_tokens_per_s=config.prefill_tokens_per_s * factor)
-    if name == "decode":
-        return replace(
-            config,
-            step_base_ms=config.step_base_ms * factor,
-            decode_ms_per_seq=config.decode_ms_per_seq * factor,
-        )
-    if name == "kv":
-        return replace(config, kv_fraction_scale=config.kv_fraction_scale * factor)
-    raise ValueError(f"unknown parameter {name!r}: prefill, decode or kv")
+    return scaled(config, VARY[name], factor)
 
 
 def run(

@@ -188,9 +188,9 @@ def test_vary_runs_one_variant_of_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp
     assert configs[0].prefill_tokens_per_s == base.prefill_tokens_per_s * 0.5
     step = (configs[0].step_base_ms, configs[0].decode_ms_per_seq)
     assert step == (base.step_base_ms, base.decode_ms_per_seq)
-    short = {"prefill_tokens_per_s": "prefill", "kv_fraction_scale": "kv"}
+    short = {field: name for name, field in routing.VARY.items()}
     for parameter, factor, expected in routing.sweep_variants(base):  # each variant, as the sweep runs it
-        assert routing.varied(base, f"{short.get(parameter, 'decode')}={factor:g}") == expected
+        assert routing.varied(base, f"{short[parameter]}={factor:g}") == expected
     for bad in ("kv=0", "kv=x", "ttft=2", "kv=inf"):
         with pytest.raises(SystemExit):
             routing.main(["routing", "--smoke", "--out", str(tmp_path), "--vary", bad])
