@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, cast
 
 import grpc
@@ -177,18 +177,27 @@ async def test_a_large_body_is_tokenized_off_the_event_loop(
     assert streamed_body(resps) == body
 
 
+def threads_calling(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, key: Callable[..., object] | None = None
+) -> list[Any]:
+    """From now on, each call of ``owner.name`` (a class's method or an object's) appends the name of the
+    thread it ran in, or ``(key(*args, **kwargs), thread name)`` with ``key``; the call goes on as before."""
+    calls: list[Any] = []
+    original = getattr(owner, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        thread = threading.current_thread().name
+        calls.append(thread if key is None else (key(*args, **kwargs), thread))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 @pytest.fixture
 def finished_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads :meth:`LazyPrompt.finish` ran in, in order, from now on."""
-    threads: list[str] = []
-    finish = LazyPrompt.finish
-
-    def recording_finish(self: LazyPrompt) -> None:
-        threads.append(threading.current_thread().name)
-        finish(self)
-
-    monkeypatch.setattr(LazyPrompt, "finish", recording_finish)
-    return threads
+    return threads_calling(monkeypatch, LazyPrompt, "finish")
 
 
 async def test_the_rest_of_a_large_lazy_prompt_is_hashed_off_the_event_loop(

@@ -14,18 +14,16 @@ import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from contracts.tracing import Timeline
 from extproc.cascade.plan import CascadePolicy, Cascader
 from extproc.cascade.spec import CascadeSpec
 from extproc.config import parse_config
 from extproc.processor import ProcessorConfig
 from extproc.routing.request import ParsedRequest
-from extproc.routing.router import Tokens
 from extproc.server import ExternalProcessor, Gateway
 from extproc.upstream.client import Answer
 from extproc.upstream.request import SubRequest
 from tests.extproc.cascade.test_processor_cascade import answer
-from tests.extproc.test_server import body_msgs, decision, headers_msg
+from tests.extproc.test_server import body_msgs, decision, headers_msg, threads_calling
 
 SMALL, LARGE = "127.0.0.1:8000", "127.0.0.2:8000"
 
@@ -64,21 +62,11 @@ class Upstream:
 @pytest.fixture
 def tokenized_in(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """Each prompt the router renders and tokenizes from now on: (its model, the thread's name)."""
-    calls: list[tuple[str, str]] = []
-    tokens = gateway.router.tokens
 
-    def recording_tokens(
-        request: ParsedRequest,
-        *,
-        exact_count: bool = False,
-        timeline: Timeline | None = None,
-        window: bool = False,
-    ) -> Tokens:
-        calls.append((request.model, threading.current_thread().name))
-        return tokens(request, exact_count=exact_count, timeline=timeline, window=window)
+    def model(request: ParsedRequest, **_: object) -> str:
+        return request.model
 
-    monkeypatch.setattr(gateway.router, "tokens", recording_tokens)
-    return calls
+    return threads_calling(monkeypatch, gateway.router, "tokens", model)
 
 
 async def test_a_large_bodys_next_step_is_rendered_and_tokenized_off_the_event_loop(

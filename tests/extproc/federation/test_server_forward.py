@@ -24,7 +24,7 @@ from extproc.processor import ProcessorConfig
 from extproc.routing.request import Kind, parse_body
 from extproc.routing.router import LazyPrompt
 from extproc.server import ExternalProcessor, Gateway
-from tests.extproc.test_server import MODEL, body_msgs, chat_body, decision, headers_msg
+from tests.extproc.test_server import MODEL, body_msgs, chat_body, decision, headers_msg, threads_calling
 
 INGRESS_B = "10.9.0.1:10443"
 
@@ -66,15 +66,7 @@ def forwarder(chain: list[Digest], block_size: int) -> Forwarder:
 @pytest.fixture
 def hashed_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads each step of a lazy prompt's tokenizing and hashing ran in, from now on."""
-    threads: list[str] = []
-    step = LazyPrompt._hash_step
-
-    def recording_step(self: LazyPrompt) -> None:
-        threads.append(threading.current_thread().name)
-        step(self)
-
-    monkeypatch.setattr(LazyPrompt, "_hash_step", recording_step)
-    return threads
+    return threads_calling(monkeypatch, LazyPrompt, "_hash_step")
 
 
 async def test_a_large_prompts_window_is_hashed_for_the_forward_check_off_the_event_loop(
